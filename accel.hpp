@@ -1,0 +1,1382 @@
+// accel.hpp — distributed training helpers for LibTorch, in one C++20 header.
+//
+// Rank and device helpers, collectives over tensors, scalars and std::vector,
+// validated 2-D parallelism meshes with per-dimension process groups, on the
+// real c10d backends (Gloo everywhere, NCCL on CUDA builds of LibTorch).
+//
+// SPDX-License-Identifier: MIT
+// Copyright (c) 2026 the accel.hpp authors. See LICENSE for the full text.
+//
+// Contents (in the order data flows through the header):
+//   VERSION · CONFIGURATION · FEATURE DETECTION · ENUMS · ENVIRONMENT ·
+//   DEVICES · TENSOR-LIKE CONCEPTS · COLLECTIVES ON A GROUP ·
+//   STRATEGY AND MESHES · THE SINGLETON
+
+#ifndef ACCEL_HPP
+#define ACCEL_HPP
+
+// == VERSION ==================================================================
+
+#define ACCEL_VERSION_MAJOR 0
+#define ACCEL_VERSION_MINOR 1
+#define ACCEL_VERSION_PATCH 0
+#define ACCEL_VERSION \
+  (ACCEL_VERSION_MAJOR * 10000 + ACCEL_VERSION_MINOR * 100 + ACCEL_VERSION_PATCH)
+
+// == CONFIGURATION ============================================================
+//
+// Compile-time knobs (define before including accel.hpp):
+//   ACCEL_DEFAULT_TIMEOUT_SECONDS  timeout of the store and of every process
+//                                  group when DistributedConfig says nothing
+//                                  else (default 18000, as LLaMA-Factory).
+//   ACCEL_WITH_NCCL                1 or 0 to force the NCCL path on or off;
+//                                  by default it is on exactly when LibTorch
+//                                  is a CUDA build and <nccl.h> is visible.
+//
+// Run-time environment:
+//   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's contract
+//   MASTER_ADDR, MASTER_PORT   rendezvous (a c10d::TCPStore served by rank 0;
+//                              defaults 127.0.0.1 and 29500)
+//   ACCEL_DEVICE               cpu|cuda|mps|xpu|npu|meta: force the device
+//   ACCEL_BACKEND              gloo|nccl: force the process-group backend
+//   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
+
+#ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
+#define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
+#endif
+
+// == FEATURE DETECTION ========================================================
+
+#if __cplusplus < 202002L
+#error "accel.hpp needs C++20 (-std=c++20)"
+#endif
+
+// c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
+// defined; LibTorch itself is built with it, so a program only has to see the
+// Gloo headers (Debian: libgloo-dev).
+#if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+#define USE_C10D_GLOO 1
+#endif
+
+// cuda_cmake_macros.h is generated only by CUDA builds of LibTorch, so CPU
+// packages that ship the c10/cuda headers anyway are not mistaken for CUDA.
+#ifndef ACCEL_WITH_NCCL
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>) && __has_include(<nccl.h>)
+#define ACCEL_WITH_NCCL 1
+#else
+#define ACCEL_WITH_NCCL 0
+#endif
+#endif
+#if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
+#define USE_C10D_NCCL 1
+#endif
+
+// Debian installs torch/version.h under the C++ API's own include root.
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#elif __has_include(<torch/csrc/api/include/torch/version.h>)
+#include <torch/csrc/api/include/torch/version.h>
+#else
+#error "accel.hpp: cannot find LibTorch's torch/version.h"
+#endif
+
+#define ACCEL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||        \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <concepts>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace accel {
+
+using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// Thrown when a collective, the rendezvous or a process group fails (peer
+// gone, timeout, mismatched calls). The message names the operation and the
+// group.
+class DistributedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// == ENUMS ====================================================================
+
+enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
+enum class ReduceOp { SUM, MEAN, MAX, MIN };
+enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP };
+
+namespace detail {
+template <class E>
+struct enum_names;
+template <>
+struct enum_names<DeviceType> {
+  static constexpr std::string_view type = "DeviceType";
+  static constexpr std::array<std::string_view, 6> names{"cpu", "cuda", "meta",
+                                                         "mps", "npu", "xpu"};
+};
+template <>
+struct enum_names<ReduceOp> {
+  static constexpr std::string_view type = "ReduceOp";
+  static constexpr std::array<std::string_view, 4> names{"sum", "mean", "max", "min"};
+};
+template <>
+struct enum_names<Dim> {
+  static constexpr std::string_view type = "Dim";
+  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard",
+                                                         "dp", "cp"};
+};
+template <class E>
+concept AccelEnum = requires { enum_names<E>::names; };
+}  // namespace detail
+
+template <detail::AccelEnum E>
+constexpr std::string_view to_string(E value) {
+  return detail::enum_names<E>::names.at(static_cast<std::size_t>(value));
+}
+
+template <detail::AccelEnum E>
+E from_string(std::string_view text) {
+  const auto& names = detail::enum_names<E>::names;
+  for (std::size_t i = 0; i < names.size(); ++i)
+    if (names[i] == text) return static_cast<E>(i);
+  std::string expected;
+  for (auto name : names) expected += (expected.empty() ? "" : ", ") + std::string(name);
+  throw std::invalid_argument("accel::from_string<" +
+                              std::string(detail::enum_names<E>::type) + ">: unknown value '" +
+                              std::string(text) + "' (expected one of: " + expected + ")");
+}
+
+template <detail::AccelEnum E>
+std::ostream& operator<<(std::ostream& os, E value) {
+  return os << to_string(value);
+}
+
+// == ENVIRONMENT ==============================================================
+//
+// torchrun's contract. Values are validated: a malformed or inconsistent
+// variable throws std::invalid_argument naming the variable and its value.
+
+namespace detail {
+inline std::optional<std::string> getenv_str(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+inline int env_int(const char* name, int fallback, int minimum) {
+  auto text = getenv_str(name);
+  if (!text) return fallback;
+  int value = 0;
+  const char* first = text->data();
+  const char* last = first + text->size();
+  auto [end, error] = std::from_chars(first, last, value);
+  if (error != std::errc() || end != last)
+    throw std::invalid_argument(std::string("accel: environment variable ") + name + "='" +
+                                *text + "' is not an integer");
+  if (value < minimum)
+    throw std::invalid_argument(std::string("accel: environment variable ") + name + "=" +
+                                *text + " must be at least " + std::to_string(minimum));
+  return value;
+}
+
+inline void check_below(const char* name, int value, const char* bound_name, int bound) {
+  if (value >= bound)
+    throw std::invalid_argument(std::string("accel: ") + name + "=" + std::to_string(value) +
+                                " must be smaller than " + bound_name + "=" +
+                                std::to_string(bound));
+}
+}  // namespace detail
+
+inline bool is_distributed() { return detail::getenv_str("RANK").has_value(); }
+
+inline int get_world_size() { return detail::env_int("WORLD_SIZE", 1, 1); }
+
+inline int get_rank() {
+  int rank = detail::env_int("RANK", 0, 0);
+  detail::check_below("RANK", rank, "WORLD_SIZE", get_world_size());
+  return rank;
+}
+
+inline int get_local_world_size() {
+  int local = detail::env_int("LOCAL_WORLD_SIZE", 1, 1);
+  if (detail::getenv_str("LOCAL_WORLD_SIZE"))
+    detail::check_below("LOCAL_WORLD_SIZE", local - 1, "WORLD_SIZE", get_world_size());
+  return local;
+}
+
+inline int get_local_rank() {
+  int local_rank = detail::env_int("LOCAL_RANK", 0, 0);
+  detail::check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", get_local_world_size());
+  return local_rank;
+}
+
+// == DEVICES ==================================================================
+//
+// Everything goes through c10's device-guard registry, so a CPU-only LibTorch
+// compiles and links without CUDA, MPS or XPU symbols.
+
+namespace detail {
+inline int guard_device_count(c10::DeviceType type) {
+  if (!c10::impl::hasDeviceGuardImpl(type)) return 0;
+  try {
+    return static_cast<int>(c10::impl::getDeviceGuardImpl(type)->deviceCount());
+  } catch (const std::exception&) {
+    return 0;  // a registered backend without a usable driver
+  }
+}
+
+inline c10::DeviceType to_c10(DeviceType type) {
+  switch (type) {
+    case DeviceType::CPU: return c10::DeviceType::CPU;
+    case DeviceType::CUDA: return c10::DeviceType::CUDA;
+    case DeviceType::META: return c10::DeviceType::Meta;
+    case DeviceType::MPS: return c10::DeviceType::MPS;
+    case DeviceType::NPU: return c10::DeviceType::PrivateUse1;
+    case DeviceType::XPU: return c10::DeviceType::XPU;
+  }
+  return c10::DeviceType::CPU;
+}
+}  // namespace detail
+
+inline bool is_torch_cuda_available() { return detail::guard_device_count(c10::DeviceType::CUDA) > 0; }
+inline bool is_torch_mps_available() { return detail::guard_device_count(c10::DeviceType::MPS) > 0; }
+inline bool is_torch_xpu_available() { return detail::guard_device_count(c10::DeviceType::XPU) > 0; }
+inline bool is_torch_npu_available() {
+#if ACCEL_TORCH_AT_LEAST(2, 1)
+  // Ascend registers itself as the PrivateUse1 backend named "npu".
+  return c10::get_privateuse1_backend() == "npu" &&
+         detail::guard_device_count(c10::DeviceType::PrivateUse1) > 0;
+#else
+  return false;
+#endif
+}
+
+inline bool is_available(DeviceType type) {
+  switch (type) {
+    case DeviceType::CPU: case DeviceType::META: return true;
+    case DeviceType::CUDA: return is_torch_cuda_available();
+    case DeviceType::MPS: return is_torch_mps_available();
+    case DeviceType::NPU: return is_torch_npu_available();
+    case DeviceType::XPU: return is_torch_xpu_available();
+  }
+  return false;
+}
+
+// The accelerator this process uses, without an index. ACCEL_DEVICE forces a
+// type; with check_available, forcing an unavailable one is an error.
+inline c10::Device get_current_accelerator(bool check_available = true) {
+  if (auto forced = detail::getenv_str("ACCEL_DEVICE")) {
+    DeviceType type;
+    try {
+      type = from_string<DeviceType>(*forced);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("accel: ACCEL_DEVICE: ") + e.what());
+    }
+    if (check_available && !is_available(type))
+      throw std::runtime_error("accel: ACCEL_DEVICE=" + *forced +
+                               ", but this LibTorch has no usable " + *forced +
+                               " device (CPU-only build, or no device visible)");
+    return c10::Device(detail::to_c10(type));
+  }
+  for (auto type : {DeviceType::CUDA, DeviceType::NPU, DeviceType::XPU, DeviceType::MPS})
+    if (is_available(type)) return c10::Device(detail::to_c10(type));
+  return c10::Device(c10::DeviceType::CPU);
+}
+
+// Devices of the current accelerator on this host; 1 for the CPU.
+inline int get_device_count() {
+  auto type = get_current_accelerator().type();
+  if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return 1;
+  return detail::guard_device_count(type);
+}
+
+// Binds this process to the device LOCAL_RANK (no-op on the CPU).
+inline void set_device_index() {
+  auto type = get_current_accelerator().type();
+  if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return;
+  int local_rank = get_local_rank();
+  int count = detail::guard_device_count(type);
+  if (local_rank >= count)
+    throw std::runtime_error("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " +
+                             std::to_string(count) + " " + c10::DeviceTypeName(type, true) +
+                             " device(s) are visible");
+  c10::impl::getDeviceGuardImpl(type)->setDevice(
+      c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
+}
+
+inline c10::Device get_current_device() {
+  auto type = get_current_accelerator().type();
+  if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return c10::Device(type);
+  return c10::impl::getDeviceGuardImpl(type)->getDevice();
+}
+
+// Waits for the work queued on the local device; not a barrier.
+inline void synchronize() {
+  auto type = get_current_accelerator().type();
+  if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return;
+  const auto* impl = c10::impl::getDeviceGuardImpl(type);
+  auto device = impl->getDevice();
+#if ACCEL_TORCH_AT_LEAST(2, 1)
+  impl->synchronizeDevice(device.index());
+#else
+  // 1.x has no device-wide synchronisation in the guard interface: wait for
+  // the current stream, where LibTorch queues the work of this thread.
+  impl->synchronizeStream(impl->getStream(device));
+#endif
+}
+
+// "nccl" for CUDA, "hccl" for NPU, "gloo" otherwise; ACCEL_BACKEND overrides.
+inline std::string get_process_group_backend() {
+  if (auto forced = detail::getenv_str("ACCEL_BACKEND")) {
+    if (*forced == "gloo") return *forced;
+    if (*forced == "nccl") {
+      if (!ACCEL_WITH_NCCL)
+        throw std::runtime_error(
+            "accel: ACCEL_BACKEND=nccl, but accel.hpp was compiled against a LibTorch "
+            "without NCCL (no CUDA build or no <nccl.h>); use ACCEL_BACKEND=gloo");
+      return *forced;
+    }
+    throw std::invalid_argument("accel: ACCEL_BACKEND='" + *forced +
+                                "' is not supported (expected gloo or nccl)");
+  }
+  switch (get_current_accelerator().type()) {
+    case c10::DeviceType::CUDA: return "nccl";
+    case c10::DeviceType::PrivateUse1: return "hccl";
+    default: return "gloo";
+  }
+}
+
+// == TENSOR-LIKE CONCEPTS =====================================================
+//
+// A scalar travels as a 0-d tensor and a std::vector as a 1-d tensor over the
+// same memory (no copy on the CPU); results come back in the caller's type.
+
+template <class T>
+concept Scalar = std::is_arithmetic_v<T> && !std::same_as<T, bool>;
+
+namespace detail {
+template <class T>
+struct scalar_vector : std::false_type {};
+template <Scalar T>
+struct scalar_vector<std::vector<T>> : std::true_type {
+  using element = T;
+};
+}  // namespace detail
+
+template <class T>
+concept ScalarVector = detail::scalar_vector<T>::value;
+
+template <class T>
+concept TensorLike = std::same_as<T, at::Tensor> || Scalar<T> || ScalarVector<T>;
+
+namespace detail {
+template <class T>
+struct element_of {
+  using type = T;
+};
+template <ScalarVector T>
+struct element_of<T> {
+  using type = typename scalar_vector<T>::element;
+};
+template <class T>
+using element_t = typename element_of<T>::type;
+
+// The ATen dtype that holds every value of T exactly, if there is one.
+template <Scalar T>
+constexpr std::optional<c10::ScalarType> exact_dtype() {
+  if constexpr (std::is_same_v<T, float>) return c10::kFloat;
+  else if constexpr (std::is_same_v<T, double>) return c10::kDouble;
+  else if constexpr (std::is_floating_point_v<T>) return std::nullopt;  // long double
+  else if constexpr (sizeof(T) == 1) return std::is_signed_v<T> ? c10::kChar : c10::kByte;
+  else if constexpr (!std::is_signed_v<T>) return std::nullopt;  // no unsigned dtypes in 1.x
+  else if constexpr (sizeof(T) == 2) return c10::kShort;
+  else if constexpr (sizeof(T) == 4) return c10::kInt;
+  else return c10::kLong;
+}
+
+// Dtypes every backend reduces natively (Gloo has no int16 kernels).
+template <Scalar T>
+constexpr bool travels_natively() {
+  constexpr auto dtype = exact_dtype<T>();
+  return dtype.has_value() && *dtype != c10::kShort;
+}
+
+// The dtype operate_tensorlike presents to its function: exact where ATen has
+// one, otherwise the smallest dtype that holds the values.
+template <Scalar T>
+constexpr c10::ScalarType value_dtype() {
+  if constexpr (exact_dtype<T>().has_value()) return *exact_dtype<T>();
+  else if constexpr (std::is_floating_point_v<T>) return c10::kDouble;
+  else if constexpr (sizeof(T) == 2) return c10::kInt;
+  else return c10::kLong;
+}
+template <Scalar T>
+using value_type_t = std::conditional_t<
+    exact_dtype<T>().has_value(), T,
+    std::conditional_t<std::is_floating_point_v<T>, double,
+                       std::conditional_t<sizeof(T) == 2, int32_t, int64_t>>>;
+
+template <Scalar T>
+value_type_t<T> to_value(T x) {
+  if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
+    if (x > static_cast<T>(INT64_MAX))
+      throw std::out_of_range("accel::operate_tensorlike: uint64 value " + std::to_string(x) +
+                              " does not fit LibTorch's int64 dtype");
+  return static_cast<value_type_t<T>>(x);
+}
+
+inline at::TensorOptions cpu_options(c10::ScalarType dtype) {
+  return at::TensorOptions().dtype(dtype).device(c10::kCPU);
+}
+
+// Tensors that alias the caller's memory.
+template <Scalar T>
+at::Tensor alias(T& value, c10::ScalarType dtype) {
+  return at::from_blob(&value, {}, cpu_options(dtype));
+}
+template <Scalar T>
+at::Tensor alias(std::vector<T>& values, c10::ScalarType dtype) {
+  return at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, cpu_options(dtype));
+}
+template <Scalar T>
+at::Tensor alias_bytes(T& value) {
+  return at::from_blob(&value, {static_cast<int64_t>(sizeof(T))}, cpu_options(c10::kByte));
+}
+template <Scalar T>
+at::Tensor alias_bytes(std::vector<T>& values) {
+  return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))},
+                       cpu_options(c10::kByte));
+}
+
+// How data travels in a collective: a view of its own memory, in its dtype
+// where every backend reduces it natively, else as raw bytes.
+template <class V>
+at::Tensor wire(V& data) {
+  using E = element_t<V>;
+  if constexpr (travels_natively<E>()) return alias(data, *exact_dtype<E>());
+  else return alias_bytes(data);
+}
+
+template <Scalar T>
+T from_value_tensor(const at::Tensor& result) {
+  TORCH_CHECK(result.numel() == 1, "accel::operate_tensorlike: a scalar's function returned ",
+              result.numel(), " elements");
+  using V = value_type_t<T>;
+  return static_cast<T>(result.to(c10::kCPU).to(value_dtype<T>()).template item<V>());
+}
+template <Scalar T>
+std::vector<T> from_value_tensor(const at::Tensor& result, std::vector<T>&& original,
+                                 const void* original_data) {
+  if (result.data_ptr() == original_data && result.numel() == static_cast<int64_t>(original.size()) &&
+      result.scalar_type() == value_dtype<T>() && result.is_contiguous())
+    return std::move(original);  // the function worked in place
+  auto flat = result.to(c10::kCPU).to(value_dtype<T>()).contiguous().reshape({-1});
+  const auto* data = flat.template data_ptr<value_type_t<T>>();
+  return std::vector<T>(data, data + flat.numel());
+}
+}  // namespace detail
+
+// Applies fn (at::Tensor -> at::Tensor) to data and returns the result in
+// data's C++ type. Types without an exact ATen dtype (unsigned 16/32/64-bit,
+// long double) are presented as the smallest dtype that holds their values.
+template <TensorLike T, class Fn>
+  requires std::invocable<Fn&, at::Tensor&>
+T operate_tensorlike(Fn&& fn, T data) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return std::invoke(fn, data);
+  } else if constexpr (Scalar<T>) {
+    auto value = detail::to_value(data);
+    at::Tensor tensor = at::from_blob(&value, {}, detail::cpu_options(detail::value_dtype<T>()));
+    at::Tensor result = std::invoke(fn, tensor);
+    return detail::from_value_tensor<T>(result);
+  } else {
+    using E = detail::element_t<T>;
+    if constexpr (detail::exact_dtype<E>().has_value()) {
+      at::Tensor tensor = detail::alias(data, *detail::exact_dtype<E>());
+      const void* original = data.data();
+      at::Tensor result = std::invoke(fn, tensor);
+      return detail::from_value_tensor<E>(result, std::move(data), original);
+    } else {
+      std::vector<detail::value_type_t<E>> values;
+      values.reserve(data.size());
+      for (E x : data) values.push_back(detail::to_value(x));
+      at::Tensor tensor = detail::alias(values, detail::value_dtype<E>());
+      at::Tensor result = std::invoke(fn, tensor);
+      auto flat = result.to(c10::kCPU).to(detail::value_dtype<E>()).contiguous().reshape({-1});
+      const auto* out = flat.template data_ptr<detail::value_type_t<E>>();
+      return std::vector<E>(out, out + flat.numel());
+    }
+  }
+}
+
+// == COLLECTIVES ON A GROUP ===================================================
+//
+// A null group means the world group of DistributedInterface, or identity
+// when the process is not distributed. `src` is a rank within the group.
+
+namespace detail {
+struct GroupRegistry {
+  std::mutex mutex;
+  GroupPtr world;
+  std::map<const c10d::ProcessGroup*, std::string> names;
+};
+inline GroupRegistry& registry() {
+  static GroupRegistry instance;
+  return instance;
+}
+
+inline void register_group(const GroupPtr& group, std::string name, bool is_world = false) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.names[group.get()] = std::move(name);
+  if (is_world) reg.world = group;
+}
+inline void unregister_group(const GroupPtr& group) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.names.erase(group.get());
+  if (reg.world == group) reg.world.reset();
+}
+
+inline std::string describe(const c10d::ProcessGroup& group) {
+  std::string name;
+  {
+    auto& reg = registry();
+    std::lock_guard lock(reg.mutex);
+    auto it = reg.names.find(&group);
+    name = it == reg.names.end() ? std::string("unnamed") : it->second;
+  }
+  return "group '" + name + "' (" + group.getBackendName() + ", rank " +
+         std::to_string(group.getRank()) + " of " + std::to_string(group.getSize()) + ")";
+}
+
+// Null when not distributed: collectives are then the identity.
+inline GroupPtr resolve(const GroupPtr& group, const char* op) {
+  if (group) return group;
+  {
+    auto& reg = registry();
+    std::lock_guard lock(reg.mutex);
+    if (reg.world) return reg.world;
+  }
+  if (!is_distributed()) return {};
+  throw std::logic_error(std::string("accel::") + op +
+                         ": RANK is set but no world group exists; call "
+                         "accel::DistributedInterface::instance() first or pass a group");
+}
+
+inline std::string error_text(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+    return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+// Runs one c10d operation and waits for it; any failure becomes a
+// DistributedError that names the operation and the group.
+template <class Issue>
+void run(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
+  try {
+    c10::intrusive_ptr<c10d::Work> work = issue();
+    work->wait();
+  } catch (const std::exception& e) {
+    throw DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " +
+                           error_text(e));
+  }
+}
+
+inline c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::MAX: return c10d::ReduceOp::MAX;
+    case ReduceOp::MIN: return c10d::ReduceOp::MIN;
+    default: return c10d::ReduceOp::SUM;  // MEAN is SUM, then a division
+  }
+}
+
+inline void reject_integral_mean(c10::ScalarType dtype) {
+  if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
+    throw std::invalid_argument(std::string("accel::all_reduce: ReduceOp::MEAN on integral type ") +
+                                c10::toString(dtype) +
+                                " would truncate; use ReduceOp::SUM and divide by the group size, "
+                                "or pass a floating-point value");
+}
+
+// NCCL only moves device memory: CPU data visits the current device.
+inline std::optional<c10::Device> staging_device(const c10d::ProcessGroup& group,
+                                                 const at::Tensor& tensor) {
+  if (group.getBackendName() == "nccl" && !tensor.is_cuda()) return get_current_device();
+  return std::nullopt;
+}
+
+// Runs `op` on a contiguous tensor on the group's device and copies the
+// result back into `tensor` when a temporary had to be made.
+template <class Op>
+void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
+  auto device = staging_device(group, tensor);
+  if (!device && tensor.is_contiguous()) {
+    op(tensor);
+    return;
+  }
+  at::Tensor staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
+  op(staged);
+  tensor.copy_(staged);
+}
+
+inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  if (op == ReduceOp::MEAN) reject_integral_mean(tensor.scalar_type());
+  in_place(group, tensor, [&](at::Tensor& t) {
+    std::vector<at::Tensor> tensors{t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
+  });
+  if (op == ReduceOp::MEAN) tensor.div_(group.getSize());
+}
+
+inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int src) {
+  if (src < 0 || src >= group.getSize())
+    throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
+                                " is not a rank of " + describe(group) +
+                                " (src is a rank within the group)");
+  in_place(group, tensor, [&](at::Tensor& t) {
+    std::vector<at::Tensor> tensors{t};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    run("broadcast", group, [&] { return group.broadcast(tensors, opts); });
+  });
+}
+
+// Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
+inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
+                            std::vector<at::Tensor> outputs) {
+  auto device = staging_device(group, input);
+  std::vector<at::Tensor> inputs{device ? input.to(*device).contiguous() : input.contiguous()};
+  std::vector<at::Tensor> staged = outputs;
+  if (device)
+    for (auto& t : staged) t = at::empty_like(t, t.options().device(*device));
+  std::vector<std::vector<at::Tensor>> output_lists{staged};
+  run("all_gather", group, [&] { return group.allgather(output_lists, inputs); });
+  if (device)
+    for (std::size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(output_lists[0][r]);
+}
+
+inline at::Tensor all_gather_tensor(c10d::ProcessGroup& group, const at::Tensor& input) {
+  std::vector<int64_t> shape{group.getSize()};
+  shape.insert(shape.end(), input.sizes().begin(), input.sizes().end());
+  at::Tensor stacked = at::empty(shape, input.options().memory_format(c10::MemoryFormat::Contiguous));
+  std::vector<at::Tensor> rows;
+  rows.reserve(group.getSize());
+  for (int r = 0; r < group.getSize(); ++r) rows.push_back(stacked.select(0, r));
+  all_gather_into(group, input, std::move(rows));
+  return stacked;
+}
+
+// Types no backend reduces natively travel as bytes; all_reduce then gathers
+// every rank's bytes and folds them locally in T, which stays exact.
+template <Scalar T>
+T fold(ReduceOp op, const T* values, int count, int stride) {
+  T acc = values[0];
+  for (int r = 1; r < count; ++r) {
+    T x = values[static_cast<std::size_t>(r) * stride];
+    switch (op) {
+      case ReduceOp::SUM: case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
+      case ReduceOp::MAX: acc = std::max(acc, x); break;
+      case ReduceOp::MIN: acc = std::min(acc, x); break;
+    }
+  }
+  if (op == ReduceOp::MEAN) acc = static_cast<T>(acc / count);
+  return acc;
+}
+
+template <Scalar T>
+void all_reduce_bytes(c10d::ProcessGroup& group, T* data, std::size_t count, ReduceOp op) {
+  const int size = group.getSize();
+  at::Tensor input = at::from_blob(data, {static_cast<int64_t>(count * sizeof(T))},
+                                   cpu_options(c10::kByte));
+  std::vector<T> gathered(count * size);
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < size; ++r)
+    outputs.push_back(at::from_blob(gathered.data() + r * count,
+                                    {static_cast<int64_t>(count * sizeof(T))},
+                                    cpu_options(c10::kByte)));
+  all_gather_into(group, input, std::move(outputs));
+  for (std::size_t i = 0; i < count; ++i)
+    data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(count));
+}
+}  // namespace detail
+
+// Reduces data over the group. A tensor is reduced in place and returned; a
+// std::vector travels as one collective. MEAN is SUM divided by the group size
+// and is rejected for integral types.
+template <TensorLike T>
+T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, GroupPtr group = {}) {
+  if constexpr (!std::same_as<T, at::Tensor>) {
+    using E = detail::element_t<T>;
+    if (op == ReduceOp::MEAN && std::is_integral_v<E>)
+      detail::reject_integral_mean(detail::value_dtype<E>());
+  } else if (op == ReduceOp::MEAN) {
+    detail::reject_integral_mean(data.scalar_type());
+  }
+  GroupPtr g = detail::resolve(group, "all_reduce");
+  if (!g) return data;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    detail::all_reduce_tensor(*g, data, op);
+  } else {
+    using E = detail::element_t<T>;
+    E* first;
+    std::size_t count;
+    if constexpr (Scalar<T>) {
+      first = &data;
+      count = 1;
+    } else {
+      if (data.empty()) return data;
+      first = data.data();
+      count = data.size();
+    }
+    if constexpr (detail::travels_natively<E>()) {
+      at::Tensor view = detail::wire(data);
+      detail::all_reduce_tensor(*g, view, op);
+    } else {
+      detail::all_reduce_bytes(*g, first, count, op);
+    }
+  }
+  return data;
+}
+
+// Copies data from rank `src` of the group (a rank within the group) to all.
+template <TensorLike T>
+T broadcast(T data, int src = 0, GroupPtr group = {}) {
+  GroupPtr g = detail::resolve(group, "broadcast");
+  if (!g) {
+    if (src != 0)
+      throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
+                                  " but the process is not distributed (only rank 0 exists)");
+    return data;
+  }
+  if constexpr (std::same_as<T, at::Tensor>) {
+    detail::broadcast_tensor(*g, data, src);
+  } else {
+    if constexpr (ScalarVector<T>)
+      if (data.empty()) return data;
+    at::Tensor view = detail::wire(data);
+    detail::broadcast_tensor(*g, view, src);
+  }
+  return data;
+}
+
+// Gathers data from every rank of the group, stacked in rank order:
+// a tensor of shape s gives (group_size, *s); a scalar gives std::vector<T>;
+// a std::vector<T> gives std::vector<std::vector<T>>. Every rank passes the
+// same shape.
+template <TensorLike T>
+auto all_gather(const T& data, GroupPtr group = {}) {
+  GroupPtr g = detail::resolve(group, "all_gather");
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (!g) return data.unsqueeze(0).clone();
+    return detail::all_gather_tensor(*g, data);
+  } else if constexpr (Scalar<T>) {
+    if (!g) return std::vector<T>{data};
+    std::vector<T> result(g->getSize());
+    T input = data;
+    std::vector<at::Tensor> outputs;
+    for (auto& slot : result) outputs.push_back(detail::wire(slot));
+    detail::all_gather_into(*g, detail::wire(input), std::move(outputs));
+    return result;
+  } else {
+    if (!g) return std::vector<T>{data};
+    std::vector<T> result(g->getSize(), T(data.size()));
+    if (data.empty()) return result;
+    T input = data;
+    std::vector<at::Tensor> outputs;
+    for (auto& slot : result) outputs.push_back(detail::wire(slot));
+    detail::all_gather_into(*g, detail::wire(input), std::move(outputs));
+    return result;
+  }
+}
+
+// Blocks until every rank of the group (default: the world) arrives.
+inline void barrier(GroupPtr group = {}) {
+  GroupPtr g = detail::resolve(group, "barrier");
+  if (!g) return;
+  detail::run("barrier", *g, [&] { return g->barrier(); });
+}
+
+// Runs body on the main process (local rank 0, or global rank 0 when
+// local_only is false) first, then on the others, and returns its result.
+// If the main process throws, it still releases the others, which then throw
+// DistributedError instead of running body on a state the main failed to make.
+template <class Body>
+std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = true) {
+  GroupPtr g = detail::resolve({}, "main_process_first");
+  if (!g) return std::invoke(body);
+  const bool is_main = local_only ? get_local_rank() == 0 : get_rank() == 0;
+  // One all_reduce releases the others and tells them whether (and which)
+  // main process failed: MAX of rank+1 over the failing mains, 0 if none.
+  auto release = [&](int64_t failed_rank_plus_one) {
+    return all_reduce(failed_rank_plus_one, ReduceOp::MAX, g);
+  };
+  using R = std::invoke_result_t<Body&>;
+  if (is_main) {
+    std::exception_ptr failure;
+    if constexpr (std::is_void_v<R>) {
+      try {
+        std::invoke(body);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      release(failure ? get_rank() + 1 : 0);
+      if (failure) std::rethrow_exception(failure);
+    } else {
+      std::optional<R> result;
+      try {
+        result.emplace(std::invoke(body));
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      release(failure ? get_rank() + 1 : 0);
+      if (failure) std::rethrow_exception(failure);
+      return std::move(*result);
+    }
+  } else {
+    if (int64_t failed = release(0); failed != 0)
+      throw DistributedError("accel::main_process_first: the main process (rank " +
+                             std::to_string(failed - 1) +
+                             ") threw; this rank did not run the body");
+    return std::invoke(body);
+  }
+}
+
+// == STRATEGY AND MESHES ======================================================
+
+struct DistributedConfig {
+  int mp_replicate_size = 1;
+  std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
+  std::optional<int> dp_size;        // default: world / cp_size
+  int cp_size = 1;
+  std::chrono::seconds timeout{ACCEL_DEFAULT_TIMEOUT_SECONDS};
+  bool operator==(const DistributedConfig&) const = default;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
+  auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
+  return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
+            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size)
+            << ", cp_size=" << c.cp_size << ", timeout=" << c.timeout.count() << "s)";
+}
+
+// The four mesh sizes, validated against the world size on construction.
+class DistributedStrategy {
+ public:
+  // Validates against WORLD_SIZE; when not distributed every size is 1.
+  explicit DistributedStrategy(const DistributedConfig& config = {})
+      : DistributedStrategy(config, accel::get_world_size(), is_distributed()) {}
+
+  // Validates against an explicit world size (as if distributed).
+  DistributedStrategy(const DistributedConfig& config, int world_size)
+      : DistributedStrategy(config, world_size, true) {}
+
+  int mp_replicate_size() const { return mp_replicate_; }
+  int mp_shard_size() const { return mp_shard_; }
+  int dp_size() const { return dp_; }
+  int cp_size() const { return cp_; }
+  int world_size() const { return world_; }
+
+  std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
+  std::array<std::string_view, 2> model_mesh_dim_names() const {
+    return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
+  }
+  std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
+  std::array<std::string_view, 2> data_mesh_dim_names() const {
+    return {to_string(Dim::DP), to_string(Dim::CP)};
+  }
+
+  bool operator==(const DistributedStrategy&) const = default;
+
+ private:
+  DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
+    auto positive = [](const char* name, int value) {
+      if (value < 1)
+        throw std::invalid_argument(std::string("accel::DistributedStrategy: ") + name +
+                                    " must be positive, got " + std::to_string(value));
+    };
+    if (world < 1)
+      throw std::invalid_argument("accel::DistributedStrategy: world_size must be positive, got " +
+                                  std::to_string(world));
+    positive("mp_replicate_size", c.mp_replicate_size);
+    positive("cp_size", c.cp_size);
+    if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
+    if (c.dp_size) positive("dp_size", *c.dp_size);
+    if (!distributed) {  // a single process: every dimension has size 1
+      world_ = 1;
+      return;
+    }
+    world_ = world;
+    std::tie(mp_replicate_, mp_shard_) =
+        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
+  }
+
+  // (given, other): other defaults to world / given; their product is world.
+  static std::pair<int, int> split(int world, int given, std::optional<int> other,
+                                   const char* given_name, const char* other_name) {
+    std::ostringstream message;
+    message << "accel::DistributedStrategy: ";
+    if (!other) {
+      if (world % given != 0) {
+        message << "world_size " << world << " is not divisible by " << given_name << " "
+                << given;
+        throw std::invalid_argument(message.str());
+      }
+      return {given, world / given};
+    }
+    if (static_cast<long long>(given) * *other != world) {
+      message << given_name << " * " << other_name << " must equal world_size, got " << given
+              << " * " << *other << " != " << world;
+      throw std::invalid_argument(message.str());
+    }
+    return {given, *other};
+  }
+
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
+  return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
+            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
+            << ", cp_size=" << s.cp_size() << ")";
+}
+
+// A mesh over arange(world).reshape(shape), as init_device_mesh lays it out,
+// seen from one rank: it holds only the groups this rank belongs to.
+class DeviceMesh {
+ public:
+  DeviceMesh(c10::DeviceType device_type, std::vector<int> shape, std::vector<std::string> dim_names,
+             std::vector<int> ranks, std::vector<int> coordinate, std::vector<GroupPtr> groups)
+      : device_type_(device_type),
+        shape_(std::move(shape)),
+        dim_names_(std::move(dim_names)),
+        ranks_(std::move(ranks)),
+        coordinate_(std::move(coordinate)),
+        groups_(std::move(groups)) {}
+
+  c10::DeviceType device_type() const { return device_type_; }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  const std::vector<int>& shape() const { return shape_; }
+  const std::vector<std::string>& dim_names() const { return dim_names_; }
+  // Global ranks of the mesh, row-major.
+  const std::vector<int>& ranks() const { return ranks_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  int size(int mesh_dim) const { return shape_.at(index(mesh_dim)); }
+  // This rank's coordinate in the mesh.
+  const std::vector<int>& get_coordinate() const { return coordinate_; }
+  // This rank's index along a dimension = its rank inside that dimension's group.
+  int get_local_rank(int mesh_dim = 0) const { return coordinate_.at(index(mesh_dim)); }
+  int get_local_rank(std::string_view name) const { return get_local_rank(index(name)); }
+  GroupPtr get_group(int mesh_dim = 0) const { return groups_.at(index(mesh_dim)); }
+  GroupPtr get_group(std::string_view name) const { return get_group(index(name)); }
+
+  int index(std::string_view name) const {
+    for (std::size_t i = 0; i < dim_names_.size(); ++i)
+      if (dim_names_[i] == name) return static_cast<int>(i);
+    throw std::invalid_argument("accel::DeviceMesh: no dimension named '" + std::string(name) + "'");
+  }
+
+ private:
+  int index(int mesh_dim) const {
+    if (mesh_dim < 0 || mesh_dim >= ndim())
+      throw std::out_of_range("accel::DeviceMesh: dimension " + std::to_string(mesh_dim) +
+                              " out of range for a " + std::to_string(ndim()) + "-d mesh");
+    return mesh_dim;
+  }
+
+  c10::DeviceType device_type_;
+  std::vector<int> shape_;
+  std::vector<std::string> dim_names_;
+  std::vector<int> ranks_;
+  std::vector<int> coordinate_;
+  std::vector<GroupPtr> groups_;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
+  os << "DeviceMesh(" << c10::DeviceTypeName(mesh.device_type(), true) << ", shape=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.shape()[i];
+  os << "), dims=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.dim_names()[i];
+  os << "), coordinate=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.get_coordinate()[i];
+  return os << "))";
+}
+
+namespace detail {
+inline std::atomic<int>& groups_created() {  // per process, for tests and benchmarks
+  static std::atomic<int> count{0};
+  return count;
+}
+
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+// From 2.0 on, backends are c10d::Backend and a ProcessGroup wraps them.
+inline GroupPtr wrap_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                             c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device,
+                             c10d::ProcessGroup::BackendType type, std::chrono::milliseconds timeout) {
+#if ACCEL_TORCH_AT_LEAST(2, 6)
+  (void)timeout;
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+#else
+  auto options = c10::make_intrusive<c10d::ProcessGroup::Options>(backend->getBackendName(), timeout);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size, options);
+#endif
+  group->setBackend(device, type, backend);
+  group->setDefaultBackend(type);
+  return group;
+}
+#endif
+
+inline bool all_ranks_local() { return get_local_world_size() == get_world_size(); }
+
+inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                           int rank, int size, std::chrono::milliseconds timeout) {
+  if (backend == "gloo") {
+#ifdef USE_C10D_GLOO
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    if (auto ifnames = getenv_str("GLOO_SOCKET_IFNAME")) {
+      std::stringstream list(*ifnames);
+      for (std::string name; std::getline(list, name, ',');)
+        if (!name.empty()) options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    } else if (all_ranks_local()) {
+      // Every rank on this host: loopback is always reachable and exposes
+      // nothing to the network.
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else {
+      options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    }
+    ++groups_created();
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    return wrap_backend(store, rank, size, gloo, c10::DeviceType::CPU,
+                        c10d::ProcessGroup::BackendType::GLOO, timeout);
+#else
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+#endif
+#else
+    throw std::runtime_error(
+        "accel: the gloo backend needs the Gloo headers (Debian: libgloo-dev) when compiling");
+#endif
+  }
+  if (backend == "nccl") {
+#ifdef USE_C10D_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    ++groups_created();
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+    return wrap_backend(store, rank, size, nccl, c10::DeviceType::CUDA,
+                        c10d::ProcessGroup::BackendType::NCCL, timeout);
+#else
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#endif
+#else
+    throw std::runtime_error("accel: the nccl backend is not available in this build "
+                             "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
+#endif
+  }
+  throw std::runtime_error("accel: process-group backend '" + backend +
+                           "' is not supported by accel.hpp (use gloo or nccl)");
+}
+
+// The rendezvous store lives for the whole process: a later instance() after
+// destroy() reuses it (with a fresh key prefix) instead of racing rank 0's
+// closing and re-opening of MASTER_PORT.
+struct Rendezvous {
+  std::string host;
+  int port = 0, rank = 0, world = 0;
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  int generation = 0;
+};
+
+inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
+                                                  std::chrono::milliseconds timeout,
+                                                  std::string& prefix) {
+  static std::mutex mutex;
+  static Rendezvous current;
+  std::lock_guard lock(mutex);
+  std::string host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
+  int port = env_int("MASTER_PORT", 29500, 0);
+  if (port > 65535)
+    throw std::invalid_argument("accel: MASTER_PORT=" + std::to_string(port) + " is not a TCP port");
+  if (!current.store || current.host != host || current.port != port || current.rank != rank ||
+      current.world != world) {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<std::uint16_t>(port);
+    options.isServer = rank == 0;
+    options.numWorkers = static_cast<std::size_t>(world);
+    options.waitWorkers = true;
+    options.timeout = timeout;
+    try {
+      current.store = c10::make_intrusive<c10d::TCPStore>(host, options);
+    } catch (const std::exception& e) {
+      throw DistributedError("accel: rendezvous at " + host + ":" + std::to_string(port) +
+                             " failed for rank " + std::to_string(rank) + " of " +
+                             std::to_string(world) + " (MASTER_ADDR/MASTER_PORT): " + error_text(e));
+    }
+    current.host = host;
+    current.port = port;
+    current.rank = rank;
+    current.world = world;
+  }
+  current.store->setTimeout(timeout);
+  prefix = "accel/" + std::to_string(current.generation++) + "/";
+  return current.store;
+}
+}  // namespace detail
+
+// == THE SINGLETON ============================================================
+
+class DistributedInterface {
+ public:
+  // The first call initialises (device, strategy, the world group by env
+  // rendezvous, both meshes); later calls return the same object. Passing a
+  // config that differs from the live one throws. Thread-safe.
+  static DistributedInterface& instance(std::optional<DistributedConfig> config = std::nullopt) {
+    std::lock_guard lock(mutex());
+    auto& slot = holder();
+    if (slot) {
+      if (config && *config != slot->config_) {
+        std::ostringstream message;
+        message << "accel::DistributedInterface::instance: already initialised with "
+                << slot->config_ << ", asked for " << *config << "; call destroy() first";
+        throw std::logic_error(message.str());
+      }
+      return *slot;
+    }
+    slot.reset(new DistributedInterface(config.value_or(DistributedConfig{})));
+    return *slot;
+  }
+
+  DistributedInterface(const DistributedInterface&) = delete;
+  DistributedInterface& operator=(const DistributedInterface&) = delete;
+  ~DistributedInterface() { release(); }
+
+  const DistributedStrategy& strategy() const { return strategy_; }
+  const DistributedConfig& config() const { return config_; }
+  c10::Device current_device() const { return current_device_; }
+  c10::Device current_accelerator() const { return current_accelerator_; }
+  bool distributed() const { return distributed_; }
+  const std::string& backend() const { return backend_; }
+
+  // The 1-D mesh of one dimension (no dim: invalid_argument; not
+  // distributed: nullptr).
+  const DeviceMesh* get_device_mesh(std::optional<Dim> dim) const {
+    if (!dim) throw std::invalid_argument("accel::DistributedInterface::get_device_mesh: dim must be specified");
+    if (!distributed_) return nullptr;
+    return &dim_meshes_[static_cast<std::size_t>(*dim)];
+  }
+  // The whole 2-D model mesh (mp_replicate, mp_shard) or data mesh (dp, cp).
+  const DeviceMesh* model_mesh() const { return distributed_ ? &*model_mesh_ : nullptr; }
+  const DeviceMesh* data_mesh() const { return distributed_ ? &*data_mesh_ : nullptr; }
+
+  GroupPtr get_group(std::optional<Dim> dim = std::nullopt) const {
+    if (!distributed_ || !dim) return {};
+    return get_device_mesh(dim)->get_group();
+  }
+  GroupPtr world_group() const { return world_; }
+
+  int get_rank(std::optional<Dim> dim = std::nullopt) const {
+    if (!distributed_) return 0;
+    return dim ? get_device_mesh(dim)->get_local_rank() : rank_;
+  }
+  int get_world_size(std::optional<Dim> dim = std::nullopt) const {
+    if (!distributed_) return 1;
+    return dim ? get_device_mesh(dim)->size() : world_size_;
+  }
+  int get_local_rank() const { return local_rank_; }
+  int get_local_world_size() const { return local_world_size_; }
+
+  template <TensorLike T>
+  auto all_gather(const T& data, std::optional<Dim> dim = Dim::DP) {
+    return accel::all_gather(data, group_for(dim));
+  }
+  template <TensorLike T>
+  T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, std::optional<Dim> dim = Dim::DP) {
+    return accel::all_reduce(std::move(data), op, group_for(dim));
+  }
+  template <TensorLike T>
+  T broadcast(T data, int src = 0, std::optional<Dim> dim = Dim::DP) {
+    return accel::broadcast(std::move(data), src, group_for(dim));
+  }
+
+  void sync() { synchronize(); }
+  void barrier() {
+    if (distributed_) accel::barrier(world_);
+  }
+  // Releases every group and resets the singleton: the next instance()
+  // starts afresh. References to this object are invalid afterwards.
+  void destroy() {
+    std::unique_ptr<DistributedInterface> self;
+    {
+      std::lock_guard lock(mutex());
+      if (holder().get() == this) self = std::move(holder());
+    }
+    if (!self) release();  // not the singleton (cannot happen through instance())
+  }
+
+ private:
+  explicit DistributedInterface(const DistributedConfig& config)
+      : config_(config),
+        strategy_(config),
+        distributed_(is_distributed()),
+        rank_(accel::get_rank()),
+        world_size_(accel::get_world_size()),
+        local_rank_(accel::get_local_rank()),
+        local_world_size_(accel::get_local_world_size()),
+        current_accelerator_(get_current_accelerator()),
+        current_device_(current_accelerator_) {
+    if (!distributed_) return;
+    set_device_index();
+    current_device_ = get_current_device();
+    backend_ = get_process_group_backend();
+    auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
+    std::string prefix;
+    auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
+    try {
+      world_ = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store),
+                                  rank_, world_size_, timeout);
+      detail::register_group(world_, "world", /*is_world=*/true);
+      model_mesh_ = build_mesh(store, prefix + "model/", strategy_.model_mesh_shape(),
+                               strategy_.model_mesh_dim_names(), timeout);
+      data_mesh_ = build_mesh(store, prefix + "data/", strategy_.data_mesh_shape(),
+                              strategy_.data_mesh_dim_names(), timeout);
+    } catch (const DistributedError&) {
+      release();
+      throw;
+    } catch (const std::exception& e) {
+      release();
+      throw DistributedError("accel: creating the " + backend_ + " process groups failed on rank " +
+                             std::to_string(rank_) + ": " + detail::error_text(e));
+    }
+    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP}) {
+      const DeviceMesh& parent = (dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_;
+      int axis = parent.index(to_string(dim));
+      dim_meshes_.push_back(slice(parent, axis));
+    }
+  }
+
+  GroupPtr group_for(std::optional<Dim> dim) const {
+    if (!distributed_) return {};
+    return dim ? get_group(dim) : world_;
+  }
+
+  // Each rank creates only its own group along each mesh dimension: the
+  // ranks that share every other coordinate, under a PrefixStore named after
+  // that coordinate, so groups per rank do not grow with the world size.
+  DeviceMesh build_mesh(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
+                        std::array<int, 2> shape, std::array<std::string_view, 2> names,
+                        std::chrono::milliseconds timeout) {
+    const int rows = shape[0], cols = shape[1];
+    std::vector<int> coordinate{rank_ / cols, rank_ % cols};
+    std::vector<GroupPtr> groups;
+    // Along dim 0 (size rows): same column. Along dim 1 (size cols): same row.
+    for (int axis = 0; axis < 2; ++axis) {
+      const int fixed = coordinate[1 - axis];
+      std::string key = prefix + std::string(names[axis]) + "/" + std::to_string(fixed);
+      auto group = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(key, store),
+                                      coordinate[axis], shape[axis], timeout);
+      // e.g. "dp{cp=1}": the dp group of the ranks whose cp coordinate is 1.
+      detail::register_group(group, std::string(names[axis]) + "{" + std::string(names[1 - axis]) +
+                                        "=" + std::to_string(fixed) + "}");
+      groups.push_back(std::move(group));
+    }
+    std::vector<int> ranks(static_cast<std::size_t>(rows) * cols);
+    for (std::size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
+    return DeviceMesh(current_accelerator_.type(), {rows, cols},
+                      {std::string(names[0]), std::string(names[1])}, std::move(ranks),
+                      std::move(coordinate), std::move(groups));
+  }
+
+  // The 1-D mesh along `axis` through this rank.
+  static DeviceMesh slice(const DeviceMesh& mesh, int axis) {
+    const auto& c = mesh.get_coordinate();
+    const int cols = mesh.shape()[1];
+    std::vector<int> ranks;
+    for (int i = 0; i < mesh.size(axis); ++i)
+      ranks.push_back(axis == 0 ? i * cols + c[1] : c[0] * cols + i);
+    return DeviceMesh(mesh.device_type(), {mesh.size(axis)}, {mesh.dim_names()[axis]},
+                      std::move(ranks), {c[axis]}, {mesh.get_group(axis)});
+  }
+
+  void release() {
+    for (auto* mesh : {&model_mesh_, &data_mesh_})
+      if (*mesh)
+        for (int axis = 0; axis < (*mesh)->ndim(); ++axis) detail::unregister_group((*mesh)->get_group(axis));
+    dim_meshes_.clear();
+    model_mesh_.reset();
+    data_mesh_.reset();
+    if (world_) detail::unregister_group(world_);
+    world_.reset();
+  }
+
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unique_ptr<DistributedInterface>& holder() {
+    static std::unique_ptr<DistributedInterface> slot;
+    return slot;
+  }
+
+  friend std::ostream& operator<<(std::ostream& os, const DistributedInterface& d) {
+    os << "DistributedInterface(" << d.strategy_ << ", is_distributed=" << std::boolalpha
+       << d.distributed_ << ", current_accelerator=" << d.current_accelerator_
+       << ", rank=" << d.rank_ << ", world_size=" << d.world_size_;
+    if (d.distributed_)
+      os << ", backend=" << d.backend_ << ", model_mesh=" << *d.model_mesh_
+         << ", data_mesh=" << *d.data_mesh_;
+    return os << ")";
+  }
+
+  DistributedConfig config_;
+  DistributedStrategy strategy_;
+  bool distributed_;
+  int rank_, world_size_, local_rank_, local_world_size_;
+  c10::Device current_accelerator_;
+  c10::Device current_device_;
+  std::string backend_ = "gloo";
+  GroupPtr world_;
+  std::optional<DeviceMesh> model_mesh_, data_mesh_;
+  std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
+};
+
+}  // namespace accel
+
+#endif  // ACCEL_HPP
