@@ -233,8 +233,9 @@ inline int get_rank() {
 
 inline int get_local_world_size() {
   int local = detail::env_int("LOCAL_WORLD_SIZE", 1, 1);
-  if (detail::getenv_str("LOCAL_WORLD_SIZE"))
-    detail::check_below("LOCAL_WORLD_SIZE", local - 1, "WORLD_SIZE", get_world_size());
+  if (int world = get_world_size(); local > world)
+    throw std::invalid_argument("accel: LOCAL_WORLD_SIZE=" + std::to_string(local) +
+                                " must not exceed WORLD_SIZE=" + std::to_string(world));
   return local;
 }
 
@@ -554,9 +555,11 @@ struct GroupRegistry {
   GroupPtr world;
   std::map<const c10d::ProcessGroup*, std::string> names;
 };
+// Never destroyed: the singleton may release its groups during static
+// destruction at exit, after a registry with a destructor would be gone.
 inline GroupRegistry& registry() {
-  static GroupRegistry instance;
-  return instance;
+  static GroupRegistry* instance = new GroupRegistry;
+  return *instance;
 }
 
 inline void register_group(const GroupPtr& group, std::string name, bool is_world = false) {
@@ -1182,6 +1185,12 @@ class DistributedInterface {
     }
     slot.reset(new DistributedInterface(config.value_or(DistributedConfig{})));
     return *slot;
+  }
+
+  // Whether a live instance exists (instance() would not initialise).
+  static bool is_initialized() {
+    std::lock_guard lock(mutex());
+    return holder() != nullptr;
   }
 
   DistributedInterface(const DistributedInterface&) = delete;

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages accel.hpp's build, tests and examples need,
+# when they are missing. Safe to run again; does nothing when all are there.
+set -euo pipefail
+packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

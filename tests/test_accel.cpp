@@ -1,0 +1,668 @@
+// The accel.hpp test suite: one translation unit, real c10d Gloo groups.
+//
+// Test suites, selected with doctest's -ts option by CTest:
+//   single  one process, no RANK: parsing, validation, identity collectives
+//   ranks   any world size (CTest runs it at 1, 2, 3 and 4 ranks)
+//   mesh4   exactly 4 ranks: every mesh dimension under three strategies
+//   exit    leaves with a live interface: static destruction must be clean
+// Multi-rank entries run under tests/launch.cpp, which gives every rank
+// torchrun's environment, stops all ranks when one fails, and has a hard
+// timeout. Every rank runs the same test cases in the same order.
+
+#include "accel.hpp"
+
+// Debian's LibTorch logs through glog, whose CHECK* macros (pulled in by
+// ATen) would silently replace doctest's: include accel.hpp first, drop them,
+// then include doctest.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LE
+#undef CHECK_LT
+#undef CHECK_GE
+#undef CHECK_GT
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <filesystem>
+#include <thread>
+
+using accel::Dim;
+using accel::ReduceOp;
+
+// == Every public template, explicitly instantiated for every TensorLike ====
+
+namespace {
+struct Twice {  // a function object for operate_tensorlike
+  at::Tensor operator()(at::Tensor& t) const { return t * 2; }
+};
+}  // namespace
+
+#define ACCEL_INSTANTIATE(T)                                                            \
+  template T accel::all_reduce<T>(T, accel::ReduceOp, accel::GroupPtr);                 \
+  template T accel::broadcast<T>(T, int, accel::GroupPtr);                              \
+  template auto accel::all_gather<T>(const T&, accel::GroupPtr);                        \
+  template T accel::operate_tensorlike<T, Twice>(Twice&&, T);                           \
+  template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>); \
+  template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>); \
+  template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);
+#define ACCEL_INSTANTIATE_SCALAR(T) ACCEL_INSTANTIATE(T) ACCEL_INSTANTIATE(std::vector<T>)
+
+ACCEL_INSTANTIATE(at::Tensor)
+ACCEL_INSTANTIATE_SCALAR(char)
+ACCEL_INSTANTIATE_SCALAR(signed char)
+ACCEL_INSTANTIATE_SCALAR(unsigned char)
+ACCEL_INSTANTIATE_SCALAR(short)
+ACCEL_INSTANTIATE_SCALAR(unsigned short)
+ACCEL_INSTANTIATE_SCALAR(int)
+ACCEL_INSTANTIATE_SCALAR(unsigned int)
+ACCEL_INSTANTIATE_SCALAR(long)
+ACCEL_INSTANTIATE_SCALAR(unsigned long)
+ACCEL_INSTANTIATE_SCALAR(long long)
+ACCEL_INSTANTIATE_SCALAR(unsigned long long)
+ACCEL_INSTANTIATE_SCALAR(float)
+ACCEL_INSTANTIATE_SCALAR(double)
+ACCEL_INSTANTIATE_SCALAR(long double)
+ACCEL_INSTANTIATE_SCALAR(wchar_t)
+ACCEL_INSTANTIATE_SCALAR(char8_t)
+ACCEL_INSTANTIATE_SCALAR(char16_t)
+ACCEL_INSTANTIATE_SCALAR(char32_t)
+
+#define ACCEL_SCALAR_TYPES                                                                 \
+  char, signed char, unsigned char, short, unsigned short, int, unsigned int, long,       \
+      unsigned long, long long, unsigned long long, float, double, long double, wchar_t, \
+      char8_t, char16_t, char32_t
+
+static_assert(accel::TensorLike<at::Tensor> && accel::TensorLike<std::vector<char32_t>>);
+static_assert(!accel::TensorLike<bool> && !accel::TensorLike<std::vector<bool>>);
+static_assert(!accel::TensorLike<std::string> && !accel::TensorLike<std::vector<std::string>>);
+
+// == Helpers ==================================================================
+
+namespace {
+
+// Values as numbers doctest can print (char8_t and friends have no <<);
+// long double holds every integer these tests use exactly.
+template <class T>
+long double num(T x) {
+  return static_cast<long double>(x);
+}
+
+// Sets (or, with nullptr, unsets) environment variables for one scope.
+class EnvGuard {
+ public:
+  EnvGuard(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (auto [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+      if (value) setenv(name, value, 1);
+      else unsetenv(name);
+    }
+  }
+  ~EnvGuard() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
+      else unsetenv(it->first.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// Tests use a short timeout so that a desynchronised rank fails fast.
+accel::DistributedConfig test_config(accel::DistributedConfig config = {}) {
+  config.timeout = std::chrono::seconds(60);
+  return config;
+}
+
+accel::DistributedInterface& world() { return accel::DistributedInterface::instance(test_config()); }
+
+// A fresh interface with `config`, whatever was live before.
+accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) {
+  if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+  return accel::DistributedInterface::instance(test_config(config));
+}
+
+std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+
+}  // namespace
+
+// == single: one process, nothing distributed =================================
+
+TEST_SUITE("single") {
+  TEST_CASE("enums: to_string, from_string and operator<<") {
+    CHECK(accel::to_string(accel::DeviceType::CUDA) == "cuda");
+    CHECK(accel::to_string(accel::DeviceType::XPU) == "xpu");
+    CHECK(accel::to_string(ReduceOp::MEAN) == "mean");
+    CHECK(accel::to_string(Dim::MP_REPLICATE) == "mp_replicate");
+    CHECK(accel::from_string<Dim>("cp") == Dim::CP);
+    CHECK(accel::from_string<ReduceOp>("max") == ReduceOp::MAX);
+    CHECK(accel::from_string<accel::DeviceType>("npu") == accel::DeviceType::NPU);
+    std::ostringstream os;
+    os << Dim::MP_SHARD << ' ' << ReduceOp::MIN << ' ' << accel::DeviceType::META;
+    CHECK(os.str() == "mp_shard min meta");
+    CHECK_THROWS_WITH_AS(accel::from_string<Dim>("DP"),
+                         "accel::from_string<Dim>: unknown value 'DP' (expected one of: "
+                         "mp_replicate, mp_shard, dp, cp)",
+                         std::invalid_argument);
+    CHECK_THROWS_AS(accel::from_string<ReduceOp>("avg"), std::invalid_argument);
+  }
+
+  TEST_CASE("environment: defaults and torchrun values") {
+    EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr},
+                 {"LOCAL_WORLD_SIZE", nullptr}};
+    CHECK_FALSE(accel::is_distributed());
+    CHECK(accel::get_rank() == 0);
+    CHECK(accel::get_world_size() == 1);
+    CHECK(accel::get_local_rank() == 0);
+    CHECK(accel::get_local_world_size() == 1);
+    EnvGuard set{{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}};
+    CHECK(accel::is_distributed());
+    CHECK(accel::get_rank() == 5);
+    CHECK(accel::get_world_size() == 8);
+    CHECK(accel::get_local_rank() == 1);
+    CHECK(accel::get_local_world_size() == 4);
+  }
+
+  TEST_CASE("environment: bad values name the variable and the value") {
+    EnvGuard base{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr},
+                  {"LOCAL_WORLD_SIZE", nullptr}};
+    {
+      EnvGuard env{{"RANK", "abc"}};
+      CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: environment variable RANK='abc' is not an integer",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"RANK", "4"}, {"WORLD_SIZE", "4"}};
+      CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: RANK=4 must be smaller than WORLD_SIZE=4",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"WORLD_SIZE", "0"}};
+      CHECK_THROWS_WITH_AS(accel::get_world_size(),
+                           "accel: environment variable WORLD_SIZE=0 must be at least 1",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"RANK", "-1"}, {"WORLD_SIZE", "2"}};
+      CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: environment variable RANK=-1 must be at least 0",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"LOCAL_RANK", "-2"}};
+      CHECK_THROWS_AS(accel::get_local_rank(), std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}};
+      CHECK_THROWS_WITH_AS(accel::get_local_rank(),
+                           "accel: LOCAL_RANK=2 must be smaller than LOCAL_WORLD_SIZE=2",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}};
+      CHECK_THROWS_WITH_AS(accel::get_local_world_size(),
+                           "accel: LOCAL_WORLD_SIZE=3 must not exceed WORLD_SIZE=2", std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"WORLD_SIZE", "3x"}};
+      CHECK_THROWS_AS(accel::get_world_size(), std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"WORLD_SIZE", "99999999999"}};
+      CHECK_THROWS_AS(accel::get_world_size(), std::invalid_argument);
+    }
+  }
+
+  TEST_CASE("devices on a CPU build") {
+    EnvGuard env{{"ACCEL_DEVICE", nullptr}, {"ACCEL_BACKEND", nullptr}};
+    CHECK(accel::get_current_accelerator().type() == c10::DeviceType::CPU);
+    CHECK(accel::get_current_device() == c10::Device(c10::kCPU));
+    CHECK(accel::get_device_count() == 1);
+    CHECK(accel::get_process_group_backend() == "gloo");
+    CHECK_NOTHROW(accel::synchronize());
+    CHECK_NOTHROW(accel::set_device_index());
+    CHECK_FALSE(accel::is_torch_cuda_available());
+    CHECK_FALSE(accel::is_torch_npu_available());
+    {
+      EnvGuard cuda{{"ACCEL_DEVICE", "cuda"}};
+      CHECK_THROWS_WITH_AS(accel::get_current_accelerator(),
+                           doctest::Contains("ACCEL_DEVICE=cuda, but this LibTorch has no usable cuda device"),
+                           std::runtime_error);
+      CHECK(accel::get_current_accelerator(false).type() == c10::DeviceType::CUDA);
+    }
+    {
+      EnvGuard bogus{{"ACCEL_DEVICE", "tpu"}};
+      CHECK_THROWS_AS(accel::get_current_accelerator(), std::invalid_argument);
+    }
+    {
+      EnvGuard cpu{{"ACCEL_DEVICE", "cpu"}};
+      CHECK(accel::get_current_accelerator().type() == c10::DeviceType::CPU);
+    }
+    {
+      EnvGuard nccl{{"ACCEL_BACKEND", "nccl"}};
+      CHECK_THROWS_WITH_AS(accel::get_process_group_backend(),
+                           doctest::Contains("without NCCL"), std::runtime_error);
+    }
+    {
+      EnvGuard gloo{{"ACCEL_BACKEND", "gloo"}};
+      CHECK(accel::get_process_group_backend() == "gloo");
+    }
+    {
+      EnvGuard mpi{{"ACCEL_BACKEND", "mpi"}};
+      CHECK_THROWS_AS(accel::get_process_group_backend(), std::invalid_argument);
+    }
+  }
+
+  TEST_CASE("strategy: defaults and validation messages") {
+    using accel::DistributedConfig;
+    using accel::DistributedStrategy;
+    DistributedStrategy s8(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2}, 8);
+    CHECK((s8.model_mesh_shape() == std::array{2, 4}));
+    CHECK((s8.data_mesh_shape() == std::array{4, 2}));
+    CHECK((s8.model_mesh_dim_names() == std::array<std::string_view, 2>{"mp_replicate", "mp_shard"}));
+    CHECK((s8.data_mesh_dim_names() == std::array<std::string_view, 2>{"dp", "cp"}));
+    DistributedStrategy s6(DistributedConfig{.mp_shard_size = 6, .dp_size = 3, .cp_size = 2}, 6);
+    CHECK((s6.model_mesh_shape() == std::array{1, 6}));
+    CHECK((s6.data_mesh_shape() == std::array{3, 2}));
+
+    auto fails = [](DistributedConfig c, int world) { return what_of([&] { DistributedStrategy(c, world); }); };
+    CHECK(fails({.mp_replicate_size = 3}, 4) ==
+          "accel::DistributedStrategy: world_size 4 is not divisible by mp_replicate_size 3");
+    CHECK(fails({.mp_replicate_size = 2, .mp_shard_size = 3}, 4) ==
+          "accel::DistributedStrategy: mp_replicate_size * mp_shard_size must equal world_size, "
+          "got 2 * 3 != 4");
+    CHECK(fails({.dp_size = 3, .cp_size = 2}, 4) ==
+          "accel::DistributedStrategy: cp_size * dp_size must equal world_size, got 2 * 3 != 4");
+    CHECK(fails({.cp_size = 3}, 4) == "accel::DistributedStrategy: world_size 4 is not divisible by cp_size 3");
+    CHECK(fails({.mp_replicate_size = 0}, 4) ==
+          "accel::DistributedStrategy: mp_replicate_size must be positive, got 0");
+    CHECK(fails({.mp_shard_size = -4}, 4) == "accel::DistributedStrategy: mp_shard_size must be positive, got -4");
+    CHECK(fails({.dp_size = 0}, 4) == "accel::DistributedStrategy: dp_size must be positive, got 0");
+    CHECK(fails({.cp_size = -1}, 4) == "accel::DistributedStrategy: cp_size must be positive, got -1");
+    CHECK(fails({}, 0) == "accel::DistributedStrategy: world_size must be positive, got 0");
+    CHECK_THROWS_AS(DistributedStrategy(DistributedConfig{.mp_replicate_size = 3}, 4), std::invalid_argument);
+
+    EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}};
+    DistributedStrategy single(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2});
+    CHECK((single.model_mesh_shape() == std::array{1, 1}));  // not distributed: every size is 1
+    CHECK((single.data_mesh_shape() == std::array{1, 1}));
+    CHECK_THROWS_AS(DistributedStrategy(DistributedConfig{.cp_size = 0}), std::invalid_argument);
+  }
+
+  TEST_CASE("not distributed: identity collectives; all_gather still stacks") {
+    EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}};
+    auto& d = accel::DistributedInterface::instance();
+    CHECK_FALSE(d.distributed());
+    CHECK(d.get_rank() == 0);
+    CHECK(d.get_rank(Dim::CP) == 0);
+    CHECK(d.get_world_size(Dim::DP) == 1);
+    CHECK(d.get_group(Dim::DP).get() == nullptr);
+    CHECK(d.get_device_mesh(Dim::DP) == nullptr);
+    CHECK_THROWS_AS(d.get_device_mesh(std::nullopt), std::invalid_argument);
+
+    at::Tensor t = at::arange(6, at::kFloat).reshape({2, 3});
+    at::Tensor same = accel::all_reduce(t, ReduceOp::SUM);
+    CHECK(same.data_ptr() == t.data_ptr());
+    CHECK(at::equal(same, at::arange(6, at::kFloat).reshape({2, 3})));
+    at::Tensor stacked = accel::all_gather(t);
+    CHECK(stacked.sizes() == at::IntArrayRef({1, 2, 3}));
+    CHECK(at::equal(stacked[0], t));
+    CHECK(d.all_gather(at::scalar_tensor(7.0)).sizes() == at::IntArrayRef({1}));
+    CHECK(accel::all_gather(3) == std::vector<int>{3});
+    CHECK((accel::all_gather(std::vector<double>{1, 2}) == std::vector<std::vector<double>>{{1, 2}}));
+    CHECK(accel::all_reduce(2.5) == 2.5);
+    CHECK((accel::broadcast(std::vector<int>{4, 5}) == std::vector<int>{4, 5}));
+    CHECK_THROWS_AS(accel::broadcast(1, 1), std::invalid_argument);
+    CHECK_THROWS_AS(accel::all_reduce(int64_t{3}, ReduceOp::MEAN), std::invalid_argument);
+    CHECK(accel::main_process_first([] { return 42; }) == 42);
+    d.destroy();
+  }
+
+  TEST_CASE("MEAN on an integral type throws and says what to use") {
+    CHECK_THROWS_WITH_AS(accel::all_reduce(int64_t{1}, ReduceOp::MEAN),
+                         doctest::Contains("ReduceOp::MEAN on integral type Long would truncate; use "
+                                           "ReduceOp::SUM"),
+                         std::invalid_argument);
+    CHECK_THROWS_AS(accel::all_reduce(std::vector<unsigned>{1, 2}, ReduceOp::MEAN), std::invalid_argument);
+    CHECK_THROWS_AS(accel::all_reduce(at::ones({2}, at::kInt), ReduceOp::MEAN), std::invalid_argument);
+    CHECK_NOTHROW(accel::all_reduce(at::ones({2}, at::kDouble), ReduceOp::MEAN));
+  }
+
+  TEST_CASE("operate_tensorlike keeps the C++ type, exact values and the memory") {
+    const int64_t big = (int64_t{1} << 53) + 1;  // not representable in float or double
+    CHECK(accel::operate_tensorlike([](at::Tensor& t) { return t; }, big) == big);
+    CHECK(accel::operate_tensorlike([](at::Tensor& t) { return t + 1; }, big) == big + 1);
+    std::vector<int64_t> v{big, -big, 3};
+    const void* seen = nullptr;
+    const int64_t* original = v.data();
+    auto same = accel::operate_tensorlike(
+        [&](at::Tensor& t) {
+          seen = t.data_ptr();
+          CHECK((t.scalar_type() == at::kLong));
+          return t.mul_(2);
+        },
+        std::move(v));
+    CHECK(seen == original);  // a 1-d view of the vector's own memory
+    CHECK(same.data() == original);
+    CHECK((same == std::vector<int64_t>{2 * big, -2 * big, 6}));
+    auto doubled = accel::operate_tensorlike(Twice{}, std::vector<float>{1.5f, -2});
+    CHECK((doubled == std::vector<float>{3, -4}));
+    CHECK(accel::operate_tensorlike(Twice{}, 0.25) == 0.5);
+    CHECK(accel::operate_tensorlike(Twice{}, uint64_t{1} << 62) == uint64_t{1} << 63);
+    CHECK_THROWS_AS(accel::operate_tensorlike(Twice{}, ~uint64_t{0}), std::out_of_range);
+    CHECK(accel::operate_tensorlike(Twice{}, char16_t{40000}) == char16_t{80000 - 65536});
+    // A function may change the length: the vector follows.
+    CHECK((accel::operate_tensorlike([](at::Tensor& t) { return at::cat({t, t}); }, std::vector<short>{1, 2}) ==
+          std::vector<short>{1, 2, 1, 2}));
+  }
+}
+
+// == ranks: any world size ====================================================
+
+TEST_SUITE("ranks") {
+  TEST_CASE_TEMPLATE("exact values for every scalar type and its vector", T, ACCEL_SCALAR_TYPES) {
+    auto& d = world();
+    const int P = d.get_world_size();
+    const int r = d.get_rank();
+    const T mine = static_cast<T>(r + 1);
+    const long long sum = P * (P + 1) / 2;
+
+    CHECK(num(accel::all_reduce(mine, ReduceOp::SUM)) == sum);
+    CHECK(num(accel::all_reduce(mine, ReduceOp::MAX)) == P);
+    CHECK(num(accel::all_reduce(mine, ReduceOp::MIN)) == 1);
+    if constexpr (std::is_floating_point_v<T>) {
+      CHECK(num(accel::all_reduce(mine, ReduceOp::MEAN)) == static_cast<long double>(P + 1) / 2);
+    } else {
+      CHECK_THROWS_AS(accel::all_reduce(mine, ReduceOp::MEAN), std::invalid_argument);
+    }
+    // The interface's default dimension (dp) spans the world here.
+    CHECK(num(d.all_reduce(mine, ReduceOp::SUM)) == sum);
+
+    std::vector<T> gathered = accel::all_gather(mine);
+    REQUIRE(gathered.size() == static_cast<std::size_t>(P));
+    for (int i = 0; i < P; ++i) CHECK(num(gathered[i]) == i + 1);
+
+    const int src = P - 1;  // group-local, and not rank 0 when P > 1
+    CHECK(num(accel::broadcast(mine, src)) == P);
+    CHECK(num(d.broadcast(mine, src, Dim::DP)) == P);
+
+    std::vector<T> v{mine, static_cast<T>(2 * (r + 1)), static_cast<T>(r)};
+    auto vsum = accel::all_reduce(v, ReduceOp::SUM);
+    CHECK(num(vsum[0]) == sum);
+    CHECK(num(vsum[1]) == 2 * sum);
+    CHECK(num(vsum[2]) == sum - P);
+    auto vmax = accel::all_reduce(v, ReduceOp::MAX, d.world_group());
+    CHECK(num(vmax[0]) == P);
+    CHECK(num(vmax[2]) == P - 1);
+    auto vmin = d.all_reduce(v, ReduceOp::MIN, std::nullopt);  // no dim: the world
+    CHECK(num(vmin[0]) == 1);
+    CHECK(num(vmin[2]) == 0);
+    if constexpr (std::is_floating_point_v<T>)
+      CHECK(num(accel::all_reduce(v, ReduceOp::MEAN)[1]) == static_cast<long double>(P + 1));
+
+    auto vg = d.all_gather(v);
+    REQUIRE(vg.size() == static_cast<std::size_t>(P));
+    for (int i = 0; i < P; ++i) {
+      REQUIRE(vg[i].size() == 3);
+      CHECK(num(vg[i][0]) == i + 1);
+      CHECK(num(vg[i][2]) == i);
+    }
+    auto vb = accel::broadcast(v, src);
+    CHECK(num(vb[1]) == 2 * P);
+    CHECK(num(vb[2]) == P - 1);
+  }
+
+  TEST_CASE_TEMPLATE("tensors: in place, stacked gather, broadcast", T, float, double, int64_t) {
+    auto& d = world();
+    const int P = d.get_world_size();
+    const int r = d.get_rank();
+    const auto dtype = c10::CppTypeToScalarType<T>::value;
+    auto filled = [&](double value) { return at::full({2, 3}, value, at::TensorOptions().dtype(dtype)); };
+
+    at::Tensor t = filled(r + 1);
+    const void* storage = t.data_ptr();
+    at::Tensor out = accel::all_reduce(t, ReduceOp::SUM);
+    CHECK(out.data_ptr() == storage);  // in place, and returned
+    CHECK(at::equal(t, filled(P * (P + 1) / 2)));
+    CHECK(at::equal(accel::all_reduce(filled(r + 1), ReduceOp::MAX), filled(P)));
+    CHECK(at::equal(accel::all_reduce(filled(r + 1), ReduceOp::MIN), filled(1)));
+    if constexpr (std::is_floating_point_v<T>) {
+      CHECK(at::allclose(d.all_reduce(filled(r + 1)), filled((P + 1) / 2.0)));  // MEAN by default
+    } else {
+      CHECK_THROWS_AS(d.all_reduce(filled(r + 1)), std::invalid_argument);
+    }
+
+    // A non-contiguous tensor is reduced through a temporary, still in place.
+    at::Tensor base = filled(0);
+    base.select(1, 1).fill_(r + 1);
+    at::Tensor column = base.select(1, 1);
+    REQUIRE_FALSE(column.is_contiguous());
+    accel::all_reduce(column, ReduceOp::SUM);
+    CHECK(at::equal(base.select(1, 1), at::full({2}, P * (P + 1) / 2.0, at::TensorOptions().dtype(dtype))));
+    CHECK(at::equal(base.select(1, 0), at::zeros({2}, at::TensorOptions().dtype(dtype))));
+
+    at::Tensor stacked = accel::all_gather(filled(r + 1));
+    CHECK(stacked.sizes() == at::IntArrayRef({P, 2, 3}));
+    for (int i = 0; i < P; ++i) CHECK(at::equal(stacked[i], filled(i + 1)));
+    at::Tensor zero_d = d.all_gather(at::scalar_tensor(r + 1, at::TensorOptions().dtype(dtype)));
+    CHECK(zero_d.sizes() == at::IntArrayRef({P}));
+
+    at::Tensor b = filled(r + 1);
+    accel::broadcast(b, P - 1);
+    CHECK(at::equal(b, filled(P)));
+  }
+
+  TEST_CASE("broadcast checks src against the group") {
+    auto& d = world();
+    const int P = d.get_world_size();
+    CHECK_THROWS_WITH_AS(accel::broadcast(1.0, P), doctest::Contains("is not a rank of group 'world'"),
+                         std::invalid_argument);
+    CHECK_THROWS_AS(accel::broadcast(1.0, -1), std::invalid_argument);
+  }
+
+  TEST_CASE("a std::vector of 1000 doubles is one c10d collective") {
+    auto& d = world();
+    accel::GroupPtr g = d.world_group();
+    g->setSequenceNumberForGroup();
+    const auto before = g->getSequenceNumberForGroup();
+    std::vector<double> v(1000, d.get_rank() + 1.0);
+    v = accel::all_reduce(std::move(v), ReduceOp::SUM, g);
+    CHECK(g->getSequenceNumberForGroup() - before == 1);
+    const int P = d.get_world_size();
+    CHECK(v.front() == P * (P + 1) / 2.0);
+    CHECK(v.back() == P * (P + 1) / 2.0);
+    // A type no backend reduces natively still costs one collective.
+    const auto before_bytes = g->getSequenceNumberForGroup();
+    std::vector<uint32_t> u(1000, static_cast<uint32_t>(d.get_rank()) + 4000000000u / 8);
+    u = accel::all_reduce(std::move(u), ReduceOp::MAX, g);
+    CHECK(g->getSequenceNumberForGroup() - before_bytes == 1);
+    CHECK(u[999] == static_cast<uint32_t>(P - 1) + 4000000000u / 8);
+  }
+
+  TEST_CASE("unsigned and extended types stay exact") {
+    auto& d = world();
+    const int P = d.get_world_size();
+    const int r = d.get_rank();
+    const uint64_t high = (uint64_t{1} << 63) + static_cast<uint64_t>(r);  // above INT64_MAX
+    CHECK(accel::all_reduce(high, ReduceOp::MAX) == (uint64_t{1} << 63) + static_cast<uint64_t>(P - 1));
+    CHECK(accel::all_reduce(high, ReduceOp::MIN) == uint64_t{1} << 63);
+    CHECK(accel::all_gather(high).back() == high - static_cast<uint64_t>(r) + static_cast<uint64_t>(P - 1));
+    const long double third = 1.0L / 3.0L + r;  // more digits than a double holds
+    long double expected = 0;
+    for (int i = 0; i < P; ++i) expected += 1.0L / 3.0L + i;
+    CHECK(accel::all_reduce(third, ReduceOp::SUM) == expected);
+    CHECK(accel::broadcast(third, 0) == 1.0L / 3.0L);
+  }
+
+  TEST_CASE("per-rank group count is constant: the world and one per mesh dimension") {
+    const int before = accel::detail::groups_created().load();
+    auto& d = fresh();
+    CHECK(accel::detail::groups_created().load() - before == 5);
+    CHECK(d.get_world_size(Dim::DP) == d.get_world_size());
+    CHECK(d.get_world_size(Dim::CP) == 1);
+    CHECK(d.get_world_size(Dim::MP_REPLICATE) == 1);
+    CHECK(d.get_world_size(Dim::MP_SHARD) == d.get_world_size());
+  }
+
+  TEST_CASE("singleton: same object, conflicting config, destroy and afresh") {
+    auto& a = world();
+    auto& b = accel::DistributedInterface::instance();
+    CHECK(&a == &b);
+    CHECK(&accel::DistributedInterface::instance(test_config()) == &a);
+    auto other = test_config();
+    other.cp_size = 2;
+    CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(other),
+                         doctest::Contains("already initialised"), std::logic_error);
+    other = test_config();
+    other.timeout = std::chrono::seconds(61);
+    CHECK_THROWS_AS(accel::DistributedInterface::instance(other), std::logic_error);
+
+    a.destroy();
+    auto& c = world();  // afresh: a new rendezvous and new groups that work
+    const int P = c.get_world_size();
+    CHECK(c.all_reduce(c.get_rank() + 1, ReduceOp::SUM) == P * (P + 1) / 2);
+    std::ostringstream os;
+    os << c;
+    CHECK(os.str().find("is_distributed=true") != std::string::npos);
+  }
+
+  TEST_CASE("singleton: concurrent first calls build it once") {
+    if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+    const int before = accel::detail::groups_created().load();
+    std::vector<accel::DistributedInterface*> seen(4);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 4; ++i)
+      threads.emplace_back([&seen, i] { seen[i] = &accel::DistributedInterface::instance(test_config()); });
+    for (auto& t : threads) t.join();
+    for (auto* p : seen) CHECK(p == seen[0]);
+    CHECK(accel::detail::groups_created().load() - before == 5);
+    const int P = seen[0]->get_world_size();
+    CHECK(seen[0]->all_reduce(1, ReduceOp::SUM, std::nullopt) == P);
+  }
+
+  TEST_CASE("main_process_first: the main process runs first and its result returns") {
+    auto& d = world();
+    const std::string marker = "/tmp/accel_test_mpf_" + std::string(std::getenv("MASTER_PORT"));
+    if (d.get_rank() == 0) std::filesystem::remove(marker);
+    d.barrier();
+    bool saw_marker = accel::main_process_first([&] {
+      const bool exists = std::filesystem::exists(marker);
+      if (d.get_local_rank() == 0) std::ofstream(marker) << "made by the main process";
+      return exists;
+    });
+    // The main process ran before the marker existed; every other rank after.
+    CHECK(saw_marker == (d.get_local_rank() != 0));
+    int ran = 0;
+    accel::main_process_first([&] { ++ran; }, /*local_only=*/false);
+    CHECK(ran == 1);
+    d.barrier();
+    if (d.get_rank() == 0) std::filesystem::remove(marker);
+  }
+
+  TEST_CASE("main_process_first: a throwing main releases the others with an error") {
+    auto& d = world();
+    bool others_ran = false;
+    auto body = [&] {
+      if (d.get_local_rank() == 0) throw std::runtime_error("cache build failed");
+      others_ran = true;
+    };
+    if (d.get_local_rank() == 0) {
+      CHECK_THROWS_WITH_AS(accel::main_process_first(body), "cache build failed", std::runtime_error);
+    } else {
+      CHECK_THROWS_WITH_AS(accel::main_process_first(body),
+                           "accel::main_process_first: the main process (rank 0) threw; this rank did "
+                           "not run the body",
+                           accel::DistributedError);
+      CHECK_FALSE(others_ran);
+    }
+    // The group is still in step afterwards.
+    CHECK(d.all_reduce(1, ReduceOp::SUM, std::nullopt) == d.get_world_size());
+  }
+
+  TEST_CASE("cleanup") { world().destroy(); }
+}
+
+// == mesh4: every mesh dimension at world size 4 ==============================
+
+namespace {
+// The groups init_device_mesh makes for arange(4).reshape(rows, cols): along
+// dim 0 a column of the grid, along dim 1 a row.
+std::vector<int> expected_group(int rank, int rows, int cols, int axis) {
+  std::vector<std::vector<int>> grid(rows, std::vector<int>(cols));
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) grid[i][j] = i * cols + j;
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j)
+      if (grid[i][j] == rank) {
+        std::vector<int> members;
+        if (axis == 0)
+          for (int k = 0; k < rows; ++k) members.push_back(grid[k][j]);
+        else
+          for (int k = 0; k < cols; ++k) members.push_back(grid[i][k]);
+        return members;
+      }
+  return {};
+}
+
+void check_dimension(accel::DistributedInterface& d, Dim dim, int rows, int cols, int axis) {
+  CAPTURE(accel::to_string(dim));
+  const int rank = d.get_rank();
+  const auto members = expected_group(rank, rows, cols, axis);
+  const int position = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+  CHECK(d.get_world_size(dim) == static_cast<int>(members.size()));
+  CHECK(d.get_rank(dim) == position);
+  CHECK(d.get_group(dim)->getSize() == static_cast<int>(members.size()));
+  CHECK(d.get_group(dim)->getRank() == position);
+  CHECK(d.get_device_mesh(dim)->ranks() == members);
+  // The collectives reach exactly these ranks, in this order.
+  auto gathered = d.all_gather(static_cast<int64_t>(rank), dim);
+  CHECK(std::vector<int>(gathered.begin(), gathered.end()) == members);
+  int64_t sum = 0;
+  for (int m : members) sum += m;
+  CHECK(d.all_reduce(static_cast<int64_t>(rank), ReduceOp::SUM, dim) == sum);
+  CHECK(d.broadcast(static_cast<int64_t>(rank), static_cast<int>(members.size()) - 1, dim) == members.back());
+}
+}  // namespace
+
+TEST_SUITE("mesh4") {
+  TEST_CASE("every mesh dimension under (2,2 | 2,2), (1,4 | 4,1) and (4,1 | 1,4)") {
+    REQUIRE(accel::get_world_size() == 4);
+    struct Case {
+      int mp_replicate, mp_shard, dp, cp;
+    };
+    for (Case c : {Case{2, 2, 2, 2}, Case{1, 4, 4, 1}, Case{4, 1, 1, 4}}) {
+      CAPTURE(c.mp_replicate);
+      CAPTURE(c.dp);
+      auto& d = fresh({.mp_replicate_size = c.mp_replicate, .mp_shard_size = c.mp_shard, .dp_size = c.dp,
+                       .cp_size = c.cp});
+      CHECK((d.strategy().model_mesh_shape() == std::array{c.mp_replicate, c.mp_shard}));
+      CHECK((d.strategy().data_mesh_shape() == std::array{c.dp, c.cp}));
+      CHECK((d.model_mesh()->get_coordinate() == std::vector<int>{d.get_rank() / c.mp_shard, d.get_rank() % c.mp_shard}));
+      CHECK((d.data_mesh()->get_coordinate() == std::vector<int>{d.get_rank() / c.cp, d.get_rank() % c.cp}));
+      check_dimension(d, Dim::MP_REPLICATE, c.mp_replicate, c.mp_shard, 0);
+      check_dimension(d, Dim::MP_SHARD, c.mp_replicate, c.mp_shard, 1);
+      check_dimension(d, Dim::DP, c.dp, c.cp, 0);
+      check_dimension(d, Dim::CP, c.dp, c.cp, 1);
+    }
+    accel::DistributedInterface::instance().destroy();
+  }
+}
+
+// == exit: leaving without destroy() ==========================================
+
+TEST_SUITE("exit") {
+  TEST_CASE("a live interface at exit is released cleanly by static destruction") {
+    auto& d = world();
+    CHECK(d.all_reduce(1, ReduceOp::SUM, std::nullopt) == d.get_world_size());
+  }
+}
