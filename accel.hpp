@@ -657,8 +657,11 @@ void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
   tensor.copy_(staged);
 }
 
+// Collectives are not differentiable: the copies and the MEAN division
+// around them must not trip autograd's in-place checks (as in Python, where
+// c10d ops bypass autograd).
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
-  if (op == ReduceOp::MEAN) reject_integral_mean(tensor.scalar_type());
+  at::NoGradGuard no_grad;
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::AllreduceOptions opts;
@@ -673,6 +676,7 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
     throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
                                 " is not a rank of " + describe(group) +
                                 " (src is a rank within the group)");
+  at::NoGradGuard no_grad;
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::BroadcastOptions opts;
@@ -684,6 +688,7 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
 // Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
 inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
                             std::vector<at::Tensor> outputs) {
+  at::NoGradGuard no_grad;
   auto device = staging_device(group, input);
   std::vector<at::Tensor> inputs{device ? input.to(*device).contiguous() : input.contiguous()};
   std::vector<at::Tensor> staged = outputs;

@@ -460,6 +460,16 @@ TEST_SUITE("ranks") {
     at::Tensor b = filled(r + 1);
     accel::broadcast(b, P - 1);
     CHECK(at::equal(b, filled(P)));
+
+    if constexpr (std::is_floating_point_v<T>) {
+      // A leaf that requires grad (a parameter, a logged loss): collectives
+      // bypass autograd instead of tripping its in-place checks.
+      at::Tensor leaf = filled(r + 1).requires_grad_(true);
+      CHECK_NOTHROW(accel::all_reduce(leaf));
+      CHECK(at::allclose(leaf.detach(), filled((P + 1) / 2.0)));
+      CHECK_NOTHROW(accel::broadcast(leaf, 0));
+      CHECK(accel::all_gather(leaf).sizes() == at::IntArrayRef({P, 2, 3}));
+    }
   }
 
   TEST_CASE("broadcast checks src against the group") {
@@ -664,5 +674,20 @@ TEST_SUITE("exit") {
   TEST_CASE("a live interface at exit is released cleanly by static destruction") {
     auto& d = world();
     CHECK(d.all_reduce(1, ReduceOp::SUM, std::nullopt) == d.get_world_size());
+  }
+}
+
+// == peer_gone: a rank that disappears ========================================
+
+TEST_SUITE("peer_gone") {
+  TEST_CASE("a rank that leaves makes the others' collective throw, naming it and the group") {
+    auto& d = accel::DistributedInterface::instance(
+        accel::DistributedConfig{.timeout = std::chrono::seconds(10)});
+    d.barrier();
+    const int P = d.get_world_size();
+    if (d.get_rank() == P - 1) std::_Exit(0);  // gone without a word, mid-program
+    CHECK_THROWS_WITH_AS(d.all_reduce(1.0, ReduceOp::SUM, std::nullopt),
+                         doctest::Contains("accel::all_reduce failed on group 'world' (gloo, rank"),
+                         accel::DistributedError);
   }
 }
