@@ -445,11 +445,10 @@ constexpr c10::ScalarType value_dtype() {
   else if constexpr (sizeof(T) == 2) return c10::kInt;
   else return c10::kLong;
 }
+// ATen's own C++ type for that dtype: data_ptr<T>() and item<T>() exist only
+// for these (int64_t, not long long; int8_t, not char).
 template <Scalar T>
-using value_type_t = std::conditional_t<
-    exact_dtype<T>().has_value(), T,
-    std::conditional_t<std::is_floating_point_v<T>, double,
-                       std::conditional_t<sizeof(T) == 2, int32_t, int64_t>>>;
+using value_type_t = c10::impl::ScalarTypeToCPPTypeT<value_dtype<T>()>;
 
 template <Scalar T>
 value_type_t<T> to_value(T x) {

@@ -34,11 +34,12 @@ using accel::ReduceOp;
 
 // == Every public template, explicitly instantiated for every TensorLike ====
 
-namespace {
-struct Twice {  // a function object for operate_tensorlike
+// A function object for operate_tensorlike. Not in an anonymous namespace:
+// instantiations over an internal-linkage type may be dropped unemitted,
+// which would hide the link errors they are here to catch.
+struct Twice {
   at::Tensor operator()(at::Tensor& t) const { return t * 2; }
 };
-}  // namespace
 
 #define ACCEL_INSTANTIATE(T)                                                            \
   template T accel::all_reduce<T>(T, accel::ReduceOp, accel::GroupPtr);                 \
@@ -361,6 +362,14 @@ TEST_SUITE("single") {
     CHECK(accel::operate_tensorlike(Twice{}, uint64_t{1} << 62) == uint64_t{1} << 63);
     CHECK_THROWS_AS(accel::operate_tensorlike(Twice{}, ~uint64_t{0}), std::out_of_range);
     CHECK(accel::operate_tensorlike(Twice{}, char16_t{40000}) == char16_t{80000 - 65536});
+    // C++ types that share an ATen dtype with another (long long and int64_t,
+    // char and int8_t, wchar_t and int32_t, char8_t and uint8_t).
+    CHECK((accel::operate_tensorlike(Twice{}, std::vector<long long>{1LL << 40, -3}) ==
+           std::vector<long long>{1LL << 41, -6}));
+    CHECK((accel::operate_tensorlike(Twice{}, std::vector<char>{'\x01', '\x20'}) == std::vector<char>{2, 64}));
+    CHECK((accel::operate_tensorlike(Twice{}, std::vector<wchar_t>{L'a'}) == std::vector<wchar_t>{2 * L'a'}));
+    CHECK(accel::operate_tensorlike(Twice{}, char8_t{100}) == char8_t{200});
+    CHECK(accel::operate_tensorlike(Twice{}, 21LL) == 42LL);
     // A function may change the length: the vector follows.
     CHECK((accel::operate_tensorlike([](at::Tensor& t) { return at::cat({t, t}); }, std::vector<short>{1, 2}) ==
           std::vector<short>{1, 2, 1, 2}));
