@@ -586,15 +586,17 @@ inline std::string describe(const c10d::ProcessGroup& group) {
          std::to_string(group.getRank()) + " of " + std::to_string(group.getSize()) + ")";
 }
 
-// Null when not distributed: collectives are then the identity.
-inline GroupPtr resolve(const GroupPtr& group, const char* op) {
-  if (group) return group;
+// The group a collective runs on, not owned (the caller's group, or the
+// world group the interface keeps alive); null when not distributed, where
+// collectives are the identity. No reference counting on the hot path.
+inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
+  if (group) return group.get();
   {
     auto& reg = registry();
     std::lock_guard lock(reg.mutex);
-    if (reg.world) return reg.world;
+    if (reg.world) return reg.world.get();
   }
-  if (!is_distributed()) return {};
+  if (!is_distributed()) return nullptr;
   throw std::logic_error(std::string("accel::") + op +
                          ": RANK is set but no world group exists; call "
                          "accel::DistributedInterface::instance() first or pass a group");
@@ -635,10 +637,13 @@ inline void reject_integral_mean(c10::ScalarType dtype) {
                                 "or pass a floating-point value");
 }
 
-// NCCL only moves device memory: CPU data visits the current device.
-inline std::optional<c10::Device> staging_device(const c10d::ProcessGroup& group,
-                                                 const at::Tensor& tensor) {
-  if (group.getBackendName() == "nccl" && !tensor.is_cuda()) return get_current_device();
+// NCCL only moves device memory: CPU data visits the current device. (Only
+// builds with NCCL can hold an NCCL group, so others skip the name lookup.)
+inline std::optional<c10::Device> staging_device([[maybe_unused]] const c10d::ProcessGroup& group,
+                                                 [[maybe_unused]] const at::Tensor& tensor) {
+#if ACCEL_WITH_NCCL
+  if (!tensor.is_cuda() && group.getBackendName() == "nccl") return get_current_device();
+#endif
   return std::nullopt;
 }
 
@@ -653,21 +658,24 @@ void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
   }
   at::Tensor staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
   op(staged);
+  at::NoGradGuard no_grad;
   tensor.copy_(staged);
 }
 
-// Collectives are not differentiable: the copies and the MEAN division
-// around them must not trip autograd's in-place checks (as in Python, where
-// c10d ops bypass autograd).
+// Collectives are not differentiable: our own in-place copies and the MEAN
+// division must not trip autograd's checks (in Python, c10d ops bypass
+// autograd too), so they run under NoGradGuard.
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
-  at::NoGradGuard no_grad;
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(op);
     run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
   });
-  if (op == ReduceOp::MEAN) tensor.div_(group.getSize());
+  if (op == ReduceOp::MEAN) {
+    at::NoGradGuard no_grad;
+    tensor.div_(group.getSize());
+  }
 }
 
 inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int src) {
@@ -675,7 +683,6 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
     throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
                                 " is not a rank of " + describe(group) +
                                 " (src is a rank within the group)");
-  at::NoGradGuard no_grad;
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::BroadcastOptions opts;
@@ -687,7 +694,6 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
 // Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
 inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
                             std::vector<at::Tensor> outputs) {
-  at::NoGradGuard no_grad;
   auto device = staging_device(group, input);
   std::vector<at::Tensor> inputs{device ? input.to(*device).contiguous() : input.contiguous()};
   std::vector<at::Tensor> staged = outputs;
@@ -695,19 +701,24 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
     for (auto& t : staged) t = at::empty_like(t, t.options().device(*device));
   std::vector<std::vector<at::Tensor>> output_lists{staged};
   run("all_gather", group, [&] { return group.allgather(output_lists, inputs); });
-  if (device)
+  if (device) {
+    at::NoGradGuard no_grad;
     for (std::size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(output_lists[0][r]);
+  }
 }
 
-inline at::Tensor all_gather_tensor(c10d::ProcessGroup& group, const at::Tensor& input) {
-  std::vector<int64_t> shape{group.getSize()};
+inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
+  std::vector<int64_t> shape{size};
   shape.insert(shape.end(), input.sizes().begin(), input.sizes().end());
-  at::Tensor stacked = at::empty(shape, input.options().memory_format(c10::MemoryFormat::Contiguous));
+  return shape;
+}
+
+// Gathers into the rows of `stacked`, of shape (group size, *input's shape).
+inline void all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& input, at::Tensor& stacked) {
   std::vector<at::Tensor> rows;
   rows.reserve(group.getSize());
   for (int r = 0; r < group.getSize(); ++r) rows.push_back(stacked.select(0, r));
   all_gather_into(group, input, std::move(rows));
-  return stacked;
 }
 
 // Types no backend reduces natively travel as bytes; all_reduce then gathers
@@ -748,7 +759,7 @@ void all_reduce_bytes(c10d::ProcessGroup& group, T* data, std::size_t count, Red
 // std::vector travels as one collective. MEAN is SUM divided by the group size
 // and is rejected for integral types.
 template <TensorLike T>
-T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, GroupPtr group = {}) {
+T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
   if constexpr (!std::same_as<T, at::Tensor>) {
     using E = detail::element_t<T>;
     if (op == ReduceOp::MEAN && std::is_integral_v<E>)
@@ -756,7 +767,7 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, GroupPtr group = {}) {
   } else if (op == ReduceOp::MEAN) {
     detail::reject_integral_mean(data.scalar_type());
   }
-  GroupPtr g = detail::resolve(group, "all_reduce");
+  c10d::ProcessGroup* g = detail::resolve(group, "all_reduce");
   if (!g) return data;
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
@@ -784,8 +795,8 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, GroupPtr group = {}) {
 
 // Copies data from rank `src` of the group (a rank within the group) to all.
 template <TensorLike T>
-T broadcast(T data, int src = 0, GroupPtr group = {}) {
-  GroupPtr g = detail::resolve(group, "broadcast");
+T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "broadcast");
   if (!g) {
     if (src != 0)
       throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
@@ -808,11 +819,14 @@ T broadcast(T data, int src = 0, GroupPtr group = {}) {
 // a std::vector<T> gives std::vector<std::vector<T>>. Every rank passes the
 // same shape.
 template <TensorLike T>
-auto all_gather(const T& data, GroupPtr group = {}) {
-  GroupPtr g = detail::resolve(group, "all_gather");
+auto all_gather(const T& data, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_gather");
   if constexpr (std::same_as<T, at::Tensor>) {
     if (!g) return data.unsqueeze(0).clone();
-    return detail::all_gather_tensor(*g, data);
+    at::Tensor stacked = at::empty(detail::stacked_shape(g->getSize(), data),
+                                   data.options().memory_format(c10::MemoryFormat::Contiguous));
+    detail::all_gather_stacked(*g, data, stacked);
+    return stacked;
   } else if constexpr (Scalar<T>) {
     if (!g) return std::vector<T>{data};
     std::vector<T> result(g->getSize());
@@ -833,9 +847,33 @@ auto all_gather(const T& data, GroupPtr group = {}) {
   }
 }
 
+// all_gather into a tensor the caller owns, of shape (group_size, *input's
+// shape) with input's dtype and device: no allocation per call, for large
+// tensors gathered again and again. Returns output.
+inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& input,
+                                          const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_gather_into_tensor");
+  const auto expected = detail::stacked_shape(g ? g->getSize() : 1, input);
+  if (output.sizes() != c10::IntArrayRef(expected) || output.scalar_type() != input.scalar_type() ||
+      output.device() != input.device()) {
+    std::ostringstream message;
+    message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected)
+            << ", dtype " << input.scalar_type() << " and device " << input.device() << "; got "
+            << output.sizes() << ", " << output.scalar_type() << ", " << output.device();
+    throw std::invalid_argument(message.str());
+  }
+  if (!g) {
+    at::NoGradGuard no_grad;
+    output.select(0, 0).copy_(input);
+  } else {
+    detail::all_gather_stacked(*g, input, output);
+  }
+  return output;
+}
+
 // Blocks until every rank of the group (default: the world) arrives.
-inline void barrier(GroupPtr group = {}) {
-  GroupPtr g = detail::resolve(group, "barrier");
+inline void barrier(const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "barrier");
   if (!g) return;
   detail::run("barrier", *g, [&] { return g->barrier(); });
 }
@@ -846,8 +884,9 @@ inline void barrier(GroupPtr group = {}) {
 // DistributedError instead of running body on a state the main failed to make.
 template <class Body>
 std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = true) {
-  GroupPtr g = detail::resolve({}, "main_process_first");
-  if (!g) return std::invoke(body);
+  c10d::ProcessGroup* world = detail::resolve({}, "main_process_first");
+  if (!world) return std::invoke(body);
+  auto g = GroupPtr::unsafe_reclaim_from_nonowning(world);
   const bool is_main = local_only ? get_local_rank() == 0 : get_rank() == 0;
   // One all_reduce releases the others and tells them whether (and which)
   // main process failed: MAX of rank+1 over the failing mains, 0 if none.

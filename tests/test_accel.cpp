@@ -42,9 +42,9 @@ struct Twice {
 };
 
 #define ACCEL_INSTANTIATE(T)                                                            \
-  template T accel::all_reduce<T>(T, accel::ReduceOp, accel::GroupPtr);                 \
-  template T accel::broadcast<T>(T, int, accel::GroupPtr);                              \
-  template auto accel::all_gather<T>(const T&, accel::GroupPtr);                        \
+  template T accel::all_reduce<T>(T, accel::ReduceOp, const accel::GroupPtr&);          \
+  template T accel::broadcast<T>(T, int, const accel::GroupPtr&);                       \
+  template auto accel::all_gather<T>(const T&, const accel::GroupPtr&);                 \
   template T accel::operate_tensorlike<T, Twice>(Twice&&, T);                           \
   template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>); \
   template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>); \
@@ -320,6 +320,11 @@ TEST_SUITE("single") {
     CHECK(at::equal(stacked[0], t));
     CHECK(d.all_gather(at::scalar_tensor(7.0)).sizes() == at::IntArrayRef({1}));
     CHECK(accel::all_gather(3) == std::vector<int>{3});
+    at::Tensor into = at::zeros({1, 2, 3});
+    accel::all_gather_into_tensor(into, t);
+    CHECK(at::equal(into[0], t));
+    at::Tensor wrong = at::zeros({2, 2, 3});
+    CHECK_THROWS_AS(accel::all_gather_into_tensor(wrong, t), std::invalid_argument);
     CHECK((accel::all_gather(std::vector<double>{1, 2}) == std::vector<std::vector<double>>{{1, 2}}));
     CHECK(accel::all_reduce(2.5) == 2.5);
     CHECK((accel::broadcast(std::vector<int>{4, 5}) == std::vector<int>{4, 5}));
@@ -465,6 +470,19 @@ TEST_SUITE("ranks") {
     for (int i = 0; i < P; ++i) CHECK(at::equal(stacked[i], filled(i + 1)));
     at::Tensor zero_d = d.all_gather(at::scalar_tensor(r + 1, at::TensorOptions().dtype(dtype)));
     CHECK(zero_d.sizes() == at::IntArrayRef({P}));
+
+    // Into a buffer the caller owns and reuses.
+    at::Tensor buffer = at::empty({P, 2, 3}, at::TensorOptions().dtype(dtype));
+    const void* buffer_data = buffer.data_ptr();
+    for (int round = 0; round < 2; ++round) {
+      at::Tensor& same = accel::all_gather_into_tensor(buffer, filled(r + 1 + round));
+      CHECK(&same == &buffer);
+      CHECK(buffer.data_ptr() == buffer_data);
+      for (int i = 0; i < P; ++i) CHECK(at::equal(buffer[i], filled(i + 1 + round)));
+    }
+    at::Tensor wrong = at::empty({P + 1, 2, 3}, at::TensorOptions().dtype(dtype));
+    CHECK_THROWS_WITH_AS(accel::all_gather_into_tensor(wrong, filled(1)),
+                         doctest::Contains("output must have shape"), std::invalid_argument);
 
     at::Tensor b = filled(r + 1);
     accel::broadcast(b, P - 1);
