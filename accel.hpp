@@ -1050,8 +1050,8 @@ class DeviceMesh {
   // This rank's index along a dimension = its rank inside that dimension's group.
   int get_local_rank(int mesh_dim = 0) const { return coordinate_.at(index(mesh_dim)); }
   int get_local_rank(std::string_view name) const { return get_local_rank(index(name)); }
-  GroupPtr get_group(int mesh_dim = 0) const { return groups_.at(index(mesh_dim)); }
-  GroupPtr get_group(std::string_view name) const { return get_group(index(name)); }
+  const GroupPtr& get_group(int mesh_dim = 0) const { return groups_.at(index(mesh_dim)); }
+  const GroupPtr& get_group(std::string_view name) const { return get_group(index(name)); }
 
   int index(std::string_view name) const {
     for (std::size_t i = 0; i < dim_names_.size(); ++i)
@@ -1344,9 +1344,11 @@ class DistributedInterface {
     }
   }
 
-  GroupPtr group_for(std::optional<Dim> dim) const {
-    if (!distributed_) return {};
-    return dim ? get_group(dim) : world_;
+  // Borrowed from the meshes, so the hot path counts no references.
+  const GroupPtr& group_for(std::optional<Dim> dim) const {
+    static const GroupPtr none;
+    if (!distributed_) return none;
+    return dim ? dim_meshes_[static_cast<std::size_t>(*dim)].get_group() : world_;
   }
 
   // Each rank creates only its own group along each mesh dimension: the
