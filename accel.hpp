@@ -8,9 +8,9 @@
 // Copyright (c) 2026 the accel.hpp authors. See LICENSE for the full text.
 //
 // Contents (in the order data flows through the header):
-//   VERSION · CONFIGURATION · FEATURE DETECTION · ENUMS · ENVIRONMENT ·
-//   DEVICES · TENSOR-LIKE CONCEPTS · COLLECTIVES ON A GROUP ·
-//   STRATEGY AND MESHES · THE SINGLETON
+//   without LibTorch:  VERSION · CONFIGURATION · ENUMS · ENVIRONMENT · STRATEGY
+//   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
+//                      COLLECTIVES ON A GROUP · MESHES · THE SINGLETON
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -32,6 +32,9 @@
 //   ACCEL_WITH_NCCL                1 or 0 to force the NCCL path on or off;
 //                                  by default it is on exactly when LibTorch
 //                                  is a CUDA build and <nccl.h> is visible.
+//   ACCEL_CORE_ONLY                stop before everything that needs LibTorch:
+//                                  enums, environment and strategy validation
+//                                  only, for tools that do not link LibTorch.
 //
 // Run-time environment:
 //   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's contract
@@ -45,56 +48,8 @@
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
 #endif
 
-// == FEATURE DETECTION ========================================================
-
 #if __cplusplus < 202002L
 #error "accel.hpp needs C++20 (-std=c++20)"
-#endif
-
-// c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
-// defined; LibTorch itself is built with it, so a program only has to see the
-// Gloo headers (Debian: libgloo-dev).
-#if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
-#define USE_C10D_GLOO 1
-#endif
-
-// cuda_cmake_macros.h is generated only by CUDA builds of LibTorch, so CPU
-// packages that ship the c10/cuda headers anyway are not mistaken for CUDA.
-#ifndef ACCEL_WITH_NCCL
-#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>) && __has_include(<nccl.h>)
-#define ACCEL_WITH_NCCL 1
-#else
-#define ACCEL_WITH_NCCL 0
-#endif
-#endif
-#if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
-#define USE_C10D_NCCL 1
-#endif
-
-// Debian installs torch/version.h under the C++ API's own include root.
-#if __has_include(<torch/version.h>)
-#include <torch/version.h>
-#elif __has_include(<torch/csrc/api/include/torch/version.h>)
-#include <torch/csrc/api/include/torch/version.h>
-#else
-#error "accel.hpp: cannot find LibTorch's torch/version.h"
-#endif
-
-#define ACCEL_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||        \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
-
-#include <ATen/ATen.h>
-#include <c10/core/DeviceGuard.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#ifdef USE_C10D_GLOO
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#endif
-#ifdef USE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <algorithm>
@@ -123,8 +78,6 @@
 
 namespace accel {
 
-using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
-
 // Thrown when a collective, the rendezvous or a process group fails (peer
 // gone, timeout, mismatched calls). The message names the operation and the
 // group.
@@ -132,7 +85,6 @@ class DistributedError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
-
 // == ENUMS ====================================================================
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
@@ -244,6 +196,171 @@ inline int get_local_rank() {
   detail::check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", get_local_world_size());
   return local_rank;
 }
+
+// == STRATEGY =================================================================
+//
+// The four parallelism sizes, validated against the world size.
+
+struct DistributedConfig {
+  int mp_replicate_size = 1;
+  std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
+  std::optional<int> dp_size;        // default: world / cp_size
+  int cp_size = 1;
+  std::chrono::seconds timeout{ACCEL_DEFAULT_TIMEOUT_SECONDS};
+  bool operator==(const DistributedConfig&) const = default;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
+  auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
+  return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
+            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size)
+            << ", cp_size=" << c.cp_size << ", timeout=" << c.timeout.count() << "s)";
+}
+
+// The four mesh sizes, validated against the world size on construction.
+class DistributedStrategy {
+ public:
+  // Validates against WORLD_SIZE; when not distributed every size is 1.
+  explicit DistributedStrategy(const DistributedConfig& config = {})
+      : DistributedStrategy(config, accel::get_world_size(), is_distributed()) {}
+
+  // Validates against an explicit world size (as if distributed).
+  DistributedStrategy(const DistributedConfig& config, int world_size)
+      : DistributedStrategy(config, world_size, true) {}
+
+  int mp_replicate_size() const { return mp_replicate_; }
+  int mp_shard_size() const { return mp_shard_; }
+  int dp_size() const { return dp_; }
+  int cp_size() const { return cp_; }
+  int world_size() const { return world_; }
+
+  std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
+  std::array<std::string_view, 2> model_mesh_dim_names() const {
+    return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
+  }
+  std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
+  std::array<std::string_view, 2> data_mesh_dim_names() const {
+    return {to_string(Dim::DP), to_string(Dim::CP)};
+  }
+
+  bool operator==(const DistributedStrategy&) const = default;
+
+ private:
+  DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
+    auto positive = [](const char* name, int value) {
+      if (value < 1)
+        throw std::invalid_argument(std::string("accel::DistributedStrategy: ") + name +
+                                    " must be positive, got " + std::to_string(value));
+    };
+    if (world < 1)
+      throw std::invalid_argument("accel::DistributedStrategy: world_size must be positive, got " +
+                                  std::to_string(world));
+    positive("mp_replicate_size", c.mp_replicate_size);
+    positive("cp_size", c.cp_size);
+    if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
+    if (c.dp_size) positive("dp_size", *c.dp_size);
+    if (!distributed) {  // a single process: every dimension has size 1
+      world_ = 1;
+      return;
+    }
+    world_ = world;
+    std::tie(mp_replicate_, mp_shard_) =
+        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
+  }
+
+  // (given, other): other defaults to world / given; their product is world.
+  static std::pair<int, int> split(int world, int given, std::optional<int> other,
+                                   const char* given_name, const char* other_name) {
+    std::ostringstream message;
+    message << "accel::DistributedStrategy: ";
+    if (!other) {
+      if (world % given != 0) {
+        message << "world_size " << world << " is not divisible by " << given_name << " "
+                << given;
+        throw std::invalid_argument(message.str());
+      }
+      return {given, world / given};
+    }
+    if (static_cast<long long>(given) * *other != world) {
+      message << given_name << " * " << other_name << " must equal world_size, got " << given
+              << " * " << *other << " != " << world;
+      throw std::invalid_argument(message.str());
+    }
+    return {given, *other};
+  }
+
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
+  return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
+            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
+            << ", cp_size=" << s.cp_size() << ")";
+}
+
+}  // namespace accel
+
+#endif  // ACCEL_HPP
+
+// Everything below needs LibTorch. ACCEL_CORE_ONLY stops here: the enums,
+// the environment and the strategy validation above build without LibTorch
+// (for launchers, configuration tools and the fuzz targets).
+#if !defined(ACCEL_CORE_ONLY) && !defined(ACCEL_HPP_TORCH)
+#define ACCEL_HPP_TORCH
+
+// == FEATURE DETECTION ========================================================
+
+// c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
+// defined; LibTorch itself is built with it, so a program only has to see the
+// Gloo headers (Debian: libgloo-dev).
+#if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+#define USE_C10D_GLOO 1
+#endif
+
+// cuda_cmake_macros.h is generated only by CUDA builds of LibTorch, so CPU
+// packages that ship the c10/cuda headers anyway are not mistaken for CUDA.
+#ifndef ACCEL_WITH_NCCL
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>) && __has_include(<nccl.h>)
+#define ACCEL_WITH_NCCL 1
+#else
+#define ACCEL_WITH_NCCL 0
+#endif
+#endif
+#if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
+#define USE_C10D_NCCL 1
+#endif
+
+// Debian installs torch/version.h under the C++ API's own include root.
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#elif __has_include(<torch/csrc/api/include/torch/version.h>)
+#include <torch/csrc/api/include/torch/version.h>
+#else
+#error "accel.hpp: cannot find LibTorch's torch/version.h"
+#endif
+
+#define ACCEL_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||        \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+
+namespace accel {
+
+using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 // == DEVICES ==================================================================
 //
@@ -924,105 +1041,7 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
   }
 }
 
-// == STRATEGY AND MESHES ======================================================
-
-struct DistributedConfig {
-  int mp_replicate_size = 1;
-  std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
-  std::optional<int> dp_size;        // default: world / cp_size
-  int cp_size = 1;
-  std::chrono::seconds timeout{ACCEL_DEFAULT_TIMEOUT_SECONDS};
-  bool operator==(const DistributedConfig&) const = default;
-};
-
-inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
-  auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
-  return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
-            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size)
-            << ", cp_size=" << c.cp_size << ", timeout=" << c.timeout.count() << "s)";
-}
-
-// The four mesh sizes, validated against the world size on construction.
-class DistributedStrategy {
- public:
-  // Validates against WORLD_SIZE; when not distributed every size is 1.
-  explicit DistributedStrategy(const DistributedConfig& config = {})
-      : DistributedStrategy(config, accel::get_world_size(), is_distributed()) {}
-
-  // Validates against an explicit world size (as if distributed).
-  DistributedStrategy(const DistributedConfig& config, int world_size)
-      : DistributedStrategy(config, world_size, true) {}
-
-  int mp_replicate_size() const { return mp_replicate_; }
-  int mp_shard_size() const { return mp_shard_; }
-  int dp_size() const { return dp_; }
-  int cp_size() const { return cp_; }
-  int world_size() const { return world_; }
-
-  std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
-  std::array<std::string_view, 2> model_mesh_dim_names() const {
-    return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
-  }
-  std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
-  std::array<std::string_view, 2> data_mesh_dim_names() const {
-    return {to_string(Dim::DP), to_string(Dim::CP)};
-  }
-
-  bool operator==(const DistributedStrategy&) const = default;
-
- private:
-  DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
-    auto positive = [](const char* name, int value) {
-      if (value < 1)
-        throw std::invalid_argument(std::string("accel::DistributedStrategy: ") + name +
-                                    " must be positive, got " + std::to_string(value));
-    };
-    if (world < 1)
-      throw std::invalid_argument("accel::DistributedStrategy: world_size must be positive, got " +
-                                  std::to_string(world));
-    positive("mp_replicate_size", c.mp_replicate_size);
-    positive("cp_size", c.cp_size);
-    if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
-    if (c.dp_size) positive("dp_size", *c.dp_size);
-    if (!distributed) {  // a single process: every dimension has size 1
-      world_ = 1;
-      return;
-    }
-    world_ = world;
-    std::tie(mp_replicate_, mp_shard_) =
-        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
-    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
-  }
-
-  // (given, other): other defaults to world / given; their product is world.
-  static std::pair<int, int> split(int world, int given, std::optional<int> other,
-                                   const char* given_name, const char* other_name) {
-    std::ostringstream message;
-    message << "accel::DistributedStrategy: ";
-    if (!other) {
-      if (world % given != 0) {
-        message << "world_size " << world << " is not divisible by " << given_name << " "
-                << given;
-        throw std::invalid_argument(message.str());
-      }
-      return {given, world / given};
-    }
-    if (static_cast<long long>(given) * *other != world) {
-      message << given_name << " * " << other_name << " must equal world_size, got " << given
-              << " * " << *other << " != " << world;
-      throw std::invalid_argument(message.str());
-    }
-    return {given, *other};
-  }
-
-  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
-};
-
-inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
-  return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
-            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
-            << ", cp_size=" << s.cp_size() << ")";
-}
+// == MESHES ===================================================================
 
 // A mesh over arange(world).reshape(shape), as init_device_mesh lays it out,
 // seen from one rank: it holds only the groups this rank belongs to.
@@ -1433,4 +1452,4 @@ class DistributedInterface {
 
 }  // namespace accel
 
-#endif  // ACCEL_HPP
+#endif  // ACCEL_HPP_TORCH

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages accel.hpp's build, tests and examples need,
-# when they are missing. Safe to run again; does nothing when all are there.
+# when they are missing, plus any package named as an argument (the
+# benchmarks add theirs). Safe to run again; does nothing when all are there.
 set -euo pipefail
-packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev)
+packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev valgrind clang libclang-rt-14-dev libc++-14-dev libc++abi-14-dev pkg-config "$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
