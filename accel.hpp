@@ -947,19 +947,19 @@ auto all_gather(const T& data, const GroupPtr& group = {}) {
   } else if constexpr (Scalar<T>) {
     if (!g) return std::vector<T>{data};
     std::vector<T> result(g->getSize());
-    T input = data;
     std::vector<at::Tensor> outputs;
     for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    detail::all_gather_into(*g, detail::wire(input), std::move(outputs));
+    // c10d only reads an allgather's input: a view of the caller's memory.
+    detail::all_gather_into(*g, detail::wire(const_cast<T&>(data)), std::move(outputs));
     return result;
   } else {
     if (!g) return std::vector<T>{data};
     std::vector<T> result(g->getSize(), T(data.size()));
     if (data.empty()) return result;
-    T input = data;
     std::vector<at::Tensor> outputs;
     for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    detail::all_gather_into(*g, detail::wire(input), std::move(outputs));
+    // c10d only reads an allgather's input: a view of the caller's memory.
+    detail::all_gather_into(*g, detail::wire(const_cast<T&>(data)), std::move(outputs));
     return result;
   }
 }

@@ -1,0 +1,275 @@
+// accel.hpp benchmarks, side by side with raw c10d in the same process.
+// Launch with tests/launch.cpp; rank 0 prints one CSV line per figure:
+//   CSV,<part>,<world>,<variant>,<size>,<value>,<unit>
+// Timings are medians over interleaved trials (A, B, A, B, ...), so both
+// variants see the same machine noise. tests/bench/run_bench.sh drives it.
+//
+//   bench overhead | bandwidth | batching | mesh | alloc | callgrind <accel|raw> <calls>
+
+#include "accel.hpp"
+
+#if __has_include(<valgrind/callgrind.h>)
+#include <valgrind/callgrind.h>
+#define ACCEL_BENCH_HAS_CALLGRIND 1
+#else
+#define ACCEL_BENCH_HAS_CALLGRIND 0
+#endif
+
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using accel::ReduceOp;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int world_size() { return accel::get_world_size(); }
+bool is_rank0() { return accel::get_rank() == 0; }
+
+void csv(const std::string& part, const std::string& variant, long long size, double value,
+         const char* unit) {
+  if (is_rank0())
+    std::printf("CSV,%s,%d,%s,%lld,%.6g,%s\n", part.c_str(), world_size(), variant.c_str(), size, value,
+                unit);
+}
+
+// Seconds per call of each variant: `trials` rounds, each variant run `reps`
+// times per round, in alternating order. A barrier lines the ranks up first.
+std::vector<double> interleaved(const std::vector<std::function<void()>>& variants, int trials, int reps) {
+  std::vector<std::vector<double>> samples(variants.size());
+  auto group = accel::DistributedInterface::instance().world_group();
+  for (int t = 0; t < trials; ++t) {
+    for (std::size_t k = 0; k < variants.size(); ++k) {
+      std::size_t v = (t % 2 == 0) ? k : variants.size() - 1 - k;  // A,B then B,A
+      accel::barrier(group);
+      auto start = Clock::now();
+      for (int r = 0; r < reps; ++r) variants[v]();
+      samples[v].push_back(std::chrono::duration<double>(Clock::now() - start).count() / reps);
+    }
+  }
+  std::vector<double> medians;
+  for (auto& s : samples) medians.push_back(median(s));
+  return medians;
+}
+
+void raw_allreduce(c10d::ProcessGroup& pg, at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg.allreduce(tensors, opts)->wait();
+}
+
+void overhead() {
+  auto& dist = accel::DistributedInterface::instance();
+  auto g = dist.world_group();
+  at::Tensor t = at::ones({1});
+  // raw_c10d_again runs the very same code as raw_c10d: its ratio is the
+  // resolution of this measurement on this machine (an A/A control).
+  auto m = interleaved({[&] { raw_allreduce(*g, t); },
+                        [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
+                        [&] { dist.all_reduce(t, ReduceOp::SUM, accel::Dim::DP); },
+                        [&] { raw_allreduce(*g, t); }},
+                       31, 2000);
+  csv("overhead", "raw_c10d", 4, m[0] * 1e6, "us");
+  csv("overhead", "accel_all_reduce", 4, m[1] * 1e6, "us");
+  csv("overhead", "accel_interface_dp", 4, m[2] * 1e6, "us");
+  csv("overhead", "raw_c10d_again", 4, m[3] * 1e6, "us");
+}
+
+void bandwidth() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  const int P = g->getSize();
+  for (long long bytes = 4 << 10; bytes <= (64LL << 20); bytes *= 4) {
+    const long long n = bytes / 4;
+    const int reps = static_cast<int>(std::clamp<long long>((256LL << 20) / bytes / 8, 2, 200));
+    const int trials = bytes >= (1LL << 20) ? 15 : 11;
+    at::Tensor t = at::ones({n});
+    std::vector<float> vec(static_cast<std::size_t>(n), 1.0f);
+    // all_reduce: raw tensor, accel tensor, accel std::vector.
+    auto ar = interleaved({[&] { raw_allreduce(*g, t); },
+                           [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
+                           [&] { vec = accel::all_reduce(std::move(vec), ReduceOp::SUM, g); }},
+                          trials, reps);
+    csv("all_reduce", "raw_c10d", bytes, ar[0] * 1e6, "us");
+    csv("all_reduce", "accel_tensor", bytes, ar[1] * 1e6, "us");
+    csv("all_reduce", "accel_vector", bytes, ar[2] * 1e6, "us");
+    // all_gather returns a new result, so its reference allocates c10d's P
+    // outputs per call; all_gather_into_tensor reuses a buffer, and so does
+    // its reference.
+    auto raw_gather = [&](std::vector<std::vector<at::Tensor>>& outs) {
+      std::vector<at::Tensor> in{t};
+      g->allgather(outs, in)->wait();
+    };
+    std::vector<std::vector<at::Tensor>> kept{std::vector<at::Tensor>()};
+    for (int r = 0; r < P; ++r) kept[0].push_back(at::empty({n}));
+    at::Tensor stacked = at::empty({P, n});
+    auto fresh_outputs = [&] {
+      std::vector<std::vector<at::Tensor>> outs{std::vector<at::Tensor>()};
+      for (int r = 0; r < P; ++r) outs[0].push_back(at::empty({n}));
+      return outs;
+    };
+    auto ag = interleaved({[&] {  // the same result as accel::all_gather: one stacked tensor
+                             auto outs = fresh_outputs();
+                             raw_gather(outs);
+                             (void)at::stack(outs[0]);
+                           },
+                           [&] { (void)accel::all_gather(t, g); },
+                           [&] {  // c10d's own result: P separate tensors
+                             auto outs = fresh_outputs();
+                             raw_gather(outs);
+                           },
+                           [&] { raw_gather(kept); },
+                           [&] { accel::all_gather_into_tensor(stacked, t, g); }},
+                          trials, reps);
+    csv("all_gather", "raw_c10d", bytes, ag[0] * 1e6, "us");
+    csv("all_gather", "accel_tensor", bytes, ag[1] * 1e6, "us");
+    csv("all_gather_list", "raw_c10d", bytes, ag[2] * 1e6, "us");
+    csv("all_gather_list", "accel_tensor", bytes, ag[1] * 1e6, "us");
+    csv("all_gather_into", "raw_c10d", bytes, ag[3] * 1e6, "us");
+    csv("all_gather_into", "accel_tensor", bytes, ag[4] * 1e6, "us");
+    auto bc = interleaved({[&] {
+                             std::vector<at::Tensor> ts{t};
+                             c10d::BroadcastOptions o;
+                             o.rootRank = 0;
+                             g->broadcast(ts, o)->wait();
+                           },
+                           [&] { accel::broadcast(t, 0, g); }},
+                          trials, reps);
+    csv("broadcast", "raw_c10d", bytes, bc[0] * 1e6, "us");
+    csv("broadcast", "accel_tensor", bytes, bc[1] * 1e6, "us");
+  }
+}
+
+void batching() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  for (int n : {1, 100, 10000}) {
+    std::vector<double> v(static_cast<std::size_t>(n), 1.0);
+    at::Tensor t = at::ones({n}, at::kDouble);
+    const int reps = n >= 10000 ? 3 : 20;
+    auto m = interleaved({[&] { v = accel::all_reduce(std::move(v), ReduceOp::SUM, g); },
+                          [&] {
+                            for (double& x : v) x = accel::all_reduce(x, ReduceOp::SUM, g);
+                          },
+                          [&] { raw_allreduce(*g, t); }},
+                         n >= 10000 ? 3 : 9, reps);
+    csv("batching", "accel_vector", n, m[0] * 1e6, "us");
+    csv("batching", "per_element", n, m[1] * 1e6, "us");
+    csv("batching", "raw_c10d_tensor", n, m[2] * 1e6, "us");
+    g->setSequenceNumberForGroup();
+    auto before = g->getSequenceNumberForGroup();
+    v = accel::all_reduce(std::move(v), ReduceOp::SUM, g);
+    csv("batching_collectives", "accel_vector", n, double(g->getSequenceNumberForGroup() - before), "calls");
+  }
+}
+
+void mesh() {
+  // (2, w/2 | w/2, 2): every dimension has a real group of size > 1.
+  const int w = world_size();
+  accel::DistributedConfig config{.mp_replicate_size = 2, .cp_size = 2, .timeout = std::chrono::seconds(120)};
+  // The first initialisation pays the TCP rendezvous, whose time is luck (a
+  // client that connects before rank 0 listens waits for a retry). Time the
+  // next one, on the established store: the world group and both meshes.
+  // Python's side likewise times its groups after init_process_group.
+  auto& first = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = config.timeout});
+  first.barrier();
+  first.destroy();
+  auto start = Clock::now();
+  const int before = accel::detail::groups_created().load();
+  auto& dist = accel::DistributedInterface::instance(config);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const int groups = accel::detail::groups_created().load() - before;
+  // The slowest rank decides when the mesh is ready.
+  const double slowest = dist.all_reduce(seconds, ReduceOp::MAX, std::nullopt);
+  csv("mesh_init", "accel", w, slowest * 1e3, "ms");
+  csv("mesh_groups_per_rank", "accel_subgroups", w, groups - 1, "groups");
+  dist.destroy();
+}
+
+// Bytes requested from ATen's CPU allocator during one call: a contiguous
+// std::vector must travel through c10d without a copy.
+struct CountingAllocator final : c10::Allocator {
+  c10::Allocator* inner;
+  std::atomic<long long> bytes{0};
+  explicit CountingAllocator(c10::Allocator* a) : inner(a) {}
+  c10::DataPtr allocate(size_t n) const override {
+    const_cast<std::atomic<long long>&>(bytes) += static_cast<long long>(n);
+    return inner->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
+};
+
+void alloc() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  static CountingAllocator counting(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  const long long n = 1 << 20;  // 4 MiB of float
+  std::vector<float> vec(static_cast<std::size_t>(n), 1.0f);
+  at::Tensor t = at::ones({n});
+  auto measure = [&](auto&& f) {
+    f();  // warm-up
+    long long before = counting.bytes.load();
+    f();
+    return counting.bytes.load() - before;
+  };
+  // Positive control: the counter sees an ordinary allocation of the same size.
+  csv("alloc_bytes_per_call", "control_at_empty", n * 4, double(measure([&] { (void)at::empty({n}); })), "bytes");
+  csv("alloc_bytes_per_call", "raw_c10d_tensor", n * 4, double(measure([&] { raw_allreduce(*g, t); })), "bytes");
+  csv("alloc_bytes_per_call", "accel_tensor", n * 4,
+      double(measure([&] { accel::all_reduce(t, ReduceOp::SUM, g); })), "bytes");
+  csv("alloc_bytes_per_call", "accel_vector", n * 4,
+      double(measure([&] { vec = accel::all_reduce(std::move(vec), ReduceOp::SUM, g); })), "bytes");
+}
+
+// Instructions per call at world size 1, counted only between the toggles
+// (run under valgrind --tool=callgrind --instr-atstart=no).
+void callgrind(const std::string& variant, int calls) {
+#if !ACCEL_BENCH_HAS_CALLGRIND
+  (void)variant;
+  (void)calls;
+  throw std::runtime_error("bench was built without <valgrind/callgrind.h> (Debian: valgrind)");
+#else
+  auto& dist = accel::DistributedInterface::instance();
+  auto g = dist.world_group();
+  at::Tensor t = at::ones({1});
+  for (int i = 0; i < 100; ++i) raw_allreduce(*g, t);  // warm-up, uncounted
+  CALLGRIND_START_INSTRUMENTATION;
+  if (variant == "raw")
+    for (int i = 0; i < calls; ++i) raw_allreduce(*g, t);
+  else
+    for (int i = 0; i < calls; ++i) accel::all_reduce(t, ReduceOp::SUM, g);
+  CALLGRIND_STOP_INSTRUMENTATION;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string part = argc > 1 ? argv[1] : "";
+  if (part == "mesh") {
+    mesh();
+    return 0;
+  }
+  accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(120)});
+  if (part == "overhead") overhead();
+  else if (part == "bandwidth") bandwidth();
+  else if (part == "batching") batching();
+  else if (part == "alloc") alloc();
+  else if (part == "callgrind" && argc > 3) callgrind(argv[2], std::atoi(argv[3]));
+  else {
+    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|callgrind <accel|raw> <calls>\n");
+    return 2;
+  }
+  accel::DistributedInterface::instance().destroy();
+  return 0;
+}

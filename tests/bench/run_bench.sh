@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs every accel.hpp benchmark side by side with its reference and writes
+# tests/bench/results/{results.csv,results.md,bench.png}. Slow and noisy by
+# nature: never part of the test command (CI only builds the benchmark).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${ACCEL_BUILD_DIR:-$root/build}
+out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
+bash "$root/.ci/install-deps.sh" python3-torch gnuplot-nox time
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j2 --target accel_bench accel_launch
+mkdir -p "$out"
+csv=$out/results.csv
+echo "part,world,variant,size,value,unit" >"$csv"
+launch=$build/tests/accel_launch
+bench=$build/tests/accel_bench
+py=(/usr/bin/python3 "$root/tests/bench/bench_torch.py")
+
+# Keep rank 0's CSV lines; show progress on stderr.
+run() {
+  echo "== $*" >&2
+  "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
+}
+
+run 2 "$bench" overhead
+run 2 "${py[@]}" latency
+run 2 "$bench" alloc
+for world in 2 4; do run $world "$bench" bandwidth; done
+run 2 "$bench" batching
+run 2 "${py[@]}" batching
+for world in 2 4 8 16; do
+  for trial in 1 2 3; do   # interleaved: accel, Python, accel, Python, ...
+    run $world "$bench" mesh
+    run $world "${py[@]}" mesh
+  done
+done
+
+# Instructions per call at world size 1, counted only inside the loop.
+free_port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+for variant in raw accel; do
+  echo "== callgrind $variant" >&2
+  calls=2000
+  file=$(mktemp)
+  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$free_port \
+    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$file" \
+    "$bench" callgrind $variant $calls 2>/dev/null
+  total=$(sed -n 's/^totals: *//p' "$file" | awk '{print $1}')
+  rm -f "$file"
+  echo "callgrind,1,$( [[ $variant == raw ]] && echo raw_c10d || echo accel_all_reduce ),4,$((total / calls)),instructions" | tee -a "$csv" >&2
+done
+
+# Compile cost: one TU each, interleaved, three rounds; wall seconds and peak KiB.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+printf '#include "accel.hpp"\nint main() { return accel::all_reduce(1) - 1; }\n' >"$tmp/accel.cpp"
+printf '#include <ATen/ATen.h>\nint main() { return at::ones({1}).item<int>() - 1; }\n' >"$tmp/aten.cpp"
+printf '#include <torch/torch.h>\nint main() { return torch::ones({1}).item<int>() - 1; }\n' >"$tmp/torch.cpp"
+for round in 1 2 3; do
+  for tu in accel aten torch; do
+    echo "== compile $tu (round $round)" >&2
+    /usr/bin/time -f "%e %M" -o "$tmp/time" g++ -std=c++20 -I"$root" -I/usr/include/torch/csrc/api/include \
+      -c "$tmp/$tu.cpp" -o "$tmp/$tu.o"
+    read -r seconds kib <"$tmp/time"
+    echo "compile_seconds,1,$tu,0,$seconds,s" | tee -a "$csv" >&2
+    echo "compile_peak_mib,1,$tu,0,$((kib / 1024)),MiB" | tee -a "$csv" >&2
+  done
+done
+
+/usr/bin/python3 "$root/tests/bench/summarize.py" "$csv" "$out"
