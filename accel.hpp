@@ -1341,6 +1341,12 @@ class DistributedInterface {
     std::string prefix;
     auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
     try {
+      // Every rank arrives at this initialisation before any creates a
+      // group, so none is still tearing down the groups of a previous one
+      // (after destroy()) while the others connect. Two store round trips.
+      if (store->add(prefix + "arrived", 1) == world_size_)
+        store->set(prefix + "all_arrived", std::vector<uint8_t>{1});
+      store->wait({prefix + "all_arrived"});
       world_ = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store),
                                   rank_, world_size_, timeout);
       detail::register_group(world_, "world", /*is_world=*/true);
@@ -1353,8 +1359,9 @@ class DistributedInterface {
       throw;
     } catch (const std::exception& e) {
       release();
-      throw DistributedError("accel: creating the " + backend_ + " process groups failed on rank " +
-                             std::to_string(rank_) + ": " + detail::error_text(e));
+      throw DistributedError("accel: initialising rank " + std::to_string(rank_) + " of " +
+                             std::to_string(world_size_) + " (" + backend_ + " process groups) failed: " +
+                             detail::error_text(e));
     }
     for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP}) {
       const DeviceMesh& parent = (dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_;
