@@ -653,9 +653,7 @@ T operate_tensorlike(Fn&& fn, T data) {
       for (E x : data) values.push_back(detail::to_value(x));
       at::Tensor tensor = detail::alias(values, detail::value_dtype<E>());
       at::Tensor result = std::invoke(fn, tensor);
-      auto flat = result.to(c10::kCPU).to(detail::value_dtype<E>()).contiguous().reshape({-1});
-      const auto* out = flat.template data_ptr<detail::value_type_t<E>>();
-      return std::vector<E>(out, out + flat.numel());
+      return detail::from_value_tensor<E>(result, {}, nullptr);  // converted back element by element
     }
   }
 }
@@ -667,8 +665,10 @@ T operate_tensorlike(Fn&& fn, T data) {
 
 namespace detail {
 struct GroupRegistry {
-  std::mutex mutex;
-  GroupPtr world;
+  // The interface owns the world group; this is only where collectives with
+  // a null group find it, without a lock.
+  std::atomic<c10d::ProcessGroup*> world{nullptr};
+  std::mutex mutex;  // guards names (read only to word error messages)
   std::map<const c10d::ProcessGroup*, std::string> names;
 };
 // Never destroyed: the singleton may release its groups during static
@@ -682,13 +682,14 @@ inline void register_group(const GroupPtr& group, std::string name, bool is_worl
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
   reg.names[group.get()] = std::move(name);
-  if (is_world) reg.world = group;
+  if (is_world) reg.world.store(group.get());
 }
 inline void unregister_group(const GroupPtr& group) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
   reg.names.erase(group.get());
-  if (reg.world == group) reg.world.reset();
+  c10d::ProcessGroup* expected = group.get();
+  reg.world.compare_exchange_strong(expected, nullptr);
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
@@ -708,11 +709,7 @@ inline std::string describe(const c10d::ProcessGroup& group) {
 // collectives are the identity. No reference counting on the hot path.
 inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (group) return group.get();
-  {
-    auto& reg = registry();
-    std::lock_guard lock(reg.mutex);
-    if (reg.world) return reg.world.get();
-  }
+  if (auto* world = registry().world.load()) return world;
   if (!is_distributed()) return nullptr;
   throw std::logic_error(std::string("accel::") + op +
                          ": RANK is set but no world group exists; call "
@@ -890,21 +887,15 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
     detail::all_reduce_tensor(*g, data, op);
   } else {
     using E = detail::element_t<T>;
-    E* first;
-    std::size_t count;
-    if constexpr (Scalar<T>) {
-      first = &data;
-      count = 1;
-    } else {
+    if constexpr (ScalarVector<T>)
       if (data.empty()) return data;
-      first = data.data();
-      count = data.size();
-    }
     if constexpr (detail::travels_natively<E>()) {
       at::Tensor view = detail::wire(data);
       detail::all_reduce_tensor(*g, view, op);
+    } else if constexpr (Scalar<T>) {
+      detail::all_reduce_bytes(*g, &data, 1, op);
     } else {
-      detail::all_reduce_bytes(*g, first, count, op);
+      detail::all_reduce_bytes(*g, data.data(), data.size(), op);
     }
   }
   return data;
@@ -944,18 +935,11 @@ auto all_gather(const T& data, const GroupPtr& group = {}) {
                                    data.options().memory_format(c10::MemoryFormat::Contiguous));
     detail::all_gather_stacked(*g, data, stacked);
     return stacked;
-  } else if constexpr (Scalar<T>) {
-    if (!g) return std::vector<T>{data};
-    std::vector<T> result(g->getSize());
-    std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    // c10d only reads an allgather's input: a view of the caller's memory.
-    detail::all_gather_into(*g, detail::wire(const_cast<T&>(data)), std::move(outputs));
-    return result;
   } else {
     if (!g) return std::vector<T>{data};
-    std::vector<T> result(g->getSize(), T(data.size()));
-    if (data.empty()) return result;
+    std::vector<T> result(g->getSize(), data);  // slots of the right size, overwritten below
+    if constexpr (ScalarVector<T>)
+      if (data.empty()) return result;
     std::vector<at::Tensor> outputs;
     for (auto& slot : result) outputs.push_back(detail::wire(slot));
     // c10d only reads an allgather's input: a view of the caller's memory.
@@ -1110,23 +1094,31 @@ inline std::atomic<int>& groups_created() {  // per process, for tests and bench
   return count;
 }
 
+// Constructs a c10d backend and returns it as a ProcessGroup: in 1.x the
+// backends are ProcessGroups; from 2.0 on they are c10d::Backend, wrapped in
+// a ProcessGroup bound to their device type.
+template <class Impl, class Options>
+GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                   c10::intrusive_ptr<Options> options, [[maybe_unused]] c10::DeviceType device,
+                   [[maybe_unused]] std::chrono::milliseconds timeout) {
+  ++groups_created();
+  auto backend = c10::make_intrusive<Impl>(store, rank, size, options);
 #if ACCEL_TORCH_AT_LEAST(2, 0)
-// From 2.0 on, backends are c10d::Backend and a ProcessGroup wraps them.
-inline GroupPtr wrap_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                             c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device,
-                             c10d::ProcessGroup::BackendType type, std::chrono::milliseconds timeout) {
+  const auto type = device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL
+                                                    : c10d::ProcessGroup::BackendType::GLOO;
 #if ACCEL_TORCH_AT_LEAST(2, 6)
-  (void)timeout;
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
 #else
-  auto options = c10::make_intrusive<c10d::ProcessGroup::Options>(backend->getBackendName(), timeout);
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size, options);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(
+      store, rank, size, c10::make_intrusive<c10d::ProcessGroup::Options>(backend->getBackendName(), timeout));
 #endif
   group->setBackend(device, type, backend);
   group->setDefaultBackend(type);
   return group;
-}
+#else
+  return backend;
 #endif
+}
 
 inline bool all_ranks_local() { return get_local_world_size() == get_world_size(); }
 
@@ -1146,14 +1138,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     } else {
       options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }
-    ++groups_created();
-#if ACCEL_TORCH_AT_LEAST(2, 0)
-    auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-    return wrap_backend(store, rank, size, gloo, c10::DeviceType::CPU,
-                        c10d::ProcessGroup::BackendType::GLOO, timeout);
-#else
-    return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-#endif
+    return new_group<c10d::ProcessGroupGloo>(store, rank, size, options, c10::DeviceType::CPU, timeout);
 #else
     throw std::runtime_error(
         "accel: the gloo backend needs the Gloo headers (Debian: libgloo-dev) when compiling");
@@ -1163,14 +1148,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 #ifdef USE_C10D_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
-    ++groups_created();
-#if ACCEL_TORCH_AT_LEAST(2, 0)
-    auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-    return wrap_backend(store, rank, size, nccl, c10::DeviceType::CUDA,
-                        c10d::ProcessGroup::BackendType::NCCL, timeout);
-#else
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-#endif
+    return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);
 #else
     throw std::runtime_error("accel: the nccl backend is not available in this build "
                              "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");

@@ -191,7 +191,7 @@ def main():
                     f.writelines(f"{s} {r:.4f}\n" for s, r in pts)
                     f.write("\n\n")
     script = f"""
-set terminal pngcairo size 1000,560 noenhanced
+set terminal png size 1000,560 noenhanced
 set output '{os.path.join(out, "bench.png")}'
 set title 'accel.hpp throughput relative to raw c10d, by message size (higher is better)'
 set logscale x 2
