@@ -10,7 +10,8 @@
 // Contents (in the order data flows through the header):
 //   without LibTorch:  VERSION · CONFIGURATION · ENUMS · ENVIRONMENT · STRATEGY
 //   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
-//                      COLLECTIVES ON A GROUP · MESHES · THE SINGLETON
+//                      COLLECTIVES ON A GROUP · MESHES · THE SINGLETON ·
+//                      ACCELERATE'S OPERATIONS
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -63,6 +64,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -72,7 +74,9 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -163,6 +167,21 @@ inline int env_int(const char* name, int fallback, int minimum) {
     throw std::invalid_argument(std::string("accel: environment variable ") + name + "=" +
                                 *text + " must be at least " + std::to_string(minimum));
   return value;
+}
+
+// A yes/no switch: 1/0, true/false, yes/no, on/off (any case); anything else
+// is an error naming the variable, never a silent default.
+inline bool env_bool(const char* name, bool fallback) {
+  auto text = getenv_str(name);
+  if (!text) return fallback;
+  std::string lower(*text);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  for (const char* yes : {"1", "true", "yes", "on"})
+    if (lower == yes) return true;
+  for (const char* no : {"0", "false", "no", "off"})
+    if (lower == no) return false;
+  throw std::invalid_argument(std::string("accel: environment variable ") + name + "='" + *text +
+                              "' is not a switch (use 1/0, true/false, yes/no or on/off)");
 }
 
 inline void check_below(const char* name, int value, const char* bound_name, int bound) {
@@ -350,6 +369,7 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -662,6 +682,33 @@ T operate_tensorlike(Fn&& fn, T data) {
 //
 // A null group means the world group of DistributedInterface, or identity
 // when the process is not distributed. `src` is a rank within the group.
+//
+// Debug mode (ACCEL_DEBUG_MODE=1, or set_debug_mode(true)) makes every
+// collective first compare what each rank passes (the operation, structure,
+// shapes, dtypes, devices); on a mismatch EVERY rank throws the same
+// DistributedError listing each rank's call, instead of hanging or returning
+// garbage. It costs one small all_gather per collective when on, and one
+// relaxed atomic load when off. Set it alike on every rank.
+
+namespace detail {
+inline std::atomic<int>& debug_state() {  // -1: not read from the environment yet
+  static std::atomic<int> state{-1};
+  return state;
+}
+}  // namespace detail
+
+inline bool debug_mode() {
+  int state = detail::debug_state().load(std::memory_order_relaxed);
+  if (state < 0) [[unlikely]] {
+    state = detail::env_bool("ACCEL_DEBUG_MODE", false) ? 1 : 0;
+    detail::debug_state().store(state, std::memory_order_relaxed);
+  }
+  return state == 1;
+}
+// Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
+inline void set_debug_mode(std::optional<bool> on) {
+  detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
+}
 
 namespace detail {
 struct GroupRegistry {
@@ -692,15 +739,15 @@ inline void unregister_group(const GroupPtr& group) {
   reg.world.compare_exchange_strong(expected, nullptr);
 }
 
+inline std::string group_name(const c10d::ProcessGroup& group) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  auto it = reg.names.find(&group);
+  return it == reg.names.end() ? std::string("unnamed") : it->second;
+}
+
 inline std::string describe(const c10d::ProcessGroup& group) {
-  std::string name;
-  {
-    auto& reg = registry();
-    std::lock_guard lock(reg.mutex);
-    auto it = reg.names.find(&group);
-    name = it == reg.names.end() ? std::string("unnamed") : it->second;
-  }
-  return "group '" + name + "' (" + group.getBackendName() + ", rank " +
+  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " +
          std::to_string(group.getRank()) + " of " + std::to_string(group.getSize()) + ")";
 }
 
@@ -743,9 +790,9 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
   }
 }
 
-inline void reject_integral_mean(c10::ScalarType dtype) {
+inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_reduce") {
   if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
-    throw std::invalid_argument(std::string("accel::all_reduce: ReduceOp::MEAN on integral type ") +
+    throw std::invalid_argument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " +
                                 c10::toString(dtype) +
                                 " would truncate; use ReduceOp::SUM and divide by the group size, "
                                 "or pass a floating-point value");
@@ -807,14 +854,14 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
 
 // Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
 inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
-                            std::vector<at::Tensor> outputs) {
+                            std::vector<at::Tensor> outputs, const char* op = "all_gather") {
   auto device = staging_device(group, input);
   std::vector<at::Tensor> inputs{device ? input.to(*device).contiguous() : input.contiguous()};
   std::vector<at::Tensor> staged = outputs;
   if (device)
     for (auto& t : staged) t = at::empty_like(t, t.options().device(*device));
   std::vector<std::vector<at::Tensor>> output_lists{staged};
-  run("all_gather", group, [&] { return group.allgather(output_lists, inputs); });
+  run(op, group, [&] { return group.allgather(output_lists, inputs); });
   if (device) {
     at::NoGradGuard no_grad;
     for (std::size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(output_lists[0][r]);
@@ -867,6 +914,87 @@ void all_reduce_bytes(c10d::ProcessGroup& group, T* data, std::size_t count, Red
   for (std::size_t i = 0; i < count; ++i)
     data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(count));
 }
+
+// FNV-1a: the same on every host and compiler (std::hash promises neither).
+inline uint64_t fnv1a(const void* data, std::size_t size) {
+  uint64_t hash = 1469598103934665603ull;
+  for (std::size_t i = 0; i < size; ++i) {
+    hash ^= static_cast<const unsigned char*>(data)[i];
+    hash *= 1099511628211ull;
+  }
+  return hash;
+}
+
+// Debug mode: one fixed-size all_gather of (hash, length) of every rank's
+// description of its call; only on a mismatch a second one carries the
+// texts, so that every rank throws the same listing. Both are the same size
+// on every rank whatever was passed, so the check itself cannot desynchronise.
+inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call) {
+  const int size = group.getSize();
+  std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())),
+                              static_cast<int64_t>(call.size())};
+  std::vector<int64_t> all(2 * static_cast<std::size_t>(size));
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < size; ++r) outputs.push_back(at::from_blob(all.data() + 2 * r, {2}, cpu_options(c10::kLong)));
+  all_gather_into(group, at::from_blob(mine.data(), {2}, cpu_options(c10::kLong)), std::move(outputs),
+                  "debug-mode check");
+  // Decided on data every rank holds, so every rank decides alike.
+  int64_t longest = 0;
+  bool same = true;
+  for (int r = 0; r < size; ++r) {
+    same = same && all[2 * r] == all[0] && all[2 * r + 1] == all[1];
+    longest = std::max(longest, all[2 * r + 1]);
+  }
+  if (same) return;
+  std::string padded = call;
+  padded.resize(static_cast<std::size_t>(longest), '\0');
+  std::string texts(static_cast<std::size_t>(longest) * size, '\0');
+  outputs.clear();
+  for (int r = 0; r < size; ++r)
+    outputs.push_back(at::from_blob(texts.data() + longest * r, {longest}, cpu_options(c10::kByte)));
+  all_gather_into(group, at::from_blob(padded.data(), {longest}, cpu_options(c10::kByte)), std::move(outputs),
+                  "debug-mode check");
+  std::string message = "accel [ACCEL_DEBUG_MODE]: the ranks of group '" + group_name(group) + "' (" +
+                        group.getBackendName() + ", " + std::to_string(size) +
+                        " ranks) made different calls:";
+  for (int r = 0; r < size; ++r)
+    message += "\n  rank " + std::to_string(r) + ": " +
+               texts.substr(static_cast<std::size_t>(longest) * r, static_cast<std::size_t>(all[2 * r + 1]));
+  throw DistributedError(message);
+}
+
+// Runs the debug-mode check when it is on; `describe` builds the text only then.
+template <class Describe>
+void check_same_call(c10d::ProcessGroup& group, Describe&& describe) {
+  if (debug_mode()) [[unlikely]]
+    verify_same_call(group, describe());
+}
+
+inline std::string describe_tensor(const at::Tensor& t, std::optional<int64_t> free_dim = std::nullopt) {
+  if (!t.defined()) return "undefined tensor";
+  std::ostringstream os;
+  os << t.scalar_type() << "[";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    if (i) os << ", ";
+    if (free_dim && *free_dim == i) os << '*';
+    else os << t.size(i);
+  }
+  os << "] " << t.device();
+  return os.str();
+}
+
+template <Scalar T>
+std::string type_tag() {
+  const char* kind = std::is_floating_point_v<T> ? "float" : std::is_signed_v<T> ? "int" : "uint";
+  return kind + std::to_string(sizeof(T) * 8);
+}
+
+template <TensorLike T>
+std::string describe_tensorlike(const T& data) {
+  if constexpr (std::same_as<T, at::Tensor>) return describe_tensor(data);
+  else if constexpr (Scalar<T>) return type_tag<T>();
+  else return "vector<" + type_tag<element_t<T>>() + ">[" + std::to_string(data.size()) + "]";
+}
 }  // namespace detail
 
 // Reduces data over the group. A tensor is reduced in place and returned; a
@@ -883,6 +1011,9 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
   }
   c10d::ProcessGroup* g = detail::resolve(group, "all_reduce");
   if (!g) return data;
+  detail::check_same_call(*g, [&] {
+    return "all_reduce(" + detail::describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
+  });
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
   } else {
@@ -911,6 +1042,9 @@ T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
                                   " but the process is not distributed (only rank 0 exists)");
     return data;
   }
+  detail::check_same_call(*g, [&] {
+    return "broadcast(" + detail::describe_tensorlike(data) + ", src=" + std::to_string(src) + ")";
+  });
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::broadcast_tensor(*g, data, src);
   } else {
@@ -929,6 +1063,7 @@ T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
 template <TensorLike T>
 auto all_gather(const T& data, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_gather");
+  if (g) detail::check_same_call(*g, [&] { return "all_gather(" + detail::describe_tensorlike(data) + ")"; });
   if constexpr (std::same_as<T, at::Tensor>) {
     if (!g) return data.unsqueeze(0).clone();
     at::Tensor stacked = at::empty(detail::stacked_shape(g->getSize(), data),
@@ -967,6 +1102,8 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
     at::NoGradGuard no_grad;
     output.select(0, 0).copy_(input);
   } else {
+    detail::check_same_call(
+        *g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
     detail::all_gather_stacked(*g, input, output);
   }
   return output;
@@ -976,6 +1113,7 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
 inline void barrier(const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "barrier");
   if (!g) return;
+  detail::check_same_call(*g, [] { return std::string("barrier()"); });
   detail::run("barrier", *g, [&] { return g->barrier(); });
 }
 
@@ -1311,20 +1449,30 @@ class DistributedInterface {
         local_world_size_(accel::get_local_world_size()),
         current_accelerator_(get_current_accelerator()),
         current_device_(current_accelerator_) {
-    if (!distributed_) return;
+    if (!distributed_) {
+      debug_mode();  // validates ACCEL_DEBUG_MODE
+      return;
+    }
     set_device_index();
     current_device_ = get_current_device();
     backend_ = get_process_group_backend();
     auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
+    const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
     std::string prefix;
     auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
     try {
       // Every rank arrives at this initialisation before any creates a
       // group, so none is still tearing down the groups of a previous one
-      // (after destroy()) while the others connect. Two store round trips.
+      // (after destroy()) while the others connect. Two store round trips,
+      // and two more to agree on debug mode (which adds collectives).
+      store->add(prefix + "debug", debug ? 1 : 0);
       if (store->add(prefix + "arrived", 1) == world_size_)
         store->set(prefix + "all_arrived", std::vector<uint8_t>{1});
       store->wait({prefix + "all_arrived"});
+      if (int64_t in_debug = store->add(prefix + "debug", 0); in_debug != 0 && in_debug != world_size_)
+        throw std::invalid_argument("debug mode is on in " + std::to_string(in_debug) + " of " +
+                                    std::to_string(world_size_) + " ranks (here: " + (debug ? "on" : "off") +
+                                    "); set ACCEL_DEBUG_MODE alike on every rank");
       world_ = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store),
                                   rank_, world_size_, timeout);
       detail::register_group(world_, "world", /*is_world=*/true);
@@ -1434,6 +1582,930 @@ class DistributedInterface {
   std::optional<DeviceMesh> model_mesh_, data_mesh_;
   std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
 };
+
+// == ACCELERATE'S OPERATIONS ==================================================
+//
+// Hugging Face Accelerate's distributed operations, names kept, over nested
+// data: a tensor, or a std::vector, std::map / std::unordered_map with string
+// keys, std::tuple or std::pair of nested data. Leaves that are not tensors
+// pass through untouched, as in Accelerate's recursively_apply. Maps are
+// walked in key order (unordered ones too), so every rank meets the same
+// leaves in the same order. Every collective takes a group (default: the
+// world), e.g. DistributedInterface::instance().get_group(Dim::DP), and moves a
+// whole structure in as few collectives as its dtypes allow.
+
+namespace detail {
+template <class T>
+struct is_vector : std::false_type {};
+template <class T, class A>
+struct is_vector<std::vector<T, A>> : std::true_type {};
+
+template <class T>
+struct is_string_map : std::false_type {};
+template <class V, class C, class A>
+struct is_string_map<std::map<std::string, V, C, A>> : std::true_type {};
+template <class V, class H, class E, class A>
+struct is_string_map<std::unordered_map<std::string, V, H, E, A>> : std::true_type {};
+
+template <class T>
+struct is_tuple_like : std::false_type {};
+template <class... Ts>
+struct is_tuple_like<std::tuple<Ts...>> : std::true_type {};
+template <class A, class B>
+struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+
+// Whether T can hold a tensor somewhere (containers of plain values are
+// leaves as a whole: nothing to walk).
+template <class T>
+struct holds_tensor : std::is_same<T, at::Tensor> {};
+template <class T, class A>
+struct holds_tensor<std::vector<T, A>> : holds_tensor<T> {};
+template <class V, class C, class A>
+struct holds_tensor<std::map<std::string, V, C, A>> : holds_tensor<V> {};
+template <class V, class H, class E, class A>
+struct holds_tensor<std::unordered_map<std::string, V, H, E, A>> : holds_tensor<V> {};
+template <class... Ts>
+struct holds_tensor<std::tuple<Ts...>> : std::disjunction<holds_tensor<Ts>...> {};
+template <class A, class B>
+struct holds_tensor<std::pair<A, B>> : std::disjunction<holds_tensor<A>, holds_tensor<B>> {};
+
+// Nested data whose every leaf is a tensor: what collectives accept.
+template <class T>
+struct tensor_tree : std::is_same<T, at::Tensor> {};
+template <class T, class A>
+struct tensor_tree<std::vector<T, A>> : tensor_tree<T> {};
+template <class V, class C, class A>
+struct tensor_tree<std::map<std::string, V, C, A>> : tensor_tree<V> {};
+template <class V, class H, class E, class A>
+struct tensor_tree<std::unordered_map<std::string, V, H, E, A>> : tensor_tree<V> {};
+template <class... Ts>
+struct tensor_tree<std::tuple<Ts...>> : std::conjunction<tensor_tree<Ts>...> {};
+template <class A, class B>
+struct tensor_tree<std::pair<A, B>> : std::conjunction<tensor_tree<A>, tensor_tree<B>> {};
+
+template <class T>
+struct is_ordered_map : std::false_type {};
+template <class V, class C, class A>
+struct is_ordered_map<std::map<std::string, V, C, A>> : std::true_type {};
+
+// A map's entries in key order (std::map already is; unordered_map is not,
+// and its order may differ between processes).
+template <class Map>
+auto entries_by_key(Map& map) {
+  std::vector<decltype(&*map.begin())> entries;
+  entries.reserve(map.size());
+  for (auto& entry : map) entries.push_back(&entry);
+  if constexpr (!is_ordered_map<std::remove_const_t<Map>>::value)
+    std::sort(entries.begin(), entries.end(), [](auto* a, auto* b) { return a->first < b->first; });
+  return entries;
+}
+
+// Calls fn(tensor) on every tensor leaf, in the fixed order; values under a
+// key in `skip` are left alone. T may be const.
+template <class T, class Fn>
+void for_each_tensor(T& data, Fn& fn, const std::vector<std::string>* skip = nullptr) {
+  using U = std::remove_const_t<T>;
+  if constexpr (!holds_tensor<U>::value) {
+    return;
+  } else if constexpr (std::is_same_v<U, at::Tensor>) {
+    fn(data);
+  } else if constexpr (is_vector<U>::value) {
+    for (auto& element : data) for_each_tensor(element, fn, skip);
+  } else if constexpr (is_string_map<U>::value) {
+    for (auto* entry : entries_by_key(data)) {
+      if (skip && std::find(skip->begin(), skip->end(), entry->first) != skip->end()) continue;
+      for_each_tensor(entry->second, fn, skip);
+    }
+  } else {
+    std::apply([&](auto&... element) { (for_each_tensor(element, fn, skip), ...); }, data);
+  }
+}
+
+template <class T>
+std::vector<at::Tensor> tensor_leaves(const T& data) {
+  std::vector<at::Tensor> leaves;
+  auto collect = [&](const at::Tensor& t) { leaves.push_back(t); };
+  for_each_tensor(data, collect);
+  return leaves;
+}
+
+// Writes `values` into the tensor leaves of `data`, in order.
+template <class T>
+T with_leaves(T data, std::vector<at::Tensor>&& values) {
+  std::size_t next = 0;
+  auto assign = [&](at::Tensor& t) { t = std::move(values[next++]); };
+  for_each_tensor(data, assign);
+  return data;
+}
+
+// The structure of nested data as text; `leaf(t)` describes each tensor,
+// other leaves show as '_'.
+template <class T, class Leaf>
+void describe_nested(std::string& out, const T& data, const Leaf& leaf) {
+  if constexpr (!holds_tensor<T>::value) {
+    out += '_';
+  } else if constexpr (std::is_same_v<T, at::Tensor>) {
+    out += leaf(data);
+  } else if constexpr (is_vector<T>::value) {
+    out += '[';
+    for (std::size_t i = 0; i < data.size(); ++i) {
+      if (i) out += ", ";
+      describe_nested(out, data[i], leaf);
+    }
+    out += ']';
+  } else if constexpr (is_string_map<T>::value) {
+    out += '{';
+    bool first = true;
+    for (auto* entry : entries_by_key(data)) {
+      out += (first ? "'" : ", '") + entry->first + "': ";
+      first = false;
+      describe_nested(out, entry->second, leaf);
+    }
+    out += '}';
+  } else {
+    out += '(';
+    bool first = true;
+    std::apply([&](const auto&... element) {
+      ((out += first ? "" : ", ", first = false, describe_nested(out, element, leaf)), ...);
+    }, data);
+    out += ')';
+  }
+}
+
+// A collective's call as debug mode compares it: the operation, every
+// tensor's dtype, shape and device (`free_dim(t)`: a dimension allowed to
+// differ between ranks, shown as '*'), and the other arguments.
+template <class T, class FreeDim>
+std::string describe_call(const char* op, const T& data, const FreeDim& free_dim, const std::string& args = {}) {
+  std::string out = std::string(op) + "(";
+  describe_nested(out, data, [&](const at::Tensor& t) { return describe_tensor(t, free_dim(t)); });
+  return out + args + ")";
+}
+
+inline void check_defined(const std::vector<at::Tensor>& leaves, const char* op) {
+  for (std::size_t i = 0; i < leaves.size(); ++i)
+    if (!leaves[i].defined())
+      throw std::invalid_argument(std::string("accel::") + op + ": tensor leaf " + std::to_string(i) +
+                                  " (in walking order) is undefined");
+}
+
+// Leaves grouped by a key (device, or dtype and device), in first-seen order.
+template <class Key>
+std::vector<std::pair<Key, std::vector<std::size_t>>> group_leaves(const std::vector<at::Tensor>& leaves,
+                                                                   Key (*key)(const at::Tensor&)) {
+  std::vector<std::pair<Key, std::vector<std::size_t>>> groups;
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    Key k = key(leaves[i]);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == k; });
+    if (it == groups.end()) groups.push_back({k, {i}});
+    else it->second.push_back(i);
+  }
+  return groups;
+}
+inline c10::Device device_key(const at::Tensor& t) { return t.device(); }
+inline std::pair<c10::ScalarType, c10::Device> dtype_device_key(const at::Tensor& t) {
+  return {t.scalar_type(), t.device()};
+}
+
+// Different dtypes share one byte buffer for collectives that only move
+// bytes (broadcast, gather); every leaf starts at a 16-byte boundary, so the
+// typed views below are aligned for any dtype.
+constexpr int64_t kAlign = 16;
+inline int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+inline at::Tensor typed_view(const at::Tensor& bytes, int64_t offset, c10::IntArrayRef sizes,
+                             c10::ScalarType dtype) {
+  return at::from_blob(static_cast<uint8_t*>(bytes.data_ptr()) + offset, sizes, bytes.options().dtype(dtype));
+}
+
+inline int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+}  // namespace detail
+
+// Nested data whose every leaf is an at::Tensor (what the collectives below take).
+template <class T>
+concept TensorTree = detail::tensor_tree<T>::value;
+
+// Applies fn (tensor -> tensor) to every tensor leaf; everything else is
+// copied through. Values under a map key listed in skip_keys are left alone.
+template <class T, class Fn>
+  requires std::invocable<Fn&, const at::Tensor&>
+T recursively_apply(Fn&& fn, T data, const std::vector<std::string>& skip_keys = {}) {
+  auto apply = [&](at::Tensor& t) { t = std::invoke(fn, std::as_const(t)); };
+  detail::for_each_tensor(data, apply, skip_keys.empty() ? nullptr : &skip_keys);
+  return data;
+}
+
+// Moves every tensor leaf to `device` (values under skip_keys stay).
+template <class T>
+T send_to_device(T data, c10::Device device, bool non_blocking = false,
+                 const std::vector<std::string>& skip_keys = {}) {
+  return recursively_apply([&](const at::Tensor& t) { return t.to(device, non_blocking); }, std::move(data),
+                           skip_keys);
+}
+
+// The size along dim 0 of the first tensor leaf; nullopt when there is none.
+template <class T>
+std::optional<int64_t> find_batch_size(const T& data) {
+  auto leaves = detail::tensor_leaves(data);
+  if (leaves.empty()) return std::nullopt;
+  if (leaves.front().dim() == 0)
+    throw std::invalid_argument("accel::find_batch_size: the first tensor is 0-d and has no batch dimension");
+  return leaves.front().size(0);
+}
+
+// The device of the first tensor leaf; nullopt when there is none.
+template <class T>
+std::optional<c10::Device> find_device(const T& data) {
+  auto leaves = detail::tensor_leaves(data);
+  if (leaves.empty()) return std::nullopt;
+  return leaves.front().device();
+}
+
+// Concatenates structures of the same layout leaf by leaf along `dim`;
+// non-tensor leaves come from the first structure.
+template <class T>
+T concatenate(const std::vector<T>& data, int64_t dim = 0) {
+  if (data.empty()) throw std::invalid_argument("accel::concatenate: nothing to concatenate");
+  auto layout = [](const T& x) {
+    std::string out;
+    detail::describe_nested(out, x, [](const at::Tensor&) { return std::string("tensor"); });
+    return out;
+  };
+  const std::string expected = layout(data.front());
+  std::vector<std::vector<at::Tensor>> columns;
+  for (std::size_t k = 0; k < data.size(); ++k) {
+    if (k > 0 && layout(data[k]) != expected)
+      throw std::invalid_argument("accel::concatenate: element " + std::to_string(k) + " is laid out as " +
+                                  layout(data[k]) + ", element 0 as " + expected);
+    auto leaves = detail::tensor_leaves(data[k]);
+    columns.resize(leaves.size());
+    for (std::size_t i = 0; i < leaves.size(); ++i) columns[i].push_back(std::move(leaves[i]));
+  }
+  std::vector<at::Tensor> joined;
+  joined.reserve(columns.size());
+  for (auto& column : columns) joined.push_back(at::cat(column, dim));
+  return detail::with_leaves(data.front(), std::move(joined));
+}
+
+// Indexes every tensor leaf along dim 0: slice_tensors(batch, 0) is the
+// first sample, slice_tensors(batch, at::indexing::Slice(0, 8)) the first 8.
+template <class T>
+T slice_tensors(T data, int64_t index) {
+  return recursively_apply([&](const at::Tensor& t) { return t.select(0, index); }, std::move(data));
+}
+template <class T>
+T slice_tensors(T data, const at::indexing::Slice& slice) {
+  return recursively_apply([&](const at::Tensor& t) { return t.index({slice}); }, std::move(data));
+}
+
+// float16 and bfloat16 leaves become float32; other leaves are unchanged.
+template <class T>
+T convert_to_fp32(T data) {
+  return recursively_apply(
+      [](const at::Tensor& t) {
+        const auto dtype = t.scalar_type();
+        return dtype == c10::kHalf || dtype == c10::kBFloat16 ? t.to(c10::kFloat) : t;
+      },
+      std::move(data));
+}
+
+namespace detail {
+// Every rank's int64 values (the same count on every rank), rank-major.
+inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, std::vector<int64_t> mine, const char* op) {
+  const auto n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(group.getSize()));
+  if (n == 0) return all;
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all.data() + r * n, {n}, cpu_options(c10::kLong)));
+  all_gather_into(group, at::from_blob(mine.data(), {n}, cpu_options(c10::kLong)), std::move(outputs), op);
+  return all;
+}
+
+inline int64_t row_bytes(const at::Tensor& t) {
+  int64_t bytes = static_cast<int64_t>(t.element_size());
+  for (int64_t d = 1; d < t.dim(); ++d) bytes *= t.size(d);
+  return bytes;
+}
+
+inline std::vector<int64_t> with_rows(const at::Tensor& t, int64_t rows) {
+  std::vector<int64_t> sizes(t.sizes().begin(), t.sizes().end());
+  sizes[0] = rows;
+  return sizes;
+}
+}  // namespace detail
+
+// Gathers nested tensors from every rank of the group, concatenated along
+// dim 0 in rank order (a 0-d tensor becomes 1-d), on every rank. Sizes along
+// dim 0 may differ between ranks: they are exchanged first (one small
+// all_gather), then every leaf of a device travels in one byte buffer padded
+// to the longest rank's, and is trimmed on arrival.
+template <TensorTree T>
+T gather(const T& data, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "gather");
+  std::vector<at::Tensor> leaves = detail::tensor_leaves(data);
+  detail::check_defined(leaves, "gather");
+  for (auto& leaf : leaves)
+    if (leaf.dim() == 0) leaf = leaf.reshape({1});
+  if (!g) return detail::with_leaves(data, std::move(leaves));
+  detail::check_same_call(*g, [&] {
+    return detail::describe_call("gather", data, [](const at::Tensor& t) {
+      return t.dim() ? std::optional<int64_t>(0) : std::nullopt;
+    });
+  });
+  if (leaves.empty()) return data;
+  const int size = g->getSize();
+  const auto n = leaves.size();
+  std::vector<int64_t> my_rows;
+  for (const auto& leaf : leaves) my_rows.push_back(leaf.size(0));
+  const std::vector<int64_t> rows = detail::exchange_counts(*g, std::move(my_rows), "gather");
+  auto rows_of = [&](int r, std::size_t i) { return rows[static_cast<std::size_t>(r) * n + i]; };
+
+  std::vector<std::vector<at::Tensor>> pieces(n, std::vector<at::Tensor>(size));
+  at::NoGradGuard no_grad;
+  for (const auto& [device, members] : detail::group_leaves(leaves, &detail::device_key)) {
+    // offsets[r][k]: where member k of rank r starts in rank r's buffer.
+    std::vector<std::vector<int64_t>> offsets(size);
+    int64_t longest = 0;
+    for (int r = 0; r < size; ++r) {
+      int64_t end = 0;
+      for (std::size_t i : members) {
+        end = detail::align_up(end);
+        offsets[r].push_back(end);
+        end += rows_of(r, i) * detail::row_bytes(leaves[i]);
+      }
+      longest = std::max(longest, end);
+    }
+    longest = detail::align_up(std::max<int64_t>(longest, 1));  // every rank's row stays aligned
+    const int rank = g->getRank();
+    auto options = leaves[members.front()].options().dtype(c10::kByte);
+    at::Tensor mine = at::empty({longest}, options);
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      const at::Tensor& leaf = leaves[members[k]];
+      detail::typed_view(mine, offsets[rank][k], leaf.sizes(), leaf.scalar_type()).copy_(leaf);
+    }
+    at::Tensor all = at::empty({size, mine.size(0)}, options);
+    detail::all_gather_stacked(*g, mine, all);
+    for (int r = 0; r < size; ++r) {
+      at::Tensor row = all.select(0, r);
+      for (std::size_t k = 0; k < members.size(); ++k) {
+        const at::Tensor& leaf = leaves[members[k]];
+        pieces[members[k]][r] = detail::typed_view(row, offsets[r][k], detail::with_rows(leaf, rows_of(r, members[k])),
+                                                   leaf.scalar_type());
+      }
+    }
+    for (std::size_t i : members) leaves[i] = at::cat(pieces[i], 0);  // owns its memory
+  }
+  return detail::with_leaves(data, std::move(leaves));
+}
+
+namespace detail {
+inline ReduceOp parse_reduction(std::string_view reduction) {
+  try {
+    return from_string<ReduceOp>(reduction);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument("accel::reduce: unknown reduction '" + std::string(reduction) +
+                                "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
+  }
+}
+}  // namespace detail
+
+// Reduces nested tensors over the group and returns the result; the input
+// is left untouched. One all_reduce per dtype (and device): the leaves of a
+// dtype are flattened into one buffer. MEAN is SUM divided by the group size.
+template <TensorTree T>
+T reduce(const T& data, ReduceOp reduction = ReduceOp::MEAN, const GroupPtr& group = {}) {
+  std::vector<at::Tensor> leaves = detail::tensor_leaves(data);
+  detail::check_defined(leaves, "reduce");
+  if (reduction == ReduceOp::MEAN)
+    for (const auto& leaf : leaves) detail::reject_integral_mean(leaf.scalar_type(), "reduce");
+  c10d::ProcessGroup* g = detail::resolve(group, "reduce");
+  at::NoGradGuard no_grad;
+  if (!g) {
+    for (auto& leaf : leaves) leaf = leaf.clone();
+    return detail::with_leaves(data, std::move(leaves));
+  }
+  detail::check_same_call(*g, [&] {
+    return detail::describe_call("reduce", data, [](const at::Tensor&) { return std::nullopt; },
+                                 ", " + std::string(to_string(reduction)));
+  });
+  for (const auto& [key, members] : detail::group_leaves(leaves, &detail::dtype_device_key)) {
+    at::Tensor flat;
+    if (members.size() == 1) {
+      flat = leaves[members.front()].clone(at::MemoryFormat::Contiguous).reshape({-1});
+    } else {
+      std::vector<at::Tensor> parts;
+      for (std::size_t i : members) parts.push_back(leaves[i].reshape({-1}));
+      flat = at::cat(parts);
+    }
+    detail::all_reduce_tensor(*g, flat, reduction);
+    int64_t offset = 0;
+    for (std::size_t i : members) {
+      const int64_t count = leaves[i].numel();
+      leaves[i] = flat.narrow(0, offset, count).view(leaves[i].sizes());
+      offset += count;
+    }
+  }
+  return detail::with_leaves(data, std::move(leaves));
+}
+// reduction: "sum", "mean", "max" or "min"; anything else is an error (not a
+// silent sum, as in Accelerate).
+template <TensorTree T>
+T reduce(const T& data, std::string_view reduction, const GroupPtr& group = {}) {
+  return reduce(data, detail::parse_reduction(reduction), group);
+}
+
+// Copies nested tensors from rank `from_process` of the group (a rank within
+// the group) into every rank's tensors, in place; returns data. All leaves
+// on a device travel as one byte buffer (a lone contiguous leaf travels as itself).
+template <TensorTree T>
+  requires(!TensorLike<T>)
+T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "broadcast");
+  std::vector<at::Tensor> leaves = detail::tensor_leaves(data);
+  detail::check_defined(leaves, "broadcast");
+  if (!g) {
+    if (from_process != 0)
+      throw std::invalid_argument("accel::broadcast: from_process=" + std::to_string(from_process) +
+                                  " but the process is not distributed (only rank 0 exists)");
+    return data;
+  }
+  if (from_process < 0 || from_process >= g->getSize())
+    throw std::invalid_argument("accel::broadcast: from_process=" + std::to_string(from_process) +
+                                " is not a rank of " + detail::describe(*g) + " (it is a rank within the group)");
+  detail::check_same_call(*g, [&] {
+    return detail::describe_call("broadcast", data, [](const at::Tensor&) { return std::nullopt; },
+                                 ", src=" + std::to_string(from_process));
+  });
+  const bool source = g->getRank() == from_process;
+  at::NoGradGuard no_grad;
+  for (const auto& [device, members] : detail::group_leaves(leaves, &detail::device_key)) {
+    if (members.size() == 1) {
+      detail::broadcast_tensor(*g, leaves[members.front()], from_process);
+      continue;
+    }
+    std::vector<int64_t> offsets;
+    int64_t end = 0;
+    for (std::size_t i : members) {
+      end = detail::align_up(end);
+      offsets.push_back(end);
+      end += detail::byte_size(leaves[i]);
+    }
+    at::Tensor buffer = at::empty({std::max<int64_t>(end, 1)}, leaves[members.front()].options().dtype(c10::kByte));
+    auto view = [&](std::size_t k) {
+      const at::Tensor& leaf = leaves[members[k]];
+      return detail::typed_view(buffer, offsets[k], leaf.sizes(), leaf.scalar_type());
+    };
+    if (source)
+      for (std::size_t k = 0; k < members.size(); ++k) view(k).copy_(leaves[members[k]]);
+    detail::broadcast_tensor(*g, buffer, from_process);
+    if (!source)
+      for (std::size_t k = 0; k < members.size(); ++k) leaves[members[k]].copy_(view(k));
+  }
+  return data;
+}
+
+// Pads every tensor leaf along `dim` with pad_index to the largest size any
+// rank of the group has there (at the end, or at the start with pad_first).
+// Leaves with fewer dimensions than `dim` are left as they are. One small
+// all_gather of the sizes.
+template <TensorTree T>
+T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false,
+                       const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "pad_across_processes");
+  std::vector<at::Tensor> leaves = detail::tensor_leaves(data);
+  detail::check_defined(leaves, "pad_across_processes");
+  if (!g) return data;
+  auto axis = [dim](const at::Tensor& t) -> std::optional<int64_t> {
+    if (dim >= t.dim() || dim < -t.dim()) return std::nullopt;
+    return dim < 0 ? dim + t.dim() : dim;
+  };
+  detail::check_same_call(*g, [&] {
+    std::ostringstream args;
+    args << ", dim=" << dim << ", pad_index=" << pad_index << ", pad_first=" << std::boolalpha << pad_first;
+    return detail::describe_call("pad_across_processes", data, axis, args.str());
+  });
+  std::vector<int64_t> mine;
+  for (const auto& leaf : leaves) mine.push_back(axis(leaf) ? leaf.size(*axis(leaf)) : 0);
+  const std::vector<int64_t> all = detail::exchange_counts(*g, mine, "pad_across_processes");
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    auto d = axis(leaves[i]);
+    if (!d) continue;
+    int64_t longest = 0;
+    for (int r = 0; r < g->getSize(); ++r) longest = std::max(longest, all[r * leaves.size() + i]);
+    if (longest == mine[i]) continue;
+    std::vector<int64_t> sizes(leaves[i].sizes().begin(), leaves[i].sizes().end());
+    sizes[*d] = longest;
+    at::Tensor padded = at::full(sizes, pad_index, leaves[i].options());
+    padded.narrow(*d, pad_first ? longest - mine[i] : 0, mine[i]).copy_(leaves[i]);
+    leaves[i] = std::move(padded);
+  }
+  return detail::with_leaves(data, std::move(leaves));
+}
+
+// -- Objects -----------------------------------------------------------------
+//
+// Objects travel as c10::IValue, serialized with LibTorch's own pickler
+// (torch::jit::pickle_save: the format of torch.save), framed by a header
+// with the payload's length and hash, so truncated or corrupted bytes are an
+// exception before the unpickler sees them.
+
+namespace detail {
+template <class T>
+struct picklable : std::bool_constant<std::is_arithmetic_v<T> || std::is_same_v<T, std::string> ||
+                                      std::is_same_v<T, at::Tensor> || std::is_same_v<T, c10::IValue>> {};
+template <class T, class A>
+struct picklable<std::vector<T, A>> : picklable<T> {};
+template <class V, class C, class A>
+struct picklable<std::map<std::string, V, C, A>> : picklable<V> {};
+template <class V, class H, class E, class A>
+struct picklable<std::unordered_map<std::string, V, H, E, A>> : picklable<V> {};
+template <class... Ts>
+struct picklable<std::tuple<Ts...>> : std::conjunction<picklable<Ts>...> {};
+template <class A, class B>
+struct picklable<std::pair<A, B>> : std::conjunction<picklable<A>, picklable<B>> {};
+}  // namespace detail
+
+// What gather_object and broadcast_object_list move: c10::IValue, numbers,
+// bool, std::string, tensors, and vectors, string-keyed maps, tuples and
+// pairs of those.
+template <class T>
+concept Picklable = detail::picklable<T>::value;
+
+namespace detail {
+template <Picklable T>
+c10::IValue to_ivalue(const T& x) {
+  if constexpr (std::is_same_v<T, c10::IValue>) {
+    return x;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return c10::IValue(x);
+  } else if constexpr (std::is_integral_v<T>) {
+    if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
+      if (x > static_cast<T>(INT64_MAX))
+        throw std::out_of_range("accel: uint64 value " + std::to_string(x) + " does not fit an IValue's int64");
+    return c10::IValue(static_cast<int64_t>(x));
+  } else if constexpr (std::is_floating_point_v<T>) {
+    return c10::IValue(static_cast<double>(x));  // IValue holds doubles
+  } else if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, at::Tensor>) {
+    return c10::IValue(x);
+  } else if constexpr (is_vector<T>::value) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.reserve(x.size());
+    if constexpr (std::is_same_v<typename T::value_type, bool>)  // std::vector<bool> has no bool&
+      for (bool element : x) list.push_back(c10::IValue(element));
+    else
+      for (const auto& element : x) list.push_back(to_ivalue(element));
+    return list;
+  } else if constexpr (is_string_map<T>::value) {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    for (auto* entry : entries_by_key(x)) dict.insert(entry->first, to_ivalue(entry->second));
+    return dict;
+  } else {
+    std::vector<c10::IValue> elements;
+    std::apply([&](const auto&... element) { (elements.push_back(to_ivalue(element)), ...); }, x);
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+}
+
+[[noreturn]] inline void wrong_object(const char* expected, const c10::IValue& v) {
+  throw std::invalid_argument(std::string("accel: received object is a ") + v.tagKind() + ", expected " + expected);
+}
+
+template <Picklable T>
+T from_ivalue(const c10::IValue& v) {
+  if constexpr (std::is_same_v<T, c10::IValue>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.isBool()) wrong_object("bool", v);
+    return v.toBool();
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!v.isInt()) wrong_object("int", v);
+    const int64_t i = v.toInt();
+    if (!c10::overflows<T>(i) || (std::is_unsigned_v<T> && sizeof(T) == 8 && i >= 0)) return static_cast<T>(i);
+    throw std::out_of_range("accel: received integer " + std::to_string(i) + " does not fit the requested type");
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.isDouble()) wrong_object("float", v);
+    return static_cast<T>(v.toDouble());
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.isString()) wrong_object("string", v);
+    return v.toStringRef();
+  } else if constexpr (std::is_same_v<T, at::Tensor>) {
+    if (!v.isTensor()) wrong_object("tensor", v);
+    return v.toTensor();
+  } else if constexpr (is_vector<T>::value) {
+    if (!v.isList()) wrong_object("list", v);
+    T out;
+    for (const c10::IValue& element : v.toListRef()) out.push_back(from_ivalue<typename T::value_type>(element));
+    return out;
+  } else if constexpr (is_string_map<T>::value) {
+    if (!v.isGenericDict()) wrong_object("dict", v);
+    T out;
+    for (const auto& entry : v.toGenericDict()) {
+      if (!entry.key().isString()) wrong_object("string key", entry.key());
+      out.emplace(entry.key().toStringRef(), from_ivalue<typename T::mapped_type>(entry.value()));
+    }
+    return out;
+  } else {
+    if (!v.isTuple()) wrong_object("tuple", v);
+    const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
+    if (elements.size() != std::tuple_size_v<T>)
+      throw std::invalid_argument("accel: received a tuple of " + std::to_string(elements.size()) +
+                                  " elements, expected " + std::to_string(std::tuple_size_v<T>));
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return T{from_ivalue<std::tuple_element_t<I, T>>(elements[I])...};
+    }(std::make_index_sequence<std::tuple_size_v<T>>{});
+  }
+}
+
+constexpr char kObjectMagic[8] = {'A', 'C', 'C', 'E', 'L', 'O', 'B', '1'};
+constexpr std::size_t kObjectHeader = 24;  // magic, payload length, payload hash
+
+inline std::vector<char> save_object(const c10::IValue& value) {
+  std::vector<char> payload = torch::jit::pickle_save(value);
+  std::vector<char> framed(kObjectHeader + payload.size());
+  const uint64_t length = payload.size(), hash = fnv1a(payload.data(), payload.size());
+  std::memcpy(framed.data(), kObjectMagic, 8);
+  std::memcpy(framed.data() + 8, &length, 8);
+  std::memcpy(framed.data() + 16, &hash, 8);
+  std::memcpy(framed.data() + kObjectHeader, payload.data(), payload.size());
+  return framed;
+}
+
+// Throws std::runtime_error on bytes that save_object did not write intact.
+inline c10::IValue load_object(const char* data, std::size_t size) {
+  auto corrupt = [&](const std::string& why) {
+    return std::runtime_error("accel: received object bytes are not intact (" + why + ", " +
+                              std::to_string(size) + " bytes)");
+  };
+  if (size < kObjectHeader || std::memcmp(data, kObjectMagic, 8) != 0) throw corrupt("no accel object header");
+  uint64_t length = 0, hash = 0;
+  std::memcpy(&length, data + 8, 8);
+  std::memcpy(&hash, data + 16, 8);
+  if (length != size - kObjectHeader) throw corrupt("length " + std::to_string(length) + " in the header");
+  if (hash != fnv1a(data + kObjectHeader, length)) throw corrupt("hash mismatch");
+  try {
+    return torch::jit::pickle_load(std::vector<char>(data + kObjectHeader, data + size));
+  } catch (const std::exception& e) {
+    throw std::runtime_error("accel: cannot unpickle a received object: " + error_text(e));
+  }
+}
+}  // namespace detail
+
+// Gathers an object from every rank of the group, in rank order, on every
+// rank: a std::vector is concatenated (as Accelerate flattens lists), any
+// other object becomes one element. One size exchange, one payload collective.
+template <Picklable T>
+auto gather_object(const T& object, const GroupPtr& group = {}) {
+  using Element = std::conditional_t<detail::is_vector<T>::value, typename T::value_type, T>;
+  using Result = std::vector<Element>;
+  auto flatten_into = [](Result& out, T&& piece) {
+    if constexpr (detail::is_vector<T>::value) out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
+    else out.push_back(std::move(piece));
+  };
+  Result result;
+  c10d::ProcessGroup* g = detail::resolve(group, "gather_object");
+  if (!g) {
+    flatten_into(result, T(object));
+    return result;
+  }
+  detail::check_same_call(*g, [] { return std::string("gather_object()"); });
+  std::vector<char> mine = detail::save_object(detail::to_ivalue(object));
+  const int size = g->getSize();
+  const std::vector<int64_t> lengths =
+      detail::exchange_counts(*g, {static_cast<int64_t>(mine.size())}, "gather_object");
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  mine.resize(static_cast<std::size_t>(longest));
+  std::vector<char> all(static_cast<std::size_t>(longest) * size);
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < size; ++r)
+    outputs.push_back(at::from_blob(all.data() + longest * r, {longest}, detail::cpu_options(c10::kByte)));
+  detail::all_gather_into(*g, at::from_blob(mine.data(), {longest}, detail::cpu_options(c10::kByte)),
+                          std::move(outputs), "gather_object");
+  for (int r = 0; r < size; ++r)
+    flatten_into(result, detail::from_ivalue<T>(detail::load_object(all.data() + longest * r,
+                                                                   static_cast<std::size_t>(lengths[r]))));
+  return result;
+}
+
+// Replaces `objects` on every rank with rank `from_process`'s (a rank within
+// the group; the others' lists may have any length). One size broadcast,
+// one payload broadcast. Returns objects.
+template <Picklable T>
+std::vector<T>& broadcast_object_list(std::vector<T>& objects, int from_process = 0, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "broadcast_object_list");
+  if (!g) {
+    if (from_process != 0)
+      throw std::invalid_argument("accel::broadcast_object_list: from_process=" + std::to_string(from_process) +
+                                  " but the process is not distributed (only rank 0 exists)");
+    return objects;
+  }
+  if (from_process < 0 || from_process >= g->getSize())
+    throw std::invalid_argument("accel::broadcast_object_list: from_process=" + std::to_string(from_process) +
+                                " is not a rank of " + detail::describe(*g) + " (it is a rank within the group)");
+  detail::check_same_call(*g, [&] { return "broadcast_object_list(src=" + std::to_string(from_process) + ")"; });
+  const bool source = g->getRank() == from_process;
+  std::vector<char> bytes;
+  if (source) bytes = detail::save_object(detail::to_ivalue(objects));
+  int64_t length = static_cast<int64_t>(bytes.size());
+  at::Tensor length_view = at::from_blob(&length, {1}, detail::cpu_options(c10::kLong));
+  detail::broadcast_tensor(*g, length_view, from_process);
+  bytes.resize(static_cast<std::size_t>(length));
+  at::Tensor payload = at::from_blob(bytes.data(), {length}, detail::cpu_options(c10::kByte));
+  detail::broadcast_tensor(*g, payload, from_process);
+  if (!source) objects = detail::from_ivalue<std::vector<T>>(detail::load_object(bytes.data(), bytes.size()));
+  return objects;
+}
+
+// -- Process control ---------------------------------------------------------
+
+// Blocks until every rank of the group (default: the world) arrives.
+inline void wait_for_everyone(const GroupPtr& group = {}) { barrier(group); }
+
+// main_process_first with the main process of each host (local rank 0).
+template <class Body>
+std::invoke_result_t<Body&> local_main_process_first(Body&& body) {
+  return main_process_first(std::forward<Body>(body), /*local_only=*/true);
+}
+
+namespace detail {
+// Accelerate's split arithmetic: the first n % size ranks get one more.
+// A rank past the end (n < size) gets the last item, as in Accelerate.
+struct SplitRange {
+  int64_t begin, end, target;  // target: every rank's length after padding
+};
+inline SplitRange split_range(int64_t n, int rank, int size) {
+  const int64_t per = n / size, extras = n % size;
+  const int64_t begin = rank * per + std::min<int64_t>(rank, extras);
+  const int64_t end = begin + per + (rank < extras ? 1 : 0);
+  if (begin >= n) return {std::max<int64_t>(n - 1, 0), n, per + (extras > 0)};
+  return {begin, end, per + (extras > 0)};
+}
+
+inline std::pair<int, int> rank_and_size(const GroupPtr& group, const char* op) {
+  c10d::ProcessGroup* g = resolve(group, op);
+  return g ? std::pair{g->getRank(), g->getSize()} : std::pair{0, 1};
+}
+
+template <class T>
+int64_t split_length(const T& values) {
+  if constexpr (std::is_same_v<T, at::Tensor>) return values.dim() ? values.size(0) : 1;
+  else return static_cast<int64_t>(values.size());
+}
+
+template <class T>
+T split_part(const T& values, SplitRange range, bool apply_padding) {
+  if constexpr (std::is_same_v<T, at::Tensor>) {
+    at::Tensor part = values.narrow(0, range.begin, range.end - range.begin);
+    if (apply_padding && part.size(0) > 0 && part.size(0) < range.target) {
+      at::Tensor last = part.narrow(0, part.size(0) - 1, 1);
+      std::vector<at::Tensor> pieces{part};
+      for (int64_t i = part.size(0); i < range.target; ++i) pieces.push_back(last);
+      part = at::cat(pieces, 0);
+    }
+    return part;
+  } else {
+    T part(values.begin() + range.begin, values.begin() + range.end);
+    if (apply_padding && !part.empty())
+      while (static_cast<int64_t>(part.size()) < range.target) part.push_back(part.back());
+    return part;
+  }
+}
+}  // namespace detail
+
+// This rank's share of `inputs` (a std::vector, a tensor along dim 0, or a
+// string-keyed map of equal-length vectors or tensors), split as Accelerate
+// does: 17 items on 4 ranks give 5, 4, 4, 4. With apply_padding every rank's
+// share is padded to the longest by repeating its last item.
+template <class T>
+  requires(detail::is_vector<T>::value || std::is_same_v<T, at::Tensor> || detail::is_string_map<T>::value)
+T split_between_processes(const T& inputs, bool apply_padding = false, const GroupPtr& group = {}) {
+  const auto [rank, size] = detail::rank_and_size(group, "split_between_processes");
+  if constexpr (detail::is_string_map<T>::value) {
+    std::optional<int64_t> length;
+    for (auto* entry : detail::entries_by_key(inputs)) {
+      const int64_t n = detail::split_length(entry->second);
+      if (length && n != *length)
+        throw std::invalid_argument("accel::split_between_processes: every value must have the same length; '" +
+                                    entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
+      length = n;
+    }
+    T out;
+    for (const auto& [key, values] : inputs)
+      out.emplace(key, detail::split_part(values, detail::split_range(*length, rank, size), apply_padding));
+    return out;
+  } else {
+    if constexpr (std::is_same_v<T, at::Tensor>)
+      if (inputs.dim() == 0) throw std::invalid_argument("accel::split_between_processes: a 0-d tensor cannot be split");
+    return detail::split_part(inputs, detail::split_range(detail::split_length(inputs), rank, size), apply_padding);
+  }
+}
+
+// Prints its arguments, separated by spaces, on the main process (global
+// rank 0) only, as one write, so lines from different hosts never interleave.
+template <class... Args>
+void print(const Args&... args) {
+  if (get_rank() != 0) return;
+  std::ostringstream line;
+  bool first = true;
+  ((line << (first ? "" : " ") << args, first = false), ...);
+  line << '\n';
+  std::cout << line.str() << std::flush;
+}
+
+namespace detail {
+template <class Fn, class Predicate>
+auto on_condition(Fn fn, Predicate runs_here) {
+  return [fn = std::move(fn), runs_here](auto&&... args) mutable {
+    using R = std::invoke_result_t<Fn&, decltype(args)...>;
+    if constexpr (std::is_void_v<R>) {
+      if (runs_here()) std::invoke(fn, std::forward<decltype(args)>(args)...);
+    } else {
+      return runs_here() ? std::optional<R>(std::invoke(fn, std::forward<decltype(args)>(args)...)) : std::nullopt;
+    }
+  };
+}
+}  // namespace detail
+
+// Wraps fn so that it runs only on one process; elsewhere the wrapper does
+// nothing (and returns an empty std::optional when fn returns a value).
+template <class Fn>
+auto on_process(Fn fn, int process_index) {
+  return detail::on_condition(std::move(fn), [process_index] { return get_rank() == process_index; });
+}
+template <class Fn>
+auto on_main_process(Fn fn) {
+  return on_process(std::move(fn), 0);
+}
+template <class Fn>
+auto on_local_main_process(Fn fn) {
+  return detail::on_condition(std::move(fn), [] { return get_local_rank() == 0; });
+}
+template <class Fn>
+auto on_last_process(Fn fn) {
+  return detail::on_condition(std::move(fn), [] { return get_rank() == get_world_size() - 1; });
+}
+
+// -- Reproducibility ---------------------------------------------------------
+
+// Seeds C's rand() and LibTorch's default generators (CPU and every CUDA
+// device); with device_specific the seed is offset by the global rank.
+// Returns the seed used.
+inline uint64_t set_seed(uint64_t seed, bool device_specific = false) {
+  if (device_specific) seed += static_cast<uint64_t>(get_rank());
+  std::srand(static_cast<unsigned>(seed));
+  auto seed_generator = [seed](at::Generator generator) {
+    std::lock_guard lock(generator.mutex());
+    generator.set_current_seed(seed);
+  };
+  seed_generator(at::detail::getDefaultCPUGenerator());
+  for (int i = 0; i < detail::guard_device_count(c10::DeviceType::CUDA); ++i)
+    seed_generator(at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
+  return seed;
+}
+
+namespace detail {
+inline void synchronize_generator(at::Generator generator, const GroupPtr& group) {
+  at::Tensor state;
+  {
+    std::lock_guard lock(generator.mutex());
+    state = generator.get_state();
+  }
+  state = broadcast(std::move(state), 0, group);
+  std::lock_guard lock(generator.mutex());
+  generator.set_state(state);
+}
+}  // namespace detail
+
+// Copies rank 0's random-generator states to every rank of the group:
+// "torch" (LibTorch's CPU generator), "cuda" (the current CUDA device's),
+// "generator" (the one passed). No types: "torch", plus "cuda" when a CUDA
+// device is present.
+inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {},
+                                   std::optional<at::Generator> generator = std::nullopt,
+                                   const GroupPtr& group = {}) {
+  std::vector<std::string> types = rng_types;
+  if (types.empty()) {
+    types.push_back("torch");
+    if (is_torch_cuda_available()) types.push_back("cuda");
+  }
+  for (const auto& type : types) {
+    if (type == "torch") {
+      detail::synchronize_generator(at::detail::getDefaultCPUGenerator(), group);
+    } else if (type == "cuda") {
+      if (!is_torch_cuda_available())
+        throw std::invalid_argument("accel::synchronize_rng_states: \"cuda\" asked for, but no CUDA device is available");
+      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      detail::synchronize_generator(at::globalContext().defaultGenerator(impl->getDevice()), group);
+    } else if (type == "generator") {
+      if (!generator)
+        throw std::invalid_argument("accel::synchronize_rng_states: \"generator\" asked for, but no generator passed");
+      detail::synchronize_generator(*generator, group);
+    } else {
+      throw std::invalid_argument("accel::synchronize_rng_states: unknown rng type '" + type +
+                                  "' (expected \"torch\", \"cuda\" or \"generator\")");
+    }
+  }
+}
 
 }  // namespace accel
 

@@ -9,28 +9,8 @@
 // torchrun's environment, stops all ranks when one fails, and has a hard
 // timeout. Every rank runs the same test cases in the same order.
 
-#include "accel.hpp"
-
-// Debian's LibTorch logs through glog, whose CHECK* macros (pulled in by
-// ATen) would silently replace doctest's: include accel.hpp first, drop them,
-// then include doctest.
-#undef CHECK
-#undef CHECK_EQ
-#undef CHECK_NE
-#undef CHECK_LE
-#undef CHECK_LT
-#undef CHECK_GE
-#undef CHECK_GT
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
-#include <doctest/doctest.h>
-
-#include <cstdio>
-#include <fstream>
-#include <filesystem>
-#include <thread>
-
-using accel::Dim;
-using accel::ReduceOp;
+#include "test_helpers.hpp"
 
 // == Every public template, explicitly instantiated for every TensorLike ====
 
@@ -79,64 +59,6 @@ ACCEL_INSTANTIATE_SCALAR(char32_t)
 static_assert(accel::TensorLike<at::Tensor> && accel::TensorLike<std::vector<char32_t>>);
 static_assert(!accel::TensorLike<bool> && !accel::TensorLike<std::vector<bool>>);
 static_assert(!accel::TensorLike<std::string> && !accel::TensorLike<std::vector<std::string>>);
-
-// == Helpers ==================================================================
-
-namespace {
-
-// Values as numbers doctest can print (char8_t and friends have no <<);
-// long double holds every integer these tests use exactly.
-template <class T>
-long double num(T x) {
-  return static_cast<long double>(x);
-}
-
-// Sets (or, with nullptr, unsets) environment variables for one scope.
-class EnvGuard {
- public:
-  EnvGuard(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (auto [name, value] : vars) {
-      const char* old = std::getenv(name);
-      saved_.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
-      if (value) setenv(name, value, 1);
-      else unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
-      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
-      else unsetenv(it->first.c_str());
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
-// Tests use a short timeout so that a desynchronised rank fails fast.
-accel::DistributedConfig test_config(accel::DistributedConfig config = {}) {
-  config.timeout = std::chrono::seconds(60);
-  return config;
-}
-
-accel::DistributedInterface& world() { return accel::DistributedInterface::instance(test_config()); }
-
-// A fresh interface with `config`, whatever was live before.
-accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) {
-  if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
-  return accel::DistributedInterface::instance(test_config(config));
-}
-
-std::string what_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
-
-}  // namespace
 
 // == single: one process, nothing distributed =================================
 

@@ -1,0 +1,82 @@
+// Shared by the test translation units: includes, environment guards and
+// the interface the multi-rank suites use.
+#pragma once
+
+#include "accel.hpp"
+
+// Debian's LibTorch logs through glog, whose CHECK* macros (pulled in by
+// ATen) would silently replace doctest's: include accel.hpp first, drop them,
+// then include doctest.
+#undef CHECK
+#undef CHECK_EQ
+#undef CHECK_NE
+#undef CHECK_LE
+#undef CHECK_LT
+#undef CHECK_GE
+#undef CHECK_GT
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+using accel::Dim;
+using accel::ReduceOp;
+
+// == Helpers ==================================================================
+
+
+// Values as numbers doctest can print (char8_t and friends have no <<);
+// long double holds every integer these tests use exactly.
+template <class T>
+long double num(T x) {
+  return static_cast<long double>(x);
+}
+
+// Sets (or, with nullptr, unsets) environment variables for one scope.
+class EnvGuard {
+ public:
+  EnvGuard(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (auto [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+      if (value) setenv(name, value, 1);
+      else unsetenv(name);
+    }
+  }
+  ~EnvGuard() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second) setenv(it->first.c_str(), it->second->c_str(), 1);
+      else unsetenv(it->first.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// Tests use a short timeout so that a desynchronised rank fails fast.
+inline accel::DistributedConfig test_config(accel::DistributedConfig config = {}) {
+  config.timeout = std::chrono::seconds(60);
+  return config;
+}
+
+inline accel::DistributedInterface& world() { return accel::DistributedInterface::instance(test_config()); }
+
+// A fresh interface with `config`, whatever was live before.
+inline accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) {
+  if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+  return accel::DistributedInterface::instance(test_config(config));
+}
+
+inline std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "<no exception>";
+}
+
+
