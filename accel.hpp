@@ -1922,7 +1922,8 @@ T gather(const T& data, const GroupPtr& group = {}) {
 
   std::vector<std::vector<at::Tensor>> pieces(n, std::vector<at::Tensor>(size));
   at::NoGradGuard no_grad;
-  for (const auto& [device, members] : detail::group_leaves(leaves, &detail::device_key)) {
+  for (const auto& bucket : detail::group_leaves(leaves, &detail::device_key)) {
+    const std::vector<std::size_t>& members = bucket.second;
     // offsets[r][k]: where member k of rank r starts in rank r's buffer.
     std::vector<std::vector<int64_t>> offsets(size);
     int64_t longest = 0;
@@ -1988,7 +1989,8 @@ T reduce(const T& data, ReduceOp reduction = ReduceOp::MEAN, const GroupPtr& gro
     return detail::describe_call("reduce", data, [](const at::Tensor&) { return std::nullopt; },
                                  ", " + std::string(to_string(reduction)));
   });
-  for (const auto& [key, members] : detail::group_leaves(leaves, &detail::dtype_device_key)) {
+  for (const auto& bucket : detail::group_leaves(leaves, &detail::dtype_device_key)) {
+    const std::vector<std::size_t>& members = bucket.second;
     at::Tensor flat;
     if (members.size() == 1) {
       flat = leaves[members.front()].clone(at::MemoryFormat::Contiguous).reshape({-1});
@@ -2038,7 +2040,8 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
   });
   const bool source = g->getRank() == from_process;
   at::NoGradGuard no_grad;
-  for (const auto& [device, members] : detail::group_leaves(leaves, &detail::device_key)) {
+  for (const auto& bucket : detail::group_leaves(leaves, &detail::device_key)) {
+    const std::vector<std::size_t>& members = bucket.second;
     if (members.size() == 1) {
       detail::broadcast_tensor(*g, leaves[members.front()], from_process);
       continue;
@@ -2108,7 +2111,9 @@ T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_ind
 // Objects travel as c10::IValue, serialized with LibTorch's own pickler
 // (torch::jit::pickle_save: the format of torch.save), framed by a header
 // with the payload's length and hash, so truncated or corrupted bytes are an
-// exception before the unpickler sees them.
+// exception before the unpickler sees them. (The check is not optional:
+// LibTorch 1.13's pickle_load reads past its buffer on some corrupted
+// archives — a heap-buffer-overflow in its zip reader, found with ASan.)
 
 namespace detail {
 template <class T>

@@ -1,6 +1,6 @@
 // Each ACCEL_CASE_* except ACCEL_CASE_OK is a use of accel.hpp that must not
 // compile; tests/CMakeLists.txt checks that the compiler rejects it through
-// the TensorLike concept.
+// the concept it breaks (TensorLike, TensorTree or Picklable).
 #include "accel.hpp"
 
 #include <map>
@@ -11,6 +11,9 @@ void use() {
   (void)accel::all_reduce(1.0);
   (void)accel::all_gather(std::vector<int>{1});
   (void)accel::broadcast(std::vector<float>{1.0f});
+  (void)accel::gather(std::vector<at::Tensor>{});
+  (void)accel::reduce(std::map<std::string, at::Tensor>{}, "sum");
+  (void)accel::gather_object(std::map<std::string, std::vector<int>>{});
 #elif defined(ACCEL_CASE_STRING)
   (void)accel::all_reduce(std::string("text"));
 #elif defined(ACCEL_CASE_BOOL)
@@ -21,6 +24,13 @@ void use() {
   (void)accel::broadcast("text");
 #elif defined(ACCEL_CASE_GATHER_MAP)
   (void)accel::all_gather(std::map<std::string, float>{});
+#elif defined(ACCEL_CASE_GATHER_FLOATS)
+  (void)accel::gather(std::vector<float>{1.0f});  // not tensors: use all_gather
+#elif defined(ACCEL_CASE_REDUCE_MIXED)
+  (void)accel::reduce(std::tuple<at::Tensor, int>{}, "sum");  // a leaf that is not a tensor
+#elif defined(ACCEL_CASE_OBJECT_POINTER)
+  int x = 0;
+  (void)accel::gather_object(&x);  // a pointer cannot travel
 #else
 #error "define one ACCEL_CASE_*"
 #endif

@@ -1,14 +1,16 @@
 // libFuzzer: torchrun's environment parsing. The input is split at '\n' into
-// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (an empty field unsets it).
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ACCEL_DEBUG_MODE (an empty
+// field unsets it).
 // Every outcome must be valid values or std::invalid_argument naming a
 // variable; nothing else, and never a crash.
 #include "accel.hpp"
 
+#include <cctype>
 #include <cstdlib>
 #include <string>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+  static const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCEL_DEBUG_MODE"};
   std::string text(reinterpret_cast<const char*>(data), size);
   text = text.substr(0, text.find('\0'));  // environment values end at NUL
   std::size_t start = 0;
@@ -33,6 +35,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     bool named = false;
     for (const char* name : names) named = named || message.find(name) != std::string::npos;
     if (message.rfind("accel: ", 0) != 0 || !named) std::abort();
+  }
+  // The debug-mode switch: one of the eight spellings, or an error naming it.
+  const char* raw = std::getenv("ACCEL_DEBUG_MODE");
+  try {
+    const bool on = accel::detail::env_bool("ACCEL_DEBUG_MODE", false);
+    std::string lower = raw ? raw : "";
+    for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const bool known_on = lower == "1" || lower == "true" || lower == "yes" || lower == "on";
+    const bool known_off = lower.empty() || lower == "0" || lower == "false" || lower == "no" || lower == "off";
+    if (on ? !known_on : !known_off) std::abort();
+  } catch (const std::invalid_argument& e) {
+    if (std::string(e.what()).find("ACCEL_DEBUG_MODE") == std::string::npos) std::abort();
   }
   return 0;
 }
