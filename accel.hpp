@@ -44,6 +44,8 @@
 //   ACCEL_DEVICE               cpu|cuda|mps|xpu|npu|meta: force the device
 //   ACCEL_BACKEND              gloo|nccl: force the process-group backend
 //   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
+//   ACCEL_DEBUG_MODE           1/0, true/false, yes/no, on/off: every collective
+//                              first checks that all ranks made the same call
 
 #ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
