@@ -210,6 +210,17 @@ TEST_SUITE("ranks") {
     if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
   }
 
+  TEST_CASE("training: gather_for_metrics gathers uneven batches and drops the padding duplicates") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    at::Tensor predictions = at::full({r + 1}, r, at::kLong);
+    const int64_t total = P * (P + 1) / 2;
+    at::Tensor all = accelerator.gather_for_metrics(predictions);
+    CHECK(all.size(0) == total);
+    at::Tensor kept = accelerator.gather_for_metrics(predictions, total - 1);
+    CHECK(at::equal(kept, all.narrow(0, 0, total - 1)));
+  }
+
   TEST_CASE("training cleanup") { world().destroy(); }
 }
 
