@@ -2401,6 +2401,7 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
       length = n;
     }
     T out;
+    if (!length) return out;  // an empty map
     for (const auto& [key, values] : inputs)
       out.emplace(key, detail::split_part(values, detail::split_range(*length, rank, size), apply_padding));
     return out;

@@ -110,6 +110,7 @@ TEST_SUITE("single") {
     CHECK(accel::gather_object(std::vector<int>{7, 8}) == std::vector<int>{7, 8});
     CHECK(accel::gather_object(std::string("a")) == std::vector<std::string>{"a"});
     CHECK(accel::split_between_processes(range(0, 16)) == range(0, 16));
+    CHECK(accel::split_between_processes(std::map<std::string, std::vector<int>>{}).empty());
   }
 
   TEST_CASE("split arithmetic: 17 and 8 items on 1, 2, 3 and 4 ranks") {
