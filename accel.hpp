@@ -845,11 +845,20 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
   }
 }
 
+// The source of a broadcast is a rank within the group (`name` is how the
+// operation's parameter is called); without a group only rank 0 exists.
+inline void check_source(const c10d::ProcessGroup* group, int src, const char* op, const char* name) {
+  if (!group && src != 0)
+    throw std::invalid_argument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
+                                " but the process is not distributed (only rank 0 exists)");
+  if (group && (src < 0 || src >= group->getSize()))
+    throw std::invalid_argument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
+                                " is not a rank of " + describe(*group) + " (" + name +
+                                " is a rank within the group)");
+}
+
+// `src` was checked by the caller (check_source).
 inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int src) {
-  if (src < 0 || src >= group.getSize())
-    throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
-                                " is not a rank of " + describe(group) +
-                                " (src is a rank within the group)");
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::BroadcastOptions opts;
@@ -872,6 +881,17 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
     at::NoGradGuard no_grad;
     for (std::size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(output_lists[0][r]);
   }
+}
+
+// Every rank's `count` elements at `mine` (CPU memory), rank-major into
+// `all`, which holds group size * count elements.
+template <class T>
+void all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
+  constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
+  // c10d only reads an allgather's input.
+  all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)), std::move(outputs), op);
 }
 
 inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
@@ -908,15 +928,9 @@ T fold(ReduceOp op, const T* values, int count, int stride) {
 template <Scalar T>
 void all_reduce_bytes(c10d::ProcessGroup& group, T* data, std::size_t count, ReduceOp op) {
   const int size = group.getSize();
-  at::Tensor input = at::from_blob(data, {static_cast<int64_t>(count * sizeof(T))},
-                                   cpu_options(c10::kByte));
   std::vector<T> gathered(count * size);
-  std::vector<at::Tensor> outputs;
-  for (int r = 0; r < size; ++r)
-    outputs.push_back(at::from_blob(gathered.data() + r * count,
-                                    {static_cast<int64_t>(count * sizeof(T))},
-                                    cpu_options(c10::kByte)));
-  all_gather_into(group, input, std::move(outputs));
+  all_gather_cpu(group, reinterpret_cast<const uint8_t*>(data), static_cast<int64_t>(count * sizeof(T)),
+                 reinterpret_cast<uint8_t*>(gathered.data()), "all_reduce");
   for (std::size_t i = 0; i < count; ++i)
     data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(count));
 }
@@ -940,10 +954,7 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())),
                               static_cast<int64_t>(call.size())};
   std::vector<int64_t> all(2 * static_cast<std::size_t>(size));
-  std::vector<at::Tensor> outputs;
-  for (int r = 0; r < size; ++r) outputs.push_back(at::from_blob(all.data() + 2 * r, {2}, cpu_options(c10::kLong)));
-  all_gather_into(group, at::from_blob(mine.data(), {2}, cpu_options(c10::kLong)), std::move(outputs),
-                  "debug-mode check");
+  all_gather_cpu<int64_t>(group, mine.data(), 2, all.data(), "debug-mode check");
   // Decided on data every rank holds, so every rank decides alike.
   int64_t longest = 0;
   bool same = true;
@@ -955,11 +966,8 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   std::string padded = call;
   padded.resize(static_cast<std::size_t>(longest), '\0');
   std::string texts(static_cast<std::size_t>(longest) * size, '\0');
-  outputs.clear();
-  for (int r = 0; r < size; ++r)
-    outputs.push_back(at::from_blob(texts.data() + longest * r, {longest}, cpu_options(c10::kByte)));
-  all_gather_into(group, at::from_blob(padded.data(), {longest}, cpu_options(c10::kByte)), std::move(outputs),
-                  "debug-mode check");
+  all_gather_cpu(group, reinterpret_cast<const uint8_t*>(padded.data()), longest,
+                 reinterpret_cast<uint8_t*>(texts.data()), "debug-mode check");
   std::string message = "accel [ACCEL_DEBUG_MODE]: the ranks of group '" + group_name(group) + "' (" +
                         group.getBackendName() + ", " + std::to_string(size) +
                         " ranks) made different calls:";
@@ -1042,12 +1050,8 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
 template <TensorLike T>
 T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "broadcast");
-  if (!g) {
-    if (src != 0)
-      throw std::invalid_argument("accel::broadcast: src=" + std::to_string(src) +
-                                  " but the process is not distributed (only rank 0 exists)");
-    return data;
-  }
+  detail::check_source(g, src, "broadcast", "src");
+  if (!g) return data;
   detail::check_same_call(*g, [&] {
     return "broadcast(" + detail::describe_tensorlike(data) + ", src=" + std::to_string(src) + ")";
   });
@@ -1613,41 +1617,32 @@ struct is_string_map<std::map<std::string, V, C, A>> : std::true_type {};
 template <class V, class H, class E, class A>
 struct is_string_map<std::unordered_map<std::string, V, H, E, A>> : std::true_type {};
 
-template <class T>
-struct is_tuple_like : std::false_type {};
-template <class... Ts>
-struct is_tuple_like<std::tuple<Ts...>> : std::true_type {};
-template <class A, class B>
-struct is_tuple_like<std::pair<A, B>> : std::true_type {};
+// Folds a property of the leaves over nested data: with All, whether every
+// leaf has it; otherwise whether some leaf does. Containers are never leaves.
+template <template <class> class Leaf, bool All, class T>
+struct nested_fold : Leaf<T> {};
+template <template <class> class Leaf, bool All, class T, class A>
+struct nested_fold<Leaf, All, std::vector<T, A>> : nested_fold<Leaf, All, T> {};
+template <template <class> class Leaf, bool All, class V, class C, class A>
+struct nested_fold<Leaf, All, std::map<std::string, V, C, A>> : nested_fold<Leaf, All, V> {};
+template <template <class> class Leaf, bool All, class V, class H, class E, class A>
+struct nested_fold<Leaf, All, std::unordered_map<std::string, V, H, E, A>> : nested_fold<Leaf, All, V> {};
+template <template <class> class Leaf, bool All, class... Ts>
+struct nested_fold<Leaf, All, std::tuple<Ts...>>
+    : std::conditional_t<All, std::conjunction<nested_fold<Leaf, All, Ts>...>,
+                         std::disjunction<nested_fold<Leaf, All, Ts>...>> {};
+template <template <class> class Leaf, bool All, class A, class B>
+struct nested_fold<Leaf, All, std::pair<A, B>> : nested_fold<Leaf, All, std::tuple<A, B>> {};
 
+template <class T>
+using is_tensor = std::is_same<T, at::Tensor>;
 // Whether T can hold a tensor somewhere (containers of plain values are
 // leaves as a whole: nothing to walk).
 template <class T>
-struct holds_tensor : std::is_same<T, at::Tensor> {};
-template <class T, class A>
-struct holds_tensor<std::vector<T, A>> : holds_tensor<T> {};
-template <class V, class C, class A>
-struct holds_tensor<std::map<std::string, V, C, A>> : holds_tensor<V> {};
-template <class V, class H, class E, class A>
-struct holds_tensor<std::unordered_map<std::string, V, H, E, A>> : holds_tensor<V> {};
-template <class... Ts>
-struct holds_tensor<std::tuple<Ts...>> : std::disjunction<holds_tensor<Ts>...> {};
-template <class A, class B>
-struct holds_tensor<std::pair<A, B>> : std::disjunction<holds_tensor<A>, holds_tensor<B>> {};
-
+using holds_tensor = nested_fold<is_tensor, false, T>;
 // Nested data whose every leaf is a tensor: what collectives accept.
 template <class T>
-struct tensor_tree : std::is_same<T, at::Tensor> {};
-template <class T, class A>
-struct tensor_tree<std::vector<T, A>> : tensor_tree<T> {};
-template <class V, class C, class A>
-struct tensor_tree<std::map<std::string, V, C, A>> : tensor_tree<V> {};
-template <class V, class H, class E, class A>
-struct tensor_tree<std::unordered_map<std::string, V, H, E, A>> : tensor_tree<V> {};
-template <class... Ts>
-struct tensor_tree<std::tuple<Ts...>> : std::conjunction<tensor_tree<Ts>...> {};
-template <class A, class B>
-struct tensor_tree<std::pair<A, B>> : std::conjunction<tensor_tree<A>, tensor_tree<B>> {};
+using tensor_tree = nested_fold<is_tensor, true, T>;
 
 template <class T>
 struct is_ordered_map : std::false_type {};
@@ -1877,13 +1872,9 @@ T convert_to_fp32(T data) {
 
 namespace detail {
 // Every rank's int64 values (the same count on every rank), rank-major.
-inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, std::vector<int64_t> mine, const char* op) {
-  const auto n = static_cast<int64_t>(mine.size());
+inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, const std::vector<int64_t>& mine, const char* op) {
   std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(group.getSize()));
-  if (n == 0) return all;
-  std::vector<at::Tensor> outputs;
-  for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all.data() + r * n, {n}, cpu_options(c10::kLong)));
-  all_gather_into(group, at::from_blob(mine.data(), {n}, cpu_options(c10::kLong)), std::move(outputs), op);
+  if (!mine.empty()) all_gather_cpu<int64_t>(group, mine.data(), static_cast<int64_t>(mine.size()), all.data(), op);
   return all;
 }
 
@@ -1923,7 +1914,7 @@ T gather(const T& data, const GroupPtr& group = {}) {
   const auto n = leaves.size();
   std::vector<int64_t> my_rows;
   for (const auto& leaf : leaves) my_rows.push_back(leaf.size(0));
-  const std::vector<int64_t> rows = detail::exchange_counts(*g, std::move(my_rows), "gather");
+  const std::vector<int64_t> rows = detail::exchange_counts(*g, my_rows, "gather");
   auto rows_of = [&](int r, std::size_t i) { return rows[static_cast<std::size_t>(r) * n + i]; };
 
   std::vector<std::vector<at::Tensor>> pieces(n, std::vector<at::Tensor>(size));
@@ -2031,15 +2022,8 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "broadcast");
   std::vector<at::Tensor> leaves = detail::tensor_leaves(data);
   detail::check_defined(leaves, "broadcast");
-  if (!g) {
-    if (from_process != 0)
-      throw std::invalid_argument("accel::broadcast: from_process=" + std::to_string(from_process) +
-                                  " but the process is not distributed (only rank 0 exists)");
-    return data;
-  }
-  if (from_process < 0 || from_process >= g->getSize())
-    throw std::invalid_argument("accel::broadcast: from_process=" + std::to_string(from_process) +
-                                " is not a rank of " + detail::describe(*g) + " (it is a rank within the group)");
+  detail::check_source(g, from_process, "broadcast", "from_process");
+  if (!g) return data;
   detail::check_same_call(*g, [&] {
     return detail::describe_call("broadcast", data, [](const at::Tensor&) { return std::nullopt; },
                                  ", src=" + std::to_string(from_process));
@@ -2123,18 +2107,10 @@ T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_ind
 
 namespace detail {
 template <class T>
-struct picklable : std::bool_constant<std::is_arithmetic_v<T> || std::is_same_v<T, std::string> ||
-                                      std::is_same_v<T, at::Tensor> || std::is_same_v<T, c10::IValue>> {};
-template <class T, class A>
-struct picklable<std::vector<T, A>> : picklable<T> {};
-template <class V, class C, class A>
-struct picklable<std::map<std::string, V, C, A>> : picklable<V> {};
-template <class V, class H, class E, class A>
-struct picklable<std::unordered_map<std::string, V, H, E, A>> : picklable<V> {};
-template <class... Ts>
-struct picklable<std::tuple<Ts...>> : std::conjunction<picklable<Ts>...> {};
-template <class A, class B>
-struct picklable<std::pair<A, B>> : std::conjunction<picklable<A>, picklable<B>> {};
+using picklable_leaf = std::bool_constant<std::is_arithmetic_v<T> || std::is_same_v<T, std::string> ||
+                                          std::is_same_v<T, at::Tensor> || std::is_same_v<T, c10::IValue>>;
+template <class T>
+using picklable = nested_fold<picklable_leaf, true, T>;
 }  // namespace detail
 
 // What gather_object and broadcast_object_list move: c10::IValue, numbers,
@@ -2287,11 +2263,8 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
   const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
   mine.resize(static_cast<std::size_t>(longest));
   std::vector<char> all(static_cast<std::size_t>(longest) * size);
-  std::vector<at::Tensor> outputs;
-  for (int r = 0; r < size; ++r)
-    outputs.push_back(at::from_blob(all.data() + longest * r, {longest}, detail::cpu_options(c10::kByte)));
-  detail::all_gather_into(*g, at::from_blob(mine.data(), {longest}, detail::cpu_options(c10::kByte)),
-                          std::move(outputs), "gather_object");
+  detail::all_gather_cpu(*g, reinterpret_cast<const uint8_t*>(mine.data()), longest,
+                         reinterpret_cast<uint8_t*>(all.data()), "gather_object");
   for (int r = 0; r < size; ++r)
     flatten_into(result, detail::from_ivalue<T>(detail::load_object(all.data() + longest * r,
                                                                    static_cast<std::size_t>(lengths[r]))));
@@ -2304,15 +2277,8 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
 template <Picklable T>
 std::vector<T>& broadcast_object_list(std::vector<T>& objects, int from_process = 0, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "broadcast_object_list");
-  if (!g) {
-    if (from_process != 0)
-      throw std::invalid_argument("accel::broadcast_object_list: from_process=" + std::to_string(from_process) +
-                                  " but the process is not distributed (only rank 0 exists)");
-    return objects;
-  }
-  if (from_process < 0 || from_process >= g->getSize())
-    throw std::invalid_argument("accel::broadcast_object_list: from_process=" + std::to_string(from_process) +
-                                " is not a rank of " + detail::describe(*g) + " (it is a rank within the group)");
+  detail::check_source(g, from_process, "broadcast_object_list", "from_process");
+  if (!g) return objects;
   detail::check_same_call(*g, [&] { return "broadcast_object_list(src=" + std::to_string(from_process) + ")"; });
   const bool source = g->getRank() == from_process;
   std::vector<char> bytes;
@@ -2946,9 +2912,7 @@ class Accelerator {
     wait_for_everyone();
   }
 
-  void wait_for_everyone() {
-    if (interface_->distributed()) accel::barrier(interface_->world_group());
-  }
+  void wait_for_everyone() { accel::wait_for_everyone(); }
 
   c10::Device device() const { return device_; }
   bool is_main_process() const { return interface_->get_rank() == 0; }
