@@ -2690,6 +2690,210 @@ class DataParallel {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };
 
+// == Data loading ============================================================
+//
+// Each rank of the data-parallel group reads its own shard of a dataset,
+// with the semantics of Python's torch.utils.data.DistributedSampler (same
+// seed and epoch give the same shards): the dataset is permuted with
+// randperm under a generator seeded with seed + epoch (or kept in order), and
+// rank r takes positions r, r + P, r + 2P, ... With even_batches the order is
+// padded to a multiple of P by repeating it from the start, so every rank
+// gets the same number of samples (and batches); without, no sample repeats
+// and ranks may get one sample fewer than others.
+//
+// Why not LibTorch's DistributedRandomSampler? It shuffles with std::shuffle,
+// whose output differs between standard libraries (ranks built against
+// libstdc++ and libc++ would read overlapping shards), and it scatters the
+// repeated samples through the shards, so gather_for_metrics could not tell
+// them from real ones. Here a repeat is always a position >= the dataset's
+// size, so every rank knows which of its samples are repeats.
+class ShardSampler : public torch::data::samplers::DistributedSampler<> {
+ public:
+  // What the loader learns as batches are requested: the number of real
+  // (non-repeated) samples of each batch of the current pass, in order.
+  struct Record {
+    std::vector<size_t> real_per_batch;
+    size_t epoch = 0;
+  };
+
+  ShardSampler(size_t size, size_t num_replicas, size_t rank, bool shuffle, uint64_t seed, bool even_batches,
+               std::shared_ptr<Record> record = std::make_shared<Record>())
+      : DistributedSampler<>(size, num_replicas, rank, even_batches),
+        shuffle_(shuffle),
+        seed_(seed),
+        record_(std::move(record)) {
+    if (num_replicas == 0 || rank >= num_replicas)
+      throw std::invalid_argument("accel::ShardSampler: rank " + std::to_string(rank) + " of " +
+                                  std::to_string(num_replicas) + " replicas");
+    reset();
+  }
+
+  void reset(torch::optional<size_t> new_size = torch::nullopt) override {
+    if (new_size) size_ = *new_size;
+    epoch_ = record_->epoch;
+    record_->real_per_batch.clear();
+    next_ = 0;
+    const size_t total = allow_duplicates_ ? (size_ + num_replicas_ - 1) / num_replicas_ * num_replicas_ : size_;
+    order_.clear();
+    if (size_ == 0) return;
+    at::Tensor permutation;
+    if (shuffle_) {
+      at::Generator generator = at::detail::createCPUGenerator(seed_ + epoch_);
+      permutation = at::randperm(static_cast<int64_t>(size_), generator, at::kLong).contiguous();
+    }
+    const int64_t* perm = shuffle_ ? permutation.data_ptr<int64_t>() : nullptr;
+    for (size_t position = rank_; position < total; position += num_replicas_) {
+      const size_t k = position % size_;
+      order_.push_back({perm ? static_cast<size_t>(perm[k]) : k, position < size_});
+    }
+  }
+
+  torch::optional<std::vector<size_t>> next(size_t batch_size) override {
+    if (next_ >= order_.size()) return torch::nullopt;
+    const size_t end = std::min(order_.size(), next_ + batch_size);
+    std::vector<size_t> indices;
+    size_t real = 0;
+    for (; next_ < end; ++next_) {
+      indices.push_back(order_[next_].index);
+      real += order_[next_].real ? 1 : 0;
+    }
+    record_->real_per_batch.push_back(real);
+    return indices;
+  }
+
+  void save(torch::serialize::OutputArchive& archive) const override {
+    archive.write("epoch", at::tensor(static_cast<int64_t>(epoch_)), true);
+    archive.write("next", at::tensor(static_cast<int64_t>(next_)), true);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    at::Tensor epoch, next;
+    archive.read("epoch", epoch, true);
+    archive.read("next", next, true);
+    record_->epoch = static_cast<size_t>(epoch.item<int64_t>());
+    reset();
+    next_ = std::min(order_.size(), static_cast<size_t>(next.item<int64_t>()));
+  }
+
+  // This rank's indices for the current epoch, in order (repeats included).
+  std::vector<size_t> indices() const {
+    std::vector<size_t> out;
+    for (const auto& s : order_) out.push_back(s.index);
+    return out;
+  }
+  // How many of them are real samples, not repeats.
+  size_t real_count() const {
+    return static_cast<size_t>(std::count_if(order_.begin(), order_.end(), [](const Slot& s) { return s.real; }));
+  }
+
+ private:
+  struct Slot {
+    size_t index;
+    bool real;
+  };
+  bool shuffle_;
+  uint64_t seed_;
+  std::shared_ptr<Record> record_;
+  std::vector<Slot> order_;
+  size_t next_ = 0;
+};
+
+struct DataLoaderConfig {
+  size_t batch_size = 1;    // per process, or global with AcceleratorConfig::split_batches
+  bool shuffle = false;
+  uint64_t seed = 0;        // shuffled order: randperm under seed + epoch
+  bool even_batches = true; // repeat samples from the start so every rank gets as many batches
+  bool drop_last = false;   // drop each rank's last incomplete batch
+  size_t workers = 0;       // LibTorch's loader threads
+};
+
+namespace detail {
+// What an Accelerator knows about the batch being processed: the loader
+// whose pass is under way and the real samples of its current batch.
+struct LoaderCursor {
+  const void* loader = nullptr;
+  std::optional<size_t> real_rows;  // nullopt outside a pass
+  bool end_of_dataloader = false;
+};
+}  // namespace detail
+
+// A LibTorch data loader over this rank's shard. Iterating it starts a new
+// epoch each pass (a different shuffle, the same on every rank, as
+// Accelerate's prepared loaders do) and tells the Accelerator which rows of
+// each batch are repeats, so that gather_for_metrics drops them.
+template <class Dataset>
+class PreparedDataLoader {
+ public:
+  using Loader = torch::data::StatelessDataLoader<Dataset, ShardSampler>;
+  using Batch = typename Dataset::BatchType;
+
+  PreparedDataLoader(Dataset dataset, const DataLoaderConfig& config, size_t num_replicas, size_t rank,
+                     std::shared_ptr<detail::LoaderCursor> cursor)
+      : record_(std::make_shared<ShardSampler::Record>()), cursor_(std::move(cursor)) {
+    const torch::optional<size_t> size = dataset.size();
+    if (!size) throw std::invalid_argument("accel::prepare_data_loader: the dataset must have a size()");
+    ShardSampler sampler(*size, num_replicas, rank, config.shuffle, config.seed, config.even_batches, record_);
+    local_samples_ = sampler.indices().size();
+    loader_ = torch::data::make_data_loader(
+        std::move(dataset), std::move(sampler),
+        torch::data::DataLoaderOptions(config.batch_size).workers(config.workers).drop_last(config.drop_last));
+    batch_size_ = config.batch_size;
+    drop_last_ = config.drop_last;
+  }
+
+  class Iterator {
+   public:
+    Batch& operator*() {
+      Batch& batch = *it_;
+      owner_->cursor_->loader = owner_;
+      owner_->cursor_->real_rows = owner_->record_->real_per_batch.at(position_);
+      owner_->cursor_->end_of_dataloader = position_ + 1 == owner_->batches();
+      return batch;
+    }
+    Batch* operator->() { return &**this; }
+    Iterator& operator++() {
+      ++it_;
+      ++position_;
+      return *this;
+    }
+    bool operator==(const Iterator& other) const {
+      const bool equal = it_ == other.it_;
+      if (equal && owner_->cursor_->loader == owner_) *owner_->cursor_ = {};  // the pass is over
+      return equal;
+    }
+
+   private:
+    friend class PreparedDataLoader;
+    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it) : owner_(owner), it_(std::move(it)) {}
+    PreparedDataLoader* owner_;
+    torch::data::Iterator<Batch> it_;
+    size_t position_ = 0;
+  };
+
+  // Starts a pass: epoch 0, 1, 2, ... unless set_epoch says otherwise.
+  Iterator begin() {
+    record_->epoch = next_epoch_++;
+    return Iterator(this, loader_->begin());
+  }
+  Iterator end() { return Iterator(this, loader_->end()); }
+
+  // The epoch the next pass uses (to resume a run mid-way).
+  void set_epoch(size_t epoch) { next_epoch_ = epoch; }
+  size_t epoch() const { return record_->epoch; }
+  // Batches per pass on this rank (the same on every rank with even_batches).
+  size_t batches() const {
+    if (batch_size_ == 0) return 0;
+    return drop_last_ ? local_samples_ / batch_size_ : (local_samples_ + batch_size_ - 1) / batch_size_;
+  }
+  size_t local_samples() const { return local_samples_; }
+
+ private:
+  std::shared_ptr<ShardSampler::Record> record_;
+  std::shared_ptr<detail::LoaderCursor> cursor_;
+  std::unique_ptr<Loader> loader_;
+  size_t local_samples_ = 0, batch_size_ = 1, next_epoch_ = 0;
+  bool drop_last_ = false;
+};
+
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 inline std::string_view to_string(DistributedType t) {
   switch (t) {
@@ -2704,7 +2908,7 @@ struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
   bool cpu = false;                    // train on the CPU even where an accelerator exists
-  bool split_batches = false;          // recorded for data loaders: the batch size is global
+  bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
   int64_t bucket_cap_mb = 25;
   DistributedConfig distributed{};
 };
@@ -2778,10 +2982,13 @@ class Accelerator {
   }
   // One micro-step of gradient accumulation: gradients are all-reduced only
   // on every gradient_accumulation_steps-th call (sync_gradients() says so).
+  // The last batch of a prepared loader's pass always syncs, as in
+  // Accelerate, so no accumulated gradient is carried into the next epoch.
   template <class ModuleHolder>
   [[nodiscard]] SyncGuard accumulate(ModuleHolder&) {
     ++step_;
-    return SyncGuard(sync_gradients_, step_ % config_.gradient_accumulation_steps == 0);
+    return SyncGuard(sync_gradients_,
+                     step_ % config_.gradient_accumulation_steps == 0 || cursor_->end_of_dataloader);
   }
   bool sync_gradients() const { return sync_gradients_; }
 
@@ -2840,16 +3047,43 @@ class Accelerator {
     return model;
   }
 
-  // Every rank's tensors concatenated along dim 0 (uneven sizes welcome);
-  // num_samples drops the duplicates a distributed sampler padded the last
-  // batch with (pass the dataset's size on the last batch).
+  // A data loader over this rank's shard of `dataset` on the data-parallel
+  // group (see ShardSampler). With split_batches, config.batch_size is the
+  // global batch and must divide evenly among the processes.
+  template <class Dataset>
+  PreparedDataLoader<Dataset> prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
+    const int replicas = interface_->get_world_size(Dim::DP), rank = interface_->get_rank(Dim::DP);
+    if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
+    if (config_.split_batches) {
+      if (config.batch_size % static_cast<size_t>(replicas) != 0)
+        throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
+                                    std::to_string(config.batch_size) + ") must be a multiple of the " +
+                                    std::to_string(replicas) + " data-parallel processes");
+      config.batch_size /= static_cast<size_t>(replicas);
+    }
+    return PreparedDataLoader<Dataset>(std::move(dataset), config, static_cast<size_t>(replicas),
+                                       static_cast<size_t>(rank), cursor_);
+  }
+
+  // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
+  // welcome). Inside a pass over a prepared loader, the rows that repeat
+  // samples (even_batches padding) are dropped first, so every sample of the
+  // dataset is counted exactly once. num_samples instead keeps the first
+  // num_samples rows of the result (for data that did not come from a
+  // prepared loader).
   template <TensorTree T>
   T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
-    T all = gather(data, interface_->get_group(Dim::DP));
-    if (!num_samples) return all;
-    return recursively_apply([&](const at::Tensor& t) { return t.narrow(0, 0, std::min(*num_samples, t.size(0))); },
-                             std::move(all));
+    const GroupPtr group = interface_->get_group(Dim::DP);
+    auto first_rows = [](int64_t rows) {
+      return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+    };
+    if (num_samples) return recursively_apply(first_rows(*num_samples), gather(data, group));
+    if (cursor_->real_rows)
+      return gather(recursively_apply(first_rows(static_cast<int64_t>(*cursor_->real_rows)), data), group);
+    return gather(data, group);
   }
+  // Whether the batch being processed is the last of a prepared loader's pass.
+  bool end_of_dataloader() const { return cursor_->end_of_dataloader; }
 
   // Saves model, optimizer and every rank's RNG state under `dir`,
   // atomically: everything is written to `dir.tmp` first and renamed into
@@ -2937,6 +3171,7 @@ class Accelerator {
   std::unique_ptr<DataParallel> data_parallel_;
   bool sync_gradients_ = true;
   int64_t step_ = 0;
+  std::shared_ptr<detail::LoaderCursor> cursor_ = std::make_shared<detail::LoaderCursor>();
 };
 
 }  // namespace accel

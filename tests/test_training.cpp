@@ -1,4 +1,4 @@
-// The training helpers (Accelerator, DataParallel over c10d::Reducer): the
+// The training helpers (Accelerator, DataParallel, prepared data loaders): the
 // only test translation unit that includes <torch/torch.h> (ACCEL_TRAINING).
 
 #define ACCEL_TRAINING
@@ -61,9 +61,79 @@ std::pair<at::Tensor, at::Tensor> dataset(int64_t n, int64_t in) {
   at::Tensor x = at::randn({n, in}, generator);
   return {x, x.sum(1, true).sin() + 0.1 * at::randn({n, 1}, generator)};
 }
+// Sample i is the tensor [i] (data) with target i.
+struct Indexed : torch::data::datasets::Dataset<Indexed> {
+  explicit Indexed(std::size_t n) : n(n) {}
+  torch::data::Example<> get(std::size_t i) override {
+    const auto value = static_cast<int64_t>(i);
+    return {at::full({1}, value, at::kLong), at::full({}, value, at::kLong)};
+  }
+  torch::optional<std::size_t> size() const override { return n; }
+  std::size_t n;
+};
+
+// One pass over a prepared loader: every batch's data as gather_for_metrics
+// returns it, concatenated; and the number of batches this rank saw.
+template <class Loader>
+std::pair<at::Tensor, int64_t> gathered_pass(accel::Accelerator& accelerator, Loader& loader) {
+  std::vector<at::Tensor> parts;
+  int64_t batches = 0;
+  for (auto& batch : loader) {
+    parts.push_back(accelerator.gather_for_metrics(batch.data).reshape({-1}));
+    ++batches;
+  }
+  return {parts.empty() ? at::empty({0}, at::kLong) : at::cat(parts), batches};
+}
 }  // namespace
 
 TEST_SUITE("ranks") {
+  TEST_CASE("data: a prepared loader's pass, gathered for metrics, holds every sample exactly once") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes();
+    REQUIRE(P >= 1);
+    for (std::size_t n : {std::size_t(1), std::size_t(2 * P + 1), std::size_t(16)}) {
+      for (bool shuffle : {false, true}) {
+        CAPTURE(n);
+        CAPTURE(shuffle);
+        auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                      {.batch_size = 2, .shuffle = shuffle, .seed = 5});
+        auto [first, batches] = gathered_pass(accelerator, loader);
+        CHECK(at::equal(std::get<0>(first.sort()), at::arange(static_cast<int64_t>(n), at::kLong)));
+        CHECK_FALSE(accelerator.end_of_dataloader());  // the pass is over
+        // even_batches: every rank saw the same number of batches
+        at::Tensor counts = accelerator.gather_for_metrics(at::full({1}, batches, at::kLong));
+        CHECK(counts.min().item<int64_t>() == counts.max().item<int64_t>());
+        CHECK(batches == static_cast<int64_t>(loader.batches()));
+        auto [second, unused] = gathered_pass(accelerator, loader);  // epoch 1
+        CHECK(loader.epoch() == 1);
+        CHECK(at::equal(std::get<0>(second.sort()), at::arange(static_cast<int64_t>(n), at::kLong)));
+        if (n == 16) CHECK(at::equal(first, second) == !shuffle);  // a new shuffle each epoch
+      }
+    }
+  }
+
+  TEST_CASE("data: split_batches divides the global batch; the last batch of a pass always syncs gradients") {
+    auto split = config();
+    split.split_batches = true;
+    split.gradient_accumulation_steps = 100;
+    accel::Accelerator accelerator(split);
+    const int P = accelerator.num_processes();
+    Mlp model(1, 4, 1);
+    accelerator.prepare(model);
+    auto loader = accelerator.prepare_data_loader(Indexed(6 * P).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = static_cast<std::size_t>(2 * P)});
+    std::vector<bool> syncs;
+    for (auto& batch : loader) {
+      CHECK(batch.data.size(0) == 2);
+      auto guard = accelerator.accumulate(model);
+      syncs.push_back(accelerator.sync_gradients());
+    }
+    CHECK(syncs == std::vector<bool>{false, false, true});
+    if (P > 1)
+      CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Indexed(8), {.batch_size = static_cast<std::size_t>(P + 1)}),
+                           doctest::Contains("must be a multiple of the"), std::invalid_argument);
+  }
+
   TEST_CASE("training: data-parallel steps equal single-process full-batch steps, bit-identical on every rank") {
     accel::Accelerator accelerator(config());
     const int P = accelerator.num_processes(), r = accelerator.process_index();
@@ -225,6 +295,75 @@ TEST_SUITE("ranks") {
 }
 
 TEST_SUITE("single") {
+  TEST_CASE("data: ShardSampler's shards are Python's DistributedSampler's, for the same seed and epoch") {
+    // Python (Debian's python3-torch, the same LibTorch) prints its shards;
+    // ours must be the same lists.
+    const char* script =
+        "import torch\n"
+        "from torch.utils.data import DistributedSampler as D\n"
+        "for n in (1, 3, 7, 10, 33):\n"
+        "  for P in (1, 2, 3, 4):\n"
+        "    for s in (0, 1):\n"
+        "      for e in (0, 1):\n"
+        "        for r in range(P):\n"
+        "          d = D(range(n), num_replicas=P, rank=r, shuffle=bool(s), seed=3)\n"
+        "          d.set_epoch(e)\n"
+        "          print(n, P, s, e, r, *list(d))\n";
+    const auto path = std::filesystem::temp_directory_path() / ("accel_sampler_" + std::to_string(getpid()) + ".py");
+    std::ofstream(path) << script;
+    FILE* pipe = popen(("/usr/bin/python3 " + path.string() + " 2>&1").c_str(), "r");
+    REQUIRE(pipe != nullptr);
+    std::string python;
+    char buffer[4096];
+    while (std::size_t got = fread(buffer, 1, sizeof buffer, pipe)) python.append(buffer, got);
+    const int status = pclose(pipe);
+    std::filesystem::remove(path);
+    INFO(python);
+    REQUIRE(status == 0);
+    std::ostringstream ours;
+    for (std::size_t n : {1, 3, 7, 10, 33})
+      for (std::size_t P = 1; P <= 4; ++P)
+        for (int s = 0; s <= 1; ++s)
+          for (int e = 0; e <= 1; ++e)
+            for (std::size_t r = 0; r < P; ++r) {
+              auto record = std::make_shared<accel::ShardSampler::Record>();
+              record->epoch = static_cast<std::size_t>(e);
+              accel::ShardSampler sampler(n, P, r, s == 1, 3, true, record);
+              ours << n << ' ' << P << ' ' << s << ' ' << e << ' ' << r;
+              for (std::size_t i : sampler.indices()) ours << ' ' << i;
+              ours << '\n';
+            }
+    CHECK(ours.str() == python);
+  }
+
+  TEST_CASE("data: shards cover the dataset; repeats only with even_batches, and known as repeats") {
+    for (std::size_t n = 0; n <= 9; ++n)
+      for (std::size_t P = 1; P <= 4; ++P)
+        for (bool even : {true, false})
+          for (bool shuffle : {true, false}) {
+            CAPTURE(n);
+            CAPTURE(P);
+            CAPTURE(even);
+            std::vector<int> seen(n, 0);
+            std::size_t real = 0, longest = 0, shortest = SIZE_MAX;
+            for (std::size_t r = 0; r < P; ++r) {
+              accel::ShardSampler sampler(n, P, r, shuffle, 11, even);
+              const auto indices = sampler.indices();
+              // the real samples come first; repeats only at the end of a shard
+              for (std::size_t k = 0; k < sampler.real_count(); ++k) ++seen.at(indices[k]);
+              real += sampler.real_count();
+              longest = std::max(longest, indices.size());
+              shortest = std::min(shortest, indices.size());
+              if (!even) CHECK(sampler.real_count() == indices.size());
+            }
+            CHECK(real == n);
+            CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+            if (even) CHECK(longest == shortest);
+            else CHECK(longest - shortest <= 1);
+          }
+    CHECK_THROWS_AS(accel::ShardSampler(4, 2, 2, false, 0, true), std::invalid_argument);
+  }
+
   TEST_CASE("training: a crash while saving leaves the previous checkpoint whole under the final name") {
     accel::Accelerator accelerator(config());
     Mlp model(4, 8, 1);
