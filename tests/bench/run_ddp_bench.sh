@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Data-parallel training, side by side in one run: the same MLP (256-1024-
+# 1024-1024-1, 2.4 M parameters, batch 64 per rank, SGD with momentum) trained
+# with accel::Accelerator and with Python's DistributedDataParallel (Debian's
+# python3-torch 1.13, Gloo), interleaved, at 2 and 4 ranks, one intra-op
+# thread per rank on both sides. Writes tests/bench/results/ddp.csv and
+# ddp.md (step time, samples/s, ratio). Never part of the test command.
+#
+#     bash tests/bench/run_ddp_bench.sh [rounds (3)] [steps per trial (30)]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${ACCEL_BUILD_DIR:-$root/build}
+out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
+rounds=${1:-3}
+steps=${2:-30}
+bash "$root/.ci/install-deps.sh" python3-torch
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j2 --target accel_bench_ddp accel_launch
+mkdir -p "$out"
+csv=$out/ddp.csv
+echo "part,world,variant,size,value,unit" >"$csv"
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+run() {
+  echo "== $*" >&2
+  "$build/tests/accel_launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
+}
+for world in 2 4; do
+  for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, Python, ...
+    run $world "$build/tests/accel_bench_ddp" 3 "$steps"
+    run $world /usr/bin/python3 "$root/tests/bench/bench_ddp.py" 3 "$steps"
+  done
+done
+/usr/bin/python3 - "$csv" "$out/ddp.md" <<'PY'
+import collections, csv, os, statistics, sys
+rows = collections.defaultdict(list)
+params = {}
+for r in csv.DictReader(open(sys.argv[1])):
+    rows[(int(r["world"]), r["variant"])].append(float(r["value"]))
+    params[int(r["world"])] = int(r["size"])
+lines = [f"Data-parallel training step, {os.cpu_count()} cores, one thread per rank; medians of "
+         f"{len(rows[next(iter(rows))])} trials per side, interleaved. Batch 64 per rank, {params[2]:,} parameters.",
+         "", "| ranks | accel.hpp ms/step | Python DDP ms/step | accel samples/s | DDP samples/s | ratio (DDP time / accel time) |",
+         "|---|---|---|---|---|---|"]
+for world in sorted({w for w, _ in rows}):
+    a = statistics.median(rows[(world, "accel_accelerator")])
+    p = statistics.median(rows[(world, "python_ddp")])
+    lines.append(f"| {world} | {a:.2f} | {p:.2f} | {64 * world / a * 1e3:.0f} | {64 * world / p * 1e3:.0f} | {p / a:.2f} |")
+lines += ["", "A ratio of 1 or more means accel.hpp is no slower than Python's DDP."]
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
