@@ -50,6 +50,11 @@
 //   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
 //   ACCEL_DEBUG_MODE           1/0, true/false, yes/no, on/off: every collective
 //                              first checks that all ranks made the same call
+//   ACCEL_TIMEOUT              seconds: the default DistributedConfig::timeout
+//   Without RANK, the first complete set of Open MPI (OMPI_COMM_WORLD_*),
+//   MPICH/Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS),
+//   MVAPICH (MV2_COMM_WORLD_*) or Slurm (SLURM_PROCID, SLURM_NTASKS,
+//   SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE).
 
 #ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
@@ -198,17 +203,146 @@ inline void check_below(const char* name, int value, const char* bound_name, int
 }
 }  // namespace detail
 
-inline bool is_distributed() { return detail::getenv_str("RANK").has_value(); }
+// Other launchers' contracts, read when RANK is not set. The first complete
+// set wins (in this order); when none is complete, a partly set one is an
+// error naming what is there and what is missing.
+namespace detail {
+struct LauncherVars {
+  const char* launcher;
+  const char* rank;
+  const char* size;
+  const char* local_rank;
+  const char* local_size;  // Slurm: see slurm_local_size
+};
+inline constexpr LauncherVars kLaunchers[] = {
+    {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
+     "MV2_COMM_WORLD_LOCAL_SIZE"},
+    {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+};
 
-inline int get_world_size() { return detail::env_int("WORLD_SIZE", 1, 1); }
+struct LaunchEnv {
+  const char* launcher;
+  int rank, world, local_rank, local_world;
+};
+
+// Slurm's tasks on this node: SLURM_NTASKS_PER_NODE when set, else this
+// node's entry of SLURM_TASKS_PER_NODE ("2(x3),1": 2 on each of the first
+// three nodes, then 1), picked by SLURM_NODEID.
+inline std::optional<int> slurm_local_size() {
+  if (getenv_str("SLURM_NTASKS_PER_NODE")) return env_int("SLURM_NTASKS_PER_NODE", 1, 1);
+  auto text = getenv_str("SLURM_TASKS_PER_NODE");
+  if (!text) return std::nullopt;
+  auto bad = [&] {
+    return std::invalid_argument("accel: environment variable SLURM_TASKS_PER_NODE='" + *text +
+                                 "' is not a Slurm task list such as 2(x3),1");
+  };
+  auto number = [&](std::string_view digits) {
+    int value = 0;
+    auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    if (error != std::errc() || end != digits.data() + digits.size() || value < 1) throw bad();
+    return value;
+  };
+  std::vector<int> per_node;
+  std::string_view rest(*text);
+  while (!rest.empty()) {
+    const std::string_view item = rest.substr(0, rest.find(','));
+    rest.remove_prefix(std::min(rest.size(), item.size() + 1));
+    const auto paren = item.find("(x");
+    const int tasks = number(item.substr(0, paren));
+    int repeat = 1;
+    if (paren != std::string_view::npos) {
+      if (item.back() != ')') throw bad();
+      repeat = number(item.substr(paren + 2, item.size() - paren - 3));
+    }
+    if (per_node.size() + static_cast<std::size_t>(repeat) > 1000000) throw bad();
+    per_node.insert(per_node.end(), static_cast<std::size_t>(repeat), tasks);
+  }
+  if (per_node.empty()) throw bad();
+  if (getenv_str("SLURM_NODEID")) {
+    const int node = env_int("SLURM_NODEID", 0, 0);
+    if (static_cast<std::size_t>(node) >= per_node.size())
+      throw std::invalid_argument("accel: SLURM_NODEID=" + std::to_string(node) + " is past the " +
+                                  std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
+    return per_node[static_cast<std::size_t>(node)];
+  }
+  if (std::adjacent_find(per_node.begin(), per_node.end(), std::not_equal_to<>()) != per_node.end())
+    throw std::invalid_argument("accel: SLURM_TASKS_PER_NODE=" + *text +
+                                " differs between nodes and SLURM_NODEID is not set");
+  return per_node.front();
+}
+
+// The rank and sizes from the first launcher whose set is complete;
+// nullopt when none is (torchrun's defaults then apply).
+inline std::optional<LaunchEnv> launcher_env() {
+  const LauncherVars* partial = nullptr;
+  for (const auto& vars : kLaunchers) {
+    const bool slurm = std::string_view(vars.launcher) == "Slurm";
+    const bool has_local_size = getenv_str(vars.local_size) || (slurm && getenv_str("SLURM_TASKS_PER_NODE"));
+    const bool present[] = {getenv_str(vars.rank).has_value(), getenv_str(vars.size).has_value(),
+                            getenv_str(vars.local_rank).has_value(), has_local_size};
+    const int count = present[0] + present[1] + present[2] + present[3];
+    if (count == 4) {
+      LaunchEnv env{vars.launcher, env_int(vars.rank, 0, 0), env_int(vars.size, 1, 1), env_int(vars.local_rank, 0, 0),
+                    slurm ? *slurm_local_size() : env_int(vars.local_size, 1, 1)};
+      const std::string local_size_name = slurm && !getenv_str(vars.local_size) ? "SLURM_TASKS_PER_NODE"
+                                                                                 : vars.local_size;
+      auto contradiction = [&](const std::string& what) {
+        return std::invalid_argument("accel: " + what + " (" + vars.launcher + "'s environment)");
+      };
+      if (env.rank >= env.world)
+        throw contradiction(std::string(vars.rank) + "=" + std::to_string(env.rank) + " must be smaller than " +
+                            vars.size + "=" + std::to_string(env.world));
+      if (env.local_world > env.world)
+        throw contradiction(local_size_name + "=" + std::to_string(env.local_world) + " must not exceed " +
+                            vars.size + "=" + std::to_string(env.world));
+      if (env.local_rank >= env.local_world)
+        throw contradiction(std::string(vars.local_rank) + "=" + std::to_string(env.local_rank) +
+                            " must be smaller than " + local_size_name + "=" + std::to_string(env.local_world));
+      return env;
+    }
+    if (count > 0 && !partial) partial = &vars;
+  }
+  if (partial) {
+    std::string set, missing;
+    const char* names[] = {partial->rank, partial->size, partial->local_rank, partial->local_size};
+    for (const char* name : names) {
+      std::string shown = name;
+      if (std::string_view(partial->launcher) == "Slurm" && shown == "SLURM_NTASKS_PER_NODE")
+        shown = "SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE";
+      const bool there = getenv_str(name) || (shown != name && getenv_str("SLURM_TASKS_PER_NODE"));
+      (there ? set : missing) += (there ? set : missing).empty() ? shown : ", " + shown;
+    }
+    throw std::invalid_argument(std::string("accel: ") + partial->launcher + "'s environment is incomplete: " + set +
+                                " set but " + missing + " missing (set RANK and WORLD_SIZE to override)");
+  }
+  return std::nullopt;
+}
+}  // namespace detail
+
+// Whether this process is one rank of a launched job: RANK is set, or
+// another launcher's complete set (Open MPI, MPICH/Intel MPI, MVAPICH, Slurm).
+inline bool is_distributed() { return detail::getenv_str("RANK").has_value() || detail::launcher_env().has_value(); }
+
+inline int get_world_size() {
+  if (!detail::getenv_str("RANK"))
+    if (auto env = detail::launcher_env()) return env->world;
+  return detail::env_int("WORLD_SIZE", 1, 1);
+}
 
 inline int get_rank() {
+  if (!detail::getenv_str("RANK"))
+    if (auto env = detail::launcher_env()) return env->rank;
   int rank = detail::env_int("RANK", 0, 0);
   detail::check_below("RANK", rank, "WORLD_SIZE", get_world_size());
   return rank;
 }
 
 inline int get_local_world_size() {
+  if (!detail::getenv_str("RANK"))
+    if (auto env = detail::launcher_env()) return env->local_world;
   int local = detail::env_int("LOCAL_WORLD_SIZE", 1, 1);
   if (int world = get_world_size(); local > world)
     throw std::invalid_argument("accel: LOCAL_WORLD_SIZE=" + std::to_string(local) +
@@ -217,9 +351,19 @@ inline int get_local_world_size() {
 }
 
 inline int get_local_rank() {
+  if (!detail::getenv_str("RANK"))
+    if (auto env = detail::launcher_env()) return env->local_rank;
   int local_rank = detail::env_int("LOCAL_RANK", 0, 0);
   detail::check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", get_local_world_size());
   return local_rank;
+}
+
+// The launcher whose environment get_rank() and friends read: "torchrun"
+// (RANK set), "Open MPI", "MPICH/Intel MPI", "MVAPICH", "Slurm", or "none".
+inline std::string_view launcher() {
+  if (detail::getenv_str("RANK")) return "torchrun";
+  if (auto env = detail::launcher_env()) return env->launcher;
+  return "none";
 }
 
 // == STRATEGY =================================================================
@@ -231,7 +375,8 @@ struct DistributedConfig {
   std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
   std::optional<int> dp_size;        // default: world / cp_size
   int cp_size = 1;
-  std::chrono::seconds timeout{ACCEL_DEFAULT_TIMEOUT_SECONDS};
+  // ACCEL_TIMEOUT (whole seconds) when set, else ACCEL_DEFAULT_TIMEOUT_SECONDS.
+  std::chrono::seconds timeout{detail::env_int("ACCEL_TIMEOUT", ACCEL_DEFAULT_TIMEOUT_SECONDS, 1)};
   bool operator==(const DistributedConfig&) const = default;
 };
 
@@ -1332,7 +1477,7 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
     options.port = static_cast<std::uint16_t>(port);
     options.isServer = rank == 0;
     options.numWorkers = static_cast<std::size_t>(world);
-    options.waitWorkers = true;
+    options.waitWorkers = false;  // the arrival below waits, and can say who is missing
     options.timeout = timeout;
     try {
       current.store = c10::make_intrusive<c10d::TCPStore>(host, options);
@@ -1475,10 +1620,12 @@ class DistributedInterface {
       // group, so none is still tearing down the groups of a previous one
       // (after destroy()) while the others connect. Two store round trips,
       // and two more to agree on debug mode (which adds collectives).
+      agree_on_world_size(*store, prefix);
+      store->set(prefix + "arrived/" + std::to_string(rank_), std::vector<uint8_t>{1});
       store->add(prefix + "debug", debug ? 1 : 0);
       if (store->add(prefix + "arrived", 1) == world_size_)
         store->set(prefix + "all_arrived", std::vector<uint8_t>{1});
-      store->wait({prefix + "all_arrived"});
+      wait_for_arrivals(*store, prefix, config.timeout);
       if (int64_t in_debug = store->add(prefix + "debug", 0); in_debug != 0 && in_debug != world_size_)
         throw std::invalid_argument("debug mode is on in " + std::to_string(in_debug) + " of " +
                                     std::to_string(world_size_) + " ranks (here: " + (debug ? "on" : "off") +
@@ -1541,6 +1688,47 @@ class DistributedInterface {
   }
 
   // The 1-D mesh along `axis` through this rank.
+  // Every rank must believe in the same world size: the first to arrive
+  // records its own; a rank that disagrees tells everyone (the others find
+  // the note after the arrival wait) and fails at once.
+  void agree_on_world_size(c10d::Store& store, const std::string& prefix) {
+    const std::string mine = std::to_string(world_size_);
+    const std::vector<uint8_t> bytes(mine.begin(), mine.end());
+    const std::vector<uint8_t> first = store.compareSet(prefix + "world_size", {}, bytes);
+    if (first == bytes) return;
+    const std::string text = "rank " + std::to_string(rank_) + " believes WORLD_SIZE=" + mine +
+                             " but a rank before it believes WORLD_SIZE=" + std::string(first.begin(), first.end()) +
+                             "; every rank must be started with the same world size";
+    store.set(prefix + "mismatch", std::vector<uint8_t>(text.begin(), text.end()));
+    store.set(prefix + "all_arrived", std::vector<uint8_t>{1});
+    throw std::invalid_argument(text);
+  }
+
+  // Waits until every rank arrived (or a mismatch was reported); on timeout
+  // names the ranks that never did.
+  void wait_for_arrivals(c10d::Store& store, const std::string& prefix, std::chrono::seconds timeout) {
+    try {
+      store.wait({prefix + "all_arrived"});
+    } catch (const std::exception& e) {
+      std::string missing;
+      int count = 0;
+      for (int r = 0; r < world_size_; ++r)
+        if (!store.check({prefix + "arrived/" + std::to_string(r)})) {
+          if (++count <= 16) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+      if (count > 16) missing += ", ...";
+      throw DistributedError("accel: rank " + std::to_string(rank_) + " waited " + std::to_string(timeout.count()) +
+                             " s (the timeout) at the rendezvous, but " + std::to_string(count) + " of " +
+                             std::to_string(world_size_) + " ranks never arrived (rank" + (count > 1 ? "s " : " ") +
+                             missing + "): were they started, with the same MASTER_ADDR/MASTER_PORT? (" +
+                             detail::error_text(e) + ")");
+    }
+    if (store.check({prefix + "mismatch"})) {
+      const std::vector<uint8_t> text = store.get(prefix + "mismatch");
+      throw std::invalid_argument(std::string(text.begin(), text.end()));
+    }
+  }
+
   static DeviceMesh slice(const DeviceMesh& mesh, int axis) {
     const auto& c = mesh.get_coordinate();
     const int cols = mesh.shape()[1];
@@ -2521,8 +2709,9 @@ inline std::function<void(const char*)>& checkpoint_hook() {
 
 // Data parallelism for one module on one group, the DistributedDataParallel
 // design: parameters and buffers are broadcast from the group's rank 0;
-// gradients are averaged in buckets (the first 1 MiB, then bucket_bytes, in
-// reverse parameter order, roughly the order backward produces them). A
+// gradients are averaged in buckets (the first at least 1 MiB, then at least
+// bucket_bytes, in reverse parameter order, roughly the order backward
+// produces them). A
 // post-hook on each parameter's gradient accumulator marks it ready; a full
 // bucket is flattened and its all-reduce issued at once, asynchronously,
 // while backward goes on; finish() waits for them and writes the averages
@@ -2544,18 +2733,24 @@ class DataParallel {
     for (const auto& p : module_->parameters())
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    // Buckets hold one dtype and device each and close at their byte cap.
+    // Buckets hold one dtype and device each; as in DDP's assignment, a
+    // bucket takes parameters until it holds at least its cap (so a bucket
+    // ends with the parameter that filled it: a large layer's gradient does
+    // not wait alone for the end of backward).
     int64_t cap = kFirstBucketBytes;
+    bool open = false;
     for (const auto& p : params) {
       auto& buckets = state_->buckets;
-      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-      if (buckets.empty() || buckets.back().bytes + bytes > cap || buckets.back().dtype != p.scalar_type() ||
-          buckets.back().device != p.device()) {
-        if (!buckets.empty()) cap = bucket_bytes;
+      if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device()) {
         buckets.push_back(Bucket{{}, 0, p.scalar_type(), p.device(), 0, {}, {}});
+        open = true;
       }
       buckets.back().params.push_back(p);
-      buckets.back().bytes += bytes;
+      buckets.back().bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      if (buckets.back().bytes >= cap) {
+        open = false;
+        cap = bucket_bytes;
+      }
     }
     for (std::size_t b = 0; b < state_->buckets.size(); ++b)
       for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i) {
