@@ -247,9 +247,11 @@ inline std::optional<int> slurm_local_size() {
   };
   std::vector<int> per_node;
   std::string_view rest(*text);
-  while (!rest.empty()) {
+  for (bool more = true; more;) {
     const std::string_view item = rest.substr(0, rest.find(','));
+    more = item.size() < rest.size();  // a comma follows: another item must come
     rest.remove_prefix(std::min(rest.size(), item.size() + 1));
+    if (item.empty()) throw bad();
     const auto paren = item.find("(x");
     const int tasks = number(item.substr(0, paren));
     int repeat = 1;
@@ -469,6 +471,236 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
             << ", cp_size=" << s.cp_size() << ")";
 }
 
+// == LOCAL LAUNCHER ===========================================================
+//
+// accel::spawn(nprocs, fn), the C++ torch.multiprocessing.spawn: this program
+// is started nprocs more times, each a rank with torchrun's environment; the
+// ranks run fn and exit; the caller gets 0, or the first failing rank's
+// status once the others are stopped. Call it at the top of main (code
+// before it runs in every rank, as code outside `if __name__ == "__main__"`
+// does in Python). launch_processes does the same for any program (the
+// accel_launch tool is built on it).
+//
+// Local runs open no TCP port: the ranks meet in a c10d::FileStore inside a
+// private directory (mode 0700, removed afterwards), named by ACCEL_STORE_DIR,
+// and Gloo is bound to loopback. Each rank's output lines are prefixed with
+// "[rank r] "; ranks never outlive the launcher (PR_SET_PDEATHSIG) and are
+// stopped as whole process groups, so nothing is left behind.
+
+#if defined(__linux__)
+}  // namespace accel
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+namespace accel {
+
+struct LaunchOptions {
+  std::chrono::duration<double> timeout{0};  // 0: none; else every rank is stopped then, status 124
+  bool prefix_output = true;                  // "[rank r] " before each line
+  std::ostream* out = &std::cout;             // where the ranks' output goes
+};
+
+namespace detail {
+struct ChildRank {
+  pid_t pid = -1;
+  int out = -1;         // read end of the rank's stdout+stderr
+  std::string pending;  // an unfinished line
+  bool running = true;
+};
+
+inline void forward_output(int rank, ChildRank& child, bool final, const LaunchOptions& options) {
+  char buffer[4096];
+  auto emit = [&](std::string_view line) {
+    std::string text = options.prefix_output ? "[rank " + std::to_string(rank) + "] " : std::string();
+    text.append(line);
+    text += '\n';
+    options.out->write(text.data(), static_cast<std::streamsize>(text.size()));
+    options.out->flush();
+  };
+  for (;;) {
+    const ssize_t n = read(child.out, buffer, sizeof buffer);
+    if (n <= 0) break;
+    child.pending.append(buffer, static_cast<std::size_t>(n));
+    for (std::size_t pos; (pos = child.pending.find('\n')) != std::string::npos;) {
+      emit(std::string_view(child.pending).substr(0, pos));
+      child.pending.erase(0, pos + 1);
+    }
+  }
+  if (final && !child.pending.empty()) {
+    emit(child.pending);
+    child.pending.clear();
+  }
+}
+
+// Kills every running rank's process group and reaps the ranks.
+inline void stop_ranks(std::vector<ChildRank>& ranks) {
+  for (auto& child : ranks)
+    if (child.running && child.pid > 0) kill(-child.pid, SIGKILL);
+  for (auto& child : ranks)
+    if (child.running && child.pid > 0) {
+      waitpid(child.pid, nullptr, 0);
+      child.running = false;
+    }
+}
+
+// A private directory for a local rendezvous, removed on destruction.
+class PrivateDir {
+ public:
+  PrivateDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "accel-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr)  // mode 0700
+      throw std::runtime_error("accel: cannot create a private directory in " + pattern + ": " + std::strerror(errno));
+    path_ = pattern;
+  }
+  PrivateDir(const PrivateDir&) = delete;
+  PrivateDir& operator=(const PrivateDir&) = delete;
+  ~PrivateDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+}  // namespace detail
+
+// Starts nprocs ranks of `argv` (argv[0] looked up in PATH) on this host and
+// waits for them. Returns 0 when every rank exits 0; otherwise the first
+// failing rank's status (128+signal when killed) after stopping the others;
+// 124 on timeout. `extra_env` is set in every rank.
+inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
+                            const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
+  if (nprocs < 1) throw std::invalid_argument("accel::launch_processes: nprocs must be at least 1, got " +
+                                              std::to_string(nprocs));
+  if (argv.empty()) throw std::invalid_argument("accel::launch_processes: no program to run");
+  detail::PrivateDir store_dir;
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t launcher = getpid();
+  std::vector<detail::ChildRank> ranks(static_cast<std::size_t>(nprocs));
+  std::cout.flush();
+  for (int rank = 0; rank < nprocs; ++rank) {
+    int fds[2];
+    if (pipe(fds) != 0) {
+      detail::stop_ranks(ranks);
+      throw std::runtime_error(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
+    }
+    const pid_t pid = fork();
+    if (pid < 0) {
+      detail::stop_ranks(ranks);
+      throw std::runtime_error(std::string("accel::launch_processes: fork: ") + std::strerror(errno));
+    }
+    if (pid == 0) {  // only async-signal-safe calls from here to exec, plus setenv
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+      if (getppid() != launcher) _exit(127);
+      dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      const std::string r = std::to_string(rank), n = std::to_string(nprocs);
+      setenv("RANK", r.c_str(), 1);
+      setenv("WORLD_SIZE", n.c_str(), 1);
+      setenv("LOCAL_RANK", r.c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("ACCEL_STORE_DIR", store_dir.path().c_str(), 1);
+      for (const auto& [name, value] : extra_env) setenv(name.c_str(), value.c_str(), 1);
+      execvp(args[0], args.data());
+      const std::string error = "accel: cannot run " + argv[0] + ": " + std::strerror(errno) + "\n";
+      if (write(STDERR_FILENO, error.data(), error.size()) < 0) _exit(127);
+      _exit(127);
+    }
+    setpgid(pid, pid);
+    close(fds[1]);
+    fcntl(fds[0], F_SETFL, O_NONBLOCK);
+    ranks[static_cast<std::size_t>(rank)].pid = pid;
+    ranks[static_cast<std::size_t>(rank)].out = fds[0];
+  }
+  const auto start = std::chrono::steady_clock::now();
+  int running = nprocs, result = 0;
+  while (running > 0) {
+    std::vector<pollfd> fds;
+    for (auto& child : ranks)
+      if (child.out >= 0) fds.push_back({child.out, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (int rank = 0; rank < nprocs; ++rank) {
+      auto& child = ranks[static_cast<std::size_t>(rank)];
+      if (child.out >= 0) detail::forward_output(rank, child, false, options);
+      if (!child.running) continue;
+      int status = 0;
+      if (waitpid(child.pid, &status, WNOHANG) != child.pid) continue;
+      child.running = false;
+      --running;
+      kill(-child.pid, SIGKILL);  // anything the rank left running in its group
+      detail::forward_output(rank, child, true, options);
+      close(child.out);
+      child.out = -1;
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && result == 0) {
+        *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
+                     << std::endl;
+        result = code;
+        detail::stop_ranks(ranks);
+        running = 0;
+      }
+    }
+    if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
+      *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
+      detail::stop_ranks(ranks);
+      result = 124;
+      running = 0;
+    }
+  }
+  for (auto& child : ranks) {
+    if (child.out >= 0) {
+      detail::forward_output(static_cast<int>(&child - ranks.data()), child, true, options);
+      close(child.out);
+    }
+  }
+  return result;
+}
+
+// In the caller: starts nprocs ranks of this very program (same arguments)
+// and returns their combined status as launch_processes does. In a rank it
+// started: runs fn (void or int: the exit status), then exits; an exception
+// is printed and exits with 1. fn never runs in the caller.
+template <std::invocable F>
+int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
+  if (detail::getenv_str("ACCEL_SPAWNED_RANK")) {
+    int code = 0;
+    try {
+      if constexpr (std::is_void_v<std::invoke_result_t<F>>) std::invoke(std::forward<F>(fn));
+      else code = static_cast<int>(std::invoke(std::forward<F>(fn)));
+    } catch (const std::exception& e) {
+      std::cerr << "accel::spawn: rank " << detail::getenv_str("RANK").value_or("?") << " failed: " << e.what()
+                << std::endl;
+      code = 1;
+    }
+    std::cout.flush();
+    std::cerr.flush();
+    std::exit(code);
+  }
+  std::vector<std::string> argv;
+  {
+    std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
+    for (std::string arg; std::getline(cmdline, arg, '\0');) argv.push_back(arg);
+  }
+  if (argv.empty()) throw std::runtime_error("accel::spawn: cannot read this program's arguments");
+  argv[0] = std::filesystem::read_symlink("/proc/self/exe").string();
+  return launch_processes(nprocs, argv, options, {{"ACCEL_SPAWNED_RANK", "1"}});
+}
+#endif  // __linux__
+
 }  // namespace accel
 
 #endif  // ACCEL_HPP
@@ -517,6 +749,7 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -1454,10 +1687,15 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 // The rendezvous store lives for the whole process: a later instance() after
 // destroy() reuses it (with a fresh key prefix) instead of racing rank 0's
 // closing and re-opening of MASTER_PORT.
+//
+// Where every rank is on this host and ACCEL_STORE_DIR names a directory
+// (accel::spawn and accel_launch make a private one), the store is a
+// c10d::FileStore in it: a local run then opens no TCP port at all. Else a
+// c10d::TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT.
 struct Rendezvous {
-  std::string host;
-  int port = 0, rank = 0, world = 0;
-  c10::intrusive_ptr<c10d::TCPStore> store;
+  std::string where;
+  int rank = 0, world = 0;
+  c10::intrusive_ptr<c10d::Store> store;
   int generation = 0;
 };
 
@@ -1467,27 +1705,38 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
   static std::mutex mutex;
   static Rendezvous current;
   std::lock_guard lock(mutex);
+  const auto dir = getenv_str("ACCEL_STORE_DIR");
+  const bool file = dir && all_ranks_local();
   std::string host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
-  int port = env_int("MASTER_PORT", 29500, 0);
+  int port = file ? 0 : env_int("MASTER_PORT", 29500, 0);
   if (port > 65535)
     throw std::invalid_argument("accel: MASTER_PORT=" + std::to_string(port) + " is not a TCP port");
-  if (!current.store || current.host != host || current.port != port || current.rank != rank ||
-      current.world != world) {
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<std::uint16_t>(port);
-    options.isServer = rank == 0;
-    options.numWorkers = static_cast<std::size_t>(world);
-    options.waitWorkers = false;  // the arrival below waits, and can say who is missing
-    options.timeout = timeout;
+  const std::string where = file ? "file store " + *dir + "/store" : host + ":" + std::to_string(port);
+  if (!current.store || current.where != where || current.rank != rank || current.world != world) {
     try {
-      current.store = c10::make_intrusive<c10d::TCPStore>(host, options);
+      if (file) {
+        struct stat info {};
+        if (stat(dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
+          throw std::invalid_argument("ACCEL_STORE_DIR=" + *dir + " is not a directory");
+        if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
+          throw std::invalid_argument("ACCEL_STORE_DIR=" + *dir +
+                                      " must be private (owned by this user, mode 0700): other users could join");
+        current.store = c10::make_intrusive<c10d::FileStore>(*dir + "/store", world);
+      } else {
+        c10d::TCPStoreOptions options;
+        options.port = static_cast<std::uint16_t>(port);
+        options.isServer = rank == 0;
+        options.numWorkers = static_cast<std::size_t>(world);
+        options.waitWorkers = false;  // the arrival after this waits, and can say who is missing
+        options.timeout = timeout;
+        current.store = c10::make_intrusive<c10d::TCPStore>(host, options);
+      }
     } catch (const std::exception& e) {
-      throw DistributedError("accel: rendezvous at " + host + ":" + std::to_string(port) +
-                             " failed for rank " + std::to_string(rank) + " of " +
-                             std::to_string(world) + " (MASTER_ADDR/MASTER_PORT): " + error_text(e));
+      throw DistributedError("accel: rendezvous at " + where + " failed for rank " + std::to_string(rank) + " of " +
+                             std::to_string(world) + (file ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") +
+                             ": " + error_text(e));
     }
-    current.host = host;
-    current.port = port;
+    current.where = where;
     current.rank = rank;
     current.world = world;
   }

@@ -3,7 +3,7 @@
 # when they are missing, plus any package named as an argument (the
 # benchmarks add theirs). Safe to run again; does nothing when all are there.
 set -euo pipefail
-packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev valgrind clang libclang-rt-14-dev libc++-14-dev libc++abi-14-dev pkg-config python3-torch "$@")
+packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev valgrind clang libclang-rt-14-dev libc++-14-dev libc++abi-14-dev pkg-config python3-torch openmpi-bin "$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,419 @@
+// Launching and surviving: launcher environments (Open MPI, MPICH/Intel MPI,
+// MVAPICH, Slurm), accel::spawn, the local rendezvous that opens no TCP
+// port, ACCEL_TIMEOUT, and failures that must end in clear errors in time.
+#include "test_helpers.hpp"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <set>
+
+namespace {
+
+// Every variable any launcher family reads, unset for one scope.
+EnvGuard no_launcher() {
+  return EnvGuard{{"RANK", nullptr},
+                  {"WORLD_SIZE", nullptr},
+                  {"LOCAL_RANK", nullptr},
+                  {"LOCAL_WORLD_SIZE", nullptr},
+                  {"OMPI_COMM_WORLD_RANK", nullptr},
+                  {"OMPI_COMM_WORLD_SIZE", nullptr},
+                  {"OMPI_COMM_WORLD_LOCAL_RANK", nullptr},
+                  {"OMPI_COMM_WORLD_LOCAL_SIZE", nullptr},
+                  {"PMI_RANK", nullptr},
+                  {"PMI_SIZE", nullptr},
+                  {"MPI_LOCALRANKID", nullptr},
+                  {"MPI_LOCALNRANKS", nullptr},
+                  {"MV2_COMM_WORLD_RANK", nullptr},
+                  {"MV2_COMM_WORLD_SIZE", nullptr},
+                  {"MV2_COMM_WORLD_LOCAL_RANK", nullptr},
+                  {"MV2_COMM_WORLD_LOCAL_SIZE", nullptr},
+                  {"SLURM_PROCID", nullptr},
+                  {"SLURM_NTASKS", nullptr},
+                  {"SLURM_LOCALID", nullptr},
+                  {"SLURM_NTASKS_PER_NODE", nullptr},
+                  {"SLURM_TASKS_PER_NODE", nullptr},
+                  {"SLURM_NODEID", nullptr},
+                  {"ACCEL_STORE_DIR", nullptr}};
+}
+
+struct Seen {
+  std::string_view launcher;
+  int rank, world, local_rank, local_world;
+  bool operator==(const Seen&) const = default;
+};
+std::ostream& operator<<(std::ostream& os, const Seen& s) {
+  return os << s.launcher << " " << s.rank << "/" << s.world << " local " << s.local_rank << "/" << s.local_world;
+}
+Seen seen() {
+  return {accel::launcher(), accel::get_rank(), accel::get_world_size(), accel::get_local_rank(),
+          accel::get_local_world_size()};
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// This process's listening TCP sockets (from /proc/self/fd and
+// /proc/net/tcp{,6}): their local address as the kernel writes it, and
+// whether it is a loopback address.
+struct Listener {
+  std::string address;
+  bool loopback;
+};
+std::vector<Listener> my_listeners() {
+  std::set<std::string> inodes;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const std::string target = std::filesystem::read_symlink(fd.path(), error).string();
+    if (!error && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<Listener> out;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      if (state != "0A" || !inodes.count(inode)) continue;  // 0A: LISTEN
+      const std::string ip = local.substr(0, local.find(':'));
+      const bool loopback = (ip.size() == 8 && ip.substr(6) == "7F") ||                // 127.x.x.x
+                            ip == "00000000000000000000000001000000" ||              // ::1
+                            (ip.size() == 32 && ip.substr(0, 24) == "0000000000000000FFFF0000" &&
+                             ip.substr(30) == "7F");                                 // ::ffff:127.x.x.x
+      out.push_back({local, loopback});
+    }
+  }
+  return out;
+}
+}  // namespace
+
+// == Launcher environments (synthetic, one process) ===========================
+
+TEST_SUITE("single") {
+  TEST_CASE("launchers: each family's complete set is read; the first complete set wins") {
+    auto clean = no_launcher();
+    CHECK(seen() == Seen{"none", 0, 1, 0, 1});
+    CHECK_FALSE(accel::is_distributed());
+    {
+      EnvGuard ompi{{"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+      CHECK(accel::is_distributed());
+      CHECK(seen() == Seen{"Open MPI", 5, 8, 1, 4});
+      EnvGuard torchrun{{"RANK", "2"}, {"WORLD_SIZE", "3"}};  // torchrun's RANK always wins
+      CHECK(seen() == Seen{"torchrun", 2, 3, 0, 1});
+    }
+    {
+      EnvGuard mpich{{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}};
+      CHECK(seen() == Seen{"MPICH/Intel MPI", 3, 4, 1, 2});
+    }
+    {
+      EnvGuard mvapich{{"MV2_COMM_WORLD_RANK", "0"}, {"MV2_COMM_WORLD_SIZE", "2"},
+                       {"MV2_COMM_WORLD_LOCAL_RANK", "0"}, {"MV2_COMM_WORLD_LOCAL_SIZE", "1"}};
+      CHECK(seen() == Seen{"MVAPICH", 0, 2, 0, 1});
+    }
+    {
+      // srun: 6 tasks as 2(x2),1,1 over four nodes; this is node 1, task 3.
+      EnvGuard slurm{{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "1"},
+                     {"SLURM_TASKS_PER_NODE", "2(x2),1,1"}, {"SLURM_NODEID", "1"}};
+      CHECK(seen() == Seen{"Slurm", 3, 6, 1, 2});
+      {
+        EnvGuard last{{"SLURM_NODEID", "3"}, {"SLURM_LOCALID", "0"}, {"SLURM_PROCID", "5"}};
+        CHECK(seen() == Seen{"Slurm", 5, 6, 0, 1});
+      }
+      {
+        EnvGuard per_node{{"SLURM_NTASKS_PER_NODE", "3"}};  // preferred when set
+        CHECK(seen().local_world == 3);
+      }
+      // srun --mpi=pmi2 also sets PMI_RANK/PMI_SIZE (an incomplete MPICH set):
+      // Slurm's complete set wins.
+      EnvGuard pmi{{"PMI_RANK", "3"}, {"PMI_SIZE", "6"}};
+      CHECK(seen().launcher == "Slurm");
+      // Open MPI inside a Slurm allocation: Open MPI's set comes first.
+      EnvGuard ompi{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+      CHECK(seen() == Seen{"Open MPI", 1, 2, 1, 2});
+    }
+  }
+
+  TEST_CASE("launchers: a partial or contradictory set is an error naming the variables") {
+    auto clean = no_launcher();
+    {
+      EnvGuard partial{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
+      CHECK_THROWS_WITH_AS(accel::get_rank(),
+                           "accel: Open MPI's environment is incomplete: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE "
+                           "set but OMPI_COMM_WORLD_LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_SIZE missing (set RANK and "
+                           "WORLD_SIZE to override)",
+                           std::invalid_argument);
+      CHECK_THROWS_AS(accel::is_distributed(), std::invalid_argument);
+    }
+    {
+      EnvGuard partial{{"SLURM_PROCID", "0"}};
+      CHECK_THROWS_WITH_AS(accel::get_world_size(),
+                           doctest::Contains("SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE or "
+                                             "SLURM_TASKS_PER_NODE missing"),
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard contradictory{{"PMI_RANK", "4"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "0"}, {"MPI_LOCALNRANKS", "1"}};
+      CHECK_THROWS_WITH_AS(accel::get_rank(),
+                           "accel: PMI_RANK=4 must be smaller than PMI_SIZE=4 (MPICH/Intel MPI's environment)",
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard contradictory{{"MV2_COMM_WORLD_RANK", "0"}, {"MV2_COMM_WORLD_SIZE", "2"},
+                             {"MV2_COMM_WORLD_LOCAL_RANK", "0"}, {"MV2_COMM_WORLD_LOCAL_SIZE", "3"}};
+      CHECK_THROWS_WITH_AS(accel::get_local_world_size(),
+                           doctest::Contains("MV2_COMM_WORLD_LOCAL_SIZE=3 must not exceed MV2_COMM_WORLD_SIZE=2"),
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard contradictory{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "2"},
+                             {"SLURM_TASKS_PER_NODE", "2(x2)"}};
+      CHECK_THROWS_WITH_AS(accel::get_local_rank(),
+                           "accel: SLURM_LOCALID=2 must be smaller than SLURM_TASKS_PER_NODE=2 (Slurm's environment)",
+                           std::invalid_argument);
+    }
+    for (const char* bad : {"2,", "x", "2(x", "2(x0)", "(x2)", "2,,1", "0", "-1", "2(y3)", ",2"}) {
+      INFO("SLURM_TASKS_PER_NODE=" << bad);
+      EnvGuard slurm{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"},
+                     {"SLURM_TASKS_PER_NODE", bad}};
+      CHECK_THROWS_WITH_AS(accel::get_local_world_size(), doctest::Contains("SLURM_TASKS_PER_NODE"),
+                           std::invalid_argument);
+    }
+    {
+      EnvGuard uneven{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "3"}, {"SLURM_LOCALID", "0"},
+                      {"SLURM_TASKS_PER_NODE", "2,1"}};
+      CHECK_THROWS_WITH_AS(accel::get_local_world_size(), doctest::Contains("SLURM_NODEID is not set"),
+                           std::invalid_argument);
+    }
+  }
+
+  TEST_CASE("ACCEL_TIMEOUT sets the default timeout; an explicit one wins; a bad value is named") {
+    {
+      EnvGuard env{{"ACCEL_TIMEOUT", nullptr}};
+      CHECK(accel::DistributedConfig{}.timeout == std::chrono::seconds(ACCEL_DEFAULT_TIMEOUT_SECONDS));
+    }
+    EnvGuard env{{"ACCEL_TIMEOUT", "7"}};
+    CHECK(accel::DistributedConfig{}.timeout == std::chrono::seconds(7));
+    CHECK(accel::DistributedConfig{.timeout = std::chrono::seconds(3)}.timeout == std::chrono::seconds(3));
+    for (const char* bad : {"0", "-5", "5s", "1.5"}) {
+      EnvGuard wrong{{"ACCEL_TIMEOUT", bad}};
+      CHECK_THROWS_WITH_AS(accel::DistributedConfig{}, doctest::Contains("ACCEL_TIMEOUT"), std::invalid_argument);
+    }
+  }
+}
+
+// == Rendezvous failures (one process, short timeouts) ========================
+
+TEST_SUITE("failures") {
+  TEST_CASE("failures: MASTER_PORT already in use is a clear error, at once") {
+    auto clean = no_launcher();
+    // Another program holds the port, on every interface.
+    int holder = socket(AF_INET6, SOCK_STREAM, 0);
+    sockaddr_in6 addr{};
+    addr.sin6_family = AF_INET6;
+    addr.sin6_addr = in6addr_any;
+    socklen_t len = sizeof addr;
+    REQUIRE(bind(holder, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(listen(holder, 1) == 0);
+    REQUIRE(getsockname(holder, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+    const std::string port = std::to_string(ntohs(addr.sin6_port));
+    EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] { accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(5)}); });
+    MESSAGE("port in use: error after " << seconds_since(start) << " s: " << error);
+    CHECK(error.find("rendezvous at 127.0.0.1:" + port + " failed for rank 0 of 2 (MASTER_ADDR/MASTER_PORT)") !=
+          std::string::npos);
+    CHECK(error.find("in use") != std::string::npos);
+    CHECK(seconds_since(start) < 5 + 20);  // never an endless wait (slack for a loaded machine)
+    close(holder);
+  }
+
+  TEST_CASE("failures: an unreachable MASTER_ADDR fails within the timeout") {
+    auto clean = no_launcher();
+    // 192.0.2.1 is TEST-NET-1 (RFC 5737): never routed.
+    EnvGuard env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "192.0.2.1"}, {"MASTER_PORT", "29400"}};
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] {
+      accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(3)});
+    });
+    MESSAGE("unreachable MASTER_ADDR: error after " << seconds_since(start) << " s: " << error);
+    CHECK(error.find("rendezvous at 192.0.2.1:29400 failed for rank 1 of 2 (MASTER_ADDR/MASTER_PORT)") !=
+          std::string::npos);
+    CHECK(seconds_since(start) < 3 + 20);
+  }
+
+  TEST_CASE("failures: a rank that never arrives is named when the timeout ends the wait") {
+    auto clean = no_launcher();
+    const std::string port = std::to_string(free_port());
+    EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] {
+      accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(3)});
+    });
+    const double elapsed = seconds_since(start);
+    MESSAGE("never-arriving ranks: error after " << elapsed << " s: " << error);
+    CHECK(error.find("waited 3 s (the timeout) at the rendezvous, but 2 of 3 ranks never arrived (ranks 1, 2)") !=
+          std::string::npos);
+    CHECK(elapsed >= 2.5);  // it did wait for them
+    CHECK(elapsed < 3 + 20);
+  }
+}
+
+// == Multi-rank: mismatched world, a peer gone under ACCEL_TIMEOUT ============
+
+TEST_SUITE("mismatch") {
+  TEST_CASE("failures: ranks that believe in different world sizes get an error, not a hang") {
+    // Started as 2 ranks; the last one is told the world has 3.
+    const int P = accel::get_world_size(), r = accel::get_rank();
+    const std::string bigger = std::to_string(P + 1);
+    std::optional<EnvGuard> lie;
+    if (r == P - 1)
+      lie.emplace(std::initializer_list<std::pair<const char*, const char*>>{{"WORLD_SIZE", bigger.c_str()},
+                                                                            {"LOCAL_WORLD_SIZE", bigger.c_str()}});
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] { accel::DistributedInterface::instance(test_config()); });
+    MESSAGE("mismatched WORLD_SIZE: error after " << seconds_since(start) << " s: " << error);
+    CHECK(error.find("believes WORLD_SIZE=") != std::string::npos);
+    CHECK(error.find("every rank must be started with the same world size") != std::string::npos);
+    CHECK(seconds_since(start) < 60);  // far below the 60 s timeout: detected, not timed out
+  }
+}
+
+TEST_SUITE("peer_timeout") {
+  TEST_CASE("failures: a peer that dies during a collective: the others throw within ACCEL_TIMEOUT + slack") {
+    // ACCEL_TIMEOUT=5 comes from CTest; the default config reads it.
+    const accel::DistributedConfig config;
+    REQUIRE(config.timeout == std::chrono::seconds(5));
+    auto& d = accel::DistributedInterface::instance(config);
+    d.barrier();
+    const int P = d.get_world_size();
+    if (d.get_rank() == P - 1) {  // the others are already waiting in the all_reduce when it goes
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::_Exit(0);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([&] { d.all_reduce(1.0, ReduceOp::SUM, std::nullopt); });
+    const double elapsed = seconds_since(start);
+    // The peer dies 0.3 s after this rank entered the all_reduce.
+    MESSAGE("time-to-error with a dead peer at " << P << " ranks, timeout 5 s: " << elapsed - 0.3
+                                                 << " s after the peer died (" << elapsed << " s after the call)");
+    CHECK(error.find("accel::all_reduce failed on group 'world' (gloo, rank") != std::string::npos);
+    CHECK(elapsed < 5 + 10);
+  }
+}
+
+// == accel::spawn =============================================================
+// Each case calls spawn once: the ranks are this test binary again, run with
+// the same arguments, so they reach the same spawn call and run its body.
+
+TEST_SUITE("spawn") {
+  TEST_CASE("spawn: ranks meet without a TCP port; only loopback listens") {
+    const int status = accel::spawn(3, [] {
+      auto& d = accel::DistributedInterface::instance(test_config());
+      const int P = d.get_world_size();
+      if (d.all_reduce(d.get_rank(), ReduceOp::SUM, std::nullopt) != P * (P - 1) / 2) return 3;
+      if (accel::launcher() != "torchrun" || !std::getenv("ACCEL_STORE_DIR")) return 4;
+      int exposed = 0;
+      for (const auto& l : my_listeners()) {
+        std::cout << "listening on " << l.address << (l.loopback ? " (loopback)" : " (REACHABLE FROM OTHER HOSTS)")
+                  << std::endl;
+        exposed += l.loopback ? 0 : 1;
+      }
+      d.destroy();
+      return exposed == 0 ? 0 : 5;
+    });
+    CHECK(status == 0);
+  }
+
+  TEST_CASE("spawn: the socket check sees the TCPStore a TCP rendezvous opens (control)") {
+    // (Code before spawn runs in the ranks too: only the caller picks the port.)
+    const std::string port = std::to_string(std::getenv("ACCEL_SPAWNED_RANK") ? 0 : free_port());
+    std::optional<EnvGuard> env;
+    if (!std::getenv("ACCEL_SPAWNED_RANK"))
+      env.emplace(std::initializer_list<std::pair<const char*, const char*>>{{"MASTER_PORT", port.c_str()}});
+    const int status = accel::spawn(2, [] {
+      unsetenv("ACCEL_STORE_DIR");  // rendezvous over MASTER_PORT instead
+      auto& d = accel::DistributedInterface::instance(test_config());
+      int exposed = 0;
+      for (const auto& l : my_listeners()) exposed += l.loopback ? 0 : 1;
+      std::cout << "rank " << d.get_rank() << ": " << exposed << " listener(s) reachable from other hosts"
+                << std::endl;
+      const bool expected = d.get_rank() == 0 ? exposed > 0 : true;  // rank 0 serves the TCPStore
+      d.barrier();
+      d.destroy();
+      return expected ? 0 : 6;
+    });
+    CHECK(status == 0);
+  }
+
+  TEST_CASE("spawn: a failing rank's status comes back, the others are stopped, no process is left") {
+    const std::string token = "accel-spawn-" + std::to_string(getpid());
+    std::optional<EnvGuard> env;
+    if (!std::getenv("ACCEL_SPAWNED_RANK"))  // the ranks keep the caller's token
+      env.emplace(std::initializer_list<std::pair<const char*, const char*>>{{"ACCEL_SPAWN_TEST_TOKEN", token.c_str()}});
+    const auto start = std::chrono::steady_clock::now();
+    const int status = accel::spawn(3, [] {
+      auto& d = accel::DistributedInterface::instance(test_config());
+      if (d.get_rank() == 1) return 7;
+      std::this_thread::sleep_for(std::chrono::seconds(120));  // must be stopped, not waited for
+      return 0;
+    });
+    MESSAGE("spawn returned " << status << " after " << seconds_since(start) << " s");
+    CHECK(status == 7);
+    CHECK(seconds_since(start) < 60);
+    // No process carrying this run's token is left.
+    int left = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+      const std::string name = entry.path().filename().string();
+      if (name.find_first_not_of("0123456789") != std::string::npos || name == std::to_string(getpid())) continue;
+      std::ifstream environ(entry.path() / "environ", std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+      if (text.find("ACCEL_SPAWN_TEST_TOKEN=" + token) != std::string::npos) ++left;
+    }
+    CHECK(left == 0);
+  }
+
+  TEST_CASE("spawn: a rank's exception is printed and fails the run") {
+    std::ostringstream out;
+    accel::LaunchOptions options;
+    options.out = &out;
+    const int status = accel::spawn(
+        2, []() -> int { throw std::runtime_error("boom in a rank"); }, options);
+    INFO(out.str());
+    CHECK(status == 1);
+    CHECK(out.str().find("] accel::spawn: rank ") != std::string::npos);
+    CHECK(out.str().find("failed: boom in a rank") != std::string::npos);
+  }
+}
+
+// == Real mpirun (Open MPI) ===================================================
+
+TEST_SUITE("mpirun") {
+  TEST_CASE("launchers: ranks started by Open MPI's mpirun form the world") {
+    REQUIRE(accel::launcher() == "Open MPI");
+    auto& d = accel::DistributedInterface::instance(test_config());
+    const int P = d.get_world_size();
+    CHECK(P == std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")));
+    CHECK(d.get_rank() == std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")));
+    CHECK(d.get_local_rank() == std::atoi(std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")));
+    CHECK(d.all_reduce(d.get_rank(), ReduceOp::SUM, std::nullopt) == P * (P - 1) / 2);
+    d.destroy();
+  }
+}
