@@ -489,8 +489,12 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
 
 #if defined(__linux__)
 }  // namespace accel
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -1648,6 +1652,38 @@ GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
 
 inline bool all_ranks_local() { return get_local_world_size() == get_world_size(); }
 
+// The local IP address the kernel would send from to reach `host` (a UDP
+// connect sends nothing); nullopt when it cannot tell.
+inline std::optional<std::string> local_address_towards(const std::string& host) {
+#if defined(__linux__)
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || !found) return std::nullopt;
+  std::optional<std::string> result;
+  for (addrinfo* a = found; a && !result; a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    char text[INET6_ADDRSTRLEN] = {};
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      const void* ip = local.ss_family == AF_INET
+                           ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                           : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (inet_ntop(local.ss_family, ip, text, sizeof text)) result = text;
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return result;
+#else
+  (void)host;
+  return std::nullopt;
+#endif
+}
+
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                            int rank, int size, std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
@@ -1661,6 +1697,10 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
       // Every rank on this host: loopback is always reachable and exposes
       // nothing to the network.
       options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    } else if (auto address = local_address_towards(getenv_str("MASTER_ADDR").value_or("127.0.0.1"))) {
+      // The address this host uses to reach MASTER_ADDR reaches the others
+      // too (the hostname Gloo would resolve by default may not).
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(*address));
     } else {
       options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }

@@ -1,10 +1,18 @@
-// The accel.hpp test suite: one translation unit, real c10d Gloo groups.
+// The accel.hpp test suite: one binary (this file, test_launch.cpp,
+// test_ops.cpp, test_training.cpp), real c10d Gloo groups.
 //
 // Test suites, selected with doctest's -ts option by CTest:
-//   single  one process, no RANK: parsing, validation, identity collectives
-//   ranks   any world size (CTest runs it at 1, 2, 3 and 4 ranks)
-//   mesh4   exactly 4 ranks: every mesh dimension under three strategies
-//   exit    leaves with a live interface: static destruction must be clean
+//   single        one process, no RANK: parsing, validation, identity collectives
+//   ranks         any world size (CTest runs it at 1, 2, 3 and 4 ranks)
+//   mesh4         exactly 4 ranks: every mesh dimension under three strategies
+//                 (also across two network namespaces: tests/netns)
+//   exit          leaves with a live interface: static destruction must be clean
+//   peer_gone     a rank vanishes mid-program (2 and 4 ranks)
+//   failures      rendezvous failures in one process, short timeouts
+//   mismatch      two ranks believe in different world sizes
+//   peer_timeout  time-to-error for a dead peer under ACCEL_TIMEOUT=5
+//   spawn         accel::spawn (the binary starts itself; one case per run)
+//   mpirun        ranks started by Open MPI's mpirun
 // Multi-rank entries run under tests/launch.cpp, which gives every rank
 // torchrun's environment, stops all ranks when one fails, and has a hard
 // timeout. Every rank runs the same test cases in the same order.
