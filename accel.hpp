@@ -591,8 +591,31 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   args.push_back(nullptr);
   const pid_t launcher = getpid();
   std::vector<detail::ChildRank> ranks(static_cast<std::size_t>(nprocs));
-  std::cout.flush();
+  options.out->flush();
+  // Each rank's environment is built here, before fork: between fork and
+  // exec the child may only make async-signal-safe calls (no allocation).
+  auto environment_of = [&](int rank) {
+    std::vector<std::pair<std::string, std::string>> set = {
+        {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(nprocs)},
+        {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
+        {"MASTER_ADDR", "127.0.0.1"},            {"ACCEL_STORE_DIR", store_dir.path()}};
+    set.insert(set.end(), extra_env.begin(), extra_env.end());
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) {
+      const std::string_view entry(*e);
+      const auto name = entry.substr(0, entry.find('='));
+      if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; }))
+        env.emplace_back(entry);
+    }
+    for (const auto& [name, value] : set) env.push_back(name + "=" + value);
+    return env;
+  };
+  const std::string exec_error = "accel: cannot run " + argv[0] + "\n";
   for (int rank = 0; rank < nprocs; ++rank) {
+    const std::vector<std::string> env = environment_of(rank);
+    std::vector<char*> envp;
+    for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
     int fds[2];
     if (pipe(fds) != 0) {
       detail::stop_ranks(ranks);
@@ -603,7 +626,7 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
       detail::stop_ranks(ranks);
       throw std::runtime_error(std::string("accel::launch_processes: fork: ") + std::strerror(errno));
     }
-    if (pid == 0) {  // only async-signal-safe calls from here to exec, plus setenv
+    if (pid == 0) {  // only async-signal-safe calls from here to exec
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
       if (getppid() != launcher) _exit(127);
@@ -611,17 +634,8 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
       close(fds[1]);
-      const std::string r = std::to_string(rank), n = std::to_string(nprocs);
-      setenv("RANK", r.c_str(), 1);
-      setenv("WORLD_SIZE", n.c_str(), 1);
-      setenv("LOCAL_RANK", r.c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
-      setenv("ACCEL_STORE_DIR", store_dir.path().c_str(), 1);
-      for (const auto& [name, value] : extra_env) setenv(name.c_str(), value.c_str(), 1);
-      execvp(args[0], args.data());
-      const std::string error = "accel: cannot run " + argv[0] + ": " + std::strerror(errno) + "\n";
-      if (write(STDERR_FILENO, error.data(), error.size()) < 0) _exit(127);
+      execvpe(args[0], args.data(), envp.data());
+      if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
       _exit(127);
     }
     setpgid(pid, pid);
