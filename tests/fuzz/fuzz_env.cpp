@@ -1,6 +1,6 @@
-// libFuzzer: torchrun's environment parsing. The input is split at '\n' into
-// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ACCEL_DEBUG_MODE (an empty
-// field unsets it).
+// libFuzzer: the environment parsing. The input is split at '\n' into
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, ACCEL_DEBUG_MODE and
+// SLURM_TASKS_PER_NODE (an empty field unsets it).
 // Every outcome must be valid values or std::invalid_argument naming a
 // variable; nothing else, and never a crash.
 #include "accel.hpp"
@@ -10,7 +10,8 @@
 #include <string>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "ACCEL_DEBUG_MODE"};
+  static const char* names[] = {"RANK",          "WORLD_SIZE",      "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                "ACCEL_DEBUG_MODE", "SLURM_TASKS_PER_NODE"};
   std::string text(reinterpret_cast<const char*>(data), size);
   text = text.substr(0, text.find('\0'));  // environment values end at NUL
   std::size_t start = 0;
@@ -47,6 +48,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (on ? !known_on : !known_off) std::abort();
   } catch (const std::invalid_argument& e) {
     if (std::string(e.what()).find("ACCEL_DEBUG_MODE") == std::string::npos) std::abort();
+  }
+  // Slurm's task list: a count of at least 1 for this node, or an error
+  // naming the variable (SLURM_NODEID unset: every node must agree).
+  try {
+    if (auto local = accel::detail::slurm_local_size())
+      if (*local < 1 || !std::getenv("SLURM_TASKS_PER_NODE")) std::abort();
+  } catch (const std::invalid_argument& e) {
+    if (std::string(e.what()).find("SLURM_TASKS_PER_NODE") == std::string::npos) std::abort();
   }
   return 0;
 }
