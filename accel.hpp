@@ -554,6 +554,20 @@ inline void stop_ranks(std::vector<ChildRank>& ranks) {
     }
 }
 
+// A TCP port free on this host now (the kernel's pick for port 0).
+inline int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  const bool ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  if (fd >= 0) close(fd);
+  if (!ok) throw std::runtime_error(std::string("accel: cannot find a free TCP port: ") + std::strerror(errno));
+  return ntohs(addr.sin_port);
+}
+
 // A private directory for a local rendezvous, removed on destruction.
 class PrivateDir {
  public:
@@ -579,7 +593,9 @@ class PrivateDir {
 // Starts nprocs ranks of `argv` (argv[0] looked up in PATH) on this host and
 // waits for them. Returns 0 when every rank exits 0; otherwise the first
 // failing rank's status (128+signal when killed) after stopping the others;
-// 124 on timeout. `extra_env` is set in every rank.
+// 124 on timeout. `extra_env` is set in every rank. MASTER_PORT, unless
+// already set, is a free port (for ranks that rendezvous over TCP after all,
+// such as Python's torch.distributed).
 inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
                             const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
   if (nprocs < 1) throw std::invalid_argument("accel::launch_processes: nprocs must be at least 1, got " +
@@ -592,6 +608,7 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   const pid_t launcher = getpid();
   std::vector<detail::ChildRank> ranks(static_cast<std::size_t>(nprocs));
   options.out->flush();
+  const int port = detail::free_port();
   // Each rank's environment is built here, before fork: between fork and
   // exec the child may only make async-signal-safe calls (no allocation).
   auto environment_of = [&](int rank) {
@@ -599,6 +616,7 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
         {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(nprocs)},
         {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
         {"MASTER_ADDR", "127.0.0.1"},            {"ACCEL_STORE_DIR", store_dir.path()}};
+    if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
     set.insert(set.end(), extra_env.begin(), extra_env.end());
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e) {

@@ -3,9 +3,10 @@
 // overlaps backward, gradient accumulation, a progress line and a checkpoint.
 //
 // Build:  cmake --build build --target train_mlp accel_launch
-// Run 4:  build/tests/accel_launch 4 build/examples/train_mlp --epochs 3
+// Run 4:  build/examples/train_mlp --spawn 4 --epochs 3   (accel::spawn)
+//         build/tests/accel_launch 4 build/examples/train_mlp --epochs 3
 //         (or torchrun/mpirun; one process without a launcher also works)
-// Flags:  --epochs N  --batch N (per process)  --accumulate K
+// Flags:  --spawn N  --epochs N  --batch N (per process)  --accumulate K
 //         --checkpoint DIR (default train_mlp_checkpoint)  --resume
 //
 // Exits non-zero when training did not lower the loss, so that CI can run it.
@@ -48,7 +49,7 @@ struct MlpImpl : torch::nn::Module {
 TORCH_MODULE(Mlp);
 
 struct Options {
-  int epochs = 3, accumulate = 1;
+  int spawn = 0, epochs = 3, accumulate = 1;
   size_t batch = 32;
   std::string checkpoint = "train_mlp_checkpoint";
   bool resume = false;
@@ -62,7 +63,8 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
       return argv[++i];
     };
-    if (arg == "--epochs") o.epochs = std::stoi(value());
+    if (arg == "--spawn") o.spawn = std::stoi(value());
+    else if (arg == "--epochs") o.epochs = std::stoi(value());
     else if (arg == "--batch") o.batch = std::stoul(value());
     else if (arg == "--accumulate") o.accumulate = std::stoi(value());
     else if (arg == "--checkpoint") o.checkpoint = value();
@@ -85,10 +87,7 @@ double evaluate(accel::Accelerator& accelerator, Mlp& model, Loader& loader) {
   return at::cat(errors).mean().item<double>();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) try {
-  const Options options = parse(argc, argv);
+int train(const Options& options) {
   accel::AcceleratorConfig config;
   config.gradient_accumulation_steps = options.accumulate;
   accel::Accelerator accelerator(config);
@@ -138,6 +137,15 @@ int main(int argc, char** argv) try {
   accelerator.wait_for_everyone();
   accel::DistributedInterface::instance().destroy();
   return final_mse < initial ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Options options = parse(argc, argv);
+  // --spawn N: this program starts N ranks of itself, which run train().
+  if (options.spawn > 0) return accel::spawn(options.spawn, [&] { return train(options); });
+  return train(options);
 } catch (const std::exception& e) {
   std::fprintf(stderr, "train_mlp: %s\n", e.what());
   return 2;

@@ -2,8 +2,8 @@
 // examples: accel::launch_processes (accel.hpp's local launcher) as a tool.
 // Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR) and a private ACCEL_STORE_DIR for the
-// rendezvous (no TCP port), plus MASTER_PORT set to a free port for programs
-// that rendezvous over TCP (Python's torch.distributed, tests). Output lines
+// rendezvous (no TCP port), plus MASTER_PORT, unless set, a free port for
+// programs that rendezvous over TCP (Python's torch.distributed). Output lines
 // are prefixed with "[rank r] "; the first rank that fails stops the others;
 // a hard timeout stops everything.
 //
@@ -13,28 +13,6 @@
 // (128+signal when it was killed); 124 on timeout; 2 on bad usage.
 #define ACCEL_CORE_ONLY
 #include "../accel.hpp"
-
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-
-namespace {
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;  // the kernel picks a free port
-  socklen_t len = sizeof addr;
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::perror("accel_launch: cannot find a free port");
-    std::exit(2);
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-}  // namespace
 
 int main(int argc, char** argv) try {
   int arg = 1;
@@ -54,7 +32,7 @@ int main(int argc, char** argv) try {
     return 2;
   }
   const std::vector<std::string> program(argv + arg + 1, argv + argc);
-  return accel::launch_processes(nprocs, program, options, {{"MASTER_PORT", std::to_string(free_port())}});
+  return accel::launch_processes(nprocs, program, options);
 } catch (const std::exception& e) {
   std::fprintf(stderr, "accel_launch: %s\n", e.what());
   return 2;
