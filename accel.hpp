@@ -51,6 +51,9 @@
 //   ACCEL_DEBUG_MODE           1/0, true/false, yes/no, on/off: every collective
 //                              first checks that all ranks made the same call
 //   ACCEL_TIMEOUT              seconds: the default DistributedConfig::timeout
+//   ACCEL_STORE_DIR            a private directory (0700): when every rank is
+//                              local, rendezvous in a c10d::FileStore there
+//                              (accel::spawn and accel_launch set it)
 //   Without RANK, the first complete set of Open MPI (OMPI_COMM_WORLD_*),
 //   MPICH/Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS),
 //   MVAPICH (MV2_COMM_WORLD_*) or Slurm (SLURM_PROCID, SLURM_NTASKS,
