@@ -215,7 +215,8 @@ struct LauncherVars {
   const char* rank;
   const char* size;
   const char* local_rank;
-  const char* local_size;  // Slurm: see slurm_local_size
+  const char* local_size;
+  const char* local_size_alt = nullptr;  // read when local_size is unset (Slurm's task list)
 };
 inline constexpr LauncherVars kLaunchers[] = {
     {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -223,7 +224,7 @@ inline constexpr LauncherVars kLaunchers[] = {
     {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
     {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
      "MV2_COMM_WORLD_LOCAL_SIZE"},
-    {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"},
+    {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"},
 };
 
 struct LaunchEnv {
@@ -284,16 +285,14 @@ inline std::optional<int> slurm_local_size() {
 inline std::optional<LaunchEnv> launcher_env() {
   const LauncherVars* partial = nullptr;
   for (const auto& vars : kLaunchers) {
-    const bool slurm = std::string_view(vars.launcher) == "Slurm";
-    const bool has_local_size = getenv_str(vars.local_size) || (slurm && getenv_str("SLURM_TASKS_PER_NODE"));
-    const bool present[] = {getenv_str(vars.rank).has_value(), getenv_str(vars.size).has_value(),
-                            getenv_str(vars.local_rank).has_value(), has_local_size};
-    const int count = present[0] + present[1] + present[2] + present[3];
+    // The variable that gives the local size: local_size, else its alternative.
+    const char* local_size = vars.local_size_alt && !getenv_str(vars.local_size) ? vars.local_size_alt
+                                                                                 : vars.local_size;
+    const char* names[] = {vars.rank, vars.size, vars.local_rank, local_size};
+    const auto count = std::count_if(std::begin(names), std::end(names), [](const char* n) { return getenv_str(n); });
     if (count == 4) {
       LaunchEnv env{vars.launcher, env_int(vars.rank, 0, 0), env_int(vars.size, 1, 1), env_int(vars.local_rank, 0, 0),
-                    slurm ? *slurm_local_size() : env_int(vars.local_size, 1, 1)};
-      const std::string local_size_name = slurm && !getenv_str(vars.local_size) ? "SLURM_TASKS_PER_NODE"
-                                                                                 : vars.local_size;
+                    vars.local_size_alt ? *slurm_local_size() : env_int(vars.local_size, 1, 1)};
       auto contradiction = [&](const std::string& what) {
         return std::invalid_argument("accel: " + what + " (" + vars.launcher + "'s environment)");
       };
@@ -301,24 +300,29 @@ inline std::optional<LaunchEnv> launcher_env() {
         throw contradiction(std::string(vars.rank) + "=" + std::to_string(env.rank) + " must be smaller than " +
                             vars.size + "=" + std::to_string(env.world));
       if (env.local_world > env.world)
-        throw contradiction(local_size_name + "=" + std::to_string(env.local_world) + " must not exceed " +
+        throw contradiction(std::string(local_size) + "=" + std::to_string(env.local_world) + " must not exceed " +
                             vars.size + "=" + std::to_string(env.world));
       if (env.local_rank >= env.local_world)
         throw contradiction(std::string(vars.local_rank) + "=" + std::to_string(env.local_rank) +
-                            " must be smaller than " + local_size_name + "=" + std::to_string(env.local_world));
+                            " must be smaller than " + local_size + "=" + std::to_string(env.local_world));
       return env;
     }
     if (count > 0 && !partial) partial = &vars;
   }
   if (partial) {
     std::string set, missing;
-    const char* names[] = {partial->rank, partial->size, partial->local_rank, partial->local_size};
-    for (const char* name : names) {
-      std::string shown = name;
-      if (std::string_view(partial->launcher) == "Slurm" && shown == "SLURM_NTASKS_PER_NODE")
-        shown = "SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE";
-      const bool there = getenv_str(name) || (shown != name && getenv_str("SLURM_TASKS_PER_NODE"));
-      (there ? set : missing) += (there ? set : missing).empty() ? shown : ", " + shown;
+    const std::string local_size = partial->local_size_alt
+                                       ? std::string(partial->local_size) + " or " + partial->local_size_alt
+                                       : partial->local_size;
+    const bool has_local_size = getenv_str(partial->local_size) ||
+                                (partial->local_size_alt && getenv_str(partial->local_size_alt));
+    const std::pair<std::string, bool> names[] = {{partial->rank, getenv_str(partial->rank).has_value()},
+                                                  {partial->size, getenv_str(partial->size).has_value()},
+                                                  {partial->local_rank, getenv_str(partial->local_rank).has_value()},
+                                                  {local_size, has_local_size}};
+    for (const auto& [name, there] : names) {
+      std::string& list = there ? set : missing;
+      list += list.empty() ? name : ", " + name;
     }
     throw std::invalid_argument(std::string("accel: ") + partial->launcher + "'s environment is incomplete: " + set +
                                 " set but " + missing + " missing (set RANK and WORLD_SIZE to override)");
@@ -3299,6 +3303,8 @@ class ShardSampler : public torch::data::samplers::DistributedSampler<> {
     for (const auto& s : order_) out.push_back(s.index);
     return out;
   }
+  // How many there are (repeats included).
+  size_t local_count() const { return order_.size(); }
   // How many of them are real samples, not repeats.
   size_t real_count() const {
     return static_cast<size_t>(std::count_if(order_.begin(), order_.end(), [](const Slot& s) { return s.real; }));
@@ -3351,7 +3357,7 @@ class PreparedDataLoader {
     const torch::optional<size_t> size = dataset.size();
     if (!size) throw std::invalid_argument("accel::prepare_data_loader: the dataset must have a size()");
     ShardSampler sampler(*size, num_replicas, rank, config.shuffle, config.seed, config.even_batches, record_);
-    local_samples_ = sampler.indices().size();
+    local_samples_ = sampler.local_count();
     loader_ = torch::data::make_data_loader(
         std::move(dataset), std::move(sampler),
         torch::data::DataLoaderOptions(config.batch_size).workers(config.workers).drop_last(config.drop_last));

@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <set>
 
@@ -49,18 +50,6 @@ std::ostream& operator<<(std::ostream& os, const Seen& s) {
 Seen seen() {
   return {accel::launcher(), accel::get_rank(), accel::get_world_size(), accel::get_local_rank(),
           accel::get_local_world_size()};
-}
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -261,7 +250,7 @@ TEST_SUITE("failures") {
 
   TEST_CASE("failures: a rank that never arrives is named when the timeout ends the wait") {
     auto clean = no_launcher();
-    const std::string port = std::to_string(free_port());
+    const std::string port = std::to_string(accel::detail::free_port());
     EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
     const auto start = std::chrono::steady_clock::now();
     const std::string error = what_of([] {
@@ -304,7 +293,9 @@ TEST_SUITE("peer_timeout") {
     auto& d = accel::DistributedInterface::instance(config);
     d.barrier();
     const int P = d.get_world_size();
-    if (d.get_rank() == P - 1) {  // the others are already waiting in the all_reduce when it goes
+    if (d.get_rank() == P - 1) {
+      // Simulates a peer that dies mid-collective: the others enter the
+      // all_reduce (nothing can tell it they have) and it is gone 0.3 s later.
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       std::_Exit(0);
     }
@@ -344,7 +335,7 @@ TEST_SUITE("spawn") {
 
   TEST_CASE("spawn: the socket check sees the TCPStore a TCP rendezvous opens (control)") {
     // (Code before spawn runs in the ranks too: only the caller picks the port.)
-    const std::string port = std::to_string(std::getenv("ACCEL_SPAWNED_RANK") ? 0 : free_port());
+    const std::string port = std::to_string(std::getenv("ACCEL_SPAWNED_RANK") ? 0 : accel::detail::free_port());
     std::optional<EnvGuard> env;
     if (!std::getenv("ACCEL_SPAWNED_RANK"))
       env.emplace(std::initializer_list<std::pair<const char*, const char*>>{{"MASTER_PORT", port.c_str()}});
@@ -372,7 +363,7 @@ TEST_SUITE("spawn") {
     const int status = accel::spawn(3, [] {
       auto& d = accel::DistributedInterface::instance(test_config());
       if (d.get_rank() == 1) return 7;
-      std::this_thread::sleep_for(std::chrono::seconds(120));  // must be stopped, not waited for
+      pause();  // a stuck rank: blocks until the launcher kills it
       return 0;
     });
     MESSAGE("spawn returned " << status << " after " << seconds_since(start) << " s");
