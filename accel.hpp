@@ -45,6 +45,10 @@
 //   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's contract
 //   MASTER_ADDR, MASTER_PORT   rendezvous (a c10d::TCPStore served by rank 0;
 //                              defaults 127.0.0.1 and 29500)
+//   TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT   set by torchrun:
+//                              its agent serves the store, every rank connects
+//   USE_LIBUV                  0/1: LibTorch >= 2.4's libuv TCPStore server
+//                              (default: on where the build has libuv)
 //   ACCEL_DEVICE               cpu|cuda|mps|xpu|npu|meta: force the device
 //   ACCEL_BACKEND              gloo|nccl: force the process-group backend
 //   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
@@ -1675,12 +1679,16 @@ GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
 #if ACCEL_TORCH_AT_LEAST(2, 0)
   const auto type = device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL
                                                     : c10d::ProcessGroup::BackendType::GLOO;
-#if ACCEL_TORCH_AT_LEAST(2, 6)
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-#else
-  auto group = c10::make_intrusive<c10d::ProcessGroup>(
-      store, rank, size, c10::make_intrusive<c10d::ProcessGroup::Options>(backend->getBackendName(), timeout));
-#endif
+  // 2.6 dropped ProcessGroup::Options from the constructor (the backend
+  // carries its own options and timeout).
+  // (Group is ProcessGroup, dependent so that only the taken branch is compiled.)
+  using Group = std::conditional_t<sizeof(Impl) != 0, c10d::ProcessGroup, void>;
+  c10::intrusive_ptr<Group> group;
+  if constexpr (std::is_constructible_v<Group, c10::intrusive_ptr<c10d::Store>, int, int>)
+    group = c10::make_intrusive<Group>(store, rank, size);
+  else
+    group = c10::make_intrusive<Group>(
+        store, rank, size, c10::make_intrusive<typename Group::Options>(backend->getBackendName(), timeout));
   group->setBackend(device, type, backend);
   group->setDefaultBackend(type);
   return group;
@@ -1763,6 +1771,33 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
                            "' is not supported by accel.hpp (use gloo or nccl)");
 }
 
+// A c10d::TCPStore. From 2.4 on LibTorch serves it with libuv by default
+// (TCPStoreOptions::useLibUV), which only builds made with libuv have
+// (pytorch.org and pip: yes; Debian: no), and the check for it fails every
+// rank. As in Python, USE_LIBUV=0/1 decides when set; unset, libuv where the
+// build has it and the classic server where it does not (LibTorch's own
+// availability check is not exported, so the first try tells). Before 2.4
+// there is only the classic server.
+template <class Options>
+c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, Options options) {
+  const auto use = getenv_str("USE_LIBUV");
+  if (use && *use != "0" && *use != "1") throw std::invalid_argument("USE_LIBUV=" + *use + " (expected 0 or 1)");
+  if constexpr (requires { options.useLibUV; }) {
+    static std::atomic<bool> build_has_libuv{true};
+    options.useLibUV = use ? *use == "1" : build_has_libuv.load();
+    if (!use && options.useLibUV) {
+      try {
+        return c10::make_intrusive<c10d::TCPStore>(host, options);
+      } catch (const std::exception& e) {
+        if (std::string_view(e.what()).find("without libuv") == std::string_view::npos) throw;
+        build_has_libuv = false;
+        options.useLibUV = false;
+      }
+    }
+  }
+  return c10::make_intrusive<c10d::TCPStore>(host, options);
+}
+
 // The rendezvous store lives for the whole process: a later instance() after
 // destroy() reuses it (with a fresh key prefix) instead of racing rank 0's
 // closing and re-opening of MASTER_PORT.
@@ -1770,7 +1805,11 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 // Where every rank is on this host and ACCEL_STORE_DIR names a directory
 // (accel::spawn and accel_launch make a private one), the store is a
 // c10d::FileStore in it: a local run then opens no TCP port at all. Else a
-// c10d::TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT.
+// c10d::TCPStore served by rank 0 at MASTER_ADDR:MASTER_PORT, except under
+// torchrun, whose agent already serves one there and says so with
+// TORCHELASTIC_USE_AGENT_STORE=True: then every rank is a client (as Python's
+// _create_c10d_store), and the keys of each restart attempt
+// (TORCHELASTIC_RESTART_COUNT) are kept apart in case the store outlives it.
 struct Rendezvous {
   std::string where;
   int rank = 0, world = 0;
@@ -1786,6 +1825,7 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
   std::lock_guard lock(mutex);
   const auto dir = getenv_str("ACCEL_STORE_DIR");
   const bool file = dir && all_ranks_local();
+  const bool agent_store = !file && getenv_str("TORCHELASTIC_USE_AGENT_STORE") == "True";
   std::string host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
   int port = file ? 0 : env_int("MASTER_PORT", 29500, 0);
   if (port > 65535)
@@ -1804,11 +1844,11 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
       } else {
         c10d::TCPStoreOptions options;
         options.port = static_cast<std::uint16_t>(port);
-        options.isServer = rank == 0;
+        options.isServer = rank == 0 && !agent_store;
         options.numWorkers = static_cast<std::size_t>(world);
         options.waitWorkers = false;  // the arrival after this waits, and can say who is missing
         options.timeout = timeout;
-        current.store = c10::make_intrusive<c10d::TCPStore>(host, options);
+        current.store = tcp_store(host, options);
       }
     } catch (const std::exception& e) {
       throw DistributedError("accel: rendezvous at " + where + " failed for rank " + std::to_string(rank) + " of " +
@@ -1820,7 +1860,9 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
     current.world = world;
   }
   current.store->setTimeout(timeout);
-  prefix = "accel/" + std::to_string(current.generation++) + "/";
+  prefix = "accel/";
+  if (agent_store) prefix += "attempt_" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0, 0)) + "/";
+  prefix += std::to_string(current.generation++) + "/";
   return current.store;
 }
 }  // namespace detail
@@ -3530,20 +3572,11 @@ class Accelerator {
   // through LibTorch's autocast; a no-op for "no".
   class AutocastGuard {
    public:
-    explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) {
+    explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) : type_(device.type()) {
       if (mixed_precision == "no") return;
-      cpu_ = device.is_cpu();
-      if (cpu_) {
-        saved_enabled_ = at::autocast::is_cpu_enabled();
-        saved_dtype_ = at::autocast::get_autocast_cpu_dtype();
-        at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
-        at::autocast::set_cpu_enabled(true);
-      } else {
-        saved_enabled_ = at::autocast::is_enabled();
-        saved_dtype_ = at::autocast::get_autocast_gpu_dtype();
-        at::autocast::set_autocast_gpu_dtype(mixed_precision == "bf16" ? at::kBFloat16 : at::kHalf);
-        at::autocast::set_enabled(true);
-      }
+      saved_enabled_ = enabled(type_);
+      saved_dtype_ = dtype(type_);
+      set(type_, true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
       active_ = true;
     }
     AutocastGuard(const AutocastGuard&) = delete;
@@ -3551,17 +3584,39 @@ class Accelerator {
     ~AutocastGuard() {
       if (!active_) return;
       at::autocast::clear_cache();
-      if (cpu_) {
-        at::autocast::set_cpu_enabled(saved_enabled_);
-        at::autocast::set_autocast_cpu_dtype(saved_dtype_);
-      } else {
-        at::autocast::set_enabled(saved_enabled_);
-        at::autocast::set_autocast_gpu_dtype(saved_dtype_);
-      }
+      set(type_, saved_enabled_, saved_dtype_);
     }
 
    private:
-    bool active_ = false, cpu_ = true, saved_enabled_ = false;
+    // LibTorch 2.4 took the device type as an argument (and deprecated the
+    // per-device functions that 1.x and 2.0-2.3 have).
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+    static bool enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+    static at::ScalarType dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
+      at::autocast::set_autocast_dtype(type, dtype);
+      at::autocast::set_autocast_enabled(type, on);
+    }
+#else
+    static bool enabled(c10::DeviceType type) {
+      return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+    }
+    static at::ScalarType dtype(c10::DeviceType type) {
+      return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                          : at::autocast::get_autocast_gpu_dtype();
+    }
+    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
+      if (type == c10::DeviceType::CPU) {
+        at::autocast::set_autocast_cpu_dtype(dtype);
+        at::autocast::set_cpu_enabled(on);
+      } else {
+        at::autocast::set_autocast_gpu_dtype(dtype);
+        at::autocast::set_enabled(on);
+      }
+    }
+#endif
+    c10::DeviceType type_;
+    bool active_ = false, saved_enabled_ = false;
     at::ScalarType saved_dtype_ = at::kBFloat16;
   };
   [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(config_.mixed_precision, device_); }

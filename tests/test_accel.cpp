@@ -13,6 +13,9 @@
 //   peer_timeout  time-to-error for a dead peer under ACCEL_TIMEOUT=5
 //   spawn         accel::spawn (the binary starts itself; one case per run)
 //   mpirun        ranks started by Open MPI's mpirun
+//   torchrun      ranks started by real torchrun (tests/python_ref): its
+//                 environment and agent store, and every mesh dimension's
+//                 group against Python's init_device_mesh
 // Multi-rank entries run under tests/launch.cpp, which gives every rank
 // torchrun's environment, stops all ranks when one fails, and has a hard
 // timeout. Every rank runs the same test cases in the same order.
@@ -655,5 +658,46 @@ TEST_SUITE("peer_gone") {
     CHECK_THROWS_WITH_AS(d.all_reduce(1.0, ReduceOp::SUM, std::nullopt),
                          doctest::Contains("accel::all_reduce failed on group 'world' (gloo, rank"),
                          accel::DistributedError);
+  }
+}
+
+// == torchrun: started by Python's launcher =====================================
+
+TEST_SUITE("torchrun") {
+  TEST_CASE("torchrun: its agent's store, and every mesh dimension's group equals Python's init_device_mesh's") {
+    // Really under torchrun: its agent serves the store, every rank connects.
+    REQUIRE(accel::detail::getenv_str("TORCHELASTIC_USE_AGENT_STORE") == "True");
+    CHECK(accel::launcher() == "torchrun");
+    const int P = accel::get_world_size();
+    const int rank = accel::get_rank();
+    CHECK(accel::get_local_world_size() == P);
+    CHECK(accel::get_local_rank() == rank);
+    // tests/python_ref/mesh_groups.py, run under torchrun with the same world,
+    // wrote the global ranks of mesh[name].get_group() on each rank.
+    const auto dir = accel::detail::getenv_str("ACCEL_PYTHON_MESH_DIR");
+    REQUIRE(dir.has_value());
+    std::ifstream file(*dir + "/rank" + std::to_string(rank) + ".txt");
+    REQUIRE(file.good());
+    const std::string python((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    REQUIRE(!python.empty());
+    std::ostringstream ours;
+    for (int mp_replicate = 1; mp_replicate <= P; ++mp_replicate) {
+      if (P % mp_replicate) continue;
+      for (int cp = 1; cp <= P; ++cp) {
+        if (P % cp) continue;
+        auto& d = fresh({.mp_replicate_size = mp_replicate, .cp_size = cp});
+        for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP}) {
+          const auto& members = d.get_device_mesh(dim)->ranks();
+          ours << mp_replicate << ' ' << P / mp_replicate << ' ' << P / cp << ' ' << cp << ' ' << dim << ':';
+          for (int m : members) ours << ' ' << m;
+          ours << '\n';
+          // The group reaches exactly these ranks, in this order.
+          auto gathered = d.all_gather(static_cast<int64_t>(rank), dim);
+          CHECK(std::vector<int>(gathered.begin(), gathered.end()) == members);
+        }
+      }
+    }
+    CHECK(ours.str() == python);
+    accel::DistributedInterface::instance().destroy();
   }
 }

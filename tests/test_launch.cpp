@@ -248,6 +248,34 @@ TEST_SUITE("failures") {
     CHECK(seconds_since(start) < 3 + 20);
   }
 
+  TEST_CASE("failures: USE_LIBUV chooses LibTorch's TCPStore server; unset, a build without libuv still works") {
+    auto clean = no_launcher();
+    // A world of one over TCP; each try on its own port (the store of a
+    // successful rendezvous is kept for the process).
+    auto rendezvous = [](const char* use_libuv) {
+      const std::string port = std::to_string(accel::detail::free_port());
+      EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()},
+                   {"USE_LIBUV", use_libuv}};
+      return what_of([] {
+        auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(5)});
+        CHECK(d.all_reduce(int64_t{3}, ReduceOp::SUM, std::nullopt) == 3);
+        d.destroy();
+      });
+    };
+    const std::string bad = rendezvous("yes");
+    CHECK(bad.find("(MASTER_ADDR/MASTER_PORT): USE_LIBUV=yes (expected 0 or 1)") != std::string::npos);
+    CHECK(rendezvous("0") == "<no exception>");
+    CHECK(rendezvous(nullptr) == "<no exception>");  // libuv where built with it, else the classic server
+    // Asked for explicitly, libuv is LibTorch's choice to grant: on a build
+    // without it (Debian's 2.6) its error comes through, naming the rendezvous.
+    const std::string forced = rendezvous("1");
+    MESSAGE("USE_LIBUV=1 on LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ": " << forced);
+    if (forced != "<no exception>") {
+      CHECK(forced.find("rendezvous at 127.0.0.1:") != std::string::npos);
+      CHECK(forced.find("libuv") != std::string::npos);
+    }
+  }
+
   TEST_CASE("failures: a rank that never arrives is named when the timeout ends the wait") {
     auto clean = no_launcher();
     const std::string port = std::to_string(accel::detail::free_port());

@@ -202,10 +202,18 @@ struct CountingAllocator final : c10::Allocator {
   c10::Allocator* inner;
   std::atomic<long long> bytes{0};
   explicit CountingAllocator(c10::Allocator* a) : inner(a) {}
+#if ACCEL_TORCH_AT_LEAST(2, 3)  // allocate lost its const, and copy_data came
+  c10::DataPtr allocate(size_t n) override {
+    bytes += static_cast<long long>(n);
+    return inner->allocate(n);
+  }
+  void copy_data(void* dest, const void* src, std::size_t n) const override { inner->copy_data(dest, src, n); }
+#else
   c10::DataPtr allocate(size_t n) const override {
     const_cast<std::atomic<long long>&>(bytes) += static_cast<long long>(n);
     return inner->allocate(n);
   }
+#endif
   c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
 };
 

@@ -1,6 +1,7 @@
 """The Python torch.distributed side of accel.hpp's benchmarks.
 
-Run each rank with Debian's /usr/bin/python3 (python3-torch, 1.13, Gloo)
+Run each rank with Debian's /usr/bin/python3 (python3-torch 1.13 on bookworm,
+2.6 on trixie; Gloo)
 under tests/launch.cpp; rank 0 prints CSV lines in bench.cpp's format:
     CSV,<part>,<world>,<variant>,<size>,<value>,<unit>
 
@@ -67,29 +68,40 @@ def batching():
 
 
 def mesh():
-    # Python's way to build the same two 2-D meshes on 1.13 (no
-    # init_device_mesh yet): every rank calls new_group for every sub-group.
+    # Python's way to build the same two 2-D meshes: init_device_mesh where
+    # torch has it (2.2 on), else (1.13) new_group for every sub-group, which
+    # is what init_device_mesh does underneath for Gloo.
     world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    shapes = ((2, world // 2), (world // 2, 2))  # (mp_replicate, mp_shard) and (dp, cp)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError:
+        init_device_mesh = None
     dist.barrier()
     start = time.perf_counter()
     calls = 0
-    for rows, cols in ((2, world // 2), (world // 2, 2)):  # (mp_replicate, mp_shard) and (dp, cp)
-        grid = [[i * cols + j for j in range(cols)] for i in range(rows)]
-        for j in range(cols):  # along dim 0: the columns
-            dist.new_group([grid[i][j] for i in range(rows)])
-            calls += 1
-        for i in range(rows):  # along dim 1: the rows
-            dist.new_group(grid[i])
-            calls += 1
+    if init_device_mesh is not None:
+        variant = "python_init_device_mesh"
+        for (rows, cols), names in zip(shapes, (("mp_replicate", "mp_shard"), ("dp", "cp"))):
+            init_device_mesh("cpu", (rows, cols), mesh_dim_names=names)
+            calls += rows + cols  # one new_group per row and per column, on every rank
+    else:
+        variant = "python_new_group"
+        for rows, cols in shapes:
+            grid = [[i * cols + j for j in range(cols)] for i in range(rows)]
+            for j in range(cols):  # along dim 0: the columns
+                dist.new_group([grid[i][j] for i in range(rows)])
+                calls += 1
+            for i in range(rows):  # along dim 1: the rows
+                dist.new_group(grid[i])
+                calls += 1
     seconds = time.perf_counter() - start
     slowest = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    csv("mesh_init", "python_new_group", world, slowest.item() * 1e3, "ms")
-    csv("mesh_groups_per_rank", "python_new_group_calls", world, calls, "groups")
+    csv("mesh_init", variant, world, slowest.item() * 1e3, "ms")
+    csv("mesh_groups_per_rank", variant + "_calls", world, calls, "groups")
     dist.destroy_process_group()
-    del rank
 
 
 def main():

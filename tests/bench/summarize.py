@@ -138,9 +138,10 @@ def main():
               "|---:|---:|---:|---:|---:|---:|"]
     for world in (2, 4, 8, 16):
         a = get("mesh_init", world, "accel", world)
-        p = get("mesh_init", world, "python_new_group", world)
+        py = "python_init_device_mesh" if get("mesh_init", world, "python_init_device_mesh", world) else "python_new_group"
+        p = get("mesh_init", world, py, world)
         ga = get("mesh_groups_per_rank", world, "accel_subgroups", world)
-        gp = get("mesh_groups_per_rank", world, "python_new_group_calls", world)
+        gp = get("mesh_groups_per_rank", world, py + "_calls", world)
         if a is None or p is None:
             continue
         lines.append(f"| {world} | {a:.0f} | {ga:.0f} | {p:.0f} | {gp:.0f} | {a / p:.2f} |")

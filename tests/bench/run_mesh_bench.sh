@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Mesh initialisation alone, side by side in one run: both 2-D meshes
+# (2, w/2 | w/2, 2) built by accel.hpp and by Python (init_device_mesh where
+# torch has it, else new_group per sub-group), interleaved, at world 4, 8 and
+# 16, with whatever LibTorch and python3-torch this machine (or root) has.
+# Writes mesh.csv and mesh.md to ACCEL_BENCH_OUT (default tests/bench/results).
+# run_bench.sh runs this part too, with the others; this script is the one to
+# run inside the LibTorch 2.6 root (tests/trixie/in_root.sh).
+#
+#     bash tests/bench/run_mesh_bench.sh [trials (3)]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${ACCEL_BUILD_DIR:-$root/build}
+out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
+trials=${1:-3}
+bash "$root/.ci/install-deps.sh" python3-torch
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j2 --target accel_bench accel_launch
+mkdir -p "$out"
+csv=$out/mesh.csv
+echo "part,world,variant,size,value,unit" >"$csv"
+run() {
+  echo "== $*" >&2
+  "$build/tests/accel_launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
+}
+for world in 4 8 16; do
+  for ((trial = 1; trial <= trials; ++trial)); do  # interleaved: accel, Python, accel, Python, ...
+    run $world "$build/tests/accel_bench" mesh
+    run $world /usr/bin/python3 "$root/tests/bench/bench_torch.py" mesh
+  done
+done
+/usr/bin/python3 - "$csv" "$out/mesh.md" <<'PY'
+import collections, csv, statistics, sys
+import torch
+rows = collections.defaultdict(list)
+for r in csv.DictReader(open(sys.argv[1])):
+    if r["part"] == "mesh_init":
+        rows[(int(r["world"]), r["variant"])].append(float(r["value"]))
+python = next(v for _, v in rows if v.startswith("python"))
+lines = [f"Mesh initialisation, both 2-D meshes (2, w/2 | w/2, 2); LibTorch/torch {torch.__version__}; "
+         f"medians of {len(rows[next(iter(rows))])} interleaved trials; the slowest rank's time.", "",
+         f"| world | accel.hpp ms | Python `{python.removeprefix('python_')}` ms | ratio (accel / Python) |",
+         "|---:|---:|---:|---:|"]
+for world in sorted({w for w, _ in rows}):
+    a, p = statistics.median(rows[(world, "accel")]), statistics.median(rows[(world, python)])
+    lines.append(f"| {world} | {a:.0f} | {p:.0f} | {a / p:.2f} |")
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

@@ -1,0 +1,29 @@
+# Python's reference for accel.hpp's meshes: for every strategy of the world
+# (each mp_replicate size and each cp size that divides it), builds the model
+# mesh (mp_replicate, mp_shard) and the data mesh (dp, cp) with
+# torch.distributed.device_mesh.init_device_mesh, and writes the global ranks
+# of each dimension's group (mesh[name].get_group()) to DIR/rank<r>.txt:
+#
+#   <mp_replicate> <mp_shard> <dp> <cp> <dim>: <ranks...>
+#
+# Run on 4 ranks with torchrun's environment (run_torchrun.sh uses accel_launch).
+import os
+import sys
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+dist.init_process_group("gloo")
+world, rank = dist.get_world_size(), dist.get_rank()
+divisors = [d for d in range(1, world + 1) if world % d == 0]
+with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as out:
+    for mp_replicate in divisors:
+        for cp in divisors:
+            mp_shard, dp = world // mp_replicate, world // cp
+            model = init_device_mesh("cpu", (mp_replicate, mp_shard), mesh_dim_names=("mp_replicate", "mp_shard"))
+            data = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+            for mesh, names in ((model, ("mp_replicate", "mp_shard")), (data, ("dp", "cp"))):
+                for name in names:
+                    ranks = dist.get_process_group_ranks(mesh[name].get_group())
+                    print(mp_replicate, mp_shard, dp, cp, f"{name}:", *ranks, file=out)
+dist.destroy_process_group()
