@@ -180,7 +180,8 @@ void mesh() {
   // The first initialisation pays the TCP rendezvous, whose time is luck (a
   // client that connects before rank 0 listens waits for a retry). Time the
   // next one, on the established store: the world group and both meshes.
-  // Python's side likewise times its groups after init_process_group.
+  // Python's side likewise times its groups after init_process_group, a
+  // world-sized one included.
   auto& first = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = config.timeout});
   first.barrier();
   first.destroy();

@@ -2,11 +2,15 @@
 # Data-parallel training, side by side in one run: the same MLP (256-1024-
 # 1024-1024-1, 2.4 M parameters, batch 64 per rank, SGD with momentum) trained
 # with accel::Accelerator and with Python's DistributedDataParallel (Debian's
-# python3-torch 1.13, Gloo), interleaved, at 2 and 4 ranks, one intra-op
-# thread per rank on both sides. Writes tests/bench/results/ddp.csv and
-# ddp.md (step time, samples/s, ratio). Never part of the test command.
+# python3-torch: 1.13 on bookworm, 2.6 in the trixie root; Gloo), interleaved,
+# at 2 and 4 ranks, one intra-op thread per rank on both sides. Writes ddp.csv
+# and ddp.md (step time, samples/s, ratio) to ACCEL_BENCH_OUT (default
+# tests/bench/results). Never part of the test command.
 #
 #     bash tests/bench/run_ddp_bench.sh [rounds (3)] [steps per trial (30)]
+#     # on LibTorch 2.6:
+#     bash tests/trixie/in_root.sh build/trixie-root env ACCEL_BUILD_DIR=build/trixie-gcc \
+#       ACCEL_BENCH_OUT=tests/bench/results/libtorch-2.6 bash tests/bench/run_ddp_bench.sh 3 20
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${ACCEL_BUILD_DIR:-$root/build}
@@ -17,6 +21,9 @@ bash "$root/.ci/install-deps.sh" python3-torch
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" -j2 --target accel_bench_ddp accel_launch
 mkdir -p "$out"
+# Python's env:// store asks for libuv unless told otherwise; Debian's torch 2.6
+# has none (1.13 ignores the variable). accel.hpp reads it the same way.
+export USE_LIBUV=0
 csv=$out/ddp.csv
 echo "part,world,variant,size,value,unit" >"$csv"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
