@@ -14,13 +14,14 @@ inner='
 set -euo pipefail
 root=$1 src=$2
 shift 2
-mkdir -p "$root$src" "$root/run/netns"
 mount --bind "$root" "$root"  # "/" inside is a mount point (ip netns exec remounts it)
-mount --bind "$src" "$root$src"
 mount -t proc proc "$root/proc"
 mount --rbind /dev "$root/dev"
 mount --rbind /sys "$root/sys"
 mount -t tmpfs tmpfs "$root/tmp"
+# The checkout last: it may live under /tmp itself.
+mkdir -p "$root$src" "$root/run/netns"
+mount --bind "$src" "$root$src"
 cp /etc/hosts "$root/etc/hosts"
 exec chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 CI="${CI:-}" \
   PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
