@@ -3,27 +3,10 @@
 # tests/bench/results/{results.csv,results.md,bench.png}. Slow and noisy by
 # nature: never part of the test command (CI only builds the benchmark).
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${ACCEL_BUILD_DIR:-$root/build}
-out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
-bash "$root/.ci/install-deps.sh" python3-torch gnuplot-nox time
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j2 --target accel_bench accel_launch
-mkdir -p "$out"
-# Python's env:// store asks for libuv unless told otherwise; Debian's torch 2.6
-# has none (1.13 ignores the variable). accel.hpp reads it the same way.
-export USE_LIBUV=0
-csv=$out/results.csv
-echo "part,world,variant,size,value,unit" >"$csv"
-launch=$build/tests/accel_launch
+source "$(dirname "$0")/common.sh"
+bench_prepare results.csv "python3-torch gnuplot-nox time" accel_bench
 bench=$build/tests/accel_bench
 py=(/usr/bin/python3 "$root/tests/bench/bench_torch.py")
-
-# Keep rank 0's CSV lines; show progress on stderr.
-run() {
-  echo "== $*" >&2
-  "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
-}
 
 run 2 "$bench" overhead
 run 2 "${py[@]}" latency

@@ -12,25 +12,11 @@
 #     bash tests/trixie/in_root.sh build/trixie-root env ACCEL_BUILD_DIR=build/trixie-gcc \
 #       ACCEL_BENCH_OUT=tests/bench/results/libtorch-2.6 bash tests/bench/run_ddp_bench.sh 3 20
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${ACCEL_BUILD_DIR:-$root/build}
-out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
 rounds=${1:-3}
 steps=${2:-30}
-bash "$root/.ci/install-deps.sh" python3-torch
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j2 --target accel_bench_ddp accel_launch
-mkdir -p "$out"
-# Python's env:// store asks for libuv unless told otherwise; Debian's torch 2.6
-# has none (1.13 ignores the variable). accel.hpp reads it the same way.
-export USE_LIBUV=0
-csv=$out/ddp.csv
-echo "part,world,variant,size,value,unit" >"$csv"
+source "$(dirname "$0")/common.sh"
+bench_prepare ddp.csv python3-torch accel_bench_ddp
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-run() {
-  echo "== $*" >&2
-  "$build/tests/accel_launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
-}
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, Python, ...
     run $world "$build/tests/accel_bench_ddp" 3 "$steps"

@@ -9,23 +9,9 @@
 #
 #     bash tests/bench/run_mesh_bench.sh [trials (3)]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/../.." && pwd)
-build=${ACCEL_BUILD_DIR:-$root/build}
-out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
 trials=${1:-3}
-bash "$root/.ci/install-deps.sh" python3-torch
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j2 --target accel_bench accel_launch
-mkdir -p "$out"
-# Python's env:// store asks for libuv unless told otherwise; Debian's torch 2.6
-# has none (1.13 ignores the variable). accel.hpp reads it the same way.
-export USE_LIBUV=0
-csv=$out/mesh.csv
-echo "part,world,variant,size,value,unit" >"$csv"
-run() {
-  echo "== $*" >&2
-  "$build/tests/accel_launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
-}
+source "$(dirname "$0")/common.sh"
+bench_prepare mesh.csv python3-torch accel_bench
 for world in 4 8 16; do
   for ((trial = 1; trial <= trials; ++trial)); do  # interleaved: accel, Python, accel, Python, ...
     run $world env -u ACCEL_STORE_DIR "$build/tests/accel_bench" mesh  # a TCPStore, as Python's

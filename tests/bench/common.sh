@@ -1,0 +1,30 @@
+# Sourced by the tests/bench/run_*.sh scripts: paths, the build, the CSV and
+# the launcher they share.
+#   bench_prepare CSV_NAME "PACKAGES" TARGET...   installs PACKAGES (and what the
+#       build needs), builds TARGET... and accel_launch, starts $out/CSV_NAME
+#   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=${ACCEL_BUILD_DIR:-$root/build}
+out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
+launch=$build/tests/accel_launch
+# Python's env:// store asks for libuv unless told otherwise; Debian's torch 2.6
+# has none (1.13 ignores the variable). accel.hpp reads it the same way.
+export USE_LIBUV=0
+
+bench_prepare() {
+  local name=$1 packages=$2
+  shift 2
+  # shellcheck disable=SC2086  # a list of package names
+  bash "$root/.ci/install-deps.sh" $packages
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$build" -j2 --target "$@" accel_launch
+  mkdir -p "$out"
+  csv=$out/$name
+  echo "part,world,variant,size,value,unit" >"$csv"
+}
+
+# Keep rank 0's CSV lines; show progress on stderr.
+run() {
+  echo "== $*" >&2
+  "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
+}
