@@ -80,12 +80,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <ostream>
 #include <sstream>
@@ -2796,13 +2798,24 @@ inline c10::IValue load_object(const char* data, std::size_t size) {
 }
 }  // namespace detail
 
+namespace detail {
+// gather_object's result: a vector's elements, or the objects themselves.
+template <class T>
+struct gathered_objects {
+  using type = std::vector<T>;
+};
+template <class T>
+struct gathered_objects<std::vector<T>> {
+  using type = std::vector<T>;
+};
+}  // namespace detail
+
 // Gathers an object from every rank of the group, in rank order, on every
 // rank: a std::vector is concatenated (as Accelerate flattens lists), any
 // other object becomes one element. One size exchange, one payload collective.
 template <Picklable T>
 auto gather_object(const T& object, const GroupPtr& group = {}) {
-  using Element = std::conditional_t<detail::is_vector<T>::value, typename T::value_type, T>;
-  using Result = std::vector<Element>;
+  using Result = typename detail::gathered_objects<T>::type;
   auto flatten_into = [](Result& out, T&& piece) {
     if constexpr (detail::is_vector<T>::value) out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
     else out.push_back(std::move(piece));
@@ -2863,16 +2876,15 @@ std::invoke_result_t<Body&> local_main_process_first(Body&& body) {
 }
 
 namespace detail {
-// Accelerate's split arithmetic: the first n % size ranks get one more.
-// A rank past the end (n < size) gets the last item, as in Accelerate.
+// Accelerate's split arithmetic: the first n % size ranks get one more; a
+// rank past the end (n < size) gets an empty share.
 struct SplitRange {
   int64_t begin, end, target;  // target: every rank's length after padding
 };
 inline SplitRange split_range(int64_t n, int rank, int size) {
   const int64_t per = n / size, extras = n % size;
-  const int64_t begin = rank * per + std::min<int64_t>(rank, extras);
-  const int64_t end = begin + per + (rank < extras ? 1 : 0);
-  if (begin >= n) return {std::max<int64_t>(n - 1, 0), n, per + (extras > 0)};
+  const int64_t begin = std::min<int64_t>(n, rank * per + std::min<int64_t>(rank, extras));
+  const int64_t end = std::min<int64_t>(n, begin + per + (rank < extras ? 1 : 0));
   return {begin, end, per + (extras > 0)};
 }
 
@@ -2887,21 +2899,21 @@ int64_t split_length(const T& values) {
   else return static_cast<int64_t>(values.size());
 }
 
+// With apply_padding a share shorter than the longest is padded with the
+// LAST ITEM OF THE WHOLE INPUT (as Accelerate), an empty share included.
 template <class T>
 T split_part(const T& values, SplitRange range, bool apply_padding) {
+  const int64_t n = split_length(values), length = range.end - range.begin;
+  const bool pad = apply_padding && n > 0 && length < range.target;
   if constexpr (std::is_same_v<T, at::Tensor>) {
-    at::Tensor part = values.narrow(0, range.begin, range.end - range.begin);
-    if (apply_padding && part.size(0) > 0 && part.size(0) < range.target) {
-      at::Tensor last = part.narrow(0, part.size(0) - 1, 1);
-      std::vector<at::Tensor> pieces{part};
-      for (int64_t i = part.size(0); i < range.target; ++i) pieces.push_back(last);
-      part = at::cat(pieces, 0);
-    }
-    return part;
+    at::Tensor part = values.narrow(0, range.begin, length);
+    if (!pad) return part;
+    std::vector<int64_t> sizes = values.sizes().vec();
+    sizes[0] = range.target - length;
+    return at::cat({part, values.narrow(0, n - 1, 1).expand(sizes)}, 0);
   } else {
     T part(values.begin() + range.begin, values.begin() + range.end);
-    if (apply_padding && !part.empty())
-      while (static_cast<int64_t>(part.size()) < range.target) part.push_back(part.back());
+    if (pad) part.insert(part.end(), static_cast<std::size_t>(range.target - length), values.back());
     return part;
   }
 }
@@ -2909,8 +2921,9 @@ T split_part(const T& values, SplitRange range, bool apply_padding) {
 
 // This rank's share of `inputs` (a std::vector, a tensor along dim 0, or a
 // string-keyed map of equal-length vectors or tensors), split as Accelerate
-// does: 17 items on 4 ranks give 5, 4, 4, 4. With apply_padding every rank's
-// share is padded to the longest by repeating its last item.
+// does: 17 items on 4 ranks give 5, 4, 4, 4; 2 items on 4 ranks give 1, 1,
+// 0, 0. With apply_padding every share is padded to the longest with the
+// last item of the whole input (rank 1 of 17 on 4: 5, 6, 7, 8, 16).
 template <class T>
   requires(detail::is_vector<T>::value || std::is_same_v<T, at::Tensor> || detail::is_string_map<T>::value)
 T split_between_processes(const T& inputs, bool apply_padding = false, const GroupPtr& group = {}) {
@@ -3087,6 +3100,15 @@ inline std::function<void(const char*)>& checkpoint_hook() {
 // while backward goes on; finish() waits for them and writes the averages
 // back into the gradients, before the optimizer step.
 //
+// Unused parameters are handled as DDP with find_unused_parameters, without
+// its extra collective: each bucket carries, after the gradients, one flag
+// per parameter (did this rank produce its gradient since the last sync?),
+// summed with the gradients. A parameter no rank used keeps its .grad as it
+// was (undefined stays undefined, as in local training); one used anywhere
+// gets the average, zeros counted for the ranks that did not use it.
+// A backward in which none of the module's parameters got a gradient (the
+// loss came from another model) issues nothing and leaves the module alone.
+//
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.
@@ -3112,10 +3134,13 @@ class DataParallel {
     for (const auto& p : params) {
       auto& buckets = state_->buckets;
       if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device()) {
-        buckets.push_back(Bucket{{}, 0, p.scalar_type(), p.device(), 0, {}, {}});
+        buckets.push_back(Bucket{{}, {}, {}, 0, 0, p.scalar_type(), p.device(), 0, {}, {}});
         open = true;
       }
       buckets.back().params.push_back(p);
+      buckets.back().used.push_back(0);
+      buckets.back().seen.push_back(0);
+      buckets.back().numel += p.numel();
       buckets.back().bytes += p.numel() * static_cast<int64_t>(p.element_size());
       if (buckets.back().bytes >= cap) {
         open = false;
@@ -3123,11 +3148,8 @@ class DataParallel {
       }
     }
     for (std::size_t b = 0; b < state_->buckets.size(); ++b)
-      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i) {
-        auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
-        accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, b));
-        accumulators_.push_back(std::move(accumulator));  // hooks live as long as their node
-      }
+      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i) accumulators_.emplace_back();
+    hook_accumulators();
   }
 
   DataParallel(const DataParallel&) = delete;
@@ -3149,23 +3171,29 @@ class DataParallel {
   // Arms the hooks for the next backward; without it, backward accumulates
   // gradients locally (no_sync).
   void prepare_for_backward() {
-    std::lock_guard lock(state_->mutex);
     if (!state_->group) return;
+    hook_accumulators();
+    std::lock_guard lock(state_->mutex);
     state_->armed = true;
     state_->next = 0;
+    state_->fired = 0;
     for (auto& bucket : state_->buckets) {
       bucket.ready = 0;
+      std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work.reset();
     }
   }
 
   // Waits for every bucket's all-reduce and writes the averaged gradients
-  // back. Buckets whose parameters got no gradient (unused in this step)
-  // are reduced here, with zeros, in the same order on every rank.
-  void finish() {
+  // back. Buckets with parameters that got no gradient in this backward are
+  // reduced here, in the same order on every rank. Returns whether the
+  // module took part (false: no parameter of it got a gradient, nothing was
+  // communicated).
+  bool finish() {
     std::lock_guard lock(state_->mutex);
-    if (!state_->armed) return;
+    if (!state_->armed) return false;
     state_->armed = false;
+    if (state_->fired == 0) return false;
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) launch(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
@@ -3176,14 +3204,22 @@ class DataParallel {
         throw DistributedError("accel::DataParallel: gradient all_reduce failed on " + detail::describe(*state_->group) +
                                ": " + detail::error_text(e));
       }
+      const at::Tensor used_anywhere =
+          bucket.flat.narrow(0, bucket.numel, static_cast<int64_t>(bucket.params.size())).gt(0).to(c10::kCPU);
+      const bool* used = used_anywhere.data_ptr<bool>();
       int64_t offset = 0;
-      for (auto& p : bucket.params) {
-        at::Tensor averaged = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
-        if (p.grad().defined()) p.mutable_grad().copy_(averaged);
-        else p.mutable_grad() = averaged.clone();
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        at::Tensor& p = bucket.params[i];
+        if (used[i]) {
+          at::Tensor averaged = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+          if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+          else p.mutable_grad() = averaged.clone();
+        }
         offset += p.numel();
+        bucket.used[i] = 0;
       }
     }
+    return true;
   }
 
   bool distributed() const { return state_->group != nullptr; }
@@ -3199,6 +3235,9 @@ class DataParallel {
  private:
   struct Bucket {
     std::vector<at::Tensor> params;
+    std::vector<uint8_t> used;  // per parameter: a gradient arrived since the last sync
+    std::vector<uint8_t> seen;  // per parameter: ... in the armed backward
+    int64_t numel;              // of the parameters (the flags follow them in `flat`)
     int64_t bytes;
     c10::ScalarType dtype;
     c10::Device device;
@@ -3210,19 +3249,38 @@ class DataParallel {
     std::mutex mutex;
     GroupPtr group;
     std::vector<Bucket> buckets;
-    std::size_t next = 0;  // buckets launch strictly in order: the same on every rank
+    std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
+    std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
     bool armed = false, alive = true;
     std::function<void(std::size_t)> on_issued;
   };
 
-  // Flattens a bucket's gradients (pre-divided by the group size, as DDP
-  // does) and issues its all-reduce without waiting.
+  // Puts a ReadyHook on each parameter's gradient accumulator. Run again
+  // before each synced backward: an operation that replaces a parameter's
+  // storage (Module::load's set_, set_data) gives it a new accumulator,
+  // which must be hooked too.
+  void hook_accumulators() {
+    std::size_t k = 0;
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b)
+      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i, ++k) {
+        auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
+        if (accumulator == accumulators_[k]) continue;
+        accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, b, i));
+        accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
+      }
+  }
+
+  // Flattens a bucket's gradients and used-flags (pre-divided by the group
+  // size, as DDP does) and issues its all-reduce without waiting.
   static void launch(State& state, std::size_t b) {
     Bucket& bucket = state.buckets[b];
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> parts;
     for (const auto& p : bucket.params)
       parts.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
+    const auto flags = static_cast<int64_t>(bucket.used.size());
+    parts.push_back(at::from_blob(bucket.used.data(), {flags}, at::TensorOptions(c10::kByte))
+                        .to(bucket.params.front().options()));
     bucket.flat = at::cat(parts).div_(state.group->getSize());
     std::vector<at::Tensor> tensors{bucket.flat};
     try {
@@ -3235,19 +3293,25 @@ class DataParallel {
   }
 
   struct ReadyHook : torch::autograd::FunctionPostHook {
-    ReadyHook(std::shared_ptr<State> state, std::size_t bucket) : state_(std::move(state)), bucket_(bucket) {}
+    ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
+        : state_(std::move(state)), bucket_(bucket), index_(index) {}
     torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                               const torch::autograd::variable_list&) override {
       State& s = *state_;
       std::lock_guard lock(s.mutex);
-      if (!s.alive || !s.armed) return outputs;
-      if (++s.buckets[bucket_].ready == s.buckets[bucket_].params.size())
+      if (!s.alive) return outputs;
+      Bucket& bucket = s.buckets[bucket_];
+      bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
+      if (!s.armed || bucket.seen[index_]) return outputs;
+      bucket.seen[index_] = 1;
+      ++s.fired;
+      if (++bucket.ready == bucket.params.size())
         while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
           launch(s, s.next++);
       return outputs;
     }
     std::shared_ptr<State> state_;
-    std::size_t bucket_;
+    std::size_t bucket_, index_;
   };
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -3257,72 +3321,225 @@ class DataParallel {
 
 // == Data loading ============================================================
 //
-// Each rank of the data-parallel group reads its own shard of a dataset,
-// with the semantics of Python's torch.utils.data.DistributedSampler (same
-// seed and epoch give the same shards): the dataset is permuted with
-// randperm under a generator seeded with seed + epoch (or kept in order), and
-// rank r takes positions r, r + P, r + 2P, ... With even_batches the order is
-// padded to a multiple of P by repeating it from the start, so every rank
-// gets the same number of samples (and batches); without, no sample repeats
-// and ranks may get one sample fewer than others.
+// A prepared loader gives each process of the data-parallel group its share
+// of a dataset, in one of two layouts:
+//   BATCHES (default, Accelerate's BatchSamplerShard): the one-process batch
+//     sequence (the dataset in order, or permuted with randperm under a
+//     generator seeded with seed + epoch, cut into batches) is dealt out
+//     whole: process p gets batches p, p + P, p + 2P, ... (with
+//     split_batches, every process gets its 1/P slice of every batch). So
+//     without shuffle a gathered pass is the dataset in order. even_batches
+//     completes the last round by cycling from the start of the sequence;
+//     without it the last round may leave some processes a batch short.
+//   SAMPLES (torch's DistributedSampler, for the same seed and epoch):
+//     process p gets samples p, p + P, ... of the permutation, batched
+//     locally; even_batches repeats samples from the start so that every
+//     process gets as many.
+// drop_last drops the incomplete last batch (BATCHES: of the sequence, and
+// then any round that is not complete; SAMPLES: of each process).
+// Every slot knows whether it repeats a sample (even_batches padding), so
+// gather_for_metrics counts each sample exactly once.
 //
 // Why not LibTorch's DistributedRandomSampler? It shuffles with std::shuffle,
 // whose output differs between standard libraries (ranks built against
 // libstdc++ and libc++ would read overlapping shards), and it scatters the
-// repeated samples through the shards, so gather_for_metrics could not tell
-// them from real ones. Here a repeat is always a position >= the dataset's
-// size, so every rank knows which of its samples are repeats.
-class ShardSampler : public torch::data::samplers::DistributedSampler<> {
+// repeated samples through the shards, so they could not be told apart.
+
+enum class ShardLayout { BATCHES, SAMPLES };
+
+// The one-process batch sequence of an epoch, as lists of sample indices:
+// a custom sampler or batch sampler for prepare_data_loader.
+using BatchSamplerFn = std::function<std::vector<std::vector<size_t>>(size_t epoch)>;
+
+namespace detail {
+struct Slot {
+  size_t index;
+  bool real;  // false: a repeat that fills the last batches (even_batches)
+};
+using SlotBatch = std::vector<Slot>;
+
+// v += v, as Python's list doubling (a vector cannot insert its own range).
+template <class T>
+void double_up(std::vector<T>& v) {
+  const std::vector<T> copy = v;
+  v.insert(v.end(), copy.begin(), copy.end());
+}
+
+inline SlotBatch slots(const std::vector<size_t>& indices, bool real, size_t from = 0, size_t to = SIZE_MAX) {
+  SlotBatch out;
+  for (size_t i = from; i < std::min(to, indices.size()); ++i) out.push_back({indices[i], real});
+  return out;
+}
+
+// Accelerate's BatchSamplerShard, line by line (src/accelerate/data_loader.py),
+// over the one-process batch sequence `batches`: this process's batches.
+// batch_size is the sampler's (nullopt: batches of varying size).
+inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t>>& batches,
+                                            std::optional<size_t> batch_size, size_t processes, size_t process,
+                                            bool split_batches, bool even_batches, bool drop_last) {
+  std::vector<SlotBatch> out;
+  if (processes == 1) {  // Accelerate does not shard for one process: the plain batches
+    for (const auto& batch : batches) out.push_back(slots(batch, true));
+    return out;
+  }
+  if (batches.empty()) return out;
+  if (split_batches) {  // _iter_with_split
+    const size_t size = *batch_size, part = size / processes;
+    for (const auto& batch : batches)
+      if (batch.size() == size) out.push_back(slots(batch, true, part * process, part * (process + 1)));
+    const std::vector<size_t>& last = batches.back();
+    if (drop_last || last.size() >= size) return out;
+    if (!even_batches) {
+      if (last.size() > part * process) out.push_back(slots(last, true, part * process, part * (process + 1)));
+      return out;
+    }
+    std::vector<size_t> initial = batches.front();
+    while (initial.size() < size) double_up(initial);
+    SlotBatch full = slots(last, true);
+    for (size_t i : initial) full.push_back({i, false});
+    out.emplace_back(full.begin() + static_cast<std::ptrdiff_t>(part * process),
+                     full.begin() + static_cast<std::ptrdiff_t>(std::min(full.size(), part * (process + 1))));
+    return out;
+  }
+  // _iter_with_no_split
+  auto full = [&](const std::vector<size_t>& batch) { return !batch_size || batch.size() == *batch_size; };
+  std::vector<std::vector<size_t>> initial;  // the first `processes` batches, to cycle through at the end
+  std::optional<std::vector<size_t>> to_yield;
+  for (size_t idx = 0; idx < batches.size(); ++idx) {
+    if (!drop_last && idx < processes) initial.push_back(batches[idx]);
+    if (idx % processes == process) to_yield = batches[idx];
+    if (idx % processes == processes - 1 && full(batches[idx])) {
+      out.push_back(slots(*to_yield, true));
+      to_yield.reset();
+    }
+  }
+  if (drop_last) return out;
+  if (!even_batches) {
+    if (to_yield && !to_yield->empty()) out.push_back(slots(*to_yield, true));
+    return out;
+  }
+  if (to_yield && !to_yield->empty() && full(*to_yield)) out.push_back(slots(*to_yield, true));
+  size_t idx = batches.size() - 1;
+  SlotBatch batch = slots(batches.back(), true);
+  if (full(batches.back())) {
+    batch.clear();
+    ++idx;
+  }
+  if (!batch_size) {  // cycle through whole batches
+    while (initial.size() < processes) double_up(initial);
+    for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++cycle, ++idx) {
+      batch = slots(initial[cycle], false);
+      if (idx % processes == process) out.push_back(batch);
+      batch.clear();
+    }
+    return out;
+  }
+  std::vector<size_t> flat;
+  for (const auto& b : initial) flat.insert(flat.end(), b.begin(), b.end());
+  while (flat.size() < processes * *batch_size) double_up(flat);
+  for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++idx) {
+    const size_t end = cycle + *batch_size - batch.size();
+    for (size_t i = cycle; i < end; ++i) batch.push_back({flat[i], false});
+    if (idx % processes == process) out.push_back(batch);
+    cycle = end;
+    batch.clear();
+  }
+  return out;
+}
+}  // namespace detail
+
+// A batch sampler for LibTorch's data loader that yields this process's
+// batches (see the layouts above); it ignores the loader's batch size.
+class ShardSampler : public torch::data::samplers::Sampler<> {
  public:
-  // What the loader learns as batches are requested: the number of real
-  // (non-repeated) samples of each batch of the current pass, in order.
+  struct Options {
+    size_t size = 0;  // of the dataset
+    size_t num_replicas = 1, rank = 0;
+    size_t batch_size = 1;  // the one-process batch (BATCHES with split_batches: the global batch)
+    bool shuffle = false;
+    uint64_t seed = 0;
+    bool even_batches = true, drop_last = false, split_batches = false;
+    ShardLayout layout = ShardLayout::BATCHES;
+    BatchSamplerFn batch_sampler;  // BATCHES only: replaces shuffle and batch_size
+  };
+  // What the loader learns at the start of each pass: the number of real
+  // (non-repeated) samples of each of this process's batches, in order.
   struct Record {
     std::vector<size_t> real_per_batch;
     size_t epoch = 0;
   };
 
-  ShardSampler(size_t size, size_t num_replicas, size_t rank, bool shuffle, uint64_t seed, bool even_batches,
-               std::shared_ptr<Record> record = std::make_shared<Record>())
-      : DistributedSampler<>(size, num_replicas, rank, even_batches),
-        shuffle_(shuffle),
-        seed_(seed),
-        record_(std::move(record)) {
-    if (num_replicas == 0 || rank >= num_replicas)
-      throw std::invalid_argument("accel::ShardSampler: rank " + std::to_string(rank) + " of " +
-                                  std::to_string(num_replicas) + " replicas");
+  explicit ShardSampler(Options options, std::shared_ptr<Record> record = std::make_shared<Record>())
+      : options_(std::move(options)), record_(std::move(record)) {
+    const Options& o = options_;
+    auto fail = [](const std::string& why) { throw std::invalid_argument("accel::ShardSampler: " + why); };
+    if (o.num_replicas == 0 || o.rank >= o.num_replicas)
+      fail("rank " + std::to_string(o.rank) + " of " + std::to_string(o.num_replicas) + " replicas");
+    if (o.batch_size == 0) fail("batch_size must be at least 1");
+    if (o.batch_sampler && o.layout != ShardLayout::BATCHES)
+      fail("a custom batch sampler needs ShardLayout::BATCHES (SAMPLES deals out single samples)");
+    if (o.batch_sampler && o.split_batches)
+      fail("split_batches needs a fixed batch size; a custom batch sampler's batches may vary");
+    if (o.split_batches && o.layout == ShardLayout::BATCHES && o.batch_size % o.num_replicas != 0)
+      fail("with split_batches the batch size (" + std::to_string(o.batch_size) + ") must be a multiple of the " +
+           std::to_string(o.num_replicas) + " processes");
     reset();
   }
 
   void reset(torch::optional<size_t> new_size = torch::nullopt) override {
-    if (new_size) size_ = *new_size;
+    if (new_size) options_.size = *new_size;
+    const Options& o = options_;
     epoch_ = record_->epoch;
-    record_->real_per_batch.clear();
     next_ = 0;
-    const size_t total = allow_duplicates_ ? (size_ + num_replicas_ - 1) / num_replicas_ * num_replicas_ : size_;
-    order_.clear();
-    if (size_ == 0) return;
-    at::Tensor permutation;
-    if (shuffle_) {
-      at::Generator generator = at::detail::createCPUGenerator(seed_ + epoch_);
-      permutation = at::randperm(static_cast<int64_t>(size_), generator, at::kLong).contiguous();
+    std::vector<size_t> order(o.size);
+    std::iota(order.begin(), order.end(), size_t{0});
+    if (o.shuffle && o.size > 0) {  // torch's RandomSampler / DistributedSampler permutation
+      at::Generator generator = at::detail::createCPUGenerator(o.seed + epoch_);
+      const at::Tensor permutation = at::randperm(static_cast<int64_t>(o.size), generator, at::kLong).contiguous();
+      std::copy_n(permutation.data_ptr<int64_t>(), o.size, order.begin());
     }
-    const int64_t* perm = shuffle_ ? permutation.data_ptr<int64_t>() : nullptr;
-    for (size_t position = rank_; position < total; position += num_replicas_) {
-      const size_t k = position % size_;
-      order_.push_back({perm ? static_cast<size_t>(perm[k]) : k, position < size_});
+    batches_.clear();
+    if (o.layout == ShardLayout::SAMPLES) {
+      const size_t total = o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas
+                                                        : o.size;
+      const size_t local = o.split_batches ? o.batch_size / o.num_replicas : o.batch_size;
+      detail::SlotBatch mine;
+      for (size_t position = o.rank; position < total; position += o.num_replicas)
+        mine.push_back({order[position % o.size], position < o.size});
+      for (size_t i = 0; i < mine.size(); i += std::max<size_t>(local, 1))
+        batches_.emplace_back(mine.begin() + static_cast<std::ptrdiff_t>(i),
+                              mine.begin() + static_cast<std::ptrdiff_t>(std::min(mine.size(), i + local)));
+      if (o.drop_last && !batches_.empty() && batches_.back().size() < local) batches_.pop_back();
+    } else {
+      std::vector<std::vector<size_t>> sequence;
+      if (o.batch_sampler) {
+        sequence = o.batch_sampler(epoch_);
+        for (size_t b = 0; b < sequence.size(); ++b)
+          for (size_t i : sequence[b])
+            if (i >= o.size)
+              throw std::out_of_range("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) +
+                                      " holds index " + std::to_string(i) + ", past the dataset's " +
+                                      std::to_string(o.size) + " samples");
+      } else {
+        for (size_t i = 0; i < order.size(); i += o.batch_size)
+          if (i + o.batch_size <= order.size() || !o.drop_last)
+            sequence.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(i),
+                                  order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
+      }
+      batches_ = detail::shard_batches(sequence, o.batch_sampler ? std::nullopt : std::optional<size_t>(o.batch_size),
+                                       o.num_replicas, o.rank, o.split_batches, o.even_batches, o.drop_last);
     }
+    record_->real_per_batch.clear();
+    for (const auto& batch : batches_)
+      record_->real_per_batch.push_back(static_cast<size_t>(
+          std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
   }
 
-  torch::optional<std::vector<size_t>> next(size_t batch_size) override {
-    if (next_ >= order_.size()) return torch::nullopt;
-    const size_t end = std::min(order_.size(), next_ + batch_size);
+  torch::optional<std::vector<size_t>> next(size_t) override {
+    if (next_ >= batches_.size()) return torch::nullopt;
     std::vector<size_t> indices;
-    size_t real = 0;
-    for (; next_ < end; ++next_) {
-      indices.push_back(order_[next_].index);
-      real += order_[next_].real ? 1 : 0;
-    }
-    record_->real_per_batch.push_back(real);
+    for (const auto& slot : batches_[next_]) indices.push_back(slot.index);
+    ++next_;
     return indices;
   }
 
@@ -3336,57 +3553,79 @@ class ShardSampler : public torch::data::samplers::DistributedSampler<> {
     archive.read("next", next, true);
     record_->epoch = static_cast<size_t>(epoch.item<int64_t>());
     reset();
-    next_ = std::min(order_.size(), static_cast<size_t>(next.item<int64_t>()));
+    next_ = std::min(batches_.size(), static_cast<size_t>(next.item<int64_t>()));
   }
 
-  // This rank's indices for the current epoch, in order (repeats included).
-  std::vector<size_t> indices() const {
-    std::vector<size_t> out;
-    for (const auto& s : order_) out.push_back(s.index);
+  // This process's batches for the current epoch, in order (repeats included).
+  std::vector<std::vector<size_t>> batches() const {
+    std::vector<std::vector<size_t>> out;
+    for (const auto& batch : batches_) {
+      out.emplace_back();
+      for (const auto& slot : batch) out.back().push_back(slot.index);
+    }
     return out;
   }
-  // How many there are (repeats included).
-  size_t local_count() const { return order_.size(); }
+  // The same, as one list.
+  std::vector<size_t> indices() const {
+    std::vector<size_t> out;
+    for (const auto& batch : batches_)
+      for (const auto& slot : batch) out.push_back(slot.index);
+    return out;
+  }
+  size_t batch_count() const { return batches_.size(); }
+  // How many samples this process reads per pass (repeats included).
+  size_t local_count() const {
+    size_t n = 0;
+    for (const auto& batch : batches_) n += batch.size();
+    return n;
+  }
   // How many of them are real samples, not repeats.
   size_t real_count() const {
-    return static_cast<size_t>(std::count_if(order_.begin(), order_.end(), [](const Slot& s) { return s.real; }));
+    return std::accumulate(record_->real_per_batch.begin(), record_->real_per_batch.end(), size_t{0});
   }
 
  private:
-  struct Slot {
-    size_t index;
-    bool real;
-  };
-  bool shuffle_;
-  uint64_t seed_;
+  Options options_;
   std::shared_ptr<Record> record_;
-  std::vector<Slot> order_;
-  size_t next_ = 0;
+  std::vector<detail::SlotBatch> batches_;
+  size_t epoch_ = 0, next_ = 0;
 };
 
 struct DataLoaderConfig {
   size_t batch_size = 1;    // per process, or global with AcceleratorConfig::split_batches
   bool shuffle = false;
   uint64_t seed = 0;        // shuffled order: randperm under seed + epoch
-  bool even_batches = true; // repeat samples from the start so every rank gets as many batches
-  bool drop_last = false;   // drop each rank's last incomplete batch
+  bool even_batches = true; // complete the last round from the start, so every process gets as many batches
+  bool drop_last = false;   // drop the incomplete last batch (and, BATCHES, an incomplete last round)
   size_t workers = 0;       // LibTorch's loader threads
+  ShardLayout layout = ShardLayout::BATCHES;
+  BatchSamplerFn batch_sampler;  // a custom one-process batch sequence (BATCHES; no split_batches)
 };
 
 namespace detail {
-// What an Accelerator knows about the batch being processed: the loader
-// whose pass is under way and the real samples of its current batch.
-struct LoaderCursor {
-  const void* loader = nullptr;
-  std::optional<size_t> real_rows;  // nullopt outside a pass
-  bool end_of_dataloader = false;
+// Where a prepared loader's pass stands.
+struct LoaderState {
+  std::optional<size_t> real_rows;  // real samples of the current batch
+  bool end_of_dataloader = false;   // the current batch is the pass's last
+};
+// What an Accelerator shares with its prepared optimizers, schedulers and
+// loaders (Accelerate's GradientState): whether this step syncs gradients,
+// and the loaders whose passes are under way, innermost last.
+struct GradientState {
+  bool sync_gradients = true;
+  std::vector<const LoaderState*> active;
+  const LoaderState* loader() const { return active.empty() ? nullptr : active.back(); }
+  bool end_of_dataloader() const { return loader() && loader()->end_of_dataloader; }
+  void remove(const LoaderState* state) { std::erase(active, state); }
 };
 }  // namespace detail
 
-// A LibTorch data loader over this rank's shard. Iterating it starts a new
-// epoch each pass (a different shuffle, the same on every rank, as
-// Accelerate's prepared loaders do) and tells the Accelerator which rows of
-// each batch are repeats, so that gather_for_metrics drops them.
+// A LibTorch data loader over this process's share. Iterating it starts a
+// new epoch each pass (a different shuffle, the same on every rank, as
+// Accelerate's prepared loaders do) and tells the Accelerator where the pass
+// is (end_of_dataloader) and which rows of each batch are repeats, so that
+// gather_for_metrics drops them. A pass left early (break) ends with its
+// iterator.
 template <class Dataset>
 class PreparedDataLoader {
  public:
@@ -3394,26 +3633,49 @@ class PreparedDataLoader {
   using Batch = typename Dataset::BatchType;
 
   PreparedDataLoader(Dataset dataset, const DataLoaderConfig& config, size_t num_replicas, size_t rank,
-                     std::shared_ptr<detail::LoaderCursor> cursor)
-      : record_(std::make_shared<ShardSampler::Record>()), cursor_(std::move(cursor)) {
+                     bool split_batches, std::shared_ptr<detail::GradientState> gradient_state)
+      : record_(std::make_shared<ShardSampler::Record>()),
+        state_(std::make_shared<detail::LoaderState>()),
+        gradient_state_(std::move(gradient_state)) {
     const torch::optional<size_t> size = dataset.size();
     if (!size) throw std::invalid_argument("accel::prepare_data_loader: the dataset must have a size()");
-    ShardSampler sampler(*size, num_replicas, rank, config.shuffle, config.seed, config.even_batches, record_);
+    ShardSampler::Options options{*size,
+                                  num_replicas,
+                                  rank,
+                                  config.batch_size,
+                                  config.shuffle,
+                                  config.seed,
+                                  config.even_batches,
+                                  config.drop_last,
+                                  split_batches,
+                                  config.layout,
+                                  config.batch_sampler};
+    ShardSampler sampler(std::move(options), record_);
+    batches_ = sampler.batch_count();
     local_samples_ = sampler.local_count();
-    loader_ = torch::data::make_data_loader(
-        std::move(dataset), std::move(sampler),
-        torch::data::DataLoaderOptions(config.batch_size).workers(config.workers).drop_last(config.drop_last));
-    batch_size_ = config.batch_size;
-    drop_last_ = config.drop_last;
+    // The sampler makes the batches (and drops what drop_last drops).
+    loader_ = torch::data::make_data_loader(std::move(dataset), std::move(sampler),
+                                            torch::data::DataLoaderOptions(1).workers(config.workers));
+  }
+  PreparedDataLoader(PreparedDataLoader&&) noexcept = default;
+  ~PreparedDataLoader() {
+    if (gradient_state_) gradient_state_->remove(state_.get());
   }
 
   class Iterator {
    public:
+    Iterator(Iterator&& other) noexcept
+        : owner_(other.owner_), it_(std::move(other.it_)), position_(other.position_),
+          in_pass_(std::exchange(other.in_pass_, false)) {}
+    Iterator(const Iterator&) = delete;
+    Iterator& operator=(const Iterator&) = delete;
+    ~Iterator() { leave(); }
+
     Batch& operator*() {
       Batch& batch = *it_;
-      owner_->cursor_->loader = owner_;
-      owner_->cursor_->real_rows = owner_->record_->real_per_batch.at(position_);
-      owner_->cursor_->end_of_dataloader = position_ + 1 == owner_->batches();
+      detail::LoaderState& state = *owner_->state_;
+      state.real_rows = owner_->record_->real_per_batch.at(position_);
+      state.end_of_dataloader = position_ + 1 == owner_->batches_;
       return batch;
     }
     Batch* operator->() { return &**this; }
@@ -3424,41 +3686,51 @@ class PreparedDataLoader {
     }
     bool operator==(const Iterator& other) const {
       const bool equal = it_ == other.it_;
-      if (equal && owner_->cursor_->loader == owner_) *owner_->cursor_ = {};  // the pass is over
+      if (equal) {  // the pass is over
+        leave();
+        other.leave();
+      }
       return equal;
     }
 
    private:
     friend class PreparedDataLoader;
-    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it) : owner_(owner), it_(std::move(it)) {}
+    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it, bool in_pass)
+        : owner_(owner), it_(std::move(it)), in_pass_(in_pass) {}
+    void leave() const {
+      if (!std::exchange(in_pass_, false)) return;
+      *owner_->state_ = {};
+      owner_->gradient_state_->remove(owner_->state_.get());
+    }
     PreparedDataLoader* owner_;
     torch::data::Iterator<Batch> it_;
     size_t position_ = 0;
+    mutable bool in_pass_;
   };
 
   // Starts a pass: epoch 0, 1, 2, ... unless set_epoch says otherwise.
   Iterator begin() {
     record_->epoch = next_epoch_++;
-    return Iterator(this, loader_->begin());
+    gradient_state_->remove(state_.get());
+    gradient_state_->active.push_back(state_.get());
+    *state_ = {};
+    return Iterator(this, loader_->begin(), true);
   }
-  Iterator end() { return Iterator(this, loader_->end()); }
+  Iterator end() { return Iterator(this, loader_->end(), false); }
 
   // The epoch the next pass uses (to resume a run mid-way).
   void set_epoch(size_t epoch) { next_epoch_ = epoch; }
   size_t epoch() const { return record_->epoch; }
-  // Batches per pass on this rank (the same on every rank with even_batches).
-  size_t batches() const {
-    if (batch_size_ == 0) return 0;
-    return drop_last_ ? local_samples_ / batch_size_ : (local_samples_ + batch_size_ - 1) / batch_size_;
-  }
+  // Batches per pass on this process (the same on every process with even_batches).
+  size_t batches() const { return batches_; }
   size_t local_samples() const { return local_samples_; }
 
  private:
   std::shared_ptr<ShardSampler::Record> record_;
-  std::shared_ptr<detail::LoaderCursor> cursor_;
+  std::shared_ptr<detail::LoaderState> state_;
+  std::shared_ptr<detail::GradientState> gradient_state_;
   std::unique_ptr<Loader> loader_;
-  size_t local_samples_ = 0, batch_size_ = 1, next_epoch_ = 0;
-  bool drop_last_ = false;
+  size_t batches_ = 0, local_samples_ = 0, next_epoch_ = 0;
 };
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
@@ -3476,8 +3748,72 @@ struct AcceleratorConfig {
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
   bool cpu = false;                    // train on the CPU even where an accelerator exists
   bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
+  // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
+  // pass is a sync step (and restarts the count); sync_each_batch all-reduces
+  // gradients on every micro-step (the optimizer still steps every k-th).
+  bool sync_with_dataloader = true;
+  bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   DistributedConfig distributed{};
+};
+
+// A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
+// zero_grad() do nothing on the micro-steps of gradient accumulation that do
+// not sync (so loops written for Accelerate call them unconditionally
+// inside accumulate()). A handle: copies share the optimizer.
+class AcceleratedOptimizer {
+ public:
+  AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state)
+      : optimizer_(&optimizer), state_(std::move(state)) {}
+
+  void step() {
+    if (state_->sync_gradients) optimizer_->step();
+  }
+  // set_to_none: the optimizer's own default when not given (LibTorch 1.x
+  // zeroes the gradients, 2.x resets them, as Python's).
+  void zero_grad(std::optional<bool> set_to_none = std::nullopt) {
+    if (!state_->sync_gradients) return;
+    if (!set_to_none) return optimizer_->zero_grad();
+    for (auto& group : optimizer_->param_groups())
+      for (auto& p : group.params()) {
+        if (*set_to_none) {
+          p.mutable_grad().reset();
+        } else if (p.grad().defined()) {
+          p.mutable_grad().detach_();
+          p.mutable_grad().zero_();
+        }
+      }
+  }
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  std::vector<torch::optim::OptimizerParamGroup>& param_groups() { return optimizer_->param_groups(); }
+
+ private:
+  torch::optim::Optimizer* optimizer_;
+  std::shared_ptr<const detail::GradientState> state_;
+};
+
+// A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:
+// step() does nothing on micro-steps that do not sync, and otherwise steps
+// the scheduler once per data-parallel process (the schedule was written in
+// one-process batches; each step consumed one batch on every process),
+// once with split_batches. Any scheduler with step() (torch::optim::StepLR,
+// LRScheduler subclasses, your own). A handle: copies share the scheduler.
+class AcceleratedScheduler {
+ public:
+  template <class Scheduler>
+    requires requires(Scheduler& s) { s.step(); }
+  AcceleratedScheduler(Scheduler& scheduler, std::shared_ptr<const detail::GradientState> state, int steps_per_call)
+      : step_([&scheduler] { scheduler.step(); }), state_(std::move(state)), steps_per_call_(steps_per_call) {}
+
+  void step() {
+    if (!state_->sync_gradients) return;
+    for (int i = 0; i < steps_per_call_; ++i) step_();
+  }
+
+ private:
+  std::function<void()> step_;
+  std::shared_ptr<const detail::GradientState> state_;
+  int steps_per_call_;
 };
 
 class Accelerator {
@@ -3499,65 +3835,128 @@ class Accelerator {
       throw std::invalid_argument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
 
-  // Moves the model to the device, broadcasts its parameters and buffers from
-  // rank 0 and arms bucketed gradient all-reduce on the data-parallel group.
+  // -- prepare ----------------------------------------------------------------
+
+  // A model: moved to the device, its parameters and buffers broadcast from
+  // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
+  // DataParallel). Any number of models may be prepared; each keeps its own
+  // gradient sync. Returns the model itself (accel.hpp does not wrap).
   template <class ModuleHolder>
+    requires requires(ModuleHolder& m) { m.ptr(); }
   ModuleHolder& prepare(ModuleHolder& model) {
+    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
+    if (find(module.get()))
+      throw std::invalid_argument("accel::Accelerator::prepare: this model is already prepared");
     model->to(device_);
-    auto module = model.ptr();
-    model_ = module;
-    data_parallel_ = std::make_unique<DataParallel>(module, interface_->get_group(Dim::DP),
-                                                    config_.bucket_cap_mb * 1024 * 1024);
+    models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(),
+                                                                      config_.bucket_cap_mb * 1024 * 1024)});
     return model;
   }
-  template <class ModuleHolder, class Optimizer>
-  std::pair<ModuleHolder&, Optimizer&> prepare(ModuleHolder& model, Optimizer& optimizer) {
-    prepare(model);
-    optimizer_ = &optimizer;
-    return {model, optimizer};
+  // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
+  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
+    if (std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
+      optimizers_.push_back(&optimizer);
+    return AcceleratedOptimizer(optimizer, state_);
   }
+  // A learning-rate scheduler: see AcceleratedScheduler.
+  template <class Scheduler>
+    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
+  AcceleratedScheduler prepare(Scheduler& scheduler) {
+    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP));
+  }
+  // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
+  //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
+  template <class First, class Second, class... Rest>
+  auto prepare(First& first, Second& second, Rest&... rest) {
+    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
+        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
+  }
+
+  // A data loader over this process's share of `dataset` on the data-parallel
+  // group (see ShardSampler for the layouts). With split_batches,
+  // config.batch_size is the global batch and must divide evenly among the
+  // processes.
+  template <class Dataset>
+  PreparedDataLoader<Dataset> prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
+    const int replicas = interface_->get_world_size(Dim::DP), rank = interface_->get_rank(Dim::DP);
+    if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
+    if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+      throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
+                                  std::to_string(config.batch_size) + ") must be a multiple of the " +
+                                  std::to_string(replicas) + " data-parallel processes");
+    return PreparedDataLoader<Dataset>(std::move(dataset), config, static_cast<size_t>(replicas),
+                                       static_cast<size_t>(rank), config_.split_batches, state_);
+  }
+
+  // -- the training step --------------------------------------------------------
 
   // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
-  // gradient all-reduce armed unless this step accumulates locally.
+  // gradient all-reduce armed on every prepared model that syncs now (not
+  // inside no_sync or a non-sync accumulate step). A model none of whose
+  // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
-    const bool sync = data_parallel_ && sync_gradients_;
-    if (sync) data_parallel_->prepare_for_backward();
+    for (auto& m : models_)
+      if (m.sync) m.data_parallel->prepare_for_backward();
     scaled.backward();
-    if (sync) data_parallel_->finish();
+    for (auto& m : models_) m.data_parallel->finish();
   }
 
-  // RAII: while alive, backward() accumulates gradients locally (no all-reduce).
+  // RAII: restores the models' gradient sync when it goes out of scope.
   class SyncGuard {
    public:
-    SyncGuard(bool& flag, bool value) : flag_(&flag), saved_(flag) { flag = value; }
-    SyncGuard(SyncGuard&& other) noexcept : flag_(std::exchange(other.flag_, nullptr)), saved_(other.saved_) {}
+    SyncGuard() = default;
+    SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
     SyncGuard(const SyncGuard&) = delete;
     SyncGuard& operator=(const SyncGuard&) = delete;
     SyncGuard& operator=(SyncGuard&&) = delete;
     ~SyncGuard() {
-      if (flag_) *flag_ = saved_;
+      for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
     }
 
    private:
-    bool* flag_;
-    bool saved_;
+    friend class Accelerator;
+    void set(bool& flag, bool value) {
+      saved_.emplace_back(&flag, flag);
+      flag = value;
+    }
+    std::vector<std::pair<bool*, bool>> saved_;
   };
-  template <class ModuleHolder>
-  [[nodiscard]] SyncGuard no_sync(ModuleHolder&) {
-    return SyncGuard(sync_gradients_, false);
+  // While the guard lives, backward() accumulates these models' gradients
+  // locally (DDP's no_sync). A model that was never prepared never syncs.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models) {
+    return with_sync(false, models...);
   }
-  // One micro-step of gradient accumulation: gradients are all-reduced only
-  // on every gradient_accumulation_steps-th call (sync_gradients() says so).
-  // The last batch of a prepared loader's pass always syncs, as in
-  // Accelerate, so no accumulated gradient is carried into the next epoch.
-  template <class ModuleHolder>
-  [[nodiscard]] SyncGuard accumulate(ModuleHolder&) {
-    ++step_;
-    return SyncGuard(sync_gradients_,
-                     step_ % config_.gradient_accumulation_steps == 0 || cursor_->end_of_dataloader);
+  // While the guard lives, backward() syncs these models' gradients, also
+  // inside no_sync (Accelerate's trigger_sync_in_backward).
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models) {
+    return with_sync(true, models...);
   }
-  bool sync_gradients() const { return sync_gradients_; }
+  // One micro-step of gradient accumulation, as Accelerate's accumulate():
+  // counts the step and sets sync_gradients(), true on every
+  // gradient_accumulation_steps-th call and on the last batch of a prepared
+  // loader's pass (which also restarts the count, so no accumulated gradient
+  // is carried into the next pass). On the other steps the given models
+  // accumulate locally while the guard lives (unless sync_each_batch).
+  // sync_gradients() keeps its value after the guard, for the loop to read.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
+    if (config_.sync_with_dataloader && state_->end_of_dataloader()) {
+      step_ = 0;
+      state_->sync_gradients = true;
+    } else {
+      ++step_;
+      state_->sync_gradients = step_ % config_.gradient_accumulation_steps == 0;
+    }
+    return with_sync(state_->sync_gradients || config_.sync_each_batch, models...);
+  }
+  // Whether the current step syncs gradients (and prepared optimizers step).
+  bool sync_gradients() const { return state_->sync_gradients; }
+  // Whether the batch being processed is the last of the innermost prepared
+  // loader's pass.
+  bool end_of_dataloader() const { return state_->end_of_dataloader(); }
 
   // After the all-reduce every rank holds the same averaged gradients, so
   // the norm computed here is the global one, identical on every rank.
@@ -3627,48 +4026,90 @@ class Accelerator {
     return model;
   }
 
-  // A data loader over this rank's shard of `dataset` on the data-parallel
-  // group (see ShardSampler). With split_batches, config.batch_size is the
-  // global batch and must divide evenly among the processes.
-  template <class Dataset>
-  PreparedDataLoader<Dataset> prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = interface_->get_world_size(Dim::DP), rank = interface_->get_rank(Dim::DP);
-    if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (config_.split_batches) {
-      if (config.batch_size % static_cast<size_t>(replicas) != 0)
-        throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
-                                    std::to_string(config.batch_size) + ") must be a multiple of the " +
-                                    std::to_string(replicas) + " data-parallel processes");
-      config.batch_size /= static_cast<size_t>(replicas);
-    }
-    return PreparedDataLoader<Dataset>(std::move(dataset), config, static_cast<size_t>(replicas),
-                                       static_cast<size_t>(rank), cursor_);
-  }
+  // -- operations across processes (Accelerate's Accelerator methods) -------------
 
   // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
-  // welcome). Inside a pass over a prepared loader, the rows that repeat
-  // samples (even_batches padding) are dropped first, so every sample of the
-  // dataset is counted exactly once. num_samples instead keeps the first
-  // num_samples rows of the result (for data that did not come from a
-  // prepared loader).
+  // welcome), over the data-parallel group. Inside a pass over a prepared
+  // loader, the rows that repeat samples (even_batches padding) are dropped
+  // first, so every sample of the dataset is counted exactly once.
+  // num_samples instead keeps the first num_samples rows of the result (for
+  // data that did not come from a prepared loader).
   template <TensorTree T>
   T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
     const GroupPtr group = interface_->get_group(Dim::DP);
     auto first_rows = [](int64_t rows) {
       return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
     };
-    if (num_samples) return recursively_apply(first_rows(*num_samples), gather(data, group));
-    if (cursor_->real_rows)
-      return gather(recursively_apply(first_rows(static_cast<int64_t>(*cursor_->real_rows)), data), group);
-    return gather(data, group);
+    if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+    const detail::LoaderState* loader = state_->loader();
+    if (loader && loader->real_rows)
+      return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+    return accel::gather(data, group);
   }
-  // Whether the batch being processed is the last of a prepared loader's pass.
-  bool end_of_dataloader() const { return cursor_->end_of_dataloader; }
+  // Over every process, as Accelerate's methods of the same names.
+  template <TensorTree T>
+  T gather(const T& data) const {
+    return accel::gather(data);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false) const {
+    return accel::pad_across_processes(data, dim, pad_index, pad_first);
+  }
+  template <class T>
+  T split_between_processes(const T& inputs, bool apply_padding = false) const {
+    return accel::split_between_processes(inputs, apply_padding);
+  }
+  template <class... Args>
+  void print(const Args&... args) const {
+    accel::print(args...);
+  }
+  void wait_for_everyone() const { accel::wait_for_everyone(); }
+  template <class Body>
+  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
+  }
+  template <class Body>
+  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
+  }
+  template <class Fn>
+  auto on_main_process(Fn fn) const {
+    return accel::on_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_local_main_process(Fn fn) const {
+    return accel::on_local_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_last_process(Fn fn) const {
+    return accel::on_last_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_process(Fn fn, int process_index) const {
+    return accel::on_process(std::move(fn), process_index);
+  }
 
-  // Saves model, optimizer and every rank's RNG state under `dir`,
-  // atomically: everything is written to `dir.tmp` first and renamed into
-  // place by the main process, so `dir` is either the old or the whole new
-  // checkpoint, never a half-written one.
+  // Any process can ask every process to stop at the same step: set_trigger()
+  // on one, then check_trigger() on all (one all_reduce) is true on all, and
+  // resets the trigger.
+  void set_trigger() { trigger_ = 1; }
+  bool check_trigger() {
+    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
+    trigger_ = 0;
+    return true;
+  }
+
+  // -- checkpoints ----------------------------------------------------------------
+
+  // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
+  // optimizer.pt, optimizer_1.pt, ...) and every rank's RNG state under
+  // `dir`, atomically: everything is written to `dir.tmp` first and renamed
+  // into place by the main process, so `dir` is either the old or the whole
+  // new checkpoint, never a half-written one.
   void save_state(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
     const fs::path tmp = dir.string() + ".tmp";
@@ -3681,15 +4122,15 @@ class Accelerator {
                 (tmp / ("random_states_" + std::to_string(process_index()) + ".pt")).string());
     wait_for_everyone();
     if (is_main_process()) {
-      if (model_) {
+      for (std::size_t i = 0; i < models_.size(); ++i) {
         torch::serialize::OutputArchive archive;
-        model_->save(archive);
-        archive.save_to((tmp / "model.pt").string());
+        models_[i].module->save(archive);
+        archive.save_to((tmp / numbered("model", i)).string());
       }
-      if (optimizer_) {
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) {
         torch::serialize::OutputArchive archive;
-        optimizer_->save(archive);
-        archive.save_to((tmp / "optimizer.pt").string());
+        optimizers_[i]->save(archive);
+        archive.save_to((tmp / numbered("optimizer", i)).string());
       }
       detail::checkpoint_hook()("written");  // tests crash here
       const fs::path old = dir.string() + ".old";
@@ -3705,15 +4146,15 @@ class Accelerator {
     namespace fs = std::filesystem;
     if (!fs::is_directory(dir))
       throw std::invalid_argument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
-    if (model_) {
+    for (std::size_t i = 0; i < models_.size(); ++i) {
       torch::serialize::InputArchive archive;
-      archive.load_from((dir / "model.pt").string(), device_);
-      model_->load(archive);
+      archive.load_from((dir / numbered("model", i)).string(), device_);
+      models_[i].module->load(archive);
     }
-    if (optimizer_) {
+    for (std::size_t i = 0; i < optimizers_.size(); ++i) {
       torch::serialize::InputArchive archive;
-      archive.load_from((dir / "optimizer.pt").string(), device_);
-      optimizer_->load(archive);
+      archive.load_from((dir / numbered("optimizer", i)).string(), device_);
+      optimizers_[i]->load(archive);
     }
     fs::path rng = dir / ("random_states_" + std::to_string(process_index()) + ".pt");
     if (fs::exists(rng)) {
@@ -3726,11 +4167,12 @@ class Accelerator {
     wait_for_everyone();
   }
 
-  void wait_for_everyone() { accel::wait_for_everyone(); }
+  // -- properties -------------------------------------------------------------------
 
   c10::Device device() const { return device_; }
   bool is_main_process() const { return interface_->get_rank() == 0; }
   bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
+  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
   int process_index() const { return interface_->get_rank(); }
   int local_process_index() const { return interface_->get_local_rank(); }
   int num_processes() const { return interface_->get_world_size(); }
@@ -3740,18 +4182,55 @@ class Accelerator {
   }
   const std::string& mixed_precision() const { return config_.mixed_precision; }
   int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
-  DataParallel* data_parallel() { return data_parallel_.get(); }
+  // The DataParallel of the first prepared model, or of `model`; nullptr
+  // when it was not prepared.
+  DataParallel* data_parallel() { return models_.empty() ? nullptr : models_.front().data_parallel.get(); }
+  template <class ModuleHolder>
+  DataParallel* data_parallel(ModuleHolder& model) {
+    Prepared* p = find(model.ptr().get());
+    return p ? p->data_parallel.get() : nullptr;
+  }
 
  private:
+  struct Prepared {
+    std::shared_ptr<torch::nn::Module> module;
+    std::unique_ptr<DataParallel> data_parallel;
+    bool sync = true;  // DDP's require_backward_grad_sync
+  };
+
+  // Gradients are averaged over the whole data mesh (dp x cp), which spans
+  // the world: context-parallel peers see different parts of the same
+  // sequences and must stay identical (LLaMA-Factory's trainers do so).
+  GroupPtr gradient_group() const {
+    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
+  }
+  Prepared* find(const torch::nn::Module* module) {
+    for (auto& m : models_)
+      if (m.module.get() == module) return &m;
+    return nullptr;
+  }
+  template <class... ModuleHolders>
+  SyncGuard with_sync(bool sync, ModuleHolders&... models) {
+    SyncGuard guard;
+    (
+        [&] {
+          if (Prepared* p = find(models.ptr().get())) guard.set(p->sync, sync);
+        }(),
+        ...);
+    return guard;
+  }
+  static std::string numbered(const std::string& stem, std::size_t i) {
+    return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
+  }
+
   AcceleratorConfig config_;
   DistributedInterface* interface_ = nullptr;
   c10::Device device_{c10::kCPU};
-  std::shared_ptr<torch::nn::Module> model_;
-  torch::optim::Optimizer* optimizer_ = nullptr;
-  std::unique_ptr<DataParallel> data_parallel_;
-  bool sync_gradients_ = true;
+  std::deque<Prepared> models_;  // a deque: guards hold pointers to the flags
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;
-  std::shared_ptr<detail::LoaderCursor> cursor_ = std::make_shared<detail::LoaderCursor>();
+  int64_t trigger_ = 0;
 };
 
 }  // namespace accel

@@ -129,9 +129,10 @@ TEST_SUITE("single") {
       }
       CHECK(next == n);
     }
-    // More ranks than items: Accelerate gives the late ranks the last item.
-    CHECK(accel::detail::split_range(2, 3, 4).begin == 1);
+    // More ranks than items: Accelerate gives the late ranks an empty share.
+    CHECK(accel::detail::split_range(2, 3, 4).begin == 2);
     CHECK(accel::detail::split_range(2, 3, 4).end == 2);
+    CHECK(accel::detail::split_range(2, 3, 4).target == 1);
   }
 
   TEST_CASE("objects: a round trip keeps every value; corrupted or truncated bytes throw, never crash") {
@@ -321,6 +322,69 @@ TEST_SUITE("ranks") {
     CHECK(values(config[3].toTensor()) == std::vector<int64_t>{0, 1, 2});
     std::vector<std::string> words{r == P - 1 ? "last" : "other"};
     CHECK(accel::broadcast_object_list(words, P - 1) == std::vector<std::string>{"last"});
+
+    // Single objects of every leaf type the concept admits, one element per rank.
+    CHECK(accel::gather_object(42) == std::vector<int>(static_cast<std::size_t>(P), 42));
+    CHECK(accel::gather_object(3.5 + r).back() == 3.5 + (P - 1));
+    const std::vector<bool> flags = accel::gather_object(r % 2 == 0);
+    REQUIRE(flags.size() == static_cast<std::size_t>(P));
+    for (int k = 0; k < P; ++k) CHECK(flags[static_cast<std::size_t>(k)] == (k % 2 == 0));
+    const auto ivalues = accel::gather_object(c10::IValue(int64_t{r}));
+    REQUIRE(ivalues.size() == static_cast<std::size_t>(P));
+    CHECK(ivalues.back().toInt() == P - 1);
+    const auto tensors = accel::gather_object(at::full({r + 1}, r, at::kLong));  // uneven shapes
+    REQUIRE(tensors.size() == static_cast<std::size_t>(P));
+    CHECK(values(tensors.back()) == std::vector<int64_t>(static_cast<std::size_t>(P), P - 1));
+  }
+
+  // Accelerate's test_script.py: test_split_between_processes_{list,nested_dict,tensor,evenly}.
+  TEST_CASE("split_between_processes: Accelerate's list, nested dict, tensor and evenly cases") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    CHECK(accel::split_between_processes(range(0, 2 * P - 1)).size() == 2);
+    for (int64_t n : {2 * P - 1, 2 * P}) {  // odd and even data, padded: gathered, the input comes first
+      CAPTURE(n);
+      const auto data = range(0, n - 1);
+      const auto mine = accel::split_between_processes(data, /*apply_padding=*/true);
+      CHECK(static_cast<int64_t>(mine.size()) == (n + P - 1) / P);
+      auto gathered = accel::gather_object(mine);
+      gathered.resize(static_cast<std::size_t>(n));
+      CHECK(gathered == data);
+      at::Tensor rows = accel::split_between_processes(at::arange(n).view({n, 1}), /*apply_padding=*/true);
+      CHECK(rows.size(0) == (n + P - 1) / P);
+      at::Tensor all = accel::gather(rows).flatten();
+      CHECK(values(all.narrow(0, 0, n)) == data);
+    }
+    if (P > 1) {
+      at::Tensor rows = accel::split_between_processes(at::arange(8).view({2, 4}));
+      if (r == 0) CHECK(values(rows.flatten()) == range(0, 3));
+      else if (r == 1) CHECK(values(rows.flatten()) == range(4, 7));
+      else CHECK(rows.size(0) == 0);  // past the end: an empty share
+    }
+    if (P == 1 || P == 2 || P == 4) {
+      std::map<std::string, std::vector<int64_t>> dict{{"a", range(1, 8)}, {"c", range(1, 8)}};
+      auto part = accel::split_between_processes(dict);
+      const auto per = static_cast<std::size_t>(8 / P);
+      CHECK(part["a"] == std::vector<int64_t>(dict["a"].begin() + static_cast<std::ptrdiff_t>(per * r),
+                                              dict["a"].begin() + static_cast<std::ptrdiff_t>(per * (r + 1))));
+      std::map<std::string, at::Tensor> tensors{{"c", at::arange(1, 9)}};
+      CHECK(values(accel::split_between_processes(tensors)["c"]) == part["c"]);
+    }
+    // 17 items: the first 17 % P processes get one more.
+    const std::size_t per = static_cast<std::size_t>(17 / P), extras = static_cast<std::size_t>(17 % P);
+    CHECK(accel::split_between_processes(range(0, 16)).size() == per + (static_cast<std::size_t>(r) < extras));
+    // Padding repeats the last item of the whole input (Accelerate: rank 1 of
+    // 4 gets 5, 6, 7, 8, 16), an empty share included.
+    const auto padded = accel::split_between_processes(range(0, 16), /*apply_padding=*/true);
+    CHECK(padded.size() == per + (extras > 0));
+    if (static_cast<std::size_t>(r) >= extras && extras > 0) CHECK(padded.back() == 16);
+    if (P == 4 && r == 1) CHECK(padded == std::vector<int64_t>{5, 6, 7, 8, 16});
+    at::Tensor padded_rows = accel::split_between_processes(at::arange(17), /*apply_padding=*/true);
+    CHECK(values(padded_rows) == padded);
+    if (P > 2) {  // 2 items on 3 or 4 processes: the last ones get nothing, or the last item padded
+      CHECK(accel::split_between_processes(range(0, 1)).size() == (r < 2 ? 1u : 0u));
+      CHECK(accel::split_between_processes(range(0, 1), true) == std::vector<int64_t>{r < 2 ? r : 1});
+    }
   }
 
   TEST_CASE("split_between_processes: 17 and 8 items on this world, vectors, tensors, maps, padding") {
@@ -342,7 +406,7 @@ TEST_SUITE("ranks") {
       CHECK(part["b"].front() == 100 + mine.front());
       auto padded = accel::split_between_processes(range(0, n - 1), /*apply_padding=*/true);
       CHECK(static_cast<int64_t>(padded.size()) == lengths.front());
-      CHECK(padded.back() == mine.back());
+      CHECK(padded.back() == (mine.size() < padded.size() ? n - 1 : mine.back()));
       CHECK(accel::split_between_processes(at::arange(n), true).size(0) == lengths.front());
     }
     std::map<std::string, std::vector<int>> ragged{{"a", {1, 2}}, {"b", {1}}};

@@ -72,6 +72,42 @@ struct Indexed : torch::data::datasets::Dataset<Indexed> {
   std::size_t n;
 };
 
+// Accelerate's RegressionDataset: y = 2x + 3 + noise, the same on every rank.
+struct Regression : torch::data::datasets::Dataset<Regression> {
+  explicit Regression(int64_t n) {
+    auto generator = at::detail::createCPUGenerator(42);
+    x = at::randn({n, 1}, generator);
+    y = 2 * x + 3 + 0.1 * at::randn({n, 1}, generator);
+  }
+  torch::data::Example<> get(std::size_t i) override {
+    const auto k = static_cast<int64_t>(i);
+    return {x[k], y[k]};
+  }
+  torch::optional<std::size_t> size() const override { return static_cast<std::size_t>(x.size(0)); }
+  at::Tensor x, y;
+};
+
+// Gradients of two models agree (allclose), parameter by parameter.
+bool same_grads(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.parameters(), pb = b.parameters();
+  for (std::size_t i = 0; i < pa.size(); ++i)
+    if (!at::allclose(pa[i].grad(), pb[i].grad())) return false;
+  return true;
+}
+
+// A model on a prepared accelerator and its single-process twin, as
+// Accelerate's test_sync.py get_training_setup: the twin trains on the
+// batch gathered from every process.
+struct Twins {
+  explicit Twins(accel::Accelerator& accelerator) {
+    torch::manual_seed(42);
+    model = Mlp(1, 8, 1);
+    reference = copy_of(model, 1, 8, 1);
+    accelerator.prepare(model);
+  }
+  Mlp model{nullptr}, reference{nullptr};
+};
+
 // One pass over a prepared loader: every batch's data as gather_for_metrics
 // returns it, concatenated; and the number of batches this rank saw.
 template <class Loader>
@@ -269,13 +305,19 @@ TEST_SUITE("ranks") {
     };
     accel::set_seed(3, /*device_specific=*/true);
     train(2);
+    const at::Tensor at_save = flat_parameters(*model).clone();
     accelerator.save_state(dir);
     CHECK(std::filesystem::exists(dir / "model.pt"));
     CHECK_FALSE(std::filesystem::exists(dir.string() + ".tmp"));
     const at::Tensor straight = train(3);
     accelerator.load_state(dir);
+    CHECK(at::equal(at_save, flat_parameters(*model)));
     const at::Tensor resumed = train(3);
     CHECK(at::equal(straight, resumed));
+    // Module::load replaced the parameters' storage (a new gradient
+    // accumulator each): the gradients are still averaged after it.
+    if (accelerator.data_parallel()->distributed())
+      CHECK(identical_across_ranks(*model, accelerator.data_parallel()->group()));
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
   }
@@ -289,6 +331,344 @@ TEST_SUITE("ranks") {
     CHECK(all.size(0) == total);
     at::Tensor kept = accelerator.gather_for_metrics(predictions, total - 1);
     CHECK(at::equal(kept, all.narrow(0, 0, total - 1)));
+  }
+
+  TEST_CASE("data: Accelerate's layout: process p reads batches p, p+P, ...; the last round is filled from the start") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    const auto n = static_cast<std::size_t>(2 * P + 1);  // 7 samples, batch 2, 3 processes: 4 batches + a fill
+    auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()), {.batch_size = 2});
+    std::vector<at::Tensor> gathered, metrics;
+    std::vector<int64_t> sizes;
+    for (auto& batch : loader) {
+      sizes.push_back(batch.data.size(0));
+      gathered.push_back(accelerator.gather(batch.data).reshape({-1}));
+      metrics.push_back(accelerator.gather_for_metrics(batch.data).reshape({-1}));
+    }
+    if (P > 1) CHECK(sizes == std::vector<int64_t>(sizes.size(), 2));  // every process: full batches
+    else CHECK(sizes == std::vector<int64_t>{2, 1});  // one process: not sharded, as Accelerate
+    // Without shuffle a gathered pass is the dataset in order, then the fill.
+    at::Tensor all = at::cat(gathered);
+    CHECK(at::equal(all.narrow(0, 0, static_cast<int64_t>(n)), at::arange(static_cast<int64_t>(n), at::kLong)));
+    CHECK(at::equal(at::cat(metrics), at::arange(static_cast<int64_t>(n), at::kLong)));
+    // Accelerate's test_script.py dl_preparation_check: 32 P samples, batch 8, with and without split_batches.
+    for (bool split : {false, true}) {
+      auto c = config();
+      c.split_batches = split;
+      accel::Accelerator a(c);
+      const int64_t length = 32 * P;
+      auto dl = a.prepare_data_loader(Indexed(static_cast<std::size_t>(length)).map(torch::data::transforms::Stack<>()),
+                                      {.batch_size = split ? static_cast<std::size_t>(8 * P) : 8});
+      std::vector<at::Tensor> parts;
+      for (auto& batch : dl) parts.push_back(a.gather(batch.data).reshape({-1}));
+      CHECK(at::equal(at::cat(parts), at::arange(length, at::kLong)));
+    }
+    // The DistributedSampler layout stays available.
+    auto samples = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                   {.batch_size = 2, .layout = accel::ShardLayout::SAMPLES});
+    auto first = (*samples.begin()).data.reshape({-1});
+    CHECK(first[0].item<int64_t>() == r);
+  }
+
+  TEST_CASE("data: a custom batch sampler is sharded like Accelerate's (batches of varying size)") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes();
+    // Batches of sizes 1, 2, 3, 1, 2, 3, ... over 6 P + 1 samples, reversed each odd epoch.
+    const auto n = static_cast<std::size_t>(6 * P + 1);
+    auto batches = [n](std::size_t epoch) {
+      std::vector<std::vector<std::size_t>> out;
+      for (std::size_t i = 0, k = 0; i < n; ++k) {
+        out.emplace_back();
+        for (std::size_t j = 0; j < k % 3 + 1 && i < n; ++j, ++i) out.back().push_back(epoch % 2 ? n - 1 - i : i);
+      }
+      return out;
+    };
+    auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_sampler = batches});
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      std::vector<at::Tensor> metrics;
+      for (auto& batch : loader) metrics.push_back(accelerator.gather_for_metrics(batch.data).reshape({-1}));
+      at::Tensor expected = at::arange(static_cast<int64_t>(n), at::kLong);
+      CHECK(at::equal(std::get<0>(at::cat(metrics).sort()), expected));
+    }
+    auto bad = [n](std::size_t) { return std::vector<std::vector<std::size_t>>{{0, n}}; };
+    CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Indexed(n), {.batch_sampler = bad}),
+                         doctest::Contains("past the dataset's"), std::out_of_range);
+  }
+
+  TEST_CASE("data: nested prepared loaders: end_of_dataloader follows the innermost (Accelerate's test_dataloader_break)") {
+    accel::Accelerator accelerator(config());
+    const auto P = static_cast<std::size_t>(accelerator.num_processes());
+    auto first = accelerator.prepare_data_loader(Indexed(5 * P).map(torch::data::transforms::Stack<>()));
+    auto second = accelerator.prepare_data_loader(Indexed(6 * P).map(torch::data::transforms::Stack<>()));
+    CHECK_FALSE(accelerator.end_of_dataloader());
+    std::size_t iteration = 0;
+    for (auto& outer : first) {
+      (void)outer;
+      CHECK(accelerator.end_of_dataloader() == (iteration == first.batches() - 1));
+      if (iteration == 1) {
+        std::size_t inner = 0;
+        for (auto& batch : second) {
+          (void)batch;
+          CHECK(accelerator.end_of_dataloader() == (inner++ == second.batches() - 1));
+        }
+        CHECK_FALSE(accelerator.end_of_dataloader());  // back in the outer pass, not its last batch
+      }
+      ++iteration;
+    }
+    CHECK_FALSE(accelerator.end_of_dataloader());
+    for (auto& batch : first) {  // a pass left early ends with its iterator
+      (void)batch;
+      if (accelerator.end_of_dataloader()) break;
+    }
+    CHECK_FALSE(accelerator.end_of_dataloader());
+  }
+
+  TEST_CASE("accumulate: sync_gradients keeps the last step's value; the count restarts with each pass") {
+    accel::Accelerator accelerator(config(2));
+    Mlp model(1, 4, 1);
+    accelerator.prepare(model);
+    const auto P = static_cast<std::size_t>(accelerator.num_processes());
+    auto loader = accelerator.prepare_data_loader(Indexed(3 * P).map(torch::data::transforms::Stack<>()));
+    std::vector<bool> inside, after;
+    for (int pass = 0; pass < 2; ++pass)
+      for (auto& batch : loader) {
+        (void)batch;
+        {
+          auto guard = accelerator.accumulate(model);
+          inside.push_back(accelerator.sync_gradients());
+        }
+        after.push_back(accelerator.sync_gradients());
+      }
+    CHECK(inside == std::vector<bool>{false, true, true, false, true, true});  // Accelerate's [0,1,1, 0,1,1]
+    CHECK(after == inside);
+  }
+
+  // Accelerate's test_sync.py test_distributed_sync and test_noop_sync.
+  TEST_CASE("no_sync: gradients stay local inside, and are averaged on the next synced backward") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    Twins t(accelerator);
+    Regression data(16 * P);
+    at::Tensor x = data.x.narrow(0, 16 * r, 16), y = data.y.narrow(0, 16 * r, 16);
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      CAPTURE(iteration);
+      torch::mse_loss(t.reference(accelerator.gather(x)), accelerator.gather(y)).backward();
+      if (iteration % 2 == 0) {
+        auto guard = accelerator.no_sync(t.model);
+        accelerator.backward(torch::mse_loss(t.model(x), y));
+      } else {
+        accelerator.backward(torch::mse_loss(t.model(x), y));
+      }
+      if (iteration % 2 == 1 || P == 1) CHECK(same_grads(*t.model, *t.reference));
+      else CHECK_FALSE(same_grads(*t.model, *t.reference));
+      at::Tensor order = at::randperm(16, at::detail::createCPUGenerator(1337 + iteration));
+      x = x.index_select(0, order);
+      y = y.index_select(0, order);
+    }
+  }
+
+  // Accelerate's test_sync.py test_gradient_accumulation, with split_batches and sync_each_batch.
+  TEST_CASE("accumulate: gradients equal the gathered batch's on sync steps only (Accelerate's test_sync)") {
+    for (bool split : {false, true})
+      for (bool each : {false, true}) {
+        CAPTURE(split);
+        CAPTURE(each);
+        auto c = config(2);
+        c.split_batches = split;
+        c.sync_each_batch = each;
+        accel::Accelerator accelerator(c);
+        const int P = accelerator.num_processes();
+        Twins t(accelerator);
+        auto loader = accelerator.prepare_data_loader(
+            Regression(80).map(torch::data::transforms::Stack<>()),
+            {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4});
+        std::size_t iteration = 0;
+        for (auto& batch : loader) {
+          CAPTURE(iteration);
+          at::Tensor loss = torch::mse_loss(t.reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
+          (loss / 2).backward();
+          {
+            auto guard = accelerator.accumulate(t.model);
+            accelerator.backward(torch::mse_loss(t.model(batch.data), batch.target));
+          }
+          const bool synced = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches() || each;
+          if (synced || P == 1) CHECK(same_grads(*t.model, *t.reference));
+          else CHECK_FALSE(same_grads(*t.model, *t.reference));
+          ++iteration;
+        }
+      }
+  }
+
+  // Accelerate's test_sync.py test_gradient_accumulation_with_opt_and_scheduler:
+  // prepared optimizer and scheduler are called on every micro-step.
+  TEST_CASE("prepare(model, optimizer, scheduler): steps and zero_grad skipped between syncs; the scheduler steps P times") {
+    accel::Accelerator accelerator(config(2));
+    const int P = accelerator.num_processes();
+    torch::manual_seed(42);
+    Mlp net(1, 8, 1);
+    Mlp reference = copy_of(net, 1, 8, 1);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+    torch::optim::StepLR step_lr(sgd, 1, 0.9);
+    auto [model, optimizer, scheduler] = accelerator.prepare(net, sgd, step_lr);
+    static_assert(std::is_same_v<decltype(model), Mlp&>);
+    torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+    torch::optim::StepLR reference_lr(reference_sgd, 1, 0.9);
+    auto loader = accelerator.prepare_data_loader(Regression(40).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = 4});
+    std::size_t iteration = 0;
+    for (auto& batch : loader) {
+      CAPTURE(iteration);
+      at::Tensor loss = torch::mse_loss(reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
+      (loss / 2).backward();
+      const bool did_step = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches();
+      if (did_step) {
+        reference_sgd.step();
+        for (int i = 0; i < P; ++i) reference_lr.step();
+        reference_sgd.zero_grad();
+      }
+      {
+        auto guard = accelerator.accumulate(model);
+        accelerator.backward(torch::mse_loss(model(batch.data), batch.target));
+        optimizer.step();
+        scheduler.step();
+        optimizer.zero_grad();
+      }
+      CHECK(optimizer.param_groups()[0].options().get_lr() == reference_sgd.param_groups()[0].options().get_lr());
+      CHECK(at::allclose(flat_parameters(*model), flat_parameters(*reference), 1e-5, 1e-6));
+      ++iteration;
+    }
+    CHECK(iteration > 2);
+  }
+
+  TEST_CASE("two prepared models both sync; a loss from an unprepared model communicates nothing") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::manual_seed(5 + r);  // different everywhere: prepare broadcasts rank 0's
+    Mlp first(2, 8, 1), second(2, 8, 1), unprepared(2, 8, 1);
+    torch::optim::SGD sgd_first(first->parameters(), 0.1), sgd_second(second->parameters(), 0.1);
+    accelerator.prepare(first, sgd_first, second, sgd_second);
+    accel::DataParallel* dp = accelerator.data_parallel(second);
+    REQUIRE(dp != nullptr);
+    CHECK(accelerator.data_parallel(unprepared) == nullptr);
+    for (int step = 0; step < 4; ++step) {
+      at::Tensor x = at::randn({4, 2});  // differs between ranks
+      at::Tensor loss = first(x).pow(2).mean() + second(x + 1).pow(2).mean();
+      accelerator.backward(loss);
+      sgd_first.step();
+      sgd_second.step();
+      sgd_first.zero_grad();
+      sgd_second.zero_grad();
+    }
+    if (dp->distributed()) {
+      CHECK(identical_across_ranks(*first, dp->group()));
+      CHECK(identical_across_ranks(*second, dp->group()));
+    }
+    // backward of a loss from a model that was never prepared: no collective, no .grad written.
+    for (auto& p : first->parameters()) p.mutable_grad().reset();
+    if (dp->distributed()) dp->group()->setSequenceNumberForGroup();
+    const int64_t before = dp->distributed() ? dp->group()->getSequenceNumberForGroup() : 0;
+    accelerator.backward(unprepared(at::randn({4, 2})).pow(2).mean());
+    if (dp->distributed()) CHECK(dp->group()->getSequenceNumberForGroup() == before);
+    for (auto& p : first->parameters()) CHECK_FALSE(p.grad().defined());
+    CHECK(unprepared->parameters()[0].grad().defined());
+    CHECK_THROWS_WITH_AS(accelerator.prepare(first), doctest::Contains("already prepared"), std::invalid_argument);
+    (void)P;
+  }
+
+  TEST_CASE("unused parameters: untouched when no rank used them (as DDP), averaged when some rank did") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::manual_seed(9);
+    torch::nn::Linear used(3, 3), unused(3, 3), sometimes(3, 3);
+    torch::nn::Sequential model(used, unused, sometimes);
+    accelerator.prepare(model);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.01));
+    auto optimizer = accelerator.prepare(sgd);
+    const at::Tensor unused_before = unused->weight.detach().clone();
+    for (int step = 0; step < 10; ++step) {
+      at::Tensor x = at::randn({4, 3}), out = used(x);
+      if (r == 0) out = sometimes(out);  // only rank 0 uses it
+      accelerator.backward(out.pow(2).mean());
+      CHECK_FALSE(unused->weight.grad().defined());
+      CHECK(sometimes->weight.grad().defined());  // averaged in from rank 0 everywhere
+      optimizer.step();
+      optimizer.zero_grad(/*set_to_none=*/true);
+    }
+    CHECK(at::equal(unused->weight, unused_before));  // weight decay never touched it
+    accel::DataParallel* dp = accelerator.data_parallel(model);
+    if (dp->distributed()) CHECK(identical_across_ranks(*model, dp->group()));
+    (void)P;
+  }
+
+  TEST_CASE("context parallelism: gradients are averaged over the whole data mesh (dp x cp)") {
+    const int P = world().get_world_size();
+    if (P % 2 != 0) {
+      MESSAGE("cp_size 2 needs an even world");
+      return;
+    }
+    world().destroy();
+    auto c = config();
+    c.distributed.cp_size = 2;
+    {
+      accel::Accelerator accelerator(c);
+      CHECK(accelerator.data_parallel() == nullptr);
+      torch::manual_seed(11);
+      Mlp model(2, 8, 1);
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      auto optimizer = accelerator.prepare(sgd);
+      accelerator.prepare(model);
+      for (int step = 0; step < 3; ++step) {
+        // cp peers see different halves of the same sequence: different inputs on every rank
+        at::Tensor x = at::randn({4, 2}, at::detail::createCPUGenerator(100 * step + accelerator.process_index()));
+        accelerator.backward(model(x).pow(2).mean());
+        optimizer.step();
+        optimizer.zero_grad();
+      }
+      CHECK(identical_across_ranks(*model, accel::GroupPtr()));
+    }
+    accel::DistributedInterface::instance().destroy();
+  }
+
+  // Accelerate's test_script.py test_trigger and process_execution_check.
+  TEST_CASE("set_trigger on one process stops every process; main_process_first and the on_* wrappers") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    CHECK_FALSE(accelerator.check_trigger());
+    if (accelerator.is_last_process()) accelerator.set_trigger();
+    CHECK(accelerator.check_trigger());
+    CHECK_FALSE(accelerator.check_trigger());  // reset by the check
+
+    std::vector<std::string> where{accelerator.is_main_process()
+                                       ? (std::filesystem::temp_directory_path() /
+                                          ("accel_first_" + std::to_string(getpid()) + ".txt"))
+                                             .string()
+                                       : ""};
+    accel::broadcast_object_list(where);
+    accelerator.main_process_first([&] {
+      if (accelerator.is_main_process()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::ofstream(where[0], std::ios::app) << (accelerator.is_main_process() ? "main\n" : "other\n");
+    });
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) {
+      std::ifstream in(where[0]);
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+      REQUIRE(lines.size() == static_cast<std::size_t>(P));
+      CHECK(lines.front() == "main");
+      CHECK(std::count(lines.begin(), lines.end(), "other") == P - 1);
+      std::filesystem::remove(where[0]);
+    }
+    int ran = 0;
+    accelerator.on_main_process([&] { ran += 1; })();
+    accelerator.on_last_process([&] { ran += 10; })();
+    accelerator.on_local_main_process([&] { ran += 100; })();
+    for (int k = 0; k < P; ++k) accelerator.on_process([&] { ran += 1000; }, k)();
+    CHECK(ran == (r == 0 ? 1 : 0) + (r == P - 1 ? 10 : 0) + (accelerator.is_local_main_process() ? 100 : 0) + 1000);
+    CHECK(accelerator.reduce(at::ones({2})).sum().item<double>() == 2.0 * P);  // Accelerate's default: sum
+    CHECK(accelerator.gather(at::full({1}, r)).size(0) == P);
+    CHECK(accelerator.pad_across_processes(at::ones({r + 1})).size(0) == P);
+    CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
   }
 
   TEST_CASE("training cleanup") { world().destroy(); }
@@ -328,7 +708,9 @@ TEST_SUITE("single") {
             for (std::size_t r = 0; r < P; ++r) {
               auto record = std::make_shared<accel::ShardSampler::Record>();
               record->epoch = static_cast<std::size_t>(e);
-              accel::ShardSampler sampler(n, P, r, s == 1, 3, true, record);
+              accel::ShardSampler sampler({.size = n, .num_replicas = P, .rank = r, .shuffle = s == 1, .seed = 3,
+                                           .layout = accel::ShardLayout::SAMPLES},
+                                          record);
               ours << n << ' ' << P << ' ' << s << ' ' << e << ' ' << r;
               for (std::size_t i : sampler.indices()) ours << ' ' << i;
               ours << '\n';
@@ -336,18 +718,128 @@ TEST_SUITE("single") {
     CHECK(ours.str() == python);
   }
 
+  // Accelerate's tests/test_data_loader.py, BatchSamplerShard on 2 processes,
+  // with its expected batches. Each case: dataset size, batch size, drop_last,
+  // split_batches, even_batches, then process 0's and process 1's batches.
+  TEST_CASE("data: Accelerate's BatchSamplerShard cases, with its expected values") {
+    using Batches = std::vector<std::vector<std::size_t>>;
+    struct Case {
+      std::size_t n, batch;
+      bool drop_last, split, even;
+      Batches p0, p1;
+    };
+    const Batches a0{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}, a1{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}};
+    const Batches d0{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}}, d1{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}};
+    const Batches s0{{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 21}}, s1{{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {22, 23}};
+    const Batches t0{{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}}, t1{{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}};
+    const std::vector<Case> cases{
+        // test_batch_sampler_shards_with_no_splits
+        {24, 3, false, false, true, a0, a1},
+        {24, 3, true, false, true, a0, a1},
+        {21, 3, false, false, true, a0, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {0, 1, 2}}},
+        {21, 3, true, false, true, d0, d1},
+        {22, 3, false, false, true, a0, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 0, 1}}},
+        {22, 3, true, false, true, d0, d1},
+        {20, 3, false, false, true, {{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 0}}, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {1, 2, 3}}},
+        {20, 3, true, false, true, d0, d1},
+        {2, 3, false, false, true, {{0, 1, 0}}, {{1, 0, 1}}},
+        {2, 3, true, false, true, {}, {}},
+        // test_batch_sampler_shards_with_splits
+        {24, 4, false, true, true, s0, s1},
+        {24, 4, true, true, true, s0, s1},
+        {22, 4, false, true, true, s0, {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {0, 1}}},
+        {22, 4, true, true, true, t0, t1},
+        {21, 4, false, true, true, {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 0}}, {{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {1, 2}}},
+        {21, 4, true, true, true, t0, t1},
+        {2, 4, false, true, true, {{0, 1}}, {{0, 1}}},
+        {2, 4, true, true, true, {}, {}},
+        // test_batch_sampler_shards_with_no_splits_no_even
+        {24, 3, false, false, false, a0, a1},
+        {24, 3, true, false, false, a0, a1},
+        {21, 3, false, false, false, a0, d1},
+        {21, 3, true, false, false, d0, d1},
+        {22, 3, false, false, false, a0, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21}}},
+        {22, 3, true, false, false, d0, d1},
+        {20, 3, false, false, false, {{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19}}, d1},
+        {20, 3, true, false, false, d0, d1},
+        {2, 3, false, false, false, {{0, 1}}, {}},
+        {2, 3, true, false, false, {}, {}},
+        // test_batch_sampler_shards_with_splits_no_even
+        {24, 4, false, true, false, s0, s1},
+        {24, 4, true, true, false, s0, s1},
+        {22, 4, false, true, false, s0, t1},
+        {22, 4, true, true, false, t0, t1},
+        {21, 4, false, true, false, {{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20}}, t1},
+        {21, 4, true, true, false, t0, t1},
+        {2, 4, false, true, false, {{0, 1}}, {}},
+        {2, 4, true, true, false, {}, {}},
+    };
+    for (const auto& c : cases) {
+      CAPTURE(c.n);
+      CAPTURE(c.batch);
+      CAPTURE(c.drop_last);
+      CAPTURE(c.split);
+      CAPTURE(c.even);
+      for (std::size_t r = 0; r < 2; ++r) {
+        accel::ShardSampler sampler({.size = c.n, .num_replicas = 2, .rank = r, .batch_size = c.batch,
+                                     .even_batches = c.even, .drop_last = c.drop_last, .split_batches = c.split});
+        CHECK(sampler.batches() == (r == 0 ? c.p0 : c.p1));
+      }
+    }
+    // test_batch_sampler_with_varying_batch_size and ..._varying_batch_size_{even_batches,many_processes}
+    struct Varying {
+      Batches sequence;
+      std::size_t processes;
+      bool even, drop_last;
+      std::vector<Batches> expected;
+    };
+    const Batches five{{0, 1, 2}, {3, 4}, {5, 6, 7, 8}, {9, 10, 11}, {12, 13}};
+    const std::vector<Varying> varying{
+        {five, 2, false, false, {{{0, 1, 2}, {5, 6, 7, 8}, {12, 13}}, {{3, 4}, {9, 10, 11}}}},
+        {{{0, 1, 2}, {3, 4}, {5, 6, 7, 8}, {9, 10, 11}}, 2, true, false, {{{0, 1, 2}, {5, 6, 7, 8}}, {{3, 4}, {9, 10, 11}}}},
+        {five, 2, true, false, {{{0, 1, 2}, {5, 6, 7, 8}, {12, 13}}, {{3, 4}, {9, 10, 11}, {0, 1, 2}}}},
+        {{{0, 1, 2}}, 2, true, false, {{{0, 1, 2}}, {{0, 1, 2}}}},
+        {{{0, 1, 2}}, 3, true, false, {{{0, 1, 2}}, {{0, 1, 2}}, {{0, 1, 2}}}},
+        {five, 2, true, true, {{{0, 1, 2}, {5, 6, 7, 8}}, {{3, 4}, {9, 10, 11}}}},
+        {{{0}, {1, 2}, {3, 4, 5}, {6}, {7, 8}, {9, 10, 11}}, 3, true, false,
+         {{{0}, {6}}, {{1, 2}, {7, 8}}, {{3, 4, 5}, {9, 10, 11}}}},
+        {{{0}, {1, 2}, {3, 4, 5}, {6}, {7, 8}, {9, 10, 11}, {12, 13}}, 3, true, false,
+         {{{0}, {6}, {12, 13}}, {{1, 2}, {7, 8}, {0}}, {{3, 4, 5}, {9, 10, 11}, {1, 2}}}},
+    };
+    for (std::size_t k = 0; k < varying.size(); ++k) {
+      CAPTURE(k);
+      const auto& v = varying[k];
+      for (std::size_t r = 0; r < v.processes; ++r) {
+        accel::ShardSampler sampler({.size = 14, .num_replicas = v.processes, .rank = r, .even_batches = v.even,
+                                     .drop_last = v.drop_last,
+                                     .batch_sampler = [&v](std::size_t) { return v.sequence; }});
+        CHECK(sampler.batches() == v.expected[r]);
+      }
+    }
+    // test_split_batches_validates_*: split_batches needs a batch size that divides among the processes.
+    CHECK_THROWS_WITH_AS(accel::ShardSampler({.size = 20, .num_replicas = 2, .batch_size = 3, .split_batches = true}),
+                         doctest::Contains("must be a multiple of the 2 processes"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        accel::ShardSampler({.size = 8, .num_replicas = 2, .split_batches = true,
+                             .batch_sampler = [](std::size_t) { return Batches{{0, 1, 2, 3}, {4, 5, 6, 7}}; }}),
+        doctest::Contains("split_batches needs a fixed batch size"), std::invalid_argument);
+  }
+
   TEST_CASE("data: shards cover the dataset; repeats only with even_batches, and known as repeats") {
+    for (auto layout : {accel::ShardLayout::BATCHES, accel::ShardLayout::SAMPLES})
     for (std::size_t n = 0; n <= 9; ++n)
       for (std::size_t P = 1; P <= 4; ++P)
         for (bool even : {true, false})
           for (bool shuffle : {true, false}) {
+            CAPTURE(layout == accel::ShardLayout::BATCHES);
             CAPTURE(n);
             CAPTURE(P);
             CAPTURE(even);
             std::vector<int> seen(n, 0);
             std::size_t real = 0, longest = 0, shortest = SIZE_MAX;
             for (std::size_t r = 0; r < P; ++r) {
-              accel::ShardSampler sampler(n, P, r, shuffle, 11, even);
+              accel::ShardSampler sampler({.size = n, .num_replicas = P, .rank = r, .shuffle = shuffle, .seed = 11,
+                                           .even_batches = even, .layout = layout});
               const auto indices = sampler.indices();
               // the real samples come first; repeats only at the end of a shard
               for (std::size_t k = 0; k < sampler.real_count(); ++k) ++seen.at(indices[k]);
@@ -361,7 +853,7 @@ TEST_SUITE("single") {
             if (even) CHECK(longest == shortest);
             else CHECK(longest - shortest <= 1);
           }
-    CHECK_THROWS_AS(accel::ShardSampler(4, 2, 2, false, 0, true), std::invalid_argument);
+    CHECK_THROWS_AS(accel::ShardSampler({.size = 4, .num_replicas = 2, .rank = 2}), std::invalid_argument);
   }
 
   TEST_CASE("training: a crash while saving leaves the previous checkpoint whole under the final name") {
