@@ -3159,13 +3159,14 @@ class DataParallel {
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
   }
 
-  // Copies rank 0's parameters and buffers to every rank of the group.
-  void sync_module_states() {
+  // Copies the parameters and buffers of the group's rank `src` to every
+  // rank of the group.
+  void sync_module_states(int src = 0) {
     if (!state_->group) return;
     std::vector<at::Tensor> states;
     for (const auto& p : module_->parameters()) states.push_back(p);
     for (const auto& b : module_->buffers()) states.push_back(b);
-    broadcast(std::move(states), 0, state_->group);
+    broadcast(std::move(states), src, state_->group);
   }
 
   // Arms the hooks for the next backward; without it, backward accumulates
@@ -3188,12 +3189,12 @@ class DataParallel {
   // back. Buckets with parameters that got no gradient in this backward are
   // reduced here, in the same order on every rank. Returns whether the
   // module took part (false: no parameter of it got a gradient, nothing was
-  // communicated).
-  bool finish() {
+  // communicated; with `always`, it takes part regardless).
+  bool finish(bool always = false) {
     std::lock_guard lock(state_->mutex);
     if (!state_->armed) return false;
     state_->armed = false;
-    if (state_->fired == 0) return false;
+    if (state_->fired == 0 && !always) return false;
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) launch(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
@@ -3220,6 +3221,28 @@ class DataParallel {
       }
     }
     return true;
+  }
+
+  // A rank that has run out of inputs stands in for one backward of the
+  // others (DDP's join): every bucket's all-reduce, in order, with zero
+  // gradients and no used-flags; its own gradients are left alone.
+  void shadow_backward() {
+    if (!state_->group) return;
+    std::lock_guard lock(state_->mutex);
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (const auto& bucket : state_->buckets) {
+      std::vector<at::Tensor> tensors{at::zeros({bucket.numel + static_cast<int64_t>(bucket.params.size())},
+                                                bucket.params.front().options())};
+      works.push_back(state_->group->allreduce(tensors));
+    }
+    for (auto& work : works) {
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        throw DistributedError("accel::DataParallel: a joined rank's gradient all_reduce failed on " +
+                               detail::describe(*state_->group) + ": " + detail::error_text(e));
+      }
+    }
   }
 
   bool distributed() const { return state_->group != nullptr; }
@@ -3896,10 +3919,48 @@ class Accelerator {
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
+    if (join_) join_signal(1);
     for (auto& m : models_)
       if (m.sync) m.data_parallel->prepare_for_backward();
     scaled.backward();
-    for (auto& m : models_) m.data_parallel->finish();
+    for (auto& m : models_) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+  }
+
+  // Training on uneven inputs (even_batches = false), as Accelerate's
+  // join_uneven_inputs over DDP's Join: runs body (the training loop); a
+  // rank whose loop ends first stands in for the others' gradient
+  // all-reduces (with zeros: gradients are still divided by the whole group)
+  // until every rank's loop has ended, and then every rank takes the
+  // weights of a rank that ran the most steps (DDP's final model sync).
+  // Inside body, each backward() first tells the joined ranks what to shadow
+  // (one small all_reduce), and every listed model that syncs is reduced on
+  // every backward; other collectives inside body would have no partner on a
+  // joined rank (as with DDP's Join).
+  template <class Body, class... ModuleHolders>
+  void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
+    if (join_) throw std::logic_error("accel::Accelerator::join_uneven_inputs: already inside one");
+    Join join;
+    (join.models.push_back(find_prepared(models, "join_uneven_inputs")), ...);
+    join.group = join.models.front()->data_parallel->group();
+    if (!join.group) return static_cast<void>(std::invoke(body));  // one process: nothing to join
+    join_ = std::move(join);
+    try {
+      std::invoke(body);
+    } catch (...) {
+      join_.reset();
+      throw;
+    }
+    for (;;) {  // this rank has joined
+      const std::vector<int64_t> counts = join_signal(0);
+      if (counts[0] == 0) break;  // so have all the others
+      for (std::size_t i = 0; i < join_->models.size(); ++i)
+        if (counts[i + 1] > 0) join_->models[i]->data_parallel->shadow_backward();
+    }
+    const std::vector<int64_t> steps = all_gather(join_->steps, join_->group);
+    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+    for (Prepared* m : join_->models) m->data_parallel->sync_module_states(src);
+    join_.reset();
   }
 
   // RAII: restores the models' gradient sync when it goes out of scope.
@@ -4209,6 +4270,28 @@ class Accelerator {
       if (m.module.get() == module) return &m;
     return nullptr;
   }
+  template <class ModuleHolder>
+  Prepared* find_prepared(ModuleHolder& model, const char* op) {
+    if (Prepared* p = find(model.ptr().get())) return p;
+    throw std::invalid_argument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+  }
+
+  // join_uneven_inputs' state: the models joined ranks stand in for, and how
+  // many backwards this rank ran.
+  struct Join {
+    std::vector<Prepared*> models;
+    GroupPtr group;
+    int64_t steps = 0;
+    bool includes(const Prepared* m) const { return std::find(models.begin(), models.end(), m) != models.end(); }
+  };
+  // One all_reduce per backward inside join_uneven_inputs, matched on joined
+  // ranks: [ranks still training, then per model the ranks syncing it].
+  std::vector<int64_t> join_signal(int64_t active) {
+    std::vector<int64_t> signal{active};
+    for (const Prepared* m : join_->models) signal.push_back(active && m->sync ? 1 : 0);
+    join_->steps += active;
+    return all_reduce(std::move(signal), ReduceOp::SUM, join_->group);
+  }
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models) {
     SyncGuard guard;
@@ -4231,6 +4314,7 @@ class Accelerator {
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;
   int64_t trigger_ = 0;
+  std::optional<Join> join_;
 };
 
 }  // namespace accel

@@ -630,6 +630,82 @@ TEST_SUITE("ranks") {
     accel::DistributedInterface::instance().destroy();
   }
 
+  // Accelerate's test_distributed_data_loop.py (it expects 2 processes; its values there).
+  TEST_CASE("data: batch sizes with and without even_batches (Accelerate's test_distributed_data_loop)") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    auto sizes = [&](std::size_t n, std::size_t batch, bool even) {
+      auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                    {.batch_size = batch, .even_batches = even});
+      std::vector<int64_t> out;
+      for (auto& b : loader) out.push_back(b.data.size(0));
+      return out;
+    };
+    using V = std::vector<int64_t>;
+    if (P == 2) {
+      CHECK(sizes(3, 1, true) == V{1, 1});
+      CHECK(sizes(7, 2, true) == V{2, 2});
+      CHECK(sizes(3, 1, false) == (r == 0 ? V{1, 1} : V{1}));
+      CHECK(sizes(7, 2, false) == (r == 0 ? V{2, 2} : V{2, 1}));
+    }
+    // Any world: with even_batches every process gets as many full batches.
+    const auto even = sizes(static_cast<std::size_t>(2 * P + 1), 2, true);
+    if (P > 1) CHECK(even == V(even.size(), 2));  // (one process is not sharded: 2, 1)
+    const auto counts = accel::all_gather(static_cast<int64_t>(even.size()));
+    CHECK(std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; }));
+  }
+
+  // Accelerate's test_can_join_uneven_inputs, with the weights checked.
+  TEST_CASE("join_uneven_inputs: ranks with fewer batches shadow the others; every rank ends with the same weights") {
+    auto c = config();
+    accel::Accelerator accelerator(c);
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::manual_seed(3);
+    torch::nn::Linear net(1, 1);
+    torch::nn::Linear reference(1, 1);
+    {
+      torch::NoGradGuard no_grad;
+      reference->weight.copy_(net->weight);
+      reference->bias.copy_(net->bias);
+    }
+    torch::optim::SGD sgd(net->parameters(), 0.1);
+    auto [model, optimizer] = accelerator.prepare(net, sgd);
+    // P + 1 samples of batch 1 without even_batches: process 0 gets 2 batches, the others 1.
+    const auto n = static_cast<std::size_t>(P + 1);
+    auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = 1, .even_batches = false});
+    std::vector<int> batch_indices;
+    accelerator.join_uneven_inputs(
+        [&] {
+          int i = 0;
+          for (auto& batch : loader) {
+            accelerator.backward(model(batch.data.to(at::kFloat)).sum());
+            optimizer.step();
+            optimizer.zero_grad();
+            batch_indices.push_back(i++);
+          }
+        },
+        model);
+    if (P == 1) CHECK(batch_indices == std::vector<int>{0, 1});
+    else CHECK(batch_indices == (r == 0 ? std::vector<int>{0, 1} : std::vector<int>{0}));
+    // The same steps in one process: the mean over samples 0..P-1, then sample P divided by P (the
+    // joined ranks contribute zeros: DDP's divide_by_initial_world_size).
+    torch::optim::SGD reference_sgd(reference->parameters(), 0.1);
+    at::Tensor first = at::arange(P, at::kFloat).view({P, 1});
+    (reference(first).sum() / P).backward();
+    reference_sgd.step();
+    reference_sgd.zero_grad();
+    (reference(at::full({1, 1}, static_cast<float>(P))).sum() / P).backward();
+    reference_sgd.step();
+    CHECK(at::allclose(flat_parameters(*model), flat_parameters(*reference), 1e-5, 1e-6));
+    if (accelerator.data_parallel()->distributed())
+      CHECK(identical_across_ranks(*model, accelerator.data_parallel()->group()));
+    // Training goes on normally afterwards.
+    accelerator.backward(model(at::ones({1, 1})).sum());
+    CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, reference), doctest::Contains("was not prepared"),
+                         std::invalid_argument);
+  }
+
   // Accelerate's test_script.py test_trigger and process_execution_check.
   TEST_CASE("set_trigger on one process stops every process; main_process_first and the on_* wrappers") {
     accel::Accelerator accelerator(config());
