@@ -3065,7 +3065,10 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
 // Accelerate's Accelerator for torch::nn modules, with data-parallel training
 // in the design of Python's DistributedDataParallel: gradients are
 // all-reduced in buckets (25 MB by default) as autograd produces them,
-// asynchronously, overlapping backward.
+// asynchronously, overlapping backward. In order: DataParallel (the
+// buckets) · data loading (ShardSampler, PreparedDataLoader,
+// PreparedIterableDataLoader) · AcceleratedOptimizer, AcceleratedScheduler ·
+// Accelerator.
 // Needs torch::nn, so it is opt-in: `#define ACCEL_TRAINING` before
 // including accel.hpp (the collectives alone never include <torch/torch.h>).
 
@@ -3641,6 +3644,42 @@ struct GradientState {
   bool end_of_dataloader() const { return loader() && loader()->end_of_dataloader; }
   void remove(const LoaderState* state) { std::erase(active, state); }
 };
+
+// A pass over a prepared loader as the GradientState sees it: the innermost
+// pass from its start until end() or destruction (a loop left with break).
+class Pass {
+ public:
+  Pass() = default;
+  Pass(std::shared_ptr<GradientState> gradient_state, std::shared_ptr<LoaderState> state)
+      : gradient_state_(std::move(gradient_state)), state_(std::move(state)) {
+    gradient_state_->remove(state_.get());
+    gradient_state_->active.push_back(state_.get());
+    *state_ = {};
+  }
+  Pass(Pass&& other) noexcept
+      : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
+  Pass(const Pass&) = delete;
+  Pass& operator=(const Pass&) = delete;
+  Pass& operator=(Pass&&) = delete;
+  ~Pass() { end(); }
+
+  // The batch being handed out: its real (non-repeated) rows, and whether it is the pass's last.
+  void at(size_t real_rows, bool last) const {
+    if (!state_) return;
+    state_->real_rows = real_rows;
+    state_->end_of_dataloader = last;
+  }
+  void end() const {
+    if (!state_) return;
+    *state_ = {};
+    gradient_state_->remove(state_.get());
+    state_.reset();
+  }
+
+ private:
+  std::shared_ptr<GradientState> gradient_state_;
+  mutable std::shared_ptr<LoaderState> state_;
+};
 }  // namespace detail
 
 // A LibTorch data loader over this process's share. Iterating it starts a
@@ -3680,25 +3719,11 @@ class PreparedDataLoader {
     loader_ = torch::data::make_data_loader(std::move(dataset), std::move(sampler),
                                             torch::data::DataLoaderOptions(1).workers(config.workers));
   }
-  PreparedDataLoader(PreparedDataLoader&&) noexcept = default;
-  ~PreparedDataLoader() {
-    if (gradient_state_) gradient_state_->remove(state_.get());
-  }
-
   class Iterator {
    public:
-    Iterator(Iterator&& other) noexcept
-        : owner_(other.owner_), it_(std::move(other.it_)), position_(other.position_),
-          in_pass_(std::exchange(other.in_pass_, false)) {}
-    Iterator(const Iterator&) = delete;
-    Iterator& operator=(const Iterator&) = delete;
-    ~Iterator() { leave(); }
-
     Batch& operator*() {
       Batch& batch = *it_;
-      detail::LoaderState& state = *owner_->state_;
-      state.real_rows = owner_->record_->real_per_batch.at(position_);
-      state.end_of_dataloader = position_ + 1 == owner_->batches_;
+      pass_.at(owner_->record_->real_per_batch.at(position_), position_ + 1 == owner_->batches_);
       return batch;
     }
     Batch* operator->() { return &**this; }
@@ -3710,36 +3735,28 @@ class PreparedDataLoader {
     bool operator==(const Iterator& other) const {
       const bool equal = it_ == other.it_;
       if (equal) {  // the pass is over
-        leave();
-        other.leave();
+        pass_.end();
+        other.pass_.end();
       }
       return equal;
     }
 
    private:
     friend class PreparedDataLoader;
-    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it, bool in_pass)
-        : owner_(owner), it_(std::move(it)), in_pass_(in_pass) {}
-    void leave() const {
-      if (!std::exchange(in_pass_, false)) return;
-      *owner_->state_ = {};
-      owner_->gradient_state_->remove(owner_->state_.get());
-    }
+    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it, detail::Pass pass = {})
+        : owner_(owner), it_(std::move(it)), pass_(std::move(pass)) {}
     PreparedDataLoader* owner_;
     torch::data::Iterator<Batch> it_;
     size_t position_ = 0;
-    mutable bool in_pass_;
+    detail::Pass pass_;
   };
 
   // Starts a pass: epoch 0, 1, 2, ... unless set_epoch says otherwise.
   Iterator begin() {
     record_->epoch = next_epoch_++;
-    gradient_state_->remove(state_.get());
-    gradient_state_->active.push_back(state_.get());
-    *state_ = {};
-    return Iterator(this, loader_->begin(), true);
+    return Iterator(this, loader_->begin(), detail::Pass(gradient_state_, state_));
   }
-  Iterator end() { return Iterator(this, loader_->end(), false); }
+  Iterator end() { return Iterator(this, loader_->end()); }
 
   // The epoch the next pass uses (to resume a run mid-way).
   void set_epoch(size_t epoch) { next_epoch_ = epoch; }
@@ -3755,6 +3772,137 @@ class PreparedDataLoader {
   std::unique_ptr<Loader> loader_;
   size_t batches_ = 0, local_samples_ = 0, next_epoch_ = 0;
 };
+
+// A prepared loader over an iterable dataset: a LibTorch StatefulDataset
+// (e.g. ChunkDataset) whose get_batch(n) yields up to n elements, nullopt at
+// the end of the stream. Sharded as Accelerate's IterableDatasetShard: every
+// process reads the stream; of each global batch (batch_size elements per
+// process, or batch_size in all with split_batches) this process keeps its
+// slice, and unless drop_last the last global batch is completed from the
+// first one (those elements are repeats, dropped by gather_for_metrics).
+// Each pass resets the dataset. Batches are std::vector of the elements;
+// read on the calling thread (LibTorch's loader workers are not used).
+template <class Dataset>
+class PreparedIterableDataLoader {
+ public:
+  using Element = typename std::remove_cvref_t<decltype(*std::declval<typename Dataset::BatchType>())>::value_type;
+  using Batch = std::vector<Element>;
+
+  PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, size_t num_replicas, size_t rank,
+                             bool split_batches, std::shared_ptr<detail::GradientState> gradient_state)
+      : dataset_(std::move(dataset)),
+        global_(split_batches ? config.batch_size : config.batch_size * num_replicas),
+        local_(split_batches ? config.batch_size / num_replicas : config.batch_size),
+        rank_(rank),
+        drop_last_(config.drop_last),
+        fill_(num_replicas > 1),
+        state_(std::make_shared<detail::LoaderState>()),
+        gradient_state_(std::move(gradient_state)) {
+    if (config.shuffle || config.batch_sampler || config.layout != ShardLayout::BATCHES)
+      throw std::invalid_argument(
+          "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
+          "SAMPLES layout)");
+  }
+
+  class Iterator {
+   public:
+    Batch& operator*() {
+      pass_.at(current_->real, !next_);
+      return current_->elements;
+    }
+    Batch* operator->() { return &**this; }
+    Iterator& operator++() {
+      current_ = std::move(next_);
+      next_ = current_ ? owner_->read() : std::nullopt;  // one ahead: end_of_dataloader is known
+      return *this;
+    }
+    bool operator==(const Iterator& other) const {
+      const bool equal = current_.has_value() == other.current_.has_value() && !current_;
+      if (equal) {
+        pass_.end();
+        other.pass_.end();
+      }
+      return equal;
+    }
+
+   private:
+    friend class PreparedIterableDataLoader;
+    struct Slice {
+      Batch elements;
+      size_t real;
+    };
+    Iterator(PreparedIterableDataLoader* owner, detail::Pass pass = {}) : owner_(owner), pass_(std::move(pass)) {}
+    PreparedIterableDataLoader* owner_;
+    std::optional<Slice> current_, next_;
+    detail::Pass pass_;
+  };
+
+  Iterator begin() {
+    dataset_.reset();
+    first_.clear();
+    done_ = false;
+    Iterator it(this, detail::Pass(gradient_state_, state_));
+    it.current_ = read();
+    if (it.current_) it.next_ = read();
+    return it;
+  }
+  Iterator end() { return Iterator(this); }
+
+ private:
+  using Slice = typename Iterator::Slice;
+  // This process's slice of the next global batch (IterableDatasetShard.__iter__).
+  std::optional<Slice> read() {
+    if (done_) return std::nullopt;
+    Batch global;
+    while (global.size() < global_) {
+      auto more = dataset_.get_batch(global_ - global.size());
+      if (!more) break;
+      if (more->empty()) continue;
+      for (auto& element : *more) global.push_back(std::move(element));
+    }
+    if (global.size() > global_) global.resize(global_);  // a dataset that returned more than asked
+    const size_t real_size = global.size();
+    if (real_size < global_) {  // the stream ended
+      done_ = true;
+      if (drop_last_ || real_size == 0) return std::nullopt;
+      if (!fill_) return Slice{std::move(global), real_size};  // one process: not sharded, as Accelerate
+      if (first_.empty()) first_ = global;
+      while (global.size() < global_) global.insert(global.end(), first_.begin(), first_.end());
+    } else if (first_.empty()) {
+      first_ = global;
+    }
+    const size_t begin = rank_ * local_;
+    Slice slice{Batch(global.begin() + static_cast<std::ptrdiff_t>(begin),
+                      global.begin() + static_cast<std::ptrdiff_t>(begin + local_)),
+                real_size > begin ? std::min(local_, real_size - begin) : 0};
+    return slice;
+  }
+
+  Dataset dataset_;
+  size_t global_, local_, rank_;
+  bool drop_last_, fill_;
+  Batch first_;
+  bool done_ = false;
+  std::shared_ptr<detail::LoaderState> state_;
+  std::shared_ptr<detail::GradientState> gradient_state_;
+};
+
+namespace detail {
+// torch::optional<std::vector<T>> (c10::optional before LibTorch 2.4, std::optional since).
+template <class B>
+concept optional_vector = requires(B& b) {
+  { b.has_value() } -> std::convertible_to<bool>;
+  *b;
+} && is_vector<std::remove_cvref_t<decltype(*std::declval<B&>())>>::value;
+}  // namespace detail
+
+// An iterable dataset as LibTorch has them: a StatefulDataset whose batches
+// are optional vectors of elements (nullopt: the stream ended).
+template <class D>
+concept IterableDataset = requires(D& d) {
+  d.reset();
+  { d.get_batch(std::size_t{1}) } -> std::same_as<typename D::BatchType>;
+} && detail::optional_vector<typename D::BatchType>;
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 inline std::string_view to_string(DistributedType t) {
@@ -3899,16 +4047,20 @@ class Accelerator {
   // group (see ShardSampler for the layouts). With split_batches,
   // config.batch_size is the global batch and must divide evenly among the
   // processes.
+  // An IterableDataset (a LibTorch StatefulDataset) gives a
+  // PreparedIterableDataLoader instead.
   template <class Dataset>
-  PreparedDataLoader<Dataset> prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
+  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
     const int replicas = interface_->get_world_size(Dim::DP), rank = interface_->get_rank(Dim::DP);
     if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
     if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
                                   std::to_string(config.batch_size) + ") must be a multiple of the " +
                                   std::to_string(replicas) + " data-parallel processes");
-    return PreparedDataLoader<Dataset>(std::move(dataset), config, static_cast<size_t>(replicas),
-                                       static_cast<size_t>(rank), config_.split_batches, state_);
+    using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
+                                      PreparedDataLoader<Dataset>>;
+    return Loader(std::move(dataset), config, static_cast<size_t>(replicas), static_cast<size_t>(rank),
+                  config_.split_batches, state_);
   }
 
   // -- the training step --------------------------------------------------------

@@ -87,6 +87,24 @@ struct Regression : torch::data::datasets::Dataset<Regression> {
   at::Tensor x, y;
 };
 
+// An iterable dataset (a LibTorch StatefulDataset): the numbers 0..n-1,
+// handed out in chunks of 1-3 elements whatever was asked (streams do that).
+struct Stream : torch::data::datasets::StatefulDataset<Stream, std::vector<int64_t>> {
+  explicit Stream(int64_t n) : n(n) {}
+  torch::optional<std::vector<int64_t>> get_batch(std::size_t wanted) override {
+    if (next >= n) return torch::nullopt;
+    std::vector<int64_t> out;
+    const int64_t chunk = std::min<int64_t>({static_cast<int64_t>(wanted), next % 3 + 1, n - next});
+    for (int64_t i = 0; i < chunk; ++i) out.push_back(next++);
+    return out;
+  }
+  torch::optional<std::size_t> size() const override { return torch::nullopt; }
+  void reset() override { next = 0; }
+  void save(torch::serialize::OutputArchive&) const override {}
+  void load(torch::serialize::InputArchive&) override {}
+  int64_t n, next = 0;
+};
+
 // Gradients of two models agree (allclose), parameter by parameter.
 bool same_grads(torch::nn::Module& a, torch::nn::Module& b) {
   auto pa = a.parameters(), pb = b.parameters();
@@ -368,6 +386,56 @@ TEST_SUITE("ranks") {
                                                    {.batch_size = 2, .layout = accel::ShardLayout::SAMPLES});
     auto first = (*samples.begin()).data.reshape({-1});
     CHECK(first[0].item<int64_t>() == r);
+  }
+
+  // Accelerate's test_data_loader.py check_iterable_dataset_shards, on this world.
+  TEST_CASE("data: an iterable dataset is sharded as Accelerate's IterableDatasetShard") {
+    static_assert(accel::IterableDataset<Stream>);
+    static_assert(!accel::IterableDataset<Indexed>);
+    for (bool split : {false, true})
+      for (bool drop_last : {false, true})
+        for (int64_t n : {2, 37, 100}) {
+          CAPTURE(split);
+          CAPTURE(drop_last);
+          CAPTURE(n);
+          auto c = config();
+          c.split_batches = split;
+          accel::Accelerator accelerator(c);
+          const auto P = static_cast<std::size_t>(accelerator.num_processes());
+          auto loader = accelerator.prepare_data_loader(Stream(n), {.batch_size = split ? 4 * P : 4, .drop_last = drop_last});
+          std::vector<int64_t> observed, metrics;
+          std::vector<bool> last;
+          for (int pass = 0; pass < 2; ++pass) {  // each pass starts the stream again
+            observed.clear();
+            metrics.clear();
+            last.clear();
+            for (auto& batch : loader) {
+              const at::Tensor mine = at::tensor(batch, at::kLong);
+              if (P > 1) CHECK(mine.size(0) == 4);
+              at::Tensor all = accelerator.gather(mine), counted = accelerator.gather_for_metrics(mine);
+              for (int64_t i = 0; i < all.size(0); ++i) observed.push_back(all[i].item<int64_t>());
+              for (int64_t i = 0; i < counted.size(0); ++i) metrics.push_back(counted[i].item<int64_t>());
+              last.push_back(accelerator.end_of_dataloader());
+            }
+            // Interleaved in rank order, the shards are the stream, cycled from the start at the end.
+            for (std::size_t i = 0; i < observed.size(); ++i) CHECK(observed[i] == static_cast<int64_t>(i) % n);
+            const auto N = static_cast<std::size_t>(n);
+            if (drop_last) CHECK(observed.size() == N / (4 * P) * 4 * P);
+            else if (P == 1) CHECK(observed.size() == N);  // one process: not sharded, as Accelerate
+            else CHECK(observed.size() == (N + 4 * P - 1) / (4 * P) * 4 * P);
+            if (!drop_last) {  // every element once
+              std::vector<int64_t> expected(N);
+              std::iota(expected.begin(), expected.end(), int64_t{0});
+              CHECK(metrics == expected);
+            }
+            std::vector<bool> expected_last(last.size(), false);
+            if (!expected_last.empty()) expected_last.back() = true;
+            CHECK(last == expected_last);
+          }
+        }
+    accel::Accelerator accelerator(config());
+    CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Stream(4), {.shuffle = true}),
+                         doctest::Contains("read in its own order"), std::invalid_argument);
   }
 
   TEST_CASE("data: a custom batch sampler is sharded like Accelerate's (batches of varying size)") {
@@ -669,7 +737,9 @@ TEST_SUITE("ranks") {
       reference->bias.copy_(net->bias);
     }
     torch::optim::SGD sgd(net->parameters(), 0.1);
-    auto [model, optimizer] = accelerator.prepare(net, sgd);
+    auto prepared = accelerator.prepare(net, sgd);  // (clang 14 cannot capture structured bindings)
+    torch::nn::Linear& model = std::get<0>(prepared);
+    accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
     // P + 1 samples of batch 1 without even_batches: process 0 gets 2 batches, the others 1.
     const auto n = static_cast<std::size_t>(P + 1);
     auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
