@@ -2883,8 +2883,8 @@ struct SplitRange {
 };
 inline SplitRange split_range(int64_t n, int rank, int size) {
   const int64_t per = n / size, extras = n % size;
-  const int64_t begin = std::min<int64_t>(n, rank * per + std::min<int64_t>(rank, extras));
-  const int64_t end = std::min<int64_t>(n, begin + per + (rank < extras ? 1 : 0));
+  const int64_t begin = rank * per + std::min<int64_t>(rank, extras);  // <= n for every rank < size
+  const int64_t end = begin + per + (rank < extras ? 1 : 0);
   return {begin, end, per + (extras > 0)};
 }
 
@@ -3517,9 +3517,12 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     const Options& o = options_;
     epoch_ = record_->epoch;
     next_ = 0;
-    std::vector<size_t> order(o.size);
-    std::iota(order.begin(), order.end(), size_t{0});
-    if (o.shuffle && o.size > 0) {  // torch's RandomSampler / DistributedSampler permutation
+    std::vector<size_t> order;  // the dataset's order for this epoch (not needed with a batch sampler)
+    if (!o.batch_sampler) {
+      order.resize(o.size);
+      std::iota(order.begin(), order.end(), size_t{0});
+    }
+    if (o.shuffle && o.size > 0 && !o.batch_sampler) {  // torch's RandomSampler / DistributedSampler permutation
       at::Generator generator = at::detail::createCPUGenerator(o.seed + epoch_);
       const at::Tensor permutation = at::randperm(static_cast<int64_t>(o.size), generator, at::kLong).contiguous();
       std::copy_n(permutation.data_ptr<int64_t>(), o.size, order.begin());

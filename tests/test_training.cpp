@@ -791,10 +791,14 @@ TEST_SUITE("ranks") {
                                              .string()
                                        : ""};
     accel::broadcast_object_list(where);
+    // No sleep needed to prove the order: every other process's body finds
+    // the main process's line already written.
+    std::string first_seen = "<none>";
     accelerator.main_process_first([&] {
-      if (accelerator.is_main_process()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (!accelerator.is_main_process()) std::getline(std::ifstream(where[0]), first_seen);
       std::ofstream(where[0], std::ios::app) << (accelerator.is_main_process() ? "main\n" : "other\n");
     });
+    if (!accelerator.is_main_process()) CHECK(first_seen == "main");
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) {
       std::ifstream in(where[0]);
