@@ -1310,6 +1310,40 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
   }
 }
 
+// Rank `src` sends pieces[r] to rank r of the group; every rank returns its
+// own (the source: an empty vector; it keeps its piece). One broadcast of the
+// lengths, one scatter of the pieces padded to the longest: each rank
+// receives only its own bytes. `pieces` matters on the source only.
+inline std::vector<char> scatter_bytes(c10d::ProcessGroup& group, int src, const std::vector<std::vector<char>>& pieces,
+                                       const char* op) {
+  const int size = group.getSize(), rank = group.getRank();
+  std::vector<int64_t> lengths(static_cast<std::size_t>(size), 0);
+  if (rank == src)
+    for (int r = 0; r < size; ++r)
+      if (r != src) lengths[r] = static_cast<int64_t>(pieces.at(static_cast<std::size_t>(r)).size());
+  at::Tensor length_view = at::from_blob(lengths.data(), {size}, cpu_options(c10::kLong));
+  broadcast_tensor(group, length_view, src);
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(lengths.begin(), lengths.end()));
+  at::Tensor output = at::empty({longest}, cpu_options(c10::kByte));
+  const std::optional<c10::Device> device = staging_device(group, output);
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (rank == src) {
+    inputs.emplace_back();
+    for (int r = 0; r < size; ++r) {
+      at::Tensor padded = at::zeros({longest}, cpu_options(c10::kByte));
+      if (lengths[r] > 0) std::memcpy(padded.data_ptr(), pieces[r].data(), static_cast<std::size_t>(lengths[r]));
+      inputs.back().push_back(device ? padded.to(*device) : padded);
+    }
+  }
+  std::vector<at::Tensor> outputs{device ? output.to(*device) : output};
+  c10d::ScatterOptions opts;
+  opts.rootRank = src;
+  run(op, group, [&] { return group.scatter(outputs, inputs, opts); });
+  const at::Tensor received = outputs.front().to(c10::kCPU);
+  const auto* bytes = static_cast<const char*>(received.data_ptr());
+  return std::vector<char>(bytes, bytes + lengths[static_cast<std::size_t>(rank)]);
+}
+
 // Every rank's `count` elements at `mine` (CPU memory), rank-major into
 // `all`, which holds group size * count elements.
 template <class T>
@@ -2693,8 +2727,14 @@ c10::IValue to_ivalue(const T& x) {
     return c10::IValue(static_cast<int64_t>(x));
   } else if constexpr (std::is_floating_point_v<T>) {
     return c10::IValue(static_cast<double>(x));  // IValue holds doubles
-  } else if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, at::Tensor>) {
+  } else if constexpr (std::is_same_v<T, std::string>) {
     return c10::IValue(x);
+  } else if constexpr (std::is_same_v<T, at::Tensor>) {
+    // The pickler writes a tensor's whole storage: a view (a row of a
+    // dataset, a slice of a batch) travels as a compact copy instead.
+    const bool compact = !x.defined() || x.layout() != at::kStrided || (x.is_contiguous() && x.storage_offset() == 0 &&
+                                          x.storage().nbytes() == static_cast<std::size_t>(x.nbytes()));
+    return c10::IValue(compact ? x : x.clone(at::MemoryFormat::Contiguous));
   } else if constexpr (is_vector<T>::value) {
     c10::impl::GenericList list(c10::AnyType::get());
     list.reserve(x.size());
@@ -3628,7 +3668,12 @@ struct DataLoaderConfig {
   bool drop_last = false;   // drop the incomplete last batch (and, BATCHES, an incomplete last round)
   size_t workers = 0;       // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
-  BatchSamplerFn batch_sampler;  // a custom one-process batch sequence (BATCHES; no split_batches)
+  BatchSamplerFn batch_sampler;  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
+  // The main process reads every global batch and sends each process its
+  // rows (see dispatch_batches below); unset: on for iterable datasets only,
+  // as Accelerate. even_batches does not apply (every process gets rows of
+  // every global batch).
+  std::optional<bool> dispatch_batches;
 };
 
 namespace detail {
@@ -3685,207 +3730,547 @@ class Pass {
 };
 }  // namespace detail
 
+// -- dispatch_batches ---------------------------------------------------------
+//
+// With dispatch_batches the main process of the data-parallel group reads
+// every global batch (P one-process batches concatenated, or one batch of
+// the global size with split_batches) and sends each process its rows, as
+// Accelerate's DataLoaderDispatcher: of a global batch of R rows, process p
+// gets rows [p n, (p + 1) n) with n = R / P. When R does not divide by P (the
+// last batch, or any batch of a batch sampler's varying sizes) every process
+// gets n + 1 rows, completed from the first global batch (cycled if that one
+// is short); those repeats are marked, so gather_for_metrics drops them. The
+// other processes never read the dataset. Accelerate broadcasts the whole
+// batch and every process slices it; here each process receives only its
+// own rows (detail::scatter_bytes), pickled as gather_object's objects.
+// A batch that can be dispatched is either
+//   - a std::vector of samples (what LibTorch's datasets return without a
+//     Stack transform, and an iterable loader's batches): rows are elements;
+//     a sample is a torch::data::Example or any Picklable value; or
+//   - batched tensors: a torch::data::Example (e.g. after Stack<>) whose data
+//     and target are nested tensors, or nested tensors (TensorTree): rows
+//     along dim 0, the same number in every tensor.
+
+namespace detail {
+template <class T>
+struct is_example : std::false_type {};
+template <class D, class T>
+struct is_example<torch::data::Example<D, T>> : std::true_type {};
+template <class T>
+constexpr bool no_target = std::is_same_v<T, torch::data::example::NoTarget>;
+
+template <class T>
+struct sample_travels : std::bool_constant<Picklable<T>> {};
+template <class D, class T>
+struct sample_travels<torch::data::Example<D, T>> : std::bool_constant<Picklable<D> && (Picklable<T> || no_target<T>)> {};
+
+template <class B>
+struct batched_tensors : std::bool_constant<TensorTree<B> && !is_vector<B>::value> {};
+template <class D, class T>
+struct batched_tensors<torch::data::Example<D, T>> : std::bool_constant<TensorTree<D> && (TensorTree<T> || no_target<T>)> {};
+
+template <class B>
+concept SampleList = is_vector<B>::value && sample_travels<typename B::value_type>::value;
+template <class B>
+concept TensorBatch = batched_tensors<B>::value;
+template <class B>
+concept Dispatchable = SampleList<B> || TensorBatch<B>;
+
+template <class B, class Fn>
+void for_each_batch_tensor(B& batch, Fn& fn) {
+  if constexpr (is_example<std::remove_const_t<B>>::value) {
+    for_each_tensor(batch.data, fn);
+    if constexpr (!no_target<decltype(batch.target)>) for_each_tensor(batch.target, fn);
+  } else {
+    for_each_tensor(batch, fn);
+  }
+}
+
+template <Dispatchable B>
+size_t batch_rows(const B& batch) {
+  if constexpr (SampleList<B>) {
+    return batch.size();
+  } else {
+    std::optional<int64_t> rows;
+    size_t leaf = 0;
+    auto check = [&](const at::Tensor& t) {
+      auto fail = [&](const std::string& what) {
+        throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): tensor " + std::to_string(leaf) +
+                                    " of the batch is " + what +
+                                    "; every tensor of a dispatched batch holds the batch along dim 0");
+      };
+      if (!t.defined() || t.dim() == 0) fail("undefined or 0-d");
+      if (!rows) rows = t.size(0);
+      if (t.size(0) != *rows)
+        fail("of " + std::to_string(t.size(0)) + " rows where the first has " + std::to_string(*rows));
+      ++leaf;
+    };
+    for_each_batch_tensor(batch, check);
+    if (!rows) throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): the batch holds no tensor");
+    return static_cast<size_t>(*rows);
+  }
+}
+
+// Rows [from, to) of a batch.
+template <Dispatchable B>
+B batch_slice(const B& batch, size_t from, size_t to) {
+  if constexpr (SampleList<B>) {
+    return B(batch.begin() + static_cast<std::ptrdiff_t>(from), batch.begin() + static_cast<std::ptrdiff_t>(to));
+  } else {
+    B out = batch;
+    auto cut = [&](at::Tensor& t) { t = t.slice(0, static_cast<int64_t>(from), static_cast<int64_t>(to)); };
+    for_each_batch_tensor(out, cut);
+    return out;
+  }
+}
+
+// The batches' rows one after another.
+template <Dispatchable B>
+B batch_cat(std::vector<B>&& parts) {
+  if (parts.size() == 1) return std::move(parts.front());
+  if constexpr (SampleList<B>) {
+    B out;
+    for (auto& part : parts) out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+    return out;
+  } else if constexpr (is_example<B>::value) {
+    using Data = decltype(B::data);
+    using Target = decltype(B::target);
+    std::vector<Data> data;
+    std::vector<Target> targets;
+    for (auto& part : parts) {
+      data.push_back(std::move(part.data));
+      targets.push_back(std::move(part.target));
+    }
+    if constexpr (no_target<Target>) return B{accel::concatenate(data), {}};
+    else return B{accel::concatenate(data), accel::concatenate(targets)};
+  } else {
+    return accel::concatenate(parts);
+  }
+}
+
+inline c10::IValue tuple_of(std::vector<c10::IValue> elements) {
+  return c10::ivalue::Tuple::create(std::move(elements));
+}
+
+template <class S>
+c10::IValue sample_to_ivalue(const S& sample) {
+  if constexpr (is_example<S>::value) {
+    c10::IValue target;  // None for NoTarget
+    if constexpr (!no_target<decltype(sample.target)>) target = to_ivalue(sample.target);
+    return tuple_of({to_ivalue(sample.data), std::move(target)});
+  } else {
+    return to_ivalue(sample);
+  }
+}
+template <class S>
+S sample_from_ivalue(const c10::IValue& v) {
+  if constexpr (is_example<S>::value) {
+    if (!v.isTuple() || v.toTupleRef().elements().size() != 2) wrong_object("(data, target) tuple", v);
+    const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
+    S sample;
+    sample.data = from_ivalue<decltype(sample.data)>(elements[0]);
+    if constexpr (!no_target<decltype(sample.target)>) sample.target = from_ivalue<decltype(sample.target)>(elements[1]);
+    return sample;
+  } else {
+    return from_ivalue<S>(v);
+  }
+}
+template <Dispatchable B>
+c10::IValue batch_to_ivalue(const B& batch) {
+  if constexpr (SampleList<B>) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    list.reserve(batch.size());
+    for (const auto& sample : batch) list.push_back(sample_to_ivalue(sample));
+    return list;
+  } else {
+    return sample_to_ivalue(batch);
+  }
+}
+template <Dispatchable B>
+B batch_from_ivalue(const c10::IValue& v) {
+  if constexpr (SampleList<B>) {
+    if (!v.isList()) wrong_object("list", v);
+    B out;
+    for (const c10::IValue& element : v.toListRef()) out.push_back(sample_from_ivalue<typename B::value_type>(element));
+    return out;
+  } else {
+    return sample_from_ivalue<B>(v);
+  }
+}
+
+// One batch of a pass, as a prepared loader hands it out.
+template <class Batch>
+struct Share {
+  Batch batch;
+  size_t real;  // rows that are not repeats
+  bool last;    // the pass's last batch
+};
+
+// The dispatching side of a prepared loader (see above). read() is a
+// collective over the group: every process calls it once per batch; the
+// main process (rank 0 of the group) reads one global batch ahead, so every
+// share knows whether it is the pass's last.
+template <class Batch>  // Dispatchable (named unconstrained by loaders of other batches, never made)
+class Dispatcher {
+ public:
+  using Source = std::function<std::optional<Batch>()>;  // the next global batch; nullopt: the pass is over
+
+  explicit Dispatcher(GroupPtr group) : group_(std::move(group)) {}
+  bool main() const { return group_->getRank() == 0; }
+
+  // A new pass; `source` is called on the main process only, from read()
+  // (whose failures the others hear of).
+  void begin(Source source) {
+    source_ = std::move(source);
+    first_.reset();
+    ahead_.reset();
+    starting_ = true;
+  }
+
+  std::optional<Share<Batch>> read() {
+    enum : int64_t { END = 0, BATCH = 1, LAST = 2, FAILED = 3 };
+    c10d::ProcessGroup& group = *group_;
+    const int processes = group.getSize();
+    if (!main()) {
+      const std::vector<char> bytes = scatter_bytes(group, 0, {}, "dispatch_batches");
+      const c10::IValue message = load_object(bytes.data(), bytes.size());
+      const c10::ArrayRef<c10::IValue> fields = message.toTupleRef().elements().asArrayRef();
+      const int64_t status = fields[0].toInt();
+      if (status == FAILED)
+        throw DistributedError("accel: the main process could not make this process's batch (dispatch_batches): " +
+                               fields[1].toStringRef());
+      if (status == END) return std::nullopt;
+      return Share<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
+    }
+    std::vector<std::vector<char>> pieces(static_cast<std::size_t>(processes));
+    auto to_all = [&](const c10::IValue& message) {
+      const std::vector<char> bytes = save_object(message);
+      for (int p = 1; p < processes; ++p) pieces[p] = bytes;
+    };
+    std::optional<Share<Batch>> mine;
+    try {
+      if (std::exchange(starting_, false)) ahead_ = source_();
+      if (!ahead_) {
+        to_all(tuple_of({c10::IValue(int64_t{END})}));
+      } else {
+        Batch global = std::move(*ahead_);
+        ahead_ = source_();
+        const bool last = !ahead_;
+        const size_t observed = batch_rows(global);
+        if (observed == 0) throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): a batch of 0 rows");
+        if (!first_) first_ = global;
+        const auto P = static_cast<size_t>(processes);
+        const size_t rows = (observed + P - 1) / P;  // per process
+        if (rows * P > observed) {  // completed from the first global batch, cycled if it is short
+          std::vector<Batch> parts{std::move(global)};
+          const size_t first_rows = batch_rows(*first_);
+          for (size_t have = observed; have < rows * P; have += std::min(first_rows, rows * P - have))
+            parts.push_back(batch_slice(*first_, 0, std::min(first_rows, rows * P - have)));
+          global = batch_cat(std::move(parts));
+        }
+        for (size_t p = 0; p < P; ++p) {
+          Batch piece = batch_slice(global, p * rows, (p + 1) * rows);
+          const size_t real = observed > p * rows ? std::min(rows, observed - p * rows) : 0;
+          if (p == 0) {
+            mine = Share<Batch>{std::move(piece), real, last};
+          } else {
+            pieces[p] = save_object(tuple_of(
+                {c10::IValue(int64_t{last ? LAST : BATCH}), c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
+          }
+        }
+      }
+    } catch (const std::exception& e) {  // the others are waiting for their rows: tell them, then throw here
+      to_all(tuple_of({c10::IValue(int64_t{FAILED}), c10::IValue(error_text(e))}));
+      scatter_bytes(group, 0, pieces, "dispatch_batches");
+      throw;
+    }
+    scatter_bytes(group, 0, pieces, "dispatch_batches");
+    return mine;
+  }
+
+ private:
+  GroupPtr group_;
+  Source source_;
+  std::optional<Batch> ahead_, first_;
+  bool starting_ = false;
+};
+
+// The iterator of a prepared loader: an input iterator over the shares its
+// loader's next() hands out; it tells the GradientState where the pass is.
+// After the pass's last batch it reads nothing more.
+template <class Loader, class Batch>
+class PassIterator {
+ public:
+  Batch& operator*() {
+    pass_.at(current_->real, current_->last);
+    return current_->batch;
+  }
+  Batch* operator->() { return &**this; }
+  PassIterator& operator++() {
+    if (current_->last) current_.reset();
+    else current_ = loader_->next();
+    return *this;
+  }
+  bool operator==(const PassIterator& other) const {
+    const bool equal = !current_ && !other.current_;
+    if (equal) {  // the pass is over
+      pass_.end();
+      other.pass_.end();
+    }
+    return equal;
+  }
+
+ private:
+  friend Loader;
+  PassIterator() = default;  // end()
+  PassIterator(Loader* loader, Pass pass) : loader_(loader), pass_(std::move(pass)) { current_ = loader_->next(); }
+  Loader* loader_ = nullptr;
+  std::optional<Share<Batch>> current_;
+  Pass pass_;
+};
+
+// The group a prepared loader dispatches over; null when it does not
+// (dispatch_batches off, or one process). Unset, dispatch_batches is on for
+// iterable datasets whose elements can travel.
+template <class Batch>
+GroupPtr dispatch_group(const DataLoaderConfig& config, bool iterable, const GroupPtr& group) {
+  if (!config.dispatch_batches.value_or(iterable && Dispatchable<Batch>)) return {};
+  if (!Dispatchable<Batch>)
+    throw std::invalid_argument(
+        "accel::prepare_data_loader: dispatch_batches sends batches with LibTorch's pickler: a std::vector of "
+        "samples (Examples or Picklable values) or batched tensors (an Example or nested tensors); this loader's "
+        "batches are neither");
+  if (config.layout != ShardLayout::BATCHES)
+    throw std::invalid_argument(
+        "accel::prepare_data_loader: dispatch_batches deals out rows of global batches; ShardLayout::SAMPLES does "
+        "not apply");
+  if (!group || group->getSize() == 1) return {};
+  return group;
+}
+}  // namespace detail
+
 // A LibTorch data loader over this process's share. Iterating it starts a
 // new epoch each pass (a different shuffle, the same on every rank, as
 // Accelerate's prepared loaders do) and tells the Accelerator where the pass
 // is (end_of_dataloader) and which rows of each batch are repeats, so that
 // gather_for_metrics drops them. A pass left early (break) ends with its
-// iterator.
+// iterator. With dispatch_batches only the main process reads (see above).
 template <class Dataset>
 class PreparedDataLoader {
  public:
   using Loader = torch::data::StatelessDataLoader<Dataset, ShardSampler>;
   using Batch = typename Dataset::BatchType;
+  using Iterator = detail::PassIterator<PreparedDataLoader, Batch>;
 
-  PreparedDataLoader(Dataset dataset, const DataLoaderConfig& config, size_t num_replicas, size_t rank,
-                     bool split_batches, std::shared_ptr<detail::GradientState> gradient_state)
+  // `group`: the data-parallel group (null: one process).
+  PreparedDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
+                     std::shared_ptr<detail::GradientState> gradient_state)
       : record_(std::make_shared<ShardSampler::Record>()),
         state_(std::make_shared<detail::LoaderState>()),
         gradient_state_(std::move(gradient_state)) {
     const torch::optional<size_t> size = dataset.size();
     if (!size) throw std::invalid_argument("accel::prepare_data_loader: the dataset must have a size()");
+    const size_t processes = group ? static_cast<size_t>(group->getSize()) : 1;
+    const size_t rank = group ? static_cast<size_t>(group->getRank()) : 0;
+    GroupPtr dispatch = detail::dispatch_group<Batch>(config, false, group);
+    // Dispatching, the main process reads the unsharded one-process batches
+    // (global ones with split_batches); every process plans the pass from them.
     ShardSampler::Options options{*size,
-                                  num_replicas,
-                                  rank,
+                                  dispatch ? 1 : processes,
+                                  dispatch ? 0 : rank,
                                   config.batch_size,
                                   config.shuffle,
                                   config.seed,
                                   config.even_batches,
                                   config.drop_last,
-                                  split_batches,
+                                  dispatch ? false : split_batches,
                                   config.layout,
                                   config.batch_sampler};
     ShardSampler sampler(std::move(options), record_);
-    batches_ = sampler.batch_count();
-    local_samples_ = sampler.local_count();
+    if (!dispatch) {
+      batches_ = sampler.batch_count();
+    } else {
+      if constexpr (detail::Dispatchable<Batch>) {
+        const size_t per_step = split_batches ? 1 : processes;
+        batches_ = config.drop_last ? sampler.batch_count() / per_step : (sampler.batch_count() + per_step - 1) / per_step;
+        dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(dispatch);
+        per_step_ = per_step;
+        drop_last_ = config.drop_last;
+        if (!dispatcher_->main()) return;  // the others never read
+      }
+    }
     // The sampler makes the batches (and drops what drop_last drops).
     loader_ = torch::data::make_data_loader(std::move(dataset), std::move(sampler),
                                             torch::data::DataLoaderOptions(1).workers(config.workers));
   }
-  class Iterator {
-   public:
-    Batch& operator*() {
-      Batch& batch = *it_;
-      pass_.at(owner_->record_->real_per_batch.at(position_), position_ + 1 == owner_->batches_);
-      return batch;
-    }
-    Batch* operator->() { return &**this; }
-    Iterator& operator++() {
-      ++it_;
-      ++position_;
-      return *this;
-    }
-    bool operator==(const Iterator& other) const {
-      const bool equal = it_ == other.it_;
-      if (equal) {  // the pass is over
-        pass_.end();
-        other.pass_.end();
-      }
-      return equal;
-    }
-
-   private:
-    friend class PreparedDataLoader;
-    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> it, detail::Pass pass = {})
-        : owner_(owner), it_(std::move(it)), pass_(std::move(pass)) {}
-    PreparedDataLoader* owner_;
-    torch::data::Iterator<Batch> it_;
-    size_t position_ = 0;
-    detail::Pass pass_;
-  };
 
   // Starts a pass: epoch 0, 1, 2, ... unless set_epoch says otherwise.
   Iterator begin() {
     record_->epoch = next_epoch_++;
-    return Iterator(this, loader_->begin(), detail::Pass(gradient_state_, state_));
+    position_ = 0;
+    exhausted_ = false;
+    if (loader_) it_.emplace(loader_->begin());
+    if constexpr (detail::Dispatchable<Batch>)
+      if (dispatcher_) dispatcher_->begin([this] { return global_batch(); });
+    return Iterator(this, detail::Pass(gradient_state_, state_));
   }
-  Iterator end() { return Iterator(this, loader_->end()); }
+  Iterator end() { return Iterator(); }
 
   // The epoch the next pass uses (to resume a run mid-way).
   void set_epoch(size_t epoch) { next_epoch_ = epoch; }
   size_t epoch() const { return record_->epoch; }
-  // Batches per pass on this process (the same on every process with even_batches).
+  // Batches per pass on this process (the same on every process with
+  // even_batches or dispatch_batches).
   size_t batches() const { return batches_; }
-  size_t local_samples() const { return local_samples_; }
 
  private:
+  friend Iterator;
+  // The next one-process batch from LibTorch's loader, and how many of its rows are real.
+  std::optional<std::pair<Batch, size_t>> local_batch() {
+    if (exhausted_) return std::nullopt;
+    if (position_ > 0) ++*it_;
+    if (*it_ == loader_->end()) {
+      exhausted_ = true;
+      return std::nullopt;
+    }
+    const size_t real = record_->real_per_batch.at(position_++);
+    return std::pair<Batch, size_t>(std::move(**it_), real);
+  }
+  // Dispatching: the next global batch (on the main process).
+  std::optional<Batch> global_batch() {
+    if constexpr (detail::Dispatchable<Batch>) {
+      std::vector<Batch> parts;
+      while (parts.size() < per_step_)
+        if (auto batch = local_batch()) parts.push_back(std::move(batch->first));
+        else break;
+      if (parts.empty() || (drop_last_ && parts.size() < per_step_)) return std::nullopt;
+      return detail::batch_cat(std::move(parts));
+    } else {
+      return std::nullopt;
+    }
+  }
+  std::optional<detail::Share<Batch>> next() {
+    if constexpr (detail::Dispatchable<Batch>)
+      if (dispatcher_) return dispatcher_->read();
+    auto batch = local_batch();
+    if (!batch) return std::nullopt;
+    return detail::Share<Batch>{std::move(batch->first), batch->second, position_ == batches_};
+  }
+
   std::shared_ptr<ShardSampler::Record> record_;
   std::shared_ptr<detail::LoaderState> state_;
   std::shared_ptr<detail::GradientState> gradient_state_;
-  std::unique_ptr<Loader> loader_;
-  size_t batches_ = 0, local_samples_ = 0, next_epoch_ = 0;
+  std::unique_ptr<Loader> loader_;  // null on the processes a dispatcher sends to
+  std::optional<torch::data::Iterator<Batch>> it_;
+  std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
+  size_t batches_ = 0, next_epoch_ = 0, position_ = 0, per_step_ = 1;
+  bool drop_last_ = false, exhausted_ = false;
 };
 
 // A prepared loader over an iterable dataset: a LibTorch StatefulDataset
 // (e.g. ChunkDataset) whose get_batch(n) yields up to n elements, nullopt at
-// the end of the stream. Sharded as Accelerate's IterableDatasetShard: every
-// process reads the stream; of each global batch (batch_size elements per
-// process, or batch_size in all with split_batches) this process keeps its
-// slice, and unless drop_last the last global batch is completed from the
-// first one (those elements are repeats, dropped by gather_for_metrics).
-// Each pass resets the dataset. Batches are std::vector of the elements;
-// read on the calling thread (LibTorch's loader workers are not used).
+// the end of the stream. Batches are std::vector of the elements; each pass
+// resets the dataset; read on the calling thread (LibTorch's loader workers
+// are not used). Of each global batch (batch_size elements per process, or
+// batch_size in all with split_batches) a process gets its slice:
+//   - dispatch_batches (the default for iterable datasets, as Accelerate):
+//     the main process reads the stream and sends every process its rows
+//     (see dispatch_batches above);
+//   - otherwise every process reads the whole stream and keeps its slice,
+//     as Accelerate's IterableDatasetShard: unless drop_last the last global
+//     batch is completed to full size from the first one.
+// Either way the repeats are dropped by gather_for_metrics.
 template <class Dataset>
 class PreparedIterableDataLoader {
  public:
   using Element = typename std::remove_cvref_t<decltype(*std::declval<typename Dataset::BatchType>())>::value_type;
   using Batch = std::vector<Element>;
+  using Iterator = detail::PassIterator<PreparedIterableDataLoader, Batch>;
 
-  PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, size_t num_replicas, size_t rank,
-                             bool split_batches, std::shared_ptr<detail::GradientState> gradient_state)
+  PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
+                             std::shared_ptr<detail::GradientState> gradient_state)
       : dataset_(std::move(dataset)),
-        global_(split_batches ? config.batch_size : config.batch_size * num_replicas),
-        local_(split_batches ? config.batch_size / num_replicas : config.batch_size),
-        rank_(rank),
+        processes_(group ? static_cast<size_t>(group->getSize()) : 1),
+        rank_(group ? static_cast<size_t>(group->getRank()) : 0),
+        global_(split_batches ? config.batch_size : config.batch_size * processes_),
+        local_(split_batches ? config.batch_size / processes_ : config.batch_size),
         drop_last_(config.drop_last),
-        fill_(num_replicas > 1),
         state_(std::make_shared<detail::LoaderState>()),
         gradient_state_(std::move(gradient_state)) {
     if (config.shuffle || config.batch_sampler || config.layout != ShardLayout::BATCHES)
       throw std::invalid_argument(
           "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
           "SAMPLES layout)");
+    if (GroupPtr dispatch = detail::dispatch_group<Batch>(config, true, group))
+      if constexpr (detail::Dispatchable<Batch>) dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
   }
-
-  class Iterator {
-   public:
-    Batch& operator*() {
-      pass_.at(current_->real, !next_);
-      return current_->elements;
-    }
-    Batch* operator->() { return &**this; }
-    Iterator& operator++() {
-      current_ = std::move(next_);
-      next_ = current_ ? owner_->read() : std::nullopt;  // one ahead: end_of_dataloader is known
-      return *this;
-    }
-    bool operator==(const Iterator& other) const {
-      const bool equal = current_.has_value() == other.current_.has_value() && !current_;
-      if (equal) {
-        pass_.end();
-        other.pass_.end();
-      }
-      return equal;
-    }
-
-   private:
-    friend class PreparedIterableDataLoader;
-    struct Slice {
-      Batch elements;
-      size_t real;
-    };
-    Iterator(PreparedIterableDataLoader* owner, detail::Pass pass = {}) : owner_(owner), pass_(std::move(pass)) {}
-    PreparedIterableDataLoader* owner_;
-    std::optional<Slice> current_, next_;
-    detail::Pass pass_;
-  };
 
   Iterator begin() {
-    dataset_.reset();
     first_.clear();
     done_ = false;
-    Iterator it(this, detail::Pass(gradient_state_, state_));
-    it.current_ = read();
-    if (it.current_) it.next_ = read();
-    return it;
+    ahead_.reset();
+    if constexpr (detail::Dispatchable<Batch>)
+      if (dispatcher_) {
+        if (dispatcher_->main()) dataset_.reset();
+        dispatcher_->begin([this] { return global_batch(); });
+        return Iterator(this, detail::Pass(gradient_state_, state_));
+      }
+    dataset_.reset();
+    ahead_ = slice();
+    return Iterator(this, detail::Pass(gradient_state_, state_));
   }
-  Iterator end() { return Iterator(this); }
+  Iterator end() { return Iterator(); }
 
  private:
-  using Slice = typename Iterator::Slice;
-  // This process's slice of the next global batch (IterableDatasetShard.__iter__).
-  std::optional<Slice> read() {
+  friend Iterator;
+  std::optional<detail::Share<Batch>> next() {
+    if constexpr (detail::Dispatchable<Batch>)
+      if (dispatcher_) return dispatcher_->read();
+    auto current = std::move(ahead_);  // one ahead: end_of_dataloader is known
+    ahead_ = current ? slice() : std::nullopt;
+    if (current) current->last = !ahead_;
+    return current;
+  }
+
+  // The next global batch of the stream: global_ elements, fewer at its end
+  // (nullopt when nothing is left, or with drop_last when it is incomplete).
+  std::optional<Batch> global_batch() {
     if (done_) return std::nullopt;
     Batch global;
     while (global.size() < global_) {
       auto more = dataset_.get_batch(global_ - global.size());
       if (!more) break;
-      if (more->empty()) continue;
       for (auto& element : *more) global.push_back(std::move(element));
     }
     if (global.size() > global_) global.resize(global_);  // a dataset that returned more than asked
-    const size_t real_size = global.size();
-    if (real_size < global_) {  // the stream ended
+    if (global.size() < global_) {
       done_ = true;
-      if (drop_last_ || real_size == 0) return std::nullopt;
-      if (!fill_) return Slice{std::move(global), real_size};  // one process: not sharded, as Accelerate
-      if (first_.empty()) first_ = global;
-      while (global.size() < global_) global.insert(global.end(), first_.begin(), first_.end());
-    } else if (first_.empty()) {
-      first_ = global;
+      if (drop_last_ || global.empty()) return std::nullopt;
     }
+    return global;
+  }
+
+  // This process's slice of the next global batch (IterableDatasetShard.__iter__).
+  std::optional<detail::Share<Batch>> slice() {
+    std::optional<Batch> global = global_batch();
+    if (!global) return std::nullopt;
+    const size_t real_size = global->size();
+    if (processes_ == 1) return detail::Share<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
+    if (first_.empty()) first_ = *global;
+    while (global->size() < global_) global->insert(global->end(), first_.begin(), first_.end());
     const size_t begin = rank_ * local_;
-    Slice slice{Batch(global.begin() + static_cast<std::ptrdiff_t>(begin),
-                      global.begin() + static_cast<std::ptrdiff_t>(begin + local_)),
-                real_size > begin ? std::min(local_, real_size - begin) : 0};
-    return slice;
+    return detail::Share<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
+                                      global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
+                                real_size > begin ? std::min(local_, real_size - begin) : 0, false};
   }
 
   Dataset dataset_;
-  size_t global_, local_, rank_;
-  bool drop_last_, fill_;
+  size_t processes_, rank_, global_, local_;
+  bool drop_last_;
   Batch first_;
   bool done_ = false;
+  std::optional<detail::Share<Batch>> ahead_;
+  std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
   std::shared_ptr<detail::LoaderState> state_;
   std::shared_ptr<detail::GradientState> gradient_state_;
 };
@@ -4049,12 +4434,12 @@ class Accelerator {
   // A data loader over this process's share of `dataset` on the data-parallel
   // group (see ShardSampler for the layouts). With split_batches,
   // config.batch_size is the global batch and must divide evenly among the
-  // processes.
+  // processes. config.dispatch_batches: the main process reads and sends.
   // An IterableDataset (a LibTorch StatefulDataset) gives a
   // PreparedIterableDataLoader instead.
   template <class Dataset>
   auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = interface_->get_world_size(Dim::DP), rank = interface_->get_rank(Dim::DP);
+    const int replicas = interface_->get_world_size(Dim::DP);
     if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
     if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
@@ -4062,8 +4447,7 @@ class Accelerator {
                                   std::to_string(replicas) + " data-parallel processes");
     using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
                                       PreparedDataLoader<Dataset>>;
-    return Loader(std::move(dataset), config, static_cast<size_t>(replicas), static_cast<size_t>(rank),
-                  config_.split_batches, state_);
+    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_);
   }
 
   // -- the training step --------------------------------------------------------

@@ -62,14 +62,19 @@ std::pair<at::Tensor, at::Tensor> dataset(int64_t n, int64_t in) {
   return {x, x.sum(1, true).sin() + 0.1 * at::randn({n, 1}, generator)};
 }
 // Sample i is the tensor [i] (data) with target i.
+// `reads` counts the samples read (shared by the copies a loader makes);
+// reading sample `fail_at` throws.
 struct Indexed : torch::data::datasets::Dataset<Indexed> {
-  explicit Indexed(std::size_t n) : n(n) {}
+  explicit Indexed(std::size_t n, std::size_t fail_at = SIZE_MAX) : n(n), fail_at(fail_at) {}
   torch::data::Example<> get(std::size_t i) override {
+    if (i == fail_at) throw std::runtime_error("sample " + std::to_string(i) + " is unreadable");
+    ++*reads;
     const auto value = static_cast<int64_t>(i);
     return {at::full({1}, value, at::kLong), at::full({}, value, at::kLong)};
   }
   torch::optional<std::size_t> size() const override { return n; }
-  std::size_t n;
+  std::size_t n, fail_at;
+  std::shared_ptr<std::size_t> reads = std::make_shared<std::size_t>(0);
 };
 
 // Accelerate's RegressionDataset: y = 2x + 3 + noise, the same on every rank.
@@ -96,6 +101,7 @@ struct Stream : torch::data::datasets::StatefulDataset<Stream, std::vector<int64
     std::vector<int64_t> out;
     const int64_t chunk = std::min<int64_t>({static_cast<int64_t>(wanted), next % 3 + 1, n - next});
     for (int64_t i = 0; i < chunk; ++i) out.push_back(next++);
+    *reads += static_cast<std::size_t>(chunk);
     return out;
   }
   torch::optional<std::size_t> size() const override { return torch::nullopt; }
@@ -103,6 +109,7 @@ struct Stream : torch::data::datasets::StatefulDataset<Stream, std::vector<int64
   void save(torch::serialize::OutputArchive&) const override {}
   void load(torch::serialize::InputArchive&) override {}
   int64_t n, next = 0;
+  std::shared_ptr<std::size_t> reads = std::make_shared<std::size_t>(0);  // elements handed out
 };
 
 // Gradients of two models agree (allclose), parameter by parameter.
@@ -402,7 +409,8 @@ TEST_SUITE("ranks") {
           c.split_batches = split;
           accel::Accelerator accelerator(c);
           const auto P = static_cast<std::size_t>(accelerator.num_processes());
-          auto loader = accelerator.prepare_data_loader(Stream(n), {.batch_size = split ? 4 * P : 4, .drop_last = drop_last});
+          auto loader = accelerator.prepare_data_loader(
+              Stream(n), {.batch_size = split ? 4 * P : 4, .drop_last = drop_last, .dispatch_batches = false});
           std::vector<int64_t> observed, metrics;
           std::vector<bool> last;
           for (int pass = 0; pass < 2; ++pass) {  // each pass starts the stream again
@@ -438,6 +446,167 @@ TEST_SUITE("ranks") {
                          doctest::Contains("read in its own order"), std::invalid_argument);
   }
 
+  // Accelerate's test_script.py central_dl_preparation_check, with the gathered
+  // order checked against the one-process loader's when shuffled too.
+  TEST_CASE("data: dispatch_batches: the main process reads every batch (Accelerate's central_dl_preparation_check)") {
+    for (bool split : {false, true})
+      for (bool shuffle : {false, true}) {
+        CAPTURE(split);
+        CAPTURE(shuffle);
+        auto c = config();
+        c.split_batches = split;
+        accel::Accelerator accelerator(c);
+        const auto P = static_cast<std::size_t>(accelerator.num_processes());
+        const std::size_t length = 32 * P, batch = split && 8 % P != 0 ? 4 * P : 8;
+        Indexed data(length);
+        const auto reads = data.reads;
+        auto loader = accelerator.prepare_data_loader(
+            data.map(torch::data::transforms::Stack<>()),
+            {.batch_size = batch, .shuffle = shuffle, .seed = 3, .dispatch_batches = true});
+        std::vector<at::Tensor> parts;
+        std::size_t steps = 0;
+        for (auto& b : loader) {
+          CHECK(b.data.size(0) == static_cast<int64_t>(split ? batch / P : batch));
+          parts.push_back(accelerator.gather(b.data).reshape({-1}));
+          ++steps;
+        }
+        // In rank order the shares are the one-process loader's batches, in its order.
+        const accel::ShardSampler one({.size = length, .batch_size = batch, .shuffle = shuffle, .seed = 3});
+        const std::vector<std::size_t> order = one.indices();
+        CHECK(at::equal(at::cat(parts), at::tensor(std::vector<int64_t>(order.begin(), order.end()), at::kLong)));
+        CHECK(steps == loader.batches());
+        CHECK(*reads == (accelerator.is_main_process() ? length : 0));  // only the main process read
+      }
+  }
+
+  TEST_CASE("data: dispatch_batches: a last batch that does not divide is completed from the first (Accelerate's rule)") {
+    accel::Accelerator accelerator(config());
+    const auto P = static_cast<int64_t>(accelerator.num_processes());
+    const int64_t r = accelerator.process_index();
+    using V = std::vector<int64_t>;
+    // The sample indices of a batch, stacked or not (a vector of Examples travels as well).
+    auto indices = [](const auto& batch) {
+      V out;
+      if constexpr (std::is_same_v<std::decay_t<decltype(batch)>, torch::data::Example<>>) {
+        for (int64_t i = 0; i < batch.data.size(0); ++i) out.push_back(batch.data[i][0].template item<int64_t>());
+      } else {
+        for (const auto& sample : batch) out.push_back(sample.data[0].template item<int64_t>());
+      }
+      return out;
+    };
+    auto pass = [&](auto&& loader) {
+      std::vector<V> mine;
+      std::vector<bool> last;
+      std::vector<at::Tensor> metrics;
+      for (auto& batch : loader) {
+        const V rows = indices(batch);
+        mine.push_back(rows);
+        last.push_back(accelerator.end_of_dataloader());
+        metrics.push_back(accelerator.gather_for_metrics(at::tensor(rows, at::kLong)));
+      }
+      return std::make_tuple(mine, last, at::cat(metrics), loader.batches());
+    };
+    for (bool stacked : {true, false}) {
+      CAPTURE(stacked);
+      auto run = [&](std::size_t n, std::size_t batch) {
+        return stacked ? pass(accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                              {.batch_size = batch, .dispatch_batches = true}))
+                       : pass(accelerator.prepare_data_loader(Indexed(n), {.batch_size = batch, .dispatch_batches = true}));
+      };
+      // 2P + 1 samples in batches of 2: a global batch of 2P rows, then one row: process 0 gets it, the
+      // others rows of the first global batch (repeats: gather_for_metrics counts every sample once).
+      const auto [mine, last, metrics, batches] = run(static_cast<std::size_t>(2 * P + 1), 2);
+      if (P == 1) CHECK(mine == std::vector<V>{{0, 1}, {2}});  // one process: the plain batches
+      else CHECK(mine == std::vector<V>{{2 * r, 2 * r + 1}, {r == 0 ? 2 * P : r - 1}});
+      CHECK(last == std::vector<bool>{false, true});
+      CHECK(at::equal(metrics, at::arange(2 * P + 1, at::kLong)));
+      CHECK(batches == 2);
+      // 7 samples in batches of 2, as Accelerate's DataLoaderDispatcher deals them.
+      const auto seven = std::get<0>(run(7, 2));
+      if (P == 2) CHECK(seven == (r == 0 ? std::vector<V>{{0, 1}, {4, 5}} : std::vector<V>{{2, 3}, {6, 0}}));
+      if (P == 3) CHECK(seven == std::vector<std::vector<V>>{{{0, 1}, {6}}, {{2, 3}, {0}}, {{4, 5}, {1}}}[r]);
+      if (P == 4) CHECK(seven == std::vector<std::vector<V>>{{{0, 1}}, {{2, 3}}, {{4, 5}}, {{6, 0}}}[r]);
+    }
+  }
+
+  TEST_CASE("data: an iterable dataset is dispatched by default: only the main process reads the stream") {
+    for (bool split : {false, true})
+      for (int64_t n : {2, 37, 100}) {
+        CAPTURE(split);
+        CAPTURE(n);
+        auto c = config();
+        c.split_batches = split;
+        accel::Accelerator accelerator(c);
+        const auto P = static_cast<int64_t>(accelerator.num_processes());
+        Stream stream(n);
+        const auto reads = stream.reads;
+        auto loader = accelerator.prepare_data_loader(std::move(stream),
+                                                      {.batch_size = static_cast<std::size_t>(split ? 4 * P : 4)});
+        for (int pass = 0; pass < 2; ++pass) {
+          std::vector<int64_t> metrics;
+          int64_t steps = 0;
+          for (auto& batch : loader) {
+            // 4 elements per process; of the last global batch's R, ceil(R / P) each (completed from the first)
+            const int64_t left = std::min(4 * P, n - 4 * P * steps);
+            CHECK(static_cast<int64_t>(batch.size()) == (left + P - 1) / P);
+            const at::Tensor counted = accelerator.gather_for_metrics(at::tensor(batch, at::kLong));
+            for (int64_t i = 0; i < counted.size(0); ++i) metrics.push_back(counted[i].item<int64_t>());
+            ++steps;
+          }
+          std::vector<int64_t> expected(static_cast<std::size_t>(n));
+          std::iota(expected.begin(), expected.end(), int64_t{0});
+          CHECK(metrics == expected);
+          CHECK(steps == (n + 4 * P - 1) / (4 * P));
+        }
+        CHECK(*reads == static_cast<std::size_t>(accelerator.is_main_process() ? 2 * n : 0));
+      }
+  }
+
+  TEST_CASE("data: dispatch_batches: a batch the main process cannot make is an error on every process, not a hang") {
+    accel::Accelerator accelerator(config());
+    const auto P = static_cast<std::size_t>(accelerator.num_processes());
+    const bool main = accelerator.is_main_process();
+    // Sample 4P + 1 cannot be read: two batches arrive, then every process throws.
+    auto loader = accelerator.prepare_data_loader(Indexed(6 * P, 4 * P + 1).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = 2, .dispatch_batches = true});
+    std::size_t seen = 0;
+    auto drain = [&] {
+      for (auto& batch : loader) seen += static_cast<std::size_t>(batch.data.size(0));
+    };
+    const std::string unreadable = "sample " + std::to_string(4 * P + 1) + " is unreadable";
+    if (main || P == 1) CHECK_THROWS_WITH_AS(drain(), doctest::Contains(unreadable.c_str()), std::runtime_error);
+    else CHECK_THROWS_WITH_AS(drain(), doctest::Contains("the main process could not make this process's batch (dispatch_batches): sample"), accel::DistributedError);
+    CHECK(seen == 2 * (P == 1 ? 2 : 1));  // the batch before the bad one was read ahead
+    CHECK(accel::all_reduce(int64_t{1}, accel::ReduceOp::SUM) == static_cast<int64_t>(P));  // the group still works
+    // Tensors of a batch that disagree on the rows: data of one row per sample, a target of one row.
+    struct Ragged : torch::data::datasets::BatchDataset<Ragged, torch::data::Example<>> {
+      torch::data::Example<> get_batch(c10::ArrayRef<std::size_t> indices) override {
+        return {at::zeros({static_cast<int64_t>(indices.size()), 1}), at::zeros({1})};
+      }
+      torch::optional<std::size_t> size() const override { return 8; }
+    };
+    auto odd = accelerator.prepare_data_loader(Ragged(), {.batch_size = 2, .dispatch_batches = true});
+    auto first = [&] { return (*odd.begin()).data.size(0); };
+    const std::string ragged =  // the target has one row per one-process batch
+        "tensor 1 of the batch is of " + std::to_string(P) + " rows where the first has " + std::to_string(2 * P);
+    if (P == 1) CHECK(first() == 2);  // nothing dispatched
+    else CHECK_THROWS_WITH(first(), doctest::Contains(ragged.c_str()));
+    CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Indexed(4), {.layout = accel::ShardLayout::SAMPLES,
+                                                                      .dispatch_batches = true}),
+                         doctest::Contains("SAMPLES does not apply"), std::invalid_argument);
+    // Samples LibTorch's pickler cannot carry.
+    struct Opaque {
+      int value;
+    };
+    struct Opaques : torch::data::datasets::Dataset<Opaques, Opaque> {
+      Opaque get(std::size_t i) override { return {static_cast<int>(i)}; }
+      torch::optional<std::size_t> size() const override { return 4; }
+    };
+    CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Opaques(), {.dispatch_batches = true}),
+                         doctest::Contains("this loader's batches are neither"), std::invalid_argument);
+    CHECK((*accelerator.prepare_data_loader(Opaques()).begin()).size() == 1);  // without dispatch_batches: fine
+  }
+
   TEST_CASE("data: a custom batch sampler is sharded like Accelerate's (batches of varying size)") {
     accel::Accelerator accelerator(config());
     const int P = accelerator.num_processes();
@@ -451,13 +620,16 @@ TEST_SUITE("ranks") {
       }
       return out;
     };
-    auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
-                                                  {.batch_sampler = batches});
-    for (int epoch = 0; epoch < 2; ++epoch) {
-      std::vector<at::Tensor> metrics;
-      for (auto& batch : loader) metrics.push_back(accelerator.gather_for_metrics(batch.data).reshape({-1}));
-      at::Tensor expected = at::arange(static_cast<int64_t>(n), at::kLong);
-      CHECK(at::equal(std::get<0>(at::cat(metrics).sort()), expected));
+    for (bool dispatch : {false, true}) {  // dispatched: global batches whose rows may not divide by P
+      CAPTURE(dispatch);
+      auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                    {.batch_sampler = batches, .dispatch_batches = dispatch});
+      for (int epoch = 0; epoch < 2; ++epoch) {
+        std::vector<at::Tensor> metrics;
+        for (auto& batch : loader) metrics.push_back(accelerator.gather_for_metrics(batch.data).reshape({-1}));
+        at::Tensor expected = at::arange(static_cast<int64_t>(n), at::kLong);
+        CHECK(at::equal(std::get<0>(at::cat(metrics).sort()), expected));
+      }
     }
     auto bad = [n](std::size_t) { return std::vector<std::vector<std::size_t>>{{0, n}}; };
     CHECK_THROWS_WITH_AS(accelerator.prepare_data_loader(Indexed(n), {.batch_sampler = bad}),
@@ -539,9 +711,11 @@ TEST_SUITE("ranks") {
   // Accelerate's test_sync.py test_gradient_accumulation, with split_batches and sync_each_batch.
   TEST_CASE("accumulate: gradients equal the gathered batch's on sync steps only (Accelerate's test_sync)") {
     for (bool split : {false, true})
-      for (bool each : {false, true}) {
+      for (bool each : {false, true})
+      for (bool dispatch : {false, true}) {
         CAPTURE(split);
         CAPTURE(each);
+        CAPTURE(dispatch);
         auto c = config(2);
         c.split_batches = split;
         c.sync_each_batch = each;
@@ -550,7 +724,7 @@ TEST_SUITE("ranks") {
         Twins t(accelerator);
         auto loader = accelerator.prepare_data_loader(
             Regression(80).map(torch::data::transforms::Stack<>()),
-            {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4});
+            {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4, .dispatch_batches = dispatch});
         std::size_t iteration = 0;
         for (auto& batch : loader) {
           CAPTURE(iteration);
