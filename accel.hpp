@@ -7,12 +7,17 @@
 // SPDX-License-Identifier: MIT
 // Copyright (c) 2026 the accel.hpp authors. See LICENSE for the full text.
 //
-// Contents (in the order data flows through the header):
-//   without LibTorch:  VERSION · CONFIGURATION · ENUMS · ENVIRONMENT · STRATEGY
+// Contents (in the order data flows through the header; search "== NAME"):
+//   without LibTorch:  VERSION · CONFIGURATION · ERRORS · ENUMS · ENVIRONMENT ·
+//                      STRATEGY · LOCAL LAUNCHER (spawn, launch_processes)
 //   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
-//                      COLLECTIVES ON A GROUP · MESHES · THE SINGLETON ·
-//                      ACCELERATE'S OPERATIONS
+//                      COLLECTIVES ON A GROUP · RENDEZVOUS AND GROUPS ·
+//                      MESHES · THE SINGLETON (DistributedInterface) ·
+//                      ACCELERATE'S OPERATIONS (nested data, objects,
+//                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
+//                      (DataParallel, data loading, dispatch_batches,
+//                      Accelerator)
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -66,6 +71,33 @@
 #ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
 #endif
+// cuda_cmake_macros.h is generated only by CUDA builds of LibTorch, so CPU
+// packages that ship the c10/cuda headers anyway are not mistaken for CUDA.
+#ifndef ACCEL_WITH_NCCL
+#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>) && __has_include(<nccl.h>)
+#define ACCEL_WITH_NCCL 1
+#else
+#define ACCEL_WITH_NCCL 0
+#endif
+#endif
+
+// The knobs change inline bodies, so they are part of every name's linkage:
+// everything lives in an inline namespace named after the version and the
+// configuration (as json.hpp's ABI tags). Two translation units configured
+// differently then link to different functions instead of silently sharing
+// one body (each has its own DistributedInterface, too: configure alike).
+// ACCEL_DEFAULT_TIMEOUT_SECONDS must therefore be an integer literal.
+#define ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl) abi_v##major##_##minor##_##patch##_t##timeout##_nccl##nccl
+#define ACCEL_ABI_NAME(major, minor, patch, timeout, nccl) ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl)
+#define ACCEL_ABI_NAMESPACE                                                                               \
+  ACCEL_ABI_NAME(ACCEL_VERSION_MAJOR, ACCEL_VERSION_MINOR, ACCEL_VERSION_PATCH, ACCEL_DEFAULT_TIMEOUT_SECONDS, \
+                 ACCEL_WITH_NCCL)
+#define ACCEL_NAMESPACE_BEGIN \
+  namespace accel {           \
+  inline namespace ACCEL_ABI_NAMESPACE {
+#define ACCEL_NAMESPACE_END \
+  }                         \
+  }
 
 #if __cplusplus < 202002L
 #error "accel.hpp needs C++20 (-std=c++20)"
@@ -84,6 +116,7 @@
 #include <exception>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,16 +132,79 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+#if defined(__linux__)
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
-namespace accel {
+#include <filesystem>
+#include <fstream>
+#endif
 
-// Thrown when a collective, the rendezvous or a process group fails (peer
-// gone, timeout, mismatched calls). The message names the operation and the
-// group.
-class DistributedError : public std::runtime_error {
+ACCEL_NAMESPACE_BEGIN
+
+// == ERRORS ===================================================================
+//
+// Everything accel.hpp throws is an accel::Error, so `catch (const
+// accel::Error& e)` catches anything accel; each kind also derives from the
+// std exception it names, so `catch (const std::invalid_argument&)` keeps
+// working:
+//   InvalidArgument (std::invalid_argument)  a bad value: argument,
+//                       configuration, environment variable
+//   OutOfRange (std::out_of_range)           a value that does not fit its type
+//   LogicError (std::logic_error)            a call out of order (e.g. a second
+//                       configuration for a live singleton)
+//   RuntimeError (std::runtime_error)        the system or the build cannot do
+//                       it (no free port, no such device or backend, bad bytes)
+//   DistributedError (a RuntimeError)        a collective, the rendezvous or a
+//                       process group failed (peer gone, timeout, mismatched
+//                       calls); the message names the operation and the group
+// Exceptions from user code (bodies, datasets) pass through unchanged.
+
+class Error {
  public:
-  using std::runtime_error::runtime_error;
+  virtual ~Error() = default;
+  virtual const char* what() const noexcept = 0;
 };
+
+namespace detail {
+template <class Std>
+class ErrorOf : public Std, public Error {
+ public:
+  explicit ErrorOf(const std::string& message) : Std(message) {}
+  const char* what() const noexcept override { return Std::what(); }
+};
+}  // namespace detail
+
+class InvalidArgument : public detail::ErrorOf<std::invalid_argument> {
+ public:
+  using ErrorOf::ErrorOf;
+};
+class OutOfRange : public detail::ErrorOf<std::out_of_range> {
+ public:
+  using ErrorOf::ErrorOf;
+};
+class LogicError : public detail::ErrorOf<std::logic_error> {
+ public:
+  using ErrorOf::ErrorOf;
+};
+class RuntimeError : public detail::ErrorOf<std::runtime_error> {
+ public:
+  using ErrorOf::ErrorOf;
+};
+class DistributedError : public RuntimeError {
+ public:
+  using RuntimeError::RuntimeError;
+};
+
 // == ENUMS ====================================================================
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
@@ -151,7 +247,7 @@ E from_string(std::string_view text) {
     if (names[i] == text) return static_cast<E>(i);
   std::string expected;
   for (auto name : names) expected += (expected.empty() ? "" : ", ") + std::string(name);
-  throw std::invalid_argument("accel::from_string<" +
+  throw InvalidArgument("accel::from_string<" +
                               std::string(detail::enum_names<E>::type) + ">: unknown value '" +
                               std::string(text) + "' (expected one of: " + expected + ")");
 }
@@ -164,7 +260,7 @@ std::ostream& operator<<(std::ostream& os, E value) {
 // == ENVIRONMENT ==============================================================
 //
 // torchrun's contract. Values are validated: a malformed or inconsistent
-// variable throws std::invalid_argument naming the variable and its value.
+// variable throws InvalidArgument naming the variable and its value.
 
 namespace detail {
 inline std::optional<std::string> getenv_str(const char* name) {
@@ -173,48 +269,51 @@ inline std::optional<std::string> getenv_str(const char* name) {
   return std::string(value);
 }
 
+// A variable that must hold a number: unset gives `fallback`; set but empty,
+// not an integer, out of int's range or below `minimum` is an error naming it.
 inline int env_int(const char* name, int fallback, int minimum) {
-  auto text = getenv_str(name);
-  if (!text) return fallback;
+  const char* raw = std::getenv(name);
+  if (raw == nullptr) return fallback;
+  const std::string text(raw);
+  auto fail = [&](const std::string& what) {
+    throw InvalidArgument(std::string("accel: environment variable ") + name + what);
+  };
+  if (text.empty()) fail(" is set but empty (unset it, or give a number)");
   int value = 0;
-  const char* first = text->data();
-  const char* last = first + text->size();
-  auto [end, error] = std::from_chars(first, last, value);
-  if (error != std::errc() || end != last)
-    throw std::invalid_argument(std::string("accel: environment variable ") + name + "='" +
-                                *text + "' is not an integer");
-  if (value < minimum)
-    throw std::invalid_argument(std::string("accel: environment variable ") + name + "=" +
-                                *text + " must be at least " + std::to_string(minimum));
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error == std::errc::result_out_of_range)
+    fail("=" + text + " is out of range (at most " + std::to_string(std::numeric_limits<int>::max()) + ")");
+  if (error != std::errc() || end != text.data() + text.size()) fail("='" + text + "' is not an integer");
+  if (value < minimum) fail("=" + text + " must be at least " + std::to_string(minimum));
   return value;
 }
 
 // A yes/no switch: 1/0, true/false, yes/no, on/off (any case); anything else
 // is an error naming the variable, never a silent default.
 inline bool env_bool(const char* name, bool fallback) {
-  auto text = getenv_str(name);
-  if (!text) return fallback;
+  const char* raw = std::getenv(name);
+  if (raw == nullptr) return fallback;
+  const std::optional<std::string> text(raw);
+  if (text->empty())
+    throw InvalidArgument(std::string("accel: environment variable ") + name +
+                          " is set but empty (unset it, or use 1/0, true/false, yes/no or on/off)");
   std::string lower(*text);
   for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   for (const char* yes : {"1", "true", "yes", "on"})
     if (lower == yes) return true;
   for (const char* no : {"0", "false", "no", "off"})
     if (lower == no) return false;
-  throw std::invalid_argument(std::string("accel: environment variable ") + name + "='" + *text +
+  throw InvalidArgument(std::string("accel: environment variable ") + name + "='" + *text +
                               "' is not a switch (use 1/0, true/false, yes/no or on/off)");
-}
-
-inline void check_below(const char* name, int value, const char* bound_name, int bound) {
-  if (value >= bound)
-    throw std::invalid_argument(std::string("accel: ") + name + "=" + std::to_string(value) +
-                                " must be smaller than " + bound_name + "=" +
-                                std::to_string(bound));
 }
 }  // namespace detail
 
-// Other launchers' contracts, read when RANK is not set. The first complete
-// set wins (in this order); when none is complete, a partly set one is an
-// error naming what is there and what is missing.
+// Launchers' contracts, one row each. The first complete set wins, in this
+// order (torchrun's is complete when RANK is set, even to "": its other
+// variables have defaults); when none is, a partly set one (other than
+// torchrun's) is an error naming what is there and what is missing, and
+// otherwise the process is not distributed and torchrun's variables, or
+// their defaults, give the sizes.
 namespace detail {
 struct LauncherVars {
   const char* launcher;
@@ -223,8 +322,10 @@ struct LauncherVars {
   const char* local_rank;
   const char* local_size;
   const char* local_size_alt = nullptr;  // read when local_size is unset (Slurm's task list)
+  bool defaults = false;                 // only rank is needed: the others default to 1, 0, 1
 };
 inline constexpr LauncherVars kLaunchers[] = {
+    {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", nullptr, true},
     {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
@@ -234,7 +335,7 @@ inline constexpr LauncherVars kLaunchers[] = {
 };
 
 struct LaunchEnv {
-  const char* launcher;
+  const char* launcher;  // nullptr: not launched
   int rank, world, local_rank, local_world;
 };
 
@@ -246,7 +347,7 @@ inline std::optional<int> slurm_local_size() {
   auto text = getenv_str("SLURM_TASKS_PER_NODE");
   if (!text) return std::nullopt;
   auto bad = [&] {
-    return std::invalid_argument("accel: environment variable SLURM_TASKS_PER_NODE='" + *text +
+    return InvalidArgument("accel: environment variable SLURM_TASKS_PER_NODE='" + *text +
                                  "' is not a Slurm task list such as 2(x3),1");
   };
   auto number = [&](std::string_view digits) {
@@ -276,130 +377,123 @@ inline std::optional<int> slurm_local_size() {
   if (getenv_str("SLURM_NODEID")) {
     const int node = env_int("SLURM_NODEID", 0, 0);
     if (static_cast<std::size_t>(node) >= per_node.size())
-      throw std::invalid_argument("accel: SLURM_NODEID=" + std::to_string(node) + " is past the " +
+      throw InvalidArgument("accel: SLURM_NODEID=" + std::to_string(node) + " is past the " +
                                   std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
     return per_node[static_cast<std::size_t>(node)];
   }
   if (std::adjacent_find(per_node.begin(), per_node.end(), std::not_equal_to<>()) != per_node.end())
-    throw std::invalid_argument("accel: SLURM_TASKS_PER_NODE=" + *text +
+    throw InvalidArgument("accel: SLURM_TASKS_PER_NODE=" + *text +
                                 " differs between nodes and SLURM_NODEID is not set");
   return per_node.front();
 }
 
-// The rank and sizes from the first launcher whose set is complete;
-// nullopt when none is (torchrun's defaults then apply).
-inline std::optional<LaunchEnv> launcher_env() {
+// One launcher's values, read and checked against each other.
+inline LaunchEnv read_launcher(const LauncherVars& vars) {
+  // The variable that gives the local size: local_size, else its alternative.
+  const char* local_size = vars.local_size_alt && !std::getenv(vars.local_size) ? vars.local_size_alt : vars.local_size;
+  LaunchEnv env{vars.launcher, env_int(vars.rank, 0, 0), env_int(vars.size, 1, 1), env_int(vars.local_rank, 0, 0),
+                local_size == vars.local_size_alt ? *slurm_local_size() : env_int(local_size, 1, 1)};
+  auto contradiction = [&](const char* name, int value, const char* relation, const char* bound_name, int bound) {
+    const std::string where = vars.defaults ? "" : std::string(" (") + vars.launcher + "'s environment)";
+    return InvalidArgument(std::string("accel: ") + name + "=" + std::to_string(value) + relation + bound_name + "=" +
+                           std::to_string(bound) + where);
+  };
+  if (env.rank >= env.world) throw contradiction(vars.rank, env.rank, " must be smaller than ", vars.size, env.world);
+  if (env.local_world > env.world)
+    throw contradiction(local_size, env.local_world, " must not exceed ", vars.size, env.world);
+  if (env.local_rank >= env.local_world)
+    throw contradiction(vars.local_rank, env.local_rank, " must be smaller than ", local_size, env.local_world);
+  return env;
+}
+
+// The launch environment, read and validated in one pass (see kLaunchers).
+inline LaunchEnv launch_env() {
   const LauncherVars* partial = nullptr;
   for (const auto& vars : kLaunchers) {
-    // The variable that gives the local size: local_size, else its alternative.
-    const char* local_size = vars.local_size_alt && !getenv_str(vars.local_size) ? vars.local_size_alt
-                                                                                 : vars.local_size;
-    const char* names[] = {vars.rank, vars.size, vars.local_rank, local_size};
-    const auto count = std::count_if(std::begin(names), std::end(names), [](const char* n) { return getenv_str(n); });
-    if (count == 4) {
-      LaunchEnv env{vars.launcher, env_int(vars.rank, 0, 0), env_int(vars.size, 1, 1), env_int(vars.local_rank, 0, 0),
-                    vars.local_size_alt ? *slurm_local_size() : env_int(vars.local_size, 1, 1)};
-      auto contradiction = [&](const std::string& what) {
-        return std::invalid_argument("accel: " + what + " (" + vars.launcher + "'s environment)");
-      };
-      if (env.rank >= env.world)
-        throw contradiction(std::string(vars.rank) + "=" + std::to_string(env.rank) + " must be smaller than " +
-                            vars.size + "=" + std::to_string(env.world));
-      if (env.local_world > env.world)
-        throw contradiction(std::string(local_size) + "=" + std::to_string(env.local_world) + " must not exceed " +
-                            vars.size + "=" + std::to_string(env.world));
-      if (env.local_rank >= env.local_world)
-        throw contradiction(std::string(vars.local_rank) + "=" + std::to_string(env.local_rank) +
-                            " must be smaller than " + local_size + "=" + std::to_string(env.local_world));
-      return env;
-    }
-    if (count > 0 && !partial) partial = &vars;
+    const bool local_size_set =
+        std::getenv(vars.local_size) || (vars.local_size_alt && std::getenv(vars.local_size_alt));
+    const bool set[] = {std::getenv(vars.rank) != nullptr, std::getenv(vars.size) != nullptr,
+                        std::getenv(vars.local_rank) != nullptr, local_size_set};
+    const auto count = std::count(std::begin(set), std::end(set), true);
+    if (vars.defaults ? set[0] : count == 4) return read_launcher(vars);
+    if (!vars.defaults && count > 0 && !partial) partial = &vars;
   }
   if (partial) {
-    std::string set, missing;
     const std::string local_size = partial->local_size_alt
                                        ? std::string(partial->local_size) + " or " + partial->local_size_alt
                                        : partial->local_size;
-    const bool has_local_size = getenv_str(partial->local_size) ||
-                                (partial->local_size_alt && getenv_str(partial->local_size_alt));
-    const std::pair<std::string, bool> names[] = {{partial->rank, getenv_str(partial->rank).has_value()},
-                                                  {partial->size, getenv_str(partial->size).has_value()},
-                                                  {partial->local_rank, getenv_str(partial->local_rank).has_value()},
-                                                  {local_size, has_local_size}};
-    for (const auto& [name, there] : names) {
-      std::string& list = there ? set : missing;
-      list += list.empty() ? name : ", " + name;
+    const std::string names[] = {partial->rank, partial->size, partial->local_rank, local_size};
+    const bool there[] = {std::getenv(partial->rank) != nullptr, std::getenv(partial->size) != nullptr,
+                          std::getenv(partial->local_rank) != nullptr,
+                          std::getenv(partial->local_size) || (partial->local_size_alt && std::getenv(partial->local_size_alt))};
+    std::string set, missing;
+    for (int i = 0; i < 4; ++i) {
+      std::string& list = there[i] ? set : missing;
+      list += list.empty() ? names[i] : ", " + names[i];
     }
-    throw std::invalid_argument(std::string("accel: ") + partial->launcher + "'s environment is incomplete: " + set +
-                                " set but " + missing + " missing (set RANK and WORLD_SIZE to override)");
+    throw InvalidArgument(std::string("accel: ") + partial->launcher + "'s environment is incomplete: " + set +
+                          " set but " + missing + " missing (set RANK and WORLD_SIZE to override)");
   }
-  return std::nullopt;
+  LaunchEnv env = read_launcher(kLaunchers[0]);  // not launched: torchrun's variables or their defaults
+  env.launcher = nullptr;
+  return env;
 }
 }  // namespace detail
 
 // Whether this process is one rank of a launched job: RANK is set, or
 // another launcher's complete set (Open MPI, MPICH/Intel MPI, MVAPICH, Slurm).
-inline bool is_distributed() { return detail::getenv_str("RANK").has_value() || detail::launcher_env().has_value(); }
-
-inline int get_world_size() {
-  if (!detail::getenv_str("RANK"))
-    if (auto env = detail::launcher_env()) return env->world;
-  return detail::env_int("WORLD_SIZE", 1, 1);
-}
-
-inline int get_rank() {
-  if (!detail::getenv_str("RANK"))
-    if (auto env = detail::launcher_env()) return env->rank;
-  int rank = detail::env_int("RANK", 0, 0);
-  detail::check_below("RANK", rank, "WORLD_SIZE", get_world_size());
-  return rank;
-}
-
-inline int get_local_world_size() {
-  if (!detail::getenv_str("RANK"))
-    if (auto env = detail::launcher_env()) return env->local_world;
-  int local = detail::env_int("LOCAL_WORLD_SIZE", 1, 1);
-  if (int world = get_world_size(); local > world)
-    throw std::invalid_argument("accel: LOCAL_WORLD_SIZE=" + std::to_string(local) +
-                                " must not exceed WORLD_SIZE=" + std::to_string(world));
-  return local;
-}
-
-inline int get_local_rank() {
-  if (!detail::getenv_str("RANK"))
-    if (auto env = detail::launcher_env()) return env->local_rank;
-  int local_rank = detail::env_int("LOCAL_RANK", 0, 0);
-  detail::check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", get_local_world_size());
-  return local_rank;
-}
+// Each of these reads and validates the whole launch environment.
+inline bool is_distributed() { return detail::launch_env().launcher != nullptr; }
+inline int get_world_size() { return detail::launch_env().world; }
+inline int get_rank() { return detail::launch_env().rank; }
+inline int get_local_world_size() { return detail::launch_env().local_world; }
+inline int get_local_rank() { return detail::launch_env().local_rank; }
 
 // The launcher whose environment get_rank() and friends read: "torchrun"
 // (RANK set), "Open MPI", "MPICH/Intel MPI", "MVAPICH", "Slurm", or "none".
 inline std::string_view launcher() {
-  if (detail::getenv_str("RANK")) return "torchrun";
-  if (auto env = detail::launcher_env()) return env->launcher;
-  return "none";
+  const char* name = detail::launch_env().launcher;
+  return name ? name : "none";
 }
 
 // == STRATEGY =================================================================
 //
 // The four parallelism sizes, validated against the world size.
 
+// The timeout of a DistributedConfig that gives none: ACCEL_TIMEOUT (whole
+// seconds) when set, else ACCEL_DEFAULT_TIMEOUT_SECONDS.
+inline std::chrono::seconds default_timeout() {
+  return std::chrono::seconds(detail::env_int("ACCEL_TIMEOUT", ACCEL_DEFAULT_TIMEOUT_SECONDS, 1));
+}
+
+// A plain value: making one reads no environment and cannot throw; the
+// defaults are filled in (resolved()) when DistributedInterface starts.
 struct DistributedConfig {
   int mp_replicate_size = 1;
   std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
   std::optional<int> dp_size;        // default: world / cp_size
   int cp_size = 1;
-  // ACCEL_TIMEOUT (whole seconds) when set, else ACCEL_DEFAULT_TIMEOUT_SECONDS.
-  std::chrono::seconds timeout{detail::env_int("ACCEL_TIMEOUT", ACCEL_DEFAULT_TIMEOUT_SECONDS, 1)};
+  std::chrono::seconds timeout{0};   // of the store and every group; 0: default_timeout()
+  std::optional<DeviceType> device;  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
+
+  // This config with the default timeout filled in.
+  DistributedConfig resolved() const {
+    if (timeout.count() < 0)
+      throw InvalidArgument("accel::DistributedConfig: timeout must be positive (0 for the default), got " +
+                            std::to_string(timeout.count()) + " s");
+    DistributedConfig out = *this;
+    if (out.timeout.count() == 0) out.timeout = default_timeout();
+    return out;
+  }
 };
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
   auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
   return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
-            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size)
-            << ", cp_size=" << c.cp_size << ", timeout=" << c.timeout.count() << "s)";
+            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size) << ", cp_size=" << c.cp_size
+            << ", timeout=" << (c.timeout.count() ? std::to_string(c.timeout.count()) + "s" : std::string("default"))
+            << (c.device ? ", device=" + std::string(to_string(*c.device)) : std::string()) << ")";
 }
 
 // The four mesh sizes, validated against the world size on construction.
@@ -434,11 +528,11 @@ class DistributedStrategy {
   DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
     auto positive = [](const char* name, int value) {
       if (value < 1)
-        throw std::invalid_argument(std::string("accel::DistributedStrategy: ") + name +
+        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name +
                                     " must be positive, got " + std::to_string(value));
     };
     if (world < 1)
-      throw std::invalid_argument("accel::DistributedStrategy: world_size must be positive, got " +
+      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " +
                                   std::to_string(world));
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
@@ -463,14 +557,14 @@ class DistributedStrategy {
       if (world % given != 0) {
         message << "world_size " << world << " is not divisible by " << given_name << " "
                 << given;
-        throw std::invalid_argument(message.str());
+        throw InvalidArgument(message.str());
       }
       return {given, world / given};
     }
     if (static_cast<long long>(given) * *other != world) {
       message << given_name << " * " << other_name << " must equal world_size, got " << given
               << " * " << *other << " != " << world;
-      throw std::invalid_argument(message.str());
+      throw InvalidArgument(message.str());
     }
     return {given, *other};
   }
@@ -501,22 +595,6 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
 // stopped as whole process groups, so nothing is left behind.
 
 #if defined(__linux__)
-}  // namespace accel
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <signal.h>
-#include <sys/prctl.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <filesystem>
-#include <fstream>
-namespace accel {
 
 struct LaunchOptions {
   std::chrono::duration<double> timeout{0};  // 0: none; else every rank is stopped then, status 124
@@ -556,16 +634,41 @@ inline void forward_output(int rank, ChildRank& child, bool final, const LaunchO
   }
 }
 
-// Kills every running rank's process group and reaps the ranks.
-inline void stop_ranks(std::vector<ChildRank>& ranks) {
-  for (auto& child : ranks)
-    if (child.running && child.pid > 0) kill(-child.pid, SIGKILL);
-  for (auto& child : ranks)
-    if (child.running && child.pid > 0) {
-      waitpid(child.pid, nullptr, 0);
-      child.running = false;
-    }
-}
+// The ranks of one launch. Whatever ends the launch (its normal end, or an
+// exception on the way: no pipe, no fork, a failing output stream), the
+// destructor kills every rank still running with its process group, reaps
+// it and closes every pipe: nothing outlives launch_processes.
+class RankSet {
+ public:
+  explicit RankSet(std::size_t n) : ranks_(n) {}
+  RankSet(const RankSet&) = delete;
+  RankSet& operator=(const RankSet&) = delete;
+  ~RankSet() {
+    stop();
+    for (auto& child : ranks_) close_output(child);
+  }
+
+  // Kills every running rank's process group and reaps the ranks.
+  void stop() {
+    for (auto& child : ranks_)
+      if (child.running && child.pid > 0) kill(-child.pid, SIGKILL);
+    for (auto& child : ranks_)
+      if (child.running && child.pid > 0) {
+        waitpid(child.pid, nullptr, 0);
+        child.running = false;
+      }
+  }
+  static void close_output(ChildRank& child) {
+    if (child.out >= 0) close(child.out);
+    child.out = -1;
+  }
+  ChildRank& operator[](std::size_t rank) { return ranks_[rank]; }
+  std::vector<ChildRank>::iterator begin() { return ranks_.begin(); }
+  std::vector<ChildRank>::iterator end() { return ranks_.end(); }
+
+ private:
+  std::vector<ChildRank> ranks_;
+};
 
 // A TCP port free on this host now (the kernel's pick for port 0).
 inline int free_port() {
@@ -577,7 +680,7 @@ inline int free_port() {
   const bool ok = fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   if (fd >= 0) close(fd);
-  if (!ok) throw std::runtime_error(std::string("accel: cannot find a free TCP port: ") + std::strerror(errno));
+  if (!ok) throw RuntimeError(std::string("accel: cannot find a free TCP port: ") + std::strerror(errno));
   return ntohs(addr.sin_port);
 }
 
@@ -587,7 +690,7 @@ class PrivateDir {
   PrivateDir() {
     std::string pattern = (std::filesystem::temp_directory_path() / "accel-XXXXXX").string();
     if (mkdtemp(pattern.data()) == nullptr)  // mode 0700
-      throw std::runtime_error("accel: cannot create a private directory in " + pattern + ": " + std::strerror(errno));
+      throw RuntimeError("accel: cannot create a private directory in " + pattern + ": " + std::strerror(errno));
     path_ = pattern;
   }
   PrivateDir(const PrivateDir&) = delete;
@@ -611,15 +714,15 @@ class PrivateDir {
 // such as Python's torch.distributed).
 inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
                             const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
-  if (nprocs < 1) throw std::invalid_argument("accel::launch_processes: nprocs must be at least 1, got " +
+  if (nprocs < 1) throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " +
                                               std::to_string(nprocs));
-  if (argv.empty()) throw std::invalid_argument("accel::launch_processes: no program to run");
+  if (argv.empty()) throw InvalidArgument("accel::launch_processes: no program to run");
   detail::PrivateDir store_dir;
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   const pid_t launcher = getpid();
-  std::vector<detail::ChildRank> ranks(static_cast<std::size_t>(nprocs));
+  detail::RankSet ranks(static_cast<std::size_t>(nprocs));
   options.out->flush();
   const int port = detail::free_port();
   // Each rank's environment is built here, before fork: between fork and
@@ -648,14 +751,13 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
     for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
     envp.push_back(nullptr);
     int fds[2];
-    if (pipe(fds) != 0) {
-      detail::stop_ranks(ranks);
-      throw std::runtime_error(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
-    }
+    if (pipe(fds) != 0) throw RuntimeError(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
     const pid_t pid = fork();
     if (pid < 0) {
-      detail::stop_ranks(ranks);
-      throw std::runtime_error(std::string("accel::launch_processes: fork: ") + std::strerror(errno));
+      const int error = errno;
+      close(fds[0]);
+      close(fds[1]);
+      throw RuntimeError(std::string("accel::launch_processes: fork: ") + std::strerror(error));
     }
     if (pid == 0) {  // only async-signal-safe calls from here to exec
       setpgid(0, 0);
@@ -669,11 +771,11 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
       if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
       _exit(127);
     }
+    ranks[static_cast<std::size_t>(rank)].pid = pid;  // owned by the rank set from here
+    ranks[static_cast<std::size_t>(rank)].out = fds[0];
     setpgid(pid, pid);
     close(fds[1]);
     fcntl(fds[0], F_SETFL, O_NONBLOCK);
-    ranks[static_cast<std::size_t>(rank)].pid = pid;
-    ranks[static_cast<std::size_t>(rank)].out = fds[0];
   }
   const auto start = std::chrono::steady_clock::now();
   int running = nprocs, result = 0;
@@ -692,31 +794,28 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
       --running;
       kill(-child.pid, SIGKILL);  // anything the rank left running in its group
       detail::forward_output(rank, child, true, options);
-      close(child.out);
-      child.out = -1;
+      detail::RankSet::close_output(child);
       const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       if (code != 0 && result == 0) {
         *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
                      << std::endl;
         result = code;
-        detail::stop_ranks(ranks);
+        ranks.stop();
         running = 0;
       }
     }
     if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
       *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
-      detail::stop_ranks(ranks);
+      ranks.stop();
       result = 124;
       running = 0;
     }
   }
-  for (auto& child : ranks) {
-    if (child.out >= 0) {
-      detail::forward_output(static_cast<int>(&child - ranks.data()), child, true, options);
-      close(child.out);
-    }
+  for (int rank = 0; rank < nprocs; ++rank) {
+    auto& child = ranks[static_cast<std::size_t>(rank)];
+    if (child.out >= 0) detail::forward_output(rank, child, true, options);
   }
-  return result;
+  return result;  // the rank set closes the pipes
 }
 
 // In the caller: starts nprocs ranks of this very program (same arguments)
@@ -744,13 +843,13 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
     std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
     for (std::string arg; std::getline(cmdline, arg, '\0');) argv.push_back(arg);
   }
-  if (argv.empty()) throw std::runtime_error("accel::spawn: cannot read this program's arguments");
+  if (argv.empty()) throw RuntimeError("accel::spawn: cannot read this program's arguments");
   argv[0] = std::filesystem::read_symlink("/proc/self/exe").string();
   return launch_processes(nprocs, argv, options, {{"ACCEL_SPAWNED_RANK", "1"}});
 }
 #endif  // __linux__
 
-}  // namespace accel
+ACCEL_NAMESPACE_END  // accel
 
 #endif  // ACCEL_HPP
 
@@ -769,15 +868,6 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
 #define USE_C10D_GLOO 1
 #endif
 
-// cuda_cmake_macros.h is generated only by CUDA builds of LibTorch, so CPU
-// packages that ship the c10/cuda headers anyway are not mistaken for CUDA.
-#ifndef ACCEL_WITH_NCCL
-#if __has_include(<c10/cuda/impl/cuda_cmake_macros.h>) && __has_include(<nccl.h>)
-#define ACCEL_WITH_NCCL 1
-#else
-#define ACCEL_WITH_NCCL 0
-#endif
-#endif
 #if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
 #define USE_C10D_NCCL 1
 #endif
@@ -811,7 +901,7 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
 #endif
 
 
-namespace accel {
+ACCEL_NAMESPACE_BEGIN
 
 using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
@@ -841,6 +931,11 @@ inline c10::DeviceType to_c10(DeviceType type) {
   }
   return c10::DeviceType::CPU;
 }
+inline DeviceType from_c10(c10::DeviceType type) {
+  for (auto t : {DeviceType::CPU, DeviceType::CUDA, DeviceType::META, DeviceType::MPS, DeviceType::NPU, DeviceType::XPU})
+    if (to_c10(t) == type) return t;
+  throw InvalidArgument(std::string("accel: device type ") + c10::DeviceTypeName(type) + " is not one accel.hpp knows");
+}
 }  // namespace detail
 
 inline bool is_torch_cuda_available() { return detail::guard_device_count(c10::DeviceType::CUDA) > 0; }
@@ -869,19 +964,25 @@ inline bool is_available(DeviceType type) {
 
 // The accelerator this process uses, without an index. ACCEL_DEVICE forces a
 // type; with check_available, forcing an unavailable one is an error.
+namespace detail {
+// A device type asked for (by `who`), checked to be usable.
+inline c10::Device forced_device(DeviceType type, const std::string& who, bool check_available = true) {
+  if (check_available && !is_available(type))
+    throw RuntimeError("accel: " + who + ", but this LibTorch has no usable " + std::string(to_string(type)) +
+                       " device (CPU-only build, or no device visible)");
+  return c10::Device(to_c10(type));
+}
+}  // namespace detail
+
 inline c10::Device get_current_accelerator(bool check_available = true) {
   if (auto forced = detail::getenv_str("ACCEL_DEVICE")) {
     DeviceType type;
     try {
       type = from_string<DeviceType>(*forced);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(std::string("accel: ACCEL_DEVICE: ") + e.what());
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string("accel: ACCEL_DEVICE: ") + e.what());
     }
-    if (check_available && !is_available(type))
-      throw std::runtime_error("accel: ACCEL_DEVICE=" + *forced +
-                               ", but this LibTorch has no usable " + *forced +
-                               " device (CPU-only build, or no device visible)");
-    return c10::Device(detail::to_c10(type));
+    return detail::forced_device(type, "ACCEL_DEVICE=" + *forced, check_available);
   }
   for (auto type : {DeviceType::CUDA, DeviceType::NPU, DeviceType::XPU, DeviceType::MPS})
     if (is_available(type)) return c10::Device(detail::to_c10(type));
@@ -895,25 +996,31 @@ inline int get_device_count() {
   return detail::guard_device_count(type);
 }
 
-// Binds this process to the device LOCAL_RANK (no-op on the CPU).
-inline void set_device_index() {
-  auto type = get_current_accelerator().type();
+namespace detail {
+// Binds this process to device LOCAL_RANK of `type` (no-op on the CPU).
+inline void bind_device(c10::DeviceType type) {
   if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return;
   int local_rank = get_local_rank();
   int count = detail::guard_device_count(type);
   if (local_rank >= count)
-    throw std::runtime_error("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " +
+    throw RuntimeError("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " +
                              std::to_string(count) + " " + c10::DeviceTypeName(type, true) +
                              " device(s) are visible");
   c10::impl::getDeviceGuardImpl(type)->setDevice(
       c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
 }
 
-inline c10::Device get_current_device() {
-  auto type = get_current_accelerator().type();
+// The current device of `type`, with its index.
+inline c10::Device current_device_of(c10::DeviceType type) {
   if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return c10::Device(type);
   return c10::impl::getDeviceGuardImpl(type)->getDevice();
 }
+}  // namespace detail
+
+// Binds this process to the device LOCAL_RANK (no-op on the CPU).
+inline void set_device_index() { detail::bind_device(get_current_accelerator().type()); }
+
+inline c10::Device get_current_device() { return detail::current_device_of(get_current_accelerator().type()); }
 
 // Waits for the work queued on the local device; not a barrier.
 inline void synchronize() {
@@ -930,26 +1037,31 @@ inline void synchronize() {
 #endif
 }
 
+namespace detail {
 // "nccl" for CUDA, "hccl" for NPU, "gloo" otherwise; ACCEL_BACKEND overrides.
-inline std::string get_process_group_backend() {
+inline std::string backend_for(c10::DeviceType type) {
   if (auto forced = detail::getenv_str("ACCEL_BACKEND")) {
     if (*forced == "gloo") return *forced;
     if (*forced == "nccl") {
       if (!ACCEL_WITH_NCCL)
-        throw std::runtime_error(
+        throw RuntimeError(
             "accel: ACCEL_BACKEND=nccl, but accel.hpp was compiled against a LibTorch "
             "without NCCL (no CUDA build or no <nccl.h>); use ACCEL_BACKEND=gloo");
       return *forced;
     }
-    throw std::invalid_argument("accel: ACCEL_BACKEND='" + *forced +
+    throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced +
                                 "' is not supported (expected gloo or nccl)");
   }
-  switch (get_current_accelerator().type()) {
+  switch (type) {
     case c10::DeviceType::CUDA: return "nccl";
     case c10::DeviceType::PrivateUse1: return "hccl";
     default: return "gloo";
   }
 }
+}  // namespace detail
+
+// The backend for the current accelerator (see detail::backend_for).
+inline std::string get_process_group_backend() { return detail::backend_for(get_current_accelerator().type()); }
 
 // == TENSOR-LIKE CONCEPTS =====================================================
 //
@@ -1024,7 +1136,7 @@ template <Scalar T>
 value_type_t<T> to_value(T x) {
   if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
     if (x > static_cast<T>(INT64_MAX))
-      throw std::out_of_range("accel::operate_tensorlike: uint64 value " + std::to_string(x) +
+      throw OutOfRange("accel::operate_tensorlike: uint64 value " + std::to_string(x) +
                               " does not fit LibTorch's int64 dtype");
   return static_cast<value_type_t<T>>(x);
 }
@@ -1063,8 +1175,9 @@ at::Tensor wire(V& data) {
 
 template <Scalar T>
 T from_value_tensor(const at::Tensor& result) {
-  TORCH_CHECK(result.numel() == 1, "accel::operate_tensorlike: a scalar's function returned ",
-              result.numel(), " elements");
+  if (result.numel() != 1)
+    throw InvalidArgument("accel::operate_tensorlike: a scalar's function returned " + std::to_string(result.numel()) +
+                          " elements");
   using V = value_type_t<T>;
   return static_cast<T>(result.to(c10::kCPU).to(value_dtype<T>()).template item<V>());
 }
@@ -1191,7 +1304,7 @@ inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (group) return group.get();
   if (auto* world = registry().world.load()) return world;
   if (!is_distributed()) return nullptr;
-  throw std::logic_error(std::string("accel::") + op +
+  throw LogicError(std::string("accel::") + op +
                          ": RANK is set but no world group exists; call "
                          "accel::DistributedInterface::instance() first or pass a group");
 }
@@ -1225,7 +1338,7 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
 
 inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_reduce") {
   if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
-    throw std::invalid_argument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " +
+    throw InvalidArgument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " +
                                 c10::toString(dtype) +
                                 " would truncate; use ReduceOp::SUM and divide by the group size, "
                                 "or pass a floating-point value");
@@ -1276,10 +1389,10 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
 // operation's parameter is called); without a group only rank 0 exists.
 inline void check_source(const c10d::ProcessGroup* group, int src, const char* op, const char* name) {
   if (!group && src != 0)
-    throw std::invalid_argument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
                                 " but the process is not distributed (only rank 0 exists)");
   if (group && (src < 0 || src >= group->getSize()))
-    throw std::invalid_argument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
                                 " is not a rank of " + describe(*group) + " (" + name +
                                 " is a rank within the group)");
 }
@@ -1567,7 +1680,7 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
     message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected)
             << ", dtype " << input.scalar_type() << " and device " << input.device() << "; got "
             << output.sizes() << ", " << output.scalar_type() << ", " << output.device();
-    throw std::invalid_argument(message.str());
+    throw InvalidArgument(message.str());
   }
   if (!g) {
     at::NoGradGuard no_grad;
@@ -1634,68 +1747,11 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
   }
 }
 
-// == MESHES ===================================================================
-
-// A mesh over arange(world).reshape(shape), as init_device_mesh lays it out,
-// seen from one rank: it holds only the groups this rank belongs to.
-class DeviceMesh {
- public:
-  DeviceMesh(c10::DeviceType device_type, std::vector<int> shape, std::vector<std::string> dim_names,
-             std::vector<int> ranks, std::vector<int> coordinate, std::vector<GroupPtr> groups)
-      : device_type_(device_type),
-        shape_(std::move(shape)),
-        dim_names_(std::move(dim_names)),
-        ranks_(std::move(ranks)),
-        coordinate_(std::move(coordinate)),
-        groups_(std::move(groups)) {}
-
-  c10::DeviceType device_type() const { return device_type_; }
-  int ndim() const { return static_cast<int>(shape_.size()); }
-  const std::vector<int>& shape() const { return shape_; }
-  const std::vector<std::string>& dim_names() const { return dim_names_; }
-  // Global ranks of the mesh, row-major.
-  const std::vector<int>& ranks() const { return ranks_; }
-  int size() const { return static_cast<int>(ranks_.size()); }
-  int size(int mesh_dim) const { return shape_.at(index(mesh_dim)); }
-  // This rank's coordinate in the mesh.
-  const std::vector<int>& get_coordinate() const { return coordinate_; }
-  // This rank's index along a dimension = its rank inside that dimension's group.
-  int get_local_rank(int mesh_dim = 0) const { return coordinate_.at(index(mesh_dim)); }
-  int get_local_rank(std::string_view name) const { return get_local_rank(index(name)); }
-  const GroupPtr& get_group(int mesh_dim = 0) const { return groups_.at(index(mesh_dim)); }
-  const GroupPtr& get_group(std::string_view name) const { return get_group(index(name)); }
-
-  int index(std::string_view name) const {
-    for (std::size_t i = 0; i < dim_names_.size(); ++i)
-      if (dim_names_[i] == name) return static_cast<int>(i);
-    throw std::invalid_argument("accel::DeviceMesh: no dimension named '" + std::string(name) + "'");
-  }
-
- private:
-  int index(int mesh_dim) const {
-    if (mesh_dim < 0 || mesh_dim >= ndim())
-      throw std::out_of_range("accel::DeviceMesh: dimension " + std::to_string(mesh_dim) +
-                              " out of range for a " + std::to_string(ndim()) + "-d mesh");
-    return mesh_dim;
-  }
-
-  c10::DeviceType device_type_;
-  std::vector<int> shape_;
-  std::vector<std::string> dim_names_;
-  std::vector<int> ranks_;
-  std::vector<int> coordinate_;
-  std::vector<GroupPtr> groups_;
-};
-
-inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
-  os << "DeviceMesh(" << c10::DeviceTypeName(mesh.device_type(), true) << ", shape=(";
-  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.shape()[i];
-  os << "), dims=(";
-  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.dim_names()[i];
-  os << "), coordinate=(";
-  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.get_coordinate()[i];
-  return os << "))";
-}
+// == RENDEZVOUS AND GROUPS ====================================================
+//
+// How ranks meet (a c10d store: FileStore, TCPStore, or torchrun's agent
+// store), agree on the world before building anything, and construct c10d
+// process groups on both LibTorch generations.
 
 namespace detail {
 inline std::atomic<int>& groups_created() {  // per process, for tests and benchmarks
@@ -1789,7 +1845,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     }
     return new_group<c10d::ProcessGroupGloo>(store, rank, size, options, c10::DeviceType::CPU, timeout);
 #else
-    throw std::runtime_error(
+    throw RuntimeError(
         "accel: the gloo backend needs the Gloo headers (Debian: libgloo-dev) when compiling");
 #endif
   }
@@ -1799,11 +1855,11 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     options->timeout = timeout;
     return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);
 #else
-    throw std::runtime_error("accel: the nccl backend is not available in this build "
+    throw RuntimeError("accel: the nccl backend is not available in this build "
                              "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
 #endif
   }
-  throw std::runtime_error("accel: process-group backend '" + backend +
+  throw RuntimeError("accel: process-group backend '" + backend +
                            "' is not supported by accel.hpp (use gloo or nccl)");
 }
 
@@ -1817,7 +1873,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 template <class Options>
 c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, Options options) {
   const auto use = getenv_str("USE_LIBUV");
-  if (use && *use != "0" && *use != "1") throw std::invalid_argument("USE_LIBUV=" + *use + " (expected 0 or 1)");
+  if (use && *use != "0" && *use != "1") throw InvalidArgument("USE_LIBUV=" + *use + " (expected 0 or 1)");
   if constexpr (requires { options.useLibUV; }) {
     static std::atomic<bool> build_has_libuv{true};
     options.useLibUV = use ? *use == "1" : build_has_libuv.load();
@@ -1865,16 +1921,16 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
   std::string host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
   int port = file ? 0 : env_int("MASTER_PORT", 29500, 0);
   if (port > 65535)
-    throw std::invalid_argument("accel: MASTER_PORT=" + std::to_string(port) + " is not a TCP port");
+    throw InvalidArgument("accel: MASTER_PORT=" + std::to_string(port) + " is not a TCP port");
   const std::string where = file ? "file store " + *dir + "/store" : host + ":" + std::to_string(port);
   if (!current.store || current.where != where || current.rank != rank || current.world != world) {
     try {
       if (file) {
         struct stat info {};
         if (stat(dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
-          throw std::invalid_argument("ACCEL_STORE_DIR=" + *dir + " is not a directory");
+          throw InvalidArgument("ACCEL_STORE_DIR=" + *dir + " is not a directory");
         if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
-          throw std::invalid_argument("ACCEL_STORE_DIR=" + *dir +
+          throw InvalidArgument("ACCEL_STORE_DIR=" + *dir +
                                       " must be private (owned by this user, mode 0700): other users could join");
         current.store = c10::make_intrusive<c10d::FileStore>(*dir + "/store", world);
       } else {
@@ -1901,7 +1957,162 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
   prefix += std::to_string(current.generation++) + "/";
   return current.store;
 }
+// The rendezvous protocol, on a fresh key prefix: every rank arrives before
+// any creates a group, so none is still tearing down the groups of a
+// previous initialisation (after destroy()) while the others connect. Every
+// rank must believe in the same world size: the first to arrive records its
+// own; one that disagrees tells everyone (the others find the note after the
+// arrival wait) and fails at once. Debug mode must be alike on every rank
+// (it adds collectives). Four store round trips; on timeout the error names
+// the ranks that never arrived.
+inline void meet(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
+                 std::chrono::seconds timeout) {
+  const std::string mine = std::to_string(world);
+  const std::vector<uint8_t> bytes(mine.begin(), mine.end());
+  if (const std::vector<uint8_t> first = store.compareSet(prefix + "world_size", {}, bytes); first != bytes) {
+    const std::string text = "rank " + std::to_string(rank) + " believes WORLD_SIZE=" + mine +
+                             " but a rank before it believes WORLD_SIZE=" + std::string(first.begin(), first.end()) +
+                             "; every rank must be started with the same world size";
+    store.set(prefix + "mismatch", std::vector<uint8_t>(text.begin(), text.end()));
+    store.set(prefix + "all_arrived", std::vector<uint8_t>{1});
+    throw InvalidArgument(text);
+  }
+  store.set(prefix + "arrived/" + std::to_string(rank), std::vector<uint8_t>{1});
+  store.add(prefix + "debug", debug ? 1 : 0);
+  if (store.add(prefix + "arrived", 1) == world) store.set(prefix + "all_arrived", std::vector<uint8_t>{1});
+  try {
+    store.wait({prefix + "all_arrived"});
+  } catch (const std::exception& e) {
+    // How many are missing is one counter read; who, the first 16 found (a
+    // round trip per rank looked at, so a huge WORLD_SIZE reports at once).
+    const int64_t count = world - store.add(prefix + "arrived", 0);
+    std::string missing;
+    int64_t named = 0;
+    for (int r = 0; r < world && named < std::min<int64_t>(count, 16); ++r)
+      if (!store.check({prefix + "arrived/" + std::to_string(r)})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        ++named;
+      }
+    if (count > named) missing += ", ...";
+    throw DistributedError("accel: rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
+                           " s (the timeout) at the rendezvous, but " + std::to_string(count) + " of " +
+                           std::to_string(world) + " ranks never arrived (rank" + (count > 1 ? "s " : " ") + missing +
+                           "): were they started, with the same MASTER_ADDR/MASTER_PORT? (" + error_text(e) + ")");
+  }
+  if (store.check({prefix + "mismatch"})) {
+    const std::vector<uint8_t> text = store.get(prefix + "mismatch");
+    throw InvalidArgument(std::string(text.begin(), text.end()));
+  }
+  if (const int64_t in_debug = store.add(prefix + "debug", 0); in_debug != 0 && in_debug != world)
+    throw InvalidArgument("debug mode is on in " + std::to_string(in_debug) + " of " + std::to_string(world) +
+                          " ranks (here: " + (debug ? "on" : "off") + "); set ACCEL_DEBUG_MODE alike on every rank");
+}
 }  // namespace detail
+
+// == MESHES ===================================================================
+
+// A mesh over arange(world).reshape(shape), as init_device_mesh lays it out,
+// seen from one rank: it holds only the groups this rank belongs to.
+class DeviceMesh {
+ public:
+  DeviceMesh(c10::DeviceType device_type, std::vector<int> shape, std::vector<std::string> dim_names,
+             std::vector<int> ranks, std::vector<int> coordinate, std::vector<GroupPtr> groups)
+      : device_type_(device_type),
+        shape_(std::move(shape)),
+        dim_names_(std::move(dim_names)),
+        ranks_(std::move(ranks)),
+        coordinate_(std::move(coordinate)),
+        groups_(std::move(groups)) {}
+
+  c10::DeviceType device_type() const { return device_type_; }
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  const std::vector<int>& shape() const { return shape_; }
+  const std::vector<std::string>& dim_names() const { return dim_names_; }
+  // Global ranks of the mesh, row-major.
+  const std::vector<int>& ranks() const { return ranks_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  int size(int mesh_dim) const { return shape_.at(index(mesh_dim)); }
+  // This rank's coordinate in the mesh.
+  const std::vector<int>& get_coordinate() const { return coordinate_; }
+  // This rank's index along a dimension = its rank inside that dimension's group.
+  int get_local_rank(int mesh_dim = 0) const { return coordinate_.at(index(mesh_dim)); }
+  int get_local_rank(std::string_view name) const { return get_local_rank(index(name)); }
+  const GroupPtr& get_group(int mesh_dim = 0) const { return groups_.at(index(mesh_dim)); }
+  const GroupPtr& get_group(std::string_view name) const { return get_group(index(name)); }
+
+  int index(std::string_view name) const {
+    for (std::size_t i = 0; i < dim_names_.size(); ++i)
+      if (dim_names_[i] == name) return static_cast<int>(i);
+    throw InvalidArgument("accel::DeviceMesh: no dimension named '" + std::string(name) + "'");
+  }
+
+ private:
+  int index(int mesh_dim) const {
+    if (mesh_dim < 0 || mesh_dim >= ndim())
+      throw OutOfRange("accel::DeviceMesh: dimension " + std::to_string(mesh_dim) +
+                              " out of range for a " + std::to_string(ndim()) + "-d mesh");
+    return mesh_dim;
+  }
+
+  c10::DeviceType device_type_;
+  std::vector<int> shape_;
+  std::vector<std::string> dim_names_;
+  std::vector<int> ranks_;
+  std::vector<int> coordinate_;
+  std::vector<GroupPtr> groups_;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
+  os << "DeviceMesh(" << c10::DeviceTypeName(mesh.device_type(), true) << ", shape=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.shape()[i];
+  os << "), dims=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.dim_names()[i];
+  os << "), coordinate=(";
+  for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.get_coordinate()[i];
+  return os << "))";
+}
+
+
+namespace detail {
+// The 2-D mesh of `shape` (over arange(world).reshape(shape)) seen from
+// `rank`: it creates only this rank's group along each dimension (the ranks
+// that share every other coordinate, under a PrefixStore named after that
+// coordinate), so the groups per rank do not grow with the world size.
+inline DeviceMesh build_mesh(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                             const std::string& prefix, int rank, std::array<int, 2> shape,
+                             std::array<std::string_view, 2> names, c10::DeviceType device_type,
+                             std::chrono::milliseconds timeout) {
+  const int rows = shape[0], cols = shape[1];
+  std::vector<int> coordinate{rank / cols, rank % cols};
+  std::vector<GroupPtr> groups;
+  // Along dim 0 (size rows): same column. Along dim 1 (size cols): same row.
+  for (int axis = 0; axis < 2; ++axis) {
+    const int fixed = coordinate[1 - axis];
+    std::string key = prefix + std::string(names[axis]) + "/" + std::to_string(fixed);
+    auto group = make_group(backend, c10::make_intrusive<c10d::PrefixStore>(key, store), coordinate[axis],
+                            shape[axis], timeout);
+    // e.g. "dp{cp=1}": the dp group of the ranks whose cp coordinate is 1.
+    register_group(group, std::string(names[axis]) + "{" + std::string(names[1 - axis]) + "=" +
+                              std::to_string(fixed) + "}");
+    groups.push_back(std::move(group));
+  }
+  std::vector<int> ranks(static_cast<std::size_t>(rows) * cols);
+  std::iota(ranks.begin(), ranks.end(), 0);
+  return DeviceMesh(device_type, {rows, cols}, {std::string(names[0]), std::string(names[1])}, std::move(ranks),
+                    std::move(coordinate), std::move(groups));
+}
+
+// The 1-D mesh along `axis` of a 2-D mesh, through this rank.
+inline DeviceMesh slice_mesh(const DeviceMesh& mesh, int axis) {
+  const auto& c = mesh.get_coordinate();
+  const int cols = mesh.shape()[1];
+  std::vector<int> ranks;
+  for (int i = 0; i < mesh.size(axis); ++i) ranks.push_back(axis == 0 ? i * cols + c[1] : c[0] * cols + i);
+  return DeviceMesh(mesh.device_type(), {mesh.size(axis)}, {mesh.dim_names()[axis]}, std::move(ranks), {c[axis]},
+                    {mesh.get_group(axis)});
+}
+}  // namespace detail
+
 
 // == THE SINGLETON ============================================================
 
@@ -1914,15 +2125,15 @@ class DistributedInterface {
     std::lock_guard lock(mutex());
     auto& slot = holder();
     if (slot) {
-      if (config && *config != slot->config_) {
+      if (config && resolve(*config) != slot->config_) {
         std::ostringstream message;
         message << "accel::DistributedInterface::instance: already initialised with "
                 << slot->config_ << ", asked for " << *config << "; call destroy() first";
-        throw std::logic_error(message.str());
+        throw LogicError(message.str());
       }
       return *slot;
     }
-    slot.reset(new DistributedInterface(config.value_or(DistributedConfig{})));
+    slot.reset(new DistributedInterface(resolve(config.value_or(DistributedConfig{}))));
     return *slot;
   }
 
@@ -1937,7 +2148,7 @@ class DistributedInterface {
   ~DistributedInterface() { release(); }
 
   const DistributedStrategy& strategy() const { return strategy_; }
-  const DistributedConfig& config() const { return config_; }
+  const DistributedConfig& config() const { return config_; }  // resolved: the timeout and device in force
   c10::Device current_device() const { return current_device_; }
   c10::Device current_accelerator() const { return current_accelerator_; }
   bool distributed() const { return distributed_; }
@@ -1946,7 +2157,7 @@ class DistributedInterface {
   // The 1-D mesh of one dimension (no dim: invalid_argument; not
   // distributed: nullptr).
   const DeviceMesh* get_device_mesh(std::optional<Dim> dim) const {
-    if (!dim) throw std::invalid_argument("accel::DistributedInterface::get_device_mesh: dim must be specified");
+    if (!dim) throw InvalidArgument("accel::DistributedInterface::get_device_mesh: dim must be specified");
     if (!distributed_) return nullptr;
     return &dim_meshes_[static_cast<std::size_t>(*dim)];
   }
@@ -2008,41 +2219,30 @@ class DistributedInterface {
         world_size_(accel::get_world_size()),
         local_rank_(accel::get_local_rank()),
         local_world_size_(accel::get_local_world_size()),
-        current_accelerator_(get_current_accelerator()),
+        current_accelerator_(detail::forced_device(*config.device, "DistributedConfig::device is " +
+                                                                          std::string(to_string(*config.device)))),
         current_device_(current_accelerator_) {
     if (!distributed_) {
       debug_mode();  // validates ACCEL_DEBUG_MODE
       return;
     }
-    set_device_index();
-    current_device_ = get_current_device();
-    backend_ = get_process_group_backend();
+    detail::bind_device(current_accelerator_.type());
+    current_device_ = detail::current_device_of(current_accelerator_.type());
+    backend_ = detail::backend_for(current_accelerator_.type());
     auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
     const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
     std::string prefix;
     auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
     try {
-      // Every rank arrives at this initialisation before any creates a
-      // group, so none is still tearing down the groups of a previous one
-      // (after destroy()) while the others connect. Two store round trips,
-      // and two more to agree on debug mode (which adds collectives).
-      agree_on_world_size(*store, prefix);
-      store->set(prefix + "arrived/" + std::to_string(rank_), std::vector<uint8_t>{1});
-      store->add(prefix + "debug", debug ? 1 : 0);
-      if (store->add(prefix + "arrived", 1) == world_size_)
-        store->set(prefix + "all_arrived", std::vector<uint8_t>{1});
-      wait_for_arrivals(*store, prefix, config.timeout);
-      if (int64_t in_debug = store->add(prefix + "debug", 0); in_debug != 0 && in_debug != world_size_)
-        throw std::invalid_argument("debug mode is on in " + std::to_string(in_debug) + " of " +
-                                    std::to_string(world_size_) + " ranks (here: " + (debug ? "on" : "off") +
-                                    "); set ACCEL_DEBUG_MODE alike on every rank");
+      detail::meet(*store, prefix, rank_, world_size_, debug, config.timeout);
       world_ = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store),
                                   rank_, world_size_, timeout);
       detail::register_group(world_, "world", /*is_world=*/true);
-      model_mesh_ = build_mesh(store, prefix + "model/", strategy_.model_mesh_shape(),
-                               strategy_.model_mesh_dim_names(), timeout);
-      data_mesh_ = build_mesh(store, prefix + "data/", strategy_.data_mesh_shape(),
-                              strategy_.data_mesh_dim_names(), timeout);
+      const c10::DeviceType device_type = current_accelerator_.type();
+      model_mesh_ = detail::build_mesh(backend_, store, prefix + "model/", rank_, strategy_.model_mesh_shape(),
+                                       strategy_.model_mesh_dim_names(), device_type, timeout);
+      data_mesh_ = detail::build_mesh(backend_, store, prefix + "data/", rank_, strategy_.data_mesh_shape(),
+                                      strategy_.data_mesh_dim_names(), device_type, timeout);
     } catch (const DistributedError&) {
       release();
       throw;
@@ -2055,8 +2255,17 @@ class DistributedInterface {
     for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP}) {
       const DeviceMesh& parent = (dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_;
       int axis = parent.index(to_string(dim));
-      dim_meshes_.push_back(slice(parent, axis));
+      dim_meshes_.push_back(detail::slice_mesh(parent, axis));
     }
+  }
+
+  // A config with every default filled in: the timeout, and the device
+  // (ACCEL_DEVICE, else the best available), so that a config that leaves
+  // them out matches a live instance that used the same.
+  static DistributedConfig resolve(const DistributedConfig& config) {
+    DistributedConfig out = config.resolved();
+    if (!out.device) out.device = detail::from_c10(get_current_accelerator().type());
+    return out;
   }
 
   // Borrowed from the meshes, so the hot path counts no references.
@@ -2064,85 +2273,6 @@ class DistributedInterface {
     static const GroupPtr none;
     if (!distributed_) return none;
     return dim ? dim_meshes_[static_cast<std::size_t>(*dim)].get_group() : world_;
-  }
-
-  // Each rank creates only its own group along each mesh dimension: the
-  // ranks that share every other coordinate, under a PrefixStore named after
-  // that coordinate, so groups per rank do not grow with the world size.
-  DeviceMesh build_mesh(const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix,
-                        std::array<int, 2> shape, std::array<std::string_view, 2> names,
-                        std::chrono::milliseconds timeout) {
-    const int rows = shape[0], cols = shape[1];
-    std::vector<int> coordinate{rank_ / cols, rank_ % cols};
-    std::vector<GroupPtr> groups;
-    // Along dim 0 (size rows): same column. Along dim 1 (size cols): same row.
-    for (int axis = 0; axis < 2; ++axis) {
-      const int fixed = coordinate[1 - axis];
-      std::string key = prefix + std::string(names[axis]) + "/" + std::to_string(fixed);
-      auto group = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(key, store),
-                                      coordinate[axis], shape[axis], timeout);
-      // e.g. "dp{cp=1}": the dp group of the ranks whose cp coordinate is 1.
-      detail::register_group(group, std::string(names[axis]) + "{" + std::string(names[1 - axis]) +
-                                        "=" + std::to_string(fixed) + "}");
-      groups.push_back(std::move(group));
-    }
-    std::vector<int> ranks(static_cast<std::size_t>(rows) * cols);
-    for (std::size_t i = 0; i < ranks.size(); ++i) ranks[i] = static_cast<int>(i);
-    return DeviceMesh(current_accelerator_.type(), {rows, cols},
-                      {std::string(names[0]), std::string(names[1])}, std::move(ranks),
-                      std::move(coordinate), std::move(groups));
-  }
-
-  // The 1-D mesh along `axis` through this rank.
-  // Every rank must believe in the same world size: the first to arrive
-  // records its own; a rank that disagrees tells everyone (the others find
-  // the note after the arrival wait) and fails at once.
-  void agree_on_world_size(c10d::Store& store, const std::string& prefix) {
-    const std::string mine = std::to_string(world_size_);
-    const std::vector<uint8_t> bytes(mine.begin(), mine.end());
-    const std::vector<uint8_t> first = store.compareSet(prefix + "world_size", {}, bytes);
-    if (first == bytes) return;
-    const std::string text = "rank " + std::to_string(rank_) + " believes WORLD_SIZE=" + mine +
-                             " but a rank before it believes WORLD_SIZE=" + std::string(first.begin(), first.end()) +
-                             "; every rank must be started with the same world size";
-    store.set(prefix + "mismatch", std::vector<uint8_t>(text.begin(), text.end()));
-    store.set(prefix + "all_arrived", std::vector<uint8_t>{1});
-    throw std::invalid_argument(text);
-  }
-
-  // Waits until every rank arrived (or a mismatch was reported); on timeout
-  // names the ranks that never did.
-  void wait_for_arrivals(c10d::Store& store, const std::string& prefix, std::chrono::seconds timeout) {
-    try {
-      store.wait({prefix + "all_arrived"});
-    } catch (const std::exception& e) {
-      std::string missing;
-      int count = 0;
-      for (int r = 0; r < world_size_; ++r)
-        if (!store.check({prefix + "arrived/" + std::to_string(r)})) {
-          if (++count <= 16) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-        }
-      if (count > 16) missing += ", ...";
-      throw DistributedError("accel: rank " + std::to_string(rank_) + " waited " + std::to_string(timeout.count()) +
-                             " s (the timeout) at the rendezvous, but " + std::to_string(count) + " of " +
-                             std::to_string(world_size_) + " ranks never arrived (rank" + (count > 1 ? "s " : " ") +
-                             missing + "): were they started, with the same MASTER_ADDR/MASTER_PORT? (" +
-                             detail::error_text(e) + ")");
-    }
-    if (store.check({prefix + "mismatch"})) {
-      const std::vector<uint8_t> text = store.get(prefix + "mismatch");
-      throw std::invalid_argument(std::string(text.begin(), text.end()));
-    }
-  }
-
-  static DeviceMesh slice(const DeviceMesh& mesh, int axis) {
-    const auto& c = mesh.get_coordinate();
-    const int cols = mesh.shape()[1];
-    std::vector<int> ranks;
-    for (int i = 0; i < mesh.size(axis); ++i)
-      ranks.push_back(axis == 0 ? i * cols + c[1] : c[0] * cols + i);
-    return DeviceMesh(mesh.device_type(), {mesh.size(axis)}, {mesh.dim_names()[axis]},
-                      std::move(ranks), {c[axis]}, {mesh.get_group(axis)});
   }
 
   void release() {
@@ -2340,7 +2470,7 @@ std::string describe_call(const char* op, const T& data, const FreeDim& free_dim
 inline void check_defined(const std::vector<at::Tensor>& leaves, const char* op) {
   for (std::size_t i = 0; i < leaves.size(); ++i)
     if (!leaves[i].defined())
-      throw std::invalid_argument(std::string("accel::") + op + ": tensor leaf " + std::to_string(i) +
+      throw InvalidArgument(std::string("accel::") + op + ": tensor leaf " + std::to_string(i) +
                                   " (in walking order) is undefined");
 }
 
@@ -2404,7 +2534,7 @@ std::optional<int64_t> find_batch_size(const T& data) {
   auto leaves = detail::tensor_leaves(data);
   if (leaves.empty()) return std::nullopt;
   if (leaves.front().dim() == 0)
-    throw std::invalid_argument("accel::find_batch_size: the first tensor is 0-d and has no batch dimension");
+    throw InvalidArgument("accel::find_batch_size: the first tensor is 0-d and has no batch dimension");
   return leaves.front().size(0);
 }
 
@@ -2420,7 +2550,7 @@ std::optional<c10::Device> find_device(const T& data) {
 // non-tensor leaves come from the first structure.
 template <class T>
 T concatenate(const std::vector<T>& data, int64_t dim = 0) {
-  if (data.empty()) throw std::invalid_argument("accel::concatenate: nothing to concatenate");
+  if (data.empty()) throw InvalidArgument("accel::concatenate: nothing to concatenate");
   auto layout = [](const T& x) {
     std::string out;
     detail::describe_nested(out, x, [](const at::Tensor&) { return std::string("tensor"); });
@@ -2430,7 +2560,7 @@ T concatenate(const std::vector<T>& data, int64_t dim = 0) {
   std::vector<std::vector<at::Tensor>> columns;
   for (std::size_t k = 0; k < data.size(); ++k) {
     if (k > 0 && layout(data[k]) != expected)
-      throw std::invalid_argument("accel::concatenate: element " + std::to_string(k) + " is laid out as " +
+      throw InvalidArgument("accel::concatenate: element " + std::to_string(k) + " is laid out as " +
                                   layout(data[k]) + ", element 0 as " + expected);
     auto leaves = detail::tensor_leaves(data[k]);
     columns.resize(leaves.size());
@@ -2554,8 +2684,8 @@ namespace detail {
 inline ReduceOp parse_reduction(std::string_view reduction) {
   try {
     return from_string<ReduceOp>(reduction);
-  } catch (const std::invalid_argument&) {
-    throw std::invalid_argument("accel::reduce: unknown reduction '" + std::string(reduction) +
+  } catch (const InvalidArgument&) {
+    throw InvalidArgument("accel::reduce: unknown reduction '" + std::string(reduction) +
                                 "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
   }
 }
@@ -2723,7 +2853,7 @@ c10::IValue to_ivalue(const T& x) {
   } else if constexpr (std::is_integral_v<T>) {
     if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
       if (x > static_cast<T>(INT64_MAX))
-        throw std::out_of_range("accel: uint64 value " + std::to_string(x) + " does not fit an IValue's int64");
+        throw OutOfRange("accel: uint64 value " + std::to_string(x) + " does not fit an IValue's int64");
     return c10::IValue(static_cast<int64_t>(x));
   } else if constexpr (std::is_floating_point_v<T>) {
     return c10::IValue(static_cast<double>(x));  // IValue holds doubles
@@ -2755,7 +2885,7 @@ c10::IValue to_ivalue(const T& x) {
 }
 
 [[noreturn]] inline void wrong_object(const char* expected, const c10::IValue& v) {
-  throw std::invalid_argument(std::string("accel: received object is a ") + v.tagKind() + ", expected " + expected);
+  throw InvalidArgument(std::string("accel: received object is a ") + v.tagKind() + ", expected " + expected);
 }
 
 template <Picklable T>
@@ -2769,7 +2899,7 @@ T from_ivalue(const c10::IValue& v) {
     if (!v.isInt()) wrong_object("int", v);
     const int64_t i = v.toInt();
     if (!c10::overflows<T>(i) || (std::is_unsigned_v<T> && sizeof(T) == 8 && i >= 0)) return static_cast<T>(i);
-    throw std::out_of_range("accel: received integer " + std::to_string(i) + " does not fit the requested type");
+    throw OutOfRange("accel: received integer " + std::to_string(i) + " does not fit the requested type");
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!v.isDouble()) wrong_object("float", v);
     return static_cast<T>(v.toDouble());
@@ -2796,7 +2926,7 @@ T from_ivalue(const c10::IValue& v) {
     if (!v.isTuple()) wrong_object("tuple", v);
     const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
     if (elements.size() != std::tuple_size_v<T>)
-      throw std::invalid_argument("accel: received a tuple of " + std::to_string(elements.size()) +
+      throw InvalidArgument("accel: received a tuple of " + std::to_string(elements.size()) +
                                   " elements, expected " + std::to_string(std::tuple_size_v<T>));
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return T{from_ivalue<std::tuple_element_t<I, T>>(elements[I])...};
@@ -2818,10 +2948,10 @@ inline std::vector<char> save_object(const c10::IValue& value) {
   return framed;
 }
 
-// Throws std::runtime_error on bytes that save_object did not write intact.
+// Throws RuntimeError on bytes that save_object did not write intact.
 inline c10::IValue load_object(const char* data, std::size_t size) {
   auto corrupt = [&](const std::string& why) {
-    return std::runtime_error("accel: received object bytes are not intact (" + why + ", " +
+    return RuntimeError("accel: received object bytes are not intact (" + why + ", " +
                               std::to_string(size) + " bytes)");
   };
   if (size < kObjectHeader || std::memcmp(data, kObjectMagic, 8) != 0) throw corrupt("no accel object header");
@@ -2833,7 +2963,7 @@ inline c10::IValue load_object(const char* data, std::size_t size) {
   try {
     return torch::jit::pickle_load(std::vector<char>(data + kObjectHeader, data + size));
   } catch (const std::exception& e) {
-    throw std::runtime_error("accel: cannot unpickle a received object: " + error_text(e));
+    throw RuntimeError("accel: cannot unpickle a received object: " + error_text(e));
   }
 }
 }  // namespace detail
@@ -2973,7 +3103,7 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
     for (auto* entry : detail::entries_by_key(inputs)) {
       const int64_t n = detail::split_length(entry->second);
       if (length && n != *length)
-        throw std::invalid_argument("accel::split_between_processes: every value must have the same length; '" +
+        throw InvalidArgument("accel::split_between_processes: every value must have the same length; '" +
                                     entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
       length = n;
     }
@@ -2984,7 +3114,7 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
     return out;
   } else {
     if constexpr (std::is_same_v<T, at::Tensor>)
-      if (inputs.dim() == 0) throw std::invalid_argument("accel::split_between_processes: a 0-d tensor cannot be split");
+      if (inputs.dim() == 0) throw InvalidArgument("accel::split_between_processes: a 0-d tensor cannot be split");
     return detail::split_part(inputs, detail::split_range(detail::split_length(inputs), rank, size), apply_padding);
   }
 }
@@ -3082,21 +3212,21 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
       detail::synchronize_generator(at::detail::getDefaultCPUGenerator(), group);
     } else if (type == "cuda") {
       if (!is_torch_cuda_available())
-        throw std::invalid_argument("accel::synchronize_rng_states: \"cuda\" asked for, but no CUDA device is available");
+        throw InvalidArgument("accel::synchronize_rng_states: \"cuda\" asked for, but no CUDA device is available");
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       detail::synchronize_generator(at::globalContext().defaultGenerator(impl->getDevice()), group);
     } else if (type == "generator") {
       if (!generator)
-        throw std::invalid_argument("accel::synchronize_rng_states: \"generator\" asked for, but no generator passed");
+        throw InvalidArgument("accel::synchronize_rng_states: \"generator\" asked for, but no generator passed");
       detail::synchronize_generator(*generator, group);
     } else {
-      throw std::invalid_argument("accel::synchronize_rng_states: unknown rng type '" + type +
+      throw InvalidArgument("accel::synchronize_rng_states: unknown rng type '" + type +
                                   "' (expected \"torch\", \"cuda\" or \"generator\")");
     }
   }
 }
 
-}  // namespace accel
+ACCEL_NAMESPACE_END  // accel
 
 #endif  // ACCEL_HPP_TORCH
 
@@ -3122,7 +3252,7 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
 #include <filesystem>
 #include <unistd.h>
 
-namespace accel {
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // Called by save_state just before the checkpoint is renamed into place
@@ -3385,7 +3515,7 @@ class DataParallel {
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
 };
 
-// == Data loading ============================================================
+// -- Data loading ------------------------------------------------------------
 //
 // A prepared loader gives each process of the data-parallel group its share
 // of a dataset, in one of two layouts:
@@ -3538,7 +3668,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
   explicit ShardSampler(Options options, std::shared_ptr<Record> record = std::make_shared<Record>())
       : options_(std::move(options)), record_(std::move(record)) {
     const Options& o = options_;
-    auto fail = [](const std::string& why) { throw std::invalid_argument("accel::ShardSampler: " + why); };
+    auto fail = [](const std::string& why) { throw InvalidArgument("accel::ShardSampler: " + why); };
     if (o.num_replicas == 0 || o.rank >= o.num_replicas)
       fail("rank " + std::to_string(o.rank) + " of " + std::to_string(o.num_replicas) + " replicas");
     if (o.batch_size == 0) fail("batch_size must be at least 1");
@@ -3586,7 +3716,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
         for (size_t b = 0; b < sequence.size(); ++b)
           for (size_t i : sequence[b])
             if (i >= o.size)
-              throw std::out_of_range("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) +
+              throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) +
                                       " holds index " + std::to_string(i) + ", past the dataset's " +
                                       std::to_string(o.size) + " samples");
       } else {
@@ -3795,7 +3925,7 @@ size_t batch_rows(const B& batch) {
     size_t leaf = 0;
     auto check = [&](const at::Tensor& t) {
       auto fail = [&](const std::string& what) {
-        throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): tensor " + std::to_string(leaf) +
+        throw InvalidArgument("accel::prepare_data_loader (dispatch_batches): tensor " + std::to_string(leaf) +
                                     " of the batch is " + what +
                                     "; every tensor of a dispatched batch holds the batch along dim 0");
       };
@@ -3806,7 +3936,7 @@ size_t batch_rows(const B& batch) {
       ++leaf;
     };
     for_each_batch_tensor(batch, check);
-    if (!rows) throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): the batch holds no tensor");
+    if (!rows) throw InvalidArgument("accel::prepare_data_loader (dispatch_batches): the batch holds no tensor");
     return static_cast<size_t>(*rows);
   }
 }
@@ -3957,7 +4087,7 @@ class Dispatcher {
         ahead_ = source_();
         const bool last = !ahead_;
         const size_t observed = batch_rows(global);
-        if (observed == 0) throw std::invalid_argument("accel::prepare_data_loader (dispatch_batches): a batch of 0 rows");
+        if (observed == 0) throw InvalidArgument("accel::prepare_data_loader (dispatch_batches): a batch of 0 rows");
         if (!first_) first_ = global;
         const auto P = static_cast<size_t>(processes);
         const size_t rows = (observed + P - 1) / P;  // per process
@@ -4036,12 +4166,12 @@ template <class Batch>
 GroupPtr dispatch_group(const DataLoaderConfig& config, bool iterable, const GroupPtr& group) {
   if (!config.dispatch_batches.value_or(iterable && Dispatchable<Batch>)) return {};
   if (!Dispatchable<Batch>)
-    throw std::invalid_argument(
+    throw InvalidArgument(
         "accel::prepare_data_loader: dispatch_batches sends batches with LibTorch's pickler: a std::vector of "
         "samples (Examples or Picklable values) or batched tensors (an Example or nested tensors); this loader's "
         "batches are neither");
   if (config.layout != ShardLayout::BATCHES)
-    throw std::invalid_argument(
+    throw InvalidArgument(
         "accel::prepare_data_loader: dispatch_batches deals out rows of global batches; ShardLayout::SAMPLES does "
         "not apply");
   if (!group || group->getSize() == 1) return {};
@@ -4069,7 +4199,7 @@ class PreparedDataLoader {
         state_(std::make_shared<detail::LoaderState>()),
         gradient_state_(std::move(gradient_state)) {
     const torch::optional<size_t> size = dataset.size();
-    if (!size) throw std::invalid_argument("accel::prepare_data_loader: the dataset must have a size()");
+    if (!size) throw InvalidArgument("accel::prepare_data_loader: the dataset must have a size()");
     const size_t processes = group ? static_cast<size_t>(group->getSize()) : 1;
     const size_t rank = group ? static_cast<size_t>(group->getRank()) : 0;
     GroupPtr dispatch = detail::dispatch_group<Batch>(config, false, group);
@@ -4198,7 +4328,7 @@ class PreparedIterableDataLoader {
         state_(std::make_shared<detail::LoaderState>()),
         gradient_state_(std::move(gradient_state)) {
     if (config.shuffle || config.batch_sampler || config.layout != ShardLayout::BATCHES)
-      throw std::invalid_argument(
+      throw InvalidArgument(
           "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
           "SAMPLES layout)");
     if (GroupPtr dispatch = detail::dispatch_group<Batch>(config, true, group))
@@ -4292,6 +4422,8 @@ concept IterableDataset = requires(D& d) {
   { d.get_batch(std::size_t{1}) } -> std::same_as<typename D::BatchType>;
 } && detail::optional_vector<typename D::BatchType>;
 
+// -- The Accelerator -----------------------------------------------------------
+
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 inline std::string_view to_string(DistributedType t) {
   switch (t) {
@@ -4305,7 +4437,7 @@ inline std::string_view to_string(DistributedType t) {
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
-  bool cpu = false;                    // train on the CPU even where an accelerator exists
+  bool cpu = false;                    // train on the CPU even where an accelerator exists (distributed.device)
   bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
   // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
   // pass is a sync step (and restarts the count); sync_each_batch all-reduces
@@ -4379,19 +4511,24 @@ class Accelerator {
  public:
   explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
     if (config_.gradient_accumulation_steps < 1)
-      throw std::invalid_argument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
+      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
                                   std::to_string(config_.gradient_accumulation_steps));
     if (config_.bucket_cap_mb < 1)
-      throw std::invalid_argument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
+      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
                                   std::to_string(config_.bucket_cap_mb));
     const auto& mp = config_.mixed_precision;
     if (mp != "no" && mp != "bf16" && mp != "fp16")
-      throw std::invalid_argument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
-    if (config_.cpu) setenv("ACCEL_DEVICE", "cpu", 1);
+      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    if (config_.cpu) {
+      if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
+        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
+                              std::string(to_string(*config_.distributed.device)));
+      config_.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
+    }
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
-      throw std::invalid_argument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
+      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
 
   // -- prepare ----------------------------------------------------------------
@@ -4405,7 +4542,7 @@ class Accelerator {
   ModuleHolder& prepare(ModuleHolder& model) {
     auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
     if (find(module.get()))
-      throw std::invalid_argument("accel::Accelerator::prepare: this model is already prepared");
+      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
     model->to(device_);
     models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(),
                                                                       config_.bucket_cap_mb * 1024 * 1024)});
@@ -4440,9 +4577,9 @@ class Accelerator {
   template <class Dataset>
   auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
     const int replicas = interface_->get_world_size(Dim::DP);
-    if (config.batch_size == 0) throw std::invalid_argument("accel::prepare_data_loader: batch_size must be at least 1");
+    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
     if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
-      throw std::invalid_argument("accel::prepare_data_loader: with split_batches the batch size (" +
+      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
                                   std::to_string(config.batch_size) + ") must be a multiple of the " +
                                   std::to_string(replicas) + " data-parallel processes");
     using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
@@ -4478,7 +4615,7 @@ class Accelerator {
   template <class Body, class... ModuleHolders>
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
-    if (join_) throw std::logic_error("accel::Accelerator::join_uneven_inputs: already inside one");
+    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
     Join join;
     (join.models.push_back(find_prepared(models, "join_uneven_inputs")), ...);
     join.group = join.models.front()->data_parallel->group();
@@ -4745,7 +4882,7 @@ class Accelerator {
   void load_state(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
     if (!fs::is_directory(dir))
-      throw std::invalid_argument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
     for (std::size_t i = 0; i < models_.size(); ++i) {
       torch::serialize::InputArchive archive;
       archive.load_from((dir / numbered("model", i)).string(), device_);
@@ -4812,7 +4949,7 @@ class Accelerator {
   template <class ModuleHolder>
   Prepared* find_prepared(ModuleHolder& model, const char* op) {
     if (Prepared* p = find(model.ptr().get())) return p;
-    throw std::invalid_argument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
   }
 
   // join_uneven_inputs' state: the models joined ranks stand in for, and how
@@ -4856,6 +4993,6 @@ class Accelerator {
   std::optional<Join> join_;
 };
 
-}  // namespace accel
+ACCEL_NAMESPACE_END  // accel
 
 #endif  // ACCEL_HPP_TRAINING

@@ -153,7 +153,55 @@ TEST_SUITE("single") {
     }
     {
       EnvGuard env{{"WORLD_SIZE", "99999999999"}};
+      CHECK_THROWS_WITH_AS(accel::get_world_size(),
+                           "accel: environment variable WORLD_SIZE=99999999999 is out of range (at most 2147483647)",
+                           accel::InvalidArgument);
+    }
+    {  // set but empty is not unset: a rank launched with RANK="" must not run alone as a world of 1
+      EnvGuard env{{"RANK", ""}, {"WORLD_SIZE", "2"}};
+      CHECK_THROWS_WITH_AS(accel::is_distributed(),
+                           "accel: environment variable RANK is set but empty (unset it, or give a number)",
+                           accel::InvalidArgument);
       CHECK_THROWS_AS(accel::get_world_size(), std::invalid_argument);
+      CHECK_THROWS_AS(accel::DistributedStrategy{}, std::invalid_argument);
+    }
+    {
+      EnvGuard env{{"ACCEL_DEBUG_MODE", ""}};
+      CHECK_THROWS_WITH_AS(accel::detail::env_bool("ACCEL_DEBUG_MODE", false), doctest::Contains("set but empty"),
+                           accel::InvalidArgument);
+    }
+    {  // the environment is validated as a whole, before the strategy
+      EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "5"}, {"LOCAL_WORLD_SIZE", "2"}};
+      CHECK_THROWS_WITH_AS(accel::DistributedStrategy(accel::DistributedConfig{.cp_size = 3}),
+                           "accel: LOCAL_RANK=5 must be smaller than LOCAL_WORLD_SIZE=2", std::invalid_argument);
+      CHECK_THROWS_AS(accel::get_rank(), std::invalid_argument);  // any getter reads the whole environment
+    }
+  }
+
+  TEST_CASE("errors: one family, accel::Error, each kind still its std exception") {
+    auto kind_of = [](const std::function<void()>& f) -> std::string {
+      try {
+        f();
+      } catch (const accel::Error& e) {
+        return e.what();
+      }
+      return "nothing thrown";
+    };
+    CHECK(kind_of([] { accel::from_string<accel::Dim>("tp"); }).find("unknown value 'tp'") != std::string::npos);
+    CHECK(kind_of([] { accel::operate_tensorlike([](at::Tensor& t) { return t; }, ~uint64_t{0}); })
+              .find("does not fit") != std::string::npos);
+    CHECK(kind_of([] { accel::DistributedStrategy(accel::DistributedConfig{.cp_size = 0}, 4); }).find("cp_size") !=
+          std::string::npos);
+    static_assert(std::is_base_of_v<std::invalid_argument, accel::InvalidArgument>);
+    static_assert(std::is_base_of_v<std::out_of_range, accel::OutOfRange>);
+    static_assert(std::is_base_of_v<std::logic_error, accel::LogicError>);
+    static_assert(std::is_base_of_v<std::runtime_error, accel::DistributedError>);
+    static_assert(std::is_base_of_v<accel::Error, accel::DistributedError>);
+    // Caught as std::exception too (one std::exception base, no ambiguity).
+    try {
+      throw accel::DistributedError("x");
+    } catch (const std::exception& e) {
+      CHECK(std::string(e.what()) == "x");
     }
   }
 
@@ -181,6 +229,17 @@ TEST_SUITE("single") {
     {
       EnvGuard cpu{{"ACCEL_DEVICE", "cpu"}};
       CHECK(accel::get_current_accelerator().type() == c10::DeviceType::CPU);
+    }
+    {  // DistributedConfig::device instead of the environment
+      if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+      CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(accel::DistributedConfig{.device = accel::DeviceType::CUDA}),
+                           doctest::Contains("DistributedConfig::device is cuda, but this LibTorch has no usable cuda"),
+                           accel::RuntimeError);
+      auto& cpu = accel::DistributedInterface::instance(accel::DistributedConfig{.device = accel::DeviceType::CPU});
+      CHECK(cpu.current_device() == c10::Device(c10::kCPU));
+      CHECK(&accel::DistributedInterface::instance(accel::DistributedConfig{}) == &cpu);  // unset: what is in force
+      CHECK(cpu.config().device == accel::DeviceType::CPU);
+      cpu.destroy();
     }
     {
       EnvGuard nccl{{"ACCEL_BACKEND", "nccl"}};

@@ -196,21 +196,52 @@ TEST_SUITE("single") {
   TEST_CASE("ACCEL_TIMEOUT sets the default timeout; an explicit one wins; a bad value is named") {
     {
       EnvGuard env{{"ACCEL_TIMEOUT", nullptr}};
-      CHECK(accel::DistributedConfig{}.timeout == std::chrono::seconds(ACCEL_DEFAULT_TIMEOUT_SECONDS));
+      CHECK(accel::DistributedConfig{}.resolved().timeout == std::chrono::seconds(ACCEL_DEFAULT_TIMEOUT_SECONDS));
     }
     EnvGuard env{{"ACCEL_TIMEOUT", "7"}};
-    CHECK(accel::DistributedConfig{}.timeout == std::chrono::seconds(7));
-    CHECK(accel::DistributedConfig{.timeout = std::chrono::seconds(3)}.timeout == std::chrono::seconds(3));
-    for (const char* bad : {"0", "-5", "5s", "1.5"}) {
+    CHECK(accel::DistributedConfig{}.timeout == std::chrono::seconds(0));  // a plain value: nothing read yet
+    CHECK(accel::DistributedConfig{}.resolved().timeout == std::chrono::seconds(7));
+    CHECK(accel::DistributedConfig{.timeout = std::chrono::seconds(3)}.resolved().timeout == std::chrono::seconds(3));
+    if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+    for (const char* bad : {"0", "-5", "5s", "1.5", ""}) {
       EnvGuard wrong{{"ACCEL_TIMEOUT", bad}};
-      CHECK_THROWS_WITH_AS((void)accel::DistributedConfig{}, doctest::Contains("ACCEL_TIMEOUT"), std::invalid_argument);
+      CHECK_NOTHROW((void)accel::DistributedConfig{});  // making a config never reads the environment
+      CHECK_THROWS_WITH_AS(accel::DistributedConfig{}.resolved(), doctest::Contains("ACCEL_TIMEOUT"), accel::InvalidArgument);
+      CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(), doctest::Contains("ACCEL_TIMEOUT"), std::invalid_argument);
+      CHECK_FALSE(accel::DistributedInterface::is_initialized());
     }
+    CHECK_THROWS_WITH_AS(accel::DistributedConfig{.timeout = std::chrono::seconds(-1)}.resolved(),
+                         doctest::Contains("timeout must be positive"), std::invalid_argument);
   }
 }
 
 // == Rendezvous failures (one process, short timeouts) ========================
 
 TEST_SUITE("failures") {
+  TEST_CASE("failures: an exception inside launch_processes leaves no rank running and no descriptor open") {
+    auto clean = no_launcher();
+    auto open_descriptors = [] {
+      return std::distance(std::filesystem::directory_iterator("/proc/self/fd"), std::filesystem::directory_iterator{});
+    };
+    const auto before = open_descriptors();
+    // An output stream that fails: the first line a rank prints throws out of launch_processes.
+    struct Failing : std::streambuf {
+      int overflow(int) override { return traits_type::eof(); }
+      std::streamsize xsputn(const char*, std::streamsize) override { return 0; }
+    } failing;
+    std::ostream out(&failing);
+    out.exceptions(std::ios::badbit | std::ios::failbit);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(accel::launch_processes(3, {"/bin/sh", "-c", "echo ready; exec sleep 60"}, {.out = &out}),
+                    std::ios_base::failure);
+    CHECK(seconds_since(start) < 30);  // nobody waited for the sleeps
+    const pid_t left = waitpid(-1, nullptr, WNOHANG);
+    const int error = errno;
+    CHECK(left == -1);  // no child of this process is left, running or not
+    CHECK(error == ECHILD);
+    CHECK(open_descriptors() == before);
+  }
+
   TEST_CASE("failures: MASTER_PORT already in use is a clear error, at once") {
     auto clean = no_launcher();
     // Another program holds the port, on every interface.
@@ -291,6 +322,21 @@ TEST_SUITE("failures") {
     CHECK(elapsed >= 2.5);  // it did wait for them
     CHECK(elapsed < 3 + 20);
   }
+
+  TEST_CASE("failures: a huge WORLD_SIZE reports its missing ranks at once, not after a round trip per rank") {
+    auto clean = no_launcher();
+    const std::string port = std::to_string(accel::detail::free_port());
+    EnvGuard env{{"RANK", "0"}, {"WORLD_SIZE", "2147483647"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] {
+      accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(2)});
+    });
+    const double elapsed = seconds_since(start);
+    MESSAGE("WORLD_SIZE=2147483647: error after " << elapsed << " s: " << error);
+    CHECK(error.find("but 2147483646 of 2147483647 ranks never arrived (ranks 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, "
+                     "13, 14, 15, 16, ...)") != std::string::npos);
+    CHECK(elapsed < 2 + 20);  // (before: one store round trip per rank, never finishing)
+  }
 }
 
 // == Multi-rank: mismatched world, a peer gone under ACCEL_TIMEOUT ============
@@ -315,10 +361,9 @@ TEST_SUITE("mismatch") {
 
 TEST_SUITE("peer_timeout") {
   TEST_CASE("failures: a peer that dies during a collective: the others throw within ACCEL_TIMEOUT + slack") {
-    // ACCEL_TIMEOUT=5 comes from CTest; the default config reads it.
-    const accel::DistributedConfig config;
-    REQUIRE(config.timeout == std::chrono::seconds(5));
-    auto& d = accel::DistributedInterface::instance(config);
+    // ACCEL_TIMEOUT=5 comes from CTest; the default config takes it when the interface starts.
+    auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{});
+    REQUIRE(d.config().timeout == std::chrono::seconds(5));
     d.barrier();
     const int P = d.get_world_size();
     if (d.get_rank() == P - 1) {

@@ -1215,6 +1215,17 @@ TEST_SUITE("single") {
   }
 
   TEST_CASE("training: configuration errors") {
+    {  // cpu = true goes to the interface's config, not to the environment
+      EnvGuard env{{"ACCEL_DEVICE", nullptr}};
+      auto on_cpu = config();
+      on_cpu.cpu = true;
+      accel::Accelerator accelerator(on_cpu);
+      CHECK(std::getenv("ACCEL_DEVICE") == nullptr);
+      CHECK(accelerator.device() == c10::Device(c10::kCPU));
+      on_cpu.distributed.device = accel::DeviceType::CUDA;
+      CHECK_THROWS_WITH_AS(accel::Accelerator{on_cpu}, doctest::Contains("cpu = true, but distributed.device is cuda"),
+                           accel::InvalidArgument);
+    }
     auto bad = config();
     bad.gradient_accumulation_steps = 0;
     CHECK_THROWS_AS(accel::Accelerator{bad}, std::invalid_argument);
