@@ -115,6 +115,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -127,6 +128,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
@@ -406,15 +408,19 @@ inline LaunchEnv read_launcher(const LauncherVars& vars) {
   return env;
 }
 
+// Which of a launcher's four values are set (even to ""; the local size
+// under either of its names).
+inline std::array<bool, 4> present(const LauncherVars& vars) {
+  return {std::getenv(vars.rank) != nullptr, std::getenv(vars.size) != nullptr, std::getenv(vars.local_rank) != nullptr,
+          std::getenv(vars.local_size) != nullptr || (vars.local_size_alt && std::getenv(vars.local_size_alt))};
+}
+
 // The launch environment, read and validated in one pass (see kLaunchers).
 inline LaunchEnv launch_env() {
   const LauncherVars* partial = nullptr;
   for (const auto& vars : kLaunchers) {
-    const bool local_size_set =
-        std::getenv(vars.local_size) || (vars.local_size_alt && std::getenv(vars.local_size_alt));
-    const bool set[] = {std::getenv(vars.rank) != nullptr, std::getenv(vars.size) != nullptr,
-                        std::getenv(vars.local_rank) != nullptr, local_size_set};
-    const auto count = std::count(std::begin(set), std::end(set), true);
+    const std::array<bool, 4> set = present(vars);
+    const auto count = std::count(set.begin(), set.end(), true);
     if (vars.defaults ? set[0] : count == 4) return read_launcher(vars);
     if (!vars.defaults && count > 0 && !partial) partial = &vars;
   }
@@ -423,9 +429,7 @@ inline LaunchEnv launch_env() {
                                        ? std::string(partial->local_size) + " or " + partial->local_size_alt
                                        : partial->local_size;
     const std::string names[] = {partial->rank, partial->size, partial->local_rank, local_size};
-    const bool there[] = {std::getenv(partial->rank) != nullptr, std::getenv(partial->size) != nullptr,
-                          std::getenv(partial->local_rank) != nullptr,
-                          std::getenv(partial->local_size) || (partial->local_size_alt && std::getenv(partial->local_size_alt))};
+    const std::array<bool, 4> there = present(*partial);
     std::string set, missing;
     for (int i = 0; i < 4; ++i) {
       std::string& list = there[i] ? set : missing;
@@ -892,7 +896,8 @@ ACCEL_NAMESPACE_END  // accel
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <ATen/core/ivalue.h>
+#include <c10/macros/Export.h>
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -900,6 +905,17 @@ ACCEL_NAMESPACE_END  // accel
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+
+// LibTorch's pickler (the format of torch.save), declared here exactly as
+// torch/csrc/jit/serialization/pickle.h declares it in 1.13 and 2.x: that
+// header pulls in the whole pickler and unpickler, about 40% of ATen's own
+// compile time at -O2, for these two functions.
+namespace torch {
+namespace jit {
+TORCH_API std::vector<char> pickle_save(const c10::IValue& ivalue);
+TORCH_API c10::IValue pickle_load(const std::vector<char>& data);
+}  // namespace jit
+}  // namespace torch
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -1261,8 +1277,13 @@ struct GroupRegistry {
   // The interface owns the world group; this is only where collectives with
   // a null group find it, without a lock.
   std::atomic<c10d::ProcessGroup*> world{nullptr};
-  std::mutex mutex;  // guards names (read only to word error messages)
-  std::map<const c10d::ProcessGroup*, std::string> names;
+  std::mutex mutex;  // guards entries (read only to word and diagnose errors)
+  struct Entry {
+    std::string name;
+    c10::intrusive_ptr<c10d::Store> store;  // the group's own keys, for roll calls; may be null
+    int roll_calls = 0;
+  };
+  std::map<const c10d::ProcessGroup*, Entry> entries;
 };
 // Never destroyed: the singleton may release its groups during static
 // destruction at exit, after a registry with a destructor would be gone.
@@ -1271,16 +1292,17 @@ inline GroupRegistry& registry() {
   return *instance;
 }
 
-inline void register_group(const GroupPtr& group, std::string name, bool is_world = false) {
+inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
+                           bool is_world = false) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
-  reg.names[group.get()] = std::move(name);
+  reg.entries[group.get()] = {std::move(name), std::move(store)};
   if (is_world) reg.world.store(group.get());
 }
 inline void unregister_group(const GroupPtr& group) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
-  reg.names.erase(group.get());
+  reg.entries.erase(group.get());
   c10d::ProcessGroup* expected = group.get();
   reg.world.compare_exchange_strong(expected, nullptr);
 }
@@ -1288,8 +1310,8 @@ inline void unregister_group(const GroupPtr& group) {
 inline std::string group_name(const c10d::ProcessGroup& group) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
-  auto it = reg.names.find(&group);
-  return it == reg.names.end() ? std::string("unnamed") : it->second;
+  auto it = reg.entries.find(&group);
+  return it == reg.entries.end() ? std::string("unnamed") : it->second.name;
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
@@ -1315,16 +1337,76 @@ inline std::string error_text(const std::exception& e) {
   return e.what();
 }
 
+// After a collective timed out: which ranks of the group did not time out
+// with it? Every rank that gets here reports in the group's store and waits
+// up to `grace` for the others; those that never report are named (hung, or
+// stuck somewhere else). A hint, as " (...)" for the error message, or "".
+// The store may itself be served by the hung rank (a TCPStore on rank 0):
+// the roll call runs on a thread of its own and is abandoned after
+// grace + 1 s, so it can never add more than that to the error.
+inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
+  c10::intrusive_ptr<c10d::Store> store;
+  int call = 0;
+  {
+    auto& reg = registry();
+    std::lock_guard lock(reg.mutex);
+    auto it = reg.entries.find(&group);
+    if (it == reg.entries.end() || !it->second.store) return "";
+    store = it->second.store;
+    call = ++it->second.roll_calls;
+  }
+  const int size = group.getSize(), rank = group.getRank();
+  auto answer = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> result = answer->get_future();
+  std::thread([store, answer, size, rank, call, grace] {
+    try {
+      const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
+      store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
+      if (store->add(base + "reported", 1) == size) store->set(base + "all", std::vector<uint8_t>{1});
+      // Polled: Store::wait's own timeout cannot be shorter than the store's
+      // (FileStore in 1.13 waits the store's timeout whatever it is given).
+      for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
+           std::this_thread::sleep_for(std::chrono::milliseconds(20)))
+        if (store->check({base + "all"})) return answer->set_value("");  // everyone timed out alike
+      const int64_t reported = store->add(base + "reported", 0);
+      std::string missing;
+      int64_t named = 0;
+      for (int r = 0; r < size && named < std::min<int64_t>(size - reported, 16); ++r)
+        if (!store->check({base + std::to_string(r)})) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          ++named;
+        }
+      if (size - reported > named) missing += ", ...";
+      answer->set_value(" (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
+                        "did not reach this timeout within " + std::to_string(grace.count()) +
+                        " ms of this rank: hung, or stuck elsewhere)");
+    } catch (...) {
+      answer->set_value("");
+    }
+  }).detach();
+  if (result.wait_for(grace + std::chrono::seconds(1)) != std::future_status::ready)
+    return " (roll call: the group's store did not answer either; is the rank serving it hung?)";
+  return result.get();
+}
+
+inline bool is_timeout(const std::string& text) {
+  std::string lower(text);
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
+}
+
 // Runs one c10d operation and waits for it; any failure becomes a
-// DistributedError that names the operation and the group.
+// DistributedError that names the operation and the group (after a timeout,
+// also the ranks that seem to be the cause: roll_call).
 template <class Issue>
 void run(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
   try {
     c10::intrusive_ptr<c10d::Work> work = issue();
     work->wait();
   } catch (const std::exception& e) {
-    throw DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " +
-                           error_text(e));
+    const std::string text = error_text(e);
+    throw DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " + text +
+                           (is_timeout(text) ? roll_call(group) : std::string()));
   }
 }
 
@@ -2089,11 +2171,11 @@ inline DeviceMesh build_mesh(const std::string& backend, const c10::intrusive_pt
   for (int axis = 0; axis < 2; ++axis) {
     const int fixed = coordinate[1 - axis];
     std::string key = prefix + std::string(names[axis]) + "/" + std::to_string(fixed);
-    auto group = make_group(backend, c10::make_intrusive<c10d::PrefixStore>(key, store), coordinate[axis],
-                            shape[axis], timeout);
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>(key, store);
+    auto group = make_group(backend, group_store, coordinate[axis], shape[axis], timeout);
     // e.g. "dp{cp=1}": the dp group of the ranks whose cp coordinate is 1.
     register_group(group, std::string(names[axis]) + "{" + std::string(names[1 - axis]) + "=" +
-                              std::to_string(fixed) + "}");
+                              std::to_string(fixed) + "}", group_store);
     groups.push_back(std::move(group));
   }
   std::vector<int> ranks(static_cast<std::size_t>(rows) * cols);
@@ -2235,9 +2317,9 @@ class DistributedInterface {
     auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
     try {
       detail::meet(*store, prefix, rank_, world_size_, debug, config.timeout);
-      world_ = detail::make_group(backend_, c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store),
-                                  rank_, world_size_, timeout);
-      detail::register_group(world_, "world", /*is_world=*/true);
+      auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store);
+      world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
+      detail::register_group(world_, "world", world_store, /*is_world=*/true);
       const c10::DeviceType device_type = current_accelerator_.type();
       model_mesh_ = detail::build_mesh(backend_, store, prefix + "model/", rank_, strategy_.model_mesh_shape(),
                                        strategy_.model_mesh_dim_names(), device_type, timeout);

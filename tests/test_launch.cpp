@@ -359,6 +359,31 @@ TEST_SUITE("mismatch") {
   }
 }
 
+TEST_SUITE("hung_peer") {
+  TEST_CASE("failures: a peer that hangs: the others' timeout error names it (roll call)") {
+    auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(3)});
+    const int P = d.get_world_size(), r = d.get_rank();
+    REQUIRE(P >= 3);
+    const char* dir = std::getenv("ACCEL_STORE_DIR");  // accel_launch's private directory
+    REQUIRE(dir != nullptr);
+    c10d::FileStore side(std::string(dir) + "/hung_peer", P);  // a channel outside the groups under test
+    d.barrier();
+    if (r == P - 1) {
+      // Hangs as a deadlocked rank would: never enters the collective, until the others are done.
+      side.wait({"released"}, std::chrono::seconds(120));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] { accel::all_reduce(1.0f, ReduceOp::SUM); });
+    MESSAGE("a hung peer, timeout 3 s: error after " << seconds_since(start) << " s: " << error);
+    CHECK(error.find("accel::all_reduce failed on group 'world'") != std::string::npos);
+    CHECK(error.find("(roll call: rank " + std::to_string(P - 1) + " of the group did not reach this timeout") !=
+          std::string::npos);
+    CHECK(seconds_since(start) < 3 + 2 + 10);  // the timeout, the roll call's grace, slack
+    if (side.add("done", 1) == P - 1) side.set("released", std::vector<uint8_t>{1});
+  }
+}
+
 TEST_SUITE("peer_timeout") {
   TEST_CASE("failures: a peer that dies during a collective: the others throw within ACCEL_TIMEOUT + slack") {
     // ACCEL_TIMEOUT=5 comes from CTest; the default config takes it when the interface starts.

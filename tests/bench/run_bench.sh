@@ -35,21 +35,6 @@ for variant in raw accel; do
   echo "callgrind,1,$( [[ $variant == raw ]] && echo raw_c10d || echo accel_all_reduce ),4,$((total / calls)),instructions" | tee -a "$csv" >&2
 done
 
-# Compile cost: one TU each, interleaved, three rounds; wall seconds and peak KiB.
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-printf '#include "accel.hpp"\nint main() { return accel::all_reduce(1) - 1; }\n' >"$tmp/accel.cpp"
-printf '#include <ATen/ATen.h>\nint main() { return at::ones({1}).item<int>() - 1; }\n' >"$tmp/aten.cpp"
-printf '#include <torch/torch.h>\nint main() { return torch::ones({1}).item<int>() - 1; }\n' >"$tmp/torch.cpp"
-for round in 1 2 3; do
-  for tu in accel aten torch; do
-    echo "== compile $tu (round $round)" >&2
-    /usr/bin/time -f "%e %M" -o "$tmp/time" g++ -std=c++20 -I"$root" -I/usr/include/torch/csrc/api/include \
-      -c "$tmp/$tu.cpp" -o "$tmp/$tu.o"
-    read -r seconds kib <"$tmp/time"
-    echo "compile_seconds,1,$tu,0,$seconds,s" | tee -a "$csv" >&2
-    echo "compile_peak_mib,1,$tu,0,$((kib / 1024)),MiB" | tee -a "$csv" >&2
-  done
-done
+# Compile cost has its own script: tests/bench/run_compile_bench.sh.
 
 /usr/bin/python3 "$root/tests/bench/summarize.py" "$csv" "$out"
