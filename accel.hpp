@@ -1990,13 +1990,28 @@ struct Rendezvous {
   c10::intrusive_ptr<c10d::Store> store;
   int generation = 0;
 };
+struct RendezvousState {
+  std::mutex mutex;
+  Rendezvous current;
+};
+inline RendezvousState& rendezvous_state() {
+  static RendezvousState state;
+  return state;
+}
+// Drops the kept store (one that stopped answering): the next rendezvous
+// connects afresh.
+inline void forget_rendezvous() {
+  auto& state = rendezvous_state();
+  std::lock_guard lock(state.mutex);
+  state.current.store.reset();
+}
 
-inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
-                                                  std::chrono::milliseconds timeout,
-                                                  std::string& prefix) {
-  static std::mutex mutex;
-  static Rendezvous current;
-  std::lock_guard lock(mutex);
+// The store and a fresh key prefix; `where` describes it for errors.
+inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world, std::chrono::milliseconds timeout,
+                                                  std::string& prefix, std::string& where_out) {
+  auto& state = rendezvous_state();
+  std::lock_guard lock(state.mutex);
+  Rendezvous& current = state.current;
   const auto dir = getenv_str("ACCEL_STORE_DIR");
   const bool file = dir && all_ranks_local();
   const bool agent_store = !file && getenv_str("TORCHELASTIC_USE_AGENT_STORE") == "True";
@@ -2037,6 +2052,7 @@ inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world,
   prefix = "accel/";
   if (agent_store) prefix += "attempt_" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0, 0)) + "/";
   prefix += std::to_string(current.generation++) + "/";
+  where_out = where;
   return current.store;
 }
 // The rendezvous protocol, on a fresh key prefix: every rank arrives before
@@ -2088,6 +2104,32 @@ inline void meet(c10d::Store& store, const std::string& prefix, int rank, int wo
   if (const int64_t in_debug = store.add(prefix + "debug", 0); in_debug != 0 && in_debug != world)
     throw InvalidArgument("debug mode is on in " + std::to_string(in_debug) + " of " + std::to_string(world) +
                           " ranks (here: " + (debug ? "on" : "off") + "); set ACCEL_DEBUG_MODE alike on every rank");
+}
+
+// meet() within the timeout (plus 5 s), whatever the store does: c10d's
+// store clients wait for an answer without a timeout of their own (a
+// compareSet to a TCPStore whose serving rank is stopped never returns), so
+// meet() runs on a thread of its own, abandoned (with the kept store) when
+// it overruns. Everything the thread uses is its own copy.
+inline void meet_within(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int world, bool debug,
+                        std::chrono::seconds timeout, const std::string& where) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> result = done->get_future();
+  std::thread([store, prefix, rank, world, debug, timeout, done] {
+    try {
+      meet(*store, prefix, rank, world, debug, timeout);
+      done->set_value();
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (result.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready) {
+    forget_rendezvous();
+    throw DistributedError("accel: the rendezvous store at " + where + " did not answer rank " + std::to_string(rank) +
+                           " within the timeout (" + std::to_string(timeout.count()) +
+                           " s + 5 s): is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
+  }
+  result.get();
 }
 }  // namespace detail
 
@@ -2313,10 +2355,10 @@ class DistributedInterface {
     backend_ = detail::backend_for(current_accelerator_.type());
     auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
     const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
-    std::string prefix;
-    auto store = detail::rendezvous(rank_, world_size_, timeout, prefix);
+    std::string prefix, where;
+    auto store = detail::rendezvous(rank_, world_size_, timeout, prefix, where);
     try {
-      detail::meet(*store, prefix, rank_, world_size_, debug, config.timeout);
+      detail::meet_within(store, prefix, rank_, world_size_, debug, config.timeout, where);
       auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store);
       world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
       detail::register_group(world_, "world", world_store, /*is_world=*/true);

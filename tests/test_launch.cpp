@@ -323,6 +323,33 @@ TEST_SUITE("failures") {
     CHECK(elapsed < 3 + 20);
   }
 
+  TEST_CASE("failures: a rendezvous store that never answers (its rank hung) is an error within the timeout") {
+    auto clean = no_launcher();
+    // A "server" that accepts connections (the kernel's backlog) and never answers, as a stopped rank 0 does.
+    const int server = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    REQUIRE(bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(listen(server, 16) == 0);
+    REQUIRE(getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+    const std::string port = std::to_string(ntohs(addr.sin_port));
+    EnvGuard env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] {
+      accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(2)});
+    });
+    const double elapsed = seconds_since(start);
+    MESSAGE("a store that never answers: error after " << elapsed << " s: " << error);
+    CHECK(error.find("the rendezvous store at 127.0.0.1:" + port + " did not answer rank 1 within the timeout") !=
+          std::string::npos);
+    CHECK(elapsed < 2 + 5 + 10);  // (before: blocked in TCPStore::compareSet for as long as the server hung)
+    CHECK_FALSE(accel::DistributedInterface::is_initialized());
+    // `server` stays open until the process ends: closing it resets the abandoned connection, and LibTorch 1.13's
+    // TCPStore listener thread answers a reset with std::terminate (as it would if a real rank 0 died).
+  }
+
   TEST_CASE("failures: a huge WORLD_SIZE reports its missing ranks at once, not after a round trip per rank") {
     auto clean = no_launcher();
     const std::string port = std::to_string(accel::detail::free_port());
