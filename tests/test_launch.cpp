@@ -342,8 +342,14 @@ TEST_SUITE("failures") {
     });
     const double elapsed = seconds_since(start);
     MESSAGE("a store that never answers: error after " << elapsed << " s: " << error);
-    CHECK(error.find("the rendezvous store at 127.0.0.1:" + port + " did not answer rank 1 within the timeout") !=
-          std::string::npos);
+    // LibTorch 1.13's client waits for ever in compareSet (accel.hpp abandons it); a client that asks the server
+    // for an answer while connecting, and has a socket timeout, fails the rendezvous itself: either names the store.
+    const bool abandoned =
+        error.find("the rendezvous store at 127.0.0.1:" + port + " did not answer rank 1 within the timeout") !=
+        std::string::npos;
+    const bool refused = error.find("rendezvous at 127.0.0.1:" + port + " failed for rank 1 of 2") != std::string::npos;
+    CHECK((abandoned || refused));
+    if (TORCH_VERSION_MAJOR == 1) CHECK(abandoned);
     CHECK(elapsed < 2 + 5 + 10);  // (before: blocked in TCPStore::compareSet for as long as the server hung)
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
     // `server` stays open until the process ends: closing it resets the abandoned connection, and LibTorch 1.13's
