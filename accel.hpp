@@ -1984,76 +1984,100 @@ c10::intrusive_ptr<c10d::Store> tcp_store(const std::string& host, Options optio
 // TORCHELASTIC_USE_AGENT_STORE=True: then every rank is a client (as Python's
 // _create_c10d_store), and the keys of each restart attempt
 // (TORCHELASTIC_RESTART_COUNT) are kept apart in case the store outlives it.
-struct Rendezvous {
+// Where the store is, read from the environment on the calling thread (a
+// malformed MASTER_PORT or ACCEL_STORE_DIR fails here, before any wait).
+struct StoreAddress {
+  std::optional<std::string> dir;  // a FileStore in it, else a TCPStore
+  bool agent_store = false;
+  std::string host;
+  int port = 0;
+  std::string where;  // for errors
+};
+inline StoreAddress store_address() {
+  StoreAddress a;
+  a.dir = getenv_str("ACCEL_STORE_DIR");
+  if (a.dir && !all_ranks_local()) a.dir.reset();
+  a.agent_store = !a.dir && getenv_str("TORCHELASTIC_USE_AGENT_STORE") == "True";
+  a.host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
+  a.port = a.dir ? 0 : env_int("MASTER_PORT", 29500, 0);
+  if (a.port > 65535) throw InvalidArgument("accel: MASTER_PORT=" + std::to_string(a.port) + " is not a TCP port");
+  a.where = a.dir ? "file store " + *a.dir + "/store" : a.host + ":" + std::to_string(a.port);
+  if (a.dir) {
+    struct stat info {};
+    if (stat(a.dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
+      throw InvalidArgument("ACCEL_STORE_DIR=" + *a.dir + " is not a directory");
+    if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
+      throw InvalidArgument("ACCEL_STORE_DIR=" + *a.dir +
+                            " must be private (owned by this user, mode 0700): other users could join");
+  }
+  return a;
+}
+
+struct KeptStore {
   std::string where;
   int rank = 0, world = 0;
   c10::intrusive_ptr<c10d::Store> store;
-  int generation = 0;
+  int generation = 0;  // of key prefixes handed out
+  int epoch = 0;       // bumped when a store is forgotten
 };
 struct RendezvousState {
-  std::mutex mutex;
-  Rendezvous current;
+  std::mutex mutex;  // held for bookkeeping only, never across a store operation
+  KeptStore kept;
 };
 inline RendezvousState& rendezvous_state() {
   static RendezvousState state;
   return state;
 }
 // Drops the kept store (one that stopped answering): the next rendezvous
-// connects afresh.
+// connects afresh, and a connection still under way is not kept.
 inline void forget_rendezvous() {
   auto& state = rendezvous_state();
   std::lock_guard lock(state.mutex);
-  state.current.store.reset();
+  state.kept.store.reset();
+  ++state.kept.epoch;
 }
 
-// The store and a fresh key prefix; `where` describes it for errors.
-inline c10::intrusive_ptr<c10d::Store> rendezvous(int rank, int world, std::chrono::milliseconds timeout,
-                                                  std::string& prefix, std::string& where_out) {
+// The kept store, or a new connection (which LibTorch 2.x's TCPStore client
+// makes by waiting for the server's answer, without a timeout), and a fresh
+// key prefix.
+inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, int world,
+                                               std::chrono::milliseconds timeout, std::string& prefix) {
   auto& state = rendezvous_state();
-  std::lock_guard lock(state.mutex);
-  Rendezvous& current = state.current;
-  const auto dir = getenv_str("ACCEL_STORE_DIR");
-  const bool file = dir && all_ranks_local();
-  const bool agent_store = !file && getenv_str("TORCHELASTIC_USE_AGENT_STORE") == "True";
-  std::string host = getenv_str("MASTER_ADDR").value_or("127.0.0.1");
-  int port = file ? 0 : env_int("MASTER_PORT", 29500, 0);
-  if (port > 65535)
-    throw InvalidArgument("accel: MASTER_PORT=" + std::to_string(port) + " is not a TCP port");
-  const std::string where = file ? "file store " + *dir + "/store" : host + ":" + std::to_string(port);
-  if (!current.store || current.where != where || current.rank != rank || current.world != world) {
+  std::unique_lock lock(state.mutex);
+  KeptStore& kept = state.kept;
+  if (!kept.store || kept.where != a.where || kept.rank != rank || kept.world != world) {
+    const int epoch = kept.epoch;
+    lock.unlock();
+    c10::intrusive_ptr<c10d::Store> store;
     try {
-      if (file) {
-        struct stat info {};
-        if (stat(dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
-          throw InvalidArgument("ACCEL_STORE_DIR=" + *dir + " is not a directory");
-        if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
-          throw InvalidArgument("ACCEL_STORE_DIR=" + *dir +
-                                      " must be private (owned by this user, mode 0700): other users could join");
-        current.store = c10::make_intrusive<c10d::FileStore>(*dir + "/store", world);
+      if (a.dir) {
+        store = c10::make_intrusive<c10d::FileStore>(*a.dir + "/store", world);
       } else {
         c10d::TCPStoreOptions options;
-        options.port = static_cast<std::uint16_t>(port);
-        options.isServer = rank == 0 && !agent_store;
+        options.port = static_cast<std::uint16_t>(a.port);
+        options.isServer = rank == 0 && !a.agent_store;
         options.numWorkers = static_cast<std::size_t>(world);
         options.waitWorkers = false;  // the arrival after this waits, and can say who is missing
         options.timeout = timeout;
-        current.store = tcp_store(host, options);
+        store = tcp_store(a.host, options);
       }
     } catch (const std::exception& e) {
-      throw DistributedError("accel: rendezvous at " + where + " failed for rank " + std::to_string(rank) + " of " +
-                             std::to_string(world) + (file ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") +
+      throw DistributedError("accel: rendezvous at " + a.where + " failed for rank " + std::to_string(rank) + " of " +
+                             std::to_string(world) + (a.dir ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") +
                              ": " + error_text(e));
     }
-    current.where = where;
-    current.rank = rank;
-    current.world = world;
+    lock.lock();
+    if (kept.epoch != epoch) throw DistributedError("accel: rendezvous at " + a.where + " was abandoned");
+    kept.store = std::move(store);
+    kept.where = a.where;
+    kept.rank = rank;
+    kept.world = world;
   }
-  current.store->setTimeout(timeout);
+  kept.store->setTimeout(timeout);
   prefix = "accel/";
-  if (agent_store) prefix += "attempt_" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0, 0)) + "/";
-  prefix += std::to_string(current.generation++) + "/";
-  where_out = where;
-  return current.store;
+  if (a.agent_store) prefix += "attempt_" + std::to_string(env_int("TORCHELASTIC_RESTART_COUNT", 0, 0)) + "/";
+  prefix += std::to_string(kept.generation++) + "/";
+  return kept.store;
 }
 // The rendezvous protocol, on a fresh key prefix: every rank arrives before
 // any creates a group, so none is still tearing down the groups of a
@@ -2106,30 +2130,37 @@ inline void meet(c10d::Store& store, const std::string& prefix, int rank, int wo
                           " ranks (here: " + (debug ? "on" : "off") + "); set ACCEL_DEBUG_MODE alike on every rank");
 }
 
-// meet() within the timeout (plus 5 s), whatever the store does: c10d's
-// store clients wait for an answer without a timeout of their own (a
-// compareSet to a TCPStore whose serving rank is stopped never returns), so
-// meet() runs on a thread of its own, abandoned (with the kept store) when
-// it overruns. Everything the thread uses is its own copy.
-inline void meet_within(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int world, bool debug,
-                        std::chrono::seconds timeout, const std::string& where) {
-  auto done = std::make_shared<std::promise<void>>();
-  std::future<void> result = done->get_future();
-  std::thread([store, prefix, rank, world, debug, timeout, done] {
+// The store (kept from an earlier rendezvous, or connected now) and a fresh
+// key prefix, after meet(): all within the timeout (plus 5 s), whatever the
+// store does. c10d's store clients wait for an answer without a timeout of
+// their own (a TCPStore client connecting to, or a compareSet sent to, a
+// serving rank that is stopped never returns), so the work runs on a thread
+// of its own, abandoned (with the kept store) when it overruns. Everything
+// the thread uses is its own copy.
+struct Met {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string prefix;
+};
+inline Met rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
+  auto done = std::make_shared<std::promise<Met>>();
+  std::future<Met> result = done->get_future();
+  std::thread([address, rank, world, debug, timeout, done] {
     try {
-      meet(*store, prefix, rank, world, debug, timeout);
-      done->set_value();
+      Met met;
+      met.store = connect(address, rank, world, timeout, met.prefix);
+      meet(*met.store, met.prefix, rank, world, debug, timeout);
+      done->set_value(std::move(met));
     } catch (...) {
       done->set_exception(std::current_exception());
     }
   }).detach();
   if (result.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready) {
     forget_rendezvous();
-    throw DistributedError("accel: the rendezvous store at " + where + " did not answer rank " + std::to_string(rank) +
-                           " within the timeout (" + std::to_string(timeout.count()) +
+    throw DistributedError("accel: the rendezvous store at " + address.where + " did not answer rank " +
+                           std::to_string(rank) + " within the timeout (" + std::to_string(timeout.count()) +
                            " s + 5 s): is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
   }
-  result.get();
+  return result.get();
 }
 }  // namespace detail
 
@@ -2355,10 +2386,9 @@ class DistributedInterface {
     backend_ = detail::backend_for(current_accelerator_.type());
     auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
     const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
-    std::string prefix, where;
-    auto store = detail::rendezvous(rank_, world_size_, timeout, prefix, where);
+    const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
-      detail::meet_within(store, prefix, rank_, world_size_, debug, config.timeout, where);
+      const auto [store, prefix] = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
       auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store);
       world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
       detail::register_group(world_, "world", world_store, /*is_world=*/true);
