@@ -292,21 +292,25 @@ inline int env_int(const char* name, int fallback, int minimum) {
 
 // A yes/no switch: 1/0, true/false, yes/no, on/off (any case); anything else
 // is an error naming the variable, never a silent default.
+// ASCII only, whatever the C locale says.
+inline std::string lowercase(std::string text) {
+  for (char& c : text) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return text;
+}
 inline bool env_bool(const char* name, bool fallback) {
   const char* raw = std::getenv(name);
   if (raw == nullptr) return fallback;
-  const std::optional<std::string> text(raw);
-  if (text->empty())
+  const std::string text(raw);
+  if (text.empty())
     throw InvalidArgument(std::string("accel: environment variable ") + name +
                           " is set but empty (unset it, or use 1/0, true/false, yes/no or on/off)");
-  std::string lower(*text);
-  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  const std::string lower = lowercase(text);
   for (const char* yes : {"1", "true", "yes", "on"})
     if (lower == yes) return true;
   for (const char* no : {"0", "false", "no", "off"})
     if (lower == no) return false;
-  throw InvalidArgument(std::string("accel: environment variable ") + name + "='" + *text +
-                              "' is not a switch (use 1/0, true/false, yes/no or on/off)");
+  throw InvalidArgument(std::string("accel: environment variable ") + name + "='" + text +
+                        "' is not a switch (use 1/0, true/false, yes/no or on/off)");
 }
 }  // namespace detail
 
@@ -1390,8 +1394,7 @@ inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::millisecond
 }
 
 inline bool is_timeout(const std::string& text) {
-  std::string lower(text);
-  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  const std::string lower = lowercase(text);
   return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
 }
 
@@ -2646,18 +2649,66 @@ inline std::pair<c10::ScalarType, c10::Device> dtype_device_key(const at::Tensor
   return {t.scalar_type(), t.device()};
 }
 
-// Different dtypes share one byte buffer for collectives that only move
-// bytes (broadcast, gather); every leaf starts at a 16-byte boundary, so the
-// typed views below are aligned for any dtype.
+// The one packing path: several tensors travel in one flat buffer (gather,
+// broadcast, reduce, DataParallel's buckets). Parts of one dtype lie back to
+// back, so that a reduction runs on the buffer as that dtype; in a byte
+// buffer (collectives that only move bytes) parts of any dtypes each start at
+// a 16-byte boundary, so every part's view is aligned for its dtype. Views
+// share the buffer's storage, and keep it alive.
 constexpr int64_t kAlign = 16;
-inline int64_t align_up(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+class Packing {
+ public:
+  explicit Packing(c10::ScalarType dtype = c10::kByte)
+      : dtype_(dtype), unit_(static_cast<int64_t>(c10::elementSize(dtype))) {}
+  // Places a part; returns its index.
+  std::size_t add(c10::IntArrayRef sizes, c10::ScalarType dtype) {
+    TORCH_INTERNAL_ASSERT(dtype_ == c10::kByte || dtype == dtype_, "accel: a part of another dtype in a typed packing");
+    const int64_t align = dtype_ == c10::kByte ? kAlign : unit_;
+    end_ = (end_ + align - 1) / align * align;
+    parts_.push_back(Part{end_, sizes.vec(), dtype});
+    end_ += c10::multiply_integers(sizes) * static_cast<int64_t>(c10::elementSize(dtype));
+    return parts_.size() - 1;
+  }
+  std::size_t add(const at::Tensor& t) { return add(t.sizes(), t.scalar_type()); }
+  std::size_t size() const { return parts_.size(); }
+  // Bytes the layout spans, rounded up to kAlign in a byte packing (so that
+  // buffers laid side by side keep every part aligned).
+  int64_t bytes() const { return dtype_ == c10::kByte ? (end_ + kAlign - 1) / kAlign * kAlign : end_; }
+  // An uninitialised buffer of the packing's dtype, at least `bytes` long
+  // (never empty: Gloo divides by the element count).
+  at::Tensor buffer(const at::TensorOptions& options, int64_t bytes = 0) const {
+    const int64_t least = dtype_ == c10::kByte ? kAlign : unit_;
+    return at::empty({std::max({bytes, this->bytes(), least}) / unit_}, options.dtype(dtype_));
+  }
+  // Part k of a buffer laid out as this packing (it may be a row of a larger one).
+  at::Tensor view(const at::Tensor& buffer, std::size_t k) const {
+    const Part& part = parts_[k];
+    const auto unit = static_cast<int64_t>(c10::elementSize(part.dtype));
+    const int64_t start = buffer.storage_offset() * static_cast<int64_t>(buffer.element_size()) + part.offset;
+    TORCH_INTERNAL_ASSERT(start % unit == 0, "accel: a packed part is misaligned");
+    std::vector<int64_t> strides(part.sizes.size(), 1);
+    for (std::size_t d = part.sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * std::max<int64_t>(part.sizes[d], 1);
+    return at::empty({0}, buffer.options().dtype(part.dtype)).set_(buffer.storage(), start / unit, part.sizes, strides);
+  }
+  // A new buffer holding copies of `tensors` (tensors[k] is part k).
+  at::Tensor pack(c10::ArrayRef<at::Tensor> tensors, const at::TensorOptions& options) const {
+    at::Tensor out = buffer(options);
+    for (std::size_t k = 0; k < tensors.size(); ++k) view(out, k).copy_(tensors[k]);
+    return out;
+  }
 
-inline at::Tensor typed_view(const at::Tensor& bytes, int64_t offset, c10::IntArrayRef sizes,
-                             c10::ScalarType dtype) {
-  return at::from_blob(static_cast<uint8_t*>(bytes.data_ptr()) + offset, sizes, bytes.options().dtype(dtype));
-}
+ private:
+  struct Part {
+    int64_t offset;  // bytes
+    std::vector<int64_t> sizes;
+    c10::ScalarType dtype;
+  };
+  c10::ScalarType dtype_;
+  int64_t unit_;
+  int64_t end_ = 0;
+  std::vector<Part> parts_;
+};
 
-inline int64_t byte_size(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 }  // namespace detail
 
 // Nested data whose every leaf is an at::Tensor (what the collectives below take).
@@ -2799,36 +2850,22 @@ T gather(const T& data, const GroupPtr& group = {}) {
   at::NoGradGuard no_grad;
   for (const auto& bucket : detail::group_leaves(leaves, &detail::device_key)) {
     const std::vector<std::size_t>& members = bucket.second;
-    // offsets[r][k]: where member k of rank r starts in rank r's buffer.
-    std::vector<std::vector<int64_t>> offsets(size);
+    // Each rank's leaves have their own rows: one layout per rank, every
+    // rank's buffer as long as the longest.
+    std::vector<detail::Packing> layouts(static_cast<std::size_t>(size));
     int64_t longest = 0;
     for (int r = 0; r < size; ++r) {
-      int64_t end = 0;
-      for (std::size_t i : members) {
-        end = detail::align_up(end);
-        offsets[r].push_back(end);
-        end += rows_of(r, i) * detail::row_bytes(leaves[i]);
-      }
-      longest = std::max(longest, end);
+      for (std::size_t i : members)
+        layouts[r].add(detail::with_rows(leaves[i], rows_of(r, i)), leaves[i].scalar_type());
+      longest = std::max(longest, layouts[r].bytes());
     }
-    longest = detail::align_up(std::max<int64_t>(longest, 1));  // every rank's row stays aligned
-    const int rank = g->getRank();
-    auto options = leaves[members.front()].options().dtype(c10::kByte);
-    at::Tensor mine = at::empty({longest}, options);
-    for (std::size_t k = 0; k < members.size(); ++k) {
-      const at::Tensor& leaf = leaves[members[k]];
-      detail::typed_view(mine, offsets[rank][k], leaf.sizes(), leaf.scalar_type()).copy_(leaf);
-    }
-    at::Tensor all = at::empty({size, mine.size(0)}, options);
+    const auto options = leaves[members.front()].options();
+    at::Tensor mine = layouts[g->getRank()].buffer(options, longest);
+    for (std::size_t k = 0; k < members.size(); ++k) layouts[g->getRank()].view(mine, k).copy_(leaves[members[k]]);
+    at::Tensor all = at::empty({size, mine.size(0)}, mine.options());
     detail::all_gather_stacked(*g, mine, all);
-    for (int r = 0; r < size; ++r) {
-      at::Tensor row = all.select(0, r);
-      for (std::size_t k = 0; k < members.size(); ++k) {
-        const at::Tensor& leaf = leaves[members[k]];
-        pieces[members[k]][r] = detail::typed_view(row, offsets[r][k], detail::with_rows(leaf, rows_of(r, members[k])),
-                                                   leaf.scalar_type());
-      }
-    }
+    for (int r = 0; r < size; ++r)
+      for (std::size_t k = 0; k < members.size(); ++k) pieces[members[k]][r] = layouts[r].view(all.select(0, r), k);
     for (std::size_t i : members) leaves[i] = at::cat(pieces[i], 0);  // owns its memory
   }
   return detail::with_leaves(data, std::move(leaves));
@@ -2866,21 +2903,15 @@ T reduce(const T& data, ReduceOp reduction = ReduceOp::MEAN, const GroupPtr& gro
   });
   for (const auto& bucket : detail::group_leaves(leaves, &detail::dtype_device_key)) {
     const std::vector<std::size_t>& members = bucket.second;
-    at::Tensor flat;
-    if (members.size() == 1) {
-      flat = leaves[members.front()].clone(at::MemoryFormat::Contiguous).reshape({-1});
-    } else {
-      std::vector<at::Tensor> parts;
-      for (std::size_t i : members) parts.push_back(leaves[i].reshape({-1}));
-      flat = at::cat(parts);
-    }
-    detail::all_reduce_tensor(*g, flat, reduction);
-    int64_t offset = 0;
+    detail::Packing packing(bucket.first.first);
+    std::vector<at::Tensor> parts;
     for (std::size_t i : members) {
-      const int64_t count = leaves[i].numel();
-      leaves[i] = flat.narrow(0, offset, count).view(leaves[i].sizes());
-      offset += count;
+      packing.add(leaves[i]);
+      parts.push_back(leaves[i]);
     }
+    at::Tensor flat = packing.pack(parts, leaves[members.front()].options());
+    detail::all_reduce_tensor(*g, flat, reduction);
+    for (std::size_t k = 0; k < members.size(); ++k) leaves[members[k]] = packing.view(flat, k);
   }
   return detail::with_leaves(data, std::move(leaves));
 }
@@ -2914,23 +2945,14 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
       detail::broadcast_tensor(*g, leaves[members.front()], from_process);
       continue;
     }
-    std::vector<int64_t> offsets;
-    int64_t end = 0;
-    for (std::size_t i : members) {
-      end = detail::align_up(end);
-      offsets.push_back(end);
-      end += detail::byte_size(leaves[i]);
-    }
-    at::Tensor buffer = at::empty({std::max<int64_t>(end, 1)}, leaves[members.front()].options().dtype(c10::kByte));
-    auto view = [&](std::size_t k) {
-      const at::Tensor& leaf = leaves[members[k]];
-      return detail::typed_view(buffer, offsets[k], leaf.sizes(), leaf.scalar_type());
-    };
+    detail::Packing packing;
+    for (std::size_t i : members) packing.add(leaves[i]);
+    at::Tensor buffer = packing.buffer(leaves[members.front()].options());
     if (source)
-      for (std::size_t k = 0; k < members.size(); ++k) view(k).copy_(leaves[members[k]]);
+      for (std::size_t k = 0; k < members.size(); ++k) packing.view(buffer, k).copy_(leaves[members[k]]);
     detail::broadcast_tensor(*g, buffer, from_process);
     if (!source)
-      for (std::size_t k = 0; k < members.size(); ++k) leaves[members[k]].copy_(view(k));
+      for (std::size_t k = 0; k < members.size(); ++k) leaves[members[k]].copy_(packing.view(buffer, k));
   }
   return data;
 }
@@ -3461,21 +3483,22 @@ class DataParallel {
     for (const auto& p : params) {
       auto& buckets = state_->buckets;
       if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device()) {
-        buckets.push_back(Bucket{{}, {}, {}, 0, 0, p.scalar_type(), p.device(), 0, {}, {}});
+        buckets.push_back(Bucket{.dtype = p.scalar_type(), .device = p.device(), .packing = detail::Packing(p.scalar_type())});
         open = true;
       }
       buckets.back().params.push_back(p);
       buckets.back().used.push_back(0);
       buckets.back().seen.push_back(0);
-      buckets.back().numel += p.numel();
-      buckets.back().bytes += p.numel() * static_cast<int64_t>(p.element_size());
-      if (buckets.back().bytes >= cap) {
+      buckets.back().packing.add(p);
+      if (buckets.back().packing.bytes() >= cap) {
         open = false;
         cap = bucket_bytes;
       }
     }
-    for (std::size_t b = 0; b < state_->buckets.size(); ++b)
-      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i) accumulators_.emplace_back();
+    for (auto& bucket : state_->buckets) {
+      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) accumulators_.emplace_back();
+    }
     hook_accumulators();
   }
 
@@ -3532,18 +3555,16 @@ class DataParallel {
         throw DistributedError("accel::DataParallel: gradient all_reduce failed on " + detail::describe(*state_->group) +
                                ": " + detail::error_text(e));
       }
-      const at::Tensor used_anywhere =
-          bucket.flat.narrow(0, bucket.numel, static_cast<int64_t>(bucket.params.size())).gt(0).to(c10::kCPU);
+      const std::size_t n = bucket.params.size();
+      const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
       const bool* used = used_anywhere.data_ptr<bool>();
-      int64_t offset = 0;
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      for (std::size_t i = 0; i < n; ++i) {
         at::Tensor& p = bucket.params[i];
         if (used[i]) {
-          at::Tensor averaged = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes());
+          at::Tensor averaged = bucket.packing.view(bucket.flat, i);
           if (p.grad().defined()) p.mutable_grad().copy_(averaged);
           else p.mutable_grad() = averaged.clone();
         }
-        offset += p.numel();
         bucket.used[i] = 0;
       }
     }
@@ -3558,8 +3579,7 @@ class DataParallel {
     std::lock_guard lock(state_->mutex);
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (const auto& bucket : state_->buckets) {
-      std::vector<at::Tensor> tensors{at::zeros({bucket.numel + static_cast<int64_t>(bucket.params.size())},
-                                                bucket.params.front().options())};
+      std::vector<at::Tensor> tensors{bucket.packing.buffer(bucket.params.front().options()).zero_()};
       works.push_back(state_->group->allreduce(tensors));
     }
     for (auto& work : works) {
@@ -3587,11 +3607,10 @@ class DataParallel {
     std::vector<at::Tensor> params;
     std::vector<uint8_t> used;  // per parameter: a gradient arrived since the last sync
     std::vector<uint8_t> seen;  // per parameter: ... in the armed backward
-    int64_t numel;              // of the parameters (the flags follow them in `flat`)
-    int64_t bytes;
     c10::ScalarType dtype;
     c10::Device device;
-    std::size_t ready;
+    detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+    std::size_t ready = 0;
     at::Tensor flat;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -3625,13 +3644,16 @@ class DataParallel {
   static void launch(State& state, std::size_t b) {
     Bucket& bucket = state.buckets[b];
     at::NoGradGuard no_grad;
-    std::vector<at::Tensor> parts;
-    for (const auto& p : bucket.params)
-      parts.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, p.options()));
-    const auto flags = static_cast<int64_t>(bucket.used.size());
-    parts.push_back(at::from_blob(bucket.used.data(), {flags}, at::TensorOptions(c10::kByte))
-                        .to(bucket.params.front().options()));
-    bucket.flat = at::cat(parts).div_(state.group->getSize());
+    const std::size_t n = bucket.params.size();
+    bucket.flat = bucket.packing.buffer(bucket.params.front().options());
+    for (std::size_t i = 0; i < n; ++i) {
+      const at::Tensor& grad = bucket.params[i].grad();
+      if (grad.defined()) bucket.packing.view(bucket.flat, i).copy_(grad);
+      else bucket.packing.view(bucket.flat, i).zero_();
+    }
+    bucket.packing.view(bucket.flat, n)
+        .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
+    bucket.flat.div_(state.group->getSize());
     std::vector<at::Tensor> tensors{bucket.flat};
     try {
       bucket.work = state.group->allreduce(tensors);

@@ -207,11 +207,15 @@ TEST_SUITE("ranks") {
     at::Tensor all = accel::gather(rows);
     CHECK(shape(all) == std::vector<int64_t>{P * (P + 1) / 2, 3});
     CHECK(values(all.select(1, 2)) == uneven_rows(P, 1));
-    // Several dtypes in one structure, plus a 0-d leaf.
-    std::map<std::string, at::Tensor> batch{{"x", rows}, {"y", at::full({r + 1}, 10 * r, at::kLong)},
+    // Several dtypes in one structure (an odd number of bytes before 4- and 8-byte leaves), plus a 0-d leaf.
+    std::map<std::string, at::Tensor> batch{{"a", at::full({r + 1}, r % 2 == 1, at::kBool)},
+                                            {"x", rows}, {"y", at::full({r + 1}, 10 * r, at::kLong)},
                                             {"z", at::tensor(static_cast<double>(r))},
                                             {"empty", at::empty({0, 2}, at::kInt)}};
     auto g = accel::gather(batch);
+    std::vector<int64_t> odd;
+    for (int64_t v : uneven_rows(P, 1)) odd.push_back(v % 2);
+    CHECK(values(g["a"].to(at::kLong)) == odd);
     CHECK(values(g["x"].select(1, 0)) == uneven_rows(P, 1));
     CHECK(values(g["y"]) == uneven_rows(P, 10));
     CHECK(values(g["z"]) == range(0, P - 1));
