@@ -21,19 +21,9 @@ for world in 2 4 8 16; do
   done
 done
 
-# Instructions per call at world size 1, counted only inside the loop.
-free_port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-for variant in raw accel; do
-  echo "== callgrind $variant" >&2
-  calls=2000
-  file=$(mktemp)
-  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$free_port \
-    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$file" \
-    "$bench" callgrind $variant $calls 2>/dev/null
-  total=$(sed -n 's/^totals: *//p' "$file" | awk '{print $1}')
-  rm -f "$file"
-  echo "callgrind,1,$( [[ $variant == raw ]] && echo raw_c10d || echo accel_all_reduce ),4,$((total / calls)),instructions" | tee -a "$csv" >&2
-done
+# Instructions per call at world size 1, counted only inside the loop (the
+# same script is the callgrind_overhead test).
+ACCEL_CALLGRIND_LIMIT=1e9 bash "$root/tests/callgrind_overhead.sh" "$bench" "${CXX:-c++}" | sed -n 's/^CSV,//p' | tee -a "$csv" >&2
 
 # Compile cost has its own script: tests/bench/run_compile_bench.sh.
 

@@ -5,7 +5,7 @@
 set -euo pipefail
 root=${1:?usage: make_root.sh DIR}
 packages=(libtorch-dev libgloo-dev doctest-dev g++ clang cmake make pkg-config python3-torch
-          python3-safetensors openmpi-bin iproute2 procps ca-certificates)
+          python3-safetensors openmpi-bin iproute2 procps ca-certificates valgrind)
 stamp="$root/.accel-root-ready"
 want="trixie ${packages[*]}"
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
