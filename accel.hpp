@@ -1429,6 +1429,29 @@ inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_re
                                 "or pass a floating-point value");
 }
 
+// Dtypes Gloo moves and reduces on every LibTorch version: float32/64,
+// float16, int8, uint8, int32 and int64; NCCL has every real dtype. Others
+// travel in another form: as their bytes where an operation only moves data;
+// for a reduction (all_reduce_converted), bool as uint8, complex as its real
+// and imaginary parts, other floating types (bfloat16) in float32 and other
+// integers (int16, unsigned) in int64. (Python's torch.distributed fails on
+// most of these with Gloo: "Invalid scalar type".) The common dtypes answer
+// without asking the backend's name.
+inline bool native_dtype(const c10d::ProcessGroup& group, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kFloat: case c10::kDouble: case c10::kHalf: case c10::kChar: case c10::kByte: case c10::kInt:
+    case c10::kLong:
+      return true;
+    default:
+      return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
+  }
+}
+// What moves for a contiguous tensor: itself, or a view of its bytes.
+inline at::Tensor as_wire(const c10d::ProcessGroup& group, const at::Tensor& contiguous) {
+  if (native_dtype(group, contiguous.scalar_type())) return contiguous;
+  return contiguous.reshape({-1}).view(c10::kByte);
+}
+
 // NCCL only moves device memory: CPU data visits the current device. (Only
 // builds with NCCL can hold an NCCL group, so others skip the name lookup.)
 inline std::optional<c10::Device> staging_device([[maybe_unused]] const c10d::ProcessGroup& group,
@@ -1457,7 +1480,11 @@ void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
 // Collectives are not differentiable: our own in-place copies and the MEAN
 // division must not trip autograd's checks (in Python, c10d ops bypass
 // autograd too), so they run under NoGradGuard.
+inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op);
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  if (tensor.numel() == 0) return;  // nothing to reduce (and Gloo divides by the element count)
+  if (!native_dtype(group, tensor.scalar_type())) [[unlikely]]
+    return all_reduce_converted(group, tensor, op);
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
     c10d::AllreduceOptions opts;
@@ -1468,6 +1495,33 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
     at::NoGradGuard no_grad;
     tensor.div_(group.getSize());
   }
+}
+
+// A dtype the backend cannot reduce, reduced in a form it can (native_dtype).
+inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  const c10::ScalarType dtype = tensor.scalar_type();
+  at::NoGradGuard no_grad;
+  at::Tensor form;
+  if (dtype == c10::kBool) {
+    form = tensor.view(c10::kByte);  // in place
+    if (op == ReduceOp::SUM) op = ReduceOp::MAX;  // a logical or, as NCCL's bool sum
+  } else if (c10::isComplexType(dtype)) {
+    if (op == ReduceOp::MAX || op == ReduceOp::MIN)
+      throw InvalidArgument("accel::all_reduce: ReduceOp::" + std::string(to_string(op)) + " of " +
+                            c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
+    form = at::view_as_real(tensor.is_contiguous() ? tensor : tensor.contiguous());
+  } else if (c10::isFloatingType(dtype)) {
+    form = tensor.to(c10::kFloat);
+  } else if (c10::isIntegralType(dtype, /*includeBool=*/false)) {
+    form = tensor.to(c10::kLong);
+  } else {
+    throw InvalidArgument(std::string("accel::all_reduce: dtype ") + c10::toString(dtype) + " cannot be reduced on " +
+                          describe(group));
+  }
+  all_reduce_tensor(group, form, op);
+  if (form.is_alias_of(tensor)) return;
+  if (c10::isComplexType(dtype)) tensor.copy_(at::view_as_complex(form));
+  else tensor.copy_(form);
 }
 
 // The source of a broadcast is a rank within the group (`name` is how the
@@ -1484,8 +1538,9 @@ inline void check_source(const c10d::ProcessGroup* group, int src, const char* o
 
 // `src` was checked by the caller (check_source).
 inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int src) {
+  if (tensor.numel() == 0) return;  // nothing to move (and Gloo divides by the element count)
   in_place(group, tensor, [&](at::Tensor& t) {
-    std::vector<at::Tensor> tensors{t};
+    std::vector<at::Tensor> tensors{as_wire(group, t)};
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     run("broadcast", group, [&] { return group.broadcast(tensors, opts); });
@@ -1495,16 +1550,24 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int 
 // Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
 inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
                             std::vector<at::Tensor> outputs, const char* op = "all_gather") {
-  auto device = staging_device(group, input);
-  std::vector<at::Tensor> inputs{device ? input.to(*device).contiguous() : input.contiguous()};
+  if (input.numel() == 0) return;  // every part is empty (and Gloo divides by the element count)
+  const auto device = staging_device(group, input);
+  std::vector<at::Tensor> inputs{as_wire(group, device ? input.to(*device).contiguous() : input.contiguous())};
+  // Outputs c10d cannot write into directly are staged, and copied back.
   std::vector<at::Tensor> staged = outputs;
-  if (device)
-    for (auto& t : staged) t = at::empty_like(t, t.options().device(*device));
-  std::vector<std::vector<at::Tensor>> output_lists{staged};
+  bool copy_back = false;
+  for (auto& t : staged)
+    if (device || !t.is_contiguous()) {
+      t = at::empty(t.sizes(), t.options().device(device.value_or(t.device())));
+      copy_back = true;
+    }
+  std::vector<std::vector<at::Tensor>> output_lists(1);
+  for (const auto& t : staged) output_lists[0].push_back(as_wire(group, t));
   run(op, group, [&] { return group.allgather(output_lists, inputs); });
-  if (device) {
+  if (copy_back) {
     at::NoGradGuard no_grad;
-    for (std::size_t r = 0; r < outputs.size(); ++r) outputs[r].copy_(output_lists[0][r]);
+    for (std::size_t r = 0; r < outputs.size(); ++r)
+      if (!staged[r].is_same(outputs[r])) outputs[r].copy_(staged[r]);
   }
 }
 

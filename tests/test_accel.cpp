@@ -491,6 +491,85 @@ TEST_SUITE("ranks") {
     }
   }
 
+  TEST_CASE("every dtype LibTorch has, zero elements too: all_reduce, broadcast, all_gather, gather, reduce") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    std::vector<c10::ScalarType> dtypes{at::kBool,  at::kByte,     at::kChar,  at::kShort,        at::kInt,
+                                        at::kLong,  at::kHalf,     at::kBFloat16, at::kFloat,     at::kDouble,
+                                        at::kComplexFloat, at::kComplexDouble};
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+    for (auto extra : {at::kUInt16, at::kUInt32, at::kUInt64, at::kFloat8_e4m3fn, at::kFloat8_e5m2})
+      dtypes.push_back(extra);
+#endif
+    // Rank k holds k+1 everywhere (complex: k+1 - (k+1)i; bool: k is odd).
+    auto value_of = [](int k, c10::ScalarType dtype) {
+      if (dtype == at::kBool) return at::full({2, 3}, k % 2 == 1, at::kBool);
+      at::Tensor v = at::full({2, 3}, k + 1, at::kDouble);
+      if (c10::isComplexType(dtype)) v = at::complex(v, -v);
+      return v.to(dtype);
+    };
+    auto doubles = [](const at::Tensor& t) {  // real and imaginary parts, for complex
+      at::Tensor wide = c10::isComplexType(t.scalar_type()) ? at::view_as_real(t.to(at::kComplexDouble))
+                                                            : t.to(at::kDouble);
+      wide = wide.contiguous().flatten();
+      return std::vector<double>(wide.data_ptr<double>(), wide.data_ptr<double>() + wide.numel());
+    };
+    for (const auto dtype : dtypes) {
+      CAPTURE(dtype);
+      const bool is_bool = dtype == at::kBool, is_complex = c10::isComplexType(dtype);
+      auto same = [&](const at::Tensor& got, const at::Tensor& want) {
+        CHECK((got.scalar_type() == dtype));
+        CHECK(got.sizes() == want.sizes());
+        CHECK(doubles(got) == doubles(want));
+      };
+      // SUM: the sum of 1..P; bool: an or; MAX and MIN likewise.
+      at::Tensor sum = is_bool ? value_of(P > 1 ? 1 : 0, dtype) : value_of(P * (P + 1) / 2 - 1, dtype);
+      same(accel::all_reduce(value_of(r, dtype), ReduceOp::SUM), sum);
+      if (is_complex) {
+        CHECK_THROWS_WITH_AS(accel::all_reduce(value_of(r, dtype), ReduceOp::MAX),
+                             doctest::Contains("complex numbers have no order"), std::invalid_argument);
+        same(accel::all_reduce(value_of(r, dtype), ReduceOp::MEAN), value_of(0, dtype) * ((P + 1) / 2.0));
+      } else {
+        same(accel::all_reduce(value_of(r, dtype), ReduceOp::MAX), value_of(is_bool ? (P > 1 ? 1 : 0) : P - 1, dtype));
+        same(accel::all_reduce(value_of(r, dtype), ReduceOp::MIN), value_of(0, dtype));
+      }
+      if (c10::isFloatingType(dtype))
+        same(accel::all_reduce(value_of(r, dtype), ReduceOp::MEAN),
+             at::full({2, 3}, (P + 1) / 2.0, at::kDouble).to(dtype));
+      // A non-contiguous one, in place.
+      at::Tensor wide = at::cat({value_of(r, dtype), value_of(r, dtype)}, 1);
+      at::Tensor strided = wide.slice(1, 0, 6, 2);
+      REQUIRE_FALSE(strided.is_contiguous());
+      accel::all_reduce(strided, ReduceOp::SUM);
+      same(wide.slice(1, 0, 6, 2), sum);
+
+      at::Tensor b = value_of(r, dtype);
+      accel::broadcast(b, P - 1);
+      same(b, value_of(P - 1, dtype));
+      at::Tensor stacked = accel::all_gather(value_of(r, dtype));
+      REQUIRE(stacked.size(0) == P);
+      for (int k = 0; k < P; ++k) same(stacked[k], value_of(k, dtype));
+
+      // Accelerate's operations, several dtypes in one structure.
+      std::map<std::string, at::Tensor> nested{{"a", value_of(r, dtype)}, {"b", at::full({1}, r, at::kFloat)}};
+      auto gathered = accel::gather(nested);
+      for (int k = 0; k < P; ++k) same(gathered["a"].slice(0, 2 * k, 2 * k + 2), value_of(k, dtype));
+      same(accel::reduce(nested, ReduceOp::SUM)["a"], sum);
+      accel::broadcast(nested, P - 1);
+      same(nested["a"], value_of(P - 1, dtype));
+
+      // Zero elements: every operation returns at once, the right shape (before: SIGFPE inside Gloo).
+      at::Tensor empty = at::empty({0, 3}, at::TensorOptions().dtype(dtype));
+      CHECK(accel::all_reduce(empty, ReduceOp::SUM).numel() == 0);
+      CHECK(accel::broadcast(empty, P - 1).numel() == 0);
+      CHECK(accel::all_gather(empty).sizes() == at::IntArrayRef({P, 0, 3}));
+      at::Tensor into = at::empty({P, 0, 3}, at::TensorOptions().dtype(dtype));
+      CHECK(accel::all_gather_into_tensor(into, empty).sizes() == at::IntArrayRef({P, 0, 3}));
+      CHECK(accel::gather(empty).sizes() == at::IntArrayRef({0, 3}));
+      CHECK(accel::reduce(empty, ReduceOp::SUM).sizes() == at::IntArrayRef({0, 3}));
+    }
+  }
+
   TEST_CASE("broadcast checks src against the group") {
     auto& d = world();
     const int P = d.get_world_size();
