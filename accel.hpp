@@ -1432,7 +1432,7 @@ inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_re
 // Dtypes Gloo moves and reduces on every LibTorch version: float32/64,
 // float16, int8, uint8, int32 and int64; NCCL has every real dtype. Others
 // travel in another form: as their bytes where an operation only moves data;
-// for a reduction (all_reduce_converted), bool as uint8, complex as its real
+// for a reduction (reduce_converted), bool as uint8, complex as its real
 // and imaginary parts, other floating types (bfloat16) in float32 and other
 // integers (int16, unsigned) in int64. (Python's torch.distributed fails on
 // most of these with Gloo: "Invalid scalar type".) The common dtypes answer
@@ -1480,26 +1480,40 @@ void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
 // Collectives are not differentiable: our own in-place copies and the MEAN
 // division must not trip autograd's checks (in Python, c10d ops bypass
 // autograd too), so they run under NoGradGuard.
-inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op);
-inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+// all_reduce, or with `dst` a reduce onto that rank of the group (only
+// there is the result defined, and divided for MEAN).
+inline void reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op, std::optional<int> dst);
+inline void reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op,
+                          std::optional<int> dst = std::nullopt) {
   if (tensor.numel() == 0) return;  // nothing to reduce (and Gloo divides by the element count)
   if (!native_dtype(group, tensor.scalar_type())) [[unlikely]]
-    return all_reduce_converted(group, tensor, op);
+    return reduce_converted(group, tensor, op, dst);
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
-    run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
+    if (dst) {
+      c10d::ReduceOptions opts;
+      opts.reduceOp = to_c10d(op);
+      opts.rootRank = *dst;
+      run("reduce_to", group, [&] { return group.reduce(tensors, opts); });
+    } else {
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = to_c10d(op);
+      run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
+    }
   });
-  if (op == ReduceOp::MEAN) {
+  if (op == ReduceOp::MEAN && (!dst || *dst == group.getRank())) {
     at::NoGradGuard no_grad;
     tensor.div_(group.getSize());
   }
 }
+inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  reduce_tensor(group, tensor, op);
+}
 
 // A dtype the backend cannot reduce, reduced in a form it can (native_dtype).
-inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+inline void reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op, std::optional<int> dst) {
   const c10::ScalarType dtype = tensor.scalar_type();
+  const char* name = dst ? "reduce_to" : "all_reduce";
   at::NoGradGuard no_grad;
   at::Tensor form;
   if (dtype == c10::kBool) {
@@ -1507,7 +1521,7 @@ inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, 
     if (op == ReduceOp::SUM) op = ReduceOp::MAX;  // a logical or, as NCCL's bool sum
   } else if (c10::isComplexType(dtype)) {
     if (op == ReduceOp::MAX || op == ReduceOp::MIN)
-      throw InvalidArgument("accel::all_reduce: ReduceOp::" + std::string(to_string(op)) + " of " +
+      throw InvalidArgument(std::string("accel::") + name + ": ReduceOp::" + std::string(to_string(op)) + " of " +
                             c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
     form = at::view_as_real(tensor.is_contiguous() ? tensor : tensor.contiguous());
   } else if (c10::isFloatingType(dtype)) {
@@ -1515,10 +1529,10 @@ inline void all_reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, 
   } else if (c10::isIntegralType(dtype, /*includeBool=*/false)) {
     form = tensor.to(c10::kLong);
   } else {
-    throw InvalidArgument(std::string("accel::all_reduce: dtype ") + c10::toString(dtype) + " cannot be reduced on " +
-                          describe(group));
+    throw InvalidArgument(std::string("accel::") + name + ": dtype " + c10::toString(dtype) +
+                          " cannot be reduced on " + describe(group));
   }
-  all_reduce_tensor(group, form, op);
+  reduce_tensor(group, form, op, dst);
   if (form.is_alias_of(tensor)) return;
   if (c10::isComplexType(dtype)) tensor.copy_(at::view_as_complex(form));
   else tensor.copy_(form);
@@ -1839,6 +1853,487 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
     detail::all_gather_stacked(*g, input, output);
   }
   return output;
+}
+
+// -- The rest of torch.distributed: reduce_scatter, all_to_all, reduce_to,
+// gather_to, scatter, send, recv, monitored_barrier. Ranks (src, dst) are
+// ranks within the group; a tensor with zero elements moves nothing.
+
+namespace detail {
+// The device a group's collectives run on: the current CUDA device for an
+// NCCL group, else the CPU.
+inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group) {
+#if ACCEL_WITH_NCCL
+  if (group.getBackendName() == "nccl") return get_current_device();
+#endif
+  return c10::Device(c10::kCPU);
+}
+
+// Folds the rows of `rows` (dim 0: one per rank) with op, in a dtype that
+// holds the sum (float32 for the 16-bit and 8-bit floats, int64 for the
+// integers, whose sum then wraps as the backend's would), back in rows' dtype.
+inline at::Tensor fold_rows(const at::Tensor& rows, ReduceOp op, const char* name) {
+  const c10::ScalarType dtype = rows.scalar_type();
+  if (c10::isComplexType(dtype)) {
+    if (op == ReduceOp::MAX || op == ReduceOp::MIN)
+      throw InvalidArgument(std::string("accel::") + name + ": ReduceOp::" + std::string(to_string(op)) + " of " +
+                            c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
+    return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op, name).contiguous());
+  }
+  if (dtype == c10::kBool) return op == ReduceOp::MIN ? rows.all(0) : rows.any(0);  // SUM: an or, as all_reduce
+  const at::Tensor wide = rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat)
+                                                             : c10::kLong);
+  at::Tensor out;
+  switch (op) {
+    case ReduceOp::SUM: out = wide.sum(0); break;
+    case ReduceOp::MEAN: out = wide.sum(0).div_(rows.size(0)); break;
+    case ReduceOp::MAX: out = std::get<0>(wide.max(0)); break;
+    case ReduceOp::MIN: out = std::get<0>(wide.min(0)); break;
+  }
+  return out.to(dtype);
+}
+
+inline std::vector<int64_t> equal_splits(int64_t rows, int parts) {
+  return std::vector<int64_t>(static_cast<std::size_t>(parts), rows / parts);
+}
+
+inline void check_splits(const std::vector<int64_t>& splits, int size, const char* what, const char* op) {
+  if (static_cast<int>(splits.size()) != size)
+    throw InvalidArgument(std::string("accel::") + op + ": " + what + " has " + std::to_string(splits.size()) +
+                          " entries; the group has " + std::to_string(size) + " ranks");
+  for (int64_t s : splits)
+    if (s < 0) throw InvalidArgument(std::string("accel::") + op + ": " + what + " holds a negative size");
+}
+
+// Rows of `input` (dim 0) go to the ranks in order, splits[r] rows to rank
+// r; returns the rows received, by source rank, out_splits[r] from rank r.
+// One c10d alltoall_base on a contiguous tensor (its bytes, for a dtype the
+// backend lacks). Gloo divides by the rows of each side, so a side with no
+// rows sends itself one phantom byte, removed on arrival.
+inline at::Tensor all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<int64_t> out_splits,
+                                  std::vector<int64_t> in_splits, const char* op) {
+  const int rank = group.getRank();
+  const int64_t out_rows = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  std::vector<int64_t> out_shape = input.sizes().vec();
+  out_shape[0] = out_rows;
+  const auto device = staging_device(group, input);
+  at::Tensor output = at::empty(out_shape, input.options().device(device.value_or(input.device())));
+  const int64_t row_bytes = c10::multiply_integers(input.sizes().slice(1)) * static_cast<int64_t>(input.element_size());
+  if (row_bytes == 0) return device ? output.to(input.device()) : output;  // rows of nothing, on every rank
+  at::Tensor source = device ? input.to(*device).contiguous() : input.contiguous();
+  at::Tensor in_bytes = source.reshape({-1}).view(c10::kByte), out_bytes = output.reshape({-1}).view(c10::kByte);
+  for (auto& s : in_splits) s *= row_bytes;
+  for (auto& s : out_splits) s *= row_bytes;
+  const bool phantom = input.size(0) == 0 || out_rows == 0;
+  int64_t in_at = 0, out_at = 0;  // where this rank's own segment ends
+  if (phantom) {
+    for (int r = 0; r <= rank; ++r) {
+      in_at += in_splits[r];
+      out_at += out_splits[r];
+    }
+    const at::Tensor one = at::zeros({1}, in_bytes.options());
+    in_bytes = at::cat({in_bytes.narrow(0, 0, in_at), one, in_bytes.narrow(0, in_at, in_bytes.size(0) - in_at)});
+    out_bytes = at::empty({out_bytes.size(0) + 1}, out_bytes.options());
+    ++in_splits[rank];
+    ++out_splits[rank];
+  }
+  run(op, group, [&] { return group.alltoall_base(out_bytes, in_bytes, out_splits, in_splits); });
+  if (phantom) {
+    at::Tensor real = output.reshape({-1}).view(c10::kByte);
+    real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
+    real.narrow(0, out_at, real.size(0) - out_at).copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
+  }
+  return device ? output.to(input.device()) : output;
+}
+
+// A std::vector's bytes, split in `parts` equal parts for all_to_all.
+template <ScalarVector V>
+V all_to_all_vector(c10d::ProcessGroup& group, V data, const char* op) {
+  const int size = group.getSize();
+  if (data.size() % static_cast<std::size_t>(size) != 0)
+    throw InvalidArgument(std::string("accel::") + op + ": " + std::to_string(data.size()) +
+                          " elements do not split into " + std::to_string(size) + " equal parts (" + describe(group) +
+                          ")");
+  if (data.empty()) return data;
+  at::Tensor bytes = alias_bytes(data).reshape({size, -1});
+  at::Tensor received = all_to_all_rows(group, bytes, equal_splits(size, size), equal_splits(size, size), op);
+  std::memcpy(data.data(), received.data_ptr(), data.size() * sizeof(element_t<V>));
+  return data;
+}
+}  // namespace detail
+
+// Splits data along dim 0 (a std::vector: its elements) into group-size equal
+// parts, reduces part r over the group and returns it on rank r. Built on
+// one all_to_all and a local fold on every backend (Gloo in LibTorch 1.13
+// has no reduce_scatter): each rank sends and receives (P-1)/P of the data,
+// as a ring reduce_scatter does, never the whole of it.
+template <TensorLike T>
+  requires(!Scalar<T>)
+T reduce_scatter(const T& data, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (op == ReduceOp::MEAN) detail::reject_integral_mean(data.scalar_type(), "reduce_scatter");
+  } else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>) {
+    detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_scatter");
+  }
+  c10d::ProcessGroup* g = detail::resolve(group, "reduce_scatter");
+  const int size = g ? g->getSize() : 1;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (data.dim() == 0 || data.size(0) % size != 0)
+      throw InvalidArgument("accel::reduce_scatter: dim 0 of " + detail::describe_tensor(data) +
+                            " does not split into " + std::to_string(size) + " equal parts");
+    if (!g) return data.clone();
+    detail::check_same_call(*g, [&] {
+      return "reduce_scatter(" + detail::describe_tensor(data) + ", " + std::string(to_string(op)) + ")";
+    });
+    at::NoGradGuard no_grad;
+    const auto splits = detail::equal_splits(data.size(0), size);
+    at::Tensor received = detail::all_to_all_rows(*g, data, splits, splits, "reduce_scatter");
+    std::vector<int64_t> rows_shape = data.sizes().vec();
+    rows_shape[0] = data.size(0) / size;
+    rows_shape.insert(rows_shape.begin(), size);
+    return detail::fold_rows(received.view(rows_shape), op, "reduce_scatter");
+  } else {
+    using E = detail::element_t<T>;
+    if (data.size() % static_cast<std::size_t>(size) != 0)
+      throw InvalidArgument("accel::reduce_scatter: " + std::to_string(data.size()) + " elements do not split into " +
+                            std::to_string(size) + " equal parts");
+    if (!g) return data;
+    detail::check_same_call(*g, [&] {
+      return "reduce_scatter(" + detail::describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
+    });
+    const T received = detail::all_to_all_vector(*g, data, "reduce_scatter");
+    const std::size_t part = data.size() / static_cast<std::size_t>(size);
+    T out(part);
+    for (std::size_t i = 0; i < part; ++i) out[i] = detail::fold<E>(op, received.data() + i, size, static_cast<int>(part));
+    return out;
+  }
+}
+
+// Splits data along dim 0 (a std::vector: its elements) into group-size equal
+// parts and sends part r to rank r; returns the parts received, in rank order.
+template <TensorLike T>
+  requires(!Scalar<T>)
+T all_to_all(const T& data, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return data.clone();
+    else return data;
+  }
+  detail::check_same_call(*g, [&] { return "all_to_all(" + detail::describe_tensorlike(data) + ")"; });
+  if constexpr (std::same_as<T, at::Tensor>) {
+    const int size = g->getSize();
+    if (data.dim() == 0 || data.size(0) % size != 0)
+      throw InvalidArgument("accel::all_to_all: dim 0 of " + detail::describe_tensor(data) + " does not split into " +
+                            std::to_string(size) + " equal parts (" + detail::describe(*g) + ")");
+    at::NoGradGuard no_grad;
+    const auto splits = detail::equal_splits(data.size(0), size);
+    return detail::all_to_all_rows(*g, data, splits, splits, "all_to_all");
+  } else {
+    return detail::all_to_all_vector(*g, data, "all_to_all");
+  }
+}
+
+// Uneven all_to_all (torch's all_to_all_single with split sizes): rows
+// input_split_sizes[r] of data go to rank r; output_split_sizes[r] rows come
+// from rank r. An empty list means equal parts. The sizes must agree across
+// ranks (rank i's input_split_sizes[j] is rank j's output_split_sizes[i]):
+// debug mode checks that too.
+inline at::Tensor all_to_all(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
+                             std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
+  const int size = g ? g->getSize() : 1;
+  if (data.dim() == 0) throw InvalidArgument("accel::all_to_all: a 0-d tensor has no rows to split");
+  if (input_split_sizes.empty()) {
+    if (data.size(0) % size != 0)
+      throw InvalidArgument("accel::all_to_all: dim 0 of " + detail::describe_tensor(data) + " does not split into " +
+                            std::to_string(size) + " equal parts; pass input_split_sizes");
+    input_split_sizes = detail::equal_splits(data.size(0), size);
+  }
+  if (output_split_sizes.empty()) output_split_sizes = detail::equal_splits(data.size(0), size);
+  detail::check_splits(input_split_sizes, size, "input_split_sizes", "all_to_all");
+  detail::check_splits(output_split_sizes, size, "output_split_sizes", "all_to_all");
+  if (std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0}) != data.size(0))
+    throw InvalidArgument("accel::all_to_all: input_split_sizes add up to " +
+                          std::to_string(std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0})) +
+                          ", but dim 0 of the input is " + std::to_string(data.size(0)));
+  if (!g) {
+    if (output_split_sizes != input_split_sizes)
+      throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
+    return data.clone();
+  }
+  if (debug_mode()) [[unlikely]] {
+    detail::verify_same_call(*g, "all_to_all(" + detail::describe_tensor(data, 0) + ", split sizes)");
+    // Every rank's sizes, so that every rank finds a disagreement alike.
+    std::vector<int64_t> mine = input_split_sizes;
+    mine.insert(mine.end(), output_split_sizes.begin(), output_split_sizes.end());
+    std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(size));
+    detail::all_gather_cpu<int64_t>(*g, mine.data(), static_cast<int64_t>(mine.size()), all.data(), "debug-mode check");
+    for (int i = 0; i < size; ++i)
+      for (int j = 0; j < size; ++j)
+        if (const int64_t sent = all[static_cast<std::size_t>(i * 2 * size + j)],
+            expected = all[static_cast<std::size_t>(j * 2 * size + size + i)];
+            sent != expected)
+          throw DistributedError("accel [ACCEL_DEBUG_MODE]: all_to_all on group '" + detail::group_name(*g) +
+                                 "': rank " + std::to_string(i) + " sends " + std::to_string(sent) + " rows to rank " +
+                                 std::to_string(j) + ", which expects " + std::to_string(expected));
+  }
+  at::NoGradGuard no_grad;
+  return detail::all_to_all_rows(*g, data, std::move(output_split_sizes), std::move(input_split_sizes), "all_to_all");
+}
+
+// Reduces data over the group onto rank `dst` (a rank within the group) and
+// returns it there; on the other ranks the returned value is unspecified
+// (as torch.distributed.reduce leaves it). A tensor is reduced in place.
+template <TensorLike T>
+T reduce_to(T data, int dst, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (op == ReduceOp::MEAN) detail::reject_integral_mean(data.scalar_type(), "reduce_to");
+  } else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>) {
+    detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_to");
+  }
+  c10d::ProcessGroup* g = detail::resolve(group, "reduce_to");
+  detail::check_source(g, dst, "reduce_to", "dst");
+  if (!g) return data;
+  detail::check_same_call(*g, [&] {
+    return "reduce_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ", " +
+           std::string(to_string(op)) + ")";
+  });
+  if constexpr (std::same_as<T, at::Tensor>) {
+    detail::reduce_tensor(*g, data, op, dst);
+  } else {
+    using E = detail::element_t<T>;
+    if constexpr (ScalarVector<T>)
+      if (data.empty()) return data;
+    if constexpr (detail::travels_natively<E>()) {
+      at::Tensor view = detail::wire(data);
+      detail::reduce_tensor(*g, view, op, dst);
+    } else {
+      // Folded exactly in E (see all_reduce); the gather is one collective.
+      if constexpr (Scalar<T>) detail::all_reduce_bytes(*g, &data, 1, op);
+      else detail::all_reduce_bytes(*g, data.data(), data.size(), op);
+    }
+  }
+  return data;
+}
+
+// Gathers data from every rank onto rank `dst`, stacked as all_gather does:
+// a tensor of shape s gives (group_size, *s) on dst and an empty tensor
+// elsewhere; a scalar or std::vector gives one entry per rank on dst and an
+// empty std::vector elsewhere. Only dst receives anything.
+template <TensorLike T>
+auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "gather_to");
+  detail::check_source(g, dst, "gather_to", "dst");
+  if (!g) return all_gather(data, group);
+  detail::check_same_call(*g, [&] {
+    return "gather_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ")";
+  });
+  const int size = g->getSize();
+  const bool root = g->getRank() == dst;
+  at::NoGradGuard no_grad;
+  auto gather_into = [&](const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
+    if (input.numel() == 0) return;  // nothing to move
+    const auto device = detail::staging_device(*g, input);
+    std::vector<at::Tensor> inputs{detail::as_wire(*g, device ? input.to(*device).contiguous() : input.contiguous())};
+    std::vector<at::Tensor> staged;
+    std::vector<std::vector<at::Tensor>> lists;
+    if (root) {
+      for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), inputs[0].options().dtype(t.scalar_type())));
+      lists.emplace_back();
+      for (const auto& t : staged) lists[0].push_back(detail::as_wire(*g, t));
+    }
+    c10d::GatherOptions opts;
+    opts.rootRank = dst;
+    detail::run("gather_to", *g, [&] { return g->gather(lists, inputs, opts); });
+    for (std::size_t r = 0; r < staged.size(); ++r) outputs[r].copy_(staged[r]);
+  };
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (!root) {
+      gather_into(data, {});
+      return at::empty({0}, data.options());
+    }
+    at::Tensor stacked = at::empty(detail::stacked_shape(size, data), data.options().memory_format(c10::MemoryFormat::Contiguous));
+    std::vector<at::Tensor> rows;
+    for (int r = 0; r < size; ++r) rows.push_back(stacked.select(0, r));
+    gather_into(data, rows);
+    return stacked;
+  } else {
+    std::vector<T> result(root ? static_cast<std::size_t>(size) : 0, data);
+    std::vector<at::Tensor> outputs;
+    for (auto& slot : result) outputs.push_back(detail::wire(slot));
+    gather_into(detail::wire(const_cast<T&>(data)), outputs);  // c10d only reads a gather's input
+    return result;
+  }
+}
+
+// Rank `src` sends parts_on_src[r] to rank r of the group; every rank returns
+// its own part. Only src reads parts_on_src (the others may pass {}); src
+// tells the others the shape and dtype first (tensors: one small broadcast;
+// scalars and std::vectors travel with their lengths, which may differ).
+template <TensorLike T>
+T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "scatter");
+  detail::check_source(g, src, "scatter", "src");
+  const int size = g ? g->getSize() : 1;
+  const bool root = !g || g->getRank() == src;
+  if (root && static_cast<int>(parts_on_src.size()) != size)
+    throw InvalidArgument("accel::scatter: the source passes " + std::to_string(parts_on_src.size()) +
+                          " parts; the group has " + std::to_string(size) + " ranks");
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return parts_on_src[0].clone();
+    else return parts_on_src[0];
+  }
+  detail::check_same_call(*g, [&] {
+    if constexpr (std::same_as<T, at::Tensor>) return "scatter(tensor, src=" + std::to_string(src) + ")";
+    else if constexpr (Scalar<T>) return "scatter(" + detail::type_tag<T>() + ", src=" + std::to_string(src) + ")";
+    else return "scatter(vector<" + detail::type_tag<detail::element_t<T>>() + ">, src=" + std::to_string(src) + ")";
+  });
+  at::NoGradGuard no_grad;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    // The header: dtype, rank and sizes (or -1 and why, when the parts disagree).
+    constexpr int kMaxDims = 64;
+    std::array<int64_t, 2 + kMaxDims> header{};
+    if (root) {
+      const at::Tensor& first = parts_on_src[0];
+      header[0] = static_cast<int64_t>(first.scalar_type());
+      header[1] = first.dim();
+      for (const auto& part : parts_on_src)
+        if (!part.defined() || part.sizes() != first.sizes() || part.scalar_type() != first.scalar_type() ||
+            part.device() != first.device() || first.dim() > kMaxDims)
+          header[1] = -1;
+      for (int64_t d = 0; d < std::min<int64_t>(first.dim(), kMaxDims); ++d) header[2 + d] = first.size(d);
+    }
+    at::Tensor header_view = at::from_blob(header.data(), {2 + kMaxDims}, detail::cpu_options(c10::kLong));
+    detail::broadcast_tensor(*g, header_view, src);
+    if (header[1] < 0)
+      throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
+                            detail::describe(*g) + ") must all be defined and share one shape, dtype and device"
+                            " (at most 64 dimensions)");
+    const auto dtype = static_cast<c10::ScalarType>(header[0]);
+    const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
+    const c10::Device device = root ? parts_on_src[0].device() : detail::group_device(*g);
+    at::Tensor output = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+    if (output.numel() == 0) return output;
+    const auto staging = detail::staging_device(*g, output);
+    at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
+    std::vector<at::Tensor> outputs{detail::as_wire(*g, target)};
+    std::vector<std::vector<at::Tensor>> inputs;
+    if (root) {
+      inputs.emplace_back();
+      for (const auto& part : parts_on_src)
+        inputs[0].push_back(detail::as_wire(*g, staging ? part.to(*staging).contiguous() : part.contiguous()));
+    }
+    c10d::ScatterOptions opts;
+    opts.rootRank = src;
+    detail::run("scatter", *g, [&] { return g->scatter(outputs, inputs, opts); });
+    if (staging) output.copy_(target);
+    return output;
+  } else {
+    using E = detail::element_t<T>;
+    std::vector<std::vector<char>> pieces;
+    if (root)
+      for (const auto& part : parts_on_src) {
+        if constexpr (Scalar<T>) {
+          const auto* bytes = reinterpret_cast<const char*>(&part);
+          pieces.emplace_back(bytes, bytes + sizeof(T));
+        } else {
+          const auto* bytes = reinterpret_cast<const char*>(part.data());
+          pieces.emplace_back(bytes, bytes + part.size() * sizeof(E));
+        }
+      }
+    std::vector<char> mine = detail::scatter_bytes(*g, src, pieces, "scatter");
+    if (root) mine = pieces[static_cast<std::size_t>(src)];
+    T out{};
+    if constexpr (Scalar<T>) {
+      std::memcpy(&out, mine.data(), sizeof(T));
+    } else {
+      out.resize(mine.size() / sizeof(E));
+      if (!mine.empty()) std::memcpy(out.data(), mine.data(), mine.size());
+    }
+    return out;
+  }
+}
+
+namespace detail {
+// One point-to-point transfer of a contiguous tensor (its bytes, for a dtype
+// the backend lacks); an empty tensor moves nothing on either side.
+inline void point_to_point(c10d::ProcessGroup& group, at::Tensor& tensor, int peer, int tag, bool sending) {
+  if (tensor.numel() == 0) return;
+  const char* op = sending ? "send" : "recv";
+  auto transfer = [&](at::Tensor& t) {
+    std::vector<at::Tensor> tensors{as_wire(group, t)};
+    run(op, group, [&] { return sending ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag); });
+  };
+  if (sending) {
+    const auto device = staging_device(group, tensor);
+    at::Tensor staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
+    transfer(staged);
+  } else {
+    in_place(group, tensor, transfer);
+  }
+}
+inline void check_peer(const c10d::ProcessGroup* group, int peer, const char* op, const char* name) {
+  check_source(group, peer, op, name);
+  if (group && peer == group->getRank())
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(peer) +
+                          " is this rank itself");
+}
+}  // namespace detail
+
+// Sends data to rank `dst` of the group, which receives it with recv (the
+// same tag, the same shape and dtype). Point-to-point: debug mode cannot
+// compare the two sides (no collective runs).
+template <TensorLike T>
+void send(const T& data, int dst, const GroupPtr& group = {}, int tag = 0) {
+  c10d::ProcessGroup* g = detail::resolve(group, "send");
+  if (!g) throw InvalidArgument("accel::send: the process is not distributed (there is no other rank)");
+  detail::check_peer(g, dst, "send", "dst");
+  at::NoGradGuard no_grad;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    at::Tensor t = data;
+    detail::point_to_point(*g, t, dst, tag, true);
+  } else {
+    at::Tensor view = detail::alias_bytes(const_cast<T&>(data));  // c10d only reads a send's tensor
+    detail::point_to_point(*g, view, dst, tag, true);
+  }
+}
+
+// Receives into data (which gives the shape and dtype, or the size of a
+// std::vector) from rank `src` of the group, and returns it (a tensor: in place).
+template <TensorLike T>
+T recv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  c10d::ProcessGroup* g = detail::resolve(group, "recv");
+  if (!g) throw InvalidArgument("accel::recv: the process is not distributed (there is no other rank)");
+  detail::check_peer(g, src, "recv", "src");
+  at::NoGradGuard no_grad;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    detail::point_to_point(*g, data, src, tag, false);
+  } else {
+    at::Tensor view = detail::alias_bytes(data);
+    detail::point_to_point(*g, view, src, tag, false);
+  }
+  return data;
+}
+
+// A barrier that names the ranks that did not arrive within the timeout
+// (default: the group's), instead of waiting on them for ever: Gloo groups
+// only, as in torch.distributed.
+inline void monitored_barrier(const GroupPtr& group = {},
+                              std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
+  c10d::ProcessGroup* g = detail::resolve(group, "monitored_barrier");
+  if (!g) return;
+  if (g->getBackendName() != "gloo")
+    throw InvalidArgument("accel::monitored_barrier: needs a Gloo group; " + detail::describe(*g) +
+                          " is not (as in torch.distributed)");
+  detail::check_same_call(*g, [] { return std::string("monitored_barrier()"); });
+  c10d::BarrierOptions opts;
+  if (timeout) opts.timeout = *timeout;
+  try {
+    g->monitoredBarrier(opts, /*wait_all_ranks=*/true);
+  } catch (const std::exception& e) {
+    throw DistributedError("accel::monitored_barrier failed on " + detail::describe(*g) + " (ranks within the group): " +
+                           detail::error_text(e));
+  }
 }
 
 // Blocks until every rank of the group (default: the world) arrives.

@@ -40,9 +40,23 @@ struct Twice {
   template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>); \
   template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>); \
   template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);
-#define ACCEL_INSTANTIATE_SCALAR(T) ACCEL_INSTANTIATE(T) ACCEL_INSTANTIATE(std::vector<T>)
+// The second wave: every TensorLike; the splitting ones for tensors and vectors.
+#define ACCEL_INSTANTIATE_WAVE2(T)                                                        \
+  template T accel::reduce_to<T>(T, int, accel::ReduceOp, const accel::GroupPtr&);      \
+  template auto accel::gather_to<T>(const T&, int, const accel::GroupPtr&);              \
+  template T accel::scatter<T>(const std::vector<T>&, int, const accel::GroupPtr&);     \
+  template void accel::send<T>(const T&, int, const accel::GroupPtr&, int);             \
+  template T accel::recv<T>(T, int, const accel::GroupPtr&, int);
+#define ACCEL_INSTANTIATE_SPLIT(T)                                                          \
+  template T accel::reduce_scatter<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
+  template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);
+#define ACCEL_INSTANTIATE_SCALAR(T)                                                                   \
+  ACCEL_INSTANTIATE(T) ACCEL_INSTANTIATE(std::vector<T>) ACCEL_INSTANTIATE_WAVE2(T)                 \
+  ACCEL_INSTANTIATE_WAVE2(std::vector<T>) ACCEL_INSTANTIATE_SPLIT(std::vector<T>)
 
 ACCEL_INSTANTIATE(at::Tensor)
+ACCEL_INSTANTIATE_WAVE2(at::Tensor)
+ACCEL_INSTANTIATE_SPLIT(at::Tensor)
 ACCEL_INSTANTIATE_SCALAR(char)
 ACCEL_INSTANTIATE_SCALAR(signed char)
 ACCEL_INSTANTIATE_SCALAR(unsigned char)
@@ -558,6 +572,29 @@ TEST_SUITE("ranks") {
       accel::broadcast(nested, P - 1);
       same(nested["a"], value_of(P - 1, dtype));
 
+      // reduce_scatter and all_to_all: P copies of this rank's value, split by rank.
+      std::vector<at::Tensor> copies(static_cast<std::size_t>(P), value_of(r, dtype));
+      same(accel::reduce_scatter(at::cat(copies), ReduceOp::SUM), sum);
+      at::Tensor exchanged = accel::all_to_all(at::cat(copies));
+      for (int k = 0; k < P; ++k) same(exchanged.slice(0, 2 * k, 2 * k + 2), value_of(k, dtype));
+      at::Tensor reduced = accel::reduce_to(value_of(r, dtype), P - 1, ReduceOp::SUM);
+      if (r == P - 1) same(reduced, sum);
+      at::Tensor on_root = accel::gather_to(value_of(r, dtype), 0);
+      if (r == 0)
+        for (int k = 0; k < P; ++k) same(on_root[k], value_of(k, dtype));
+      std::vector<at::Tensor> parts;
+      if (r == P - 1)
+        for (int k = 0; k < P; ++k) parts.push_back(value_of(k, dtype));
+      same(accel::scatter(parts, P - 1), value_of(r, dtype));
+      if (P > 1) {  // a ring, even ranks sending first
+        at::Tensor from_left = at::empty({2, 3}, at::TensorOptions().dtype(dtype));
+        const int right = (r + 1) % P, left = (r + P - 1) % P;
+        if (r % 2 == 0) accel::send(value_of(r, dtype), right);
+        accel::recv(from_left, left);
+        if (r % 2 == 1) accel::send(value_of(r, dtype), right);
+        same(from_left, value_of(left, dtype));
+      }
+
       // Zero elements: every operation returns at once, the right shape (before: SIGFPE inside Gloo).
       at::Tensor empty = at::empty({0, 3}, at::TensorOptions().dtype(dtype));
       CHECK(accel::all_reduce(empty, ReduceOp::SUM).numel() == 0);
@@ -567,7 +604,142 @@ TEST_SUITE("ranks") {
       CHECK(accel::all_gather_into_tensor(into, empty).sizes() == at::IntArrayRef({P, 0, 3}));
       CHECK(accel::gather(empty).sizes() == at::IntArrayRef({0, 3}));
       CHECK(accel::reduce(empty, ReduceOp::SUM).sizes() == at::IntArrayRef({0, 3}));
+      CHECK(accel::reduce_scatter(empty, ReduceOp::SUM).sizes() == at::IntArrayRef({0, 3}));
+      CHECK(accel::all_to_all(empty).sizes() == at::IntArrayRef({0, 3}));
+      CHECK(accel::reduce_to(empty, 0, ReduceOp::SUM).numel() == 0);
+      CHECK(accel::gather_to(empty, 0).numel() == 0);
+      CHECK(accel::scatter(r == 0 ? std::vector<at::Tensor>(P, empty) : std::vector<at::Tensor>{}, 0).sizes() ==
+            at::IntArrayRef({0, 3}));
     }
+  }
+
+  TEST_CASE("reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, monitored_barrier: arange values") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    const at::Tensor base = at::arange(2 * P * 3, at::kFloat).view({2 * P, 3});  // rank k's part: rows 2k, 2k+1
+    const at::Tensor x = base + 100 * r;
+    const at::Tensor mine = base.slice(0, 2 * r, 2 * r + 2);
+    CHECK(at::equal(accel::reduce_scatter(x, ReduceOp::SUM), mine * P + 100 * P * (P - 1) / 2));
+    CHECK(at::equal(accel::reduce_scatter(x, ReduceOp::MAX), mine + 100 * (P - 1)));
+    CHECK(at::equal(accel::reduce_scatter(x, ReduceOp::MIN), mine));
+    CHECK(at::allclose(accel::reduce_scatter(x, ReduceOp::MEAN), mine + 50.0 * (P - 1)));
+    CHECK(at::equal(x, base + 100 * r));  // the input is left alone
+    CHECK_THROWS_WITH_AS(accel::reduce_scatter(at::ones({})), doctest::Contains("does not split into"),
+                         std::invalid_argument);
+    if (P > 1)
+      CHECK_THROWS_WITH_AS(accel::reduce_scatter(at::ones({2 * P + 1})), doctest::Contains("does not split into"),
+                           std::invalid_argument);
+    CHECK_THROWS_AS(accel::reduce_scatter(at::ones({2 * P}, at::kLong), ReduceOp::MEAN), std::invalid_argument);
+    // std::vector: element j of rank r is j + 10 r; exact for a type no backend reduces (uint32).
+    std::vector<int64_t> v(2 * static_cast<std::size_t>(P));
+    std::vector<uint32_t> u(v.size());
+    for (std::size_t j = 0; j < v.size(); ++j) {
+      v[j] = static_cast<int64_t>(j) + 10 * r;
+      u[j] = 4000000000u + static_cast<uint32_t>(j + r);
+    }
+    CHECK(accel::reduce_scatter(v, ReduceOp::SUM) ==
+          std::vector<int64_t>{2 * r * P + 10 * P * (P - 1) / 2, (2 * r + 1) * P + 10 * P * (P - 1) / 2});
+    CHECK(accel::reduce_scatter(u, ReduceOp::MAX) ==
+          std::vector<uint32_t>{4000000000u + static_cast<uint32_t>(2 * r + P - 1),
+                                4000000000u + static_cast<uint32_t>(2 * r + P)});
+
+    // all_to_all: row j of rank k holds 100 k + j; rank r receives rows 2r, 2r+1 of every rank.
+    const at::Tensor rows = at::arange(2 * P, at::kLong) + 100 * r;
+    at::Tensor expected = at::empty({2 * P}, at::kLong);
+    for (int k = 0; k < P; ++k) {
+      expected[2 * k] = 100 * k + 2 * r;
+      expected[2 * k + 1] = 100 * k + 2 * r + 1;
+    }
+    CHECK(at::equal(accel::all_to_all(rows), expected));
+    std::vector<double> w(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + 2 * P);
+    const std::vector<double> w_expected(expected.data_ptr<int64_t>(), expected.data_ptr<int64_t>() + 2 * P);
+    CHECK(accel::all_to_all(w) == w_expected);
+
+    // Uneven: rank i sends i + j rows to rank j (none from 0 to 0: at one rank, an empty exchange), each
+    // row 1000 i + 10 j + t (t-th of its segment), of shape (n, 2).
+    std::vector<int64_t> in_splits, out_splits;
+    std::vector<at::Tensor> segments, wanted;
+    for (int j = 0; j < P; ++j) {
+      in_splits.push_back(r + j);
+      out_splits.push_back(j + r);
+      segments.push_back((at::arange(r + j, at::kLong) + 1000 * r + 10 * j).unsqueeze(1).repeat({1, 2}));
+      wanted.push_back((at::arange(j + r, at::kLong) + 1000 * j + 10 * r).unsqueeze(1).repeat({1, 2}));
+    }
+    const at::Tensor uneven = accel::all_to_all(at::cat(segments), out_splits, in_splits);
+    CHECK(at::equal(uneven, at::cat(wanted)));
+    CHECK_THROWS_WITH_AS(accel::all_to_all(at::cat(segments), out_splits, std::vector<int64_t>(P, 1000)),
+                         doctest::Contains("input_split_sizes add up to"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::all_to_all(at::cat(segments), out_splits, std::vector<int64_t>(P + 1, 0)),
+                         doctest::Contains("entries; the group has"), std::invalid_argument);
+
+    // reduce_to onto every rank in turn: valid there.
+    for (int dst = 0; dst < P; ++dst) {
+      at::Tensor t = at::full({3}, r + 1, at::kDouble);
+      accel::reduce_to(t, dst, ReduceOp::SUM);
+      if (r == dst) CHECK(at::equal(t, at::full({3}, P * (P + 1) / 2, at::kDouble)));
+      const double mean = accel::reduce_to(r + 1.0, dst, ReduceOp::MEAN);
+      if (r == dst) CHECK(mean == (P + 1) / 2.0);
+      const auto longs = accel::reduce_to(std::vector<int64_t>{r, 1}, dst, ReduceOp::MAX);
+      if (r == dst) CHECK(longs == std::vector<int64_t>{P - 1, 1});
+    }
+    CHECK_THROWS_WITH_AS(accel::reduce_to(1.0, P), doctest::Contains(("dst=" + std::to_string(P)).c_str()), std::invalid_argument);
+
+    // gather_to: stacked on dst, empty elsewhere.
+    const int dst = P - 1;
+    const at::Tensor g = accel::gather_to(at::full({2}, r, at::kLong), dst);
+    const auto scalars = accel::gather_to(static_cast<int16_t>(r), dst);
+    const auto vectors = accel::gather_to(std::vector<float>{static_cast<float>(r), 0.5f}, dst);
+    if (r == dst) {
+      CHECK(g.sizes() == at::IntArrayRef({P, 2}));
+      for (int k = 0; k < P; ++k) CHECK(at::equal(g[k], at::full({2}, k, at::kLong)));
+      CHECK(scalars.size() == static_cast<std::size_t>(P));
+      for (int k = 0; k < P; ++k) CHECK(scalars[k] == k);
+      CHECK(vectors.back() == std::vector<float>{static_cast<float>(P - 1), 0.5f});
+    } else {
+      CHECK(g.numel() == 0);
+      CHECK(scalars.empty());
+      CHECK(vectors.empty());
+    }
+
+    // scatter from the last rank: tensors, scalars, and vectors of different lengths (part k: k+1 copies of k).
+    std::vector<at::Tensor> tensor_parts;
+    std::vector<int> scalar_parts;
+    std::vector<std::vector<int>> vector_parts;
+    if (r == dst)
+      for (int k = 0; k < P; ++k) {
+        tensor_parts.push_back(at::full({2, 2}, 10 * k, at::kInt));
+        scalar_parts.push_back(7 * k);
+        vector_parts.emplace_back(k + 1, k);
+      }
+    CHECK(at::equal(accel::scatter(tensor_parts, dst), at::full({2, 2}, 10 * r, at::kInt)));
+    CHECK(accel::scatter(scalar_parts, dst) == 7 * r);
+    CHECK(accel::scatter(vector_parts, dst) == std::vector<int>(r + 1, r));
+    if (r == dst) {
+      CHECK_THROWS_WITH_AS(accel::scatter(std::vector<int>(P + 1, 0), dst), doctest::Contains("parts; the group has"),
+                           std::invalid_argument);
+      tensor_parts.back() = at::ones({3});
+    }
+    if (P > 1)  // parts that disagree: every rank throws, the group stays in step
+      CHECK_THROWS_WITH_AS(accel::scatter(tensor_parts, dst), doctest::Contains("share one shape"),
+                           std::invalid_argument);
+
+    // send/recv: tags keep two messages apart; a vector and a scalar.
+    if (P > 1 && r < 2) {
+      const int peer = 1 - r;
+      if (r == 0) {
+        accel::send(std::vector<double>{1, 2, 3}, peer, {}, 7);
+        accel::send(int64_t{42}, peer, {}, 8);
+      } else {
+        CHECK(accel::recv(std::vector<double>(3), peer, {}, 7) == std::vector<double>{1, 2, 3});
+        CHECK(accel::recv(int64_t{0}, peer, {}, 8) == 42);
+      }
+    }
+    CHECK_THROWS_WITH_AS(accel::send(1, r), doctest::Contains("is this rank itself"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::recv(1, P), doctest::Contains("is not a rank of"), std::invalid_argument);
+
+    CHECK_NOTHROW(accel::monitored_barrier());
+    CHECK_NOTHROW(accel::monitored_barrier({}, std::chrono::seconds(30)));
+    CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // still in step
   }
 
   TEST_CASE("broadcast checks src against the group") {

@@ -414,6 +414,30 @@ TEST_SUITE("hung_peer") {
   }
 }
 
+TEST_SUITE("hung_barrier") {
+  TEST_CASE("failures: monitored_barrier names the rank that never arrived") {
+    auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(30)});
+    const int P = d.get_world_size(), r = d.get_rank();
+    REQUIRE(P >= 3);
+    const char* dir = std::getenv("ACCEL_STORE_DIR");
+    REQUIRE(dir != nullptr);
+    c10d::FileStore side(std::string(dir) + "/hung_barrier", P);
+    d.barrier();
+    if (r == P - 1) {
+      side.wait({"released"}, std::chrono::seconds(120));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([] { accel::monitored_barrier({}, std::chrono::seconds(2)); });
+    MESSAGE("monitored_barrier, rank " << P - 1 << " missing: error after " << seconds_since(start) << " s: " << error);
+    CHECK(error.find("accel::monitored_barrier failed on group 'world'") != std::string::npos);
+    if (r == 0)  // the rank that monitors names the missing one (a rank within the group)
+      CHECK(error.find("Ranks " + std::to_string(P - 1) + " failed to pass monitoredBarrier") != std::string::npos);
+    CHECK(seconds_since(start) < 2 + 20);  // the barrier's own timeout, not the group's 30 s
+    if (side.add("done", 1) == P - 1) side.set("released", std::vector<uint8_t>{1});
+  }
+}
+
 TEST_SUITE("peer_timeout") {
   TEST_CASE("failures: a peer that dies during a collective: the others throw within ACCEL_TIMEOUT + slack") {
     // ACCEL_TIMEOUT=5 comes from CTest; the default config takes it when the interface starts.

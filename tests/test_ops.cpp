@@ -461,9 +461,11 @@ TEST_SUITE("ranks") {
     struct Case {
       std::string name;
       std::function<void()> call;
-      const char* rank0;
-      const char* rank1;
+      std::string rank0;
+      std::string rank1;
     };
+    at::Tensor split = r == 0 ? at::ones({2 * P, 3}) : at::ones({2 * P, 3, 4});
+    const std::string rows = std::to_string(2 * P);
     const std::vector<Case> cases{
         {"gather", [&] { accel::gather(t); }, "rank 0: gather(Float[*, 3] cpu)", "rank 1: gather(Float[*, 3, 4] cpu)"},
         {"reduce", [&] { accel::reduce(t, "sum"); }, "rank 0: reduce(Float[2, 3] cpu, sum)",
@@ -474,6 +476,28 @@ TEST_SUITE("ranks") {
          "rank 0: pad_across_processes(Float[*, 3] cpu, dim=0", "rank 1: pad_across_processes(Float[*, 3, 4] cpu, dim=0"},
         {"all_reduce", [&] { accel::all_reduce(std::vector<double>(r == 0 ? 3 : 4, 1.0)); },
          "rank 0: all_reduce(vector<float64>[3], mean)", "rank 1: all_reduce(vector<float64>[4], mean)"},
+        {"reduce_scatter", [&] { accel::reduce_scatter(split); }, "rank 0: reduce_scatter(Float[" + rows + ", 3] cpu, sum)",
+         "rank 1: reduce_scatter(Float[" + rows + ", 3, 4] cpu, sum)"},
+        {"all_to_all", [&] { accel::all_to_all(split); }, "rank 0: all_to_all(Float[" + rows + ", 3] cpu)",
+         "rank 1: all_to_all(Float[" + rows + ", 3, 4] cpu)"},
+        {"uneven all_to_all", [&] { accel::all_to_all(split, {}, {}); }, "rank 0: all_to_all(Float[*, 3] cpu, split sizes)",
+         "rank 1: all_to_all(Float[*, 3, 4] cpu, split sizes)"},
+        {"reduce_to", [&] { accel::reduce_to(t, 0); }, "rank 0: reduce_to(Float[2, 3] cpu, dst=0, sum)",
+         "rank 1: reduce_to(Float[2, 3, 4] cpu, dst=0, sum)"},
+        {"gather_to", [&] { accel::gather_to(t, 0); }, "rank 0: gather_to(Float[2, 3] cpu, dst=0)",
+         "rank 1: gather_to(Float[2, 3, 4] cpu, dst=0)"},
+        {"scatter",
+         [&] {
+           if (r == 0) accel::scatter(std::vector<int>(P, 1), 0);
+           else accel::scatter(std::vector<double>{}, 0);
+         },
+         "rank 0: scatter(int32, src=0)", "rank 1: scatter(float64, src=0)"},
+        {"monitored_barrier",
+         [&] {
+           if (r == 0) accel::monitored_barrier();
+           else accel::barrier();
+         },
+         "rank 0: monitored_barrier()", "rank 1: barrier()"},
     };
     for (const auto& c : cases) {
       CAPTURE(c.name);
@@ -502,6 +526,15 @@ TEST_SUITE("ranks") {
       CHECK(text.find("rank 0: gather(Float[*] cpu)") != std::string::npos);
       CHECK(text.find("rank 1: reduce(Float[2] cpu, sum)") != std::string::npos);
     }
+    // Split sizes that disagree between ranks: named, on every rank (rank 0 expects one row too many from rank 1).
+    if (P > 1) {
+      std::vector<int64_t> equal(P, 1), expects(P, 1);
+      if (r == 0) expects[1] = 2;
+      const std::string text = what_of([&] { accel::all_to_all(at::ones({P}), expects, equal); });
+      CHECK(text.find("rank 1 sends 1 rows to rank 0, which expects 2") != std::string::npos);
+      const auto hashes = accel::all_gather(text_hash(text));
+      CHECK(std::all_of(hashes.begin(), hashes.end(), [&](int64_t h) { return h == hashes[0]; }));
+    }
     // Matching calls go through, and the group is still in step.
     CHECK(accel::reduce(at::ones({2}), "sum")[0].item<double>() == P);
     accel::set_debug_mode(false);
@@ -526,6 +559,33 @@ TEST_SUITE("mesh4") {
     CHECK(values(state[1]) == std::vector<int64_t>{members[1]});
     CHECK(accel::gather_object(std::vector<int64_t>{r}, dp) == members);
     CHECK(accel::split_between_processes(range(0, 16), false, dp).front() == (d.get_rank(Dim::DP) == 0 ? 0 : 9));
+    d.destroy();
+  }
+
+  TEST_CASE("the second-wave collectives on the dp group of a (2, 2) data mesh: roots are ranks within the group") {
+    auto& d = fresh({.cp_size = 2});
+    const int r = d.get_rank(), cp = r % 2, me = d.get_rank(Dim::DP);  // members: cp and 2 + cp
+    REQUIRE(me == r / 2);
+    const auto& dp = d.get_group(Dim::DP);
+    // Rank r holds [r, r, 10 r, 10 r]; group rank k gets rows 2k, 2k+1 summed over cp and 2 + cp.
+    const at::Tensor x = at::tensor({r, r, 10 * r, 10 * r}, at::kLong);
+    const int64_t sum = cp + 2 + cp;
+    CHECK(values(accel::reduce_scatter(x, ReduceOp::SUM, dp)) ==
+          (me == 0 ? std::vector<int64_t>{sum, sum} : std::vector<int64_t>{10 * sum, 10 * sum}));
+    CHECK(values(accel::all_to_all(x, dp)) ==
+          (me == 0 ? std::vector<int64_t>{cp, cp, 2 + cp, 2 + cp}
+                   : std::vector<int64_t>{10 * cp, 10 * cp, 10 * (2 + cp), 10 * (2 + cp)}));
+    const int64_t reduced = accel::reduce_to(int64_t{r}, 1, ReduceOp::SUM, dp);  // dst 1: global rank 2 + cp
+    if (me == 1) CHECK(reduced == sum);
+    const auto gathered = accel::gather_to(int64_t{r}, 1, dp);
+    CHECK(gathered == (me == 1 ? std::vector<int64_t>{cp, 2 + cp} : std::vector<int64_t>{}));
+    const std::vector<int64_t> parts = me == 1 ? std::vector<int64_t>{100 + cp, 200 + cp} : std::vector<int64_t>{};
+    CHECK(accel::scatter(parts, 1, dp) == (me == 0 ? 100 + cp : 200 + cp));
+    if (me == 0) accel::send(int64_t{r}, 1, dp);
+    else CHECK(accel::recv(int64_t{-1}, 0, dp) == cp);
+    CHECK_NOTHROW(accel::monitored_barrier(dp));
+    CHECK_THROWS_WITH_AS(accel::reduce_to(1, 2, ReduceOp::SUM, dp), doctest::Contains("is not a rank of group"),
+                         std::invalid_argument);
     d.destroy();
   }
 }
