@@ -4,7 +4,7 @@
 // Timings are medians over interleaved trials (A, B, A, B, ...), so both
 // variants see the same machine noise. tests/bench/run_bench.sh drives it.
 //
-//   bench overhead | bandwidth | batching | mesh | alloc | callgrind <accel|raw> <calls>
+//   bench overhead | bandwidth | batching | mesh | alloc | collectives | callgrind <accel|raw> <calls>
 
 #include "accel.hpp"
 
@@ -151,6 +151,64 @@ void bandwidth() {
   }
 }
 
+// The second-wave collectives against raw c10d doing the same, at 64 KiB,
+// 1 MiB and 16 MiB per rank. reduce_scatter: raw alltoall_base plus the same
+// local sum (the algorithm accel.hpp runs; Gloo in 1.13 has no
+// reduce_scatter), and a raw all_reduce of the whole tensor (what one does
+// without it). send/recv: a ping-pong between ranks 0 and 1, per round trip.
+void collectives() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  const int P = g->getSize(), rank = g->getRank();
+  for (long long bytes : {64LL << 10, 1LL << 20, 16LL << 20}) {
+    const long long n = bytes / 4 / P * P;
+    const int reps = static_cast<int>(std::clamp<long long>((64LL << 20) / bytes / 4, 2, 100));
+    const int trials = 9;
+    at::Tensor t = at::ones({n});
+    at::Tensor out;
+    std::vector<int64_t> splits;
+    auto raw_alltoall = [&] {  // a fresh output, as accel.hpp returns one
+      out = at::empty({n});
+      g->alltoall_base(out, t, splits, splits)->wait();
+    };
+    auto rs = interleaved({[&] {
+                             raw_alltoall();
+                             (void)out.view({P, n / P}).sum(0);
+                           },
+                           [&] { (void)accel::reduce_scatter(t, ReduceOp::SUM, g); },
+                           [&] { raw_allreduce(*g, t); }},
+                          trials, reps);
+    csv("reduce_scatter", "raw_c10d_alltoall_sum", bytes, rs[0] * 1e6, "us");
+    csv("reduce_scatter", "accel_tensor", bytes, rs[1] * 1e6, "us");
+    csv("reduce_scatter", "raw_c10d_allreduce", bytes, rs[2] * 1e6, "us");
+    auto aa = interleaved({raw_alltoall, [&] { (void)accel::all_to_all(t, g); }}, trials, reps);
+    csv("all_to_all", "raw_c10d", bytes, aa[0] * 1e6, "us");
+    csv("all_to_all", "accel_tensor", bytes, aa[1] * 1e6, "us");
+    // Ping-pong: rank 0 sends, rank 1 answers; the others wait at the barrier.
+    auto raw_pingpong = [&] {
+      std::vector<at::Tensor> ts{t};
+      if (rank == 0) {
+        g->send(ts, 1, 0)->wait();
+        g->recv(ts, 1, 0)->wait();
+      } else if (rank == 1) {
+        g->recv(ts, 0, 0)->wait();
+        g->send(ts, 0, 0)->wait();
+      }
+    };
+    auto accel_pingpong = [&] {
+      if (rank == 0) {
+        accel::send(t, 1, g);
+        accel::recv(t, 1, g);
+      } else if (rank == 1) {
+        accel::recv(t, 0, g);
+        accel::send(t, 0, g);
+      }
+    };
+    auto pp = interleaved({raw_pingpong, accel_pingpong}, trials, reps);
+    csv("send_recv", "raw_c10d", bytes, pp[0] * 1e6, "us");
+    csv("send_recv", "accel_tensor", bytes, pp[1] * 1e6, "us");
+  }
+}
+
 void batching() {
   auto g = accel::DistributedInterface::instance().world_group();
   for (int n : {1, 100, 10000}) {
@@ -274,9 +332,10 @@ int main(int argc, char** argv) {
   else if (part == "bandwidth") bandwidth();
   else if (part == "batching") batching();
   else if (part == "alloc") alloc();
+  else if (part == "collectives") collectives();
   else if (part == "callgrind" && argc > 3) callgrind(argv[2], std::atoi(argv[3]));
   else {
-    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|callgrind <accel|raw> <calls>\n");
+    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|callgrind <accel|raw> <calls>\n");
     return 2;
   }
   accel::DistributedInterface::instance().destroy();

@@ -5,7 +5,7 @@ Run each rank with Debian's /usr/bin/python3 (python3-torch 1.13 on bookworm,
 under tests/launch.cpp; rank 0 prints CSV lines in bench.cpp's format:
     CSV,<part>,<world>,<variant>,<size>,<value>,<unit>
 
-    bench_torch.py latency | batching | mesh
+    bench_torch.py latency | batching | collectives | mesh
 """
 
 import os
@@ -108,6 +108,33 @@ def mesh():
     dist.destroy_process_group()
 
 
+def collectives():
+    # bench.cpp's collectives part, as a Python user writes it. Gloo in torch
+    # 1.13 has no reduce_scatter: that row is absent there.
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for nbytes in (64 << 10, 1 << 20, 16 << 20):
+        n = nbytes // 4 // world * world
+        reps = min(max((64 << 20) // nbytes // 4, 2), 100)
+        t, out = torch.ones(n), torch.empty(n)
+        try:
+            part = torch.empty(n // world)
+            dist.reduce_scatter_tensor(part, t)
+            csv("reduce_scatter", "python_torch", nbytes,
+                timed(lambda: dist.reduce_scatter_tensor(part, t), 9, reps) * 1e6, "us")
+        except (RuntimeError, AttributeError):
+            pass
+        csv("all_to_all", "python_torch", nbytes, timed(lambda: dist.all_to_all_single(out, t), 9, reps) * 1e6, "us")
+
+        def pingpong():
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+        csv("send_recv", "python_torch", nbytes, timed(pingpong, 9, reps) * 1e6, "us")
+
+
 def main():
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     if part == "mesh":
@@ -118,8 +145,10 @@ def main():
         latency()
     elif part == "batching":
         batching()
+    elif part == "collectives":
+        collectives()
     else:
-        print("usage: bench_torch.py latency|batching|mesh", file=sys.stderr)
+        print("usage: bench_torch.py latency|batching|collectives|mesh", file=sys.stderr)
         sys.exit(2)
     dist.destroy_process_group()
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# reduce_scatter, all_to_all and send/recv through accel.hpp against raw c10d
+# doing the same (in one process, interleaved) and Python torch.distributed
+# (separate runs, interleaved with ours), at 2 and 4 ranks, with whatever
+# LibTorch and python3-torch this machine (or root) has. Writes
+# collectives.csv and collectives.md to ACCEL_BENCH_OUT (default
+# tests/bench/results). Slow and noisy: never part of the test command.
+#
+#     bash tests/bench/run_collectives_bench.sh [trials (2)]
+set -euo pipefail
+trials=${1:-2}
+source "$(dirname "$0")/common.sh"
+bench_prepare collectives.csv python3-torch accel_bench
+for world in 2 4; do
+  for ((trial = 1; trial <= trials; ++trial)); do
+    run $world "$build/tests/accel_bench" collectives
+    run $world /usr/bin/python3 "$root/tests/bench/bench_torch.py" collectives
+  done
+done
+/usr/bin/python3 - "$csv" "$out/collectives.md" <<'PY'
+import collections, csv, statistics, sys
+import torch
+rows = collections.defaultdict(list)
+for r in csv.DictReader(open(sys.argv[1])):
+    rows[(r["part"], int(r["world"]), int(r["size"]), r["variant"])].append(float(r["value"]))
+med = {k: statistics.median(v) for k, v in rows.items()}
+refs = {"reduce_scatter": "raw_c10d_alltoall_sum", "all_to_all": "raw_c10d", "send_recv": "raw_c10d"}
+lines = [f"Second-wave collectives, LibTorch/torch {torch.__version__}, Gloo; µs per call (send_recv: per round trip "
+         "between ranks 0 and 1); medians over interleaved trials and runs. Ratios: time of the reference / accel.hpp "
+         "(above 1: accel.hpp is faster).", "",
+         "| op | ranks | bytes per rank | accel.hpp µs | raw c10d µs | ratio | Python µs | ratio | other |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+for part in ("reduce_scatter", "all_to_all", "send_recv"):
+    for world, size in sorted({(w, s) for p, w, s, _ in med if p == part}):
+        a = med.get((part, world, size, "accel_tensor"))
+        raw = med.get((part, world, size, refs[part]))
+        py = med.get((part, world, size, "python_torch"))
+        other = med.get((part, world, size, "raw_c10d_allreduce"))
+        cell = lambda x: f"{x:.0f}" if x is not None else "—"
+        ratio = lambda x: f"{x / a:.2f}" if x is not None and a else "—"
+        lines.append(f"| {part} | {world} | {size} | {cell(a)} | {cell(raw)} | {ratio(raw)} | {cell(py)} | {ratio(py)} | "
+                     + (f"raw all_reduce of the whole: {other:.0f} µs" if other is not None else "") + " |")
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
