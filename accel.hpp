@@ -2919,6 +2919,53 @@ class DistributedInterface {
     return accel::broadcast(std::move(data), src, group_for(dim));
   }
 
+  // A group of the given ranks of the world (any order; duplicates and ranks
+  // outside the world are an InvalidArgument), as torch's new_group: every
+  // rank of the world calls it, with the same ranks, in the same order of
+  // calls (debug mode checks). Ranks within it follow the order of the world
+  // ranks. A rank outside `ranks` gets a group of its own (size 1), on which
+  // collectives are the identity (torch's are no-ops there). The interface
+  // keeps the group alive until destroy(). Not distributed: null (the
+  // identity, as every group is then).
+  GroupPtr new_group(const std::vector<int>& ranks) {
+    std::vector<int> members = ranks;
+    std::sort(members.begin(), members.end());
+    std::string list;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] < 0 || members[i] >= world_size_)
+        throw InvalidArgument("accel::new_group: rank " + std::to_string(members[i]) + " is not a rank of the world (" +
+                              std::to_string(world_size_) + " ranks)");
+      if (i > 0 && members[i] == members[i - 1])
+        throw InvalidArgument("accel::new_group: rank " + std::to_string(members[i]) + " is given twice");
+      list += (i ? ", " : "") + std::to_string(members[i]);
+    }
+    if (members.empty()) throw InvalidArgument("accel::new_group: no ranks given");
+    if (!distributed_) return {};
+    const std::string name = "new_group([" + list + "])";
+    detail::check_same_call(*world_, [&] { return name; });
+    return user_group(members, name, "");
+  }
+  // MPI_Comm_split: the ranks that pass the same color form a group, ordered
+  // by key (then by world rank); a negative color joins no group (a group of
+  // its own, as for new_group's outsiders). Every rank of the world calls
+  // it; one all_gather of (color, key). Kept alive until destroy().
+  GroupPtr split_group(int color, int key = 0) {
+    if (!distributed_) return {};
+    detail::check_same_call(*world_, [] { return std::string("split_group()"); });
+    const std::array<int64_t, 2> mine{color, key};
+    std::vector<int64_t> all(2 * static_cast<std::size_t>(world_size_));
+    detail::all_gather_cpu<int64_t>(*world_, mine.data(), 2, all.data(), "split_group");
+    std::vector<std::pair<int64_t, int>> order;  // (key, world rank) of this color
+    if (color >= 0)
+      for (int r = 0; r < world_size_; ++r)
+        if (all[2 * static_cast<std::size_t>(r)] == color) order.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+    std::sort(order.begin(), order.end());
+    std::vector<int> members;
+    for (const auto& [k, r] : order) members.push_back(r);
+    return user_group(members, "split_group(color=" + std::to_string(color) + ")",
+                      "color/" + std::to_string(color) + "/");
+  }
+
   void sync() { synchronize(); }
   void barrier() {
     if (distributed_) accel::barrier(world_);
@@ -2958,6 +3005,8 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       const auto [store, prefix] = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
+      store_ = store;
+      prefix_ = prefix;
       auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store);
       world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
       detail::register_group(world_, "world", world_store, /*is_world=*/true);
@@ -2998,7 +3047,34 @@ class DistributedInterface {
     return dim ? dim_meshes_[static_cast<std::size_t>(*dim)].get_group() : world_;
   }
 
+  // A group of `members` (world ranks, in the order of their group ranks),
+  // on keys of its own in the rendezvous store; a rank outside it gets a
+  // group of one. Every rank calls this in the same order (the counter).
+  GroupPtr user_group(const std::vector<int>& members, const std::string& name, const std::string& subkey) {
+    const std::string key = prefix_ + "user/" + std::to_string(user_group_count_++) + "/" + subkey;
+    const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout);
+    const auto it = std::find(members.begin(), members.end(), rank_);
+    const bool member = it != members.end();
+    auto group_store = c10::make_intrusive<c10d::PrefixStore>(
+        member ? key + "members" : key + "alone/" + std::to_string(rank_), store_);
+    GroupPtr group;
+    try {
+      group = member ? detail::make_group(backend_, group_store, static_cast<int>(it - members.begin()),
+                                          static_cast<int>(members.size()), timeout)
+                     : detail::make_group(backend_, group_store, 0, 1, timeout);
+    } catch (const std::exception& e) {
+      throw DistributedError("accel::" + name + ": creating the group failed on rank " + std::to_string(rank_) + ": " +
+                             detail::error_text(e));
+    }
+    detail::register_group(group, member ? name : name + " (this rank alone: not a member)", group_store);
+    user_groups_.push_back(group);
+    return group;
+  }
+
   void release() {
+    for (const auto& group : user_groups_) detail::unregister_group(group);
+    user_groups_.clear();
+    store_.reset();
     for (auto* mesh : {&model_mesh_, &data_mesh_})
       if (*mesh)
         for (int axis = 0; axis < (*mesh)->ndim(); ++axis) detail::unregister_group((*mesh)->get_group(axis));
@@ -3038,7 +3114,15 @@ class DistributedInterface {
   GroupPtr world_;
   std::optional<DeviceMesh> model_mesh_, data_mesh_;
   std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
+  c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous store, for groups made later
+  std::string prefix_;                     // and this initialisation's keys in it
+  int user_group_count_ = 0;
+  std::vector<GroupPtr> user_groups_;  // new_group / split_group
 };
+
+// torch.distributed's new_group and split_group, on the singleton's world.
+inline GroupPtr new_group(const std::vector<int>& ranks) { return DistributedInterface::instance().new_group(ranks); }
+inline GroupPtr split_group(int color, int key = 0) { return DistributedInterface::instance().split_group(color, key); }
 
 // == ACCELERATE'S OPERATIONS ==================================================
 //

@@ -878,6 +878,59 @@ TEST_SUITE("ranks") {
     CHECK(d.all_reduce(1, ReduceOp::SUM, std::nullopt) == d.get_world_size());
   }
 
+  TEST_CASE("new_group and split_group: members, ranks within them, outsiders alone, debug mode") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    // The even ranks, given in reverse order: group ranks follow the world's order.
+    std::vector<int> evens;
+    for (int k = P - 1; k >= 0; --k)
+      if (k % 2 == 0) evens.push_back(k);
+    const int even_count = static_cast<int>(evens.size());
+    accel::GroupPtr g = accel::new_group(evens);
+    REQUIRE(g);
+    if (r % 2 == 0) {
+      CHECK(g->getSize() == even_count);
+      CHECK(g->getRank() == r / 2);
+      CHECK(accel::all_reduce(int64_t{r}, ReduceOp::SUM, g) == int64_t{even_count} * (even_count - 1));
+      CHECK(accel::broadcast(r, even_count - 1, g) == 2 * (even_count - 1));
+    } else {  // not a member: a group of its own, collectives are the identity
+      CHECK(g->getSize() == 1);
+      CHECK(accel::all_reduce(int64_t{r}, ReduceOp::SUM, g) == r);
+    }
+    std::vector<int> every(static_cast<std::size_t>(P));
+    std::iota(every.begin(), every.end(), 0);
+    accel::GroupPtr all = accel::new_group(every);
+    CHECK(all->getSize() == P);
+    CHECK(accel::all_gather(r, all) == every);
+    CHECK_THROWS_WITH_AS(accel::new_group({0, P}), doctest::Contains("is not a rank of the world"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::new_group({0, 0}), doctest::Contains("is given twice"), std::invalid_argument);
+    CHECK_THROWS_AS(accel::new_group({}), std::invalid_argument);
+
+    // split_group: same parity, ordered by key = -rank (so the highest rank is rank 0 within the group).
+    accel::GroupPtr parity = accel::split_group(r % 2, -r);
+    std::vector<int> same;
+    for (int k = P - 1; k >= 0; --k)
+      if (k % 2 == r % 2) same.push_back(k);
+    CHECK(parity->getSize() == static_cast<int>(same.size()));
+    CHECK(accel::all_gather(r, parity) == same);
+    std::vector<int> splits(static_cast<std::size_t>(parity->getSize()) * 2, r);  // the new collectives run on it
+    CHECK(accel::reduce_scatter(splits, ReduceOp::SUM, parity).size() == 2);
+    // A negative color joins no group.
+    accel::GroupPtr most = accel::split_group(r == 0 ? -1 : 7);
+    CHECK(most->getSize() == (r == 0 ? 1 : P - 1));
+    CHECK(accel::all_reduce(1, ReduceOp::SUM, most) == (r == 0 ? 1 : P - 1));
+    // Debug mode: different ranks on different processes are named.
+    if (P > 1) {
+      accel::set_debug_mode(true);
+      const std::string text = what_of([&] { accel::new_group(r == 0 ? std::vector<int>{0} : std::vector<int>{0, 1}); });
+      accel::set_debug_mode(false);
+      CHECK(text.find("rank 0: new_group([0])") != std::string::npos);
+      CHECK(text.find("rank 1: new_group([0, 1])") != std::string::npos);
+    }
+    CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
+  }
+
   TEST_CASE("cleanup") { world().destroy(); }
 }
 
