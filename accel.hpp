@@ -290,13 +290,13 @@ inline int env_int(const char* name, int fallback, int minimum) {
   return value;
 }
 
-// A yes/no switch: 1/0, true/false, yes/no, on/off (any case); anything else
-// is an error naming the variable, never a silent default.
 // ASCII only, whatever the C locale says.
 inline std::string lowercase(std::string text) {
   for (char& c : text) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
   return text;
 }
+// A yes/no switch: 1/0, true/false, yes/no, on/off (any case); anything else
+// is an error naming the variable, never a silent default.
 inline bool env_bool(const char* name, bool fallback) {
   const char* raw = std::getenv(name);
   if (raw == nullptr) return fallback;
@@ -1481,33 +1481,41 @@ void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
 // division must not trip autograd's checks (in Python, c10d ops bypass
 // autograd too), so they run under NoGradGuard.
 // all_reduce, or with `dst` a reduce onto that rank of the group (only
-// there is the result defined, and divided for MEAN).
+// there is the result defined, and divided for MEAN). all_reduce is the hot
+// path (callgrind_overhead guards it): it keeps a function of its own.
 inline void reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op, std::optional<int> dst);
-inline void reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op,
-                          std::optional<int> dst = std::nullopt) {
-  if (tensor.numel() == 0) return;  // nothing to reduce (and Gloo divides by the element count)
+inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  if (tensor.numel() == 0) [[unlikely]]
+    return;  // nothing to reduce (and Gloo divides by the element count)
   if (!native_dtype(group, tensor.scalar_type())) [[unlikely]]
-    return reduce_converted(group, tensor, op, dst);
+    return reduce_converted(group, tensor, op, std::nullopt);
   in_place(group, tensor, [&](at::Tensor& t) {
     std::vector<at::Tensor> tensors{t};
-    if (dst) {
-      c10d::ReduceOptions opts;
-      opts.reduceOp = to_c10d(op);
-      opts.rootRank = *dst;
-      run("reduce_to", group, [&] { return group.reduce(tensors, opts); });
-    } else {
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = to_c10d(op);
-      run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
-    }
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
   });
-  if (op == ReduceOp::MEAN && (!dst || *dst == group.getRank())) {
+  if (op == ReduceOp::MEAN) {
     at::NoGradGuard no_grad;
     tensor.div_(group.getSize());
   }
 }
-inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
-  reduce_tensor(group, tensor, op);
+inline void reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op,
+                          std::optional<int> dst = std::nullopt) {
+  if (!dst) return all_reduce_tensor(group, tensor, op);
+  if (tensor.numel() == 0) return;
+  if (!native_dtype(group, tensor.scalar_type())) return reduce_converted(group, tensor, op, dst);
+  in_place(group, tensor, [&](at::Tensor& t) {
+    std::vector<at::Tensor> tensors{t};
+    c10d::ReduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    opts.rootRank = *dst;
+    run("reduce_to", group, [&] { return group.reduce(tensors, opts); });
+  });
+  if (op == ReduceOp::MEAN && *dst == group.getRank()) {
+    at::NoGradGuard no_grad;
+    tensor.div_(group.getSize());
+  }
 }
 
 // A dtype the backend cannot reduce, reduced in a form it can (native_dtype).
