@@ -11,8 +11,11 @@
 //   without LibTorch:  VERSION · CONFIGURATION · ERRORS · ENUMS · ENVIRONMENT ·
 //                      STRATEGY · LOCAL LAUNCHER (spawn, launch_processes)
 //   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
-//                      COLLECTIVES ON A GROUP · RENDEZVOUS AND GROUPS ·
-//                      MESHES · THE SINGLETON (DistributedInterface) ·
+//                      COLLECTIVES ON A GROUP (all_reduce ... barrier,
+//                      reduce_scatter, all_to_all, reduce_to, gather_to,
+//                      scatter, send/recv, monitored_barrier) ·
+//                      RENDEZVOUS AND GROUPS · MESHES · THE SINGLETON
+//                      (DistributedInterface, new_group, split_group) ·
 //                      ACCELERATE'S OPERATIONS (nested data, objects,
 //                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
