@@ -1175,6 +1175,7 @@ at::Tensor alias(T& value, c10::ScalarType dtype) {
 }
 template <Scalar T>
 at::Tensor alias(std::vector<T>& values, c10::ScalarType dtype) {
+  if (values.empty()) return at::empty({0}, cpu_options(dtype));  // (no memory to alias)
   return at::from_blob(values.data(), {static_cast<int64_t>(values.size())}, cpu_options(dtype));
 }
 template <Scalar T>
@@ -1183,6 +1184,7 @@ at::Tensor alias_bytes(T& value) {
 }
 template <Scalar T>
 at::Tensor alias_bytes(std::vector<T>& values) {
+  if (values.empty()) return at::empty({0}, cpu_options(c10::kByte));
   return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))},
                        cpu_options(c10::kByte));
 }
@@ -1401,19 +1403,76 @@ inline bool is_timeout(const std::string& text) {
   return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
 }
 
-// Runs one c10d operation and waits for it; any failure becomes a
+// Issues one c10d operation (the call itself can fail: a dtype or a shape
+// the backend rejects) and waits for it; any failure becomes a
 // DistributedError that names the operation and the group (after a timeout,
 // also the ranks that seem to be the cause: roll_call).
+inline DistributedError failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
+  const std::string text = error_text(e);
+  return DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " + text +
+                          (is_timeout(text) ? roll_call(group) : std::string()));
+}
+template <class Issue>
+c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
+  try {
+    return issue();
+  } catch (const std::exception& e) {
+    throw failure(op, group, e);
+  }
+}
+inline void await(const char* op, c10d::ProcessGroup& group, c10d::Work& work) {
+  try {
+    work.wait();
+  } catch (const std::exception& e) {
+    throw failure(op, group, e);
+  }
+}
 template <class Issue>
 void run(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
   try {
-    c10::intrusive_ptr<c10d::Work> work = issue();
-    work->wait();
+    issue()->wait();
   } catch (const std::exception& e) {
-    const std::string text = error_text(e);
-    throw DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " + text +
-                           (is_timeout(text) ? roll_call(group) : std::string()));
+    throw failure(op, group, e);
   }
+}
+
+// An operation issued to c10d and not landed yet. Every collective is
+// start (checks, staging, issue) then land (after c10d's Work completes:
+// copy back from staging, MEAN's division, unpacking), which gives the
+// result and owns every buffer the operation uses. A blocking form waits at
+// once; an _async form keeps the Pending in an accel::Work. `work` is null
+// when nothing was issued (nothing to move).
+template <class Land>
+struct Pending {
+  c10d::ProcessGroup* group;
+  const char* op;
+  c10::intrusive_ptr<c10d::Work> work;
+  Land land;
+  decltype(auto) wait() {
+    if (work) await(op, *group, *work);
+    return land();
+  }
+};
+template <class Land>
+Pending(c10d::ProcessGroup*, const char*, c10::intrusive_ptr<c10d::Work>, Land) -> Pending<Land>;
+
+// A Pending whose result is `value`, with nothing to wait for.
+template <class T>
+auto ready(c10d::ProcessGroup* group, const char* op, T value) {
+  return Pending{group, op, {}, [value = std::move(value)]() mutable { return std::move(value); }};
+}
+// The same operation, its result passed through `next` when it lands.
+template <class Land, class Next>
+auto then(Pending<Land> pending, Next next) {
+  return Pending{pending.group, pending.op, std::move(pending.work),
+                 [land = std::move(pending.land), next = std::move(next)]() mutable {
+                   if constexpr (std::is_void_v<decltype(land())>) {
+                     land();
+                     return next();
+                   } else {
+                     return next(land());
+                   }
+                 }};
 }
 
 inline c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -1435,7 +1494,7 @@ inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_re
 // Dtypes Gloo moves and reduces on every LibTorch version: float32/64,
 // float16, int8, uint8, int32 and int64; NCCL has every real dtype. Others
 // travel in another form: as their bytes where an operation only moves data;
-// for a reduction (reduce_converted), bool as uint8, complex as its real
+// for a reduction (stage), bool as uint8, complex as its real
 // and imaginary parts, other floating types (bfloat16) in float32 and other
 // integers (int16, unsigned) in int64. (Python's torch.distributed fails on
 // most of these with Gloo: "Invalid scalar type".) The common dtypes answer
@@ -1465,88 +1524,134 @@ inline std::optional<c10::Device> staging_device([[maybe_unused]] const c10d::Pr
   return std::nullopt;
 }
 
-// Runs `op` on a contiguous tensor on the group's device and copies the
-// result back into `tensor` when a temporary had to be made.
-template <class Op>
-void in_place(c10d::ProcessGroup& group, at::Tensor& tensor, Op&& op) {
-  auto device = staging_device(group, tensor);
-  if (!device && tensor.is_contiguous()) {
-    op(tensor);
-    return;
-  }
-  at::Tensor staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
-  op(staged);
+// How an in-place operation (all_reduce, reduce_to, broadcast, recv) reaches
+// c10d: `wire` is the tensor c10d gets. The common case runs on the
+// caller's tensor itself (contiguous, on the group's device, a dtype the
+// backend handles) and leaves `staged` undefined; otherwise it runs on
+// `staged`, a contiguous copy on the group's device, which land_in_place
+// copies back. A reduction of a dtype the backend cannot reduce is staged
+// in a form it can (native_dtype): bool as uint8 (SUM then MAX: a logical
+// or, as NCCL's bool sum), complex as its real and imaginary parts, other
+// floating types in float32, other integers in int64.
+inline bool direct(const c10d::ProcessGroup& group, const at::Tensor& tensor) {
+  return !staging_device(group, tensor) && native_dtype(group, tensor.scalar_type()) && tensor.is_contiguous();
+}
+struct InPlace {
+  at::Tensor staged;
+  at::Tensor wire;
+  ReduceOp op = ReduceOp::SUM;  // what the wire form is reduced with
+};
+inline InPlace stage(const c10d::ProcessGroup& group, const at::Tensor& tensor,
+                     std::optional<ReduceOp> reduction = std::nullopt) {
+  ReduceOp op = reduction.value_or(ReduceOp::SUM);
+  if (direct(group, tensor)) [[likely]]
+    return {{}, tensor, op};
+  const auto device = staging_device(group, tensor);
+  const c10::ScalarType dtype = tensor.scalar_type();
+  const bool native = native_dtype(group, dtype);
   at::NoGradGuard no_grad;
-  tensor.copy_(staged);
+  at::Tensor staged = tensor;
+  if (reduction && !native) {
+    if (dtype == c10::kBool) {
+      if (op == ReduceOp::SUM) op = ReduceOp::MAX;
+    } else if (c10::isFloatingType(dtype)) {
+      staged = staged.to(c10::kFloat);
+    } else if (!c10::isComplexType(dtype)) {
+      staged = staged.to(c10::kLong);
+    }
+  }
+  if (device) staged = staged.to(*device);
+  staged = staged.contiguous();
+  at::Tensor wire = reduction && c10::isComplexType(dtype) ? at::view_as_real(staged) : as_wire(group, staged);
+  return {staged.is_same(tensor) ? at::Tensor() : staged, std::move(wire), op};
+}
+// After an in-place operation: MEAN's division (on the staged form, before
+// any rounding back to the caller's dtype), then the copy back.
+inline void land_in_place(at::Tensor& tensor, const at::Tensor& staged, int64_t divisor) {
+  at::NoGradGuard no_grad;
+  if (divisor > 1) (staged.defined() ? staged : tensor).div_(divisor);
+  if (staged.defined()) tensor.copy_(staged);
+}
+
+// Whether a reduction of dtype with op is defined (checked before anything
+// moves, on every world size, so that one process behaves as many).
+inline void check_other_reduction(c10::ScalarType dtype, ReduceOp op, const char* name);
+inline void check_reduction(c10::ScalarType dtype, ReduceOp op, const char* name) {
+  if (dtype != c10::kFloat && dtype != c10::kDouble) [[unlikely]]  // (every op is defined on these)
+    check_other_reduction(dtype, op, name);
+}
+inline void check_other_reduction(c10::ScalarType dtype, ReduceOp op, const char* name) {
+  if (op == ReduceOp::MEAN) reject_integral_mean(dtype, name);
+  if (c10::isComplexType(dtype) && (op == ReduceOp::MAX || op == ReduceOp::MIN))
+    throw InvalidArgument(std::string("accel::") + name + ": ReduceOp::" + std::string(to_string(op)) + " of " +
+                          c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
+  if (dtype != c10::kBool && !c10::isFloatingType(dtype) && !c10::isComplexType(dtype) &&
+      !c10::isIntegralType(dtype, /*includeBool=*/false))
+    throw InvalidArgument(std::string("accel::") + name + ": dtype " + c10::toString(dtype) + " cannot be reduced");
 }
 
 // Collectives are not differentiable: our own in-place copies and the MEAN
 // division must not trip autograd's checks (in Python, c10d ops bypass
-// autograd too), so they run under NoGradGuard.
-// all_reduce, or with `dst` a reduce onto that rank of the group (only
-// there is the result defined, and divided for MEAN). all_reduce is the hot
-// path (callgrind_overhead guards it): it keeps a function of its own.
-inline void reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op, std::optional<int> dst);
-inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
-  if (tensor.numel() == 0) [[unlikely]]
-    return;  // nothing to reduce (and Gloo divides by the element count)
-  if (!native_dtype(group, tensor.scalar_type())) [[unlikely]]
-    return reduce_converted(group, tensor, op, std::nullopt);
-  in_place(group, tensor, [&](at::Tensor& t) {
-    std::vector<at::Tensor> tensors{t};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(op);
-    run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
-  });
+// autograd too), so they run under NoGradGuard. A tensor with no elements
+// moves nothing (Gloo divides by the element count).
+//
+// The blocking all_reduce of a tensor c10d can reduce where it is (direct)
+// is the hot path (callgrind_overhead guards it): it runs without a Pending,
+// whose moves, captures and destructors cost 200 instructions per call
+// (+2.5%); every other case takes start_all_reduce.
+inline void all_reduce_direct(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  std::vector<at::Tensor> tensors(1, tensor);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  run("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
   if (op == ReduceOp::MEAN) {
     at::NoGradGuard no_grad;
     tensor.div_(group.getSize());
   }
 }
-inline void reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op,
-                          std::optional<int> dst = std::nullopt) {
-  if (!dst) return all_reduce_tensor(group, tensor, op);
-  if (tensor.numel() == 0) return;
-  if (!native_dtype(group, tensor.scalar_type())) return reduce_converted(group, tensor, op, dst);
-  in_place(group, tensor, [&](at::Tensor& t) {
-    std::vector<at::Tensor> tensors{t};
-    c10d::ReduceOptions opts;
-    opts.reduceOp = to_c10d(op);
-    opts.rootRank = *dst;
-    run("reduce_to", group, [&] { return group.reduce(tensors, opts); });
-  });
-  if (op == ReduceOp::MEAN && *dst == group.getRank()) {
-    at::NoGradGuard no_grad;
-    tensor.div_(group.getSize());
+inline auto start_all_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp op) {
+  InPlace s;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (tensor.numel() != 0) [[likely]] {
+    s = stage(group, tensor, op);
+    std::vector<at::Tensor> tensors{s.wire};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(s.op);
+    work = issue("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
   }
+  const int64_t divisor = op == ReduceOp::MEAN ? group.getSize() : 1;
+  return Pending{&group, "all_reduce", std::move(work),
+                 [tensor = std::move(tensor), staged = std::move(s.staged), divisor]() mutable {
+                   if (divisor > 1 || staged.defined()) [[unlikely]]
+                     land_in_place(tensor, staged, divisor);
+                   return std::move(tensor);
+                 }};
 }
-
-// A dtype the backend cannot reduce, reduced in a form it can (native_dtype).
-inline void reduce_converted(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op, std::optional<int> dst) {
-  const c10::ScalarType dtype = tensor.scalar_type();
-  const char* name = dst ? "reduce_to" : "all_reduce";
-  at::NoGradGuard no_grad;
-  at::Tensor form;
-  if (dtype == c10::kBool) {
-    form = tensor.view(c10::kByte);  // in place
-    if (op == ReduceOp::SUM) op = ReduceOp::MAX;  // a logical or, as NCCL's bool sum
-  } else if (c10::isComplexType(dtype)) {
-    if (op == ReduceOp::MAX || op == ReduceOp::MIN)
-      throw InvalidArgument(std::string("accel::") + name + ": ReduceOp::" + std::string(to_string(op)) + " of " +
-                            c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
-    form = at::view_as_real(tensor.is_contiguous() ? tensor : tensor.contiguous());
-  } else if (c10::isFloatingType(dtype)) {
-    form = tensor.to(c10::kFloat);
-  } else if (c10::isIntegralType(dtype, /*includeBool=*/false)) {
-    form = tensor.to(c10::kLong);
-  } else {
-    throw InvalidArgument(std::string("accel::") + name + ": dtype " + c10::toString(dtype) +
-                          " cannot be reduced on " + describe(group));
+// Onto rank `dst` of the group: only there is the result defined (and
+// divided for MEAN).
+inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp op, int dst) {
+  InPlace s;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (tensor.numel() != 0) {
+    s = stage(group, tensor, op);
+    std::vector<at::Tensor> tensors{s.wire};
+    c10d::ReduceOptions opts;
+    opts.reduceOp = to_c10d(s.op);
+    opts.rootRank = dst;
+    work = issue("reduce_to", group, [&] { return group.reduce(tensors, opts); });
   }
-  reduce_tensor(group, form, op, dst);
-  if (form.is_alias_of(tensor)) return;
-  if (c10::isComplexType(dtype)) tensor.copy_(at::view_as_complex(form));
-  else tensor.copy_(form);
+  const int64_t divisor = op == ReduceOp::MEAN && dst == group.getRank() ? group.getSize() : 1;
+  return Pending{&group, "reduce_to", std::move(work),
+                 [tensor = std::move(tensor), staged = std::move(s.staged), divisor]() mutable {
+                   land_in_place(tensor, staged, divisor);
+                   return std::move(tensor);
+                 }};
+}
+inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
+  if (tensor.numel() != 0 && direct(group, tensor)) [[likely]]
+    all_reduce_direct(group, tensor, op);
+  else
+    start_all_reduce(group, tensor, op).wait();
 }
 
 // The source of a broadcast is a rank within the group (`name` is how the
@@ -1561,39 +1666,59 @@ inline void check_source(const c10d::ProcessGroup* group, int src, const char* o
                                 " is a rank within the group)");
 }
 
-// `src` was checked by the caller (check_source).
-inline void broadcast_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, int src) {
-  if (tensor.numel() == 0) return;  // nothing to move (and Gloo divides by the element count)
-  in_place(group, tensor, [&](at::Tensor& t) {
-    std::vector<at::Tensor> tensors{as_wire(group, t)};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = src;
-    run("broadcast", group, [&] { return group.broadcast(tensors, opts); });
-  });
+inline void check_peer(const c10d::ProcessGroup* group, int peer, const char* op, const char* name) {
+  check_source(group, peer, op, name);
+  if (group && peer == group->getRank())
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(peer) +
+                          " is this rank itself");
 }
 
-// Gathers `input` from every rank into `outputs[r]` (same shape, any memory).
-inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input,
-                            std::vector<at::Tensor> outputs, const char* op = "all_gather") {
-  if (input.numel() == 0) return;  // every part is empty (and Gloo divides by the element count)
-  const auto device = staging_device(group, input);
-  std::vector<at::Tensor> inputs{as_wire(group, device ? input.to(*device).contiguous() : input.contiguous())};
-  // Outputs c10d cannot write into directly are staged, and copied back.
-  std::vector<at::Tensor> staged = outputs;
-  bool copy_back = false;
-  for (auto& t : staged)
-    if (device || !t.is_contiguous()) {
-      t = at::empty(t.sizes(), t.options().device(device.value_or(t.device())));
-      copy_back = true;
-    }
-  std::vector<std::vector<at::Tensor>> output_lists(1);
-  for (const auto& t : staged) output_lists[0].push_back(as_wire(group, t));
-  run(op, group, [&] { return group.allgather(output_lists, inputs); });
-  if (copy_back) {
-    at::NoGradGuard no_grad;
-    for (std::size_t r = 0; r < outputs.size(); ++r)
-      if (!staged[r].is_same(outputs[r])) outputs[r].copy_(staged[r]);
+// `src` was checked by the caller (check_source).
+inline auto start_broadcast(c10d::ProcessGroup& group, at::Tensor tensor, int src) {
+  InPlace s;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (tensor.numel() != 0) {
+    s = stage(group, tensor);
+    std::vector<at::Tensor> tensors{s.wire};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = src;
+    work = issue("broadcast", group, [&] { return group.broadcast(tensors, opts); });
   }
+  return Pending{&group, "broadcast", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
+                   land_in_place(tensor, staged, 1);
+                   return std::move(tensor);
+                 }};
+}
+inline void broadcast_tensor(c10d::ProcessGroup& group, const at::Tensor& tensor, int src) {
+  start_broadcast(group, tensor, src).wait();
+}
+
+// Gathers `input` from every rank into `outputs[r]` (same shape, any
+// memory); outputs c10d cannot write into directly are staged and copied
+// back when it lands.
+inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
+                                  const char* op = "all_gather") {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> staged;  // empty: c10d writes into outputs
+  if (input.numel() != 0) {
+    const auto device = staging_device(group, input);
+    std::vector<at::Tensor> inputs{as_wire(group, device ? input.to(*device).contiguous() : input.contiguous())};
+    const bool direct =
+        !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
+    if (!direct)
+      for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
+    std::vector<std::vector<at::Tensor>> output_lists(1);
+    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(as_wire(group, t));
+    work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
+  }
+  return Pending{&group, op, std::move(work), [outputs = std::move(outputs), staged = std::move(staged)] {
+                   at::NoGradGuard no_grad;
+                   for (std::size_t r = 0; r < staged.size(); ++r) outputs[r].copy_(staged[r]);
+                 }};
+}
+inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
+                            const char* op = "all_gather") {
+  start_all_gather_into(group, input, std::move(outputs), op).wait();
 }
 
 // Rank `src` sends pieces[r] to rank r of the group; every rank returns its
@@ -1633,12 +1758,17 @@ inline std::vector<char> scatter_bytes(c10d::ProcessGroup& group, int src, const
 // Every rank's `count` elements at `mine` (CPU memory), rank-major into
 // `all`, which holds group size * count elements.
 template <class T>
-void all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
+auto start_all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
   constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
   std::vector<at::Tensor> outputs;
   for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
   // c10d only reads an allgather's input.
-  all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)), std::move(outputs), op);
+  return start_all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)),
+                               std::move(outputs), op);
+}
+template <class T>
+void all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
+  start_all_gather_cpu(group, mine, count, all, op).wait();
 }
 
 inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
@@ -1648,11 +1778,12 @@ inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
 }
 
 // Gathers into the rows of `stacked`, of shape (group size, *input's shape).
-inline void all_gather_stacked(c10d::ProcessGroup& group, const at::Tensor& input, at::Tensor& stacked) {
+inline auto start_all_gather_rows(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& stacked,
+                                  const char* op = "all_gather") {
   std::vector<at::Tensor> rows;
   rows.reserve(group.getSize());
   for (int r = 0; r < group.getSize(); ++r) rows.push_back(stacked.select(0, r));
-  all_gather_into(group, input, std::move(rows));
+  return start_all_gather_into(group, input, std::move(rows), op);
 }
 
 // Types no backend reduces natively travel as bytes; all_reduce then gathers
@@ -1673,13 +1804,18 @@ T fold(ReduceOp op, const T* values, int count, int stride) {
 }
 
 template <Scalar T>
-void all_reduce_bytes(c10d::ProcessGroup& group, T* data, std::size_t count, ReduceOp op) {
+auto start_fold(c10d::ProcessGroup& group, std::vector<T> data, ReduceOp op, const char* name) {
   const int size = group.getSize();
-  std::vector<T> gathered(count * size);
-  all_gather_cpu(group, reinterpret_cast<const uint8_t*>(data), static_cast<int64_t>(count * sizeof(T)),
-                 reinterpret_cast<uint8_t*>(gathered.data()), "all_reduce");
-  for (std::size_t i = 0; i < count; ++i)
-    data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(count));
+  std::vector<T> gathered(data.size() * static_cast<std::size_t>(size));
+  auto pending = start_all_gather_cpu(group, reinterpret_cast<const uint8_t*>(data.data()),
+                                      static_cast<int64_t>(data.size() * sizeof(T)),
+                                      reinterpret_cast<uint8_t*>(gathered.data()), name);
+  // (Moving a std::vector keeps its elements where c10d reads and writes them.)
+  return then(std::move(pending), [data = std::move(data), gathered = std::move(gathered), op, size]() mutable {
+    for (std::size_t i = 0; i < data.size(); ++i)
+      data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(data.size()));
+    return std::move(data);
+  });
 }
 
 // FNV-1a: the same on every host and compiler (std::hash promises neither).
@@ -1758,59 +1894,340 @@ std::string describe_tensorlike(const T& data) {
 }
 }  // namespace detail
 
+// -- Asynchronous work. The _async forms issue the operation at once, in
+// call order like every collective (so ranks must still call them in the
+// same order), and return an accel::Work<R> instead of R.
+
+namespace detail {
+// What every accel::Work holds whatever its result: the operation's group
+// (kept alive while it runs) and c10d Work, and how to tell completion.
+class InFlight {
+ public:
+  InFlight(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
+      : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
+    // Gloo's send and recv report completion only from inside wait() (their
+    // isCompleted() stays false until then, and a wait with a timeout that
+    // expires closes every connection of the group): a thread of our own
+    // waits for them once someone asks without waiting.
+    const std::string_view name = op;
+    watched_ = work_ && group_->getBackendName() == "gloo" && (name == "send" || name == "recv");
+  }
+  InFlight(const InFlight&) = delete;
+  InFlight& operator=(const InFlight&) = delete;
+  virtual ~InFlight() = default;  // a watcher thread is joined by its future
+
+  bool completed() {
+    if (!work_) return true;
+    if (!watched_) return work_->isCompleted();
+    watch();
+    return watcher_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  }
+
+  bool wait_for(std::chrono::milliseconds timeout) {
+    if (completed() || timeout <= std::chrono::milliseconds(0)) return completed();  // (c10d reads 0 as "for ever")
+    if (watched_) return watcher_.wait_for(timeout) == std::future_status::ready;
+    if (group_->getBackendName() == "gloo") {
+      // Gloo's collectives wait on a condition variable; one that times out
+      // throws "Operation timed out!" and changes nothing. A failure of the
+      // operation itself is thrown again by wait().
+      try {
+        work_->wait(timeout);
+      } catch (const std::exception&) {
+      }
+      return work_->isCompleted();
+    }
+    // Other backends (NCCL: completion of the device work) are asked until
+    // the deadline, at most every millisecond.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (auto pause = std::chrono::microseconds(20); std::chrono::steady_clock::now() < deadline;
+         pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1))) {
+      if (work_->isCompleted()) return true;
+      std::this_thread::sleep_for(pause);
+    }
+    return work_->isCompleted();
+  }
+
+  // Waits for the operation; a failure becomes the DistributedError its
+  // blocking form throws.
+  void wait() {
+    if (!work_) return;
+    if (!watched_ || !watcher_.valid()) return await(op_, *group_, *work_);
+    try {
+      watcher_.get();
+    } catch (const std::exception& e) {
+      throw failure(op_, *group_, e);
+    }
+  }
+
+ private:
+  void watch() {
+    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, [work = work_] { work->wait(); });
+  }
+
+  GroupPtr group_;
+  const char* op_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  bool watched_ = false;
+  std::future<void> watcher_;
+};
+
+template <class R>
+class Flight : public InFlight {
+ public:
+  using InFlight::InFlight;
+  virtual R land() = 0;
+};
+template <class R, class Land>
+class FlightOf final : public Flight<R> {
+ public:
+  explicit FlightOf(Pending<Land>&& pending)
+      : Flight<R>(pending.group, pending.op, std::move(pending.work)), land_(std::move(pending.land)) {}
+  R land() override { return land_(); }
+
+ private:
+  Land land_;
+};
+}  // namespace detail
+
+// An operation in flight (design.md, "Asynchronous collectives"): what an
+// _async form returns. It owns every buffer the operation uses, so the
+// caller's data may go out of scope. Move-only; not for concurrent use from
+// several threads (as std::future).
+//   R wait()              waits and returns the result (as the blocking form
+//                         does; a tensor passed in holds it from then on);
+//                         failures throw the blocking form's DistributedError.
+//                         Once: the Work is empty afterwards (valid() false).
+//   bool wait_for(ms)     waits at most ms; true once the operation completed
+//                         (wait() then returns at once, or throws its error).
+//   bool is_completed()   wait_for without waiting.
+// Destroying a Work that was never waited for waits for the operation (its
+// buffers must outlive it) and lands it (a tensor passed in holds the
+// result) but drops what wait() would return; a failure is then printed to
+// stderr, as nothing else can report it.
+template <class R>
+class Work {
+ public:
+  Work() = default;
+  template <class Land>
+  explicit Work(detail::Pending<Land> pending)
+      : flight_(std::make_unique<detail::FlightOf<R, Land>>(std::move(pending))) {}
+  Work(Work&&) noexcept = default;
+  Work& operator=(Work&& other) noexcept {
+    if (this != &other) {
+      abandon();
+      flight_ = std::move(other.flight_);
+    }
+    return *this;
+  }
+  ~Work() { abandon(); }
+
+  bool valid() const noexcept { return flight_ != nullptr; }
+  R wait() {
+    std::unique_ptr<detail::Flight<R>> flight = std::move(flight_);
+    if (!flight) throw_empty("wait");
+    flight->wait();
+    return flight->land();
+  }
+  bool wait_for(std::chrono::milliseconds timeout) {
+    if (!flight_) throw_empty("wait_for");
+    return flight_->wait_for(timeout);
+  }
+  bool is_completed() {
+    if (!flight_) throw_empty("is_completed");
+    return flight_->completed();
+  }
+
+ private:
+  [[noreturn]] static void throw_empty(const char* member) {
+    throw LogicError(std::string("accel::Work::") + member +
+                     ": this Work holds no operation (default-constructed, moved from, or already waited for)");
+  }
+  void abandon() noexcept {
+    if (!flight_) return;
+    try {
+      flight_->wait();
+      flight_->land();  // in place: the caller's tensor holds the result
+    } catch (const std::exception& e) {
+      std::cerr << "accel: " << e.what() << " (its accel::Work was destroyed without wait())" << std::endl;
+    }
+    flight_.reset();
+  }
+
+  std::unique_ptr<detail::Flight<R>> flight_;
+};
+
+namespace detail {
+// Keeps `owner` (a boxed copy of the caller's data that c10d reads in place)
+// until the operation lands.
+template <class Land, class Owner>
+auto keeping(Pending<Land> pending, Owner owner) {
+  return then(std::move(pending), [owner = std::move(owner)](auto&&... result) {
+    return (std::move(result), ...);
+  });
+}
+template <class T>
+auto boxed(const T& data) {
+  return std::make_unique<T>(data);
+}
+
+// The start of each operation on any TensorLike: tensors as they are;
+// std::vectors as views of their elements, moved into the Pending (moving
+// a std::vector keeps its elements where c10d reads and writes them);
+// scalars as a std::vector of one.
+template <TensorLike T>
+auto start_all_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return start_all_reduce(group, std::move(data), op);
+  } else if constexpr (Scalar<T>) {
+    return then(start_all_reduce_data(group, std::vector<T>{data}, op), [](std::vector<T> v) { return v[0]; });
+  } else if constexpr (travels_natively<element_t<T>>()) {
+    auto pending = start_all_reduce(group, wire(data), op);
+    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
+  } else {
+    return start_fold(group, std::move(data), op, "all_reduce");  // exact in T (see fold)
+  }
+}
+
+template <TensorLike T>
+auto start_broadcast_data(c10d::ProcessGroup& group, T data, int src) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return start_broadcast(group, std::move(data), src);
+  } else if constexpr (Scalar<T>) {
+    return then(start_broadcast_data(group, std::vector<T>{data}, src), [](std::vector<T> v) { return v[0]; });
+  } else {
+    auto pending = start_broadcast(group, wire(data), src);
+    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
+  }
+}
+
+// Reads `data` in place until it lands (the async form boxes a copy).
+template <TensorLike T>
+auto start_all_gather(c10d::ProcessGroup& group, const T& data) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    at::Tensor stacked = at::empty(stacked_shape(group.getSize(), data),
+                                   data.options().memory_format(c10::MemoryFormat::Contiguous));
+    auto pending = start_all_gather_rows(group, data, stacked);
+    return then(std::move(pending), [stacked = std::move(stacked), input = data] { return stacked; });
+  } else {
+    std::vector<T> result(static_cast<std::size_t>(group.getSize()), data);  // slots of the right size
+    std::vector<at::Tensor> outputs;
+    for (auto& slot : result) outputs.push_back(wire(slot));
+    // c10d only reads an allgather's input: a view of the caller's memory.
+    auto pending = start_all_gather_into(group, wire(const_cast<T&>(data)), std::move(outputs));
+    return then(std::move(pending), [result = std::move(result)]() mutable { return std::move(result); });
+  }
+}
+
+inline auto start_send(c10d::ProcessGroup& group, const at::Tensor& tensor, int peer, int tag) {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor staged;
+  if (tensor.numel() != 0) {
+    const auto device = staging_device(group, tensor);
+    staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
+    std::vector<at::Tensor> tensors{as_wire(group, staged)};
+    work = issue("send", group, [&] { return group.send(tensors, peer, tag); });
+  }
+  return Pending{&group, "send", std::move(work), [staged = std::move(staged)] {}};
+}
+inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, int tag) {
+  InPlace s;
+  c10::intrusive_ptr<c10d::Work> work;
+  if (tensor.numel() != 0) {
+    s = stage(group, tensor);
+    std::vector<at::Tensor> tensors{s.wire};
+    work = issue("recv", group, [&] { return group.recv(tensors, peer, tag); });
+  }
+  return Pending{&group, "recv", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
+                   land_in_place(tensor, staged, 1);
+                   return std::move(tensor);
+                 }};
+}
+// Reads `data` in place until it lands (the async form boxes a copy).
+template <TensorLike T>
+auto start_send_data(c10d::ProcessGroup& group, const T& data, int peer, int tag) {
+  if constexpr (std::same_as<T, at::Tensor>) return start_send(group, data, peer, tag);
+  else return start_send(group, alias_bytes(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
+}
+template <TensorLike T>
+auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return start_recv(group, std::move(data), peer, tag);
+  } else if constexpr (Scalar<T>) {
+    return then(start_recv_data(group, std::vector<T>{data}, peer, tag), [](std::vector<T> v) { return v[0]; });
+  } else {
+    auto pending = start_recv(group, alias_bytes(data), peer, tag);
+    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
+  }
+}
+
+// The checks every form of an operation makes before anything moves,
+// ending with debug mode's; they return the group, or null where the
+// operation is the identity (the process is not distributed).
+template <TensorLike T>
+c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr& group) {
+  if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "all_reduce");
+  else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
+  c10d::ProcessGroup* g = resolve(group, "all_reduce");
+  if (g)
+    check_same_call(*g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
+  return g;
+}
+template <TensorLike T>
+c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& group) {
+  c10d::ProcessGroup* g = resolve(group, "broadcast");
+  check_source(g, src, "broadcast", "src");
+  if (g)
+    check_same_call(*g, [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
+  return g;
+}
+template <TensorLike T>
+c10d::ProcessGroup* enter_all_gather(const T& data, const GroupPtr& group) {
+  c10d::ProcessGroup* g = resolve(group, "all_gather");
+  if (g) check_same_call(*g, [&] { return "all_gather(" + describe_tensorlike(data) + ")"; });
+  return g;
+}
+// Point-to-point: debug mode cannot compare the two sides (no collective runs).
+inline c10d::ProcessGroup* enter_point_to_point(const GroupPtr& group, int peer, const char* op, const char* name) {
+  c10d::ProcessGroup* g = resolve(group, op);
+  if (!g) throw InvalidArgument(std::string("accel::") + op + ": the process is not distributed (there is no other rank)");
+  check_peer(g, peer, op, name);
+  return g;
+}
+}  // namespace detail
+
 // Reduces data over the group. A tensor is reduced in place and returned; a
 // std::vector travels as one collective. MEAN is SUM divided by the group size
 // and is rejected for integral types.
 template <TensorLike T>
 T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
-  if constexpr (!std::same_as<T, at::Tensor>) {
-    using E = detail::element_t<T>;
-    if (op == ReduceOp::MEAN && std::is_integral_v<E>)
-      detail::reject_integral_mean(detail::value_dtype<E>());
-  } else if (op == ReduceOp::MEAN) {
-    detail::reject_integral_mean(data.scalar_type());
-  }
-  c10d::ProcessGroup* g = detail::resolve(group, "all_reduce");
+  c10d::ProcessGroup* g = detail::enter_all_reduce(data, op, group);
   if (!g) return data;
-  detail::check_same_call(*g, [&] {
-    return "all_reduce(" + detail::describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
-  });
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
+    return data;
   } else {
-    using E = detail::element_t<T>;
-    if constexpr (ScalarVector<T>)
-      if (data.empty()) return data;
-    if constexpr (detail::travels_natively<E>()) {
-      at::Tensor view = detail::wire(data);
-      detail::all_reduce_tensor(*g, view, op);
-    } else if constexpr (Scalar<T>) {
-      detail::all_reduce_bytes(*g, &data, 1, op);
-    } else {
-      detail::all_reduce_bytes(*g, data.data(), data.size(), op);
-    }
+    return detail::start_all_reduce_data(*g, std::move(data), op).wait();
   }
-  return data;
+}
+template <TensorLike T>
+Work<T> all_reduce_async(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::enter_all_reduce(data, op, group);
+  if (!g) return Work<T>(detail::ready(g, "all_reduce", std::move(data)));
+  return Work<T>(detail::start_all_reduce_data(*g, std::move(data), op));
 }
 
 // Copies data from rank `src` of the group (a rank within the group) to all.
 template <TensorLike T>
 T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
-  c10d::ProcessGroup* g = detail::resolve(group, "broadcast");
-  detail::check_source(g, src, "broadcast", "src");
+  c10d::ProcessGroup* g = detail::enter_broadcast(data, src, group);
   if (!g) return data;
-  detail::check_same_call(*g, [&] {
-    return "broadcast(" + detail::describe_tensorlike(data) + ", src=" + std::to_string(src) + ")";
-  });
-  if constexpr (std::same_as<T, at::Tensor>) {
-    detail::broadcast_tensor(*g, data, src);
-  } else {
-    if constexpr (ScalarVector<T>)
-      if (data.empty()) return data;
-    at::Tensor view = detail::wire(data);
-    detail::broadcast_tensor(*g, view, src);
-  }
-  return data;
+  return detail::start_broadcast_data(*g, std::move(data), src).wait();
+}
+template <TensorLike T>
+Work<T> broadcast_async(T data, int src = 0, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::enter_broadcast(data, src, group);
+  if (!g) return Work<T>(detail::ready(g, "broadcast", std::move(data)));
+  return Work<T>(detail::start_broadcast_data(*g, std::move(data), src));
 }
 
 // Gathers data from every rank of the group, stacked in rank order:
@@ -1819,27 +2236,30 @@ T broadcast(T data, int src = 0, const GroupPtr& group = {}) {
 // same shape.
 template <TensorLike T>
 auto all_gather(const T& data, const GroupPtr& group = {}) {
-  c10d::ProcessGroup* g = detail::resolve(group, "all_gather");
-  if (g) detail::check_same_call(*g, [&] { return "all_gather(" + detail::describe_tensorlike(data) + ")"; });
+  c10d::ProcessGroup* g = detail::enter_all_gather(data, group);
   if constexpr (std::same_as<T, at::Tensor>) {
     if (!g) return data.unsqueeze(0).clone();
-    at::Tensor stacked = at::empty(detail::stacked_shape(g->getSize(), data),
-                                   data.options().memory_format(c10::MemoryFormat::Contiguous));
-    detail::all_gather_stacked(*g, data, stacked);
-    return stacked;
   } else {
     if (!g) return std::vector<T>{data};
-    std::vector<T> result(g->getSize(), data);  // slots of the right size, overwritten below
-    if constexpr (ScalarVector<T>)
-      if (data.empty()) return result;
-    std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    // c10d only reads an allgather's input: a view of the caller's memory.
-    detail::all_gather_into(*g, detail::wire(const_cast<T&>(data)), std::move(outputs));
-    return result;
+  }
+  return detail::start_all_gather(*g, data).wait();
+}
+template <TensorLike T>
+auto all_gather_async(const T& data, const GroupPtr& group = {}) {
+  using R = decltype(all_gather(data, group));
+  c10d::ProcessGroup* g = detail::enter_all_gather(data, group);
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return Work<R>(detail::ready(g, "all_gather", data.unsqueeze(0).clone()));
+    else return Work<R>(detail::ready(g, "all_gather", std::vector<T>{data}));
+  }
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return Work<R>(detail::start_all_gather(*g, data));
+  } else {
+    auto box = detail::boxed(data);
+    auto pending = detail::start_all_gather(*g, *box);
+    return Work<R>(detail::keeping(std::move(pending), std::move(box)));
   }
 }
-
 // all_gather into a tensor the caller owns, of shape (group_size, *input's
 // shape) with input's dtype and device: no allocation per call, for large
 // tensors gathered again and again. Returns output.
@@ -1861,7 +2281,7 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
   } else {
     detail::check_same_call(
         *g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
-    detail::all_gather_stacked(*g, input, output);
+    detail::start_all_gather_rows(*g, input, output, "all_gather_into_tensor").wait();
   }
   return output;
 }
@@ -1883,14 +2303,10 @@ inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group
 // Folds the rows of `rows` (dim 0: one per rank) with op, in a dtype that
 // holds the sum (float32 for the 16-bit and 8-bit floats, int64 for the
 // integers, whose sum then wraps as the backend's would), back in rows' dtype.
-inline at::Tensor fold_rows(const at::Tensor& rows, ReduceOp op, const char* name) {
+// (check_reduction has rejected what is undefined.)
+inline at::Tensor fold_rows(const at::Tensor& rows, ReduceOp op) {
   const c10::ScalarType dtype = rows.scalar_type();
-  if (c10::isComplexType(dtype)) {
-    if (op == ReduceOp::MAX || op == ReduceOp::MIN)
-      throw InvalidArgument(std::string("accel::") + name + ": ReduceOp::" + std::string(to_string(op)) + " of " +
-                            c10::toString(dtype) + " is undefined (complex numbers have no order); SUM and MEAN work");
-    return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op, name).contiguous());
-  }
+  if (c10::isComplexType(dtype)) return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op).contiguous());
   if (dtype == c10::kBool) return op == ReduceOp::MIN ? rows.all(0) : rows.any(0);  // SUM: an or, as all_reduce
   const at::Tensor wide = rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat)
                                                              : c10::kLong);
@@ -1917,12 +2333,13 @@ inline void check_splits(const std::vector<int64_t>& splits, int size, const cha
 }
 
 // Rows of `input` (dim 0) go to the ranks in order, splits[r] rows to rank
-// r; returns the rows received, by source rank, out_splits[r] from rank r.
+// r; lands as the rows received, by source rank, out_splits[r] from rank r.
 // One c10d alltoall_base on a contiguous tensor (its bytes, for a dtype the
 // backend lacks). Gloo divides by the rows of each side, so a side with no
 // rows sends itself one phantom byte, removed on arrival.
-inline at::Tensor all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<int64_t> out_splits,
+inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<int64_t> out_splits,
                                   std::vector<int64_t> in_splits, const char* op) {
+  at::NoGradGuard no_grad;
   const int rank = group.getRank();
   const int64_t out_rows = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
   std::vector<int64_t> out_shape = input.sizes().vec();
@@ -1930,54 +2347,191 @@ inline at::Tensor all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
   const auto device = staging_device(group, input);
   at::Tensor output = at::empty(out_shape, input.options().device(device.value_or(input.device())));
   const int64_t row_bytes = c10::multiply_integers(input.sizes().slice(1)) * static_cast<int64_t>(input.element_size());
-  if (row_bytes == 0) return device ? output.to(input.device()) : output;  // rows of nothing, on every rank
-  at::Tensor source = device ? input.to(*device).contiguous() : input.contiguous();
+  const at::Tensor source = device ? input.to(*device).contiguous() : input.contiguous();
   const bool phantom = input.size(0) == 0 || out_rows == 0;
   const bool equal = std::all_of(in_splits.begin(), in_splits.end(), [&](int64_t s) { return s == in_splits[0]; }) &&
                      in_splits == out_splits;
-  if (equal && !phantom) {  // the backend's plain alltoall (Gloo's alltoallv is slower), no split sizes
+  at::Tensor in_bytes, out_bytes;  // the uneven form's buffers
+  int64_t out_at = 0;              // where this rank's own segment ends in the output
+  c10::intrusive_ptr<c10d::Work> work;
+  if (row_bytes == 0) {
+    // rows of nothing, on every rank: nothing moves
+  } else if (equal && !phantom) {  // the backend's plain alltoall (Gloo's alltoallv is slower), no split sizes
     std::vector<int64_t> none;
     at::Tensor in = as_wire(group, source), out = as_wire(group, output);
-    run(op, group, [&] { return group.alltoall_base(out, in, none, none); });
-    return device ? output.to(input.device()) : output;
-  }
-  at::Tensor in_bytes = source.reshape({-1}).view(c10::kByte), out_bytes = output.reshape({-1}).view(c10::kByte);
-  for (auto& s : in_splits) s *= row_bytes;
-  for (auto& s : out_splits) s *= row_bytes;
-  int64_t in_at = 0, out_at = 0;  // where this rank's own segment ends
-  if (phantom) {
-    for (int r = 0; r <= rank; ++r) {
-      in_at += in_splits[r];
-      out_at += out_splits[r];
+    work = issue(op, group, [&] { return group.alltoall_base(out, in, none, none); });
+  } else {
+    in_bytes = source.reshape({-1}).view(c10::kByte);
+    out_bytes = output.reshape({-1}).view(c10::kByte);
+    for (auto& s : in_splits) s *= row_bytes;
+    for (auto& s : out_splits) s *= row_bytes;
+    if (phantom) {
+      int64_t in_at = 0;
+      for (int r = 0; r <= rank; ++r) {
+        in_at += in_splits[r];
+        out_at += out_splits[r];
+      }
+      const at::Tensor one = at::zeros({1}, in_bytes.options());
+      in_bytes = at::cat({in_bytes.narrow(0, 0, in_at), one, in_bytes.narrow(0, in_at, in_bytes.size(0) - in_at)});
+      out_bytes = at::empty({out_bytes.size(0) + 1}, out_bytes.options());
+      ++in_splits[rank];
+      ++out_splits[rank];
     }
-    const at::Tensor one = at::zeros({1}, in_bytes.options());
-    in_bytes = at::cat({in_bytes.narrow(0, 0, in_at), one, in_bytes.narrow(0, in_at, in_bytes.size(0) - in_at)});
-    out_bytes = at::empty({out_bytes.size(0) + 1}, out_bytes.options());
-    ++in_splits[rank];
-    ++out_splits[rank];
+    work = issue(op, group, [&] { return group.alltoall_base(out_bytes, in_bytes, out_splits, in_splits); });
   }
-  run(op, group, [&] { return group.alltoall_base(out_bytes, in_bytes, out_splits, in_splits); });
-  if (phantom) {
-    at::Tensor real = output.reshape({-1}).view(c10::kByte);
-    real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
-    real.narrow(0, out_at, real.size(0) - out_at).copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
-  }
-  return device ? output.to(input.device()) : output;
+  return Pending{&group, op, std::move(work),
+                 [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes),
+                  phantom, out_at, home = input.device()] {
+                   at::NoGradGuard no_grad;
+                   if (phantom && out_bytes.defined()) {
+                     at::Tensor real = output.reshape({-1}).view(c10::kByte);
+                     real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
+                     real.narrow(0, out_at, real.size(0) - out_at)
+                         .copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
+                   }
+                   return output.device() == home ? output : output.to(home);
+                 }};
 }
 
-// A std::vector's bytes, split in `parts` equal parts for all_to_all.
+// A std::vector's bytes, split in group-size equal parts for all_to_all.
 template <ScalarVector V>
-V all_to_all_vector(c10d::ProcessGroup& group, V data, const char* op) {
+auto start_all_to_all_vector(c10d::ProcessGroup& group, V data, const char* op) {
   const int size = group.getSize();
-  if (data.size() % static_cast<std::size_t>(size) != 0)
-    throw InvalidArgument(std::string("accel::") + op + ": " + std::to_string(data.size()) +
-                          " elements do not split into " + std::to_string(size) + " equal parts (" + describe(group) +
-                          ")");
-  if (data.empty()) return data;
   at::Tensor bytes = alias_bytes(data).reshape({size, -1});
-  at::Tensor received = all_to_all_rows(group, bytes, equal_splits(size, size), equal_splits(size, size), op);
-  std::memcpy(data.data(), received.data_ptr(), data.size() * sizeof(element_t<V>));
-  return data;
+  auto pending = start_all_to_all_rows(group, bytes, equal_splits(size, size), equal_splits(size, size), op);
+  return then(std::move(pending), [data = std::move(data)](const at::Tensor& received) mutable {
+    if (!data.empty()) std::memcpy(data.data(), received.data_ptr(), data.size() * sizeof(element_t<V>));
+    return std::move(data);
+  });
+}
+
+// Part r of data reduced over the group, on rank r.
+template <TensorLike T>
+auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op) {
+  const int size = group.getSize();
+  if constexpr (std::same_as<T, at::Tensor>) {
+    const auto splits = equal_splits(data.size(0), size);
+    std::vector<int64_t> rows_shape = data.sizes().vec();
+    rows_shape[0] = data.size(0) / size;
+    rows_shape.insert(rows_shape.begin(), size);
+    return then(start_all_to_all_rows(group, data, splits, splits, "reduce_scatter"),
+                [rows_shape = std::move(rows_shape), op](const at::Tensor& received) {
+                  at::NoGradGuard no_grad;
+                  return fold_rows(received.view(rows_shape), op);
+                });
+  } else {
+    return then(start_all_to_all_vector(group, data, "reduce_scatter"), [op, size](const T& received) {
+      const std::size_t part = received.size() / static_cast<std::size_t>(size);
+      T out(part);
+      for (std::size_t i = 0; i < part; ++i)
+        out[i] = fold<element_t<T>>(op, received.data() + i, size, static_cast<int>(part));
+      return out;
+    });
+  }
+}
+
+template <TensorLike T>
+auto start_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op, int dst) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    return start_reduce(group, std::move(data), op, dst);
+  } else if constexpr (Scalar<T>) {
+    return then(start_reduce_data(group, std::vector<T>{data}, op, dst), [](std::vector<T> v) { return v[0]; });
+  } else if constexpr (travels_natively<element_t<T>>()) {
+    auto pending = start_reduce(group, wire(data), op, dst);
+    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
+  } else {
+    return start_fold(group, std::move(data), op, "reduce_to");  // exact in T (see fold); one gather
+  }
+}
+
+template <TensorLike T>
+  requires(!Scalar<T>)
+c10d::ProcessGroup* enter_reduce_scatter(const T& data, ReduceOp op, const GroupPtr& group) {
+  if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "reduce_scatter");
+  else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>)
+    reject_integral_mean(value_dtype<element_t<T>>(), "reduce_scatter");
+  c10d::ProcessGroup* g = resolve(group, "reduce_scatter");
+  const int size = g ? g->getSize() : 1;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (data.dim() == 0 || data.size(0) % size != 0)
+      throw InvalidArgument("accel::reduce_scatter: dim 0 of " + describe_tensor(data) + " does not split into " +
+                            std::to_string(size) + " equal parts");
+  } else if (data.size() % static_cast<std::size_t>(size) != 0) {
+    throw InvalidArgument("accel::reduce_scatter: " + std::to_string(data.size()) + " elements do not split into " +
+                          std::to_string(size) + " equal parts");
+  }
+  if (g)
+    check_same_call(*g, [&] {
+      return "reduce_scatter(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
+    });
+  return g;
+}
+
+template <TensorLike T>
+  requires(!Scalar<T>)
+c10d::ProcessGroup* enter_all_to_all(const T& data, const GroupPtr& group) {
+  c10d::ProcessGroup* g = resolve(group, "all_to_all");
+  const int size = g ? g->getSize() : 1;
+  if constexpr (std::same_as<T, at::Tensor>) {
+    if (data.dim() == 0 || data.size(0) % size != 0)
+      throw InvalidArgument("accel::all_to_all: dim 0 of " + describe_tensor(data) + " does not split into " +
+                            std::to_string(size) + " equal parts" + (g ? " (" + describe(*g) + ")" : std::string()));
+  } else if (data.size() % static_cast<std::size_t>(size) != 0) {
+    throw InvalidArgument("accel::all_to_all: " + std::to_string(data.size()) + " elements do not split into " +
+                          std::to_string(size) + " equal parts" + (g ? " (" + describe(*g) + ")" : std::string()));
+  }
+  if (g) check_same_call(*g, [&] { return "all_to_all(" + describe_tensorlike(data) + ")"; });
+  return g;
+}
+
+template <TensorLike T>
+auto start_all_to_all(c10d::ProcessGroup& group, const T& data) {
+  if constexpr (std::same_as<T, at::Tensor>) {
+    const auto splits = equal_splits(data.size(0), group.getSize());
+    return start_all_to_all_rows(group, data, splits, splits, "all_to_all");
+  } else {
+    return start_all_to_all_vector(group, data, "all_to_all");
+  }
+}
+
+// The uneven all_to_all's checks: returns the split sizes to use.
+inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_splits(
+    c10d::ProcessGroup* g, const at::Tensor& data, std::vector<int64_t> output_split_sizes,
+    std::vector<int64_t> input_split_sizes) {
+  const int size = g ? g->getSize() : 1;
+  if (data.dim() == 0) throw InvalidArgument("accel::all_to_all: a 0-d tensor has no rows to split");
+  if (input_split_sizes.empty()) {
+    if (data.size(0) % size != 0)
+      throw InvalidArgument("accel::all_to_all: dim 0 of " + describe_tensor(data) + " does not split into " +
+                            std::to_string(size) + " equal parts; pass input_split_sizes");
+    input_split_sizes = equal_splits(data.size(0), size);
+  }
+  if (output_split_sizes.empty()) output_split_sizes = equal_splits(data.size(0), size);
+  check_splits(input_split_sizes, size, "input_split_sizes", "all_to_all");
+  check_splits(output_split_sizes, size, "output_split_sizes", "all_to_all");
+  if (const int64_t sum = std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0});
+      sum != data.size(0))
+    throw InvalidArgument("accel::all_to_all: input_split_sizes add up to " + std::to_string(sum) +
+                          ", but dim 0 of the input is " + std::to_string(data.size(0)));
+  if (!g && output_split_sizes != input_split_sizes)
+    throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
+  if (g && debug_mode()) [[unlikely]] {
+    verify_same_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
+    // Every rank's sizes, so that every rank finds a disagreement alike.
+    std::vector<int64_t> mine = input_split_sizes;
+    mine.insert(mine.end(), output_split_sizes.begin(), output_split_sizes.end());
+    std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(size));
+    all_gather_cpu<int64_t>(*g, mine.data(), static_cast<int64_t>(mine.size()), all.data(), "debug-mode check");
+    for (int i = 0; i < size; ++i)
+      for (int j = 0; j < size; ++j)
+        if (const int64_t sent = all[static_cast<std::size_t>(i * 2 * size + j)],
+            expected = all[static_cast<std::size_t>(j * 2 * size + size + i)];
+            sent != expected)
+          throw DistributedError("accel [ACCEL_DEBUG_MODE]: all_to_all on group '" + group_name(*g) + "': rank " +
+                                 std::to_string(i) + " sends " + std::to_string(sent) + " rows to rank " +
+                                 std::to_string(j) + ", which expects " + std::to_string(expected));
+  }
+  return {std::move(output_split_sizes), std::move(input_split_sizes)};
 }
 }  // namespace detail
 
@@ -1989,43 +2543,22 @@ V all_to_all_vector(c10d::ProcessGroup& group, V data, const char* op) {
 template <TensorLike T>
   requires(!Scalar<T>)
 T reduce_scatter(const T& data, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
-  if constexpr (std::same_as<T, at::Tensor>) {
-    if (op == ReduceOp::MEAN) detail::reject_integral_mean(data.scalar_type(), "reduce_scatter");
-  } else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>) {
-    detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_scatter");
+  c10d::ProcessGroup* g = detail::enter_reduce_scatter(data, op, group);
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return data.clone();
+    else return data;
   }
-  c10d::ProcessGroup* g = detail::resolve(group, "reduce_scatter");
-  const int size = g ? g->getSize() : 1;
-  if constexpr (std::same_as<T, at::Tensor>) {
-    if (data.dim() == 0 || data.size(0) % size != 0)
-      throw InvalidArgument("accel::reduce_scatter: dim 0 of " + detail::describe_tensor(data) +
-                            " does not split into " + std::to_string(size) + " equal parts");
-    if (!g) return data.clone();
-    detail::check_same_call(*g, [&] {
-      return "reduce_scatter(" + detail::describe_tensor(data) + ", " + std::string(to_string(op)) + ")";
-    });
-    at::NoGradGuard no_grad;
-    const auto splits = detail::equal_splits(data.size(0), size);
-    at::Tensor received = detail::all_to_all_rows(*g, data, splits, splits, "reduce_scatter");
-    std::vector<int64_t> rows_shape = data.sizes().vec();
-    rows_shape[0] = data.size(0) / size;
-    rows_shape.insert(rows_shape.begin(), size);
-    return detail::fold_rows(received.view(rows_shape), op, "reduce_scatter");
-  } else {
-    using E = detail::element_t<T>;
-    if (data.size() % static_cast<std::size_t>(size) != 0)
-      throw InvalidArgument("accel::reduce_scatter: " + std::to_string(data.size()) + " elements do not split into " +
-                            std::to_string(size) + " equal parts");
-    if (!g) return data;
-    detail::check_same_call(*g, [&] {
-      return "reduce_scatter(" + detail::describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
-    });
-    const T received = detail::all_to_all_vector(*g, data, "reduce_scatter");
-    const std::size_t part = data.size() / static_cast<std::size_t>(size);
-    T out(part);
-    for (std::size_t i = 0; i < part; ++i) out[i] = detail::fold<E>(op, received.data() + i, size, static_cast<int>(part));
-    return out;
+  return detail::start_reduce_scatter(*g, data, op).wait();
+}
+template <TensorLike T>
+  requires(!Scalar<T>)
+Work<T> reduce_scatter_async(const T& data, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::enter_reduce_scatter(data, op, group);
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return Work<T>(detail::ready(g, "reduce_scatter", data.clone()));
+    else return Work<T>(detail::ready(g, "reduce_scatter", data));
   }
+  return Work<T>(detail::start_reduce_scatter(*g, data, op));  // (its input is a copy, or a tensor kept alive)
 }
 
 // Splits data along dim 0 (a std::vector: its elements) into group-size equal
@@ -2033,23 +2566,22 @@ T reduce_scatter(const T& data, ReduceOp op = ReduceOp::SUM, const GroupPtr& gro
 template <TensorLike T>
   requires(!Scalar<T>)
 T all_to_all(const T& data, const GroupPtr& group = {}) {
-  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
+  c10d::ProcessGroup* g = detail::enter_all_to_all(data, group);
   if (!g) {
     if constexpr (std::same_as<T, at::Tensor>) return data.clone();
     else return data;
   }
-  detail::check_same_call(*g, [&] { return "all_to_all(" + detail::describe_tensorlike(data) + ")"; });
-  if constexpr (std::same_as<T, at::Tensor>) {
-    const int size = g->getSize();
-    if (data.dim() == 0 || data.size(0) % size != 0)
-      throw InvalidArgument("accel::all_to_all: dim 0 of " + detail::describe_tensor(data) + " does not split into " +
-                            std::to_string(size) + " equal parts (" + detail::describe(*g) + ")");
-    at::NoGradGuard no_grad;
-    const auto splits = detail::equal_splits(data.size(0), size);
-    return detail::all_to_all_rows(*g, data, splits, splits, "all_to_all");
-  } else {
-    return detail::all_to_all_vector(*g, data, "all_to_all");
+  return detail::start_all_to_all(*g, data).wait();
+}
+template <TensorLike T>
+  requires(!Scalar<T>)
+Work<T> all_to_all_async(const T& data, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::enter_all_to_all(data, group);
+  if (!g) {
+    if constexpr (std::same_as<T, at::Tensor>) return Work<T>(detail::ready(g, "all_to_all", data.clone()));
+    else return Work<T>(detail::ready(g, "all_to_all", data));
   }
+  return Work<T>(detail::start_all_to_all(*g, data));
 }
 
 // Uneven all_to_all (torch's all_to_all_single with split sizes): rows
@@ -2060,44 +2592,16 @@ T all_to_all(const T& data, const GroupPtr& group = {}) {
 inline at::Tensor all_to_all(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
                              std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
-  const int size = g ? g->getSize() : 1;
-  if (data.dim() == 0) throw InvalidArgument("accel::all_to_all: a 0-d tensor has no rows to split");
-  if (input_split_sizes.empty()) {
-    if (data.size(0) % size != 0)
-      throw InvalidArgument("accel::all_to_all: dim 0 of " + detail::describe_tensor(data) + " does not split into " +
-                            std::to_string(size) + " equal parts; pass input_split_sizes");
-    input_split_sizes = detail::equal_splits(data.size(0), size);
-  }
-  if (output_split_sizes.empty()) output_split_sizes = detail::equal_splits(data.size(0), size);
-  detail::check_splits(input_split_sizes, size, "input_split_sizes", "all_to_all");
-  detail::check_splits(output_split_sizes, size, "output_split_sizes", "all_to_all");
-  if (std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0}) != data.size(0))
-    throw InvalidArgument("accel::all_to_all: input_split_sizes add up to " +
-                          std::to_string(std::accumulate(input_split_sizes.begin(), input_split_sizes.end(), int64_t{0})) +
-                          ", but dim 0 of the input is " + std::to_string(data.size(0)));
-  if (!g) {
-    if (output_split_sizes != input_split_sizes)
-      throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
-    return data.clone();
-  }
-  if (debug_mode()) [[unlikely]] {
-    detail::verify_same_call(*g, "all_to_all(" + detail::describe_tensor(data, 0) + ", split sizes)");
-    // Every rank's sizes, so that every rank finds a disagreement alike.
-    std::vector<int64_t> mine = input_split_sizes;
-    mine.insert(mine.end(), output_split_sizes.begin(), output_split_sizes.end());
-    std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(size));
-    detail::all_gather_cpu<int64_t>(*g, mine.data(), static_cast<int64_t>(mine.size()), all.data(), "debug-mode check");
-    for (int i = 0; i < size; ++i)
-      for (int j = 0; j < size; ++j)
-        if (const int64_t sent = all[static_cast<std::size_t>(i * 2 * size + j)],
-            expected = all[static_cast<std::size_t>(j * 2 * size + size + i)];
-            sent != expected)
-          throw DistributedError("accel [ACCEL_DEBUG_MODE]: all_to_all on group '" + detail::group_name(*g) +
-                                 "': rank " + std::to_string(i) + " sends " + std::to_string(sent) + " rows to rank " +
-                                 std::to_string(j) + ", which expects " + std::to_string(expected));
-  }
-  at::NoGradGuard no_grad;
-  return detail::all_to_all_rows(*g, data, std::move(output_split_sizes), std::move(input_split_sizes), "all_to_all");
+  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  if (!g) return data.clone();
+  return detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all").wait();
+}
+inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
+                                         std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
+  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  if (!g) return Work<at::Tensor>(detail::ready(g, "all_to_all", data.clone()));
+  return Work<at::Tensor>(detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all"));
 }
 
 // Reduces data over the group onto rank `dst` (a rank within the group) and
@@ -2105,11 +2609,9 @@ inline at::Tensor all_to_all(const at::Tensor& data, std::vector<int64_t> output
 // (as torch.distributed.reduce leaves it). A tensor is reduced in place.
 template <TensorLike T>
 T reduce_to(T data, int dst, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
-  if constexpr (std::same_as<T, at::Tensor>) {
-    if (op == ReduceOp::MEAN) detail::reject_integral_mean(data.scalar_type(), "reduce_to");
-  } else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>) {
+  if constexpr (std::same_as<T, at::Tensor>) detail::check_reduction(data.scalar_type(), op, "reduce_to");
+  else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>)
     detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_to");
-  }
   c10d::ProcessGroup* g = detail::resolve(group, "reduce_to");
   detail::check_source(g, dst, "reduce_to", "dst");
   if (!g) return data;
@@ -2117,22 +2619,7 @@ T reduce_to(T data, int dst, ReduceOp op = ReduceOp::SUM, const GroupPtr& group 
     return "reduce_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ", " +
            std::string(to_string(op)) + ")";
   });
-  if constexpr (std::same_as<T, at::Tensor>) {
-    detail::reduce_tensor(*g, data, op, dst);
-  } else {
-    using E = detail::element_t<T>;
-    if constexpr (ScalarVector<T>)
-      if (data.empty()) return data;
-    if constexpr (detail::travels_natively<E>()) {
-      at::Tensor view = detail::wire(data);
-      detail::reduce_tensor(*g, view, op, dst);
-    } else {
-      // Folded exactly in E (see all_reduce); the gather is one collective.
-      if constexpr (Scalar<T>) detail::all_reduce_bytes(*g, &data, 1, op);
-      else detail::all_reduce_bytes(*g, data.data(), data.size(), op);
-    }
-  }
-  return data;
+  return detail::start_reduce_data(*g, std::move(data), op, dst).wait();
 }
 
 // Gathers data from every rank onto rank `dst`, stacked as all_gather does:
@@ -2273,47 +2760,23 @@ T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {
   }
 }
 
-namespace detail {
-// One point-to-point transfer of a contiguous tensor (its bytes, for a dtype
-// the backend lacks); an empty tensor moves nothing on either side.
-inline void point_to_point(c10d::ProcessGroup& group, at::Tensor& tensor, int peer, int tag, bool sending) {
-  if (tensor.numel() == 0) return;
-  const char* op = sending ? "send" : "recv";
-  auto transfer = [&](at::Tensor& t) {
-    std::vector<at::Tensor> tensors{as_wire(group, t)};
-    run(op, group, [&] { return sending ? group.send(tensors, peer, tag) : group.recv(tensors, peer, tag); });
-  };
-  if (sending) {
-    const auto device = staging_device(group, tensor);
-    at::Tensor staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
-    transfer(staged);
-  } else {
-    in_place(group, tensor, transfer);
-  }
-}
-inline void check_peer(const c10d::ProcessGroup* group, int peer, const char* op, const char* name) {
-  check_source(group, peer, op, name);
-  if (group && peer == group->getRank())
-    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(peer) +
-                          " is this rank itself");
-}
-}  // namespace detail
-
 // Sends data to rank `dst` of the group, which receives it with recv (the
 // same tag, the same shape and dtype). Point-to-point: debug mode cannot
 // compare the two sides (no collective runs).
 template <TensorLike T>
 void send(const T& data, int dst, const GroupPtr& group = {}, int tag = 0) {
-  c10d::ProcessGroup* g = detail::resolve(group, "send");
-  if (!g) throw InvalidArgument("accel::send: the process is not distributed (there is no other rank)");
-  detail::check_peer(g, dst, "send", "dst");
-  at::NoGradGuard no_grad;
+  c10d::ProcessGroup* g = detail::enter_point_to_point(group, dst, "send", "dst");
+  detail::start_send_data(*g, data, dst, tag).wait();
+}
+template <TensorLike T>
+Work<void> isend(const T& data, int dst, const GroupPtr& group = {}, int tag = 0) {
+  c10d::ProcessGroup* g = detail::enter_point_to_point(group, dst, "send", "dst");
   if constexpr (std::same_as<T, at::Tensor>) {
-    at::Tensor t = data;
-    detail::point_to_point(*g, t, dst, tag, true);
+    return Work<void>(detail::start_send_data(*g, data, dst, tag));  // keeps a contiguous copy or the tensor itself
   } else {
-    at::Tensor view = detail::alias_bytes(const_cast<T&>(data));  // c10d only reads a send's tensor
-    detail::point_to_point(*g, view, dst, tag, true);
+    auto box = detail::boxed(data);
+    auto pending = detail::start_send_data(*g, *box, dst, tag);
+    return Work<void>(detail::keeping(std::move(pending), std::move(box)));
   }
 }
 
@@ -2321,17 +2784,13 @@ void send(const T& data, int dst, const GroupPtr& group = {}, int tag = 0) {
 // std::vector) from rank `src` of the group, and returns it (a tensor: in place).
 template <TensorLike T>
 T recv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
-  c10d::ProcessGroup* g = detail::resolve(group, "recv");
-  if (!g) throw InvalidArgument("accel::recv: the process is not distributed (there is no other rank)");
-  detail::check_peer(g, src, "recv", "src");
-  at::NoGradGuard no_grad;
-  if constexpr (std::same_as<T, at::Tensor>) {
-    detail::point_to_point(*g, data, src, tag, false);
-  } else {
-    at::Tensor view = detail::alias_bytes(data);
-    detail::point_to_point(*g, view, src, tag, false);
-  }
-  return data;
+  c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
+  return detail::start_recv_data(*g, std::move(data), src, tag).wait();
+}
+template <TensorLike T>
+Work<T> irecv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
+  return Work<T>(detail::start_recv_data(*g, std::move(data), src, tag));
 }
 
 // A barrier that names the ranks that did not arrive within the timeout
@@ -3524,7 +3983,7 @@ T gather(const T& data, const GroupPtr& group = {}) {
     at::Tensor mine = layouts[g->getRank()].buffer(options, longest);
     for (std::size_t k = 0; k < members.size(); ++k) layouts[g->getRank()].view(mine, k).copy_(leaves[members[k]]);
     at::Tensor all = at::empty({size, mine.size(0)}, mine.options());
-    detail::all_gather_stacked(*g, mine, all);
+    detail::start_all_gather_rows(*g, mine, all).wait();
     for (int r = 0; r < size; ++r)
       for (std::size_t k = 0; k < members.size(); ++k) pieces[members[k]][r] = layouts[r].view(all.select(0, r), k);
     for (std::size_t i : members) leaves[i] = at::cat(pieces[i], 0);  // owns its memory
@@ -4192,7 +4651,7 @@ class DataParallel {
     for (auto& bucket : state_->buckets) {
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
-      bucket.work.reset();
+      bucket.work = {};  // (a Work left from a backward that never finished is waited for)
     }
   }
 
@@ -4211,10 +4670,9 @@ class DataParallel {
     at::NoGradGuard no_grad;
     for (auto& bucket : state_->buckets) {
       try {
-        bucket.work->wait();
-      } catch (const std::exception& e) {
-        throw DistributedError("accel::DataParallel: gradient all_reduce failed on " + detail::describe(*state_->group) +
-                               ": " + detail::error_text(e));
+        bucket.flat = bucket.work.wait();
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") + e.what());
       }
       const std::size_t n = bucket.params.size();
       const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
@@ -4238,17 +4696,16 @@ class DataParallel {
   void shadow_backward() {
     if (!state_->group) return;
     std::lock_guard lock(state_->mutex);
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    for (const auto& bucket : state_->buckets) {
-      std::vector<at::Tensor> tensors{bucket.packing.buffer(bucket.params.front().options()).zero_()};
-      works.push_back(state_->group->allreduce(tensors));
-    }
+    std::vector<Work<at::Tensor>> works;
+    for (const auto& bucket : state_->buckets)
+      works.push_back(all_reduce_async(bucket.packing.buffer(bucket.params.front().options()).zero_(), ReduceOp::SUM,
+                                       state_->group));
     for (auto& work : works) {
       try {
-        work->wait();
-      } catch (const std::exception& e) {
-        throw DistributedError("accel::DataParallel: a joined rank's gradient all_reduce failed on " +
-                               detail::describe(*state_->group) + ": " + detail::error_text(e));
+        work.wait();
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                               e.what());
       }
     }
   }
@@ -4273,7 +4730,7 @@ class DataParallel {
     detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
     std::size_t ready = 0;
     at::Tensor flat;
-    c10::intrusive_ptr<c10d::Work> work;
+    Work<at::Tensor> work;
   };
   struct State {
     std::mutex mutex;
@@ -4315,12 +4772,11 @@ class DataParallel {
     bucket.packing.view(bucket.flat, n)
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
     bucket.flat.div_(state.group->getSize());
-    std::vector<at::Tensor> tensors{bucket.flat};
     try {
-      bucket.work = state.group->allreduce(tensors);
-    } catch (const std::exception& e) {
-      throw DistributedError("accel::DataParallel: issuing a gradient all_reduce failed on " +
-                             detail::describe(*state.group) + ": " + detail::error_text(e));
+      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);  // bf16 on Gloo too (in float32)
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
+                             e.what());
     }
     if (state.on_issued) state.on_issued(b);
   }

@@ -931,6 +931,117 @@ TEST_SUITE("ranks") {
     CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
   }
 
+  TEST_CASE("async forms: the blocking forms' results, in flight together, owning their buffers") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    const int64_t tri = int64_t{P} * (P - 1) / 2;  // 0 + 1 + ... + P-1
+    // Issued together (ranks in the same order), waited for in reverse.
+    at::Tensor t = at::arange(6, at::kFloat) + r;                          // in place
+    at::Tensor strided = (at::arange(12, at::kDouble).view({3, 4}) + r).t();  // not contiguous: staged
+    at::Tensor half = (at::arange(4, at::kFloat) + r).to(at::kBFloat16);   // bf16 on Gloo: reduced in float32
+    auto w_tensor = accel::all_reduce_async(t, ReduceOp::SUM);
+    auto w_strided = accel::all_reduce_async(strided, ReduceOp::MAX);
+    auto w_half = accel::all_reduce_async(half, ReduceOp::SUM);
+    auto w_mean = accel::all_reduce_async(std::vector<double>{1.0 * r, 2.0 * r}, ReduceOp::MEAN);
+    auto w_scalar = accel::all_reduce_async(int64_t{r}, ReduceOp::SUM);
+    auto w_exact = accel::all_reduce_async(std::vector<uint64_t>{(1ull << 63) + r}, ReduceOp::MAX);  // folded
+    auto w_bcast = accel::broadcast_async(std::vector<int>{r, r + 1}, P - 1);
+    std::optional<accel::Work<std::vector<std::vector<int64_t>>>> w_gather;
+    {
+      std::vector<int64_t> short_lived{r, 10 * r};
+      w_gather.emplace(accel::all_gather_async(short_lived));
+      short_lived.assign({-1, -1});  // the Work holds its own copy
+    }
+    auto w_gather_tensor = accel::all_gather_async(at::full({2}, r, at::kLong));
+    const at::Tensor base = at::arange(2 * P, at::kFloat);
+    auto w_scatter = accel::reduce_scatter_async(base + 100 * r, ReduceOp::SUM);
+    auto w_a2a = accel::all_to_all_async(at::arange(P, at::kLong) + 100 * r);
+    std::vector<int64_t> in_splits, out_splits;  // rank i sends j rows to rank j
+    for (int j = 0; j < P; ++j) {
+      in_splits.push_back(j);
+      out_splits.push_back(r);
+    }
+    auto w_uneven = accel::all_to_all_async(at::full({tri}, r, at::kLong), out_splits, in_splits);
+
+    at::Tensor expected_a2a = at::arange(P, at::kLong) * 100 + r;
+    CHECK(at::equal(w_uneven.wait(), at::arange(P, at::kLong).repeat_interleave(r)));
+    CHECK(at::equal(w_a2a.wait(), expected_a2a));
+    CHECK(at::equal(w_scatter.wait(), base.slice(0, 2 * r, 2 * r + 2) * P + 100 * tri));
+    CHECK(at::equal(w_gather_tensor.wait(), at::arange(P, at::kLong).unsqueeze(1).repeat({1, 2})));
+    std::vector<std::vector<int64_t>> gathered;
+    for (int k = 0; k < P; ++k) gathered.push_back({k, 10 * k});
+    CHECK(w_gather->wait() == gathered);
+    CHECK(w_bcast.wait() == std::vector<int>{P - 1, P});
+    CHECK(w_exact.wait() == std::vector<uint64_t>{(1ull << 63) + P - 1});
+    CHECK(w_scalar.wait() == tri);
+    CHECK(w_mean.wait() == std::vector<double>{tri / double(P), 2 * tri / double(P)});
+    const at::Tensor half_sum = w_half.wait();
+    CHECK(half_sum.is_same(half));  // in place, back in bf16
+    CHECK(at::equal(half, ((at::arange(4, at::kFloat) * P) + tri).to(at::kBFloat16)));
+    CHECK(at::equal(w_strided.wait(), (at::arange(12, at::kDouble).view({3, 4}) + (P - 1)).t()));
+    CHECK(w_tensor.is_completed());  // the later ones are done, and ranks run a group's operations in order
+    CHECK(w_tensor.wait_for(std::chrono::milliseconds(0)));
+    CHECK(at::equal(w_tensor.wait(), at::arange(6, at::kFloat) * P + tri));
+    CHECK(at::equal(t, at::arange(6, at::kFloat) * P + tri));
+
+    // Work itself: once, then empty; moves; a default one holds nothing.
+    CHECK_FALSE(w_tensor.valid());
+    CHECK_THROWS_WITH_AS(w_tensor.wait(), doctest::Contains("holds no operation"), accel::LogicError);
+    accel::Work<int> none;
+    CHECK_THROWS_AS(none.is_completed(), std::logic_error);
+    none = accel::all_reduce_async(1, ReduceOp::SUM);
+    accel::Work<int> moved = std::move(none);
+    CHECK_FALSE(none.valid());
+    CHECK(moved.wait() == P);
+    // Dropped without wait(): it is waited for and lands (the tensor holds the mean).
+    at::Tensor dropped = at::full({3}, float(r));
+    { auto unwaited = accel::all_reduce_async(dropped, ReduceOp::MEAN); }
+    CHECK(at::equal(dropped, at::full({3}, tri / float(P))));
+    // Checks come before anything moves, as in the blocking forms.
+    CHECK_THROWS_AS(accel::all_reduce_async(at::ones({2}, at::kLong), ReduceOp::MEAN), std::invalid_argument);
+    CHECK_THROWS_AS(accel::broadcast_async(1, P), std::invalid_argument);
+    if (P > 1) CHECK_THROWS_AS(accel::isend(1, r), std::invalid_argument);
+
+    if (P > 1) {
+      // Not completed while a peer has not joined: rank 0's operations wait for the others, which join
+      // only after a barrier on a second group that rank 0 enters after asking.
+      std::vector<int> every(static_cast<std::size_t>(P));
+      std::iota(every.begin(), every.end(), 0);
+      accel::GroupPtr side = accel::new_group(every);
+      if (r == 0) {
+        auto w = accel::all_reduce_async(int64_t{1}, ReduceOp::SUM);
+        auto received = accel::irecv(std::vector<float>(3), 1, {}, /*tag=*/7);
+        CHECK_FALSE(w.is_completed());
+        CHECK_FALSE(w.wait_for(std::chrono::milliseconds(30)));
+        CHECK_FALSE(received.is_completed());  // Gloo's recv: watched by a thread of accel's
+        CHECK_FALSE(received.wait_for(std::chrono::milliseconds(30)));
+        accel::barrier(side);
+        CHECK(w.wait_for(std::chrono::seconds(60)));
+        CHECK(w.wait() == P);
+        CHECK(received.wait_for(std::chrono::seconds(60)));
+        CHECK(received.wait() == std::vector<float>{1.5f, 2.5f, 3.5f});
+      } else {
+        accel::barrier(side);
+        CHECK(accel::all_reduce(int64_t{1}, ReduceOp::SUM) == P);
+        if (r == 1) {
+          std::optional<accel::Work<void>> sent;
+          {
+            const std::vector<float> short_lived{1.5f, 2.5f, 3.5f};
+            sent.emplace(accel::isend(short_lived, 0, {}, 7));
+          }
+          sent->wait();
+        }
+      }
+      // Point to point both ways at once (a ring): no deadlock, every rank's value arrives.
+      const int next = (r + 1) % P, prev = (r + P - 1) % P;
+      auto to_next = accel::isend(at::full({2}, r, at::kInt), next);
+      auto from_prev = accel::irecv(at::empty({2}, at::kInt), prev);
+      CHECK(at::equal(from_prev.wait(), at::full({2}, prev, at::kInt)));
+      to_next.wait();
+    }
+    CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
+  }
+
   TEST_CASE("cleanup") { world().destroy(); }
 }
 
@@ -1021,6 +1132,52 @@ TEST_SUITE("peer_gone") {
     CHECK_THROWS_WITH_AS(d.all_reduce(1.0, ReduceOp::SUM, std::nullopt),
                          doctest::Contains("accel::all_reduce failed on group 'world' (gloo, rank"),
                          accel::DistributedError);
+  }
+}
+
+// == async_peer_gone: a rank that dies while async operations wait for it =====
+// Each operation in a world of its own (accel::spawn): the dead rank ends it.
+
+TEST_SUITE("async_peer_gone") {
+  TEST_CASE("a peer that dies during an async operation makes wait() throw, naming the operation and the group") {
+    for (const char* op : {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "send", "recv"}) {
+      CAPTURE(op);
+      std::optional<EnvGuard> env;
+      if (!std::getenv("ACCEL_SPAWNED_RANK"))  // the ranks run the first spawn they reach, with this op
+        env.emplace(std::initializer_list<std::pair<const char*, const char*>>{{"ACCEL_TEST_ASYNC_OP", op}});
+      std::ostringstream out;
+      accel::LaunchOptions options;
+      options.out = &out;
+      options.timeout = std::chrono::seconds(90);
+      const int status = accel::spawn(
+          2,
+          [] {
+            const std::string name = std::getenv("ACCEL_TEST_ASYNC_OP");
+            auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(20)});
+            d.barrier();
+            if (d.get_rank() == 1) std::_Exit(0);  // gone without a word
+            const auto start = std::chrono::steady_clock::now();
+            try {
+              const at::Tensor x = at::ones({4}, at::kFloat);
+              if (name == "all_reduce") accel::all_reduce_async(x, ReduceOp::SUM).wait();
+              else if (name == "broadcast") accel::broadcast_async(x, 1).wait();
+              else if (name == "all_gather") accel::all_gather_async(x).wait();
+              else if (name == "reduce_scatter") accel::reduce_scatter_async(x).wait();
+              else if (name == "all_to_all") accel::all_to_all_async(x).wait();
+              else if (name == "send") accel::isend(at::ones({1 << 24}, at::kFloat), 1).wait();  // 64 MB: not buffered away
+              else accel::irecv(x, 1).wait();
+              std::cout << "wait() returned" << std::endl;
+              return 2;
+            } catch (const accel::DistributedError& e) {
+              std::cout << "threw after " << seconds_since(start) << " s: " << e.what() << std::endl;
+              return std::string(e.what()).find("accel::" + name + " failed on group 'world'") != std::string::npos ? 0
+                                                                                                                 : 3;
+            }
+          },
+          options);
+      MESSAGE(out.str());
+      CHECK(status == 0);
+    }
   }
 }
 

@@ -71,6 +71,10 @@ inline accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) 
   return accel::DistributedInterface::instance(test_config(config));
 }
 
+inline double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 inline std::string what_of(const std::function<void()>& f) {
   try {
     f();

@@ -52,10 +52,6 @@ Seen seen() {
           accel::get_local_world_size()};
 }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 // This process's listening TCP sockets (from /proc/self/fd and
 // /proc/net/tcp{,6}): their local address as the kernel writes it, and
 // whether it is a loopback address.
