@@ -227,6 +227,24 @@ TEST_SUITE("ranks") {
     CHECK(accelerator.distributed_type() == (P > 1 ? accel::DistributedType::MULTI_CPU : accel::DistributedType::NO));
   }
 
+  TEST_CASE("training: DataParallel averages bfloat16 gradients on Gloo too (reduced in float32)") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    torch::manual_seed(7);
+    torch::nn::Linear layer(3, 2);
+    layer->to(at::kBFloat16);
+    accel::DataParallel dp(layer.ptr(), P > 1 ? d.world_group() : accel::GroupPtr(), 1 << 20);
+    dp.sync_module_states();
+    dp.prepare_for_backward();
+    layer((at::arange(3, at::kFloat) + r).to(at::kBFloat16).unsqueeze(0)).sum().backward();
+    CHECK((dp.finish() == (P > 1)));
+    // d sum(W x + b) / dW = [x; x], averaged over the ranks' x = (0, 1, 2) + r.
+    const at::Tensor mean_x = at::arange(3, at::kFloat) + (P - 1) / 2.0f;
+    CHECK((layer->weight.grad().scalar_type() == at::kBFloat16));
+    CHECK(at::allclose(layer->weight.grad().to(at::kFloat), mean_x.unsqueeze(0).repeat({2, 1}), 0, 1e-2));
+    CHECK(at::equal(layer->bias.grad().to(at::kFloat), at::ones({2})));
+  }
+
   TEST_CASE("training: k accumulation steps equal one step on a k-times larger batch; no traffic until the k-th") {
     const int k = 2;
     accel::Accelerator accelerator(config(k));
