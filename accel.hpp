@@ -11,9 +11,11 @@
 //   without LibTorch:  VERSION · CONFIGURATION · ERRORS · ENUMS · ENVIRONMENT ·
 //                      STRATEGY · LOCAL LAUNCHER (spawn, launch_processes)
 //   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
-//                      COLLECTIVES ON A GROUP (all_reduce ... barrier,
-//                      reduce_scatter, all_to_all, reduce_to, gather_to,
-//                      scatter, send/recv, monitored_barrier) ·
+//                      COLLECTIVES ON A GROUP (each one start, then land:
+//                      detail::Pending; accel::Work and the _async forms;
+//                      all_reduce ... barrier, reduce_scatter, all_to_all,
+//                      reduce_to, gather_to, scatter, send/recv, isend/irecv,
+//                      monitored_barrier) ·
 //                      RENDEZVOUS AND GROUPS · MESHES · THE SINGLETON
 //                      (DistributedInterface, new_group, split_group) ·
 //                      ACCELERATE'S OPERATIONS (nested data, objects,

@@ -39,17 +39,24 @@ struct Twice {
   template T accel::operate_tensorlike<T, Twice>(Twice&&, T);                           \
   template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>); \
   template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>); \
-  template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);
+  template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);            \
+  template accel::Work<T> accel::all_reduce_async<T>(T, accel::ReduceOp, const accel::GroupPtr&); \
+  template accel::Work<T> accel::broadcast_async<T>(T, int, const accel::GroupPtr&);            \
+  template auto accel::all_gather_async<T>(const T&, const accel::GroupPtr&);
 // The second wave: every TensorLike; the splitting ones for tensors and vectors.
 #define ACCEL_INSTANTIATE_WAVE2(T)                                                        \
   template T accel::reduce_to<T>(T, int, accel::ReduceOp, const accel::GroupPtr&);      \
   template auto accel::gather_to<T>(const T&, int, const accel::GroupPtr&);              \
   template T accel::scatter<T>(const std::vector<T>&, int, const accel::GroupPtr&);     \
   template void accel::send<T>(const T&, int, const accel::GroupPtr&, int);             \
-  template T accel::recv<T>(T, int, const accel::GroupPtr&, int);
+  template T accel::recv<T>(T, int, const accel::GroupPtr&, int);                          \
+  template accel::Work<void> accel::isend<T>(const T&, int, const accel::GroupPtr&, int);  \
+  template accel::Work<T> accel::irecv<T>(T, int, const accel::GroupPtr&, int);
 #define ACCEL_INSTANTIATE_SPLIT(T)                                                          \
   template T accel::reduce_scatter<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
-  template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);
+  template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);                          \
+  template accel::Work<T> accel::reduce_scatter_async<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
+  template accel::Work<T> accel::all_to_all_async<T>(const T&, const accel::GroupPtr&);
 #define ACCEL_INSTANTIATE_SCALAR(T)                                                                   \
   ACCEL_INSTANTIATE(T) ACCEL_INSTANTIATE(std::vector<T>) ACCEL_INSTANTIATE_WAVE2(T)                 \
   ACCEL_INSTANTIATE_WAVE2(std::vector<T>) ACCEL_INSTANTIATE_SPLIT(std::vector<T>)

@@ -15,6 +15,7 @@
 #define ACCEL_BENCH_HAS_CALLGRIND 0
 #endif
 
+#include <ATen/Parallel.h>
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
@@ -209,6 +210,46 @@ void collectives() {
   }
 }
 
+// What overlap buys: an all_reduce and an independent matrix multiply, one
+// after the other (blocking) or with the all_reduce in flight during the
+// multiply (accel's all_reduce_async, and raw c10d's Work as the reference).
+// One intra-op thread per rank, so the ranks do not fight over the cores for
+// the multiply alone.
+void overlap() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  at::set_num_threads(1);
+  const at::Tensor a = at::rand({384, 384}), b = at::rand({384, 384});
+  for (long long bytes : {1LL << 20, 16LL << 20}) {
+    at::Tensor t = at::ones({bytes / 4});
+    const int reps = bytes > (1 << 20) ? 3 : 10, trials = 9;
+    auto m = interleaved({[&] { accel::all_reduce(t, ReduceOp::SUM, g); },
+                          [&] { (void)at::mm(a, b); },
+                          [&] {
+                            accel::all_reduce(t, ReduceOp::SUM, g);
+                            (void)at::mm(a, b);
+                          },
+                          [&] {
+                            auto work = accel::all_reduce_async(t, ReduceOp::SUM, g);
+                            (void)at::mm(a, b);
+                            work.wait();
+                          },
+                          [&] {
+                            std::vector<at::Tensor> ts{t};
+                            c10d::AllreduceOptions opts;
+                            opts.reduceOp = c10d::ReduceOp::SUM;
+                            auto work = g->allreduce(ts, opts);
+                            (void)at::mm(a, b);
+                            work->wait();
+                          }},
+                         trials, reps);
+    csv("overlap", "all_reduce_only", bytes, m[0] * 1e6, "us");
+    csv("overlap", "matmul_only", bytes, m[1] * 1e6, "us");
+    csv("overlap", "blocking_then_matmul", bytes, m[2] * 1e6, "us");
+    csv("overlap", "accel_async_overlapped", bytes, m[3] * 1e6, "us");
+    csv("overlap", "raw_c10d_async_overlapped", bytes, m[4] * 1e6, "us");
+  }
+}
+
 void batching() {
   auto g = accel::DistributedInterface::instance().world_group();
   for (int n : {1, 100, 10000}) {
@@ -333,9 +374,10 @@ int main(int argc, char** argv) {
   else if (part == "batching") batching();
   else if (part == "alloc") alloc();
   else if (part == "collectives") collectives();
+  else if (part == "overlap") overlap();
   else if (part == "callgrind" && argc > 3) callgrind(argv[2], std::atoi(argv[3]));
   else {
-    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|callgrind <accel|raw> <calls>\n");
+    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|overlap|callgrind <accel|raw> <calls>\n");
     return 2;
   }
   accel::DistributedInterface::instance().destroy();
