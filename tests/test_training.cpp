@@ -245,6 +245,58 @@ TEST_SUITE("ranks") {
     CHECK(at::equal(layer->bias.grad().to(at::kFloat), at::ones({2})));
   }
 
+  TEST_CASE("autograd collectives: forward values, and gradients that are the adjoint collective's") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    const double tri = P * (P - 1) / 2.0, weights = P * (P + 1) / 2.0;  // sum of r, sum of r + 1
+    auto leaf = [](at::Tensor t) { return t.to(at::kDouble).requires_grad_(true); };
+    // all_reduce: every rank's loss (r + 1) * sum(y) depends on every x: dx = sum of the weights.
+    at::Tensor x = leaf(at::arange(3) + r);
+    at::Tensor y = accel::autograd::all_reduce(x);
+    CHECK(at::equal(y.detach(), at::arange(3, at::kDouble) * P + tri));
+    CHECK(at::equal(x.detach(), at::arange(3, at::kDouble) + r));  // the input is left alone
+    (y * (r + 1)).sum().backward();
+    CHECK(at::equal(x.grad(), at::full({3}, weights, at::kDouble)));
+    // MEAN: the gradient is averaged as the values are.
+    x = leaf(at::arange(3) + r);
+    (accel::autograd::all_reduce(x, ReduceOp::MEAN) * (r + 1)).sum().backward();
+    CHECK(at::allclose(x.grad(), at::full({3}, weights / P, at::kDouble)));
+    // all_gather: rank k's loss weighs row j by (k + 1)(j + 1): dx_r = (r + 1) * sum of (k + 1).
+    x = leaf(at::full({2}, r));
+    y = accel::autograd::all_gather(x);
+    CHECK(at::equal(y.detach(), at::arange(P, at::kDouble).unsqueeze(1).repeat({1, 2})));
+    (y * (at::arange(P, at::kDouble) + 1).unsqueeze(1) * (r + 1)).sum().backward();
+    CHECK(at::equal(x.grad(), at::full({2}, (r + 1) * weights, at::kDouble)));
+    // reduce_scatter: part k of every x goes to rank k, whose loss weighs it by k + 1.
+    x = leaf(at::arange(2 * P) + 10 * r);
+    y = accel::autograd::reduce_scatter(x);
+    CHECK(at::equal(y.detach(), (at::arange(2, at::kDouble) + 2 * r) * P + 10 * tri));
+    (y * (r + 1)).sum().backward();
+    CHECK(at::equal(x.grad(), at::div(at::arange(2 * P, at::kDouble), 2, "floor") + 1));
+    // all_to_all: y_r[k] = x_k[r]; rank r's loss weighs y_r[k] by (r + 1)(k + 1), so dx_r[j] = (j + 1)(r + 1).
+    x = leaf(at::arange(P) + 100 * r);
+    y = accel::autograd::all_to_all(x);
+    CHECK(at::equal(y.detach(), at::arange(P, at::kDouble) * 100 + r));
+    (y * (at::arange(P, at::kDouble) + 1) * (r + 1)).sum().backward();
+    CHECK(at::equal(x.grad(), (at::arange(P, at::kDouble) + 1) * (r + 1)));
+    // Uneven all_to_all: rank i sends j rows to rank j (values 10 i + j); the gradient goes back the same way.
+    std::vector<int64_t> in_splits, out_splits;
+    std::vector<at::Tensor> parts;
+    for (int j = 0; j < P; ++j) {
+      in_splits.push_back(j);
+      out_splits.push_back(r);
+      parts.push_back(at::full({j}, 10 * r + j));
+    }
+    x = leaf(at::cat(parts));
+    y = accel::autograd::all_to_all(x, out_splits, in_splits);
+    CHECK(at::equal(y.detach(), (at::arange(P, at::kDouble) * 10 + r).repeat_interleave(r)));
+    (y * y).sum().backward();  // d(y^2) = 2y, back at the row's origin: 2x
+    CHECK(at::equal(x.grad(), 2 * x.detach()));
+    // MAX has no collective as its gradient.
+    CHECK_THROWS_WITH_AS(accel::autograd::all_reduce(x, ReduceOp::MAX), doctest::Contains("SUM and MEAN do"),
+                         std::invalid_argument);
+  }
+
   TEST_CASE("training: k accumulation steps equal one step on a k-times larger batch; no traffic until the k-th") {
     const int k = 2;
     accel::Accelerator accelerator(config(k));
