@@ -2072,34 +2072,41 @@ auto boxed(const T& data) {
   return std::make_unique<T>(data);
 }
 
-// The start of each operation on any TensorLike: tensors as they are;
-// std::vectors as views of their elements, moved into the Pending (moving
-// a std::vector keeps its elements where c10d reads and writes them);
-// scalars as a std::vector of one.
-template <TensorLike T>
-auto start_all_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op) {
+// The start of an in-place operation (`start`, on a tensor) on any
+// TensorLike: a tensor as it is; a std::vector as a view of its elements
+// (wire), moved into the Pending (moving a std::vector keeps its elements
+// where c10d reads and writes them); a scalar as a std::vector of one.
+template <TensorLike T, class Start>
+auto start_in_place(T data, Start start) {
   if constexpr (std::same_as<T, at::Tensor>) {
-    return start_all_reduce(group, std::move(data), op);
+    return start(std::move(data));
   } else if constexpr (Scalar<T>) {
-    return then(start_all_reduce_data(group, std::vector<T>{data}, op), [](std::vector<T> v) { return v[0]; });
-  } else if constexpr (travels_natively<element_t<T>>()) {
-    auto pending = start_all_reduce(group, wire(data), op);
-    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
+    return then(start_in_place(std::vector<T>{data}, std::move(start)), [](std::vector<T> v) { return v[0]; });
   } else {
-    return start_fold(group, std::move(data), op, "all_reduce");  // exact in T (see fold)
+    auto pending = start(wire(data));
+    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
   }
+}
+// Reductions of element types no backend reduces (see fold) gather and fold.
+template <TensorLike T>
+constexpr bool folded() {
+  if constexpr (std::same_as<T, at::Tensor>) return false;
+  else return !travels_natively<element_t<T>>();
+}
+template <TensorLike T>
+auto start_fold_data(c10d::ProcessGroup& group, T data, ReduceOp op, const char* name) {
+  if constexpr (Scalar<T>) return then(start_fold(group, std::vector<T>{data}, op, name), [](std::vector<T> v) { return v[0]; });
+  else return start_fold(group, std::move(data), op, name);
 }
 
 template <TensorLike T>
+auto start_all_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op) {
+  if constexpr (folded<T>()) return start_fold_data(group, std::move(data), op, "all_reduce");
+  else return start_in_place(std::move(data), [&](at::Tensor t) { return start_all_reduce(group, std::move(t), op); });
+}
+template <TensorLike T>
 auto start_broadcast_data(c10d::ProcessGroup& group, T data, int src) {
-  if constexpr (std::same_as<T, at::Tensor>) {
-    return start_broadcast(group, std::move(data), src);
-  } else if constexpr (Scalar<T>) {
-    return then(start_broadcast_data(group, std::vector<T>{data}, src), [](std::vector<T> v) { return v[0]; });
-  } else {
-    auto pending = start_broadcast(group, wire(data), src);
-    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
-  }
+  return start_in_place(std::move(data), [&](at::Tensor t) { return start_broadcast(group, std::move(t), src); });
 }
 
 // Reads `data` in place until it lands (the async form boxes a copy).
@@ -2148,18 +2155,11 @@ inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, i
 template <TensorLike T>
 auto start_send_data(c10d::ProcessGroup& group, const T& data, int peer, int tag) {
   if constexpr (std::same_as<T, at::Tensor>) return start_send(group, data, peer, tag);
-  else return start_send(group, alias_bytes(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
+  else return start_send(group, wire(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
 }
 template <TensorLike T>
 auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {
-  if constexpr (std::same_as<T, at::Tensor>) {
-    return start_recv(group, std::move(data), peer, tag);
-  } else if constexpr (Scalar<T>) {
-    return then(start_recv_data(group, std::vector<T>{data}, peer, tag), [](std::vector<T> v) { return v[0]; });
-  } else {
-    auto pending = start_recv(group, alias_bytes(data), peer, tag);
-    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
-  }
+  return start_in_place(std::move(data), [&](at::Tensor t) { return start_recv(group, std::move(t), peer, tag); });
 }
 
 // The checks every form of an operation makes before anything moves,
@@ -2434,16 +2434,8 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
 
 template <TensorLike T>
 auto start_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op, int dst) {
-  if constexpr (std::same_as<T, at::Tensor>) {
-    return start_reduce(group, std::move(data), op, dst);
-  } else if constexpr (Scalar<T>) {
-    return then(start_reduce_data(group, std::vector<T>{data}, op, dst), [](std::vector<T> v) { return v[0]; });
-  } else if constexpr (travels_natively<element_t<T>>()) {
-    auto pending = start_reduce(group, wire(data), op, dst);
-    return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
-  } else {
-    return start_fold(group, std::move(data), op, "reduce_to");  // exact in T (see fold); one gather
-  }
+  if constexpr (folded<T>()) return start_fold_data(group, std::move(data), op, "reduce_to");  // one gather
+  else return start_in_place(std::move(data), [&](at::Tensor t) { return start_reduce(group, std::move(t), op, dst); });
 }
 
 template <TensorLike T>
