@@ -4535,9 +4535,20 @@ ACCEL_NAMESPACE_END  // accel
 #if defined(ACCEL_TRAINING) && !defined(ACCEL_CORE_ONLY) && !defined(ACCEL_HPP_TRAINING)
 #define ACCEL_HPP_TRAINING
 
+// GCC 14 at -O2/-O3 warns (-Warray-bounds) inside LibTorch's own
+// autograd::Function::apply (a std::vector<bool>::reserve it inlines), which
+// accel::autograd instantiates: a false positive in LibTorch's header that
+// would fail a -Werror build. Ignored for LibTorch's headers only.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#endif
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #include <filesystem>
 #include <unistd.h>
