@@ -483,11 +483,11 @@ inline std::chrono::seconds default_timeout() {
 // defaults are filled in (resolved()) when DistributedInterface starts.
 struct DistributedConfig {
   int mp_replicate_size = 1;
-  std::optional<int> mp_shard_size;  // default: world / mp_replicate_size
-  std::optional<int> dp_size;        // default: world / cp_size
+  std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
+  std::optional<int> dp_size{};        // default: world / cp_size
   int cp_size = 1;
   std::chrono::seconds timeout{0};   // of the store and every group; 0: default_timeout()
-  std::optional<DeviceType> device;  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
+  std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
 
   // This config with the default timeout filled in.
@@ -4535,13 +4535,14 @@ ACCEL_NAMESPACE_END  // accel
 #if defined(ACCEL_TRAINING) && !defined(ACCEL_CORE_ONLY) && !defined(ACCEL_HPP_TRAINING)
 #define ACCEL_HPP_TRAINING
 
-// GCC 14 at -O2/-O3 warns (-Warray-bounds) inside LibTorch's own
-// autograd::Function::apply (a std::vector<bool>::reserve it inlines), which
-// accel::autograd instantiates: a false positive in LibTorch's header that
-// would fail a -Werror build. Ignored for LibTorch's headers only.
+// GCC 14 at -O2/-O3 warns (-Warray-bounds, -Wstringop-overflow) inside
+// LibTorch's own autograd::Function::apply (a std::vector<bool>::reserve it
+// inlines), which accel::autograd instantiates: false positives in LibTorch's
+// header that would fail a -Werror build. Ignored for LibTorch's headers only.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
 #endif
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -4850,15 +4851,17 @@ class DataParallel {
 
  private:
   struct Bucket {
-    std::vector<at::Tensor> params;
-    std::vector<uint8_t> used;  // per parameter: a gradient arrived since the last sync
-    std::vector<uint8_t> seen;  // per parameter: ... in the armed backward
+    // Every member has an initializer: GCC 14's -Wextra flags designated
+    // initializers that leave out members without one.
+    std::vector<at::Tensor> params{};
+    std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
+    std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
     c10::ScalarType dtype;
     c10::Device device;
     detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
     std::size_t ready = 0;
-    at::Tensor flat;
-    Work<at::Tensor> work;
+    at::Tensor flat{};
+    Work<at::Tensor> work{};
   };
   struct State {
     std::mutex mutex;
@@ -5077,7 +5080,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     uint64_t seed = 0;
     bool even_batches = true, drop_last = false, split_batches = false;
     ShardLayout layout = ShardLayout::BATCHES;
-    BatchSamplerFn batch_sampler;  // BATCHES only: replaces shuffle and batch_size
+    BatchSamplerFn batch_sampler{};  // BATCHES only: replaces shuffle and batch_size
   };
   // What the loader learns at the start of each pass: the number of real
   // (non-repeated) samples of each of this process's batches, in order.
@@ -5219,12 +5222,12 @@ struct DataLoaderConfig {
   bool drop_last = false;   // drop the incomplete last batch (and, BATCHES, an incomplete last round)
   size_t workers = 0;       // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
-  BatchSamplerFn batch_sampler;  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
+  BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
   // The main process reads every global batch and sends each process its
   // rows (see dispatch_batches below); unset: on for iterable datasets only,
   // as Accelerate. even_batches does not apply (every process gets rows of
   // every global batch).
-  std::optional<bool> dispatch_batches;
+  std::optional<bool> dispatch_batches{};
 };
 
 namespace detail {
