@@ -1,7 +1,8 @@
 // accel.hpp — distributed training helpers for LibTorch, in one C++20 header.
 //
 // Rank and device helpers, collectives over tensors, scalars and std::vector,
-// validated 2-D parallelism meshes with per-dimension process groups, on the
+// validated parallelism meshes (the seed's two 2-D ones, or any named N-D
+// layout with slicing and flattening) with per-dimension process groups, on the
 // real c10d backends (Gloo everywhere, NCCL on CUDA builds of LibTorch).
 //
 // SPDX-License-Identifier: MIT
@@ -16,8 +17,10 @@
 //                      all_reduce ... barrier, reduce_scatter, all_to_all,
 //                      reduce_to, gather_to, scatter, send/recv, isend/irecv,
 //                      monitored_barrier) ·
-//                      RENDEZVOUS AND GROUPS · MESHES · THE SINGLETON
-//                      (DistributedInterface, new_group, split_group) ·
+//                      RENDEZVOUS AND GROUPS · MESHES (DeviceMesh: named
+//                      dimensions, slice, flatten) · THE SINGLETON
+//                      (DistributedInterface, new_group, split_group,
+//                      init_device_mesh) ·
 //                      ACCELERATE'S OPERATIONS (nested data, objects,
 //                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
@@ -3176,11 +3179,13 @@ struct Met {
 };
 inline Met rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
   auto done = std::make_shared<std::promise<Met>>();
+  auto connected = std::make_shared<std::atomic<bool>>(false);
   std::future<Met> result = done->get_future();
-  std::thread([address, rank, world, debug, timeout, done] {
+  std::thread([address, rank, world, debug, timeout, done, connected] {
     try {
       Met met;
       met.store = connect(address, rank, world, timeout, met.prefix);
+      connected->store(true);
       meet(*met.store, met.prefix, rank, world, debug, timeout);
       done->set_value(std::move(met));
     } catch (...) {
@@ -3189,34 +3194,121 @@ inline Met rendezvous(const StoreAddress& address, int rank, int world, bool deb
   }).detach();
   if (result.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready) {
     forget_rendezvous();
-    throw DistributedError("accel: the rendezvous store at " + address.where + " did not answer rank " +
-                           std::to_string(rank) + " within the timeout (" + std::to_string(timeout.count()) +
-                           " s + 5 s): is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
+    // Still connecting: an unreachable address, or (LibTorch 2.x validates
+    // the connection) a server that does not answer; both are a failed
+    // rendezvous. Connected: the server stopped answering.
+    const std::string late = " did not answer rank " + std::to_string(rank) + " within the timeout (" +
+                             std::to_string(timeout.count()) + " s + 5 s)";
+    if (!connected->load())
+      throw DistributedError("accel: rendezvous at " + address.where + " failed for rank " + std::to_string(rank) +
+                             " of " + std::to_string(world) +
+                             (address.dir ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") + ": the store" +
+                             late + " while connecting: is the address reachable, and the process serving it (rank "
+                             "0, or torchrun's agent) running, not hung or stopped?");
+    throw DistributedError("accel: the rendezvous store at " + address.where + late +
+                           ": is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
   }
   return result.get();
 }
 }  // namespace detail
 
 // == MESHES ===================================================================
+//
+// init_device_mesh's layout, any number of named dimensions, seen from one
+// rank. A mesh's dimension is one root dimension or several flattened into
+// one (Accelerate's dp_shard_cp); slicing and flattening share the root's
+// groups, and a rank creates only the groups it belongs to.
 
-// A mesh over arange(world).reshape(shape), as init_device_mesh lays it out,
-// seen from one rank: it holds only the groups this rank belongs to.
+namespace detail {
+// What a mesh and every mesh sliced or flattened from it share: the root
+// layout arange(world).reshape(shape), this rank's coordinate in it, the
+// groups made so far (keyed by their root dimensions) and the names of
+// flattened dimensions, and what flatten needs to make a group later.
+struct MeshRoot {
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  std::vector<int> shape;
+  std::vector<std::string> names;
+  std::vector<int> coordinate;                                 // this rank's
+  std::map<std::string, std::vector<int>, std::less<>> flattened;  // name -> root dims
+  std::map<std::vector<int>, GroupPtr> groups;                 // root dims -> group (null: not distributed)
+  std::string backend;
+  c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
+  std::string prefix;                     // this mesh's keys in the store
+  std::chrono::milliseconds timeout{0};
+  std::uint64_t generation = 0;  // of the DistributedInterface that made it
+
+  MeshRoot() = default;
+  MeshRoot(const MeshRoot&) = delete;
+  MeshRoot& operator=(const MeshRoot&) = delete;
+  ~MeshRoot() {
+    for (const auto& entry : groups)
+      if (entry.second) unregister_group(entry.second);
+  }
+
+  // Global ranks along `dims` (ascending root dimensions) through this rank,
+  // row-major, the other coordinates fixed at this rank's; and this rank's
+  // index among them.
+  std::pair<std::vector<int>, int> line(const std::vector<int>& dims) const {
+    std::vector<int> at = coordinate;
+    for (int d : dims) at[static_cast<std::size_t>(d)] = 0;
+    int count = 1, mine = 0;
+    for (int d : dims) {
+      count *= shape[static_cast<std::size_t>(d)];
+      mine = mine * shape[static_cast<std::size_t>(d)] + coordinate[static_cast<std::size_t>(d)];
+    }
+    std::vector<int> ranks;
+    ranks.reserve(static_cast<std::size_t>(count));
+    for (int n = 0; n < count; ++n) {
+      int rest = n;
+      for (auto d = dims.rbegin(); d != dims.rend(); ++d) {
+        at[static_cast<std::size_t>(*d)] = rest % shape[static_cast<std::size_t>(*d)];
+        rest /= shape[static_cast<std::size_t>(*d)];
+      }
+      int rank = 0;
+      for (std::size_t i = 0; i < shape.size(); ++i) rank = rank * shape[i] + at[i];
+      ranks.push_back(rank);
+    }
+    return {std::move(ranks), mine};
+  }
+
+  // The group along `dims` through this rank, made on first use (every rank
+  // makes its own at the same point: a collective), named e.g. "dp{cp=1}":
+  // the group of `name` among the ranks whose cp coordinate is 1.
+  const GroupPtr& group(const std::vector<int>& dims, const std::string& name) {
+    auto it = groups.find(dims);
+    if (it != groups.end()) return it->second;
+    GroupPtr made;
+    if (store) {
+      std::string fixed;
+      for (std::size_t d = 0; d < shape.size(); ++d)
+        if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end())
+          fixed += (fixed.empty() ? "" : ",") + names[d] + "=" + std::to_string(coordinate[d]);
+      const std::string title = fixed.empty() ? name : name + "{" + fixed + "}";
+      const auto [members, index] = line(dims);
+      auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix + title + "/", store);
+      made = make_group(backend, group_store, index, static_cast<int>(members.size()), timeout);
+      register_group(made, title, group_store);
+    }
+    return groups.emplace(dims, std::move(made)).first->second;
+  }
+};
+// "init_device_mesh((2, 2), (dp, cp))", for errors and debug mode.
+inline std::string describe_mesh_call(const std::vector<int>& shape, const std::vector<std::string>& names) {
+  std::string text = "init_device_mesh((";
+  for (std::size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  text += "), (";
+  for (std::size_t i = 0; i < names.size(); ++i) text += (i ? ", " : "") + names[i];
+  return text + "))";
+}
+}  // namespace detail
+
 class DeviceMesh {
  public:
-  DeviceMesh(c10::DeviceType device_type, std::vector<int> shape, std::vector<std::string> dim_names,
-             std::vector<int> ranks, std::vector<int> coordinate, std::vector<GroupPtr> groups)
-      : device_type_(device_type),
-        shape_(std::move(shape)),
-        dim_names_(std::move(dim_names)),
-        ranks_(std::move(ranks)),
-        coordinate_(std::move(coordinate)),
-        groups_(std::move(groups)) {}
-
-  c10::DeviceType device_type() const { return device_type_; }
-  int ndim() const { return static_cast<int>(shape_.size()); }
+  c10::DeviceType device_type() const { return root_->device_type; }
+  int ndim() const { return static_cast<int>(dims_.size()); }
   const std::vector<int>& shape() const { return shape_; }
-  const std::vector<std::string>& dim_names() const { return dim_names_; }
-  // Global ranks of the mesh, row-major.
+  const std::vector<std::string>& dim_names() const { return names_; }
+  // Global ranks of the mesh, row-major (Python's mesh.mesh.flatten()).
   const std::vector<int>& ranks() const { return ranks_; }
   int size() const { return static_cast<int>(ranks_.size()); }
   int size(int mesh_dim) const { return shape_.at(index(mesh_dim)); }
@@ -3229,25 +3321,100 @@ class DeviceMesh {
   const GroupPtr& get_group(std::string_view name) const { return get_group(index(name)); }
 
   int index(std::string_view name) const {
-    for (std::size_t i = 0; i < dim_names_.size(); ++i)
-      if (dim_names_[i] == name) return static_cast<int>(i);
-    throw InvalidArgument("accel::DeviceMesh: no dimension named '" + std::string(name) + "'");
+    for (std::size_t i = 0; i < names_.size(); ++i)
+      if (names_[i] == name) return static_cast<int>(i);
+    throw InvalidArgument("accel::DeviceMesh: no dimension named '" + std::string(name) + "' in " + describe_names());
   }
+
+  // The sub-mesh of the named dimensions through this rank (Python's
+  // mesh["dp"], mesh["dp", "cp"]): this mesh's dimensions or dimensions
+  // flattened from its root, in the root's order, none repeated. It shares
+  // the groups; no communication.
+  template <class... More>
+    requires(std::convertible_to<const More&, std::string_view> && ...)
+  DeviceMesh slice(std::string_view name, const More&... more) const {
+    return select({name, std::string_view(more)...});
+  }
+
+  // This mesh's dimensions as one (Python's mesh._flatten(name); default
+  // name: the dimension names joined by '_'): a 1-D mesh whose group holds
+  // the ranks sharing every other root coordinate, ordered row-major. Every
+  // rank of the world calls it at the same point (it creates a group; debug
+  // mode checks); later the root's slice(name) finds it, and flattening the
+  // same dimensions under the same name again returns it without
+  // communication.
+  DeviceMesh flatten(std::string name = {}) const;
 
  private:
-  int index(int mesh_dim) const {
-    if (mesh_dim < 0 || mesh_dim >= ndim())
-      throw OutOfRange("accel::DeviceMesh: dimension " + std::to_string(mesh_dim) +
-                              " out of range for a " + std::to_string(ndim()) + "-d mesh");
-    return mesh_dim;
+  struct Dimension {
+    std::string name;
+    std::vector<int> root_dims;  // ascending
+  };
+  friend class DistributedInterface;
+
+  DeviceMesh(std::shared_ptr<detail::MeshRoot> root, std::vector<Dimension> dims)
+      : root_(std::move(root)), dims_(std::move(dims)) {
+    std::vector<int> all;
+    for (const Dimension& d : dims_) {
+      const auto [members, mine] = root_->line(d.root_dims);
+      shape_.push_back(static_cast<int>(members.size()));
+      names_.push_back(d.name);
+      coordinate_.push_back(mine);
+      groups_.push_back(root_->group(d.root_dims, d.name));
+      all.insert(all.end(), d.root_dims.begin(), d.root_dims.end());
+    }
+    ranks_ = root_->line(all).first;
   }
 
-  c10::DeviceType device_type_;
+  // Every root dimension of a new layout, as its own dimension; each
+  // dimension's group is made here.
+  static DeviceMesh root(std::shared_ptr<detail::MeshRoot> layout) {
+    std::vector<Dimension> dims;
+    for (std::size_t d = 0; d < layout->names.size(); ++d) dims.push_back({layout->names[d], {static_cast<int>(d)}});
+    return DeviceMesh(std::move(layout), std::move(dims));
+  }
+
+  DeviceMesh select(std::initializer_list<std::string_view> wanted) const {
+    std::vector<Dimension> picked;
+    for (std::string_view name : wanted) {
+      Dimension dim{std::string(name), {}};
+      for (const Dimension& own : dims_)
+        if (own.name == name) dim.root_dims = own.root_dims;
+      if (dim.root_dims.empty()) {
+        auto flat = root_->flattened.find(name);
+        if (flat == root_->flattened.end())
+          throw InvalidArgument("accel::DeviceMesh::slice: no dimension named '" + dim.name + "' in " +
+                                describe_names() + " or flattened from its root");
+        dim.root_dims = flat->second;
+      }
+      if (!picked.empty() && dim.root_dims.front() <= picked.back().root_dims.back())
+        throw InvalidArgument("accel::DeviceMesh::slice: '" + dim.name + "' must come after '" + picked.back().name +
+                              "': dimensions are sliced in the root mesh's order, each once (as Python's)");
+      picked.push_back(std::move(dim));
+    }
+    return DeviceMesh(root_, std::move(picked));
+  }
+
+  std::string describe_names() const {
+    std::string list = "(";
+    for (std::size_t i = 0; i < names_.size(); ++i) list += (i ? ", " : "") + names_[i];
+    return list + ")";
+  }
+
+  std::shared_ptr<detail::MeshRoot> root_;
+  std::vector<Dimension> dims_;
   std::vector<int> shape_;
-  std::vector<std::string> dim_names_;
-  std::vector<int> ranks_;
+  std::vector<std::string> names_;
   std::vector<int> coordinate_;
   std::vector<GroupPtr> groups_;
+  std::vector<int> ranks_;
+
+  int index(int mesh_dim) const {
+    if (mesh_dim < 0 || mesh_dim >= ndim())
+      throw OutOfRange("accel::DeviceMesh: dimension " + std::to_string(mesh_dim) + " out of range for a " +
+                       std::to_string(ndim()) + "-d mesh");
+    return mesh_dim;
+  }
 };
 
 inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
@@ -3259,47 +3426,6 @@ inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
   for (int i = 0; i < mesh.ndim(); ++i) os << (i ? "," : "") << mesh.get_coordinate()[i];
   return os << "))";
 }
-
-
-namespace detail {
-// The 2-D mesh of `shape` (over arange(world).reshape(shape)) seen from
-// `rank`: it creates only this rank's group along each dimension (the ranks
-// that share every other coordinate, under a PrefixStore named after that
-// coordinate), so the groups per rank do not grow with the world size.
-inline DeviceMesh build_mesh(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
-                             const std::string& prefix, int rank, std::array<int, 2> shape,
-                             std::array<std::string_view, 2> names, c10::DeviceType device_type,
-                             std::chrono::milliseconds timeout) {
-  const int rows = shape[0], cols = shape[1];
-  std::vector<int> coordinate{rank / cols, rank % cols};
-  std::vector<GroupPtr> groups;
-  // Along dim 0 (size rows): same column. Along dim 1 (size cols): same row.
-  for (int axis = 0; axis < 2; ++axis) {
-    const int fixed = coordinate[1 - axis];
-    std::string key = prefix + std::string(names[axis]) + "/" + std::to_string(fixed);
-    auto group_store = c10::make_intrusive<c10d::PrefixStore>(key, store);
-    auto group = make_group(backend, group_store, coordinate[axis], shape[axis], timeout);
-    // e.g. "dp{cp=1}": the dp group of the ranks whose cp coordinate is 1.
-    register_group(group, std::string(names[axis]) + "{" + std::string(names[1 - axis]) + "=" +
-                              std::to_string(fixed) + "}", group_store);
-    groups.push_back(std::move(group));
-  }
-  std::vector<int> ranks(static_cast<std::size_t>(rows) * cols);
-  std::iota(ranks.begin(), ranks.end(), 0);
-  return DeviceMesh(device_type, {rows, cols}, {std::string(names[0]), std::string(names[1])}, std::move(ranks),
-                    std::move(coordinate), std::move(groups));
-}
-
-// The 1-D mesh along `axis` of a 2-D mesh, through this rank.
-inline DeviceMesh slice_mesh(const DeviceMesh& mesh, int axis) {
-  const auto& c = mesh.get_coordinate();
-  const int cols = mesh.shape()[1];
-  std::vector<int> ranks;
-  for (int i = 0; i < mesh.size(axis); ++i) ranks.push_back(axis == 0 ? i * cols + c[1] : c[0] * cols + i);
-  return DeviceMesh(mesh.device_type(), {mesh.size(axis)}, {mesh.dim_names()[axis]}, std::move(ranks), {c[axis]},
-                    {mesh.get_group(axis)});
-}
-}  // namespace detail
 
 
 // == THE SINGLETON ============================================================
@@ -3352,6 +3478,37 @@ class DistributedInterface {
   // The whole 2-D model mesh (mp_replicate, mp_shard) or data mesh (dp, cp).
   const DeviceMesh* model_mesh() const { return distributed_ ? &*model_mesh_ : nullptr; }
   const DeviceMesh* data_mesh() const { return distributed_ ? &*data_mesh_ : nullptr; }
+
+  // A mesh of any number of named dimensions over arange(world).reshape(shape),
+  // as Python's init_device_mesh(device_type, shape, mesh_dim_names=names) on
+  // this interface's device: every rank of the world calls it at the same
+  // point (debug mode checks), and each creates one group per dimension, the
+  // one it belongs to. Sizes must be positive and multiply to the world size;
+  // names unique and not empty. Not distributed: the world is one rank, every
+  // size must be 1, and the groups are null (collectives are the identity).
+  DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vector<std::string>& names) {
+    const std::string call = detail::describe_mesh_call(shape, names);
+    if (shape.empty()) throw InvalidArgument("accel::" + call + ": a mesh needs at least one dimension");
+    if (names.size() != shape.size())
+      throw InvalidArgument("accel::" + call + ": " + std::to_string(shape.size()) + " sizes but " +
+                            std::to_string(names.size()) + " names");
+    int64_t product = 1;
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      if (shape[i] < 1)
+        throw InvalidArgument("accel::" + call + ": the size of '" + names[i] + "' must be positive, got " +
+                              std::to_string(shape[i]));
+      if (names[i].empty()) throw InvalidArgument("accel::" + call + ": dimension " + std::to_string(i) + " has no name");
+      for (std::size_t j = 0; j < i; ++j)
+        if (names[j] == names[i]) throw InvalidArgument("accel::" + call + ": the name '" + names[i] + "' is given twice");
+      product = std::min<int64_t>(product * shape[i], int64_t{1} << 40);  // no overflow; still != any world size
+    }
+    if (product != world_size_)
+      throw InvalidArgument("accel::" + call + ": the sizes multiply to " +
+                            (product == int64_t{1} << 40 ? "2^40 or more" : std::to_string(product)) +
+                            ", the world has " + std::to_string(world_size_) + " ranks");
+    if (distributed_) detail::check_same_call(*world_, [&] { return call; });
+    return make_mesh(shape, names, prefix_ + "mesh/" + std::to_string(mesh_count_++) + "/");
+  }
 
   GroupPtr get_group(std::optional<Dim> dim = std::nullopt) const {
     if (!distributed_ || !dim) return {};
@@ -3468,17 +3625,18 @@ class DistributedInterface {
     const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
-      const auto [store, prefix] = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
-      store_ = store;
-      prefix_ = prefix;
-      auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "world", store);
+      // (No structured binding: clang before 16 cannot capture one in the lambda below.)
+      detail::Met met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
+      store_ = met.store;
+      prefix_ = met.prefix;
+      auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix_ + "world", store_);
       world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
       detail::register_group(world_, "world", world_store, /*is_world=*/true);
-      const c10::DeviceType device_type = current_accelerator_.type();
-      model_mesh_ = detail::build_mesh(backend_, store, prefix + "model/", rank_, strategy_.model_mesh_shape(),
-                                       strategy_.model_mesh_dim_names(), device_type, timeout);
-      data_mesh_ = detail::build_mesh(backend_, store, prefix + "data/", rank_, strategy_.data_mesh_shape(),
-                                      strategy_.data_mesh_dim_names(), device_type, timeout);
+      const auto seed = [&](auto shape, auto names, const char* key) {
+        return make_mesh({shape.begin(), shape.end()}, {names.begin(), names.end()}, prefix_ + key);
+      };
+      model_mesh_ = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
+      data_mesh_ = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
     } catch (const DistributedError&) {
       release();
       throw;
@@ -3488,11 +3646,28 @@ class DistributedInterface {
                              std::to_string(world_size_) + " (" + backend_ + " process groups) failed: " +
                              detail::error_text(e));
     }
-    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP}) {
-      const DeviceMesh& parent = (dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_;
-      int axis = parent.index(to_string(dim));
-      dim_meshes_.push_back(detail::slice_mesh(parent, axis));
+    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP})
+      dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
+  }
+
+  // The root of a new mesh, with this rank's group along each dimension.
+  DeviceMesh make_mesh(const std::vector<int>& shape, const std::vector<std::string>& names, std::string prefix) {
+    auto root = std::make_shared<detail::MeshRoot>();
+    root->device_type = current_accelerator_.type();
+    root->shape = shape;
+    root->names = names;
+    for (std::size_t d = shape.size(), rest = static_cast<std::size_t>(rank_); d-- > 0;) {
+      root->coordinate.insert(root->coordinate.begin(), static_cast<int>(rest % static_cast<std::size_t>(shape[d])));
+      rest /= static_cast<std::size_t>(shape[d]);
     }
+    root->generation = generation_;
+    if (distributed_) {
+      root->backend = backend_;
+      root->store = store_;
+      root->prefix = std::move(prefix);
+      root->timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout);
+    }
+    return DeviceMesh::root(std::move(root));
   }
 
   // A config with every default filled in: the timeout, and the device
@@ -3539,9 +3714,7 @@ class DistributedInterface {
     for (const auto& group : user_groups_) detail::unregister_group(group);
     user_groups_.clear();
     store_.reset();
-    for (auto* mesh : {&model_mesh_, &data_mesh_})
-      if (*mesh)
-        for (int axis = 0; axis < (*mesh)->ndim(); ++axis) detail::unregister_group((*mesh)->get_group(axis));
+    // A mesh's groups leave the registry with the last copy of the mesh.
     dim_meshes_.clear();
     model_mesh_.reset();
     data_mesh_.reset();
@@ -3582,11 +3755,52 @@ class DistributedInterface {
   std::string prefix_;                     // and this initialisation's keys in it
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
+  int mesh_count_ = 0;                 // init_device_mesh
+  // Which interface made a mesh: a mesh outliving its interface cannot flatten.
+  std::uint64_t generation_ = next_generation();
+  static std::uint64_t next_generation() {
+    static std::atomic<std::uint64_t> count{0};
+    return ++count;
+  }
+  friend class DeviceMesh;
 };
+
+inline DeviceMesh DeviceMesh::flatten(std::string name) const {
+  std::vector<int> dims;
+  std::string joined;
+  for (const Dimension& d : dims_) {
+    dims.insert(dims.end(), d.root_dims.begin(), d.root_dims.end());
+    joined += (joined.empty() ? "" : "_") + d.name;
+  }
+  if (name.empty()) name = joined;
+  const std::string call = "DeviceMesh::flatten('" + name + "') of " + describe_names();
+  if (auto known = root_->flattened.find(name); known != root_->flattened.end()) {
+    if (known->second == dims) return DeviceMesh(root_, {{name, dims}});
+    throw InvalidArgument("accel::" + call + ": '" + name + "' is already a flattened dimension of other dimensions");
+  }
+  if (std::find(root_->names.begin(), root_->names.end(), name) != root_->names.end())
+    throw InvalidArgument("accel::" + call + ": '" + name + "' is already a dimension of the root mesh");
+  if (root_->store) {
+    std::unique_lock lock(DistributedInterface::mutex());
+    const auto& live = DistributedInterface::holder();
+    if (!live || live->generation_ != root_->generation)
+      throw LogicError("accel::" + call + ": the DistributedInterface that made this mesh was destroyed");
+    GroupPtr world = live->world_;
+    lock.unlock();
+    detail::check_same_call(*world, [&] { return call; });
+  }
+  DeviceMesh flat(root_, {{name, dims}});  // makes the group
+  root_->flattened.emplace(name, std::move(dims));
+  return flat;
+}
 
 // torch.distributed's new_group and split_group, on the singleton's world.
 inline GroupPtr new_group(const std::vector<int>& ranks) { return DistributedInterface::instance().new_group(ranks); }
 inline GroupPtr split_group(int color, int key = 0) { return DistributedInterface::instance().split_group(color, key); }
+// Python's init_device_mesh, on the singleton's world and device.
+inline DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vector<std::string>& names) {
+  return DistributedInterface::instance().init_device_mesh(shape, names);
+}
 
 // == ACCELERATE'S OPERATIONS ==================================================
 //

@@ -4,7 +4,8 @@
 // Test suites, selected with doctest's -ts option by CTest:
 //   single        one process, no RANK: parsing, validation, identity collectives
 //   ranks         any world size (CTest runs it at 1, 2, 3 and 4 ranks)
-//   mesh4         exactly 4 ranks: every mesh dimension under three strategies
+//   mesh4         exactly 4 ranks: every mesh dimension under three strategies,
+//                 and Accelerate's 4-d layouts with their flattened dimensions
 //                 (also across two network namespaces: tests/netns)
 //   exit          leaves with a live interface: static destruction must be clean
 //   peer_gone     a rank vanishes mid-program (2 and 4 ranks)
@@ -15,7 +16,8 @@
 //   mpirun        ranks started by Open MPI's mpirun
 //   torchrun      ranks started by real torchrun (tests/python_ref): its
 //                 environment and agent store, and every mesh dimension's
-//                 group against Python's init_device_mesh
+//                 group (the seed's meshes, Accelerate's 4-d layouts,
+//                 flattened and sliced) against Python's init_device_mesh
 // Multi-rank entries run under tests/launch.cpp, which gives every rank
 // torchrun's environment, stops all ranks when one fails, and has a hard
 // timeout. Every rank runs the same test cases in the same order.
@@ -323,6 +325,13 @@ TEST_SUITE("single") {
     CHECK(d.get_group(Dim::DP).get() == nullptr);
     CHECK(d.get_device_mesh(Dim::DP) == nullptr);
     CHECK_THROWS_AS(d.get_device_mesh(std::nullopt), std::invalid_argument);
+    // A mesh of one rank: null groups, flattening without communication.
+    accel::DeviceMesh lone = accel::init_device_mesh({1, 1}, {"dp", "cp"});
+    CHECK(lone.get_group("cp").get() == nullptr);
+    CHECK((lone.flatten().dim_names() == std::vector<std::string>{"dp_cp"}));
+    CHECK(lone.slice("dp_cp").ranks() == std::vector<int>{0});
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({2}, {"dp"}), doctest::Contains("the world has 1 ranks"),
+                         std::invalid_argument);
 
     at::Tensor t = at::arange(6, at::kFloat).reshape({2, 3});
     at::Tensor same = accel::all_reduce(t, ReduceOp::SUM);
@@ -938,6 +947,105 @@ TEST_SUITE("ranks") {
     CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
   }
 
+  TEST_CASE("init_device_mesh: named dimensions, slicing, flattening (Accelerate's dp_shard_cp), errors") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    // Accelerate's layout (dp_replicate, dp_shard, cp, tp) = (1, a, b, 1), a * b = P:
+    // this rank's coordinate is (0, r / b, r % b, 0).
+    const int a = P % 2 == 0 ? P / 2 : P, b = P / a;
+    accel::DeviceMesh mesh = accel::init_device_mesh({1, a, b, 1}, {"dp_replicate", "dp_shard", "cp", "tp"});
+    CHECK((mesh.shape() == std::vector<int>{1, a, b, 1}));
+    CHECK((mesh.get_coordinate() == std::vector<int>{0, r / b, r % b, 0}));
+    std::vector<int> all(static_cast<std::size_t>(P)), shard_line, cp_line;
+    std::iota(all.begin(), all.end(), 0);
+    for (int j = 0; j < a; ++j) shard_line.push_back(j * b + r % b);
+    for (int k = 0; k < b; ++k) cp_line.push_back(r / b * b + k);
+    CHECK(mesh.ranks() == all);
+    const auto reaches = [&](const accel::DeviceMesh& m, std::string_view name, const std::vector<int>& members) {
+      CAPTURE(name);
+      CHECK(m.slice(name).ranks() == members);
+      const int position = static_cast<int>(std::find(members.begin(), members.end(), r) - members.begin());
+      CHECK(m.slice(name).get_local_rank() == position);
+      CHECK(m.slice(name).get_group()->getRank() == position);
+      CHECK(accel::all_gather(r, m.slice(name).get_group()) == members);  // exactly these ranks, in this order
+    };
+    reaches(mesh, "dp_replicate", {r});
+    reaches(mesh, "dp_shard", shard_line);
+    reaches(mesh, "cp", cp_line);
+    reaches(mesh, "tp", {r});
+    // Accelerate's flattened dimensions; the root finds them by name afterwards.
+    accel::DeviceMesh dp = mesh.slice("dp_replicate", "dp_shard").flatten("dp");
+    accel::DeviceMesh dp_shard_cp = mesh.slice("dp_shard", "cp").flatten("dp_shard_cp");
+    accel::DeviceMesh dp_cp = mesh.slice("dp_replicate", "dp_shard", "cp").flatten();  // default name
+    CHECK((dp_cp.dim_names() == std::vector<std::string>{"dp_replicate_dp_shard_cp"}));
+    reaches(mesh, "dp", shard_line);
+    reaches(mesh, "dp_shard_cp", all);
+    reaches(dp_cp, "dp_replicate_dp_shard_cp", all);
+    CHECK(dp_shard_cp.get_local_rank() == r);
+    CHECK(accel::all_reduce(int64_t{r}, ReduceOp::SUM, dp_shard_cp.get_group()) == int64_t{P} * (P - 1) / 2);
+    // A sub-mesh mixing a root dimension and a flattened one.
+    accel::DeviceMesh mixed = mesh.slice("dp_replicate", "dp_shard_cp");
+    CHECK((mixed.shape() == std::vector<int>{1, P}));
+    CHECK((mixed.get_coordinate() == std::vector<int>{0, r}));
+    CHECK(mixed.ranks() == all);
+    // Flattening the same dimensions under the same name again: the same group, no communication.
+    CHECK(mesh.slice("dp_shard", "cp").flatten("dp_shard_cp").get_group().get() == dp_shard_cp.get_group().get());
+    CHECK(mesh.get_group("dp_shard").get() == mesh.slice("dp_shard").get_group().get());
+    std::ostringstream text;
+    text << mixed;
+    CHECK(text.str() == "DeviceMesh(cpu, shape=(1," + std::to_string(P) + "), dims=(dp_replicate,dp_shard_cp), coordinate=(0," +
+                            std::to_string(r) + "))");
+
+    // Errors, each naming what is wrong (no communication: every rank throws alike).
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "dp_shard"), doctest::Contains("'dp_shard' must come after 'cp'"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "cp"), doctest::Contains("must come after"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(mesh.slice("dp_shard", "dp"), doctest::Contains("must come after"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(mesh.slice("pp"), doctest::Contains("no dimension named 'pp' in (dp_replicate, dp_shard, cp, tp)"),
+                         std::invalid_argument);
+    // As Python's: a flattened dimension is reached by slicing, not as a dimension of the root.
+    CHECK_THROWS_WITH_AS(mesh.get_group("dp"), doctest::Contains("no dimension named 'dp'"), std::invalid_argument);
+    CHECK_THROWS_AS(mesh.get_group(4), std::out_of_range);
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten("dp"),
+                         doctest::Contains("'dp' is already a flattened dimension of other dimensions"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten("tp"), doctest::Contains("'tp' is already a dimension of the root"),
+                         std::invalid_argument);
+    const std::string world_text = ", the world has " + std::to_string(P) + " ranks";
+    CHECK(what_of([&] { accel::init_device_mesh({P, 2}, {"x", "y"}); }).find("the sizes multiply to " + std::to_string(2 * P) +
+                                                                            world_text) != std::string::npos);
+    CHECK(what_of([&] { accel::init_device_mesh({1 << 30, 1 << 30}, {"x", "y"}); }).find(world_text) != std::string::npos);
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({P, 1}, {"x"}), doctest::Contains("2 sizes but 1 names"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({P, 1}, {"x", "x"}), doctest::Contains("the name 'x' is given twice"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({P, 0}, {"x", "y"}),
+                         doctest::Contains("the size of 'y' must be positive, got 0"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({P}, {""}), doctest::Contains("dimension 0 has no name"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::init_device_mesh({}, {}), doctest::Contains("at least one dimension"),
+                         std::invalid_argument);
+    // Debug mode: different meshes on different ranks are named, rank by rank.
+    if (P > 1) {
+      accel::set_debug_mode(true);
+      const std::string call = what_of([&] {
+        if (r == 0) accel::init_device_mesh({P}, {"x"});
+        else accel::init_device_mesh({1, P}, {"x", "y"});
+      });
+      const std::string flat = what_of([&] { mesh.slice("dp_shard", "cp").flatten(r == 0 ? "one" : "other"); });
+      accel::set_debug_mode(false);
+      CHECK(call.find("rank 0: init_device_mesh((" + std::to_string(P) + "), (x))") != std::string::npos);
+      CHECK(call.find("rank 1: init_device_mesh((1, " + std::to_string(P) + "), (x, y))") != std::string::npos);
+      CHECK(flat.find("rank 0: DeviceMesh::flatten('one') of (dp_shard, cp)") != std::string::npos);
+    }
+    CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
+    // A mesh outliving its interface keeps its groups but cannot make new ones.
+    d.destroy();
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten(), doctest::Contains("was destroyed"), std::logic_error);
+    CHECK(mesh.slice("dp_shard_cp").ranks() == all);
+    CHECK(world().get_world_size() == P);
+  }
+
   TEST_CASE("async forms: the blocking forms' results, in flight together, owning their buffers") {
     auto& d = world();
     const int P = d.get_world_size(), r = d.get_rank();
@@ -1074,6 +1182,38 @@ std::vector<int> expected_group(int rank, int rows, int cols, int axis) {
   return {};
 }
 
+// init_device_mesh's group along root dimensions `dims` through `rank` of
+// arange(world).reshape(shape): every rank whose coordinates off `dims` equal
+// this rank's, in rank order (= row-major over `dims`).
+std::vector<int> brute_force_group(const std::vector<int>& shape, int rank, const std::vector<int>& dims) {
+  const auto coordinate = [&](int r) {
+    std::vector<int> c(shape.size());
+    for (std::size_t d = shape.size(); d-- > 0;) c[d] = r % shape[d], r /= shape[d];
+    return c;
+  };
+  const int world = std::accumulate(shape.begin(), shape.end(), 1, std::multiplies<>());
+  std::vector<int> members;
+  for (int r = 0; r < world; ++r) {
+    bool same = true;
+    for (std::size_t d = 0; d < shape.size(); ++d)
+      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end() && coordinate(r)[d] != coordinate(rank)[d])
+        same = false;
+    if (same) members.push_back(r);
+  }
+  return members;
+}
+
+// Accelerate's (dp_replicate, dp_shard, cp, tp) meshes at world size 4.
+std::vector<std::vector<int>> accelerate_layouts() {
+  return {{2, 2, 1, 1}, {1, 2, 2, 1}, {2, 1, 2, 1}, {1, 1, 2, 2}, {2, 1, 1, 2}, {1, 4, 1, 1}};
+}
+// The flattened dimensions Accelerate's ParallelismConfig builds.
+void flatten_as_accelerate(const accel::DeviceMesh& mesh) {
+  mesh.slice("dp_replicate", "dp_shard").flatten("dp");
+  mesh.slice("dp_shard", "cp").flatten("dp_shard_cp");
+  mesh.slice("dp_replicate", "dp_shard", "cp").flatten("dp_cp");
+}
+
 void check_dimension(accel::DistributedInterface& d, Dim dim, int rows, int cols, int axis) {
   CAPTURE(accel::to_string(dim));
   const int rank = d.get_rank();
@@ -1115,6 +1255,29 @@ TEST_SUITE("mesh4") {
       check_dimension(d, Dim::CP, c.dp, c.cp, 1);
     }
     accel::DistributedInterface::instance().destroy();
+  }
+
+  TEST_CASE("init_device_mesh: Accelerate's 4-d layouts and flattened dimensions, every group by brute force") {
+    auto& d = world();
+    const int rank = d.get_rank();
+    const std::vector<std::string> names{"dp_replicate", "dp_shard", "cp", "tp"};
+    for (const std::vector<int>& shape : accelerate_layouts()) {
+      CAPTURE(shape[0] * 1000 + shape[1] * 100 + shape[2] * 10 + shape[3]);
+      accel::DeviceMesh mesh = accel::init_device_mesh(shape, names);
+      flatten_as_accelerate(mesh);
+      for (const auto& entry : std::vector<std::pair<std::string, std::vector<int>>>{
+               {"dp_replicate", {0}}, {"dp_shard", {1}}, {"cp", {2}}, {"tp", {3}},
+               {"dp", {0, 1}}, {"dp_shard_cp", {1, 2}}, {"dp_cp", {0, 1, 2}}}) {
+        const std::string& name = entry.first;  // (CAPTURE's lambda cannot take a structured binding on clang < 16)
+        const std::vector<int>& dims = entry.second;
+        CAPTURE(name);
+        const auto members = brute_force_group(shape, rank, dims);
+        CHECK(mesh.slice(name).ranks() == members);
+        CHECK(accel::all_gather(rank, mesh.slice(name).get_group()) == members);
+        CHECK(mesh.slice(name).get_local_rank() ==
+              static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin()));
+      }
+    }
   }
 }
 
@@ -1224,7 +1387,28 @@ TEST_SUITE("torchrun") {
         }
       }
     }
+    // Accelerate's 4-d layouts and flattened dimensions (mesh_groups.py writes the same lines).
+    auto& d = accel::DistributedInterface::instance();
+    for (const std::vector<int>& shape : P == 4 ? accelerate_layouts() : std::vector<std::vector<int>>{}) {
+      accel::DeviceMesh mesh = accel::init_device_mesh(shape, {"dp_replicate", "dp_shard", "cp", "tp"});
+      flatten_as_accelerate(mesh);
+      const auto line = [&](const std::string& what, const accel::DeviceMesh& m) {
+        ours << "nd";
+        for (int s : shape) ours << ' ' << s;
+        ours << ' ' << what << ':';
+        for (int member : m.ranks()) ours << ' ' << member;
+        ours << " coordinate";
+        for (int c : m.get_coordinate()) ours << ' ' << c;
+        ours << '\n';
+      };
+      for (const char* name : {"dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"}) {
+        line(name, mesh.slice(name));
+        CHECK(accel::all_gather(rank, mesh.slice(name).get_group()) == mesh.slice(name).ranks());
+      }
+      line("dp_replicate,dp_shard_cp", mesh.slice("dp_replicate", "dp_shard_cp"));
+      line("dp_shard,tp", mesh.slice("dp_shard", "tp"));
+    }
     CHECK(ours.str() == python);
-    accel::DistributedInterface::instance().destroy();
+    d.destroy();
   }
 }

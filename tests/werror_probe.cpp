@@ -2,7 +2,7 @@
 // compiler at the build's optimisation level and -Wall -Wextra -Werror, and
 // without the -Wno-missing-field-initializers the test sources need: the
 // training example (Accelerator, DataParallel, loaders, checkpoints), the
-// autograd-aware collectives, and every public configuration
+// autograd-aware collectives, an N-D mesh, and every public configuration
 // struct built with designated initializers that leave members out (GCC 14
 // warns for a left-out member that has no initializer of its own). Middle-end
 // warnings (-Warray-bounds, -Wstringop-overflow) need code generation, so
@@ -17,4 +17,9 @@ accel::LaunchOptions probe_launch() { return {.prefix_output = false}; }
 at::Tensor probe_autograd(const at::Tensor& x, const accel::GroupPtr& group) {
   return accel::autograd::all_reduce(x, accel::ReduceOp::SUM, group) + accel::autograd::all_gather(x, group).sum() +
          accel::autograd::reduce_scatter(x, accel::ReduceOp::MEAN, group).sum() + accel::autograd::all_to_all(x).sum();
+}
+
+int probe_mesh() {
+  accel::DeviceMesh mesh = accel::init_device_mesh({1, 1}, {"dp", "cp"});
+  return mesh.slice("dp", "cp").flatten().size() + mesh.slice("dp_cp").get_local_rank();
 }

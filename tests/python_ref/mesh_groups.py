@@ -6,6 +6,9 @@
 #
 #   <mp_replicate> <mp_shard> <dp> <cp> <dim>: <ranks...>
 #
+# then, at world size 4, Accelerate's 4-d meshes with their flattened
+# dimensions (see below).
+#
 # Run on 4 ranks with torchrun's environment (run_torchrun.sh uses accel_launch).
 import os
 import sys
@@ -26,4 +29,19 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as out:
                 for name in names:
                     ranks = dist.get_process_group_ranks(mesh[name].get_group())
                     print(mp_replicate, mp_shard, dp, cp, f"{name}:", *ranks, file=out)
+    # Accelerate's (dp_replicate, dp_shard, cp, tp) meshes and the dimensions its
+    # ParallelismConfig flattens; each line: the sub-mesh's ranks and this
+    # rank's coordinate in it.
+    layouts = [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1), (1, 1, 2, 2), (2, 1, 1, 2), (1, 4, 1, 1)]
+    for shape in layouts if world == 4 else []:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        for what in ("dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp",
+                     ("dp_replicate", "dp_shard_cp"), ("dp_shard", "tp")):
+            sub = mesh[what]
+            label = what if isinstance(what, str) else ",".join(what)
+            print("nd", *shape, f"{label}:", *sub.mesh.flatten().tolist(), "coordinate", *sub.get_coordinate(),
+                  file=out)
 dist.destroy_process_group()
