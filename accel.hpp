@@ -4765,19 +4765,12 @@ ACCEL_NAMESPACE_END  // accel
 #pragma GCC diagnostic pop
 #endif
 
+#include <cstdio>  // renameat2
 #include <filesystem>
+#include <set>
 #include <unistd.h>
 
 ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// Called by save_state just before the checkpoint is renamed into place
-// (tests crash the process there); a no-op otherwise.
-inline std::function<void(const char*)>& checkpoint_hook() {
-  static std::function<void(const char*)> hook = [](const char*) {};
-  return hook;
-}
-}  // namespace detail
 
 // -- Autograd-aware collectives ----------------------------------------------
 //
@@ -6145,6 +6138,247 @@ class AcceleratedScheduler {
   int steps_per_call_;
 };
 
+// -- Checkpoint files ---------------------------------------------------------
+//
+// A checkpoint is a directory: model.pt, model_1.pt, ..., optimizer.pt, ...,
+// random_states_<rank>.pt, and last the manifest accel_checkpoint.txt, whose
+// presence (whole: it ends with "end") marks the directory complete. Each
+// manifest carries a serial, one more than the checkpoint it replaces.
+//
+// save_state writes DIR.tmp, fsyncs every file, writes the manifest, fsyncs
+// the directory, then swaps DIR.tmp and DIR in one step (renameat2's
+// RENAME_EXCHANGE) and removes the old one. Where the filesystem cannot
+// exchange, two renames with the old one at DIR.old between them. Whatever
+// moment a process dies at, one of DIR, DIR.tmp and DIR.old is complete, and
+// the next save_state or load_state first recovers: the complete one with the
+// highest serial becomes DIR and the others are removed. A save never removes
+// the newest complete checkpoint before its own is complete.
+
+namespace detail {
+namespace fs = std::filesystem;
+
+// Called at each step of the save protocol (tests kill the process there);
+// a no-op otherwise. Steps: "files written", "manifest written", "exchanged",
+// "between renames", "renamed".
+inline std::function<void(const char*)>& checkpoint_hook() {
+  static std::function<void(const char*)> hook = [](const char*) {};
+  return hook;
+}
+// Tests turn RENAME_EXCHANGE off to run the two-rename path.
+inline bool& checkpoint_use_exchange() {
+  static bool use = true;
+  return use;
+}
+
+inline constexpr const char* checkpoint_manifest = "accel_checkpoint.txt";
+inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 1";
+
+struct CheckpointManifest {
+  int64_t serial = 0;
+  int64_t processes = 0;
+  int64_t models = 0;
+  int64_t optimizers = 0;
+};
+
+[[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
+  throw RuntimeError("accel: " + what + " " + path.string() + ": " + std::strerror(errno));
+}
+
+// open + fsync + close: a file's bytes, or a directory's entries, on disk.
+inline void fsync_path(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_errno("cannot open", path);
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) throw_errno("cannot fsync", path);
+}
+
+inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
+  std::ifstream in(dir / checkpoint_manifest);
+  std::string line;
+  if (!in || !std::getline(in, line) || line != checkpoint_format) return std::nullopt;
+  CheckpointManifest m;
+  std::string key;
+  while (in >> key) {
+    if (key == "end") return m;
+    int64_t value = 0;
+    if (!(in >> value)) return std::nullopt;
+    if (key == "serial") m.serial = value;
+    else if (key == "processes") m.processes = value;
+    else if (key == "models") m.models = value;
+    else if (key == "optimizers") m.optimizers = value;  // other keys: a newer writer's, ignored
+  }
+  return std::nullopt;  // cut short
+}
+
+inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
+  const std::string text = std::string(checkpoint_format) + "\nserial " + std::to_string(m.serial) +
+                           "\nprocesses " + std::to_string(m.processes) + "\nmodels " + std::to_string(m.models) +
+                           "\noptimizers " + std::to_string(m.optimizers) + "\nend\n";
+  const fs::path path = dir / checkpoint_manifest;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw_errno("cannot create", path);
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  ::close(fd);
+  if (!ok) throw_errno("cannot write", path);
+}
+
+// The manifest goes first, so a removal cut short never leaves a directory
+// that looks complete.
+inline void discard_checkpoint(const fs::path& dir) {
+  if (!fs::exists(dir)) return;
+  fs::remove(dir / checkpoint_manifest);
+  fs::remove_all(dir);
+}
+
+// A checkpoint's serial: from its manifest; 0 for a directory under the final
+// name written before manifests existed (it was only ever renamed into place
+// whole); none for anything incomplete.
+inline std::optional<int64_t> checkpoint_serial(const fs::path& dir, bool final_name) {
+  if (auto m = read_manifest(dir)) return m->serial;
+  if (final_name && fs::exists(dir / "model.pt")) return 0;
+  return std::nullopt;
+}
+
+inline fs::path sibling(const fs::path& dir, const char* suffix) { return dir.string() + suffix; }
+
+// Makes the complete directory `from` the directory `to` (whose content, if
+// any, is older or incomplete); `from` is gone afterwards.
+inline void install_checkpoint(const fs::path& from, const fs::path& to) {
+  const fs::path parent = to.parent_path();
+  if (!fs::exists(to)) {
+    fs::rename(from, to);
+    fsync_path(parent);
+    return;
+  }
+#ifdef RENAME_EXCHANGE
+  if (checkpoint_use_exchange()) {
+    if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0) {
+      fsync_path(parent);
+      checkpoint_hook()("exchanged");
+      discard_checkpoint(from);  // now the older one
+      return;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) throw_errno("cannot exchange with", to);
+  }
+#endif
+  const fs::path old = sibling(to, ".old");
+  if (from == old) {  // recovering DIR.old: what is under DIR is incomplete
+    fs::remove_all(to);
+    fs::rename(from, to);
+    fsync_path(parent);
+    return;
+  }
+  discard_checkpoint(old);
+  fs::rename(to, old);
+  fsync_path(parent);
+  checkpoint_hook()("between renames");
+  fs::rename(from, to);
+  fsync_path(parent);
+  checkpoint_hook()("renamed");
+  discard_checkpoint(old);
+}
+
+// The newest complete checkpoint among DIR, DIR.tmp and DIR.old becomes DIR;
+// the others are removed. Returns DIR's serial (none: no checkpoint).
+inline std::optional<int64_t> recover_checkpoint(const fs::path& dir) {
+  const fs::path tmp = sibling(dir, ".tmp"), old = sibling(dir, ".old");
+  const std::optional<int64_t> at_dir = checkpoint_serial(dir, true), at_tmp = checkpoint_serial(tmp, false),
+                               at_old = checkpoint_serial(old, false);
+  std::optional<int64_t> newest = at_dir;
+  if (at_tmp && (!newest || *at_tmp > *newest) && (!at_old || *at_tmp >= *at_old)) {
+    install_checkpoint(tmp, dir);
+    newest = at_tmp;
+  } else if (at_old && (!newest || *at_old > *newest)) {
+    install_checkpoint(old, dir);
+    newest = at_old;
+  }
+  discard_checkpoint(tmp);
+  discard_checkpoint(old);
+  return newest;
+}
+
+// "dir/", "./dir" and "dir" are one checkpoint.
+inline fs::path checkpoint_path(const fs::path& dir, const char* op) {
+  if (dir.empty()) throw InvalidArgument(std::string("accel::Accelerator::") + op + ": an empty checkpoint path");
+  fs::path path = fs::absolute(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();
+  if (path == path.root_path())
+    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": " + dir.string() + " is not a checkpoint path");
+  return path;
+}
+
+// What `step` threw, as text; "" when it returned.
+template <class Step>
+std::string error_of(Step&& step) {
+  try {
+    step();
+    return {};
+  } catch (const std::exception& e) {
+    return error_text(e);
+  }
+}
+
+// Every rank passes its error ("" if none); if any rank has one, every rank
+// throws the same RuntimeError listing them. A collective: it also orders
+// what comes before it on every rank before what comes after.
+inline void fail_together(const std::string& error, const char* op) {
+  const std::vector<std::string> errors = accel::gather_object(error);
+  std::string message;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      message += (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+  if (!message.empty()) throw RuntimeError(std::string("accel::Accelerator::") + op + ": " + message);
+}
+
+// A model's checkpoint archive against the model, before anything is loaded:
+// every parameter and buffer Module::load will read is there with the
+// model's shape and dtype, and the archive holds nothing the model lacks.
+inline void check_module_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                                 const std::string& prefix, const std::string& file) {
+  std::set<std::string> expected{"training"};  // every TorchScript module has it
+  auto check = [&](const std::string& name, const at::Tensor& value, bool buffer) {
+    expected.insert(name);
+    at::Tensor saved;
+    if (!archive.try_read(name, saved, buffer))
+      throw RuntimeError(file + " has no " + (buffer ? "buffer " : "parameter ") + prefix + name +
+                         " (saved from another model?)");
+    if (saved.sizes() != value.sizes() || saved.scalar_type() != value.scalar_type())
+      throw RuntimeError(file + ": " + prefix + name + " is " + c10::toString(saved.scalar_type()) +
+                         c10::str(saved.sizes()) + " there, " + c10::toString(value.scalar_type()) +
+                         c10::str(value.sizes()) + " in the model");
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) check(p.key(), p.value(), false);
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) check(b.key(), b.value(), true);
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    expected.insert(child.key());
+    torch::serialize::InputArchive nested;
+    if (!archive.try_read(child.key(), nested))
+      throw RuntimeError(file + " has no submodule " + prefix + child.key() + " (saved from another model?)");
+    check_module_archive(*child.value(), nested, prefix + child.key() + ".", file);
+  }
+  for (const std::string& key : archive.keys())
+    if (!expected.count(key))
+      throw RuntimeError(file + " has " + prefix + key + ", which the model lacks (saved from another model?)");
+}
+
+// An optimizer's state as bytes, to put it back if a load fails.
+inline std::string optimizer_snapshot(torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return std::move(bytes).str();
+}
+inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::string& snapshot) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(snapshot.data(), snapshot.size());
+  optimizer.state().clear();  // load() only sets the entries it finds
+  optimizer.load(archive);
+}
+}  // namespace detail
+
 class Accelerator {
  public:
   explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
@@ -6482,64 +6716,133 @@ class Accelerator {
 
   // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
   // optimizer.pt, optimizer_1.pt, ...) and every rank's RNG state under
-  // `dir`, atomically: everything is written to `dir.tmp` first and renamed
-  // into place by the main process, so `dir` is either the old or the whole
-  // new checkpoint, never a half-written one.
-  void save_state(const std::filesystem::path& dir) {
-    namespace fs = std::filesystem;
-    const fs::path tmp = dir.string() + ".tmp";
-    if (is_main_process()) {
-      fs::remove_all(tmp);
-      fs::create_directories(tmp);
-    }
-    wait_for_everyone();
-    torch::save(at::detail::getDefaultCPUGenerator().get_state(),
-                (tmp / ("random_states_" + std::to_string(process_index()) + ".pt")).string());
-    wait_for_everyone();
-    if (is_main_process()) {
-      for (std::size_t i = 0; i < models_.size(); ++i) {
+  // `dir`, atomically: `dir` is always the previous or the whole new
+  // checkpoint, even when a process dies halfway (see "Checkpoint files").
+  // Every process calls it; `dir` must be on a filesystem they all see. An
+  // error on any process (a full disk) is thrown on every process.
+  void save_state(const std::filesystem::path& path) {
+    const std::filesystem::path dir = detail::checkpoint_path(path, "save_state");
+    const std::filesystem::path tmp = detail::sibling(dir, ".tmp");
+    const std::string rng_file = "random_states_" + std::to_string(process_index()) + ".pt";
+    detail::CheckpointManifest manifest{.serial = 0,
+                                        .processes = num_processes(),
+                                        .models = static_cast<int64_t>(models_.size()),
+                                        .optimizers = static_cast<int64_t>(optimizers_.size())};
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
+      std::filesystem::create_directories(tmp);
+    });
+    detail::fail_together(error, "save_state");
+    error = detail::error_of([&] {
+      torch::save(at::detail::getDefaultCPUGenerator().get_state(), (tmp / rng_file).string());
+      detail::fsync_path(tmp / rng_file);
+    });
+    detail::fail_together(error, "save_state");
+    if (is_main_process()) error = detail::error_of([&] {
+      auto write = [&](const std::string& name, auto& object) {
         torch::serialize::OutputArchive archive;
-        models_[i].module->save(archive);
-        archive.save_to((tmp / numbered("model", i)).string());
-      }
-      for (std::size_t i = 0; i < optimizers_.size(); ++i) {
-        torch::serialize::OutputArchive archive;
-        optimizers_[i]->save(archive);
-        archive.save_to((tmp / numbered("optimizer", i)).string());
-      }
-      detail::checkpoint_hook()("written");  // tests crash here
-      const fs::path old = dir.string() + ".old";
-      fs::remove_all(old);
-      if (fs::exists(dir)) fs::rename(dir, old);
-      fs::rename(tmp, dir);
-      fs::remove_all(old);
-    }
-    wait_for_everyone();
+        object.save(archive);
+        archive.save_to((tmp / name).string());
+        detail::fsync_path(tmp / name);
+      };
+      for (std::size_t i = 0; i < models_.size(); ++i) write(numbered("model", i), *models_[i].module);
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) write(numbered("optimizer", i), *optimizers_[i]);
+      detail::checkpoint_hook()("files written");
+      detail::write_manifest(tmp, manifest);
+      detail::fsync_path(tmp);
+      detail::checkpoint_hook()("manifest written");
+      detail::install_checkpoint(tmp, dir);
+    });
+    detail::fail_together(error, "save_state");
   }
 
-  void load_state(const std::filesystem::path& dir) {
+  // Loads what save_state saved into the prepared models and optimizers and
+  // this rank's RNG, after a half-done save is recovered. Transactional:
+  // every file is read and checked first (parameter and buffer names, shapes
+  // and dtypes against the models; one RNG state per process, so the number
+  // of processes must be the saver's), on every process; on any error
+  // nothing is modified anywhere and every process throws, naming the file.
+  void load_state(const std::filesystem::path& path) {
     namespace fs = std::filesystem;
+    const fs::path dir = detail::checkpoint_path(path, "load_state");
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] { detail::recover_checkpoint(dir); });
+    detail::fail_together(error, "load_state");
     if (!fs::is_directory(dir))
       throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
-    for (std::size_t i = 0; i < models_.size(); ++i) {
-      torch::serialize::InputArchive archive;
-      archive.load_from((dir / numbered("model", i)).string(), device_);
-      models_[i].module->load(archive);
+
+    // 1. Read and check everything.
+    std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size());
+    at::Tensor rng;
+    error = detail::error_of([&] {
+      if (auto manifest = detail::read_manifest(dir)) {
+        if (manifest->processes != num_processes())
+          throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
+                             std::to_string(num_processes()) + " (one RNG state per process: load it with as many)");
+        if (manifest->models != static_cast<int64_t>(models_.size()) ||
+            manifest->optimizers != static_cast<int64_t>(optimizers_.size()))
+          throw RuntimeError("it holds " + std::to_string(manifest->models) + " model(s) and " +
+                             std::to_string(manifest->optimizers) + " optimizer(s); " +
+                             std::to_string(models_.size()) + " and " + std::to_string(optimizers_.size()) +
+                             " were prepared");
+      }
+      auto read = [&](const std::string& name) {
+        const fs::path file = dir / name;
+        if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
+        auto archive = std::make_unique<torch::serialize::InputArchive>();
+        try {
+          archive->load_from(file.string(), device_);
+        } catch (const std::exception& e) {
+          throw RuntimeError("cannot read " + file.string() + ": " + detail::error_text(e));
+        }
+        return archive;
+      };
+      for (std::size_t i = 0; i < models_.size(); ++i) {
+        models[i] = read(numbered("model", i));
+        detail::check_module_archive(*models_[i].module, *models[i], "", (dir / numbered("model", i)).string());
+      }
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(numbered("optimizer", i));
+      const fs::path rng_file = dir / ("random_states_" + std::to_string(process_index()) + ".pt");
+      if (!fs::exists(rng_file))
+        throw RuntimeError("missing " + rng_file.string() + " (saved by fewer processes than this run has?)");
+      try {
+        torch::load(rng, rng_file.string());
+      } catch (const std::exception& e) {
+        throw RuntimeError("cannot read " + rng_file.string() + ": " + detail::error_text(e));
+      }
+      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+      if (rng.scalar_type() != current.scalar_type() || rng.sizes() != current.sizes())
+        throw RuntimeError(rng_file.string() + " is not a CPU generator state");
+    });
+    detail::fail_together(error, "load_state");
+
+    // 2. The optimizers check their groups as they load: keep what they had,
+    // to put it back on every process if any one of them refuses.
+    std::vector<std::string> snapshots;
+    error = detail::error_of([&] {
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+        snapshots.push_back(detail::optimizer_snapshot(*optimizers_[i]));
+        try {
+          optimizers_[i]->load(*optimizers[i]);
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / numbered("optimizer", i)).string() + " does not fit the optimizer: " +
+                             detail::error_text(e));
+        }
+      }
+    });
+    try {
+      detail::fail_together(error, "load_state");
+    } catch (...) {
+      for (std::size_t i = 0; i < snapshots.size(); ++i) detail::restore_optimizer(*optimizers_[i], snapshots[i]);
+      throw;
     }
-    for (std::size_t i = 0; i < optimizers_.size(); ++i) {
-      torch::serialize::InputArchive archive;
-      archive.load_from((dir / numbered("optimizer", i)).string(), device_);
-      optimizers_[i]->load(archive);
-    }
-    fs::path rng = dir / ("random_states_" + std::to_string(process_index()) + ".pt");
-    if (fs::exists(rng)) {
-      at::Tensor state;
-      torch::load(state, rng.string());
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard lock(generator.mutex());
-      generator.set_state(state);
-    }
-    wait_for_everyone();
+
+    // 3. What was checked cannot fail to load.
+    for (std::size_t i = 0; i < models_.size(); ++i) models_[i].module->load(*models[i]);
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard lock(generator.mutex());
+    generator.set_state(rng);
   }
 
   // -- properties -------------------------------------------------------------------

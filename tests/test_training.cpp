@@ -112,6 +112,27 @@ struct Stream : torch::data::datasets::StatefulDataset<Stream, std::vector<int64
   std::shared_ptr<std::size_t> reads = std::make_shared<std::size_t>(0);  // elements handed out
 };
 
+// A fresh directory name under the temp directory, the same on every rank.
+std::filesystem::path shared_temp_path(accel::Accelerator& accelerator, const std::string& stem) {
+  std::vector<std::string> where{accelerator.is_main_process()
+                                     ? (std::filesystem::temp_directory_path() / (stem + std::to_string(getpid())))
+                                           .string()
+                                     : ""};
+  accel::broadcast_object_list(where);
+  return where[0];
+}
+
+// The momentum buffers of an SGD optimizer, as sorted sums (the state map's
+// order is not fixed).
+std::vector<double> momentum_sums(torch::optim::Optimizer& optimizer) {
+  std::vector<double> sums;
+  for (const auto& entry : optimizer.state())
+    sums.push_back(
+        static_cast<torch::optim::SGDParamState&>(*entry.second).momentum_buffer().sum().item<double>());
+  std::sort(sums.begin(), sums.end());
+  return sums;
+}
+
 // Gradients of two models agree (allclose), parameter by parameter.
 bool same_grads(torch::nn::Module& a, torch::nn::Module& b) {
   auto pa = a.parameters(), pb = b.parameters();
@@ -379,13 +400,7 @@ TEST_SUITE("ranks") {
     Mlp model(4, 16, 1);
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     accelerator.prepare(model, optimizer);
-    std::vector<std::string> where{accelerator.is_main_process()
-                                       ? (std::filesystem::temp_directory_path() /
-                                          ("accel_ckpt_" + std::to_string(getpid())))
-                                             .string()
-                                       : ""};
-    accel::broadcast_object_list(where);
-    const std::filesystem::path dir = where[0];
+    const std::filesystem::path dir = shared_temp_path(accelerator, "accel_ckpt_");
     const auto data = dataset(8, 4);  // (clang 14 cannot capture structured bindings)
     const at::Tensor& x = data.first;
     const at::Tensor& y = data.second;
@@ -415,6 +430,102 @@ TEST_SUITE("ranks") {
       CHECK(identical_across_ranks(*model, accelerator.data_parallel()->group()));
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: one that does not fit is refused on every process, before anything changes") {
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 16, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    accelerator.prepare(model, optimizer);
+    const auto data = dataset(8, 4);
+    optimizer.zero_grad();
+    accelerator.backward(torch::mse_loss(model(data.first), data.second));
+    optimizer.step();  // momentum state to save
+    const fs::path dir = shared_temp_path(accelerator, "accel_bad_ckpt_");
+    accelerator.save_state(dir.string() + "/");  // a trailing slash names the same checkpoint
+    CHECK(fs::exists(dir / "model.pt"));
+    CHECK(fs::exists(dir / "accel_checkpoint.txt"));
+    CHECK_FALSE(fs::exists(dir.string() + ".tmp"));
+    CHECK_FALSE(fs::exists(dir / ".tmp"));
+    const at::Tensor saved = flat_parameters(*model).clone();
+    const std::vector<double> saved_momentum = momentum_sums(optimizer);
+    const int P = accelerator.num_processes();
+
+    // Each case damages a copy of the checkpoint (on the main process), then
+    // every process loads it: every process throws, and nothing changed.
+    int copies = 0;
+    auto refused = [&](const std::function<void(const fs::path&)>& damage, accel::Accelerator& acc, Mlp& m,
+                       torch::optim::Optimizer& opt) {
+      const fs::path copy = dir.string() + "_" + std::to_string(copies++);
+      if (acc.is_main_process()) {
+        fs::copy(dir, copy, fs::copy_options::recursive);
+        damage(copy);
+      }
+      acc.wait_for_everyone();
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : m->parameters()) p.add_(1.0);  // so that a load would show
+      }
+      const at::Tensor before = flat_parameters(*m).clone();
+      const std::vector<double> momentum = momentum_sums(opt);
+      const std::string what = what_of([&] { acc.load_state(copy); });
+      CHECK(at::equal(before, flat_parameters(*m)));
+      CHECK(momentum == momentum_sums(opt));
+      acc.wait_for_everyone();
+      if (acc.is_main_process()) fs::remove_all(copy);
+      return what;
+    };
+    auto rank_prefix = [&](int r) { return P > 1 ? "rank " + std::to_string(r) + ": " : std::string(); };
+
+    std::string what = refused([](const fs::path& d) { fs::resize_file(d / "optimizer.pt", fs::file_size(d / "optimizer.pt") / 2); },
+                               accelerator, model, optimizer);
+    CHECK(what.find("accel::Accelerator::load_state: " + rank_prefix(0) + "cannot read ") != std::string::npos);
+    CHECK(what.find("optimizer.pt") != std::string::npos);
+    CHECK(what.find("frame #") == std::string::npos);  // no C++ backtrace
+    const std::string last_rng = "random_states_" + std::to_string(P - 1) + ".pt";
+    what = refused([&](const fs::path& d) { fs::resize_file(d / last_rng, 10); }, accelerator, model, optimizer);
+    CHECK(what.find(rank_prefix(P - 1) + "cannot read " + (dir.string() + "_1/") + last_rng) != std::string::npos);
+    what = refused([&](const fs::path& d) { fs::remove(d / last_rng); }, accelerator, model, optimizer);
+    CHECK(what.find(rank_prefix(P - 1) + "missing " + (dir.string() + "_2/") + last_rng) != std::string::npos);
+    what = refused(
+        [&](const fs::path& d) {
+          std::ifstream in(d / "accel_checkpoint.txt");
+          std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+          const std::string line = "processes " + std::to_string(P);
+          text.replace(text.find(line), line.size(), "processes " + std::to_string(P + 1));
+          std::ofstream(d / "accel_checkpoint.txt") << text;
+        },
+        accelerator, model, optimizer);
+    CHECK(what.find("it was saved by " + std::to_string(P + 1) + " processes, this run has " + std::to_string(P)) !=
+          std::string::npos);
+    {  // a model of another width
+      accel::Accelerator other(config());
+      Mlp narrow(4, 8, 1);
+      torch::optim::SGD narrow_optimizer(narrow->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      other.prepare(narrow, narrow_optimizer);
+      what = refused([](const fs::path&) {}, other, narrow, narrow_optimizer);
+      CHECK(what.find("_4/model.pt: body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
+            std::string::npos);
+    }
+    {  // the same model, an optimizer over some of its parameters: refused as it loads, and put back
+      accel::Accelerator other(config());
+      Mlp same(4, 16, 1);
+      torch::optim::SGD partial(same->body->ptr(0)->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      other.prepare(same, partial);
+      what = refused([](const fs::path&) {}, other, same, partial);
+      CHECK(what.find("_5/optimizer.pt does not fit the optimizer: ") != std::string::npos);
+    }
+    // after all that, the checkpoint itself loads
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.zero_();
+    }
+    accelerator.load_state(dir);
+    CHECK(at::equal(saved, flat_parameters(*model)));
+    CHECK(saved_momentum == momentum_sums(optimizer));
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
   }
 
   TEST_CASE("training: gather_for_metrics gathers uneven batches and drops the padding duplicates") {
@@ -1250,37 +1361,77 @@ TEST_SUITE("single") {
     CHECK_THROWS_AS(accel::ShardSampler({.size = 4, .num_replicas = 2, .rank = 2}), std::invalid_argument);
   }
 
-  TEST_CASE("training: a crash while saving leaves the previous checkpoint whole under the final name") {
+  TEST_CASE("checkpoints: a process killed at any step of save_state leaves the newest complete checkpoint") {
+    namespace fs = std::filesystem;
     accel::Accelerator accelerator(config());
     Mlp model(4, 8, 1);
     torch::optim::SGD optimizer(model->parameters(), 0.1);
     accelerator.prepare(model, optimizer);
-    const auto dir = std::filesystem::temp_directory_path() / ("accel_crash_" + std::to_string(getpid()));
-    accelerator.save_state(dir);
-    const at::Tensor saved = flat_parameters(*model).clone();
-    const pid_t child = fork();
-    if (child == 0) {  // change the weights, then die in the middle of saving them
-      {
-        torch::NoGradGuard no_grad;
-        for (auto& p : model->parameters()) p.add_(1.0);
-      }
-      accel::detail::checkpoint_hook() = [](const char*) { std::_Exit(3); };
-      accelerator.save_state(dir);
-      std::_Exit(0);  // not reached
-    }
-    int status = 0;
-    REQUIRE(waitpid(child, &status, 0) == child);
-    CHECK(WIFEXITED(status));
-    CHECK(WEXITSTATUS(status) == 3);
-    CHECK(std::filesystem::exists(dir.string() + ".tmp"));  // the half-written one, not under the name
-    {
+    auto set_weights = [&](double value) {
       torch::NoGradGuard no_grad;
-      for (auto& p : model->parameters()) p.zero_();
+      for (auto& p : model->parameters()) p.fill_(value);
+    };
+    auto weights = [&] { return model->parameters()[0].detach()[0][0].item<double>(); };
+    const fs::path base = fs::temp_directory_path() / ("accel_crash_" + std::to_string(getpid()));
+    fs::path dir;
+    // A child process saves weights `value` and dies at `step` of the save.
+    auto crash_saving = [&](double value, const char* step) {
+      const pid_t child = fork();
+      if (child == 0) {
+        set_weights(value);
+        accel::detail::checkpoint_hook() = [step](const char* at) {
+          if (std::strcmp(at, step) == 0) std::_Exit(3);
+        };
+        accelerator.save_state(dir);
+        std::_Exit(0);  // the step never came
+      }
+      int status = 0;
+      REQUIRE(waitpid(child, &status, 0) == child);
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    };
+    // Can this filesystem exchange two directories in one step?
+    fs::create_directories(base / "a");
+    fs::create_directories(base / "b");
+    const bool can_exchange =
+        ::renameat2(AT_FDCWD, (base / "a").c_str(), AT_FDCWD, (base / "b").c_str(), RENAME_EXCHANGE) == 0;
+    fs::remove_all(base);
+    if (!can_exchange) MESSAGE("no RENAME_EXCHANGE in " << fs::temp_directory_path() << ": two renames only");
+    for (const bool exchange : {true, false}) {
+      if (exchange && !can_exchange) continue;
+      accel::detail::checkpoint_use_exchange() = exchange;
+      const std::vector<const char*> steps =
+          exchange ? std::vector<const char*>{"files written", "manifest written", "exchanged"}
+                   : std::vector<const char*>{"files written", "manifest written", "between renames", "renamed"};
+      for (const char* step : steps) {
+        CAPTURE(exchange);
+        CAPTURE(step);
+        dir = base / "ckpt";
+        set_weights(1);
+        accelerator.save_state(dir);
+        REQUIRE(crash_saving(2, step) == 3);
+        // Not whole before its manifest is written; whole after.
+        const double newest = std::strcmp(step, "files written") == 0 ? 1 : 2;
+        // A later save that dies before its checkpoint is whole deletes nothing.
+        REQUIRE(crash_saving(3, "files written") == 3);
+        set_weights(0);
+        accelerator.load_state(dir);
+        CHECK(weights() == newest);
+        CHECK_FALSE(fs::exists(dir.string() + ".tmp"));
+        CHECK_FALSE(fs::exists(dir.string() + ".old"));
+        set_weights(4);
+        accelerator.save_state(dir);  // and saving goes on as usual
+        set_weights(0);
+        accelerator.load_state(dir);
+        CHECK(weights() == 4);
+        fs::remove_all(base);
+      }
     }
-    accelerator.load_state(dir);
-    CHECK(at::equal(flat_parameters(*model), saved));
-    std::filesystem::remove_all(dir);
-    std::filesystem::remove_all(dir.string() + ".tmp");
+    accel::detail::checkpoint_use_exchange() = true;
+    // No checkpoint at all, and paths that name none.
+    CHECK_THROWS_WITH_AS(accelerator.load_state(base / "none"), doctest::Contains("no checkpoint directory"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_AS(accelerator.save_state(""), accel::InvalidArgument);
+    CHECK_THROWS_AS(accelerator.save_state("/"), accel::InvalidArgument);
     world().destroy();
   }
 
