@@ -5294,6 +5294,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
   struct Record {
     std::vector<size_t> real_per_batch;
     size_t epoch = 0;
+    size_t skip = 0;  // the next reset() starts after this many batches (then 0)
   };
 
   explicit ShardSampler(Options options, std::shared_ptr<Record> record = std::make_shared<Record>())
@@ -5363,6 +5364,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     for (const auto& batch : batches_)
       record_->real_per_batch.push_back(static_cast<size_t>(
           std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
+    next_ = std::min(std::exchange(record_->skip, 0), batches_.size());
   }
 
   torch::optional<std::vector<size_t>> next(size_t) override {
@@ -5442,6 +5444,32 @@ namespace detail {
 struct LoaderState {
   std::optional<size_t> real_rows;  // real samples of the current batch
   bool end_of_dataloader = false;   // the current batch is the pass's last
+};
+// Where a prepared loader is in its passes, shared with the Accelerator for
+// save_state / load_state: the epoch the next pass uses, the pass under way
+// and how many of its batches were handed out, and how many batches the
+// next pass skips (load_state, skip_first_batches).
+struct LoaderPosition {
+  size_t next_epoch = 0, epoch = 0, handed_out = 0, skip = 0;
+  bool in_pass = false;
+  // The point a resumed run starts from: (epoch, batches to skip).
+  std::pair<size_t, size_t> resume_point() const {
+    return in_pass ? std::pair{epoch, handed_out} : std::pair{next_epoch, size_t{0}};
+  }
+  // After each read: a batch was handed out; after the last one (or none)
+  // the pass is over, and a resumed run starts with the next epoch.
+  template <class Share>
+  void count(const std::optional<Share>& share) {
+    if (share) ++handed_out;
+    if (!share || share->last) in_pass = false;
+  }
+  // Starts a pass; returns the batches it skips.
+  size_t begin() {
+    epoch = next_epoch++;
+    in_pass = true;
+    handed_out = 0;
+    return std::exchange(skip, 0);
+  }
 };
 // What an Accelerator shares with its prepared optimizers, schedulers and
 // loaders (Accelerate's GradientState): whether this step syncs gradients,
@@ -5825,10 +5853,12 @@ class PreparedDataLoader {
 
   // `group`: the data-parallel group (null: one process).
   PreparedDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
-                     std::shared_ptr<detail::GradientState> gradient_state)
+                     std::shared_ptr<detail::GradientState> gradient_state,
+                     std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
       : record_(std::make_shared<ShardSampler::Record>()),
         state_(std::make_shared<detail::LoaderState>()),
-        gradient_state_(std::move(gradient_state)) {
+        gradient_state_(std::move(gradient_state)),
+        position_(std::move(position)) {
     const torch::optional<size_t> size = dataset.size();
     if (!size) throw InvalidArgument("accel::prepare_data_loader: the dataset must have a size()");
     const size_t processes = group ? static_cast<size_t>(group->getSize()) : 1;
@@ -5867,19 +5897,32 @@ class PreparedDataLoader {
 
   // Starts a pass: epoch 0, 1, 2, ... unless set_epoch says otherwise.
   Iterator begin() {
-    record_->epoch = next_epoch_++;
-    position_ = 0;
-    exhausted_ = false;
-    if (loader_) it_.emplace(loader_->begin());
+    const size_t skip = position_->begin();
+    record_->epoch = position_->epoch;
+    index_ = 0;
+    started_ = exhausted_ = false;
     if constexpr (detail::Dispatchable<Batch>)
-      if (dispatcher_) dispatcher_->begin([this] { return global_batch(); });
+      if (dispatcher_) {
+        dispatcher_->begin([this] { return global_batch(); });
+        for (size_t i = 0; i < skip && next(); ++i) {}  // every process reads and drops the same batches
+        return Iterator(this, detail::Pass(gradient_state_, state_));
+      }
+    // The sampler starts after the skipped batches: none is read.
+    record_->skip = skip;
+    index_ = std::min(skip, batches_);
+    position_->handed_out = index_;
+    it_.emplace(loader_->begin());
     return Iterator(this, detail::Pass(gradient_state_, state_));
   }
   Iterator end() { return Iterator(); }
 
   // The epoch the next pass uses (to resume a run mid-way).
-  void set_epoch(size_t epoch) { next_epoch_ = epoch; }
+  void set_epoch(size_t epoch) { position_->next_epoch = epoch; }
+  size_t next_epoch() const { return position_->next_epoch; }
   size_t epoch() const { return record_->epoch; }
+  // The next pass starts after its first n batches, without reading them
+  // where the sampler can skip (Accelerate's skip_first_batches).
+  void skip_first_batches(size_t n) { position_->skip = n; }
   // Batches per pass on this process (the same on every process with
   // even_batches or dispatch_batches).
   size_t batches() const { return batches_; }
@@ -5889,12 +5932,12 @@ class PreparedDataLoader {
   // The next one-process batch from LibTorch's loader, and how many of its rows are real.
   std::optional<std::pair<Batch, size_t>> local_batch() {
     if (exhausted_) return std::nullopt;
-    if (position_ > 0) ++*it_;
+    if (std::exchange(started_, true)) ++*it_;
     if (*it_ == loader_->end()) {
       exhausted_ = true;
       return std::nullopt;
     }
-    const size_t real = record_->real_per_batch.at(position_++);
+    const size_t real = record_->real_per_batch.at(index_++);
     return std::pair<Batch, size_t>(std::move(**it_), real);
   }
   // Dispatching: the next global batch (on the main process).
@@ -5911,11 +5954,14 @@ class PreparedDataLoader {
     }
   }
   std::optional<detail::Share<Batch>> next() {
+    std::optional<detail::Share<Batch>> share;
     if constexpr (detail::Dispatchable<Batch>)
-      if (dispatcher_) return dispatcher_->read();
-    auto batch = local_batch();
-    if (!batch) return std::nullopt;
-    return detail::Share<Batch>{std::move(batch->first), batch->second, position_ == batches_};
+      if (dispatcher_) share = dispatcher_->read();
+    if (!dispatcher_)
+      if (auto batch = local_batch())
+        share = detail::Share<Batch>{std::move(batch->first), batch->second, index_ == batches_};
+    position_->count(share);
+    return share;
   }
 
   std::shared_ptr<ShardSampler::Record> record_;
@@ -5924,8 +5970,9 @@ class PreparedDataLoader {
   std::unique_ptr<Loader> loader_;  // null on the processes a dispatcher sends to
   std::optional<torch::data::Iterator<Batch>> it_;
   std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
-  size_t batches_ = 0, next_epoch_ = 0, position_ = 0, per_step_ = 1;
-  bool drop_last_ = false, exhausted_ = false;
+  std::shared_ptr<detail::LoaderPosition> position_;
+  size_t batches_ = 0, index_ = 0, per_step_ = 1;  // index_: the next batch's, in this process's pass
+  bool drop_last_ = false, exhausted_ = false, started_ = false;
 };
 
 // A prepared loader over an iterable dataset: a LibTorch StatefulDataset
@@ -5949,7 +5996,8 @@ class PreparedIterableDataLoader {
   using Iterator = detail::PassIterator<PreparedIterableDataLoader, Batch>;
 
   PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
-                             std::shared_ptr<detail::GradientState> gradient_state)
+                             std::shared_ptr<detail::GradientState> gradient_state,
+                             std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
       : dataset_(std::move(dataset)),
         processes_(group ? static_cast<size_t>(group->getSize()) : 1),
         rank_(group ? static_cast<size_t>(group->getRank()) : 0),
@@ -5957,7 +6005,8 @@ class PreparedIterableDataLoader {
         local_(split_batches ? config.batch_size / processes_ : config.batch_size),
         drop_last_(config.drop_last),
         state_(std::make_shared<detail::LoaderState>()),
-        gradient_state_(std::move(gradient_state)) {
+        gradient_state_(std::move(gradient_state)),
+        position_(std::move(position)) {
     if (config.shuffle || config.batch_sampler || config.layout != ShardLayout::BATCHES)
       throw InvalidArgument(
           "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
@@ -5966,30 +6015,44 @@ class PreparedIterableDataLoader {
       if constexpr (detail::Dispatchable<Batch>) dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
   }
 
+  // Starts a pass. A stream cannot seek: skipped batches are read and dropped.
   Iterator begin() {
+    const size_t skip = position_->begin();
     first_.clear();
     done_ = false;
     ahead_.reset();
+    bool dispatching = false;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) {
+        dispatching = true;
         if (dispatcher_->main()) dataset_.reset();
         dispatcher_->begin([this] { return global_batch(); });
-        return Iterator(this, detail::Pass(gradient_state_, state_));
       }
-    dataset_.reset();
-    ahead_ = slice();
+    if (!dispatching) {
+      dataset_.reset();
+      ahead_ = slice();
+    }
+    for (size_t i = 0; i < skip && next(); ++i) {}
     return Iterator(this, detail::Pass(gradient_state_, state_));
   }
   Iterator end() { return Iterator(); }
+  // The next pass starts after its first n batches (Accelerate's
+  // skip_first_batches; they are read and dropped).
+  void skip_first_batches(size_t n) { position_->skip = n; }
+  size_t next_epoch() const { return position_->next_epoch; }
 
  private:
   friend Iterator;
   std::optional<detail::Share<Batch>> next() {
+    std::optional<detail::Share<Batch>> current;
     if constexpr (detail::Dispatchable<Batch>)
-      if (dispatcher_) return dispatcher_->read();
-    auto current = std::move(ahead_);  // one ahead: end_of_dataloader is known
-    ahead_ = current ? slice() : std::nullopt;
-    if (current) current->last = !ahead_;
+      if (dispatcher_) current = dispatcher_->read();
+    if (!dispatcher_) {
+      current = std::move(ahead_);  // one ahead: end_of_dataloader is known
+      ahead_ = current ? slice() : std::nullopt;
+      if (current) current->last = !ahead_;
+    }
+    position_->count(current);
     return current;
   }
 
@@ -6034,6 +6097,7 @@ class PreparedIterableDataLoader {
   std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
   std::shared_ptr<detail::LoaderState> state_;
   std::shared_ptr<detail::GradientState> gradient_state_;
+  std::shared_ptr<detail::LoaderPosition> position_;
 };
 
 namespace detail {
@@ -6141,7 +6205,10 @@ class AcceleratedScheduler {
 // -- Checkpoint files ---------------------------------------------------------
 //
 // A checkpoint is a directory: model.pt, model_1.pt, ..., optimizer.pt, ...,
-// random_states_<rank>.pt, and last the manifest accel_checkpoint.txt, whose
+// random_states_<rank>.pt (that rank's RNG and the accumulation step, as
+// Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
+// out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
+// manifest accel_checkpoint.txt, whose
 // presence (whole: it ends with "end") marks the directory complete. Each
 // manifest carries a serial, one more than the checkpoint it replaces.
 //
@@ -6178,6 +6245,8 @@ struct CheckpointManifest {
   int64_t processes = 0;
   int64_t models = 0;
   int64_t optimizers = 0;
+  int64_t loaders = 0;
+  int64_t objects = 0;
 };
 
 [[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
@@ -6206,7 +6275,9 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     if (key == "serial") m.serial = value;
     else if (key == "processes") m.processes = value;
     else if (key == "models") m.models = value;
-    else if (key == "optimizers") m.optimizers = value;  // other keys: a newer writer's, ignored
+    else if (key == "optimizers") m.optimizers = value;
+    else if (key == "loaders") m.loaders = value;
+    else if (key == "objects") m.objects = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }
@@ -6214,7 +6285,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
   const std::string text = std::string(checkpoint_format) + "\nserial " + std::to_string(m.serial) +
                            "\nprocesses " + std::to_string(m.processes) + "\nmodels " + std::to_string(m.models) +
-                           "\noptimizers " + std::to_string(m.optimizers) + "\nend\n";
+                           "\noptimizers " + std::to_string(m.optimizers) + "\nloaders " + std::to_string(m.loaders) +
+                           "\nobjects " + std::to_string(m.objects) + "\nend\n";
   const fs::path path = dir / checkpoint_manifest;
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw_errno("cannot create", path);
@@ -6456,7 +6528,34 @@ class Accelerator {
                                   std::to_string(replicas) + " data-parallel processes");
     using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
                                       PreparedDataLoader<Dataset>>;
-    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_);
+    loaders_.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
+                  loaders_.back());
+  }
+  // The loader's next pass starts after its first n batches (Accelerate's
+  // skip_first_batches, for a run resumed by hand; load_state does it for
+  // prepared loaders). Returns the loader.
+  template <class Loader>
+    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
+  Loader& skip_first_batches(Loader& loader, size_t n) {
+    loader.skip_first_batches(n);
+    return loader;
+  }
+
+  // Anything with save(torch::serialize::OutputArchive&) and
+  // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
+  // of yours, a step counter) joins every checkpoint, as Accelerate's
+  // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
+  // registered, written by the main process. The object must outlive the
+  // Accelerator's checkpoints.
+  template <class T>
+    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+      c.save(out);
+      t.load(in);
+    }
+  void register_for_checkpointing(T& object) {
+    objects_.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
+                        [&object](torch::serialize::InputArchive& in) { object.load(in); }});
   }
 
   // -- the training step --------------------------------------------------------
@@ -6715,8 +6814,9 @@ class Accelerator {
   // -- checkpoints ----------------------------------------------------------------
 
   // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
-  // optimizer.pt, optimizer_1.pt, ...) and every rank's RNG state under
-  // `dir`, atomically: `dir` is always the previous or the whole new
+  // optimizer.pt, optimizer_1.pt, ...), every rank's RNG state and the
+  // accumulation step, where each prepared loader is in its pass, and the
+  // registered objects under `dir`, atomically: `dir` is always the previous or the whole new
   // checkpoint, even when a process dies halfway (see "Checkpoint files").
   // Every process calls it; `dir` must be on a filesystem they all see. An
   // error on any process (a full disk) is thrown on every process.
@@ -6727,15 +6827,20 @@ class Accelerator {
     detail::CheckpointManifest manifest{.serial = 0,
                                         .processes = num_processes(),
                                         .models = static_cast<int64_t>(models_.size()),
-                                        .optimizers = static_cast<int64_t>(optimizers_.size())};
+                                        .optimizers = static_cast<int64_t>(optimizers_.size()),
+                                        .loaders = static_cast<int64_t>(loaders_.size()),
+                                        .objects = static_cast<int64_t>(objects_.size())};
     std::string error;
     if (is_main_process()) error = detail::error_of([&] {
       manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
     });
     detail::fail_together(error, "save_state");
-    error = detail::error_of([&] {
-      torch::save(at::detail::getDefaultCPUGenerator().get_state(), (tmp / rng_file).string());
+    error = detail::error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
+      torch::serialize::OutputArchive archive;
+      archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+      archive.write("step", at::scalar_tensor(step_, at::kLong));
+      archive.save_to((tmp / rng_file).string());
       detail::fsync_path(tmp / rng_file);
     });
     detail::fail_together(error, "save_state");
@@ -6748,6 +6853,25 @@ class Accelerator {
       };
       for (std::size_t i = 0; i < models_.size(); ++i) write(numbered("model", i), *models_[i].module);
       for (std::size_t i = 0; i < optimizers_.size(); ++i) write(numbered("optimizer", i), *optimizers_[i]);
+      if (!loaders_.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
+        std::vector<int64_t> points;
+        for (const auto& loader : loaders_) {
+          const auto [epoch, skip] = loader->resume_point();
+          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+        }
+        torch::serialize::OutputArchive archive;
+        archive.write("resume_points",
+                      at::tensor(points).reshape({static_cast<int64_t>(loaders_.size()), 2}));
+        archive.save_to((tmp / "loaders.pt").string());
+        detail::fsync_path(tmp / "loaders.pt");
+      }
+      for (std::size_t i = 0; i < objects_.size(); ++i) {
+        torch::serialize::OutputArchive archive;
+        objects_[i].save(archive);
+        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
+        archive.save_to((tmp / name).string());
+        detail::fsync_path(tmp / name);
+      }
       detail::checkpoint_hook()("files written");
       detail::write_manifest(tmp, manifest);
       detail::fsync_path(tmp);
@@ -6757,8 +6881,12 @@ class Accelerator {
     detail::fail_together(error, "save_state");
   }
 
-  // Loads what save_state saved into the prepared models and optimizers and
-  // this rank's RNG, after a half-done save is recovered. Transactional:
+  // Loads what save_state saved into the prepared models, optimizers,
+  // registered objects and this rank's RNG and step, after a half-done save
+  // is recovered. Each prepared loader's next pass resumes where the saved
+  // one was: its epoch, after the batches already handed out (a save after
+  // a pass's last batch resumes with the next epoch); loop over epochs from
+  // loader.next_epoch(). Transactional:
   // every file is read and checked first (parameter and buffer names, shapes
   // and dtypes against the models; one RNG state per process, so the number
   // of processes must be the saver's), on every process; on any error
@@ -6773,19 +6901,25 @@ class Accelerator {
       throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
 
     // 1. Read and check everything.
-    std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size());
-    at::Tensor rng;
+    std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size()),
+        objects;
+    at::Tensor rng, points;
+    int64_t step = 0;
     error = detail::error_of([&] {
-      if (auto manifest = detail::read_manifest(dir)) {
+      const auto manifest = detail::read_manifest(dir);  // none: written before manifests existed
+      if (manifest) {
         if (manifest->processes != num_processes())
           throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
                              std::to_string(num_processes()) + " (one RNG state per process: load it with as many)");
-        if (manifest->models != static_cast<int64_t>(models_.size()) ||
-            manifest->optimizers != static_cast<int64_t>(optimizers_.size()))
-          throw RuntimeError("it holds " + std::to_string(manifest->models) + " model(s) and " +
-                             std::to_string(manifest->optimizers) + " optimizer(s); " +
-                             std::to_string(models_.size()) + " and " + std::to_string(optimizers_.size()) +
-                             " were prepared");
+        const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 4> counts{{
+            {"model(s)", {manifest->models, models_.size()}},
+            {"optimizer(s)", {manifest->optimizers, optimizers_.size()}},
+            {"data loader(s)", {manifest->loaders, loaders_.size()}},
+            {"registered object(s)", {manifest->objects, objects_.size()}}}};
+        for (const auto& count : counts)
+          if (count.second.first != static_cast<int64_t>(count.second.second))
+            throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                               std::to_string(count.second.second));
       }
       auto read = [&](const std::string& name) {
         const fs::path file = dir / name;
@@ -6803,24 +6937,46 @@ class Accelerator {
         detail::check_module_archive(*models_[i].module, *models[i], "", (dir / numbered("model", i)).string());
       }
       for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(numbered("optimizer", i));
-      const fs::path rng_file = dir / ("random_states_" + std::to_string(process_index()) + ".pt");
-      if (!fs::exists(rng_file))
-        throw RuntimeError("missing " + rng_file.string() + " (saved by fewer processes than this run has?)");
-      try {
-        torch::load(rng, rng_file.string());
-      } catch (const std::exception& e) {
-        throw RuntimeError("cannot read " + rng_file.string() + ": " + detail::error_text(e));
+      for (std::size_t i = 0; i < objects_.size(); ++i)
+        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+      // A tensor of the given dtype and shape under `key`, or an error naming the file.
+      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                        at::IntArrayRef sizes, const std::string& file) {
+        at::Tensor value;
+        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+        return value;
+      };
+      if (!loaders_.empty()) {
+        const std::string file = (dir / "loaders.pt").string();
+        points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
+                        {static_cast<int64_t>(loaders_.size()), 2}, file);
       }
+      const std::string rng_name = "random_states_" + std::to_string(process_index()) + ".pt";
+      if (!fs::exists(dir / rng_name))
+        throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
+      auto rng_archive = read(rng_name);
       const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-      if (rng.scalar_type() != current.scalar_type() || rng.sizes() != current.sizes())
-        throw RuntimeError(rng_file.string() + " is not a CPU generator state");
+      // Before manifests, the file held the generator state alone (torch::save's key "0").
+      rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
+                   (dir / rng_name).string());
+      if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
     });
     detail::fail_together(error, "load_state");
 
-    // 2. The optimizers check their groups as they load: keep what they had,
-    // to put it back on every process if any one of them refuses.
+    // 2. Registered objects check what they load as they load it (and
+    // cannot be put back); the optimizers check their groups: keep what they
+    // had, to put it back on every process if any one of them refuses.
     std::vector<std::string> snapshots;
     error = detail::error_of([&] {
+      for (std::size_t i = 0; i < objects_.size(); ++i) {
+        try {
+          objects_[i].load(*objects[i]);
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
+                             " does not fit the registered object: " + detail::error_text(e));
+        }
+      }
       for (std::size_t i = 0; i < optimizers_.size(); ++i) {
         snapshots.push_back(detail::optimizer_snapshot(*optimizers_[i]));
         try {
@@ -6840,6 +6996,12 @@ class Accelerator {
 
     // 3. What was checked cannot fail to load.
     for (std::size_t i = 0; i < models_.size(); ++i) models_[i].module->load(*models[i]);
+    for (std::size_t i = 0; i < loaders_.size(); ++i) {
+      loaders_[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
+      loaders_[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
+      loaders_[i]->in_pass = false;
+    }
+    step_ = step;
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard lock(generator.mutex());
     generator.set_state(rng);
@@ -6910,7 +7072,7 @@ class Accelerator {
     return all_reduce(std::move(signal), ReduceOp::SUM, join_->group);
   }
   template <class... ModuleHolders>
-  SyncGuard with_sync(bool sync, ModuleHolders&... models) {
+  SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
     SyncGuard guard;
     (
         [&] {
@@ -6930,6 +7092,12 @@ class Accelerator {
   std::vector<torch::optim::Optimizer*> optimizers_;
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;
+  std::vector<std::shared_ptr<detail::LoaderPosition>> loaders_;  // prepared loaders' places, in prepare order
+  struct Registered {
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<Registered> objects_;  // register_for_checkpointing
   int64_t trigger_ = 0;
   std::optional<Join> join_;
 };

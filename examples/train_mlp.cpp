@@ -6,8 +6,12 @@
 // Run 4:  build/examples/train_mlp --spawn 4 --epochs 3   (accel::spawn)
 //         build/tests/accel_launch 4 build/examples/train_mlp --epochs 3
 //         (or torchrun/mpirun; one process without a launcher also works)
-// Flags:  --spawn N  --epochs N  --batch N (per process)  --accumulate K
+// Flags:  --spawn N  --epochs N (in all, counting a resumed run's earlier ones)
+//         --batch N (per process)  --accumulate K
 //         --checkpoint DIR (default train_mlp_checkpoint)  --resume
+//         --stop-after N (save and stop after N batches, as if interrupted;
+//         --resume then goes on mid-epoch and ends with the same weights,
+//         bit for bit, as an uninterrupted run: the last line's checksum)
 //
 // Exits non-zero when training did not lower the loss, so that CI can run it.
 #define ACCEL_TRAINING
@@ -50,6 +54,7 @@ TORCH_MODULE(Mlp);
 
 struct Options {
   int spawn = 0, epochs = 3, accumulate = 1;
+  int64_t stop_after = -1;
   size_t batch = 32;
   std::string checkpoint = "train_mlp_checkpoint";
   bool resume = false;
@@ -69,6 +74,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--accumulate") o.accumulate = std::stoi(value());
     else if (arg == "--checkpoint") o.checkpoint = value();
     else if (arg == "--resume") o.resume = true;
+    else if (arg == "--stop-after") o.stop_after = std::stoll(value());
     else throw std::invalid_argument("unknown flag " + arg);
   }
   return o;
@@ -96,18 +102,19 @@ int train(const Options& options) {
   Mlp model;
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
   accelerator.prepare(model, optimizer);
-  if (options.resume) accelerator.load_state(options.checkpoint);
-
   auto stack = torch::data::transforms::Stack<>();
   auto train = accelerator.prepare_data_loader(Regression().map(stack),
                                                {.batch_size = options.batch, .shuffle = true, .seed = 7});
   auto eval = accelerator.prepare_data_loader(Regression().map(stack), {.batch_size = 256});
+  // After everything is prepared: the loaders' places in their passes are in the checkpoint too.
+  if (options.resume) accelerator.load_state(options.checkpoint);
 
   const double initial = evaluate(accelerator, model, eval);
   accel::print("train_mlp:", accelerator.num_processes(), "process(es),", to_string(accelerator.distributed_type()),
                "on", accelerator.device().str(), "- initial mse", initial);
   const bool tty = isatty(STDOUT_FILENO);  // one updating line on a terminal, else a line per report
-  for (int epoch = 0; epoch < options.epochs; ++epoch) {
+  int64_t batches_run = 0;
+  for (int epoch = static_cast<int>(train.next_epoch()); epoch < options.epochs; ++epoch) {
     const auto start = std::chrono::steady_clock::now();
     int64_t samples = 0, step = 0;
     for (auto& batch : train) {
@@ -128,12 +135,29 @@ int train(const Options& options) {
                       static_cast<long long>(step), train.batches(), loss.item<double>(),
                       static_cast<double>(samples * accelerator.num_processes()) / seconds, tty ? "" : "\n");
       }
+      if (++batches_run == options.stop_after) {  // as if the run were killed here, after a checkpoint
+        accelerator.save_state(options.checkpoint);
+        accel::print("train_mlp: stopped after", options.stop_after, "batches; checkpoint in", options.checkpoint);
+        accelerator.wait_for_everyone();
+        accel::DistributedInterface::instance().destroy();
+        return 0;
+      }
     }
     if (accelerator.is_main_process() && tty) std::printf("\n");
   }
   const double final_mse = evaluate(accelerator, model, eval);
   accelerator.save_state(options.checkpoint);
   accel::print("train_mlp: final mse", final_mse, "- checkpoint in", options.checkpoint);
+  // FNV-1a over the weights' bytes: equal checksums, bit-identical weights.
+  uint64_t checksum = 14695981039346656037ull;
+  for (const auto& p : model->parameters()) {
+    const at::Tensor bytes = p.detach().contiguous();
+    const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+    for (size_t i = 0; i < bytes.nbytes(); ++i) checksum = (checksum ^ data[i]) * 1099511628211ull;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(checksum));
+  accel::print("train_mlp: weights checksum", hex);
   accelerator.wait_for_everyone();
   accel::DistributedInterface::instance().destroy();
   return final_mse < initial ? 0 : 1;

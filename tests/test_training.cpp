@@ -133,6 +133,26 @@ std::vector<double> momentum_sums(torch::optim::Optimizer& optimizer) {
   return sums;
 }
 
+// A step counter of the user's, for register_for_checkpointing.
+struct Counter {
+  int64_t value = 0;
+  void save(torch::serialize::OutputArchive& archive) const { archive.write("value", at::tensor(value)); }
+  void load(torch::serialize::InputArchive& archive) {
+    at::Tensor t;
+    archive.read("value", t);
+    value = t.item<int64_t>();
+  }
+};
+
+// The first element of each batch of one pass over a map-style loader
+// (Indexed: sample i is [i]), from the `from`-th batch on.
+template <class Loader>
+std::vector<int64_t> pass_firsts(Loader& loader) {
+  std::vector<int64_t> firsts;
+  for (auto& batch : loader) firsts.push_back(batch.data[0][0].template item<int64_t>());
+  return firsts;
+}
+
 // Gradients of two models agree (allclose), parameter by parameter.
 bool same_grads(torch::nn::Module& a, torch::nn::Module& b) {
   auto pa = a.parameters(), pb = b.parameters();
@@ -524,6 +544,85 @@ TEST_SUITE("ranks") {
     accelerator.load_state(dir);
     CHECK(at::equal(saved, flat_parameters(*model)));
     CHECK(saved_momentum == momentum_sums(optimizer));
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: prepared loaders resume on the next batch; the step and registered objects return") {
+    namespace fs = std::filesystem;
+    auto make_loaders = [](accel::Accelerator& acc) {
+      auto indexed = acc.prepare_data_loader(Indexed(23).map(torch::data::transforms::Stack<>()),
+                                             {.batch_size = 2, .shuffle = true, .seed = 5});
+      auto stream = acc.prepare_data_loader(Stream(29), {.batch_size = 2});  // dispatched
+      return std::make_pair(std::move(indexed), std::move(stream));
+    };
+    std::vector<int64_t> rest_of_epoch_1, epoch_2, stream_rest;
+    std::filesystem::path dir;
+    {  // the run that saves: mid-way through the indexed loader's epoch 1 and the stream's pass
+      accel::Accelerator accelerator(config(3));
+      auto loaders = make_loaders(accelerator);
+      Counter counter{41};
+      accelerator.register_for_checkpointing(counter);
+      dir = shared_temp_path(accelerator, "accel_resume_");
+      pass_firsts(loaders.first);  // epoch 0
+      std::vector<std::vector<int64_t>> stream_batches;
+      for (auto& batch : loaders.second) stream_batches.push_back(batch);  // a whole pass, for reference
+      int handed = 0;
+      for (auto& batch : loaders.second) {
+        (void)batch;
+        if (++handed == 3) break;  // 3 batches handed out
+      }
+      int64_t batches = 0;
+      for (auto& batch : loaders.first) {
+        if (++batches <= 2) {
+          auto sync = accelerator.accumulate();  // two of three accumulation steps
+          CHECK_FALSE(accelerator.sync_gradients());
+          if (batches == 2) accelerator.save_state(dir);
+          continue;
+        }
+        rest_of_epoch_1.push_back(batch.data[0][0].item<int64_t>());
+      }
+      CHECK(loaders.first.epoch() == 1);
+      epoch_2 = pass_firsts(loaders.first);
+      for (std::size_t b = 3; b < stream_batches.size(); ++b)
+        stream_rest.insert(stream_rest.end(), stream_batches[b].begin(), stream_batches[b].end());
+      REQUIRE_FALSE(rest_of_epoch_1.empty());  // 23 samples, 2 per batch: at least 3 batches per process at 1-4
+    }
+    accel::Accelerator accelerator(config(3));
+    auto loaders = make_loaders(accelerator);
+    Counter counter;
+    accelerator.register_for_checkpointing(counter);
+    accelerator.load_state(dir);
+    CHECK(counter.value == 41);
+    CHECK(loaders.first.next_epoch() == 1);
+    std::vector<int64_t> resumed;
+    for (auto& batch : loaders.first) {
+      if (resumed.empty()) {  // the third accumulation step: the saved count goes on
+        auto sync = accelerator.accumulate();
+        CHECK(accelerator.sync_gradients());
+      }
+      resumed.push_back(batch.data[0][0].item<int64_t>());
+    }
+    CHECK(resumed == rest_of_epoch_1);
+    CHECK(loaders.first.epoch() == 1);
+    CHECK(pass_firsts(loaders.first) == epoch_2);  // and then epoch 2, whole
+    std::vector<int64_t> stream_resumed;
+    for (auto& batch : loaders.second) stream_resumed.insert(stream_resumed.end(), batch.begin(), batch.end());
+    CHECK(stream_resumed == stream_rest);
+    // skip_first_batches, by hand: the next pass only
+    const std::size_t all = epoch_2.size();
+    CHECK(pass_firsts(accelerator.skip_first_batches(loaders.first, all - 1)).size() == 1);
+    CHECK(pass_firsts(loaders.first).size() == all);
+    CHECK(pass_firsts(accelerator.skip_first_batches(loaders.first, all + 5)).empty());
+    // a checkpoint with another number of loaders is refused
+    {
+      accel::Accelerator fewer(config(3));
+      auto only = fewer.prepare_data_loader(Indexed(23).map(torch::data::transforms::Stack<>()), {.batch_size = 2});
+      Counter c;
+      fewer.register_for_checkpointing(c);
+      CHECK(what_of([&] { fewer.load_state(dir); }).find("it holds 2 data loader(s); this run has 1") !=
+            std::string::npos);
+    }
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) fs::remove_all(dir);
   }
@@ -1467,3 +1566,4 @@ TEST_SUITE("single") {
     world().destroy();
   }
 }
+
