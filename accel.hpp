@@ -4765,6 +4765,7 @@ ACCEL_NAMESPACE_END  // accel
 #pragma GCC diagnostic pop
 #endif
 
+#include <bit>
 #include <cstdio>  // renameat2
 #include <filesystem>
 #include <set>
@@ -6451,6 +6452,301 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
 }
 }  // namespace detail
 
+// -- safetensors ----------------------------------------------------------------
+//
+// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
+// weights trained here load in Python and the reverse: an 8-byte
+// little-endian header length, a JSON header {"__metadata__": {...},
+// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
+// little-endian and row-major, offsets counted from the end of the header.
+// LibTorch reads and writes neither the format nor JSON in its public
+// headers, so the few lines here are ours: a writer, and a reader for the
+// JSON subset the format uses, which checks everything it is given.
+
+namespace detail {
+inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
+    {at::kDouble, "F64"},
+    {at::kFloat, "F32"},
+    {at::kHalf, "F16"},
+    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},
+    {at::kInt, "I32"},
+    {at::kShort, "I16"},
+    {at::kChar, "I8"},
+    {at::kByte, "U8"},
+    {at::kBool, "BOOL"},
+}};
+
+// A JSON value: what the safetensors header and index hold.
+struct Json {
+  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
+  std::string text;  // a string's value, a number's digits
+  std::vector<Json> items;
+  std::vector<std::pair<std::string, Json>> fields;
+  const Json* find(std::string_view key) const {
+    for (const auto& field : fields)
+      if (field.first == key) return &field.second;
+    return nullptr;
+  }
+};
+
+class JsonReader {
+ public:
+  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
+  Json document() {
+    Json value = parse(0);
+    skip_space();
+    if (i_ != text_.size()) fail("text after the JSON value");
+    return value;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
+  }
+  void skip_space() {
+    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
+  }
+  bool take(char c) {
+    skip_space();
+    if (i_ < text_.size() && text_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!take(c)) fail(std::string("expected '") + c + "'");
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= text_.size()) fail("unterminated string");
+      const char c = text_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= text_.size()) fail("unterminated escape");
+      const char e = text_[i_++];
+      switch (e) {
+        case '"': case '\\': case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          if (i_ + 4 > text_.size()) fail("short \\u escape");
+          unsigned code = 0;
+          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
+          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
+          i_ += 4;
+          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
+          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
+          else if (code < 0x800) out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else
+            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
+                    static_cast<char>(0x80 | (code & 0x3F))};
+          break;
+        }
+        default: fail("bad escape");
+      }
+    }
+  }
+  Json parse(int depth) {
+    if (depth > 32) fail("nested too deep");
+    skip_space();
+    if (i_ >= text_.size()) fail("unexpected end");
+    Json v;
+    const char c = text_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = Json::Kind::Object;
+      if (take('}')) return v;
+      do {
+        skip_space();
+        std::string key = string();
+        expect(':');
+        v.fields.emplace_back(std::move(key), parse(depth + 1));
+      } while (take(','));
+      expect('}');
+    } else if (c == '[') {
+      ++i_;
+      v.kind = Json::Kind::Array;
+      if (take(']')) return v;
+      do v.items.push_back(parse(depth + 1));
+      while (take(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = Json::Kind::String;
+      v.text = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      v.kind = Json::Kind::Number;
+      const std::size_t start = i_;
+      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
+      v.text = std::string(text_.substr(start, i_ - start));
+    } else {
+      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
+                                        std::pair{"null", Json::Kind::Null}})
+        if (text_.substr(i_, std::strlen(word)) == word) {
+          i_ += std::strlen(word);
+          v.kind = kind;
+          v.text = word;
+          return v;
+        }
+      fail("unexpected character");
+    }
+    return v;
+  }
+
+  std::string_view text_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+inline std::string json_quote(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += {'\\', c};
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += escape;
+    } else out += c;
+  }
+  return out + "\"";
+}
+
+inline int64_t json_uint(const Json& v, const std::string& what) {
+  int64_t value = -1;
+  if (v.kind == Json::Kind::Number) {
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
+    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
+  }
+  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
+  return value;
+}
+
+// A whole file's bytes written to `path` through a temporary name and a
+// rename: a reader finds the old file or the whole new one.
+inline void write_file_atomically(const fs::path& path, const std::function<void(std::ofstream&)>& body) {
+  const fs::path tmp = sibling(path, ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw_errno("cannot create", tmp);
+    body(out);
+    out.flush();
+    if (!out) throw_errno("cannot write", tmp);
+  }
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous).
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  static_assert(std::endian::native == std::endian::little, "safetensors is little-endian; so is every host LibTorch runs on");
+  std::string header = R"({"__metadata__":{"format":"pt"})";
+  uint64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
+    if (dtype == safetensors_dtypes.end())
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" +
+                            c10::toString(tensor.scalar_type()) + ")");
+    std::string shape;
+    for (const int64_t d : tensor.sizes()) {
+      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
+      shape += std::to_string(d);
+    }
+    const uint64_t bytes = tensor.numel() * tensor.element_size();
+    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  write_file_atomically(path, [&](std::ofstream& out) {
+    const uint64_t length = header.size();
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (const auto& named : tensors) {
+      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    }
+  });
+}
+
+// The tensors a safetensors file holds, each checked (dtype, shape, offsets
+// inside the file and matching the size, no overlap), read whole.
+inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+  const std::string where = path.string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RuntimeError("missing " + where);
+  const uint64_t file_size = fs::file_size(path);
+  uint64_t length = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
+    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
+  if (length > file_size - 8 || length > (uint64_t{100} << 20))
+    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
+                       " bytes in a file of " + std::to_string(file_size) + ")");
+  std::string header(length, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(length));
+  const Json doc = JsonReader(header, where).document();
+  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
+  const uint64_t data_size = file_size - 8 - length;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& [name, entry] : doc.fields) {
+    if (name == "__metadata__") continue;
+    const std::string what = where + ": tensor " + name;
+    const Json* dtype = entry.find("dtype");
+    const Json* shape = entry.find("shape");
+    const Json* offsets = entry.find("data_offsets");
+    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
+        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
+      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
+    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.second == dtype->text; });
+    if (known == safetensors_dtypes.end()) throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    std::vector<int64_t> sizes;
+    for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
+    const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");
+    const int64_t end = json_uint(offsets->items[1], what + "'s data_offsets");
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(known->first));
+    const auto bytes = static_cast<int64_t>(t.numel() * t.element_size());
+    if (end < begin || static_cast<uint64_t>(end) > data_size || end - begin != bytes)
+      throw RuntimeError(what + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
+                         std::to_string(data_size));
+    in.seekg(static_cast<std::streamoff>(8 + length + begin));
+    if (!in.read(static_cast<char*>(t.data_ptr()), bytes)) throw RuntimeError("cannot read " + what);
+    ranges.emplace_back(begin, end);
+    out.emplace_back(name, std::move(t));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
+  return out;
+}
+
+// A model's state_dict as Python makes it: dotted names, in its order (each
+// module's parameters, then its buffers, then its children's).
+inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& m : module.named_modules()) {
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
+    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
+  }
+  return out;
+}
+}  // namespace detail
+
 class Accelerator {
  public:
   explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
@@ -7005,6 +7301,144 @@ class Accelerator {
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard lock(generator.mutex());
     generator.set_state(rng);
+  }
+
+  // -- weights that leave C++ --------------------------------------------------------
+
+  // Writes the model's weights as Hugging Face does, for Python (and
+  // load_model) to read: dir/model.safetensors with the state_dict's names as
+  // keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
+  // (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
+  // dir/model.safetensors.index.json. The main process writes; every process
+  // calls it (and gets any error). Each file is written whole under a
+  // temporary name, then renamed; the other layout's files of an earlier save
+  // in dir are removed.
+  template <class ModuleHolder>
+  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
+    namespace fs = std::filesystem;
+    const fs::path path = detail::checkpoint_path(dir, "save_model");
+    if (max_shard_bytes == 0) throw InvalidArgument("accel::Accelerator::save_model: max_shard_bytes must be positive");
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      using Named = std::vector<std::pair<std::string, at::Tensor>>;
+      std::vector<Named> shards(1);
+      uint64_t in_shard = 0, total = 0;
+      for (auto& named : detail::state_dict(*model.ptr())) {
+        const uint64_t bytes = named.second.numel() * named.second.element_size();
+        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+          shards.emplace_back();
+          in_shard = 0;
+        }
+        shards.back().push_back(std::move(named));
+        in_shard += bytes;
+        total += bytes;
+      }
+      fs::create_directories(path);
+      std::set<std::string> written;
+      if (shards.size() == 1) {
+        fs::remove(path / "model.safetensors.index.json");  // it would be read first
+        detail::write_safetensors(path / "model.safetensors", shards[0]);
+        written.insert("model.safetensors");
+      } else {
+        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          char name[64];
+          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+          detail::write_safetensors(path / name, shards[k]);
+          written.insert(name);
+          for (const auto& named : shards[k]) weight_map[named.first] = name;
+        }
+        std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                            "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
+                   detail::json_quote(file);
+        index += "\n  }\n}\n";
+        detail::write_file_atomically(path / "model.safetensors.index.json",
+                                      [&](std::ofstream& out) { out << index; });
+        written.insert("model.safetensors.index.json");
+      }
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string name = entry.path().filename().string();
+        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                          (name.starts_with("model-") && name.ends_with(".safetensors"));
+        if (ours && !written.count(name)) fs::remove(entry.path());
+      }
+      detail::fsync_path(path);
+    });
+    detail::fail_together(error, "save_model");
+  }
+
+  // Reads weights written by save_model or by Python (safetensors' save_file,
+  // save_pretrained / save_model, sharded or not) into the model, on every
+  // process. Everything is read and checked before anything is copied: each
+  // of the model's parameters and buffers must be there with its dtype and
+  // shape, and nothing else; otherwise every process throws, naming the
+  // file and the tensors.
+  template <class ModuleHolder>
+  void load_model(ModuleHolder& model, const std::string& dir) {
+    namespace fs = std::filesystem;
+    const fs::path path = detail::checkpoint_path(dir, "load_model");
+    const auto expected = detail::state_dict(*model.ptr());
+    std::map<std::string, at::Tensor> loaded;
+    const std::string error = detail::error_of([&] {
+      auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
+        for (auto& [name, tensor] : detail::read_safetensors(file)) {
+          if (weight_map) {
+            const auto mapped = weight_map->find(name);
+            if (mapped == weight_map->end() || mapped->second != file.filename().string())
+              throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
+          }
+          if (!loaded.emplace(name, std::move(tensor)).second)
+            throw RuntimeError(file.string() + ": " + name + " is in two files");
+        }
+      };
+      const fs::path index_file = path / "model.safetensors.index.json";
+      std::string where = (path / "model.safetensors").string();
+      if (fs::exists(index_file)) {
+        where = index_file.string();
+        std::ifstream in(index_file);
+        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        const detail::Json doc = detail::JsonReader(text, where).document();
+        const detail::Json* map = doc.find("weight_map");
+        if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
+        std::map<std::string, std::string> weight_map;
+        for (const auto& [name, file] : map->fields) {
+          if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
+            throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
+          weight_map[name] = file.text;
+        }
+        std::set<std::string> files;
+        for (const auto& entry : weight_map) files.insert(entry.second);
+        for (const std::string& file : files) take(path / file, &weight_map);
+        for (const auto& entry : weight_map)
+          if (!loaded.count(entry.first))
+            throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+      } else {
+        take(path / "model.safetensors", nullptr);
+      }
+      std::string missing, wrong;
+      std::set<std::string> names;
+      for (const auto& [name, tensor] : expected) {
+        names.insert(name);
+        const auto found = loaded.find(name);
+        if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
+        else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
+          wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
+                   c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
+                   c10::str(tensor.sizes()) + " in the model";
+      }
+      std::string unexpected;
+      for (const auto& entry : loaded)
+        if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+      if (!missing.empty() || !wrong.empty() || !unexpected.empty())
+        throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
+                           (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+                           (wrong.empty() ? "" : " " + wrong + "."));
+    });
+    detail::fail_together(error, "load_model");
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
   }
 
   // -- properties -------------------------------------------------------------------

@@ -9,6 +9,7 @@
 // Flags:  --spawn N  --epochs N (in all, counting a resumed run's earlier ones)
 //         --batch N (per process)  --accumulate K
 //         --checkpoint DIR (default train_mlp_checkpoint)  --resume
+//         --export DIR (the final weights as safetensors, for Python)
 //         --stop-after N (save and stop after N batches, as if interrupted;
 //         --resume then goes on mid-epoch and ends with the same weights,
 //         bit for bit, as an uninterrupted run: the last line's checksum)
@@ -56,7 +57,7 @@ struct Options {
   int spawn = 0, epochs = 3, accumulate = 1;
   int64_t stop_after = -1;
   size_t batch = 32;
-  std::string checkpoint = "train_mlp_checkpoint";
+  std::string checkpoint = "train_mlp_checkpoint", export_dir;
   bool resume = false;
 };
 
@@ -74,6 +75,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--accumulate") o.accumulate = std::stoi(value());
     else if (arg == "--checkpoint") o.checkpoint = value();
     else if (arg == "--resume") o.resume = true;
+    else if (arg == "--export") o.export_dir = value();
     else if (arg == "--stop-after") o.stop_after = std::stoll(value());
     else throw std::invalid_argument("unknown flag " + arg);
   }
@@ -148,6 +150,10 @@ int train(const Options& options) {
   const double final_mse = evaluate(accelerator, model, eval);
   accelerator.save_state(options.checkpoint);
   accel::print("train_mlp: final mse", final_mse, "- checkpoint in", options.checkpoint);
+  if (!options.export_dir.empty()) {  // model.safetensors: Python's load_state_dict takes it as it is
+    accelerator.save_model(model, options.export_dir);
+    accel::print("train_mlp: weights in", options.export_dir + "/model.safetensors");
+  }
   // FNV-1a over the weights' bytes: equal checksums, bit-identical weights.
   uint64_t checksum = 14695981039346656037ull;
   for (const auto& p : model->parameters()) {

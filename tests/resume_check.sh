@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# examples/train_mlp on WORLD ranks: trains 2 epochs, checkpoints and lowers
-# the loss; a run stopped after STOP batches (mid-epoch) and resumed from its
+# examples/train_mlp on WORLD ranks: trains 2 epochs, checkpoints, exports
+# its weights as safetensors and lowers the loss; a run stopped after STOP batches (mid-epoch) and resumed from its
 # checkpoint ends with the same weights, bit for bit (the same checksum); and
 # a finished run resumed for one more epoch with another accumulation still
 # lowers the loss.
@@ -11,9 +11,10 @@ rm -rf "$dir" && mkdir -p "$dir"
 run() { "$launch" --timeout 240 "$world" "$train" "$@"; }
 checksum() { sed -n 's/^\[rank 0\] train_mlp: weights checksum \([0-9a-f]*\)$/\1/p' "$1"; }
 
-run --epochs 2 --checkpoint "$dir/straight" | tee "$dir/straight.log"
+run --epochs 2 --checkpoint "$dir/straight" --export "$dir/weights" | tee "$dir/straight.log"
 grep -q 'samples/s' "$dir/straight.log"
 test -s "$dir/straight/model.pt" && test -s "$dir/straight/optimizer.pt" && test -s "$dir/straight/loaders.pt"
+test -s "$dir/weights/model.safetensors"
 
 run --epochs 2 --checkpoint "$dir/resumed" --stop-after "$stop" | tee "$dir/stopped.log"
 grep -q "stopped after $stop batches" "$dir/stopped.log"

@@ -153,6 +153,55 @@ std::vector<int64_t> pass_firsts(Loader& loader) {
   return firsts;
 }
 
+// Net: a Linear, a BatchNorm (buffers, one of them int64), a Tanh and a
+// Linear; tests/python_ref/safetensors_check.py builds the same in Python.
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : body(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8), torch::nn::Tanh(), torch::nn::Linear(8, 1)) {
+    register_module("body", body);
+  }
+  at::Tensor forward(const at::Tensor& x) { return body->forward(x); }
+  torch::nn::Sequential body;
+};
+TORCH_MODULE(Net);
+
+// A Net with running statistics that matter, from `seed`.
+Net seeded_net(uint64_t seed) {
+  torch::manual_seed(seed);
+  Net net;
+  torch::NoGradGuard no_grad;
+  auto& bn = *net->body->ptr(1)->as<torch::nn::BatchNorm1d>();
+  bn.running_mean.uniform_(-1, 1);
+  bn.running_var.uniform_(0.5, 2);
+  bn.num_batches_tracked.fill_(static_cast<int64_t>(seed));
+  net->eval();
+  return net;
+}
+
+// Every parameter and buffer equal, by name.
+bool same_state(torch::nn::Module& a, torch::nn::Module& b) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  auto ba = a.named_buffers(), bb = b.named_buffers();
+  if (pa.size() != pb.size() || ba.size() != bb.size()) return false;
+  for (const auto& p : pa)
+    if (!pb.contains(p.key()) || !at::equal(p.value(), pb[p.key()])) return false;
+  for (const auto& x : ba)
+    if (!bb.contains(x.key()) || !at::equal(x.value(), bb[x.key()])) return false;
+  return true;
+}
+
+std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// One parameter "w", for the format's bytes.
+struct OneImpl : torch::nn::Module {
+  explicit OneImpl(at::Tensor value) { w = register_parameter("w", std::move(value)); }
+  at::Tensor w;
+};
+TORCH_MODULE(One);
+
 // Gradients of two models agree (allclose), parameter by parameter.
 bool same_grads(torch::nn::Module& a, torch::nn::Module& b) {
   auto pa = a.parameters(), pb = b.parameters();
@@ -1534,6 +1583,87 @@ TEST_SUITE("single") {
     world().destroy();
   }
 
+  TEST_CASE("safetensors: save_model writes the format byte for byte; load_model reads it back, sharded or not") {
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    const fs::path base = fs::temp_directory_path() / ("accel_safetensors_" + std::to_string(getpid()));
+    {  // the format: length, JSON header padded with spaces to 8 bytes, little-endian data
+      One one(at::tensor({1.0f, 2.0f}));
+      accelerator.save_model(one, (base / "one").string());
+      std::string header = R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+      header.resize((header.size() + 7) / 8 * 8, ' ');
+      std::string expected(8, '\0');
+      for (int i = 0; i < 8; ++i) expected[i] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+      const float data[2] = {1.0f, 2.0f};
+      expected += header + std::string(reinterpret_cast<const char*>(data), 8);
+      CHECK(file_bytes(base / "one" / "model.safetensors") == expected);
+      One other(at::zeros({2}));
+      accelerator.load_model(other, (base / "one").string());
+      CHECK(at::equal(other->w, at::tensor({1.0f, 2.0f})));
+      One bf16(at::tensor({1.5f, -2.0f, 3.25f}).to(at::kBFloat16));
+      accelerator.save_model(bf16, (base / "bf16").string());
+      CHECK(file_bytes(base / "bf16" / "model.safetensors").find(R"("dtype":"BF16","shape":[3])") != std::string::npos);
+      One bf16_back(at::zeros({3}, at::kBFloat16));
+      accelerator.load_model(bf16_back, (base / "bf16").string());
+      CHECK(at::equal(bf16_back->w, bf16->w));
+    }
+    Net saved = seeded_net(3);
+    accelerator.save_model(saved, (base / "net").string());
+    Net loaded = seeded_net(4);
+    CHECK_FALSE(same_state(*saved, *loaded));
+    accelerator.load_model(loaded, (base / "net").string());
+    CHECK(same_state(*saved, *loaded));  // parameters and buffers (num_batches_tracked is int64)
+
+    // Sharded above the limit (each shard at most 256 bytes unless one tensor is larger), with an index.
+    accelerator.save_model(saved, (base / "net").string(), 256);
+    CHECK_FALSE(fs::exists(base / "net" / "model.safetensors"));
+    const std::string index = file_bytes(base / "net" / "model.safetensors.index.json");
+    CHECK(index.find(R"("weight_map")") != std::string::npos);
+    CHECK(index.find(R"("body.1.running_mean": "model-00001-of-)") != std::string::npos);
+    int shards = 0;
+    for (const auto& entry : fs::directory_iterator(base / "net"))
+      shards += entry.path().filename().string().starts_with("model-000");
+    CHECK(shards > 1);
+    Net from_shards = seeded_net(5);
+    accelerator.load_model(from_shards, (base / "net").string());
+    CHECK(same_state(*saved, *from_shards));
+    accelerator.save_model(saved, (base / "net").string());  // one file again: the shards and index go
+    std::size_t files = 0;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(base / "net")) ++files;
+    CHECK(files == 1);
+
+    // What does not fit is refused, and nothing is modified.
+    auto refused = [&](const std::string& dir, auto& model) {
+      const at::Tensor before = flat_parameters(*model).clone();
+      const std::string what = what_of([&] { accelerator.load_model(model, dir); });
+      CHECK(at::equal(before, flat_parameters(*model)));
+      return what;
+    };
+    Mlp narrow(4, 8, 1), wide(4, 16, 1);
+    accelerator.save_model(wide, (base / "wide").string());
+    CHECK(refused((base / "wide").string(), narrow).find("body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
+          std::string::npos);
+    const std::string net_into_mlp = refused((base / "net").string(), narrow);
+    CHECK(net_into_mlp.find("model.safetensors does not fit the model: missing body.2.weight") != std::string::npos);
+    CHECK(net_into_mlp.find("not in the model: body.1.bias, body.1.num_batches_tracked") != std::string::npos);
+    fs::copy(base / "net", base / "cut", fs::copy_options::recursive);
+    fs::resize_file(base / "cut" / "model.safetensors", fs::file_size(base / "cut" / "model.safetensors") - 4);
+    CHECK(refused((base / "cut").string(), loaded).find("do not hold its") != std::string::npos);
+    fs::create_directories(base / "junk");
+    std::ofstream(base / "junk" / "model.safetensors") << "junk";
+    CHECK(refused((base / "junk").string(), loaded).find("is not a safetensors file") != std::string::npos);
+    {
+      std::string bad = "{\"w\": [1,}";
+      std::string bytes(8, '\0');
+      bytes[0] = static_cast<char>(bad.size());
+      std::ofstream(base / "junk" / "model.safetensors", std::ios::binary) << bytes + bad;
+    }
+    CHECK(refused((base / "junk").string(), loaded).find("bad JSON at byte") != std::string::npos);
+    CHECK(refused((base / "none").string(), loaded).find("missing ") != std::string::npos);
+    fs::remove_all(base);
+    world().destroy();
+  }
+
   TEST_CASE("training: configuration errors") {
     {  // cpu = true goes to the interface's config, not to the environment
       EnvGuard env{{"ACCEL_DEVICE", nullptr}};
@@ -1567,3 +1697,35 @@ TEST_SUITE("single") {
   }
 }
 
+// Run by tests/python_ref/run_safetensors.sh (CTest safetensors_python)
+// around tests/python_ref/safetensors_check.py: skipped otherwise.
+TEST_SUITE("python_safetensors" * doctest::skip()) {
+  TEST_CASE("write: a model, sharded too, and its outputs, for Python to load") {
+    const char* dir = std::getenv("ACCEL_SAFETENSORS_DIR");
+    REQUIRE(dir != nullptr);
+    accel::Accelerator accelerator(config());
+    Net net = seeded_net(3);
+    const at::Tensor x = at::linspace(-2, 2, 40).reshape({10, 4});
+    torch::NoGradGuard no_grad;
+    const at::Tensor y = net(x);
+    accelerator.save_model(net, std::string(dir) + "/cpp");
+    accelerator.save_model(net, std::string(dir) + "/cpp_sharded", 256);
+    accel::detail::write_safetensors(std::string(dir) + "/io.safetensors", {{"x", x}, {"y", y}});
+    world().destroy();
+  }
+  TEST_CASE("read: Python's model gives Python's outputs") {
+    const char* dir = std::getenv("ACCEL_SAFETENSORS_DIR");
+    REQUIRE(dir != nullptr);
+    accel::Accelerator accelerator(config());
+    Net net = seeded_net(9);
+    accelerator.load_model(net, std::string(dir) + "/py");
+    std::map<std::string, at::Tensor> io;
+    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/py_io.safetensors")) io.insert(named);
+    REQUIRE(io.count("x") == 1);
+    REQUIRE(io.count("y") == 1);
+    torch::NoGradGuard no_grad;
+    CHECK(at::equal(net(io["x"]), io["y"]));
+    CHECK(net->named_buffers()["body.1.num_batches_tracked"].item<int64_t>() == 7);
+    world().destroy();
+  }
+}

@@ -1,7 +1,8 @@
 // What a user's translation unit instantiates, compiled with the project's
 // compiler at the build's optimisation level and -Wall -Wextra -Werror, and
 // without the -Wno-missing-field-initializers the test sources need: the
-// training example (Accelerator, DataParallel, loaders, checkpoints), the
+// training example (Accelerator, DataParallel, loaders, checkpoints,
+// safetensors weights), the
 // autograd-aware collectives, an N-D mesh, and every public configuration
 // struct built with designated initializers that leave members out (GCC 14
 // warns for a left-out member that has no initializer of its own). Middle-end
@@ -22,4 +23,9 @@ at::Tensor probe_autograd(const at::Tensor& x, const accel::GroupPtr& group) {
 int probe_mesh() {
   accel::DeviceMesh mesh = accel::init_device_mesh({1, 1}, {"dp", "cp"});
   return mesh.slice("dp", "cp").flatten().size() + mesh.slice("dp_cp").get_local_rank();
+}
+
+void probe_weights(accel::Accelerator& accelerator, torch::nn::Linear& model) {
+  accelerator.save_model(model, "weights", 1 << 20);
+  accelerator.load_model(model, "weights");
 }
