@@ -25,7 +25,8 @@
 //                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
 //                      (autograd-aware collectives, DataParallel, data
-//                      loading, dispatch_batches, Accelerator)
+//                      loading, dispatch_batches, checkpoint files,
+//                      safetensors, Accelerator)
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -6209,9 +6210,9 @@ class AcceleratedScheduler {
 // random_states_<rank>.pt (that rank's RNG and the accumulation step, as
 // Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
 // out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
-// manifest accel_checkpoint.txt, whose
-// presence (whole: it ends with "end") marks the directory complete. Each
-// manifest carries a serial, one more than the checkpoint it replaces.
+// manifest accel_checkpoint.txt, whose presence (whole: it ends with "end")
+// marks the directory complete. Each manifest carries a serial, one more
+// than the checkpoint it replaces.
 //
 // save_state writes DIR.tmp, fsyncs every file, writes the manifest, fsyncs
 // the directory, then swaps DIR.tmp and DIR in one step (renameat2's
