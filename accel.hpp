@@ -6185,23 +6185,32 @@ class AcceleratedOptimizer {
 // the scheduler once per data-parallel process (the schedule was written in
 // one-process batches; each step consumed one batch on every process),
 // once with split_batches. Any scheduler with step() (torch::optim::StepLR,
-// LRScheduler subclasses, your own). A handle: copies share the scheduler.
+// LRScheduler subclasses, your own). A handle: copies share the scheduler,
+// and the count of its steps, which checkpoints keep.
 class AcceleratedScheduler {
  public:
   template <class Scheduler>
     requires requires(Scheduler& s) { s.step(); }
-  AcceleratedScheduler(Scheduler& scheduler, std::shared_ptr<const detail::GradientState> state, int steps_per_call)
-      : step_([&scheduler] { scheduler.step(); }), state_(std::move(state)), steps_per_call_(steps_per_call) {}
+  AcceleratedScheduler(Scheduler& scheduler, std::shared_ptr<const detail::GradientState> state, int steps_per_call,
+                       std::shared_ptr<int64_t> steps = std::make_shared<int64_t>(0))
+      : step_([&scheduler] { scheduler.step(); }),
+        state_(std::move(state)),
+        steps_per_call_(steps_per_call),
+        steps_(std::move(steps)) {}
 
   void step() {
     if (!state_->sync_gradients) return;
-    for (int i = 0; i < steps_per_call_; ++i) step_();
+    for (int i = 0; i < steps_per_call_; ++i) {
+      step_();
+      ++*steps_;
+    }
   }
 
  private:
   std::function<void()> step_;
   std::shared_ptr<const detail::GradientState> state_;
   int steps_per_call_;
+  std::shared_ptr<int64_t> steps_;  // the scheduler's own step() calls
 };
 
 // -- Checkpoint files ---------------------------------------------------------
@@ -6249,6 +6258,7 @@ struct CheckpointManifest {
   int64_t optimizers = 0;
   int64_t loaders = 0;
   int64_t objects = 0;
+  int64_t schedulers = 0;
 };
 
 [[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
@@ -6279,7 +6289,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     else if (key == "models") m.models = value;
     else if (key == "optimizers") m.optimizers = value;
     else if (key == "loaders") m.loaders = value;
-    else if (key == "objects") m.objects = value;  // other keys: a newer writer's, ignored
+    else if (key == "objects") m.objects = value;
+    else if (key == "schedulers") m.schedulers = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }
@@ -6288,7 +6299,8 @@ inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
   const std::string text = std::string(checkpoint_format) + "\nserial " + std::to_string(m.serial) +
                            "\nprocesses " + std::to_string(m.processes) + "\nmodels " + std::to_string(m.models) +
                            "\noptimizers " + std::to_string(m.optimizers) + "\nloaders " + std::to_string(m.loaders) +
-                           "\nobjects " + std::to_string(m.objects) + "\nend\n";
+                           "\nobjects " + std::to_string(m.objects) + "\nschedulers " +
+                           std::to_string(m.schedulers) + "\nend\n";
   const fs::path path = dir / checkpoint_manifest;
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) throw_errno("cannot create", path);
@@ -6437,6 +6449,27 @@ inline void check_module_archive(torch::nn::Module& module, torch::serialize::In
       throw RuntimeError(file + " has " + prefix + key + ", which the model lacks (saved from another model?)");
 }
 
+// LibTorch's Optimizer::load restores the per-parameter state but not the
+// groups' options (learning rate, momentum, ...), which Python's
+// load_state_dict restores: a resumed run would silently go on with the
+// learning rate it started with. They are in the same archive
+// (param_groups/<i>/options, torch/optim/serialize.h's layout): read into a
+// clone of each group's options, which has the optimizer's own options type.
+inline void load_group_options(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive groups;
+  archive.read("param_groups", groups);
+  for (std::size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+    auto& group = optimizer.param_groups()[i];
+    if (!group.has_options()) continue;
+    torch::serialize::InputArchive saved_group, saved;
+    groups.read("param_groups/" + std::to_string(i), saved_group);
+    saved_group.read("options", saved);
+    std::unique_ptr<torch::optim::OptimizerOptions> options = group.options().clone();
+    options->serialize(saved);
+    group.set_options(std::move(options));
+  }
+}
+
 // An optimizer's state as bytes, to put it back if a load fails.
 inline std::string optimizer_snapshot(torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
@@ -6450,6 +6483,7 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
   archive.load_from(snapshot.data(), snapshot.size());
   optimizer.state().clear();  // load() only sets the entries it finds
   optimizer.load(archive);
+  load_group_options(optimizer, archive);
 }
 }  // namespace detail
 
@@ -6799,7 +6833,23 @@ class Accelerator {
   template <class Scheduler>
     requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
   AcceleratedScheduler prepare(Scheduler& scheduler) {
-    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP));
+    auto found = std::find_if(schedulers_.begin(), schedulers_.end(),
+                              [&](const PreparedScheduler& p) { return p.address == &scheduler; });
+    if (found == schedulers_.end()) {
+      PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
+      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
+                             torch::serialize::InputArchive& in) {
+                      c.save(out);
+                      m.load(in);
+                    }) {
+        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
+        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
+      }
+      schedulers_.push_back(std::move(p));
+      found = std::prev(schedulers_.end());
+    }
+    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP),
+                                found->steps);
   }
   // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
   //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
@@ -7126,7 +7176,8 @@ class Accelerator {
                                         .models = static_cast<int64_t>(models_.size()),
                                         .optimizers = static_cast<int64_t>(optimizers_.size()),
                                         .loaders = static_cast<int64_t>(loaders_.size()),
-                                        .objects = static_cast<int64_t>(objects_.size())};
+                                        .objects = static_cast<int64_t>(objects_.size()),
+                                        .schedulers = static_cast<int64_t>(schedulers_.size())};
     std::string error;
     if (is_main_process()) error = detail::error_of([&] {
       manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
@@ -7161,6 +7212,17 @@ class Accelerator {
                       at::tensor(points).reshape({static_cast<int64_t>(loaders_.size()), 2}));
         archive.save_to((tmp / "loaders.pt").string());
         detail::fsync_path(tmp / "loaders.pt");
+      }
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {  // scheduler.pt: its step count (and its own state)
+        torch::serialize::OutputArchive archive;
+        archive.write("steps", at::scalar_tensor(*schedulers_[i].steps, at::kLong));
+        if (schedulers_[i].save) {
+          torch::serialize::OutputArchive own;
+          schedulers_[i].save(own);
+          archive.write("own", own);
+        }
+        archive.save_to((tmp / numbered("scheduler", i)).string());
+        detail::fsync_path(tmp / numbered("scheduler", i));
       }
       for (std::size_t i = 0; i < objects_.size(); ++i) {
         torch::serialize::OutputArchive archive;
@@ -7199,7 +7261,8 @@ class Accelerator {
 
     // 1. Read and check everything.
     std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size()),
-        objects;
+        objects, schedulers;
+    std::vector<int64_t> scheduler_steps;
     at::Tensor rng, points;
     int64_t step = 0;
     error = detail::error_of([&] {
@@ -7208,9 +7271,10 @@ class Accelerator {
         if (manifest->processes != num_processes())
           throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
                              std::to_string(num_processes()) + " (one RNG state per process: load it with as many)");
-        const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 4> counts{{
+        const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
             {"model(s)", {manifest->models, models_.size()}},
             {"optimizer(s)", {manifest->optimizers, optimizers_.size()}},
+            {"scheduler(s)", {manifest->schedulers, schedulers_.size()}},
             {"data loader(s)", {manifest->loaders, loaders_.size()}},
             {"registered object(s)", {manifest->objects, objects_.size()}}}};
         for (const auto& count : counts)
@@ -7236,6 +7300,8 @@ class Accelerator {
       for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(numbered("optimizer", i));
       for (std::size_t i = 0; i < objects_.size(); ++i)
         objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+      for (std::size_t i = 0; i < schedulers_.size(); ++i)
+        schedulers.push_back(read(numbered("scheduler", i)));
       // A tensor of the given dtype and shape under `key`, or an error naming the file.
       auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
                         at::IntArrayRef sizes, const std::string& file) {
@@ -7244,6 +7310,17 @@ class Accelerator {
           throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
         return value;
       };
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
+        const std::string file = (dir / numbered("scheduler", i)).string();
+        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
+        torch::serialize::InputArchive own;
+        if (schedulers_[i].load && !schedulers[i]->try_read("own", own))
+          throw RuntimeError(file + " has no state of the scheduler's own save()");
+        if (!schedulers_[i].load && scheduler_steps[i] < *schedulers_[i].steps)
+          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
+                             " steps; this one has already taken " + std::to_string(*schedulers_[i].steps) +
+                             " (load the checkpoint before stepping it)");
+      }
       if (!loaders_.empty()) {
         const std::string file = (dir / "loaders.pt").string();
         points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
@@ -7261,11 +7338,29 @@ class Accelerator {
     });
     detail::fail_together(error, "load_state");
 
-    // 2. Registered objects check what they load as they load it (and
-    // cannot be put back); the optimizers check their groups: keep what they
-    // had, to put it back on every process if any one of them refuses.
+    // 2. Registered objects and schedulers with a load() of their own check
+    // what they load as they load it (and cannot be put back); the other
+    // schedulers replay their missing steps (which sets the optimizers'
+    // learning rates the way the saved run did; the optimizers' own come
+    // next). The optimizers check their groups: keep what they had, to put
+    // it back on every process if any one of them refuses.
     std::vector<std::string> snapshots;
     error = detail::error_of([&] {
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
+        try {
+          if (schedulers_[i].load) {
+            torch::serialize::InputArchive own;
+            schedulers[i]->read("own", own);
+            schedulers_[i].load(own);
+          } else {
+            for (int64_t k = *schedulers_[i].steps; k < scheduler_steps[i]; ++k) schedulers_[i].step();
+          }
+          *schedulers_[i].steps = scheduler_steps[i];
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / numbered("scheduler", i)).string() +
+                             " does not fit the scheduler: " + detail::error_text(e));
+        }
+      }
       for (std::size_t i = 0; i < objects_.size(); ++i) {
         try {
           objects_[i].load(*objects[i]);
@@ -7278,6 +7373,7 @@ class Accelerator {
         snapshots.push_back(detail::optimizer_snapshot(*optimizers_[i]));
         try {
           optimizers_[i]->load(*optimizers[i]);
+          detail::load_group_options(*optimizers_[i], *optimizers[i]);
         } catch (const std::exception& e) {
           throw RuntimeError((dir / numbered("optimizer", i)).string() + " does not fit the optimizer: " +
                              detail::error_text(e));
@@ -7533,6 +7629,18 @@ class Accelerator {
     std::function<void(torch::serialize::InputArchive&)> load;
   };
   std::vector<Registered> objects_;  // register_for_checkpointing
+  // A prepared scheduler in checkpoints: its step count, and its own
+  // save/load where it has them. LibTorch's LRScheduler has neither (its
+  // step count is protected): load_state replays the missing steps on it,
+  // before the optimizers' learning rates are restored.
+  struct PreparedScheduler {
+    const void* address;
+    std::shared_ptr<int64_t> steps;
+    std::function<void()> step;
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<PreparedScheduler> schedulers_;
   int64_t trigger_ = 0;
   std::optional<Join> join_;
 };

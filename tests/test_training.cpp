@@ -676,6 +676,53 @@ TEST_SUITE("ranks") {
     if (accelerator.is_main_process()) fs::remove_all(dir);
   }
 
+  TEST_CASE("checkpoints: the learning rate and a scheduler's steps return (LibTorch's Optimizer::load drops the first)") {
+    auto lr = [](torch::optim::Optimizer& o) { return o.param_groups()[0].options().get_lr(); };
+    std::vector<double> expected;
+    double saved_lr = 0;
+    std::filesystem::path dir;
+    {
+      accel::Accelerator accelerator(config());
+      Mlp model(4, 8, 1);
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::StepLR step_lr(sgd, /*step_size=*/3, /*gamma=*/0.5);
+      auto prepared = accelerator.prepare(model, sgd, step_lr);
+      dir = shared_temp_path(accelerator, "accel_sched_");
+      for (int i = 0; i < 4; ++i) std::get<2>(prepared).step();  // num_processes scheduler steps each
+      saved_lr = lr(sgd);
+      CHECK(saved_lr < 0.1);
+      accelerator.save_state(dir);
+      for (int i = 0; i < 4; ++i) {
+        std::get<2>(prepared).step();
+        expected.push_back(lr(sgd));
+      }
+    }
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 8, 1);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::StepLR step_lr(sgd, 3, 0.5);
+    auto prepared = accelerator.prepare(model, sgd, step_lr);
+    accelerator.load_state(dir);
+    CHECK(lr(sgd) == saved_lr);
+    std::vector<double> resumed;
+    for (int i = 0; i < 4; ++i) {
+      std::get<2>(prepared).step();
+      resumed.push_back(lr(sgd));
+    }
+    CHECK(resumed == expected);  // the schedule goes on where it was
+    {  // a scheduler already past the checkpoint cannot be replayed back
+      accel::Accelerator other(config());
+      Mlp m(4, 8, 1);
+      torch::optim::SGD o(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::StepLR s(o, 3, 0.5);
+      auto p = other.prepare(m, o, s);
+      for (int i = 0; i < 5; ++i) std::get<2>(p).step();
+      CHECK(what_of([&] { other.load_state(dir); }).find("load the checkpoint before stepping it") != std::string::npos);
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+  }
+
   TEST_CASE("training: gather_for_metrics gathers uneven batches and drops the padding duplicates") {
     accel::Accelerator accelerator(config());
     const int P = accelerator.num_processes(), r = accelerator.process_index();
