@@ -5905,6 +5905,7 @@ class PreparedDataLoader {
     started_ = exhausted_ = false;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) {
+        if (loader_) it_.emplace(loader_->begin());  // the main process reads
         dispatcher_->begin([this] { return global_batch(); });
         for (size_t i = 0; i < skip && next(); ++i) {}  // every process reads and drops the same batches
         return Iterator(this, detail::Pass(gradient_state_, state_));
