@@ -6519,10 +6519,11 @@ struct Json {
   enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
   std::string text;  // a string's value, a number's digits
   std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> fields;
+  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
+  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
   const Json* find(std::string_view key) const {
-    for (const auto& field : fields)
-      if (field.first == key) return &field.second;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (keys[i] == key) return &values[i];
     return nullptr;
   }
 };
@@ -6608,7 +6609,8 @@ class JsonReader {
         skip_space();
         std::string key = string();
         expect(':');
-        v.fields.emplace_back(std::move(key), parse(depth + 1));
+        v.keys.push_back(std::move(key));
+        v.values.push_back(parse(depth + 1));
       } while (take(','));
       expect('}');
     } else if (c == '[') {
@@ -6737,7 +6739,9 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
   const uint64_t data_size = file_size - 8 - length;
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const auto& [name, entry] : doc.fields) {
+  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
+    const std::string& name = doc.keys[field];
+    const Json& entry = doc.values[field];
     if (name == "__metadata__") continue;
     const std::string what = where + ": tensor " + name;
     const Json* dtype = entry.find("dtype");
@@ -7339,14 +7343,15 @@ class Accelerator {
     });
     detail::fail_together(error, "load_state");
 
-    // 2. Registered objects and schedulers with a load() of their own check
+    // 2. Schedulers and registered objects with a load() of their own check
     // what they load as they load it (and cannot be put back); the other
     // schedulers replay their missing steps (which sets the optimizers'
     // learning rates the way the saved run did; the optimizers' own come
     // next). The optimizers check their groups: keep what they had, to put
     // it back on every process if any one of them refuses.
-    std::vector<std::string> snapshots;
+    std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
     error = detail::error_of([&] {
+      for (auto* optimizer : optimizers_) snapshots.push_back(detail::optimizer_snapshot(*optimizer));
       for (std::size_t i = 0; i < schedulers_.size(); ++i) {
         try {
           if (schedulers_[i].load) {
@@ -7371,7 +7376,6 @@ class Accelerator {
         }
       }
       for (std::size_t i = 0; i < optimizers_.size(); ++i) {
-        snapshots.push_back(detail::optimizer_snapshot(*optimizers_[i]));
         try {
           optimizers_[i]->load(*optimizers[i]);
           detail::load_group_options(*optimizers_[i], *optimizers[i]);
@@ -7501,7 +7505,9 @@ class Accelerator {
         const detail::Json* map = doc.find("weight_map");
         if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
         std::map<std::string, std::string> weight_map;
-        for (const auto& [name, file] : map->fields) {
+        for (std::size_t field = 0; field < map->keys.size(); ++field) {
+          const std::string& name = map->keys[field];
+          const detail::Json& file = map->values[field];
           if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
             throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
           weight_map[name] = file.text;
