@@ -6690,7 +6690,9 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   static_assert(std::endian::native == std::endian::little, "safetensors is little-endian; so is every host LibTorch runs on");
   std::string header = R"({"__metadata__":{"format":"pt"})";
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
+  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
+    const std::string& name = named.first;
+    const at::Tensor& tensor = named.second;
     const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
                                     [&](const auto& d) { return d.first == tensor.scalar_type(); });
     if (dtype == safetensors_dtypes.end())
