@@ -4767,6 +4767,7 @@ ACCEL_NAMESPACE_END  // accel
 #endif
 
 #include <bit>
+#include <cctype>
 #include <cstdio>  // renameat2
 #include <filesystem>
 #include <set>
@@ -6132,6 +6133,18 @@ inline std::string_view to_string(DistributedType t) {
   return "NO";
 }
 
+// Accelerate's ProjectConfiguration: where save_state() without a path puts
+// checkpoints. With automatic_checkpoint_naming, each save_state() writes
+// project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
+// up; total_limit keeps the newest that many (the oldest are removed once
+// the new one is whole); load_state() without a path loads the newest.
+struct ProjectConfiguration {
+  std::filesystem::path project_dir{};
+  bool automatic_checkpoint_naming = false;
+  std::optional<int> total_limit{};   // automatic naming only; at least 1
+  int iteration = 0;                  // the number the next save_state() takes
+};
+
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
@@ -6144,6 +6157,7 @@ struct AcceleratorConfig {
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   DistributedConfig distributed{};
+  ProjectConfiguration project_config{};
 };
 
 // A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
@@ -6217,8 +6231,8 @@ class AcceleratedScheduler {
 // -- Checkpoint files ---------------------------------------------------------
 //
 // A checkpoint is a directory: model.pt, model_1.pt, ..., optimizer.pt, ...,
-// random_states_<rank>.pt (that rank's RNG and the accumulation step, as
-// Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
+// random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
+// and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
 // out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
 // manifest accel_checkpoint.txt, whose presence (whole: it ends with "end")
 // marks the directory complete. Each manifest carries a serial, one more
@@ -6393,6 +6407,65 @@ inline fs::path checkpoint_path(const fs::path& dir, const char* op) {
   if (path == path.root_path())
     throw InvalidArgument(std::string("accel::Accelerator::") + op + ": " + dir.string() + " is not a checkpoint path");
   return path;
+}
+
+// Accelerate's ProjectConfiguration, checked where it is used (the
+// Accelerator hands it out to change).
+inline void check_project(const ProjectConfiguration& project, const std::string& where) {
+  if (project.automatic_checkpoint_naming && project.project_dir.empty())
+    throw InvalidArgument(where + ": automatic_checkpoint_naming needs a project_config.project_dir");
+  if (project.total_limit && !project.automatic_checkpoint_naming)
+    throw InvalidArgument(where + ": project_config.total_limit applies to automatic_checkpoint_naming, which is off");
+  if (project.total_limit && *project.total_limit < 1)
+    throw InvalidArgument(where + ": project_config.total_limit must be at least 1, got " +
+                          std::to_string(*project.total_limit));
+  if (project.iteration < 0)
+    throw InvalidArgument(where + ": project_config.iteration must not be negative, got " +
+                          std::to_string(project.iteration));
+}
+
+// Automatic naming's directories are ROOT/checkpoint_<n>. The number of
+// `name` when it is one of them, or one's .tmp/.old leftover, written as
+// save_state writes it; other names are not ours and are left alone.
+inline std::optional<int> checkpoint_number(std::string name) {
+  for (const std::string_view suffix : {".tmp", ".old"})
+    if (name.ends_with(suffix)) {
+      name.resize(name.size() - suffix.size());
+      break;
+    }
+  constexpr std::string_view prefix = "checkpoint_";
+  if (!name.starts_with(prefix)) return std::nullopt;
+  const std::string digits = name.substr(prefix.size());
+  const bool canonical = !digits.empty() && digits.size() <= 9 && (digits.size() == 1 || digits[0] != '0') &&
+                         std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); });
+  if (!canonical) return std::nullopt;
+  return std::stoi(digits);
+}
+
+// The complete numbered checkpoints under root, by number, each first
+// recovered from a half-done save.
+inline std::map<int, fs::path> numbered_checkpoints(const fs::path& root) {
+  std::set<int> numbers;
+  if (fs::is_directory(root))
+    for (const auto& entry : fs::directory_iterator(root))
+      if (const auto n = checkpoint_number(entry.path().filename().string())) numbers.insert(*n);
+  std::map<int, fs::path> complete;
+  for (const int n : numbers) {
+    const fs::path dir = root / ("checkpoint_" + std::to_string(n));
+    if (recover_checkpoint(dir)) complete.emplace(n, dir);
+  }
+  return complete;
+}
+
+// total_limit: removes the lowest-numbered checkpoints, never `keep` (the one
+// just saved), until `limit` are left.
+inline void rotate_checkpoints(const fs::path& root, int limit, int keep) {
+  std::map<int, fs::path> others = numbered_checkpoints(root);
+  others.erase(keep);
+  while (!others.empty() && others.size() + 1 > static_cast<std::size_t>(limit)) {
+    discard_checkpoint(others.begin()->second);
+    others.erase(others.begin());
+  }
 }
 
 // What `step` threw, as text; "" when it returned.
@@ -6801,6 +6874,7 @@ class Accelerator {
     const auto& mp = config_.mixed_precision;
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    detail::check_project(config_.project_config, "accel::Accelerator");
     if (config_.cpu) {
       if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
         throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
@@ -7170,12 +7244,93 @@ class Accelerator {
   // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
   // optimizer.pt, optimizer_1.pt, ...), every rank's RNG state and the
   // accumulation step, where each prepared loader is in its pass, and the
-  // registered objects under `dir`, atomically: `dir` is always the previous or the whole new
+  // registered objects under `path`, atomically: it is always the previous or the whole new
   // checkpoint, even when a process dies halfway (see "Checkpoint files").
-  // Every process calls it; `dir` must be on a filesystem they all see. An
-  // error on any process (a full disk) is thrown on every process.
-  void save_state(const std::filesystem::path& path) {
-    const std::filesystem::path dir = detail::checkpoint_path(path, "save_state");
+  // Every process calls it; the path must be on a filesystem they all see. An
+  // error on any process (a full disk) is thrown on every process. With
+  // project_config.automatic_checkpoint_naming, call it without a path: it
+  // writes project_dir/checkpoints/checkpoint_<iteration> (an error if that
+  // exists), counts iteration up, and with total_limit then removes the
+  // oldest beyond the limit. Returns the checkpoint's directory.
+  std::filesystem::path save_state(const std::filesystem::path& path = {}) {
+    namespace fs = std::filesystem;
+    const ProjectConfiguration& project = config_.project_config;
+    detail::check_project(project, "accel::Accelerator::save_state");
+    if (!project.automatic_checkpoint_naming) {
+      if (path.empty())
+        throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+                              "project_config.automatic_checkpoint_naming)");
+      const fs::path dir = detail::checkpoint_path(path, "save_state");
+      write_checkpoint(dir);
+      return dir;
+    }
+    if (!path.empty())
+      throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+                            "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+                            path.string());
+    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "save_state");
+    const int number = project.iteration;
+    const fs::path dir = root / ("checkpoint_" + std::to_string(number));
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      fs::create_directories(root);
+      if (detail::recover_checkpoint(dir) || fs::exists(dir))
+        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                           ") already exists: set project_configuration().iteration to the number to go on with, "
+                           "or load_state() first (which sets it past the newest)");
+    });
+    detail::fail_together(error, "save_state");
+    write_checkpoint(dir);
+    ++config_.project_config.iteration;
+    if (project.total_limit) {
+      if (is_main_process())
+        error = detail::error_of([&] { detail::rotate_checkpoints(root, *project.total_limit, number); });
+      detail::fail_together(error, "save_state");
+    }
+    return dir;
+  }
+
+  // Loads what save_state saved into the prepared models, optimizers,
+  // registered objects and this rank's RNG and step, after a half-done save
+  // is recovered. Each prepared loader's next pass resumes where the saved
+  // one was: its epoch, after the batches already handed out (a save after
+  // a pass's last batch resumes with the next epoch); loop over epochs from
+  // loader.next_epoch(). Transactional:
+  // every file is read and checked first (parameter and buffer names, shapes
+  // and dtypes against the models; one RNG state per process, so the number
+  // of processes must be the saver's), on every process; on any error
+  // nothing is modified anywhere and every process throws, naming the file.
+  // With project_config.automatic_checkpoint_naming, no path loads the
+  // newest numbered checkpoint, and any load sets iteration past the newest
+  // (Accelerate leaves it, and the next save_state() finds its number taken).
+  void load_state(const std::filesystem::path& path = {}) {
+    namespace fs = std::filesystem;
+    const ProjectConfiguration& project = config_.project_config;
+    detail::check_project(project, "accel::Accelerator::load_state");
+    if (!project.automatic_checkpoint_naming) {
+      if (path.empty())
+        throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+                              "project_config.automatic_checkpoint_naming to load the newest)");
+      return read_checkpoint(detail::checkpoint_path(path, "load_state"));
+    }
+    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "load_state");
+    int64_t newest = -1;  // none
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      const std::map<int, fs::path> complete = detail::numbered_checkpoints(root);
+      if (!complete.empty()) newest = complete.rbegin()->first;
+    });
+    detail::fail_together(error, "load_state");
+    newest = accel::broadcast(newest, 0);
+    if (path.empty() && newest < 0)
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
+    read_checkpoint(path.empty() ? root / ("checkpoint_" + std::to_string(newest))
+                                 : detail::checkpoint_path(path, "load_state"));
+    config_.project_config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+  }
+
+ private:
+  void write_checkpoint(const std::filesystem::path& dir) {
     const std::filesystem::path tmp = detail::sibling(dir, ".tmp");
     const std::string rng_file = "random_states_" + std::to_string(process_index()) + ".pt";
     detail::CheckpointManifest manifest{.serial = 0,
@@ -7194,6 +7349,7 @@ class Accelerator {
     error = detail::error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
       torch::serialize::OutputArchive archive;
       archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+      if (device_.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(device_).get_state());
       archive.write("step", at::scalar_tensor(step_, at::kLong));
       archive.save_to((tmp / rng_file).string());
       detail::fsync_path(tmp / rng_file);
@@ -7247,19 +7403,8 @@ class Accelerator {
     detail::fail_together(error, "save_state");
   }
 
-  // Loads what save_state saved into the prepared models, optimizers,
-  // registered objects and this rank's RNG and step, after a half-done save
-  // is recovered. Each prepared loader's next pass resumes where the saved
-  // one was: its epoch, after the batches already handed out (a save after
-  // a pass's last batch resumes with the next epoch); loop over epochs from
-  // loader.next_epoch(). Transactional:
-  // every file is read and checked first (parameter and buffer names, shapes
-  // and dtypes against the models; one RNG state per process, so the number
-  // of processes must be the saver's), on every process; on any error
-  // nothing is modified anywhere and every process throws, naming the file.
-  void load_state(const std::filesystem::path& path) {
+  void read_checkpoint(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
-    const fs::path dir = detail::checkpoint_path(path, "load_state");
     std::string error;
     if (is_main_process()) error = detail::error_of([&] { detail::recover_checkpoint(dir); });
     detail::fail_together(error, "load_state");
@@ -7270,7 +7415,7 @@ class Accelerator {
     std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size()),
         objects, schedulers;
     std::vector<int64_t> scheduler_steps;
-    at::Tensor rng, points;
+    at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
     int64_t step = 0;
     error = detail::error_of([&] {
       const auto manifest = detail::read_manifest(dir);  // none: written before manifests existed
@@ -7342,6 +7487,11 @@ class Accelerator {
       rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
                    (dir / rng_name).string());
       if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+      at::Tensor saved_device_rng;
+      if (device_.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
+        const at::Tensor now = at::globalContext().defaultGenerator(device_).get_state();
+        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
+      }
     });
     detail::fail_together(error, "load_state");
 
@@ -7402,11 +7552,15 @@ class Accelerator {
       loaders_[i]->in_pass = false;
     }
     step_ = step;
-    auto generator = at::detail::getDefaultCPUGenerator();
-    std::lock_guard lock(generator.mutex());
-    generator.set_state(rng);
+    auto set_state = [](at::Generator generator, const at::Tensor& state) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_state(state);
+    };
+    set_state(at::detail::getDefaultCPUGenerator(), rng);
+    if (device_rng.defined()) set_state(at::globalContext().defaultGenerator(device_), device_rng);
   }
 
+ public:
   // -- weights that leave C++ --------------------------------------------------------
 
   // Writes the model's weights as Hugging Face does, for Python (and
@@ -7562,6 +7716,12 @@ class Accelerator {
   }
   const std::string& mixed_precision() const { return config_.mixed_precision; }
   int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
+  // Accelerate's project_dir, project_configuration and save_iteration (the
+  // number the next automatically named checkpoint takes; set it through
+  // project_configuration().iteration).
+  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
+  ProjectConfiguration& project_configuration() { return config_.project_config; }
+  int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
   DataParallel* data_parallel() { return models_.empty() ? nullptr : models_.front().data_parallel.get(); }

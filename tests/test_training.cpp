@@ -723,6 +723,146 @@ TEST_SUITE("ranks") {
     if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
   }
 
+  // Accelerate's tests/test_state_checkpointing.py, its ProjectConfiguration
+  // cases with their expected values, then what a restarted run meets.
+  TEST_CASE("checkpoints: automatic naming, total_limit rotation and loading the newest (Accelerate's cases)") {
+    namespace fs = std::filesystem;
+    fs::path project;
+    {
+      accel::Accelerator probe(config());
+      project = shared_temp_path(probe, "accel_project_");
+      if (probe.is_main_process()) fs::remove_all(project);  // a subcase that threw halfway left it
+      probe.wait_for_everyone();
+    }
+    auto project_config = [&](std::optional<int> total_limit, int iteration = 0) {
+      accel::AcceleratorConfig c = config();
+      c.project_config.project_dir = project;
+      c.project_config.automatic_checkpoint_naming = true;
+      c.project_config.total_limit = total_limit;
+      c.project_config.iteration = iteration;
+      return c;
+    };
+    // The numbered directories under project/checkpoints, sorted.
+    auto listing = [&] {
+      std::vector<std::string> names;
+      for (const auto& entry : fs::directory_iterator(project / "checkpoints"))
+        names.push_back(entry.path().filename().string());
+      std::sort(names.begin(), names.end());
+      return names;
+    };
+    auto clear = [&](accel::Accelerator& acc) {
+      acc.wait_for_everyone();
+      if (acc.is_main_process()) fs::remove_all(project);
+      acc.wait_for_everyone();
+    };
+    auto step = [](accel::Accelerator& acc, Mlp& m, torch::optim::Optimizer& o) {
+      const auto data = dataset(8, 4);
+      o.zero_grad();
+      acc.backward(torch::mse_loss(m(data.first), data.second));
+      o.step();
+      return flat_parameters(*m).clone();
+    };
+
+    SUBCASE("test_with_save_limit: total_limit=1, two saves leave one") {
+      accel::Accelerator accelerator(project_config(1));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_0");
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_1");
+      CHECK(listing() == std::vector<std::string>{"checkpoint_1"});
+      CHECK(accelerator.save_iteration() == 2);
+      clear(accelerator);
+    }
+    SUBCASE("test_checkpoint_deletion: total_limit=2, eleven saves leave checkpoint_9 and checkpoint_10") {
+      accel::Accelerator accelerator(project_config(2));
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      for (int i = 0; i < 11; ++i) accelerator.save_state();
+      CHECK_FALSE(fs::exists(project / "checkpoints" / "checkpoint_0"));
+      CHECK(fs::exists(project / "checkpoints" / "checkpoint_9"));
+      CHECK(fs::exists(project / "checkpoints" / "checkpoint_10"));
+      CHECK(listing() == std::vector<std::string>{"checkpoint_10", "checkpoint_9"});
+      clear(accelerator);
+    }
+    SUBCASE("test_automatic_loading: load_state() loads the newest") {
+      accel::Accelerator accelerator(project_config(std::nullopt));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      accelerator.save_state();
+      step(accelerator, model, optimizer);
+      const at::Tensor a2 = step(accelerator, model, optimizer);
+      accelerator.save_state();
+      const at::Tensor a3 = step(accelerator, model, optimizer);
+      accelerator.load_state();
+      CHECK_FALSE(at::equal(a3, flat_parameters(*model)));
+      CHECK(at::equal(a2, flat_parameters(*model)));
+      CHECK(accelerator.save_iteration() == 2);
+      clear(accelerator);
+    }
+    SUBCASE("test_can_resume_training: iteration=1, checkpoint_0 loaded by name, the next save is checkpoint_1") {
+      at::Tensor a, a1, a3;
+      {
+        accel::Accelerator accelerator(project_config(std::nullopt));
+        Mlp model(4, 8, 1);
+        torch::optim::Adam optimizer(model->parameters(), 1e-3);
+        accelerator.prepare(model, optimizer);
+        accelerator.save_state();
+        a = flat_parameters(*model).clone();
+        for (int i = 0; i < 3; ++i) a1 = step(accelerator, model, optimizer);
+      }
+      accel::Accelerator accelerator(project_config(std::nullopt, /*iteration=*/1));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      accelerator.load_state(project / "checkpoints" / "checkpoint_0");
+      CHECK(at::equal(a, flat_parameters(*model)));
+      for (int i = 0; i < 2; ++i) step(accelerator, model, optimizer);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_1");
+      accelerator.load_state(project / "checkpoints" / "checkpoint_1");
+      a3 = step(accelerator, model, optimizer);
+      CHECK(at::equal(a1, a3));
+      clear(accelerator);
+    }
+    SUBCASE("a restarted run: its number taken is an error on every process; load_state() goes on past the newest") {
+      {
+        accel::Accelerator accelerator(project_config(3));
+        Mlp model(4, 8, 1);
+        accelerator.prepare(model);
+        for (int i = 0; i < 5; ++i) accelerator.save_state();  // checkpoint_2, _3, _4 left
+      }
+      accel::Accelerator accelerator(project_config(3));
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      accelerator.save_state();  // checkpoint_0: a number the rotation removed is free again
+      CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_3", "checkpoint_4"});
+      accelerator.project_configuration().iteration = 3;
+      const std::string what = what_of([&] { accelerator.save_state(); });
+      CHECK(what.find("checkpoint_3 (iteration 3) already exists: set project_configuration().iteration") !=
+            std::string::npos);
+      CHECK(accelerator.save_iteration() == 3);
+      accelerator.load_state();  // checkpoint_4, the highest number
+      CHECK(accelerator.save_iteration() == 5);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_5");
+      CHECK(listing() == std::vector<std::string>{"checkpoint_3", "checkpoint_4", "checkpoint_5"});
+      // Directories of other names are not ours: neither counted nor removed.
+      accelerator.wait_for_everyone();  // every process has looked
+      if (accelerator.is_main_process()) fs::create_directories(project / "checkpoints" / "checkpoint_best");
+      accelerator.wait_for_everyone();
+      accelerator.save_state();
+      CHECK(listing() == std::vector<std::string>{"checkpoint_4", "checkpoint_5", "checkpoint_6", "checkpoint_best"});
+      // A path is not taken with automatic naming; loading one by name is.
+      CHECK_THROWS_WITH_AS(accelerator.save_state(project / "elsewhere"),
+                           doctest::Contains("call save_state() without"), accel::InvalidArgument);
+      accelerator.load_state(project / "checkpoints" / "checkpoint_4");
+      CHECK(accelerator.save_iteration() == 7);  // past the newest still
+      clear(accelerator);
+      const std::string none = what_of([&] { accelerator.load_state(); });
+      CHECK(none == "accel::Accelerator::load_state: no checkpoint under " + (project / "checkpoints").string());
+    }
+  }
+
   TEST_CASE("training: gather_for_metrics gathers uneven batches and drops the padding duplicates") {
     accel::Accelerator accelerator(config());
     const int P = accelerator.num_processes(), r = accelerator.process_index();
@@ -1627,6 +1767,95 @@ TEST_SUITE("single") {
                          accel::InvalidArgument);
     CHECK_THROWS_AS(accelerator.save_state(""), accel::InvalidArgument);
     CHECK_THROWS_AS(accelerator.save_state("/"), accel::InvalidArgument);
+    world().destroy();
+  }
+
+  TEST_CASE("checkpoints: automatic naming keeps the newest whole checkpoint through crashes; bad settings are named") {
+    namespace fs = std::filesystem;
+    const fs::path project = fs::temp_directory_path() / ("accel_project_crash_" + std::to_string(getpid()));
+    accel::AcceleratorConfig c = config();
+    c.project_config = {.project_dir = project, .automatic_checkpoint_naming = true, .total_limit = 1};
+    accel::Accelerator accelerator(c);
+    Mlp model(4, 8, 1);
+    accelerator.prepare(model);
+    auto set_weights = [&](double value) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.fill_(value);
+    };
+    auto weights = [&] { return model->parameters()[0].detach()[0][0].item<double>(); };
+    auto crash_saving = [&](double value, const char* step) {  // as in the test above
+      const pid_t child = fork();
+      if (child == 0) {
+        set_weights(value);
+        accel::detail::checkpoint_hook() = [step](const char* at) {
+          if (std::strcmp(at, step) == 0) std::_Exit(3);
+        };
+        accelerator.save_state();
+        std::_Exit(0);
+      }
+      int status = 0;
+      REQUIRE(waitpid(child, &status, 0) == child);
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    };
+    auto listing = [&] {
+      std::vector<std::string> names;
+      for (const auto& entry : fs::directory_iterator(project / "checkpoints"))
+        names.push_back(entry.path().filename().string());
+      std::sort(names.begin(), names.end());
+      return names;
+    };
+    set_weights(1);
+    accelerator.save_state();  // checkpoint_0
+    // total_limit=1: Accelerate removes checkpoint_0 before writing
+    // checkpoint_1, so a crash here would leave none; it is kept until the new one is whole.
+    REQUIRE(crash_saving(2, "files written") == 3);
+    set_weights(0);
+    accelerator.load_state();
+    CHECK(weights() == 1);
+    CHECK(accelerator.save_iteration() == 1);
+    // A crash once checkpoint_1 is whole (not yet in place): it is the newest.
+    REQUIRE(crash_saving(2, "manifest written") == 3);
+    CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_1.tmp"});
+    set_weights(0);
+    accelerator.load_state();
+    CHECK(weights() == 2);
+    CHECK(accelerator.save_iteration() == 2);
+    CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_1"});
+    set_weights(3);
+    CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_2");
+    CHECK(listing() == std::vector<std::string>{"checkpoint_2"});
+    fs::remove_all(project);
+
+    // Settings that cannot work, before anything starts.
+    auto refused = [&](const std::function<void(accel::ProjectConfiguration&)>& set) {
+      accel::AcceleratorConfig bad = config();
+      set(bad.project_config);
+      return what_of([&] { accel::Accelerator{bad}; });
+    };
+    CHECK(refused([](auto& p) { p.automatic_checkpoint_naming = true; }) ==
+          "accel::Accelerator: automatic_checkpoint_naming needs a project_config.project_dir");
+    CHECK(refused([&](auto& p) {
+            p.project_dir = project;
+            p.total_limit = 2;
+          }) == "accel::Accelerator: project_config.total_limit applies to automatic_checkpoint_naming, which is off");
+    CHECK(refused([&](auto& p) {
+            p.project_dir = project;
+            p.automatic_checkpoint_naming = true;
+            p.total_limit = 0;
+          }) == "accel::Accelerator: project_config.total_limit must be at least 1, got 0");
+    CHECK(refused([](auto& p) { p.iteration = -1; }) ==
+          "accel::Accelerator: project_config.iteration must not be negative, got -1");
+    // ... or changed afterwards, when it is used.
+    accelerator.project_configuration().total_limit = 0;
+    CHECK_THROWS_WITH_AS(accelerator.save_state(), doctest::Contains("save_state: project_config.total_limit must be"),
+                         accel::InvalidArgument);
+    accelerator.project_configuration().total_limit.reset();
+    accelerator.project_configuration().automatic_checkpoint_naming = false;
+    CHECK_THROWS_WITH_AS(accelerator.save_state(), doctest::Contains("no checkpoint path (pass one, or turn on"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accelerator.load_state(), doctest::Contains("no checkpoint path (pass one, or turn on"),
+                         accel::InvalidArgument);
+    CHECK_FALSE(fs::exists(project));
     world().destroy();
   }
 

@@ -12,6 +12,7 @@
 
 accel::DistributedConfig probe_distributed() { return {.cp_size = 2}; }
 accel::AcceleratorConfig probe_accelerator() { return {.gradient_accumulation_steps = 2}; }
+accel::ProjectConfiguration probe_project() { return {.automatic_checkpoint_naming = true}; }
 accel::DataLoaderConfig probe_loader() { return {.batch_size = 8}; }
 accel::LaunchOptions probe_launch() { return {.prefix_output = false}; }
 
