@@ -6310,18 +6310,29 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
   return std::nullopt;  // cut short
 }
 
+inline fs::path sibling(const fs::path& dir, const char* suffix) { return dir.string() + suffix; }
+
+// A whole file's bytes written to `path` through a temporary name and a
+// rename: a reader finds the old file or the whole new one.
+inline void write_file_atomically(const fs::path& path, const std::function<void(std::ofstream&)>& body) {
+  const fs::path tmp = sibling(path, ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw_errno("cannot create", tmp);
+    body(out);
+    out.flush();
+    if (!out) throw_errno("cannot write", tmp);
+  }
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+}
+
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  const std::string text = std::string(checkpoint_format) + "\nserial " + std::to_string(m.serial) +
-                           "\nprocesses " + std::to_string(m.processes) + "\nmodels " + std::to_string(m.models) +
-                           "\noptimizers " + std::to_string(m.optimizers) + "\nloaders " + std::to_string(m.loaders) +
-                           "\nobjects " + std::to_string(m.objects) + "\nschedulers " +
-                           std::to_string(m.schedulers) + "\nend\n";
-  const fs::path path = dir / checkpoint_manifest;
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw_errno("cannot create", path);
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  ::close(fd);
-  if (!ok) throw_errno("cannot write", path);
+  write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
+    out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
+        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects
+        << "\nschedulers " << m.schedulers << "\nend\n";
+  });
 }
 
 // The manifest goes first, so a removal cut short never leaves a directory
@@ -6340,8 +6351,6 @@ inline std::optional<int64_t> checkpoint_serial(const fs::path& dir, bool final_
   if (final_name && fs::exists(dir / "model.pt")) return 0;
   return std::nullopt;
 }
-
-inline fs::path sibling(const fs::path& dir, const char* suffix) { return dir.string() + suffix; }
 
 // Makes the complete directory `from` the directory `to` (whose content, if
 // any, is older or incomplete); `from` is gone afterwards.
@@ -6741,21 +6750,6 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
   }
   if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
   return value;
-}
-
-// A whole file's bytes written to `path` through a temporary name and a
-// rename: a reader finds the old file or the whole new one.
-inline void write_file_atomically(const fs::path& path, const std::function<void(std::ofstream&)>& body) {
-  const fs::path tmp = sibling(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw_errno("cannot create", tmp);
-    body(out);
-    out.flush();
-    if (!out) throw_errno("cannot write", tmp);
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, path);
 }
 
 // One safetensors file of the named tensors (CPU copies, contiguous).
