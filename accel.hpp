@@ -24,9 +24,9 @@
 //                      ACCELERATE'S OPERATIONS (nested data, objects,
 //                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
-//                      (autograd-aware collectives, DataParallel, data
-//                      loading, dispatch_batches, checkpoint files,
-//                      safetensors, Accelerator)
+//                      (autograd-aware collectives, DataParallel and its
+//                      ZeRO-2 sharding, data loading, dispatch_batches,
+//                      checkpoint files, safetensors, Accelerator)
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -4740,10 +4740,13 @@ ACCEL_NAMESPACE_END  // accel
 // Accelerate's Accelerator for torch::nn modules, with data-parallel training
 // in the design of Python's DistributedDataParallel: gradients are
 // all-reduced in buckets (25 MB by default) as autograd produces them,
-// asynchronously, overlapping backward. In order: autograd-aware collectives
-// (accel::autograd) · DataParallel (the buckets) · data loading (ShardSampler, PreparedDataLoader,
-// PreparedIterableDataLoader) · AcceleratedOptimizer, AcceleratedScheduler ·
-// Accelerator.
+// asynchronously, overlapping backward (or reduce-scattered, under ZeRO-2
+// sharding). In order: autograd-aware collectives
+// (accel::autograd) · DataParallel (the buckets, the shards) · data loading
+// (ShardSampler, PreparedDataLoader, PreparedIterableDataLoader) ·
+// ProjectConfiguration, ShardingStrategy, AcceleratorConfig ·
+// AcceleratedOptimizer, AcceleratedScheduler · checkpoint files ·
+// safetensors · Accelerator.
 // Needs torch::nn, so it is opt-in: `#define ACCEL_TRAINING` before
 // including accel.hpp (the collectives alone never include <torch/torch.h>).
 
@@ -4768,6 +4771,7 @@ ACCEL_NAMESPACE_END  // accel
 
 #include <bit>
 #include <cctype>
+#include <cmath>
 #include <cstdio>  // renameat2
 #include <filesystem>
 #include <set>
@@ -4917,6 +4921,18 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
 // A backward in which none of the module's parameters got a gradient (the
 // loss came from another model) issues nothing and leaves the module alone.
 //
+// Sharded (ZeRO-2, FSDP's SHARD_GRAD_OP), given a shard group of S ranks:
+// every parameter is cut into S equal chunks (the last padded with zeros)
+// and rank r keeps chunk r as its shard, a tensor of its own that the
+// optimizer steps instead of the parameter (Accelerator::prepare puts the
+// shards into the optimizer's groups), so optimizer state is 1/S. A
+// bucket's gradients are reduce-scattered instead of all-reduced, laid out
+// rank after rank so that each rank receives its chunk of every parameter
+// (and every used-flag), averaged along a replicate group too where there
+// is one (HSDP), and written to the shards' gradients. After the optimizer
+// steps the shards, gather() all-gathers them into every parameter and
+// releases the parameters' gradients.
+//
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.
@@ -4924,10 +4940,21 @@ class DataParallel {
  public:
   static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
 
-  DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes)
+  // group: where parameters are broadcast from, and gradients averaged over
+  // when not sharded. shard (of more than one rank): shard along it, and
+  // average along replicate as well when given.
+  DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
+               GroupPtr shard = {}, GroupPtr replicate = {})
       : module_(module), state_(std::make_shared<State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
+    if (shard && shard->getSize() > 1) {
+      state_->shard = std::move(shard);
+      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
+      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
+    } else {
+      state_->replicas = state_->group->getSize();
+    }
     sync_module_states();
     std::vector<at::Tensor> params;
     for (const auto& p : module_->parameters())
@@ -4958,6 +4985,7 @@ class DataParallel {
       bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
       for (std::size_t i = 0; i < bucket.params.size(); ++i) accumulators_.emplace_back();
     }
+    if (state_->shard) make_shards();
     hook_accumulators();
   }
 
@@ -5007,6 +5035,10 @@ class DataParallel {
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) launch(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
+    if (state_->shard) {
+      finish_sharded();
+      return true;
+    }
     for (auto& bucket : state_->buckets) {
       try {
         bucket.flat = bucket.work.wait();
@@ -5036,17 +5068,135 @@ class DataParallel {
     if (!state_->group) return;
     std::lock_guard lock(state_->mutex);
     std::vector<Work<at::Tensor>> works;
-    for (const auto& bucket : state_->buckets)
-      works.push_back(all_reduce_async(bucket.packing.buffer(bucket.params.front().options()).zero_(), ReduceOp::SUM,
-                                       state_->group));
-    for (auto& work : works) {
-      try {
-        work.wait();
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                               e.what());
-      }
+    for (const auto& bucket : state_->buckets) {
+      const at::TensorOptions options = bucket.params.front().options();
+      works.push_back(state_->shard
+                          ? reduce_scatter_async(at::zeros({state_->shard->getSize() * bucket.segment}, options),
+                                                 ReduceOp::SUM, state_->shard)
+                          : all_reduce_async(bucket.packing.buffer(options).zero_(), ReduceOp::SUM, state_->group));
     }
+    try {
+      for (auto& work : works) {
+        at::Tensor reduced = work.wait();
+        if (state_->replicate) all_reduce(reduced, ReduceOp::SUM, state_->replicate);
+      }
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient reduction failed: ") + e.what());
+    }
+  }
+
+  // -- sharded (see above) --
+
+  bool sharded() const { return state_->shard != nullptr; }
+  const GroupPtr& shard_group() const { return state_->shard; }
+  // The shard standing in for parameter p; undefined when p is not one of
+  // this module's sharded parameters.
+  at::Tensor shard_of(const at::Tensor& p) const {
+    const auto found = shard_index_.find(p.unsafeGetTensorImpl());
+    return found == shard_index_.end() ? at::Tensor() : state_->buckets[found->second.first].shards[found->second.second];
+  }
+  // Puts the shards in place of this module's parameters in the optimizer's
+  // groups (so it steps, and keeps state for, the shards only). Before its
+  // first step; not an LBFGS (its line search needs whole-vector products).
+  void shard_optimizer(torch::optim::Optimizer& optimizer) {
+    if (!state_->shard) return;
+    bool touched = false;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        const auto found = shard_index_.find(p.unsafeGetTensorImpl());
+        if (found == shard_index_.end()) continue;
+        if (!optimizer.state().empty())
+          throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+                                "prepare it before its first step (its state becomes per-shard)");
+        if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
+          throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+                                "products over whole parameters); use NO_SHARD");
+        Bucket& bucket = state_->buckets[found->second.first];
+        p = bucket.shards[found->second.second];
+        bucket.in_optimizer[found->second.second] = 1;
+        touched = true;
+      }
+    if (touched && std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
+      optimizers_.push_back(&optimizer);
+  }
+  bool steps_with(const torch::optim::Optimizer& optimizer) const {
+    return std::find(optimizers_.begin(), optimizers_.end(), &optimizer) != optimizers_.end();
+  }
+  // Before a backward, each shard against its chunk of the parameter
+  // (LibTorch's optimizers write through .data(), which version counters do
+  // not see, so values are compared; one pass over 1/S of the parameters
+  // and one device sync). A shard that changed since the last gather()
+  // means its optimizer was stepped directly, not through the handle
+  // prepare() returned, and this forward used stale parameters: an error.
+  // A parameter changed since then (by hand, Module::load) is taken into its
+  // shard. Every shard must be in a prepared optimizer.
+  void check_shards() {
+    if (!state_->shard) return;
+    std::lock_guard lock(state_->mutex);
+    at::NoGradGuard no_grad;
+    const int64_t r = state_->shard->getRank();
+    std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
+    for (auto& bucket : state_->buckets)
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        if (!bucket.in_optimizer[i])
+          throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
+                                c10::str(bucket.params[i].sizes()) +
+                                " of a sharded model is in no prepared optimizer; under sharding its optimizer "
+                                "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
+        const at::Tensor flat = bucket.params[i].reshape({-1});
+        const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
+                      length = std::min(bucket.chunks[i], flat.numel() - begin);
+        differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
+        differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
+      }
+    if (differs.empty()) return;
+    const at::Tensor found = at::stack(differs).to(c10::kCPU);
+    const bool* flag = found.data_ptr<bool>();
+    for (auto& bucket : state_->buckets)
+      for (std::size_t i = 0; i < bucket.params.size(); ++i, flag += 2) {
+        if (!flag[0]) continue;
+        if (flag[1])
+          throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
+                                "handle accelerator.prepare() returned (its step() gathers the updated shards "
+                                "into the parameters); the parameters this forward used are stale");
+        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+        bucket.sums[i] = bucket.shards[i].sum();
+      }
+  }
+  // After the optimizer stepped the shards: every parameter all-gathered
+  // from them (one all_gather per bucket), and the parameters' gradients
+  // released (the shards' hold this step's).
+  void gather() {
+    if (!state_->shard) return;
+    std::lock_guard lock(state_->mutex);
+    at::NoGradGuard no_grad;
+    std::vector<Work<at::Tensor>> works;
+    try {
+      for (const auto& bucket : state_->buckets) works.push_back(all_gather_async(at::cat(bucket.shards), state_->shard));
+      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
+        Bucket& bucket = state_->buckets[b];
+        const at::Tensor rows = works[b].wait();  // (S, segment without the flags)
+        for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+          write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+          bucket.params[i].mutable_grad().reset();
+          bucket.sums[i] = bucket.shards[i].sum();
+        }
+      }
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
+                             e.what());
+    }
+  }
+  // Every shard taken again from its parameter (after Module::load).
+  void reshard() {
+    if (!state_->shard) return;
+    std::lock_guard lock(state_->mutex);
+    at::NoGradGuard no_grad;
+    for (auto& bucket : state_->buckets)
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        bucket.sums[i] = bucket.shards[i].sum();
+      }
   }
 
   bool distributed() const { return state_->group != nullptr; }
@@ -5072,10 +5222,20 @@ class DataParallel {
     std::size_t ready = 0;
     at::Tensor flat{};
     Work<at::Tensor> work{};
+    // Sharded: a rank's segment holds its chunk of each parameter
+    // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
+    // elements in all.
+    std::vector<int64_t> offsets{}, chunks{};
+    int64_t segment = 0;
+    std::vector<at::Tensor> shards{};
+    std::vector<uint8_t> in_optimizer{};
+    std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
   };
   struct State {
     std::mutex mutex;
     GroupPtr group;
+    GroupPtr shard, replicate;  // sharded: see above
+    int64_t replicas = 1;       // gradients are averaged over this many ranks
     std::vector<Bucket> buckets;
     std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
     std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
@@ -5104,6 +5264,24 @@ class DataParallel {
     Bucket& bucket = state.buckets[b];
     at::NoGradGuard no_grad;
     const std::size_t n = bucket.params.size();
+    if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
+      const int64_t S = state.shard->getSize();
+      bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
+      const at::Tensor rows = bucket.flat.view({S, bucket.segment});
+      for (std::size_t i = 0; i < n; ++i)
+        if (bucket.params[i].grad().defined()) read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+      rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
+          .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
+      bucket.flat.div_(state.replicas);
+      try {
+        bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                               e.what());
+      }
+      if (state.on_issued) state.on_issued(b);
+      return;
+    }
     bucket.flat = bucket.packing.buffer(bucket.params.front().options());
     for (std::size_t i = 0; i < n; ++i) {
       const at::Tensor& grad = bucket.params[i].grad();
@@ -5112,7 +5290,7 @@ class DataParallel {
     }
     bucket.packing.view(bucket.flat, n)
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
-    bucket.flat.div_(state.group->getSize());
+    bucket.flat.div_(state.replicas);
     try {
       bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);  // bf16 on Gloo too (in float32)
     } catch (const DistributedError& e) {
@@ -5120,6 +5298,92 @@ class DataParallel {
                              e.what());
     }
     if (state.on_issued) state.on_issued(b);
+  }
+
+  // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
+  // being row r. read_rows copies t's rows into columns [off, off + c) of
+  // rows (which start zeroed); write_rows copies them back into t;
+  // read_chunk copies row r alone into `out`.
+  static void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
+    const at::Tensor flat = t.reshape({-1});
+    const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
+    const at::Tensor columns = rows.narrow(1, off, c);
+    if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
+    if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+  }
+  static void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
+    const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
+    const at::Tensor columns = rows.narrow(1, off, c);
+    if (!t.is_contiguous()) {
+      t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
+      return;
+    }
+    const at::Tensor flat = t.view({-1});
+    if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
+    if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
+  }
+  static void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
+    const at::Tensor flat = t.reshape({-1});
+    const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
+    if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
+    if (length < c) out.narrow(0, length, c - length).zero_();
+  }
+
+  // Cuts every parameter into its chunks and makes this rank's shards.
+  void make_shards() {
+    const int64_t S = state_->shard->getSize(), r = state_->shard->getRank();
+    at::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
+      Bucket& bucket = state_->buckets[b];
+      int64_t at = 0;
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        const at::Tensor& p = bucket.params[i];
+        const int64_t c = (p.numel() + S - 1) / S;
+        bucket.offsets.push_back(at);
+        bucket.chunks.push_back(c);
+        at += c;
+        at::Tensor shard = at::empty({c}, p.options());
+        read_chunk(p, r, c, shard);
+        shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
+        bucket.shards.push_back(shard);
+        bucket.in_optimizer.push_back(0);
+        bucket.sums.push_back(shard.sum());
+        shard_index_.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+      }
+      bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+    }
+  }
+
+  // Sharded finish: each bucket's reduce-scatter waited for (and its
+  // all-reduce along the replicate group), then each used parameter's
+  // averaged chunk written to its shard's gradient, replacing it (the
+  // parameter's own gradient holds everything accumulated since the step).
+  void finish_sharded() {
+    try {
+      for (auto& bucket : state_->buckets) bucket.flat = bucket.work.wait();
+      if (state_->replicate) {
+        std::vector<Work<at::Tensor>> works;
+        for (auto& bucket : state_->buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, state_->replicate));
+        for (std::size_t b = 0; b < works.size(); ++b) state_->buckets[b].flat = works[b].wait();
+      }
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
+    }
+    for (auto& bucket : state_->buckets) {
+      const auto n = static_cast<int64_t>(bucket.params.size());
+      const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
+      const bool* used = used_anywhere.data_ptr<bool>();
+      for (int64_t i = 0; i < n; ++i) {
+        if (used[i]) {
+          at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+          const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+          if (shard.grad().defined()) shard.mutable_grad().copy_(averaged);
+          else shard.mutable_grad() = averaged.clone();
+        }
+        bucket.used[static_cast<std::size_t>(i)] = 0;
+      }
+      bucket.flat = at::Tensor();
+    }
   }
 
   struct ReadyHook : torch::autograd::FunctionPostHook {
@@ -5147,6 +5411,8 @@ class DataParallel {
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<State> state_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index_;  // (bucket, i)
+  std::vector<const torch::optim::Optimizer*> optimizers_;  // those stepping the shards
 };
 
 // -- Data loading ------------------------------------------------------------
@@ -6145,6 +6411,21 @@ struct ProjectConfiguration {
   int iteration = 0;                  // the number the next save_state() takes
 };
 
+// FSDP's sharding strategies, along the model mesh (Dim::MP_SHARD; see
+// DataParallel). NO_SHARD: every rank holds everything (DDP). SHARD_GRAD_OP
+// (ZeRO-2): gradients reduce-scattered, optimizer state and the update
+// sharded, parameters all-gathered after the step; with mp_replicate_size > 1
+// the shards are averaged along Dim::MP_REPLICATE too (FSDP's
+// _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3) and HYBRID_SHARD, which shard the
+// parameters at rest as well, are not built yet: asking for them is an
+// error. With mp_shard_size == 1 every strategy is NO_SHARD.
+enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
+
+inline std::string_view to_string(ShardingStrategy s) {
+  constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
+  return names[static_cast<std::size_t>(s)];
+}
+
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
@@ -6156,6 +6437,7 @@ struct AcceleratorConfig {
   bool sync_with_dataloader = true;
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
+  ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
 };
@@ -6166,11 +6448,16 @@ struct AcceleratorConfig {
 // inside accumulate()). A handle: copies share the optimizer.
 class AcceleratedOptimizer {
  public:
-  AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state)
-      : optimizer_(&optimizer), state_(std::move(state)) {}
+  // after_step: run after each real step (under sharding: the parameters
+  // gathered from the shards the optimizer stepped).
+  AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state,
+                       std::function<void()> after_step = {})
+      : optimizer_(&optimizer), state_(std::move(state)), after_step_(std::move(after_step)) {}
 
   void step() {
-    if (state_->sync_gradients) optimizer_->step();
+    if (!state_->sync_gradients) return;
+    optimizer_->step();
+    if (after_step_) after_step_();
   }
   // set_to_none: the optimizer's own default when not given (LibTorch 1.x
   // zeroes the gradients, 2.x resets them, as Python's).
@@ -6193,6 +6480,7 @@ class AcceleratedOptimizer {
  private:
   torch::optim::Optimizer* optimizer_;
   std::shared_ptr<const detail::GradientState> state_;
+  std::function<void()> after_step_;
 };
 
 // A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:
@@ -6274,6 +6562,7 @@ struct CheckpointManifest {
   int64_t loaders = 0;
   int64_t objects = 0;
   int64_t schedulers = 0;
+  int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
 };
 
 [[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
@@ -6305,7 +6594,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     else if (key == "optimizers") m.optimizers = value;
     else if (key == "loaders") m.loaders = value;
     else if (key == "objects") m.objects = value;
-    else if (key == "schedulers") m.schedulers = value;  // other keys: a newer writer's, ignored
+    else if (key == "schedulers") m.schedulers = value;
+    else if (key == "shards") m.shards = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }
@@ -6331,7 +6621,7 @@ inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
   write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
     out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
         << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects
-        << "\nschedulers " << m.schedulers << "\nend\n";
+        << "\nschedulers " << m.schedulers << "\nshards " << m.shards << "\nend\n";
   });
 }
 
@@ -6869,6 +7159,11 @@ class Accelerator {
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
     detail::check_project(config_.project_config, "accel::Accelerator");
+    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+        config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD)
+      throw InvalidArgument("accel::Accelerator: sharding_strategy " + std::string(to_string(config_.sharding_strategy)) +
+                            " (parameters sharded at rest) is not built yet; SHARD_GRAD_OP shards gradients and "
+                            "optimizer state");
     if (config_.cpu) {
       if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
         throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
@@ -6894,15 +7189,31 @@ class Accelerator {
     if (find(module.get()))
       throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
     model->to(device_);
-    models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(),
-                                                                      config_.bucket_cap_mb * 1024 * 1024)});
+    const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
+    if (sharded()) {
+      models_.push_back(Prepared{module, std::make_unique<DataParallel>(
+                                             module, interface_->world_group(), bucket_bytes,
+                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE))});
+      sharded_->push_back(models_.back().data_parallel.get());
+      for (auto* optimizer : optimizers_) sharded_->back()->shard_optimizer(*optimizer);
+    } else {
+      models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+    }
     return model;
   }
   // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
+  // Under sharding its groups then hold the shards of the prepared models'
+  // parameters (prepare it before it steps), and step it through the handle
+  // returned, whose step() gathers the parameters from the updated shards.
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
     if (std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
       optimizers_.push_back(&optimizer);
-    return AcceleratedOptimizer(optimizer, state_);
+    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
+    for (DataParallel* dp : *sharded_) dp->shard_optimizer(optimizer);
+    return AcceleratedOptimizer(optimizer, state_, [sharded = sharded_, &optimizer] {
+      for (DataParallel* dp : *sharded)
+        if (dp->steps_with(optimizer)) dp->gather();
+    });
   }
   // A learning-rate scheduler: see AcceleratedScheduler.
   template <class Scheduler>
@@ -6989,6 +7300,7 @@ class Accelerator {
   void backward(const at::Tensor& loss) {
     at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
     if (join_) join_signal(1);
+    for (DataParallel* dp : *sharded_) dp->check_shards();
     for (auto& m : models_)
       if (m.sync) m.data_parallel->prepare_for_backward();
     scaled.backward();
@@ -7090,11 +7402,42 @@ class Accelerator {
 
   // After the all-reduce every rank holds the same averaged gradients, so
   // the norm computed here is the global one, identical on every rank.
+  // Under sharding a sharded parameter's gradient is its shard's: the norm
+  // adds up every rank's shards (one all_reduce), and the shards are scaled.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
-    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+    if (sharded_->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+    std::vector<at::Tensor> shards, whole;
+    split_sharded(parameters, shards, whole);
+    at::NoGradGuard no_grad;
+    const bool inf = std::isinf(norm_type);
+    // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+    auto part = [&](const std::vector<at::Tensor>& grads) {
+      double total = 0;
+      for (const auto& g : grads) {
+        const double n = g.norm(norm_type).item<double>();
+        total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
+      }
+      return total;
+    };
+    const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
+                                                 sharded_->front()->shard_group());
+    const double from_whole = part(whole);
+    const double norm =
+        inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+    const double coefficient = max_norm / (norm + 1e-6);
+    if (coefficient < 1) {
+      for (auto& g : shards) g.mul_(coefficient);
+      for (auto& g : whole) g.mul_(coefficient);
+    }
+    return norm;
   }
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
-    torch::nn::utils::clip_grad_value_(parameters, clip_value);
+    if (sharded_->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+    std::vector<at::Tensor> shards, whole;
+    split_sharded(parameters, shards, whole);
+    at::NoGradGuard no_grad;
+    for (auto& g : shards) g.clamp_(-clip_value, clip_value);
+    for (auto& g : whole) g.clamp_(-clip_value, clip_value);
   }
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
@@ -7333,7 +7676,8 @@ class Accelerator {
                                         .optimizers = static_cast<int64_t>(optimizers_.size()),
                                         .loaders = static_cast<int64_t>(loaders_.size()),
                                         .objects = static_cast<int64_t>(objects_.size()),
-                                        .schedulers = static_cast<int64_t>(schedulers_.size())};
+                                        .schedulers = static_cast<int64_t>(schedulers_.size()),
+                                        .shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD)};
     std::string error;
     if (is_main_process()) error = detail::error_of([&] {
       manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
@@ -7347,6 +7691,13 @@ class Accelerator {
       archive.write("step", at::scalar_tensor(step_, at::kLong));
       archive.save_to((tmp / rng_file).string());
       detail::fsync_path(tmp / rng_file);
+      if (!sharded_->empty())  // each process's optimizer state is its own
+        for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+          torch::serialize::OutputArchive state;
+          optimizers_[i]->save(state);
+          state.save_to((tmp / optimizer_file(i)).string());
+          detail::fsync_path(tmp / optimizer_file(i));
+        }
     });
     detail::fail_together(error, "save_state");
     if (is_main_process()) error = detail::error_of([&] {
@@ -7357,7 +7708,8 @@ class Accelerator {
         detail::fsync_path(tmp / name);
       };
       for (std::size_t i = 0; i < models_.size(); ++i) write(numbered("model", i), *models_[i].module);
-      for (std::size_t i = 0; i < optimizers_.size(); ++i) write(numbered("optimizer", i), *optimizers_[i]);
+      if (sharded_->empty())
+        for (std::size_t i = 0; i < optimizers_.size(); ++i) write(optimizer_file(i), *optimizers_[i]);
       if (!loaders_.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
         std::vector<int64_t> points;
         for (const auto& loader : loaders_) {
@@ -7427,6 +7779,11 @@ class Accelerator {
           if (count.second.first != static_cast<int64_t>(count.second.second))
             throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                                std::to_string(count.second.second));
+        const int64_t shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD);
+        if (manifest->shards != shards)
+          throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
+                             " way(s), this run's " + std::to_string(shards) +
+                             " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
       }
       auto read = [&](const std::string& name) {
         const fs::path file = dir / name;
@@ -7443,7 +7800,7 @@ class Accelerator {
         models[i] = read(numbered("model", i));
         detail::check_module_archive(*models_[i].module, *models[i], "", (dir / numbered("model", i)).string());
       }
-      for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(numbered("optimizer", i));
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(optimizer_file(i));
       for (std::size_t i = 0; i < objects_.size(); ++i)
         objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
       for (std::size_t i = 0; i < schedulers_.size(); ++i)
@@ -7526,7 +7883,7 @@ class Accelerator {
           optimizers_[i]->load(*optimizers[i]);
           detail::load_group_options(*optimizers_[i], *optimizers[i]);
         } catch (const std::exception& e) {
-          throw RuntimeError((dir / numbered("optimizer", i)).string() + " does not fit the optimizer: " +
+          throw RuntimeError((dir / optimizer_file(i)).string() + " does not fit the optimizer: " +
                              detail::error_text(e));
         }
       }
@@ -7540,6 +7897,7 @@ class Accelerator {
 
     // 3. What was checked cannot fail to load.
     for (std::size_t i = 0; i < models_.size(); ++i) models_[i].module->load(*models[i]);
+    for (DataParallel* dp : *sharded_) dp->reshard();
     for (std::size_t i = 0; i < loaders_.size(); ++i) {
       loaders_[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
       loaders_[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
@@ -7710,6 +8068,9 @@ class Accelerator {
   }
   const std::string& mixed_precision() const { return config_.mixed_precision; }
   int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
+  // The strategy in effect: NO_SHARD when the configured one has nothing to
+  // shard along (mp_shard_size == 1, or one process).
+  ShardingStrategy sharding_strategy() const { return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD; }
   // Accelerate's project_dir, project_configuration and save_iteration (the
   // number the next automatically named checkpoint takes; set it through
   // project_configuration().iteration).
@@ -7778,11 +8139,36 @@ class Accelerator {
   static std::string numbered(const std::string& stem, std::size_t i) {
     return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
   }
+  bool sharded() const {
+    return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
+           interface_->get_world_size(Dim::MP_SHARD) > 1;
+  }
+  // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
+  // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
+  std::string optimizer_file(std::size_t i) const {
+    const std::string name = numbered("optimizer", i);
+    if (sharded_->empty()) return name;
+    return name.substr(0, name.size() - 3) + "_rank" + std::to_string(process_index()) + ".pt";
+  }
+  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
+  // the others' own (into `whole`); parameters without one are left out.
+  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
+                     std::vector<at::Tensor>& whole) const {
+    for (const auto& p : parameters) {
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded_)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
+    }
+  }
 
   AcceleratorConfig config_;
   DistributedInterface* interface_ = nullptr;
   c10::Device device_{c10::kCPU};
   std::deque<Prepared> models_;  // a deque: guards hold pointers to the flags
+  // The sharded models' DataParallels (shared with the optimizers' handles, which gather after a step).
+  std::shared_ptr<std::vector<DataParallel*>> sharded_ = std::make_shared<std::vector<DataParallel*>>();
   std::vector<torch::optim::Optimizer*> optimizers_;
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;

@@ -1511,6 +1511,186 @@ TEST_SUITE("ranks") {
     CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
   }
 
+  // Sharded data parallel (ZeRO-2): the training of one process on the
+  // global batch, every replica identical, optimizer state and gradients 1/S.
+  TEST_CASE("sharding: SHARD_GRAD_OP trains as one process on the global batch, with 1/S of the state") {
+    for (const int variant : {0, 1, 2}) {  // SGD momentum, Adam, SGD momentum with 2 accumulation steps
+      const bool adam = variant == 1;
+      const int micro = variant == 2 ? 2 : 1;
+      CAPTURE(variant);
+      accel::AcceleratorConfig c = config(micro);
+      c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+      c.bucket_cap_mb = 1;
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      CHECK(accelerator.sharding_strategy() ==
+            (P > 1 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::NO_SHARD));
+      Mlp model(5, 33, 2);  // 33: sizes that 2, 3 and 4 do not divide (padded chunks)
+      accelerator.prepare(model);
+      Mlp local = copy_of(model, 5, 33, 2);
+      auto make = [&](Mlp& m) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (adam) return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(1e-2));
+        return std::make_unique<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      };
+      auto optimizer = make(model), local_optimizer = make(local);
+      accel::AcceleratedOptimizer prepared = accelerator.prepare(*optimizer);
+      auto generator = at::detail::createCPUGenerator(11);
+      double worst_norm = 0;
+      for (int step = 0; step < 5; ++step) {
+        // `micro` micro-batches of 2 rows per process; the one process takes them all at once
+        const at::Tensor x = at::randn({2 * P * micro, 5}, generator), y = at::randn({2 * P * micro, 1}, generator);
+        double norm = 0;
+        for (int k = 0; k < micro; ++k) {
+          auto guard = accelerator.accumulate(model);
+          const int64_t at = (k * P + r) * 2;
+          accelerator.backward(torch::mse_loss(model(x.narrow(0, at, 2)), y.narrow(0, at, 2)));
+          if (accelerator.sync_gradients()) norm = accelerator.clip_grad_norm_(model->parameters(), 0.5);
+          prepared.step();
+          if (step < 4) prepared.zero_grad();  // the last step's gradients are counted below
+        }
+        local_optimizer->zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        const double local_norm = torch::nn::utils::clip_grad_norm_(local->parameters(), 0.5);
+        local_optimizer->step();
+        worst_norm = std::max(worst_norm, std::abs(norm - local_norm) / local_norm);
+      }
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE("SHARD_GRAD_OP at " << P << " process(es), " << std::string(adam ? "Adam" : "SGD momentum")
+                                  << std::string(micro > 1 ? ", 2 accumulation steps" : "")
+                                  << ": largest parameter difference to one process " << difference
+                                  << ", gradient norm relative difference " << worst_norm);
+      CHECK(difference < 1e-5);
+      CHECK(worst_norm < 1e-5);
+      if (P > 1) CHECK(identical_across_ranks(*model, world().world_group()));
+      // Optimizer state: a chunk of ceil(numel / P) per parameter, per buffer.
+      int64_t expected = 0, state = 0, gradients = 0;
+      for (const auto& p : model->parameters()) expected += (p.numel() + P - 1) / P * (adam ? 2 : 1);
+      for (const auto& entry : optimizer->state()) {
+        if (adam) {
+          const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
+          state += s.exp_avg().numel() + s.exp_avg_sq().numel();
+        } else {
+          state += static_cast<torch::optim::SGDParamState&>(*entry.second).momentum_buffer().numel();
+        }
+      }
+      for (const auto& group : optimizer->param_groups())
+        for (const auto& p : group.params()) gradients += p.grad().defined() ? p.grad().numel() : 0;
+      CHECK(state == expected);
+      CHECK(gradients * (adam ? 2 : 1) == expected);
+      if (P > 1)
+        for (const auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());  // released at the step
+    }
+  }
+
+  TEST_CASE("sharding: an optimizer stepped directly, or not prepared, is an error; checkpoints are per process") {
+    namespace fs = std::filesystem;
+    accel::AcceleratorConfig c = config();
+    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    const auto data = dataset(8, 4);
+    auto loss_of = [&](Mlp& m) { return torch::mse_loss(m(data.first), data.second); };
+    {
+      accel::Accelerator accelerator(c);
+      if (accelerator.num_processes() == 1) return;  // nothing is sharded
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      CHECK_THROWS_WITH_AS(accelerator.backward(loss_of(model)), doctest::Contains("is in no prepared optimizer"),
+                           accel::InvalidArgument);
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      auto prepared = accelerator.prepare(sgd);
+      accelerator.backward(loss_of(model));
+      sgd.step();  // not through `prepared`
+      CHECK_THROWS_WITH_AS(accelerator.backward(loss_of(model)),
+                           doctest::Contains("step the optimizer through the handle accelerator.prepare() returned"),
+                           accel::InvalidArgument);
+      Mlp other(4, 8, 1);
+      torch::optim::LBFGS lbfgs(other->parameters());
+      accelerator.prepare(other);
+      CHECK_THROWS_WITH_AS(accelerator.prepare(lbfgs), doctest::Contains("LBFGS cannot step shards"),
+                           accel::InvalidArgument);
+    }
+    c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD (parameters sharded at rest) is not built yet"),
+                         accel::InvalidArgument);
+    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+
+    // A checkpoint: each process's optimizer shard in a file of its own; the
+    // run resumed from it goes on bit for bit.
+    accel::Accelerator accelerator(c);
+    const int P = accelerator.num_processes();
+    Mlp model(4, 16, 1);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    auto prepared = accelerator.prepare(model, adam);
+    auto train = [&](int steps) {
+      for (int i = 0; i < steps; ++i) {
+        std::get<1>(prepared).zero_grad();
+        accelerator.backward(loss_of(model));
+        std::get<1>(prepared).step();
+      }
+      return flat_parameters(*model).clone();
+    };
+    const fs::path dir = shared_temp_path(accelerator, "accel_sharded_ckpt_");
+    train(2);
+    accelerator.save_state(dir);
+    for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
+    CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
+    const at::Tensor straight = train(3);
+    accelerator.load_state(dir);
+    CHECK(at::equal(train(3), straight));
+    {  // the same checkpoint in an unsharded run: refused, nothing changed
+      accel::AcceleratorConfig plain = config();
+      accel::Accelerator other(plain);
+      Mlp m(4, 16, 1);
+      torch::optim::Adam o(m->parameters(), torch::optim::AdamOptions(1e-2));
+      other.prepare(m, o);
+      CHECK(what_of([&] { other.load_state(dir); })
+                .find("its optimizer state is sharded " + std::to_string(P) + " way(s), this run's 1 way(s)") !=
+            std::string::npos);
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
+  }
+
+  // HSDP's ZeRO-2 (FSDP's _HYBRID_SHARD_ZERO2) on a 2 x 2 model mesh: shards
+  // along mp_shard, averaged along mp_replicate.
+  TEST_CASE("sharding: SHARD_GRAD_OP on a 2 x 2 model mesh (replicated shards) trains as one process") {
+    if (world().get_world_size() != 4) return;
+    accel::AcceleratorConfig c = config();
+    c.distributed = test_config({.mp_replicate_size = 2});
+    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    world().destroy();
+    {
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      Mlp model(5, 33, 2);
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+      auto prepared = accelerator.prepare(model, adam);
+      Mlp local = copy_of(model, 5, 33, 2);
+      torch::optim::Adam local_adam(local->parameters(), torch::optim::AdamOptions(1e-2));
+      auto generator = at::detail::createCPUGenerator(12);
+      for (int step = 0; step < 5; ++step) {
+        const at::Tensor x = at::randn({2 * P, 5}, generator), y = at::randn({2 * P, 1}, generator);
+        std::get<1>(prepared).zero_grad();
+        accelerator.backward(torch::mse_loss(model(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)));
+        std::get<1>(prepared).step();
+        local_adam.zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        local_adam.step();
+      }
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE("SHARD_GRAD_OP on a 2 x 2 model mesh, Adam: largest parameter difference to one process " << difference);
+      CHECK(difference < 1e-5);
+      CHECK(identical_across_ranks(*model, accel::DistributedInterface::instance().world_group()));
+      int64_t expected = 0, state = 0;
+      for (const auto& p : model->parameters()) expected += (p.numel() + 1) / 2 * 2;  // halves, along mp_shard
+      for (const auto& entry : adam.state()) {
+        const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
+        state += s.exp_avg().numel() + s.exp_avg_sq().numel();
+      }
+      CHECK(state == expected);
+    }
+    accel::DistributedInterface::instance().destroy();
+  }
+
   TEST_CASE("training cleanup") { world().destroy(); }
 }
 
