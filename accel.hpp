@@ -5068,20 +5068,16 @@ class DataParallel {
     if (!state_->group) return;
     std::lock_guard lock(state_->mutex);
     std::vector<Work<at::Tensor>> works;
-    for (const auto& bucket : state_->buckets) {
-      const at::TensorOptions options = bucket.params.front().options();
-      works.push_back(state_->shard
-                          ? reduce_scatter_async(at::zeros({state_->shard->getSize() * bucket.segment}, options),
-                                                 ReduceOp::SUM, state_->shard)
-                          : all_reduce_async(bucket.packing.buffer(options).zero_(), ReduceOp::SUM, state_->group));
-    }
-    try {
-      for (auto& work : works) {
-        at::Tensor reduced = work.wait();
-        if (state_->replicate) all_reduce(reduced, ReduceOp::SUM, state_->replicate);
+    for (const auto& bucket : state_->buckets)
+      works.push_back(all_reduce_async(bucket.packing.buffer(bucket.params.front().options()).zero_(), ReduceOp::SUM,
+                                       state_->group));
+    for (auto& work : works) {
+      try {
+        work.wait();
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                               e.what());
       }
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient reduction failed: ") + e.what());
     }
   }
 
@@ -7321,6 +7317,9 @@ class Accelerator {
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+    if (!sharded_->empty())
+      throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+                            "have to step its shard too); use NO_SHARD, or even batches");
     Join join;
     (join.models.push_back(find_prepared(models, "join_uneven_inputs")), ...);
     join.group = join.models.front()->data_parallel->group();

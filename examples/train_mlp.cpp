@@ -10,6 +10,8 @@
 //         --batch N (per process)  --accumulate K
 //         --checkpoint DIR (default train_mlp_checkpoint)  --resume
 //         --export DIR (the final weights as safetensors, for Python)
+//         --sharding shard_grad_op (ZeRO-2: optimizer state and gradients
+//         sharded across the processes; default no_shard)
 //         --stop-after N (save and stop after N batches, as if interrupted;
 //         --resume then goes on mid-epoch and ends with the same weights,
 //         bit for bit, as an uninterrupted run: the last line's checksum)
@@ -59,6 +61,7 @@ struct Options {
   size_t batch = 32;
   std::string checkpoint = "train_mlp_checkpoint", export_dir;
   bool resume = false;
+  accel::ShardingStrategy sharding = accel::ShardingStrategy::NO_SHARD;
 };
 
 Options parse(int argc, char** argv) {
@@ -77,6 +80,12 @@ Options parse(int argc, char** argv) {
     else if (arg == "--resume") o.resume = true;
     else if (arg == "--export") o.export_dir = value();
     else if (arg == "--stop-after") o.stop_after = std::stoll(value());
+    else if (arg == "--sharding") {
+      const std::string v = value();
+      if (v == "no_shard") o.sharding = accel::ShardingStrategy::NO_SHARD;
+      else if (v == "shard_grad_op") o.sharding = accel::ShardingStrategy::SHARD_GRAD_OP;
+      else throw std::invalid_argument("--sharding " + v + " (expected no_shard or shard_grad_op)");
+    }
     else throw std::invalid_argument("unknown flag " + arg);
   }
   return o;
@@ -98,12 +107,15 @@ double evaluate(accel::Accelerator& accelerator, Mlp& model, Loader& loader) {
 int train(const Options& options) {
   accel::AcceleratorConfig config;
   config.gradient_accumulation_steps = options.accumulate;
+  config.sharding_strategy = options.sharding;
   accel::Accelerator accelerator(config);
 
   torch::manual_seed(42);
   Mlp model;
-  torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
-  accelerator.prepare(model, optimizer);
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+  // The prepared optimizer steps only on the steps that sync (and, sharded,
+  // gathers the parameters from the shards it stepped).
+  accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, adam));
   auto stack = torch::data::transforms::Stack<>();
   auto train = accelerator.prepare_data_loader(Regression().map(stack),
                                                {.batch_size = options.batch, .shuffle = true, .seed = 7});
@@ -123,11 +135,9 @@ int train(const Options& options) {
       auto sync = accelerator.accumulate(model);
       at::Tensor loss = torch::mse_loss(model(batch.data), batch.target);
       accelerator.backward(loss);
-      if (accelerator.sync_gradients()) {
-        accelerator.clip_grad_norm_(model->parameters(), 1.0);
-        optimizer.step();
-        optimizer.zero_grad();
-      }
+      if (accelerator.sync_gradients()) accelerator.clip_grad_norm_(model->parameters(), 1.0);
+      optimizer.step();
+      optimizer.zero_grad();
       samples += batch.data.size(0);
       if (++step % 20 == 0 || accelerator.end_of_dataloader()) {
         // Global figures: this rank's count times the ranks (even batches).

@@ -1607,6 +1607,8 @@ TEST_SUITE("ranks") {
       accelerator.prepare(other);
       CHECK_THROWS_WITH_AS(accelerator.prepare(lbfgs), doctest::Contains("LBFGS cannot step shards"),
                            accel::InvalidArgument);
+      CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, model), doctest::Contains("not under sharding yet"),
+                           accel::InvalidArgument);
     }
     c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD (parameters sharded at rest) is not built yet"),
