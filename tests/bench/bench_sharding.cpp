@@ -1,0 +1,152 @@
+// Sharded data parallel, per process: allocator bytes and step time of
+// accel::Accelerator with NO_SHARD and SHARD_GRAD_OP (ZeRO-2), Adam on an MLP
+// of 4 x 2048 x 2048 (16.8 M parameters). Every CPU allocation LibTorch makes
+// goes through a counting allocator (c10::SetCPUAllocator), so the figures
+// are allocator bytes, not RSS. Rank 0 prints, per figure, the largest over
+// the processes:
+//     CSV,sharding_<figure>,<world>,<strategy>,<params>,<value>,<unit>
+// figures: params_mb, grads_mb, optimizer_mb (held by tensors, counted from
+// them: parameters and shards, the gradients of both, optimizer state;
+// between two steps, i.e. after optimizer.step() and before the next
+// zero_grad); between_steps_mb, peak_mb (every live CPU byte: between two
+// steps, and the highest during the timed steps); step_ms (per step, the
+// median of the trials). Run under tests/launch.cpp
+// (run_sharding_bench.sh does).
+//
+//     bench_sharding <no_shard|shard_grad_op> <trials> <steps>
+#define ACCEL_TRAINING
+#include "accel.hpp"
+
+#include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+constexpr int64_t kWidth = 2048, kLayers = 4, kBatch = 16;
+
+// Wraps LibTorch's CPU allocator and counts live and peak bytes.
+class CountingAllocator final : public c10::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override { return counted(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+#else
+  c10::DataPtr allocate(size_t n) const override { return const_cast<CountingAllocator*>(this)->counted(n); }
+#endif
+  int64_t live() const { return live_; }
+  int64_t peak() const { return peak_; }
+  void reset_peak() { peak_ = live_.load(); }
+
+ private:
+  struct Context {
+    c10::DataPtr inner;
+    int64_t bytes;
+    CountingAllocator* owner;
+  };
+  static void release(void* context) {
+    auto* c = static_cast<Context*>(context);
+    c->owner->live_ -= c->bytes;
+    delete c;
+  }
+  c10::DataPtr counted(size_t n) {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* context = new Context{std::move(inner), static_cast<int64_t>(n), this};
+    const int64_t now = live_ += static_cast<int64_t>(n);
+    int64_t peak = peak_;
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, context, &release, device};
+  }
+  c10::Allocator* base_;
+  std::atomic<int64_t> live_{0}, peak_{0};
+};
+
+int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string strategy = argc > 1 ? argv[1] : "shard_grad_op";
+  const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
+  const int steps = argc > 3 ? std::stoi(argv[3]) : 5;
+  static CountingAllocator counting(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+
+  accel::AcceleratorConfig config;
+  config.sharding_strategy =
+      strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::NO_SHARD;
+  accel::Accelerator accelerator(config);
+  torch::manual_seed(0);
+  torch::nn::Sequential model;
+  for (int64_t i = 0; i < kLayers; ++i) {
+    model->push_back(torch::nn::Linear(kWidth, kWidth));
+    model->push_back(torch::nn::ReLU());
+  }
+  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-4));
+  auto prepared = accelerator.prepare(model, adam);
+  accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
+  const at::Tensor x = at::randn({kBatch, kWidth}, generator), y = at::randn({kBatch, kWidth}, generator);
+  auto step = [&] {
+    optimizer.zero_grad(/*set_to_none=*/true);
+    accelerator.backward(torch::mse_loss(model->forward(x), y));
+    optimizer.step();
+  };
+  for (int i = 0; i < 2; ++i) step();  // warm-up: optimizer state exists
+
+  // Held by tensors, between two steps.
+  int64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;
+  for (const auto& p : model->parameters()) {
+    param_bytes += bytes_of(p);
+    grad_bytes += bytes_of(p.grad());
+  }
+  for (const auto& group : adam.param_groups())
+    for (const auto& p : group.params())
+      if (accelerator.sharding_strategy() != accel::ShardingStrategy::NO_SHARD) {
+        param_bytes += bytes_of(p);  // the shards
+        grad_bytes += bytes_of(p.grad());
+      }
+  for (const auto& entry : adam.state()) {
+    const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
+    state_bytes += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq()) + bytes_of(s.max_exp_avg_sq());
+  }
+  const int64_t between_steps = counting.live();
+
+  std::vector<double> times;
+  counting.reset_peak();
+  for (int t = 0; t < trials; ++t) {
+    accelerator.wait_for_everyone();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) step();
+    accelerator.wait_for_everyone();
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps);
+  }
+  std::sort(times.begin(), times.end());
+  const int64_t peak = counting.peak();
+
+  const double mb = 1024.0 * 1024.0;
+  auto report = [&](const char* figure, double value, const char* unit) {
+    value = accel::all_reduce(value, accel::ReduceOp::MAX);
+    if (accelerator.is_main_process())
+      std::printf("CSV,sharding_%s,%d,%s,%lld,%.6g,%s\n", figure, accelerator.num_processes(), strategy.c_str(),
+                  static_cast<long long>(params), value, unit);
+  };
+  report("params_mb", static_cast<double>(param_bytes) / mb, "MiB");
+  report("grads_mb", static_cast<double>(grad_bytes) / mb, "MiB");
+  report("optimizer_mb", static_cast<double>(state_bytes) / mb, "MiB");
+  report("between_steps_mb", static_cast<double>(between_steps) / mb, "MiB");
+  report("peak_mb", static_cast<double>(peak) / mb, "MiB");
+  report("step_ms", times[times.size() / 2], "ms");
+  std::fflush(stdout);
+  accel::DistributedInterface::instance().destroy();
+}

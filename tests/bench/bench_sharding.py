@@ -1,0 +1,79 @@
+"""Python's side of the sharding benchmark: bench_sharding.cpp's MLP, batch and
+Adam under DistributedDataParallel, with torch's ZeroRedundancyOptimizer
+(optimizer state sharded by whole parameters; "zero") or a plain Adam
+("no_shard"). Rank 0 prints, the largest over the processes,
+    CSV,sharding_<figure>,<world>,python_<variant>,<params>,<value>,<unit>
+for grads_mb and optimizer_mb (held by tensors between two steps) and
+step_ms (median of the trials). Python has no CPU allocator counter, so no
+between_steps_mb or peak_mb. Run under tests/launch.cpp.
+
+    bench_sharding.py <no_shard|zero> <trials> <steps>
+"""
+
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+WIDTH, LAYERS, BATCH = 2048, 4, 16
+
+
+def main():
+    variant = sys.argv[1] if len(sys.argv) > 1 else "zero"
+    trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if variant == "zero":
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+    else:
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    inner = optimizer.optim if variant == "zero" else optimizer
+    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    times = []
+    for _ in range(trials):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dist.barrier()
+        times.append((time.perf_counter() - start) / steps * 1e3)
+
+    def report(figure, value, unit):
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant},{params},{t.item():.6g},{unit}",
+                  flush=True)
+
+    report("grads_mb", grads / 2**20, "MiB")
+    report("optimizer_mb", state / 2**20, "MiB")
+    report("step_ms", statistics.median(times), "ms")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
