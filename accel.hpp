@@ -25,7 +25,8 @@
 //                      process control, reproducibility)
 //   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
 //                      (autograd-aware collectives, DataParallel and its
-//                      ZeRO-2 sharding, data loading, dispatch_batches,
+//                      ZeRO-2/ZeRO-3 sharding, unit_forward, data loading,
+//                      dispatch_batches,
 //                      checkpoint files, safetensors, Accelerator)
 
 #ifndef ACCEL_HPP
@@ -4741,8 +4742,9 @@ ACCEL_NAMESPACE_END  // accel
 // in the design of Python's DistributedDataParallel: gradients are
 // all-reduced in buckets (25 MB by default) as autograd produces them,
 // asynchronously, overlapping backward (or reduce-scattered, under ZeRO-2
-// sharding). In order: autograd-aware collectives
-// (accel::autograd) · DataParallel (the buckets, the shards) · data loading
+// and ZeRO-3 sharding). In order: autograd-aware collectives
+// (accel::autograd) · DataParallel (the buckets, the shards, the units) ·
+// unit_forward · data loading
 // (ShardSampler, PreparedDataLoader, PreparedIterableDataLoader) ·
 // ProjectConfiguration, ShardingStrategy, AcceleratorConfig ·
 // AcceleratedOptimizer, AcceleratedScheduler · checkpoint files ·
@@ -4933,18 +4935,38 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
 // steps the shards, gather() all-gathers them into every parameter and
 // releases the parameters' gradients.
 //
+// Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
+// parameters of each unit (a submodule) hold no memory at rest. LibTorch
+// modules have no forward hooks, so a unit runs through accel::unit_forward
+// (see below), which gathers its parameters from the shards (waiting for a
+// prefetch where one was issued, and prefetching the unit that came next in
+// the last forward), runs its forward and frees them again. Autograd hooks
+// on the unit's output and inputs gather them once more before the unit's
+// backward (prefetching the unit before it) and free them after it; each
+// unit is a bucket of its own, reduce-scattered as soon as its gradients
+// are complete, and the parameters' gradients are released right then (the
+// shards' gradients accumulate instead). Parameters in no unit (the root's
+// own) are sharded as under ZeRO-2. Freed storage is LibTorch's error on use
+// ("storage of size 0", "data is not allocated"), never stale values;
+// summon_full_params() gathers everything for as long as it lives
+// (checkpoints, exports, inspection).
+//
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.
 class DataParallel {
+  struct State;  // (below)
+
  public:
   static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
 
   // group: where parameters are broadcast from, and gradients averaged over
   // when not sharded. shard (of more than one rank): shard along it, and
-  // average along replicate as well when given.
+  // average along replicate as well when given. units (sharded only):
+  // submodules whose parameters are sharded at rest (FULL_SHARD).
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
-               GroupPtr shard = {}, GroupPtr replicate = {})
+               GroupPtr shard = {}, GroupPtr replicate = {},
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {})
       : module_(module), state_(std::make_shared<State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
@@ -4960,23 +4982,29 @@ class DataParallel {
     for (const auto& p : module_->parameters())
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
+    const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
     // Buckets hold one dtype and device each; as in DDP's assignment, a
     // bucket takes parameters until it holds at least its cap (so a bucket
     // ends with the parameter that filled it: a large layer's gradient does
-    // not wait alone for the end of backward).
+    // not wait alone for the end of backward). A unit's parameters are a
+    // bucket of their own, whatever its size.
     int64_t cap = kFirstBucketBytes;
     bool open = false;
-    for (const auto& p : params) {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const at::Tensor& p = params[k];
       auto& buckets = state_->buckets;
-      if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device()) {
+      if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device() ||
+          buckets.back().unit != unit_of[k]) {
         buckets.push_back(Bucket{.dtype = p.scalar_type(), .device = p.device(), .packing = detail::Packing(p.scalar_type())});
+        buckets.back().unit = unit_of[k];
+        if (unit_of[k] >= 0) state_->units[static_cast<std::size_t>(unit_of[k])].buckets.push_back(buckets.size() - 1);
         open = true;
       }
       buckets.back().params.push_back(p);
       buckets.back().used.push_back(0);
       buckets.back().seen.push_back(0);
       buckets.back().packing.add(p);
-      if (buckets.back().packing.bytes() >= cap) {
+      if (unit_of[k] < 0 && buckets.back().packing.bytes() >= cap) {
         open = false;
         cap = bucket_bytes;
       }
@@ -4986,12 +5014,21 @@ class DataParallel {
       for (std::size_t i = 0; i < bucket.params.size(); ++i) accumulators_.emplace_back();
     }
     if (state_->shard) make_shards();
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      release(*state_, u);  // at rest: the shards only
+      std::lock_guard lock(registry_mutex());
+      registry()[state_->units[u].module] = {state_, u};
+    }
     hook_accumulators();
   }
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
+    {
+      std::lock_guard lock(registry_mutex());
+      for (const auto& unit : state_->units) registry().erase(unit.module);
+    }
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
   }
@@ -5029,6 +5066,7 @@ class DataParallel {
   // communicated; with `always`, it takes part regardless).
   bool finish(bool always = false) {
     std::lock_guard lock(state_->mutex);
+    end_unit_pass(*state_);
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
@@ -5139,6 +5177,7 @@ class DataParallel {
                                 c10::str(bucket.params[i].sizes()) +
                                 " of a sharded model is in no prepared optimizer; under sharding its optimizer "
                                 "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
+        if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
         const at::Tensor flat = bucket.params[i].reshape({-1});
         const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
                       length = std::min(bucket.chunks[i], flat.numel() - begin);
@@ -5149,7 +5188,7 @@ class DataParallel {
     const at::Tensor found = at::stack(differs).to(c10::kCPU);
     const bool* flag = found.data_ptr<bool>();
     for (auto& bucket : state_->buckets)
-      for (std::size_t i = 0; i < bucket.params.size(); ++i, flag += 2) {
+      for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
         if (!flag[0]) continue;
         if (flag[1])
           throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
@@ -5165,13 +5204,16 @@ class DataParallel {
   void gather() {
     if (!state_->shard) return;
     std::lock_guard lock(state_->mutex);
+    end_unit_pass(*state_);  // a prefetch made before this step holds old values
     at::NoGradGuard no_grad;
     std::vector<Work<at::Tensor>> works;
     try {
-      for (const auto& bucket : state_->buckets) works.push_back(all_gather_async(at::cat(bucket.shards), state_->shard));
-      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
+      for (const auto& bucket : state_->buckets)
+        if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), state_->shard));
+      for (std::size_t b = 0, w = 0; b < state_->buckets.size(); ++b) {
         Bucket& bucket = state_->buckets[b];
-        const at::Tensor rows = works[b].wait();  // (S, segment without the flags)
+        if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+        const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
         for (std::size_t i = 0; i < bucket.params.size(); ++i) {
           write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
           bucket.params[i].mutable_grad().reset();
@@ -5183,7 +5225,9 @@ class DataParallel {
                              e.what());
     }
   }
-  // Every shard taken again from its parameter (after Module::load).
+  // Every shard taken again from its parameter (after Module::load, which
+  // gives every parameter storage of its own); units' parameters are freed
+  // again.
   void reshard() {
     if (!state_->shard) return;
     std::lock_guard lock(state_->mutex);
@@ -5193,6 +5237,129 @@ class DataParallel {
         read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
         bucket.sums[i] = bucket.shards[i].sum();
       }
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      for (std::size_t b : state_->units[u].buckets) state_->buckets[b].resident = true;
+      release(*state_, u);
+    }
+  }
+
+  // FSDP's summon_full_params: every unit's parameters gathered for as long
+  // as the returned object lives (a collective on the shard group: every
+  // rank makes one, in the same order). With writeback, what the
+  // parameters hold then goes back into the shards. Nothing to do unless
+  // fully sharded.
+  class FullParameters {
+   public:
+    FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+    FullParameters(const FullParameters&) = delete;
+    FullParameters& operator=(const FullParameters&) = delete;
+    FullParameters& operator=(FullParameters&&) = delete;
+    ~FullParameters() {
+      if (!state_) return;
+      std::lock_guard lock(state_->mutex);
+      if (--state_->held > 0) return;
+      at::NoGradGuard no_grad;
+      for (std::size_t u = 0; u < state_->units.size(); ++u) {
+        if (writeback_)
+          for (std::size_t b : state_->units[u].buckets) {
+            Bucket& bucket = state_->buckets[b];
+            for (std::size_t i = 0; i < bucket.params.size(); ++i)
+              read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+          }
+        release(*state_, u);
+      }
+    }
+
+   private:
+    friend class DataParallel;
+    FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
+    std::shared_ptr<State> state_;
+    bool writeback_;
+  };
+  [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
+    if (state_->units.empty()) return FullParameters(nullptr, false);
+    std::lock_guard lock(state_->mutex);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) materialize(*state_, u);
+    ++state_->held;
+    return FullParameters(state_, writeback);
+  }
+  // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
+  std::size_t unit_count() const { return state_->units.size(); }
+  // Whether `module` is a unit of a live fully sharded DataParallel.
+  static bool is_unit(const torch::nn::Module* module) {
+    std::lock_guard lock(registry_mutex());
+    const auto found = registry().find(module);
+    return found != registry().end() && !found->second.first.expired();
+  }
+
+  // accel::unit_forward's machinery: fn(args...) with the parameters of the
+  // unit `module` gathered (plainly fn(args...) when it is not a unit).
+  template <class Fn, class... Args>
+  static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+    std::shared_ptr<State> state;
+    std::size_t u = 0;
+    {
+      std::lock_guard lock(registry_mutex());
+      const auto found = registry().find(module);
+      if (found != registry().end()) {
+        state = found->second.first.lock();
+        u = found->second.second;
+      }
+    }
+    if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+    {
+      std::lock_guard lock(state->mutex);
+      if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+        if (!state->order.empty()) state->last_order = std::move(state->order);
+        state->order.clear();
+        state->new_pass = false;
+      }
+      if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+      materialize(*state, u);
+      const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
+      if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+    }
+    struct Release {  // after the forward, also when it throws
+      State& state;
+      std::size_t unit;
+      ~Release() {
+        std::lock_guard lock(state.mutex);
+        release(state, unit);
+      }
+    } release_after{*state, u};
+    const std::weak_ptr<State> weak = state;
+    auto enter = [&]<class A>(A&& a) -> decltype(auto) {
+      if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+        if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
+        at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
+        in.register_hook([weak, u](const at::Tensor&) {
+          if (const auto s = weak.lock()) {
+            std::lock_guard lock(s->mutex);
+            if (s->alive) release(*s, u);
+          }
+        });
+        return in;
+      } else {
+        return std::forward<A>(a);
+      }
+    };
+    auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
+    if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+      if (out.requires_grad() && at::GradMode::is_enabled())
+        out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
+          if (const auto s = weak.lock()) {
+            std::lock_guard lock(s->mutex);
+            if (!s->alive) return;
+            materialize(*s, u);
+            const auto at = std::find(s->order.begin(), s->order.end(), u);
+            if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
+          }
+        });
+    } else {
+      static_assert(std::is_same_v<decltype(out), at::Tensor>,
+                    "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
+    }
+    return out;
   }
 
   bool distributed() const { return state_->group != nullptr; }
@@ -5226,6 +5393,15 @@ class DataParallel {
     std::vector<at::Tensor> shards{};
     std::vector<uint8_t> in_optimizer{};
     std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
+    // FULL_SHARD: the unit whose parameters these are (-1: none), whether
+    // they hold their values now, and a prefetch in flight.
+    int64_t unit = -1;
+    bool resident = true;
+    Work<at::Tensor> gathering{};
+  };
+  struct Unit {
+    const torch::nn::Module* module = nullptr;
+    std::vector<std::size_t> buckets{};
   };
   struct State {
     std::mutex mutex;
@@ -5237,7 +5413,125 @@ class DataParallel {
     std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
     bool armed = false, alive = true;
     std::function<void(std::size_t)> on_issued;
+    // FULL_SHARD: the units; the order they ran in this forward and the
+    // last (prefetching follows it); summon_full_params() objects alive.
+    std::vector<Unit> units;
+    std::vector<std::size_t> order, last_order;
+    bool new_pass = true;
+    int held = 0;
   };
+
+  // Which unit each of `params` belongs to (-1: none). A parameter in two
+  // units, and one that shares storage or is a view, cannot be freed alone:
+  // errors.
+  std::vector<int64_t> assign_units(const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                    const std::vector<at::Tensor>& params) {
+    std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+    for (std::size_t u = 0; u < units.size(); ++u) {
+      state_->units.push_back(Unit{.module = units[u].get()});
+      for (const auto& p : units[u]->parameters()) {
+        if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
+          throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
+                                " is in two fully sharded units; units must not nest or share parameters");
+      }
+    }
+    std::unordered_map<const void*, int64_t> storages;
+    std::vector<int64_t> out;
+    for (const auto& p : params) {
+      const auto found = owner.find(p.unsafeGetTensorImpl());
+      out.push_back(found == owner.end() ? -1 : found->second);
+      if (out.back() < 0) continue;
+      if (!storages.emplace(p.storage().unsafeGetStorageImpl(), 0).second || p.storage_offset() != 0 ||
+          !p.is_contiguous() || p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
+        throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
+                              "storage (a parameter of shape " + c10::str(p.sizes()) +
+                              " is a view or shares storage: tied weights belong in no unit)");
+    }
+    return out;
+  }
+  using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
+  static Registry& registry() {
+    static Registry units;  // every live DataParallel's units, for accel::unit_forward
+    return units;
+  }
+  static std::mutex& registry_mutex() {
+    static std::mutex mutex;
+    return mutex;
+  }
+
+  // A unit's parameters: fetch() issues the all-gather of its shards
+  // (asynchronously, unless it holds them or one is in flight);
+  // materialize() gives the parameters storage again and writes the gathered
+  // values in (through variable_data(): version counters stay, so autograd
+  // accepts the values it saved in forward); release() frees their storage.
+  static void fetch(State& s, std::size_t u) {
+    at::NoGradGuard no_grad;
+    for (std::size_t b : s.units[u].buckets) {
+      Bucket& bucket = s.buckets[b];
+      if (bucket.resident || bucket.gathering.valid()) continue;
+      try {
+        bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      }
+    }
+  }
+  static void materialize(State& s, std::size_t u) {
+    fetch(s, u);
+    at::NoGradGuard no_grad;
+    for (std::size_t b : s.units[u].buckets) {
+      Bucket& bucket = s.buckets[b];
+      if (bucket.resident) continue;
+      at::Tensor rows;
+      try {
+        rows = bucket.gathering.wait();  // (S, segment without the flags)
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      }
+      bucket.gathering = {};
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+        const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
+        c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+        storage->set_data_ptr_noswap(allocator->allocate(bytes));
+        storage->set_nbytes(bytes);
+        at::Tensor values = bucket.params[i].variable_data();
+        write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
+      }
+      bucket.resident = true;
+    }
+  }
+  static void release(State& s, std::size_t u) {
+    if (s.held > 0) return;  // summon_full_params() keeps them
+    for (std::size_t b : s.units[u].buckets) {
+      Bucket& bucket = s.buckets[b];
+      if (!bucket.resident) continue;
+      for (const auto& p : bucket.params) {
+        c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+        storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
+        storage->set_nbytes(0);
+      }
+      bucket.resident = false;
+    }
+  }
+  // The end of a backward: prefetches that found no use are waited for (a
+  // collective cannot be taken back) and dropped, every unit is freed, and
+  // the next forward records the order anew.
+  static void end_unit_pass(State& s) {
+    if (s.units.empty()) return;
+    for (auto& bucket : s.buckets)
+      if (bucket.gathering.valid()) {
+        try {
+          bucket.gathering.wait();
+        } catch (const DistributedError& e) {
+          throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                                 e.what());
+        }
+        bucket.gathering = {};
+      }
+    for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
+    s.new_pass = true;
+  }
 
   // Puts a ReadyHook on each parameter's gradient accumulator. Run again
   // before each synced backward: an operation that replaces a parameter's
@@ -5265,7 +5559,10 @@ class DataParallel {
       bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
       const at::Tensor rows = bucket.flat.view({S, bucket.segment});
       for (std::size_t i = 0; i < n; ++i)
-        if (bucket.params[i].grad().defined()) read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        if (bucket.params[i].grad().defined()) {
+          read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+          if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
+        }
       rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
           .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
       bucket.flat.div_(state.replicas);
@@ -5373,8 +5670,9 @@ class DataParallel {
         if (used[i]) {
           at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
           const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-          if (shard.grad().defined()) shard.mutable_grad().copy_(averaged);
-          else shard.mutable_grad() = averaged.clone();
+          if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
+          else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
+          else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
         }
         bucket.used[static_cast<std::size_t>(i)] = 0;
       }
@@ -5410,6 +5708,29 @@ class DataParallel {
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index_;  // (bucket, i)
   std::vector<const torch::optim::Optimizer*> optimizers_;  // those stepping the shards
 };
+
+// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
+// a model's forward a unit is called as
+//     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
+// which gathers the unit's parameters from their shards, runs its forward
+// and frees them (see DataParallel). The same code runs under every
+// strategy: a module that is no unit is simply called. On a Sequential that
+// is not a unit itself, each child is called in turn, through
+// unit_forward. A unit's forward returns one tensor.
+template <class ModuleHolder, class... Args>
+  requires requires(ModuleHolder& m) { m.ptr(); }
+auto unit_forward(ModuleHolder& unit, Args&&... args) {
+  return DataParallel::unit_call(
+      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
+  if (DataParallel::is_unit(sequential.ptr().get()))
+    return DataParallel::unit_call(sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
+  for (auto& child : *sequential)
+    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
+  return x;
+}
 
 // -- Data loading ------------------------------------------------------------
 //
@@ -6412,9 +6733,12 @@ struct ProjectConfiguration {
 // (ZeRO-2): gradients reduce-scattered, optimizer state and the update
 // sharded, parameters all-gathered after the step; with mp_replicate_size > 1
 // the shards are averaged along Dim::MP_REPLICATE too (FSDP's
-// _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3) and HYBRID_SHARD, which shard the
-// parameters at rest as well, are not built yet: asking for them is an
-// error. With mp_shard_size == 1 every strategy is NO_SHARD.
+// _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3): the parameters of each unit
+// (auto_wrap_policy) are sharded at rest too and gathered only while the unit
+// runs (accel::unit_forward) and for its backward; on a model mesh that
+// replicates (mp_replicate_size > 1) it is an error. HYBRID_SHARD: FULL_SHARD
+// with the shards averaged along Dim::MP_REPLICATE (HSDP). With
+// mp_shard_size == 1 every strategy is NO_SHARD.
 enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
 
 inline std::string_view to_string(ShardingStrategy s) {
@@ -6434,6 +6758,11 @@ struct AcceleratorConfig {
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
+  // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
+  // auto_wrap_policy), asked of each submodule by its dotted name, parents
+  // first (a unit's own submodules are not asked). Empty: every submodule
+  // with parameters of its own (Linear, Conv, Embedding, LayerNorm, ...).
+  std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
 };
@@ -7155,11 +7484,6 @@ class Accelerator {
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
     detail::check_project(config_.project_config, "accel::Accelerator");
-    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
-        config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD)
-      throw InvalidArgument("accel::Accelerator: sharding_strategy " + std::string(to_string(config_.sharding_strategy)) +
-                            " (parameters sharded at rest) is not built yet; SHARD_GRAD_OP shards gradients and "
-                            "optimizer state");
     if (config_.cpu) {
       if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
         throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
@@ -7168,6 +7492,11 @@ class Accelerator {
     }
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
+    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
+        interface_->get_world_size(Dim::MP_REPLICATE) > 1)
+      throw InvalidArgument("accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
+                            "replicates " + std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
+                            " ways (mp_replicate_size): that is HYBRID_SHARD");
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
@@ -7187,9 +7516,21 @@ class Accelerator {
     model->to(device_);
     const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
     if (sharded()) {
+      std::vector<std::shared_ptr<torch::nn::Module>> units;
+      if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+          config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
+        choose_units(*module, "", units);
+        if (units.empty())
+          throw InvalidArgument("accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
+                                " found no unit in the model (" +
+                                (config_.auto_wrap_policy ? "auto_wrap_policy chose none"
+                                                          : "no submodule holds parameters of its own") +
+                                "); use SHARD_GRAD_OP, or register the layers as submodules");
+      }
       models_.push_back(Prepared{module, std::make_unique<DataParallel>(
                                              module, interface_->world_group(), bucket_bytes,
-                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE))});
+                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE),
+                                             units)});
       sharded_->push_back(models_.back().data_parallel.get());
       for (auto* optimizer : optimizers_) sharded_->back()->shard_optimizer(*optimizer);
     } else {
@@ -7667,6 +8008,7 @@ class Accelerator {
 
  private:
   void write_checkpoint(const std::filesystem::path& dir) {
+    const auto full = full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
     const std::filesystem::path tmp = detail::sibling(dir, ".tmp");
     const std::string rng_file = "random_states_" + std::to_string(process_index()) + ".pt";
     detail::CheckpointManifest manifest{.serial = 0,
@@ -7927,6 +8269,7 @@ class Accelerator {
     namespace fs = std::filesystem;
     const fs::path path = detail::checkpoint_path(dir, "save_model");
     if (max_shard_bytes == 0) throw InvalidArgument("accel::Accelerator::save_model: max_shard_bytes must be positive");
+    const auto full = full_parameters(model.ptr().get());  // FULL_SHARD: whole parameters to write
     std::string error;
     if (is_main_process()) error = detail::error_of([&] {
       using Named = std::vector<std::pair<std::string, at::Tensor>>;
@@ -8048,6 +8391,7 @@ class Accelerator {
                            (wrong.empty() ? "" : " " + wrong + "."));
     });
     detail::fail_together(error, "load_model");
+    const auto full = full_parameters(model.ptr().get(), /*writeback=*/true);  // into the shards too
     torch::NoGradGuard no_grad;
     for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
   }
@@ -8141,6 +8485,26 @@ class Accelerator {
   bool sharded() const {
     return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
            interface_->get_world_size(Dim::MP_SHARD) > 1;
+  }
+  // FULL_SHARD's units under `module` (see auto_wrap_policy).
+  void choose_units(torch::nn::Module& module, const std::string& prefix,
+                    std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
+    for (const auto& child : module.named_children()) {
+      const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
+      const bool unit = config_.auto_wrap_policy ? config_.auto_wrap_policy(name, *child.value())
+                                                 : !child.value()->parameters(/*recurse=*/false).empty();
+      if (unit) units.push_back(child.value());
+      else choose_units(*child.value(), name, units);
+    }
+  }
+  // The fully sharded parameters of every prepared model (or of `module`)
+  // gathered for as long as the result lives (a collective: every process).
+  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
+                                                            bool writeback = false) {
+    std::vector<DataParallel::FullParameters> out;
+    for (auto& m : models_)
+      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
+    return out;
   }
   // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
   // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...

@@ -11,7 +11,9 @@
 //         --checkpoint DIR (default train_mlp_checkpoint)  --resume
 //         --export DIR (the final weights as safetensors, for Python)
 //         --sharding shard_grad_op (ZeRO-2: optimizer state and gradients
-//         sharded across the processes; default no_shard)
+//         sharded across the processes), full_shard (ZeRO-3: the parameters
+//         too, each Linear a unit gathered only while it runs); default
+//         no_shard
 //         --stop-after N (save and stop after N batches, as if interrupted;
 //         --resume then goes on mid-epoch and ends with the same weights,
 //         bit for bit, as an uninterrupted run: the last line's checksum)
@@ -50,7 +52,9 @@ struct MlpImpl : torch::nn::Module {
              torch::nn::Linear(64, 1)) {
     register_module("body", body);
   }
-  at::Tensor forward(const at::Tensor& x) { return body->forward(x); }
+  // Each layer through accel::unit_forward: under FULL_SHARD a Linear's
+  // parameters exist only while it runs; otherwise a plain call.
+  at::Tensor forward(const at::Tensor& x) { return accel::unit_forward(body, x); }
   torch::nn::Sequential body;
 };
 TORCH_MODULE(Mlp);
@@ -84,7 +88,8 @@ Options parse(int argc, char** argv) {
       const std::string v = value();
       if (v == "no_shard") o.sharding = accel::ShardingStrategy::NO_SHARD;
       else if (v == "shard_grad_op") o.sharding = accel::ShardingStrategy::SHARD_GRAD_OP;
-      else throw std::invalid_argument("--sharding " + v + " (expected no_shard or shard_grad_op)");
+      else if (v == "full_shard") o.sharding = accel::ShardingStrategy::FULL_SHARD;
+      else throw std::invalid_argument("--sharding " + v + " (expected no_shard, shard_grad_op or full_shard)");
     }
     else throw std::invalid_argument("unknown flag " + arg);
   }
@@ -164,7 +169,9 @@ int train(const Options& options) {
     accelerator.save_model(model, options.export_dir);
     accel::print("train_mlp: weights in", options.export_dir + "/model.safetensors");
   }
-  // FNV-1a over the weights' bytes: equal checksums, bit-identical weights.
+  // FNV-1a over the weights' bytes: equal checksums, bit-identical weights
+  // (under FULL_SHARD, gathered for the while).
+  const auto whole = accelerator.data_parallel(model)->summon_full_params();
   uint64_t checksum = 14695981039346656037ull;
   for (const auto& p : model->parameters()) {
     const at::Tensor bytes = p.detach().contiguous();

@@ -19,7 +19,8 @@ struct MlpImpl : torch::nn::Module {
     body->push_back(torch::nn::Linear(width, 1));
     register_module("body", body);
   }
-  at::Tensor forward(const at::Tensor& x) { return body->forward(x); }
+  // Each Linear through unit_forward: a unit of its own under FULL_SHARD, a plain call otherwise.
+  at::Tensor forward(const at::Tensor& x) { return accel::unit_forward(body, x); }
   torch::nn::Sequential body;
 };
 TORCH_MODULE(Mlp);
@@ -1511,23 +1512,38 @@ TEST_SUITE("ranks") {
     CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
   }
 
-  // Sharded data parallel (ZeRO-2): the training of one process on the
-  // global batch, every replica identical, optimizer state and gradients 1/S.
-  TEST_CASE("sharding: SHARD_GRAD_OP trains as one process on the global batch, with 1/S of the state") {
-    for (const int variant : {0, 1, 2}) {  // SGD momentum, Adam, SGD momentum with 2 accumulation steps
-      const bool adam = variant == 1;
-      const int micro = variant == 2 ? 2 : 1;
+  // Sharded data parallel (ZeRO-2 and ZeRO-3): the training of one process
+  // on the global batch, every replica identical, optimizer state and
+  // gradients 1/S (and under FULL_SHARD the parameters at rest: none).
+  TEST_CASE("sharding: SHARD_GRAD_OP and FULL_SHARD train as one process on the global batch, with 1/S of the state") {
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {  // SGD momentum, Adam, SGD momentum with 2 accumulation steps; x2
+      const auto strategy = variant < 3 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::FULL_SHARD;
+      const bool adam = variant % 3 == 1;
+      const int micro = variant % 3 == 2 ? 2 : 1;
       CAPTURE(variant);
       accel::AcceleratorConfig c = config(micro);
-      c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+      c.sharding_strategy = strategy;
       c.bucket_cap_mb = 1;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
-      CHECK(accelerator.sharding_strategy() ==
-            (P > 1 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::NO_SHARD));
+      CHECK(accelerator.sharding_strategy() == (P > 1 ? strategy : accel::ShardingStrategy::NO_SHARD));
+      // A fixed start: Adam divides by the gradients' size, so a gradient near zero would turn float32
+      // summation noise into a visible step; the figures below are those of this start.
+      torch::manual_seed(5);
       Mlp model(5, 33, 2);  // 33: sizes that 2, 3 and 4 do not divide (padded chunks)
       accelerator.prepare(model);
-      Mlp local = copy_of(model, 5, 33, 2);
+      const bool full = P > 1 && strategy == accel::ShardingStrategy::FULL_SHARD;
+      CHECK(accelerator.data_parallel(model)->unit_count() == (full ? 3u : 0u));  // the three Linear layers
+      auto at_rest = [&] {  // bytes the parameters hold between steps
+        std::size_t bytes = 0;
+        for (const auto& p : model->parameters()) bytes += p.storage().nbytes();
+        return bytes;
+      };
+      if (full) CHECK(at_rest() == 0);
+      Mlp local = [&] {
+        const auto whole = accelerator.data_parallel(model)->summon_full_params();
+        return copy_of(model, 5, 33, 2);
+      }();
       auto make = [&](Mlp& m) -> std::unique_ptr<torch::optim::Optimizer> {
         if (adam) return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(1e-2));
         return std::make_unique<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -1554,11 +1570,14 @@ TEST_SUITE("ranks") {
         local_optimizer->step();
         worst_norm = std::max(worst_norm, std::abs(norm - local_norm) / local_norm);
       }
+      if (full) CHECK(at_rest() == 0);
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
       const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
-      MESSAGE("SHARD_GRAD_OP at " << P << " process(es), " << std::string(adam ? "Adam" : "SGD momentum")
-                                  << std::string(micro > 1 ? ", 2 accumulation steps" : "")
-                                  << ": largest parameter difference to one process " << difference
-                                  << ", gradient norm relative difference " << worst_norm);
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " at " << P << " process(es), " << std::string(adam ? "Adam" : "SGD momentum")
+              << std::string(micro > 1 ? ", 2 accumulation steps" : "")
+              << ": largest parameter difference to one process " << difference
+              << ", gradient norm relative difference " << worst_norm);
       CHECK(difference < 1e-5);
       CHECK(worst_norm < 1e-5);
       if (P > 1) CHECK(identical_across_ranks(*model, world().world_group()));
@@ -1610,34 +1629,73 @@ TEST_SUITE("ranks") {
       CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, model), doctest::Contains("not under sharding yet"),
                            accel::InvalidArgument);
     }
-    c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
-    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD (parameters sharded at rest) is not built yet"),
-                         accel::InvalidArgument);
-    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    {  // FULL_SHARD: a unit called around unit_forward finds no data (LibTorch's error, not garbage); a policy
+       // that chooses no unit is refused
+      c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+      accel::Accelerator accelerator(c);
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      const std::string bypass = what_of([&] { model->body->forward(data.first); });
+      CAPTURE(bypass);
+      // (LibTorch's words: a view of a parameter finds "storage of size 0", a direct read "data is not allocated")
+      CHECK((bypass.find("storage of size 0") != std::string::npos ||
+             bypass.find("data is not allocated") != std::string::npos));
+      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "nothing"; };
+      accel::Accelerator none(c);
+      Mlp other(4, 8, 1);
+      CHECK_THROWS_WITH_AS(none.prepare(other), doctest::Contains("FULL_SHARD found no unit in the model"),
+                           accel::InvalidArgument);
+      c.auto_wrap_policy = {};
+    }
 
     // A checkpoint: each process's optimizer shard in a file of its own; the
-    // run resumed from it goes on bit for bit.
+    // run resumed from it goes on bit for bit. FULL_SHARD's model file holds
+    // whole parameters, and save_model/load_model see them too.
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+    CAPTURE(accel::to_string(strategy));
+    c.sharding_strategy = strategy;
     accel::Accelerator accelerator(c);
     const int P = accelerator.num_processes();
     Mlp model(4, 16, 1);
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
     auto prepared = accelerator.prepare(model, adam);
+    auto parameters = [&] {
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      return flat_parameters(*model).clone();
+    };
     auto train = [&](int steps) {
       for (int i = 0; i < steps; ++i) {
         std::get<1>(prepared).zero_grad();
         accelerator.backward(loss_of(model));
         std::get<1>(prepared).step();
       }
-      return flat_parameters(*model).clone();
+      return parameters();
     };
     const fs::path dir = shared_temp_path(accelerator, "accel_sharded_ckpt_");
-    train(2);
+    const at::Tensor saved = train(2);
     accelerator.save_state(dir);
     for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
     CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
+    {
+      torch::serialize::InputArchive archive;
+      archive.load_from((dir / "model.pt").string());
+      Mlp plain(4, 16, 1);
+      plain->load(archive);
+      CHECK(at::equal(flat_parameters(*plain), saved));  // whole parameters, under every strategy
+    }
     const at::Tensor straight = train(3);
     accelerator.load_state(dir);
     CHECK(at::equal(train(3), straight));
+    accelerator.save_model(model, (dir / "export").string());
+    const at::Tensor exported = parameters();
+    train(1);
+    accelerator.load_model(model, (dir / "export").string());
+    CHECK(at::equal(parameters(), exported));
+    train(1);  // training goes on from the loaded weights, on every process alike
+    {
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      CHECK(identical_across_ranks(*model, world().world_group()));
+    }
     {  // the same checkpoint in an unsharded run: refused, nothing changed
       accel::AcceleratorConfig plain = config();
       accel::Accelerator other(plain);
@@ -1650,23 +1708,32 @@ TEST_SUITE("ranks") {
     }
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) fs::remove_all(dir);
+    }
   }
 
-  // HSDP's ZeRO-2 (FSDP's _HYBRID_SHARD_ZERO2) on a 2 x 2 model mesh: shards
-  // along mp_shard, averaged along mp_replicate.
-  TEST_CASE("sharding: SHARD_GRAD_OP on a 2 x 2 model mesh (replicated shards) trains as one process") {
+  // HSDP on a 2 x 2 model mesh: shards along mp_shard, averaged along
+  // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
+  // HYBRID_SHARD the parameters are sharded at rest too. FULL_SHARD on a
+  // mesh that replicates is refused (it would leave the replicas apart).
+  TEST_CASE("sharding: SHARD_GRAD_OP and HYBRID_SHARD on a 2 x 2 model mesh (replicated shards) train as one process") {
     if (world().get_world_size() != 4) return;
     accel::AcceleratorConfig c = config();
     c.distributed = test_config({.mp_replicate_size = 2});
-    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
     world().destroy();
-    {
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::HYBRID_SHARD}) {
+      c.sharding_strategy = strategy;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
+      CHECK(accelerator.sharding_strategy() == strategy);
       Mlp model(5, 33, 2);
       torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
       auto prepared = accelerator.prepare(model, adam);
-      Mlp local = copy_of(model, 5, 33, 2);
+      accel::DataParallel& dp = *accelerator.data_parallel(model);
+      CHECK(dp.unit_count() == (strategy == accel::ShardingStrategy::HYBRID_SHARD ? 3u : 0u));
+      Mlp local = [&] {
+        const auto whole = dp.summon_full_params();
+        return copy_of(model, 5, 33, 2);
+      }();
       torch::optim::Adam local_adam(local->parameters(), torch::optim::AdamOptions(1e-2));
       auto generator = at::detail::createCPUGenerator(12);
       for (int step = 0; step < 5; ++step) {
@@ -1678,8 +1745,10 @@ TEST_SUITE("ranks") {
         torch::mse_loss(local(x), y).backward();
         local_adam.step();
       }
+      const auto whole = dp.summon_full_params();
       const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
-      MESSAGE("SHARD_GRAD_OP on a 2 x 2 model mesh, Adam: largest parameter difference to one process " << difference);
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " on a 2 x 2 model mesh, Adam: largest parameter difference to one process " << difference);
       CHECK(difference < 1e-5);
       CHECK(identical_across_ranks(*model, accel::DistributedInterface::instance().world_group()));
       int64_t expected = 0, state = 0;
@@ -1690,6 +1759,9 @@ TEST_SUITE("ranks") {
       }
       CHECK(state == expected);
     }
+    c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD shards along mp_shard only"),
+                         accel::InvalidArgument);
     accel::DistributedInterface::instance().destroy();
   }
 

@@ -1,5 +1,6 @@
 // Sharded data parallel, per process: allocator bytes and step time of
-// accel::Accelerator with NO_SHARD and SHARD_GRAD_OP (ZeRO-2), Adam on an MLP
+// accel::Accelerator with NO_SHARD, SHARD_GRAD_OP (ZeRO-2) and FULL_SHARD
+// (ZeRO-3, each Linear a unit), Adam on an MLP
 // of 4 x 2048 x 2048 (16.8 M parameters). Every CPU allocation LibTorch makes
 // goes through a counting allocator (c10::SetCPUAllocator), so the figures
 // are allocator bytes, not RSS. Rank 0 prints, per figure, the largest over
@@ -13,7 +14,7 @@
 // median of the trials). Run under tests/launch.cpp
 // (run_sharding_bench.sh does).
 //
-//     bench_sharding <no_shard|shard_grad_op> <trials> <steps>
+//     bench_sharding <no_shard|shard_grad_op|full_shard> <trials> <steps>
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -81,8 +82,9 @@ int main(int argc, char** argv) {
   c10::SetCPUAllocator(&counting, /*priority=*/100);
 
   accel::AcceleratorConfig config;
-  config.sharding_strategy =
-      strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::NO_SHARD;
+  config.sharding_strategy = strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP
+                              : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
+                                                          : accel::ShardingStrategy::NO_SHARD;
   accel::Accelerator accelerator(config);
   torch::manual_seed(0);
   torch::nn::Sequential model;
@@ -99,7 +101,7 @@ int main(int argc, char** argv) {
   const at::Tensor x = at::randn({kBatch, kWidth}, generator), y = at::randn({kBatch, kWidth}, generator);
   auto step = [&] {
     optimizer.zero_grad(/*set_to_none=*/true);
-    accelerator.backward(torch::mse_loss(model->forward(x), y));
+    accelerator.backward(torch::mse_loss(accel::unit_forward(model, x), y));
     optimizer.step();
   };
   for (int i = 0; i < 2; ++i) step();  // warm-up: optimizer state exists
@@ -107,7 +109,7 @@ int main(int argc, char** argv) {
   // Held by tensors, between two steps.
   int64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;
   for (const auto& p : model->parameters()) {
-    param_bytes += bytes_of(p);
+    param_bytes += static_cast<int64_t>(p.storage().nbytes());  // 0 at rest under FULL_SHARD
     grad_bytes += bytes_of(p.grad());
   }
   for (const auto& group : adam.param_groups())

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sharded data parallel, side by side in one run: per-process memory and step
-# time of accel::Accelerator with NO_SHARD and SHARD_GRAD_OP (ZeRO-2), and of
+# time of accel::Accelerator with NO_SHARD, SHARD_GRAD_OP (ZeRO-2) and FULL_SHARD (ZeRO-3), and of
 # Python's DistributedDataParallel with a plain Adam and with
 # ZeroRedundancyOptimizer (Debian's python3-torch; Gloo), Adam on an MLP of
 # 4 x 2048 x 2048 (16.8 M parameters), batch 16 per process, at 2 and 4
@@ -17,7 +17,7 @@ bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
-    for variant in no_shard shard_grad_op; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
+    for variant in no_shard shard_grad_op full_shard; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
     for variant in no_shard zero; do run $world /usr/bin/python3 "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
   done
 done
@@ -29,7 +29,7 @@ for r in csv.DictReader(open(sys.argv[1])):
 def cell(figure, world, variant, fmt="{:.1f}"):
     v = rows.get((figure, world, variant))
     return fmt.format(statistics.median(v)) if v else "-"
-variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_OP"),
+variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_OP"), ("full_shard", "accel FULL_SHARD"),
             ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer")]
 lines = [f"Sharded data parallel, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
