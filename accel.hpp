@@ -5435,14 +5435,15 @@ class DataParallel {
                                 " is in two fully sharded units; units must not nest or share parameters");
       }
     }
-    std::unordered_map<const void*, int64_t> storages;
+    std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
+    for (const auto& p : module_->parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
     std::vector<int64_t> out;
     for (const auto& p : params) {
       const auto found = owner.find(p.unsafeGetTensorImpl());
       out.push_back(found == owner.end() ? -1 : found->second);
       if (out.back() < 0) continue;
-      if (!storages.emplace(p.storage().unsafeGetStorageImpl(), 0).second || p.storage_offset() != 0 ||
-          !p.is_contiguous() || p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
+      if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+          p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
         throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
                               "storage (a parameter of shape " + c10::str(p.sizes()) +
                               " is a view or shares storage: tied weights belong in no unit)");

@@ -25,6 +25,13 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+// A layer whose weight may be another's (tied weights).
+struct TiedImpl : torch::nn::Module {
+  explicit TiedImpl(const at::Tensor& weight) { w = register_parameter("w", weight); }
+  at::Tensor forward(const at::Tensor& x) { return x.matmul(w); }
+  at::Tensor w;
+};
+
 at::Tensor flat_parameters(torch::nn::Module& m) {
   std::vector<at::Tensor> parts;
   for (const auto& p : m.parameters()) parts.push_back(p.detach().reshape({-1}));
@@ -1552,10 +1559,13 @@ TEST_SUITE("ranks") {
       accel::AcceleratedOptimizer prepared = accelerator.prepare(*optimizer);
       auto generator = at::detail::createCPUGenerator(11);
       double worst_norm = 0;
+      if (const auto& shards = accelerator.data_parallel(model)->shard_group()) shards->setSequenceNumberForGroup();
       for (int step = 0; step < 5; ++step) {
         // `micro` micro-batches of 2 rows per process; the one process takes them all at once
         const at::Tensor x = at::randn({2 * P * micro, 5}, generator), y = at::randn({2 * P * micro, 1}, generator);
         double norm = 0;
+        const accel::GroupPtr& shards = accelerator.data_parallel(model)->shard_group();
+        const int64_t sequence = shards ? shards->getSequenceNumberForGroup() : 0;
         for (int k = 0; k < micro; ++k) {
           auto guard = accelerator.accumulate(model);
           const int64_t at = (k * P + r) * 2;
@@ -1563,6 +1573,13 @@ TEST_SUITE("ranks") {
           if (accelerator.sync_gradients()) norm = accelerator.clip_grad_norm_(model->parameters(), 0.5);
           prepared.step();
           if (step < 4) prepared.zero_grad();  // the last step's gradients are counted below
+        }
+        if (shards) {  // collectives per step on the shard group: nothing gathered twice
+          // ZeRO-2: a reduce-scatter and an all-gather per bucket (one here), the norm's all-reduce.
+          // FULL_SHARD: per unit and micro-step an all-gather for forward and one for backward, and per unit
+          // a reduce-scatter; the norm's all-reduce.
+          const int64_t collectives = shards->getSequenceNumberForGroup() - sequence;
+          CHECK(collectives == (full ? 3 * 2 * micro + 3 + 1 : 1 + 1 + 1));
         }
         local_optimizer->zero_grad();
         torch::mse_loss(local(x), y).backward();
@@ -1645,6 +1662,17 @@ TEST_SUITE("ranks") {
       Mlp other(4, 8, 1);
       CHECK_THROWS_WITH_AS(none.prepare(other), doctest::Contains("FULL_SHARD found no unit in the model"),
                            accel::InvalidArgument);
+      // Tied weights: in two units, or in a unit and outside it, they cannot be freed alone.
+      const at::Tensor w = at::randn({4, 4});
+      torch::nn::Sequential tied(std::make_shared<TiedImpl>(w), std::make_shared<TiedImpl>(w));
+      accel::AcceleratorConfig d = c;
+      d.auto_wrap_policy = {};
+      accel::Accelerator both(d);
+      CHECK_THROWS_WITH_AS(both.prepare(tied), doctest::Contains("is in two fully sharded units"), accel::InvalidArgument);
+      d.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "0"; };
+      accel::Accelerator first(d);
+      torch::nn::Sequential tied_again(std::make_shared<TiedImpl>(w), std::make_shared<TiedImpl>(w));
+      CHECK_THROWS_WITH_AS(first.prepare(tied_again), doctest::Contains("must own its storage"), accel::InvalidArgument);
       c.auto_wrap_policy = {};
     }
 
