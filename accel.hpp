@@ -4007,9 +4007,10 @@ class Packing {
   // An uninitialised buffer of the packing's dtype, at least `bytes` long
   // (never empty: Gloo divides by the element count).
   at::Tensor buffer(const at::TensorOptions& options, int64_t bytes = 0) const {
-    const int64_t least = dtype_ == c10::kByte ? kAlign : unit_;
-    return at::empty({std::max({bytes, this->bytes(), least}) / unit_}, options.dtype(dtype_));
+    return at::empty({std::max(bytes / unit_, elements())}, options.dtype(dtype_));
   }
+  // Elements of the packing's dtype in a buffer (at least one).
+  int64_t elements() const { return std::max(bytes(), dtype_ == c10::kByte ? kAlign : unit_) / unit_; }
   // Part k of a buffer laid out as this packing (it may be a row of a larger one).
   at::Tensor view(const at::Tensor& buffer, std::size_t k) const {
     const Part& part = parts_[k];
@@ -4904,6 +4905,46 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
 }
 }  // namespace autograd
 
+// Communication hooks (DDP's register_comm_hook, Accelerate's comm_hook): a
+// hook replaces the all-reduce of each gradient bucket of a DataParallel.
+// It gets the bucket flattened (torch's GradBucket: this process's
+// gradients in the bucket's order, then one used-flag per parameter; not yet
+// divided) and returns the operation whose result is the bucket averaged
+// over the group, in any floating dtype: the result is cast back to the
+// bucket's, so a compressing hook need not decompress.
+struct GradBucket {
+  at::Tensor buffer{};
+  std::size_t index = 0;
+  bool is_last = false;  // the last bucket of this backward
+  std::vector<at::Tensor> parameters{};
+};
+using CommHook = std::function<Work<at::Tensor>(const GroupPtr& group, GradBucket& bucket)>;
+
+// torch.distributed.algorithms.ddp_comm_hooks.default_hooks'.
+namespace comm_hooks {
+// The default: divided first (as DDP), then all-reduced in place.
+inline CommHook allreduce_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    bucket.buffer.div_(group->getSize());
+    return all_reduce_async(bucket.buffer, ReduceOp::SUM, group);
+  };
+}
+// Cast to float16 (bfloat16), divided, all-reduced: half the bytes on the
+// wire. Gloo reduces float16 natively; bfloat16 it does not know, so
+// accel.hpp reduces it in float32 there (the rounding stays bfloat16's, the
+// bytes do not halve: use it with NCCL).
+inline CommHook fp16_compress_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    return all_reduce_async(bucket.buffer.to(at::kHalf).div_(group->getSize()), ReduceOp::SUM, group);
+  };
+}
+inline CommHook bf16_compress_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    return all_reduce_async(bucket.buffer.to(at::kBFloat16).div_(group->getSize()), ReduceOp::SUM, group);
+  };
+}
+}  // namespace comm_hooks
+
 // Data parallelism for one module on one group, the DistributedDataParallel
 // design: parameters and buffers are broadcast from the group's rank 0;
 // gradients are averaged in buckets (the first at least 1 MiB, then at least
@@ -5083,6 +5124,13 @@ class DataParallel {
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") + e.what());
       }
+      if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+        throw RuntimeError("accel::DataParallel: the communication hook returned " +
+                           (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
+                           " for bucket " + std::to_string(&bucket - state_->buckets.data()) + " of " +
+                           std::to_string(bucket.packing.elements()));
+      if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
+      bucket.flat = bucket.flat.reshape({-1});
       const std::size_t n = bucket.params.size();
       const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
       const bool* used = used_anywhere.data_ptr<bool>();
@@ -5106,9 +5154,14 @@ class DataParallel {
     if (!state_->group) return;
     std::lock_guard lock(state_->mutex);
     std::vector<Work<at::Tensor>> works;
-    for (const auto& bucket : state_->buckets)
-      works.push_back(all_reduce_async(bucket.packing.buffer(bucket.params.front().options()).zero_(), ReduceOp::SUM,
-                                       state_->group));
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
+      const Bucket& bucket = state_->buckets[b];
+      GradBucket zeros{.buffer = bucket.packing.buffer(bucket.params.front().options()).zero_(),
+                       .index = b,
+                       .is_last = b + 1 == state_->buckets.size(),
+                       .parameters = bucket.params};
+      works.push_back(state_->hook(state_->group, zeros));
+    }
     for (auto& work : works) {
       try {
         work.wait();
@@ -5117,6 +5170,23 @@ class DataParallel {
                                e.what());
       }
     }
+  }
+
+  // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
+  // between a backward and its finish(); not under sharding.
+  void register_comm_hook(CommHook hook) {
+    if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
+    if (state_->shard)
+      throw InvalidArgument("accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+                            "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+    std::lock_guard lock(state_->mutex);
+    if (state_->hooked)
+      throw LogicError("accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+                       "DDP, once per model)");
+    if (state_->armed)
+      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
+    state_->hook = std::move(hook);
+    state_->hooked = true;
   }
 
   // -- sharded (see above) --
@@ -5413,6 +5483,8 @@ class DataParallel {
     std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
     bool armed = false, alive = true;
     std::function<void(std::size_t)> on_issued;
+    CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+    bool hooked = false;
     // FULL_SHARD: the units; the order they ran in this forward and the
     // last (prefetching follows it); summon_full_params() objects alive.
     std::vector<Unit> units;
@@ -5584,9 +5656,9 @@ class DataParallel {
     }
     bucket.packing.view(bucket.flat, n)
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
-    bucket.flat.div_(state.replicas);
     try {
-      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);  // bf16 on Gloo too (in float32)
+      GradBucket hooked{.buffer = bucket.flat, .index = b, .is_last = b + 1 == state.buckets.size(), .parameters = bucket.params};
+      bucket.work = state.hook(state.group, hooked);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
                              e.what());
@@ -6747,6 +6819,11 @@ inline std::string_view to_string(ShardingStrategy s) {
   return names[static_cast<std::size_t>(s)];
 }
 
+// Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
+// comm_hook): the built-in communication hook of every prepared model (see
+// accel::comm_hooks). PowerSGD is not built yet.
+enum class DDPCommunicationHookType { NO, FP16, BF16 };
+
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
@@ -6758,6 +6835,7 @@ struct AcceleratorConfig {
   bool sync_with_dataloader = true;
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
+  DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
   ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
   // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
   // auto_wrap_policy), asked of each submodule by its dotted name, parents
@@ -7493,6 +7571,9 @@ class Accelerator {
     }
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
+    if (config_.comm_hook != DDPCommunicationHookType::NO && sharded())
+      throw InvalidArgument("accel::Accelerator: comm_hook compresses the all-reduce of NO_SHARD's buckets; under " +
+                            std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
     if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
         interface_->get_world_size(Dim::MP_REPLICATE) > 1)
       throw InvalidArgument("accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
@@ -7536,6 +7617,10 @@ class Accelerator {
       for (auto* optimizer : optimizers_) sharded_->back()->shard_optimizer(*optimizer);
     } else {
       models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+      if (config_.comm_hook == DDPCommunicationHookType::FP16)
+        models_.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
+      if (config_.comm_hook == DDPCommunicationHookType::BF16)
+        models_.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
     }
     return model;
   }

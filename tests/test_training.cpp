@@ -343,6 +343,88 @@ TEST_SUITE("ranks") {
     CHECK(at::equal(layer->bias.grad().to(at::kFloat), at::ones({2})));
   }
 
+  // DDP's communication hooks: fp16 / bf16 compression gives exactly an explicit cast, divide, all-reduce and cast
+  // back of the same flat bucket (torch's fp16_compress_hook / bf16_compress_hook); a custom hook sees every bucket;
+  // a hook is registered once, never under sharding, and must return the whole bucket.
+  TEST_CASE("training: communication hooks reduce each bucket as the explicit reference does") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    if (P == 1) return;
+    for (const auto type : {accel::DDPCommunicationHookType::FP16, accel::DDPCommunicationHookType::BF16}) {
+      const bool fp16 = type == accel::DDPCommunicationHookType::FP16;
+      CAPTURE(fp16);
+      accel::AcceleratorConfig c = config();
+      c.comm_hook = type;
+      accel::Accelerator accelerator(c);
+      torch::manual_seed(3);
+      Mlp model(5, 33, 2);
+      accelerator.prepare(model);
+      Mlp local = copy_of(model, 5, 33, 2);
+      accel::DataParallel& dp = *accelerator.data_parallel(model);
+      REQUIRE(dp.bucket_count() == 1);
+      auto generator = at::detail::createCPUGenerator(20 + r);  // each rank its own batch
+      const at::Tensor x = at::randn({4, 5}, generator), y = at::randn({4, 1}, generator);
+      accelerator.backward(torch::mse_loss(model(x), y));
+      torch::mse_loss(local(x), y).backward();
+      // The bucket: this rank's gradients in reverse parameter order, then one used-flag per parameter.
+      std::vector<at::Tensor> parts;
+      const auto params = local->parameters();
+      for (auto it = params.rbegin(); it != params.rend(); ++it) parts.push_back(it->grad().reshape({-1}));
+      parts.push_back(at::ones({static_cast<int64_t>(params.size())}));
+      const at::Tensor bucket = at::cat(parts);
+      const at::Tensor reference =
+          accel::all_reduce(bucket.to(fp16 ? at::kHalf : at::kBFloat16).div_(P), accel::ReduceOp::SUM, dp.group())
+              .to(at::kFloat);
+      const at::Tensor exact = accel::all_reduce(bucket / P, accel::ReduceOp::SUM, dp.group());
+      const auto hooked = model->parameters();
+      std::vector<at::Tensor> got;
+      for (auto it = hooked.rbegin(); it != hooked.rend(); ++it) got.push_back(it->grad().reshape({-1}));
+      const at::Tensor all = at::cat(got);
+      CHECK(at::equal(all, reference.narrow(0, 0, all.numel())));
+      const double error = (all - exact.narrow(0, 0, all.numel())).abs().max().item<double>();
+      MESSAGE(std::string(fp16 ? "fp16" : "bf16") << "_compress_hook at " << P
+                                                  << " processes: largest difference to the float32 average " << error);
+      CHECK(error > 0);  // compression did happen
+      CHECK(error < (fp16 ? 1e-2 : 5e-2));
+    }
+    {  // a custom hook: called once per bucket, in order, the last marked; its result is used
+      accel::AcceleratorConfig c = config();
+      c.bucket_cap_mb = 1;
+      accel::Accelerator accelerator(c);
+      torch::nn::Sequential model(torch::nn::Linear(8, 600), torch::nn::Linear(600, 600));  // two buckets (1 MiB first)
+      accelerator.prepare(model);
+      accel::DataParallel& dp = *accelerator.data_parallel(model);
+      REQUIRE(dp.bucket_count() == 2);
+      std::vector<std::pair<std::size_t, bool>> calls;
+      dp.register_comm_hook([&calls](const accel::GroupPtr& group, accel::GradBucket& bucket) {
+        calls.emplace_back(bucket.index, bucket.is_last);
+        return accel::all_reduce_async(bucket.buffer.mul(2.0 / group->getSize()), accel::ReduceOp::SUM, group);
+      });
+      CHECK_THROWS_AS(dp.register_comm_hook(accel::comm_hooks::allreduce_hook()), accel::LogicError);
+      const at::Tensor x = at::full({1, 8}, static_cast<float>(r + 1));
+      accelerator.backward(model->forward(x).sum());
+      CHECK(calls == std::vector<std::pair<std::size_t, bool>>{{0, false}, {1, true}});
+      // d(sum)/d(bias of the last layer) = 1 on every rank: averaged and doubled by the hook, 2
+      CHECK(at::equal(model[1]->as<torch::nn::Linear>()->bias.grad(), at::full({600}, 2.0f)));
+    }
+    {  // a hook that returns part of the bucket: a named error
+      torch::nn::Linear layer(3, 2);
+      accel::DataParallel dp(layer.ptr(), d.world_group(), 1 << 20);
+      dp.register_comm_hook([](const accel::GroupPtr& group, accel::GradBucket& bucket) {
+        return accel::all_reduce_async(bucket.buffer.narrow(0, 0, 1).clone(), accel::ReduceOp::SUM, group);
+      });
+      dp.prepare_for_backward();
+      layer(at::ones({1, 3})).sum().backward();
+      CHECK_THROWS_WITH_AS(dp.finish(), doctest::Contains("the communication hook returned 1 elements for bucket 0"),
+                           accel::RuntimeError);
+    }
+    accel::AcceleratorConfig c = config();
+    c.comm_hook = accel::DDPCommunicationHookType::FP16;
+    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook compresses the all-reduce of NO_SHARD"),
+                         accel::InvalidArgument);
+  }
+
   TEST_CASE("autograd collectives: forward values, and gradients that are the adjoint collective's") {
     auto& d = world();
     const int P = d.get_world_size(), r = d.get_rank();

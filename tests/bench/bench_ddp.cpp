@@ -1,10 +1,13 @@
 // accel.hpp's side of the data-parallel training benchmark against Python's
 // DistributedDataParallel (bench_ddp.py): the same MLP, sizes, optimizer and
-// step, trained with accel::Accelerator. Rank 0 prints
-//     CSV,ddp_step,<world>,accel_accelerator,<params>,<ms per step>,ms
-// once per trial. Run under tests/launch.cpp (run_ddp_bench.sh does).
+// step, trained with accel::Accelerator, with or without a communication hook
+// (fp16: fp16_compress_hook). Rank 0 prints
+//     CSV,ddp_step,<world>,accel_accelerator[_fp16],<params>,<ms per step>,ms
+// once per trial, and its loss after the last step:
+//     CSV,ddp_loss,<world>,accel_accelerator[_fp16],<params>,<loss>,mse
+// Run under tests/launch.cpp (run_ddp_bench.sh does).
 //
-//     bench_ddp <trials> <steps>
+//     bench_ddp <trials> <steps> [none|fp16]
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -30,7 +33,11 @@ TORCH_MODULE(Mlp);
 int main(int argc, char** argv) {
   const int trials = argc > 1 ? std::stoi(argv[1]) : 5;
   const int steps = argc > 2 ? std::stoi(argv[2]) : 30;
-  accel::Accelerator accelerator;
+  const std::string hook = argc > 3 ? argv[3] : "none";
+  const std::string variant = hook == "none" ? "accel_accelerator" : "accel_accelerator_" + hook;
+  accel::AcceleratorConfig config;
+  if (hook == "fp16") config.comm_hook = accel::DDPCommunicationHookType::FP16;
+  accel::Accelerator accelerator(config);
   torch::manual_seed(0);
   Mlp model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(1e-3).momentum(0.9));
@@ -39,10 +46,13 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) params += p.numel();
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
   const at::Tensor x = at::randn({kBatch, kIn}, generator), y = at::randn({kBatch, 1}, generator);
+  double loss = 0;
   auto step = [&] {
     optimizer.zero_grad();
-    accelerator.backward(torch::mse_loss(model(x), y));
+    const at::Tensor l = torch::mse_loss(model(x), y);
+    accelerator.backward(l);
     optimizer.step();
+    loss = l.item<double>();
   };
   for (int i = 0; i < 5; ++i) step();  // warm-up
   for (int t = 0; t < trials; ++t) {
@@ -52,9 +62,12 @@ int main(int argc, char** argv) {
     accelerator.wait_for_everyone();
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
     if (accelerator.is_main_process())
-      std::printf("CSV,ddp_step,%d,accel_accelerator,%lld,%.6g,ms\n", accelerator.num_processes(),
+      std::printf("CSV,ddp_step,%d,%s,%lld,%.6g,ms\n", accelerator.num_processes(), variant.c_str(),
                   static_cast<long long>(params), ms);
     std::fflush(stdout);
   }
+  if (accelerator.is_main_process())
+    std::printf("CSV,ddp_loss,%d,%s,%lld,%.9g,mse\n", accelerator.num_processes(), variant.c_str(),
+                static_cast<long long>(params), loss);
   accel::DistributedInterface::instance().destroy();
 }

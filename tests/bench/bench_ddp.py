@@ -1,11 +1,12 @@
 """Python's side of the data-parallel training benchmark: the MLP, sizes,
 optimizer and step of bench_ddp.cpp under torch.nn.parallel.
-DistributedDataParallel (Gloo, default 25 MB buckets). Rank 0 prints
-    CSV,ddp_step,<world>,python_ddp,<params>,<ms per step>,ms
-once per trial. Run each rank with Debian's /usr/bin/python3 under
-tests/launch.cpp (run_ddp_bench.sh does).
+DistributedDataParallel (Gloo, default 25 MB buckets), with or without a
+communication hook (fp16: default_hooks.fp16_compress_hook). Rank 0 prints
+    CSV,ddp_step,<world>,python_ddp[_fp16],<params>,<ms per step>,ms
+once per trial, and its loss after the last step (ddp_loss). Run each rank
+with Debian's /usr/bin/python3 under tests/launch.cpp (run_ddp_bench.sh does).
 
-    bench_ddp.py <trials> <steps>
+    bench_ddp.py <trials> <steps> [none|fp16]
 """
 
 import sys
@@ -22,20 +23,29 @@ IN, HIDDEN, BATCH = 256, 1024, 64
 def main():
     trials = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    hook = sys.argv[3] if len(sys.argv) > 3 else "none"
+    variant = "python_ddp" if hook == "none" else f"python_ddp_{hook}"
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                           nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
     ddp = nn.parallel.DistributedDataParallel(model)
+    if hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, 1, generator=g)
 
+    loss = [0.0]
+
     def step():
         optimizer.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
+        l = nn.functional.mse_loss(ddp(x), y)
+        l.backward()
         optimizer.step()
+        loss[0] = l.item()
 
     for _ in range(5):  # warm-up
         step()
@@ -47,7 +57,9 @@ def main():
         dist.barrier()
         ms = (time.perf_counter() - start) / steps * 1e3
         if dist.get_rank() == 0:
-            print(f"CSV,ddp_step,{dist.get_world_size()},python_ddp,{params},{ms:.6g},ms", flush=True)
+            print(f"CSV,ddp_step,{dist.get_world_size()},{variant},{params},{ms:.6g},ms", flush=True)
+    if dist.get_rank() == 0:
+        print(f"CSV,ddp_loss,{dist.get_world_size()},{variant},{params},{loss[0]:.9g},mse", flush=True)
     dist.destroy_process_group()
 
 

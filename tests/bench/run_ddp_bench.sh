@@ -7,20 +7,23 @@
 # and ddp.md (step time, samples/s, ratio) to ACCEL_BENCH_OUT (default
 # tests/bench/results). Never part of the test command.
 #
-#     bash tests/bench/run_ddp_bench.sh [rounds (3)] [steps per trial (30)]
+#     bash tests/bench/run_ddp_bench.sh [rounds (3)] [steps per trial (30)] [hooks ("none fp16")]
 #     # on LibTorch 2.6:
 #     bash tests/trixie/in_root.sh build/trixie-root env ACCEL_BUILD_DIR=build/trixie-gcc \
 #       ACCEL_BENCH_OUT=tests/bench/results/libtorch-2.6 bash tests/bench/run_ddp_bench.sh 3 20
 set -euo pipefail
 rounds=${1:-3}
 steps=${2:-30}
+hooks=${3:-none fp16}  # communication hooks: none, fp16 (fp16_compress_hook on both sides)
 source "$(dirname "$0")/common.sh"
 bench_prepare ddp.csv python3-torch accel_bench_ddp
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, Python, ...
-    run $world "$build/tests/accel_bench_ddp" 3 "$steps"
-    run $world /usr/bin/python3 "$root/tests/bench/bench_ddp.py" 3 "$steps"
+    for hook in $hooks; do
+      run $world "$build/tests/accel_bench_ddp" 3 "$steps" $hook
+      run $world /usr/bin/python3 "$root/tests/bench/bench_ddp.py" 3 "$steps" $hook
+    done
   done
 done
 /usr/bin/python3 - "$csv" "$out/ddp.md" <<'PY'
@@ -28,16 +31,25 @@ import collections, csv, os, statistics, sys
 rows = collections.defaultdict(list)
 params = {}
 for r in csv.DictReader(open(sys.argv[1])):
-    rows[(int(r["world"]), r["variant"])].append(float(r["value"]))
+    rows[(r["part"], int(r["world"]), r["variant"])].append(float(r["value"]))
     params[int(r["world"])] = int(r["size"])
-lines = [f"Data-parallel training step, {os.cpu_count()} cores, one thread per rank; medians of "
-         f"{len(rows[next(iter(rows))])} trials per side, interleaved. Batch 64 per rank, {params[2]:,} parameters.",
-         "", "| ranks | accel.hpp ms/step | Python DDP ms/step | accel samples/s | DDP samples/s | ratio (DDP time / accel time) |",
-         "|---|---|---|---|---|---|"]
-for world in sorted({w for w, _ in rows}):
-    a = statistics.median(rows[(world, "accel_accelerator")])
-    p = statistics.median(rows[(world, "python_ddp")])
-    lines.append(f"| {world} | {a:.2f} | {p:.2f} | {64 * world / a * 1e3:.0f} | {64 * world / p * 1e3:.0f} | {p / a:.2f} |")
+trials = len(rows[next(k for k in rows if k[0] == "ddp_step")])
+lines = [f"Data-parallel training step, {os.cpu_count()} cores, one thread per rank; medians of {trials} trials per "
+         f"side, interleaved. Batch 64 per rank, {params[2]:,} parameters. Loss: rank 0's mse after the last step of "
+         "a run (the same data and start on both sides: compare each side's hooked loss with its unhooked one).",
+         "", "| ranks | hook | accel.hpp ms/step | Python DDP ms/step | accel samples/s | DDP samples/s | ratio (DDP time / accel time) | accel: hooked / unhooked time | accel loss | Python loss |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+med = lambda part, w, v: statistics.median(rows[(part, w, v)]) if rows.get((part, w, v)) else None
+for world in sorted({w for _, w, _ in rows}):
+    for hook in ("none", "fp16"):
+        suffix = "" if hook == "none" else "_" + hook
+        a, p = med("ddp_step", world, "accel_accelerator" + suffix), med("ddp_step", world, "python_ddp" + suffix)
+        if a is None or p is None:
+            continue
+        base = med("ddp_step", world, "accel_accelerator")
+        la, lp = med("ddp_loss", world, "accel_accelerator" + suffix), med("ddp_loss", world, "python_ddp" + suffix)
+        lines.append(f"| {world} | {hook} | {a:.2f} | {p:.2f} | {64 * world / a * 1e3:.0f} | {64 * world / p * 1e3:.0f} | "
+                     f"{p / a:.2f} | {a / base:.2f} | {la:.6g} | {lp:.6g} |")
 lines += ["", "A ratio of 1 or more means accel.hpp is no slower than Python's DDP."]
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
