@@ -5131,6 +5131,7 @@ class DataParallel {
                            std::to_string(bucket.packing.elements()));
       if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
       bucket.flat = bucket.flat.reshape({-1});
+      if (state_->bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
       const std::size_t n = bucket.params.size();
       const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
       const bool* used = used_anywhere.data_ptr<bool>();
@@ -5138,7 +5139,8 @@ class DataParallel {
         at::Tensor& p = bucket.params[i];
         if (used[i]) {
           at::Tensor averaged = bucket.packing.view(bucket.flat, i);
-          if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+          if (state_->bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+          else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
           else p.mutable_grad() = averaged.clone();
         }
         bucket.used[i] = 0;
@@ -5187,6 +5189,27 @@ class DataParallel {
       throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
     state_->hook = std::move(hook);
     state_->hooked = true;
+  }
+  // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
+  // into its bucket, which stays allocated, so the gradients are not copied
+  // into the bucket and back, and no bucket is allocated per step. Keep the
+  // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
+  // sets them to none): a gradient set to none is copied into its view at
+  // the next sync, as DDP does. NO_SHARD only.
+  void gradient_as_bucket_view(bool on) {
+    if (state_->shard && on)
+      throw InvalidArgument("accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+                            "reduce-scattered into its shards");
+    std::lock_guard lock(state_->mutex);
+    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
+    state_->bucket_view = on;
+    if (!on)
+      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
+        for (auto& p : bucket.params)
+          if (p.grad().defined() && bucket.views.defined() && p.grad().is_alias_of(bucket.views))
+            p.mutable_grad() = p.grad().clone();
+        bucket.views = at::Tensor();
+      }
   }
 
   // -- sharded (see above) --
@@ -5454,6 +5477,7 @@ class DataParallel {
     detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
     std::size_t ready = 0;
     at::Tensor flat{};
+    at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
     Work<at::Tensor> work{};
     // Sharded: a rank's segment holds its chunk of each parameter
     // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
@@ -5485,6 +5509,7 @@ class DataParallel {
     std::function<void(std::size_t)> on_issued;
     CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
     bool hooked = false;
+    bool bucket_view = false;  // (see gradient_as_bucket_view)
     // FULL_SHARD: the units; the order they ran in this forward and the
     // last (prefetching follows it); summon_full_params() objects alive.
     std::vector<Unit> units;
@@ -5648,11 +5673,21 @@ class DataParallel {
       if (state.on_issued) state.on_issued(b);
       return;
     }
-    bucket.flat = bucket.packing.buffer(bucket.params.front().options());
+    if (state.bucket_view) {  // the bucket is persistent and the gradients are its views
+      if (!bucket.views.defined()) bucket.views = bucket.packing.buffer(bucket.params.front().options());
+      bucket.flat = bucket.views;
+    } else {
+      bucket.flat = bucket.packing.buffer(bucket.params.front().options());
+    }
     for (std::size_t i = 0; i < n; ++i) {
-      const at::Tensor& grad = bucket.params[i].grad();
-      if (grad.defined()) bucket.packing.view(bucket.flat, i).copy_(grad);
-      else bucket.packing.view(bucket.flat, i).zero_();
+      at::Tensor& p = bucket.params[i];
+      const at::Tensor view = bucket.packing.view(bucket.flat, i);
+      if (!p.grad().defined()) {
+        view.zero_();
+      } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+        view.copy_(p.grad());
+        if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+      }
     }
     bucket.packing.view(bucket.flat, n)
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
@@ -6836,6 +6871,7 @@ struct AcceleratorConfig {
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
+  bool gradient_as_bucket_view = false;  // DDP's (see DataParallel); NO_SHARD only
   ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
   // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
   // auto_wrap_policy), asked of each submodule by its dotted name, parents
@@ -7571,8 +7607,10 @@ class Accelerator {
     }
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
-    if (config_.comm_hook != DDPCommunicationHookType::NO && sharded())
-      throw InvalidArgument("accel::Accelerator: comm_hook compresses the all-reduce of NO_SHARD's buckets; under " +
+    if ((config_.comm_hook != DDPCommunicationHookType::NO || config_.gradient_as_bucket_view) && sharded())
+      throw InvalidArgument(std::string("accel::Accelerator: ") +
+                            (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
+                            " is about the all-reduce of NO_SHARD's buckets; under " +
                             std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
     if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
         interface_->get_world_size(Dim::MP_REPLICATE) > 1)
@@ -7621,6 +7659,7 @@ class Accelerator {
         models_.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::BF16)
         models_.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
+      if (config_.gradient_as_bucket_view) models_.back().data_parallel->gradient_as_bucket_view(true);
     }
     return model;
   }

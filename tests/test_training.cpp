@@ -2,6 +2,7 @@
 // only test translation unit that includes <torch/torch.h> (ACCEL_TRAINING).
 
 #define ACCEL_TRAINING
+#include "counting_allocator.hpp"
 #include "test_helpers.hpp"
 
 #include <sys/wait.h>
@@ -421,8 +422,62 @@ TEST_SUITE("ranks") {
     accel::AcceleratorConfig c = config();
     c.comm_hook = accel::DDPCommunicationHookType::FP16;
     c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
-    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook compresses the all-reduce of NO_SHARD"),
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
+  }
+
+  // DDP's gradient_as_bucket_view: the gradients are views of persistent buckets. Training is bit for bit the
+  // copying path's (with accumulation, and after gradients set to none), and a step allocates the bucket less
+  // (allocator bytes: the gradients and their used-flags).
+  TEST_CASE("training: gradient_as_bucket_view trains bit for bit as the copying path and allocates a bucket less per step") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    if (P == 1) return;
+    std::vector<at::Tensor> finals;
+    std::vector<int64_t> per_step;
+    int64_t bucket_bytes = 0;
+    for (const bool view : {false, true}) {
+      CAPTURE(view);
+      accel::AcceleratorConfig c = config(2);  // no_sync micro-steps accumulate into the views
+      c.gradient_as_bucket_view = view;
+      accel::Accelerator accelerator(c);
+      torch::manual_seed(4);
+      Mlp model(5, 33, 2);
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      auto prepared = accelerator.prepare(model, sgd);
+      accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+      REQUIRE(accelerator.data_parallel(model)->bucket_count() == 1);
+      auto generator = at::detail::createCPUGenerator(30 + r);
+      auto step = [&](bool set_to_none) {
+        for (int k = 0; k < 2; ++k) {
+          auto guard = accelerator.accumulate(model);
+          const at::Tensor x = at::randn({3, 5}, generator), y = at::randn({3, 1}, generator);
+          accelerator.backward(torch::mse_loss(model(x), y));
+          optimizer.step();
+          optimizer.zero_grad(set_to_none);
+        }
+      };
+      for (int i = 0; i < 3; ++i) step(/*set_to_none=*/i == 1);  // once set to none: copied into the views again
+      accel_test::CountingAllocator counting;
+      counting.install();
+      const int64_t before = counting.total();
+      step(false);
+      per_step.push_back(counting.total() - before);
+      counting.uninstall();
+      const auto params = model->parameters();
+      if (view) {  // every gradient lies in the one bucket
+        for (const auto& p : params) CHECK(p.grad().is_alias_of(params.front().grad()));
+      } else {
+        for (std::size_t i = 1; i < params.size(); ++i) CHECK_FALSE(params[i].grad().is_alias_of(params[0].grad()));
+      }
+      bucket_bytes = static_cast<int64_t>(params.size()) * 4;  // the used-flags
+      for (const auto& p : params) bucket_bytes += p.numel() * 4;
+      finals.push_back(flat_parameters(*model).clone());
+    }
+    CHECK(at::equal(finals[0], finals[1]));
+    MESSAGE("gradient_as_bucket_view: " << per_step[1] << " allocator bytes per step, copying " << per_step[0]
+                                        << "; the bucket is " << bucket_bytes);
+    CHECK(per_step[0] - per_step[1] == bucket_bytes);
   }
 
   TEST_CASE("autograd collectives: forward values, and gradients that are the adjoint collective's") {

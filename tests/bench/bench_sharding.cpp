@@ -18,11 +18,9 @@
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
-#include <c10/core/CPUAllocator.h>
-#include <torch/version.h>
+#include "../counting_allocator.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -31,46 +29,6 @@
 namespace {
 constexpr int64_t kWidth = 2048, kLayers = 4, kBatch = 16;
 
-// Wraps LibTorch's CPU allocator and counts live and peak bytes.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
-#if TORCH_VERSION_MAJOR >= 2
-  c10::DataPtr allocate(size_t n) override { return counted(n); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-#else
-  c10::DataPtr allocate(size_t n) const override { return const_cast<CountingAllocator*>(this)->counted(n); }
-#endif
-  int64_t live() const { return live_; }
-  int64_t peak() const { return peak_; }
-  void reset_peak() { peak_ = live_.load(); }
-
- private:
-  struct Context {
-    c10::DataPtr inner;
-    int64_t bytes;
-    CountingAllocator* owner;
-  };
-  static void release(void* context) {
-    auto* c = static_cast<Context*>(context);
-    c->owner->live_ -= c->bytes;
-    delete c;
-  }
-  c10::DataPtr counted(size_t n) {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    auto* context = new Context{std::move(inner), static_cast<int64_t>(n), this};
-    const int64_t now = live_ += static_cast<int64_t>(n);
-    int64_t peak = peak_;
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, context, &release, device};
-  }
-  c10::Allocator* base_;
-  std::atomic<int64_t> live_{0}, peak_{0};
-};
-
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 }  // namespace
 
@@ -78,8 +36,8 @@ int main(int argc, char** argv) {
   const std::string strategy = argc > 1 ? argv[1] : "shard_grad_op";
   const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
   const int steps = argc > 3 ? std::stoi(argv[3]) : 5;
-  static CountingAllocator counting(c10::GetCPUAllocator());
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  static accel_test::CountingAllocator counting;  // (never uninstalled: it counts to the end)
+  counting.install();
 
   accel::AcceleratorConfig config;
   config.sharding_strategy = strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP

@@ -1,0 +1,67 @@
+// A CPU allocator that counts: wraps LibTorch's and keeps live, peak and
+// total bytes, so that tests and benchmarks report allocator bytes, not RSS
+// guesses. Install with install(); every CPU allocation LibTorch makes goes
+// through it from then on (c10::SetCPUAllocator), and uninstall() puts the
+// previous one back (at a higher priority: c10 only takes an allocator of at
+// least the current priority). Memory allocated meanwhile is released
+// through its own context whenever it is freed.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace accel_test {
+class CountingAllocator final : public c10::Allocator {
+ public:
+  CountingAllocator() = default;
+#if TORCH_VERSION_MAJOR >= 2
+  c10::DataPtr allocate(size_t n) override { return counted(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+#else
+  c10::DataPtr allocate(size_t n) const override { return const_cast<CountingAllocator*>(this)->counted(n); }
+#endif
+  void install() {
+    base_ = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(this, /*priority=*/static_cast<uint8_t>(++priority()));
+  }
+  void uninstall() { c10::SetCPUAllocator(base_, /*priority=*/static_cast<uint8_t>(++priority())); }
+  int64_t live() const { return live_; }
+  int64_t peak() const { return peak_; }
+  int64_t total() const { return total_; }  // every byte ever allocated
+  void reset_peak() { peak_ = live_.load(); }
+
+ private:
+  static int& priority() {
+    static int p = 100;
+    return p;
+  }
+  struct Context {
+    c10::DataPtr inner;
+    int64_t bytes;
+    CountingAllocator* owner;
+  };
+  static void release(void* context) {
+    auto* c = static_cast<Context*>(context);
+    c->owner->live_ -= c->bytes;
+    delete c;
+  }
+  c10::DataPtr counted(size_t n) {
+    c10::DataPtr inner = base_->allocate(n);
+    void* data = inner.get();
+    const c10::Device device = inner.device();
+    auto* context = new Context{std::move(inner), static_cast<int64_t>(n), this};
+    total_ += static_cast<int64_t>(n);
+    const int64_t now = live_ += static_cast<int64_t>(n);
+    int64_t peak = peak_;
+    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+    }
+    return {data, context, &release, device};
+  }
+  c10::Allocator* base_ = nullptr;
+  std::atomic<int64_t> live_{0}, peak_{0}, total_{0};
+};
+}  // namespace accel_test
