@@ -1876,6 +1876,53 @@ TEST_SUITE("ranks") {
     }
   }
 
+  // ZeRO-3 against ZeRO-2, which share their numerics: bit for bit equal under bf16 autocast, with a unit that some
+  // steps leave out (its prefetch is issued and dropped, its parameters keep their values), and in evaluation.
+  TEST_CASE("sharding: FULL_SHARD equals SHARD_GRAD_OP bit for bit under bf16 autocast, with a unit left out") {
+    struct NetImpl : torch::nn::Module {
+      NetImpl()
+          : fc1(register_module("fc1", torch::nn::Linear(6, 20))), fc2(register_module("fc2", torch::nn::Linear(20, 20))),
+            fc3(register_module("fc3", torch::nn::Linear(20, 1))) {}
+      at::Tensor forward(const at::Tensor& x, bool middle) {
+        at::Tensor h = accel::unit_forward(fc1, x).tanh();
+        if (middle) h = accel::unit_forward(fc2, h).tanh();
+        return accel::unit_forward(fc3, h);
+      }
+      torch::nn::Linear fc1, fc2, fc3;
+    };
+    TORCH_MODULE(Net);
+    std::vector<at::Tensor> finals, evaluations;
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+      accel::AcceleratorConfig c = config();
+      c.sharding_strategy = strategy;
+      c.mixed_precision = "bf16";
+      accel::Accelerator accelerator(c);
+      const int r = accelerator.process_index();
+      torch::manual_seed(8);
+      Net model;
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+      auto prepared = accelerator.prepare(model, adam);
+      auto generator = at::detail::createCPUGenerator(40 + r);
+      for (int step = 0; step < 5; ++step) {
+        const at::Tensor x = at::randn({4, 6}, generator), y = at::randn({4, 1}, generator);
+        std::get<1>(prepared).zero_grad();
+        {
+          auto autocast = accelerator.autocast();
+          accelerator.backward(torch::mse_loss(model->forward(x, step != 2).to(at::kFloat), y));
+        }
+        std::get<1>(prepared).step();
+      }
+      {
+        torch::NoGradGuard no_grad;
+        evaluations.push_back(model->forward(at::ones({2, 6}), true));
+      }
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      finals.push_back(flat_parameters(*model).clone());
+    }
+    CHECK(at::equal(finals[0], finals[1]));
+    CHECK(at::equal(evaluations[0], evaluations[1]));
+  }
+
   // HSDP on a 2 x 2 model mesh: shards along mp_shard, averaged along
   // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
   // HYBRID_SHARD the parameters are sharded at rest too. FULL_SHARD on a
