@@ -129,6 +129,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <random>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -4917,6 +4918,7 @@ struct GradBucket {
   std::size_t index = 0;
   bool is_last = false;  // the last bucket of this backward
   std::vector<at::Tensor> parameters{};
+  std::vector<at::Tensor> gradients{};  // views of buffer, shaped as the parameters (the flags follow them)
 };
 using CommHook = std::function<Work<at::Tensor>(const GroupPtr& group, GradBucket& bucket)>;
 
@@ -4941,6 +4943,145 @@ inline CommHook fp16_compress_hook() {
 inline CommHook bf16_compress_hook() {
   return [](const GroupPtr& group, GradBucket& bucket) {
     return all_reduce_async(bucket.buffer.to(at::kBFloat16).div_(group->getSize()), ReduceOp::SUM, group);
+  };
+}
+}  // namespace comm_hooks
+
+// torch's PowerSGDState: the options of powerSGD_hook, and its memory.
+struct PowerSGDState {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;  // plain all-reduces until this many steps
+  int64_t min_compression_rate = 2;    // compress a matrix only when it shrinks more than this
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0;
+  uint64_t random_seed = 0;
+  // The hook's memory (per bucket), and the steps taken.
+  int64_t iter = 0;
+  std::map<std::size_t, at::Tensor> error_dict{}, p_memory_dict{}, q_memory_dict{};
+  std::optional<std::mt19937_64> rng{};  // seeds of Q's random starts, from random_seed
+};
+
+namespace detail {
+// PowerSGD's Gram-Schmidt over the columns (torch 1.13's _orthogonalize).
+inline void orthogonalize(const at::Tensor& matrix, double epsilon) {
+  const int64_t columns = matrix.size(1);
+  for (int64_t i = 0; i < columns; ++i) {
+    const at::Tensor column = matrix.narrow(1, i, 1);
+    column.div_(epsilon == 0 ? column.norm() : column.norm() + epsilon);
+    if (i + 1 < columns) {
+      const at::Tensor rest = matrix.narrow(1, i + 1, columns - i - 1);
+      rest.sub_((column * rest).sum(0) * column);
+    }
+  }
+}
+}  // namespace detail
+
+namespace comm_hooks {
+// torch's powerSGD_hook (Vogels et al., 2019): each gradient matrix M (n x m,
+// a parameter viewed as rows x the rest) of rank-r compression worth it,
+// (n + m) r * min_compression_rate < n m, travels as two thin matrices:
+// P = M Q all-reduced and orthogonalised, Q = M^T P all-reduced, and M
+// becomes P Q^T / world size; vectors and small matrices are all-reduced as
+// they are, in one buffer. With error feedback each process adds what
+// compression lost at its last step; with warm start Q is kept from step to
+// step (the first Q is random, the same on every process: std::mt19937_64
+// seeded with random_seed draws a seed per start, where torch draws it from
+// NumPy). The first start_powerSGD_iter steps all-reduce plainly. The
+// uncompressed all-reduce is issued at once; P's and Q's run when the
+// bucket is waited for (at the end of backward).
+inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
+  if (!state) throw InvalidArgument("accel::comm_hooks::powerSGD_hook: no state");
+  if (state->matrix_approximation_rank < 1 || state->min_compression_rate < 1 || state->start_powerSGD_iter < 0)
+    throw InvalidArgument("accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
+                          "must be at least 1, start_powerSGD_iter at least 0");
+  if (!state->rng) state->rng.emplace(state->random_seed);
+  return [state](const GroupPtr& group, GradBucket& bucket) -> Work<at::Tensor> {
+    const bool last = bucket.is_last;
+    if (state->iter < state->start_powerSGD_iter) {
+      if (last) ++state->iter;
+      return allreduce_hook()(group, bucket);
+    }
+    const std::size_t b = bucket.index;
+    const int64_t world = group->getSize();
+    at::Tensor input = bucket.buffer;
+    int64_t length = 0;  // of the gradients (the used-flags follow: never compressed, no error feedback)
+    for (const auto& g : bucket.gradients) length += g.numel();
+    const at::Tensor body = input.narrow(0, 0, length);
+    at::Tensor before;
+    if (state->use_error_feedback) {
+      at::Tensor& error = state->error_dict[b];
+      if (error.defined()) body.add_(error);
+      else error = at::zeros_like(body);
+      before = body.clone();
+    }
+    // Which gradients are compressed; the rest (and the flags) travel as they are.
+    std::vector<at::Tensor> matrices, plain;
+    std::vector<int64_t> ranks;
+    int64_t ps = 0, qs = 0;
+    for (const auto& g : bucket.gradients) {
+      if (g.dim() >= 2) {
+        const at::Tensor m = g.view({g.size(0), -1});
+        const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state->matrix_approximation_rank});
+        if ((n + k) * r * state->min_compression_rate < n * k) {
+          matrices.push_back(m);
+          ranks.push_back(r);
+          ps += n * r;
+          qs += k * r;
+          continue;
+        }
+      }
+      plain.push_back(g);
+    }
+    plain.push_back(input.narrow(0, length, input.numel() - length));
+    std::vector<at::Tensor> flat;
+    for (const auto& t : plain) flat.push_back(t.reshape({-1}));
+    const at::Tensor uncompressed = at::cat(flat);
+    const bool randomize = !state->warm_start || !state->p_memory_dict.count(b);
+    if (randomize) {
+      state->p_memory_dict[b] = at::empty({ps}, input.options());
+      state->q_memory_dict[b] = at::empty({qs}, input.options());
+    }
+    std::vector<at::Tensor> p, q;
+    for (std::size_t i = 0, pi = 0, qi = 0; i < matrices.size(); ++i) {
+      const int64_t n = matrices[i].size(0), k = matrices[i].size(1), r = ranks[i];
+      p.push_back(state->p_memory_dict[b].narrow(0, static_cast<int64_t>(pi), n * r).view({n, r}));
+      q.push_back(state->q_memory_dict[b].narrow(0, static_cast<int64_t>(qi), k * r).view({k, r}));
+      pi += static_cast<std::size_t>(n * r);
+      qi += static_cast<std::size_t>(k * r);
+    }
+    if (randomize) {
+      at::Generator generator = at::detail::createCPUGenerator((*state->rng)() % 1'000'000'000);
+      for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
+    }
+    for (auto& qm : q) detail::orthogonalize(qm, state->orthogonalization_epsilon);
+    for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(p[i], matrices[i], q[i]);
+    c10d::ProcessGroup* g = detail::enter_all_reduce(uncompressed, ReduceOp::SUM, group);
+    return Work<at::Tensor>(detail::then(
+        detail::start_all_reduce_data(*g, uncompressed, ReduceOp::SUM),
+        [state, group, b, world, last, input, body, before, matrices, plain, p, q](at::Tensor reduced) mutable {
+          reduced.div_(world);
+          int64_t at = 0;
+          for (const auto& t : plain) {
+            t.copy_(reduced.narrow(0, at, t.numel()).view(t.sizes()));
+            at += t.numel();
+          }
+          if (!matrices.empty()) {
+            accel::all_reduce(state->p_memory_dict[b], ReduceOp::SUM, group);  // no division: P is orthogonalised
+            for (const auto& pm : p) detail::orthogonalize(pm, state->orthogonalization_epsilon);
+            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(q[i], matrices[i].t(), p[i]);
+            accel::all_reduce(state->q_memory_dict[b], ReduceOp::SUM, group);  // in place
+            state->q_memory_dict[b].div_(world);
+            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(matrices[i], p[i], q[i].t());
+          }
+          if (state->use_error_feedback) state->error_dict[b] = before - body;
+          if (!state->warm_start) {
+            state->p_memory_dict.clear();
+            state->q_memory_dict.clear();
+          }
+          if (last) ++state->iter;
+          return input;
+        }));
   };
 }
 }  // namespace comm_hooks
@@ -5162,6 +5303,7 @@ class DataParallel {
                        .index = b,
                        .is_last = b + 1 == state_->buckets.size(),
                        .parameters = bucket.params};
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) zeros.gradients.push_back(bucket.packing.view(zeros.buffer, i));
       works.push_back(state_->hook(state_->group, zeros));
     }
     for (auto& work : works) {
@@ -5693,6 +5835,7 @@ class DataParallel {
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
     try {
       GradBucket hooked{.buffer = bucket.flat, .index = b, .is_last = b + 1 == state.buckets.size(), .parameters = bucket.params};
+      for (std::size_t i = 0; i < n; ++i) hooked.gradients.push_back(bucket.packing.view(bucket.flat, i));
       bucket.work = state.hook(state.group, hooked);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
@@ -6856,8 +6999,10 @@ inline std::string_view to_string(ShardingStrategy s) {
 
 // Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
 // comm_hook): the built-in communication hook of every prepared model (see
-// accel::comm_hooks). PowerSGD is not built yet.
-enum class DDPCommunicationHookType { NO, FP16, BF16 };
+// accel::comm_hooks; POWER_SGD with PowerSGDState's defaults, as Accelerate
+// with an empty comm_state_option: plain all-reduces for the first 1000
+// steps).
+enum class DDPCommunicationHookType { NO, FP16, BF16, POWER_SGD };
 
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
@@ -7659,6 +7804,9 @@ class Accelerator {
         models_.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::BF16)
         models_.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
+      if (config_.comm_hook == DDPCommunicationHookType::POWER_SGD)
+        models_.back().data_parallel->register_comm_hook(
+            comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
       if (config_.gradient_as_bucket_view) models_.back().data_parallel->gradient_as_bucket_view(true);
     }
     return model;

@@ -5,6 +5,7 @@
 #include "counting_allocator.hpp"
 #include "test_helpers.hpp"
 
+#include <random>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -424,6 +425,84 @@ TEST_SUITE("ranks") {
     c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
+  }
+
+  // torch's powerSGD_hook: one step against the algorithm written out (rank-2 compression of a 12 x 16 weight,
+  // the bias all-reduced plainly, error feedback remembered), and the plain all-reduces before start_powerSGD_iter.
+  TEST_CASE("training: the PowerSGD hook equals the reference computation for one step") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    if (P == 1) return;
+    auto orthogonalize = [](at::Tensor m) {  // Gram-Schmidt over the columns, as torch 1.13's _orthogonalize
+      for (int64_t i = 0; i < m.size(1); ++i) {
+        at::Tensor c = m.narrow(1, i, 1);
+        c.div_(c.norm());
+        if (i + 1 < m.size(1)) {
+          at::Tensor rest = m.narrow(1, i + 1, m.size(1) - i - 1);
+          rest.sub_((c * rest).sum(0) * c);
+        }
+      }
+      return m;
+    };
+    for (const int64_t start : {0, 1}) {
+      CAPTURE(start);
+      torch::manual_seed(9);
+      torch::nn::Linear layer(16, 12), local(16, 12);
+      auto state = std::make_shared<accel::PowerSGDState>();
+      state->matrix_approximation_rank = 2;
+      state->start_powerSGD_iter = start;
+      state->random_seed = 5;
+      accel::DataParallel dp(layer.ptr(), d.world_group(), 1 << 20);
+      dp.register_comm_hook(accel::comm_hooks::powerSGD_hook(state));
+      {
+        torch::NoGradGuard no_grad;
+        local->weight.copy_(layer->weight);
+        local->bias.copy_(layer->bias);
+      }
+      auto generator = at::detail::createCPUGenerator(50 + r);
+      const at::Tensor x = at::randn({5, 16}, generator);
+      dp.prepare_for_backward();
+      layer(x).pow(2).sum().backward();
+      CHECK(dp.finish());
+      local(x).pow(2).sum().backward();
+      const at::Tensor gw = local->weight.grad(), gb = local->bias.grad();
+      const accel::GroupPtr group = d.world_group();
+      CHECK(state->iter == 1);
+      if (start == 1) {  // a plain step: the bucket (bias, weight, flags) divided, then all-reduced
+        const at::Tensor plain =
+            accel::all_reduce(at::cat({gb, gw.reshape({-1}), at::ones({2})}) / P, accel::ReduceOp::SUM, group);
+        CHECK(at::equal(layer->weight.grad(), plain.narrow(0, 12, 12 * 16).view({12, 16})));
+        CHECK(state->error_dict.empty());
+        continue;
+      }
+      std::mt19937_64 rng(5);
+      at::Generator q_generator = at::detail::createCPUGenerator(rng() % 1000000000);
+      const at::Tensor q = orthogonalize(at::randn({16, 2}, q_generator, at::TensorOptions(at::kFloat)));
+      const at::Tensor p = orthogonalize(accel::all_reduce(gw.matmul(q), accel::ReduceOp::SUM, group));
+      const at::Tensor q2 = accel::all_reduce(gw.t().matmul(p), accel::ReduceOp::SUM, group) / P;
+      const at::Tensor expected = p.matmul(q2.t());
+      const at::Tensor bias = accel::all_reduce(gb.clone(), accel::ReduceOp::SUM, group) / P;
+      CHECK(at::allclose(layer->weight.grad(), expected, 1e-6, 1e-7));
+      CHECK(at::allclose(layer->bias.grad(), bias, 1e-6, 1e-7));
+      // what compression lost here, to be added back next step (the bucket: the bias, then the weight)
+      const at::Tensor lost = at::cat({gb - bias, (gw - expected).reshape({-1})});
+      REQUIRE(state->error_dict.count(0));
+      CHECK(at::allclose(state->error_dict.at(0), lost, 1e-5, 1e-6));
+      const double relative = ((layer->weight.grad() - accel::all_reduce(gw / P, accel::ReduceOp::SUM, group)).norm() /
+                               layer->weight.grad().norm()).item<double>();
+      MESSAGE("PowerSGD rank 2 at " << P << " processes: weight gradient off the exact average by " << relative
+                                    << " (relative), as the reference");
+      CHECK(relative > 1e-3);  // it did compress
+    }
+    accel::AcceleratorConfig c = config();
+    c.comm_hook = accel::DDPCommunicationHookType::POWER_SGD;
+    accel::Accelerator accelerator(c);  // torch's defaults: plain all-reduces for 1000 steps
+    Mlp model(5, 33, 2);
+    accelerator.prepare(model);
+    accelerator.backward(model(at::ones({2, 5})).sum());
+    CHECK_THROWS_AS(accel::comm_hooks::powerSGD_hook(std::make_shared<accel::PowerSGDState>(
+                        accel::PowerSGDState{.matrix_approximation_rank = 0})),
+                    accel::InvalidArgument);
   }
 
   // DDP's gradient_as_bucket_view: the gradients are views of persistent buckets. Training is bit for bit the

@@ -1,13 +1,14 @@
 // accel.hpp's side of the data-parallel training benchmark against Python's
 // DistributedDataParallel (bench_ddp.py): the same MLP, sizes, optimizer and
 // step, trained with accel::Accelerator, with or without a communication hook
-// (fp16: fp16_compress_hook). Rank 0 prints
+// (fp16: fp16_compress_hook; powersgd: powerSGD_hook of rank 1 from step 2,
+// as the Python side). Rank 0 prints
 //     CSV,ddp_step,<world>,accel_accelerator[_fp16],<params>,<ms per step>,ms
 // once per trial, and its loss after the last step:
 //     CSV,ddp_loss,<world>,accel_accelerator[_fp16],<params>,<loss>,mse
 // Run under tests/launch.cpp (run_ddp_bench.sh does).
 //
-//     bench_ddp <trials> <steps> [none|fp16]
+//     bench_ddp <trials> <steps> [none|fp16|powersgd]
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -42,6 +43,9 @@ int main(int argc, char** argv) {
   Mlp model;
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(1e-3).momentum(0.9));
   accelerator.prepare(model, optimizer);
+  if (hook == "powersgd")
+    accelerator.data_parallel(model)->register_comm_hook(accel::comm_hooks::powerSGD_hook(
+        std::make_shared<accel::PowerSGDState>(accel::PowerSGDState{.start_powerSGD_iter = 2})));
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());

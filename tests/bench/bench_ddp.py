@@ -1,12 +1,13 @@
 """Python's side of the data-parallel training benchmark: the MLP, sizes,
 optimizer and step of bench_ddp.cpp under torch.nn.parallel.
 DistributedDataParallel (Gloo, default 25 MB buckets), with or without a
-communication hook (fp16: default_hooks.fp16_compress_hook). Rank 0 prints
+communication hook (fp16: default_hooks.fp16_compress_hook; powersgd:
+powerSGD_hook of rank 1 from step 2). Rank 0 prints
     CSV,ddp_step,<world>,python_ddp[_fp16],<params>,<ms per step>,ms
 once per trial, and its loss after the last step (ddp_loss). Run each rank
 with Debian's /usr/bin/python3 under tests/launch.cpp (run_ddp_bench.sh does).
 
-    bench_ddp.py <trials> <steps> [none|fp16]
+    bench_ddp.py <trials> <steps> [none|fp16|powersgd]
 """
 
 import sys
@@ -33,6 +34,10 @@ def main():
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
