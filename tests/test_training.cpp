@@ -50,6 +50,14 @@ Mlp copy_of(Mlp& source, int64_t in, int64_t hidden, int64_t layers) {
   return copy;
 }
 
+// The names of the entries of a directory, sorted.
+std::vector<std::string> sorted_names(const std::filesystem::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // Every rank's parameters are bit-identical to rank 0's.
 bool identical_across_ranks(torch::nn::Module& m, const accel::GroupPtr& group) {
   at::Tensor all = accel::all_gather(flat_parameters(m), group);
@@ -966,14 +974,7 @@ TEST_SUITE("ranks") {
       c.project_config.iteration = iteration;
       return c;
     };
-    // The numbered directories under project/checkpoints, sorted.
-    auto listing = [&] {
-      std::vector<std::string> names;
-      for (const auto& entry : fs::directory_iterator(project / "checkpoints"))
-        names.push_back(entry.path().filename().string());
-      std::sort(names.begin(), names.end());
-      return names;
-    };
+    auto listing = [&] { return sorted_names(project / "checkpoints"); };  // the numbered directories
     auto clear = [&](accel::Accelerator& acc) {
       acc.wait_for_everyone();
       if (acc.is_main_process()) fs::remove_all(project);
@@ -2342,13 +2343,7 @@ TEST_SUITE("single") {
       REQUIRE(waitpid(child, &status, 0) == child);
       return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     };
-    auto listing = [&] {
-      std::vector<std::string> names;
-      for (const auto& entry : fs::directory_iterator(project / "checkpoints"))
-        names.push_back(entry.path().filename().string());
-      std::sort(names.begin(), names.end());
-      return names;
-    };
+    auto listing = [&] { return sorted_names(project / "checkpoints"); };
     set_weights(1);
     accelerator.save_state();  // checkpoint_0
     // total_limit=1: Accelerate removes checkpoint_0 before writing
