@@ -129,12 +129,12 @@
 #include <iostream>
 #include <limits>
 #include <map>
-#include <random>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
 #include <ostream>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
