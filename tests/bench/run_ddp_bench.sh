@@ -22,8 +22,8 @@ for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, Python, ...
     for hook in $hooks; do
       run $world "$build/tests/accel_bench_ddp" 3 "$steps" $hook
-      # Python's powerSGD_hook aborts on Gloo (1.13 and 2.6: gloo::EnforceNotMet "op.preamble.length <=
-      # op.nbytes", its chained all-reduces meet out of order): ours is compared with our plain step only.
+      # Python's powerSGD_hook aborts on Gloo here (1.13 and 2.6: gloo::EnforceNotMet "op.preamble.length <=
+      # op.nbytes"): ours is compared with our plain step only.
       [[ $hook == powersgd ]] || run $world /usr/bin/python3 "$root/tests/bench/bench_ddp.py" 3 "$steps" $hook
     done
   done
