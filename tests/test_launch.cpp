@@ -444,18 +444,11 @@ TEST_SUITE("peer_timeout") {
     REQUIRE(d.config().timeout == std::chrono::seconds(5));
     d.barrier();
     const int P = d.get_world_size();
-    if (d.get_rank() == P - 1) {
-      // Simulates a peer that dies mid-collective: the others enter the
-      // all_reduce (nothing can tell it they have) and it is gone 0.3 s later.
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      std::_Exit(0);
-    }
+    if (d.get_rank() == P - 1) std::_Exit(0);  // a peer that dies instead of joining the all_reduce
     const auto start = std::chrono::steady_clock::now();
     const std::string error = what_of([&] { d.all_reduce(1.0, ReduceOp::SUM, std::nullopt); });
     const double elapsed = seconds_since(start);
-    // The peer dies 0.3 s after this rank entered the all_reduce.
-    MESSAGE("time-to-error with a dead peer at " << P << " ranks, timeout 5 s: " << elapsed - 0.3
-                                                 << " s after the peer died (" << elapsed << " s after the call)");
+    MESSAGE("time-to-error with a dead peer at " << P << " ranks, timeout 5 s: " << elapsed << " s after the call");
     CHECK(error.find("accel::all_reduce failed on group 'world' (gloo, rank") != std::string::npos);
     CHECK(elapsed < 5 + 10);
   }
