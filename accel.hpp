@@ -5299,11 +5299,7 @@ class DataParallel {
     std::vector<Work<at::Tensor>> works;
     for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
       const Bucket& bucket = state_->buckets[b];
-      GradBucket zeros{.buffer = bucket.packing.buffer(bucket.params.front().options()).zero_(),
-                       .index = b,
-                       .is_last = b + 1 == state_->buckets.size(),
-                       .parameters = bucket.params};
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) zeros.gradients.push_back(bucket.packing.view(zeros.buffer, i));
+      GradBucket zeros = grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
       works.push_back(state_->hook(state_->group, zeros));
     }
     for (auto& work : works) {
@@ -5521,26 +5517,15 @@ class DataParallel {
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
   // Whether `module` is a unit of a live fully sharded DataParallel.
-  static bool is_unit(const torch::nn::Module* module) {
-    std::lock_guard lock(registry_mutex());
-    const auto found = registry().find(module);
-    return found != registry().end() && !found->second.first.expired();
-  }
+  static bool is_unit(const torch::nn::Module* module) { return find_unit(module).first != nullptr; }
 
   // accel::unit_forward's machinery: fn(args...) with the parameters of the
   // unit `module` gathered (plainly fn(args...) when it is not a unit).
   template <class Fn, class... Args>
   static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
-    std::shared_ptr<State> state;
-    std::size_t u = 0;
-    {
-      std::lock_guard lock(registry_mutex());
-      const auto found = registry().find(module);
-      if (found != registry().end()) {
-        state = found->second.first.lock();
-        u = found->second.second;
-      }
-    }
+    auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
+    const std::shared_ptr<State> state = std::move(found.first);
+    const std::size_t u = found.second;
     if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
     {
       std::lock_guard lock(state->mutex);
@@ -5698,6 +5683,13 @@ class DataParallel {
     static std::mutex mutex;
     return mutex;
   }
+  // The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
+  static std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
+    std::lock_guard lock(registry_mutex());
+    const auto found = registry().find(module);
+    if (found == registry().end()) return {nullptr, 0};
+    return {found->second.first.lock(), found->second.second};
+  }
 
   // A unit's parameters: fetch() issues the all-gather of its shards
   // (asynchronously, unless it holds them or one is in flight);
@@ -5788,6 +5780,19 @@ class DataParallel {
       }
   }
 
+  // What a hook gets for bucket b laid out in `buffer`. The parameters and
+  // the gradients' views only for a registered hook: the default needs the
+  // buffer alone, and this runs for every bucket of every step.
+  static GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& buffer) {
+    const Bucket& bucket = s.buckets[b];
+    GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
+    if (s.hooked) {
+      out.parameters = bucket.params;
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
+    }
+    return out;
+  }
+
   // Flattens a bucket's gradients and used-flags (pre-divided by the group
   // size, as DDP does) and issues its all-reduce without waiting.
   static void launch(State& state, std::size_t b) {
@@ -5834,8 +5839,7 @@ class DataParallel {
     bucket.packing.view(bucket.flat, n)
         .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
     try {
-      GradBucket hooked{.buffer = bucket.flat, .index = b, .is_last = b + 1 == state.buckets.size(), .parameters = bucket.params};
-      for (std::size_t i = 0; i < n; ++i) hooked.gradients.push_back(bucket.packing.view(bucket.flat, i));
+      GradBucket hooked = grad_bucket(state, b, bucket.flat);
       bucket.work = state.hook(state.group, hooked);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
