@@ -4,7 +4,9 @@
 // through it from then on (c10::SetCPUAllocator), and uninstall() puts the
 // previous one back (at a higher priority: c10 only takes an allocator of at
 // least the current priority). Memory allocated meanwhile is released
-// through its own context whenever it is freed.
+// through its own context whenever it is freed, which may be long after
+// (a Gloo worker thread drops a collective's tensors when it likes): so the
+// one allocator is never destroyed, and is reached through instance().
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -17,7 +19,10 @@
 namespace accel_test {
 class CountingAllocator final : public c10::Allocator {
  public:
-  CountingAllocator() = default;
+  static CountingAllocator& instance() {
+    static auto* one = new CountingAllocator();  // leaked on purpose: see above
+    return *one;
+  }
 #if TORCH_VERSION_MAJOR >= 2
   c10::DataPtr allocate(size_t n) override { return counted(n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
@@ -25,6 +30,7 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) const override { return const_cast<CountingAllocator*>(this)->counted(n); }
 #endif
   void install() {
+    if (c10::GetCPUAllocator() == this) return;  // already counting
     base_ = c10::GetCPUAllocator();
     c10::SetCPUAllocator(this, /*priority=*/static_cast<uint8_t>(++priority()));
   }
@@ -35,6 +41,7 @@ class CountingAllocator final : public c10::Allocator {
   void reset_peak() { peak_ = live_.load(); }
 
  private:
+  CountingAllocator() = default;
   static int& priority() {
     static int p = 100;
     return p;

@@ -545,7 +545,7 @@ TEST_SUITE("ranks") {
         }
       };
       for (int i = 0; i < 3; ++i) step(/*set_to_none=*/i == 1);  // once set to none: copied into the views again
-      accel_test::CountingAllocator counting;
+      accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();
       counting.install();
       const int64_t before = counting.total();
       step(false);

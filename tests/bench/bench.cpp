@@ -8,6 +8,8 @@
 
 #include "accel.hpp"
 
+#include "../counting_allocator.hpp"
+
 #if __has_include(<valgrind/callgrind.h>)
 #include <valgrind/callgrind.h>
 #define ACCEL_BENCH_HAS_CALLGRIND 1
@@ -298,37 +300,18 @@ void mesh() {
 
 // Bytes requested from ATen's CPU allocator during one call: a contiguous
 // std::vector must travel through c10d without a copy.
-struct CountingAllocator final : c10::Allocator {
-  c10::Allocator* inner;
-  std::atomic<long long> bytes{0};
-  explicit CountingAllocator(c10::Allocator* a) : inner(a) {}
-#if ACCEL_TORCH_AT_LEAST(2, 3)  // allocate lost its const, and copy_data came
-  c10::DataPtr allocate(size_t n) override {
-    bytes += static_cast<long long>(n);
-    return inner->allocate(n);
-  }
-  void copy_data(void* dest, const void* src, std::size_t n) const override { inner->copy_data(dest, src, n); }
-#else
-  c10::DataPtr allocate(size_t n) const override {
-    const_cast<std::atomic<long long>&>(bytes) += static_cast<long long>(n);
-    return inner->allocate(n);
-  }
-#endif
-  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
-};
-
 void alloc() {
   auto g = accel::DistributedInterface::instance().world_group();
-  static CountingAllocator counting(c10::GetCPUAllocator());
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();
+  counting.install();
   const long long n = 1 << 20;  // 4 MiB of float
   std::vector<float> vec(static_cast<std::size_t>(n), 1.0f);
   at::Tensor t = at::ones({n});
   auto measure = [&](auto&& f) {
     f();  // warm-up
-    long long before = counting.bytes.load();
+    const int64_t before = counting.total();
     f();
-    return counting.bytes.load() - before;
+    return counting.total() - before;
   };
   // Positive control: the counter sees an ordinary allocation of the same size.
   csv("alloc_bytes_per_call", "control_at_empty", n * 4, double(measure([&] { (void)at::empty({n}); })), "bytes");

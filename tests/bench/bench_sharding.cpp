@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   const std::string strategy = argc > 1 ? argv[1] : "shard_grad_op";
   const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
   const int steps = argc > 3 ? std::stoi(argv[3]) : 5;
-  static accel_test::CountingAllocator counting;  // (never uninstalled: it counts to the end)
+  accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();  // counts to the end
   counting.install();
 
   accel::AcceleratorConfig config;
