@@ -3076,6 +3076,20 @@ inline void forget_rendezvous() {
   ++state.kept.epoch;
 }
 
+// A TCPStore at the address: the server (rank 0, unless torchrun's agent
+// serves) or a client. No wait for the workers here: the arrival after it
+// waits, and can say who is missing.
+inline c10::intrusive_ptr<c10d::Store> tcp_connection(const StoreAddress& a, bool serve, int world,
+                                                      std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(a.port);
+  options.isServer = serve;
+  options.numWorkers = static_cast<std::size_t>(world);
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  return tcp_store(a.host, options);
+}
+
 // The kept store, or a new connection (which LibTorch 2.x's TCPStore client
 // makes by waiting for the server's answer, without a timeout), and a fresh
 // key prefix.
@@ -3092,13 +3106,7 @@ inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, 
       if (a.dir) {
         store = c10::make_intrusive<c10d::FileStore>(*a.dir + "/store", world);
       } else {
-        c10d::TCPStoreOptions options;
-        options.port = static_cast<std::uint16_t>(a.port);
-        options.isServer = rank == 0 && !a.agent_store;
-        options.numWorkers = static_cast<std::size_t>(world);
-        options.waitWorkers = false;  // the arrival after this waits, and can say who is missing
-        options.timeout = timeout;
-        store = tcp_store(a.host, options);
+        store = tcp_connection(a, /*serve=*/rank == 0 && !a.agent_store, world, timeout);
       }
     } catch (const std::exception& e) {
       throw DistributedError("accel: rendezvous at " + a.where + " failed for rank " + std::to_string(rank) + " of " +
@@ -3213,6 +3221,66 @@ inline Met rendezvous(const StoreAddress& address, int rank, int world, bool deb
   }
   return result.get();
 }
+
+// Groups made at once. Making a group is mostly waiting for its members'
+// store round trips, which made one after another add up; so each group of
+// more than one rank beyond the first is made on a thread of its own, with a
+// store connection of its own (LibTorch 1.13's TCPStore client is not safe
+// to share between threads, and 2.x's Store::clone is not in 1.13). A
+// FileStore is not opened twice (its destructor deletes the file when its
+// own count of users falls to zero, under the others' feet): with one, the
+// groups are made in order. Every member asks for the same groups, each on
+// keys of its own, so the order in which they are made does not matter.
+struct GroupRequest {
+  std::string name;  // for the registry and errors, e.g. "dp{cp=1}"
+  std::string key;   // the group's prefix in the store
+  int rank = 0, size = 1;
+  std::vector<int> dims;  // of a mesh's root, for the mesh that asked
+};
+struct MadeGroup {
+  GroupPtr group;
+  c10::intrusive_ptr<c10d::Store> store;  // the group's own keys
+};
+inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::optional<StoreAddress>& address,
+                                          const std::vector<GroupRequest>& requests, std::chrono::milliseconds timeout) {
+  std::vector<MadeGroup> made(requests.size());
+  std::vector<std::exception_ptr> failed(requests.size());
+  auto make = [&](std::size_t i, bool own_connection) {
+    try {
+      made[i].store = c10::make_intrusive<c10d::PrefixStore>(
+          requests[i].key,
+          own_connection ? tcp_connection(*address, /*serve=*/false, requests[i].size, timeout) : store);
+      made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
+    } catch (...) {
+      failed[i] = std::current_exception();
+    }
+  };
+  // Made on this thread, with the shared store: every group of one rank (no
+  // round trip), and the first that talks.
+  std::vector<bool> here(requests.size(), true);
+  if (address && !address->dir)
+    for (std::size_t i = 0, talking = 0; i < requests.size(); ++i)
+      if (requests[i].size > 1) here[i] = talking++ == 0;
+  std::vector<std::thread> threads;
+  std::exception_ptr unstarted;
+  for (std::size_t i = 0; i < requests.size() && !unstarted; ++i) {
+    if (here[i]) continue;
+    try {
+      threads.emplace_back(make, i, /*own_connection=*/true);
+    } catch (...) {  // no thread: the ones started finish before this throws
+      unstarted = std::current_exception();
+    }
+  }
+  if (!unstarted)
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      if (here[i]) make(i, /*own_connection=*/false);
+  for (std::thread& t : threads) t.join();
+  if (unstarted) std::rethrow_exception(unstarted);
+  for (const std::exception_ptr& e : failed)
+    if (e) std::rethrow_exception(e);
+  return made;
+}
 }  // namespace detail
 
 // == MESHES ===================================================================
@@ -3236,6 +3304,7 @@ struct MeshRoot {
   std::map<std::vector<int>, GroupPtr> groups;                 // root dims -> group (null: not distributed)
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
+  std::optional<StoreAddress> address;    // where more connections to it are opened
   std::string prefix;                     // this mesh's keys in the store
   std::chrono::milliseconds timeout{0};
   std::uint64_t generation = 0;  // of the DistributedInterface that made it
@@ -3280,19 +3349,34 @@ struct MeshRoot {
   const GroupPtr& group(const std::vector<int>& dims, const std::string& name) {
     auto it = groups.find(dims);
     if (it != groups.end()) return it->second;
-    GroupPtr made;
-    if (store) {
-      std::string fixed;
-      for (std::size_t d = 0; d < shape.size(); ++d)
-        if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end())
-          fixed += (fixed.empty() ? "" : ",") + names[d] + "=" + std::to_string(coordinate[d]);
-      const std::string title = fixed.empty() ? name : name + "{" + fixed + "}";
-      const auto [members, index] = line(dims);
-      auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix + title + "/", store);
-      made = make_group(backend, group_store, index, static_cast<int>(members.size()), timeout);
-      register_group(made, title, group_store);
-    }
-    return groups.emplace(dims, std::move(made)).first->second;
+    if (!store) return groups.emplace(dims, GroupPtr()).first->second;
+    const GroupRequest asked = request(dims, name);
+    return adopt(asked, std::move(make_groups(backend, store, address, {asked}, timeout).front()));
+  }
+  // What making that group takes.
+  GroupRequest request(const std::vector<int>& dims, const std::string& name) const {
+    std::string fixed;
+    for (std::size_t d = 0; d < shape.size(); ++d)
+      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end())
+        fixed += (fixed.empty() ? "" : ",") + names[d] + "=" + std::to_string(coordinate[d]);
+    auto [members, index] = line(dims);
+    GroupRequest asked;
+    asked.name = fixed.empty() ? name : name + "{" + fixed + "}";
+    asked.key = prefix + asked.name + "/";
+    asked.rank = index;
+    asked.size = static_cast<int>(members.size());
+    asked.dims = dims;
+    return asked;
+  }
+  // Every root dimension's group, to be made at once (make_groups).
+  std::vector<GroupRequest> requests() const {
+    std::vector<GroupRequest> all;
+    for (std::size_t d = 0; d < shape.size(); ++d) all.push_back(request({static_cast<int>(d)}, names[d]));
+    return all;
+  }
+  const GroupPtr& adopt(const GroupRequest& asked, MadeGroup made) {
+    register_group(made.group, asked.name, made.store);
+    return groups.emplace(asked.dims, std::move(made.group)).first->second;
   }
 };
 // "init_device_mesh((2, 2), (dp, cp))", for errors and debug mode.
@@ -3369,8 +3453,8 @@ class DeviceMesh {
     ranks_ = root_->line(all).first;
   }
 
-  // Every root dimension of a new layout, as its own dimension; each
-  // dimension's group is made here.
+  // Every root dimension of a new layout, as its own dimension; a
+  // dimension's group not made yet (make_groups) is made here.
   static DeviceMesh root(std::shared_ptr<detail::MeshRoot> layout) {
     std::vector<Dimension> dims;
     for (std::size_t d = 0; d < layout->names.size(); ++d) dims.push_back({layout->names[d], {static_cast<int>(d)}});
@@ -3510,7 +3594,9 @@ class DistributedInterface {
                             (product == int64_t{1} << 40 ? "2^40 or more" : std::to_string(product)) +
                             ", the world has " + std::to_string(world_size_) + " ranks");
     if (distributed_) detail::check_same_call(*world_, [&] { return call; });
-    return make_mesh(shape, names, prefix_ + "mesh/" + std::to_string(mesh_count_++) + "/");
+    auto root = new_root(shape, names, prefix_ + "mesh/" + std::to_string(mesh_count_++) + "/");
+    if (distributed_) make_groups({root.get()}, /*with_world=*/false);
+    return DeviceMesh::root(std::move(root));
   }
 
   GroupPtr get_group(std::optional<Dim> dim = std::nullopt) const {
@@ -3624,22 +3710,22 @@ class DistributedInterface {
     detail::bind_device(current_accelerator_.type());
     current_device_ = detail::current_device_of(current_accelerator_.type());
     backend_ = detail::backend_for(current_accelerator_.type());
-    auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config.timeout);
     const bool debug = debug_mode();  // a malformed ACCEL_DEBUG_MODE fails here, not mid-training
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       // (No structured binding: clang before 16 cannot capture one in the lambda below.)
       detail::Met met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
       store_ = met.store;
+      address_ = address;
       prefix_ = met.prefix;
-      auto world_store = c10::make_intrusive<c10d::PrefixStore>(prefix_ + "world", store_);
-      world_ = detail::make_group(backend_, world_store, rank_, world_size_, timeout);
-      detail::register_group(world_, "world", world_store, /*is_world=*/true);
       const auto seed = [&](auto shape, auto names, const char* key) {
-        return make_mesh({shape.begin(), shape.end()}, {names.begin(), names.end()}, prefix_ + key);
+        return new_root({shape.begin(), shape.end()}, {names.begin(), names.end()}, prefix_ + key);
       };
-      model_mesh_ = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
-      data_mesh_ = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
+      auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
+      auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
+      make_groups({model.get(), data.get()}, /*with_world=*/true);
+      model_mesh_ = DeviceMesh::root(std::move(model));
+      data_mesh_ = DeviceMesh::root(std::move(data));
     } catch (const DistributedError&) {
       release();
       throw;
@@ -3653,8 +3739,9 @@ class DistributedInterface {
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
   }
 
-  // The root of a new mesh, with this rank's group along each dimension.
-  DeviceMesh make_mesh(const std::vector<int>& shape, const std::vector<std::string>& names, std::string prefix) {
+  // The root of a new mesh, its groups not made yet.
+  std::shared_ptr<detail::MeshRoot> new_root(const std::vector<int>& shape, const std::vector<std::string>& names,
+                                             std::string prefix) {
     auto root = std::make_shared<detail::MeshRoot>();
     root->device_type = current_accelerator_.type();
     root->shape = shape;
@@ -3667,10 +3754,30 @@ class DistributedInterface {
     if (distributed_) {
       root->backend = backend_;
       root->store = store_;
+      root->address = address_;
       root->prefix = std::move(prefix);
       root->timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout);
     }
-    return DeviceMesh::root(std::move(root));
+    return root;
+  }
+
+  // This rank's group along every dimension of the roots, and the world
+  // group first when asked: all made at once (detail::make_groups).
+  void make_groups(const std::vector<detail::MeshRoot*>& roots, bool with_world) {
+    std::vector<detail::GroupRequest> requests;
+    if (with_world) requests.push_back({"world", prefix_ + "world", rank_, world_size_, {}});
+    for (const detail::MeshRoot* root : roots)
+      for (detail::GroupRequest& asked : root->requests()) requests.push_back(std::move(asked));
+    auto made = detail::make_groups(backend_, store_, address_, requests,
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout));
+    std::size_t i = 0;
+    if (with_world) {
+      world_ = made[i].group;
+      detail::register_group(world_, "world", made[i].store, /*is_world=*/true);
+      ++i;
+    }
+    for (detail::MeshRoot* root : roots)
+      for (std::size_t d = 0; d < root->shape.size(); ++d, ++i) root->adopt(requests[i], std::move(made[i]));
   }
 
   // A config with every default filled in: the timeout, and the device
@@ -3755,6 +3862,7 @@ class DistributedInterface {
   std::optional<DeviceMesh> model_mesh_, data_mesh_;
   std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
   c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous store, for groups made later
+  std::optional<detail::StoreAddress> address_;  // its address
   std::string prefix_;                     // and this initialisation's keys in it
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
