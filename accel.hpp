@@ -3222,8 +3222,9 @@ inline Met rendezvous(const StoreAddress& address, int rank, int world, bool deb
   return result.get();
 }
 
-// Groups made at once. Making a group is mostly waiting for its members'
-// store round trips, which made one after another add up; so each group of
+// Groups made at once. On LibTorch 1.13 making a group is mostly waiting
+// for its members' store round trips, which made one after another add up
+// (on 2.6 it measured no gain; README, Benchmarks part 4); so each group of
 // more than one rank beyond the first is made on a thread of its own, with a
 // store connection of its own (LibTorch 1.13's TCPStore client is not safe
 // to share between threads, and 2.x's Store::clone is not in 1.13). A
@@ -3304,7 +3305,6 @@ struct MeshRoot {
   std::map<std::vector<int>, GroupPtr> groups;                 // root dims -> group (null: not distributed)
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
-  std::optional<StoreAddress> address;    // where more connections to it are opened
   std::string prefix;                     // this mesh's keys in the store
   std::chrono::milliseconds timeout{0};
   std::uint64_t generation = 0;  // of the DistributedInterface that made it
@@ -3351,7 +3351,7 @@ struct MeshRoot {
     if (it != groups.end()) return it->second;
     if (!store) return groups.emplace(dims, GroupPtr()).first->second;
     const GroupRequest asked = request(dims, name);
-    return adopt(asked, std::move(make_groups(backend, store, address, {asked}, timeout).front()));
+    return adopt(asked, std::move(make_groups(backend, store, std::nullopt, {asked}, timeout).front()));
   }
   // What making that group takes.
   GroupRequest request(const std::vector<int>& dims, const std::string& name) const {
@@ -3754,7 +3754,6 @@ class DistributedInterface {
     if (distributed_) {
       root->backend = backend_;
       root->store = store_;
-      root->address = address_;
       root->prefix = std::move(prefix);
       root->timeout = std::chrono::duration_cast<std::chrono::milliseconds>(config_.timeout);
     }
