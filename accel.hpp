@@ -1354,6 +1354,26 @@ inline std::string error_text(const std::exception& e) {
   return e.what();
 }
 
+// Runs `work` on a thread of its own and waits for it at most `limit`:
+// its result (or its exception), or nullopt when it overran. An overrun
+// thread is abandoned, still running, so `work` must own everything it uses
+// (capture by value). For calls into c10d's store clients, which can wait
+// for an answer with no timeout of their own (a stopped serving rank).
+template <class R, class Work>
+std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
+  auto done = std::make_shared<std::promise<R>>();
+  std::future<R> result = done->get_future();
+  std::thread([done, work = std::move(work)]() mutable {
+    try {
+      done->set_value(work());
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (result.wait_for(limit) != std::future_status::ready) return std::nullopt;
+  return result.get();
+}
+
 // After a collective timed out: which ranks of the group did not time out
 // with it? Every rank that gets here reports in the group's store and waits
 // up to `grace` for the others; those that never report are named (hung, or
@@ -1373,9 +1393,7 @@ inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::millisecond
     call = ++it->second.roll_calls;
   }
   const int size = group.getSize(), rank = group.getRank();
-  auto answer = std::make_shared<std::promise<std::string>>();
-  std::future<std::string> result = answer->get_future();
-  std::thread([store, answer, size, rank, call, grace] {
+  const auto answer = run_within<std::string>(grace + std::chrono::seconds(1), [store, size, rank, call, grace] {
     try {
       const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
       store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
@@ -1384,7 +1402,7 @@ inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::millisecond
       // (FileStore in 1.13 waits the store's timeout whatever it is given).
       for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
            std::this_thread::sleep_for(std::chrono::milliseconds(20)))
-        if (store->check({base + "all"})) return answer->set_value("");  // everyone timed out alike
+        if (store->check({base + "all"})) return std::string();  // everyone timed out alike
       const int64_t reported = store->add(base + "reported", 0);
       std::string missing;
       int64_t named = 0;
@@ -1394,16 +1412,14 @@ inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::millisecond
           ++named;
         }
       if (size - reported > named) missing += ", ...";
-      answer->set_value(" (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
-                        "did not reach this timeout within " + std::to_string(grace.count()) +
-                        " ms of this rank: hung, or stuck elsewhere)");
+      return " (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
+             "did not reach this timeout within " + std::to_string(grace.count()) +
+             " ms of this rank: hung, or stuck elsewhere)";
     } catch (...) {
-      answer->set_value("");
+      return std::string();
     }
-  }).detach();
-  if (result.wait_for(grace + std::chrono::seconds(1)) != std::future_status::ready)
-    return " (roll call: the group's store did not answer either; is the rank serving it hung?)";
-  return result.get();
+  });
+  return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
 }
 
 inline bool is_timeout(const std::string& text) {
@@ -3090,6 +3106,26 @@ inline c10::intrusive_ptr<c10d::Store> tcp_connection(const StoreAddress& a, boo
   return tcp_store(a.host, options);
 }
 
+// How long past the timeout a store call that c10d does not bound (see
+// run_within) may take before it is abandoned as hung.
+inline constexpr std::chrono::seconds kStoreGrace{5};
+
+// A further client connection (a group's own, see make_groups), within the
+// timeout: LibTorch 2.x's client waits for the server's answer while
+// connecting, for ever if the serving rank stopped after the rendezvous.
+inline c10::intrusive_ptr<c10d::Store> bounded_connection(const StoreAddress& a, int world,
+                                                          std::chrono::milliseconds timeout) {
+  auto store = run_within<c10::intrusive_ptr<c10d::Store>>(
+      timeout + kStoreGrace, [a, world, timeout] { return tcp_connection(a, /*serve=*/false, world, timeout); });
+  if (!store)
+    throw DistributedError("accel: a group's connection to the store at " + a.where + " got no answer within " +
+                           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(timeout).count()) +
+                           " s (the timeout) + " + std::to_string(kStoreGrace.count()) +
+                           " s: is the process serving it (rank 0, or torchrun's agent) hung "
+                           "or stopped?");
+  return *store;
+}
+
 // The kept store, or a new connection (which LibTorch 2.x's TCPStore client
 // makes by waiting for the server's answer, without a timeout), and a fresh
 // key prefix.
@@ -3182,34 +3218,28 @@ inline void meet(c10d::Store& store, const std::string& prefix, int rank, int wo
 // store does. c10d's store clients wait for an answer without a timeout of
 // their own (a TCPStore client connecting to, or a compareSet sent to, a
 // serving rank that is stopped never returns), so the work runs on a thread
-// of its own, abandoned (with the kept store) when it overruns. Everything
-// the thread uses is its own copy.
+// of its own (run_within), abandoned (with the kept store) when it overruns.
 struct Met {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
 };
 inline Met rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
-  auto done = std::make_shared<std::promise<Met>>();
   auto connected = std::make_shared<std::atomic<bool>>(false);
-  std::future<Met> result = done->get_future();
-  std::thread([address, rank, world, debug, timeout, done, connected] {
-    try {
-      Met met;
-      met.store = connect(address, rank, world, timeout, met.prefix);
-      connected->store(true);
-      meet(*met.store, met.prefix, rank, world, debug, timeout);
-      done->set_value(std::move(met));
-    } catch (...) {
-      done->set_exception(std::current_exception());
-    }
-  }).detach();
-  if (result.wait_for(timeout + std::chrono::seconds(5)) != std::future_status::ready) {
+  std::optional<Met> met = run_within<Met>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
+    Met made;
+    made.store = connect(address, rank, world, timeout, made.prefix);
+    connected->store(true);
+    meet(*made.store, made.prefix, rank, world, debug, timeout);
+    return made;
+  });
+  if (!met) {
     forget_rendezvous();
     // Still connecting: an unreachable address, or (LibTorch 2.x validates
     // the connection) a server that does not answer; both are a failed
     // rendezvous. Connected: the server stopped answering.
     const std::string late = " did not answer rank " + std::to_string(rank) + " within the timeout (" +
-                             std::to_string(timeout.count()) + " s + 5 s)";
+                             std::to_string(timeout.count()) + " s + " +
+                           std::to_string(kStoreGrace.count()) + " s)";
     if (!connected->load())
       throw DistributedError("accel: rendezvous at " + address.where + " failed for rank " + std::to_string(rank) +
                              " of " + std::to_string(world) +
@@ -3219,7 +3249,7 @@ inline Met rendezvous(const StoreAddress& address, int rank, int world, bool deb
     throw DistributedError("accel: the rendezvous store at " + address.where + late +
                            ": is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
   }
-  return result.get();
+  return std::move(*met);
 }
 
 // Groups made at once. On LibTorch 1.13 making a group is mostly waiting
@@ -3251,7 +3281,7 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
     try {
       made[i].store = c10::make_intrusive<c10d::PrefixStore>(
           requests[i].key,
-          own_connection ? tcp_connection(*address, /*serve=*/false, requests[i].size, timeout) : store);
+          own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
       made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
     } catch (...) {
       failed[i] = std::current_exception();

@@ -352,6 +352,54 @@ TEST_SUITE("failures") {
     // TCPStore listener thread answers a reset with std::terminate (as it would if a real rank 0 died).
   }
 
+  // After the rendezvous, groups are made at once, each beyond the first on a store connection of its own
+  // (detail::make_groups): a serving rank that stops in between must not leave them waiting for ever.
+  TEST_CASE("failures: a group's own store connection to a server that never answers ends within the timeout") {
+    const int server = socket(AF_INET, SOCK_STREAM, 0);  // accepts (the kernel's backlog), never answers
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    REQUIRE(bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    REQUIRE(listen(server, 16) == 0);
+    REQUIRE(getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+    accel::detail::StoreAddress address;
+    address.host = "127.0.0.1";
+    address.port = ntohs(addr.sin_port);
+    address.where = "127.0.0.1:" + std::to_string(address.port);
+    const auto timeout = std::chrono::seconds(2);
+    const auto start = std::chrono::steady_clock::now();
+    const std::string error = what_of([&] { accel::detail::bounded_connection(address, 2, timeout); });
+    const double elapsed = seconds_since(start);
+    MESSAGE("a group's connection to a store that never answers: after " << elapsed << " s: " << error);
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+    // 2.x's client waits for the server's answer while connecting: abandoned after the timeout + 5 s.
+    CHECK(error == "accel: a group's connection to the store at " + address.where +
+                       " got no answer within 2 s (the timeout) + 5 s: is the process serving it (rank 0, or "
+                       "torchrun's agent) hung or stopped?");
+#else
+    CHECK(error == "<no exception>");  // 1.13's client connects without a word from the server
+#endif
+    CHECK(elapsed < 2 + 5 + 10);
+
+    // The whole batch: one group on the shared store (a FileStore whose peer never comes), one on its own
+    // connection to the silent server. Both fail, within the timeout (+ 5 s), and no thread is left to join.
+    char dir[] = "/tmp/accel_groups_XXXXXX";
+    REQUIRE(mkdtemp(dir) != nullptr);
+    auto shared = c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/store", 2);
+    shared->setTimeout(timeout);
+    const std::vector<accel::detail::GroupRequest> requests{{"a", "a/", 1, 2, {}}, {"b", "b/", 1, 2, {}}};
+    const auto batch_start = std::chrono::steady_clock::now();
+    const std::string batch_error = what_of([&] { accel::detail::make_groups("gloo", shared, address, requests, timeout); });
+    const double batch_elapsed = seconds_since(batch_start);
+    MESSAGE("groups made at once against a silent store: after " << batch_elapsed << " s: " << batch_error);
+    CHECK(batch_error != "<no exception>");
+    CHECK(batch_elapsed < 2 + 5 + 10);
+    shared.reset();
+    std::filesystem::remove_all(dir);
+    // `server` stays open until the process ends (see the rendezvous case above).
+  }
+
   TEST_CASE("failures: a huge WORLD_SIZE reports its missing ranks at once, not after a round trip per rank") {
     auto clean = no_launcher();
     const std::string port = std::to_string(accel::detail::free_port());
