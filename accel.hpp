@@ -3121,8 +3121,7 @@ inline c10::intrusive_ptr<c10d::Store> bounded_connection(const StoreAddress& a,
     throw DistributedError("accel: a group's connection to the store at " + a.where + " got no answer within " +
                            std::to_string(std::chrono::duration_cast<std::chrono::seconds>(timeout).count()) +
                            " s (the timeout) + " + std::to_string(kStoreGrace.count()) +
-                           " s: is the process serving it (rank 0, or torchrun's agent) hung "
-                           "or stopped?");
+                           " s: is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
   return *store;
 }
 
@@ -3238,8 +3237,7 @@ inline Met rendezvous(const StoreAddress& address, int rank, int world, bool deb
     // the connection) a server that does not answer; both are a failed
     // rendezvous. Connected: the server stopped answering.
     const std::string late = " did not answer rank " + std::to_string(rank) + " within the timeout (" +
-                             std::to_string(timeout.count()) + " s + " +
-                           std::to_string(kStoreGrace.count()) + " s)";
+                             std::to_string(timeout.count()) + " s + " + std::to_string(kStoreGrace.count()) + " s)";
     if (!connected->load())
       throw DistributedError("accel: rendezvous at " + address.where + " failed for rank " + std::to_string(rank) +
                              " of " + std::to_string(world) +
