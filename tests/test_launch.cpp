@@ -12,6 +12,22 @@
 
 namespace {
 
+// The port of a "server" on 127.0.0.1 that accepts connections (the kernel's backlog) and never answers, as a
+// stopped rank 0 does. It stays open until the process ends: closing it resets the connections abandoned to it,
+// and LibTorch 1.13's TCPStore listener thread answers a reset with std::terminate (as it would if a real rank 0
+// died).
+int silent_server() {
+  const int server = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  REQUIRE(bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(listen(server, 16) == 0);
+  REQUIRE(getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  return ntohs(addr.sin_port);
+}
+
 // Every variable any launcher family reads, unset for one scope.
 EnvGuard no_launcher() {
   return EnvGuard{{"RANK", nullptr},
@@ -319,20 +335,9 @@ TEST_SUITE("failures") {
     CHECK(elapsed < 3 + 20);
   }
 
-  // LibTorch 2.x's TCPStore client already waits for ever while connecting (its ping), before the rendezvous
-  // protocol that accel.hpp bounds: still open there (issue "One header a maintainer can live in").
   TEST_CASE("failures: a rendezvous store that never answers (its rank hung) is an error within the timeout") {
     auto clean = no_launcher();
-    // A "server" that accepts connections (the kernel's backlog) and never answers, as a stopped rank 0 does.
-    const int server = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    REQUIRE(bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    REQUIRE(listen(server, 16) == 0);
-    REQUIRE(getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-    const std::string port = std::to_string(ntohs(addr.sin_port));
+    const std::string port = std::to_string(silent_server());
     EnvGuard env{{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port.c_str()}};
     const auto start = std::chrono::steady_clock::now();
     const std::string error = what_of([] {
@@ -348,24 +353,14 @@ TEST_SUITE("failures") {
     CHECK(error.find("hung or stopped?") != std::string::npos);
     CHECK(elapsed < 2 + 5 + 10);  // (before: blocked in TCPStore::compareSet for as long as the server hung)
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
-    // `server` stays open until the process ends: closing it resets the abandoned connection, and LibTorch 1.13's
-    // TCPStore listener thread answers a reset with std::terminate (as it would if a real rank 0 died).
   }
 
   // After the rendezvous, groups are made at once, each beyond the first on a store connection of its own
   // (detail::make_groups): a serving rank that stops in between must not leave them waiting for ever.
   TEST_CASE("failures: a group's own store connection to a server that never answers ends within the timeout") {
-    const int server = socket(AF_INET, SOCK_STREAM, 0);  // accepts (the kernel's backlog), never answers
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    REQUIRE(bind(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    REQUIRE(listen(server, 16) == 0);
-    REQUIRE(getsockname(server, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
     accel::detail::StoreAddress address;
     address.host = "127.0.0.1";
-    address.port = ntohs(addr.sin_port);
+    address.port = silent_server();
     address.where = "127.0.0.1:" + std::to_string(address.port);
     const auto timeout = std::chrono::seconds(2);
     const auto start = std::chrono::steady_clock::now();
@@ -397,7 +392,6 @@ TEST_SUITE("failures") {
     CHECK(batch_elapsed < 2 + 5 + 10);
     shared.reset();
     std::filesystem::remove_all(dir);
-    // `server` stays open until the process ends (see the rendezvous case above).
   }
 
   TEST_CASE("failures: a huge WORLD_SIZE reports its missing ranks at once, not after a round trip per rank") {
