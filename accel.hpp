@@ -3306,8 +3306,19 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
       if (here[i]) make(i, /*own_connection=*/false);
   for (std::thread& t : threads) t.join();
   if (unstarted) std::rethrow_exception(unstarted);
-  for (const std::exception_ptr& e : failed)
-    if (e) std::rethrow_exception(e);
+  // Every caller's failure is a DistributedError naming the group (c10d
+  // throws its own c10::Error, outside accel's family).
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (!failed[i]) continue;
+    try {
+      std::rethrow_exception(failed[i]);
+    } catch (const DistributedError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistributedError("accel: making group '" + requests[i].name + "' (rank " + std::to_string(requests[i].rank) +
+                             " of " + std::to_string(requests[i].size) + ") failed: " + error_text(e));
+    }
+  }
   return made;
 }
 }  // namespace detail

@@ -389,6 +389,8 @@ TEST_SUITE("failures") {
     const double batch_elapsed = seconds_since(batch_start);
     MESSAGE("groups made at once against a silent store: after " << batch_elapsed << " s: " << batch_error);
     CHECK(batch_error != "<no exception>");
+    // The first failure in request order, as accel's own error (c10d's c10::Error wrapped, naming the group).
+    CHECK(batch_error.rfind("accel: making group 'a' (rank 1 of 2) failed: ", 0) == 0);
     CHECK(batch_elapsed < 2 + 5 + 10);
     shared.reset();
     std::filesystem::remove_all(dir);
