@@ -1160,7 +1160,7 @@ TEST_SUITE("ranks") {
     CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // the world is still in step
   }
 
-  TEST_CASE("cleanup") { world().destroy(); }
+  TEST_CASE("cleanup") { release_world(); }
 }
 
 // == mesh4: every mesh dimension at world size 4 ==============================

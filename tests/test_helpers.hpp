@@ -71,6 +71,12 @@ inline accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) 
   return accel::DistributedInterface::instance(test_config(config));
 }
 
+// Ends the suite's live interface, if any: never makes one only to destroy it (a rank that did would leave
+// at once, its peers still making their groups on the store it serves).
+inline void release_world() {
+  if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

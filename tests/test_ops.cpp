@@ -540,7 +540,7 @@ TEST_SUITE("ranks") {
     accel::set_debug_mode(false);
   }
 
-  TEST_CASE("operations cleanup") { world().destroy(); }
+  TEST_CASE("operations cleanup") { release_world(); }
 }
 
 // == mesh4: the operations on one mesh dimension's group ======================

@@ -2057,7 +2057,7 @@ TEST_SUITE("ranks") {
     accel::DistributedInterface::instance().destroy();
   }
 
-  TEST_CASE("training cleanup") { world().destroy(); }
+  TEST_CASE("training cleanup") { release_world(); }
 }
 
 TEST_SUITE("single") {
