@@ -782,6 +782,7 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
       if (getppid() != launcher) _exit(127);
+      signal(SIGPIPE, SIG_DFL);  // a distributed launcher ignores it (detail::ignore_sigpipe)
       dup2(fds[1], STDOUT_FILENO);
       dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
@@ -1029,6 +1030,19 @@ inline int get_device_count() {
 
 namespace detail {
 // Binds this process to device LOCAL_RANK of `type` (no-op on the CPU).
+// A peer that dies mid-collective leaves its sockets closed, and writing to
+// one raises SIGPIPE, whose default ends this process before c10d can report
+// the failure (seen: status 141 instead of a DistributedError). Python
+// ignores SIGPIPE from startup; a distributed accel.hpp process does the
+// same, unless the program chose a disposition of its own. (Children that
+// launch_processes starts get the default back, as Python's subprocess does.)
+inline void ignore_sigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) &&
+      current.sa_handler == SIG_DFL)
+    signal(SIGPIPE, SIG_IGN);
+}
+
 inline void bind_device(c10::DeviceType type) {
   if (type == c10::DeviceType::CPU || type == c10::DeviceType::Meta) return;
   int local_rank = get_local_rank();
@@ -3746,6 +3760,7 @@ class DistributedInterface {
       debug_mode();  // validates ACCEL_DEBUG_MODE
       return;
     }
+    detail::ignore_sigpipe();
     detail::bind_device(current_accelerator_.type());
     current_device_ = detail::current_device_of(current_accelerator_.type());
     backend_ = detail::backend_for(current_accelerator_.type());
