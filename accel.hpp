@@ -1092,6 +1092,12 @@ inline std::string backend_for(c10::DeviceType type) {
         throw RuntimeError(
             "accel: ACCEL_BACKEND=nccl, but accel.hpp was compiled against a LibTorch "
             "without NCCL (no CUDA build or no <nccl.h>); use ACCEL_BACKEND=gloo");
+      // c10d's own refusal comes later, from inside the group set-up, and
+      // reads differently on each version: say it here, before the rendezvous.
+      if (!is_torch_cuda_available())
+        throw RuntimeError(
+            "accel: ACCEL_BACKEND=nccl, but this process sees no CUDA device (no GPU, no driver, or "
+            "CUDA_VISIBLE_DEVICES hides them); NCCL moves only device memory: use ACCEL_BACKEND=gloo");
       return *forced;
     }
     throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced +
@@ -2370,9 +2376,21 @@ inline void check_splits(const std::vector<int64_t>& splits, int size, const cha
     if (s < 0) throw InvalidArgument(std::string("accel::") + op + ": " + what + " holds a negative size");
 }
 
+// c10d's all-to-all of one tensor: all_to_all_single from LibTorch 2.15 on,
+// which deprecates the older name alltoall_base (a -Werror build would fail
+// on the warning). (A template, so that the requires-expression can fail.)
+template <class Group>
+c10::intrusive_ptr<c10d::Work> alltoall_single(Group& group, at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+  if constexpr (requires { group.all_to_all_single(out, in, out_splits, in_splits); })
+    return group.all_to_all_single(out, in, out_splits, in_splits);
+  else
+    return group.alltoall_base(out, in, out_splits, in_splits);
+}
+
 // Rows of `input` (dim 0) go to the ranks in order, splits[r] rows to rank
 // r; lands as the rows received, by source rank, out_splits[r] from rank r.
-// One c10d alltoall_base on a contiguous tensor (its bytes, for a dtype the
+// One c10d all-to-all on a contiguous tensor (its bytes, for a dtype the
 // backend lacks). Gloo divides by the rows of each side, so a side with no
 // rows sends itself one phantom byte, removed on arrival.
 inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<int64_t> out_splits,
@@ -2397,7 +2415,7 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
   } else if (equal && !phantom) {  // the backend's plain alltoall (Gloo's alltoallv is slower), no split sizes
     std::vector<int64_t> none;
     at::Tensor in = as_wire(group, source), out = as_wire(group, output);
-    work = issue(op, group, [&] { return group.alltoall_base(out, in, none, none); });
+    work = issue(op, group, [&] { return alltoall_single(group, out, in, none, none); });
   } else {
     in_bytes = source.reshape({-1}).view(c10::kByte);
     out_bytes = output.reshape({-1}).view(c10::kByte);
@@ -2415,7 +2433,7 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
       ++in_splits[rank];
       ++out_splits[rank];
     }
-    work = issue(op, group, [&] { return group.alltoall_base(out_bytes, in_bytes, out_splits, in_splits); });
+    work = issue(op, group, [&] { return alltoall_single(group, out_bytes, in_bytes, out_splits, in_splits); });
   }
   return Pending{&group, op, std::move(work),
                  [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes),
@@ -6120,7 +6138,9 @@ class DataParallel {
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<State> state_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> accumulators_;
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index_;  // (bucket, i)
   std::vector<const torch::optim::Optimizer*> optimizers_;  // those stepping the shards
 };

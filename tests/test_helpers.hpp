@@ -77,6 +77,14 @@ inline void release_world() {
   if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
 }
 
+// Collectives are counted by the group's sequence number. LibTorch before
+// 2.15 starts it only when asked (setSequenceNumberForGroup); from 2.15 on it
+// always starts at 0 and ProcessGroup no longer has the call.
+template <class Group>  // (a template: the requires-expression must be able to fail)
+void start_sequence(const c10::intrusive_ptr<Group>& g) {
+  if constexpr (requires { g->setSequenceNumberForGroup(); }) g->setSequenceNumberForGroup();
+}
+
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

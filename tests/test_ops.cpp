@@ -250,7 +250,7 @@ TEST_SUITE("ranks") {
     std::map<std::string, at::Tensor> metrics;
     for (int i = 0; i < 50; ++i) metrics[key(i)] = at::full({i % 4 + 1}, i + d.get_rank(), at::kFloat);
     accel::GroupPtr g = d.world_group();
-    g->setSequenceNumberForGroup();
+    start_sequence(g);
     const auto before = g->getSequenceNumberForGroup();
     auto summed = accel::reduce(metrics, "sum");
     CHECK(g->getSequenceNumberForGroup() - before == 1);
