@@ -27,7 +27,13 @@ case $mode in
       exit 1
     fi
     if command -v pkg-config >/dev/null; then
-      echo "pkg-config --cflags accel: $(PKG_CONFIG_PATH="$work/prefix/share/pkgconfig" pkg-config --cflags accel)"
+      # The installed accel.pc builds the consumer as it is and runs it.
+      pc=(env PKG_CONFIG_PATH="$work/prefix/share/pkgconfig" pkg-config)
+      echo "pkg-config --cflags --libs accel: $("${pc[@]}" --cflags --libs accel)"
+      # shellcheck disable=SC2046 (the flags are words)
+      g++ "$here/main.cpp" -o "$work/consumer_pc" $("${pc[@]}" --cflags --libs accel)
+      pc_output=$("$launcher" --timeout 120 2 "$work/consumer_pc")
+      grep -q "consumer ok: sum 3 on 2 ranks" <<<"$pc_output" || { echo "$pc_output"; exit 1; }
     fi
     configure+=(-DCMAKE_PREFIX_PATH="$work/prefix")
     ;;
