@@ -11,14 +11,14 @@
 
 namespace {
 struct MlpImpl : torch::nn::Module {
-  MlpImpl(int64_t in, int64_t hidden, int64_t layers) {
+  MlpImpl(int64_t in, int64_t hidden, int64_t layers, int64_t out = 1) {
     int64_t width = in;
     for (int64_t i = 0; i < layers; ++i) {
       body->push_back(torch::nn::Linear(width, hidden));
       body->push_back(torch::nn::Tanh());
       width = hidden;
     }
-    body->push_back(torch::nn::Linear(width, 1));
+    body->push_back(torch::nn::Linear(width, out));
     register_module("body", body);
   }
   // Each Linear through unit_forward: a unit of its own under FULL_SHARD, a plain call otherwise.
@@ -631,7 +631,7 @@ TEST_SUITE("ranks") {
     const auto [x, y] = dataset(24, 4);
     const int64_t n = 24 / P, micro = n / k;
     accel::DataParallel* dp = accelerator.data_parallel();
-    if (dp->distributed()) dp->group()->setSequenceNumberForGroup();
+    if (dp->distributed()) start_sequence(dp->group());
     for (int step = 0; step < 3; ++step) {
       for (int i = 0; i < k; ++i) {
         const int64_t sequence = dp->distributed() ? dp->group()->getSequenceNumberForGroup() : 0;
@@ -1549,7 +1549,7 @@ TEST_SUITE("ranks") {
     }
     // backward of a loss from a model that was never prepared: no collective, no .grad written.
     for (auto& p : first->parameters()) p.mutable_grad().reset();
-    if (dp->distributed()) dp->group()->setSequenceNumberForGroup();
+    if (dp->distributed()) start_sequence(dp->group());
     const int64_t before = dp->distributed() ? dp->group()->getSequenceNumberForGroup() : 0;
     accelerator.backward(unprepared(at::randn({4, 2})).pow(2).mean());
     if (dp->distributed()) CHECK(dp->group()->getSequenceNumberForGroup() == before);
@@ -1776,7 +1776,7 @@ TEST_SUITE("ranks") {
       accel::AcceleratedOptimizer prepared = accelerator.prepare(*optimizer);
       auto generator = at::detail::createCPUGenerator(11);
       double worst_norm = 0;
-      if (const auto& shards = accelerator.data_parallel(model)->shard_group()) shards->setSequenceNumberForGroup();
+      if (const auto& shards = accelerator.data_parallel(model)->shard_group()) start_sequence(shards);
       for (int step = 0; step < 5; ++step) {
         // `micro` micro-batches of 2 rows per process; the one process takes them all at once
         const at::Tensor x = at::randn({2 * P * micro, 5}, generator), y = at::randn({2 * P * micro, 1}, generator);
@@ -2062,8 +2062,8 @@ TEST_SUITE("ranks") {
 
 TEST_SUITE("single") {
   TEST_CASE("data: ShardSampler's shards are Python's DistributedSampler's, for the same seed and epoch") {
-    // Python (Debian's python3-torch, the same LibTorch) prints its shards;
-    // ours must be the same lists.
+    // Python prints its shards (the leg's own torch: ACCEL_TEST_PYTHON, else
+    // Debian's python3-torch); ours must be the same lists.
     const char* script =
         "import torch\n"
         "from torch.utils.data import DistributedSampler as D\n"
@@ -2077,7 +2077,8 @@ TEST_SUITE("single") {
         "          print(n, P, s, e, r, *list(d))\n";
     const auto path = std::filesystem::temp_directory_path() / ("accel_sampler_" + std::to_string(getpid()) + ".py");
     std::ofstream(path) << script;
-    FILE* pipe = popen(("/usr/bin/python3 " + path.string() + " 2>&1").c_str(), "r");
+    const std::string python_exe = accel::detail::getenv_str("ACCEL_TEST_PYTHON").value_or("/usr/bin/python3");
+    FILE* pipe = popen((python_exe + " " + path.string() + " 2>&1").c_str(), "r");
     REQUIRE(pipe != nullptr);
     std::string python;
     char buffer[4096];
@@ -2543,5 +2544,97 @@ TEST_SUITE("python_safetensors" * doctest::skip()) {
     CHECK(at::equal(net(io["x"]), io["y"]));
     CHECK(net->named_buffers()["body.1.num_batches_tracked"].item<int64_t>() == 7);
     world().destroy();
+  }
+}
+
+// Run by tests/python_ref/run_fsdp2.sh (CTest python_fsdp2_*) around
+// tests/python_ref/fsdp2_ref.py, which trains the same model with Python's
+// DDP or FSDP2: skipped otherwise. The same start (DIR/init/model.safetensors,
+// written by Python), the same batches (DIR/batches.safetensors: x and y,
+// [steps, global batch, features], this process's rows of each), Adam with
+// the same learning rate; the trained model goes to DIR/cpp_MODE_WORLD for
+// fsdp2_ref.py to compare.
+TEST_SUITE("python_fsdp2" * doctest::skip()) {
+  TEST_CASE("train: Python's start, batches and optimizer under ACCEL_FSDP2_MODE") {
+    const char* dir = std::getenv("ACCEL_FSDP2_DIR");
+    const char* mode_name = std::getenv("ACCEL_FSDP2_MODE");
+    REQUIRE(dir != nullptr);
+    REQUIRE(mode_name != nullptr);
+    const std::string mode = mode_name;
+    const std::map<std::string, accel::ShardingStrategy> strategies{
+        {"no_shard", accel::ShardingStrategy::NO_SHARD},
+        {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
+        {"full_shard", accel::ShardingStrategy::FULL_SHARD},
+        {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD}};
+    REQUIRE(strategies.count(mode) == 1);
+    accel::AcceleratorConfig c = config();
+    c.sharding_strategy = strategies.at(mode);
+    if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
+    accel::Accelerator accelerator(c);
+    const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
+    Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
+    accelerator.load_model(model, std::string(dir) + "/init");
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));  // fsdp2_ref.py's LR
+    accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, adam));
+    std::map<std::string, at::Tensor> batches;
+    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors")) batches.insert(named);
+    const at::Tensor &x = batches.at("x"), &y = batches.at("y");
+    REQUIRE(x.size(1) % P == 0);
+    const int64_t b = x.size(1) / P;
+    for (int64_t step = 0; step < x.size(0); ++step) {
+      const at::Tensor loss = torch::mse_loss(model(x[step].narrow(0, r * b, b)), y[step].narrow(0, r * b, b));
+      accelerator.backward(loss);
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    accelerator.save_model(model, std::string(dir) + "/cpp_" + mode + "_" + std::to_string(P));
+    release_world();
+  }
+}
+
+// Run by tests/python_ref/run_accelerate.sh (CTest python_accelerate_2) on 2
+// processes around tests/python_ref/accelerate_ref.py: skipped otherwise.
+// Each process writes DIR/cpp_rank<r>.txt in accelerate_ref.py's format (the
+// batches it receives and what gather_for_metrics gives back), for the same
+// cases, to be compared line for line with Accelerate's.
+TEST_SUITE("python_accelerate" * doctest::skip()) {
+  TEST_CASE("loaders: Accelerate's cases, batches and gather_for_metrics written down") {
+    const char* dir = std::getenv("ACCEL_ACCELERATE_DIR");
+    REQUIRE(dir != nullptr);
+    struct Case {
+      const char* name;
+      std::size_t n, batch;
+      bool split, even, dispatch, drop_last;
+    };
+    const Case cases[] = {  // accelerate_ref.py's CASES
+        {"default_10_2", 10, 2, false, true, false, false},  {"default_11_2", 11, 2, false, true, false, false},
+        {"default_13_3", 13, 3, false, true, false, false},  {"drop_last_11_3", 11, 3, false, true, false, true},
+        {"split_12_4", 12, 4, true, true, false, false},     {"split_13_4", 13, 4, true, true, false, false},
+        {"uneven_11_2", 11, 2, false, false, false, false},  {"uneven_13_3", 13, 3, false, false, false, false},
+        {"dispatch_10_2", 10, 2, false, true, true, false},  {"dispatch_13_2", 13, 2, false, true, true, false}};
+    std::ostringstream out;
+    auto line = [&](const char* name, const char* what, const at::Tensor& values) {
+      out << name << ' ' << what << ':';
+      const at::Tensor flat = values.reshape({-1}).contiguous();
+      for (int64_t i = 0; i < flat.numel(); ++i) out << ' ' << flat[i].item<int64_t>();
+      out << '\n';
+    };
+    int rank = 0;
+    for (const Case& c : cases) {
+      accel::AcceleratorConfig ac = config();
+      ac.split_batches = c.split;
+      accel::Accelerator accelerator(ac);
+      rank = accelerator.process_index();
+      auto loader = accelerator.prepare_data_loader(
+          Indexed(c.n).map(torch::data::transforms::Stack<>()),
+          {.batch_size = c.batch, .even_batches = c.even, .drop_last = c.drop_last, .dispatch_batches = c.dispatch});
+      for (auto& batch : loader) {
+        line(c.name, "batch", batch.data);
+        if (c.even) line(c.name, "gathered", accelerator.gather_for_metrics(batch.data));
+      }
+      accelerator.wait_for_everyone();
+    }
+    std::ofstream(std::string(dir) + "/cpp_rank" + std::to_string(rank) + ".txt") << out.str();
+    release_world();
   }
 }

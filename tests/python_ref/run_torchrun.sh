@@ -12,11 +12,19 @@ launch=${1:?usage: run_torchrun.sh ACCEL_LAUNCH TEST_BINARY}
 binary=${2:?usage: run_torchrun.sh ACCEL_LAUNCH TEST_BINARY}
 here=$(cd "$(dirname "$0")" && pwd)
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-# Debian's torch is built without libuv: USE_LIBUV=0 for every store (Python's
-# and accel.hpp's), and torchrun through torchrun.py, which makes torchrun's
-# own stores honour it (see there). pip and pytorch.org builds need neither.
-export USE_LIBUV=0 OMP_NUM_THREADS=1
-torchrun=(python3 "$here/torchrun.py")
+export OMP_NUM_THREADS=1
+# pip and pytorch.org builds have libuv: torchrun runs as it is, its agent's
+# store served by libuv, and accel.hpp's stores take libuv too (USE_LIBUV
+# unset). Debian's torch is built without libuv: USE_LIBUV=0 for every store
+# (Python's and accel.hpp's), and torchrun through torchrun.py, which makes
+# torchrun's own stores honour it (see there).
+if python3 -c 'import torch.distributed as d; d.TCPStore("127.0.0.1", 0, 1, True, use_libuv=True)' 2>/dev/null; then
+  echo "torchrun: $(command -v torchrun), unpatched (libuv store)"
+  torchrun=(torchrun)
+else
+  export USE_LIBUV=0
+  torchrun=(python3 "$here/torchrun.py")
+fi
 if ! python3 -c 'import torch.distributed.device_mesh' 2>/dev/null ||
    ! timeout 120 "${torchrun[@]}" --nproc-per-node 1 --master-port "$(free_port)" --no-python true >/dev/null 2>&1; then
   echo "SKIP: no torchrun with init_device_mesh here (bookworm's python3-torch is 1.13: no DeviceMesh, and its torchrun fails on Python 3.11)"

@@ -1,0 +1,161 @@
+"""Python's DDP and FSDP2 as the references for accel.hpp's data-parallel and
+sharded training (CTest python_fsdp2_*, tests/python_ref/run_fsdp2.sh).
+
+    python3 fsdp2_ref.py data DIR                   one process: initial weights and batches
+    python3 fsdp2_ref.py train DIR MODE [avg]       every rank (accel_launch N): Python trains
+    python3 fsdp2_ref.py compare DIR MODE WORLD     one process: Python's, accel.hpp's, one process's
+
+MODE names accel.hpp's ShardingStrategy and, for Python:
+  no_shard       DistributedDataParallel
+  shard_grad_op  fully_shard(reshard_after_forward=False) per Linear and the root (ZeRO-2)
+  full_shard     fully_shard(reshard_after_forward=True) per Linear and the root (ZeRO-3)
+  hybrid_shard   full_shard on a (2, WORLD/2) mesh: replicated across its first
+                 dimension, sharded along the second (HSDP)
+
+Both sides start from DIR/init/model.safetensors, take rows [rank*b, (rank+1)*b) of
+each global batch in DIR/batches.safetensors, run STEPS Adam steps on the mean
+squared error and write the whole trained model: Python DIR/py_MODE_WORLD.safetensors,
+accel.hpp DIR/cpp_MODE_WORLD/model.safetensors (Accelerator::save_model).
+compare checks both against one process training on the global batch.
+
+On Gloo, FSDP2's gradient average (ReduceOp.AVG) silently sums
+(pytorch#162338): Python is run with set_force_sum_reduction_for_comms(True),
+which sums and divides separately and so averages. `train ... avg` runs
+without it, to show the difference (printed by compare, not asserted).
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+STEPS, GLOBAL_BATCH, LR = 6, 16, 1e-2
+
+
+class Net(torch.nn.Module):
+    # tests/test_training.cpp's Mlp(16, 30, 2, 3): the same names (body.0.weight, ...)
+    def __init__(self):
+        super().__init__()
+        # (30 and 3 rows: shards of unequal size at 2 and 4 processes, padded on both sides)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 30), torch.nn.Tanh(), torch.nn.Linear(30, 30),
+                                        torch.nn.Tanh(), torch.nn.Linear(30, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_data(root):
+    torch.manual_seed(0)
+    os.makedirs(os.path.join(root, "init"))
+    save_file({k: v.contiguous() for k, v in Net().state_dict().items()}, os.path.join(root, "init", "model.safetensors"))
+    x = torch.randn(STEPS, GLOBAL_BATCH, 16)
+    y = torch.sin(x[..., :3] * 2) + 0.1 * torch.randn(STEPS, GLOBAL_BATCH, 3)
+    save_file({"x": x, "y": y}, os.path.join(root, "batches.safetensors"))
+
+
+def fresh_model(root):
+    net = Net()
+    net.load_state_dict(load_file(os.path.join(root, "init", "model.safetensors")), strict=True)
+    return net
+
+
+def whole(tensor):
+    # A DTensor shard (FSDP2) gathered; every rank must take part.
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().contiguous()
+
+
+def run_steps(model, optimizer, batches, rows):
+    """Trains; returns the first step's gradients, whole, by parameter name."""
+    first = {}
+    for step in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(batches["x"][step][rows]), batches["y"][step][rows])
+        loss.backward()
+        if step == 0:
+            first = {name.removeprefix("module."): whole(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    return first
+
+
+def train(root, mode, average_as_is):
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    net = fresh_model(root)
+    if mode == "no_shard":
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        shape = (2, world // 2) if mode == "hybrid_shard" else (world,)
+        names = ("replicate", "shard") if mode == "hybrid_shard" else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        reshard = mode != "shard_grad_op"
+        for layer in net.body:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        model = fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
+        if not average_as_is:
+            for module in model.modules():
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    b = GLOBAL_BATCH // world
+    grads = run_steps(model, optimizer, load_file(os.path.join(root, "batches.safetensors")),
+                      slice(rank * b, (rank + 1) * b))
+    state = {name.removeprefix("module."): whole(value) for name, value in net.state_dict().items()}
+    if rank == 0:
+        name = f"py_{mode}_{world}" + ("_avg" if average_as_is else "")
+        save_file(state, os.path.join(root, name + ".safetensors"))
+        save_file(grads, os.path.join(root, name + ".grads.safetensors"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def compare(root, mode, world):
+    reference = fresh_model(root)
+    first_grads = run_steps(reference, torch.optim.Adam(reference.parameters(), lr=LR),
+                            load_file(os.path.join(root, "batches.safetensors")), slice(0, GLOBAL_BATCH))
+    expected = reference.state_dict()
+    start = load_file(os.path.join(root, "init", "model.safetensors"))
+
+    def largest(state):
+        assert set(state) == set(expected), (sorted(state), sorted(expected))
+        return max((state[k] - expected[k]).abs().max().item() for k in expected)
+
+    python = load_file(os.path.join(root, f"py_{mode}_{world}.safetensors"))
+    ours = load_file(os.path.join(root, f"cpp_{mode}_{world}", "model.safetensors"))
+    moved = max((expected[k] - start[k]).abs().max().item() for k in expected)
+    p, a = largest(python), largest(ours)
+    between = max((python[k] - ours[k]).abs().max().item() for k in expected)
+    print(f"{mode} at {world} processes, {STEPS} Adam steps (parameters moved up to {moved:.3g}): largest difference "
+          f"from one process: Python {p:.3g}, accel.hpp {a:.3g}; between them {between:.3g}")
+    # The first step's gradient against one process's: Adam hides a scaled
+    # gradient (it divides by its own running size), the gradient does not.
+    def grad_ratio(name):
+        grads = load_file(os.path.join(root, name + ".grads.safetensors"))
+        return max((grads[k].norm() / first_grads[k].norm()).item() for k in first_grads)
+
+    print(f"  first gradient, Python's / one process's: {grad_ratio(f'py_{mode}_{world}'):.4g}")
+    if os.path.exists(os.path.join(root, f"py_{mode}_{world}_avg.grads.safetensors")):
+        print(f"  ... without set_force_sum_reduction_for_comms: {grad_ratio(f'py_{mode}_{world}_avg'):.4g} "
+              "(pytorch#162338: on Gloo, FSDP2's AVG sums)")
+    # Float32 in another summation order, through Adam's division by sqrt(v):
+    # both must agree with the one-process run far below how far training moved.
+    assert moved > 1e-2, moved
+    assert p < 1e-5, f"Python {mode} differs from one process by {p}"
+    assert a < 1e-5, f"accel.hpp {mode} differs from one process by {a}"
+    assert between < 1e-5, f"accel.hpp and Python {mode} differ by {between}"
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "data":
+        make_data(root)
+    elif command == "train":
+        train(root, sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "avg")
+    elif command == "compare":
+        compare(root, sys.argv[3], int(sys.argv[4]))
+    else:
+        sys.exit(f"unknown command {command}")
