@@ -883,7 +883,9 @@ ACCEL_NAMESPACE_END  // accel
 
 // c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
 // defined; LibTorch itself is built with it, so a program only has to see the
-// Gloo headers (Debian: libgloo-dev).
+// Gloo headers (Debian: libgloo-dev; PyPI's wheels ship none). Gloo's types
+// are reached only through pointers here, so headers of another Gloo version
+// than the one inside LibTorch do (the pip leg builds against Debian's).
 #if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
 #define USE_C10D_GLOO 1
 #endif
@@ -3015,7 +3017,8 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     return new_group<c10d::ProcessGroupGloo>(store, rank, size, options, c10::DeviceType::CPU, timeout);
 #else
     throw RuntimeError(
-        "accel: the gloo backend needs the Gloo headers (Debian: libgloo-dev) when compiling");
+        "accel: the gloo backend needs the Gloo headers when compiling, and this program was compiled without "
+        "them (PyPI's torch wheels and pytorch.org's zips ship none; Debian/Ubuntu: libgloo-dev)");
 #endif
   }
   if (backend == "nccl") {

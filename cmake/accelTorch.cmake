@@ -26,9 +26,11 @@
 #
 # Sets, for the caller: ACCEL_TORCH_ROOT (the LibTorch directory, or empty),
 # and for a pip wheel ACCEL_TORCH_NCCL_INCLUDE_DIR (its nccl.h directory) and
-# ACCEL_TORCH_CUDA_INCLUDE_DIR (its CUDA runtime headers), else empty.
+# ACCEL_TORCH_CUDA_INCLUDE_DIR (its CUDA runtime headers), else empty;
+# ACCEL_TORCH_WITHOUT_NCCL_PATH when a wheel's NCCL path cannot compile.
 macro(accel_prepare_torch)
   set(ACCEL_TORCH_ROOT "")
+  set(ACCEL_TORCH_WITHOUT_NCCL_PATH FALSE)
   set(ACCEL_TORCH_NCCL_INCLUDE_DIR "")
   set(ACCEL_TORCH_CUDA_INCLUDE_DIR "")
   if(NOT TARGET torch)
@@ -93,7 +95,15 @@ macro(_accel_wheel_cuda torch_root)
       message(STATUS "accel: LibTorch from a pip wheel; its CUDA runtime: ${_accel_cudart} "
                      "(Caffe2's CUDA toolkit lookup skipped)")
     endif()
-    if(EXISTS "${_accel_nvidia}/nccl/include/nccl.h")
+    # The wheel's cuda_runtime.h includes crt/host_config.h, which only a CUDA
+    # toolkit or `pip install "cuda-toolkit[crt]"` brings. Without it the NCCL
+    # path cannot compile: it is left off (ACCEL_WITH_NCCL=0), with the reason.
+    if(ACCEL_TORCH_CUDA_INCLUDE_DIR AND NOT EXISTS "${ACCEL_TORCH_CUDA_INCLUDE_DIR}/crt/host_config.h")
+      message(WARNING "accel: the wheel's CUDA headers lack crt/host_config.h, so accel.hpp's NCCL path is off "
+                      "(ACCEL_WITH_NCCL=0; Gloo works). To compile it: pip install \"cuda-toolkit[crt]\" "
+                      "in the same environment as torch.")
+      set(ACCEL_TORCH_WITHOUT_NCCL_PATH TRUE)
+    elseif(EXISTS "${_accel_nvidia}/nccl/include/nccl.h")
       set(ACCEL_TORCH_NCCL_INCLUDE_DIR "${_accel_nvidia}/nccl/include")
     endif()
   endif()

@@ -1,30 +1,47 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds everything and runs the whole test suite,
-# on both LibTorch versions CI proves:
-#   1.13  Debian bookworm's libtorch-dev on this machine, g++ 12: every entry.
+# Installs what is missing, builds everything and runs the test suite on the
+# three LibTorch builds CI proves (README: Supported LibTorch versions):
+#   pip   PyPI's torch wheel (the newest release, a CUDA build, pinned in
+#         tests/pip/requirements.txt) in a virtual environment under the build
+#         directory, re-used while its pins are the same (tests/pip/leg.sh),
+#         g++ 12: EVERY entry (nested sanitizer, consumer and compile-failure
+#         builds, the NCCL path, libuv, torchrun, the Python references).
+#   1.13  Debian bookworm's libtorch-dev on this machine, g++ 12: what only it
+#         proves: the quick suites on the oldest supported LibTorch (with
+#         mpirun, two hosts, the sampler against Python 1.13), the header
+#         copied alone, and clang 14's -Werror check and fuzzers.
 #   2.6   Debian trixie's libtorch-dev in a root made once under the build
-#         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB),
-#         with g++ 14 (every entry) and clang 19 (-Werror; the quick suites).
-# ACCEL_LEGS="1.13" or "2.6" runs one leg; arguments go to ctest (e.g. -L quick).
+#         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
+#         g++ 14 (the quick suites, the header copied alone, a user's -Werror
+#         build) and clang 19 (-Werror; the quick suites).
+# ACCEL_LEGS="pip", "1.13" or "2.6" (or several) runs those legs; arguments go
+# to ctest instead of each leg's own selection (e.g. -L quick).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ACCEL_BUILD_DIR:-$root/build}
-legs=${ACCEL_LEGS:-1.13 2.6}
+legs=${ACCEL_LEGS:-pip 1.13 2.6}
 status=0
 report=()
 bash "$root/.ci/install-deps.sh"
 for leg in $legs; do
   start=$(date +%s)
   case $leg in
+    pip)
+      bash "$root/tests/pip/leg.sh" "$build" "$@" || status=1 ;;
     1.13)
       echo "== LibTorch 1.13, $(g++ --version | head -1)"
-      cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release
+      cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DACCEL_BUILD_BENCHMARKS=OFF
       cmake --build "$build" -j2
-      (cd "$build" && ctest --output-on-failure -j2 --timeout 900 "$@") || status=1 ;;
+      if (($#)); then
+        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 "$@") || status=1
+      else
+        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -L quick) || status=1
+        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -R '^(copy_header_|clang_|fuzz_)') || status=1
+      fi ;;
     2.6)
       bash "$root/tests/trixie/make_root.sh" "$build/trixie-root"
       bash "$root/tests/trixie/in_root.sh" "$build/trixie-root" bash tests/trixie/leg.sh "$build" "$@" || status=1 ;;
-    *) echo "unknown leg '$leg' (1.13 or 2.6)" >&2; exit 2 ;;
+    *) echo "unknown leg '$leg' (pip, 1.13 or 2.6)" >&2; exit 2 ;;
   esac
   report+=("LibTorch $leg leg: $(( $(date +%s) - start )) s")
 done

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The pip leg of tests/run_tests.sh: the LibTorch inside PyPI's torch wheel
+# (the newest release, a CUDA build, pinned in tests/pip/requirements.txt),
+# run on the CPU. Every entry: the suites at 1-4 ranks on Gloo, the NCCL path
+# compiled and linked (ACCEL_TEST_EXPECT_NCCL), libuv's TCPStore server
+# (ACCEL_TEST_EXPECT_LIBUV), torchrun from the wheel as it is, the Python
+# references (FSDP2, Accelerate, DDP numerics, init_device_mesh, the sampler)
+# on that torch, the sanitizer build, consumers with and without a CUDA
+# toolkit, the README's plain-g++ route.
+#
+#     bash tests/pip/leg.sh BUILD_DIR [CTEST_ARGS...]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${1:?usage: leg.sh BUILD_DIR [CTEST_ARGS...]}
+shift
+mkdir -p "$build"
+build=$(cd "$build" && pwd)  # absolute: the tests run from other directories
+venv=$build/pip-venv
+bash "$root/tests/pip/make_venv.sh" "$venv"
+# The wheel's python3 and torchrun first on PATH, for every script the tests
+# start; ACCEL_TEST_PYTHON for the test binary's own Python comparisons.
+export PATH="$venv/bin:$PATH" ACCEL_TEST_PYTHON="$venv/bin/python3"
+# In the environment, so that the nested builds (sanitizers, consumers) find
+# the same LibTorch.
+CMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+export CMAKE_PREFIX_PATH
+echo "== LibTorch $(python3 -c 'import torch; print(torch.__version__)') (pip wheel), $(g++ --version | head -1)"
+dir=$build/pip
+cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=Release -DACCEL_CLANG_NESTED=OFF \
+  -DACCEL_TEST_EXPECT_NCCL=ON -DACCEL_TEST_EXPECT_LIBUV=ON >/dev/null
+cmake --build "$dir" -j2
+cd "$dir" && ctest --output-on-failure -j2 --timeout 900 "$@"
