@@ -730,7 +730,11 @@ class PrivateDir {
 // failing rank's status (128+signal when killed) after stopping the others;
 // 124 on timeout. `extra_env` is set in every rank. MASTER_PORT, unless
 // already set, is a free port (for ranks that rendezvous over TCP after all,
-// such as Python's torch.distributed).
+// such as Python's torch.distributed). OMP_NUM_THREADS, unless already set, is
+// 1 when there are several ranks, as torchrun sets it: ranks that each start
+// a thread per core overload the host, and OpenMP and MKL then shrink their
+// teams as the load changes, so the same run can sum in another order (seen:
+// a resumed training run whose weights differed in the last bit).
 inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
                             const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
   if (nprocs < 1) throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " +
@@ -752,6 +756,7 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
         {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
         {"MASTER_ADDR", "127.0.0.1"},            {"ACCEL_STORE_DIR", store_dir.path()}};
     if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
+    if (nprocs > 1 && !detail::getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
     set.insert(set.end(), extra_env.begin(), extra_env.end());
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e) {
@@ -884,8 +889,8 @@ ACCEL_NAMESPACE_END  // accel
 // c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
 // defined; LibTorch itself is built with it, so a program only has to see the
 // Gloo headers (Debian: libgloo-dev; PyPI's wheels ship none). Gloo's types
-// are reached only through pointers here, so headers of another Gloo version
-// than the one inside LibTorch do (the pip leg builds against Debian's).
+// are reached only through pointers here, so the headers of a Gloo version
+// other than the one inside LibTorch will do (the pip leg uses Debian's).
 #if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
 #define USE_C10D_GLOO 1
 #endif

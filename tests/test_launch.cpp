@@ -254,6 +254,25 @@ TEST_SUITE("failures") {
     CHECK(open_descriptors() == before);
   }
 
+  TEST_CASE("failures: several ranks get OMP_NUM_THREADS=1 unless it is set, as torchrun gives them") {
+    std::ostringstream out;
+    const std::vector<std::string> print{"/bin/sh", "-c", "echo \"threads=${OMP_NUM_THREADS:-unset}\""};
+    {
+      EnvGuard unset{{"OMP_NUM_THREADS", nullptr}};
+      CHECK(accel::launch_processes(2, print, {.out = &out}) == 0);
+      CHECK(accel::launch_processes(1, print, {.out = &out}) == 0);  // one rank: the host is its own
+    }
+    {
+      EnvGuard set{{"OMP_NUM_THREADS", "3"}};
+      CHECK(accel::launch_processes(2, print, {.out = &out}) == 0);
+    }
+    const std::string text = out.str();
+    CHECK(text.find("[rank 0] threads=1\n") != std::string::npos);
+    CHECK(text.find("[rank 1] threads=1\n") != std::string::npos);
+    CHECK(text.find("[rank 0] threads=unset\n") != std::string::npos);
+    CHECK(text.find("[rank 1] threads=3\n") != std::string::npos);
+  }
+
   TEST_CASE("failures: MASTER_PORT already in use is a clear error, at once") {
     auto clean = no_launcher();
     // Another program holds the port, on every interface.
