@@ -10,7 +10,7 @@ clangxx=$1
 root=$2
 flags=(-std=c++20 -stdlib=libc++ -fsyntax-only -Wall -Wextra -Werror -Wno-missing-field-initializers
        -I"$root" -isystem /usr/include/torch/csrc/api/include)  # Debian's home of torch/torch.h
-for tu in tests/test_accel.cpp tests/test_launch.cpp tests/test_ops.cpp tests/test_training.cpp examples/quick_start.cpp \
+for tu in tests/test_accel.cpp tests/test_launch.cpp tests/test_ops.cpp tests/test_training.cpp tests/test_cuda.cpp examples/quick_start.cpp \
           examples/mesh_demo.cpp examples/train_mlp.cpp tests/bench/bench.cpp tests/bench/bench_ddp.cpp tests/launch.cpp \
           tests/consumers/main.cpp tests/compile_fail.cpp tests/abi_a.cpp tests/abi_b.cpp; do
   defines=()

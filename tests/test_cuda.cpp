@@ -14,6 +14,7 @@ static_assert(ACCEL_WITH_NCCL, "accel.hpp's NCCL path is off: is <nccl.h> on the
 #endif
 
 namespace {
+#if ACCEL_WITH_NCCL  // (the helpers of the NCCL builds' cases)
 // False, with the reason printed for CTest (SKIP_REGULAR_EXPRESSION
 // "SKIPPED ("), where no CUDA device is visible.
 bool gpu_or_skip(const char* what) {
@@ -46,6 +47,7 @@ class WorldOfOne {
   std::filesystem::path dir_;
   EnvGuard env_;
 };
+#endif
 }  // namespace
 
 TEST_SUITE("cuda") {
