@@ -139,7 +139,7 @@ def compare(root, mode, world):
     print(f"  first gradient, Python's / one process's: {grad_ratio(f'py_{mode}_{world}'):.4g}")
     if os.path.exists(os.path.join(root, f"py_{mode}_{world}_avg.grads.safetensors")):
         print(f"  ... without set_force_sum_reduction_for_comms: {grad_ratio(f'py_{mode}_{world}_avg'):.4g} "
-              "(pytorch#162338: on Gloo, FSDP2's AVG sums)")
+              "(pytorch#162338 reported Gloo summing here, which would read as the process count; 1 is an average)")
     # Float32 in another summation order, through Adam's division by sqrt(v):
     # both must agree with the one-process run far below how far training moved.
     assert moved > 1e-2, moved
