@@ -1,38 +1,62 @@
 // accel.hpp — distributed training helpers for LibTorch, in one C++20 header.
 //
 // Rank and device helpers, collectives over tensors, scalars and std::vector,
-// validated parallelism meshes (the seed's two 2-D ones, or any named N-D
-// layout with slicing and flattening) with per-dimension process groups, on the
-// real c10d backends (Gloo everywhere, NCCL on CUDA builds of LibTorch).
+// validated parallelism meshes (named N-D layouts with slicing and
+// flattening) with per-dimension process groups, Accelerate's operations and
+// data-parallel and sharded training, on the real c10d backends (Gloo
+// everywhere, NCCL on CUDA builds of LibTorch).
 //
 // SPDX-License-Identifier: MIT
 // Copyright (c) 2026 the accel.hpp authors. See LICENSE for the full text.
 //
-// Contents (in the order data flows through the header; search "== NAME"):
-//   without LibTorch:  VERSION · CONFIGURATION · ERRORS · ENUMS · ENVIRONMENT ·
-//                      STRATEGY · LOCAL LAUNCHER (spawn, launch_processes)
-//   with LibTorch:     FEATURE DETECTION · DEVICES · TENSOR-LIKE CONCEPTS ·
-//                      COLLECTIVES ON A GROUP (each one start, then land:
-//                      detail::Pending; accel::Work and the _async forms;
-//                      all_reduce ... barrier, reduce_scatter, all_to_all,
-//                      reduce_to, gather_to, scatter, send/recv, isend/irecv,
-//                      monitored_barrier) ·
-//                      RENDEZVOUS AND GROUPS · MESHES (DeviceMesh: named
-//                      dimensions, slice, flatten) · THE SINGLETON
-//                      (DistributedInterface, new_group, split_group,
-//                      init_device_mesh) ·
-//                      ACCELERATE'S OPERATIONS (nested data, objects,
-//                      process control, reproducibility)
-//   opt-in (ACCEL_TRAINING, includes <torch/torch.h>): TRAINING HELPERS
-//                      (autograd-aware collectives, DataParallel and its
-//                      ZeRO-2/ZeRO-3 sharding, unit_forward, data loading,
-//                      dispatch_batches,
-//                      checkpoint files, safetensors, Accelerator)
+// GENERATED FILE: do not edit. tools/amalgamate.py assembles it from the
+// parts under include/accel/ (edit those, then run it; CONTRIBUTING.md).
+// Each part begins at a line "// == accel/<tier>/<part>.hpp"; search for it.
+//
+// Contents, in the order data flows through the header:
+//   core:
+//     accel/core/version.hpp                 the version macros (CMake and the packages read them here)
+//     accel/core/config.hpp                  compile-time knobs, the environment's names, the ABI namespace
+//     accel/core/errors.hpp                  the error family: accel::Error and its kinds
+//     accel/core/enums.hpp                   ReduceOp, Dim, DeviceType and friends, with their string forms
+//     accel/core/environment.hpp             reading torchrun's and the MPI/Slurm launchers' environment
+//     accel/core/strategy.hpp                DistributedConfig and DistributedStrategy: the parallel sizes, validated
+//     accel/core/launcher.hpp                the local launcher: spawn and launch_processes (Linux)
+//   distributed:
+//     accel/distributed/torch.hpp            feature detection and the LibTorch headers the collectives need
+//     accel/distributed/devices.hpp          devices: which accelerator a process uses, binding and synchronising it
+//     accel/distributed/concepts.hpp         what the collectives take: Scalar, ScalarVector, TensorLike
+//     accel/distributed/issue.hpp            debug mode, the group registry, issuing c10d operations, their errors
+//     accel/distributed/staging.hpp          Pending (each collective: a start, then a land), staging, the debug check
+//     accel/distributed/work.hpp             accel::Work: an operation in flight, what the _async forms return
+//     accel/distributed/collectives.hpp      all_reduce, broadcast, all_gather and their _async forms
+//     accel/distributed/exchange.hpp         reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, barriers
+//     accel/distributed/rendezvous.hpp       rendezvous and groups: stores, agreeing on the world, making c10d groups
+//     accel/distributed/mesh.hpp             DeviceMesh: named dimensions, slice, flatten
+//     accel/distributed/interface.hpp        DistributedInterface (the singleton), new_group, init_device_mesh
+//     accel/distributed/nested.hpp           nested data (vectors, maps, tuples of tensors), packed for few collectives
+//     accel/distributed/operations.hpp       Accelerate's operations: gather, pad_across_processes, reduce, ...
+//     accel/distributed/objects.hpp          objects through the pickler: broadcast_object_list, gather_object, ...
+//     accel/distributed/process_control.hpp  process control: split_between_processes, on_main_process, ...
+//     accel/distributed/reproducibility.hpp  set_seed and synchronize_rng_states
+//   training:
+//     accel/training/torch_nn.hpp            the LibTorch headers the training helpers need (<torch/torch.h>)
+//     accel/training/autograd.hpp            autograd-aware collectives (accel::autograd)
+//     accel/training/comm_hooks.hpp          communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/data_parallel.hpp       DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
+//     accel/training/sampler.hpp             data loading: ShardSampler and the loaders' shared state
+//     accel/training/dispatch.hpp            dispatch_batches: one rank reads, the others receive their slices
+//     accel/training/loaders.hpp             PreparedDataLoader and PreparedIterableDataLoader
+//     accel/training/config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
+//     accel/training/safetensors.hpp         safetensors: Hugging Face's weight format, written and read
+//     accel/training/accelerator.hpp         the Accelerator
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
 
-// == VERSION ==================================================================
+// == accel/core/version.hpp ===================================================
+// accel/core/version.hpp: the version macros (CMake and the packages read them here).
 
 #define ACCEL_VERSION_MAJOR 0
 #define ACCEL_VERSION_MINOR 1
@@ -40,7 +64,8 @@
 #define ACCEL_VERSION \
   (ACCEL_VERSION_MAJOR * 10000 + ACCEL_VERSION_MINOR * 100 + ACCEL_VERSION_PATCH)
 
-// == CONFIGURATION ============================================================
+// == accel/core/config.hpp ====================================================
+// accel/core/config.hpp: compile-time knobs, the environment's names, the ABI namespace.
 //
 // Compile-time knobs (define before including accel.hpp):
 //   ACCEL_DEFAULT_TIMEOUT_SECONDS  timeout of the store and of every process
@@ -162,9 +187,8 @@
 #include <fstream>
 #endif
 
-ACCEL_NAMESPACE_BEGIN
-
-// == ERRORS ===================================================================
+// == accel/core/errors.hpp ====================================================
+// accel/core/errors.hpp: the error family: accel::Error and its kinds.
 //
 // Everything accel.hpp throws is an accel::Error, so `catch (const
 // accel::Error& e)` catches anything accel; each kind also derives from the
@@ -181,6 +205,8 @@ ACCEL_NAMESPACE_BEGIN
 //                       process group failed (peer gone, timeout, mismatched
 //                       calls); the message names the operation and the group
 // Exceptions from user code (bodies, datasets) pass through unchanged.
+
+ACCEL_NAMESPACE_BEGIN
 
 class Error {
  public:
@@ -218,7 +244,12 @@ class DistributedError : public RuntimeError {
   using RuntimeError::RuntimeError;
 };
 
-// == ENUMS ====================================================================
+ACCEL_NAMESPACE_END
+
+// == accel/core/enums.hpp =====================================================
+// accel/core/enums.hpp: ReduceOp, Dim, DeviceType and friends, with their string forms.
+
+ACCEL_NAMESPACE_BEGIN
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
 enum class ReduceOp { SUM, MEAN, MAX, MIN };
@@ -270,10 +301,15 @@ std::ostream& operator<<(std::ostream& os, E value) {
   return os << to_string(value);
 }
 
-// == ENVIRONMENT ==============================================================
+ACCEL_NAMESPACE_END
+
+// == accel/core/environment.hpp ===============================================
+// accel/core/environment.hpp: reading torchrun's and the MPI/Slurm launchers' environment.
 //
 // torchrun's contract. Values are validated: a malformed or inconsistent
 // variable throws InvalidArgument naming the variable and its value.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 inline std::optional<std::string> getenv_str(const char* name) {
@@ -475,9 +511,14 @@ inline std::string_view launcher() {
   return name ? name : "none";
 }
 
-// == STRATEGY =================================================================
+ACCEL_NAMESPACE_END
+
+// == accel/core/strategy.hpp ==================================================
+// accel/core/strategy.hpp: DistributedConfig and DistributedStrategy: the parallel sizes, validated.
 //
 // The four parallelism sizes, validated against the world size.
+
+ACCEL_NAMESPACE_BEGIN
 
 // The timeout of a DistributedConfig that gives none: ACCEL_TIMEOUT (whole
 // seconds) when set, else ACCEL_DEFAULT_TIMEOUT_SECONDS.
@@ -597,7 +638,10 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
             << ", cp_size=" << s.cp_size() << ")";
 }
 
-// == LOCAL LAUNCHER ===========================================================
+ACCEL_NAMESPACE_END
+
+// == accel/core/launcher.hpp ==================================================
+// accel/core/launcher.hpp: the local launcher: spawn and launch_processes (Linux).
 //
 // accel::spawn(nprocs, fn), the C++ torch.multiprocessing.spawn: this program
 // is started nprocs more times, each a rank with torchrun's environment; the
@@ -612,6 +656,8 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) 
 // and Gloo is bound to loopback. Each rank's output lines are prefixed with
 // "[rank r] "; ranks never outlive the launcher (PR_SET_PDEATHSIG) and are
 // stopped as whole process groups, so nothing is left behind.
+
+ACCEL_NAMESPACE_BEGIN
 
 #if defined(__linux__)
 
@@ -874,7 +920,7 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
 }
 #endif  // __linux__
 
-ACCEL_NAMESPACE_END  // accel
+ACCEL_NAMESPACE_END
 
 #endif  // ACCEL_HPP
 
@@ -884,7 +930,8 @@ ACCEL_NAMESPACE_END  // accel
 #if !defined(ACCEL_CORE_ONLY) && !defined(ACCEL_HPP_TORCH)
 #define ACCEL_HPP_TORCH
 
-// == FEATURE DETECTION ========================================================
+// == accel/distributed/torch.hpp ==============================================
+// accel/distributed/torch.hpp: feature detection and the LibTorch headers the collectives need.
 
 // c10d's ProcessGroupGloo.hpp declares nothing unless USE_C10D_GLOO is
 // defined; LibTorch itself is built with it, so a program only has to see the
@@ -928,7 +975,6 @@ ACCEL_NAMESPACE_END  // accel
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-
 // LibTorch's pickler (the format of torch.save), declared here exactly as
 // torch/csrc/jit/serialization/pickle.h declares it in 1.13 and 2.x: that
 // header pulls in the whole pickler and unpickler, about 40% of ATen's own
@@ -944,10 +990,15 @@ ACCEL_NAMESPACE_BEGIN
 
 using GroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
-// == DEVICES ==================================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/devices.hpp ============================================
+// accel/distributed/devices.hpp: devices: which accelerator a process uses, binding and synchronising it.
 //
 // Everything goes through c10's device-guard registry, so a CPU-only LibTorch
 // compiles and links without CUDA, MPS or XPU symbols.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 inline int guard_device_count(c10::DeviceType type) {
@@ -1121,10 +1172,15 @@ inline std::string backend_for(c10::DeviceType type) {
 // The backend for the current accelerator (see detail::backend_for).
 inline std::string get_process_group_backend() { return detail::backend_for(get_current_accelerator().type()); }
 
-// == TENSOR-LIKE CONCEPTS =====================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/concepts.hpp ===========================================
+// accel/distributed/concepts.hpp: what the collectives take: Scalar, ScalarVector, TensorLike.
 //
 // A scalar travels as a 0-d tensor and a std::vector as a 1-d tensor over the
 // same memory (no copy on the CPU); results come back in the caller's type.
+
+ACCEL_NAMESPACE_BEGIN
 
 template <class T>
 concept Scalar = std::is_arithmetic_v<T> && !std::same_as<T, bool>;
@@ -1284,7 +1340,10 @@ T operate_tensorlike(Fn&& fn, T data) {
   }
 }
 
-// == COLLECTIVES ON A GROUP ===================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/issue.hpp ==============================================
+// accel/distributed/issue.hpp: debug mode, the group registry, issuing c10d operations, their errors.
 //
 // A null group means the world group of DistributedInterface, or identity
 // when the process is not distributed. `src` is a rank within the group.
@@ -1295,6 +1354,8 @@ T operate_tensorlike(Fn&& fn, T data) {
 // DistributedError listing each rank's call, instead of hanging or returning
 // garbage. It costs one small all_gather per collective when on, and one
 // relaxed atomic load when off. Set it alike on every rank.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 inline std::atomic<int>& debug_state() {  // -1: not read from the environment yet
@@ -1486,7 +1547,16 @@ void run(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
     throw failure(op, group, e);
   }
 }
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/staging.hpp ============================================
+// accel/distributed/staging.hpp: Pending (each collective: a start, then a land), staging, the debug check.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // An operation issued to c10d and not landed yet. Every collective is
 // start (checks, staging, issue) then land (after c10d's Work completes:
 // copy back from staging, MEAN's division, unpacking), which gives the
@@ -1945,9 +2015,16 @@ std::string describe_tensorlike(const T& data) {
 }
 }  // namespace detail
 
-// -- Asynchronous work. The _async forms issue the operation at once, in
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/work.hpp ===============================================
+// accel/distributed/work.hpp: accel::Work: an operation in flight, what the _async forms return.
+//
+// Asynchronous work. The _async forms issue the operation at once, in
 // call order like every collective (so ranks must still call them in the
 // same order), and return an accel::Work<R> instead of R.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // What every accel::Work holds whatever its result: the operation's group
@@ -2040,7 +2117,7 @@ class FlightOf final : public Flight<R> {
 };
 }  // namespace detail
 
-// An operation in flight (design.md, "Asynchronous collectives"): what an
+// An operation in flight (torch.distributed's Work, with its result): what an
 // _async form returns. It owns every buffer the operation uses, so the
 // caller's data may go out of scope. Move-only; not for concurrent use from
 // several threads (as std::future).
@@ -2106,6 +2183,13 @@ class Work {
 
   std::unique_ptr<detail::Flight<R>> flight_;
 };
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/collectives.hpp ========================================
+// accel/distributed/collectives.hpp: all_reduce, broadcast, all_gather and their _async forms.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // Keeps `owner` (a boxed copy of the caller's data that c10d reads in place)
@@ -2337,9 +2421,16 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
   return output;
 }
 
-// -- The rest of torch.distributed: reduce_scatter, all_to_all, reduce_to,
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/exchange.hpp ===========================================
+// accel/distributed/exchange.hpp: reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, barriers.
+//
+// The rest of torch.distributed: reduce_scatter, all_to_all, reduce_to,
 // gather_to, scatter, send, recv, monitored_barrier. Ranks (src, dst) are
 // ranks within the group; a tensor with zero elements moves nothing.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // The device a group's collectives run on: the current CUDA device for an
@@ -2923,11 +3014,16 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
   }
 }
 
-// == RENDEZVOUS AND GROUPS ====================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/rendezvous.hpp =========================================
+// accel/distributed/rendezvous.hpp: rendezvous and groups: stores, agreeing on the world, making c10d groups.
 //
 // How ranks meet (a c10d store: FileStore, TCPStore, or torchrun's agent
 // store), agree on the world before building anything, and construct c10d
 // process groups on both LibTorch generations.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 inline std::atomic<int>& groups_created() {  // per process, for tests and benchmarks
@@ -3363,12 +3459,17 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
 }
 }  // namespace detail
 
-// == MESHES ===================================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/mesh.hpp ===============================================
+// accel/distributed/mesh.hpp: DeviceMesh: named dimensions, slice, flatten.
 //
 // init_device_mesh's layout, any number of named dimensions, seen from one
 // rank. A mesh's dimension is one root dimension or several flattened into
 // one (Accelerate's dp_shard_cp); slicing and flattening share the root's
 // groups, and a rank creates only the groups it belongs to.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // What a mesh and every mesh sliced or flattened from it share: the root
@@ -3386,7 +3487,11 @@ struct MeshRoot {
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
   std::string prefix;                     // this mesh's keys in the store
   std::chrono::milliseconds timeout{0};
-  std::uint64_t generation = 0;  // of the DistributedInterface that made it
+  // The world group of the DistributedInterface that made this root, while
+  // that interface lives (flatten's debug-mode check runs on it); expired
+  // once the interface is destroyed, so a mesh that outlives it cannot
+  // make groups on a store nobody serves any more.
+  std::weak_ptr<const GroupPtr> world;
 
   MeshRoot() = default;
   MeshRoot(const MeshRoot&) = delete;
@@ -3509,7 +3614,31 @@ class DeviceMesh {
   // mode checks); later the root's slice(name) finds it, and flattening the
   // same dimensions under the same name again returns it without
   // communication.
-  DeviceMesh flatten(std::string name = {}) const;
+  DeviceMesh flatten(std::string name = {}) const {
+    std::vector<int> dims;
+    std::string joined;
+    for (const Dimension& d : dims_) {
+      dims.insert(dims.end(), d.root_dims.begin(), d.root_dims.end());
+      joined += (joined.empty() ? "" : "_") + d.name;
+    }
+    if (name.empty()) name = joined;
+    const std::string call = "DeviceMesh::flatten('" + name + "') of " + describe_names();
+    if (auto known = root_->flattened.find(name); known != root_->flattened.end()) {
+      if (known->second == dims) return DeviceMesh(root_, {{name, dims}});
+      throw InvalidArgument("accel::" + call + ": '" + name + "' is already a flattened dimension of other dimensions");
+    }
+    if (std::find(root_->names.begin(), root_->names.end(), name) != root_->names.end())
+      throw InvalidArgument("accel::" + call + ": '" + name + "' is already a dimension of the root mesh");
+    if (root_->store) {
+      const auto world = root_->world.lock();  // keeps the group alive through the check
+      if (!world || !*world)
+        throw LogicError("accel::" + call + ": the DistributedInterface that made this mesh was destroyed");
+      detail::check_same_call(**world, [&] { return call; });
+    }
+    DeviceMesh flat(root_, {{name, dims}});  // makes the group
+    root_->flattened.emplace(name, std::move(dims));
+    return flat;
+  }
 
  private:
   struct Dimension {
@@ -3593,8 +3722,12 @@ inline std::ostream& operator<<(std::ostream& os, const DeviceMesh& mesh) {
   return os << "))";
 }
 
+ACCEL_NAMESPACE_END
 
-// == THE SINGLETON ============================================================
+// == accel/distributed/interface.hpp ==========================================
+// accel/distributed/interface.hpp: DistributedInterface (the singleton), new_group, init_device_mesh.
+
+ACCEL_NAMESPACE_BEGIN
 
 class DistributedInterface {
  public:
@@ -3830,7 +3963,7 @@ class DistributedInterface {
       root->coordinate.insert(root->coordinate.begin(), static_cast<int>(rest % static_cast<std::size_t>(shape[d])));
       rest /= static_cast<std::size_t>(shape[d]);
     }
-    root->generation = generation_;
+    root->world = world_token_;
     if (distributed_) {
       root->backend = backend_;
       root->store = store_;
@@ -3852,6 +3985,7 @@ class DistributedInterface {
     std::size_t i = 0;
     if (with_world) {
       world_ = made[i].group;
+      *world_token_ = world_;
       detail::register_group(world_, "world", made[i].store, /*is_world=*/true);
       ++i;
     }
@@ -3900,6 +4034,7 @@ class DistributedInterface {
   }
 
   void release() {
+    world_token_.reset();  // meshes made here can no longer flatten
     for (const auto& group : user_groups_) detail::unregister_group(group);
     user_groups_.clear();
     store_.reset();
@@ -3946,43 +4081,10 @@ class DistributedInterface {
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
   int mesh_count_ = 0;                 // init_device_mesh
-  // Which interface made a mesh: a mesh outliving its interface cannot flatten.
-  std::uint64_t generation_ = next_generation();
-  static std::uint64_t next_generation() {
-    static std::atomic<std::uint64_t> count{0};
-    return ++count;
-  }
-  friend class DeviceMesh;
+  // What the meshes made here see of this interface (MeshRoot::world): set
+  // once the world group exists, dropped (never changed) by release().
+  std::shared_ptr<GroupPtr> world_token_ = std::make_shared<GroupPtr>();
 };
-
-inline DeviceMesh DeviceMesh::flatten(std::string name) const {
-  std::vector<int> dims;
-  std::string joined;
-  for (const Dimension& d : dims_) {
-    dims.insert(dims.end(), d.root_dims.begin(), d.root_dims.end());
-    joined += (joined.empty() ? "" : "_") + d.name;
-  }
-  if (name.empty()) name = joined;
-  const std::string call = "DeviceMesh::flatten('" + name + "') of " + describe_names();
-  if (auto known = root_->flattened.find(name); known != root_->flattened.end()) {
-    if (known->second == dims) return DeviceMesh(root_, {{name, dims}});
-    throw InvalidArgument("accel::" + call + ": '" + name + "' is already a flattened dimension of other dimensions");
-  }
-  if (std::find(root_->names.begin(), root_->names.end(), name) != root_->names.end())
-    throw InvalidArgument("accel::" + call + ": '" + name + "' is already a dimension of the root mesh");
-  if (root_->store) {
-    std::unique_lock lock(DistributedInterface::mutex());
-    const auto& live = DistributedInterface::holder();
-    if (!live || live->generation_ != root_->generation)
-      throw LogicError("accel::" + call + ": the DistributedInterface that made this mesh was destroyed");
-    GroupPtr world = live->world_;
-    lock.unlock();
-    detail::check_same_call(*world, [&] { return call; });
-  }
-  DeviceMesh flat(root_, {{name, dims}});  // makes the group
-  root_->flattened.emplace(name, std::move(dims));
-  return flat;
-}
 
 // torch.distributed's new_group and split_group, on the singleton's world.
 inline GroupPtr new_group(const std::vector<int>& ranks) { return DistributedInterface::instance().new_group(ranks); }
@@ -3992,7 +4094,10 @@ inline DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vec
   return DistributedInterface::instance().init_device_mesh(shape, names);
 }
 
-// == ACCELERATE'S OPERATIONS ==================================================
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/nested.hpp =============================================
+// accel/distributed/nested.hpp: nested data (vectors, maps, tuples of tensors), packed for few collectives.
 //
 // Hugging Face Accelerate's distributed operations, names kept, over nested
 // data: a tensor, or a std::vector, std::map / std::unordered_map with string
@@ -4002,6 +4107,8 @@ inline DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vec
 // leaves in the same order. Every collective takes a group (default: the
 // world), e.g. DistributedInterface::instance().get_group(Dim::DP), and moves a
 // whole structure in as few collectives as its dtypes allow.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 template <class T>
@@ -4229,6 +4336,13 @@ class Packing {
 };
 
 }  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/operations.hpp =========================================
+// accel/distributed/operations.hpp: Accelerate's operations: gather, pad_across_processes, reduce, ....
+
+ACCEL_NAMESPACE_BEGIN
 
 // Nested data whose every leaf is an at::Tensor (what the collectives below take).
 template <class T>
@@ -4515,7 +4629,10 @@ T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_ind
   return detail::with_leaves(data, std::move(leaves));
 }
 
-// -- Objects -----------------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/objects.hpp ============================================
+// accel/distributed/objects.hpp: objects through the pickler: broadcast_object_list, gather_object, ....
 //
 // Objects travel as c10::IValue, serialized with LibTorch's own pickler
 // (torch::jit::pickle_save: the format of torch.save), framed by a header
@@ -4523,6 +4640,8 @@ T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_ind
 // exception before the unpickler sees them. (The check is not optional:
 // LibTorch 1.13's pickle_load reads past its buffer on some corrupted
 // archives — a heap-buffer-overflow in its zip reader, found with ASan.)
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 template <class T>
@@ -4729,7 +4848,12 @@ std::vector<T>& broadcast_object_list(std::vector<T>& objects, int from_process 
   return objects;
 }
 
-// -- Process control ---------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/process_control.hpp ====================================
+// accel/distributed/process_control.hpp: process control: split_between_processes, on_main_process, ....
+
+ACCEL_NAMESPACE_BEGIN
 
 // Blocks until every rank of the group (default: the world) arrives.
 inline void wait_for_everyone(const GroupPtr& group = {}) { barrier(group); }
@@ -4859,7 +4983,12 @@ auto on_last_process(Fn fn) {
   return detail::on_condition(std::move(fn), [] { return get_rank() == get_world_size() - 1; });
 }
 
-// -- Reproducibility ---------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/reproducibility.hpp ====================================
+// accel/distributed/reproducibility.hpp: set_seed and synchronize_rng_states.
+
+ACCEL_NAMESPACE_BEGIN
 
 // Seeds C's rand() and LibTorch's default generators (CPU and every CUDA
 // device); with device_specific the seed is offset by the global rank.
@@ -4921,28 +5050,21 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
   }
 }
 
-ACCEL_NAMESPACE_END  // accel
+ACCEL_NAMESPACE_END
 
 #endif  // ACCEL_HPP_TORCH
 
-// == TRAINING HELPERS (opt-in) ================================================
-//
-// Accelerate's Accelerator for torch::nn modules, with data-parallel training
-// in the design of Python's DistributedDataParallel: gradients are
-// all-reduced in buckets (25 MB by default) as autograd produces them,
-// asynchronously, overlapping backward (or reduce-scattered, under ZeRO-2
-// and ZeRO-3 sharding). In order: autograd-aware collectives
-// (accel::autograd) · DataParallel (the buckets, the shards, the units) ·
-// unit_forward · data loading
-// (ShardSampler, PreparedDataLoader, PreparedIterableDataLoader) ·
-// ProjectConfiguration, ShardingStrategy, AcceleratorConfig ·
-// AcceleratedOptimizer, AcceleratedScheduler · checkpoint files ·
-// safetensors · Accelerator.
-// Needs torch::nn, so it is opt-in: `#define ACCEL_TRAINING` before
-// including accel.hpp (the collectives alone never include <torch/torch.h>).
-
+// The training helpers: Accelerate's Accelerator for torch::nn modules, with
+// data-parallel training in the design of Python's DistributedDataParallel
+// (gradients all-reduced in buckets as autograd produces them, overlapping
+// backward) and ZeRO-2/ZeRO-3 sharding. They need torch::nn, so they are
+// opt-in: `#define ACCEL_TRAINING` before including accel.hpp (the
+// collectives alone never include <torch/torch.h>).
 #if defined(ACCEL_TRAINING) && !defined(ACCEL_CORE_ONLY) && !defined(ACCEL_HPP_TRAINING)
 #define ACCEL_HPP_TRAINING
+
+// == accel/training/torch_nn.hpp ==============================================
+// accel/training/torch_nn.hpp: the LibTorch headers the training helpers need (<torch/torch.h>).
 
 // GCC 14 at -O2/-O3 warns (-Warray-bounds, -Wstringop-overflow) inside
 // LibTorch's own autograd::Function::apply (a std::vector<bool>::reserve it
@@ -4968,9 +5090,8 @@ ACCEL_NAMESPACE_END  // accel
 #include <set>
 #include <unistd.h>
 
-ACCEL_NAMESPACE_BEGIN
-
-// -- Autograd-aware collectives ----------------------------------------------
+// == accel/training/autograd.hpp ==============================================
+// accel/training/autograd.hpp: autograd-aware collectives (accel::autograd).
 //
 // torch.distributed.nn.functional's: collectives inside model code (tensor
 // and context parallelism) whose backward is the adjoint collective, so
@@ -4985,6 +5106,8 @@ ACCEL_NAMESPACE_BEGIN
 // torch's reuse of the forward op for it is wrong, so they are refused.
 // Forward results are new tensors (the input is left alone). Every rank must
 // run the backward too, in the same order, as with DDP.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 // The group travels through the autograd context as a capsule (c10d's
@@ -5092,6 +5215,13 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
   return detail::AllToAllFunction::apply(x, std::move(output_split_sizes), std::move(input_split_sizes), g);
 }
 }  // namespace autograd
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/comm_hooks.hpp ============================================
+// accel/training/comm_hooks.hpp: communication hooks: GradBucket, CommHook, PowerSGD.
+
+ACCEL_NAMESPACE_BEGIN
 
 // Communication hooks (DDP's register_comm_hook, Accelerate's comm_hook): a
 // hook replaces the all-reduce of each gradient bucket of a DataParallel.
@@ -5272,6 +5402,13 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
   };
 }
 }  // namespace comm_hooks
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/data_parallel.hpp =========================================
+// accel/training/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
+
+ACCEL_NAMESPACE_BEGIN
 
 // Data parallelism for one module on one group, the DistributedDataParallel
 // design: parameters and buffers are broadcast from the group's rank 0;
@@ -6176,7 +6313,10 @@ inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) 
   return x;
 }
 
-// -- Data loading ------------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/training/sampler.hpp ===============================================
+// accel/training/sampler.hpp: data loading: ShardSampler and the loaders' shared state.
 //
 // A prepared loader gives each process of the data-parallel group its share
 // of a dataset, in one of two layouts:
@@ -6201,6 +6341,8 @@ inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) 
 // whose output differs between standard libraries (ranks built against
 // libstdc++ and libc++ would read overlapping shards), and it scatters the
 // repeated samples through the shards, so they could not be told apart.
+
+ACCEL_NAMESPACE_BEGIN
 
 enum class ShardLayout { BATCHES, SAMPLES };
 
@@ -6306,7 +6448,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
 }  // namespace detail
 
 // A batch sampler for LibTorch's data loader that yields this process's
-// batches (see the layouts above); it ignores the loader's batch size.
+// batches (in the layouts at the top of this part); it ignores the loader's batch size.
 class ShardSampler : public torch::data::samplers::Sampler<> {
  public:
   struct Options {
@@ -6463,7 +6605,7 @@ struct DataLoaderConfig {
   ShardLayout layout = ShardLayout::BATCHES;
   BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
   // The main process reads every global batch and sends each process its
-  // rows (see dispatch_batches below); unset: on for iterable datasets only,
+  // rows (accel/training/dispatch.hpp); unset: on for iterable datasets only,
   // as Accelerate. even_batches does not apply (every process gets rows of
   // every global batch).
   std::optional<bool> dispatch_batches{};
@@ -6549,7 +6691,10 @@ class Pass {
 };
 }  // namespace detail
 
-// -- dispatch_batches ---------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/training/dispatch.hpp ==============================================
+// accel/training/dispatch.hpp: dispatch_batches: one rank reads, the others receive their slices.
 //
 // With dispatch_batches the main process of the data-parallel group reads
 // every global batch (P one-process batches concatenated, or one batch of
@@ -6569,6 +6714,8 @@ class Pass {
 //   - batched tensors: a torch::data::Example (e.g. after Stack<>) whose data
 //     and target are nested tensors, or nested tensors (TensorTree): rows
 //     along dim 0, the same number in every tensor.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 template <class T>
@@ -6725,7 +6872,7 @@ struct Share {
   bool last;    // the pass's last batch
 };
 
-// The dispatching side of a prepared loader (see above). read() is a
+// The dispatching side of a prepared loader (see the top of this part). read() is a
 // collective over the group: every process calls it once per batch; the
 // main process (rank 0 of the group) reads one global batch ahead, so every
 // share knows whether it is the pass's last.
@@ -6868,12 +7015,19 @@ GroupPtr dispatch_group(const DataLoaderConfig& config, bool iterable, const Gro
 }
 }  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/training/loaders.hpp ===============================================
+// accel/training/loaders.hpp: PreparedDataLoader and PreparedIterableDataLoader.
+
+ACCEL_NAMESPACE_BEGIN
+
 // A LibTorch data loader over this process's share. Iterating it starts a
 // new epoch each pass (a different shuffle, the same on every rank, as
 // Accelerate's prepared loaders do) and tells the Accelerator where the pass
 // is (end_of_dataloader) and which rows of each batch are repeats, so that
 // gather_for_metrics drops them. A pass left early (break) ends with its
-// iterator. With dispatch_batches only the main process reads (see above).
+// iterator. With dispatch_batches only the main process reads (accel/training/dispatch.hpp).
 template <class Dataset>
 class PreparedDataLoader {
  public:
@@ -7014,7 +7168,7 @@ class PreparedDataLoader {
 // batch_size in all with split_batches) a process gets its slice:
 //   - dispatch_batches (the default for iterable datasets, as Accelerate):
 //     the main process reads the stream and sends every process its rows
-//     (see dispatch_batches above);
+//     (accel/training/dispatch.hpp);
 //   - otherwise every process reads the whole stream and keeps its slice,
 //     as Accelerate's IterableDatasetShard: unless drop_last the last global
 //     batch is completed to full size from the first one.
@@ -7148,7 +7302,12 @@ concept IterableDataset = requires(D& d) {
   { d.get_batch(std::size_t{1}) } -> std::same_as<typename D::BatchType>;
 } && detail::optional_vector<typename D::BatchType>;
 
-// -- The Accelerator -----------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/training/config.hpp ================================================
+// accel/training/config.hpp: AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler.
+
+ACCEL_NAMESPACE_BEGIN
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 inline std::string_view to_string(DistributedType t) {
@@ -7294,7 +7453,10 @@ class AcceleratedScheduler {
   std::shared_ptr<int64_t> steps_;  // the scheduler's own step() calls
 };
 
-// -- Checkpoint files ---------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint_files.hpp ======================================
+// accel/training/checkpoint_files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
 // A checkpoint is a directory: model.pt, model_1.pt, ..., optimizer.pt, ...,
 // random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
@@ -7312,6 +7474,8 @@ class AcceleratedScheduler {
 // the next save_state or load_state first recovers: the complete one with the
 // highest serial becomes DIR and the others are removed. A save never removes
 // the newest complete checkpoint before its own is complete.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 namespace fs = std::filesystem;
@@ -7638,7 +7802,10 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
 }
 }  // namespace detail
 
-// -- safetensors ----------------------------------------------------------------
+ACCEL_NAMESPACE_END
+
+// == accel/training/safetensors.hpp ===========================================
+// accel/training/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
 //
 // Hugging Face's weight format (huggingface.co/docs/safetensors), so that
 // weights trained here load in Python and the reverse: an 8-byte
@@ -7649,6 +7816,8 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
 // LibTorch reads and writes neither the format nor JSON in its public
 // headers, so the few lines here are ours: a writer, and a reader for the
 // JSON subset the format uses, which checks everything it is given.
+
+ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
@@ -7923,6 +8092,13 @@ inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::n
   return out;
 }
 }  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator.hpp ===========================================
+// accel/training/accelerator.hpp: the Accelerator.
+
+ACCEL_NAMESPACE_BEGIN
 
 class Accelerator {
  public:
@@ -9023,6 +9199,6 @@ class Accelerator {
   std::optional<Join> join_;
 };
 
-ACCEL_NAMESPACE_END  // accel
+ACCEL_NAMESPACE_END
 
 #endif  // ACCEL_HPP_TRAINING

@@ -26,7 +26,7 @@ class AccelConan(ConanFile):
 
     def export_sources(self):
         # The recipe lives in packaging/conan; the sources are the repository root.
-        for pattern in ("accel.hpp", "CMakeLists.txt", "cmake/*", "LICENSE"):
+        for pattern in ("accel.hpp", "include/*", "CMakeLists.txt", "cmake/*", "LICENSE"):
             copy(self, pattern, src=self._root(), dst=self.export_sources_folder)
 
     def set_version(self):

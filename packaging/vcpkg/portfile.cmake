@@ -1,5 +1,5 @@
 # vcpkg overlay port for accel.hpp: a thin wrapper of the project's own CMake
-# install (header, accelConfig.cmake with find_dependency(Torch), accel.pc).
+# install (accel.hpp and include/accel/, accelConfig.cmake with find_dependency(Torch), accel.pc).
 # Use: vcpkg install accel --overlay-ports=<repo>/packaging/vcpkg
 # SOURCE_PATH is this checkout; a published port would use vcpkg_from_github.
 get_filename_component(SOURCE_PATH "${CMAKE_CURRENT_LIST_DIR}/../.." ABSOLUTE)

@@ -1,6 +1,10 @@
 // An out-of-tree program that uses accel.hpp through one of the ways a
 // project consumes it (see the CMakeLists.txt next to this file's copies).
+#ifdef ACCEL_CONSUMER_INCLUDE_TREE  // the installed include tree, as the pkg-config build uses it
+#include <accel/distributed.hpp>
+#else
 #include <accel.hpp>
+#endif
 
 #include <iostream>
 

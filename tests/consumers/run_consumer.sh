@@ -15,7 +15,8 @@ case $mode in
     cmake -S "$source_dir" -B "$work/accel" -DCMAKE_INSTALL_PREFIX="$work/prefix" \
       -DACCEL_BUILD_TESTS=OFF -DACCEL_BUILD_EXAMPLES=OFF -DACCEL_INSTALL=ON >/dev/null
     cmake --install "$work/accel" >/dev/null
-    for f in include/accel.hpp share/cmake/accel/accelConfig.cmake share/cmake/accel/accelConfigVersion.cmake \
+    for f in include/accel.hpp include/accel/core.hpp include/accel/distributed.hpp include/accel/training.hpp \
+             include/accel/distributed/collectives.hpp share/cmake/accel/accelConfig.cmake share/cmake/accel/accelConfigVersion.cmake \
              share/cmake/accel/accelTargets.cmake share/pkgconfig/accel.pc; do
       [[ -f $work/prefix/$f ]] || { echo "not installed: $f"; exit 1; }
     done
@@ -27,11 +28,13 @@ case $mode in
       exit 1
     fi
     if command -v pkg-config >/dev/null; then
-      # The installed accel.pc builds the consumer as it is and runs it.
+      # The installed accel.pc builds the consumer and runs it, through the
+      # installed include tree (accel/distributed.hpp) rather than accel.hpp,
+      # which the CMake consumer below includes.
       pc=(env PKG_CONFIG_PATH="$work/prefix/share/pkgconfig" pkg-config)
       echo "pkg-config --cflags --libs accel: $("${pc[@]}" --cflags --libs accel)"
       # shellcheck disable=SC2046 (the flags are words)
-      g++ "$here/main.cpp" -o "$work/consumer_pc" $("${pc[@]}" --cflags --libs accel)
+      g++ -DACCEL_CONSUMER_INCLUDE_TREE "$here/main.cpp" -o "$work/consumer_pc" $("${pc[@]}" --cflags --libs accel)
       pc_output=$("$launcher" --timeout 120 2 "$work/consumer_pc")
       grep -q "consumer ok: sum 3 on 2 ranks" <<<"$pc_output" || { echo "$pc_output"; exit 1; }
     fi

@@ -1,0 +1,128 @@
+// accel/core/strategy.hpp: DistributedConfig and DistributedStrategy: the parallel sizes, validated.
+//
+// The four parallelism sizes, validated against the world size.
+#pragma once
+
+#include "accel/core/environment.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+// The timeout of a DistributedConfig that gives none: ACCEL_TIMEOUT (whole
+// seconds) when set, else ACCEL_DEFAULT_TIMEOUT_SECONDS.
+inline std::chrono::seconds default_timeout() {
+  return std::chrono::seconds(detail::env_int("ACCEL_TIMEOUT", ACCEL_DEFAULT_TIMEOUT_SECONDS, 1));
+}
+
+// A plain value: making one reads no environment and cannot throw; the
+// defaults are filled in (resolved()) when DistributedInterface starts.
+struct DistributedConfig {
+  int mp_replicate_size = 1;
+  std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
+  std::optional<int> dp_size{};        // default: world / cp_size
+  int cp_size = 1;
+  std::chrono::seconds timeout{0};   // of the store and every group; 0: default_timeout()
+  std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
+  bool operator==(const DistributedConfig&) const = default;
+
+  // This config with the default timeout filled in.
+  DistributedConfig resolved() const {
+    if (timeout.count() < 0)
+      throw InvalidArgument("accel::DistributedConfig: timeout must be positive (0 for the default), got " +
+                            std::to_string(timeout.count()) + " s");
+    DistributedConfig out = *this;
+    if (out.timeout.count() == 0) out.timeout = default_timeout();
+    return out;
+  }
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
+  auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
+  return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
+            << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size) << ", cp_size=" << c.cp_size
+            << ", timeout=" << (c.timeout.count() ? std::to_string(c.timeout.count()) + "s" : std::string("default"))
+            << (c.device ? ", device=" + std::string(to_string(*c.device)) : std::string()) << ")";
+}
+
+// The four mesh sizes, validated against the world size on construction.
+class DistributedStrategy {
+ public:
+  // Validates against WORLD_SIZE; when not distributed every size is 1.
+  explicit DistributedStrategy(const DistributedConfig& config = {})
+      : DistributedStrategy(config, accel::get_world_size(), is_distributed()) {}
+
+  // Validates against an explicit world size (as if distributed).
+  DistributedStrategy(const DistributedConfig& config, int world_size)
+      : DistributedStrategy(config, world_size, true) {}
+
+  int mp_replicate_size() const { return mp_replicate_; }
+  int mp_shard_size() const { return mp_shard_; }
+  int dp_size() const { return dp_; }
+  int cp_size() const { return cp_; }
+  int world_size() const { return world_; }
+
+  std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
+  std::array<std::string_view, 2> model_mesh_dim_names() const {
+    return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
+  }
+  std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
+  std::array<std::string_view, 2> data_mesh_dim_names() const {
+    return {to_string(Dim::DP), to_string(Dim::CP)};
+  }
+
+  bool operator==(const DistributedStrategy&) const = default;
+
+ private:
+  DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
+    auto positive = [](const char* name, int value) {
+      if (value < 1)
+        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name +
+                                    " must be positive, got " + std::to_string(value));
+    };
+    if (world < 1)
+      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " +
+                                  std::to_string(world));
+    positive("mp_replicate_size", c.mp_replicate_size);
+    positive("cp_size", c.cp_size);
+    if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
+    if (c.dp_size) positive("dp_size", *c.dp_size);
+    if (!distributed) {  // a single process: every dimension has size 1
+      world_ = 1;
+      return;
+    }
+    world_ = world;
+    std::tie(mp_replicate_, mp_shard_) =
+        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
+  }
+
+  // (given, other): other defaults to world / given; their product is world.
+  static std::pair<int, int> split(int world, int given, std::optional<int> other,
+                                   const char* given_name, const char* other_name) {
+    std::ostringstream message;
+    message << "accel::DistributedStrategy: ";
+    if (!other) {
+      if (world % given != 0) {
+        message << "world_size " << world << " is not divisible by " << given_name << " "
+                << given;
+        throw InvalidArgument(message.str());
+      }
+      return {given, world / given};
+    }
+    if (static_cast<long long>(given) * *other != world) {
+      message << given_name << " * " << other_name << " must equal world_size, got " << given
+              << " * " << *other << " != " << world;
+      throw InvalidArgument(message.str());
+    }
+    return {given, *other};
+  }
+
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
+  return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
+            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
+            << ", cp_size=" << s.cp_size() << ")";
+}
+
+ACCEL_NAMESPACE_END

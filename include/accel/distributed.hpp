@@ -1,0 +1,35 @@
+// accel/distributed.hpp: everything but the training helpers: devices, the
+// collectives, Work, rendezvous and groups, meshes, DistributedInterface,
+// Accelerate's operations, objects, process control, reproducibility. Needs
+// LibTorch's ATen and c10d headers, never <torch/torch.h>. accel.hpp is the
+// same, in one file.
+//
+// The parts are listed in dependency order: tools/amalgamate.py inlines them
+// into accel.hpp in this order and fails if a part includes a later one.
+#pragma once
+
+#include "accel/core.hpp"
+
+// ACCEL_HPP_TORCH: set by accel.hpp too, so that including both forms in one
+// translation unit, in either order, defines everything once.
+#ifndef ACCEL_HPP_TORCH
+#define ACCEL_HPP_TORCH
+
+#include "accel/distributed/torch.hpp"
+#include "accel/distributed/devices.hpp"
+#include "accel/distributed/concepts.hpp"
+#include "accel/distributed/issue.hpp"
+#include "accel/distributed/staging.hpp"
+#include "accel/distributed/work.hpp"
+#include "accel/distributed/collectives.hpp"
+#include "accel/distributed/exchange.hpp"
+#include "accel/distributed/rendezvous.hpp"
+#include "accel/distributed/mesh.hpp"
+#include "accel/distributed/interface.hpp"
+#include "accel/distributed/nested.hpp"
+#include "accel/distributed/operations.hpp"
+#include "accel/distributed/objects.hpp"
+#include "accel/distributed/process_control.hpp"
+#include "accel/distributed/reproducibility.hpp"
+
+#endif  // ACCEL_HPP_TORCH

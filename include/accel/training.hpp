@@ -1,0 +1,29 @@
+// accel/training.hpp: all of accel, with the training helpers (autograd-aware
+// collectives, DataParallel and its ZeRO-2/ZeRO-3 sharding, data loading,
+// checkpoints, safetensors, the Accelerator), which include <torch/torch.h>.
+// accel.hpp with ACCEL_TRAINING defined is the same, in one file.
+//
+// The parts are listed in dependency order: tools/amalgamate.py inlines them
+// into accel.hpp in this order and fails if a part includes a later one.
+#pragma once
+
+#include "accel/distributed.hpp"
+
+// ACCEL_HPP_TRAINING: set by accel.hpp too, so that including both forms in one
+// translation unit, in either order, defines everything once.
+#ifndef ACCEL_HPP_TRAINING
+#define ACCEL_HPP_TRAINING
+
+#include "accel/training/torch_nn.hpp"
+#include "accel/training/autograd.hpp"
+#include "accel/training/comm_hooks.hpp"
+#include "accel/training/data_parallel.hpp"
+#include "accel/training/sampler.hpp"
+#include "accel/training/dispatch.hpp"
+#include "accel/training/loaders.hpp"
+#include "accel/training/config.hpp"
+#include "accel/training/checkpoint_files.hpp"
+#include "accel/training/safetensors.hpp"
+#include "accel/training/accelerator.hpp"
+
+#endif  // ACCEL_HPP_TRAINING

@@ -1,0 +1,1111 @@
+// accel/training/accelerator.hpp: the Accelerator.
+#pragma once
+
+#include "accel/distributed/interface.hpp"
+#include "accel/distributed/process_control.hpp"
+#include "accel/training/data_parallel.hpp"
+#include "accel/training/loaders.hpp"
+#include "accel/training/safetensors.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+class Accelerator {
+ public:
+  explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
+    if (config_.gradient_accumulation_steps < 1)
+      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
+                                  std::to_string(config_.gradient_accumulation_steps));
+    if (config_.bucket_cap_mb < 1)
+      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
+                                  std::to_string(config_.bucket_cap_mb));
+    const auto& mp = config_.mixed_precision;
+    if (mp != "no" && mp != "bf16" && mp != "fp16")
+      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    detail::check_project(config_.project_config, "accel::Accelerator");
+    if (config_.cpu) {
+      if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
+        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
+                              std::string(to_string(*config_.distributed.device)));
+      config_.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
+    }
+    interface_ = &DistributedInterface::instance(config_.distributed);
+    device_ = interface_->current_device();
+    if ((config_.comm_hook != DDPCommunicationHookType::NO || config_.gradient_as_bucket_view) && sharded())
+      throw InvalidArgument(std::string("accel::Accelerator: ") +
+                            (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
+                            " is about the all-reduce of NO_SHARD's buckets; under " +
+                            std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
+    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
+        interface_->get_world_size(Dim::MP_REPLICATE) > 1)
+      throw InvalidArgument("accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
+                            "replicates " + std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
+                            " ways (mp_replicate_size): that is HYBRID_SHARD");
+    if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
+      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
+  }
+
+  // -- prepare ----------------------------------------------------------------
+
+  // A model: moved to the device, its parameters and buffers broadcast from
+  // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
+  // DataParallel). Any number of models may be prepared; each keeps its own
+  // gradient sync. Returns the model itself (accel.hpp does not wrap).
+  template <class ModuleHolder>
+    requires requires(ModuleHolder& m) { m.ptr(); }
+  ModuleHolder& prepare(ModuleHolder& model) {
+    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
+    if (find(module.get()))
+      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
+    model->to(device_);
+    const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
+    if (sharded()) {
+      std::vector<std::shared_ptr<torch::nn::Module>> units;
+      if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+          config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
+        choose_units(*module, "", units);
+        if (units.empty())
+          throw InvalidArgument("accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
+                                " found no unit in the model (" +
+                                (config_.auto_wrap_policy ? "auto_wrap_policy chose none"
+                                                          : "no submodule holds parameters of its own") +
+                                "); use SHARD_GRAD_OP, or register the layers as submodules");
+      }
+      models_.push_back(Prepared{module, std::make_unique<DataParallel>(
+                                             module, interface_->world_group(), bucket_bytes,
+                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE),
+                                             units)});
+      sharded_->push_back(models_.back().data_parallel.get());
+      for (auto* optimizer : optimizers_) sharded_->back()->shard_optimizer(*optimizer);
+    } else {
+      models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+      if (config_.comm_hook == DDPCommunicationHookType::FP16)
+        models_.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
+      if (config_.comm_hook == DDPCommunicationHookType::BF16)
+        models_.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
+      if (config_.comm_hook == DDPCommunicationHookType::POWER_SGD)
+        models_.back().data_parallel->register_comm_hook(
+            comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
+      if (config_.gradient_as_bucket_view) models_.back().data_parallel->gradient_as_bucket_view(true);
+    }
+    return model;
+  }
+  // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
+  // Under sharding its groups then hold the shards of the prepared models'
+  // parameters (prepare it before it steps), and step it through the handle
+  // returned, whose step() gathers the parameters from the updated shards.
+  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
+    if (std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
+      optimizers_.push_back(&optimizer);
+    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
+    for (DataParallel* dp : *sharded_) dp->shard_optimizer(optimizer);
+    return AcceleratedOptimizer(optimizer, state_, [sharded = sharded_, &optimizer] {
+      for (DataParallel* dp : *sharded)
+        if (dp->steps_with(optimizer)) dp->gather();
+    });
+  }
+  // A learning-rate scheduler: see AcceleratedScheduler.
+  template <class Scheduler>
+    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
+  AcceleratedScheduler prepare(Scheduler& scheduler) {
+    auto found = std::find_if(schedulers_.begin(), schedulers_.end(),
+                              [&](const PreparedScheduler& p) { return p.address == &scheduler; });
+    if (found == schedulers_.end()) {
+      PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
+      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
+                             torch::serialize::InputArchive& in) {
+                      c.save(out);
+                      m.load(in);
+                    }) {
+        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
+        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
+      }
+      schedulers_.push_back(std::move(p));
+      found = std::prev(schedulers_.end());
+    }
+    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP),
+                                found->steps);
+  }
+  // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
+  //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
+  template <class First, class Second, class... Rest>
+  auto prepare(First& first, Second& second, Rest&... rest) {
+    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
+        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
+  }
+
+  // A data loader over this process's share of `dataset` on the data-parallel
+  // group (see ShardSampler for the layouts). With split_batches,
+  // config.batch_size is the global batch and must divide evenly among the
+  // processes. config.dispatch_batches: the main process reads and sends.
+  // An IterableDataset (a LibTorch StatefulDataset) gives a
+  // PreparedIterableDataLoader instead.
+  template <class Dataset>
+  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
+    const int replicas = interface_->get_world_size(Dim::DP);
+    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
+    if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
+                                  std::to_string(config.batch_size) + ") must be a multiple of the " +
+                                  std::to_string(replicas) + " data-parallel processes");
+    using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
+                                      PreparedDataLoader<Dataset>>;
+    loaders_.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
+                  loaders_.back());
+  }
+  // The loader's next pass starts after its first n batches (Accelerate's
+  // skip_first_batches, for a run resumed by hand; load_state does it for
+  // prepared loaders). Returns the loader.
+  template <class Loader>
+    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
+  Loader& skip_first_batches(Loader& loader, size_t n) {
+    loader.skip_first_batches(n);
+    return loader;
+  }
+
+  // Anything with save(torch::serialize::OutputArchive&) and
+  // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
+  // of yours, a step counter) joins every checkpoint, as Accelerate's
+  // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
+  // registered, written by the main process. The object must outlive the
+  // Accelerator's checkpoints.
+  template <class T>
+    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+      c.save(out);
+      t.load(in);
+    }
+  void register_for_checkpointing(T& object) {
+    objects_.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
+                        [&object](torch::serialize::InputArchive& in) { object.load(in); }});
+  }
+
+  // -- the training step --------------------------------------------------------
+
+  // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
+  // gradient all-reduce armed on every prepared model that syncs now (not
+  // inside no_sync or a non-sync accumulate step). A model none of whose
+  // parameters gets a gradient from this loss is left alone.
+  void backward(const at::Tensor& loss) {
+    at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
+    if (join_) join_signal(1);
+    for (DataParallel* dp : *sharded_) dp->check_shards();
+    for (auto& m : models_)
+      if (m.sync) m.data_parallel->prepare_for_backward();
+    scaled.backward();
+    for (auto& m : models_) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+  }
+
+  // Training on uneven inputs (even_batches = false), as Accelerate's
+  // join_uneven_inputs over DDP's Join: runs body (the training loop); a
+  // rank whose loop ends first stands in for the others' gradient
+  // all-reduces (with zeros: gradients are still divided by the whole group)
+  // until every rank's loop has ended, and then every rank takes the
+  // weights of a rank that ran the most steps (DDP's final model sync).
+  // Inside body, each backward() first tells the joined ranks what to shadow
+  // (one small all_reduce), and every listed model that syncs is reduced on
+  // every backward; other collectives inside body would have no partner on a
+  // joined rank (as with DDP's Join).
+  template <class Body, class... ModuleHolders>
+  void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
+    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+    if (!sharded_->empty())
+      throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+                            "have to step its shard too); use NO_SHARD, or even batches");
+    Join join;
+    (join.models.push_back(find_prepared(models, "join_uneven_inputs")), ...);
+    join.group = join.models.front()->data_parallel->group();
+    if (!join.group) return static_cast<void>(std::invoke(body));  // one process: nothing to join
+    join_ = std::move(join);
+    try {
+      std::invoke(body);
+    } catch (...) {
+      join_.reset();
+      throw;
+    }
+    for (;;) {  // this rank has joined
+      const std::vector<int64_t> counts = join_signal(0);
+      if (counts[0] == 0) break;  // so have all the others
+      for (std::size_t i = 0; i < join_->models.size(); ++i)
+        if (counts[i + 1] > 0) join_->models[i]->data_parallel->shadow_backward();
+    }
+    const std::vector<int64_t> steps = all_gather(join_->steps, join_->group);
+    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+    for (Prepared* m : join_->models) m->data_parallel->sync_module_states(src);
+    join_.reset();
+  }
+
+  // RAII: restores the models' gradient sync when it goes out of scope.
+  class SyncGuard {
+   public:
+    SyncGuard() = default;
+    SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
+    SyncGuard(const SyncGuard&) = delete;
+    SyncGuard& operator=(const SyncGuard&) = delete;
+    SyncGuard& operator=(SyncGuard&&) = delete;
+    ~SyncGuard() {
+      for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
+    }
+
+   private:
+    friend class Accelerator;
+    void set(bool& flag, bool value) {
+      saved_.emplace_back(&flag, flag);
+      flag = value;
+    }
+    std::vector<std::pair<bool*, bool>> saved_;
+  };
+  // While the guard lives, backward() accumulates these models' gradients
+  // locally (DDP's no_sync). A model that was never prepared never syncs.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models) {
+    return with_sync(false, models...);
+  }
+  // While the guard lives, backward() syncs these models' gradients, also
+  // inside no_sync (Accelerate's trigger_sync_in_backward).
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models) {
+    return with_sync(true, models...);
+  }
+  // One micro-step of gradient accumulation, as Accelerate's accumulate():
+  // counts the step and sets sync_gradients(), true on every
+  // gradient_accumulation_steps-th call and on the last batch of a prepared
+  // loader's pass (which also restarts the count, so no accumulated gradient
+  // is carried into the next pass). On the other steps the given models
+  // accumulate locally while the guard lives (unless sync_each_batch).
+  // sync_gradients() keeps its value after the guard, for the loop to read.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
+    if (config_.sync_with_dataloader && state_->end_of_dataloader()) {
+      step_ = 0;
+      state_->sync_gradients = true;
+    } else {
+      ++step_;
+      state_->sync_gradients = step_ % config_.gradient_accumulation_steps == 0;
+    }
+    return with_sync(state_->sync_gradients || config_.sync_each_batch, models...);
+  }
+  // Whether the current step syncs gradients (and prepared optimizers step).
+  bool sync_gradients() const { return state_->sync_gradients; }
+  // Whether the batch being processed is the last of the innermost prepared
+  // loader's pass.
+  bool end_of_dataloader() const { return state_->end_of_dataloader(); }
+
+  // After the all-reduce every rank holds the same averaged gradients, so
+  // the norm computed here is the global one, identical on every rank.
+  // Under sharding a sharded parameter's gradient is its shard's: the norm
+  // adds up every rank's shards (one all_reduce), and the shards are scaled.
+  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
+    if (sharded_->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+    std::vector<at::Tensor> shards, whole;
+    split_sharded(parameters, shards, whole);
+    at::NoGradGuard no_grad;
+    const bool inf = std::isinf(norm_type);
+    // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+    auto part = [&](const std::vector<at::Tensor>& grads) {
+      double total = 0;
+      for (const auto& g : grads) {
+        const double n = g.norm(norm_type).item<double>();
+        total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
+      }
+      return total;
+    };
+    const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
+                                                 sharded_->front()->shard_group());
+    const double from_whole = part(whole);
+    const double norm =
+        inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+    const double coefficient = max_norm / (norm + 1e-6);
+    if (coefficient < 1) {
+      for (auto& g : shards) g.mul_(coefficient);
+      for (auto& g : whole) g.mul_(coefficient);
+    }
+    return norm;
+  }
+  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+    if (sharded_->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+    std::vector<at::Tensor> shards, whole;
+    split_sharded(parameters, shards, whole);
+    at::NoGradGuard no_grad;
+    for (auto& g : shards) g.clamp_(-clip_value, clip_value);
+    for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+  }
+
+  // RAII autocast for the configured mixed precision: bf16 on the CPU
+  // through LibTorch's autocast; a no-op for "no".
+  class AutocastGuard {
+   public:
+    explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) : type_(device.type()) {
+      if (mixed_precision == "no") return;
+      saved_enabled_ = enabled(type_);
+      saved_dtype_ = dtype(type_);
+      set(type_, true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
+      active_ = true;
+    }
+    AutocastGuard(const AutocastGuard&) = delete;
+    AutocastGuard& operator=(const AutocastGuard&) = delete;
+    ~AutocastGuard() {
+      if (!active_) return;
+      at::autocast::clear_cache();
+      set(type_, saved_enabled_, saved_dtype_);
+    }
+
+   private:
+    // LibTorch 2.4 took the device type as an argument (and deprecated the
+    // per-device functions that 1.x and 2.0-2.3 have).
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+    static bool enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+    static at::ScalarType dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
+      at::autocast::set_autocast_dtype(type, dtype);
+      at::autocast::set_autocast_enabled(type, on);
+    }
+#else
+    static bool enabled(c10::DeviceType type) {
+      return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+    }
+    static at::ScalarType dtype(c10::DeviceType type) {
+      return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                          : at::autocast::get_autocast_gpu_dtype();
+    }
+    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
+      if (type == c10::DeviceType::CPU) {
+        at::autocast::set_autocast_cpu_dtype(dtype);
+        at::autocast::set_cpu_enabled(on);
+      } else {
+        at::autocast::set_autocast_gpu_dtype(dtype);
+        at::autocast::set_enabled(on);
+      }
+    }
+#endif
+    c10::DeviceType type_;
+    bool active_ = false, saved_enabled_ = false;
+    at::ScalarType saved_dtype_ = at::kBFloat16;
+  };
+  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(config_.mixed_precision, device_); }
+
+  // The model itself: accel.hpp does not wrap modules.
+  template <class ModuleHolder>
+  ModuleHolder& unwrap_model(ModuleHolder& model) const {
+    return model;
+  }
+
+  // -- operations across processes (Accelerate's Accelerator methods) -------------
+
+  // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
+  // welcome), over the data-parallel group. Inside a pass over a prepared
+  // loader, the rows that repeat samples (even_batches padding) are dropped
+  // first, so every sample of the dataset is counted exactly once.
+  // num_samples instead keeps the first num_samples rows of the result (for
+  // data that did not come from a prepared loader).
+  template <TensorTree T>
+  T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
+    const GroupPtr group = interface_->get_group(Dim::DP);
+    auto first_rows = [](int64_t rows) {
+      return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+    };
+    if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+    const detail::LoaderState* loader = state_->loader();
+    if (loader && loader->real_rows)
+      return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+    return accel::gather(data, group);
+  }
+  // Over every process, as Accelerate's methods of the same names.
+  template <TensorTree T>
+  T gather(const T& data) const {
+    return accel::gather(data);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false) const {
+    return accel::pad_across_processes(data, dim, pad_index, pad_first);
+  }
+  template <class T>
+  T split_between_processes(const T& inputs, bool apply_padding = false) const {
+    return accel::split_between_processes(inputs, apply_padding);
+  }
+  template <class... Args>
+  void print(const Args&... args) const {
+    accel::print(args...);
+  }
+  void wait_for_everyone() const { accel::wait_for_everyone(); }
+  template <class Body>
+  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
+  }
+  template <class Body>
+  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
+  }
+  template <class Fn>
+  auto on_main_process(Fn fn) const {
+    return accel::on_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_local_main_process(Fn fn) const {
+    return accel::on_local_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_last_process(Fn fn) const {
+    return accel::on_last_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_process(Fn fn, int process_index) const {
+    return accel::on_process(std::move(fn), process_index);
+  }
+
+  // Any process can ask every process to stop at the same step: set_trigger()
+  // on one, then check_trigger() on all (one all_reduce) is true on all, and
+  // resets the trigger.
+  void set_trigger() { trigger_ = 1; }
+  bool check_trigger() {
+    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
+    trigger_ = 0;
+    return true;
+  }
+
+  // -- checkpoints ----------------------------------------------------------------
+
+  // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
+  // optimizer.pt, optimizer_1.pt, ...), every rank's RNG state and the
+  // accumulation step, where each prepared loader is in its pass, and the
+  // registered objects under `path`, atomically: it is always the previous or the whole new
+  // checkpoint, even when a process dies halfway (see "Checkpoint files").
+  // Every process calls it; the path must be on a filesystem they all see. An
+  // error on any process (a full disk) is thrown on every process. With
+  // project_config.automatic_checkpoint_naming, call it without a path: it
+  // writes project_dir/checkpoints/checkpoint_<iteration> (an error if that
+  // exists), counts iteration up, and with total_limit then removes the
+  // oldest beyond the limit. Returns the checkpoint's directory.
+  std::filesystem::path save_state(const std::filesystem::path& path = {}) {
+    namespace fs = std::filesystem;
+    const ProjectConfiguration& project = config_.project_config;
+    detail::check_project(project, "accel::Accelerator::save_state");
+    if (!project.automatic_checkpoint_naming) {
+      if (path.empty())
+        throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+                              "project_config.automatic_checkpoint_naming)");
+      const fs::path dir = detail::checkpoint_path(path, "save_state");
+      write_checkpoint(dir);
+      return dir;
+    }
+    if (!path.empty())
+      throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+                            "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+                            path.string());
+    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "save_state");
+    const int number = project.iteration;
+    const fs::path dir = root / ("checkpoint_" + std::to_string(number));
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      fs::create_directories(root);
+      if (detail::recover_checkpoint(dir) || fs::exists(dir))
+        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                           ") already exists: set project_configuration().iteration to the number to go on with, "
+                           "or load_state() first (which sets it past the newest)");
+    });
+    detail::fail_together(error, "save_state");
+    write_checkpoint(dir);
+    ++config_.project_config.iteration;
+    if (project.total_limit) {
+      if (is_main_process())
+        error = detail::error_of([&] { detail::rotate_checkpoints(root, *project.total_limit, number); });
+      detail::fail_together(error, "save_state");
+    }
+    return dir;
+  }
+
+  // Loads what save_state saved into the prepared models, optimizers,
+  // registered objects and this rank's RNG and step, after a half-done save
+  // is recovered. Each prepared loader's next pass resumes where the saved
+  // one was: its epoch, after the batches already handed out (a save after
+  // a pass's last batch resumes with the next epoch); loop over epochs from
+  // loader.next_epoch(). Transactional:
+  // every file is read and checked first (parameter and buffer names, shapes
+  // and dtypes against the models; one RNG state per process, so the number
+  // of processes must be the saver's), on every process; on any error
+  // nothing is modified anywhere and every process throws, naming the file.
+  // With project_config.automatic_checkpoint_naming, no path loads the
+  // newest numbered checkpoint, and any load sets iteration past the newest
+  // (Accelerate leaves it, and the next save_state() finds its number taken).
+  void load_state(const std::filesystem::path& path = {}) {
+    namespace fs = std::filesystem;
+    const ProjectConfiguration& project = config_.project_config;
+    detail::check_project(project, "accel::Accelerator::load_state");
+    if (!project.automatic_checkpoint_naming) {
+      if (path.empty())
+        throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+                              "project_config.automatic_checkpoint_naming to load the newest)");
+      return read_checkpoint(detail::checkpoint_path(path, "load_state"));
+    }
+    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "load_state");
+    int64_t newest = -1;  // none
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      const std::map<int, fs::path> complete = detail::numbered_checkpoints(root);
+      if (!complete.empty()) newest = complete.rbegin()->first;
+    });
+    detail::fail_together(error, "load_state");
+    newest = accel::broadcast(newest, 0);
+    if (path.empty() && newest < 0)
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
+    read_checkpoint(path.empty() ? root / ("checkpoint_" + std::to_string(newest))
+                                 : detail::checkpoint_path(path, "load_state"));
+    config_.project_config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+  }
+
+ private:
+  void write_checkpoint(const std::filesystem::path& dir) {
+    const auto full = full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
+    const std::filesystem::path tmp = detail::sibling(dir, ".tmp");
+    const std::string rng_file = "random_states_" + std::to_string(process_index()) + ".pt";
+    detail::CheckpointManifest manifest{.serial = 0,
+                                        .processes = num_processes(),
+                                        .models = static_cast<int64_t>(models_.size()),
+                                        .optimizers = static_cast<int64_t>(optimizers_.size()),
+                                        .loaders = static_cast<int64_t>(loaders_.size()),
+                                        .objects = static_cast<int64_t>(objects_.size()),
+                                        .schedulers = static_cast<int64_t>(schedulers_.size()),
+                                        .shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD)};
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
+      std::filesystem::create_directories(tmp);
+    });
+    detail::fail_together(error, "save_state");
+    error = detail::error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
+      torch::serialize::OutputArchive archive;
+      archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+      if (device_.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(device_).get_state());
+      archive.write("step", at::scalar_tensor(step_, at::kLong));
+      archive.save_to((tmp / rng_file).string());
+      detail::fsync_path(tmp / rng_file);
+      if (!sharded_->empty())  // each process's optimizer state is its own
+        for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+          torch::serialize::OutputArchive state;
+          optimizers_[i]->save(state);
+          state.save_to((tmp / optimizer_file(i)).string());
+          detail::fsync_path(tmp / optimizer_file(i));
+        }
+    });
+    detail::fail_together(error, "save_state");
+    if (is_main_process()) error = detail::error_of([&] {
+      auto write = [&](const std::string& name, auto& object) {
+        torch::serialize::OutputArchive archive;
+        object.save(archive);
+        archive.save_to((tmp / name).string());
+        detail::fsync_path(tmp / name);
+      };
+      for (std::size_t i = 0; i < models_.size(); ++i) write(numbered("model", i), *models_[i].module);
+      if (sharded_->empty())
+        for (std::size_t i = 0; i < optimizers_.size(); ++i) write(optimizer_file(i), *optimizers_[i]);
+      if (!loaders_.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
+        std::vector<int64_t> points;
+        for (const auto& loader : loaders_) {
+          const auto [epoch, skip] = loader->resume_point();
+          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+        }
+        torch::serialize::OutputArchive archive;
+        archive.write("resume_points",
+                      at::tensor(points).reshape({static_cast<int64_t>(loaders_.size()), 2}));
+        archive.save_to((tmp / "loaders.pt").string());
+        detail::fsync_path(tmp / "loaders.pt");
+      }
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {  // scheduler.pt: its step count (and its own state)
+        torch::serialize::OutputArchive archive;
+        archive.write("steps", at::scalar_tensor(*schedulers_[i].steps, at::kLong));
+        if (schedulers_[i].save) {
+          torch::serialize::OutputArchive own;
+          schedulers_[i].save(own);
+          archive.write("own", own);
+        }
+        archive.save_to((tmp / numbered("scheduler", i)).string());
+        detail::fsync_path(tmp / numbered("scheduler", i));
+      }
+      for (std::size_t i = 0; i < objects_.size(); ++i) {
+        torch::serialize::OutputArchive archive;
+        objects_[i].save(archive);
+        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
+        archive.save_to((tmp / name).string());
+        detail::fsync_path(tmp / name);
+      }
+      detail::checkpoint_hook()("files written");
+      detail::write_manifest(tmp, manifest);
+      detail::fsync_path(tmp);
+      detail::checkpoint_hook()("manifest written");
+      detail::install_checkpoint(tmp, dir);
+    });
+    detail::fail_together(error, "save_state");
+  }
+
+  void read_checkpoint(const std::filesystem::path& dir) {
+    namespace fs = std::filesystem;
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] { detail::recover_checkpoint(dir); });
+    detail::fail_together(error, "load_state");
+    if (!fs::is_directory(dir))
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+
+    // 1. Read and check everything.
+    std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size()),
+        objects, schedulers;
+    std::vector<int64_t> scheduler_steps;
+    at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
+    int64_t step = 0;
+    error = detail::error_of([&] {
+      const auto manifest = detail::read_manifest(dir);  // none: written before manifests existed
+      if (manifest) {
+        if (manifest->processes != num_processes())
+          throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
+                             std::to_string(num_processes()) + " (one RNG state per process: load it with as many)");
+        const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
+            {"model(s)", {manifest->models, models_.size()}},
+            {"optimizer(s)", {manifest->optimizers, optimizers_.size()}},
+            {"scheduler(s)", {manifest->schedulers, schedulers_.size()}},
+            {"data loader(s)", {manifest->loaders, loaders_.size()}},
+            {"registered object(s)", {manifest->objects, objects_.size()}}}};
+        for (const auto& count : counts)
+          if (count.second.first != static_cast<int64_t>(count.second.second))
+            throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                               std::to_string(count.second.second));
+        const int64_t shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD);
+        if (manifest->shards != shards)
+          throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
+                             " way(s), this run's " + std::to_string(shards) +
+                             " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+      }
+      auto read = [&](const std::string& name) {
+        const fs::path file = dir / name;
+        if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
+        auto archive = std::make_unique<torch::serialize::InputArchive>();
+        try {
+          archive->load_from(file.string(), device_);
+        } catch (const std::exception& e) {
+          throw RuntimeError("cannot read " + file.string() + ": " + detail::error_text(e));
+        }
+        return archive;
+      };
+      for (std::size_t i = 0; i < models_.size(); ++i) {
+        models[i] = read(numbered("model", i));
+        detail::check_module_archive(*models_[i].module, *models[i], "", (dir / numbered("model", i)).string());
+      }
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(optimizer_file(i));
+      for (std::size_t i = 0; i < objects_.size(); ++i)
+        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+      for (std::size_t i = 0; i < schedulers_.size(); ++i)
+        schedulers.push_back(read(numbered("scheduler", i)));
+      // A tensor of the given dtype and shape under `key`, or an error naming the file.
+      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                        at::IntArrayRef sizes, const std::string& file) {
+        at::Tensor value;
+        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+        return value;
+      };
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
+        const std::string file = (dir / numbered("scheduler", i)).string();
+        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
+        torch::serialize::InputArchive own;
+        if (schedulers_[i].load && !schedulers[i]->try_read("own", own))
+          throw RuntimeError(file + " has no state of the scheduler's own save()");
+        if (!schedulers_[i].load && scheduler_steps[i] < *schedulers_[i].steps)
+          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
+                             " steps; this one has already taken " + std::to_string(*schedulers_[i].steps) +
+                             " (load the checkpoint before stepping it)");
+      }
+      if (!loaders_.empty()) {
+        const std::string file = (dir / "loaders.pt").string();
+        points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
+                        {static_cast<int64_t>(loaders_.size()), 2}, file);
+      }
+      const std::string rng_name = "random_states_" + std::to_string(process_index()) + ".pt";
+      if (!fs::exists(dir / rng_name))
+        throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
+      auto rng_archive = read(rng_name);
+      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+      // Before manifests, the file held the generator state alone (torch::save's key "0").
+      rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
+                   (dir / rng_name).string());
+      if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+      at::Tensor saved_device_rng;
+      if (device_.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
+        const at::Tensor now = at::globalContext().defaultGenerator(device_).get_state();
+        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
+      }
+    });
+    detail::fail_together(error, "load_state");
+
+    // 2. Schedulers and registered objects with a load() of their own check
+    // what they load as they load it (and cannot be put back); the other
+    // schedulers replay their missing steps (which sets the optimizers'
+    // learning rates the way the saved run did; the optimizers' own come
+    // next). The optimizers check their groups: keep what they had, to put
+    // it back on every process if any one of them refuses.
+    std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
+    error = detail::error_of([&] {
+      for (auto* optimizer : optimizers_) snapshots.push_back(detail::optimizer_snapshot(*optimizer));
+      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
+        try {
+          if (schedulers_[i].load) {
+            torch::serialize::InputArchive own;
+            schedulers[i]->read("own", own);
+            schedulers_[i].load(own);
+          } else {
+            for (int64_t k = *schedulers_[i].steps; k < scheduler_steps[i]; ++k) schedulers_[i].step();
+          }
+          *schedulers_[i].steps = scheduler_steps[i];
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / numbered("scheduler", i)).string() +
+                             " does not fit the scheduler: " + detail::error_text(e));
+        }
+      }
+      for (std::size_t i = 0; i < objects_.size(); ++i) {
+        try {
+          objects_[i].load(*objects[i]);
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
+                             " does not fit the registered object: " + detail::error_text(e));
+        }
+      }
+      for (std::size_t i = 0; i < optimizers_.size(); ++i) {
+        try {
+          optimizers_[i]->load(*optimizers[i]);
+          detail::load_group_options(*optimizers_[i], *optimizers[i]);
+        } catch (const std::exception& e) {
+          throw RuntimeError((dir / optimizer_file(i)).string() + " does not fit the optimizer: " +
+                             detail::error_text(e));
+        }
+      }
+    });
+    try {
+      detail::fail_together(error, "load_state");
+    } catch (...) {
+      for (std::size_t i = 0; i < snapshots.size(); ++i) detail::restore_optimizer(*optimizers_[i], snapshots[i]);
+      throw;
+    }
+
+    // 3. What was checked cannot fail to load.
+    for (std::size_t i = 0; i < models_.size(); ++i) models_[i].module->load(*models[i]);
+    for (DataParallel* dp : *sharded_) dp->reshard();
+    for (std::size_t i = 0; i < loaders_.size(); ++i) {
+      loaders_[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
+      loaders_[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
+      loaders_[i]->in_pass = false;
+    }
+    step_ = step;
+    auto set_state = [](at::Generator generator, const at::Tensor& state) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_state(state);
+    };
+    set_state(at::detail::getDefaultCPUGenerator(), rng);
+    if (device_rng.defined()) set_state(at::globalContext().defaultGenerator(device_), device_rng);
+  }
+
+ public:
+  // -- weights that leave C++ --------------------------------------------------------
+
+  // Writes the model's weights as Hugging Face does, for Python (and
+  // load_model) to read: dir/model.safetensors with the state_dict's names as
+  // keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
+  // (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
+  // dir/model.safetensors.index.json. The main process writes; every process
+  // calls it (and gets any error). Each file is written whole under a
+  // temporary name, then renamed; the other layout's files of an earlier save
+  // in dir are removed.
+  template <class ModuleHolder>
+  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
+    namespace fs = std::filesystem;
+    const fs::path path = detail::checkpoint_path(dir, "save_model");
+    if (max_shard_bytes == 0) throw InvalidArgument("accel::Accelerator::save_model: max_shard_bytes must be positive");
+    const auto full = full_parameters(model.ptr().get());  // FULL_SHARD: whole parameters to write
+    std::string error;
+    if (is_main_process()) error = detail::error_of([&] {
+      using Named = std::vector<std::pair<std::string, at::Tensor>>;
+      std::vector<Named> shards(1);
+      uint64_t in_shard = 0, total = 0;
+      for (auto& named : detail::state_dict(*model.ptr())) {
+        const uint64_t bytes = named.second.numel() * named.second.element_size();
+        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+          shards.emplace_back();
+          in_shard = 0;
+        }
+        shards.back().push_back(std::move(named));
+        in_shard += bytes;
+        total += bytes;
+      }
+      fs::create_directories(path);
+      std::set<std::string> written;
+      if (shards.size() == 1) {
+        fs::remove(path / "model.safetensors.index.json");  // it would be read first
+        detail::write_safetensors(path / "model.safetensors", shards[0]);
+        written.insert("model.safetensors");
+      } else {
+        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          char name[64];
+          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+          detail::write_safetensors(path / name, shards[k]);
+          written.insert(name);
+          for (const auto& named : shards[k]) weight_map[named.first] = name;
+        }
+        std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                            "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
+                   detail::json_quote(file);
+        index += "\n  }\n}\n";
+        detail::write_file_atomically(path / "model.safetensors.index.json",
+                                      [&](std::ofstream& out) { out << index; });
+        written.insert("model.safetensors.index.json");
+      }
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string name = entry.path().filename().string();
+        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                          (name.starts_with("model-") && name.ends_with(".safetensors"));
+        if (ours && !written.count(name)) fs::remove(entry.path());
+      }
+      detail::fsync_path(path);
+    });
+    detail::fail_together(error, "save_model");
+  }
+
+  // Reads weights written by save_model or by Python (safetensors' save_file,
+  // save_pretrained / save_model, sharded or not) into the model, on every
+  // process. Everything is read and checked before anything is copied: each
+  // of the model's parameters and buffers must be there with its dtype and
+  // shape, and nothing else; otherwise every process throws, naming the
+  // file and the tensors.
+  template <class ModuleHolder>
+  void load_model(ModuleHolder& model, const std::string& dir) {
+    namespace fs = std::filesystem;
+    const fs::path path = detail::checkpoint_path(dir, "load_model");
+    const auto expected = detail::state_dict(*model.ptr());
+    std::map<std::string, at::Tensor> loaded;
+    const std::string error = detail::error_of([&] {
+      auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
+        for (auto& [name, tensor] : detail::read_safetensors(file)) {
+          if (weight_map) {
+            const auto mapped = weight_map->find(name);
+            if (mapped == weight_map->end() || mapped->second != file.filename().string())
+              throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
+          }
+          if (!loaded.emplace(name, std::move(tensor)).second)
+            throw RuntimeError(file.string() + ": " + name + " is in two files");
+        }
+      };
+      const fs::path index_file = path / "model.safetensors.index.json";
+      std::string where = (path / "model.safetensors").string();
+      if (fs::exists(index_file)) {
+        where = index_file.string();
+        std::ifstream in(index_file);
+        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        const detail::Json doc = detail::JsonReader(text, where).document();
+        const detail::Json* map = doc.find("weight_map");
+        if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
+        std::map<std::string, std::string> weight_map;
+        for (std::size_t field = 0; field < map->keys.size(); ++field) {
+          const std::string& name = map->keys[field];
+          const detail::Json& file = map->values[field];
+          if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
+            throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
+          weight_map[name] = file.text;
+        }
+        std::set<std::string> files;
+        for (const auto& entry : weight_map) files.insert(entry.second);
+        for (const std::string& file : files) take(path / file, &weight_map);
+        for (const auto& entry : weight_map)
+          if (!loaded.count(entry.first))
+            throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+      } else {
+        take(path / "model.safetensors", nullptr);
+      }
+      std::string missing, wrong;
+      std::set<std::string> names;
+      for (const auto& [name, tensor] : expected) {
+        names.insert(name);
+        const auto found = loaded.find(name);
+        if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
+        else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
+          wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
+                   c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
+                   c10::str(tensor.sizes()) + " in the model";
+      }
+      std::string unexpected;
+      for (const auto& entry : loaded)
+        if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+      if (!missing.empty() || !wrong.empty() || !unexpected.empty())
+        throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
+                           (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+                           (wrong.empty() ? "" : " " + wrong + "."));
+    });
+    detail::fail_together(error, "load_model");
+    const auto full = full_parameters(model.ptr().get(), /*writeback=*/true);  // into the shards too
+    torch::NoGradGuard no_grad;
+    for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+  }
+
+  // -- properties -------------------------------------------------------------------
+
+  c10::Device device() const { return device_; }
+  bool is_main_process() const { return interface_->get_rank() == 0; }
+  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
+  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
+  int process_index() const { return interface_->get_rank(); }
+  int local_process_index() const { return interface_->get_local_rank(); }
+  int num_processes() const { return interface_->get_world_size(); }
+  DistributedType distributed_type() const {
+    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
+    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+  }
+  const std::string& mixed_precision() const { return config_.mixed_precision; }
+  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
+  // The strategy in effect: NO_SHARD when the configured one has nothing to
+  // shard along (mp_shard_size == 1, or one process).
+  ShardingStrategy sharding_strategy() const { return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD; }
+  // Accelerate's project_dir, project_configuration and save_iteration (the
+  // number the next automatically named checkpoint takes; set it through
+  // project_configuration().iteration).
+  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
+  ProjectConfiguration& project_configuration() { return config_.project_config; }
+  int save_iteration() const { return config_.project_config.iteration; }
+  // The DataParallel of the first prepared model, or of `model`; nullptr
+  // when it was not prepared.
+  DataParallel* data_parallel() { return models_.empty() ? nullptr : models_.front().data_parallel.get(); }
+  template <class ModuleHolder>
+  DataParallel* data_parallel(ModuleHolder& model) {
+    Prepared* p = find(model.ptr().get());
+    return p ? p->data_parallel.get() : nullptr;
+  }
+
+ private:
+  struct Prepared {
+    std::shared_ptr<torch::nn::Module> module;
+    std::unique_ptr<DataParallel> data_parallel;
+    bool sync = true;  // DDP's require_backward_grad_sync
+  };
+
+  // Gradients are averaged over the whole data mesh (dp x cp), which spans
+  // the world: context-parallel peers see different parts of the same
+  // sequences and must stay identical (LLaMA-Factory's trainers do so).
+  GroupPtr gradient_group() const {
+    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
+  }
+  Prepared* find(const torch::nn::Module* module) {
+    for (auto& m : models_)
+      if (m.module.get() == module) return &m;
+    return nullptr;
+  }
+  template <class ModuleHolder>
+  Prepared* find_prepared(ModuleHolder& model, const char* op) {
+    if (Prepared* p = find(model.ptr().get())) return p;
+    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+  }
+
+  // join_uneven_inputs' state: the models joined ranks stand in for, and how
+  // many backwards this rank ran.
+  struct Join {
+    std::vector<Prepared*> models;
+    GroupPtr group;
+    int64_t steps = 0;
+    bool includes(const Prepared* m) const { return std::find(models.begin(), models.end(), m) != models.end(); }
+  };
+  // One all_reduce per backward inside join_uneven_inputs, matched on joined
+  // ranks: [ranks still training, then per model the ranks syncing it].
+  std::vector<int64_t> join_signal(int64_t active) {
+    std::vector<int64_t> signal{active};
+    for (const Prepared* m : join_->models) signal.push_back(active && m->sync ? 1 : 0);
+    join_->steps += active;
+    return all_reduce(std::move(signal), ReduceOp::SUM, join_->group);
+  }
+  template <class... ModuleHolders>
+  SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
+    SyncGuard guard;
+    (
+        [&] {
+          if (Prepared* p = find(models.ptr().get())) guard.set(p->sync, sync);
+        }(),
+        ...);
+    return guard;
+  }
+  static std::string numbered(const std::string& stem, std::size_t i) {
+    return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
+  }
+  bool sharded() const {
+    return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
+           interface_->get_world_size(Dim::MP_SHARD) > 1;
+  }
+  // FULL_SHARD's units under `module` (see auto_wrap_policy).
+  void choose_units(torch::nn::Module& module, const std::string& prefix,
+                    std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
+    for (const auto& child : module.named_children()) {
+      const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
+      const bool unit = config_.auto_wrap_policy ? config_.auto_wrap_policy(name, *child.value())
+                                                 : !child.value()->parameters(/*recurse=*/false).empty();
+      if (unit) units.push_back(child.value());
+      else choose_units(*child.value(), name, units);
+    }
+  }
+  // The fully sharded parameters of every prepared model (or of `module`)
+  // gathered for as long as the result lives (a collective: every process).
+  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
+                                                            bool writeback = false) {
+    std::vector<DataParallel::FullParameters> out;
+    for (auto& m : models_)
+      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
+    return out;
+  }
+  // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
+  // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
+  std::string optimizer_file(std::size_t i) const {
+    const std::string name = numbered("optimizer", i);
+    if (sharded_->empty()) return name;
+    return name.substr(0, name.size() - 3) + "_rank" + std::to_string(process_index()) + ".pt";
+  }
+  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
+  // the others' own (into `whole`); parameters without one are left out.
+  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
+                     std::vector<at::Tensor>& whole) const {
+    for (const auto& p : parameters) {
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded_)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
+    }
+  }
+
+  AcceleratorConfig config_;
+  DistributedInterface* interface_ = nullptr;
+  c10::Device device_{c10::kCPU};
+  std::deque<Prepared> models_;  // a deque: guards hold pointers to the flags
+  // The sharded models' DataParallels (shared with the optimizers' handles, which gather after a step).
+  std::shared_ptr<std::vector<DataParallel*>> sharded_ = std::make_shared<std::vector<DataParallel*>>();
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
+  int64_t step_ = 0;
+  std::vector<std::shared_ptr<detail::LoaderPosition>> loaders_;  // prepared loaders' places, in prepare order
+  struct Registered {
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<Registered> objects_;  // register_for_checkpointing
+  // A prepared scheduler in checkpoints: its step count, and its own
+  // save/load where it has them. LibTorch's LRScheduler has neither (its
+  // step count is protected): load_state replays the missing steps on it,
+  // before the optimizers' learning rates are restored.
+  struct PreparedScheduler {
+    const void* address;
+    std::shared_ptr<int64_t> steps;
+    std::function<void()> step;
+    std::function<void(torch::serialize::OutputArchive&)> save;
+    std::function<void(torch::serialize::InputArchive&)> load;
+  };
+  std::vector<PreparedScheduler> schedulers_;
+  int64_t trigger_ = 0;
+  std::optional<Join> join_;
+};
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,292 @@
+// accel/training/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
+//
+// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
+// weights trained here load in Python and the reverse: an 8-byte
+// little-endian header length, a JSON header {"__metadata__": {...},
+// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
+// little-endian and row-major, offsets counted from the end of the header.
+// LibTorch reads and writes neither the format nor JSON in its public
+// headers, so the few lines here are ours: a writer, and a reader for the
+// JSON subset the format uses, which checks everything it is given.
+#pragma once
+
+#include "accel/training/checkpoint_files.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
+    {at::kDouble, "F64"},
+    {at::kFloat, "F32"},
+    {at::kHalf, "F16"},
+    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},
+    {at::kInt, "I32"},
+    {at::kShort, "I16"},
+    {at::kChar, "I8"},
+    {at::kByte, "U8"},
+    {at::kBool, "BOOL"},
+}};
+
+// A JSON value: what the safetensors header and index hold.
+struct Json {
+  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
+  std::string text;  // a string's value, a number's digits
+  std::vector<Json> items;
+  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
+  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
+  const Json* find(std::string_view key) const {
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (keys[i] == key) return &values[i];
+    return nullptr;
+  }
+};
+
+class JsonReader {
+ public:
+  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
+  Json document() {
+    Json value = parse(0);
+    skip_space();
+    if (i_ != text_.size()) fail("text after the JSON value");
+    return value;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
+  }
+  void skip_space() {
+    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
+  }
+  bool take(char c) {
+    skip_space();
+    if (i_ < text_.size() && text_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!take(c)) fail(std::string("expected '") + c + "'");
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= text_.size()) fail("unterminated string");
+      const char c = text_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= text_.size()) fail("unterminated escape");
+      const char e = text_[i_++];
+      switch (e) {
+        case '"': case '\\': case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          if (i_ + 4 > text_.size()) fail("short \\u escape");
+          unsigned code = 0;
+          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
+          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
+          i_ += 4;
+          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
+          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
+          else if (code < 0x800) out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else
+            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
+                    static_cast<char>(0x80 | (code & 0x3F))};
+          break;
+        }
+        default: fail("bad escape");
+      }
+    }
+  }
+  Json parse(int depth) {
+    if (depth > 32) fail("nested too deep");
+    skip_space();
+    if (i_ >= text_.size()) fail("unexpected end");
+    Json v;
+    const char c = text_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = Json::Kind::Object;
+      if (take('}')) return v;
+      do {
+        skip_space();
+        std::string key = string();
+        expect(':');
+        v.keys.push_back(std::move(key));
+        v.values.push_back(parse(depth + 1));
+      } while (take(','));
+      expect('}');
+    } else if (c == '[') {
+      ++i_;
+      v.kind = Json::Kind::Array;
+      if (take(']')) return v;
+      do v.items.push_back(parse(depth + 1));
+      while (take(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = Json::Kind::String;
+      v.text = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      v.kind = Json::Kind::Number;
+      const std::size_t start = i_;
+      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
+      v.text = std::string(text_.substr(start, i_ - start));
+    } else {
+      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
+                                        std::pair{"null", Json::Kind::Null}})
+        if (text_.substr(i_, std::strlen(word)) == word) {
+          i_ += std::strlen(word);
+          v.kind = kind;
+          v.text = word;
+          return v;
+        }
+      fail("unexpected character");
+    }
+    return v;
+  }
+
+  std::string_view text_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+inline std::string json_quote(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += {'\\', c};
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += escape;
+    } else out += c;
+  }
+  return out + "\"";
+}
+
+inline int64_t json_uint(const Json& v, const std::string& what) {
+  int64_t value = -1;
+  if (v.kind == Json::Kind::Number) {
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
+    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
+  }
+  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
+  return value;
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous).
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  static_assert(std::endian::native == std::endian::little, "safetensors is little-endian; so is every host LibTorch runs on");
+  std::string header = R"({"__metadata__":{"format":"pt"})";
+  uint64_t offset = 0;
+  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
+    const std::string& name = named.first;
+    const at::Tensor& tensor = named.second;
+    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
+    if (dtype == safetensors_dtypes.end())
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" +
+                            c10::toString(tensor.scalar_type()) + ")");
+    std::string shape;
+    for (const int64_t d : tensor.sizes()) {
+      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
+      shape += std::to_string(d);
+    }
+    const uint64_t bytes = tensor.numel() * tensor.element_size();
+    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  write_file_atomically(path, [&](std::ofstream& out) {
+    const uint64_t length = header.size();
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    for (const auto& named : tensors) {
+      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    }
+  });
+}
+
+// The tensors a safetensors file holds, each checked (dtype, shape, offsets
+// inside the file and matching the size, no overlap), read whole.
+inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+  const std::string where = path.string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RuntimeError("missing " + where);
+  const uint64_t file_size = fs::file_size(path);
+  uint64_t length = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
+    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
+  if (length > file_size - 8 || length > (uint64_t{100} << 20))
+    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
+                       " bytes in a file of " + std::to_string(file_size) + ")");
+  std::string header(length, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(length));
+  const Json doc = JsonReader(header, where).document();
+  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
+  const uint64_t data_size = file_size - 8 - length;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
+    const std::string& name = doc.keys[field];
+    const Json& entry = doc.values[field];
+    if (name == "__metadata__") continue;
+    const std::string what = where + ": tensor " + name;
+    const Json* dtype = entry.find("dtype");
+    const Json* shape = entry.find("shape");
+    const Json* offsets = entry.find("data_offsets");
+    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
+        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
+      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
+    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.second == dtype->text; });
+    if (known == safetensors_dtypes.end()) throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    std::vector<int64_t> sizes;
+    for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
+    const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");
+    const int64_t end = json_uint(offsets->items[1], what + "'s data_offsets");
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(known->first));
+    const auto bytes = static_cast<int64_t>(t.numel() * t.element_size());
+    if (end < begin || static_cast<uint64_t>(end) > data_size || end - begin != bytes)
+      throw RuntimeError(what + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
+                         std::to_string(data_size));
+    in.seekg(static_cast<std::streamoff>(8 + length + begin));
+    if (!in.read(static_cast<char*>(t.data_ptr()), bytes)) throw RuntimeError("cannot read " + what);
+    ranges.emplace_back(begin, end);
+    out.emplace_back(name, std::move(t));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
+  return out;
+}
+
+// A model's state_dict as Python makes it: dotted names, in its order (each
+// module's parameters, then its buffers, then its children's).
+inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& m : module.named_modules()) {
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
+    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
+  }
+  return out;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Assembles accel.hpp, the one file users copy, from the parts under include/accel/.
+
+    python3 tools/amalgamate.py          write accel.hpp
+    python3 tools/amalgamate.py --check  exit 1 if accel.hpp differs from what the
+                                         parts give, naming the first part that differs
+
+tools/accel.hpp.in is the frame: the single header's first lines and the guards of
+its three tiers. There, `@contents@` becomes a list of every part with its title,
+and `@parts TIER@` becomes the parts that include/accel/TIER.hpp lists, in that
+order. Each part is inlined once, under a banner "// == accel/TIER/NAME.hpp",
+without its `#pragma once` and without its includes of other parts.
+
+A part starts with the line "// accel/TIER/NAME.hpp: its title." and includes the
+parts it uses. A part may include only parts listed before it, so the order is a
+dependency order and there is no cycle; anything else stops the script with the
+reason. The standard library only: this runs wherever the tests do.
+"""
+import argparse
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+INCLUDE = ROOT / "include"
+TIERS = ("core", "distributed", "training")
+PART_INCLUDE = re.compile(r'^#include "(accel/[^"]+)"\s*$')
+BANNER_WIDTH = 80
+
+
+class PartError(Exception):
+    pass
+
+
+def tier_parts(tier):
+    """The parts include/accel/TIER.hpp lists, in its order."""
+    umbrella = INCLUDE / "accel" / f"{tier}.hpp"
+    listed = []
+    for line in umbrella.read_text().splitlines():
+        m = PART_INCLUDE.match(line)
+        if m and m.group(1).startswith(f"accel/{tier}/"):
+            listed.append(m.group(1))
+    on_disk = sorted(f"accel/{tier}/{p.name}" for p in (INCLUDE / "accel" / tier).glob("*.hpp"))
+    unlisted = sorted(set(on_disk) - set(listed))
+    if unlisted:
+        raise PartError(f"{umbrella.relative_to(ROOT)} does not list {', '.join(unlisted)}")
+    if len(set(listed)) != len(listed):
+        raise PartError(f"{umbrella.relative_to(ROOT)} lists a part twice")
+    return listed
+
+
+def read_part(name, earlier):
+    """A part's title and its lines as they go into accel.hpp."""
+    path = INCLUDE / name
+    lines = path.read_text().splitlines()
+    title = re.match(rf"^// {re.escape(name)}: (.+?)\.?$", lines[0] if lines else "")
+    if not title:
+        raise PartError(f"include/{name}: the first line must be '// {name}: <what it holds>.'")
+    if "#pragma once" not in lines:
+        raise PartError(f"include/{name}: no #pragma once")
+    body = []
+    for number, line in enumerate(lines, 1):
+        if line == "#pragma once":
+            continue
+        m = PART_INCLUDE.match(line)
+        if m:
+            if m.group(1) not in earlier:
+                raise PartError(f"include/{name}:{number}: includes {m.group(1)}, which is not listed before it "
+                                f"(a cycle, or a part out of order in its tier's umbrella header)")
+            continue
+        body.append(line)
+    text = "\n".join(body)
+    text = re.sub(r"\n{3,}", "\n\n", text).strip("\n")  # the blank lines the includes leave
+    return title.group(1), text.split("\n")
+
+
+def assemble():
+    """accel.hpp's lines, and for each line the file it came from."""
+    frame_path = ROOT / "tools" / "accel.hpp.in"
+    parts = {}  # name -> (title, lines), in order
+    for tier in TIERS:
+        for name in tier_parts(tier):
+            parts[name] = read_part(name, set(parts))
+    out, origin = [], []
+
+    def emit(lines, source):
+        out.extend(lines)
+        origin.extend([source] * len(lines))
+
+    for line in frame_path.read_text().splitlines():
+        if line == "@contents@":
+            width = max(len(name) for name in parts) + 2
+            for tier in TIERS:
+                emit([f"//   {tier}:"], "tools/accel.hpp.in")
+                for name, (title, _) in parts.items():
+                    if name.startswith(f"accel/{tier}/"):
+                        emit([f"//     {name.ljust(width)}{title}"], name)
+        elif re.match(r"^@parts (\w+)@$", line):
+            tier = line[len("@parts "):-1]
+            first = True
+            for name, (_, lines) in parts.items():
+                if not name.startswith(f"accel/{tier}/"):
+                    continue
+                if not first:
+                    emit([""], name)
+                first = False
+                banner = f"// == {name} "
+                emit([banner + "=" * max(3, BANNER_WIDTH - len(banner))], name)
+                emit(lines, name)
+        else:
+            emit([line], "tools/accel.hpp.in")
+    return out, origin
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with accel.hpp instead of writing it")
+    parser.add_argument("--output", default=str(ROOT / "accel.hpp"))
+    args = parser.parse_args()
+    try:
+        lines, origin = assemble()
+    except PartError as e:
+        print(f"amalgamate: {e}", file=sys.stderr)
+        return 2
+    text = "\n".join(lines) + "\n"
+    output = pathlib.Path(args.output)
+    if not args.check:
+        output.write_text(text)
+        return 0
+    committed = output.read_text().splitlines() if output.exists() else []
+    for number, (want, have) in enumerate(zip(lines, committed), 1):
+        if want != have:
+            break
+    else:
+        if len(lines) == len(committed):
+            print(f"amalgamate: {output.name} is what the parts give ({len(lines)} lines)")
+            return 0
+        number = min(len(lines), len(committed)) + 1
+    source = origin[min(number, len(origin)) - 1]
+    print(f"amalgamate: {output.name} differs from the parts at its line {number}, in {source}:\n"
+          f"  parts give: {lines[number - 1] if number <= len(lines) else '(end of file)'}\n"
+          f"  file has:   {committed[number - 1] if number <= len(committed) else '(end of file)'}\n"
+          f"accel.hpp is generated: edit include/accel/ (or tools/accel.hpp.in), then run "
+          f"python3 tools/amalgamate.py", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
