@@ -2029,9 +2029,9 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 // What every accel::Work holds whatever its result: the operation's group
 // (kept alive while it runs) and c10d Work, and how to tell completion.
-class InFlight {
+class WorkCore {
  public:
-  InFlight(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
+  WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
     // Gloo's send and recv report completion only from inside wait() (their
     // isCompleted() stays false until then, and a wait with a timeout that
@@ -2040,9 +2040,9 @@ class InFlight {
     const std::string_view name = op;
     watched_ = work_ && group_->getBackendName() == "gloo" && (name == "send" || name == "recv");
   }
-  InFlight(const InFlight&) = delete;
-  InFlight& operator=(const InFlight&) = delete;
-  virtual ~InFlight() = default;  // a watcher thread is joined by its future
+  WorkCore(const WorkCore&) = delete;
+  WorkCore& operator=(const WorkCore&) = delete;
+  virtual ~WorkCore() = default;  // a watcher thread is joined by its future
 
   bool completed() {
     if (!work_) return true;
@@ -2100,16 +2100,16 @@ class InFlight {
 };
 
 template <class R>
-class Flight : public InFlight {
+class WorkOf : public WorkCore {
  public:
-  using InFlight::InFlight;
+  using WorkCore::WorkCore;
   virtual R land() = 0;
 };
 template <class R, class Land>
-class FlightOf final : public Flight<R> {
+class PendingWork final : public WorkOf<R> {
  public:
-  explicit FlightOf(Pending<Land>&& pending)
-      : Flight<R>(pending.group, pending.op, std::move(pending.work)), land_(std::move(pending.land)) {}
+  explicit PendingWork(Pending<Land>&& pending)
+      : WorkOf<R>(pending.group, pending.op, std::move(pending.work)), land_(std::move(pending.land)) {}
   R land() override { return land_(); }
 
  private:
@@ -2138,7 +2138,7 @@ class Work {
   Work() = default;
   template <class Land>
   explicit Work(detail::Pending<Land> pending)
-      : flight_(std::make_unique<detail::FlightOf<R, Land>>(std::move(pending))) {}
+      : flight_(std::make_unique<detail::PendingWork<R, Land>>(std::move(pending))) {}
   Work(Work&&) noexcept = default;
   Work& operator=(Work&& other) noexcept {
     if (this != &other) {
@@ -2151,7 +2151,7 @@ class Work {
 
   bool valid() const noexcept { return flight_ != nullptr; }
   R wait() {
-    std::unique_ptr<detail::Flight<R>> flight = std::move(flight_);
+    std::unique_ptr<detail::WorkOf<R>> flight = std::move(flight_);
     if (!flight) throw_empty("wait");
     flight->wait();
     return flight->land();
@@ -2181,7 +2181,7 @@ class Work {
     flight_.reset();
   }
 
-  std::unique_ptr<detail::Flight<R>> flight_;
+  std::unique_ptr<detail::WorkOf<R>> flight_;
 };
 
 ACCEL_NAMESPACE_END
@@ -2195,13 +2195,13 @@ namespace detail {
 // Keeps `owner` (a boxed copy of the caller's data that c10d reads in place)
 // until the operation lands.
 template <class Land, class Owner>
-auto keeping(Pending<Land> pending, Owner owner) {
+auto keep_until_landed(Pending<Land> pending, Owner owner) {
   return then(std::move(pending), [owner = std::move(owner)](auto&&... result) {
     return (std::move(result), ...);
   });
 }
 template <class T>
-auto boxed(const T& data) {
+auto copy_for_async(const T& data) {
   return std::make_unique<T>(data);
 }
 
@@ -2390,9 +2390,9 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
   if constexpr (std::same_as<T, at::Tensor>) {
     return Work<R>(detail::start_all_gather(*g, data));
   } else {
-    auto box = detail::boxed(data);
+    auto box = detail::copy_for_async(data);
     auto pending = detail::start_all_gather(*g, *box);
-    return Work<R>(detail::keeping(std::move(pending), std::move(box)));
+    return Work<R>(detail::keep_until_landed(std::move(pending), std::move(box)));
   }
 }
 // all_gather into a tensor the caller owns, of shape (group_size, *input's
@@ -2920,9 +2920,9 @@ Work<void> isend(const T& data, int dst, const GroupPtr& group = {}, int tag = 0
   if constexpr (std::same_as<T, at::Tensor>) {
     return Work<void>(detail::start_send_data(*g, data, dst, tag));  // keeps a contiguous copy or the tensor itself
   } else {
-    auto box = detail::boxed(data);
+    auto box = detail::copy_for_async(data);
     auto pending = detail::start_send_data(*g, *box, dst, tag);
-    return Work<void>(detail::keeping(std::move(pending), std::move(box)));
+    return Work<void>(detail::keep_until_landed(std::move(pending), std::move(box)));
   }
 }
 
@@ -3305,7 +3305,7 @@ inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, 
 // arrival wait) and fails at once. Debug mode must be alike on every rank
 // (it adds collectives). Four store round trips; on timeout the error names
 // the ranks that never arrived.
-inline void meet(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
+inline void wait_for_every_rank(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
                  std::chrono::seconds timeout) {
   const std::string mine = std::to_string(world);
   const std::vector<uint8_t> bytes(mine.begin(), mine.end());
@@ -3349,22 +3349,22 @@ inline void meet(c10d::Store& store, const std::string& prefix, int rank, int wo
 }
 
 // The store (kept from an earlier rendezvous, or connected now) and a fresh
-// key prefix, after meet(): all within the timeout (plus 5 s), whatever the
+// key prefix, after wait_for_every_rank(): all within the timeout (plus 5 s), whatever the
 // store does. c10d's store clients wait for an answer without a timeout of
 // their own (a TCPStore client connecting to, or a compareSet sent to, a
 // serving rank that is stopped never returns), so the work runs on a thread
 // of its own (run_within), abandoned (with the kept store) when it overruns.
-struct Met {
+struct Rendezvoused {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
 };
-inline Met rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
+inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
   auto connected = std::make_shared<std::atomic<bool>>(false);
-  std::optional<Met> met = run_within<Met>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
-    Met made;
+  std::optional<Rendezvoused> met = run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
+    Rendezvoused made;
     made.store = connect(address, rank, world, timeout, made.prefix);
     connected->store(true);
-    meet(*made.store, made.prefix, rank, world, debug, timeout);
+    wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
     return made;
   });
   if (!met) {
@@ -3927,7 +3927,7 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       // (No structured binding: clang before 16 cannot capture one in the lambda below.)
-      detail::Met met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
+      detail::Rendezvoused met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
       store_ = met.store;
       address_ = address;
       prefix_ = met.prefix;
@@ -5576,7 +5576,7 @@ class DataParallel {
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
-    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) launch(*state_, b);
+    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) issue_bucket(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
     if (state_->shard) {
@@ -6119,7 +6119,7 @@ class DataParallel {
 
   // Flattens a bucket's gradients and used-flags (pre-divided by the group
   // size, as DDP does) and issues its all-reduce without waiting.
-  static void launch(State& state, std::size_t b) {
+  static void issue_bucket(State& state, std::size_t b) {
     Bucket& bucket = state.buckets[b];
     at::NoGradGuard no_grad;
     const std::size_t n = bucket.params.size();
@@ -6274,7 +6274,7 @@ class DataParallel {
       ++s.fired;
       if (++bucket.ready == bucket.params.size())
         while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
-          launch(s, s.next++);
+          issue_bucket(s, s.next++);
       return outputs;
     }
     std::shared_ptr<State> state_;
@@ -6630,8 +6630,8 @@ struct LoaderPosition {
   }
   // After each read: a batch was handed out; after the last one (or none)
   // the pass is over, and a resumed run starts with the next epoch.
-  template <class Share>
-  void count(const std::optional<Share>& share) {
+  template <class Portion>  // a detail::RankBatch
+  void count(const std::optional<Portion>& share) {
     if (share) ++handed_out;
     if (!share || share->last) in_pass = false;
   }
@@ -6866,7 +6866,7 @@ B batch_from_ivalue(const c10::IValue& v) {
 
 // One batch of a pass, as a prepared loader hands it out.
 template <class Batch>
-struct Share {
+struct RankBatch {
   Batch batch;
   size_t real;  // rows that are not repeats
   bool last;    // the pass's last batch
@@ -6893,7 +6893,7 @@ class Dispatcher {
     starting_ = true;
   }
 
-  std::optional<Share<Batch>> read() {
+  std::optional<RankBatch<Batch>> read() {
     enum : int64_t { END = 0, BATCH = 1, LAST = 2, FAILED = 3 };
     c10d::ProcessGroup& group = *group_;
     const int processes = group.getSize();
@@ -6906,14 +6906,14 @@ class Dispatcher {
         throw DistributedError("accel: the main process could not make this process's batch (dispatch_batches): " +
                                fields[1].toStringRef());
       if (status == END) return std::nullopt;
-      return Share<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
+      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
     }
     std::vector<std::vector<char>> pieces(static_cast<std::size_t>(processes));
     auto to_all = [&](const c10::IValue& message) {
       const std::vector<char> bytes = save_object(message);
       for (int p = 1; p < processes; ++p) pieces[p] = bytes;
     };
-    std::optional<Share<Batch>> mine;
+    std::optional<RankBatch<Batch>> mine;
     try {
       if (std::exchange(starting_, false)) ahead_ = source_();
       if (!ahead_) {
@@ -6938,7 +6938,7 @@ class Dispatcher {
           Batch piece = batch_slice(global, p * rows, (p + 1) * rows);
           const size_t real = observed > p * rows ? std::min(rows, observed - p * rows) : 0;
           if (p == 0) {
-            mine = Share<Batch>{std::move(piece), real, last};
+            mine = RankBatch<Batch>{std::move(piece), real, last};
           } else {
             pieces[p] = save_object(tuple_of(
                 {c10::IValue(int64_t{last ? LAST : BATCH}), c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
@@ -6991,7 +6991,7 @@ class PassIterator {
   PassIterator() = default;  // end()
   PassIterator(Loader* loader, Pass pass) : loader_(loader), pass_(std::move(pass)) { current_ = loader_->next(); }
   Loader* loader_ = nullptr;
-  std::optional<Share<Batch>> current_;
+  std::optional<RankBatch<Batch>> current_;
   Pass pass_;
 };
 
@@ -7138,13 +7138,13 @@ class PreparedDataLoader {
       return std::nullopt;
     }
   }
-  std::optional<detail::Share<Batch>> next() {
-    std::optional<detail::Share<Batch>> share;
+  std::optional<detail::RankBatch<Batch>> next() {
+    std::optional<detail::RankBatch<Batch>> share;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) share = dispatcher_->read();
     if (!dispatcher_)
       if (auto batch = local_batch())
-        share = detail::Share<Batch>{std::move(batch->first), batch->second, index_ == batches_};
+        share = detail::RankBatch<Batch>{std::move(batch->first), batch->second, index_ == batches_};
     position_->count(share);
     return share;
   }
@@ -7228,8 +7228,8 @@ class PreparedIterableDataLoader {
 
  private:
   friend Iterator;
-  std::optional<detail::Share<Batch>> next() {
-    std::optional<detail::Share<Batch>> current;
+  std::optional<detail::RankBatch<Batch>> next() {
+    std::optional<detail::RankBatch<Batch>> current;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) current = dispatcher_->read();
     if (!dispatcher_) {
@@ -7260,15 +7260,15 @@ class PreparedIterableDataLoader {
   }
 
   // This process's slice of the next global batch (IterableDatasetShard.__iter__).
-  std::optional<detail::Share<Batch>> slice() {
+  std::optional<detail::RankBatch<Batch>> slice() {
     std::optional<Batch> global = global_batch();
     if (!global) return std::nullopt;
     const size_t real_size = global->size();
-    if (processes_ == 1) return detail::Share<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
+    if (processes_ == 1) return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
     if (first_.empty()) first_ = *global;
     while (global->size() < global_) global->insert(global->end(), first_.begin(), first_.end());
     const size_t begin = rank_ * local_;
-    return detail::Share<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
+    return detail::RankBatch<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
                                       global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
                                 real_size > begin ? std::min(local_, real_size - begin) : 0, false};
   }
@@ -7278,7 +7278,7 @@ class PreparedIterableDataLoader {
   bool drop_last_;
   Batch first_;
   bool done_ = false;
-  std::optional<detail::Share<Batch>> ahead_;
+  std::optional<detail::RankBatch<Batch>> ahead_;
   std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
   std::shared_ptr<detail::LoaderState> state_;
   std::shared_ptr<detail::GradientState> gradient_state_;
@@ -9178,11 +9178,11 @@ class Accelerator {
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;
   std::vector<std::shared_ptr<detail::LoaderPosition>> loaders_;  // prepared loaders' places, in prepare order
-  struct Registered {
+  struct CheckpointedObject {
     std::function<void(torch::serialize::OutputArchive&)> save;
     std::function<void(torch::serialize::InputArchive&)> load;
   };
-  std::vector<Registered> objects_;  // register_for_checkpointing
+  std::vector<CheckpointedObject> objects_;  // register_for_checkpointing
   // A prepared scheduler in checkpoints: its step count, and its own
   // save/load where it has them. LibTorch's LRScheduler has neither (its
   // step count is protected): load_state replays the missing steps on it,

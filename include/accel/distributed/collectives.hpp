@@ -9,13 +9,13 @@ namespace detail {
 // Keeps `owner` (a boxed copy of the caller's data that c10d reads in place)
 // until the operation lands.
 template <class Land, class Owner>
-auto keeping(Pending<Land> pending, Owner owner) {
+auto keep_until_landed(Pending<Land> pending, Owner owner) {
   return then(std::move(pending), [owner = std::move(owner)](auto&&... result) {
     return (std::move(result), ...);
   });
 }
 template <class T>
-auto boxed(const T& data) {
+auto copy_for_async(const T& data) {
   return std::make_unique<T>(data);
 }
 
@@ -204,9 +204,9 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
   if constexpr (std::same_as<T, at::Tensor>) {
     return Work<R>(detail::start_all_gather(*g, data));
   } else {
-    auto box = detail::boxed(data);
+    auto box = detail::copy_for_async(data);
     auto pending = detail::start_all_gather(*g, *box);
-    return Work<R>(detail::keeping(std::move(pending), std::move(box)));
+    return Work<R>(detail::keep_until_landed(std::move(pending), std::move(box)));
   }
 }
 // all_gather into a tensor the caller owns, of shape (group_size, *input's

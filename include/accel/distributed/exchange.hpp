@@ -497,9 +497,9 @@ Work<void> isend(const T& data, int dst, const GroupPtr& group = {}, int tag = 0
   if constexpr (std::same_as<T, at::Tensor>) {
     return Work<void>(detail::start_send_data(*g, data, dst, tag));  // keeps a contiguous copy or the tensor itself
   } else {
-    auto box = detail::boxed(data);
+    auto box = detail::copy_for_async(data);
     auto pending = detail::start_send_data(*g, *box, dst, tag);
-    return Work<void>(detail::keeping(std::move(pending), std::move(box)));
+    return Work<void>(detail::keep_until_landed(std::move(pending), std::move(box)));
   }
 }
 

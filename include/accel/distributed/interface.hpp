@@ -205,7 +205,7 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       // (No structured binding: clang before 16 cannot capture one in the lambda below.)
-      detail::Met met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
+      detail::Rendezvoused met = detail::rendezvous(address, rank_, world_size_, debug, config.timeout);
       store_ = met.store;
       address_ = address;
       prefix_ = met.prefix;

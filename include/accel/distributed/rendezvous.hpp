@@ -289,7 +289,7 @@ inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, 
 // arrival wait) and fails at once. Debug mode must be alike on every rank
 // (it adds collectives). Four store round trips; on timeout the error names
 // the ranks that never arrived.
-inline void meet(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
+inline void wait_for_every_rank(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
                  std::chrono::seconds timeout) {
   const std::string mine = std::to_string(world);
   const std::vector<uint8_t> bytes(mine.begin(), mine.end());
@@ -333,22 +333,22 @@ inline void meet(c10d::Store& store, const std::string& prefix, int rank, int wo
 }
 
 // The store (kept from an earlier rendezvous, or connected now) and a fresh
-// key prefix, after meet(): all within the timeout (plus 5 s), whatever the
+// key prefix, after wait_for_every_rank(): all within the timeout (plus 5 s), whatever the
 // store does. c10d's store clients wait for an answer without a timeout of
 // their own (a TCPStore client connecting to, or a compareSet sent to, a
 // serving rank that is stopped never returns), so the work runs on a thread
 // of its own (run_within), abandoned (with the kept store) when it overruns.
-struct Met {
+struct Rendezvoused {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
 };
-inline Met rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
+inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
   auto connected = std::make_shared<std::atomic<bool>>(false);
-  std::optional<Met> met = run_within<Met>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
-    Met made;
+  std::optional<Rendezvoused> met = run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
+    Rendezvoused made;
     made.store = connect(address, rank, world, timeout, made.prefix);
     connected->store(true);
-    meet(*made.store, made.prefix, rank, world, debug, timeout);
+    wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
     return made;
   });
   if (!met) {

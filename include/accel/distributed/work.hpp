@@ -12,9 +12,9 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 // What every accel::Work holds whatever its result: the operation's group
 // (kept alive while it runs) and c10d Work, and how to tell completion.
-class InFlight {
+class WorkCore {
  public:
-  InFlight(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
+  WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
     // Gloo's send and recv report completion only from inside wait() (their
     // isCompleted() stays false until then, and a wait with a timeout that
@@ -23,9 +23,9 @@ class InFlight {
     const std::string_view name = op;
     watched_ = work_ && group_->getBackendName() == "gloo" && (name == "send" || name == "recv");
   }
-  InFlight(const InFlight&) = delete;
-  InFlight& operator=(const InFlight&) = delete;
-  virtual ~InFlight() = default;  // a watcher thread is joined by its future
+  WorkCore(const WorkCore&) = delete;
+  WorkCore& operator=(const WorkCore&) = delete;
+  virtual ~WorkCore() = default;  // a watcher thread is joined by its future
 
   bool completed() {
     if (!work_) return true;
@@ -83,16 +83,16 @@ class InFlight {
 };
 
 template <class R>
-class Flight : public InFlight {
+class WorkOf : public WorkCore {
  public:
-  using InFlight::InFlight;
+  using WorkCore::WorkCore;
   virtual R land() = 0;
 };
 template <class R, class Land>
-class FlightOf final : public Flight<R> {
+class PendingWork final : public WorkOf<R> {
  public:
-  explicit FlightOf(Pending<Land>&& pending)
-      : Flight<R>(pending.group, pending.op, std::move(pending.work)), land_(std::move(pending.land)) {}
+  explicit PendingWork(Pending<Land>&& pending)
+      : WorkOf<R>(pending.group, pending.op, std::move(pending.work)), land_(std::move(pending.land)) {}
   R land() override { return land_(); }
 
  private:
@@ -121,7 +121,7 @@ class Work {
   Work() = default;
   template <class Land>
   explicit Work(detail::Pending<Land> pending)
-      : flight_(std::make_unique<detail::FlightOf<R, Land>>(std::move(pending))) {}
+      : flight_(std::make_unique<detail::PendingWork<R, Land>>(std::move(pending))) {}
   Work(Work&&) noexcept = default;
   Work& operator=(Work&& other) noexcept {
     if (this != &other) {
@@ -134,7 +134,7 @@ class Work {
 
   bool valid() const noexcept { return flight_ != nullptr; }
   R wait() {
-    std::unique_ptr<detail::Flight<R>> flight = std::move(flight_);
+    std::unique_ptr<detail::WorkOf<R>> flight = std::move(flight_);
     if (!flight) throw_empty("wait");
     flight->wait();
     return flight->land();
@@ -164,7 +164,7 @@ class Work {
     flight_.reset();
   }
 
-  std::unique_ptr<detail::Flight<R>> flight_;
+  std::unique_ptr<detail::WorkOf<R>> flight_;
 };
 
 ACCEL_NAMESPACE_END

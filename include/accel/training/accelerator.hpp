@@ -1087,11 +1087,11 @@ class Accelerator {
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;
   std::vector<std::shared_ptr<detail::LoaderPosition>> loaders_;  // prepared loaders' places, in prepare order
-  struct Registered {
+  struct CheckpointedObject {
     std::function<void(torch::serialize::OutputArchive&)> save;
     std::function<void(torch::serialize::InputArchive&)> load;
   };
-  std::vector<Registered> objects_;  // register_for_checkpointing
+  std::vector<CheckpointedObject> objects_;  // register_for_checkpointing
   // A prepared scheduler in checkpoints: its step count, and its own
   // save/load where it has them. LibTorch's LRScheduler has neither (its
   // step count is protected): load_state replays the missing steps on it,

@@ -172,7 +172,7 @@ class DataParallel {
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
-    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) launch(*state_, b);
+    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) issue_bucket(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
     if (state_->shard) {
@@ -715,7 +715,7 @@ class DataParallel {
 
   // Flattens a bucket's gradients and used-flags (pre-divided by the group
   // size, as DDP does) and issues its all-reduce without waiting.
-  static void launch(State& state, std::size_t b) {
+  static void issue_bucket(State& state, std::size_t b) {
     Bucket& bucket = state.buckets[b];
     at::NoGradGuard no_grad;
     const std::size_t n = bucket.params.size();
@@ -870,7 +870,7 @@ class DataParallel {
       ++s.fired;
       if (++bucket.ready == bucket.params.size())
         while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
-          launch(s, s.next++);
+          issue_bucket(s, s.next++);
       return outputs;
     }
     std::shared_ptr<State> state_;

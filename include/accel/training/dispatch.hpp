@@ -174,7 +174,7 @@ B batch_from_ivalue(const c10::IValue& v) {
 
 // One batch of a pass, as a prepared loader hands it out.
 template <class Batch>
-struct Share {
+struct RankBatch {
   Batch batch;
   size_t real;  // rows that are not repeats
   bool last;    // the pass's last batch
@@ -201,7 +201,7 @@ class Dispatcher {
     starting_ = true;
   }
 
-  std::optional<Share<Batch>> read() {
+  std::optional<RankBatch<Batch>> read() {
     enum : int64_t { END = 0, BATCH = 1, LAST = 2, FAILED = 3 };
     c10d::ProcessGroup& group = *group_;
     const int processes = group.getSize();
@@ -214,14 +214,14 @@ class Dispatcher {
         throw DistributedError("accel: the main process could not make this process's batch (dispatch_batches): " +
                                fields[1].toStringRef());
       if (status == END) return std::nullopt;
-      return Share<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
+      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
     }
     std::vector<std::vector<char>> pieces(static_cast<std::size_t>(processes));
     auto to_all = [&](const c10::IValue& message) {
       const std::vector<char> bytes = save_object(message);
       for (int p = 1; p < processes; ++p) pieces[p] = bytes;
     };
-    std::optional<Share<Batch>> mine;
+    std::optional<RankBatch<Batch>> mine;
     try {
       if (std::exchange(starting_, false)) ahead_ = source_();
       if (!ahead_) {
@@ -246,7 +246,7 @@ class Dispatcher {
           Batch piece = batch_slice(global, p * rows, (p + 1) * rows);
           const size_t real = observed > p * rows ? std::min(rows, observed - p * rows) : 0;
           if (p == 0) {
-            mine = Share<Batch>{std::move(piece), real, last};
+            mine = RankBatch<Batch>{std::move(piece), real, last};
           } else {
             pieces[p] = save_object(tuple_of(
                 {c10::IValue(int64_t{last ? LAST : BATCH}), c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
@@ -299,7 +299,7 @@ class PassIterator {
   PassIterator() = default;  // end()
   PassIterator(Loader* loader, Pass pass) : loader_(loader), pass_(std::move(pass)) { current_ = loader_->next(); }
   Loader* loader_ = nullptr;
-  std::optional<Share<Batch>> current_;
+  std::optional<RankBatch<Batch>> current_;
   Pass pass_;
 };
 

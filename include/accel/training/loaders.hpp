@@ -121,13 +121,13 @@ class PreparedDataLoader {
       return std::nullopt;
     }
   }
-  std::optional<detail::Share<Batch>> next() {
-    std::optional<detail::Share<Batch>> share;
+  std::optional<detail::RankBatch<Batch>> next() {
+    std::optional<detail::RankBatch<Batch>> share;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) share = dispatcher_->read();
     if (!dispatcher_)
       if (auto batch = local_batch())
-        share = detail::Share<Batch>{std::move(batch->first), batch->second, index_ == batches_};
+        share = detail::RankBatch<Batch>{std::move(batch->first), batch->second, index_ == batches_};
     position_->count(share);
     return share;
   }
@@ -211,8 +211,8 @@ class PreparedIterableDataLoader {
 
  private:
   friend Iterator;
-  std::optional<detail::Share<Batch>> next() {
-    std::optional<detail::Share<Batch>> current;
+  std::optional<detail::RankBatch<Batch>> next() {
+    std::optional<detail::RankBatch<Batch>> current;
     if constexpr (detail::Dispatchable<Batch>)
       if (dispatcher_) current = dispatcher_->read();
     if (!dispatcher_) {
@@ -243,15 +243,15 @@ class PreparedIterableDataLoader {
   }
 
   // This process's slice of the next global batch (IterableDatasetShard.__iter__).
-  std::optional<detail::Share<Batch>> slice() {
+  std::optional<detail::RankBatch<Batch>> slice() {
     std::optional<Batch> global = global_batch();
     if (!global) return std::nullopt;
     const size_t real_size = global->size();
-    if (processes_ == 1) return detail::Share<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
+    if (processes_ == 1) return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
     if (first_.empty()) first_ = *global;
     while (global->size() < global_) global->insert(global->end(), first_.begin(), first_.end());
     const size_t begin = rank_ * local_;
-    return detail::Share<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
+    return detail::RankBatch<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
                                       global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
                                 real_size > begin ? std::min(local_, real_size - begin) : 0, false};
   }
@@ -261,7 +261,7 @@ class PreparedIterableDataLoader {
   bool drop_last_;
   Batch first_;
   bool done_ = false;
-  std::optional<detail::Share<Batch>> ahead_;
+  std::optional<detail::RankBatch<Batch>> ahead_;
   std::unique_ptr<detail::Dispatcher<Batch>> dispatcher_;
   std::shared_ptr<detail::LoaderState> state_;
   std::shared_ptr<detail::GradientState> gradient_state_;

@@ -316,8 +316,8 @@ struct LoaderPosition {
   }
   // After each read: a batch was handed out; after the last one (or none)
   // the pass is over, and a resumed run starts with the next epoch.
-  template <class Share>
-  void count(const std::optional<Share>& share) {
+  template <class Portion>  // a detail::RankBatch
+  void count(const std::optional<Portion>& share) {
     if (share) ++handed_out;
     if (!share || share->last) in_pass = false;
   }
