@@ -43,6 +43,7 @@
 //     accel/training/torch_nn.hpp            the LibTorch headers the training helpers need (<torch/torch.h>)
 //     accel/training/autograd.hpp            autograd-aware collectives (accel::autograd)
 //     accel/training/comm_hooks.hpp          communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/buckets.hpp             which gradients share a bucket (DDP's assignment, with FSDP units)
 //     accel/training/data_parallel.hpp       DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
 //     accel/training/sampler.hpp             data loading: ShardSampler and the loaders' shared state
 //     accel/training/dispatch.hpp            dispatch_batches: one rank reads, the others receive their slices
@@ -5405,6 +5406,92 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/buckets.hpp ===============================================
+// accel/training/buckets.hpp: which gradients share a bucket (DDP's assignment, with FSDP units).
+//
+// DataParallel averages gradients a bucket at a time, as backward produces
+// them. Which gradients share a bucket is decided once, here, by a pure
+// function of their dtypes, devices and sizes, so it can be tested in one
+// process against DDP's own cases (tests: "bucket assignment").
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// What the assignment needs to know of one gradient.
+struct BucketInput {
+  c10::ScalarType dtype = c10::kFloat;
+  c10::Device device = c10::kCPU;
+  int64_t bytes = 0;  // numel * element size
+  int64_t unit = -1;  // the FULL_SHARD unit it belongs to (-1: none)
+};
+
+struct BucketAssignment {
+  std::vector<std::vector<std::size_t>> buckets;  // indices of the inputs, ascending in each bucket
+  std::vector<int64_t> size_limits;               // the limit each bucket filled against (0: a unit's, none)
+};
+
+// torch's compute_bucket_assignment_by_size (c10d's reducer.cpp), for
+// gradients listed in the order backward produces them (DataParallel lists
+// the parameters reversed, as DDP does):
+// - gradients of one dtype and device share buckets; a bucket takes them
+//   until it holds at least its limit, then closes, so it ends with the
+//   gradient that filled it (a large layer does not wait alone for the end
+//   of backward);
+// - each dtype and device goes through size_limits in turn, the last one
+//   repeating (DDP passes 1 MiB, then bucket_cap_mb);
+// - buckets still open at the end are kept, and all are ordered by their
+//   first gradient: the order in which they complete.
+// One addition for FULL_SHARD: the gradients of a unit make buckets of
+// their own (one per dtype and device) with no limit, since a unit's
+// parameters are gathered and freed together.
+inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<BucketInput>& inputs,
+                                                          const std::vector<int64_t>& size_limits) {
+  if (size_limits.empty()) throw InvalidArgument("accel::DataParallel: bucket assignment needs a size limit");
+  for (int64_t limit : size_limits)
+    if (limit < 1) throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) +
+                                         " is not positive");
+  struct Open {
+    std::vector<std::size_t> indices;
+    int64_t bytes = 0;
+    std::size_t limit = 0;  // into size_limits
+  };
+  using Key = std::tuple<int, int, int, int64_t>;  // dtype, device type, device index, unit
+  std::map<Key, Open> open;
+  BucketAssignment out;
+  auto close = [&out, &size_limits](Open& bucket, bool unit) {
+    out.buckets.push_back(std::move(bucket.indices));
+    out.size_limits.push_back(unit ? 0 : size_limits[bucket.limit]);
+    bucket.indices.clear();
+    bucket.bytes = 0;
+  };
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const BucketInput& in = inputs[i];
+    Open& bucket = open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
+    bucket.indices.push_back(i);
+    bucket.bytes += in.bytes;
+    if (in.unit < 0 && bucket.bytes >= size_limits[bucket.limit]) {
+      close(bucket, false);
+      bucket.limit = std::min(bucket.limit + 1, size_limits.size() - 1);
+    }
+  }
+  for (auto& [key, bucket] : open)
+    if (!bucket.indices.empty()) close(bucket, std::get<3>(key) >= 0);
+  // Ordered by first index (the buckets are disjoint, so this is a total order).
+  std::vector<std::size_t> order(out.buckets.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&out](std::size_t a, std::size_t b) { return out.buckets[a].front() < out.buckets[b].front(); });
+  BucketAssignment sorted;
+  for (std::size_t k : order) {
+    sorted.buckets.push_back(std::move(out.buckets[k]));
+    sorted.size_limits.push_back(out.size_limits[k]);
+  }
+  return sorted;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/data_parallel.hpp =========================================
 // accel/training/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
 
@@ -5412,9 +5499,10 @@ ACCEL_NAMESPACE_BEGIN
 
 // Data parallelism for one module on one group, the DistributedDataParallel
 // design: parameters and buffers are broadcast from the group's rank 0;
-// gradients are averaged in buckets (the first at least 1 MiB, then at least
-// bucket_bytes, in reverse parameter order, roughly the order backward
-// produces them). A
+// gradients are averaged in buckets (DDP's assignment: one dtype and device
+// each, the first at least 1 MiB, then at least bucket_bytes, in reverse
+// parameter order, roughly the order backward produces them; see
+// accel/training/buckets.hpp). A
 // post-hook on each parameter's gradient accumulator marks it ready; a full
 // bucket is flattened and its all-reduce issued at once, asynchronously,
 // while backward goes on; finish() waits for them and writes the averages
@@ -5489,35 +5577,24 @@ class DataParallel {
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
     const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
-    // Buckets hold one dtype and device each; as in DDP's assignment, a
-    // bucket takes parameters until it holds at least its cap (so a bucket
-    // ends with the parameter that filled it: a large layer's gradient does
-    // not wait alone for the end of backward). A unit's parameters are a
-    // bucket of their own, whatever its size.
-    int64_t cap = kFirstBucketBytes;
-    bool open = false;
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      const at::Tensor& p = params[k];
-      auto& buckets = state_->buckets;
-      if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device() ||
-          buckets.back().unit != unit_of[k]) {
-        buckets.push_back(Bucket{.dtype = p.scalar_type(), .device = p.device(), .packing = detail::Packing(p.scalar_type())});
-        buckets.back().unit = unit_of[k];
-        if (unit_of[k] >= 0) state_->units[static_cast<std::size_t>(unit_of[k])].buckets.push_back(buckets.size() - 1);
-        open = true;
+    std::vector<detail::BucketInput> inputs;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      inputs.push_back({params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(),
+                        unit_of[k]});
+    for (const auto& indices : detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      const at::Tensor& first = params[indices.front()];
+      Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      bucket.unit = unit_of[indices.front()];
+      if (bucket.unit >= 0) state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      for (std::size_t k : indices) {
+        bucket.params.push_back(params[k]);
+        bucket.used.push_back(0);
+        bucket.seen.push_back(0);
+        bucket.packing.add(params[k]);
       }
-      buckets.back().params.push_back(p);
-      buckets.back().used.push_back(0);
-      buckets.back().seen.push_back(0);
-      buckets.back().packing.add(p);
-      if (unit_of[k] < 0 && buckets.back().packing.bytes() >= cap) {
-        open = false;
-        cap = bucket_bytes;
-      }
-    }
-    for (auto& bucket : state_->buckets) {
       bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) accumulators_.emplace_back();
+      accumulators_.resize(accumulators_.size() + bucket.params.size());
+      state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) make_shards();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {

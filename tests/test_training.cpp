@@ -2061,6 +2061,107 @@ TEST_SUITE("ranks") {
 }
 
 TEST_SUITE("single") {
+  // DDP's bucket assignment (torch's ComputeBucketAssignmentTest in
+  // test/distributed/test_c10d_common.py, with its expected values), then
+  // FULL_SHARD's units, then 300 random cases against the leg's own torch.
+  TEST_CASE("bucket assignment: DDP's compute_bucket_assignment_by_size cases, units, and Python's on random cases") {
+    using accel::detail::BucketInput;
+    auto f = [](int64_t n, int64_t unit = -1) { return BucketInput{at::kFloat, at::kCPU, 4 * n, unit}; };
+    auto d = [](int64_t n) { return BucketInput{at::kDouble, at::kCPU, 8 * n, -1}; };
+    using Buckets = std::vector<std::vector<std::size_t>>;
+    using Limits = std::vector<int64_t>;
+    auto assign = [](const std::vector<BucketInput>& in, const Limits& limits) {
+      return accel::detail::compute_bucket_assignment_by_size(in, limits);
+    };
+    {  // test_single_limit_single_dtype
+      const auto a = assign({f(100), f(200), f(100), f(50)}, {400});
+      CHECK(a.buckets == Buckets{{0}, {1}, {2}, {3}});
+      CHECK(a.size_limits == Limits{400, 400, 400, 400});
+    }
+    {  // test_single_limit_multi_dtype
+      const auto a = assign({f(50), d(25), f(50), d(25), f(50), d(25)}, {400});
+      CHECK(a.buckets == Buckets{{0, 2}, {1, 3}, {4}, {5}});
+      CHECK(a.size_limits == Limits{400, 400, 400, 400});
+    }
+    {  // test_multi_limit_single_dtype
+      const auto a = assign({f(10), f(10), f(10), f(10)}, {40, 80});
+      CHECK(a.buckets == Buckets{{0}, {1, 2}, {3}});
+      CHECK(a.size_limits == Limits{40, 80, 80});
+    }
+    {  // test_multi_limit_multi_dtype
+      const auto a = assign({f(50), d(25), f(50), d(25), f(50), d(25)}, {200, 400});
+      CHECK(a.buckets == Buckets{{0}, {1}, {2, 4}, {3, 5}});
+      CHECK(a.size_limits == Limits{200, 200, 400, 400});
+    }
+    {  // units: a bucket per unit whatever its size (limit 0), the rest by size, ordered by first index
+      const auto a = assign({f(100, 0), f(100, 0), f(50), f(300, 1), f(100), f(100)}, {400});
+      CHECK(a.buckets == Buckets{{0, 1}, {2, 4}, {3}, {5}});  // 200 + 400 bytes close {2, 4}
+      CHECK(a.size_limits == Limits{0, 400, 0, 400});
+    }
+    {  // a device is part of the key, as the dtype is
+      const auto a = assign({f(10), BucketInput{at::kFloat, c10::Device(at::kMeta), 40, -1}, f(10)}, {80});
+      CHECK(a.buckets == Buckets{{0, 2}, {1}});
+    }
+    CHECK(assign({}, {400}).buckets.empty());
+    CHECK_THROWS_WITH_AS(assign({f(1)}, {}), doctest::Contains("needs a size limit"), accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(assign({f(1)}, {400, 0}), doctest::Contains("limit 0 is not positive"), accel::InvalidArgument);
+
+    // Random cases: Python prints each case and torch's answer; ours must be the same.
+    const char* script =
+        "import random, torch, torch.distributed as dist\n"
+        "random.seed(7)\n"
+        "dt = {'f': torch.float, 'd': torch.double, 'h': torch.half}\n"
+        "for case in range(300):\n"
+        "  ts = [(random.choice([1, 10, 25, 50, 100, 200, 1000]), random.choice('fdh')) for _ in range(random.randint(1, 12))]\n"
+        "  limits = random.sample([40, 100, 200, 400, 800, 4000], random.randint(1, 3))\n"
+        "  r = dist._compute_bucket_assignment_by_size([torch.empty([m], dtype=dt[c]) for m, c in ts], limits)\n"
+        "  print(' '.join(map(str, limits)), '|', ' '.join(f'{m}{c}' for m, c in ts), '|',\n"
+        "        ' '.join(','.join(map(str, b)) for b in r[0]), '|', ' '.join(map(str, r[1])))\n";
+    const auto path = std::filesystem::temp_directory_path() / ("accel_buckets_" + std::to_string(getpid()) + ".py");
+    std::ofstream(path) << script;
+    const std::string python_exe = accel::detail::getenv_str("ACCEL_TEST_PYTHON").value_or("/usr/bin/python3");
+    FILE* pipe = popen((python_exe + " " + path.string() + " 2>&1").c_str(), "r");
+    REQUIRE(pipe != nullptr);
+    std::string python;
+    char buffer[4096];
+    while (std::size_t got = fread(buffer, 1, sizeof buffer, pipe)) python.append(buffer, got);
+    const int status = pclose(pipe);
+    std::filesystem::remove(path);
+    INFO(python);
+    REQUIRE(status == 0);
+    std::istringstream lines(python);
+    std::ostringstream ours;
+    int cases = 0;
+    for (std::string line; std::getline(lines, line); ++cases) {
+      std::istringstream words(line);
+      Limits limits;
+      std::vector<BucketInput> inputs;
+      std::string word;
+      while (words >> word && word != "|") limits.push_back(std::stoll(word));
+      while (words >> word && word != "|") {
+        const char code = word.back();
+        const auto dtype = code == 'f' ? at::kFloat : code == 'd' ? at::kDouble : at::kHalf;
+        inputs.push_back({dtype, at::kCPU, std::stoll(word) * static_cast<int64_t>(c10::elementSize(dtype)), -1});
+      }
+      const auto a = assign(inputs, limits);
+      for (std::size_t i = 0; i < limits.size(); ++i) ours << (i ? " " : "") << limits[i];
+      ours << " |";
+      for (std::size_t i = 0; i < inputs.size(); ++i)
+        ours << ' ' << inputs[i].bytes / static_cast<int64_t>(c10::elementSize(inputs[i].dtype))
+             << (inputs[i].dtype == at::kFloat ? 'f' : inputs[i].dtype == at::kDouble ? 'd' : 'h');
+      ours << " |";
+      for (const auto& bucket : a.buckets) {
+        ours << ' ';
+        for (std::size_t i = 0; i < bucket.size(); ++i) ours << (i ? "," : "") << bucket[i];
+      }
+      ours << " |";
+      for (int64_t limit : a.size_limits) ours << ' ' << limit;
+      ours << '\n';
+    }
+    CHECK(cases == 300);
+    CHECK(ours.str() == python);
+  }
+
   TEST_CASE("data: ShardSampler's shards are Python's DistributedSampler's, for the same seed and epoch") {
     // Python prints its shards (the leg's own torch: ACCEL_TEST_PYTHON, else
     // Debian's python3-torch); ours must be the same lists.

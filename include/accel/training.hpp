@@ -17,6 +17,7 @@
 #include "accel/training/torch_nn.hpp"
 #include "accel/training/autograd.hpp"
 #include "accel/training/comm_hooks.hpp"
+#include "accel/training/buckets.hpp"
 #include "accel/training/data_parallel.hpp"
 #include "accel/training/sampler.hpp"
 #include "accel/training/dispatch.hpp"

@@ -2,15 +2,17 @@
 #pragma once
 
 #include "accel/distributed/operations.hpp"
+#include "accel/training/buckets.hpp"
 #include "accel/training/comm_hooks.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 // Data parallelism for one module on one group, the DistributedDataParallel
 // design: parameters and buffers are broadcast from the group's rank 0;
-// gradients are averaged in buckets (the first at least 1 MiB, then at least
-// bucket_bytes, in reverse parameter order, roughly the order backward
-// produces them). A
+// gradients are averaged in buckets (DDP's assignment: one dtype and device
+// each, the first at least 1 MiB, then at least bucket_bytes, in reverse
+// parameter order, roughly the order backward produces them; see
+// accel/training/buckets.hpp). A
 // post-hook on each parameter's gradient accumulator marks it ready; a full
 // bucket is flattened and its all-reduce issued at once, asynchronously,
 // while backward goes on; finish() waits for them and writes the averages
@@ -85,35 +87,24 @@ class DataParallel {
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
     const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
-    // Buckets hold one dtype and device each; as in DDP's assignment, a
-    // bucket takes parameters until it holds at least its cap (so a bucket
-    // ends with the parameter that filled it: a large layer's gradient does
-    // not wait alone for the end of backward). A unit's parameters are a
-    // bucket of their own, whatever its size.
-    int64_t cap = kFirstBucketBytes;
-    bool open = false;
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      const at::Tensor& p = params[k];
-      auto& buckets = state_->buckets;
-      if (!open || buckets.back().dtype != p.scalar_type() || buckets.back().device != p.device() ||
-          buckets.back().unit != unit_of[k]) {
-        buckets.push_back(Bucket{.dtype = p.scalar_type(), .device = p.device(), .packing = detail::Packing(p.scalar_type())});
-        buckets.back().unit = unit_of[k];
-        if (unit_of[k] >= 0) state_->units[static_cast<std::size_t>(unit_of[k])].buckets.push_back(buckets.size() - 1);
-        open = true;
+    std::vector<detail::BucketInput> inputs;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      inputs.push_back({params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(),
+                        unit_of[k]});
+    for (const auto& indices : detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      const at::Tensor& first = params[indices.front()];
+      Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      bucket.unit = unit_of[indices.front()];
+      if (bucket.unit >= 0) state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      for (std::size_t k : indices) {
+        bucket.params.push_back(params[k]);
+        bucket.used.push_back(0);
+        bucket.seen.push_back(0);
+        bucket.packing.add(params[k]);
       }
-      buckets.back().params.push_back(p);
-      buckets.back().used.push_back(0);
-      buckets.back().seen.push_back(0);
-      buckets.back().packing.add(p);
-      if (unit_of[k] < 0 && buckets.back().packing.bytes() >= cap) {
-        open = false;
-        cap = bucket_bytes;
-      }
-    }
-    for (auto& bucket : state_->buckets) {
       bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) accumulators_.emplace_back();
+      accumulators_.resize(accumulators_.size() + bucket.params.size());
+      state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) make_shards();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
