@@ -51,6 +51,7 @@
 //     accel/training/config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
 //     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/safetensors.hpp         safetensors: Hugging Face's weight format, written and read
+//     accel/training/weights.hpp             save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/accelerator.hpp         the Accelerator
 
 #ifndef ACCEL_HPP
@@ -7800,13 +7801,13 @@ std::string error_of(Step&& step) {
 // Every rank passes its error ("" if none); if any rank has one, every rank
 // throws the same RuntimeError listing them. A collective: it also orders
 // what comes before it on every rank before what comes after.
-inline void fail_together(const std::string& error, const char* op) {
+inline void fail_together(const std::string& error, std::string_view function) {
   const std::vector<std::string> errors = accel::gather_object(error);
   std::string message;
   for (std::size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())
       message += (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
-  if (!message.empty()) throw RuntimeError(std::string("accel::Accelerator::") + op + ": " + message);
+  if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
 }
 
 // A model's checkpoint archive against the model, before anything is loaded:
@@ -8169,6 +8170,157 @@ inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::n
   return out;
 }
 }  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/weights.hpp ===============================================
+// accel/training/weights.hpp: save_model and load_model: a module's weights as Hugging Face's safetensors.
+//
+// Usable without an Accelerator: every process calls them (each is a
+// collective over the world when distributed), global rank 0 writes, and
+// an error on any process is thrown on every process.
+
+ACCEL_NAMESPACE_BEGIN
+
+// Writes the model's weights as Hugging Face does, for Python (and
+// load_model) to read: dir/model.safetensors with the state_dict's names as
+// keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
+// (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
+// dir/model.safetensors.index.json. The main process writes; every process
+// calls it (and gets any error). Each file is written whole under a
+// temporary name, then renamed; the other layout's files of an earlier save
+// in dir are removed. It writes the parameters as they are: a model sharded
+// by an Accelerator goes through Accelerator::save_model, which gathers
+// them first (or hold a DataParallel::summon_full_params() around this).
+template <class ModuleHolder>
+void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
+  namespace fs = std::filesystem;
+  const fs::path path = detail::checkpoint_path(dir, "save_model");
+  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  std::string error;
+  if (accel::get_rank() == 0) error = detail::error_of([&] {
+    using Named = std::vector<std::pair<std::string, at::Tensor>>;
+    std::vector<Named> shards(1);
+    uint64_t in_shard = 0, total = 0;
+    for (auto& named : detail::state_dict(*model.ptr())) {
+      const uint64_t bytes = named.second.numel() * named.second.element_size();
+      if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+        shards.emplace_back();
+        in_shard = 0;
+      }
+      shards.back().push_back(std::move(named));
+      in_shard += bytes;
+      total += bytes;
+    }
+    fs::create_directories(path);
+    std::set<std::string> written;
+    if (shards.size() == 1) {
+      fs::remove(path / "model.safetensors.index.json");  // it would be read first
+      detail::write_safetensors(path / "model.safetensors", shards[0]);
+      written.insert("model.safetensors");
+    } else {
+      std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+      for (std::size_t k = 0; k < shards.size(); ++k) {
+        char name[64];
+        std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+        detail::write_safetensors(path / name, shards[k]);
+        written.insert(name);
+        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      }
+      std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
+                          "\n  },\n  \"weight_map\": {";
+      for (const auto& [tensor, file] : weight_map)
+        index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
+                 detail::json_quote(file);
+      index += "\n  }\n}\n";
+      detail::write_file_atomically(path / "model.safetensors.index.json",
+                                    [&](std::ofstream& out) { out << index; });
+      written.insert("model.safetensors.index.json");
+    }
+    for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+      const std::string name = entry.path().filename().string();
+      const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                        (name.starts_with("model-") && name.ends_with(".safetensors"));
+      if (ours && !written.count(name)) fs::remove(entry.path());
+    }
+    detail::fsync_path(path);
+  });
+  detail::fail_together(error, "accel::save_model");
+}
+
+// Reads weights written by save_model or by Python (safetensors' save_file,
+// save_pretrained / save_model, sharded or not) into the model, on every
+// process. Everything is read and checked before anything is copied: each
+// of the model's parameters and buffers must be there with its dtype and
+// shape, and nothing else; otherwise every process throws, naming the
+// file and the tensors. A sharded model: Accelerator::load_model.
+template <class ModuleHolder>
+void load_model(ModuleHolder& model, const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path path = detail::checkpoint_path(dir, "load_model");
+  const auto expected = detail::state_dict(*model.ptr());
+  std::map<std::string, at::Tensor> loaded;
+  const std::string error = detail::error_of([&] {
+    auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
+      for (auto& [name, tensor] : detail::read_safetensors(file)) {
+        if (weight_map) {
+          const auto mapped = weight_map->find(name);
+          if (mapped == weight_map->end() || mapped->second != file.filename().string())
+            throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
+        }
+        if (!loaded.emplace(name, std::move(tensor)).second)
+          throw RuntimeError(file.string() + ": " + name + " is in two files");
+      }
+    };
+    const fs::path index_file = path / "model.safetensors.index.json";
+    std::string where = (path / "model.safetensors").string();
+    if (fs::exists(index_file)) {
+      where = index_file.string();
+      std::ifstream in(index_file);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      const detail::Json doc = detail::JsonReader(text, where).document();
+      const detail::Json* map = doc.find("weight_map");
+      if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
+      std::map<std::string, std::string> weight_map;
+      for (std::size_t field = 0; field < map->keys.size(); ++field) {
+        const std::string& name = map->keys[field];
+        const detail::Json& file = map->values[field];
+        if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
+          throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
+        weight_map[name] = file.text;
+      }
+      std::set<std::string> files;
+      for (const auto& entry : weight_map) files.insert(entry.second);
+      for (const std::string& file : files) take(path / file, &weight_map);
+      for (const auto& entry : weight_map)
+        if (!loaded.count(entry.first))
+          throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+    } else {
+      take(path / "model.safetensors", nullptr);
+    }
+    std::string missing, wrong;
+    std::set<std::string> names;
+    for (const auto& [name, tensor] : expected) {
+      names.insert(name);
+      const auto found = loaded.find(name);
+      if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
+      else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
+        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
+                 c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
+                 c10::str(tensor.sizes()) + " in the model";
+    }
+    std::string unexpected;
+    for (const auto& entry : loaded)
+      if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
+      throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
+                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+                         (wrong.empty() ? "" : " " + wrong + "."));
+  });
+  detail::fail_together(error, "accel::load_model");
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+}
 
 ACCEL_NAMESPACE_END
 
@@ -8675,13 +8827,13 @@ class Accelerator {
                            ") already exists: set project_configuration().iteration to the number to go on with, "
                            "or load_state() first (which sets it past the newest)");
     });
-    detail::fail_together(error, "save_state");
+    detail::fail_together(error, "accel::Accelerator::save_state");
     write_checkpoint(dir);
     ++config_.project_config.iteration;
     if (project.total_limit) {
       if (is_main_process())
         error = detail::error_of([&] { detail::rotate_checkpoints(root, *project.total_limit, number); });
-      detail::fail_together(error, "save_state");
+      detail::fail_together(error, "accel::Accelerator::save_state");
     }
     return dir;
   }
@@ -8716,7 +8868,7 @@ class Accelerator {
       const std::map<int, fs::path> complete = detail::numbered_checkpoints(root);
       if (!complete.empty()) newest = complete.rbegin()->first;
     });
-    detail::fail_together(error, "load_state");
+    detail::fail_together(error, "accel::Accelerator::load_state");
     newest = accel::broadcast(newest, 0);
     if (path.empty() && newest < 0)
       throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
@@ -8743,7 +8895,7 @@ class Accelerator {
       manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
     });
-    detail::fail_together(error, "save_state");
+    detail::fail_together(error, "accel::Accelerator::save_state");
     error = detail::error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
       torch::serialize::OutputArchive archive;
       archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
@@ -8759,7 +8911,7 @@ class Accelerator {
           detail::fsync_path(tmp / optimizer_file(i));
         }
     });
-    detail::fail_together(error, "save_state");
+    detail::fail_together(error, "accel::Accelerator::save_state");
     if (is_main_process()) error = detail::error_of([&] {
       auto write = [&](const std::string& name, auto& object) {
         torch::serialize::OutputArchive archive;
@@ -8806,14 +8958,14 @@ class Accelerator {
       detail::checkpoint_hook()("manifest written");
       detail::install_checkpoint(tmp, dir);
     });
-    detail::fail_together(error, "save_state");
+    detail::fail_together(error, "accel::Accelerator::save_state");
   }
 
   void read_checkpoint(const std::filesystem::path& dir) {
     namespace fs = std::filesystem;
     std::string error;
     if (is_main_process()) error = detail::error_of([&] { detail::recover_checkpoint(dir); });
-    detail::fail_together(error, "load_state");
+    detail::fail_together(error, "accel::Accelerator::load_state");
     if (!fs::is_directory(dir))
       throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
 
@@ -8904,7 +9056,7 @@ class Accelerator {
         device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
       }
     });
-    detail::fail_together(error, "load_state");
+    detail::fail_together(error, "accel::Accelerator::load_state");
 
     // 2. Schedulers and registered objects with a load() of their own check
     // what they load as they load it (and cannot be put back); the other
@@ -8949,7 +9101,7 @@ class Accelerator {
       }
     });
     try {
-      detail::fail_together(error, "load_state");
+      detail::fail_together(error, "accel::Accelerator::load_state");
     } catch (...) {
       for (std::size_t i = 0; i < snapshots.size(); ++i) detail::restore_optimizer(*optimizers_[i], snapshots[i]);
       throw;
@@ -8975,144 +9127,18 @@ class Accelerator {
  public:
   // -- weights that leave C++ --------------------------------------------------------
 
-  // Writes the model's weights as Hugging Face does, for Python (and
-  // load_model) to read: dir/model.safetensors with the state_dict's names as
-  // keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
-  // (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
-  // dir/model.safetensors.index.json. The main process writes; every process
-  // calls it (and gets any error). Each file is written whole under a
-  // temporary name, then renamed; the other layout's files of an earlier save
-  // in dir are removed.
+  // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
+  // prepared model: under FULL_SHARD its whole parameters are gathered for
+  // the call (and load_model writes them back into the shards).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-    namespace fs = std::filesystem;
-    const fs::path path = detail::checkpoint_path(dir, "save_model");
-    if (max_shard_bytes == 0) throw InvalidArgument("accel::Accelerator::save_model: max_shard_bytes must be positive");
-    const auto full = full_parameters(model.ptr().get());  // FULL_SHARD: whole parameters to write
-    std::string error;
-    if (is_main_process()) error = detail::error_of([&] {
-      using Named = std::vector<std::pair<std::string, at::Tensor>>;
-      std::vector<Named> shards(1);
-      uint64_t in_shard = 0, total = 0;
-      for (auto& named : detail::state_dict(*model.ptr())) {
-        const uint64_t bytes = named.second.numel() * named.second.element_size();
-        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
-          shards.emplace_back();
-          in_shard = 0;
-        }
-        shards.back().push_back(std::move(named));
-        in_shard += bytes;
-        total += bytes;
-      }
-      fs::create_directories(path);
-      std::set<std::string> written;
-      if (shards.size() == 1) {
-        fs::remove(path / "model.safetensors.index.json");  // it would be read first
-        detail::write_safetensors(path / "model.safetensors", shards[0]);
-        written.insert("model.safetensors");
-      } else {
-        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-        for (std::size_t k = 0; k < shards.size(); ++k) {
-          char name[64];
-          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-          detail::write_safetensors(path / name, shards[k]);
-          written.insert(name);
-          for (const auto& named : shards[k]) weight_map[named.first] = name;
-        }
-        std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
-                            "\n  },\n  \"weight_map\": {";
-        for (const auto& [tensor, file] : weight_map)
-          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
-                   detail::json_quote(file);
-        index += "\n  }\n}\n";
-        detail::write_file_atomically(path / "model.safetensors.index.json",
-                                      [&](std::ofstream& out) { out << index; });
-        written.insert("model.safetensors.index.json");
-      }
-      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-        const std::string name = entry.path().filename().string();
-        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                          (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if (ours && !written.count(name)) fs::remove(entry.path());
-      }
-      detail::fsync_path(path);
-    });
-    detail::fail_together(error, "save_model");
+    const auto full = full_parameters(model.ptr().get());
+    accel::save_model(model, dir, max_shard_bytes);
   }
-
-  // Reads weights written by save_model or by Python (safetensors' save_file,
-  // save_pretrained / save_model, sharded or not) into the model, on every
-  // process. Everything is read and checked before anything is copied: each
-  // of the model's parameters and buffers must be there with its dtype and
-  // shape, and nothing else; otherwise every process throws, naming the
-  // file and the tensors.
   template <class ModuleHolder>
   void load_model(ModuleHolder& model, const std::string& dir) {
-    namespace fs = std::filesystem;
-    const fs::path path = detail::checkpoint_path(dir, "load_model");
-    const auto expected = detail::state_dict(*model.ptr());
-    std::map<std::string, at::Tensor> loaded;
-    const std::string error = detail::error_of([&] {
-      auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
-        for (auto& [name, tensor] : detail::read_safetensors(file)) {
-          if (weight_map) {
-            const auto mapped = weight_map->find(name);
-            if (mapped == weight_map->end() || mapped->second != file.filename().string())
-              throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
-          }
-          if (!loaded.emplace(name, std::move(tensor)).second)
-            throw RuntimeError(file.string() + ": " + name + " is in two files");
-        }
-      };
-      const fs::path index_file = path / "model.safetensors.index.json";
-      std::string where = (path / "model.safetensors").string();
-      if (fs::exists(index_file)) {
-        where = index_file.string();
-        std::ifstream in(index_file);
-        const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-        const detail::Json doc = detail::JsonReader(text, where).document();
-        const detail::Json* map = doc.find("weight_map");
-        if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
-        std::map<std::string, std::string> weight_map;
-        for (std::size_t field = 0; field < map->keys.size(); ++field) {
-          const std::string& name = map->keys[field];
-          const detail::Json& file = map->values[field];
-          if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
-            throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
-          weight_map[name] = file.text;
-        }
-        std::set<std::string> files;
-        for (const auto& entry : weight_map) files.insert(entry.second);
-        for (const std::string& file : files) take(path / file, &weight_map);
-        for (const auto& entry : weight_map)
-          if (!loaded.count(entry.first))
-            throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
-      } else {
-        take(path / "model.safetensors", nullptr);
-      }
-      std::string missing, wrong;
-      std::set<std::string> names;
-      for (const auto& [name, tensor] : expected) {
-        names.insert(name);
-        const auto found = loaded.find(name);
-        if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
-        else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
-          wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
-                   c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
-                   c10::str(tensor.sizes()) + " in the model";
-      }
-      std::string unexpected;
-      for (const auto& entry : loaded)
-        if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-      if (!missing.empty() || !wrong.empty() || !unexpected.empty())
-        throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
-                           (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-                           (wrong.empty() ? "" : " " + wrong + "."));
-    });
-    detail::fail_together(error, "load_model");
-    const auto full = full_parameters(model.ptr().get(), /*writeback=*/true);  // into the shards too
-    torch::NoGradGuard no_grad;
-    for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+    const auto full = full_parameters(model.ptr().get(), /*writeback=*/true);
+    accel::load_model(model, dir);
   }
 
   // -- properties -------------------------------------------------------------------

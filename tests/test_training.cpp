@@ -2532,6 +2532,16 @@ TEST_SUITE("single") {
     accelerator.load_model(loaded, (base / "net").string());
     CHECK(same_state(*saved, *loaded));  // parameters and buffers (num_batches_tracked is int64)
 
+    {  // the free functions, without the Accelerator: the same bytes, read back by either
+      accel::save_model(saved, (base / "free").string());
+      CHECK(file_bytes(base / "free" / "model.safetensors") == file_bytes(base / "net" / "model.safetensors"));
+      Net free_loaded = seeded_net(6);
+      accel::load_model(free_loaded, (base / "net").string());
+      CHECK(same_state(*saved, *free_loaded));
+      CHECK_THROWS_WITH_AS(accel::save_model(saved, (base / "free").string(), 0),
+                           "accel::save_model: max_shard_bytes must be positive", accel::InvalidArgument);
+    }
+
     // Sharded above the limit (each shard at most 256 bytes unless one tensor is larger), with an index.
     accelerator.save_model(saved, (base / "net").string(), 256);
     CHECK_FALSE(fs::exists(base / "net" / "model.safetensors"));

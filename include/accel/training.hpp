@@ -25,6 +25,7 @@
 #include "accel/training/config.hpp"
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/safetensors.hpp"
+#include "accel/training/weights.hpp"
 #include "accel/training/accelerator.hpp"
 
 #endif  // ACCEL_HPP_TRAINING

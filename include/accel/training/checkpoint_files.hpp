@@ -270,13 +270,13 @@ std::string error_of(Step&& step) {
 // Every rank passes its error ("" if none); if any rank has one, every rank
 // throws the same RuntimeError listing them. A collective: it also orders
 // what comes before it on every rank before what comes after.
-inline void fail_together(const std::string& error, const char* op) {
+inline void fail_together(const std::string& error, std::string_view function) {
   const std::vector<std::string> errors = accel::gather_object(error);
   std::string message;
   for (std::size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())
       message += (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
-  if (!message.empty()) throw RuntimeError(std::string("accel::Accelerator::") + op + ": " + message);
+  if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
 }
 
 // A model's checkpoint archive against the model, before anything is loaded:
