@@ -24,8 +24,11 @@
 #include "accel/training/loaders.hpp"
 #include "accel/training/config.hpp"
 #include "accel/training/checkpoint_files.hpp"
+#include "accel/training/prepared.hpp"
+#include "accel/training/checkpoint_state.hpp"
 #include "accel/training/safetensors.hpp"
 #include "accel/training/weights.hpp"
+#include "accel/training/autocast.hpp"
 #include "accel/training/accelerator.hpp"
 
 #endif  // ACCEL_HPP_TRAINING

@@ -5,6 +5,8 @@
 #include "accel/distributed/process_control.hpp"
 #include "accel/training/data_parallel.hpp"
 #include "accel/training/loaders.hpp"
+#include "accel/training/autocast.hpp"
+#include "accel/training/checkpoint_state.hpp"
 #include "accel/training/weights.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -54,7 +56,7 @@ class Accelerator {
     requires requires(ModuleHolder& m) { m.ptr(); }
   ModuleHolder& prepare(ModuleHolder& model) {
     auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
-    if (find(module.get()))
+    if (prepared_.find(module.get()))
       throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
     model->to(device_);
     const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
@@ -70,22 +72,22 @@ class Accelerator {
                                                           : "no submodule holds parameters of its own") +
                                 "); use SHARD_GRAD_OP, or register the layers as submodules");
       }
-      models_.push_back(Prepared{module, std::make_unique<DataParallel>(
+      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(
                                              module, interface_->world_group(), bucket_bytes,
                                              interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE),
                                              units)});
-      sharded_->push_back(models_.back().data_parallel.get());
-      for (auto* optimizer : optimizers_) sharded_->back()->shard_optimizer(*optimizer);
+      prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
+      for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
     } else {
-      models_.push_back(Prepared{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
       if (config_.comm_hook == DDPCommunicationHookType::FP16)
-        models_.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
+        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::BF16)
-        models_.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
+        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::POWER_SGD)
-        models_.back().data_parallel->register_comm_hook(
+        prepared_.models.back().data_parallel->register_comm_hook(
             comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
-      if (config_.gradient_as_bucket_view) models_.back().data_parallel->gradient_as_bucket_view(true);
+      if (config_.gradient_as_bucket_view) prepared_.models.back().data_parallel->gradient_as_bucket_view(true);
     }
     return model;
   }
@@ -94,11 +96,11 @@ class Accelerator {
   // parameters (prepare it before it steps), and step it through the handle
   // returned, whose step() gathers the parameters from the updated shards.
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
-    if (std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
-      optimizers_.push_back(&optimizer);
+    if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
+      prepared_.optimizers.push_back(&optimizer);
     if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
-    for (DataParallel* dp : *sharded_) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(optimizer, state_, [sharded = sharded_, &optimizer] {
+    for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
+    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
       for (DataParallel* dp : *sharded)
         if (dp->steps_with(optimizer)) dp->gather();
     });
@@ -107,10 +109,10 @@ class Accelerator {
   template <class Scheduler>
     requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
   AcceleratedScheduler prepare(Scheduler& scheduler) {
-    auto found = std::find_if(schedulers_.begin(), schedulers_.end(),
-                              [&](const PreparedScheduler& p) { return p.address == &scheduler; });
-    if (found == schedulers_.end()) {
-      PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
+    auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
+                              [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
+    if (found == prepared_.schedulers.end()) {
+      detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
       if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
                              torch::serialize::InputArchive& in) {
                       c.save(out);
@@ -119,8 +121,8 @@ class Accelerator {
         p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
         p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
       }
-      schedulers_.push_back(std::move(p));
-      found = std::prev(schedulers_.end());
+      prepared_.schedulers.push_back(std::move(p));
+      found = std::prev(prepared_.schedulers.end());
     }
     return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP),
                                 found->steps);
@@ -149,9 +151,9 @@ class Accelerator {
                                   std::to_string(replicas) + " data-parallel processes");
     using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
                                       PreparedDataLoader<Dataset>>;
-    loaders_.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    prepared_.loaders.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
     return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
-                  loaders_.back());
+                  prepared_.loaders.back());
   }
   // The loader's next pass starts after its first n batches (Accelerate's
   // skip_first_batches, for a run resumed by hand; load_state does it for
@@ -175,7 +177,7 @@ class Accelerator {
       t.load(in);
     }
   void register_for_checkpointing(T& object) {
-    objects_.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
+    prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
                         [&object](torch::serialize::InputArchive& in) { object.load(in); }});
   }
 
@@ -188,11 +190,11 @@ class Accelerator {
   void backward(const at::Tensor& loss) {
     at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
     if (join_) join_signal(1);
-    for (DataParallel* dp : *sharded_) dp->check_shards();
-    for (auto& m : models_)
+    for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
+    for (auto& m : prepared_.models)
       if (m.sync) m.data_parallel->prepare_for_backward();
     scaled.backward();
-    for (auto& m : models_) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
   }
 
   // Training on uneven inputs (even_batches = false), as Accelerate's
@@ -209,7 +211,7 @@ class Accelerator {
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
-    if (!sharded_->empty())
+    if (!prepared_.sharded->empty())
       throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
                             "have to step its shard too); use NO_SHARD, or even batches");
     Join join;
@@ -231,30 +233,12 @@ class Accelerator {
     }
     const std::vector<int64_t> steps = all_gather(join_->steps, join_->group);
     const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
-    for (Prepared* m : join_->models) m->data_parallel->sync_module_states(src);
+    for (detail::PreparedModel* m : join_->models) m->data_parallel->sync_module_states(src);
     join_.reset();
   }
 
   // RAII: restores the models' gradient sync when it goes out of scope.
-  class SyncGuard {
-   public:
-    SyncGuard() = default;
-    SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
-    SyncGuard(const SyncGuard&) = delete;
-    SyncGuard& operator=(const SyncGuard&) = delete;
-    SyncGuard& operator=(SyncGuard&&) = delete;
-    ~SyncGuard() {
-      for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
-    }
-
-   private:
-    friend class Accelerator;
-    void set(bool& flag, bool value) {
-      saved_.emplace_back(&flag, flag);
-      flag = value;
-    }
-    std::vector<std::pair<bool*, bool>> saved_;
-  };
+  using SyncGuard = detail::SyncGuard;
   // While the guard lives, backward() accumulates these models' gradients
   // locally (DDP's no_sync). A model that was never prepared never syncs.
   template <class... ModuleHolders>
@@ -296,9 +280,9 @@ class Accelerator {
   // Under sharding a sharded parameter's gradient is its shard's: the norm
   // adds up every rank's shards (one all_reduce), and the shards are scaled.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
-    if (sharded_->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+    if (prepared_.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
     std::vector<at::Tensor> shards, whole;
-    split_sharded(parameters, shards, whole);
+    prepared_.split_sharded(parameters, shards, whole);
     at::NoGradGuard no_grad;
     const bool inf = std::isinf(norm_type);
     // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
@@ -311,7 +295,7 @@ class Accelerator {
       return total;
     };
     const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
-                                                 sharded_->front()->shard_group());
+                                                 prepared_.sharded->front()->shard_group());
     const double from_whole = part(whole);
     const double norm =
         inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
@@ -323,9 +307,9 @@ class Accelerator {
     return norm;
   }
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
-    if (sharded_->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+    if (prepared_.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
     std::vector<at::Tensor> shards, whole;
-    split_sharded(parameters, shards, whole);
+    prepared_.split_sharded(parameters, shards, whole);
     at::NoGradGuard no_grad;
     for (auto& g : shards) g.clamp_(-clip_value, clip_value);
     for (auto& g : whole) g.clamp_(-clip_value, clip_value);
@@ -333,55 +317,7 @@ class Accelerator {
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
   // through LibTorch's autocast; a no-op for "no".
-  class AutocastGuard {
-   public:
-    explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) : type_(device.type()) {
-      if (mixed_precision == "no") return;
-      saved_enabled_ = enabled(type_);
-      saved_dtype_ = dtype(type_);
-      set(type_, true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
-      active_ = true;
-    }
-    AutocastGuard(const AutocastGuard&) = delete;
-    AutocastGuard& operator=(const AutocastGuard&) = delete;
-    ~AutocastGuard() {
-      if (!active_) return;
-      at::autocast::clear_cache();
-      set(type_, saved_enabled_, saved_dtype_);
-    }
-
-   private:
-    // LibTorch 2.4 took the device type as an argument (and deprecated the
-    // per-device functions that 1.x and 2.0-2.3 have).
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-    static bool enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
-    static at::ScalarType dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
-    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
-      at::autocast::set_autocast_dtype(type, dtype);
-      at::autocast::set_autocast_enabled(type, on);
-    }
-#else
-    static bool enabled(c10::DeviceType type) {
-      return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-    }
-    static at::ScalarType dtype(c10::DeviceType type) {
-      return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
-                                          : at::autocast::get_autocast_gpu_dtype();
-    }
-    static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
-      if (type == c10::DeviceType::CPU) {
-        at::autocast::set_autocast_cpu_dtype(dtype);
-        at::autocast::set_cpu_enabled(on);
-      } else {
-        at::autocast::set_autocast_gpu_dtype(dtype);
-        at::autocast::set_enabled(on);
-      }
-    }
-#endif
-    c10::DeviceType type_;
-    bool active_ = false, saved_enabled_ = false;
-    at::ScalarType saved_dtype_ = at::kBFloat16;
-  };
+  using AutocastGuard = detail::AutocastGuard;
   [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(config_.mixed_precision, device_); }
 
   // The model itself: accel.hpp does not wrap modules.
@@ -489,7 +425,7 @@ class Accelerator {
         throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
                               "project_config.automatic_checkpoint_naming)");
       const fs::path dir = detail::checkpoint_path(path, "save_state");
-      write_checkpoint(dir);
+      detail::write_checkpoint(prepared_, checkpoint_context(), step_, dir);
       return dir;
     }
     if (!path.empty())
@@ -508,7 +444,7 @@ class Accelerator {
                            "or load_state() first (which sets it past the newest)");
     });
     detail::fail_together(error, "accel::Accelerator::save_state");
-    write_checkpoint(dir);
+    detail::write_checkpoint(prepared_, checkpoint_context(), step_, dir);
     ++config_.project_config.iteration;
     if (project.total_limit) {
       if (is_main_process())
@@ -539,7 +475,7 @@ class Accelerator {
       if (path.empty())
         throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
                               "project_config.automatic_checkpoint_naming to load the newest)");
-      return read_checkpoint(detail::checkpoint_path(path, "load_state"));
+      return load_checkpoint(detail::checkpoint_path(path, "load_state"));
     }
     const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "load_state");
     int64_t newest = -1;  // none
@@ -552,256 +488,24 @@ class Accelerator {
     newest = accel::broadcast(newest, 0);
     if (path.empty() && newest < 0)
       throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
-    read_checkpoint(path.empty() ? root / ("checkpoint_" + std::to_string(newest))
+    load_checkpoint(path.empty() ? root / ("checkpoint_" + std::to_string(newest))
                                  : detail::checkpoint_path(path, "load_state"));
     config_.project_config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
   }
 
  private:
-  void write_checkpoint(const std::filesystem::path& dir) {
-    const auto full = full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
-    const std::filesystem::path tmp = detail::sibling(dir, ".tmp");
-    const std::string rng_file = "random_states_" + std::to_string(process_index()) + ".pt";
-    detail::CheckpointManifest manifest{.serial = 0,
-                                        .processes = num_processes(),
-                                        .models = static_cast<int64_t>(models_.size()),
-                                        .optimizers = static_cast<int64_t>(optimizers_.size()),
-                                        .loaders = static_cast<int64_t>(loaders_.size()),
-                                        .objects = static_cast<int64_t>(objects_.size()),
-                                        .schedulers = static_cast<int64_t>(schedulers_.size()),
-                                        .shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD)};
-    std::string error;
-    if (is_main_process()) error = detail::error_of([&] {
-      manifest.serial = detail::recover_checkpoint(dir).value_or(0) + 1;
-      std::filesystem::create_directories(tmp);
-    });
-    detail::fail_together(error, "accel::Accelerator::save_state");
-    error = detail::error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
-      torch::serialize::OutputArchive archive;
-      archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
-      if (device_.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(device_).get_state());
-      archive.write("step", at::scalar_tensor(step_, at::kLong));
-      archive.save_to((tmp / rng_file).string());
-      detail::fsync_path(tmp / rng_file);
-      if (!sharded_->empty())  // each process's optimizer state is its own
-        for (std::size_t i = 0; i < optimizers_.size(); ++i) {
-          torch::serialize::OutputArchive state;
-          optimizers_[i]->save(state);
-          state.save_to((tmp / optimizer_file(i)).string());
-          detail::fsync_path(tmp / optimizer_file(i));
-        }
-    });
-    detail::fail_together(error, "accel::Accelerator::save_state");
-    if (is_main_process()) error = detail::error_of([&] {
-      auto write = [&](const std::string& name, auto& object) {
-        torch::serialize::OutputArchive archive;
-        object.save(archive);
-        archive.save_to((tmp / name).string());
-        detail::fsync_path(tmp / name);
-      };
-      for (std::size_t i = 0; i < models_.size(); ++i) write(numbered("model", i), *models_[i].module);
-      if (sharded_->empty())
-        for (std::size_t i = 0; i < optimizers_.size(); ++i) write(optimizer_file(i), *optimizers_[i]);
-      if (!loaders_.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
-        std::vector<int64_t> points;
-        for (const auto& loader : loaders_) {
-          const auto [epoch, skip] = loader->resume_point();
-          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
-        }
-        torch::serialize::OutputArchive archive;
-        archive.write("resume_points",
-                      at::tensor(points).reshape({static_cast<int64_t>(loaders_.size()), 2}));
-        archive.save_to((tmp / "loaders.pt").string());
-        detail::fsync_path(tmp / "loaders.pt");
-      }
-      for (std::size_t i = 0; i < schedulers_.size(); ++i) {  // scheduler.pt: its step count (and its own state)
-        torch::serialize::OutputArchive archive;
-        archive.write("steps", at::scalar_tensor(*schedulers_[i].steps, at::kLong));
-        if (schedulers_[i].save) {
-          torch::serialize::OutputArchive own;
-          schedulers_[i].save(own);
-          archive.write("own", own);
-        }
-        archive.save_to((tmp / numbered("scheduler", i)).string());
-        detail::fsync_path(tmp / numbered("scheduler", i));
-      }
-      for (std::size_t i = 0; i < objects_.size(); ++i) {
-        torch::serialize::OutputArchive archive;
-        objects_[i].save(archive);
-        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
-        archive.save_to((tmp / name).string());
-        detail::fsync_path(tmp / name);
-      }
-      detail::checkpoint_hook()("files written");
-      detail::write_manifest(tmp, manifest);
-      detail::fsync_path(tmp);
-      detail::checkpoint_hook()("manifest written");
-      detail::install_checkpoint(tmp, dir);
-    });
-    detail::fail_together(error, "accel::Accelerator::save_state");
+  // Loads a checkpoint in load_state's three steps (checkpoint_state.hpp).
+  void load_checkpoint(const std::filesystem::path& dir) {
+    const detail::CheckpointContext ctx = checkpoint_context();
+    detail::LoadedCheckpoint loaded = detail::read_checkpoint(prepared_, ctx, dir);
+    detail::apply_checkpoint(prepared_, ctx, loaded, dir);
+    step_ = detail::commit_checkpoint(prepared_, ctx, loaded);
   }
-
-  void read_checkpoint(const std::filesystem::path& dir) {
-    namespace fs = std::filesystem;
-    std::string error;
-    if (is_main_process()) error = detail::error_of([&] { detail::recover_checkpoint(dir); });
-    detail::fail_together(error, "accel::Accelerator::load_state");
-    if (!fs::is_directory(dir))
-      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
-
-    // 1. Read and check everything.
-    std::vector<std::unique_ptr<torch::serialize::InputArchive>> models(models_.size()), optimizers(optimizers_.size()),
-        objects, schedulers;
-    std::vector<int64_t> scheduler_steps;
-    at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
-    int64_t step = 0;
-    error = detail::error_of([&] {
-      const auto manifest = detail::read_manifest(dir);  // none: written before manifests existed
-      if (manifest) {
-        if (manifest->processes != num_processes())
-          throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                             std::to_string(num_processes()) + " (one RNG state per process: load it with as many)");
-        const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
-            {"model(s)", {manifest->models, models_.size()}},
-            {"optimizer(s)", {manifest->optimizers, optimizers_.size()}},
-            {"scheduler(s)", {manifest->schedulers, schedulers_.size()}},
-            {"data loader(s)", {manifest->loaders, loaders_.size()}},
-            {"registered object(s)", {manifest->objects, objects_.size()}}}};
-        for (const auto& count : counts)
-          if (count.second.first != static_cast<int64_t>(count.second.second))
-            throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
-                               std::to_string(count.second.second));
-        const int64_t shards = sharded_->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD);
-        if (manifest->shards != shards)
-          throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
-                             " way(s), this run's " + std::to_string(shards) +
-                             " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
-      }
-      auto read = [&](const std::string& name) {
-        const fs::path file = dir / name;
-        if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
-        auto archive = std::make_unique<torch::serialize::InputArchive>();
-        try {
-          archive->load_from(file.string(), device_);
-        } catch (const std::exception& e) {
-          throw RuntimeError("cannot read " + file.string() + ": " + detail::error_text(e));
-        }
-        return archive;
-      };
-      for (std::size_t i = 0; i < models_.size(); ++i) {
-        models[i] = read(numbered("model", i));
-        detail::check_module_archive(*models_[i].module, *models[i], "", (dir / numbered("model", i)).string());
-      }
-      for (std::size_t i = 0; i < optimizers_.size(); ++i) optimizers[i] = read(optimizer_file(i));
-      for (std::size_t i = 0; i < objects_.size(); ++i)
-        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-      for (std::size_t i = 0; i < schedulers_.size(); ++i)
-        schedulers.push_back(read(numbered("scheduler", i)));
-      // A tensor of the given dtype and shape under `key`, or an error naming the file.
-      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
-                        at::IntArrayRef sizes, const std::string& file) {
-        at::Tensor value;
-        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
-          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
-        return value;
-      };
-      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
-        const std::string file = (dir / numbered("scheduler", i)).string();
-        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
-        torch::serialize::InputArchive own;
-        if (schedulers_[i].load && !schedulers[i]->try_read("own", own))
-          throw RuntimeError(file + " has no state of the scheduler's own save()");
-        if (!schedulers_[i].load && scheduler_steps[i] < *schedulers_[i].steps)
-          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
-                             " steps; this one has already taken " + std::to_string(*schedulers_[i].steps) +
-                             " (load the checkpoint before stepping it)");
-      }
-      if (!loaders_.empty()) {
-        const std::string file = (dir / "loaders.pt").string();
-        points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
-                        {static_cast<int64_t>(loaders_.size()), 2}, file);
-      }
-      const std::string rng_name = "random_states_" + std::to_string(process_index()) + ".pt";
-      if (!fs::exists(dir / rng_name))
-        throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
-      auto rng_archive = read(rng_name);
-      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-      // Before manifests, the file held the generator state alone (torch::save's key "0").
-      rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
-                   (dir / rng_name).string());
-      if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
-      at::Tensor saved_device_rng;
-      if (device_.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
-        const at::Tensor now = at::globalContext().defaultGenerator(device_).get_state();
-        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
-      }
-    });
-    detail::fail_together(error, "accel::Accelerator::load_state");
-
-    // 2. Schedulers and registered objects with a load() of their own check
-    // what they load as they load it (and cannot be put back); the other
-    // schedulers replay their missing steps (which sets the optimizers'
-    // learning rates the way the saved run did; the optimizers' own come
-    // next). The optimizers check their groups: keep what they had, to put
-    // it back on every process if any one of them refuses.
-    std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
-    error = detail::error_of([&] {
-      for (auto* optimizer : optimizers_) snapshots.push_back(detail::optimizer_snapshot(*optimizer));
-      for (std::size_t i = 0; i < schedulers_.size(); ++i) {
-        try {
-          if (schedulers_[i].load) {
-            torch::serialize::InputArchive own;
-            schedulers[i]->read("own", own);
-            schedulers_[i].load(own);
-          } else {
-            for (int64_t k = *schedulers_[i].steps; k < scheduler_steps[i]; ++k) schedulers_[i].step();
-          }
-          *schedulers_[i].steps = scheduler_steps[i];
-        } catch (const std::exception& e) {
-          throw RuntimeError((dir / numbered("scheduler", i)).string() +
-                             " does not fit the scheduler: " + detail::error_text(e));
-        }
-      }
-      for (std::size_t i = 0; i < objects_.size(); ++i) {
-        try {
-          objects_[i].load(*objects[i]);
-        } catch (const std::exception& e) {
-          throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
-                             " does not fit the registered object: " + detail::error_text(e));
-        }
-      }
-      for (std::size_t i = 0; i < optimizers_.size(); ++i) {
-        try {
-          optimizers_[i]->load(*optimizers[i]);
-          detail::load_group_options(*optimizers_[i], *optimizers[i]);
-        } catch (const std::exception& e) {
-          throw RuntimeError((dir / optimizer_file(i)).string() + " does not fit the optimizer: " +
-                             detail::error_text(e));
-        }
-      }
-    });
-    try {
-      detail::fail_together(error, "accel::Accelerator::load_state");
-    } catch (...) {
-      for (std::size_t i = 0; i < snapshots.size(); ++i) detail::restore_optimizer(*optimizers_[i], snapshots[i]);
-      throw;
-    }
-
-    // 3. What was checked cannot fail to load.
-    for (std::size_t i = 0; i < models_.size(); ++i) models_[i].module->load(*models[i]);
-    for (DataParallel* dp : *sharded_) dp->reshard();
-    for (std::size_t i = 0; i < loaders_.size(); ++i) {
-      loaders_[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
-      loaders_[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
-      loaders_[i]->in_pass = false;
-    }
-    step_ = step;
-    auto set_state = [](at::Generator generator, const at::Tensor& state) {
-      std::lock_guard lock(generator.mutex());
-      generator.set_state(state);
-    };
-    set_state(at::detail::getDefaultCPUGenerator(), rng);
-    if (device_rng.defined()) set_state(at::globalContext().defaultGenerator(device_), device_rng);
+  detail::CheckpointContext checkpoint_context() const {
+    return {.process_index = process_index(),
+            .num_processes = num_processes(),
+            .shards = prepared_.sharded->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD),
+            .device = device_};
   }
 
  public:
@@ -812,12 +516,12 @@ class Accelerator {
   // the call (and load_model writes them back into the shards).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-    const auto full = full_parameters(model.ptr().get());
+    const auto full = prepared_.full_parameters(model.ptr().get());
     accel::save_model(model, dir, max_shard_bytes);
   }
   template <class ModuleHolder>
   void load_model(ModuleHolder& model, const std::string& dir) {
-    const auto full = full_parameters(model.ptr().get(), /*writeback=*/true);
+    const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
     accel::load_model(model, dir);
   }
 
@@ -847,50 +551,39 @@ class Accelerator {
   int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
-  DataParallel* data_parallel() { return models_.empty() ? nullptr : models_.front().data_parallel.get(); }
+  DataParallel* data_parallel() { return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get(); }
   template <class ModuleHolder>
   DataParallel* data_parallel(ModuleHolder& model) {
-    Prepared* p = find(model.ptr().get());
+    detail::PreparedModel* p = prepared_.find(model.ptr().get());
     return p ? p->data_parallel.get() : nullptr;
   }
 
  private:
-  struct Prepared {
-    std::shared_ptr<torch::nn::Module> module;
-    std::unique_ptr<DataParallel> data_parallel;
-    bool sync = true;  // DDP's require_backward_grad_sync
-  };
-
   // Gradients are averaged over the whole data mesh (dp x cp), which spans
   // the world: context-parallel peers see different parts of the same
   // sequences and must stay identical (LLaMA-Factory's trainers do so).
   GroupPtr gradient_group() const {
     return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
   }
-  Prepared* find(const torch::nn::Module* module) {
-    for (auto& m : models_)
-      if (m.module.get() == module) return &m;
-    return nullptr;
-  }
   template <class ModuleHolder>
-  Prepared* find_prepared(ModuleHolder& model, const char* op) {
-    if (Prepared* p = find(model.ptr().get())) return p;
+  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
+    if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
     throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
   }
 
   // join_uneven_inputs' state: the models joined ranks stand in for, and how
   // many backwards this rank ran.
   struct Join {
-    std::vector<Prepared*> models;
+    std::vector<detail::PreparedModel*> models;
     GroupPtr group;
     int64_t steps = 0;
-    bool includes(const Prepared* m) const { return std::find(models.begin(), models.end(), m) != models.end(); }
+    bool includes(const detail::PreparedModel* m) const { return std::find(models.begin(), models.end(), m) != models.end(); }
   };
   // One all_reduce per backward inside join_uneven_inputs, matched on joined
   // ranks: [ranks still training, then per model the ranks syncing it].
   std::vector<int64_t> join_signal(int64_t active) {
     std::vector<int64_t> signal{active};
-    for (const Prepared* m : join_->models) signal.push_back(active && m->sync ? 1 : 0);
+    for (const detail::PreparedModel* m : join_->models) signal.push_back(active && m->sync ? 1 : 0);
     join_->steps += active;
     return all_reduce(std::move(signal), ReduceOp::SUM, join_->group);
   }
@@ -899,13 +592,10 @@ class Accelerator {
     SyncGuard guard;
     (
         [&] {
-          if (Prepared* p = find(models.ptr().get())) guard.set(p->sync, sync);
+          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(p->sync, sync);
         }(),
         ...);
     return guard;
-  }
-  static std::string numbered(const std::string& stem, std::size_t i) {
-    return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
   }
   bool sharded() const {
     return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
@@ -922,62 +612,12 @@ class Accelerator {
       else choose_units(*child.value(), name, units);
     }
   }
-  // The fully sharded parameters of every prepared model (or of `module`)
-  // gathered for as long as the result lives (a collective: every process).
-  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
-                                                            bool writeback = false) {
-    std::vector<DataParallel::FullParameters> out;
-    for (auto& m : models_)
-      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
-    return out;
-  }
-  // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
-  // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
-  std::string optimizer_file(std::size_t i) const {
-    const std::string name = numbered("optimizer", i);
-    if (sharded_->empty()) return name;
-    return name.substr(0, name.size() - 3) + "_rank" + std::to_string(process_index()) + ".pt";
-  }
-  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
-  // the others' own (into `whole`); parameters without one are left out.
-  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
-                     std::vector<at::Tensor>& whole) const {
-    for (const auto& p : parameters) {
-      at::Tensor shard;
-      for (const DataParallel* dp : *sharded_)
-        if ((shard = dp->shard_of(p)).defined()) break;
-      const at::Tensor& holder = shard.defined() ? shard : p;
-      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
-    }
-  }
-
   AcceleratorConfig config_;
   DistributedInterface* interface_ = nullptr;
   c10::Device device_{c10::kCPU};
-  std::deque<Prepared> models_;  // a deque: guards hold pointers to the flags
-  // The sharded models' DataParallels (shared with the optimizers' handles, which gather after a step).
-  std::shared_ptr<std::vector<DataParallel*>> sharded_ = std::make_shared<std::vector<DataParallel*>>();
-  std::vector<torch::optim::Optimizer*> optimizers_;
+  detail::PreparedSet prepared_;
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
-  int64_t step_ = 0;
-  std::vector<std::shared_ptr<detail::LoaderPosition>> loaders_;  // prepared loaders' places, in prepare order
-  struct CheckpointedObject {
-    std::function<void(torch::serialize::OutputArchive&)> save;
-    std::function<void(torch::serialize::InputArchive&)> load;
-  };
-  std::vector<CheckpointedObject> objects_;  // register_for_checkpointing
-  // A prepared scheduler in checkpoints: its step count, and its own
-  // save/load where it has them. LibTorch's LRScheduler has neither (its
-  // step count is protected): load_state replays the missing steps on it,
-  // before the optimizers' learning rates are restored.
-  struct PreparedScheduler {
-    const void* address;
-    std::shared_ptr<int64_t> steps;
-    std::function<void()> step;
-    std::function<void(torch::serialize::OutputArchive&)> save;
-    std::function<void(torch::serialize::InputArchive&)> load;
-  };
-  std::vector<PreparedScheduler> schedulers_;
+  int64_t step_ = 0;  // accumulate()'s count of micro-steps
   int64_t trigger_ = 0;
   std::optional<Join> join_;
 };

@@ -1,0 +1,322 @@
+// accel/training/checkpoint_state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
+//
+// What goes into a checkpoint is what a PreparedSet lists, plus each
+// process's RNG state and accumulation step. Loading is transactional in
+// three steps, each a collective: read_checkpoint reads and checks every
+// file and changes nothing; apply_checkpoint loads what can refuse as it
+// loads (schedulers, registered objects, optimizers) and puts the
+// optimizers back on every process if any refuses; commit_checkpoint then
+// loads what was checked and cannot fail. The files themselves (manifest,
+// atomic install, recovery) are checkpoint_files.hpp's.
+#pragma once
+
+#include "accel/training/checkpoint_files.hpp"
+#include "accel/training/prepared.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Where this process stands, as the checkpoint records and checks it.
+struct CheckpointContext {
+  int process_index = 0;
+  int num_processes = 1;
+  int64_t shards = 1;  // ways the optimizer state is sharded (1: not sharded)
+  c10::Device device{c10::kCPU};
+};
+
+// model.pt, model_1.pt, ...
+inline std::string numbered_file(const std::string& stem, std::size_t i) {
+  return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
+}
+// Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
+// sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
+inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+  const std::string name = numbered_file("optimizer", i);
+  if (set.sharded->empty()) return name;
+  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
+}
+
+// Writes the checkpoint into dir (through dir.tmp and an atomic install);
+// every process calls it, and an error anywhere is thrown everywhere.
+inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                             const std::filesystem::path& dir) {
+  const auto full = set.full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
+  const std::filesystem::path tmp = sibling(dir, ".tmp");
+  const std::string rng_file = "random_states_" + std::to_string(ctx.process_index) + ".pt";
+  CheckpointManifest manifest{.serial = 0,
+                              .processes = ctx.num_processes,
+                              .models = static_cast<int64_t>(set.models.size()),
+                              .optimizers = static_cast<int64_t>(set.optimizers.size()),
+                              .loaders = static_cast<int64_t>(set.loaders.size()),
+                              .objects = static_cast<int64_t>(set.objects.size()),
+                              .schedulers = static_cast<int64_t>(set.schedulers.size()),
+                              .shards = ctx.shards};
+  std::string error;
+  if (ctx.process_index == 0) error = error_of([&] {
+    manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+    std::filesystem::create_directories(tmp);
+  });
+  fail_together(error, "accel::Accelerator::save_state");
+  error = error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
+    torch::serialize::OutputArchive archive;
+    archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+    if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
+    archive.write("step", at::scalar_tensor(step, at::kLong));
+    archive.save_to((tmp / rng_file).string());
+    fsync_path(tmp / rng_file);
+    if (!set.sharded->empty())  // each process's optimizer state is its own
+      for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
+        torch::serialize::OutputArchive state;
+        set.optimizers[i]->save(state);
+        state.save_to((tmp / optimizer_file(set, ctx, i)).string());
+        fsync_path(tmp / optimizer_file(set, ctx, i));
+      }
+  });
+  fail_together(error, "accel::Accelerator::save_state");
+  if (ctx.process_index == 0) error = error_of([&] {
+    auto write = [&](const std::string& name, auto& object) {
+      torch::serialize::OutputArchive archive;
+      object.save(archive);
+      archive.save_to((tmp / name).string());
+      fsync_path(tmp / name);
+    };
+    for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+    if (set.sharded->empty())
+      for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
+    if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
+      std::vector<int64_t> points;
+      for (const auto& loader : set.loaders) {
+        const auto [epoch, skip] = loader->resume_point();
+        points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+      }
+      torch::serialize::OutputArchive archive;
+      archive.write("resume_points",
+                    at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+      archive.save_to((tmp / "loaders.pt").string());
+      fsync_path(tmp / "loaders.pt");
+    }
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
+      torch::serialize::OutputArchive archive;
+      archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
+      if (set.schedulers[i].save) {
+        torch::serialize::OutputArchive own;
+        set.schedulers[i].save(own);
+        archive.write("own", own);
+      }
+      archive.save_to((tmp / numbered_file("scheduler", i)).string());
+      fsync_path(tmp / numbered_file("scheduler", i));
+    }
+    for (std::size_t i = 0; i < set.objects.size(); ++i) {
+      torch::serialize::OutputArchive archive;
+      set.objects[i].save(archive);
+      const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
+      archive.save_to((tmp / name).string());
+      fsync_path(tmp / name);
+    }
+    checkpoint_hook()("files written");
+    write_manifest(tmp, manifest);
+    fsync_path(tmp);
+    checkpoint_hook()("manifest written");
+    install_checkpoint(tmp, dir);
+  });
+  fail_together(error, "accel::Accelerator::save_state");
+}
+
+// What read_checkpoint read and checked, before anything changed.
+struct LoadedCheckpoint {
+  std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
+  std::vector<int64_t> scheduler_steps;
+  at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
+  int64_t step = 0;
+};
+
+// 1. Recovers a half-done save of dir, then reads and checks every file
+// against the prepared set; nothing changes. An error on any process is
+// thrown on every process, naming the file.
+inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const CheckpointContext& ctx,
+                                        const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  {
+    std::string error;
+    if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
+    fail_together(error, "accel::Accelerator::load_state");
+  }
+  if (!fs::is_directory(dir))
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+  LoadedCheckpoint loaded;
+  auto& models = loaded.models;  // (names for the members, as the checks below read them)
+  auto& optimizers = loaded.optimizers;
+  auto& objects = loaded.objects;
+  auto& schedulers = loaded.schedulers;
+  auto& scheduler_steps = loaded.scheduler_steps;
+  auto& rng = loaded.rng;
+  auto& device_rng = loaded.device_rng;
+  auto& points = loaded.points;
+  auto& step = loaded.step;
+  models.resize(set.models.size());
+  optimizers.resize(set.optimizers.size());
+  const std::string error = error_of([&] {
+    const auto manifest = read_manifest(dir);  // none: written before manifests existed
+    if (manifest) {
+      if (manifest->processes != ctx.num_processes)
+        throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
+                           std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
+      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
+          {"model(s)", {manifest->models, set.models.size()}},
+          {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+          {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+          {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+          {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+      for (const auto& count : counts)
+        if (count.second.first != static_cast<int64_t>(count.second.second))
+          throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                             std::to_string(count.second.second));
+      const int64_t shards = ctx.shards;
+      if (manifest->shards != shards)
+        throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
+                           " way(s), this run's " + std::to_string(shards) +
+                           " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+    }
+    auto read = [&](const std::string& name) {
+      const fs::path file = dir / name;
+      if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
+      auto archive = std::make_unique<torch::serialize::InputArchive>();
+      try {
+        archive->load_from(file.string(), ctx.device);
+      } catch (const std::exception& e) {
+        throw RuntimeError("cannot read " + file.string() + ": " + error_text(e));
+      }
+      return archive;
+    };
+    for (std::size_t i = 0; i < set.models.size(); ++i) {
+      models[i] = read(numbered_file("model", i));
+      check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
+    }
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) optimizers[i] = read(optimizer_file(set, ctx, i));
+    for (std::size_t i = 0; i < set.objects.size(); ++i)
+      objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i)
+      schedulers.push_back(read(numbered_file("scheduler", i)));
+    // A tensor of the given dtype and shape under `key`, or an error naming the file.
+    auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                      at::IntArrayRef sizes, const std::string& file) {
+      at::Tensor value;
+      if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+        throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+      return value;
+    };
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+      const std::string file = (dir / numbered_file("scheduler", i)).string();
+      scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
+      torch::serialize::InputArchive own;
+      if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
+        throw RuntimeError(file + " has no state of the scheduler's own save()");
+      if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
+        throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
+                           " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
+                           " (load the checkpoint before stepping it)");
+    }
+    if (!set.loaders.empty()) {
+      const std::string file = (dir / "loaders.pt").string();
+      points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
+                      {static_cast<int64_t>(set.loaders.size()), 2}, file);
+    }
+    const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
+    if (!fs::exists(dir / rng_name))
+      throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
+    auto rng_archive = read(rng_name);
+    const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+    // Before manifests, the file held the generator state alone (torch::save's key "0").
+    rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
+                 (dir / rng_name).string());
+    if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+    at::Tensor saved_device_rng;
+    if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
+      const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
+      device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
+    }
+  });
+  fail_together(error, "accel::Accelerator::load_state");
+  return loaded;
+}
+
+// 2. Schedulers and registered objects with a load() of their own check
+// what they load as they load it (and cannot be put back); the other
+// schedulers replay their missing steps (which sets the optimizers'
+// learning rates the way the saved run did; the optimizers' own come
+// next). The optimizers check their groups: what they had is kept, to be
+// put back on every process if any one of them refuses.
+inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, LoadedCheckpoint& loaded,
+                             const std::filesystem::path& dir) {
+  auto& optimizers = loaded.optimizers;
+  auto& objects = loaded.objects;
+  auto& schedulers = loaded.schedulers;
+  const auto& scheduler_steps = loaded.scheduler_steps;
+  std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
+  const std::string error = error_of([&] {
+    for (auto* optimizer : set.optimizers) snapshots.push_back(optimizer_snapshot(*optimizer));
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+      try {
+        if (set.schedulers[i].load) {
+          torch::serialize::InputArchive own;
+          schedulers[i]->read("own", own);
+          set.schedulers[i].load(own);
+        } else {
+          for (int64_t k = *set.schedulers[i].steps; k < scheduler_steps[i]; ++k) set.schedulers[i].step();
+        }
+        *set.schedulers[i].steps = scheduler_steps[i];
+      } catch (const std::exception& e) {
+        throw RuntimeError((dir / numbered_file("scheduler", i)).string() +
+                           " does not fit the scheduler: " + error_text(e));
+      }
+    }
+    for (std::size_t i = 0; i < set.objects.size(); ++i) {
+      try {
+        set.objects[i].load(*objects[i]);
+      } catch (const std::exception& e) {
+        throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
+                           " does not fit the registered object: " + error_text(e));
+      }
+    }
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
+      try {
+        set.optimizers[i]->load(*optimizers[i]);
+        load_group_options(*set.optimizers[i], *optimizers[i]);
+      } catch (const std::exception& e) {
+        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() + " does not fit the optimizer: " +
+                           error_text(e));
+      }
+    }
+  });
+  try {
+    fail_together(error, "accel::Accelerator::load_state");
+  } catch (...) {
+    for (std::size_t i = 0; i < snapshots.size(); ++i) restore_optimizer(*set.optimizers[i], snapshots[i]);
+    throw;
+  }
+}
+
+// 3. What was read and checked cannot fail to load: the models (and their
+// shards), the loaders' places, this process's RNG. Returns the saved
+// accumulation step.
+inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
+  const auto& models = loaded.models;
+  const auto& points = loaded.points;
+  for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
+  for (DataParallel* dp : *set.sharded) dp->reshard();
+  for (std::size_t i = 0; i < set.loaders.size(); ++i) {
+    set.loaders[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
+    set.loaders[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
+    set.loaders[i]->in_pass = false;
+  }
+  auto set_state = [](at::Generator generator, const at::Tensor& state) {
+    std::lock_guard lock(generator.mutex());
+    generator.set_state(state);
+  };
+  set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
+  if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  return loaded.step;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END

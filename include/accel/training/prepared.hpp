@@ -1,0 +1,103 @@
+// accel/training/prepared.hpp: what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects).
+//
+// The Accelerator adds to a PreparedSet as it prepares things and
+// registers objects; the checkpoint functions (checkpoint_state.hpp) save
+// and restore what it lists. Plain data, a few lookups, and SyncGuard, the
+// RAII switch of a prepared model's gradient sync.
+#pragma once
+
+#include "accel/training/data_parallel.hpp"
+#include "accel/training/sampler.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+struct PreparedModel {
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<DataParallel> data_parallel;
+  bool sync = true;  // DDP's require_backward_grad_sync
+};
+
+// A prepared scheduler in checkpoints: its step count, and its own
+// save/load where it has them. LibTorch's LRScheduler has neither (its
+// step count is protected): load_state replays the missing steps on it,
+// before the optimizers' learning rates are restored.
+struct PreparedScheduler {
+  const void* address;
+  std::shared_ptr<int64_t> steps;
+  std::function<void()> step;
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+// An object registered for checkpointing (Accelerate's
+// register_for_checkpointing): how to save and load it.
+struct CheckpointedObject {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+struct PreparedSet {
+  std::deque<PreparedModel> models;  // a deque: sync guards hold pointers to the flags
+  // The sharded models' DataParallels (shared with the optimizers' handles,
+  // which gather after a step).
+  std::shared_ptr<std::vector<DataParallel*>> sharded = std::make_shared<std::vector<DataParallel*>>();
+  std::vector<torch::optim::Optimizer*> optimizers;
+  std::vector<PreparedScheduler> schedulers;
+  std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
+  std::vector<CheckpointedObject> objects;                // in the order registered
+
+  PreparedModel* find(const torch::nn::Module* module) {
+    for (auto& m : models)
+      if (m.module.get() == module) return &m;
+    return nullptr;
+  }
+  // The fully sharded parameters of every prepared model (or of `module`)
+  // gathered for as long as the result lives (a collective: every process).
+  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
+                                                            bool writeback = false) {
+    std::vector<DataParallel::FullParameters> out;
+    for (auto& m : models)
+      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
+    return out;
+  }
+  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
+  // the others' own (into `whole`); parameters without one are left out.
+  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
+                     std::vector<at::Tensor>& whole) const {
+    for (const auto& p : parameters) {
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
+    }
+  }
+};
+
+// RAII: restores the models' gradient sync when it goes out of scope.
+// RAII: restores the gradient sync flags it set when it goes out of scope
+// (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
+class SyncGuard {
+ public:
+  SyncGuard() = default;
+  SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
+  SyncGuard(const SyncGuard&) = delete;
+  SyncGuard& operator=(const SyncGuard&) = delete;
+  SyncGuard& operator=(SyncGuard&&) = delete;
+  ~SyncGuard() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
+  }
+
+  // Sets flag to value now, and back to what it was when the guard goes.
+  void set(bool& flag, bool value) {
+    saved_.emplace_back(&flag, flag);
+    flag = value;
+  }
+
+ private:
+  std::vector<std::pair<bool*, bool>> saved_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
