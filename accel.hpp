@@ -52,6 +52,7 @@
 //     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/prepared.hpp            what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/checkpoint_state.hpp    save_state's and load_state's work: write; read and check; apply or roll back; commit
+//     accel/training/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs)
 //     accel/training/safetensors.hpp         safetensors: Hugging Face's weight format, written and read
 //     accel/training/weights.hpp             save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/autocast.hpp            AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
@@ -7960,6 +7961,49 @@ struct PreparedSet {
 };
 
 // RAII: restores the models' gradient sync when it goes out of scope.
+// Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
+// models. After the all-reduce every rank holds the same averaged
+// gradients, so the norm computed here is the global one, identical on
+// every rank. Under sharding a sharded parameter's gradient is its shard's:
+// the norm adds up every rank's shards (one all_reduce), and the shards are
+// scaled.
+inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
+                            double norm_type) {
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  const bool inf = std::isinf(norm_type);
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+  auto part = [&](const std::vector<at::Tensor>& grads) {
+    double total = 0;
+    for (const auto& g : grads) {
+      const double n = g.norm(norm_type).item<double>();
+      total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
+    }
+    return total;
+  };
+  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
+                                               set.sharded->front()->shard_group());
+  const double from_whole = part(whole);
+  const double norm =
+      inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1) {
+    for (auto& g : shards) g.mul_(coefficient);
+    for (auto& g : whole) g.mul_(coefficient);
+  }
+  return norm;
+}
+inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double clip_value) {
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
+  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+}
+
 // RAII: restores the gradient sync flags it set when it goes out of scope
 // (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
 class SyncGuard {
@@ -8302,6 +8346,143 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
   return loaded.step;
 }
+
+// read_checkpoint, apply_checkpoint and commit_checkpoint in turn. Returns
+// the saved accumulation step.
+inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  LoadedCheckpoint loaded = read_checkpoint(set, ctx, dir);
+  apply_checkpoint(set, ctx, loaded, dir);
+  return commit_checkpoint(set, ctx, loaded);
+}
+
+// Accelerator::save_state: into `path`, or with automatic_checkpoint_naming
+// into project_dir/checkpoints/checkpoint_<iteration> (counting iteration
+// up, and rotating under total_limit). Returns the checkpoint's directory.
+inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                                                   ProjectConfiguration& config, const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::save_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+                            "project_config.automatic_checkpoint_naming)");
+    const fs::path dir = checkpoint_path(path, "save_state");
+    write_checkpoint(set, ctx, step, dir);
+    return dir;
+  }
+  if (!path.empty())
+    throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+                          "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+                          path.string());
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
+  const int number = project.iteration;
+  const fs::path dir = root / ("checkpoint_" + std::to_string(number));
+  std::string error;
+  if (ctx.process_index == 0) error = error_of([&] {
+    fs::create_directories(root);
+    if (recover_checkpoint(dir) || fs::exists(dir))
+      throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                         ") already exists: set project_configuration().iteration to the number to go on with, "
+                         "or load_state() first (which sets it past the newest)");
+  });
+  fail_together(error, "accel::Accelerator::save_state");
+  write_checkpoint(set, ctx, step, dir);
+  ++config.iteration;
+  if (project.total_limit) {
+    if (ctx.process_index == 0)
+      error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
+    fail_together(error, "accel::Accelerator::save_state");
+  }
+  return dir;
+}
+
+// Accelerator::load_state: from `path`, or with automatic_checkpoint_naming
+// the newest numbered checkpoint (and iteration set past it). Returns the
+// saved accumulation step.
+inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, ProjectConfiguration& config,
+                                     const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::load_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+                            "project_config.automatic_checkpoint_naming to load the newest)");
+    return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
+  }
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
+  int64_t newest = -1;  // none
+  std::string error;
+  if (ctx.process_index == 0) error = error_of([&] {
+    const std::map<int, fs::path> complete = numbered_checkpoints(root);
+    if (!complete.empty()) newest = complete.rbegin()->first;
+  });
+  fail_together(error, "accel::Accelerator::load_state");
+  newest = accel::broadcast(newest, 0);
+  if (path.empty() && newest < 0)
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
+  const fs::path dir = path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
+  const int64_t step = load_checkpoint(set, ctx, dir);
+  config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+  return step;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/join.hpp ==================================================
+// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs).
+//
+// A rank whose loop ends first stands in for the others' gradient
+// all-reduces (with zeros: gradients are still divided by the whole group)
+// until every rank's loop has ended; then every rank takes the weights of a
+// rank that ran the most steps (DDP's final model sync). Every backward
+// inside the loop first sends one small all_reduce, matched on the joined
+// ranks, that says which models to shadow.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+class Join {
+ public:
+  // models: the prepared models joined ranks stand in for (at least one).
+  explicit Join(std::vector<PreparedModel*> models)
+      : models_(std::move(models)), group_(models_.front()->data_parallel->group()) {}
+
+  // The group the models average over; null when not distributed.
+  const GroupPtr& group() const { return group_; }
+  bool includes(const PreparedModel* m) const { return std::find(models_.begin(), models_.end(), m) != models_.end(); }
+  // On a rank still training, before its backward.
+  void before_backward() { signal(1); }
+  // This rank's loop has ended: shadows the others' backwards until every
+  // loop has ended, then takes the weights of a rank that ran the most steps.
+  void finish() {
+    for (;;) {
+      const std::vector<int64_t> counts = signal(0);
+      if (counts[0] == 0) break;  // every rank has joined
+      for (std::size_t i = 0; i < models_.size(); ++i)
+        if (counts[i + 1] > 0) models_[i]->data_parallel->shadow_backward();
+    }
+    const std::vector<int64_t> steps = all_gather(steps_, group_);
+    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+    for (PreparedModel* m : models_) m->data_parallel->sync_module_states(src);
+  }
+
+ private:
+  // The all_reduce of [ranks still training, then per model the ranks
+  // syncing it].
+  std::vector<int64_t> signal(int64_t active) {
+    std::vector<int64_t> out{active};
+    for (const PreparedModel* m : models_) out.push_back(active && m->sync ? 1 : 0);
+    steps_ += active;
+    return all_reduce(std::move(out), ReduceOp::SUM, group_);
+  }
+
+  std::vector<PreparedModel*> models_;
+  GroupPtr group_;
+  int64_t steps_ = 0;  // backwards this rank ran
+};
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -8996,7 +9177,7 @@ class Accelerator {
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
-    if (join_) join_signal(1);
+    if (join_) join_->before_backward();
     for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
     for (auto& m : prepared_.models)
       if (m.sync) m.data_parallel->prepare_for_backward();
@@ -9021,26 +9202,16 @@ class Accelerator {
     if (!prepared_.sharded->empty())
       throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
                             "have to step its shard too); use NO_SHARD, or even batches");
-    Join join;
-    (join.models.push_back(find_prepared(models, "join_uneven_inputs")), ...);
-    join.group = join.models.front()->data_parallel->group();
-    if (!join.group) return static_cast<void>(std::invoke(body));  // one process: nothing to join
-    join_ = std::move(join);
+    detail::Join join({find_prepared(models, "join_uneven_inputs")...});
+    if (!join.group()) return static_cast<void>(std::invoke(body));  // one process: nothing to join
+    join_.emplace(std::move(join));
     try {
       std::invoke(body);
+      join_->finish();
     } catch (...) {
       join_.reset();
       throw;
     }
-    for (;;) {  // this rank has joined
-      const std::vector<int64_t> counts = join_signal(0);
-      if (counts[0] == 0) break;  // so have all the others
-      for (std::size_t i = 0; i < join_->models.size(); ++i)
-        if (counts[i + 1] > 0) join_->models[i]->data_parallel->shadow_backward();
-    }
-    const std::vector<int64_t> steps = all_gather(join_->steps, join_->group);
-    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
-    for (detail::PreparedModel* m : join_->models) m->data_parallel->sync_module_states(src);
     join_.reset();
   }
 
@@ -9082,44 +9253,13 @@ class Accelerator {
   // loader's pass.
   bool end_of_dataloader() const { return state_->end_of_dataloader(); }
 
-  // After the all-reduce every rank holds the same averaged gradients, so
-  // the norm computed here is the global one, identical on every rank.
-  // Under sharding a sharded parameter's gradient is its shard's: the norm
-  // adds up every rank's shards (one all_reduce), and the shards are scaled.
+  // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
+  // under sharding (detail::clip_grad_norm).
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
-    if (prepared_.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
-    std::vector<at::Tensor> shards, whole;
-    prepared_.split_sharded(parameters, shards, whole);
-    at::NoGradGuard no_grad;
-    const bool inf = std::isinf(norm_type);
-    // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
-    auto part = [&](const std::vector<at::Tensor>& grads) {
-      double total = 0;
-      for (const auto& g : grads) {
-        const double n = g.norm(norm_type).item<double>();
-        total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
-      }
-      return total;
-    };
-    const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
-                                                 prepared_.sharded->front()->shard_group());
-    const double from_whole = part(whole);
-    const double norm =
-        inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
-    const double coefficient = max_norm / (norm + 1e-6);
-    if (coefficient < 1) {
-      for (auto& g : shards) g.mul_(coefficient);
-      for (auto& g : whole) g.mul_(coefficient);
-    }
-    return norm;
+    return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
   }
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
-    if (prepared_.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
-    std::vector<at::Tensor> shards, whole;
-    prepared_.split_sharded(parameters, shards, whole);
-    at::NoGradGuard no_grad;
-    for (auto& g : shards) g.clamp_(-clip_value, clip_value);
-    for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+    detail::clip_grad_value(prepared_, parameters, clip_value);
   }
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
@@ -9224,41 +9364,7 @@ class Accelerator {
   // exists), counts iteration up, and with total_limit then removes the
   // oldest beyond the limit. Returns the checkpoint's directory.
   std::filesystem::path save_state(const std::filesystem::path& path = {}) {
-    namespace fs = std::filesystem;
-    const ProjectConfiguration& project = config_.project_config;
-    detail::check_project(project, "accel::Accelerator::save_state");
-    if (!project.automatic_checkpoint_naming) {
-      if (path.empty())
-        throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
-                              "project_config.automatic_checkpoint_naming)");
-      const fs::path dir = detail::checkpoint_path(path, "save_state");
-      detail::write_checkpoint(prepared_, checkpoint_context(), step_, dir);
-      return dir;
-    }
-    if (!path.empty())
-      throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
-                            "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
-                            path.string());
-    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "save_state");
-    const int number = project.iteration;
-    const fs::path dir = root / ("checkpoint_" + std::to_string(number));
-    std::string error;
-    if (is_main_process()) error = detail::error_of([&] {
-      fs::create_directories(root);
-      if (detail::recover_checkpoint(dir) || fs::exists(dir))
-        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
-                           ") already exists: set project_configuration().iteration to the number to go on with, "
-                           "or load_state() first (which sets it past the newest)");
-    });
-    detail::fail_together(error, "accel::Accelerator::save_state");
-    detail::write_checkpoint(prepared_, checkpoint_context(), step_, dir);
-    ++config_.project_config.iteration;
-    if (project.total_limit) {
-      if (is_main_process())
-        error = detail::error_of([&] { detail::rotate_checkpoints(root, *project.total_limit, number); });
-      detail::fail_together(error, "accel::Accelerator::save_state");
-    }
-    return dir;
+    return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
   }
 
   // Loads what save_state saved into the prepared models, optimizers,
@@ -9275,39 +9381,10 @@ class Accelerator {
   // newest numbered checkpoint, and any load sets iteration past the newest
   // (Accelerate leaves it, and the next save_state() finds its number taken).
   void load_state(const std::filesystem::path& path = {}) {
-    namespace fs = std::filesystem;
-    const ProjectConfiguration& project = config_.project_config;
-    detail::check_project(project, "accel::Accelerator::load_state");
-    if (!project.automatic_checkpoint_naming) {
-      if (path.empty())
-        throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
-                              "project_config.automatic_checkpoint_naming to load the newest)");
-      return load_checkpoint(detail::checkpoint_path(path, "load_state"));
-    }
-    const fs::path root = detail::checkpoint_path(project.project_dir / "checkpoints", "load_state");
-    int64_t newest = -1;  // none
-    std::string error;
-    if (is_main_process()) error = detail::error_of([&] {
-      const std::map<int, fs::path> complete = detail::numbered_checkpoints(root);
-      if (!complete.empty()) newest = complete.rbegin()->first;
-    });
-    detail::fail_together(error, "accel::Accelerator::load_state");
-    newest = accel::broadcast(newest, 0);
-    if (path.empty() && newest < 0)
-      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
-    load_checkpoint(path.empty() ? root / ("checkpoint_" + std::to_string(newest))
-                                 : detail::checkpoint_path(path, "load_state"));
-    config_.project_config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+    step_ = detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
   }
 
  private:
-  // Loads a checkpoint in load_state's three steps (checkpoint_state.hpp).
-  void load_checkpoint(const std::filesystem::path& dir) {
-    const detail::CheckpointContext ctx = checkpoint_context();
-    detail::LoadedCheckpoint loaded = detail::read_checkpoint(prepared_, ctx, dir);
-    detail::apply_checkpoint(prepared_, ctx, loaded, dir);
-    step_ = detail::commit_checkpoint(prepared_, ctx, loaded);
-  }
   detail::CheckpointContext checkpoint_context() const {
     return {.process_index = process_index(),
             .num_processes = num_processes(),
@@ -9378,22 +9455,6 @@ class Accelerator {
     throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
   }
 
-  // join_uneven_inputs' state: the models joined ranks stand in for, and how
-  // many backwards this rank ran.
-  struct Join {
-    std::vector<detail::PreparedModel*> models;
-    GroupPtr group;
-    int64_t steps = 0;
-    bool includes(const detail::PreparedModel* m) const { return std::find(models.begin(), models.end(), m) != models.end(); }
-  };
-  // One all_reduce per backward inside join_uneven_inputs, matched on joined
-  // ranks: [ranks still training, then per model the ranks syncing it].
-  std::vector<int64_t> join_signal(int64_t active) {
-    std::vector<int64_t> signal{active};
-    for (const detail::PreparedModel* m : join_->models) signal.push_back(active && m->sync ? 1 : 0);
-    join_->steps += active;
-    return all_reduce(std::move(signal), ReduceOp::SUM, join_->group);
-  }
   template <class... ModuleHolders>
   SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
     SyncGuard guard;
@@ -9426,7 +9487,7 @@ class Accelerator {
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;  // accumulate()'s count of micro-steps
   int64_t trigger_ = 0;
-  std::optional<Join> join_;
+  std::optional<detail::Join> join_;
 };
 
 ACCEL_NAMESPACE_END

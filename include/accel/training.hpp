@@ -26,6 +26,7 @@
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/prepared.hpp"
 #include "accel/training/checkpoint_state.hpp"
+#include "accel/training/join.hpp"
 #include "accel/training/safetensors.hpp"
 #include "accel/training/weights.hpp"
 #include "accel/training/autocast.hpp"

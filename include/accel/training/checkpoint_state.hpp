@@ -317,6 +317,87 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
   return loaded.step;
 }
+
+// read_checkpoint, apply_checkpoint and commit_checkpoint in turn. Returns
+// the saved accumulation step.
+inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  LoadedCheckpoint loaded = read_checkpoint(set, ctx, dir);
+  apply_checkpoint(set, ctx, loaded, dir);
+  return commit_checkpoint(set, ctx, loaded);
+}
+
+// Accelerator::save_state: into `path`, or with automatic_checkpoint_naming
+// into project_dir/checkpoints/checkpoint_<iteration> (counting iteration
+// up, and rotating under total_limit). Returns the checkpoint's directory.
+inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                                                   ProjectConfiguration& config, const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::save_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+                            "project_config.automatic_checkpoint_naming)");
+    const fs::path dir = checkpoint_path(path, "save_state");
+    write_checkpoint(set, ctx, step, dir);
+    return dir;
+  }
+  if (!path.empty())
+    throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+                          "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+                          path.string());
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
+  const int number = project.iteration;
+  const fs::path dir = root / ("checkpoint_" + std::to_string(number));
+  std::string error;
+  if (ctx.process_index == 0) error = error_of([&] {
+    fs::create_directories(root);
+    if (recover_checkpoint(dir) || fs::exists(dir))
+      throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                         ") already exists: set project_configuration().iteration to the number to go on with, "
+                         "or load_state() first (which sets it past the newest)");
+  });
+  fail_together(error, "accel::Accelerator::save_state");
+  write_checkpoint(set, ctx, step, dir);
+  ++config.iteration;
+  if (project.total_limit) {
+    if (ctx.process_index == 0)
+      error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
+    fail_together(error, "accel::Accelerator::save_state");
+  }
+  return dir;
+}
+
+// Accelerator::load_state: from `path`, or with automatic_checkpoint_naming
+// the newest numbered checkpoint (and iteration set past it). Returns the
+// saved accumulation step.
+inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, ProjectConfiguration& config,
+                                     const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::load_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+                            "project_config.automatic_checkpoint_naming to load the newest)");
+    return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
+  }
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
+  int64_t newest = -1;  // none
+  std::string error;
+  if (ctx.process_index == 0) error = error_of([&] {
+    const std::map<int, fs::path> complete = numbered_checkpoints(root);
+    if (!complete.empty()) newest = complete.rbegin()->first;
+  });
+  fail_together(error, "accel::Accelerator::load_state");
+  newest = accel::broadcast(newest, 0);
+  if (path.empty() && newest < 0)
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
+  const fs::path dir = path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
+  const int64_t step = load_checkpoint(set, ctx, dir);
+  config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+  return step;
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END

@@ -76,6 +76,49 @@ struct PreparedSet {
 };
 
 // RAII: restores the models' gradient sync when it goes out of scope.
+// Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
+// models. After the all-reduce every rank holds the same averaged
+// gradients, so the norm computed here is the global one, identical on
+// every rank. Under sharding a sharded parameter's gradient is its shard's:
+// the norm adds up every rank's shards (one all_reduce), and the shards are
+// scaled.
+inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
+                            double norm_type) {
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  const bool inf = std::isinf(norm_type);
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+  auto part = [&](const std::vector<at::Tensor>& grads) {
+    double total = 0;
+    for (const auto& g : grads) {
+      const double n = g.norm(norm_type).item<double>();
+      total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
+    }
+    return total;
+  };
+  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
+                                               set.sharded->front()->shard_group());
+  const double from_whole = part(whole);
+  const double norm =
+      inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1) {
+    for (auto& g : shards) g.mul_(coefficient);
+    for (auto& g : whole) g.mul_(coefficient);
+  }
+  return norm;
+}
+inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double clip_value) {
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
+  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+}
+
 // RAII: restores the gradient sync flags it set when it goes out of scope
 // (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
 class SyncGuard {
