@@ -44,6 +44,10 @@
 //     accel/training/autograd.hpp            autograd-aware collectives (accel::autograd)
 //     accel/training/comm_hooks.hpp          communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/buckets.hpp             which gradients share a bucket (DDP's assignment, with FSDP units)
+//     accel/training/dp_state.hpp            DataParallel's state: its buckets, units and flags, shared with its autograd hooks
+//     accel/training/dp_reducer.hpp          DataParallel's reducer: a bucket issued as soon as its gradients are ready
+//     accel/training/dp_units.hpp            ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
+//     accel/training/dp_shards.hpp           ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
 //     accel/training/data_parallel.hpp       DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
 //     accel/training/sampler.hpp             data loading: ShardSampler and the loaders' shared state
 //     accel/training/dispatch.hpp            dispatch_batches: one rank reads, the others receive their slices
@@ -5497,6 +5501,617 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp_state.hpp ==============================================
+// accel/training/dp_state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
+//
+// A DataParallel keeps everything in one State behind a shared_ptr: the
+// autograd hooks it registers outlive it inside the graph, and see
+// `alive` turn false when it goes. The reducer (dp_reducer.hpp), the
+// ZeRO-3 units (dp_units.hpp) and DataParallel itself work on it, always
+// under its mutex.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+struct Bucket {
+  // Every member has an initializer: GCC 14's -Wextra flags designated
+  // initializers that leave out members without one.
+  std::vector<at::Tensor> params{};
+  std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
+  std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
+  c10::ScalarType dtype;
+  c10::Device device;
+  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+  std::size_t ready = 0;
+  at::Tensor flat{};
+  at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  Work<at::Tensor> work{};
+  // Sharded: a rank's segment holds its chunk of each parameter
+  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
+  // elements in all.
+  std::vector<int64_t> offsets{}, chunks{};
+  int64_t segment = 0;
+  std::vector<at::Tensor> shards{};
+  std::vector<uint8_t> in_optimizer{};
+  std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
+  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
+  // they hold their values now, and a prefetch in flight.
+  int64_t unit = -1;
+  bool resident = true;
+  Work<at::Tensor> gathering{};
+};
+struct Unit {
+  const torch::nn::Module* module = nullptr;
+  std::vector<std::size_t> buckets{};
+};
+struct State {
+  std::mutex mutex;
+  GroupPtr group;
+  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
+  int64_t replicas = 1;       // gradients are averaged over this many ranks
+  std::vector<Bucket> buckets;
+  std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
+  std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
+  bool armed = false, alive = true;
+  std::function<void(std::size_t)> on_issued;
+  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+  bool hooked = false;
+  bool bucket_view = false;  // (see gradient_as_bucket_view)
+  // FULL_SHARD: the units; the order they ran in this forward and the
+  // last (prefetching follows it); summon_full_params() objects alive.
+  std::vector<Unit> units;
+  std::vector<std::size_t> order, last_order;
+  bool new_pass = true;
+  int held = 0;
+  // Sharded: where each parameter's shard is, and the optimizers stepping them.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
+  std::vector<const torch::optim::Optimizer*> optimizers;
+};
+
+// What a hook gets for bucket b laid out in `buffer`. The parameters and
+// the gradients' views only for a registered hook: the default needs the
+// buffer alone, and this runs for every bucket of every step.
+inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& buffer) {
+  const Bucket& bucket = s.buckets[b];
+  GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
+  if (s.hooked) {
+    out.parameters = bucket.params;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
+  }
+  return out;
+}
+
+// The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
+// being row r. read_rows copies t's rows into columns [off, off + c) of
+// rows (which start zeroed); write_rows copies them back into t;
+// read_chunk copies row r alone into `out`.
+inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
+  const at::Tensor flat = t.reshape({-1});
+  const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
+  if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+}
+inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
+  const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (!t.is_contiguous()) {
+    t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
+    return;
+  }
+  const at::Tensor flat = t.view({-1});
+  if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
+  if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
+}
+inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
+  const at::Tensor flat = t.reshape({-1});
+  const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
+  if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
+  if (length < c) out.narrow(0, length, c - length).zero_();
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp_reducer.hpp ============================================
+// accel/training/dp_reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
+//
+// A ReadyHook on each parameter's gradient accumulator marks the gradient
+// ready; when a bucket is complete (and every bucket before it issued, so
+// that every rank issues the same sequence) issue_bucket flattens it and
+// starts its all-reduce (through the communication hook) or, sharded, its
+// reduce-scatter, without waiting.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// Flattens a bucket's gradients and used-flags (pre-divided by the group
+// size, as DDP does) and issues its all-reduce without waiting.
+inline void issue_bucket(State& state, std::size_t b) {
+  Bucket& bucket = state.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
+    const int64_t S = state.shard->getSize();
+    bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
+    const at::Tensor rows = bucket.flat.view({S, bucket.segment});
+    for (std::size_t i = 0; i < n; ++i)
+      if (bucket.params[i].grad().defined()) {
+        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
+      }
+    rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
+        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
+    bucket.flat.div_(state.replicas);
+    try {
+      bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                             e.what());
+    }
+    if (state.on_issued) state.on_issued(b);
+    return;
+  }
+  if (state.bucket_view) {  // the bucket is persistent and the gradients are its views
+    if (!bucket.views.defined()) bucket.views = bucket.packing.buffer(bucket.params.front().options());
+    bucket.flat = bucket.views;
+  } else {
+    bucket.flat = bucket.packing.buffer(bucket.params.front().options());
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    at::Tensor& p = bucket.params[i];
+    const at::Tensor view = bucket.packing.view(bucket.flat, i);
+    if (!p.grad().defined()) {
+      view.zero_();
+    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      view.copy_(p.grad());
+      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+    }
+  }
+  bucket.packing.view(bucket.flat, n)
+      .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
+  try {
+    GradBucket hooked = grad_bucket(state, b, bucket.flat);
+    bucket.work = state.hook(state.group, hooked);
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
+                           e.what());
+  }
+  if (state.on_issued) state.on_issued(b);
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
+      : state_(std::move(state)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    State& s = *state_;
+    std::lock_guard lock(s.mutex);
+    if (!s.alive) return outputs;
+    Bucket& bucket = s.buckets[bucket_];
+    bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
+    if (!s.armed || bucket.seen[index_]) return outputs;
+    bucket.seen[index_] = 1;
+    ++s.fired;
+    if (++bucket.ready == bucket.params.size())
+      while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
+        issue_bucket(s, s.next++);
+    return outputs;
+  }
+  std::shared_ptr<State> state_;
+  std::size_t bucket_, index_;
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp_units.hpp ==============================================
+// accel/training/dp_units.hpp: ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after.
+//
+// FULL_SHARD's units hold no parameter memory at rest. accel::unit_forward
+// calls unit_call, which gathers a unit's parameters (waiting for a prefetch
+// where one was issued, prefetching the unit that came next in the last
+// forward), runs the forward and frees them; hooks on the unit's output and
+// inputs gather them again for its backward and free them after it.
+// FullParameters (summon_full_params) keeps every unit gathered.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
+inline Registry& unit_registry() {
+  static Registry units;  // every live DataParallel's units, for accel::unit_forward
+  return units;
+}
+inline std::mutex& unit_registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+// The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
+inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
+  std::lock_guard lock(unit_registry_mutex());
+  const auto found = unit_registry().find(module);
+  if (found == unit_registry().end()) return {nullptr, 0};
+  return {found->second.first.lock(), found->second.second};
+}
+
+// A unit's parameters: fetch() issues the all-gather of its shards
+// (asynchronously, unless it holds them or one is in flight);
+// materialize() gives the parameters storage again and writes the gathered
+// values in (through variable_data(): version counters stay, so autograd
+// accepts the values it saved in forward); release() frees their storage.
+inline void fetch(State& s, std::size_t u) {
+  at::NoGradGuard no_grad;
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.resident || bucket.gathering.valid()) continue;
+    try {
+      bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+    }
+  }
+}
+inline void materialize(State& s, std::size_t u) {
+  fetch(s, u);
+  at::NoGradGuard no_grad;
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.resident) continue;
+    at::Tensor rows;
+    try {
+      rows = bucket.gathering.wait();  // (S, segment without the flags)
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+    }
+    bucket.gathering = {};
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
+      c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      storage->set_data_ptr_noswap(allocator->allocate(bytes));
+      storage->set_nbytes(bytes);
+      at::Tensor values = bucket.params[i].variable_data();
+      write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
+    }
+    bucket.resident = true;
+  }
+}
+inline void release(State& s, std::size_t u) {
+  if (s.held > 0) return;  // summon_full_params() keeps them
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (!bucket.resident) continue;
+    for (const auto& p : bucket.params) {
+      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
+      storage->set_nbytes(0);
+    }
+    bucket.resident = false;
+  }
+}
+// The end of a backward: prefetches that found no use are waited for (a
+// collective cannot be taken back) and dropped, every unit is freed, and
+// the next forward records the order anew.
+inline void end_unit_pass(State& s) {
+  if (s.units.empty()) return;
+  for (auto& bucket : s.buckets)
+    if (bucket.gathering.valid()) {
+      try {
+        bucket.gathering.wait();
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                               e.what());
+      }
+      bucket.gathering = {};
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
+  s.new_pass = true;
+}
+
+// FSDP's summon_full_params: every unit's parameters gathered for as long
+// as the returned object lives (a collective on the shard group: every
+// rank makes one, in the same order). With writeback, what the
+// parameters hold then goes back into the shards. Nothing to do unless
+// fully sharded.
+class FullParameters {
+ public:
+  FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+  FullParameters& operator=(FullParameters&&) = delete;
+  ~FullParameters() {
+    if (!state_) return;
+    std::lock_guard lock(state_->mutex);
+    if (--state_->held > 0) return;
+    at::NoGradGuard no_grad;
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      if (writeback_)
+        for (std::size_t b : state_->units[u].buckets) {
+          Bucket& bucket = state_->buckets[b];
+          for (std::size_t i = 0; i < bucket.params.size(); ++i)
+            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        }
+      release(*state_, u);
+    }
+  }
+
+  // (made by DataParallel::summon_full_params, which has gathered them)
+  FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
+
+ private:
+  std::shared_ptr<State> state_;
+  bool writeback_;
+};
+
+// accel::unit_forward's machinery: fn(args...) with the parameters of the
+// unit `module` gathered (plainly fn(args...) when it is not a unit).
+template <class Fn, class... Args>
+inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+  auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
+  const std::shared_ptr<State> state = std::move(found.first);
+  const std::size_t u = found.second;
+  if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  {
+    std::lock_guard lock(state->mutex);
+    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!state->order.empty()) state->last_order = std::move(state->order);
+      state->order.clear();
+      state->new_pass = false;
+    }
+    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    materialize(*state, u);
+    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
+    if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+  }
+  struct Release {  // after the forward, also when it throws
+    State& state;
+    std::size_t unit;
+    ~Release() {
+      std::lock_guard lock(state.mutex);
+      release(state, unit);
+    }
+  } release_after{*state, u};
+  const std::weak_ptr<State> weak = state;
+  auto enter = [&]<class A>(A&& a) -> decltype(auto) {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
+      at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
+      in.register_hook([weak, u](const at::Tensor&) {
+        if (const auto s = weak.lock()) {
+          std::lock_guard lock(s->mutex);
+          if (s->alive) release(*s, u);
+        }
+      });
+      return in;
+    } else {
+      return std::forward<A>(a);
+    }
+  };
+  auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+    if (out.requires_grad() && at::GradMode::is_enabled())
+      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
+        if (const auto s = weak.lock()) {
+          std::lock_guard lock(s->mutex);
+          if (!s->alive) return;
+          materialize(*s, u);
+          const auto at = std::find(s->order.begin(), s->order.end(), u);
+          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
+        }
+      });
+  } else {
+    static_assert(std::is_same_v<decltype(out), at::Tensor>,
+                  "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
+  }
+  return out;
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp_shards.hpp =============================================
+// accel/training/dp_shards.hpp: ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped.
+//
+// Given a shard group of S ranks, every parameter is cut into S equal
+// chunks (the last padded with zeros) and rank r keeps chunk r as its
+// shard, a tensor of its own that the optimizer steps instead of the
+// parameter, so optimizer state is 1/S. A bucket's gradients are
+// reduce-scattered (dp_reducer.hpp) so that each rank receives its chunk of
+// every parameter, averaged along a replicate group too where there is one
+// (HSDP); finish_sharded writes them to the shards' gradients. After the
+// optimizer steps the shards, gather_shards all-gathers them into every
+// parameter. ZeRO-3's units (dp_units.hpp) gather theirs at each use instead.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// The shard standing in for parameter p; undefined when p is not one of
+// this module's sharded parameters.
+inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  return found == s.shard_index.end() ? at::Tensor() : s.buckets[found->second.first].shards[found->second.second];
+}
+
+// Puts the shards in place of this module's parameters in the optimizer's
+// groups (so it steps, and keeps state for, the shards only). Before its
+// first step; not an LBFGS (its line search needs whole-vector products).
+inline void shard_optimizer(State& s, torch::optim::Optimizer& optimizer) {
+  if (!s.shard) return;
+  bool touched = false;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) {
+      const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+      if (found == s.shard_index.end()) continue;
+      if (!optimizer.state().empty())
+        throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+                              "prepare it before its first step (its state becomes per-shard)");
+      if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
+        throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+                              "products over whole parameters); use NO_SHARD");
+      Bucket& bucket = s.buckets[found->second.first];
+      p = bucket.shards[found->second.second];
+      bucket.in_optimizer[found->second.second] = 1;
+      touched = true;
+    }
+  if (touched && std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) == s.optimizers.end())
+    s.optimizers.push_back(&optimizer);
+}
+
+inline bool steps_with(const State& s, const torch::optim::Optimizer& optimizer) {
+  return std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) != s.optimizers.end();
+}
+
+// Before a backward, each shard against its chunk of the parameter
+// (LibTorch's optimizers write through .data(), which version counters do
+// not see, so values are compared; one pass over 1/S of the parameters
+// and one device sync). A shard that changed since the last gather()
+// means its optimizer was stepped directly, not through the handle
+// prepare() returned, and this forward used stale parameters: an error.
+// A parameter changed since then (by hand, Module::load) is taken into its
+// shard. Every shard must be in a prepared optimizer.
+inline void check_shards(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (!bucket.in_optimizer[i])
+        throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
+                              c10::str(bucket.params[i].sizes()) +
+                              " of a sharded model is in no prepared optimizer; under sharding its optimizer "
+                              "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
+      if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
+      const at::Tensor flat = bucket.params[i].reshape({-1});
+      const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
+                    length = std::min(bucket.chunks[i], flat.numel() - begin);
+      differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
+      differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
+    }
+  if (differs.empty()) return;
+  const at::Tensor found = at::stack(differs).to(c10::kCPU);
+  const bool* flag = found.data_ptr<bool>();
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
+      if (!flag[0]) continue;
+      if (flag[1])
+        throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
+                              "handle accelerator.prepare() returned (its step() gathers the updated shards "
+                              "into the parameters); the parameters this forward used are stale");
+      read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
+// After the optimizer stepped the shards: every parameter all-gathered
+// from them (one all_gather per bucket), and the parameters' gradients
+// released (the shards' hold this step's).
+inline void gather_shards(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  end_unit_pass(s);  // a prefetch made before this step holds old values
+  at::NoGradGuard no_grad;
+  std::vector<Work<at::Tensor>> works;
+  try {
+    for (const auto& bucket : s.buckets)
+      if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), s.shard));
+    for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
+      Bucket& bucket = s.buckets[b];
+      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+        bucket.params[i].mutable_grad().reset();
+        bucket.sums[i] = bucket.shards[i].sum();
+      }
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
+                           e.what());
+  }
+}
+
+// Every shard taken again from its parameter (after Module::load, which
+// gives every parameter storage of its own); units' parameters are freed
+// again.
+inline void reshard(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      read_chunk(bucket.params[i], s.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    for (std::size_t b : s.units[u].buckets) s.buckets[b].resident = true;
+    release(s, u);
+  }
+}
+
+// Cuts every parameter into its chunks and makes this rank's shards.
+inline void make_shards(State& s) {
+  const int64_t S = s.shard->getSize(), r = s.shard->getRank();
+  at::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    Bucket& bucket = s.buckets[b];
+    int64_t at = 0;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor& p = bucket.params[i];
+      const int64_t c = (p.numel() + S - 1) / S;
+      bucket.offsets.push_back(at);
+      bucket.chunks.push_back(c);
+      at += c;
+      at::Tensor shard = at::empty({c}, p.options());
+      read_chunk(p, r, c, shard);
+      shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
+      bucket.shards.push_back(shard);
+      bucket.in_optimizer.push_back(0);
+      bucket.sums.push_back(shard.sum());
+      s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+    }
+    bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+  }
+}
+
+// Sharded finish: each bucket's reduce-scatter waited for (and its
+// all-reduce along the replicate group), then each used parameter's
+// averaged chunk written to its shard's gradient, replacing it (the
+// parameter's own gradient holds everything accumulated since the step).
+inline void finish_sharded(State& s) {
+  try {
+    for (auto& bucket : s.buckets) bucket.flat = bucket.work.wait();
+    if (s.replicate) {
+      std::vector<Work<at::Tensor>> works;
+      for (auto& bucket : s.buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, s.replicate));
+      for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
+  }
+  for (auto& bucket : s.buckets) {
+    const auto n = static_cast<int64_t>(bucket.params.size());
+    const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
+    const bool* used = used_anywhere.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (used[i]) {
+        at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+        const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+        if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
+        else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
+        else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
+      }
+      bucket.used[static_cast<std::size_t>(i)] = 0;
+    }
+    bucket.flat = at::Tensor();
+  }
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/data_parallel.hpp =========================================
 // accel/training/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
 
@@ -5554,8 +6169,6 @@ ACCEL_NAMESPACE_BEGIN
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.
 class DataParallel {
-  struct State;  // (below)
-
  public:
   static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
 
@@ -5566,7 +6179,7 @@ class DataParallel {
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
                GroupPtr shard = {}, GroupPtr replicate = {},
                const std::vector<std::shared_ptr<torch::nn::Module>>& units = {})
-      : module_(module), state_(std::make_shared<State>()) {
+      : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
     if (shard && shard->getSize() > 1) {
@@ -5588,7 +6201,7 @@ class DataParallel {
                         unit_of[k]});
     for (const auto& indices : detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
       const at::Tensor& first = params[indices.front()];
-      Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      detail::dp::Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
       bucket.unit = unit_of[indices.front()];
       if (bucket.unit >= 0) state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
       for (std::size_t k : indices) {
@@ -5601,11 +6214,11 @@ class DataParallel {
       accumulators_.resize(accumulators_.size() + bucket.params.size());
       state_->buckets.push_back(std::move(bucket));
     }
-    if (state_->shard) make_shards();
+    if (state_->shard) detail::dp::make_shards(*state_);
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
-      release(*state_, u);  // at rest: the shards only
-      std::lock_guard lock(registry_mutex());
-      registry()[state_->units[u].module] = {state_, u};
+      detail::dp::release(*state_, u);  // at rest: the shards only
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
     }
     hook_accumulators();
   }
@@ -5614,8 +6227,8 @@ class DataParallel {
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
     {
-      std::lock_guard lock(registry_mutex());
-      for (const auto& unit : state_->units) registry().erase(unit.module);
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
     }
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
@@ -5654,15 +6267,15 @@ class DataParallel {
   // communicated; with `always`, it takes part regardless).
   bool finish(bool always = false) {
     std::lock_guard lock(state_->mutex);
-    end_unit_pass(*state_);
+    detail::dp::end_unit_pass(*state_);
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
-    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) issue_bucket(*state_, b);
+    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(*state_, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
     if (state_->shard) {
-      finish_sharded();
+      detail::dp::finish_sharded(*state_);
       return true;
     }
     for (auto& bucket : state_->buckets) {
@@ -5704,8 +6317,8 @@ class DataParallel {
     std::lock_guard lock(state_->mutex);
     std::vector<Work<at::Tensor>> works;
     for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
-      const Bucket& bucket = state_->buckets[b];
-      GradBucket zeros = grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+      const detail::dp::Bucket& bucket = state_->buckets[b];
+      GradBucket zeros = detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
       works.push_back(state_->hook(state_->group, zeros));
     }
     for (auto& work : works) {
@@ -5756,236 +6369,48 @@ class DataParallel {
       }
   }
 
-  // -- sharded (see above) --
+  // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
 
   bool sharded() const { return state_->shard != nullptr; }
   const GroupPtr& shard_group() const { return state_->shard; }
   // The shard standing in for parameter p; undefined when p is not one of
   // this module's sharded parameters.
-  at::Tensor shard_of(const at::Tensor& p) const {
-    const auto found = shard_index_.find(p.unsafeGetTensorImpl());
-    return found == shard_index_.end() ? at::Tensor() : state_->buckets[found->second.first].shards[found->second.second];
-  }
+  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
   // Puts the shards in place of this module's parameters in the optimizer's
-  // groups (so it steps, and keeps state for, the shards only). Before its
-  // first step; not an LBFGS (its line search needs whole-vector products).
-  void shard_optimizer(torch::optim::Optimizer& optimizer) {
-    if (!state_->shard) return;
-    bool touched = false;
-    for (auto& group : optimizer.param_groups())
-      for (auto& p : group.params()) {
-        const auto found = shard_index_.find(p.unsafeGetTensorImpl());
-        if (found == shard_index_.end()) continue;
-        if (!optimizer.state().empty())
-          throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
-                                "prepare it before its first step (its state becomes per-shard)");
-        if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
-          throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
-                                "products over whole parameters); use NO_SHARD");
-        Bucket& bucket = state_->buckets[found->second.first];
-        p = bucket.shards[found->second.second];
-        bucket.in_optimizer[found->second.second] = 1;
-        touched = true;
-      }
-    if (touched && std::find(optimizers_.begin(), optimizers_.end(), &optimizer) == optimizers_.end())
-      optimizers_.push_back(&optimizer);
-  }
-  bool steps_with(const torch::optim::Optimizer& optimizer) const {
-    return std::find(optimizers_.begin(), optimizers_.end(), &optimizer) != optimizers_.end();
-  }
-  // Before a backward, each shard against its chunk of the parameter
-  // (LibTorch's optimizers write through .data(), which version counters do
-  // not see, so values are compared; one pass over 1/S of the parameters
-  // and one device sync). A shard that changed since the last gather()
-  // means its optimizer was stepped directly, not through the handle
-  // prepare() returned, and this forward used stale parameters: an error.
-  // A parameter changed since then (by hand, Module::load) is taken into its
-  // shard. Every shard must be in a prepared optimizer.
-  void check_shards() {
-    if (!state_->shard) return;
-    std::lock_guard lock(state_->mutex);
-    at::NoGradGuard no_grad;
-    const int64_t r = state_->shard->getRank();
-    std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
-    for (auto& bucket : state_->buckets)
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        if (!bucket.in_optimizer[i])
-          throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
-                                c10::str(bucket.params[i].sizes()) +
-                                " of a sharded model is in no prepared optimizer; under sharding its optimizer "
-                                "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
-        if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
-        const at::Tensor flat = bucket.params[i].reshape({-1});
-        const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
-                      length = std::min(bucket.chunks[i], flat.numel() - begin);
-        differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
-        differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
-      }
-    if (differs.empty()) return;
-    const at::Tensor found = at::stack(differs).to(c10::kCPU);
-    const bool* flag = found.data_ptr<bool>();
-    for (auto& bucket : state_->buckets)
-      for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
-        if (!flag[0]) continue;
-        if (flag[1])
-          throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
-                                "handle accelerator.prepare() returned (its step() gathers the updated shards "
-                                "into the parameters); the parameters this forward used are stale");
-        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
-        bucket.sums[i] = bucket.shards[i].sum();
-      }
-  }
+  // groups (see detail::dp::shard_optimizer).
+  void shard_optimizer(torch::optim::Optimizer& optimizer) { detail::dp::shard_optimizer(*state_, optimizer); }
+  bool steps_with(const torch::optim::Optimizer& optimizer) const { return detail::dp::steps_with(*state_, optimizer); }
+  // Before a backward: every shard checked against its parameter (an
+  // optimizer stepped directly, not through prepare()'s handle, is an error).
+  void check_shards() { detail::dp::check_shards(*state_); }
   // After the optimizer stepped the shards: every parameter all-gathered
-  // from them (one all_gather per bucket), and the parameters' gradients
-  // released (the shards' hold this step's).
-  void gather() {
-    if (!state_->shard) return;
-    std::lock_guard lock(state_->mutex);
-    end_unit_pass(*state_);  // a prefetch made before this step holds old values
-    at::NoGradGuard no_grad;
-    std::vector<Work<at::Tensor>> works;
-    try {
-      for (const auto& bucket : state_->buckets)
-        if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), state_->shard));
-      for (std::size_t b = 0, w = 0; b < state_->buckets.size(); ++b) {
-        Bucket& bucket = state_->buckets[b];
-        if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
-        const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
-        for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-          write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
-          bucket.params[i].mutable_grad().reset();
-          bucket.sums[i] = bucket.shards[i].sum();
-        }
-      }
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
-                             e.what());
-    }
-  }
-  // Every shard taken again from its parameter (after Module::load, which
-  // gives every parameter storage of its own); units' parameters are freed
-  // again.
-  void reshard() {
-    if (!state_->shard) return;
-    std::lock_guard lock(state_->mutex);
-    at::NoGradGuard no_grad;
-    for (auto& bucket : state_->buckets)
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
-        bucket.sums[i] = bucket.shards[i].sum();
-      }
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
-      for (std::size_t b : state_->units[u].buckets) state_->buckets[b].resident = true;
-      release(*state_, u);
-    }
-  }
+  // from them, and the parameters' gradients released.
+  void gather() { detail::dp::gather_shards(*state_); }
+  // Every shard taken again from its parameter (after Module::load).
+  void reshard() { detail::dp::reshard(*state_); }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
   // as the returned object lives (a collective on the shard group: every
   // rank makes one, in the same order). With writeback, what the
   // parameters hold then goes back into the shards. Nothing to do unless
   // fully sharded.
-  class FullParameters {
-   public:
-    FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
-    FullParameters(const FullParameters&) = delete;
-    FullParameters& operator=(const FullParameters&) = delete;
-    FullParameters& operator=(FullParameters&&) = delete;
-    ~FullParameters() {
-      if (!state_) return;
-      std::lock_guard lock(state_->mutex);
-      if (--state_->held > 0) return;
-      at::NoGradGuard no_grad;
-      for (std::size_t u = 0; u < state_->units.size(); ++u) {
-        if (writeback_)
-          for (std::size_t b : state_->units[u].buckets) {
-            Bucket& bucket = state_->buckets[b];
-            for (std::size_t i = 0; i < bucket.params.size(); ++i)
-              read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
-          }
-        release(*state_, u);
-      }
-    }
-
-   private:
-    friend class DataParallel;
-    FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
-    std::shared_ptr<State> state_;
-    bool writeback_;
-  };
+  using FullParameters = detail::dp::FullParameters;
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
     if (state_->units.empty()) return FullParameters(nullptr, false);
     std::lock_guard lock(state_->mutex);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) materialize(*state_, u);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u);
     ++state_->held;
     return FullParameters(state_, writeback);
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
   // Whether `module` is a unit of a live fully sharded DataParallel.
-  static bool is_unit(const torch::nn::Module* module) { return find_unit(module).first != nullptr; }
+  static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
 
-  // accel::unit_forward's machinery: fn(args...) with the parameters of the
-  // unit `module` gathered (plainly fn(args...) when it is not a unit).
+  // accel::unit_forward's machinery (detail::dp::unit_call).
   template <class Fn, class... Args>
   static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
-    auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
-    const std::shared_ptr<State> state = std::move(found.first);
-    const std::size_t u = found.second;
-    if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-    {
-      std::lock_guard lock(state->mutex);
-      if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-        if (!state->order.empty()) state->last_order = std::move(state->order);
-        state->order.clear();
-        state->new_pass = false;
-      }
-      if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
-      materialize(*state, u);
-      const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-      if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
-    }
-    struct Release {  // after the forward, also when it throws
-      State& state;
-      std::size_t unit;
-      ~Release() {
-        std::lock_guard lock(state.mutex);
-        release(state, unit);
-      }
-    } release_after{*state, u};
-    const std::weak_ptr<State> weak = state;
-    auto enter = [&]<class A>(A&& a) -> decltype(auto) {
-      if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-        if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
-        at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
-        in.register_hook([weak, u](const at::Tensor&) {
-          if (const auto s = weak.lock()) {
-            std::lock_guard lock(s->mutex);
-            if (s->alive) release(*s, u);
-          }
-        });
-        return in;
-      } else {
-        return std::forward<A>(a);
-      }
-    };
-    auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
-    if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-      if (out.requires_grad() && at::GradMode::is_enabled())
-        out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
-          if (const auto s = weak.lock()) {
-            std::lock_guard lock(s->mutex);
-            if (!s->alive) return;
-            materialize(*s, u);
-            const auto at = std::find(s->order.begin(), s->order.end(), u);
-            if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
-          }
-        });
-    } else {
-      static_assert(std::is_same_v<decltype(out), at::Tensor>,
-                    "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
-    }
-    return out;
+    return detail::dp::unit_call(module, std::forward<Fn>(fn), std::forward<Args>(args)...);
   }
 
   bool distributed() const { return state_->group != nullptr; }
@@ -5999,58 +6424,6 @@ class DataParallel {
   }
 
  private:
-  struct Bucket {
-    // Every member has an initializer: GCC 14's -Wextra flags designated
-    // initializers that leave out members without one.
-    std::vector<at::Tensor> params{};
-    std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
-    std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
-    c10::ScalarType dtype;
-    c10::Device device;
-    detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
-    std::size_t ready = 0;
-    at::Tensor flat{};
-    at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
-    Work<at::Tensor> work{};
-    // Sharded: a rank's segment holds its chunk of each parameter
-    // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
-    // elements in all.
-    std::vector<int64_t> offsets{}, chunks{};
-    int64_t segment = 0;
-    std::vector<at::Tensor> shards{};
-    std::vector<uint8_t> in_optimizer{};
-    std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
-    // FULL_SHARD: the unit whose parameters these are (-1: none), whether
-    // they hold their values now, and a prefetch in flight.
-    int64_t unit = -1;
-    bool resident = true;
-    Work<at::Tensor> gathering{};
-  };
-  struct Unit {
-    const torch::nn::Module* module = nullptr;
-    std::vector<std::size_t> buckets{};
-  };
-  struct State {
-    std::mutex mutex;
-    GroupPtr group;
-    GroupPtr shard, replicate;  // sharded: see above
-    int64_t replicas = 1;       // gradients are averaged over this many ranks
-    std::vector<Bucket> buckets;
-    std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
-    std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
-    bool armed = false, alive = true;
-    std::function<void(std::size_t)> on_issued;
-    CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
-    bool hooked = false;
-    bool bucket_view = false;  // (see gradient_as_bucket_view)
-    // FULL_SHARD: the units; the order they ran in this forward and the
-    // last (prefetching follows it); summon_full_params() objects alive.
-    std::vector<Unit> units;
-    std::vector<std::size_t> order, last_order;
-    bool new_pass = true;
-    int held = 0;
-  };
-
   // Which unit each of `params` belongs to (-1: none). A parameter in two
   // units, and one that shares storage or is a view, cannot be freed alone:
   // errors.
@@ -6058,7 +6431,7 @@ class DataParallel {
                                     const std::vector<at::Tensor>& params) {
     std::unordered_map<const c10::TensorImpl*, int64_t> owner;
     for (std::size_t u = 0; u < units.size(); ++u) {
-      state_->units.push_back(Unit{.module = units[u].get()});
+      state_->units.push_back(detail::dp::Unit{.module = units[u].get()});
       for (const auto& p : units[u]->parameters()) {
         if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
           throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
@@ -6080,97 +6453,6 @@ class DataParallel {
     }
     return out;
   }
-  using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
-  static Registry& registry() {
-    static Registry units;  // every live DataParallel's units, for accel::unit_forward
-    return units;
-  }
-  static std::mutex& registry_mutex() {
-    static std::mutex mutex;
-    return mutex;
-  }
-  // The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
-  static std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
-    std::lock_guard lock(registry_mutex());
-    const auto found = registry().find(module);
-    if (found == registry().end()) return {nullptr, 0};
-    return {found->second.first.lock(), found->second.second};
-  }
-
-  // A unit's parameters: fetch() issues the all-gather of its shards
-  // (asynchronously, unless it holds them or one is in flight);
-  // materialize() gives the parameters storage again and writes the gathered
-  // values in (through variable_data(): version counters stay, so autograd
-  // accepts the values it saved in forward); release() frees their storage.
-  static void fetch(State& s, std::size_t u) {
-    at::NoGradGuard no_grad;
-    for (std::size_t b : s.units[u].buckets) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.resident || bucket.gathering.valid()) continue;
-      try {
-        bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
-      }
-    }
-  }
-  static void materialize(State& s, std::size_t u) {
-    fetch(s, u);
-    at::NoGradGuard no_grad;
-    for (std::size_t b : s.units[u].buckets) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.resident) continue;
-      at::Tensor rows;
-      try {
-        rows = bucket.gathering.wait();  // (S, segment without the flags)
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
-      }
-      bucket.gathering = {};
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-        const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
-        c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
-        storage->set_data_ptr_noswap(allocator->allocate(bytes));
-        storage->set_nbytes(bytes);
-        at::Tensor values = bucket.params[i].variable_data();
-        write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
-      }
-      bucket.resident = true;
-    }
-  }
-  static void release(State& s, std::size_t u) {
-    if (s.held > 0) return;  // summon_full_params() keeps them
-    for (std::size_t b : s.units[u].buckets) {
-      Bucket& bucket = s.buckets[b];
-      if (!bucket.resident) continue;
-      for (const auto& p : bucket.params) {
-        c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
-        storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
-        storage->set_nbytes(0);
-      }
-      bucket.resident = false;
-    }
-  }
-  // The end of a backward: prefetches that found no use are waited for (a
-  // collective cannot be taken back) and dropped, every unit is freed, and
-  // the next forward records the order anew.
-  static void end_unit_pass(State& s) {
-    if (s.units.empty()) return;
-    for (auto& bucket : s.buckets)
-      if (bucket.gathering.valid()) {
-        try {
-          bucket.gathering.wait();
-        } catch (const DistributedError& e) {
-          throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                                 e.what());
-        }
-        bucket.gathering = {};
-      }
-    for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
-    s.new_pass = true;
-  }
-
   // Puts a ReadyHook on each parameter's gradient accumulator. Run again
   // before each synced backward: an operation that replaces a parameter's
   // storage (Module::load's set_, set_data) gives it a new accumulator,
@@ -6181,195 +6463,16 @@ class DataParallel {
       for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i, ++k) {
         auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
         if (accumulator == accumulators_[k]) continue;
-        accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, b, i));
+        accumulator->add_post_hook(std::make_unique<detail::dp::ReadyHook>(state_, b, i));
         accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
       }
   }
 
-  // What a hook gets for bucket b laid out in `buffer`. The parameters and
-  // the gradients' views only for a registered hook: the default needs the
-  // buffer alone, and this runs for every bucket of every step.
-  static GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& buffer) {
-    const Bucket& bucket = s.buckets[b];
-    GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
-    if (s.hooked) {
-      out.parameters = bucket.params;
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
-    }
-    return out;
-  }
-
-  // Flattens a bucket's gradients and used-flags (pre-divided by the group
-  // size, as DDP does) and issues its all-reduce without waiting.
-  static void issue_bucket(State& state, std::size_t b) {
-    Bucket& bucket = state.buckets[b];
-    at::NoGradGuard no_grad;
-    const std::size_t n = bucket.params.size();
-    if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
-      const int64_t S = state.shard->getSize();
-      bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
-      const at::Tensor rows = bucket.flat.view({S, bucket.segment});
-      for (std::size_t i = 0; i < n; ++i)
-        if (bucket.params[i].grad().defined()) {
-          read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-          if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
-        }
-      rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-          .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
-      bucket.flat.div_(state.replicas);
-      try {
-        bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                               e.what());
-      }
-      if (state.on_issued) state.on_issued(b);
-      return;
-    }
-    if (state.bucket_view) {  // the bucket is persistent and the gradients are its views
-      if (!bucket.views.defined()) bucket.views = bucket.packing.buffer(bucket.params.front().options());
-      bucket.flat = bucket.views;
-    } else {
-      bucket.flat = bucket.packing.buffer(bucket.params.front().options());
-    }
-    for (std::size_t i = 0; i < n; ++i) {
-      at::Tensor& p = bucket.params[i];
-      const at::Tensor view = bucket.packing.view(bucket.flat, i);
-      if (!p.grad().defined()) {
-        view.zero_();
-      } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
-        view.copy_(p.grad());
-        if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
-      }
-    }
-    bucket.packing.view(bucket.flat, n)
-        .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
-    try {
-      GradBucket hooked = grad_bucket(state, b, bucket.flat);
-      bucket.work = state.hook(state.group, hooked);
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
-                             e.what());
-    }
-    if (state.on_issued) state.on_issued(b);
-  }
-
-  // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
-  // being row r. read_rows copies t's rows into columns [off, off + c) of
-  // rows (which start zeroed); write_rows copies them back into t;
-  // read_chunk copies row r alone into `out`.
-  static void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
-    const at::Tensor flat = t.reshape({-1});
-    const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
-    const at::Tensor columns = rows.narrow(1, off, c);
-    if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
-    if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
-  }
-  static void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
-    const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
-    const at::Tensor columns = rows.narrow(1, off, c);
-    if (!t.is_contiguous()) {
-      t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
-      return;
-    }
-    const at::Tensor flat = t.view({-1});
-    if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
-    if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
-  }
-  static void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
-    const at::Tensor flat = t.reshape({-1});
-    const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
-    if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
-    if (length < c) out.narrow(0, length, c - length).zero_();
-  }
-
-  // Cuts every parameter into its chunks and makes this rank's shards.
-  void make_shards() {
-    const int64_t S = state_->shard->getSize(), r = state_->shard->getRank();
-    at::NoGradGuard no_grad;
-    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
-      Bucket& bucket = state_->buckets[b];
-      int64_t at = 0;
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        const at::Tensor& p = bucket.params[i];
-        const int64_t c = (p.numel() + S - 1) / S;
-        bucket.offsets.push_back(at);
-        bucket.chunks.push_back(c);
-        at += c;
-        at::Tensor shard = at::empty({c}, p.options());
-        read_chunk(p, r, c, shard);
-        shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
-        bucket.shards.push_back(shard);
-        bucket.in_optimizer.push_back(0);
-        bucket.sums.push_back(shard.sum());
-        shard_index_.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
-      }
-      bucket.segment = at + static_cast<int64_t>(bucket.params.size());
-    }
-  }
-
-  // Sharded finish: each bucket's reduce-scatter waited for (and its
-  // all-reduce along the replicate group), then each used parameter's
-  // averaged chunk written to its shard's gradient, replacing it (the
-  // parameter's own gradient holds everything accumulated since the step).
-  void finish_sharded() {
-    try {
-      for (auto& bucket : state_->buckets) bucket.flat = bucket.work.wait();
-      if (state_->replicate) {
-        std::vector<Work<at::Tensor>> works;
-        for (auto& bucket : state_->buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, state_->replicate));
-        for (std::size_t b = 0; b < works.size(); ++b) state_->buckets[b].flat = works[b].wait();
-      }
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
-    }
-    for (auto& bucket : state_->buckets) {
-      const auto n = static_cast<int64_t>(bucket.params.size());
-      const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
-      const bool* used = used_anywhere.data_ptr<bool>();
-      for (int64_t i = 0; i < n; ++i) {
-        if (used[i]) {
-          at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
-          const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-          if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
-          else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
-          else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
-        }
-        bucket.used[static_cast<std::size_t>(i)] = 0;
-      }
-      bucket.flat = at::Tensor();
-    }
-  }
-
-  struct ReadyHook : torch::autograd::FunctionPostHook {
-    ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
-        : state_(std::move(state)), bucket_(bucket), index_(index) {}
-    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                              const torch::autograd::variable_list&) override {
-      State& s = *state_;
-      std::lock_guard lock(s.mutex);
-      if (!s.alive) return outputs;
-      Bucket& bucket = s.buckets[bucket_];
-      bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
-      if (!s.armed || bucket.seen[index_]) return outputs;
-      bucket.seen[index_] = 1;
-      ++s.fired;
-      if (++bucket.ready == bucket.params.size())
-        while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
-          issue_bucket(s, s.next++);
-      return outputs;
-    }
-    std::shared_ptr<State> state_;
-    std::size_t bucket_, index_;
-  };
-
   std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<State> state_;
+  std::shared_ptr<detail::dp::State> state_;
   // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> accumulators_;
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index_;  // (bucket, i)
-  std::vector<const torch::optim::Optimizer*> optimizers_;  // those stepping the shards
 };
 
 // FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in

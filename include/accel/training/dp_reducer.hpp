@@ -1,0 +1,94 @@
+// accel/training/dp_reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
+//
+// A ReadyHook on each parameter's gradient accumulator marks the gradient
+// ready; when a bucket is complete (and every bucket before it issued, so
+// that every rank issues the same sequence) issue_bucket flattens it and
+// starts its all-reduce (through the communication hook) or, sharded, its
+// reduce-scatter, without waiting.
+#pragma once
+
+#include "accel/distributed/exchange.hpp"
+#include "accel/training/dp_state.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// Flattens a bucket's gradients and used-flags (pre-divided by the group
+// size, as DDP does) and issues its all-reduce without waiting.
+inline void issue_bucket(State& state, std::size_t b) {
+  Bucket& bucket = state.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
+    const int64_t S = state.shard->getSize();
+    bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
+    const at::Tensor rows = bucket.flat.view({S, bucket.segment});
+    for (std::size_t i = 0; i < n; ++i)
+      if (bucket.params[i].grad().defined()) {
+        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
+      }
+    rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
+        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
+    bucket.flat.div_(state.replicas);
+    try {
+      bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                             e.what());
+    }
+    if (state.on_issued) state.on_issued(b);
+    return;
+  }
+  if (state.bucket_view) {  // the bucket is persistent and the gradients are its views
+    if (!bucket.views.defined()) bucket.views = bucket.packing.buffer(bucket.params.front().options());
+    bucket.flat = bucket.views;
+  } else {
+    bucket.flat = bucket.packing.buffer(bucket.params.front().options());
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    at::Tensor& p = bucket.params[i];
+    const at::Tensor view = bucket.packing.view(bucket.flat, i);
+    if (!p.grad().defined()) {
+      view.zero_();
+    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      view.copy_(p.grad());
+      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+    }
+  }
+  bucket.packing.view(bucket.flat, n)
+      .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
+  try {
+    GradBucket hooked = grad_bucket(state, b, bucket.flat);
+    bucket.work = state.hook(state.group, hooked);
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
+                           e.what());
+  }
+  if (state.on_issued) state.on_issued(b);
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
+      : state_(std::move(state)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    State& s = *state_;
+    std::lock_guard lock(s.mutex);
+    if (!s.alive) return outputs;
+    Bucket& bucket = s.buckets[bucket_];
+    bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
+    if (!s.armed || bucket.seen[index_]) return outputs;
+    bucket.seen[index_] = 1;
+    ++s.fired;
+    if (++bucket.ready == bucket.params.size())
+      while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
+        issue_bucket(s, s.next++);
+    return outputs;
+  }
+  std::shared_ptr<State> state_;
+  std::size_t bucket_, index_;
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,203 @@
+// accel/training/dp_shards.hpp: ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped.
+//
+// Given a shard group of S ranks, every parameter is cut into S equal
+// chunks (the last padded with zeros) and rank r keeps chunk r as its
+// shard, a tensor of its own that the optimizer steps instead of the
+// parameter, so optimizer state is 1/S. A bucket's gradients are
+// reduce-scattered (dp_reducer.hpp) so that each rank receives its chunk of
+// every parameter, averaged along a replicate group too where there is one
+// (HSDP); finish_sharded writes them to the shards' gradients. After the
+// optimizer steps the shards, gather_shards all-gathers them into every
+// parameter. ZeRO-3's units (dp_units.hpp) gather theirs at each use instead.
+#pragma once
+
+#include "accel/training/dp_units.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// The shard standing in for parameter p; undefined when p is not one of
+// this module's sharded parameters.
+inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  return found == s.shard_index.end() ? at::Tensor() : s.buckets[found->second.first].shards[found->second.second];
+}
+
+// Puts the shards in place of this module's parameters in the optimizer's
+// groups (so it steps, and keeps state for, the shards only). Before its
+// first step; not an LBFGS (its line search needs whole-vector products).
+inline void shard_optimizer(State& s, torch::optim::Optimizer& optimizer) {
+  if (!s.shard) return;
+  bool touched = false;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) {
+      const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+      if (found == s.shard_index.end()) continue;
+      if (!optimizer.state().empty())
+        throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+                              "prepare it before its first step (its state becomes per-shard)");
+      if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
+        throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+                              "products over whole parameters); use NO_SHARD");
+      Bucket& bucket = s.buckets[found->second.first];
+      p = bucket.shards[found->second.second];
+      bucket.in_optimizer[found->second.second] = 1;
+      touched = true;
+    }
+  if (touched && std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) == s.optimizers.end())
+    s.optimizers.push_back(&optimizer);
+}
+
+inline bool steps_with(const State& s, const torch::optim::Optimizer& optimizer) {
+  return std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) != s.optimizers.end();
+}
+
+// Before a backward, each shard against its chunk of the parameter
+// (LibTorch's optimizers write through .data(), which version counters do
+// not see, so values are compared; one pass over 1/S of the parameters
+// and one device sync). A shard that changed since the last gather()
+// means its optimizer was stepped directly, not through the handle
+// prepare() returned, and this forward used stale parameters: an error.
+// A parameter changed since then (by hand, Module::load) is taken into its
+// shard. Every shard must be in a prepared optimizer.
+inline void check_shards(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (!bucket.in_optimizer[i])
+        throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
+                              c10::str(bucket.params[i].sizes()) +
+                              " of a sharded model is in no prepared optimizer; under sharding its optimizer "
+                              "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
+      if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
+      const at::Tensor flat = bucket.params[i].reshape({-1});
+      const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
+                    length = std::min(bucket.chunks[i], flat.numel() - begin);
+      differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
+      differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
+    }
+  if (differs.empty()) return;
+  const at::Tensor found = at::stack(differs).to(c10::kCPU);
+  const bool* flag = found.data_ptr<bool>();
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
+      if (!flag[0]) continue;
+      if (flag[1])
+        throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
+                              "handle accelerator.prepare() returned (its step() gathers the updated shards "
+                              "into the parameters); the parameters this forward used are stale");
+      read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
+// After the optimizer stepped the shards: every parameter all-gathered
+// from them (one all_gather per bucket), and the parameters' gradients
+// released (the shards' hold this step's).
+inline void gather_shards(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  end_unit_pass(s);  // a prefetch made before this step holds old values
+  at::NoGradGuard no_grad;
+  std::vector<Work<at::Tensor>> works;
+  try {
+    for (const auto& bucket : s.buckets)
+      if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), s.shard));
+    for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
+      Bucket& bucket = s.buckets[b];
+      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
+      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+        write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+        bucket.params[i].mutable_grad().reset();
+        bucket.sums[i] = bucket.shards[i].sum();
+      }
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
+                           e.what());
+  }
+}
+
+// Every shard taken again from its parameter (after Module::load, which
+// gives every parameter storage of its own); units' parameters are freed
+// again.
+inline void reshard(State& s) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      read_chunk(bucket.params[i], s.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    for (std::size_t b : s.units[u].buckets) s.buckets[b].resident = true;
+    release(s, u);
+  }
+}
+
+// Cuts every parameter into its chunks and makes this rank's shards.
+inline void make_shards(State& s) {
+  const int64_t S = s.shard->getSize(), r = s.shard->getRank();
+  at::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    Bucket& bucket = s.buckets[b];
+    int64_t at = 0;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor& p = bucket.params[i];
+      const int64_t c = (p.numel() + S - 1) / S;
+      bucket.offsets.push_back(at);
+      bucket.chunks.push_back(c);
+      at += c;
+      at::Tensor shard = at::empty({c}, p.options());
+      read_chunk(p, r, c, shard);
+      shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
+      bucket.shards.push_back(shard);
+      bucket.in_optimizer.push_back(0);
+      bucket.sums.push_back(shard.sum());
+      s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+    }
+    bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+  }
+}
+
+// Sharded finish: each bucket's reduce-scatter waited for (and its
+// all-reduce along the replicate group), then each used parameter's
+// averaged chunk written to its shard's gradient, replacing it (the
+// parameter's own gradient holds everything accumulated since the step).
+inline void finish_sharded(State& s) {
+  try {
+    for (auto& bucket : s.buckets) bucket.flat = bucket.work.wait();
+    if (s.replicate) {
+      std::vector<Work<at::Tensor>> works;
+      for (auto& bucket : s.buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, s.replicate));
+      for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
+  }
+  for (auto& bucket : s.buckets) {
+    const auto n = static_cast<int64_t>(bucket.params.size());
+    const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
+    const bool* used = used_anywhere.data_ptr<bool>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (used[i]) {
+        at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+        const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+        if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
+        else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
+        else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
+      }
+      bucket.used[static_cast<std::size_t>(i)] = 0;
+    }
+    bucket.flat = at::Tensor();
+  }
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END

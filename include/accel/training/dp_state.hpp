@@ -1,0 +1,114 @@
+// accel/training/dp_state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
+//
+// A DataParallel keeps everything in one State behind a shared_ptr: the
+// autograd hooks it registers outlive it inside the graph, and see
+// `alive` turn false when it goes. The reducer (dp_reducer.hpp), the
+// ZeRO-3 units (dp_units.hpp) and DataParallel itself work on it, always
+// under its mutex.
+#pragma once
+
+#include "accel/distributed/nested.hpp"
+#include "accel/training/comm_hooks.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+struct Bucket {
+  // Every member has an initializer: GCC 14's -Wextra flags designated
+  // initializers that leave out members without one.
+  std::vector<at::Tensor> params{};
+  std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
+  std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
+  c10::ScalarType dtype;
+  c10::Device device;
+  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+  std::size_t ready = 0;
+  at::Tensor flat{};
+  at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  Work<at::Tensor> work{};
+  // Sharded: a rank's segment holds its chunk of each parameter
+  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
+  // elements in all.
+  std::vector<int64_t> offsets{}, chunks{};
+  int64_t segment = 0;
+  std::vector<at::Tensor> shards{};
+  std::vector<uint8_t> in_optimizer{};
+  std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
+  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
+  // they hold their values now, and a prefetch in flight.
+  int64_t unit = -1;
+  bool resident = true;
+  Work<at::Tensor> gathering{};
+};
+struct Unit {
+  const torch::nn::Module* module = nullptr;
+  std::vector<std::size_t> buckets{};
+};
+struct State {
+  std::mutex mutex;
+  GroupPtr group;
+  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
+  int64_t replicas = 1;       // gradients are averaged over this many ranks
+  std::vector<Bucket> buckets;
+  std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
+  std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
+  bool armed = false, alive = true;
+  std::function<void(std::size_t)> on_issued;
+  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+  bool hooked = false;
+  bool bucket_view = false;  // (see gradient_as_bucket_view)
+  // FULL_SHARD: the units; the order they ran in this forward and the
+  // last (prefetching follows it); summon_full_params() objects alive.
+  std::vector<Unit> units;
+  std::vector<std::size_t> order, last_order;
+  bool new_pass = true;
+  int held = 0;
+  // Sharded: where each parameter's shard is, and the optimizers stepping them.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
+  std::vector<const torch::optim::Optimizer*> optimizers;
+};
+
+// What a hook gets for bucket b laid out in `buffer`. The parameters and
+// the gradients' views only for a registered hook: the default needs the
+// buffer alone, and this runs for every bucket of every step.
+inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& buffer) {
+  const Bucket& bucket = s.buckets[b];
+  GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
+  if (s.hooked) {
+    out.parameters = bucket.params;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
+  }
+  return out;
+}
+
+// The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
+// being row r. read_rows copies t's rows into columns [off, off + c) of
+// rows (which start zeroed); write_rows copies them back into t;
+// read_chunk copies row r alone into `out`.
+inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
+  const at::Tensor flat = t.reshape({-1});
+  const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
+  if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+}
+inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
+  const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (!t.is_contiguous()) {
+    t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
+    return;
+  }
+  const at::Tensor flat = t.view({-1});
+  if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
+  if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
+}
+inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
+  const at::Tensor flat = t.reshape({-1});
+  const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
+  if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
+  if (length < c) out.narrow(0, length, c - length).zero_();
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END

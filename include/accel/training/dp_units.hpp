@@ -1,0 +1,206 @@
+// accel/training/dp_units.hpp: ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after.
+//
+// FULL_SHARD's units hold no parameter memory at rest. accel::unit_forward
+// calls unit_call, which gathers a unit's parameters (waiting for a prefetch
+// where one was issued, prefetching the unit that came next in the last
+// forward), runs the forward and frees them; hooks on the unit's output and
+// inputs gather them again for its backward and free them after it.
+// FullParameters (summon_full_params) keeps every unit gathered.
+#pragma once
+
+#include "accel/training/dp_state.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
+inline Registry& unit_registry() {
+  static Registry units;  // every live DataParallel's units, for accel::unit_forward
+  return units;
+}
+inline std::mutex& unit_registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+// The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
+inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
+  std::lock_guard lock(unit_registry_mutex());
+  const auto found = unit_registry().find(module);
+  if (found == unit_registry().end()) return {nullptr, 0};
+  return {found->second.first.lock(), found->second.second};
+}
+
+// A unit's parameters: fetch() issues the all-gather of its shards
+// (asynchronously, unless it holds them or one is in flight);
+// materialize() gives the parameters storage again and writes the gathered
+// values in (through variable_data(): version counters stay, so autograd
+// accepts the values it saved in forward); release() frees their storage.
+inline void fetch(State& s, std::size_t u) {
+  at::NoGradGuard no_grad;
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.resident || bucket.gathering.valid()) continue;
+    try {
+      bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+    }
+  }
+}
+inline void materialize(State& s, std::size_t u) {
+  fetch(s, u);
+  at::NoGradGuard no_grad;
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.resident) continue;
+    at::Tensor rows;
+    try {
+      rows = bucket.gathering.wait();  // (S, segment without the flags)
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+    }
+    bucket.gathering = {};
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
+      c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      storage->set_data_ptr_noswap(allocator->allocate(bytes));
+      storage->set_nbytes(bytes);
+      at::Tensor values = bucket.params[i].variable_data();
+      write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
+    }
+    bucket.resident = true;
+  }
+}
+inline void release(State& s, std::size_t u) {
+  if (s.held > 0) return;  // summon_full_params() keeps them
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (!bucket.resident) continue;
+    for (const auto& p : bucket.params) {
+      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
+      storage->set_nbytes(0);
+    }
+    bucket.resident = false;
+  }
+}
+// The end of a backward: prefetches that found no use are waited for (a
+// collective cannot be taken back) and dropped, every unit is freed, and
+// the next forward records the order anew.
+inline void end_unit_pass(State& s) {
+  if (s.units.empty()) return;
+  for (auto& bucket : s.buckets)
+    if (bucket.gathering.valid()) {
+      try {
+        bucket.gathering.wait();
+      } catch (const DistributedError& e) {
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                               e.what());
+      }
+      bucket.gathering = {};
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
+  s.new_pass = true;
+}
+
+// FSDP's summon_full_params: every unit's parameters gathered for as long
+// as the returned object lives (a collective on the shard group: every
+// rank makes one, in the same order). With writeback, what the
+// parameters hold then goes back into the shards. Nothing to do unless
+// fully sharded.
+class FullParameters {
+ public:
+  FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+  FullParameters& operator=(FullParameters&&) = delete;
+  ~FullParameters() {
+    if (!state_) return;
+    std::lock_guard lock(state_->mutex);
+    if (--state_->held > 0) return;
+    at::NoGradGuard no_grad;
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      if (writeback_)
+        for (std::size_t b : state_->units[u].buckets) {
+          Bucket& bucket = state_->buckets[b];
+          for (std::size_t i = 0; i < bucket.params.size(); ++i)
+            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        }
+      release(*state_, u);
+    }
+  }
+
+  // (made by DataParallel::summon_full_params, which has gathered them)
+  FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
+
+ private:
+  std::shared_ptr<State> state_;
+  bool writeback_;
+};
+
+// accel::unit_forward's machinery: fn(args...) with the parameters of the
+// unit `module` gathered (plainly fn(args...) when it is not a unit).
+template <class Fn, class... Args>
+inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+  auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
+  const std::shared_ptr<State> state = std::move(found.first);
+  const std::size_t u = found.second;
+  if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  {
+    std::lock_guard lock(state->mutex);
+    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!state->order.empty()) state->last_order = std::move(state->order);
+      state->order.clear();
+      state->new_pass = false;
+    }
+    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    materialize(*state, u);
+    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
+    if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+  }
+  struct Release {  // after the forward, also when it throws
+    State& state;
+    std::size_t unit;
+    ~Release() {
+      std::lock_guard lock(state.mutex);
+      release(state, unit);
+    }
+  } release_after{*state, u};
+  const std::weak_ptr<State> weak = state;
+  auto enter = [&]<class A>(A&& a) -> decltype(auto) {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
+      at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
+      in.register_hook([weak, u](const at::Tensor&) {
+        if (const auto s = weak.lock()) {
+          std::lock_guard lock(s->mutex);
+          if (s->alive) release(*s, u);
+        }
+      });
+      return in;
+    } else {
+      return std::forward<A>(a);
+    }
+  };
+  auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+    if (out.requires_grad() && at::GradMode::is_enabled())
+      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
+        if (const auto s = weak.lock()) {
+          std::lock_guard lock(s->mutex);
+          if (!s->alive) return;
+          materialize(*s, u);
+          const auto at = std::find(s->order.begin(), s->order.end(), u);
+          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
+        }
+      });
+  } else {
+    static_assert(std::is_same_v<decltype(out), at::Tensor>,
+                  "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
+  }
+  return out;
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
