@@ -18,6 +18,7 @@ import os
 import sys
 
 import torch
+import torch.distributed
 from accelerate import Accelerator, DataLoaderConfiguration
 from torch.utils.data import DataLoader, Dataset
 
@@ -66,6 +67,10 @@ def main(root):
     rank = int(os.environ["RANK"])
     with open(os.path.join(root, f"py_rank{rank}.txt"), "w") as out:
         out.write("\n".join(lines) + "\n")
+    # Left to interpreter exit, the process group's threads were once still
+    # joinable when C++ destroyed them ("terminate called without an active
+    # exception", SIGABRT on one rank): end it here, as torch asks.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
