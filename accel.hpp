@@ -71,8 +71,7 @@
 #define ACCEL_VERSION_MAJOR 0
 #define ACCEL_VERSION_MINOR 1
 #define ACCEL_VERSION_PATCH 0
-#define ACCEL_VERSION \
-  (ACCEL_VERSION_MAJOR * 10000 + ACCEL_VERSION_MINOR * 100 + ACCEL_VERSION_PATCH)
+#define ACCEL_VERSION (ACCEL_VERSION_MAJOR * 10000 + ACCEL_VERSION_MINOR * 100 + ACCEL_VERSION_PATCH)
 
 // == accel/core/config.hpp ====================================================
 // accel/core/config.hpp: compile-time knobs, the environment's names, the ABI namespace.
@@ -134,7 +133,7 @@
 // ACCEL_DEFAULT_TIMEOUT_SECONDS must therefore be an integer literal.
 #define ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl) abi_v##major##_##minor##_##patch##_t##timeout##_nccl##nccl
 #define ACCEL_ABI_NAME(major, minor, patch, timeout, nccl) ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl)
-#define ACCEL_ABI_NAMESPACE                                                                               \
+#define ACCEL_ABI_NAMESPACE                                                                                    \
   ACCEL_ABI_NAME(ACCEL_VERSION_MAJOR, ACCEL_VERSION_MINOR, ACCEL_VERSION_PATCH, ACCEL_DEFAULT_TIMEOUT_SECONDS, \
                  ACCEL_WITH_NCCL)
 #define ACCEL_NAMESPACE_BEGIN \
@@ -271,8 +270,7 @@ struct enum_names;
 template <>
 struct enum_names<DeviceType> {
   static constexpr std::string_view type = "DeviceType";
-  static constexpr std::array<std::string_view, 6> names{"cpu", "cuda", "meta",
-                                                         "mps", "npu", "xpu"};
+  static constexpr std::array<std::string_view, 6> names{"cpu", "cuda", "meta", "mps", "npu", "xpu"};
 };
 template <>
 struct enum_names<ReduceOp> {
@@ -282,8 +280,7 @@ struct enum_names<ReduceOp> {
 template <>
 struct enum_names<Dim> {
   static constexpr std::string_view type = "Dim";
-  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard",
-                                                         "dp", "cp"};
+  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard", "dp", "cp"};
 };
 template <class E>
 concept AccelEnum = requires { enum_names<E>::names; };
@@ -301,9 +298,8 @@ E from_string(std::string_view text) {
     if (names[i] == text) return static_cast<E>(i);
   std::string expected;
   for (auto name : names) expected += (expected.empty() ? "" : ", ") + std::string(name);
-  throw InvalidArgument("accel::from_string<" +
-                              std::string(detail::enum_names<E>::type) + ">: unknown value '" +
-                              std::string(text) + "' (expected one of: " + expected + ")");
+  throw InvalidArgument("accel::from_string<" + std::string(detail::enum_names<E>::type) + ">: unknown value '" +
+                        std::string(text) + "' (expected one of: " + expected + ")");
 }
 
 template <detail::AccelEnum E>
@@ -392,8 +388,7 @@ inline constexpr LauncherVars kLaunchers[] = {
     {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-    {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-     "MV2_COMM_WORLD_LOCAL_SIZE"},
+    {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"},
     {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"},
 };
 
@@ -411,7 +406,7 @@ inline std::optional<int> slurm_local_size() {
   if (!text) return std::nullopt;
   auto bad = [&] {
     return InvalidArgument("accel: environment variable SLURM_TASKS_PER_NODE='" + *text +
-                                 "' is not a Slurm task list such as 2(x3),1");
+                           "' is not a Slurm task list such as 2(x3),1");
   };
   auto number = [&](std::string_view digits) {
     int value = 0;
@@ -441,12 +436,12 @@ inline std::optional<int> slurm_local_size() {
     const int node = env_int("SLURM_NODEID", 0, 0);
     if (static_cast<std::size_t>(node) >= per_node.size())
       throw InvalidArgument("accel: SLURM_NODEID=" + std::to_string(node) + " is past the " +
-                                  std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
+                            std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
     return per_node[static_cast<std::size_t>(node)];
   }
   if (std::adjacent_find(per_node.begin(), per_node.end(), std::not_equal_to<>()) != per_node.end())
     throw InvalidArgument("accel: SLURM_TASKS_PER_NODE=" + *text +
-                                " differs between nodes and SLURM_NODEID is not set");
+                          " differs between nodes and SLURM_NODEID is not set");
   return per_node.front();
 }
 
@@ -543,7 +538,7 @@ struct DistributedConfig {
   std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
   std::optional<int> dp_size{};        // default: world / cp_size
   int cp_size = 1;
-  std::chrono::seconds timeout{0};   // of the store and every group; 0: default_timeout()
+  std::chrono::seconds timeout{0};     // of the store and every group; 0: default_timeout()
   std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
 
@@ -588,9 +583,7 @@ class DistributedStrategy {
     return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
   }
   std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
-  std::array<std::string_view, 2> data_mesh_dim_names() const {
-    return {to_string(Dim::DP), to_string(Dim::CP)};
-  }
+  std::array<std::string_view, 2> data_mesh_dim_names() const { return {to_string(Dim::DP), to_string(Dim::CP)}; }
 
   bool operator==(const DistributedStrategy&) const = default;
 
@@ -598,12 +591,11 @@ class DistributedStrategy {
   DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
     auto positive = [](const char* name, int value) {
       if (value < 1)
-        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name +
-                                    " must be positive, got " + std::to_string(value));
+        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name + " must be positive, got " +
+                              std::to_string(value));
     };
     if (world < 1)
-      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " +
-                                  std::to_string(world));
+      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " + std::to_string(world));
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
     if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
@@ -619,21 +611,20 @@ class DistributedStrategy {
   }
 
   // (given, other): other defaults to world / given; their product is world.
-  static std::pair<int, int> split(int world, int given, std::optional<int> other,
-                                   const char* given_name, const char* other_name) {
+  static std::pair<int, int> split(int world, int given, std::optional<int> other, const char* given_name,
+                                   const char* other_name) {
     std::ostringstream message;
     message << "accel::DistributedStrategy: ";
     if (!other) {
       if (world % given != 0) {
-        message << "world_size " << world << " is not divisible by " << given_name << " "
-                << given;
+        message << "world_size " << world << " is not divisible by " << given_name << " " << given;
         throw InvalidArgument(message.str());
       }
       return {given, world / given};
     }
     if (static_cast<long long>(given) * *other != world) {
-      message << given_name << " * " << other_name << " must equal world_size, got " << given
-              << " * " << *other << " != " << world;
+      message << given_name << " * " << other_name << " must equal world_size, got " << given << " * " << *other
+              << " != " << world;
       throw InvalidArgument(message.str());
     }
     return {given, *other};
@@ -644,8 +635,8 @@ class DistributedStrategy {
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
   return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
-            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
-            << ", cp_size=" << s.cp_size() << ")";
+            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size() << ", cp_size=" << s.cp_size()
+            << ")";
 }
 
 ACCEL_NAMESPACE_END
@@ -673,8 +664,8 @@ ACCEL_NAMESPACE_BEGIN
 
 struct LaunchOptions {
   std::chrono::duration<double> timeout{0};  // 0: none; else every rank is stopped then, status 124
-  bool prefix_output = true;                  // "[rank r] " before each line
-  std::ostream* out = &std::cout;             // where the ranks' output goes
+  bool prefix_output = true;                 // "[rank r] " before each line
+  std::ostream* out = &std::cout;            // where the ranks' output goes
 };
 
 namespace detail {
@@ -793,8 +784,8 @@ class PrivateDir {
 // a resumed training run whose weights differed in the last bit).
 inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
                             const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
-  if (nprocs < 1) throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " +
-                                              std::to_string(nprocs));
+  if (nprocs < 1)
+    throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " + std::to_string(nprocs));
   if (argv.empty()) throw InvalidArgument("accel::launch_processes: no program to run");
   detail::PrivateDir store_dir;
   std::vector<char*> args;
@@ -808,9 +799,9 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   // exec the child may only make async-signal-safe calls (no allocation).
   auto environment_of = [&](int rank) {
     std::vector<std::pair<std::string, std::string>> set = {
-        {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(nprocs)},
-        {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
-        {"MASTER_ADDR", "127.0.0.1"},            {"ACCEL_STORE_DIR", store_dir.path()}};
+        {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
+        {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
+        {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir.path()}};
     if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
     if (nprocs > 1 && !detail::getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
     set.insert(set.end(), extra_env.begin(), extra_env.end());
@@ -966,8 +957,7 @@ ACCEL_NAMESPACE_END
 #endif
 
 #define ACCEL_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||        \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -1032,7 +1022,8 @@ inline c10::DeviceType to_c10(DeviceType type) {
   return c10::DeviceType::CPU;
 }
 inline DeviceType from_c10(c10::DeviceType type) {
-  for (auto t : {DeviceType::CPU, DeviceType::CUDA, DeviceType::META, DeviceType::MPS, DeviceType::NPU, DeviceType::XPU})
+  for (auto t :
+       {DeviceType::CPU, DeviceType::CUDA, DeviceType::META, DeviceType::MPS, DeviceType::NPU, DeviceType::XPU})
     if (to_c10(t) == type) return t;
   throw InvalidArgument(std::string("accel: device type ") + c10::DeviceTypeName(type) + " is not one accel.hpp knows");
 }
@@ -1044,8 +1035,7 @@ inline bool is_torch_xpu_available() { return detail::guard_device_count(c10::De
 inline bool is_torch_npu_available() {
 #if ACCEL_TORCH_AT_LEAST(2, 1)
   // Ascend registers itself as the PrivateUse1 backend named "npu".
-  return c10::get_privateuse1_backend() == "npu" &&
-         detail::guard_device_count(c10::DeviceType::PrivateUse1) > 0;
+  return c10::get_privateuse1_backend() == "npu" && detail::guard_device_count(c10::DeviceType::PrivateUse1) > 0;
 #else
   return false;
 #endif
@@ -1053,7 +1043,8 @@ inline bool is_torch_npu_available() {
 
 inline bool is_available(DeviceType type) {
   switch (type) {
-    case DeviceType::CPU: case DeviceType::META: return true;
+    case DeviceType::CPU:
+    case DeviceType::META: return true;
     case DeviceType::CUDA: return is_torch_cuda_available();
     case DeviceType::MPS: return is_torch_mps_available();
     case DeviceType::NPU: return is_torch_npu_available();
@@ -1105,9 +1096,8 @@ namespace detail {
 // same, unless the program chose a disposition of its own. (Children that
 // launch_processes starts get the default back, as Python's subprocess does.)
 inline void ignore_sigpipe() {
-  struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) &&
-      current.sa_handler == SIG_DFL)
+  struct sigaction current{};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL)
     signal(SIGPIPE, SIG_IGN);
 }
 
@@ -1116,11 +1106,9 @@ inline void bind_device(c10::DeviceType type) {
   int local_rank = get_local_rank();
   int count = detail::guard_device_count(type);
   if (local_rank >= count)
-    throw RuntimeError("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " +
-                             std::to_string(count) + " " + c10::DeviceTypeName(type, true) +
-                             " device(s) are visible");
-  c10::impl::getDeviceGuardImpl(type)->setDevice(
-      c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
+    throw RuntimeError("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " + std::to_string(count) + " " +
+                       c10::DeviceTypeName(type, true) + " device(s) are visible");
+  c10::impl::getDeviceGuardImpl(type)->setDevice(c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
 }
 
 // The current device of `type`, with its index.
@@ -1168,8 +1156,7 @@ inline std::string backend_for(c10::DeviceType type) {
             "CUDA_VISIBLE_DEVICES hides them); NCCL moves only device memory: use ACCEL_BACKEND=gloo");
       return *forced;
     }
-    throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced +
-                                "' is not supported (expected gloo or nccl)");
+    throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced + "' is not supported (expected gloo or nccl)");
   }
   switch (type) {
     case c10::DeviceType::CUDA: return "nccl";
@@ -1261,7 +1248,7 @@ value_type_t<T> to_value(T x) {
   if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
     if (x > static_cast<T>(INT64_MAX))
       throw OutOfRange("accel::operate_tensorlike: uint64 value " + std::to_string(x) +
-                              " does not fit LibTorch's int64 dtype");
+                       " does not fit LibTorch's int64 dtype");
   return static_cast<value_type_t<T>>(x);
 }
 
@@ -1286,8 +1273,7 @@ at::Tensor alias_bytes(T& value) {
 template <Scalar T>
 at::Tensor alias_bytes(std::vector<T>& values) {
   if (values.empty()) return at::empty({0}, cpu_options(c10::kByte));
-  return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))},
-                       cpu_options(c10::kByte));
+  return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))}, cpu_options(c10::kByte));
 }
 
 // How data travels in a collective: a view of its own memory, in its dtype
@@ -1308,8 +1294,7 @@ T from_value_tensor(const at::Tensor& result) {
   return static_cast<T>(result.to(c10::kCPU).to(value_dtype<T>()).template item<V>());
 }
 template <Scalar T>
-std::vector<T> from_value_tensor(const at::Tensor& result, std::vector<T>&& original,
-                                 const void* original_data) {
+std::vector<T> from_value_tensor(const at::Tensor& result, std::vector<T>&& original, const void* original_data) {
   if (result.data_ptr() == original_data && result.numel() == static_cast<int64_t>(original.size()) &&
       result.scalar_type() == value_dtype<T>() && result.is_contiguous())
     return std::move(original);  // the function worked in place
@@ -1430,8 +1415,8 @@ inline std::string group_name(const c10d::ProcessGroup& group) {
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
-  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " +
-         std::to_string(group.getRank()) + " of " + std::to_string(group.getSize()) + ")";
+  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " + std::to_string(group.getRank()) +
+         " of " + std::to_string(group.getSize()) + ")";
 }
 
 // The group a collective runs on, not owned (the caller's group, or the
@@ -1442,13 +1427,12 @@ inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (auto* world = registry().world.load()) return world;
   if (!is_distributed()) return nullptr;
   throw LogicError(std::string("accel::") + op +
-                         ": RANK is set but no world group exists; call "
-                         "accel::DistributedInterface::instance() first or pass a group");
+                   ": RANK is set but no world group exists; call "
+                   "accel::DistributedInterface::instance() first or pass a group");
 }
 
 inline std::string error_text(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
-    return c10_error->what_without_backtrace();
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
   return e.what();
 }
 
@@ -1616,10 +1600,9 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
 
 inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_reduce") {
   if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
-    throw InvalidArgument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " +
-                                c10::toString(dtype) +
-                                " would truncate; use ReduceOp::SUM and divide by the group size, "
-                                "or pass a floating-point value");
+    throw InvalidArgument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " + c10::toString(dtype) +
+                          " would truncate; use ReduceOp::SUM and divide by the group size, "
+                          "or pass a floating-point value");
 }
 
 // Dtypes Gloo moves and reduces on every LibTorch version: float32/64,
@@ -1632,11 +1615,14 @@ inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_re
 // without asking the backend's name.
 inline bool native_dtype(const c10d::ProcessGroup& group, c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::kFloat: case c10::kDouble: case c10::kHalf: case c10::kChar: case c10::kByte: case c10::kInt:
-    case c10::kLong:
-      return true;
-    default:
-      return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kHalf:
+    case c10::kChar:
+    case c10::kByte:
+    case c10::kInt:
+    case c10::kLong: return true;
+    default: return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
   }
 }
 // What moves for a contiguous tensor: itself, or a view of its bytes.
@@ -1781,8 +1767,7 @@ inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp 
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
   if (tensor.numel() != 0 && direct(group, tensor)) [[likely]]
     all_reduce_direct(group, tensor, op);
-  else
-    start_all_reduce(group, tensor, op).wait();
+  else start_all_reduce(group, tensor, op).wait();
 }
 
 // The source of a broadcast is a rank within the group (`name` is how the
@@ -1790,11 +1775,10 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
 inline void check_source(const c10d::ProcessGroup* group, int src, const char* op, const char* name) {
   if (!group && src != 0)
     throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
-                                " but the process is not distributed (only rank 0 exists)");
+                          " but the process is not distributed (only rank 0 exists)");
   if (group && (src < 0 || src >= group->getSize()))
-    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
-                                " is not a rank of " + describe(*group) + " (" + name +
-                                " is a rank within the group)");
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) + " is not a rank of " +
+                          describe(*group) + " (" + name + " is a rank within the group)");
 }
 
 inline void check_peer(const c10d::ProcessGroup* group, int peer, const char* op, const char* name) {
@@ -1815,7 +1799,8 @@ inline auto start_broadcast(c10d::ProcessGroup& group, at::Tensor tensor, int sr
     opts.rootRank = src;
     work = issue("broadcast", group, [&] { return group.broadcast(tensors, opts); });
   }
-  return Pending{&group, "broadcast", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
+  return Pending{&group, "broadcast", std::move(work),
+                 [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
                    land_in_place(tensor, staged, 1);
                    return std::move(tensor);
                  }};
@@ -1837,7 +1822,8 @@ inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& i
     const bool direct =
         !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
     if (!direct)
-      for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
+      for (const auto& t : outputs)
+        staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
     std::vector<std::vector<at::Tensor>> output_lists(1);
     for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(as_wire(group, t));
     work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
@@ -1892,7 +1878,8 @@ template <class T>
 auto start_all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
   constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
   std::vector<at::Tensor> outputs;
-  for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
+  for (int r = 0; r < group.getSize(); ++r)
+    outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
   // c10d only reads an allgather's input.
   return start_all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)),
                                std::move(outputs), op);
@@ -1925,7 +1912,8 @@ T fold(ReduceOp op, const T* values, int count, int stride) {
   for (int r = 1; r < count; ++r) {
     T x = values[static_cast<std::size_t>(r) * stride];
     switch (op) {
-      case ReduceOp::SUM: case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
+      case ReduceOp::SUM:
+      case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
       case ReduceOp::MAX: acc = std::max(acc, x); break;
       case ReduceOp::MIN: acc = std::min(acc, x); break;
     }
@@ -1965,8 +1953,7 @@ inline uint64_t fnv1a(const void* data, std::size_t size) {
 // on every rank whatever was passed, so the check itself cannot desynchronise.
 inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call) {
   const int size = group.getSize();
-  std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())),
-                              static_cast<int64_t>(call.size())};
+  std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())), static_cast<int64_t>(call.size())};
   std::vector<int64_t> all(2 * static_cast<std::size_t>(size));
   all_gather_cpu<int64_t>(group, mine.data(), 2, all.data(), "debug-mode check");
   // Decided on data every rank holds, so every rank decides alike.
@@ -1983,8 +1970,7 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   all_gather_cpu(group, reinterpret_cast<const uint8_t*>(padded.data()), longest,
                  reinterpret_cast<uint8_t*>(texts.data()), "debug-mode check");
   std::string message = "accel [ACCEL_DEBUG_MODE]: the ranks of group '" + group_name(group) + "' (" +
-                        group.getBackendName() + ", " + std::to_string(size) +
-                        " ranks) made different calls:";
+                        group.getBackendName() + ", " + std::to_string(size) + " ranks) made different calls:";
   for (int r = 0; r < size; ++r)
     message += "\n  rank " + std::to_string(r) + ": " +
                texts.substr(static_cast<std::size_t>(longest) * r, static_cast<std::size_t>(all[2 * r + 1]));
@@ -2206,9 +2192,7 @@ namespace detail {
 // until the operation lands.
 template <class Land, class Owner>
 auto keep_until_landed(Pending<Land> pending, Owner owner) {
-  return then(std::move(pending), [owner = std::move(owner)](auto&&... result) {
-    return (std::move(result), ...);
-  });
+  return then(std::move(pending), [owner = std::move(owner)](auto&&... result) { return (std::move(result), ...); });
 }
 template <class T>
 auto copy_for_async(const T& data) {
@@ -2238,7 +2222,8 @@ constexpr bool folded() {
 }
 template <TensorLike T>
 auto start_fold_data(c10d::ProcessGroup& group, T data, ReduceOp op, const char* name) {
-  if constexpr (Scalar<T>) return then(start_fold(group, std::vector<T>{data}, op, name), [](std::vector<T> v) { return v[0]; });
+  if constexpr (Scalar<T>)
+    return then(start_fold(group, std::vector<T>{data}, op, name), [](std::vector<T> v) { return v[0]; });
   else return start_fold(group, std::move(data), op, name);
 }
 
@@ -2256,8 +2241,8 @@ auto start_broadcast_data(c10d::ProcessGroup& group, T data, int src) {
 template <TensorLike T>
 auto start_all_gather(c10d::ProcessGroup& group, const T& data) {
   if constexpr (std::same_as<T, at::Tensor>) {
-    at::Tensor stacked = at::empty(stacked_shape(group.getSize(), data),
-                                   data.options().memory_format(c10::MemoryFormat::Contiguous));
+    at::Tensor stacked =
+        at::empty(stacked_shape(group.getSize(), data), data.options().memory_format(c10::MemoryFormat::Contiguous));
     auto pending = start_all_gather_rows(group, data, stacked);
     return then(std::move(pending), [stacked = std::move(stacked), input = data] { return stacked; });
   } else {
@@ -2314,7 +2299,8 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
   if (g)
-    check_same_call(*g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
+    check_same_call(
+        *g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
   return g;
 }
 template <TensorLike T>
@@ -2322,7 +2308,8 @@ c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& grou
   c10d::ProcessGroup* g = resolve(group, "broadcast");
   check_source(g, src, "broadcast", "src");
   if (g)
-    check_same_call(*g, [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
+    check_same_call(*g,
+                    [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
   return g;
 }
 template <TensorLike T>
@@ -2334,7 +2321,8 @@ c10d::ProcessGroup* enter_all_gather(const T& data, const GroupPtr& group) {
 // Point-to-point: debug mode cannot compare the two sides (no collective runs).
 inline c10d::ProcessGroup* enter_point_to_point(const GroupPtr& group, int peer, const char* op, const char* name) {
   c10d::ProcessGroup* g = resolve(group, op);
-  if (!g) throw InvalidArgument(std::string("accel::") + op + ": the process is not distributed (there is no other rank)");
+  if (!g)
+    throw InvalidArgument(std::string("accel::") + op + ": the process is not distributed (there is no other rank)");
   check_peer(g, peer, op, name);
   return g;
 }
@@ -2394,7 +2382,8 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
   using R = decltype(all_gather(data, group));
   c10d::ProcessGroup* g = detail::enter_all_gather(data, group);
   if (!g) {
-    if constexpr (std::same_as<T, at::Tensor>) return Work<R>(detail::ready(g, "all_gather", data.unsqueeze(0).clone()));
+    if constexpr (std::same_as<T, at::Tensor>)
+      return Work<R>(detail::ready(g, "all_gather", data.unsqueeze(0).clone()));
     else return Work<R>(detail::ready(g, "all_gather", std::vector<T>{data}));
   }
   if constexpr (std::same_as<T, at::Tensor>) {
@@ -2408,24 +2397,22 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
 // all_gather into a tensor the caller owns, of shape (group_size, *input's
 // shape) with input's dtype and device: no allocation per call, for large
 // tensors gathered again and again. Returns output.
-inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& input,
-                                          const GroupPtr& group = {}) {
+inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_gather_into_tensor");
   const auto expected = detail::stacked_shape(g ? g->getSize() : 1, input);
   if (output.sizes() != c10::IntArrayRef(expected) || output.scalar_type() != input.scalar_type() ||
       output.device() != input.device()) {
     std::ostringstream message;
-    message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected)
-            << ", dtype " << input.scalar_type() << " and device " << input.device() << "; got "
-            << output.sizes() << ", " << output.scalar_type() << ", " << output.device();
+    message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected) << ", dtype "
+            << input.scalar_type() << " and device " << input.device() << "; got " << output.sizes() << ", "
+            << output.scalar_type() << ", " << output.device();
     throw InvalidArgument(message.str());
   }
   if (!g) {
     at::NoGradGuard no_grad;
     output.select(0, 0).copy_(input);
   } else {
-    detail::check_same_call(
-        *g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
+    detail::check_same_call(*g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
     detail::start_all_gather_rows(*g, input, output, "all_gather_into_tensor").wait();
   }
   return output;
@@ -2458,10 +2445,11 @@ inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group
 // (check_reduction has rejected what is undefined.)
 inline at::Tensor fold_rows(const at::Tensor& rows, ReduceOp op) {
   const c10::ScalarType dtype = rows.scalar_type();
-  if (c10::isComplexType(dtype)) return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op).contiguous());
+  if (c10::isComplexType(dtype))
+    return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op).contiguous());
   if (dtype == c10::kBool) return op == ReduceOp::MIN ? rows.all(0) : rows.any(0);  // SUM: an or, as all_reduce
-  const at::Tensor wide = rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat)
-                                                             : c10::kLong);
+  const at::Tensor wide =
+      rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat) : c10::kLong);
   at::Tensor out;
   switch (op) {
     case ReduceOp::SUM: out = wide.sum(0); break;
@@ -2492,8 +2480,7 @@ c10::intrusive_ptr<c10d::Work> alltoall_single(Group& group, at::Tensor& out, at
                                                std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
   if constexpr (requires { group.all_to_all_single(out, in, out_splits, in_splits); })
     return group.all_to_all_single(out, in, out_splits, in_splits);
-  else
-    return group.alltoall_base(out, in, out_splits, in_splits);
+  else return group.alltoall_base(out, in, out_splits, in_splits);
 }
 
 // Rows of `input` (dim 0) go to the ranks in order, splits[r] rows to rank
@@ -2543,18 +2530,18 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
     }
     work = issue(op, group, [&] { return alltoall_single(group, out_bytes, in_bytes, out_splits, in_splits); });
   }
-  return Pending{&group, op, std::move(work),
-                 [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes),
-                  phantom, out_at, home = input.device()] {
-                   at::NoGradGuard no_grad;
-                   if (phantom && out_bytes.defined()) {
-                     at::Tensor real = output.reshape({-1}).view(c10::kByte);
-                     real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
-                     real.narrow(0, out_at, real.size(0) - out_at)
-                         .copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
-                   }
-                   return output.device() == home ? output : output.to(home);
-                 }};
+  return Pending{
+      &group, op, std::move(work),
+      [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes), phantom,
+       out_at, home = input.device()] {
+        at::NoGradGuard no_grad;
+        if (phantom && out_bytes.defined()) {
+          at::Tensor real = output.reshape({-1}).view(c10::kByte);
+          real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
+          real.narrow(0, out_at, real.size(0) - out_at).copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
+        }
+        return output.device() == home ? output : output.to(home);
+      }};
 }
 
 // A std::vector's bytes, split in group-size equal parts for all_to_all.
@@ -2617,9 +2604,8 @@ c10d::ProcessGroup* enter_reduce_scatter(const T& data, ReduceOp op, const Group
                           std::to_string(size) + " equal parts");
   }
   if (g)
-    check_same_call(*g, [&] {
-      return "reduce_scatter(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
-    });
+    check_same_call(
+        *g, [&] { return "reduce_scatter(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
   return g;
 }
 
@@ -2748,14 +2734,16 @@ Work<T> all_to_all_async(const T& data, const GroupPtr& group = {}) {
 inline at::Tensor all_to_all(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
                              std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
-  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
   if (!g) return data.clone();
   return detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all").wait();
 }
 inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
                                          std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
-  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
   if (!g) return Work<at::Tensor>(detail::ready(g, "all_to_all", data.clone()));
   return Work<at::Tensor>(detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all"));
 }
@@ -2787,9 +2775,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "gather_to");
   detail::check_source(g, dst, "gather_to", "dst");
   if (!g) return all_gather(data, group);
-  detail::check_same_call(*g, [&] {
-    return "gather_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ")";
-  });
+  detail::check_same_call(
+      *g, [&] { return "gather_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ")"; });
   const int size = g->getSize();
   const bool root = g->getRank() == dst;
   at::NoGradGuard no_grad;
@@ -2814,7 +2801,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
       gather_into(data, {});
       return at::empty({0}, data.options());
     }
-    at::Tensor stacked = at::empty(detail::stacked_shape(size, data), data.options().memory_format(c10::MemoryFormat::Contiguous));
+    at::Tensor stacked =
+        at::empty(detail::stacked_shape(size, data), data.options().memory_format(c10::MemoryFormat::Contiguous));
     std::vector<at::Tensor> rows;
     for (int r = 0; r < size; ++r) rows.push_back(stacked.select(0, r));
     gather_into(data, rows);
@@ -2869,7 +2857,8 @@ T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {
     detail::broadcast_tensor(*g, header_view, src);
     if (header[1] < 0)
       throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
-                            detail::describe(*g) + ") must all be defined and share one shape, dtype and device"
+                            detail::describe(*g) +
+                            ") must all be defined and share one shape, dtype and device"
                             " (at most 64 dimensions)");
     const auto dtype = static_cast<c10::ScalarType>(header[0]);
     const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
@@ -2965,8 +2954,8 @@ inline void monitored_barrier(const GroupPtr& group = {},
   try {
     g->monitoredBarrier(opts, /*wait_all_ranks=*/true);
   } catch (const std::exception& e) {
-    throw DistributedError("accel::monitored_barrier failed on " + detail::describe(*g) + " (ranks within the group): " +
-                           detail::error_text(e));
+    throw DistributedError("accel::monitored_barrier failed on " + detail::describe(*g) +
+                           " (ranks within the group): " + detail::error_text(e));
   }
 }
 
@@ -2990,9 +2979,7 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
   const bool is_main = local_only ? get_local_rank() == 0 : get_rank() == 0;
   // One all_reduce releases the others and tells them whether (and which)
   // main process failed: MAX of rank+1 over the failing mains, 0 if none.
-  auto release = [&](int64_t failed_rank_plus_one) {
-    return all_reduce(failed_rank_plus_one, ReduceOp::MAX, g);
-  };
+  auto release = [&](int64_t failed_rank_plus_one) { return all_reduce(failed_rank_plus_one, ReduceOp::MAX, g); };
   using R = std::invoke_result_t<Body&>;
   if (is_main) {
     std::exception_ptr failure;
@@ -3017,8 +3004,7 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
     }
   } else {
     if (int64_t failed = release(0); failed != 0)
-      throw DistributedError("accel::main_process_first: the main process (rank " +
-                             std::to_string(failed - 1) +
+      throw DistributedError("accel::main_process_first: the main process (rank " + std::to_string(failed - 1) +
                              ") threw; this rank did not run the body");
     return std::invoke(body);
   }
@@ -3051,8 +3037,8 @@ GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   ++groups_created();
   auto backend = c10::make_intrusive<Impl>(store, rank, size, options);
 #if ACCEL_TORCH_AT_LEAST(2, 0)
-  const auto type = device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL
-                                                    : c10d::ProcessGroup::BackendType::GLOO;
+  const auto type =
+      device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
   // 2.6 dropped ProcessGroup::Options from the constructor (the backend
   // carries its own options and timeout).
   // (Group is ProcessGroup, dependent so that only the taken branch is compiled.)
@@ -3105,8 +3091,8 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 #endif
 }
 
-inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
-                           int rank, int size, std::chrono::milliseconds timeout) {
+inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
 #ifdef USE_C10D_GLOO
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -3138,12 +3124,12 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     options->timeout = timeout;
     return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);
 #else
-    throw RuntimeError("accel: the nccl backend is not available in this build "
-                             "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
+    throw RuntimeError(
+        "accel: the nccl backend is not available in this build "
+        "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
 #endif
   }
-  throw RuntimeError("accel: process-group backend '" + backend +
-                           "' is not supported by accel.hpp (use gloo or nccl)");
+  throw RuntimeError("accel: process-group backend '" + backend + "' is not supported by accel.hpp (use gloo or nccl)");
 }
 
 // A c10d::TCPStore. From 2.4 on LibTorch serves it with libuv by default
@@ -3204,7 +3190,7 @@ inline StoreAddress store_address() {
   if (a.port > 65535) throw InvalidArgument("accel: MASTER_PORT=" + std::to_string(a.port) + " is not a TCP port");
   a.where = a.dir ? "file store " + *a.dir + "/store" : a.host + ":" + std::to_string(a.port);
   if (a.dir) {
-    struct stat info {};
+    struct stat info{};
     if (stat(a.dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
       throw InvalidArgument("ACCEL_STORE_DIR=" + *a.dir + " is not a directory");
     if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
@@ -3316,7 +3302,7 @@ inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, 
 // (it adds collectives). Four store round trips; on timeout the error names
 // the ranks that never arrived.
 inline void wait_for_every_rank(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
-                 std::chrono::seconds timeout) {
+                                std::chrono::seconds timeout) {
   const std::string mine = std::to_string(world);
   const std::vector<uint8_t> bytes(mine.begin(), mine.end());
   if (const std::vector<uint8_t> first = store.compareSet(prefix + "world_size", {}, bytes); first != bytes) {
@@ -3368,15 +3354,17 @@ struct Rendezvoused {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
 };
-inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
+inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug,
+                               std::chrono::seconds timeout) {
   auto connected = std::make_shared<std::atomic<bool>>(false);
-  std::optional<Rendezvoused> met = run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
-    Rendezvoused made;
-    made.store = connect(address, rank, world, timeout, made.prefix);
-    connected->store(true);
-    wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
-    return made;
-  });
+  std::optional<Rendezvoused> met =
+      run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
+        Rendezvoused made;
+        made.store = connect(address, rank, world, timeout, made.prefix);
+        connected->store(true);
+        wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
+        return made;
+      });
   if (!met) {
     forget_rendezvous();
     // Still connecting: an unreachable address, or (LibTorch 2.x validates
@@ -3388,7 +3376,8 @@ inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world,
       throw DistributedError("accel: rendezvous at " + address.where + " failed for rank " + std::to_string(rank) +
                              " of " + std::to_string(world) +
                              (address.dir ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") + ": the store" +
-                             late + " while connecting: is the address reachable, and the process serving it (rank "
+                             late +
+                             " while connecting: is the address reachable, and the process serving it (rank "
                              "0, or torchrun's agent) running, not hung or stopped?");
     throw DistributedError("accel: the rendezvous store at " + address.where + late +
                            ": is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
@@ -3418,14 +3407,14 @@ struct MadeGroup {
 };
 inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::optional<StoreAddress>& address,
-                                          const std::vector<GroupRequest>& requests, std::chrono::milliseconds timeout) {
+                                          const std::vector<GroupRequest>& requests,
+                                          std::chrono::milliseconds timeout) {
   std::vector<MadeGroup> made(requests.size());
   std::vector<std::exception_ptr> failed(requests.size());
   auto make = [&](std::size_t i, bool own_connection) {
     try {
       made[i].store = c10::make_intrusive<c10d::PrefixStore>(
-          requests[i].key,
-          own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
+          requests[i].key, own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
       made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
     } catch (...) {
       failed[i] = std::current_exception();
@@ -3461,8 +3450,9 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
     } catch (const DistributedError&) {
       throw;
     } catch (const std::exception& e) {
-      throw DistributedError("accel: making group '" + requests[i].name + "' (rank " + std::to_string(requests[i].rank) +
-                             " of " + std::to_string(requests[i].size) + ") failed: " + error_text(e));
+      throw DistributedError("accel: making group '" + requests[i].name + "' (rank " +
+                             std::to_string(requests[i].rank) + " of " + std::to_string(requests[i].size) +
+                             ") failed: " + error_text(e));
     }
   }
   return made;
@@ -3490,9 +3480,9 @@ struct MeshRoot {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   std::vector<int> shape;
   std::vector<std::string> names;
-  std::vector<int> coordinate;                                 // this rank's
+  std::vector<int> coordinate;                                     // this rank's
   std::map<std::string, std::vector<int>, std::less<>> flattened;  // name -> root dims
-  std::map<std::vector<int>, GroupPtr> groups;                 // root dims -> group (null: not distributed)
+  std::map<std::vector<int>, GroupPtr> groups;                     // root dims -> group (null: not distributed)
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
   std::string prefix;                     // this mesh's keys in the store
@@ -3750,8 +3740,8 @@ class DistributedInterface {
     if (slot) {
       if (config && resolve(*config) != slot->config_) {
         std::ostringstream message;
-        message << "accel::DistributedInterface::instance: already initialised with "
-                << slot->config_ << ", asked for " << *config << "; call destroy() first";
+        message << "accel::DistributedInterface::instance: already initialised with " << slot->config_ << ", asked for "
+                << *config << "; call destroy() first";
         throw LogicError(message.str());
       }
       return *slot;
@@ -3806,9 +3796,11 @@ class DistributedInterface {
       if (shape[i] < 1)
         throw InvalidArgument("accel::" + call + ": the size of '" + names[i] + "' must be positive, got " +
                               std::to_string(shape[i]));
-      if (names[i].empty()) throw InvalidArgument("accel::" + call + ": dimension " + std::to_string(i) + " has no name");
+      if (names[i].empty())
+        throw InvalidArgument("accel::" + call + ": dimension " + std::to_string(i) + " has no name");
       for (std::size_t j = 0; j < i; ++j)
-        if (names[j] == names[i]) throw InvalidArgument("accel::" + call + ": the name '" + names[i] + "' is given twice");
+        if (names[j] == names[i])
+          throw InvalidArgument("accel::" + call + ": the name '" + names[i] + "' is given twice");
       product = std::min<int64_t>(product * shape[i], int64_t{1} << 40);  // no overflow; still != any world size
     }
     if (product != world_size_)
@@ -3890,7 +3882,8 @@ class DistributedInterface {
     std::vector<std::pair<int64_t, int>> order;  // (key, world rank) of this color
     if (color >= 0)
       for (int r = 0; r < world_size_; ++r)
-        if (all[2 * static_cast<std::size_t>(r)] == color) order.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+        if (all[2 * static_cast<std::size_t>(r)] == color)
+          order.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
     std::sort(order.begin(), order.end());
     std::vector<int> members;
     for (const auto& [k, r] : order) members.push_back(r);
@@ -3922,8 +3915,8 @@ class DistributedInterface {
         world_size_(accel::get_world_size()),
         local_rank_(accel::get_local_rank()),
         local_world_size_(accel::get_local_world_size()),
-        current_accelerator_(detail::forced_device(*config.device, "DistributedConfig::device is " +
-                                                                          std::string(to_string(*config.device)))),
+        current_accelerator_(detail::forced_device(
+            *config.device, "DistributedConfig::device is " + std::string(to_string(*config.device)))),
         current_device_(current_accelerator_) {
     if (!distributed_) {
       debug_mode();  // validates ACCEL_DEBUG_MODE
@@ -3955,8 +3948,8 @@ class DistributedInterface {
     } catch (const std::exception& e) {
       release();
       throw DistributedError("accel: initialising rank " + std::to_string(rank_) + " of " +
-                             std::to_string(world_size_) + " (" + backend_ + " process groups) failed: " +
-                             detail::error_text(e));
+                             std::to_string(world_size_) + " (" + backend_ +
+                             " process groups) failed: " + detail::error_text(e));
     }
     for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP})
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
@@ -4066,12 +4059,11 @@ class DistributedInterface {
   }
 
   friend std::ostream& operator<<(std::ostream& os, const DistributedInterface& d) {
-    os << "DistributedInterface(" << d.strategy_ << ", is_distributed=" << std::boolalpha
-       << d.distributed_ << ", current_accelerator=" << d.current_accelerator_
-       << ", rank=" << d.rank_ << ", world_size=" << d.world_size_;
+    os << "DistributedInterface(" << d.strategy_ << ", is_distributed=" << std::boolalpha << d.distributed_
+       << ", current_accelerator=" << d.current_accelerator_ << ", rank=" << d.rank_
+       << ", world_size=" << d.world_size_;
     if (d.distributed_)
-      os << ", backend=" << d.backend_ << ", model_mesh=" << *d.model_mesh_
-         << ", data_mesh=" << *d.data_mesh_;
+      os << ", backend=" << d.backend_ << ", model_mesh=" << *d.model_mesh_ << ", data_mesh=" << *d.data_mesh_;
     return os << ")";
   }
 
@@ -4084,10 +4076,10 @@ class DistributedInterface {
   std::string backend_ = "gloo";
   GroupPtr world_;
   std::optional<DeviceMesh> model_mesh_, data_mesh_;
-  std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
-  c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous store, for groups made later
+  std::vector<DeviceMesh> dim_meshes_;           // indexed by Dim
+  c10::intrusive_ptr<c10d::Store> store_;        // the rendezvous store, for groups made later
   std::optional<detail::StoreAddress> address_;  // its address
-  std::string prefix_;                     // and this initialisation's keys in it
+  std::string prefix_;                           // and this initialisation's keys in it
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
   int mesh_count_ = 0;                 // init_device_mesh
@@ -4242,9 +4234,11 @@ void describe_nested(std::string& out, const T& data, const Leaf& leaf) {
   } else {
     out += '(';
     bool first = true;
-    std::apply([&](const auto&... element) {
-      ((out += first ? "" : ", ", first = false, describe_nested(out, element, leaf)), ...);
-    }, data);
+    std::apply(
+        [&](const auto&... element) {
+          ((out += first ? "" : ", ", first = false, describe_nested(out, element, leaf)), ...);
+        },
+        data);
     out += ')';
   }
 }
@@ -4263,7 +4257,7 @@ inline void check_defined(const std::vector<at::Tensor>& leaves, const char* op)
   for (std::size_t i = 0; i < leaves.size(); ++i)
     if (!leaves[i].defined())
       throw InvalidArgument(std::string("accel::") + op + ": tensor leaf " + std::to_string(i) +
-                                  " (in walking order) is undefined");
+                            " (in walking order) is undefined");
 }
 
 // Leaves grouped by a key (device, or dtype and device), in first-seen order.
@@ -4372,8 +4366,7 @@ T recursively_apply(Fn&& fn, T data, const std::vector<std::string>& skip_keys =
 template <class T>
 T send_to_device(T data, c10::Device device, bool non_blocking = false,
                  const std::vector<std::string>& skip_keys = {}) {
-  return recursively_apply([&](const at::Tensor& t) { return t.to(device, non_blocking); }, std::move(data),
-                           skip_keys);
+  return recursively_apply([&](const at::Tensor& t) { return t.to(device, non_blocking); }, std::move(data), skip_keys);
 }
 
 // The size along dim 0 of the first tensor leaf; nullopt when there is none.
@@ -4408,8 +4401,8 @@ T concatenate(const std::vector<T>& data, int64_t dim = 0) {
   std::vector<std::vector<at::Tensor>> columns;
   for (std::size_t k = 0; k < data.size(); ++k) {
     if (k > 0 && layout(data[k]) != expected)
-      throw InvalidArgument("accel::concatenate: element " + std::to_string(k) + " is laid out as " +
-                                  layout(data[k]) + ", element 0 as " + expected);
+      throw InvalidArgument("accel::concatenate: element " + std::to_string(k) + " is laid out as " + layout(data[k]) +
+                            ", element 0 as " + expected);
     auto leaves = detail::tensor_leaves(data[k]);
     columns.resize(leaves.size());
     for (std::size_t i = 0; i < leaves.size(); ++i) columns[i].push_back(std::move(leaves[i]));
@@ -4444,7 +4437,8 @@ T convert_to_fp32(T data) {
 
 namespace detail {
 // Every rank's int64 values (the same count on every rank), rank-major.
-inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, const std::vector<int64_t>& mine, const char* op) {
+inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, const std::vector<int64_t>& mine,
+                                            const char* op) {
   std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(group.getSize()));
   if (!mine.empty()) all_gather_cpu<int64_t>(group, mine.data(), static_cast<int64_t>(mine.size()), all.data(), op);
   return all;
@@ -4477,9 +4471,8 @@ T gather(const T& data, const GroupPtr& group = {}) {
     if (leaf.dim() == 0) leaf = leaf.reshape({1});
   if (!g) return detail::with_leaves(data, std::move(leaves));
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("gather", data, [](const at::Tensor& t) {
-      return t.dim() ? std::optional<int64_t>(0) : std::nullopt;
-    });
+    return detail::describe_call(
+        "gather", data, [](const at::Tensor& t) { return t.dim() ? std::optional<int64_t>(0) : std::nullopt; });
   });
   if (leaves.empty()) return data;
   const int size = g->getSize();
@@ -4520,7 +4513,7 @@ inline ReduceOp parse_reduction(std::string_view reduction) {
     return from_string<ReduceOp>(reduction);
   } catch (const InvalidArgument&) {
     throw InvalidArgument("accel::reduce: unknown reduction '" + std::string(reduction) +
-                                "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
+                          "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
   }
 }
 }  // namespace detail
@@ -4541,8 +4534,8 @@ T reduce(const T& data, ReduceOp reduction = ReduceOp::MEAN, const GroupPtr& gro
     return detail::with_leaves(data, std::move(leaves));
   }
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("reduce", data, [](const at::Tensor&) { return std::nullopt; },
-                                 ", " + std::string(to_string(reduction)));
+    return detail::describe_call(
+        "reduce", data, [](const at::Tensor&) { return std::nullopt; }, ", " + std::string(to_string(reduction)));
   });
   for (const auto& bucket : detail::group_leaves(leaves, &detail::dtype_device_key)) {
     const std::vector<std::size_t>& members = bucket.second;
@@ -4577,8 +4570,8 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
   detail::check_source(g, from_process, "broadcast", "from_process");
   if (!g) return data;
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("broadcast", data, [](const at::Tensor&) { return std::nullopt; },
-                                 ", src=" + std::to_string(from_process));
+    return detail::describe_call(
+        "broadcast", data, [](const at::Tensor&) { return std::nullopt; }, ", src=" + std::to_string(from_process));
   });
   const bool source = g->getRank() == from_process;
   at::NoGradGuard no_grad;
@@ -4686,8 +4679,9 @@ c10::IValue to_ivalue(const T& x) {
   } else if constexpr (std::is_same_v<T, at::Tensor>) {
     // The pickler writes a tensor's whole storage: a view (a row of a
     // dataset, a slice of a batch) travels as a compact copy instead.
-    const bool compact = !x.defined() || x.layout() != at::kStrided || (x.is_contiguous() && x.storage_offset() == 0 &&
-                                          x.storage().nbytes() == static_cast<std::size_t>(x.nbytes()));
+    const bool compact =
+        !x.defined() || x.layout() != at::kStrided ||
+        (x.is_contiguous() && x.storage_offset() == 0 && x.storage().nbytes() == static_cast<std::size_t>(x.nbytes()));
     return c10::IValue(compact ? x : x.clone(at::MemoryFormat::Contiguous));
   } else if constexpr (is_vector<T>::value) {
     c10::impl::GenericList list(c10::AnyType::get());
@@ -4750,8 +4744,8 @@ T from_ivalue(const c10::IValue& v) {
     if (!v.isTuple()) wrong_object("tuple", v);
     const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
     if (elements.size() != std::tuple_size_v<T>)
-      throw InvalidArgument("accel: received a tuple of " + std::to_string(elements.size()) +
-                                  " elements, expected " + std::to_string(std::tuple_size_v<T>));
+      throw InvalidArgument("accel: received a tuple of " + std::to_string(elements.size()) + " elements, expected " +
+                            std::to_string(std::tuple_size_v<T>));
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return T{from_ivalue<std::tuple_element_t<I, T>>(elements[I])...};
     }(std::make_index_sequence<std::tuple_size_v<T>>{});
@@ -4775,8 +4769,8 @@ inline std::vector<char> save_object(const c10::IValue& value) {
 // Throws RuntimeError on bytes that save_object did not write intact.
 inline c10::IValue load_object(const char* data, std::size_t size) {
   auto corrupt = [&](const std::string& why) {
-    return RuntimeError("accel: received object bytes are not intact (" + why + ", " +
-                              std::to_string(size) + " bytes)");
+    return RuntimeError("accel: received object bytes are not intact (" + why + ", " + std::to_string(size) +
+                        " bytes)");
   };
   if (size < kObjectHeader || std::memcmp(data, kObjectMagic, 8) != 0) throw corrupt("no accel object header");
   uint64_t length = 0, hash = 0;
@@ -4811,7 +4805,8 @@ template <Picklable T>
 auto gather_object(const T& object, const GroupPtr& group = {}) {
   using Result = typename detail::gathered_objects<T>::type;
   auto flatten_into = [](Result& out, T&& piece) {
-    if constexpr (detail::is_vector<T>::value) out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
+    if constexpr (detail::is_vector<T>::value)
+      out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
     else out.push_back(std::move(piece));
   };
   Result result;
@@ -4831,8 +4826,8 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
   detail::all_gather_cpu(*g, reinterpret_cast<const uint8_t*>(mine.data()), longest,
                          reinterpret_cast<uint8_t*>(all.data()), "gather_object");
   for (int r = 0; r < size; ++r)
-    flatten_into(result, detail::from_ivalue<T>(detail::load_object(all.data() + longest * r,
-                                                                   static_cast<std::size_t>(lengths[r]))));
+    flatten_into(result, detail::from_ivalue<T>(
+                             detail::load_object(all.data() + longest * r, static_cast<std::size_t>(lengths[r]))));
   return result;
 }
 
@@ -4933,7 +4928,7 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
       const int64_t n = detail::split_length(entry->second);
       if (length && n != *length)
         throw InvalidArgument("accel::split_between_processes: every value must have the same length; '" +
-                                    entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
+                              entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
       length = n;
     }
     T out;
@@ -5012,7 +5007,8 @@ inline uint64_t set_seed(uint64_t seed, bool device_specific = false) {
   };
   seed_generator(at::detail::getDefaultCPUGenerator());
   for (int i = 0; i < detail::guard_device_count(c10::DeviceType::CUDA); ++i)
-    seed_generator(at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
+    seed_generator(
+        at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
   return seed;
 }
 
@@ -5034,8 +5030,7 @@ inline void synchronize_generator(at::Generator generator, const GroupPtr& group
 // "generator" (the one passed). No types: "torch", plus "cuda" when a CUDA
 // device is present.
 inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {},
-                                   std::optional<at::Generator> generator = std::nullopt,
-                                   const GroupPtr& group = {}) {
+                                   std::optional<at::Generator> generator = std::nullopt, const GroupPtr& group = {}) {
   std::vector<std::string> types = rng_types;
   if (types.empty()) {
     types.push_back("torch");
@@ -5055,7 +5050,7 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
       detail::synchronize_generator(*generator, group);
     } else {
       throw InvalidArgument("accel::synchronize_rng_states: unknown rng type '" + type +
-                                  "' (expected \"torch\", \"cuda\" or \"generator\")");
+                            "' (expected \"torch\", \"cuda\" or \"generator\")");
     }
   }
 }
@@ -5191,7 +5186,9 @@ struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
     // The gradient goes back the way the rows came.
     return {accel::all_to_all(grads[0], ctx->saved_data["in"].toIntVector(), ctx->saved_data["out"].toIntVector(),
                               saved_group(ctx)),
-            {}, {}, {}};
+            {},
+            {},
+            {}};
   }
 };
 }  // namespace detail
@@ -5320,8 +5317,9 @@ namespace comm_hooks {
 inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
   if (!state) throw InvalidArgument("accel::comm_hooks::powerSGD_hook: no state");
   if (state->matrix_approximation_rank < 1 || state->min_compression_rate < 1 || state->start_powerSGD_iter < 0)
-    throw InvalidArgument("accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
-                          "must be at least 1, start_powerSGD_iter at least 0");
+    throw InvalidArgument(
+        "accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
+        "must be at least 1, start_powerSGD_iter at least 0");
   if (!state->rng) state->rng.emplace(state->random_seed);
   return [state](const GroupPtr& group, GradBucket& bucket) -> Work<at::Tensor> {
     const bool last = bucket.is_last;
@@ -5457,8 +5455,8 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
                                                           const std::vector<int64_t>& size_limits) {
   if (size_limits.empty()) throw InvalidArgument("accel::DataParallel: bucket assignment needs a size limit");
   for (int64_t limit : size_limits)
-    if (limit < 1) throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) +
-                                         " is not positive");
+    if (limit < 1)
+      throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) + " is not positive");
   struct Open {
     std::vector<std::size_t> indices;
     int64_t bytes = 0;
@@ -5475,7 +5473,8 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
   };
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const BucketInput& in = inputs[i];
-    Open& bucket = open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
+    Open& bucket =
+        open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
     bucket.indices.push_back(i);
     bucket.bytes += in.bytes;
     if (in.unit < 0 && bucket.bytes >= size_limits[bucket.limit]) {
@@ -5641,7 +5640,8 @@ inline void issue_bucket(State& state, std::size_t b) {
         if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
       }
     rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
+        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
+                   .expand({S, static_cast<int64_t>(n)}));
     bucket.flat.div_(state.replicas);
     try {
       bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
@@ -5800,8 +5800,7 @@ inline void end_unit_pass(State& s) {
       try {
         bucket.gathering.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                               e.what());
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
       }
       bucket.gathering = {};
     }
@@ -5944,11 +5943,13 @@ inline void shard_optimizer(State& s, torch::optim::Optimizer& optimizer) {
       const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
       if (found == s.shard_index.end()) continue;
       if (!optimizer.state().empty())
-        throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
-                              "prepare it before its first step (its state becomes per-shard)");
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+            "prepare it before its first step (its state becomes per-shard)");
       if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
-        throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
-                              "products over whole parameters); use NO_SHARD");
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+            "products over whole parameters); use NO_SHARD");
       Bucket& bucket = s.buckets[found->second.first];
       p = bucket.shards[found->second.second];
       bucket.in_optimizer[found->second.second] = 1;
@@ -5997,9 +5998,10 @@ inline void check_shards(State& s) {
     for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
       if (!flag[0]) continue;
       if (flag[1])
-        throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
-                              "handle accelerator.prepare() returned (its step() gathers the updated shards "
-                              "into the parameters); the parameters this forward used are stale");
+        throw InvalidArgument(
+            "accel::Accelerator::backward: under sharding, step the optimizer through the "
+            "handle accelerator.prepare() returned (its step() gathers the updated shards "
+            "into the parameters); the parameters this forward used are stale");
       read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
       bucket.sums[i] = bucket.shards[i].sum();
     }
@@ -6019,7 +6021,7 @@ inline void gather_shards(State& s) {
       if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), s.shard));
     for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
       Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (bucket.unit >= 0) continue;             // FULL_SHARD: gathered when the unit runs
       const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
       for (std::size_t i = 0; i < bucket.params.size(); ++i) {
         write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
@@ -6101,7 +6103,7 @@ inline void finish_sharded(State& s) {
         const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
         if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
         else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
-        else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
+        else shard.mutable_grad().copy_(averaged);                       // the parameter's holds all since the step
       }
       bucket.used[static_cast<std::size_t>(i)] = 0;
     }
@@ -6197,13 +6199,16 @@ class DataParallel {
     const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
     std::vector<detail::BucketInput> inputs;
     for (std::size_t k = 0; k < params.size(); ++k)
-      inputs.push_back({params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(),
-                        unit_of[k]});
-    for (const auto& indices : detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      inputs.push_back(
+          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+    for (const auto& indices :
+         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
       const at::Tensor& first = params[indices.front()];
-      detail::dp::Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      detail::dp::Bucket bucket{
+          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
       bucket.unit = unit_of[indices.front()];
-      if (bucket.unit >= 0) state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      if (bucket.unit >= 0)
+        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
       for (std::size_t k : indices) {
         bucket.params.push_back(params[k]);
         bucket.used.push_back(0);
@@ -6318,7 +6323,8 @@ class DataParallel {
     std::vector<Work<at::Tensor>> works;
     for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
       const detail::dp::Bucket& bucket = state_->buckets[b];
-      GradBucket zeros = detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+      GradBucket zeros =
+          detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
       works.push_back(state_->hook(state_->group, zeros));
     }
     for (auto& work : works) {
@@ -6336,12 +6342,14 @@ class DataParallel {
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
     if (state_->shard)
-      throw InvalidArgument("accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
-                            "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+      throw InvalidArgument(
+          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     std::lock_guard lock(state_->mutex);
     if (state_->hooked)
-      throw LogicError("accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
-                       "DDP, once per model)");
+      throw LogicError(
+          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+          "DDP, once per model)");
     if (state_->armed)
       throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
     state_->hook = std::move(hook);
@@ -6355,8 +6363,9 @@ class DataParallel {
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
     if (state_->shard && on)
-      throw InvalidArgument("accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
-                            "reduce-scattered into its shards");
+      throw InvalidArgument(
+          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+          "reduce-scattered into its shards");
     std::lock_guard lock(state_->mutex);
     if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
     state_->bucket_view = on;
@@ -6447,9 +6456,10 @@ class DataParallel {
       if (out.back() < 0) continue;
       if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
           p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-        throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
-                              "storage (a parameter of shape " + c10::str(p.sizes()) +
-                              " is a view or shares storage: tied weights belong in no unit)");
+        throw InvalidArgument(
+            "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
+            "storage (a parameter of shape " +
+            c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
     }
     return out;
   }
@@ -6492,7 +6502,8 @@ auto unit_forward(ModuleHolder& unit, Args&&... args) {
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
   if (DataParallel::is_unit(sequential.ptr().get()))
-    return DataParallel::unit_call(sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
+    return DataParallel::unit_call(
+        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
   for (auto& child : *sequential)
     x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
   return x;
@@ -6688,8 +6699,8 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     }
     batches_.clear();
     if (o.layout == ShardLayout::SAMPLES) {
-      const size_t total = o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas
-                                                        : o.size;
+      const size_t total =
+          o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
       const size_t local = o.split_batches ? o.batch_size / o.num_replicas : o.batch_size;
       detail::SlotBatch mine;
       for (size_t position = o.rank; position < total; position += o.num_replicas)
@@ -6705,22 +6716,22 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
         for (size_t b = 0; b < sequence.size(); ++b)
           for (size_t i : sequence[b])
             if (i >= o.size)
-              throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) +
-                                      " holds index " + std::to_string(i) + ", past the dataset's " +
-                                      std::to_string(o.size) + " samples");
+              throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds index " +
+                               std::to_string(i) + ", past the dataset's " + std::to_string(o.size) + " samples");
       } else {
         for (size_t i = 0; i < order.size(); i += o.batch_size)
           if (i + o.batch_size <= order.size() || !o.drop_last)
-            sequence.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(i),
-                                  order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
+            sequence.emplace_back(
+                order.begin() + static_cast<std::ptrdiff_t>(i),
+                order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
       }
       batches_ = detail::shard_batches(sequence, o.batch_sampler ? std::nullopt : std::optional<size_t>(o.batch_size),
                                        o.num_replicas, o.rank, o.split_batches, o.even_batches, o.drop_last);
     }
     record_->real_per_batch.clear();
     for (const auto& batch : batches_)
-      record_->real_per_batch.push_back(static_cast<size_t>(
-          std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
+      record_->real_per_batch.push_back(
+          static_cast<size_t>(std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
     next_ = std::min(std::exchange(record_->skip, 0), batches_.size());
   }
 
@@ -6781,12 +6792,12 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
 };
 
 struct DataLoaderConfig {
-  size_t batch_size = 1;    // per process, or global with AcceleratorConfig::split_batches
+  size_t batch_size = 1;  // per process, or global with AcceleratorConfig::split_batches
   bool shuffle = false;
-  uint64_t seed = 0;        // shuffled order: randperm under seed + epoch
-  bool even_batches = true; // complete the last round from the start, so every process gets as many batches
-  bool drop_last = false;   // drop the incomplete last batch (and, BATCHES, an incomplete last round)
-  size_t workers = 0;       // LibTorch's loader threads
+  uint64_t seed = 0;         // shuffled order: randperm under seed + epoch
+  bool even_batches = true;  // complete the last round from the start, so every process gets as many batches
+  bool drop_last = false;    // drop the incomplete last batch (and, BATCHES, an incomplete last round)
+  size_t workers = 0;        // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
   BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
   // The main process reads every global batch and sends each process its
@@ -6850,8 +6861,7 @@ class Pass {
     gradient_state_->active.push_back(state_.get());
     *state_ = {};
   }
-  Pass(Pass&& other) noexcept
-      : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
+  Pass(Pass&& other) noexcept : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
   Pass(const Pass&) = delete;
   Pass& operator=(const Pass&) = delete;
   Pass& operator=(Pass&&) = delete;
@@ -6913,12 +6923,14 @@ constexpr bool no_target = std::is_same_v<T, torch::data::example::NoTarget>;
 template <class T>
 struct sample_travels : std::bool_constant<Picklable<T>> {};
 template <class D, class T>
-struct sample_travels<torch::data::Example<D, T>> : std::bool_constant<Picklable<D> && (Picklable<T> || no_target<T>)> {};
+struct sample_travels<torch::data::Example<D, T>> : std::bool_constant<Picklable<D> && (Picklable<T> || no_target<T>)> {
+};
 
 template <class B>
 struct batched_tensors : std::bool_constant<TensorTree<B> && !is_vector<B>::value> {};
 template <class D, class T>
-struct batched_tensors<torch::data::Example<D, T>> : std::bool_constant<TensorTree<D> && (TensorTree<T> || no_target<T>)> {};
+struct batched_tensors<torch::data::Example<D, T>>
+    : std::bool_constant<TensorTree<D> && (TensorTree<T> || no_target<T>)> {};
 
 template <class B>
 concept SampleList = is_vector<B>::value && sample_travels<typename B::value_type>::value;
@@ -6947,8 +6959,8 @@ size_t batch_rows(const B& batch) {
     auto check = [&](const at::Tensor& t) {
       auto fail = [&](const std::string& what) {
         throw InvalidArgument("accel::prepare_data_loader (dispatch_batches): tensor " + std::to_string(leaf) +
-                                    " of the batch is " + what +
-                                    "; every tensor of a dispatched batch holds the batch along dim 0");
+                              " of the batch is " + what +
+                              "; every tensor of a dispatched batch holds the batch along dim 0");
       };
       if (!t.defined() || t.dim() == 0) fail("undefined or 0-d");
       if (!rows) rows = t.size(0);
@@ -6981,7 +6993,8 @@ B batch_cat(std::vector<B>&& parts) {
   if (parts.size() == 1) return std::move(parts.front());
   if constexpr (SampleList<B>) {
     B out;
-    for (auto& part : parts) out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+    for (auto& part : parts)
+      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
     return out;
   } else if constexpr (is_example<B>::value) {
     using Data = decltype(B::data);
@@ -7020,7 +7033,8 @@ S sample_from_ivalue(const c10::IValue& v) {
     const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
     S sample;
     sample.data = from_ivalue<decltype(sample.data)>(elements[0]);
-    if constexpr (!no_target<decltype(sample.target)>) sample.target = from_ivalue<decltype(sample.target)>(elements[1]);
+    if constexpr (!no_target<decltype(sample.target)>)
+      sample.target = from_ivalue<decltype(sample.target)>(elements[1]);
     return sample;
   } else {
     return from_ivalue<S>(v);
@@ -7091,7 +7105,8 @@ class Dispatcher {
         throw DistributedError("accel: the main process could not make this process's batch (dispatch_batches): " +
                                fields[1].toStringRef());
       if (status == END) return std::nullopt;
-      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
+      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()),
+                              status == LAST};
     }
     std::vector<std::vector<char>> pieces(static_cast<std::size_t>(processes));
     auto to_all = [&](const c10::IValue& message) {
@@ -7112,7 +7127,7 @@ class Dispatcher {
         if (!first_) first_ = global;
         const auto P = static_cast<size_t>(processes);
         const size_t rows = (observed + P - 1) / P;  // per process
-        if (rows * P > observed) {  // completed from the first global batch, cycled if it is short
+        if (rows * P > observed) {                   // completed from the first global batch, cycled if it is short
           std::vector<Batch> parts{std::move(global)};
           const size_t first_rows = batch_rows(*first_);
           for (size_t have = observed; have < rows * P; have += std::min(first_rows, rows * P - have))
@@ -7125,8 +7140,8 @@ class Dispatcher {
           if (p == 0) {
             mine = RankBatch<Batch>{std::move(piece), real, last};
           } else {
-            pieces[p] = save_object(tuple_of(
-                {c10::IValue(int64_t{last ? LAST : BATCH}), c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
+            pieces[p] = save_object(tuple_of({c10::IValue(int64_t{last ? LAST : BATCH}),
+                                              c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
           }
         }
       }
@@ -7252,7 +7267,8 @@ class PreparedDataLoader {
     } else {
       if constexpr (detail::Dispatchable<Batch>) {
         const size_t per_step = split_batches ? 1 : processes;
-        batches_ = config.drop_last ? sampler.batch_count() / per_step : (sampler.batch_count() + per_step - 1) / per_step;
+        batches_ =
+            config.drop_last ? sampler.batch_count() / per_step : (sampler.batch_count() + per_step - 1) / per_step;
         dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(dispatch);
         per_step_ = per_step;
         drop_last_ = config.drop_last;
@@ -7274,7 +7290,8 @@ class PreparedDataLoader {
       if (dispatcher_) {
         if (loader_) it_.emplace(loader_->begin());  // the main process reads
         dispatcher_->begin([this] { return global_batch(); });
-        for (size_t i = 0; i < skip && next(); ++i) {}  // every process reads and drops the same batches
+        for (size_t i = 0; i < skip && next(); ++i) {
+        }  // every process reads and drops the same batches
         return Iterator(this, detail::Pass(gradient_state_, state_));
       }
     // The sampler starts after the skipped batches: none is read.
@@ -7365,9 +7382,10 @@ class PreparedIterableDataLoader {
   using Batch = std::vector<Element>;
   using Iterator = detail::PassIterator<PreparedIterableDataLoader, Batch>;
 
-  PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
-                             std::shared_ptr<detail::GradientState> gradient_state,
-                             std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
+  PreparedIterableDataLoader(
+      Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
+      std::shared_ptr<detail::GradientState> gradient_state,
+      std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
       : dataset_(std::move(dataset)),
         processes_(group ? static_cast<size_t>(group->getSize()) : 1),
         rank_(group ? static_cast<size_t>(group->getRank()) : 0),
@@ -7382,7 +7400,8 @@ class PreparedIterableDataLoader {
           "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
           "SAMPLES layout)");
     if (GroupPtr dispatch = detail::dispatch_group<Batch>(config, true, group))
-      if constexpr (detail::Dispatchable<Batch>) dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
+      if constexpr (detail::Dispatchable<Batch>)
+        dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
   }
 
   // Starts a pass. A stream cannot seek: skipped batches are read and dropped.
@@ -7402,7 +7421,8 @@ class PreparedIterableDataLoader {
       dataset_.reset();
       ahead_ = slice();
     }
-    for (size_t i = 0; i < skip && next(); ++i) {}
+    for (size_t i = 0; i < skip && next(); ++i) {
+    }
     return Iterator(this, detail::Pass(gradient_state_, state_));
   }
   Iterator end() { return Iterator(); }
@@ -7449,13 +7469,14 @@ class PreparedIterableDataLoader {
     std::optional<Batch> global = global_batch();
     if (!global) return std::nullopt;
     const size_t real_size = global->size();
-    if (processes_ == 1) return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
+    if (processes_ == 1)
+      return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
     if (first_.empty()) first_ = *global;
     while (global->size() < global_) global->insert(global->end(), first_.begin(), first_.end());
     const size_t begin = rank_ * local_;
     return detail::RankBatch<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
-                                      global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
-                                real_size > begin ? std::min(local_, real_size - begin) : 0, false};
+                                          global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
+                                    real_size > begin ? std::min(local_, real_size - begin) : 0, false};
   }
 
   Dataset dataset_;
@@ -7512,8 +7533,8 @@ inline std::string_view to_string(DistributedType t) {
 struct ProjectConfiguration {
   std::filesystem::path project_dir{};
   bool automatic_checkpoint_naming = false;
-  std::optional<int> total_limit{};   // automatic naming only; at least 1
-  int iteration = 0;                  // the number the next save_state() takes
+  std::optional<int> total_limit{};  // automatic naming only; at least 1
+  int iteration = 0;                 // the number the next save_state() takes
 };
 
 // FSDP's sharding strategies, along the model mesh (Dim::MP_SHARD; see
@@ -7553,7 +7574,7 @@ struct AcceleratorConfig {
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
-  bool gradient_as_bucket_view = false;  // DDP's (see DataParallel); NO_SHARD only
+  bool gradient_as_bucket_view = false;                               // DDP's (see DataParallel); NO_SHARD only
   ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
   // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
   // auto_wrap_policy), asked of each submodule by its dotted name, parents
@@ -7747,8 +7768,8 @@ inline void write_file_atomically(const fs::path& path, const std::function<void
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
   write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
     out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
-        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects
-        << "\nschedulers " << m.schedulers << "\nshards " << m.shards << "\nend\n";
+        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
+        << m.schedulers << "\nshards " << m.shards << "\nend\n";
   });
 }
 
@@ -7913,7 +7934,8 @@ inline void fail_together(const std::string& error, std::string_view function) {
   std::string message;
   for (std::size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())
-      message += (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+      message +=
+          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
   if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
 }
 
@@ -8033,7 +8055,7 @@ struct PreparedSet {
   std::vector<torch::optim::Optimizer*> optimizers;
   std::vector<PreparedScheduler> schedulers;
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
-  std::vector<CheckpointedObject> objects;                // in the order registered
+  std::vector<CheckpointedObject> objects;               // in the order registered
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)
@@ -8071,7 +8093,7 @@ struct PreparedSet {
 // the norm adds up every rank's shards (one all_reduce), and the shards are
 // scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
-                            double norm_type) {
+                             double norm_type) {
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);
@@ -8086,11 +8108,10 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
     }
     return total;
   };
-  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
-                                               set.sharded->front()->shard_group());
+  const double from_shards =
+      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
   const double from_whole = part(whole);
-  const double norm =
-      inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1) {
     for (auto& g : shards) g.mul_(coefficient);
@@ -8184,10 +8205,11 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
                               .schedulers = static_cast<int64_t>(set.schedulers.size()),
                               .shards = ctx.shards};
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
-    std::filesystem::create_directories(tmp);
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      std::filesystem::create_directories(tmp);
+    });
   fail_together(error, "accel::Accelerator::save_state");
   error = error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
     torch::serialize::OutputArchive archive;
@@ -8205,52 +8227,52 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       }
   });
   fail_together(error, "accel::Accelerator::save_state");
-  if (ctx.process_index == 0) error = error_of([&] {
-    auto write = [&](const std::string& name, auto& object) {
-      torch::serialize::OutputArchive archive;
-      object.save(archive);
-      archive.save_to((tmp / name).string());
-      fsync_path(tmp / name);
-    };
-    for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
-    if (set.sharded->empty())
-      for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
-    if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
-      std::vector<int64_t> points;
-      for (const auto& loader : set.loaders) {
-        const auto [epoch, skip] = loader->resume_point();
-        points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      auto write = [&](const std::string& name, auto& object) {
+        torch::serialize::OutputArchive archive;
+        object.save(archive);
+        archive.save_to((tmp / name).string());
+        fsync_path(tmp / name);
+      };
+      for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+      if (set.sharded->empty())
+        for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
+      if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
+        std::vector<int64_t> points;
+        for (const auto& loader : set.loaders) {
+          const auto [epoch, skip] = loader->resume_point();
+          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+        }
+        torch::serialize::OutputArchive archive;
+        archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+        archive.save_to((tmp / "loaders.pt").string());
+        fsync_path(tmp / "loaders.pt");
       }
-      torch::serialize::OutputArchive archive;
-      archive.write("resume_points",
-                    at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
-      archive.save_to((tmp / "loaders.pt").string());
-      fsync_path(tmp / "loaders.pt");
-    }
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
-      torch::serialize::OutputArchive archive;
-      archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
-      if (set.schedulers[i].save) {
-        torch::serialize::OutputArchive own;
-        set.schedulers[i].save(own);
-        archive.write("own", own);
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
+        torch::serialize::OutputArchive archive;
+        archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
+        if (set.schedulers[i].save) {
+          torch::serialize::OutputArchive own;
+          set.schedulers[i].save(own);
+          archive.write("own", own);
+        }
+        archive.save_to((tmp / numbered_file("scheduler", i)).string());
+        fsync_path(tmp / numbered_file("scheduler", i));
       }
-      archive.save_to((tmp / numbered_file("scheduler", i)).string());
-      fsync_path(tmp / numbered_file("scheduler", i));
-    }
-    for (std::size_t i = 0; i < set.objects.size(); ++i) {
-      torch::serialize::OutputArchive archive;
-      set.objects[i].save(archive);
-      const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
-      archive.save_to((tmp / name).string());
-      fsync_path(tmp / name);
-    }
-    checkpoint_hook()("files written");
-    write_manifest(tmp, manifest);
-    fsync_path(tmp);
-    checkpoint_hook()("manifest written");
-    install_checkpoint(tmp, dir);
-  });
+      for (std::size_t i = 0; i < set.objects.size(); ++i) {
+        torch::serialize::OutputArchive archive;
+        set.objects[i].save(archive);
+        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
+        archive.save_to((tmp / name).string());
+        fsync_path(tmp / name);
+      }
+      checkpoint_hook()("files written");
+      write_manifest(tmp, manifest);
+      fsync_path(tmp);
+      checkpoint_hook()("manifest written");
+      install_checkpoint(tmp, dir);
+    });
   fail_together(error, "accel::Accelerator::save_state");
 }
 
@@ -8293,12 +8315,12 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       if (manifest->processes != ctx.num_processes)
         throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
                            std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
-      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
-          {"model(s)", {manifest->models, set.models.size()}},
-          {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
-          {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
-          {"data loader(s)", {manifest->loaders, set.loaders.size()}},
-          {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+          {{"model(s)", {manifest->models, set.models.size()}},
+           {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+           {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+           {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+           {"registered object(s)", {manifest->objects, set.objects.size()}}}};
       for (const auto& count : counts)
         if (count.second.first != static_cast<int64_t>(count.second.second))
           throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
@@ -8327,8 +8349,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) optimizers[i] = read(optimizer_file(set, ctx, i));
     for (std::size_t i = 0; i < set.objects.size(); ++i)
       objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i)
-      schedulers.push_back(read(numbered_file("scheduler", i)));
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
     // A tensor of the given dtype and shape under `key`, or an error naming the file.
     auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
                       at::IntArrayRef sizes, const std::string& file) {
@@ -8350,8 +8371,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     }
     if (!set.loaders.empty()) {
       const std::string file = (dir / "loaders.pt").string();
-      points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
-                      {static_cast<int64_t>(set.loaders.size()), 2}, file);
+      points =
+          tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
     }
     const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
     if (!fs::exists(dir / rng_name))
@@ -8359,8 +8380,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
     // Before manifests, the file held the generator state alone (torch::save's key "0").
-    rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
-                 (dir / rng_name).string());
+    rng =
+        tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(), (dir / rng_name).string());
     if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
     at::Tensor saved_device_rng;
     if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
@@ -8415,8 +8436,8 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
         set.optimizers[i]->load(*optimizers[i]);
         load_group_options(*set.optimizers[i], *optimizers[i]);
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() + " does not fit the optimizer: " +
-                           error_text(e));
+        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() +
+                           " does not fit the optimizer: " + error_text(e));
       }
     }
   });
@@ -8468,33 +8489,35 @@ inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const Check
   check_project(project, "accel::Accelerator::save_state");
   if (!project.automatic_checkpoint_naming) {
     if (path.empty())
-      throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
-                            "project_config.automatic_checkpoint_naming)");
+      throw InvalidArgument(
+          "accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming)");
     const fs::path dir = checkpoint_path(path, "save_state");
     write_checkpoint(set, ctx, step, dir);
     return dir;
   }
   if (!path.empty())
-    throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
-                          "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
-                          path.string());
+    throw InvalidArgument(
+        "accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+        "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+        path.string());
   const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
   const int number = project.iteration;
   const fs::path dir = root / ("checkpoint_" + std::to_string(number));
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    fs::create_directories(root);
-    if (recover_checkpoint(dir) || fs::exists(dir))
-      throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
-                         ") already exists: set project_configuration().iteration to the number to go on with, "
-                         "or load_state() first (which sets it past the newest)");
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      fs::create_directories(root);
+      if (recover_checkpoint(dir) || fs::exists(dir))
+        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                           ") already exists: set project_configuration().iteration to the number to go on with, "
+                           "or load_state() first (which sets it past the newest)");
+    });
   fail_together(error, "accel::Accelerator::save_state");
   write_checkpoint(set, ctx, step, dir);
   ++config.iteration;
   if (project.total_limit) {
-    if (ctx.process_index == 0)
-      error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
+    if (ctx.process_index == 0) error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
     fail_together(error, "accel::Accelerator::save_state");
   }
   return dir;
@@ -8510,22 +8533,25 @@ inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& 
   check_project(project, "accel::Accelerator::load_state");
   if (!project.automatic_checkpoint_naming) {
     if (path.empty())
-      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
-                            "project_config.automatic_checkpoint_naming to load the newest)");
+      throw InvalidArgument(
+          "accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming to load the newest)");
     return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
   }
   const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
   int64_t newest = -1;  // none
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    const std::map<int, fs::path> complete = numbered_checkpoints(root);
-    if (!complete.empty()) newest = complete.rbegin()->first;
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      const std::map<int, fs::path> complete = numbered_checkpoints(root);
+      if (!complete.empty()) newest = complete.rbegin()->first;
+    });
   fail_together(error, "accel::Accelerator::load_state");
   newest = accel::broadcast(newest, 0);
   if (path.empty() && newest < 0)
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
-  const fs::path dir = path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
+  const fs::path dir =
+      path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
   const int64_t step = load_checkpoint(set, ctx, dir);
   config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
   return step;
@@ -8676,7 +8702,9 @@ class JsonReader {
       if (i_ >= text_.size()) fail("unterminated escape");
       const char e = text_[i_++];
       switch (e) {
-        case '"': case '\\': case '/': out += e; break;
+        case '"':
+        case '\\':
+        case '/': out += e; break;
         case 'b': out += '\b'; break;
         case 'f': out += '\f'; break;
         case 'n': out += '\n'; break;
@@ -8690,7 +8718,8 @@ class JsonReader {
           i_ += 4;
           if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
           if (code < 0x80) out += static_cast<char>(code);  // UTF-8
-          else if (code < 0x800) out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else if (code < 0x800)
+            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
           else
             out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
                     static_cast<char>(0x80 | (code & 0x3F))};
@@ -8735,7 +8764,7 @@ class JsonReader {
       v.text = std::string(text_.substr(start, i_ - start));
     } else {
       for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
-                                        std::pair{"null", Json::Kind::Null}})
+                                       std::pair{"null", Json::Kind::Null}})
         if (text_.substr(i_, std::strlen(word)) == word) {
           i_ += std::strlen(word);
           v.kind = kind;
@@ -8777,7 +8806,8 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
 
 // One safetensors file of the named tensors (CPU copies, contiguous).
 inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  static_assert(std::endian::native == std::endian::little, "safetensors is little-endian; so is every host LibTorch runs on");
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
   std::string header = R"({"__metadata__":{"format":"pt"})";
   uint64_t offset = 0;
   for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
@@ -8786,8 +8816,8 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
     const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
                                     [&](const auto& d) { return d.first == tensor.scalar_type(); });
     if (dtype == safetensors_dtypes.end())
-      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" +
-                            c10::toString(tensor.scalar_type()) + ")");
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
+                            ")");
     std::string shape;
     for (const int64_t d : tensor.sizes()) {
       if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
@@ -8844,7 +8874,8 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
       throw RuntimeError(what + " lacks dtype, shape or data_offsets");
     const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
                                     [&](const auto& d) { return d.second == dtype->text; });
-    if (known == safetensors_dtypes.end()) throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    if (known == safetensors_dtypes.end())
+      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
     std::vector<int64_t> sizes;
     for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
     const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");
@@ -8906,53 +8937,53 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
   const fs::path path = detail::checkpoint_path(dir, "save_model");
   if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
   std::string error;
-  if (accel::get_rank() == 0) error = detail::error_of([&] {
-    using Named = std::vector<std::pair<std::string, at::Tensor>>;
-    std::vector<Named> shards(1);
-    uint64_t in_shard = 0, total = 0;
-    for (auto& named : detail::state_dict(*model.ptr())) {
-      const uint64_t bytes = named.second.numel() * named.second.element_size();
-      if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
-        shards.emplace_back();
-        in_shard = 0;
+  if (accel::get_rank() == 0)
+    error = detail::error_of([&] {
+      using Named = std::vector<std::pair<std::string, at::Tensor>>;
+      std::vector<Named> shards(1);
+      uint64_t in_shard = 0, total = 0;
+      for (auto& named : detail::state_dict(*model.ptr())) {
+        const uint64_t bytes = named.second.numel() * named.second.element_size();
+        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+          shards.emplace_back();
+          in_shard = 0;
+        }
+        shards.back().push_back(std::move(named));
+        in_shard += bytes;
+        total += bytes;
       }
-      shards.back().push_back(std::move(named));
-      in_shard += bytes;
-      total += bytes;
-    }
-    fs::create_directories(path);
-    std::set<std::string> written;
-    if (shards.size() == 1) {
-      fs::remove(path / "model.safetensors.index.json");  // it would be read first
-      detail::write_safetensors(path / "model.safetensors", shards[0]);
-      written.insert("model.safetensors");
-    } else {
-      std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-      for (std::size_t k = 0; k < shards.size(); ++k) {
-        char name[64];
-        std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-        detail::write_safetensors(path / name, shards[k]);
-        written.insert(name);
-        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      fs::create_directories(path);
+      std::set<std::string> written;
+      if (shards.size() == 1) {
+        fs::remove(path / "model.safetensors.index.json");  // it would be read first
+        detail::write_safetensors(path / "model.safetensors", shards[0]);
+        written.insert("model.safetensors");
+      } else {
+        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          char name[64];
+          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+          detail::write_safetensors(path / name, shards[k]);
+          written.insert(name);
+          for (const auto& named : shards[k]) weight_map[named.first] = name;
+        }
+        std::string index =
+            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
+                   detail::json_quote(file);
+        index += "\n  }\n}\n";
+        detail::write_file_atomically(path / "model.safetensors.index.json", [&](std::ofstream& out) { out << index; });
+        written.insert("model.safetensors.index.json");
       }
-      std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
-                          "\n  },\n  \"weight_map\": {";
-      for (const auto& [tensor, file] : weight_map)
-        index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
-                 detail::json_quote(file);
-      index += "\n  }\n}\n";
-      detail::write_file_atomically(path / "model.safetensors.index.json",
-                                    [&](std::ofstream& out) { out << index; });
-      written.insert("model.safetensors.index.json");
-    }
-    for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-      const std::string name = entry.path().filename().string();
-      const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                        (name.starts_with("model-") && name.ends_with(".safetensors"));
-      if (ours && !written.count(name)) fs::remove(entry.path());
-    }
-    detail::fsync_path(path);
-  });
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string name = entry.path().filename().string();
+        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                          (name.starts_with("model-") && name.ends_with(".safetensors"));
+        if (ours && !written.count(name)) fs::remove(entry.path());
+      }
+      detail::fsync_path(path);
+    });
   detail::fail_together(error, "accel::save_model");
 }
 
@@ -9107,10 +9138,10 @@ class Accelerator {
   explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
     if (config_.gradient_accumulation_steps < 1)
       throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                                  std::to_string(config_.gradient_accumulation_steps));
+                            std::to_string(config_.gradient_accumulation_steps));
     if (config_.bucket_cap_mb < 1)
       throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                                  std::to_string(config_.bucket_cap_mb));
+                            std::to_string(config_.bucket_cap_mb));
     const auto& mp = config_.mixed_precision;
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
@@ -9130,9 +9161,11 @@ class Accelerator {
                             std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
     if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
         interface_->get_world_size(Dim::MP_REPLICATE) > 1)
-      throw InvalidArgument("accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
-                            "replicates " + std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
-                            " ways (mp_replicate_size): that is HYBRID_SHARD");
+      throw InvalidArgument(
+          "accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
+          "replicates " +
+          std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
+          " ways (mp_replicate_size): that is HYBRID_SHARD");
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
@@ -9157,20 +9190,21 @@ class Accelerator {
           config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
         choose_units(*module, "", units);
         if (units.empty())
-          throw InvalidArgument("accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
-                                " found no unit in the model (" +
-                                (config_.auto_wrap_policy ? "auto_wrap_policy chose none"
-                                                          : "no submodule holds parameters of its own") +
-                                "); use SHARD_GRAD_OP, or register the layers as submodules");
+          throw InvalidArgument(
+              "accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
+              " found no unit in the model (" +
+              (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
+              "); use SHARD_GRAD_OP, or register the layers as submodules");
       }
-      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(
-                                             module, interface_->world_group(), bucket_bytes,
-                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE),
-                                             units)});
+      prepared_.models.push_back(detail::PreparedModel{
+          module, std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
+                                                 interface_->get_group(Dim::MP_SHARD),
+                                                 interface_->get_group(Dim::MP_REPLICATE), units)});
       prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
       for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
     } else {
-      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+      prepared_.models.push_back(
+          detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
       if (config_.comm_hook == DDPCommunicationHookType::FP16)
         prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::BF16)
@@ -9238,11 +9272,12 @@ class Accelerator {
     if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
     if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
-                                  std::to_string(config.batch_size) + ") must be a multiple of the " +
-                                  std::to_string(replicas) + " data-parallel processes");
-    using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
-                                      PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+                            std::to_string(config.batch_size) + ") must be a multiple of the " +
+                            std::to_string(replicas) + " data-parallel processes");
+    using Loader =
+        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
+    prepared_.loaders.push_back(
+        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
     return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
                   prepared_.loaders.back());
   }
@@ -9269,7 +9304,7 @@ class Accelerator {
     }
   void register_for_checkpointing(T& object) {
     prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
-                        [&object](torch::serialize::InputArchive& in) { object.load(in); }});
+                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
   }
 
   // -- the training step --------------------------------------------------------
@@ -9303,8 +9338,9 @@ class Accelerator {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
     if (!prepared_.sharded->empty())
-      throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
-                            "have to step its shard too); use NO_SHARD, or even batches");
+      throw InvalidArgument(
+          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+          "have to step its shard too); use NO_SHARD, or even batches");
     detail::Join join({find_prepared(models, "join_uneven_inputs")...});
     if (!join.group()) return static_cast<void>(std::invoke(body));  // one process: nothing to join
     join_.emplace(std::move(join));
@@ -9406,7 +9442,8 @@ class Accelerator {
     return accel::reduce(data, reduction);
   }
   template <TensorTree T>
-  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false) const {
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
+                         bool pad_first = false) const {
     return accel::pad_across_processes(data, dim, pad_index, pad_first);
   }
   template <class T>
@@ -9529,7 +9566,9 @@ class Accelerator {
   int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
   // The strategy in effect: NO_SHARD when the configured one has nothing to
   // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const { return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD; }
+  ShardingStrategy sharding_strategy() const {
+    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
+  }
   // Accelerate's project_dir, project_configuration and save_iteration (the
   // number the next automatically named checkpoint takes; set it through
   // project_configuration().iteration).
@@ -9538,7 +9577,9 @@ class Accelerator {
   int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
-  DataParallel* data_parallel() { return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get(); }
+  DataParallel* data_parallel() {
+    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
+  }
   template <class ModuleHolder>
   DataParallel* data_parallel(ModuleHolder& model) {
     detail::PreparedModel* p = prepared_.find(model.ptr().get());

@@ -60,7 +60,7 @@
 // ACCEL_DEFAULT_TIMEOUT_SECONDS must therefore be an integer literal.
 #define ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl) abi_v##major##_##minor##_##patch##_t##timeout##_nccl##nccl
 #define ACCEL_ABI_NAME(major, minor, patch, timeout, nccl) ACCEL_ABI_NAME_(major, minor, patch, timeout, nccl)
-#define ACCEL_ABI_NAMESPACE                                                                               \
+#define ACCEL_ABI_NAMESPACE                                                                                    \
   ACCEL_ABI_NAME(ACCEL_VERSION_MAJOR, ACCEL_VERSION_MINOR, ACCEL_VERSION_PATCH, ACCEL_DEFAULT_TIMEOUT_SECONDS, \
                  ACCEL_WITH_NCCL)
 #define ACCEL_NAMESPACE_BEGIN \

@@ -15,8 +15,7 @@ struct enum_names;
 template <>
 struct enum_names<DeviceType> {
   static constexpr std::string_view type = "DeviceType";
-  static constexpr std::array<std::string_view, 6> names{"cpu", "cuda", "meta",
-                                                         "mps", "npu", "xpu"};
+  static constexpr std::array<std::string_view, 6> names{"cpu", "cuda", "meta", "mps", "npu", "xpu"};
 };
 template <>
 struct enum_names<ReduceOp> {
@@ -26,8 +25,7 @@ struct enum_names<ReduceOp> {
 template <>
 struct enum_names<Dim> {
   static constexpr std::string_view type = "Dim";
-  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard",
-                                                         "dp", "cp"};
+  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard", "dp", "cp"};
 };
 template <class E>
 concept AccelEnum = requires { enum_names<E>::names; };
@@ -45,9 +43,8 @@ E from_string(std::string_view text) {
     if (names[i] == text) return static_cast<E>(i);
   std::string expected;
   for (auto name : names) expected += (expected.empty() ? "" : ", ") + std::string(name);
-  throw InvalidArgument("accel::from_string<" +
-                              std::string(detail::enum_names<E>::type) + ">: unknown value '" +
-                              std::string(text) + "' (expected one of: " + expected + ")");
+  throw InvalidArgument("accel::from_string<" + std::string(detail::enum_names<E>::type) + ">: unknown value '" +
+                        std::string(text) + "' (expected one of: " + expected + ")");
 }
 
 template <detail::AccelEnum E>

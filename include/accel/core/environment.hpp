@@ -79,8 +79,7 @@ inline constexpr LauncherVars kLaunchers[] = {
     {"Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
      "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-    {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-     "MV2_COMM_WORLD_LOCAL_SIZE"},
+    {"MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"},
     {"Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"},
 };
 
@@ -98,7 +97,7 @@ inline std::optional<int> slurm_local_size() {
   if (!text) return std::nullopt;
   auto bad = [&] {
     return InvalidArgument("accel: environment variable SLURM_TASKS_PER_NODE='" + *text +
-                                 "' is not a Slurm task list such as 2(x3),1");
+                           "' is not a Slurm task list such as 2(x3),1");
   };
   auto number = [&](std::string_view digits) {
     int value = 0;
@@ -128,12 +127,12 @@ inline std::optional<int> slurm_local_size() {
     const int node = env_int("SLURM_NODEID", 0, 0);
     if (static_cast<std::size_t>(node) >= per_node.size())
       throw InvalidArgument("accel: SLURM_NODEID=" + std::to_string(node) + " is past the " +
-                                  std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
+                            std::to_string(per_node.size()) + " nodes of SLURM_TASKS_PER_NODE=" + *text);
     return per_node[static_cast<std::size_t>(node)];
   }
   if (std::adjacent_find(per_node.begin(), per_node.end(), std::not_equal_to<>()) != per_node.end())
     throw InvalidArgument("accel: SLURM_TASKS_PER_NODE=" + *text +
-                                " differs between nodes and SLURM_NODEID is not set");
+                          " differs between nodes and SLURM_NODEID is not set");
   return per_node.front();
 }
 

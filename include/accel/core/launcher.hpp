@@ -23,8 +23,8 @@ ACCEL_NAMESPACE_BEGIN
 
 struct LaunchOptions {
   std::chrono::duration<double> timeout{0};  // 0: none; else every rank is stopped then, status 124
-  bool prefix_output = true;                  // "[rank r] " before each line
-  std::ostream* out = &std::cout;             // where the ranks' output goes
+  bool prefix_output = true;                 // "[rank r] " before each line
+  std::ostream* out = &std::cout;            // where the ranks' output goes
 };
 
 namespace detail {
@@ -143,8 +143,8 @@ class PrivateDir {
 // a resumed training run whose weights differed in the last bit).
 inline int launch_processes(int nprocs, const std::vector<std::string>& argv, const LaunchOptions& options = {},
                             const std::vector<std::pair<std::string, std::string>>& extra_env = {}) {
-  if (nprocs < 1) throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " +
-                                              std::to_string(nprocs));
+  if (nprocs < 1)
+    throw InvalidArgument("accel::launch_processes: nprocs must be at least 1, got " + std::to_string(nprocs));
   if (argv.empty()) throw InvalidArgument("accel::launch_processes: no program to run");
   detail::PrivateDir store_dir;
   std::vector<char*> args;
@@ -158,9 +158,9 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   // exec the child may only make async-signal-safe calls (no allocation).
   auto environment_of = [&](int rank) {
     std::vector<std::pair<std::string, std::string>> set = {
-        {"RANK", std::to_string(rank)},          {"WORLD_SIZE", std::to_string(nprocs)},
-        {"LOCAL_RANK", std::to_string(rank)},    {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
-        {"MASTER_ADDR", "127.0.0.1"},            {"ACCEL_STORE_DIR", store_dir.path()}};
+        {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
+        {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
+        {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir.path()}};
     if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
     if (nprocs > 1 && !detail::getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
     set.insert(set.end(), extra_env.begin(), extra_env.end());

@@ -20,7 +20,7 @@ struct DistributedConfig {
   std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
   std::optional<int> dp_size{};        // default: world / cp_size
   int cp_size = 1;
-  std::chrono::seconds timeout{0};   // of the store and every group; 0: default_timeout()
+  std::chrono::seconds timeout{0};     // of the store and every group; 0: default_timeout()
   std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
 
@@ -65,9 +65,7 @@ class DistributedStrategy {
     return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
   }
   std::array<int, 2> data_mesh_shape() const { return {dp_, cp_}; }
-  std::array<std::string_view, 2> data_mesh_dim_names() const {
-    return {to_string(Dim::DP), to_string(Dim::CP)};
-  }
+  std::array<std::string_view, 2> data_mesh_dim_names() const { return {to_string(Dim::DP), to_string(Dim::CP)}; }
 
   bool operator==(const DistributedStrategy&) const = default;
 
@@ -75,12 +73,11 @@ class DistributedStrategy {
   DistributedStrategy(const DistributedConfig& c, int world, bool distributed) {
     auto positive = [](const char* name, int value) {
       if (value < 1)
-        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name +
-                                    " must be positive, got " + std::to_string(value));
+        throw InvalidArgument(std::string("accel::DistributedStrategy: ") + name + " must be positive, got " +
+                              std::to_string(value));
     };
     if (world < 1)
-      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " +
-                                  std::to_string(world));
+      throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " + std::to_string(world));
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
     if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
@@ -96,21 +93,20 @@ class DistributedStrategy {
   }
 
   // (given, other): other defaults to world / given; their product is world.
-  static std::pair<int, int> split(int world, int given, std::optional<int> other,
-                                   const char* given_name, const char* other_name) {
+  static std::pair<int, int> split(int world, int given, std::optional<int> other, const char* given_name,
+                                   const char* other_name) {
     std::ostringstream message;
     message << "accel::DistributedStrategy: ";
     if (!other) {
       if (world % given != 0) {
-        message << "world_size " << world << " is not divisible by " << given_name << " "
-                << given;
+        message << "world_size " << world << " is not divisible by " << given_name << " " << given;
         throw InvalidArgument(message.str());
       }
       return {given, world / given};
     }
     if (static_cast<long long>(given) * *other != world) {
-      message << given_name << " * " << other_name << " must equal world_size, got " << given
-              << " * " << *other << " != " << world;
+      message << given_name << " * " << other_name << " must equal world_size, got " << given << " * " << *other
+              << " != " << world;
       throw InvalidArgument(message.str());
     }
     return {given, *other};
@@ -121,8 +117,8 @@ class DistributedStrategy {
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
   return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
-            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size()
-            << ", cp_size=" << s.cp_size() << ")";
+            << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size() << ", cp_size=" << s.cp_size()
+            << ")";
 }
 
 ACCEL_NAMESPACE_END

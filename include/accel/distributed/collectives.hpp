@@ -10,9 +10,7 @@ namespace detail {
 // until the operation lands.
 template <class Land, class Owner>
 auto keep_until_landed(Pending<Land> pending, Owner owner) {
-  return then(std::move(pending), [owner = std::move(owner)](auto&&... result) {
-    return (std::move(result), ...);
-  });
+  return then(std::move(pending), [owner = std::move(owner)](auto&&... result) { return (std::move(result), ...); });
 }
 template <class T>
 auto copy_for_async(const T& data) {
@@ -42,7 +40,8 @@ constexpr bool folded() {
 }
 template <TensorLike T>
 auto start_fold_data(c10d::ProcessGroup& group, T data, ReduceOp op, const char* name) {
-  if constexpr (Scalar<T>) return then(start_fold(group, std::vector<T>{data}, op, name), [](std::vector<T> v) { return v[0]; });
+  if constexpr (Scalar<T>)
+    return then(start_fold(group, std::vector<T>{data}, op, name), [](std::vector<T> v) { return v[0]; });
   else return start_fold(group, std::move(data), op, name);
 }
 
@@ -60,8 +59,8 @@ auto start_broadcast_data(c10d::ProcessGroup& group, T data, int src) {
 template <TensorLike T>
 auto start_all_gather(c10d::ProcessGroup& group, const T& data) {
   if constexpr (std::same_as<T, at::Tensor>) {
-    at::Tensor stacked = at::empty(stacked_shape(group.getSize(), data),
-                                   data.options().memory_format(c10::MemoryFormat::Contiguous));
+    at::Tensor stacked =
+        at::empty(stacked_shape(group.getSize(), data), data.options().memory_format(c10::MemoryFormat::Contiguous));
     auto pending = start_all_gather_rows(group, data, stacked);
     return then(std::move(pending), [stacked = std::move(stacked), input = data] { return stacked; });
   } else {
@@ -118,7 +117,8 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
   if (g)
-    check_same_call(*g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
+    check_same_call(
+        *g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
   return g;
 }
 template <TensorLike T>
@@ -126,7 +126,8 @@ c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& grou
   c10d::ProcessGroup* g = resolve(group, "broadcast");
   check_source(g, src, "broadcast", "src");
   if (g)
-    check_same_call(*g, [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
+    check_same_call(*g,
+                    [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
   return g;
 }
 template <TensorLike T>
@@ -138,7 +139,8 @@ c10d::ProcessGroup* enter_all_gather(const T& data, const GroupPtr& group) {
 // Point-to-point: debug mode cannot compare the two sides (no collective runs).
 inline c10d::ProcessGroup* enter_point_to_point(const GroupPtr& group, int peer, const char* op, const char* name) {
   c10d::ProcessGroup* g = resolve(group, op);
-  if (!g) throw InvalidArgument(std::string("accel::") + op + ": the process is not distributed (there is no other rank)");
+  if (!g)
+    throw InvalidArgument(std::string("accel::") + op + ": the process is not distributed (there is no other rank)");
   check_peer(g, peer, op, name);
   return g;
 }
@@ -198,7 +200,8 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
   using R = decltype(all_gather(data, group));
   c10d::ProcessGroup* g = detail::enter_all_gather(data, group);
   if (!g) {
-    if constexpr (std::same_as<T, at::Tensor>) return Work<R>(detail::ready(g, "all_gather", data.unsqueeze(0).clone()));
+    if constexpr (std::same_as<T, at::Tensor>)
+      return Work<R>(detail::ready(g, "all_gather", data.unsqueeze(0).clone()));
     else return Work<R>(detail::ready(g, "all_gather", std::vector<T>{data}));
   }
   if constexpr (std::same_as<T, at::Tensor>) {
@@ -212,24 +215,22 @@ auto all_gather_async(const T& data, const GroupPtr& group = {}) {
 // all_gather into a tensor the caller owns, of shape (group_size, *input's
 // shape) with input's dtype and device: no allocation per call, for large
 // tensors gathered again and again. Returns output.
-inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& input,
-                                          const GroupPtr& group = {}) {
+inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& input, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_gather_into_tensor");
   const auto expected = detail::stacked_shape(g ? g->getSize() : 1, input);
   if (output.sizes() != c10::IntArrayRef(expected) || output.scalar_type() != input.scalar_type() ||
       output.device() != input.device()) {
     std::ostringstream message;
-    message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected)
-            << ", dtype " << input.scalar_type() << " and device " << input.device() << "; got "
-            << output.sizes() << ", " << output.scalar_type() << ", " << output.device();
+    message << "accel::all_gather_into_tensor: output must have shape " << c10::IntArrayRef(expected) << ", dtype "
+            << input.scalar_type() << " and device " << input.device() << "; got " << output.sizes() << ", "
+            << output.scalar_type() << ", " << output.device();
     throw InvalidArgument(message.str());
   }
   if (!g) {
     at::NoGradGuard no_grad;
     output.select(0, 0).copy_(input);
   } else {
-    detail::check_same_call(
-        *g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
+    detail::check_same_call(*g, [&] { return "all_gather_into_tensor(" + detail::describe_tensor(input) + ")"; });
     detail::start_all_gather_rows(*g, input, output, "all_gather_into_tensor").wait();
   }
   return output;

@@ -78,7 +78,7 @@ value_type_t<T> to_value(T x) {
   if constexpr (std::is_unsigned_v<T> && sizeof(T) == 8)
     if (x > static_cast<T>(INT64_MAX))
       throw OutOfRange("accel::operate_tensorlike: uint64 value " + std::to_string(x) +
-                              " does not fit LibTorch's int64 dtype");
+                       " does not fit LibTorch's int64 dtype");
   return static_cast<value_type_t<T>>(x);
 }
 
@@ -103,8 +103,7 @@ at::Tensor alias_bytes(T& value) {
 template <Scalar T>
 at::Tensor alias_bytes(std::vector<T>& values) {
   if (values.empty()) return at::empty({0}, cpu_options(c10::kByte));
-  return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))},
-                       cpu_options(c10::kByte));
+  return at::from_blob(values.data(), {static_cast<int64_t>(values.size() * sizeof(T))}, cpu_options(c10::kByte));
 }
 
 // How data travels in a collective: a view of its own memory, in its dtype
@@ -125,8 +124,7 @@ T from_value_tensor(const at::Tensor& result) {
   return static_cast<T>(result.to(c10::kCPU).to(value_dtype<T>()).template item<V>());
 }
 template <Scalar T>
-std::vector<T> from_value_tensor(const at::Tensor& result, std::vector<T>&& original,
-                                 const void* original_data) {
+std::vector<T> from_value_tensor(const at::Tensor& result, std::vector<T>&& original, const void* original_data) {
   if (result.data_ptr() == original_data && result.numel() == static_cast<int64_t>(original.size()) &&
       result.scalar_type() == value_dtype<T>() && result.is_contiguous())
     return std::move(original);  // the function worked in place

@@ -31,7 +31,8 @@ inline c10::DeviceType to_c10(DeviceType type) {
   return c10::DeviceType::CPU;
 }
 inline DeviceType from_c10(c10::DeviceType type) {
-  for (auto t : {DeviceType::CPU, DeviceType::CUDA, DeviceType::META, DeviceType::MPS, DeviceType::NPU, DeviceType::XPU})
+  for (auto t :
+       {DeviceType::CPU, DeviceType::CUDA, DeviceType::META, DeviceType::MPS, DeviceType::NPU, DeviceType::XPU})
     if (to_c10(t) == type) return t;
   throw InvalidArgument(std::string("accel: device type ") + c10::DeviceTypeName(type) + " is not one accel.hpp knows");
 }
@@ -43,8 +44,7 @@ inline bool is_torch_xpu_available() { return detail::guard_device_count(c10::De
 inline bool is_torch_npu_available() {
 #if ACCEL_TORCH_AT_LEAST(2, 1)
   // Ascend registers itself as the PrivateUse1 backend named "npu".
-  return c10::get_privateuse1_backend() == "npu" &&
-         detail::guard_device_count(c10::DeviceType::PrivateUse1) > 0;
+  return c10::get_privateuse1_backend() == "npu" && detail::guard_device_count(c10::DeviceType::PrivateUse1) > 0;
 #else
   return false;
 #endif
@@ -52,7 +52,8 @@ inline bool is_torch_npu_available() {
 
 inline bool is_available(DeviceType type) {
   switch (type) {
-    case DeviceType::CPU: case DeviceType::META: return true;
+    case DeviceType::CPU:
+    case DeviceType::META: return true;
     case DeviceType::CUDA: return is_torch_cuda_available();
     case DeviceType::MPS: return is_torch_mps_available();
     case DeviceType::NPU: return is_torch_npu_available();
@@ -104,9 +105,8 @@ namespace detail {
 // same, unless the program chose a disposition of its own. (Children that
 // launch_processes starts get the default back, as Python's subprocess does.)
 inline void ignore_sigpipe() {
-  struct sigaction current {};
-  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) &&
-      current.sa_handler == SIG_DFL)
+  struct sigaction current{};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL)
     signal(SIGPIPE, SIG_IGN);
 }
 
@@ -115,11 +115,9 @@ inline void bind_device(c10::DeviceType type) {
   int local_rank = get_local_rank();
   int count = detail::guard_device_count(type);
   if (local_rank >= count)
-    throw RuntimeError("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " +
-                             std::to_string(count) + " " + c10::DeviceTypeName(type, true) +
-                             " device(s) are visible");
-  c10::impl::getDeviceGuardImpl(type)->setDevice(
-      c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
+    throw RuntimeError("accel: LOCAL_RANK=" + std::to_string(local_rank) + " but only " + std::to_string(count) + " " +
+                       c10::DeviceTypeName(type, true) + " device(s) are visible");
+  c10::impl::getDeviceGuardImpl(type)->setDevice(c10::Device(type, static_cast<c10::DeviceIndex>(local_rank)));
 }
 
 // The current device of `type`, with its index.
@@ -167,8 +165,7 @@ inline std::string backend_for(c10::DeviceType type) {
             "CUDA_VISIBLE_DEVICES hides them); NCCL moves only device memory: use ACCEL_BACKEND=gloo");
       return *forced;
     }
-    throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced +
-                                "' is not supported (expected gloo or nccl)");
+    throw InvalidArgument("accel: ACCEL_BACKEND='" + *forced + "' is not supported (expected gloo or nccl)");
   }
   switch (type) {
     case c10::DeviceType::CUDA: return "nccl";

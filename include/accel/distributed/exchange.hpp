@@ -25,10 +25,11 @@ inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group
 // (check_reduction has rejected what is undefined.)
 inline at::Tensor fold_rows(const at::Tensor& rows, ReduceOp op) {
   const c10::ScalarType dtype = rows.scalar_type();
-  if (c10::isComplexType(dtype)) return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op).contiguous());
+  if (c10::isComplexType(dtype))
+    return at::view_as_complex(fold_rows(at::view_as_real(rows.contiguous()), op).contiguous());
   if (dtype == c10::kBool) return op == ReduceOp::MIN ? rows.all(0) : rows.any(0);  // SUM: an or, as all_reduce
-  const at::Tensor wide = rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat)
-                                                             : c10::kLong);
+  const at::Tensor wide =
+      rows.to(c10::isFloatingType(dtype) ? (dtype == c10::kDouble ? c10::kDouble : c10::kFloat) : c10::kLong);
   at::Tensor out;
   switch (op) {
     case ReduceOp::SUM: out = wide.sum(0); break;
@@ -59,8 +60,7 @@ c10::intrusive_ptr<c10d::Work> alltoall_single(Group& group, at::Tensor& out, at
                                                std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
   if constexpr (requires { group.all_to_all_single(out, in, out_splits, in_splits); })
     return group.all_to_all_single(out, in, out_splits, in_splits);
-  else
-    return group.alltoall_base(out, in, out_splits, in_splits);
+  else return group.alltoall_base(out, in, out_splits, in_splits);
 }
 
 // Rows of `input` (dim 0) go to the ranks in order, splits[r] rows to rank
@@ -110,18 +110,18 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
     }
     work = issue(op, group, [&] { return alltoall_single(group, out_bytes, in_bytes, out_splits, in_splits); });
   }
-  return Pending{&group, op, std::move(work),
-                 [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes),
-                  phantom, out_at, home = input.device()] {
-                   at::NoGradGuard no_grad;
-                   if (phantom && out_bytes.defined()) {
-                     at::Tensor real = output.reshape({-1}).view(c10::kByte);
-                     real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
-                     real.narrow(0, out_at, real.size(0) - out_at)
-                         .copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
-                   }
-                   return output.device() == home ? output : output.to(home);
-                 }};
+  return Pending{
+      &group, op, std::move(work),
+      [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes), phantom,
+       out_at, home = input.device()] {
+        at::NoGradGuard no_grad;
+        if (phantom && out_bytes.defined()) {
+          at::Tensor real = output.reshape({-1}).view(c10::kByte);
+          real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
+          real.narrow(0, out_at, real.size(0) - out_at).copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
+        }
+        return output.device() == home ? output : output.to(home);
+      }};
 }
 
 // A std::vector's bytes, split in group-size equal parts for all_to_all.
@@ -184,9 +184,8 @@ c10d::ProcessGroup* enter_reduce_scatter(const T& data, ReduceOp op, const Group
                           std::to_string(size) + " equal parts");
   }
   if (g)
-    check_same_call(*g, [&] {
-      return "reduce_scatter(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")";
-    });
+    check_same_call(
+        *g, [&] { return "reduce_scatter(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
   return g;
 }
 
@@ -315,14 +314,16 @@ Work<T> all_to_all_async(const T& data, const GroupPtr& group = {}) {
 inline at::Tensor all_to_all(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
                              std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
-  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
   if (!g) return data.clone();
   return detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all").wait();
 }
 inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int64_t> output_split_sizes,
                                          std::vector<int64_t> input_split_sizes, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "all_to_all");
-  auto [out, in] = detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, data, std::move(output_split_sizes), std::move(input_split_sizes));
   if (!g) return Work<at::Tensor>(detail::ready(g, "all_to_all", data.clone()));
   return Work<at::Tensor>(detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all"));
 }
@@ -354,9 +355,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   c10d::ProcessGroup* g = detail::resolve(group, "gather_to");
   detail::check_source(g, dst, "gather_to", "dst");
   if (!g) return all_gather(data, group);
-  detail::check_same_call(*g, [&] {
-    return "gather_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ")";
-  });
+  detail::check_same_call(
+      *g, [&] { return "gather_to(" + detail::describe_tensorlike(data) + ", dst=" + std::to_string(dst) + ")"; });
   const int size = g->getSize();
   const bool root = g->getRank() == dst;
   at::NoGradGuard no_grad;
@@ -381,7 +381,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
       gather_into(data, {});
       return at::empty({0}, data.options());
     }
-    at::Tensor stacked = at::empty(detail::stacked_shape(size, data), data.options().memory_format(c10::MemoryFormat::Contiguous));
+    at::Tensor stacked =
+        at::empty(detail::stacked_shape(size, data), data.options().memory_format(c10::MemoryFormat::Contiguous));
     std::vector<at::Tensor> rows;
     for (int r = 0; r < size; ++r) rows.push_back(stacked.select(0, r));
     gather_into(data, rows);
@@ -436,7 +437,8 @@ T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {
     detail::broadcast_tensor(*g, header_view, src);
     if (header[1] < 0)
       throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
-                            detail::describe(*g) + ") must all be defined and share one shape, dtype and device"
+                            detail::describe(*g) +
+                            ") must all be defined and share one shape, dtype and device"
                             " (at most 64 dimensions)");
     const auto dtype = static_cast<c10::ScalarType>(header[0]);
     const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
@@ -532,8 +534,8 @@ inline void monitored_barrier(const GroupPtr& group = {},
   try {
     g->monitoredBarrier(opts, /*wait_all_ranks=*/true);
   } catch (const std::exception& e) {
-    throw DistributedError("accel::monitored_barrier failed on " + detail::describe(*g) + " (ranks within the group): " +
-                           detail::error_text(e));
+    throw DistributedError("accel::monitored_barrier failed on " + detail::describe(*g) +
+                           " (ranks within the group): " + detail::error_text(e));
   }
 }
 
@@ -557,9 +559,7 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
   const bool is_main = local_only ? get_local_rank() == 0 : get_rank() == 0;
   // One all_reduce releases the others and tells them whether (and which)
   // main process failed: MAX of rank+1 over the failing mains, 0 if none.
-  auto release = [&](int64_t failed_rank_plus_one) {
-    return all_reduce(failed_rank_plus_one, ReduceOp::MAX, g);
-  };
+  auto release = [&](int64_t failed_rank_plus_one) { return all_reduce(failed_rank_plus_one, ReduceOp::MAX, g); };
   using R = std::invoke_result_t<Body&>;
   if (is_main) {
     std::exception_ptr failure;
@@ -584,8 +584,7 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
     }
   } else {
     if (int64_t failed = release(0); failed != 0)
-      throw DistributedError("accel::main_process_first: the main process (rank " +
-                             std::to_string(failed - 1) +
+      throw DistributedError("accel::main_process_first: the main process (rank " + std::to_string(failed - 1) +
                              ") threw; this rank did not run the body");
     return std::invoke(body);
   }

@@ -18,8 +18,8 @@ class DistributedInterface {
     if (slot) {
       if (config && resolve(*config) != slot->config_) {
         std::ostringstream message;
-        message << "accel::DistributedInterface::instance: already initialised with "
-                << slot->config_ << ", asked for " << *config << "; call destroy() first";
+        message << "accel::DistributedInterface::instance: already initialised with " << slot->config_ << ", asked for "
+                << *config << "; call destroy() first";
         throw LogicError(message.str());
       }
       return *slot;
@@ -74,9 +74,11 @@ class DistributedInterface {
       if (shape[i] < 1)
         throw InvalidArgument("accel::" + call + ": the size of '" + names[i] + "' must be positive, got " +
                               std::to_string(shape[i]));
-      if (names[i].empty()) throw InvalidArgument("accel::" + call + ": dimension " + std::to_string(i) + " has no name");
+      if (names[i].empty())
+        throw InvalidArgument("accel::" + call + ": dimension " + std::to_string(i) + " has no name");
       for (std::size_t j = 0; j < i; ++j)
-        if (names[j] == names[i]) throw InvalidArgument("accel::" + call + ": the name '" + names[i] + "' is given twice");
+        if (names[j] == names[i])
+          throw InvalidArgument("accel::" + call + ": the name '" + names[i] + "' is given twice");
       product = std::min<int64_t>(product * shape[i], int64_t{1} << 40);  // no overflow; still != any world size
     }
     if (product != world_size_)
@@ -158,7 +160,8 @@ class DistributedInterface {
     std::vector<std::pair<int64_t, int>> order;  // (key, world rank) of this color
     if (color >= 0)
       for (int r = 0; r < world_size_; ++r)
-        if (all[2 * static_cast<std::size_t>(r)] == color) order.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
+        if (all[2 * static_cast<std::size_t>(r)] == color)
+          order.emplace_back(all[2 * static_cast<std::size_t>(r) + 1], r);
     std::sort(order.begin(), order.end());
     std::vector<int> members;
     for (const auto& [k, r] : order) members.push_back(r);
@@ -190,8 +193,8 @@ class DistributedInterface {
         world_size_(accel::get_world_size()),
         local_rank_(accel::get_local_rank()),
         local_world_size_(accel::get_local_world_size()),
-        current_accelerator_(detail::forced_device(*config.device, "DistributedConfig::device is " +
-                                                                          std::string(to_string(*config.device)))),
+        current_accelerator_(detail::forced_device(
+            *config.device, "DistributedConfig::device is " + std::string(to_string(*config.device)))),
         current_device_(current_accelerator_) {
     if (!distributed_) {
       debug_mode();  // validates ACCEL_DEBUG_MODE
@@ -223,8 +226,8 @@ class DistributedInterface {
     } catch (const std::exception& e) {
       release();
       throw DistributedError("accel: initialising rank " + std::to_string(rank_) + " of " +
-                             std::to_string(world_size_) + " (" + backend_ + " process groups) failed: " +
-                             detail::error_text(e));
+                             std::to_string(world_size_) + " (" + backend_ +
+                             " process groups) failed: " + detail::error_text(e));
     }
     for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP})
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
@@ -334,12 +337,11 @@ class DistributedInterface {
   }
 
   friend std::ostream& operator<<(std::ostream& os, const DistributedInterface& d) {
-    os << "DistributedInterface(" << d.strategy_ << ", is_distributed=" << std::boolalpha
-       << d.distributed_ << ", current_accelerator=" << d.current_accelerator_
-       << ", rank=" << d.rank_ << ", world_size=" << d.world_size_;
+    os << "DistributedInterface(" << d.strategy_ << ", is_distributed=" << std::boolalpha << d.distributed_
+       << ", current_accelerator=" << d.current_accelerator_ << ", rank=" << d.rank_
+       << ", world_size=" << d.world_size_;
     if (d.distributed_)
-      os << ", backend=" << d.backend_ << ", model_mesh=" << *d.model_mesh_
-         << ", data_mesh=" << *d.data_mesh_;
+      os << ", backend=" << d.backend_ << ", model_mesh=" << *d.model_mesh_ << ", data_mesh=" << *d.data_mesh_;
     return os << ")";
   }
 
@@ -352,10 +354,10 @@ class DistributedInterface {
   std::string backend_ = "gloo";
   GroupPtr world_;
   std::optional<DeviceMesh> model_mesh_, data_mesh_;
-  std::vector<DeviceMesh> dim_meshes_;  // indexed by Dim
-  c10::intrusive_ptr<c10d::Store> store_;  // the rendezvous store, for groups made later
+  std::vector<DeviceMesh> dim_meshes_;           // indexed by Dim
+  c10::intrusive_ptr<c10d::Store> store_;        // the rendezvous store, for groups made later
   std::optional<detail::StoreAddress> address_;  // its address
-  std::string prefix_;                     // and this initialisation's keys in it
+  std::string prefix_;                           // and this initialisation's keys in it
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
   int mesh_count_ = 0;                 // init_device_mesh

@@ -79,8 +79,8 @@ inline std::string group_name(const c10d::ProcessGroup& group) {
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
-  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " +
-         std::to_string(group.getRank()) + " of " + std::to_string(group.getSize()) + ")";
+  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " + std::to_string(group.getRank()) +
+         " of " + std::to_string(group.getSize()) + ")";
 }
 
 // The group a collective runs on, not owned (the caller's group, or the
@@ -91,13 +91,12 @@ inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (auto* world = registry().world.load()) return world;
   if (!is_distributed()) return nullptr;
   throw LogicError(std::string("accel::") + op +
-                         ": RANK is set but no world group exists; call "
-                         "accel::DistributedInterface::instance() first or pass a group");
+                   ": RANK is set but no world group exists; call "
+                   "accel::DistributedInterface::instance() first or pass a group");
 }
 
 inline std::string error_text(const std::exception& e) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
-    return c10_error->what_without_backtrace();
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
   return e.what();
 }
 

@@ -20,9 +20,9 @@ struct MeshRoot {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   std::vector<int> shape;
   std::vector<std::string> names;
-  std::vector<int> coordinate;                                 // this rank's
+  std::vector<int> coordinate;                                     // this rank's
   std::map<std::string, std::vector<int>, std::less<>> flattened;  // name -> root dims
-  std::map<std::vector<int>, GroupPtr> groups;                 // root dims -> group (null: not distributed)
+  std::map<std::vector<int>, GroupPtr> groups;                     // root dims -> group (null: not distributed)
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
   std::string prefix;                     // this mesh's keys in the store

@@ -136,9 +136,11 @@ void describe_nested(std::string& out, const T& data, const Leaf& leaf) {
   } else {
     out += '(';
     bool first = true;
-    std::apply([&](const auto&... element) {
-      ((out += first ? "" : ", ", first = false, describe_nested(out, element, leaf)), ...);
-    }, data);
+    std::apply(
+        [&](const auto&... element) {
+          ((out += first ? "" : ", ", first = false, describe_nested(out, element, leaf)), ...);
+        },
+        data);
     out += ')';
   }
 }
@@ -157,7 +159,7 @@ inline void check_defined(const std::vector<at::Tensor>& leaves, const char* op)
   for (std::size_t i = 0; i < leaves.size(); ++i)
     if (!leaves[i].defined())
       throw InvalidArgument(std::string("accel::") + op + ": tensor leaf " + std::to_string(i) +
-                                  " (in walking order) is undefined");
+                            " (in walking order) is undefined");
 }
 
 // Leaves grouped by a key (device, or dtype and device), in first-seen order.

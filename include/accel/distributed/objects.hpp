@@ -45,8 +45,9 @@ c10::IValue to_ivalue(const T& x) {
   } else if constexpr (std::is_same_v<T, at::Tensor>) {
     // The pickler writes a tensor's whole storage: a view (a row of a
     // dataset, a slice of a batch) travels as a compact copy instead.
-    const bool compact = !x.defined() || x.layout() != at::kStrided || (x.is_contiguous() && x.storage_offset() == 0 &&
-                                          x.storage().nbytes() == static_cast<std::size_t>(x.nbytes()));
+    const bool compact =
+        !x.defined() || x.layout() != at::kStrided ||
+        (x.is_contiguous() && x.storage_offset() == 0 && x.storage().nbytes() == static_cast<std::size_t>(x.nbytes()));
     return c10::IValue(compact ? x : x.clone(at::MemoryFormat::Contiguous));
   } else if constexpr (is_vector<T>::value) {
     c10::impl::GenericList list(c10::AnyType::get());
@@ -109,8 +110,8 @@ T from_ivalue(const c10::IValue& v) {
     if (!v.isTuple()) wrong_object("tuple", v);
     const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
     if (elements.size() != std::tuple_size_v<T>)
-      throw InvalidArgument("accel: received a tuple of " + std::to_string(elements.size()) +
-                                  " elements, expected " + std::to_string(std::tuple_size_v<T>));
+      throw InvalidArgument("accel: received a tuple of " + std::to_string(elements.size()) + " elements, expected " +
+                            std::to_string(std::tuple_size_v<T>));
     return [&]<std::size_t... I>(std::index_sequence<I...>) {
       return T{from_ivalue<std::tuple_element_t<I, T>>(elements[I])...};
     }(std::make_index_sequence<std::tuple_size_v<T>>{});
@@ -134,8 +135,8 @@ inline std::vector<char> save_object(const c10::IValue& value) {
 // Throws RuntimeError on bytes that save_object did not write intact.
 inline c10::IValue load_object(const char* data, std::size_t size) {
   auto corrupt = [&](const std::string& why) {
-    return RuntimeError("accel: received object bytes are not intact (" + why + ", " +
-                              std::to_string(size) + " bytes)");
+    return RuntimeError("accel: received object bytes are not intact (" + why + ", " + std::to_string(size) +
+                        " bytes)");
   };
   if (size < kObjectHeader || std::memcmp(data, kObjectMagic, 8) != 0) throw corrupt("no accel object header");
   uint64_t length = 0, hash = 0;
@@ -170,7 +171,8 @@ template <Picklable T>
 auto gather_object(const T& object, const GroupPtr& group = {}) {
   using Result = typename detail::gathered_objects<T>::type;
   auto flatten_into = [](Result& out, T&& piece) {
-    if constexpr (detail::is_vector<T>::value) out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
+    if constexpr (detail::is_vector<T>::value)
+      out.insert(out.end(), std::make_move_iterator(piece.begin()), std::make_move_iterator(piece.end()));
     else out.push_back(std::move(piece));
   };
   Result result;
@@ -190,8 +192,8 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
   detail::all_gather_cpu(*g, reinterpret_cast<const uint8_t*>(mine.data()), longest,
                          reinterpret_cast<uint8_t*>(all.data()), "gather_object");
   for (int r = 0; r < size; ++r)
-    flatten_into(result, detail::from_ivalue<T>(detail::load_object(all.data() + longest * r,
-                                                                   static_cast<std::size_t>(lengths[r]))));
+    flatten_into(result, detail::from_ivalue<T>(
+                             detail::load_object(all.data() + longest * r, static_cast<std::size_t>(lengths[r]))));
   return result;
 }
 

@@ -23,8 +23,7 @@ T recursively_apply(Fn&& fn, T data, const std::vector<std::string>& skip_keys =
 template <class T>
 T send_to_device(T data, c10::Device device, bool non_blocking = false,
                  const std::vector<std::string>& skip_keys = {}) {
-  return recursively_apply([&](const at::Tensor& t) { return t.to(device, non_blocking); }, std::move(data),
-                           skip_keys);
+  return recursively_apply([&](const at::Tensor& t) { return t.to(device, non_blocking); }, std::move(data), skip_keys);
 }
 
 // The size along dim 0 of the first tensor leaf; nullopt when there is none.
@@ -59,8 +58,8 @@ T concatenate(const std::vector<T>& data, int64_t dim = 0) {
   std::vector<std::vector<at::Tensor>> columns;
   for (std::size_t k = 0; k < data.size(); ++k) {
     if (k > 0 && layout(data[k]) != expected)
-      throw InvalidArgument("accel::concatenate: element " + std::to_string(k) + " is laid out as " +
-                                  layout(data[k]) + ", element 0 as " + expected);
+      throw InvalidArgument("accel::concatenate: element " + std::to_string(k) + " is laid out as " + layout(data[k]) +
+                            ", element 0 as " + expected);
     auto leaves = detail::tensor_leaves(data[k]);
     columns.resize(leaves.size());
     for (std::size_t i = 0; i < leaves.size(); ++i) columns[i].push_back(std::move(leaves[i]));
@@ -95,7 +94,8 @@ T convert_to_fp32(T data) {
 
 namespace detail {
 // Every rank's int64 values (the same count on every rank), rank-major.
-inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, const std::vector<int64_t>& mine, const char* op) {
+inline std::vector<int64_t> exchange_counts(c10d::ProcessGroup& group, const std::vector<int64_t>& mine,
+                                            const char* op) {
   std::vector<int64_t> all(mine.size() * static_cast<std::size_t>(group.getSize()));
   if (!mine.empty()) all_gather_cpu<int64_t>(group, mine.data(), static_cast<int64_t>(mine.size()), all.data(), op);
   return all;
@@ -128,9 +128,8 @@ T gather(const T& data, const GroupPtr& group = {}) {
     if (leaf.dim() == 0) leaf = leaf.reshape({1});
   if (!g) return detail::with_leaves(data, std::move(leaves));
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("gather", data, [](const at::Tensor& t) {
-      return t.dim() ? std::optional<int64_t>(0) : std::nullopt;
-    });
+    return detail::describe_call(
+        "gather", data, [](const at::Tensor& t) { return t.dim() ? std::optional<int64_t>(0) : std::nullopt; });
   });
   if (leaves.empty()) return data;
   const int size = g->getSize();
@@ -171,7 +170,7 @@ inline ReduceOp parse_reduction(std::string_view reduction) {
     return from_string<ReduceOp>(reduction);
   } catch (const InvalidArgument&) {
     throw InvalidArgument("accel::reduce: unknown reduction '" + std::string(reduction) +
-                                "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
+                          "' (expected \"sum\", \"mean\", \"max\" or \"min\")");
   }
 }
 }  // namespace detail
@@ -192,8 +191,8 @@ T reduce(const T& data, ReduceOp reduction = ReduceOp::MEAN, const GroupPtr& gro
     return detail::with_leaves(data, std::move(leaves));
   }
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("reduce", data, [](const at::Tensor&) { return std::nullopt; },
-                                 ", " + std::string(to_string(reduction)));
+    return detail::describe_call(
+        "reduce", data, [](const at::Tensor&) { return std::nullopt; }, ", " + std::string(to_string(reduction)));
   });
   for (const auto& bucket : detail::group_leaves(leaves, &detail::dtype_device_key)) {
     const std::vector<std::size_t>& members = bucket.second;
@@ -228,8 +227,8 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
   detail::check_source(g, from_process, "broadcast", "from_process");
   if (!g) return data;
   detail::check_same_call(*g, [&] {
-    return detail::describe_call("broadcast", data, [](const at::Tensor&) { return std::nullopt; },
-                                 ", src=" + std::to_string(from_process));
+    return detail::describe_call(
+        "broadcast", data, [](const at::Tensor&) { return std::nullopt; }, ", src=" + std::to_string(from_process));
   });
   const bool source = g->getRank() == from_process;
   at::NoGradGuard no_grad;

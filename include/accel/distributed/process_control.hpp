@@ -74,7 +74,7 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
       const int64_t n = detail::split_length(entry->second);
       if (length && n != *length)
         throw InvalidArgument("accel::split_between_processes: every value must have the same length; '" +
-                                    entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
+                              entry->first + "' has " + std::to_string(n) + ", others " + std::to_string(*length));
       length = n;
     }
     T out;

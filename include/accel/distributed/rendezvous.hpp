@@ -25,8 +25,8 @@ GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
   ++groups_created();
   auto backend = c10::make_intrusive<Impl>(store, rank, size, options);
 #if ACCEL_TORCH_AT_LEAST(2, 0)
-  const auto type = device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL
-                                                    : c10d::ProcessGroup::BackendType::GLOO;
+  const auto type =
+      device == c10::DeviceType::CUDA ? c10d::ProcessGroup::BackendType::NCCL : c10d::ProcessGroup::BackendType::GLOO;
   // 2.6 dropped ProcessGroup::Options from the constructor (the backend
   // carries its own options and timeout).
   // (Group is ProcessGroup, dependent so that only the taken branch is compiled.)
@@ -79,8 +79,8 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 #endif
 }
 
-inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
-                           int rank, int size, std::chrono::milliseconds timeout) {
+inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                           std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
 #ifdef USE_C10D_GLOO
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -112,12 +112,12 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
     options->timeout = timeout;
     return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);
 #else
-    throw RuntimeError("accel: the nccl backend is not available in this build "
-                             "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
+    throw RuntimeError(
+        "accel: the nccl backend is not available in this build "
+        "(CPU LibTorch or no <nccl.h>); set ACCEL_BACKEND=gloo");
 #endif
   }
-  throw RuntimeError("accel: process-group backend '" + backend +
-                           "' is not supported by accel.hpp (use gloo or nccl)");
+  throw RuntimeError("accel: process-group backend '" + backend + "' is not supported by accel.hpp (use gloo or nccl)");
 }
 
 // A c10d::TCPStore. From 2.4 on LibTorch serves it with libuv by default
@@ -178,7 +178,7 @@ inline StoreAddress store_address() {
   if (a.port > 65535) throw InvalidArgument("accel: MASTER_PORT=" + std::to_string(a.port) + " is not a TCP port");
   a.where = a.dir ? "file store " + *a.dir + "/store" : a.host + ":" + std::to_string(a.port);
   if (a.dir) {
-    struct stat info {};
+    struct stat info{};
     if (stat(a.dir->c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
       throw InvalidArgument("ACCEL_STORE_DIR=" + *a.dir + " is not a directory");
     if (info.st_uid != geteuid() || (info.st_mode & 077) != 0)
@@ -290,7 +290,7 @@ inline c10::intrusive_ptr<c10d::Store> connect(const StoreAddress& a, int rank, 
 // (it adds collectives). Four store round trips; on timeout the error names
 // the ranks that never arrived.
 inline void wait_for_every_rank(c10d::Store& store, const std::string& prefix, int rank, int world, bool debug,
-                 std::chrono::seconds timeout) {
+                                std::chrono::seconds timeout) {
   const std::string mine = std::to_string(world);
   const std::vector<uint8_t> bytes(mine.begin(), mine.end());
   if (const std::vector<uint8_t> first = store.compareSet(prefix + "world_size", {}, bytes); first != bytes) {
@@ -342,15 +342,17 @@ struct Rendezvoused {
   c10::intrusive_ptr<c10d::Store> store;
   std::string prefix;
 };
-inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug, std::chrono::seconds timeout) {
+inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world, bool debug,
+                               std::chrono::seconds timeout) {
   auto connected = std::make_shared<std::atomic<bool>>(false);
-  std::optional<Rendezvoused> met = run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
-    Rendezvoused made;
-    made.store = connect(address, rank, world, timeout, made.prefix);
-    connected->store(true);
-    wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
-    return made;
-  });
+  std::optional<Rendezvoused> met =
+      run_within<Rendezvoused>(timeout + kStoreGrace, [address, rank, world, debug, timeout, connected] {
+        Rendezvoused made;
+        made.store = connect(address, rank, world, timeout, made.prefix);
+        connected->store(true);
+        wait_for_every_rank(*made.store, made.prefix, rank, world, debug, timeout);
+        return made;
+      });
   if (!met) {
     forget_rendezvous();
     // Still connecting: an unreachable address, or (LibTorch 2.x validates
@@ -362,7 +364,8 @@ inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world,
       throw DistributedError("accel: rendezvous at " + address.where + " failed for rank " + std::to_string(rank) +
                              " of " + std::to_string(world) +
                              (address.dir ? " (ACCEL_STORE_DIR)" : " (MASTER_ADDR/MASTER_PORT)") + ": the store" +
-                             late + " while connecting: is the address reachable, and the process serving it (rank "
+                             late +
+                             " while connecting: is the address reachable, and the process serving it (rank "
                              "0, or torchrun's agent) running, not hung or stopped?");
     throw DistributedError("accel: the rendezvous store at " + address.where + late +
                            ": is the process serving it (rank 0, or torchrun's agent) hung or stopped?");
@@ -392,14 +395,14 @@ struct MadeGroup {
 };
 inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::optional<StoreAddress>& address,
-                                          const std::vector<GroupRequest>& requests, std::chrono::milliseconds timeout) {
+                                          const std::vector<GroupRequest>& requests,
+                                          std::chrono::milliseconds timeout) {
   std::vector<MadeGroup> made(requests.size());
   std::vector<std::exception_ptr> failed(requests.size());
   auto make = [&](std::size_t i, bool own_connection) {
     try {
       made[i].store = c10::make_intrusive<c10d::PrefixStore>(
-          requests[i].key,
-          own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
+          requests[i].key, own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
       made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
     } catch (...) {
       failed[i] = std::current_exception();
@@ -435,8 +438,9 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
     } catch (const DistributedError&) {
       throw;
     } catch (const std::exception& e) {
-      throw DistributedError("accel: making group '" + requests[i].name + "' (rank " + std::to_string(requests[i].rank) +
-                             " of " + std::to_string(requests[i].size) + ") failed: " + error_text(e));
+      throw DistributedError("accel: making group '" + requests[i].name + "' (rank " +
+                             std::to_string(requests[i].rank) + " of " + std::to_string(requests[i].size) +
+                             ") failed: " + error_text(e));
     }
   }
   return made;

@@ -18,7 +18,8 @@ inline uint64_t set_seed(uint64_t seed, bool device_specific = false) {
   };
   seed_generator(at::detail::getDefaultCPUGenerator());
   for (int i = 0; i < detail::guard_device_count(c10::DeviceType::CUDA); ++i)
-    seed_generator(at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
+    seed_generator(
+        at::globalContext().defaultGenerator(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(i))));
   return seed;
 }
 
@@ -40,8 +41,7 @@ inline void synchronize_generator(at::Generator generator, const GroupPtr& group
 // "generator" (the one passed). No types: "torch", plus "cuda" when a CUDA
 // device is present.
 inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {},
-                                   std::optional<at::Generator> generator = std::nullopt,
-                                   const GroupPtr& group = {}) {
+                                   std::optional<at::Generator> generator = std::nullopt, const GroupPtr& group = {}) {
   std::vector<std::string> types = rng_types;
   if (types.empty()) {
     types.push_back("torch");
@@ -61,7 +61,7 @@ inline void synchronize_rng_states(const std::vector<std::string>& rng_types = {
       detail::synchronize_generator(*generator, group);
     } else {
       throw InvalidArgument("accel::synchronize_rng_states: unknown rng type '" + type +
-                                  "' (expected \"torch\", \"cuda\" or \"generator\")");
+                            "' (expected \"torch\", \"cuda\" or \"generator\")");
     }
   }
 }

@@ -57,10 +57,9 @@ inline c10d::ReduceOp to_c10d(ReduceOp op) {
 
 inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_reduce") {
   if (!c10::isFloatingType(dtype) && !c10::isComplexType(dtype))
-    throw InvalidArgument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " +
-                                c10::toString(dtype) +
-                                " would truncate; use ReduceOp::SUM and divide by the group size, "
-                                "or pass a floating-point value");
+    throw InvalidArgument(std::string("accel::") + op + ": ReduceOp::MEAN on integral type " + c10::toString(dtype) +
+                          " would truncate; use ReduceOp::SUM and divide by the group size, "
+                          "or pass a floating-point value");
 }
 
 // Dtypes Gloo moves and reduces on every LibTorch version: float32/64,
@@ -73,11 +72,14 @@ inline void reject_integral_mean(c10::ScalarType dtype, const char* op = "all_re
 // without asking the backend's name.
 inline bool native_dtype(const c10d::ProcessGroup& group, c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::kFloat: case c10::kDouble: case c10::kHalf: case c10::kChar: case c10::kByte: case c10::kInt:
-    case c10::kLong:
-      return true;
-    default:
-      return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
+    case c10::kFloat:
+    case c10::kDouble:
+    case c10::kHalf:
+    case c10::kChar:
+    case c10::kByte:
+    case c10::kInt:
+    case c10::kLong: return true;
+    default: return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
   }
 }
 // What moves for a contiguous tensor: itself, or a view of its bytes.
@@ -222,8 +224,7 @@ inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp 
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
   if (tensor.numel() != 0 && direct(group, tensor)) [[likely]]
     all_reduce_direct(group, tensor, op);
-  else
-    start_all_reduce(group, tensor, op).wait();
+  else start_all_reduce(group, tensor, op).wait();
 }
 
 // The source of a broadcast is a rank within the group (`name` is how the
@@ -231,11 +232,10 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
 inline void check_source(const c10d::ProcessGroup* group, int src, const char* op, const char* name) {
   if (!group && src != 0)
     throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
-                                " but the process is not distributed (only rank 0 exists)");
+                          " but the process is not distributed (only rank 0 exists)");
   if (group && (src < 0 || src >= group->getSize()))
-    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) +
-                                " is not a rank of " + describe(*group) + " (" + name +
-                                " is a rank within the group)");
+    throw InvalidArgument(std::string("accel::") + op + ": " + name + "=" + std::to_string(src) + " is not a rank of " +
+                          describe(*group) + " (" + name + " is a rank within the group)");
 }
 
 inline void check_peer(const c10d::ProcessGroup* group, int peer, const char* op, const char* name) {
@@ -256,7 +256,8 @@ inline auto start_broadcast(c10d::ProcessGroup& group, at::Tensor tensor, int sr
     opts.rootRank = src;
     work = issue("broadcast", group, [&] { return group.broadcast(tensors, opts); });
   }
-  return Pending{&group, "broadcast", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
+  return Pending{&group, "broadcast", std::move(work),
+                 [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
                    land_in_place(tensor, staged, 1);
                    return std::move(tensor);
                  }};
@@ -278,7 +279,8 @@ inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& i
     const bool direct =
         !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
     if (!direct)
-      for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
+      for (const auto& t : outputs)
+        staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
     std::vector<std::vector<at::Tensor>> output_lists(1);
     for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(as_wire(group, t));
     work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
@@ -333,7 +335,8 @@ template <class T>
 auto start_all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
   constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
   std::vector<at::Tensor> outputs;
-  for (int r = 0; r < group.getSize(); ++r) outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
+  for (int r = 0; r < group.getSize(); ++r)
+    outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
   // c10d only reads an allgather's input.
   return start_all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)),
                                std::move(outputs), op);
@@ -366,7 +369,8 @@ T fold(ReduceOp op, const T* values, int count, int stride) {
   for (int r = 1; r < count; ++r) {
     T x = values[static_cast<std::size_t>(r) * stride];
     switch (op) {
-      case ReduceOp::SUM: case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
+      case ReduceOp::SUM:
+      case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
       case ReduceOp::MAX: acc = std::max(acc, x); break;
       case ReduceOp::MIN: acc = std::min(acc, x); break;
     }
@@ -406,8 +410,7 @@ inline uint64_t fnv1a(const void* data, std::size_t size) {
 // on every rank whatever was passed, so the check itself cannot desynchronise.
 inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call) {
   const int size = group.getSize();
-  std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())),
-                              static_cast<int64_t>(call.size())};
+  std::array<int64_t, 2> mine{static_cast<int64_t>(fnv1a(call.data(), call.size())), static_cast<int64_t>(call.size())};
   std::vector<int64_t> all(2 * static_cast<std::size_t>(size));
   all_gather_cpu<int64_t>(group, mine.data(), 2, all.data(), "debug-mode check");
   // Decided on data every rank holds, so every rank decides alike.
@@ -424,8 +427,7 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   all_gather_cpu(group, reinterpret_cast<const uint8_t*>(padded.data()), longest,
                  reinterpret_cast<uint8_t*>(texts.data()), "debug-mode check");
   std::string message = "accel [ACCEL_DEBUG_MODE]: the ranks of group '" + group_name(group) + "' (" +
-                        group.getBackendName() + ", " + std::to_string(size) +
-                        " ranks) made different calls:";
+                        group.getBackendName() + ", " + std::to_string(size) + " ranks) made different calls:";
   for (int r = 0; r < size; ++r)
     message += "\n  rank " + std::to_string(r) + ": " +
                texts.substr(static_cast<std::size_t>(longest) * r, static_cast<std::size_t>(all[2 * r + 1]));

@@ -26,8 +26,7 @@
 #endif
 
 #define ACCEL_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) ||        \
-   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -44,7 +43,6 @@
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
-
 
 // LibTorch's pickler (the format of torch.save), declared here exactly as
 // torch/csrc/jit/serialization/pickle.h declares it in 1.13 and 2.x: that

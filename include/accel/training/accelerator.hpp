@@ -17,10 +17,10 @@ class Accelerator {
   explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
     if (config_.gradient_accumulation_steps < 1)
       throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                                  std::to_string(config_.gradient_accumulation_steps));
+                            std::to_string(config_.gradient_accumulation_steps));
     if (config_.bucket_cap_mb < 1)
       throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                                  std::to_string(config_.bucket_cap_mb));
+                            std::to_string(config_.bucket_cap_mb));
     const auto& mp = config_.mixed_precision;
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
@@ -40,9 +40,11 @@ class Accelerator {
                             std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
     if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
         interface_->get_world_size(Dim::MP_REPLICATE) > 1)
-      throw InvalidArgument("accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
-                            "replicates " + std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
-                            " ways (mp_replicate_size): that is HYBRID_SHARD");
+      throw InvalidArgument(
+          "accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
+          "replicates " +
+          std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
+          " ways (mp_replicate_size): that is HYBRID_SHARD");
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
@@ -67,20 +69,21 @@ class Accelerator {
           config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
         choose_units(*module, "", units);
         if (units.empty())
-          throw InvalidArgument("accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
-                                " found no unit in the model (" +
-                                (config_.auto_wrap_policy ? "auto_wrap_policy chose none"
-                                                          : "no submodule holds parameters of its own") +
-                                "); use SHARD_GRAD_OP, or register the layers as submodules");
+          throw InvalidArgument(
+              "accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
+              " found no unit in the model (" +
+              (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
+              "); use SHARD_GRAD_OP, or register the layers as submodules");
       }
-      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(
-                                             module, interface_->world_group(), bucket_bytes,
-                                             interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE),
-                                             units)});
+      prepared_.models.push_back(detail::PreparedModel{
+          module, std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
+                                                 interface_->get_group(Dim::MP_SHARD),
+                                                 interface_->get_group(Dim::MP_REPLICATE), units)});
       prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
       for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
     } else {
-      prepared_.models.push_back(detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
+      prepared_.models.push_back(
+          detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
       if (config_.comm_hook == DDPCommunicationHookType::FP16)
         prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::BF16)
@@ -148,11 +151,12 @@ class Accelerator {
     if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
     if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
-                                  std::to_string(config.batch_size) + ") must be a multiple of the " +
-                                  std::to_string(replicas) + " data-parallel processes");
-    using Loader = std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>,
-                                      PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+                            std::to_string(config.batch_size) + ") must be a multiple of the " +
+                            std::to_string(replicas) + " data-parallel processes");
+    using Loader =
+        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
+    prepared_.loaders.push_back(
+        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
     return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
                   prepared_.loaders.back());
   }
@@ -179,7 +183,7 @@ class Accelerator {
     }
   void register_for_checkpointing(T& object) {
     prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
-                        [&object](torch::serialize::InputArchive& in) { object.load(in); }});
+                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
   }
 
   // -- the training step --------------------------------------------------------
@@ -213,8 +217,9 @@ class Accelerator {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
     if (!prepared_.sharded->empty())
-      throw InvalidArgument("accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
-                            "have to step its shard too); use NO_SHARD, or even batches");
+      throw InvalidArgument(
+          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+          "have to step its shard too); use NO_SHARD, or even batches");
     detail::Join join({find_prepared(models, "join_uneven_inputs")...});
     if (!join.group()) return static_cast<void>(std::invoke(body));  // one process: nothing to join
     join_.emplace(std::move(join));
@@ -316,7 +321,8 @@ class Accelerator {
     return accel::reduce(data, reduction);
   }
   template <TensorTree T>
-  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false) const {
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
+                         bool pad_first = false) const {
     return accel::pad_across_processes(data, dim, pad_index, pad_first);
   }
   template <class T>
@@ -380,7 +386,6 @@ class Accelerator {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
   }
 
-
   // Loads what save_state saved into the prepared models, optimizers,
   // registered objects and this rank's RNG and step, after a half-done save
   // is recovered. Each prepared loader's next pass resumes where the saved
@@ -397,7 +402,6 @@ class Accelerator {
   void load_state(const std::filesystem::path& path = {}) {
     step_ = detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
   }
-
 
  private:
   detail::CheckpointContext checkpoint_context() const {
@@ -441,7 +445,9 @@ class Accelerator {
   int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
   // The strategy in effect: NO_SHARD when the configured one has nothing to
   // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const { return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD; }
+  ShardingStrategy sharding_strategy() const {
+    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
+  }
   // Accelerate's project_dir, project_configuration and save_iteration (the
   // number the next automatically named checkpoint takes; set it through
   // project_configuration().iteration).
@@ -450,7 +456,9 @@ class Accelerator {
   int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
-  DataParallel* data_parallel() { return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get(); }
+  DataParallel* data_parallel() {
+    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
+  }
   template <class ModuleHolder>
   DataParallel* data_parallel(ModuleHolder& model) {
     detail::PreparedModel* p = prepared_.find(model.ptr().get());

@@ -92,7 +92,9 @@ struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
     // The gradient goes back the way the rows came.
     return {accel::all_to_all(grads[0], ctx->saved_data["in"].toIntVector(), ctx->saved_data["out"].toIntVector(),
                               saved_group(ctx)),
-            {}, {}, {}};
+            {},
+            {},
+            {}};
   }
 };
 }  // namespace detail

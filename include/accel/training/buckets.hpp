@@ -43,8 +43,8 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
                                                           const std::vector<int64_t>& size_limits) {
   if (size_limits.empty()) throw InvalidArgument("accel::DataParallel: bucket assignment needs a size limit");
   for (int64_t limit : size_limits)
-    if (limit < 1) throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) +
-                                         " is not positive");
+    if (limit < 1)
+      throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) + " is not positive");
   struct Open {
     std::vector<std::size_t> indices;
     int64_t bytes = 0;
@@ -61,7 +61,8 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
   };
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const BucketInput& in = inputs[i];
-    Open& bucket = open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
+    Open& bucket =
+        open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
     bucket.indices.push_back(i);
     bucket.bytes += in.bytes;
     if (in.unit < 0 && bucket.bytes >= size_limits[bucket.limit]) {

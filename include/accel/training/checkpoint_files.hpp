@@ -109,8 +109,8 @@ inline void write_file_atomically(const fs::path& path, const std::function<void
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
   write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
     out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
-        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects
-        << "\nschedulers " << m.schedulers << "\nshards " << m.shards << "\nend\n";
+        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
+        << m.schedulers << "\nshards " << m.shards << "\nend\n";
   });
 }
 
@@ -275,7 +275,8 @@ inline void fail_together(const std::string& error, std::string_view function) {
   std::string message;
   for (std::size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())
-      message += (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+      message +=
+          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
   if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
 }
 

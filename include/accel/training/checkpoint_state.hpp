@@ -52,10 +52,11 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
                               .schedulers = static_cast<int64_t>(set.schedulers.size()),
                               .shards = ctx.shards};
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
-    std::filesystem::create_directories(tmp);
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      std::filesystem::create_directories(tmp);
+    });
   fail_together(error, "accel::Accelerator::save_state");
   error = error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
     torch::serialize::OutputArchive archive;
@@ -73,52 +74,52 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       }
   });
   fail_together(error, "accel::Accelerator::save_state");
-  if (ctx.process_index == 0) error = error_of([&] {
-    auto write = [&](const std::string& name, auto& object) {
-      torch::serialize::OutputArchive archive;
-      object.save(archive);
-      archive.save_to((tmp / name).string());
-      fsync_path(tmp / name);
-    };
-    for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
-    if (set.sharded->empty())
-      for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
-    if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
-      std::vector<int64_t> points;
-      for (const auto& loader : set.loaders) {
-        const auto [epoch, skip] = loader->resume_point();
-        points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      auto write = [&](const std::string& name, auto& object) {
+        torch::serialize::OutputArchive archive;
+        object.save(archive);
+        archive.save_to((tmp / name).string());
+        fsync_path(tmp / name);
+      };
+      for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+      if (set.sharded->empty())
+        for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
+      if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
+        std::vector<int64_t> points;
+        for (const auto& loader : set.loaders) {
+          const auto [epoch, skip] = loader->resume_point();
+          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+        }
+        torch::serialize::OutputArchive archive;
+        archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+        archive.save_to((tmp / "loaders.pt").string());
+        fsync_path(tmp / "loaders.pt");
       }
-      torch::serialize::OutputArchive archive;
-      archive.write("resume_points",
-                    at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
-      archive.save_to((tmp / "loaders.pt").string());
-      fsync_path(tmp / "loaders.pt");
-    }
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
-      torch::serialize::OutputArchive archive;
-      archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
-      if (set.schedulers[i].save) {
-        torch::serialize::OutputArchive own;
-        set.schedulers[i].save(own);
-        archive.write("own", own);
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
+        torch::serialize::OutputArchive archive;
+        archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
+        if (set.schedulers[i].save) {
+          torch::serialize::OutputArchive own;
+          set.schedulers[i].save(own);
+          archive.write("own", own);
+        }
+        archive.save_to((tmp / numbered_file("scheduler", i)).string());
+        fsync_path(tmp / numbered_file("scheduler", i));
       }
-      archive.save_to((tmp / numbered_file("scheduler", i)).string());
-      fsync_path(tmp / numbered_file("scheduler", i));
-    }
-    for (std::size_t i = 0; i < set.objects.size(); ++i) {
-      torch::serialize::OutputArchive archive;
-      set.objects[i].save(archive);
-      const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
-      archive.save_to((tmp / name).string());
-      fsync_path(tmp / name);
-    }
-    checkpoint_hook()("files written");
-    write_manifest(tmp, manifest);
-    fsync_path(tmp);
-    checkpoint_hook()("manifest written");
-    install_checkpoint(tmp, dir);
-  });
+      for (std::size_t i = 0; i < set.objects.size(); ++i) {
+        torch::serialize::OutputArchive archive;
+        set.objects[i].save(archive);
+        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
+        archive.save_to((tmp / name).string());
+        fsync_path(tmp / name);
+      }
+      checkpoint_hook()("files written");
+      write_manifest(tmp, manifest);
+      fsync_path(tmp);
+      checkpoint_hook()("manifest written");
+      install_checkpoint(tmp, dir);
+    });
   fail_together(error, "accel::Accelerator::save_state");
 }
 
@@ -161,12 +162,12 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       if (manifest->processes != ctx.num_processes)
         throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
                            std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
-      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{{
-          {"model(s)", {manifest->models, set.models.size()}},
-          {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
-          {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
-          {"data loader(s)", {manifest->loaders, set.loaders.size()}},
-          {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+          {{"model(s)", {manifest->models, set.models.size()}},
+           {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+           {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+           {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+           {"registered object(s)", {manifest->objects, set.objects.size()}}}};
       for (const auto& count : counts)
         if (count.second.first != static_cast<int64_t>(count.second.second))
           throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
@@ -195,8 +196,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) optimizers[i] = read(optimizer_file(set, ctx, i));
     for (std::size_t i = 0; i < set.objects.size(); ++i)
       objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i)
-      schedulers.push_back(read(numbered_file("scheduler", i)));
+    for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
     // A tensor of the given dtype and shape under `key`, or an error naming the file.
     auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
                       at::IntArrayRef sizes, const std::string& file) {
@@ -218,8 +218,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     }
     if (!set.loaders.empty()) {
       const std::string file = (dir / "loaders.pt").string();
-      points = tensor(*read("loaders.pt"), "resume_points", at::kLong,
-                      {static_cast<int64_t>(set.loaders.size()), 2}, file);
+      points =
+          tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
     }
     const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
     if (!fs::exists(dir / rng_name))
@@ -227,8 +227,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
     // Before manifests, the file held the generator state alone (torch::save's key "0").
-    rng = tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(),
-                 (dir / rng_name).string());
+    rng =
+        tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(), (dir / rng_name).string());
     if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
     at::Tensor saved_device_rng;
     if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
@@ -283,8 +283,8 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
         set.optimizers[i]->load(*optimizers[i]);
         load_group_options(*set.optimizers[i], *optimizers[i]);
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() + " does not fit the optimizer: " +
-                           error_text(e));
+        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() +
+                           " does not fit the optimizer: " + error_text(e));
       }
     }
   });
@@ -336,33 +336,35 @@ inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const Check
   check_project(project, "accel::Accelerator::save_state");
   if (!project.automatic_checkpoint_naming) {
     if (path.empty())
-      throw InvalidArgument("accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
-                            "project_config.automatic_checkpoint_naming)");
+      throw InvalidArgument(
+          "accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming)");
     const fs::path dir = checkpoint_path(path, "save_state");
     write_checkpoint(set, ctx, step, dir);
     return dir;
   }
   if (!path.empty())
-    throw InvalidArgument("accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
-                          "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
-                          path.string());
+    throw InvalidArgument(
+        "accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+        "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+        path.string());
   const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
   const int number = project.iteration;
   const fs::path dir = root / ("checkpoint_" + std::to_string(number));
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    fs::create_directories(root);
-    if (recover_checkpoint(dir) || fs::exists(dir))
-      throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
-                         ") already exists: set project_configuration().iteration to the number to go on with, "
-                         "or load_state() first (which sets it past the newest)");
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      fs::create_directories(root);
+      if (recover_checkpoint(dir) || fs::exists(dir))
+        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                           ") already exists: set project_configuration().iteration to the number to go on with, "
+                           "or load_state() first (which sets it past the newest)");
+    });
   fail_together(error, "accel::Accelerator::save_state");
   write_checkpoint(set, ctx, step, dir);
   ++config.iteration;
   if (project.total_limit) {
-    if (ctx.process_index == 0)
-      error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
+    if (ctx.process_index == 0) error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
     fail_together(error, "accel::Accelerator::save_state");
   }
   return dir;
@@ -378,22 +380,25 @@ inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& 
   check_project(project, "accel::Accelerator::load_state");
   if (!project.automatic_checkpoint_naming) {
     if (path.empty())
-      throw InvalidArgument("accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
-                            "project_config.automatic_checkpoint_naming to load the newest)");
+      throw InvalidArgument(
+          "accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming to load the newest)");
     return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
   }
   const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
   int64_t newest = -1;  // none
   std::string error;
-  if (ctx.process_index == 0) error = error_of([&] {
-    const std::map<int, fs::path> complete = numbered_checkpoints(root);
-    if (!complete.empty()) newest = complete.rbegin()->first;
-  });
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      const std::map<int, fs::path> complete = numbered_checkpoints(root);
+      if (!complete.empty()) newest = complete.rbegin()->first;
+    });
   fail_together(error, "accel::Accelerator::load_state");
   newest = accel::broadcast(newest, 0);
   if (path.empty() && newest < 0)
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
-  const fs::path dir = path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
+  const fs::path dir =
+      path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
   const int64_t step = load_checkpoint(set, ctx, dir);
   config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
   return step;

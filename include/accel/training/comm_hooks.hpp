@@ -92,8 +92,9 @@ namespace comm_hooks {
 inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
   if (!state) throw InvalidArgument("accel::comm_hooks::powerSGD_hook: no state");
   if (state->matrix_approximation_rank < 1 || state->min_compression_rate < 1 || state->start_powerSGD_iter < 0)
-    throw InvalidArgument("accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
-                          "must be at least 1, start_powerSGD_iter at least 0");
+    throw InvalidArgument(
+        "accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
+        "must be at least 1, start_powerSGD_iter at least 0");
   if (!state->rng) state->rng.emplace(state->random_seed);
   return [state](const GroupPtr& group, GradBucket& bucket) -> Work<at::Tensor> {
     const bool last = bucket.is_last;

@@ -24,8 +24,8 @@ inline std::string_view to_string(DistributedType t) {
 struct ProjectConfiguration {
   std::filesystem::path project_dir{};
   bool automatic_checkpoint_naming = false;
-  std::optional<int> total_limit{};   // automatic naming only; at least 1
-  int iteration = 0;                  // the number the next save_state() takes
+  std::optional<int> total_limit{};  // automatic naming only; at least 1
+  int iteration = 0;                 // the number the next save_state() takes
 };
 
 // FSDP's sharding strategies, along the model mesh (Dim::MP_SHARD; see
@@ -65,7 +65,7 @@ struct AcceleratorConfig {
   bool sync_each_batch = false;
   int64_t bucket_cap_mb = 25;
   DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
-  bool gradient_as_bucket_view = false;  // DDP's (see DataParallel); NO_SHARD only
+  bool gradient_as_bucket_view = false;                               // DDP's (see DataParallel); NO_SHARD only
   ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
   // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
   // auto_wrap_policy), asked of each submodule by its dotted name, parents

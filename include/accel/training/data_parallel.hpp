@@ -89,13 +89,16 @@ class DataParallel {
     const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
     std::vector<detail::BucketInput> inputs;
     for (std::size_t k = 0; k < params.size(); ++k)
-      inputs.push_back({params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(),
-                        unit_of[k]});
-    for (const auto& indices : detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      inputs.push_back(
+          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+    for (const auto& indices :
+         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
       const at::Tensor& first = params[indices.front()];
-      detail::dp::Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      detail::dp::Bucket bucket{
+          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
       bucket.unit = unit_of[indices.front()];
-      if (bucket.unit >= 0) state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      if (bucket.unit >= 0)
+        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
       for (std::size_t k : indices) {
         bucket.params.push_back(params[k]);
         bucket.used.push_back(0);
@@ -210,7 +213,8 @@ class DataParallel {
     std::vector<Work<at::Tensor>> works;
     for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
       const detail::dp::Bucket& bucket = state_->buckets[b];
-      GradBucket zeros = detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+      GradBucket zeros =
+          detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
       works.push_back(state_->hook(state_->group, zeros));
     }
     for (auto& work : works) {
@@ -228,12 +232,14 @@ class DataParallel {
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
     if (state_->shard)
-      throw InvalidArgument("accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
-                            "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+      throw InvalidArgument(
+          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     std::lock_guard lock(state_->mutex);
     if (state_->hooked)
-      throw LogicError("accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
-                       "DDP, once per model)");
+      throw LogicError(
+          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+          "DDP, once per model)");
     if (state_->armed)
       throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
     state_->hook = std::move(hook);
@@ -247,8 +253,9 @@ class DataParallel {
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
     if (state_->shard && on)
-      throw InvalidArgument("accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
-                            "reduce-scattered into its shards");
+      throw InvalidArgument(
+          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+          "reduce-scattered into its shards");
     std::lock_guard lock(state_->mutex);
     if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
     state_->bucket_view = on;
@@ -339,9 +346,10 @@ class DataParallel {
       if (out.back() < 0) continue;
       if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
           p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-        throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
-                              "storage (a parameter of shape " + c10::str(p.sizes()) +
-                              " is a view or shares storage: tied weights belong in no unit)");
+        throw InvalidArgument(
+            "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
+            "storage (a parameter of shape " +
+            c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
     }
     return out;
   }
@@ -359,8 +367,6 @@ class DataParallel {
         accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
       }
   }
-
-
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::dp::State> state_;
@@ -386,7 +392,8 @@ auto unit_forward(ModuleHolder& unit, Args&&... args) {
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
   if (DataParallel::is_unit(sequential.ptr().get()))
-    return DataParallel::unit_call(sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
+    return DataParallel::unit_call(
+        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
   for (auto& child : *sequential)
     x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
   return x;

@@ -36,12 +36,14 @@ constexpr bool no_target = std::is_same_v<T, torch::data::example::NoTarget>;
 template <class T>
 struct sample_travels : std::bool_constant<Picklable<T>> {};
 template <class D, class T>
-struct sample_travels<torch::data::Example<D, T>> : std::bool_constant<Picklable<D> && (Picklable<T> || no_target<T>)> {};
+struct sample_travels<torch::data::Example<D, T>> : std::bool_constant<Picklable<D> && (Picklable<T> || no_target<T>)> {
+};
 
 template <class B>
 struct batched_tensors : std::bool_constant<TensorTree<B> && !is_vector<B>::value> {};
 template <class D, class T>
-struct batched_tensors<torch::data::Example<D, T>> : std::bool_constant<TensorTree<D> && (TensorTree<T> || no_target<T>)> {};
+struct batched_tensors<torch::data::Example<D, T>>
+    : std::bool_constant<TensorTree<D> && (TensorTree<T> || no_target<T>)> {};
 
 template <class B>
 concept SampleList = is_vector<B>::value && sample_travels<typename B::value_type>::value;
@@ -70,8 +72,8 @@ size_t batch_rows(const B& batch) {
     auto check = [&](const at::Tensor& t) {
       auto fail = [&](const std::string& what) {
         throw InvalidArgument("accel::prepare_data_loader (dispatch_batches): tensor " + std::to_string(leaf) +
-                                    " of the batch is " + what +
-                                    "; every tensor of a dispatched batch holds the batch along dim 0");
+                              " of the batch is " + what +
+                              "; every tensor of a dispatched batch holds the batch along dim 0");
       };
       if (!t.defined() || t.dim() == 0) fail("undefined or 0-d");
       if (!rows) rows = t.size(0);
@@ -104,7 +106,8 @@ B batch_cat(std::vector<B>&& parts) {
   if (parts.size() == 1) return std::move(parts.front());
   if constexpr (SampleList<B>) {
     B out;
-    for (auto& part : parts) out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
+    for (auto& part : parts)
+      out.insert(out.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
     return out;
   } else if constexpr (is_example<B>::value) {
     using Data = decltype(B::data);
@@ -143,7 +146,8 @@ S sample_from_ivalue(const c10::IValue& v) {
     const c10::ArrayRef<c10::IValue> elements = v.toTupleRef().elements().asArrayRef();
     S sample;
     sample.data = from_ivalue<decltype(sample.data)>(elements[0]);
-    if constexpr (!no_target<decltype(sample.target)>) sample.target = from_ivalue<decltype(sample.target)>(elements[1]);
+    if constexpr (!no_target<decltype(sample.target)>)
+      sample.target = from_ivalue<decltype(sample.target)>(elements[1]);
     return sample;
   } else {
     return from_ivalue<S>(v);
@@ -214,7 +218,8 @@ class Dispatcher {
         throw DistributedError("accel: the main process could not make this process's batch (dispatch_batches): " +
                                fields[1].toStringRef());
       if (status == END) return std::nullopt;
-      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()), status == LAST};
+      return RankBatch<Batch>{batch_from_ivalue<Batch>(fields[2]), static_cast<size_t>(fields[1].toInt()),
+                              status == LAST};
     }
     std::vector<std::vector<char>> pieces(static_cast<std::size_t>(processes));
     auto to_all = [&](const c10::IValue& message) {
@@ -235,7 +240,7 @@ class Dispatcher {
         if (!first_) first_ = global;
         const auto P = static_cast<size_t>(processes);
         const size_t rows = (observed + P - 1) / P;  // per process
-        if (rows * P > observed) {  // completed from the first global batch, cycled if it is short
+        if (rows * P > observed) {                   // completed from the first global batch, cycled if it is short
           std::vector<Batch> parts{std::move(global)};
           const size_t first_rows = batch_rows(*first_);
           for (size_t have = observed; have < rows * P; have += std::min(first_rows, rows * P - have))
@@ -248,8 +253,8 @@ class Dispatcher {
           if (p == 0) {
             mine = RankBatch<Batch>{std::move(piece), real, last};
           } else {
-            pieces[p] = save_object(tuple_of(
-                {c10::IValue(int64_t{last ? LAST : BATCH}), c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
+            pieces[p] = save_object(tuple_of({c10::IValue(int64_t{last ? LAST : BATCH}),
+                                              c10::IValue(static_cast<int64_t>(real)), batch_to_ivalue(piece)}));
           }
         }
       }

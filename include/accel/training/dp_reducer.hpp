@@ -29,7 +29,8 @@ inline void issue_bucket(State& state, std::size_t b) {
         if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
       }
     rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)).expand({S, static_cast<int64_t>(n)}));
+        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
+                   .expand({S, static_cast<int64_t>(n)}));
     bucket.flat.div_(state.replicas);
     try {
       bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);

@@ -34,11 +34,13 @@ inline void shard_optimizer(State& s, torch::optim::Optimizer& optimizer) {
       const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
       if (found == s.shard_index.end()) continue;
       if (!optimizer.state().empty())
-        throw InvalidArgument("accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
-                              "prepare it before its first step (its state becomes per-shard)");
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+            "prepare it before its first step (its state becomes per-shard)");
       if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
-        throw InvalidArgument("accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
-                              "products over whole parameters); use NO_SHARD");
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+            "products over whole parameters); use NO_SHARD");
       Bucket& bucket = s.buckets[found->second.first];
       p = bucket.shards[found->second.second];
       bucket.in_optimizer[found->second.second] = 1;
@@ -87,9 +89,10 @@ inline void check_shards(State& s) {
     for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
       if (!flag[0]) continue;
       if (flag[1])
-        throw InvalidArgument("accel::Accelerator::backward: under sharding, step the optimizer through the "
-                              "handle accelerator.prepare() returned (its step() gathers the updated shards "
-                              "into the parameters); the parameters this forward used are stale");
+        throw InvalidArgument(
+            "accel::Accelerator::backward: under sharding, step the optimizer through the "
+            "handle accelerator.prepare() returned (its step() gathers the updated shards "
+            "into the parameters); the parameters this forward used are stale");
       read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
       bucket.sums[i] = bucket.shards[i].sum();
     }
@@ -109,7 +112,7 @@ inline void gather_shards(State& s) {
       if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), s.shard));
     for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
       Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (bucket.unit >= 0) continue;             // FULL_SHARD: gathered when the unit runs
       const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
       for (std::size_t i = 0; i < bucket.params.size(); ++i) {
         write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
@@ -191,7 +194,7 @@ inline void finish_sharded(State& s) {
         const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
         if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
         else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
-        else shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
+        else shard.mutable_grad().copy_(averaged);                       // the parameter's holds all since the step
       }
       bucket.used[static_cast<std::size_t>(i)] = 0;
     }

@@ -95,8 +95,7 @@ inline void end_unit_pass(State& s) {
       try {
         bucket.gathering.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                               e.what());
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
       }
       bucket.gathering = {};
     }

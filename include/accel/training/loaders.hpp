@@ -50,7 +50,8 @@ class PreparedDataLoader {
     } else {
       if constexpr (detail::Dispatchable<Batch>) {
         const size_t per_step = split_batches ? 1 : processes;
-        batches_ = config.drop_last ? sampler.batch_count() / per_step : (sampler.batch_count() + per_step - 1) / per_step;
+        batches_ =
+            config.drop_last ? sampler.batch_count() / per_step : (sampler.batch_count() + per_step - 1) / per_step;
         dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(dispatch);
         per_step_ = per_step;
         drop_last_ = config.drop_last;
@@ -72,7 +73,8 @@ class PreparedDataLoader {
       if (dispatcher_) {
         if (loader_) it_.emplace(loader_->begin());  // the main process reads
         dispatcher_->begin([this] { return global_batch(); });
-        for (size_t i = 0; i < skip && next(); ++i) {}  // every process reads and drops the same batches
+        for (size_t i = 0; i < skip && next(); ++i) {
+        }  // every process reads and drops the same batches
         return Iterator(this, detail::Pass(gradient_state_, state_));
       }
     // The sampler starts after the skipped batches: none is read.
@@ -163,9 +165,10 @@ class PreparedIterableDataLoader {
   using Batch = std::vector<Element>;
   using Iterator = detail::PassIterator<PreparedIterableDataLoader, Batch>;
 
-  PreparedIterableDataLoader(Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
-                             std::shared_ptr<detail::GradientState> gradient_state,
-                             std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
+  PreparedIterableDataLoader(
+      Dataset dataset, const DataLoaderConfig& config, GroupPtr group, bool split_batches,
+      std::shared_ptr<detail::GradientState> gradient_state,
+      std::shared_ptr<detail::LoaderPosition> position = std::make_shared<detail::LoaderPosition>())
       : dataset_(std::move(dataset)),
         processes_(group ? static_cast<size_t>(group->getSize()) : 1),
         rank_(group ? static_cast<size_t>(group->getRank()) : 0),
@@ -180,7 +183,8 @@ class PreparedIterableDataLoader {
           "accel::prepare_data_loader: an iterable dataset is read in its own order (no shuffle, batch_sampler or "
           "SAMPLES layout)");
     if (GroupPtr dispatch = detail::dispatch_group<Batch>(config, true, group))
-      if constexpr (detail::Dispatchable<Batch>) dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
+      if constexpr (detail::Dispatchable<Batch>)
+        dispatcher_ = std::make_unique<detail::Dispatcher<Batch>>(std::move(dispatch));
   }
 
   // Starts a pass. A stream cannot seek: skipped batches are read and dropped.
@@ -200,7 +204,8 @@ class PreparedIterableDataLoader {
       dataset_.reset();
       ahead_ = slice();
     }
-    for (size_t i = 0; i < skip && next(); ++i) {}
+    for (size_t i = 0; i < skip && next(); ++i) {
+    }
     return Iterator(this, detail::Pass(gradient_state_, state_));
   }
   Iterator end() { return Iterator(); }
@@ -247,13 +252,14 @@ class PreparedIterableDataLoader {
     std::optional<Batch> global = global_batch();
     if (!global) return std::nullopt;
     const size_t real_size = global->size();
-    if (processes_ == 1) return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
+    if (processes_ == 1)
+      return detail::RankBatch<Batch>{std::move(*global), real_size, false};  // not sharded, as Accelerate
     if (first_.empty()) first_ = *global;
     while (global->size() < global_) global->insert(global->end(), first_.begin(), first_.end());
     const size_t begin = rank_ * local_;
     return detail::RankBatch<Batch>{Batch(global->begin() + static_cast<std::ptrdiff_t>(begin),
-                                      global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
-                                real_size > begin ? std::min(local_, real_size - begin) : 0, false};
+                                          global->begin() + static_cast<std::ptrdiff_t>(begin + local_)),
+                                    real_size > begin ? std::min(local_, real_size - begin) : 0, false};
   }
 
   Dataset dataset_;

@@ -45,7 +45,7 @@ struct PreparedSet {
   std::vector<torch::optim::Optimizer*> optimizers;
   std::vector<PreparedScheduler> schedulers;
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
-  std::vector<CheckpointedObject> objects;                // in the order registered
+  std::vector<CheckpointedObject> objects;               // in the order registered
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)
@@ -83,7 +83,7 @@ struct PreparedSet {
 // the norm adds up every rank's shards (one all_reduce), and the shards are
 // scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
-                            double norm_type) {
+                             double norm_type) {
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);
@@ -98,11 +98,10 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
     }
     return total;
   };
-  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM,
-                                               set.sharded->front()->shard_group());
+  const double from_shards =
+      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
   const double from_whole = part(whole);
-  const double norm =
-      inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1) {
     for (auto& g : shards) g.mul_(coefficient);

@@ -86,7 +86,9 @@ class JsonReader {
       if (i_ >= text_.size()) fail("unterminated escape");
       const char e = text_[i_++];
       switch (e) {
-        case '"': case '\\': case '/': out += e; break;
+        case '"':
+        case '\\':
+        case '/': out += e; break;
         case 'b': out += '\b'; break;
         case 'f': out += '\f'; break;
         case 'n': out += '\n'; break;
@@ -100,7 +102,8 @@ class JsonReader {
           i_ += 4;
           if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
           if (code < 0x80) out += static_cast<char>(code);  // UTF-8
-          else if (code < 0x800) out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else if (code < 0x800)
+            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
           else
             out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
                     static_cast<char>(0x80 | (code & 0x3F))};
@@ -145,7 +148,7 @@ class JsonReader {
       v.text = std::string(text_.substr(start, i_ - start));
     } else {
       for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
-                                        std::pair{"null", Json::Kind::Null}})
+                                       std::pair{"null", Json::Kind::Null}})
         if (text_.substr(i_, std::strlen(word)) == word) {
           i_ += std::strlen(word);
           v.kind = kind;
@@ -187,7 +190,8 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
 
 // One safetensors file of the named tensors (CPU copies, contiguous).
 inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  static_assert(std::endian::native == std::endian::little, "safetensors is little-endian; so is every host LibTorch runs on");
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
   std::string header = R"({"__metadata__":{"format":"pt"})";
   uint64_t offset = 0;
   for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
@@ -196,8 +200,8 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
     const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
                                     [&](const auto& d) { return d.first == tensor.scalar_type(); });
     if (dtype == safetensors_dtypes.end())
-      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" +
-                            c10::toString(tensor.scalar_type()) + ")");
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
+                            ")");
     std::string shape;
     for (const int64_t d : tensor.sizes()) {
       if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
@@ -254,7 +258,8 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
       throw RuntimeError(what + " lacks dtype, shape or data_offsets");
     const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
                                     [&](const auto& d) { return d.second == dtype->text; });
-    if (known == safetensors_dtypes.end()) throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    if (known == safetensors_dtypes.end())
+      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
     std::vector<int64_t> sizes;
     for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
     const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");

@@ -189,8 +189,8 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     }
     batches_.clear();
     if (o.layout == ShardLayout::SAMPLES) {
-      const size_t total = o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas
-                                                        : o.size;
+      const size_t total =
+          o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
       const size_t local = o.split_batches ? o.batch_size / o.num_replicas : o.batch_size;
       detail::SlotBatch mine;
       for (size_t position = o.rank; position < total; position += o.num_replicas)
@@ -206,22 +206,22 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
         for (size_t b = 0; b < sequence.size(); ++b)
           for (size_t i : sequence[b])
             if (i >= o.size)
-              throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) +
-                                      " holds index " + std::to_string(i) + ", past the dataset's " +
-                                      std::to_string(o.size) + " samples");
+              throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds index " +
+                               std::to_string(i) + ", past the dataset's " + std::to_string(o.size) + " samples");
       } else {
         for (size_t i = 0; i < order.size(); i += o.batch_size)
           if (i + o.batch_size <= order.size() || !o.drop_last)
-            sequence.emplace_back(order.begin() + static_cast<std::ptrdiff_t>(i),
-                                  order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
+            sequence.emplace_back(
+                order.begin() + static_cast<std::ptrdiff_t>(i),
+                order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
       }
       batches_ = detail::shard_batches(sequence, o.batch_sampler ? std::nullopt : std::optional<size_t>(o.batch_size),
                                        o.num_replicas, o.rank, o.split_batches, o.even_batches, o.drop_last);
     }
     record_->real_per_batch.clear();
     for (const auto& batch : batches_)
-      record_->real_per_batch.push_back(static_cast<size_t>(
-          std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
+      record_->real_per_batch.push_back(
+          static_cast<size_t>(std::count_if(batch.begin(), batch.end(), [](const detail::Slot& s) { return s.real; })));
     next_ = std::min(std::exchange(record_->skip, 0), batches_.size());
   }
 
@@ -282,12 +282,12 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
 };
 
 struct DataLoaderConfig {
-  size_t batch_size = 1;    // per process, or global with AcceleratorConfig::split_batches
+  size_t batch_size = 1;  // per process, or global with AcceleratorConfig::split_batches
   bool shuffle = false;
-  uint64_t seed = 0;        // shuffled order: randperm under seed + epoch
-  bool even_batches = true; // complete the last round from the start, so every process gets as many batches
-  bool drop_last = false;   // drop the incomplete last batch (and, BATCHES, an incomplete last round)
-  size_t workers = 0;       // LibTorch's loader threads
+  uint64_t seed = 0;         // shuffled order: randperm under seed + epoch
+  bool even_batches = true;  // complete the last round from the start, so every process gets as many batches
+  bool drop_last = false;    // drop the incomplete last batch (and, BATCHES, an incomplete last round)
+  size_t workers = 0;        // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
   BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
   // The main process reads every global batch and sends each process its
@@ -351,8 +351,7 @@ class Pass {
     gradient_state_->active.push_back(state_.get());
     *state_ = {};
   }
-  Pass(Pass&& other) noexcept
-      : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
+  Pass(Pass&& other) noexcept : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
   Pass(const Pass&) = delete;
   Pass& operator=(const Pass&) = delete;
   Pass& operator=(Pass&&) = delete;

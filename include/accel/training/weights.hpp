@@ -26,53 +26,53 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
   const fs::path path = detail::checkpoint_path(dir, "save_model");
   if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
   std::string error;
-  if (accel::get_rank() == 0) error = detail::error_of([&] {
-    using Named = std::vector<std::pair<std::string, at::Tensor>>;
-    std::vector<Named> shards(1);
-    uint64_t in_shard = 0, total = 0;
-    for (auto& named : detail::state_dict(*model.ptr())) {
-      const uint64_t bytes = named.second.numel() * named.second.element_size();
-      if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
-        shards.emplace_back();
-        in_shard = 0;
+  if (accel::get_rank() == 0)
+    error = detail::error_of([&] {
+      using Named = std::vector<std::pair<std::string, at::Tensor>>;
+      std::vector<Named> shards(1);
+      uint64_t in_shard = 0, total = 0;
+      for (auto& named : detail::state_dict(*model.ptr())) {
+        const uint64_t bytes = named.second.numel() * named.second.element_size();
+        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+          shards.emplace_back();
+          in_shard = 0;
+        }
+        shards.back().push_back(std::move(named));
+        in_shard += bytes;
+        total += bytes;
       }
-      shards.back().push_back(std::move(named));
-      in_shard += bytes;
-      total += bytes;
-    }
-    fs::create_directories(path);
-    std::set<std::string> written;
-    if (shards.size() == 1) {
-      fs::remove(path / "model.safetensors.index.json");  // it would be read first
-      detail::write_safetensors(path / "model.safetensors", shards[0]);
-      written.insert("model.safetensors");
-    } else {
-      std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-      for (std::size_t k = 0; k < shards.size(); ++k) {
-        char name[64];
-        std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-        detail::write_safetensors(path / name, shards[k]);
-        written.insert(name);
-        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      fs::create_directories(path);
+      std::set<std::string> written;
+      if (shards.size() == 1) {
+        fs::remove(path / "model.safetensors.index.json");  // it would be read first
+        detail::write_safetensors(path / "model.safetensors", shards[0]);
+        written.insert("model.safetensors");
+      } else {
+        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          char name[64];
+          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+          detail::write_safetensors(path / name, shards[k]);
+          written.insert(name);
+          for (const auto& named : shards[k]) weight_map[named.first] = name;
+        }
+        std::string index =
+            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
+                   detail::json_quote(file);
+        index += "\n  }\n}\n";
+        detail::write_file_atomically(path / "model.safetensors.index.json", [&](std::ofstream& out) { out << index; });
+        written.insert("model.safetensors.index.json");
       }
-      std::string index = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) +
-                          "\n  },\n  \"weight_map\": {";
-      for (const auto& [tensor, file] : weight_map)
-        index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
-                 detail::json_quote(file);
-      index += "\n  }\n}\n";
-      detail::write_file_atomically(path / "model.safetensors.index.json",
-                                    [&](std::ofstream& out) { out << index; });
-      written.insert("model.safetensors.index.json");
-    }
-    for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-      const std::string name = entry.path().filename().string();
-      const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                        (name.starts_with("model-") && name.ends_with(".safetensors"));
-      if (ours && !written.count(name)) fs::remove(entry.path());
-    }
-    detail::fsync_path(path);
-  });
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string name = entry.path().filename().string();
+        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                          (name.starts_with("model-") && name.ends_with(".safetensors"));
+        if (ours && !written.count(name)) fs::remove(entry.path());
+      }
+      detail::fsync_path(path);
+    });
   detail::fail_together(error, "accel::save_model");
 }
 
