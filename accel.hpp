@@ -6167,6 +6167,10 @@ ACCEL_NAMESPACE_BEGIN
 // summon_full_params() gathers everything for as long as it lives
 // (checkpoints, exports, inspection).
 //
+// The class owns the state (dp_state.hpp) and keeps the API; the work is
+// in dp_reducer.hpp (the buckets), dp_shards.hpp (ZeRO-2) and dp_units.hpp
+// (ZeRO-3), on that state.
+//
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.
