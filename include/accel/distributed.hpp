@@ -25,6 +25,7 @@
 #include "accel/distributed/exchange.hpp"
 #include "accel/distributed/rendezvous.hpp"
 #include "accel/distributed/mesh.hpp"
+#include "accel/distributed/world.hpp"
 #include "accel/distributed/interface.hpp"
 #include "accel/distributed/nested.hpp"
 #include "accel/distributed/operations.hpp"
