@@ -208,6 +208,25 @@ bool same_state(torch::nn::Module& a, torch::nn::Module& b) {
   return true;
 }
 
+// What `script` prints (stdout and stderr) under the leg's own Python
+// (ACCEL_TEST_PYTHON, else Debian's python3), for live comparisons with torch;
+// a failing script fails the test case, showing its output.
+std::string python_output(const char* script, const std::string& stem) {
+  const auto path = std::filesystem::temp_directory_path() / ("accel_" + stem + "_" + std::to_string(getpid()) + ".py");
+  std::ofstream(path) << script;
+  const std::string python_exe = accel::detail::getenv_str("ACCEL_TEST_PYTHON").value_or("/usr/bin/python3");
+  FILE* pipe = popen((python_exe + " " + path.string() + " 2>&1").c_str(), "r");
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  char buffer[4096];
+  while (std::size_t got = fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, got);
+  const int status = pclose(pipe);
+  std::filesystem::remove(path);
+  INFO(out);
+  REQUIRE(status == 0);
+  return out;
+}
+
 std::string file_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -2117,18 +2136,7 @@ TEST_SUITE("single") {
         "  r = dist._compute_bucket_assignment_by_size([torch.empty([m], dtype=dt[c]) for m, c in ts], limits)\n"
         "  print(' '.join(map(str, limits)), '|', ' '.join(f'{m}{c}' for m, c in ts), '|',\n"
         "        ' '.join(','.join(map(str, b)) for b in r[0]), '|', ' '.join(map(str, r[1])))\n";
-    const auto path = std::filesystem::temp_directory_path() / ("accel_buckets_" + std::to_string(getpid()) + ".py");
-    std::ofstream(path) << script;
-    const std::string python_exe = accel::detail::getenv_str("ACCEL_TEST_PYTHON").value_or("/usr/bin/python3");
-    FILE* pipe = popen((python_exe + " " + path.string() + " 2>&1").c_str(), "r");
-    REQUIRE(pipe != nullptr);
-    std::string python;
-    char buffer[4096];
-    while (std::size_t got = fread(buffer, 1, sizeof buffer, pipe)) python.append(buffer, got);
-    const int status = pclose(pipe);
-    std::filesystem::remove(path);
-    INFO(python);
-    REQUIRE(status == 0);
+    const std::string python = python_output(script, "buckets");
     std::istringstream lines(python);
     std::ostringstream ours;
     int cases = 0;
@@ -2176,18 +2184,7 @@ TEST_SUITE("single") {
         "          d = D(range(n), num_replicas=P, rank=r, shuffle=bool(s), seed=3)\n"
         "          d.set_epoch(e)\n"
         "          print(n, P, s, e, r, *list(d))\n";
-    const auto path = std::filesystem::temp_directory_path() / ("accel_sampler_" + std::to_string(getpid()) + ".py");
-    std::ofstream(path) << script;
-    const std::string python_exe = accel::detail::getenv_str("ACCEL_TEST_PYTHON").value_or("/usr/bin/python3");
-    FILE* pipe = popen((python_exe + " " + path.string() + " 2>&1").c_str(), "r");
-    REQUIRE(pipe != nullptr);
-    std::string python;
-    char buffer[4096];
-    while (std::size_t got = fread(buffer, 1, sizeof buffer, pipe)) python.append(buffer, got);
-    const int status = pclose(pipe);
-    std::filesystem::remove(path);
-    INFO(python);
-    REQUIRE(status == 0);
+    const std::string python = python_output(script, "sampler");
     std::ostringstream ours;
     for (std::size_t n : {1, 3, 7, 10, 33})
       for (std::size_t P = 1; P <= 4; ++P)

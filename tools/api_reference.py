@@ -93,7 +93,7 @@ def signature(head):
     return head
 
 
-def declarations(text, mask, start, end, indent, in_class=False, public=True):
+def declarations(text, mask, start, end, in_class=False, public=True):
     """The public declarations in text[start:end], each as lines of text."""
     out = []
     i = start
@@ -154,14 +154,14 @@ def declarations(text, mask, start, end, indent, in_class=False, public=True):
             keep = False
         if keep and re.match(r"^namespace \w+", first):  # a public namespace (autograd, comm_hooks)
             out.append(comment + [head + " {"])
-            out.extend(declarations(text, mask, j + 1, body[1] - 1, indent))
+            out.extend(declarations(text, mask, j + 1, body[1] - 1))
             out.append([f"}}  // {first}"])
         elif keep and body is not None and re.search(r"\benum\b", head):
             out.append(comment + [text[i:body[1]].rstrip()])
         elif keep and body is not None and re.search(r"\b(struct|class|union)\s+\w+[^(]*$", head) \
                 and not re.search(r"\)\s*(const\s*)?(noexcept\s*)?$", head):
             is_struct = re.search(r"(^|\s)(struct|union)\s", head.split("\n")[-1]) is not None
-            members = declarations(text, mask, j + 1, body[1] - 1, indent, in_class=True, public=is_struct)
+            members = declarations(text, mask, j + 1, body[1] - 1, in_class=True, public=is_struct)
             block = comment + [head + " {"]
             for m in members:
                 block.extend(m)
@@ -192,7 +192,7 @@ def part_api(name):
     stop = [m.start() for m in re.finditer(r"^ACCEL_NAMESPACE_END$", text, re.M)][-1]
     mask = code_mask(text)
     start = text.find("\n", begin) + 1
-    return title, declarations(text, mask, start, stop, 0)
+    return title, declarations(text, mask, start, stop)
 
 
 def render():
