@@ -182,6 +182,38 @@ TEST_SUITE("single") {
     accel::set_debug_mode(std::nullopt);
     CHECK_FALSE(accel::debug_mode());
   }
+
+  TEST_CASE("debug mode on a group made with c10d directly: a clear error until set_debug_mode sets its check up") {
+    // The check is reached through a pointer that registering a group or set_debug_mode sets
+    // (registration.hpp); start as a process where neither has happened yet.
+    auto& verify = accel::detail::registry().verify_same_call;
+    const auto installed = verify.exchange(nullptr);
+    char dir[] = "/tmp/accel_raw_group_XXXXXX";
+    REQUIRE(mkdtemp(dir) != nullptr);
+    {
+      auto store = c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/store", 1);
+      auto options = c10d::ProcessGroupGloo::Options::create();
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      // (detail::new_group wraps the backend in a ProcessGroup on LibTorch 2.x; it registers nothing.)
+      const accel::GroupPtr group = accel::detail::new_group<c10d::ProcessGroupGloo>(
+          store, 0, 1, options, c10::DeviceType::CPU, std::chrono::seconds(60));
+      EnvGuard env{{"ACCEL_DEBUG_MODE", "1"}};
+      accel::set_debug_mode(std::nullopt);  // sets the check up (it is a switch of debug mode)
+      CHECK(accel::all_reduce(3, accel::ReduceOp::SUM, group) == 3);
+      verify.store(nullptr);  // back to a process that only read ACCEL_DEBUG_MODE
+      CHECK_THROWS_WITH_AS(accel::all_reduce(3, accel::ReduceOp::SUM, group),
+                           doctest::Contains("call accel::set_debug_mode(true) before using a group made with c10d"),
+                           std::logic_error);
+      accel::set_debug_mode(true);
+      CHECK(accel::all_reduce(3, accel::ReduceOp::SUM, group) == 3);
+      CHECK((verify.load() == &accel::detail::verify_same_call));
+      accel::set_debug_mode(false);
+      CHECK(accel::all_reduce(3, accel::ReduceOp::SUM, group) == 3);
+    }
+    accel::set_debug_mode(std::nullopt);
+    if (installed) verify.store(installed);
+    std::filesystem::remove_all(dir);
+  }
 }
 
 // == ranks: the same cases at 1, 2, 3 and 4 ranks ==============================

@@ -20,6 +20,7 @@
 #include "accel/distributed/concepts.hpp"
 #include "accel/distributed/issue.hpp"
 #include "accel/distributed/staging.hpp"
+#include "accel/distributed/registration.hpp"
 #include "accel/distributed/work.hpp"
 #include "accel/distributed/collectives.hpp"
 #include "accel/distributed/exchange.hpp"

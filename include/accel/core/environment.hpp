@@ -162,6 +162,21 @@ inline std::array<bool, 4> present(const LauncherVars& vars) {
           std::getenv(vars.local_size) != nullptr || (vars.local_size_alt && std::getenv(vars.local_size_alt))};
 }
 
+// The launcher whose variables are set, at least in part (torchrun's: RANK),
+// or null. Unlike launch_env() it reads no values and cannot fail: a
+// collective with no world group asks it, to tell a process that is alone
+// (where collectives are the identity) from one that has not called
+// DistributedInterface::instance() yet. Being a few getenv calls, it keeps
+// the environment's parse out of every translation unit that calls a
+// collective.
+inline const char* launcher_in_environment() {
+  for (const auto& vars : kLaunchers) {
+    const std::array<bool, 4> set = present(vars);
+    if (vars.defaults ? set[0] : std::count(set.begin(), set.end(), true) > 0) return vars.launcher;
+  }
+  return nullptr;
+}
+
 // The launch environment, read and validated in one pass (see kLaunchers).
 inline LaunchEnv launch_env() {
   const LauncherVars* partial = nullptr;

@@ -31,10 +31,6 @@ inline bool debug_mode() {
   }
   return state == 1;
 }
-// Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
-inline void set_debug_mode(std::optional<bool> on) {
-  detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
-}
 
 namespace detail {
 struct GroupRegistry {
@@ -42,33 +38,29 @@ struct GroupRegistry {
   // a null group find it, without a lock.
   std::atomic<c10d::ProcessGroup*> world{nullptr};
   std::mutex mutex;  // guards entries (read only to word and diagnose errors)
+  // A group's roll call (registration.hpp), run after a timeout on a group with a store.
+  // The entry points to that code instead of failure() calling it, so that
+  // only the translation units that make groups (register_group) compile its
+  // thread and store protocol, not every one that calls a collective: it was
+  // a third of what one call costs to compile.
+  using RollCall = std::string (*)(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
+                                   std::chrono::milliseconds grace);
   struct Entry {
     std::string name;
     c10::intrusive_ptr<c10d::Store> store;  // the group's own keys, for roll calls; may be null
+    RollCall roll_call = nullptr;
     int roll_calls = 0;
   };
   std::map<const c10d::ProcessGroup*, Entry> entries;
+  // Debug mode's check that every rank made the same call (verify_same_call),
+  // pointed to for the same reason: set by register_group and set_debug_mode.
+  std::atomic<void (*)(c10d::ProcessGroup&, const std::string&)> verify_same_call{nullptr};
 };
 // Never destroyed: the singleton may release its groups during static
 // destruction at exit, after a registry with a destructor would be gone.
 inline GroupRegistry& registry() {
   static GroupRegistry* instance = new GroupRegistry;
   return *instance;
-}
-
-inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
-                           bool is_world = false) {
-  auto& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  reg.entries[group.get()] = {std::move(name), std::move(store)};
-  if (is_world) reg.world.store(group.get());
-}
-inline void unregister_group(const GroupPtr& group) {
-  auto& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  reg.entries.erase(group.get());
-  c10d::ProcessGroup* expected = group.get();
-  reg.world.compare_exchange_strong(expected, nullptr);
 }
 
 inline std::string group_name(const c10d::ProcessGroup& group) {
@@ -79,20 +71,25 @@ inline std::string group_name(const c10d::ProcessGroup& group) {
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
-  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " + std::to_string(group.getRank()) +
-         " of " + std::to_string(group.getSize()) + ")";
+  std::ostringstream text;  // (not std::string's +: each + is inlined code in every file that calls a collective)
+  text << "group '" << group_name(group) << "' (" << group.getBackendName() << ", rank " << group.getRank() << " of "
+       << group.getSize() << ")";
+  return text.str();
 }
 
 // The group a collective runs on, not owned (the caller's group, or the
-// world group the interface keeps alive); null when not distributed, where
-// collectives are the identity. No reference counting on the hot path.
+// world group the interface keeps alive); null when no launcher's
+// environment is set, where collectives are the identity. No reference
+// counting on the hot path.
 inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (group) return group.get();
   if (auto* world = registry().world.load()) return world;
-  if (!is_distributed()) return nullptr;
-  throw LogicError(std::string("accel::") + op +
-                   ": RANK is set but no world group exists; call "
-                   "accel::DistributedInterface::instance() first or pass a group");
+  const char* launcher = launcher_in_environment();
+  if (!launcher) return nullptr;
+  const std::string what =
+      launcher == kLaunchers[0].launcher ? "RANK is set" : launcher + std::string("'s environment is set");
+  throw LogicError(std::string("accel::") + op + ": " + what +
+                   " but no world group exists; call accel::DistributedInterface::instance() first or pass a group");
 }
 
 inline std::string error_text(const std::exception& e) {
@@ -101,71 +98,50 @@ inline std::string error_text(const std::exception& e) {
 }
 
 // Runs `work` on a thread of its own and waits for it at most `limit`:
-// its result (or its exception), or nullopt when it overran. An overrun
-// thread is abandoned, still running, so `work` must own everything it uses
-// (capture by value). For calls into c10d's store clients, which can wait
-// for an answer with no timeout of their own (a stopped serving rank).
-template <class R, class Work>
-std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
-  auto done = std::make_shared<std::promise<R>>();
-  std::future<R> result = done->get_future();
-  std::thread([done, work = std::move(work)]() mutable {
+// true when it finished (rethrowing what it threw), false when it overran.
+// An overrun thread is abandoned, still running, so `work` must own
+// everything it uses (capture by value). For calls into c10d's store
+// clients, which can wait for an answer with no timeout of their own (a
+// stopped serving rank). Not a template, so that the thread and promise
+// machinery is compiled once, not once per caller.
+inline bool finished_within(std::chrono::milliseconds limit, std::function<void()> work) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  std::thread([done, work = std::move(work)] {
     try {
-      done->set_value(work());
+      work();
+      done->set_value();
     } catch (...) {
       done->set_exception(std::current_exception());
     }
   }).detach();
-  if (result.wait_for(limit) != std::future_status::ready) return std::nullopt;
-  return result.get();
+  if (finished.wait_for(limit) != std::future_status::ready) return false;
+  finished.get();
+  return true;
+}
+// The same for work with a result: the result, or nullopt when it overran.
+template <class R, class Work>
+std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
+  auto result = std::make_shared<std::optional<R>>();  // shared with a thread that may outlive this call
+  if (!finished_within(limit, [result, work = std::move(work)]() mutable { *result = work(); })) return std::nullopt;
+  return std::move(*result);
 }
 
-// After a collective timed out: which ranks of the group did not time out
-// with it? Every rank that gets here reports in the group's store and waits
-// up to `grace` for the others; those that never report are named (hung, or
-// stuck somewhere else). A hint, as " (...)" for the error message, or "".
-// The store may itself be served by the hung rank (a TCPStore on rank 0):
-// the roll call runs on a thread of its own and is abandoned after
-// grace + 1 s, so it can never add more than that to the error.
+// The roll call of a group accel made (registered with its store), or "".
 inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
   c10::intrusive_ptr<c10d::Store> store;
+  GroupRegistry::RollCall call_roll = nullptr;
   int call = 0;
   {
     auto& reg = registry();
     std::lock_guard lock(reg.mutex);
     auto it = reg.entries.find(&group);
-    if (it == reg.entries.end() || !it->second.store) return "";
+    if (it == reg.entries.end() || !it->second.store || !it->second.roll_call) return "";
     store = it->second.store;
+    call_roll = it->second.roll_call;
     call = ++it->second.roll_calls;
   }
-  const int size = group.getSize(), rank = group.getRank();
-  const auto answer = run_within<std::string>(grace + std::chrono::seconds(1), [store, size, rank, call, grace] {
-    try {
-      const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
-      store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
-      if (store->add(base + "reported", 1) == size) store->set(base + "all", std::vector<uint8_t>{1});
-      // Polled: Store::wait's own timeout cannot be shorter than the store's
-      // (FileStore in 1.13 waits the store's timeout whatever it is given).
-      for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
-           std::this_thread::sleep_for(std::chrono::milliseconds(20)))
-        if (store->check({base + "all"})) return std::string();  // everyone timed out alike
-      const int64_t reported = store->add(base + "reported", 0);
-      std::string missing;
-      int64_t named = 0;
-      for (int r = 0; r < size && named < std::min<int64_t>(size - reported, 16); ++r)
-        if (!store->check({base + std::to_string(r)})) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-          ++named;
-        }
-      if (size - reported > named) missing += ", ...";
-      return " (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
-             "did not reach this timeout within " + std::to_string(grace.count()) +
-             " ms of this rank: hung, or stuck elsewhere)";
-    } catch (...) {
-      return std::string();
-    }
-  });
-  return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
+  return call_roll(std::move(store), group.getSize(), group.getRank(), call, grace);
 }
 
 inline bool is_timeout(const std::string& text) {
@@ -179,8 +155,10 @@ inline bool is_timeout(const std::string& text) {
 // also the ranks that seem to be the cause: roll_call).
 inline DistributedError failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
   const std::string text = error_text(e);
-  return DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " + text +
-                          (is_timeout(text) ? roll_call(group) : std::string()));
+  std::ostringstream message;
+  message << "accel::" << op << " failed on " << describe(group) << ": " << text;
+  if (is_timeout(text)) message << roll_call(group);
+  return DistributedError(message.str());
 }
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, Issue&& issue) {

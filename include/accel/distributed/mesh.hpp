@@ -6,6 +6,7 @@
 // groups, and a rank creates only the groups it belongs to.
 #pragma once
 
+#include "accel/distributed/registration.hpp"
 #include "accel/distributed/staging.hpp"
 #include "accel/distributed/rendezvous.hpp"
 

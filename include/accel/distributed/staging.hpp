@@ -434,11 +434,22 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   throw DistributedError(message);
 }
 
+// Debug mode's check, through the pointer that registering a group or
+// set_debug_mode sets (registration.hpp says why).
+inline void verify_call(c10d::ProcessGroup& group, const std::string& call) {
+  auto* verify = registry().verify_same_call.load(std::memory_order_acquire);
+  if (!verify)
+    throw LogicError(
+        "accel: debug mode is on (ACCEL_DEBUG_MODE) but its check is not set up in this process: it comes with the "
+        "groups accel makes (DistributedInterface::instance(), new_group, split_group, meshes) and with "
+        "accel::set_debug_mode(); call accel::set_debug_mode(true) before using a group made with c10d directly");
+  verify(group, call);
+}
 // Runs the debug-mode check when it is on; `describe` builds the text only then.
 template <class Describe>
 void check_same_call(c10d::ProcessGroup& group, Describe&& describe) {
   if (debug_mode()) [[unlikely]]
-    verify_same_call(group, describe());
+    verify_call(group, describe());
 }
 
 inline std::string describe_tensor(const at::Tensor& t, std::optional<int64_t> free_dim = std::nullopt) {

@@ -9,6 +9,7 @@
 
 #include "accel/distributed/exchange.hpp"
 #include "accel/distributed/mesh.hpp"
+#include "accel/distributed/registration.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

@@ -1,0 +1,82 @@
+// accel/distributed/registration.hpp: registering the groups accel makes, with the code that diagnoses their failures.
+//
+// The roll call after a timeout and debug mode's check of every rank's call
+// are reached through pointers that registering a group (or
+// set_debug_mode) sets, not called directly by every collective: a
+// translation unit compiles the code its calls reach, and these two were most
+// of what one collective costs to compile. Only the translation units that
+// make groups or switch debug mode compile them.
+#pragma once
+
+#include "accel/distributed/issue.hpp"
+#include "accel/distributed/staging.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+// Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
+inline void set_debug_mode(std::optional<bool> on) {
+  detail::registry().verify_same_call.store(&detail::verify_same_call, std::memory_order_release);
+  detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
+}
+
+namespace detail {
+// After a collective timed out: which ranks of the group did not time out
+// with it? Every rank that gets here reports in the group's store (its
+// `call`-th roll call) and waits up to `grace` for the others; those that
+// never report are named (hung, or stuck somewhere else). A hint, as
+// " (...)" for the error message, or "". The store may itself be served by
+// the hung rank (a TCPStore on rank 0): the roll call runs on a thread of its
+// own and is abandoned after grace + 1 s, so it can never add more than that
+// to the error.
+inline std::string roll_call_in_store(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
+                                      std::chrono::milliseconds grace) {
+  const auto answer = run_within<std::string>(grace + std::chrono::seconds(1), [store, size, rank, call, grace] {
+    try {
+      const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
+      store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
+      if (store->add(base + "reported", 1) == size) store->set(base + "all", std::vector<uint8_t>{1});
+      // Polled: Store::wait's own timeout cannot be shorter than the store's
+      // (FileStore in 1.13 waits the store's timeout whatever it is given).
+      for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
+           std::this_thread::sleep_for(std::chrono::milliseconds(20)))
+        if (store->check({base + "all"})) return std::string();  // everyone timed out alike
+      const int64_t reported = store->add(base + "reported", 0);
+      std::string missing;
+      int64_t named = 0;
+      for (int r = 0; r < size && named < std::min<int64_t>(size - reported, 16); ++r)
+        if (!store->check({base + std::to_string(r)})) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          ++named;
+        }
+      if (size - reported > named) missing += ", ...";
+      return " (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
+             "did not reach this timeout within " + std::to_string(grace.count()) +
+             " ms of this rank: hung, or stuck elsewhere)";
+    } catch (...) {
+      return std::string();
+    }
+  });
+  return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
+}
+
+// Groups accel makes are named for error messages and keep their store for
+// the roll call; collectives accept other groups as well.
+inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
+                           bool is_world = false) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.entries[group.get()] = {std::move(name), std::move(store), &roll_call_in_store};
+  reg.verify_same_call.store(&verify_same_call, std::memory_order_release);
+  if (is_world) reg.world.store(group.get());
+}
+inline void unregister_group(const GroupPtr& group) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.entries.erase(group.get());
+  c10d::ProcessGroup* expected = group.get();
+  reg.world.compare_exchange_strong(expected, nullptr);
+}
+
+}  // namespace detail
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,13 @@
+// Compiled twice for the CTest entry diagnostics_out_of_line: a user's file
+// that calls one collective must not compile the roll call's thread and store
+// protocol nor debug mode's check (registration.hpp says why); a file that
+// makes groups compiles both (the control: the symbols are looked for where
+// they must be).
+#include "accel.hpp"
+
+int main() {
+#ifdef ACCEL_PROBE_MAKES_GROUPS
+  accel::DistributedInterface::instance();
+#endif
+  return accel::all_reduce(1) - 1;
+}
