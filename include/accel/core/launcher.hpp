@@ -90,6 +90,7 @@ class RankSet {
   ChildRank& operator[](std::size_t rank) { return ranks_[rank]; }
   std::vector<ChildRank>::iterator begin() { return ranks_.begin(); }
   std::vector<ChildRank>::iterator end() { return ranks_.end(); }
+  std::size_t size() const { return ranks_.size(); }
 
  private:
   std::vector<ChildRank> ranks_;
@@ -129,6 +130,110 @@ class PrivateDir {
  private:
   std::string path_;
 };
+
+// Rank `rank`'s environment for launch_processes: the caller's, with the
+// launch variables set (and OMP_NUM_THREADS=1 beside other ranks unless set).
+inline std::vector<std::string> rank_environment(int rank, int nprocs, int port, const std::string& store_dir,
+                                                 const std::vector<std::pair<std::string, std::string>>& extra_env) {
+  std::vector<std::pair<std::string, std::string>> set = {
+      {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
+      {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
+      {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir}};
+  if (!getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
+  if (nprocs > 1 && !getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
+  set.insert(set.end(), extra_env.begin(), extra_env.end());
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    const auto name = entry.substr(0, entry.find('='));
+    if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; })) env.emplace_back(entry);
+  }
+  for (const auto& [name, value] : set) env.push_back(name + "=" + value);
+  return env;
+}
+
+// Forks one rank and execs the program in it, its output into a pipe that
+// `child` reads from then on. The environment and every string are made
+// before fork: between fork and exec the child may only make
+// async-signal-safe calls (no allocation).
+inline void start_rank(ChildRank& child, std::vector<char*>& args, const std::vector<std::string>& env, pid_t launcher,
+                       const std::string& exec_error) {
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  int fds[2];
+  if (pipe(fds) != 0) throw RuntimeError(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int error = errno;
+    close(fds[0]);
+    close(fds[1]);
+    throw RuntimeError(std::string("accel::launch_processes: fork: ") + std::strerror(error));
+  }
+  if (pid == 0) {  // only async-signal-safe calls from here to exec
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+    if (getppid() != launcher) _exit(127);
+    signal(SIGPIPE, SIG_DFL);  // a distributed launcher ignores it (detail::ignore_sigpipe)
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execvpe(args[0], args.data(), envp.data());
+    if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
+    _exit(127);
+  }
+  child.pid = pid;  // owned by the rank set from here
+  child.out = fds[0];
+  setpgid(pid, pid);
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, O_NONBLOCK);
+}
+
+// Forwards the ranks' output until every rank has ended: the first non-zero
+// status (or 124 after the timeout) stops the others and is the result.
+inline int supervise(RankSet& ranks, const LaunchOptions& options) {
+  const int nprocs = static_cast<int>(ranks.size());
+  const auto start = std::chrono::steady_clock::now();
+  int running = nprocs, result = 0;
+  while (running > 0) {
+    std::vector<pollfd> fds;
+    for (auto& child : ranks)
+      if (child.out >= 0) fds.push_back({child.out, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (int rank = 0; rank < nprocs; ++rank) {
+      auto& child = ranks[static_cast<std::size_t>(rank)];
+      if (child.out >= 0) forward_output(rank, child, false, options);
+      if (!child.running) continue;
+      int status = 0;
+      if (waitpid(child.pid, &status, WNOHANG) != child.pid) continue;
+      child.running = false;
+      --running;
+      kill(-child.pid, SIGKILL);  // anything the rank left running in its group
+      forward_output(rank, child, true, options);
+      RankSet::close_output(child);
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && result == 0) {
+        *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
+                     << std::endl;
+        result = code;
+        ranks.stop();
+        running = 0;
+      }
+    }
+    if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
+      *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
+      ranks.stop();
+      result = 124;
+      running = 0;
+    }
+  }
+  for (int rank = 0; rank < nprocs; ++rank) {
+    auto& child = ranks[static_cast<std::size_t>(rank)];
+    if (child.out >= 0) forward_output(rank, child, true, options);
+  }
+  return result;  // the rank set closes the pipes
+}
 }  // namespace detail
 
 // Starts nprocs ranks of `argv` (argv[0] looked up in PATH) on this host and
@@ -154,99 +259,11 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   detail::RankSet ranks(static_cast<std::size_t>(nprocs));
   options.out->flush();
   const int port = detail::free_port();
-  // Each rank's environment is built here, before fork: between fork and
-  // exec the child may only make async-signal-safe calls (no allocation).
-  auto environment_of = [&](int rank) {
-    std::vector<std::pair<std::string, std::string>> set = {
-        {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
-        {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
-        {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir.path()}};
-    if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
-    if (nprocs > 1 && !detail::getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
-    set.insert(set.end(), extra_env.begin(), extra_env.end());
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) {
-      const std::string_view entry(*e);
-      const auto name = entry.substr(0, entry.find('='));
-      if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; }))
-        env.emplace_back(entry);
-    }
-    for (const auto& [name, value] : set) env.push_back(name + "=" + value);
-    return env;
-  };
   const std::string exec_error = "accel: cannot run " + argv[0] + "\n";
-  for (int rank = 0; rank < nprocs; ++rank) {
-    const std::vector<std::string> env = environment_of(rank);
-    std::vector<char*> envp;
-    for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    int fds[2];
-    if (pipe(fds) != 0) throw RuntimeError(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
-    const pid_t pid = fork();
-    if (pid < 0) {
-      const int error = errno;
-      close(fds[0]);
-      close(fds[1]);
-      throw RuntimeError(std::string("accel::launch_processes: fork: ") + std::strerror(error));
-    }
-    if (pid == 0) {  // only async-signal-safe calls from here to exec
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
-      if (getppid() != launcher) _exit(127);
-      signal(SIGPIPE, SIG_DFL);  // a distributed launcher ignores it (detail::ignore_sigpipe)
-      dup2(fds[1], STDOUT_FILENO);
-      dup2(fds[1], STDERR_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      execvpe(args[0], args.data(), envp.data());
-      if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
-      _exit(127);
-    }
-    ranks[static_cast<std::size_t>(rank)].pid = pid;  // owned by the rank set from here
-    ranks[static_cast<std::size_t>(rank)].out = fds[0];
-    setpgid(pid, pid);
-    close(fds[1]);
-    fcntl(fds[0], F_SETFL, O_NONBLOCK);
-  }
-  const auto start = std::chrono::steady_clock::now();
-  int running = nprocs, result = 0;
-  while (running > 0) {
-    std::vector<pollfd> fds;
-    for (auto& child : ranks)
-      if (child.out >= 0) fds.push_back({child.out, POLLIN, 0});
-    poll(fds.data(), fds.size(), 100);
-    for (int rank = 0; rank < nprocs; ++rank) {
-      auto& child = ranks[static_cast<std::size_t>(rank)];
-      if (child.out >= 0) detail::forward_output(rank, child, false, options);
-      if (!child.running) continue;
-      int status = 0;
-      if (waitpid(child.pid, &status, WNOHANG) != child.pid) continue;
-      child.running = false;
-      --running;
-      kill(-child.pid, SIGKILL);  // anything the rank left running in its group
-      detail::forward_output(rank, child, true, options);
-      detail::RankSet::close_output(child);
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (code != 0 && result == 0) {
-        *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
-                     << std::endl;
-        result = code;
-        ranks.stop();
-        running = 0;
-      }
-    }
-    if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
-      *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
-      ranks.stop();
-      result = 124;
-      running = 0;
-    }
-  }
-  for (int rank = 0; rank < nprocs; ++rank) {
-    auto& child = ranks[static_cast<std::size_t>(rank)];
-    if (child.out >= 0) detail::forward_output(rank, child, true, options);
-  }
-  return result;  // the rank set closes the pipes
+  for (int rank = 0; rank < nprocs; ++rank)
+    detail::start_rank(ranks[static_cast<std::size_t>(rank)], args,
+                       detail::rank_environment(rank, nprocs, port, store_dir.path(), extra_env), launcher, exec_error);
+  return detail::supervise(ranks, options);
 }
 
 // In the caller: starts nprocs ranks of this very program (same arguments)

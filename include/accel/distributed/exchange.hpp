@@ -238,7 +238,7 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_sp
   if (!g && output_split_sizes != input_split_sizes)
     throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
   if (g && debug_mode()) [[unlikely]] {
-    verify_same_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
+    verify_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
     // Every rank's sizes, so that every rank finds a disagreement alike.
     std::vector<int64_t> mine = input_split_sizes;
     mine.insert(mine.end(), output_split_sizes.begin(), output_split_sizes.end());
@@ -396,6 +396,80 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   }
 }
 
+namespace detail {
+// scatter's tensor form: src first broadcasts a header (dtype, rank and
+// sizes, or -1 when its parts disagree), so that every rank can allocate
+// its output.
+inline at::Tensor scatter_tensor(c10d::ProcessGroup& group, const std::vector<at::Tensor>& parts_on_src, int src,
+                                 bool root) {
+  // The header: dtype, rank and sizes (or -1 and why, when the parts disagree).
+  constexpr int kMaxDims = 64;
+  std::array<int64_t, 2 + kMaxDims> header{};
+  if (root) {
+    const at::Tensor& first = parts_on_src[0];
+    header[0] = static_cast<int64_t>(first.scalar_type());
+    header[1] = first.dim();
+    for (const auto& part : parts_on_src)
+      if (!part.defined() || part.sizes() != first.sizes() || part.scalar_type() != first.scalar_type() ||
+          part.device() != first.device() || first.dim() > kMaxDims)
+        header[1] = -1;
+    for (int64_t d = 0; d < std::min<int64_t>(first.dim(), kMaxDims); ++d) header[2 + d] = first.size(d);
+  }
+  at::Tensor header_view = at::from_blob(header.data(), {2 + kMaxDims}, cpu_options(c10::kLong));
+  broadcast_tensor(group, header_view, src);
+  if (header[1] < 0)
+    throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
+                          describe(group) +
+                          ") must all be defined and share one shape, dtype and device"
+                          " (at most 64 dimensions)");
+  const auto dtype = static_cast<c10::ScalarType>(header[0]);
+  const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
+  const c10::Device device = root ? parts_on_src[0].device() : group_device(group);
+  at::Tensor output = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  if (output.numel() == 0) return output;
+  const auto staging = staging_device(group, output);
+  at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
+  std::vector<at::Tensor> outputs{as_wire(group, target)};
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (root) {
+    inputs.emplace_back();
+    for (const auto& part : parts_on_src)
+      inputs[0].push_back(as_wire(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
+  }
+  c10d::ScatterOptions opts;
+  opts.rootRank = src;
+  run("scatter", group, [&] { return group.scatter(outputs, inputs, opts); });
+  if (staging) output.copy_(target);
+  return output;
+}
+// scatter's scalar and std::vector forms: bytes, each part with its length.
+template <TensorLike T>
+T scatter_values(c10d::ProcessGroup& group, const std::vector<T>& parts_on_src, int src, bool root) {
+  using E = element_t<T>;
+  std::vector<std::vector<char>> pieces;
+  if (root)
+    for (const auto& part : parts_on_src) {
+      if constexpr (Scalar<T>) {
+        const auto* bytes = reinterpret_cast<const char*>(&part);
+        pieces.emplace_back(bytes, bytes + sizeof(T));
+      } else {
+        const auto* bytes = reinterpret_cast<const char*>(part.data());
+        pieces.emplace_back(bytes, bytes + part.size() * sizeof(E));
+      }
+    }
+  std::vector<char> mine = scatter_bytes(group, src, pieces, "scatter");
+  if (root) mine = pieces[static_cast<std::size_t>(src)];
+  T out{};
+  if constexpr (Scalar<T>) {
+    std::memcpy(&out, mine.data(), sizeof(T));
+  } else {
+    out.resize(mine.size() / sizeof(E));
+    if (!mine.empty()) std::memcpy(out.data(), mine.data(), mine.size());
+  }
+  return out;
+}
+}  // namespace detail
+
 // Rank `src` sends parts_on_src[r] to rank r of the group; every rank returns
 // its own part. Only src reads parts_on_src (the others may pass {}); src
 // tells the others the shape and dtype first (tensors: one small broadcast;
@@ -419,70 +493,8 @@ T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {
     else return "scatter(vector<" + detail::type_tag<detail::element_t<T>>() + ">, src=" + std::to_string(src) + ")";
   });
   at::NoGradGuard no_grad;
-  if constexpr (std::same_as<T, at::Tensor>) {
-    // The header: dtype, rank and sizes (or -1 and why, when the parts disagree).
-    constexpr int kMaxDims = 64;
-    std::array<int64_t, 2 + kMaxDims> header{};
-    if (root) {
-      const at::Tensor& first = parts_on_src[0];
-      header[0] = static_cast<int64_t>(first.scalar_type());
-      header[1] = first.dim();
-      for (const auto& part : parts_on_src)
-        if (!part.defined() || part.sizes() != first.sizes() || part.scalar_type() != first.scalar_type() ||
-            part.device() != first.device() || first.dim() > kMaxDims)
-          header[1] = -1;
-      for (int64_t d = 0; d < std::min<int64_t>(first.dim(), kMaxDims); ++d) header[2 + d] = first.size(d);
-    }
-    at::Tensor header_view = at::from_blob(header.data(), {2 + kMaxDims}, detail::cpu_options(c10::kLong));
-    detail::broadcast_tensor(*g, header_view, src);
-    if (header[1] < 0)
-      throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
-                            detail::describe(*g) +
-                            ") must all be defined and share one shape, dtype and device"
-                            " (at most 64 dimensions)");
-    const auto dtype = static_cast<c10::ScalarType>(header[0]);
-    const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
-    const c10::Device device = root ? parts_on_src[0].device() : detail::group_device(*g);
-    at::Tensor output = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
-    if (output.numel() == 0) return output;
-    const auto staging = detail::staging_device(*g, output);
-    at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
-    std::vector<at::Tensor> outputs{detail::as_wire(*g, target)};
-    std::vector<std::vector<at::Tensor>> inputs;
-    if (root) {
-      inputs.emplace_back();
-      for (const auto& part : parts_on_src)
-        inputs[0].push_back(detail::as_wire(*g, staging ? part.to(*staging).contiguous() : part.contiguous()));
-    }
-    c10d::ScatterOptions opts;
-    opts.rootRank = src;
-    detail::run("scatter", *g, [&] { return g->scatter(outputs, inputs, opts); });
-    if (staging) output.copy_(target);
-    return output;
-  } else {
-    using E = detail::element_t<T>;
-    std::vector<std::vector<char>> pieces;
-    if (root)
-      for (const auto& part : parts_on_src) {
-        if constexpr (Scalar<T>) {
-          const auto* bytes = reinterpret_cast<const char*>(&part);
-          pieces.emplace_back(bytes, bytes + sizeof(T));
-        } else {
-          const auto* bytes = reinterpret_cast<const char*>(part.data());
-          pieces.emplace_back(bytes, bytes + part.size() * sizeof(E));
-        }
-      }
-    std::vector<char> mine = detail::scatter_bytes(*g, src, pieces, "scatter");
-    if (root) mine = pieces[static_cast<std::size_t>(src)];
-    T out{};
-    if constexpr (Scalar<T>) {
-      std::memcpy(&out, mine.data(), sizeof(T));
-    } else {
-      out.resize(mine.size() / sizeof(E));
-      if (!mine.empty()) std::memcpy(out.data(), mine.data(), mine.size());
-    }
-    return out;
-  }
+  if constexpr (std::same_as<T, at::Tensor>) return detail::scatter_tensor(*g, parts_on_src, src, root);
+  else return detail::scatter_values(*g, parts_on_src, src, root);
 }
 
 // Sends data to rank `dst` of the group, which receives it with recv (the

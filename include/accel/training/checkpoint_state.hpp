@@ -36,13 +36,75 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
 }
 
+// One archive of the checkpoint, written and flushed to disk.
+inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+  archive.save_to(path.string());
+  fsync_path(path);
+}
+
+// What every process writes: its RNG states and step (as Accelerate's
+// random_states_<i>), and under sharding its own optimizer state.
+inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                                const std::filesystem::path& tmp) {
+  torch::serialize::OutputArchive archive;
+  archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
+  archive.write("step", at::scalar_tensor(step, at::kLong));
+  save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
+  if (!set.sharded->empty())
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
+      torch::serialize::OutputArchive state;
+      set.optimizers[i]->save(state);
+      save_archive(state, tmp / optimizer_file(set, ctx, i));
+    }
+}
+
+// What process 0 writes for all: the models (whole parameters), the
+// optimizers unless sharded, each prepared loader's resume point (epoch,
+// batches to skip), the schedulers' step counts (and own state) and the
+// registered objects.
+inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
+  auto write = [&](const std::string& name, auto& object) {
+    torch::serialize::OutputArchive archive;
+    object.save(archive);
+    save_archive(archive, tmp / name);
+  };
+  for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+  if (set.sharded->empty())
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
+  if (!set.loaders.empty()) {
+    std::vector<int64_t> points;
+    for (const auto& loader : set.loaders) {
+      const auto [epoch, skip] = loader->resume_point();
+      points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+    }
+    torch::serialize::OutputArchive archive;
+    archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+    save_archive(archive, tmp / "loaders.pt");
+  }
+  for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+    torch::serialize::OutputArchive archive;
+    archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
+    if (set.schedulers[i].save) {
+      torch::serialize::OutputArchive own;
+      set.schedulers[i].save(own);
+      archive.write("own", own);
+    }
+    save_archive(archive, tmp / numbered_file("scheduler", i));
+  }
+  for (std::size_t i = 0; i < set.objects.size(); ++i) {
+    torch::serialize::OutputArchive archive;
+    set.objects[i].save(archive);
+    save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
+  }
+}
+
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
   const auto full = set.full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
   const std::filesystem::path tmp = sibling(dir, ".tmp");
-  const std::string rng_file = "random_states_" + std::to_string(ctx.process_index) + ".pt";
   CheckpointManifest manifest{.serial = 0,
                               .processes = ctx.num_processes,
                               .models = static_cast<int64_t>(set.models.size()),
@@ -58,62 +120,11 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       std::filesystem::create_directories(tmp);
     });
   fail_together(error, "accel::Accelerator::save_state");
-  error = error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
-    torch::serialize::OutputArchive archive;
-    archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
-    if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
-    archive.write("step", at::scalar_tensor(step, at::kLong));
-    archive.save_to((tmp / rng_file).string());
-    fsync_path(tmp / rng_file);
-    if (!set.sharded->empty())  // each process's optimizer state is its own
-      for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
-        torch::serialize::OutputArchive state;
-        set.optimizers[i]->save(state);
-        state.save_to((tmp / optimizer_file(set, ctx, i)).string());
-        fsync_path(tmp / optimizer_file(set, ctx, i));
-      }
-  });
+  error = error_of([&] { write_process_files(set, ctx, step, tmp); });
   fail_together(error, "accel::Accelerator::save_state");
   if (ctx.process_index == 0)
     error = error_of([&] {
-      auto write = [&](const std::string& name, auto& object) {
-        torch::serialize::OutputArchive archive;
-        object.save(archive);
-        archive.save_to((tmp / name).string());
-        fsync_path(tmp / name);
-      };
-      for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
-      if (set.sharded->empty())
-        for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
-      if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
-        std::vector<int64_t> points;
-        for (const auto& loader : set.loaders) {
-          const auto [epoch, skip] = loader->resume_point();
-          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
-        }
-        torch::serialize::OutputArchive archive;
-        archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
-        archive.save_to((tmp / "loaders.pt").string());
-        fsync_path(tmp / "loaders.pt");
-      }
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
-        torch::serialize::OutputArchive archive;
-        archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
-        if (set.schedulers[i].save) {
-          torch::serialize::OutputArchive own;
-          set.schedulers[i].save(own);
-          archive.write("own", own);
-        }
-        archive.save_to((tmp / numbered_file("scheduler", i)).string());
-        fsync_path(tmp / numbered_file("scheduler", i));
-      }
-      for (std::size_t i = 0; i < set.objects.size(); ++i) {
-        torch::serialize::OutputArchive archive;
-        set.objects[i].save(archive);
-        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
-        archive.save_to((tmp / name).string());
-        fsync_path(tmp / name);
-      }
+      write_shared_files(set, ctx, tmp);
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);

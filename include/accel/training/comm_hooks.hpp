@@ -74,6 +74,65 @@ inline void orthogonalize(const at::Tensor& matrix, double epsilon) {
     }
   }
 }
+
+// Which of a bucket's gradients PowerSGD compresses: the matrices (each
+// gradient viewed as n x m) whose rank-r factors, r = min(n, m,
+// matrix_approximation_rank), are smaller than the matrix by
+// min_compression_rate; the rest, and the used-flags after the gradients'
+// `length` elements, travel uncompressed.
+struct PowerSGDSplit {
+  std::vector<at::Tensor> matrices, plain;
+};
+inline PowerSGDSplit split_for_powerSGD(const GradBucket& bucket, const at::Tensor& input, int64_t length,
+                                        const PowerSGDState& state) {
+  PowerSGDSplit split;
+  for (const auto& g : bucket.gradients) {
+    if (g.dim() >= 2) {
+      const at::Tensor m = g.view({g.size(0), -1});
+      const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state.matrix_approximation_rank});
+      if ((n + k) * r * state.min_compression_rate < n * k) {
+        split.matrices.push_back(m);
+        continue;
+      }
+    }
+    split.plain.push_back(g);
+  }
+  split.plain.push_back(input.narrow(0, length, input.numel() - length));
+  return split;
+}
+// The factors P (n x r) and Q (m x r) of each matrix: views into bucket b's
+// P and Q memory (one tensor each, so that each is all-reduced at once). Q is
+// drawn at random where there is no memory to start from (the first step, or
+// always without warm_start), then orthogonalised.
+inline std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> powerSGD_factors(
+    PowerSGDState& state, std::size_t b, const std::vector<at::Tensor>& matrices, const at::TensorOptions& options) {
+  auto rank_of = [&](const at::Tensor& m) { return std::min({m.size(0), m.size(1), state.matrix_approximation_rank}); };
+  const bool randomize = !state.warm_start || !state.p_memory_dict.count(b);
+  if (randomize) {
+    int64_t ps = 0, qs = 0;
+    for (const auto& m : matrices) {
+      ps += m.size(0) * rank_of(m);
+      qs += m.size(1) * rank_of(m);
+    }
+    state.p_memory_dict[b] = at::empty({ps}, options);
+    state.q_memory_dict[b] = at::empty({qs}, options);
+  }
+  std::vector<at::Tensor> p, q;
+  for (int64_t i = 0, pi = 0, qi = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
+    const at::Tensor& m = matrices[static_cast<std::size_t>(i)];
+    const int64_t n = m.size(0), k = m.size(1), r = rank_of(m);
+    p.push_back(state.p_memory_dict[b].narrow(0, pi, n * r).view({n, r}));
+    q.push_back(state.q_memory_dict[b].narrow(0, qi, k * r).view({k, r}));
+    pi += n * r;
+    qi += k * r;
+  }
+  if (randomize) {
+    at::Generator generator = at::detail::createCPUGenerator((*state.rng)() % 1'000'000'000);
+    for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
+  }
+  for (auto& qm : q) orthogonalize(qm, state.orthogonalization_epsilon);
+  return {std::move(p), std::move(q)};
+}
 }  // namespace detail
 
 namespace comm_hooks {
@@ -115,46 +174,13 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
       else error = at::zeros_like(body);
       before = body.clone();
     }
-    // Which gradients are compressed; the rest (and the flags) travel as they are.
-    std::vector<at::Tensor> matrices, plain;
-    std::vector<int64_t> ranks;
-    int64_t ps = 0, qs = 0;
-    for (const auto& g : bucket.gradients) {
-      if (g.dim() >= 2) {
-        const at::Tensor m = g.view({g.size(0), -1});
-        const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state->matrix_approximation_rank});
-        if ((n + k) * r * state->min_compression_rate < n * k) {
-          matrices.push_back(m);
-          ranks.push_back(r);
-          ps += n * r;
-          qs += k * r;
-          continue;
-        }
-      }
-      plain.push_back(g);
-    }
-    plain.push_back(input.narrow(0, length, input.numel() - length));
+    detail::PowerSGDSplit split = detail::split_for_powerSGD(bucket, input, length, *state);
+    std::vector<at::Tensor> matrices = std::move(split.matrices), plain = std::move(split.plain);
     std::vector<at::Tensor> flat;
     for (const auto& t : plain) flat.push_back(t.reshape({-1}));
     const at::Tensor uncompressed = at::cat(flat);
-    const bool randomize = !state->warm_start || !state->p_memory_dict.count(b);
-    if (randomize) {
-      state->p_memory_dict[b] = at::empty({ps}, input.options());
-      state->q_memory_dict[b] = at::empty({qs}, input.options());
-    }
-    std::vector<at::Tensor> p, q;
-    for (std::size_t i = 0, pi = 0, qi = 0; i < matrices.size(); ++i) {
-      const int64_t n = matrices[i].size(0), k = matrices[i].size(1), r = ranks[i];
-      p.push_back(state->p_memory_dict[b].narrow(0, static_cast<int64_t>(pi), n * r).view({n, r}));
-      q.push_back(state->q_memory_dict[b].narrow(0, static_cast<int64_t>(qi), k * r).view({k, r}));
-      pi += static_cast<std::size_t>(n * r);
-      qi += static_cast<std::size_t>(k * r);
-    }
-    if (randomize) {
-      at::Generator generator = at::detail::createCPUGenerator((*state->rng)() % 1'000'000'000);
-      for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
-    }
-    for (auto& qm : q) detail::orthogonalize(qm, state->orthogonalization_epsilon);
+    auto factors = detail::powerSGD_factors(*state, b, matrices, input.options());
+    std::vector<at::Tensor> p = std::move(factors.first), q = std::move(factors.second);
     for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(p[i], matrices[i], q[i]);
     c10d::ProcessGroup* g = detail::enter_all_reduce(uncompressed, ReduceOp::SUM, group);
     return Work<at::Tensor>(detail::then(
