@@ -106,7 +106,7 @@ class Accelerator {
     for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
     return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
       for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather();
+        if (dp->steps_with(optimizer)) dp->gather_shards();
     });
   }
   // A learning-rate scheduler: see AcceleratedScheduler.

@@ -38,7 +38,7 @@ ACCEL_NAMESPACE_BEGIN
 // rank after rank so that each rank receives its chunk of every parameter
 // (and every used-flag), averaged along a replicate group too where there
 // is one (HSDP), and written to the shards' gradients. After the optimizer
-// steps the shards, gather() all-gathers them into every parameter and
+// steps the shards, gather_shards() all-gathers them into every parameter and
 // releases the parameters' gradients.
 //
 // Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
@@ -288,7 +288,10 @@ class DataParallel {
   void check_shards() { detail::dp::check_shards(*state_); }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather() { detail::dp::gather_shards(*state_); }
+  void gather_shards() { detail::dp::gather_shards(*state_); }
+  // The former name of gather_shards(), kept for the programs that call it
+  // (it read like accel::gather, which gathers data from every rank).
+  void gather() { gather_shards(); }
   // Every shard taken again from its parameter (after Module::load).
   void reshard() { detail::dp::reshard(*state_); }
 

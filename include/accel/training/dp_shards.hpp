@@ -57,7 +57,7 @@ inline bool steps_with(const State& s, const torch::optim::Optimizer& optimizer)
 // Before a backward, each shard against its chunk of the parameter
 // (LibTorch's optimizers write through .data(), which version counters do
 // not see, so values are compared; one pass over 1/S of the parameters
-// and one device sync). A shard that changed since the last gather()
+// and one device sync). A shard that changed since the last gather_shards()
 // means its optimizer was stepped directly, not through the handle
 // prepare() returned, and this forward used stale parameters: an error.
 // A parameter changed since then (by hand, Module::load) is taken into its
