@@ -1,44 +1,15 @@
 // accel/core/config.hpp: compile-time knobs, the environment's names, the ABI namespace.
 //
-// Compile-time knobs (define before including accel.hpp):
-//   ACCEL_DEFAULT_TIMEOUT_SECONDS  timeout of the store and of every process
-//                                  group when DistributedConfig says nothing
-//                                  else (default 18000, as LLaMA-Factory).
-//   ACCEL_WITH_NCCL                1 or 0 to force the NCCL path on or off;
-//                                  by default it is on exactly when LibTorch
-//                                  is a CUDA build and <nccl.h> is visible.
-//   ACCEL_TRAINING                 also compile the training helpers
-//                                  (Accelerator, DataParallel), which need
-//                                  torch::nn and so <torch/torch.h>.
-//   ACCEL_CORE_ONLY                stop before everything that needs LibTorch:
-//                                  enums, environment and strategy validation
-//                                  only, for tools that do not link LibTorch.
-//
-// Run-time environment:
-//   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's contract
-//   MASTER_ADDR, MASTER_PORT   rendezvous (a c10d::TCPStore served by rank 0;
-//                              defaults 127.0.0.1 and 29500)
-//   TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT   set by torchrun:
-//                              its agent serves the store, every rank connects
-//   USE_LIBUV                  0/1: LibTorch >= 2.4's libuv TCPStore server
-//                              (default: on where the build has libuv)
-//   ACCEL_DEVICE               cpu|cuda|mps|xpu|npu|meta: force the device
-//   ACCEL_BACKEND              gloo|nccl: force the process-group backend
-//   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
-//   ACCEL_DEBUG_MODE           1/0, true/false, yes/no, on/off: every collective
-//                              first checks that all ranks made the same call
-//   ACCEL_TIMEOUT              seconds: the default DistributedConfig::timeout
-//   ACCEL_STORE_DIR            a private directory (0700): when every rank is
-//                              local, rendezvous in a c10d::FileStore there
-//                              (accel::spawn and accel_launch set it)
-//   Without RANK, the first complete set of Open MPI (OMPI_COMM_WORLD_*),
-//   MPICH/Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS),
-//   MVAPICH (MV2_COMM_WORLD_*) or Slurm (SLURM_PROCID, SLURM_NTASKS,
-//   SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE).
+// The compile-time knobs (macros defined before including accel.hpp) and
+// the environment variables read at run time are listed, each with its
+// meaning, in one table: README.md, "Configuration". The macros' defaults
+// are set below.
 #pragma once
 
 #include "accel/core/version.hpp"
 
+// Timeout of the store and of every group when DistributedConfig says nothing
+// else (LLaMA-Factory's).
 #ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
 #endif
