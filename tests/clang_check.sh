@@ -10,11 +10,14 @@ clangxx=$1
 root=$2
 flags=(-std=c++20 -stdlib=libc++ -fsyntax-only -Wall -Wextra -Werror -Wno-missing-field-initializers
        -I"$root" -I"$root/include" -isystem /usr/include/torch/csrc/api/include)  # Debian's home of torch/torch.h
-for tu in tests/test_accel.cpp tests/test_launch.cpp tests/test_ops.cpp tests/test_training.cpp tests/test_cuda.cpp examples/quick_start.cpp \
+for tu in tests/test_accel.cpp tests/test_launch.cpp tests/test_ops.cpp tests/test_cuda.cpp examples/quick_start.cpp \
+          tests/test_training_accelerator.cpp tests/test_training_checkpoints.cpp tests/test_training_data.cpp \
+          tests/test_training_data_parallel.cpp tests/test_training_sharding.cpp \
           examples/mesh_demo.cpp examples/train_mlp.cpp tests/bench/bench.cpp tests/bench/bench_ddp.cpp tests/launch.cpp \
           tests/consumers/main.cpp tests/compile_fail.cpp tests/abi_a.cpp tests/abi_b.cpp; do
   defines=()
   [[ $tu == tests/compile_fail.cpp ]] && defines=(-DACCEL_CASE_OK)
+  [[ $tu == tests/test_training_* ]] && defines=(-DACCEL_TRAINING)  # CMake defines it for them
   "$clangxx" "${flags[@]}" "${defines[@]}" "$root/$tu"
   echo "clang -Werror: $tu ok"
 done

@@ -1,5 +1,5 @@
 // The accel.hpp test suite: one binary (this file, test_launch.cpp,
-// test_ops.cpp, test_training.cpp), real c10d Gloo groups.
+// test_ops.cpp, test_training_*.cpp), real c10d Gloo groups.
 //
 // Test suites, selected with doctest's -ts option by CTest:
 //   single        one process, no RANK: parsing, validation, identity collectives

@@ -3,7 +3,7 @@
 
     python3 accelerate_ref.py DIR     on every rank (accel_launch 2)
 
-For each case of CASES (the same list as tests/test_training.cpp's suite
+For each case of CASES (the same list as tests/test_training_data.cpp's suite
 python_accelerate), Accelerate prepares a DataLoader over samples 0..n-1 with
 that case's options, and each process writes to DIR/py_rank<r>.txt the
 batches it receives and what gather_for_metrics gives back for each (not
@@ -38,7 +38,7 @@ CASES = [
 
 
 class Samples(Dataset):
-    # tests/test_training.cpp's Indexed: sample i is [i]
+    # tests/training_fixtures.hpp's Indexed: sample i is [i]
     def __init__(self, n):
         self.n = n
 

@@ -34,7 +34,7 @@ STEPS, GLOBAL_BATCH, LR = 6, 16, 1e-2
 
 
 class Net(torch.nn.Module):
-    # tests/test_training.cpp's Mlp(16, 30, 2, 3): the same names (body.0.weight, ...)
+    # tests/training_fixtures.hpp's Mlp(16, 30, 2, 3): the same names (body.0.weight, ...)
     def __init__(self):
         super().__init__()
         # (30 and 3 rows: shards of unequal size at 2 and 4 processes, padded on both sides)

@@ -2,7 +2,7 @@
 
     python3 safetensors_check.py DIR
 
-DIR holds what the C++ side wrote (tests/test_training.cpp, suite
+DIR holds what the C++ side wrote (tests/test_training_checkpoints.cpp, suite
 python_safetensors, "write"): cpp/ (model.safetensors, from
 Accelerator::save_model), cpp_sharded/ (shards and model.safetensors.index.json)
 and io.safetensors (inputs x and the C++ model's outputs y). Python loads both
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 
 class Net(torch.nn.Module):
-    # tests/test_training.cpp's Net: the same names (body.0.weight, body.1.running_mean, ...)
+    # tests/training_fixtures.hpp's Net: the same names (body.0.weight, body.1.running_mean, ...)
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),

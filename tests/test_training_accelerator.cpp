@@ -1,0 +1,294 @@
+// Training tests, the Accelerator's control of training: accumulation, no_sync, prepared optimizers and schedulers, joins, triggers, configuration errors.
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with
+// training_fixtures.hpp precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+
+TEST_SUITE("ranks") {
+  TEST_CASE("accumulate: sync_gradients keeps the last step's value; the count restarts with each pass") {
+    accel::Accelerator accelerator(config(2));
+    Mlp model(1, 4, 1);
+    accelerator.prepare(model);
+    const auto P = static_cast<std::size_t>(accelerator.num_processes());
+    auto loader = accelerator.prepare_data_loader(Indexed(3 * P).map(torch::data::transforms::Stack<>()));
+    std::vector<bool> inside, after;
+    for (int pass = 0; pass < 2; ++pass)
+      for (auto& batch : loader) {
+        (void)batch;
+        {
+          auto guard = accelerator.accumulate(model);
+          inside.push_back(accelerator.sync_gradients());
+        }
+        after.push_back(accelerator.sync_gradients());
+      }
+    CHECK(inside == std::vector<bool>{false, true, true, false, true, true});  // Accelerate's [0,1,1, 0,1,1]
+    CHECK(after == inside);
+  }
+
+  // Accelerate's test_sync.py test_distributed_sync and test_noop_sync.
+  TEST_CASE("no_sync: gradients stay local inside, and are averaged on the next synced backward") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    Twins t(accelerator);
+    Regression data(16 * P);
+    at::Tensor x = data.x.narrow(0, 16 * r, 16), y = data.y.narrow(0, 16 * r, 16);
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      CAPTURE(iteration);
+      torch::mse_loss(t.reference(accelerator.gather(x)), accelerator.gather(y)).backward();
+      if (iteration % 2 == 0) {
+        auto guard = accelerator.no_sync(t.model);
+        accelerator.backward(torch::mse_loss(t.model(x), y));
+      } else {
+        accelerator.backward(torch::mse_loss(t.model(x), y));
+      }
+      if (iteration % 2 == 1 || P == 1) CHECK(same_grads(*t.model, *t.reference));
+      else CHECK_FALSE(same_grads(*t.model, *t.reference));
+      at::Tensor order = at::randperm(16, at::detail::createCPUGenerator(1337 + iteration));
+      x = x.index_select(0, order);
+      y = y.index_select(0, order);
+    }
+  }
+
+  // Accelerate's test_sync.py test_gradient_accumulation, with split_batches and sync_each_batch.
+  TEST_CASE("accumulate: gradients equal the gathered batch's on sync steps only (Accelerate's test_sync)") {
+    for (bool split : {false, true})
+      for (bool each : {false, true})
+      for (bool dispatch : {false, true}) {
+        CAPTURE(split);
+        CAPTURE(each);
+        CAPTURE(dispatch);
+        auto c = config(2);
+        c.split_batches = split;
+        c.sync_each_batch = each;
+        accel::Accelerator accelerator(c);
+        const int P = accelerator.num_processes();
+        Twins t(accelerator);
+        auto loader = accelerator.prepare_data_loader(
+            Regression(80).map(torch::data::transforms::Stack<>()),
+            {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4, .dispatch_batches = dispatch});
+        std::size_t iteration = 0;
+        for (auto& batch : loader) {
+          CAPTURE(iteration);
+          at::Tensor loss = torch::mse_loss(t.reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
+          (loss / 2).backward();
+          {
+            auto guard = accelerator.accumulate(t.model);
+            accelerator.backward(torch::mse_loss(t.model(batch.data), batch.target));
+          }
+          const bool synced = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches() || each;
+          if (synced || P == 1) CHECK(same_grads(*t.model, *t.reference));
+          else CHECK_FALSE(same_grads(*t.model, *t.reference));
+          ++iteration;
+        }
+      }
+  }
+
+  // Accelerate's test_sync.py test_gradient_accumulation_with_opt_and_scheduler:
+  // prepared optimizer and scheduler are called on every micro-step.
+  TEST_CASE("prepare(model, optimizer, scheduler): steps and zero_grad skipped between syncs; the scheduler steps P times") {
+    accel::Accelerator accelerator(config(2));
+    const int P = accelerator.num_processes();
+    torch::manual_seed(42);
+    Mlp net(1, 8, 1);
+    Mlp reference = copy_of(net, 1, 8, 1);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+    torch::optim::StepLR step_lr(sgd, 1, 0.9);
+    auto [model, optimizer, scheduler] = accelerator.prepare(net, sgd, step_lr);
+    static_assert(std::is_same_v<decltype(model), Mlp&>);
+    torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+    torch::optim::StepLR reference_lr(reference_sgd, 1, 0.9);
+    auto loader = accelerator.prepare_data_loader(Regression(40).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = 4});
+    std::size_t iteration = 0;
+    for (auto& batch : loader) {
+      CAPTURE(iteration);
+      at::Tensor loss = torch::mse_loss(reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
+      (loss / 2).backward();
+      const bool did_step = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches();
+      if (did_step) {
+        reference_sgd.step();
+        for (int i = 0; i < P; ++i) reference_lr.step();
+        reference_sgd.zero_grad();
+      }
+      {
+        auto guard = accelerator.accumulate(model);
+        accelerator.backward(torch::mse_loss(model(batch.data), batch.target));
+        optimizer.step();
+        scheduler.step();
+        optimizer.zero_grad();
+      }
+      CHECK(optimizer.param_groups()[0].options().get_lr() == reference_sgd.param_groups()[0].options().get_lr());
+      CHECK(at::allclose(flat_parameters(*model), flat_parameters(*reference), 1e-5, 1e-6));
+      ++iteration;
+    }
+    CHECK(iteration > 2);
+  }
+
+  TEST_CASE("two prepared models both sync; a loss from an unprepared model communicates nothing") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::manual_seed(5 + r);  // different everywhere: prepare broadcasts rank 0's
+    Mlp first(2, 8, 1), second(2, 8, 1), unprepared(2, 8, 1);
+    torch::optim::SGD sgd_first(first->parameters(), 0.1), sgd_second(second->parameters(), 0.1);
+    accelerator.prepare(first, sgd_first, second, sgd_second);
+    accel::DataParallel* dp = accelerator.data_parallel(second);
+    REQUIRE(dp != nullptr);
+    CHECK(accelerator.data_parallel(unprepared) == nullptr);
+    for (int step = 0; step < 4; ++step) {
+      at::Tensor x = at::randn({4, 2});  // differs between ranks
+      at::Tensor loss = first(x).pow(2).mean() + second(x + 1).pow(2).mean();
+      accelerator.backward(loss);
+      sgd_first.step();
+      sgd_second.step();
+      sgd_first.zero_grad();
+      sgd_second.zero_grad();
+    }
+    if (dp->distributed()) {
+      CHECK(identical_across_ranks(*first, dp->group()));
+      CHECK(identical_across_ranks(*second, dp->group()));
+    }
+    // backward of a loss from a model that was never prepared: no collective, no .grad written.
+    for (auto& p : first->parameters()) p.mutable_grad().reset();
+    if (dp->distributed()) start_sequence(dp->group());
+    const int64_t before = dp->distributed() ? dp->group()->getSequenceNumberForGroup() : 0;
+    accelerator.backward(unprepared(at::randn({4, 2})).pow(2).mean());
+    if (dp->distributed()) CHECK(dp->group()->getSequenceNumberForGroup() == before);
+    for (auto& p : first->parameters()) CHECK_FALSE(p.grad().defined());
+    CHECK(unprepared->parameters()[0].grad().defined());
+    CHECK_THROWS_WITH_AS(accelerator.prepare(first), doctest::Contains("already prepared"), std::invalid_argument);
+    (void)P;
+  }
+
+  // Accelerate's test_can_join_uneven_inputs, with the weights checked.
+  TEST_CASE("join_uneven_inputs: ranks with fewer batches shadow the others; every rank ends with the same weights") {
+    auto c = config();
+    accel::Accelerator accelerator(c);
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::manual_seed(3);
+    torch::nn::Linear net(1, 1);
+    torch::nn::Linear reference(1, 1);
+    {
+      torch::NoGradGuard no_grad;
+      reference->weight.copy_(net->weight);
+      reference->bias.copy_(net->bias);
+    }
+    torch::optim::SGD sgd(net->parameters(), 0.1);
+    auto prepared = accelerator.prepare(net, sgd);  // (clang 14 cannot capture structured bindings)
+    torch::nn::Linear& model = std::get<0>(prepared);
+    accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+    // P + 1 samples of batch 1 without even_batches: process 0 gets 2 batches, the others 1.
+    const auto n = static_cast<std::size_t>(P + 1);
+    auto loader = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()),
+                                                  {.batch_size = 1, .even_batches = false});
+    std::vector<int> batch_indices;
+    accelerator.join_uneven_inputs(
+        [&] {
+          int i = 0;
+          for (auto& batch : loader) {
+            accelerator.backward(model(batch.data.to(at::kFloat)).sum());
+            optimizer.step();
+            optimizer.zero_grad();
+            batch_indices.push_back(i++);
+          }
+        },
+        model);
+    if (P == 1) CHECK(batch_indices == std::vector<int>{0, 1});
+    else CHECK(batch_indices == (r == 0 ? std::vector<int>{0, 1} : std::vector<int>{0}));
+    // The same steps in one process: the mean over samples 0..P-1, then sample P divided by P (the
+    // joined ranks contribute zeros: DDP's divide_by_initial_world_size).
+    torch::optim::SGD reference_sgd(reference->parameters(), 0.1);
+    at::Tensor first = at::arange(P, at::kFloat).view({P, 1});
+    (reference(first).sum() / P).backward();
+    reference_sgd.step();
+    reference_sgd.zero_grad();
+    (reference(at::full({1, 1}, static_cast<float>(P))).sum() / P).backward();
+    reference_sgd.step();
+    CHECK(at::allclose(flat_parameters(*model), flat_parameters(*reference), 1e-5, 1e-6));
+    if (accelerator.data_parallel()->distributed())
+      CHECK(identical_across_ranks(*model, accelerator.data_parallel()->group()));
+    // Training goes on normally afterwards.
+    accelerator.backward(model(at::ones({1, 1})).sum());
+    CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, reference), doctest::Contains("was not prepared"),
+                         std::invalid_argument);
+  }
+
+  // Accelerate's test_script.py test_trigger and process_execution_check.
+  TEST_CASE("set_trigger on one process stops every process; main_process_first and the on_* wrappers") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    CHECK_FALSE(accelerator.check_trigger());
+    if (accelerator.is_last_process()) accelerator.set_trigger();
+    CHECK(accelerator.check_trigger());
+    CHECK_FALSE(accelerator.check_trigger());  // reset by the check
+
+    std::vector<std::string> where{accelerator.is_main_process()
+                                       ? (std::filesystem::temp_directory_path() /
+                                          ("accel_first_" + std::to_string(getpid()) + ".txt"))
+                                             .string()
+                                       : ""};
+    accel::broadcast_object_list(where);
+    // No sleep needed to prove the order: every other process's body finds
+    // the main process's line already written.
+    std::string first_seen = "<none>";
+    accelerator.main_process_first([&] {
+      if (!accelerator.is_main_process()) std::getline(std::ifstream(where[0]), first_seen);
+      std::ofstream(where[0], std::ios::app) << (accelerator.is_main_process() ? "main\n" : "other\n");
+    });
+    if (!accelerator.is_main_process()) CHECK(first_seen == "main");
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) {
+      std::ifstream in(where[0]);
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(in, line);) lines.push_back(line);
+      REQUIRE(lines.size() == static_cast<std::size_t>(P));
+      CHECK(lines.front() == "main");
+      CHECK(std::count(lines.begin(), lines.end(), "other") == P - 1);
+      std::filesystem::remove(where[0]);
+    }
+    int ran = 0;
+    accelerator.on_main_process([&] { ran += 1; })();
+    accelerator.on_last_process([&] { ran += 10; })();
+    accelerator.on_local_main_process([&] { ran += 100; })();
+    for (int k = 0; k < P; ++k) accelerator.on_process([&] { ran += 1000; }, k)();
+    CHECK(ran == (r == 0 ? 1 : 0) + (r == P - 1 ? 10 : 0) + (accelerator.is_local_main_process() ? 100 : 0) + 1000);
+    CHECK(accelerator.reduce(at::ones({2})).sum().item<double>() == 2.0 * P);  // Accelerate's default: sum
+    CHECK(accelerator.gather(at::full({1}, r)).size(0) == P);
+    CHECK(accelerator.pad_across_processes(at::ones({r + 1})).size(0) == P);
+    CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
+  }
+  TEST_CASE("accelerator cleanup") { release_world(); }
+}
+
+TEST_SUITE("single") {
+  TEST_CASE("training: configuration errors") {
+    {  // cpu = true goes to the interface's config, not to the environment
+      EnvGuard env{{"ACCEL_DEVICE", nullptr}};
+      auto on_cpu = config();
+      on_cpu.cpu = true;
+      accel::Accelerator accelerator(on_cpu);
+      CHECK(std::getenv("ACCEL_DEVICE") == nullptr);
+      CHECK(accelerator.device() == c10::Device(c10::kCPU));
+      on_cpu.distributed.device = accel::DeviceType::CUDA;
+      CHECK_THROWS_WITH_AS(accel::Accelerator{on_cpu}, doctest::Contains("cpu = true, but distributed.device is cuda"),
+                           accel::InvalidArgument);
+    }
+    auto bad = config();
+    bad.gradient_accumulation_steps = 0;
+    CHECK_THROWS_AS(accel::Accelerator{bad}, std::invalid_argument);
+    bad = config();
+    bad.mixed_precision = "fp8";
+    CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("mixed_precision 'fp8'"), std::invalid_argument);
+    bad.mixed_precision = "fp16";
+    CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("needs CUDA"), std::invalid_argument);
+    auto bf16 = config();
+    bf16.mixed_precision = "bf16";
+    accel::Accelerator accelerator(bf16);
+    {
+      auto autocast = accelerator.autocast();
+      at::Tensor out = at::matmul(at::ones({2, 2}), at::ones({2, 2}));
+      CHECK((out.scalar_type() == at::kBFloat16));  // LibTorch's CPU autocast at work
+    }
+    CHECK((at::matmul(at::ones({2, 2}), at::ones({2, 2})).scalar_type() == at::kFloat));
+    world().destroy();
+  }
+}

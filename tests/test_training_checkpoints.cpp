@@ -1,0 +1,684 @@
+// Training tests, checkpoints (save_state/load_state: crash safety, rotation, resuming) and safetensors, with Python reading ours (python_safetensors).
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with
+// training_fixtures.hpp precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+
+TEST_SUITE("ranks") {
+  TEST_CASE("training: a checkpoint saved on every rank resumes with identical results") {
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 16, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    accelerator.prepare(model, optimizer);
+    const std::filesystem::path dir = shared_temp_path(accelerator, "accel_ckpt_");
+    const auto data = dataset(8, 4);  // (clang 14 cannot capture structured bindings)
+    const at::Tensor& x = data.first;
+    const at::Tensor& y = data.second;
+    auto train = [&](int steps) {
+      for (int i = 0; i < steps; ++i) {
+        optimizer.zero_grad();
+        at::Tensor noisy = x + 0.01 * at::randn(x.sizes());  // uses the RNG state the checkpoint keeps
+        accelerator.backward(torch::mse_loss(model(noisy), y));
+        optimizer.step();
+      }
+      return flat_parameters(*model).clone();
+    };
+    accel::set_seed(3, /*device_specific=*/true);
+    train(2);
+    const at::Tensor at_save = flat_parameters(*model).clone();
+    accelerator.save_state(dir);
+    CHECK(std::filesystem::exists(dir / "model.pt"));
+    CHECK_FALSE(std::filesystem::exists(dir.string() + ".tmp"));
+    const at::Tensor straight = train(3);
+    accelerator.load_state(dir);
+    CHECK(at::equal(at_save, flat_parameters(*model)));
+    const at::Tensor resumed = train(3);
+    CHECK(at::equal(straight, resumed));
+    // Module::load replaced the parameters' storage (a new gradient
+    // accumulator each): the gradients are still averaged after it.
+    if (accelerator.data_parallel()->distributed())
+      CHECK(identical_across_ranks(*model, accelerator.data_parallel()->group()));
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: one that does not fit is refused on every process, before anything changes") {
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 16, 1);
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    accelerator.prepare(model, optimizer);
+    const auto data = dataset(8, 4);
+    optimizer.zero_grad();
+    accelerator.backward(torch::mse_loss(model(data.first), data.second));
+    optimizer.step();  // momentum state to save
+    const fs::path dir = shared_temp_path(accelerator, "accel_bad_ckpt_");
+    accelerator.save_state(dir.string() + "/");  // a trailing slash names the same checkpoint
+    CHECK(fs::exists(dir / "model.pt"));
+    CHECK(fs::exists(dir / "accel_checkpoint.txt"));
+    CHECK_FALSE(fs::exists(dir.string() + ".tmp"));
+    CHECK_FALSE(fs::exists(dir / ".tmp"));
+    const at::Tensor saved = flat_parameters(*model).clone();
+    const std::vector<double> saved_momentum = momentum_sums(optimizer);
+    const int P = accelerator.num_processes();
+
+    // Each case damages a copy of the checkpoint (on the main process), then
+    // every process loads it: every process throws, and nothing changed.
+    int copies = 0;
+    auto refused = [&](const std::function<void(const fs::path&)>& damage, accel::Accelerator& acc, Mlp& m,
+                       torch::optim::Optimizer& opt) {
+      const fs::path copy = dir.string() + "_" + std::to_string(copies++);
+      if (acc.is_main_process()) {
+        fs::copy(dir, copy, fs::copy_options::recursive);
+        damage(copy);
+      }
+      acc.wait_for_everyone();
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : m->parameters()) p.add_(1.0);  // so that a load would show
+      }
+      const at::Tensor before = flat_parameters(*m).clone();
+      const std::vector<double> momentum = momentum_sums(opt);
+      const std::string what = what_of([&] { acc.load_state(copy); });
+      CHECK(at::equal(before, flat_parameters(*m)));
+      CHECK(momentum == momentum_sums(opt));
+      acc.wait_for_everyone();
+      if (acc.is_main_process()) fs::remove_all(copy);
+      return what;
+    };
+    auto rank_prefix = [&](int r) { return P > 1 ? "rank " + std::to_string(r) + ": " : std::string(); };
+
+    std::string what = refused([](const fs::path& d) { fs::resize_file(d / "optimizer.pt", fs::file_size(d / "optimizer.pt") / 2); },
+                               accelerator, model, optimizer);
+    CHECK(what.find("accel::Accelerator::load_state: " + rank_prefix(0) + "cannot read ") != std::string::npos);
+    CHECK(what.find("optimizer.pt") != std::string::npos);
+    CHECK(what.find("frame #") == std::string::npos);  // no C++ backtrace
+    const std::string last_rng = "random_states_" + std::to_string(P - 1) + ".pt";
+    what = refused([&](const fs::path& d) { fs::resize_file(d / last_rng, 10); }, accelerator, model, optimizer);
+    CHECK(what.find(rank_prefix(P - 1) + "cannot read " + (dir.string() + "_1/") + last_rng) != std::string::npos);
+    what = refused([&](const fs::path& d) { fs::remove(d / last_rng); }, accelerator, model, optimizer);
+    CHECK(what.find(rank_prefix(P - 1) + "missing " + (dir.string() + "_2/") + last_rng) != std::string::npos);
+    what = refused(
+        [&](const fs::path& d) {
+          std::ifstream in(d / "accel_checkpoint.txt");
+          std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+          const std::string line = "processes " + std::to_string(P);
+          text.replace(text.find(line), line.size(), "processes " + std::to_string(P + 1));
+          std::ofstream(d / "accel_checkpoint.txt") << text;
+        },
+        accelerator, model, optimizer);
+    CHECK(what.find("it was saved by " + std::to_string(P + 1) + " processes, this run has " + std::to_string(P)) !=
+          std::string::npos);
+    {  // a model of another width
+      accel::Accelerator other(config());
+      Mlp narrow(4, 8, 1);
+      torch::optim::SGD narrow_optimizer(narrow->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      other.prepare(narrow, narrow_optimizer);
+      what = refused([](const fs::path&) {}, other, narrow, narrow_optimizer);
+      CHECK(what.find("_4/model.pt: body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
+            std::string::npos);
+    }
+    {  // the same model, an optimizer over some of its parameters: refused as it loads, and put back
+      accel::Accelerator other(config());
+      Mlp same(4, 16, 1);
+      torch::optim::SGD partial(same->body->ptr(0)->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      other.prepare(same, partial);
+      what = refused([](const fs::path&) {}, other, same, partial);
+      CHECK(what.find("_5/optimizer.pt does not fit the optimizer: ") != std::string::npos);
+    }
+    // after all that, the checkpoint itself loads
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.zero_();
+    }
+    accelerator.load_state(dir);
+    CHECK(at::equal(saved, flat_parameters(*model)));
+    CHECK(saved_momentum == momentum_sums(optimizer));
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: prepared loaders resume on the next batch; the step and registered objects return") {
+    namespace fs = std::filesystem;
+    auto make_loaders = [](accel::Accelerator& acc) {
+      auto indexed = acc.prepare_data_loader(Indexed(23).map(torch::data::transforms::Stack<>()),
+                                             {.batch_size = 2, .shuffle = true, .seed = 5});
+      auto stream = acc.prepare_data_loader(Stream(29), {.batch_size = 2});  // dispatched
+      return std::make_pair(std::move(indexed), std::move(stream));
+    };
+    std::vector<int64_t> rest_of_epoch_1, epoch_2, stream_rest;
+    std::filesystem::path dir;
+    {  // the run that saves: mid-way through the indexed loader's epoch 1 and the stream's pass
+      accel::Accelerator accelerator(config(3));
+      auto loaders = make_loaders(accelerator);
+      Counter counter{41};
+      accelerator.register_for_checkpointing(counter);
+      dir = shared_temp_path(accelerator, "accel_resume_");
+      pass_firsts(loaders.first);  // epoch 0
+      std::vector<std::vector<int64_t>> stream_batches;
+      for (auto& batch : loaders.second) stream_batches.push_back(batch);  // a whole pass, for reference
+      int handed = 0;
+      for (auto& batch : loaders.second) {
+        (void)batch;
+        if (++handed == 3) break;  // 3 batches handed out
+      }
+      int64_t batches = 0;
+      for (auto& batch : loaders.first) {
+        if (++batches <= 2) {
+          auto sync = accelerator.accumulate();  // two of three accumulation steps
+          CHECK_FALSE(accelerator.sync_gradients());
+          if (batches == 2) accelerator.save_state(dir);
+          continue;
+        }
+        rest_of_epoch_1.push_back(batch.data[0][0].item<int64_t>());
+      }
+      CHECK(loaders.first.epoch() == 1);
+      epoch_2 = pass_firsts(loaders.first);
+      for (std::size_t b = 3; b < stream_batches.size(); ++b)
+        stream_rest.insert(stream_rest.end(), stream_batches[b].begin(), stream_batches[b].end());
+      REQUIRE_FALSE(rest_of_epoch_1.empty());  // 23 samples, 2 per batch: at least 3 batches per process at 1-4
+    }
+    accel::Accelerator accelerator(config(3));
+    auto loaders = make_loaders(accelerator);
+    Counter counter;
+    accelerator.register_for_checkpointing(counter);
+    accelerator.load_state(dir);
+    CHECK(counter.value == 41);
+    CHECK(loaders.first.next_epoch() == 1);
+    std::vector<int64_t> resumed;
+    for (auto& batch : loaders.first) {
+      if (resumed.empty()) {  // the third accumulation step: the saved count goes on
+        auto sync = accelerator.accumulate();
+        CHECK(accelerator.sync_gradients());
+      }
+      resumed.push_back(batch.data[0][0].item<int64_t>());
+    }
+    CHECK(resumed == rest_of_epoch_1);
+    CHECK(loaders.first.epoch() == 1);
+    CHECK(pass_firsts(loaders.first) == epoch_2);  // and then epoch 2, whole
+    std::vector<int64_t> stream_resumed;
+    for (auto& batch : loaders.second) stream_resumed.insert(stream_resumed.end(), batch.begin(), batch.end());
+    CHECK(stream_resumed == stream_rest);
+    // skip_first_batches, by hand: the next pass only
+    const std::size_t all = epoch_2.size();
+    CHECK(pass_firsts(accelerator.skip_first_batches(loaders.first, all - 1)).size() == 1);
+    CHECK(pass_firsts(loaders.first).size() == all);
+    CHECK(pass_firsts(accelerator.skip_first_batches(loaders.first, all + 5)).empty());
+    // a checkpoint with another number of loaders is refused
+    {
+      accel::Accelerator fewer(config(3));
+      auto only = fewer.prepare_data_loader(Indexed(23).map(torch::data::transforms::Stack<>()), {.batch_size = 2});
+      Counter c;
+      fewer.register_for_checkpointing(c);
+      CHECK(what_of([&] { fewer.load_state(dir); }).find("it holds 2 data loader(s); this run has 1") !=
+            std::string::npos);
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: the learning rate and a scheduler's steps return (LibTorch's Optimizer::load drops the first)") {
+    auto lr = [](torch::optim::Optimizer& o) { return o.param_groups()[0].options().get_lr(); };
+    std::vector<double> expected;
+    double saved_lr = 0;
+    std::filesystem::path dir;
+    {
+      accel::Accelerator accelerator(config());
+      Mlp model(4, 8, 1);
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::StepLR step_lr(sgd, /*step_size=*/3, /*gamma=*/0.5);
+      auto prepared = accelerator.prepare(model, sgd, step_lr);
+      dir = shared_temp_path(accelerator, "accel_sched_");
+      for (int i = 0; i < 4; ++i) std::get<2>(prepared).step();  // num_processes scheduler steps each
+      saved_lr = lr(sgd);
+      CHECK(saved_lr < 0.1);
+      accelerator.save_state(dir);
+      for (int i = 0; i < 4; ++i) {
+        std::get<2>(prepared).step();
+        expected.push_back(lr(sgd));
+      }
+    }
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 8, 1);
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::StepLR step_lr(sgd, 3, 0.5);
+    auto prepared = accelerator.prepare(model, sgd, step_lr);
+    accelerator.load_state(dir);
+    CHECK(lr(sgd) == saved_lr);
+    std::vector<double> resumed;
+    for (int i = 0; i < 4; ++i) {
+      std::get<2>(prepared).step();
+      resumed.push_back(lr(sgd));
+    }
+    CHECK(resumed == expected);  // the schedule goes on where it was
+    {  // a scheduler already past the checkpoint cannot be replayed back
+      accel::Accelerator other(config());
+      Mlp m(4, 8, 1);
+      torch::optim::SGD o(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      torch::optim::StepLR s(o, 3, 0.5);
+      auto p = other.prepare(m, o, s);
+      for (int i = 0; i < 5; ++i) std::get<2>(p).step();
+      CHECK(what_of([&] { other.load_state(dir); }).find("load the checkpoint before stepping it") != std::string::npos);
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+  }
+
+  // Accelerate's tests/test_state_checkpointing.py, its ProjectConfiguration
+  // cases with their expected values, then what a restarted run meets.
+  TEST_CASE("checkpoints: automatic naming, total_limit rotation and loading the newest (Accelerate's cases)") {
+    namespace fs = std::filesystem;
+    fs::path project;
+    {
+      accel::Accelerator probe(config());
+      project = shared_temp_path(probe, "accel_project_");
+      if (probe.is_main_process()) fs::remove_all(project);  // a subcase that threw halfway left it
+      probe.wait_for_everyone();
+    }
+    auto project_config = [&](std::optional<int> total_limit, int iteration = 0) {
+      accel::AcceleratorConfig c = config();
+      c.project_config.project_dir = project;
+      c.project_config.automatic_checkpoint_naming = true;
+      c.project_config.total_limit = total_limit;
+      c.project_config.iteration = iteration;
+      return c;
+    };
+    auto listing = [&] { return sorted_names(project / "checkpoints"); };  // the numbered directories
+    auto clear = [&](accel::Accelerator& acc) {
+      acc.wait_for_everyone();
+      if (acc.is_main_process()) fs::remove_all(project);
+      acc.wait_for_everyone();
+    };
+    auto step = [](accel::Accelerator& acc, Mlp& m, torch::optim::Optimizer& o) {
+      const auto data = dataset(8, 4);
+      o.zero_grad();
+      acc.backward(torch::mse_loss(m(data.first), data.second));
+      o.step();
+      return flat_parameters(*m).clone();
+    };
+
+    SUBCASE("test_with_save_limit: total_limit=1, two saves leave one") {
+      accel::Accelerator accelerator(project_config(1));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_0");
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_1");
+      CHECK(listing() == std::vector<std::string>{"checkpoint_1"});
+      CHECK(accelerator.save_iteration() == 2);
+      clear(accelerator);
+    }
+    SUBCASE("test_checkpoint_deletion: total_limit=2, eleven saves leave checkpoint_9 and checkpoint_10") {
+      accel::Accelerator accelerator(project_config(2));
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      for (int i = 0; i < 11; ++i) accelerator.save_state();
+      CHECK_FALSE(fs::exists(project / "checkpoints" / "checkpoint_0"));
+      CHECK(fs::exists(project / "checkpoints" / "checkpoint_9"));
+      CHECK(fs::exists(project / "checkpoints" / "checkpoint_10"));
+      CHECK(listing() == std::vector<std::string>{"checkpoint_10", "checkpoint_9"});
+      clear(accelerator);
+    }
+    SUBCASE("test_automatic_loading: load_state() loads the newest") {
+      accel::Accelerator accelerator(project_config(std::nullopt));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      accelerator.save_state();
+      step(accelerator, model, optimizer);
+      const at::Tensor a2 = step(accelerator, model, optimizer);
+      accelerator.save_state();
+      const at::Tensor a3 = step(accelerator, model, optimizer);
+      accelerator.load_state();
+      CHECK_FALSE(at::equal(a3, flat_parameters(*model)));
+      CHECK(at::equal(a2, flat_parameters(*model)));
+      CHECK(accelerator.save_iteration() == 2);
+      clear(accelerator);
+    }
+    SUBCASE("test_can_resume_training: iteration=1, checkpoint_0 loaded by name, the next save is checkpoint_1") {
+      at::Tensor a, a1, a3;
+      {
+        accel::Accelerator accelerator(project_config(std::nullopt));
+        Mlp model(4, 8, 1);
+        torch::optim::Adam optimizer(model->parameters(), 1e-3);
+        accelerator.prepare(model, optimizer);
+        accelerator.save_state();
+        a = flat_parameters(*model).clone();
+        for (int i = 0; i < 3; ++i) a1 = step(accelerator, model, optimizer);
+      }
+      accel::Accelerator accelerator(project_config(std::nullopt, /*iteration=*/1));
+      Mlp model(4, 8, 1);
+      torch::optim::Adam optimizer(model->parameters(), 1e-3);
+      accelerator.prepare(model, optimizer);
+      accelerator.load_state(project / "checkpoints" / "checkpoint_0");
+      CHECK(at::equal(a, flat_parameters(*model)));
+      for (int i = 0; i < 2; ++i) step(accelerator, model, optimizer);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_1");
+      accelerator.load_state(project / "checkpoints" / "checkpoint_1");
+      a3 = step(accelerator, model, optimizer);
+      CHECK(at::equal(a1, a3));
+      clear(accelerator);
+    }
+    SUBCASE("a restarted run: its number taken is an error on every process; load_state() goes on past the newest") {
+      {
+        accel::Accelerator accelerator(project_config(3));
+        Mlp model(4, 8, 1);
+        accelerator.prepare(model);
+        for (int i = 0; i < 5; ++i) accelerator.save_state();  // checkpoint_2, _3, _4 left
+      }
+      accel::Accelerator accelerator(project_config(3));
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      accelerator.save_state();  // checkpoint_0: a number the rotation removed is free again
+      CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_3", "checkpoint_4"});
+      accelerator.project_configuration().iteration = 3;
+      const std::string what = what_of([&] { accelerator.save_state(); });
+      CHECK(what.find("checkpoint_3 (iteration 3) already exists: set project_configuration().iteration") !=
+            std::string::npos);
+      CHECK(accelerator.save_iteration() == 3);
+      accelerator.load_state();  // checkpoint_4, the highest number
+      CHECK(accelerator.save_iteration() == 5);
+      CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_5");
+      CHECK(listing() == std::vector<std::string>{"checkpoint_3", "checkpoint_4", "checkpoint_5"});
+      // Directories of other names are not ours: neither counted nor removed.
+      accelerator.wait_for_everyone();  // every process has looked
+      if (accelerator.is_main_process()) fs::create_directories(project / "checkpoints" / "checkpoint_best");
+      accelerator.wait_for_everyone();
+      accelerator.save_state();
+      CHECK(listing() == std::vector<std::string>{"checkpoint_4", "checkpoint_5", "checkpoint_6", "checkpoint_best"});
+      // A path is not taken with automatic naming; loading one by name is.
+      CHECK_THROWS_WITH_AS(accelerator.save_state(project / "elsewhere"),
+                           doctest::Contains("call save_state() without"), accel::InvalidArgument);
+      accelerator.load_state(project / "checkpoints" / "checkpoint_4");
+      CHECK(accelerator.save_iteration() == 7);  // past the newest still
+      clear(accelerator);
+      const std::string none = what_of([&] { accelerator.load_state(); });
+      CHECK(none == "accel::Accelerator::load_state: no checkpoint under " + (project / "checkpoints").string());
+    }
+  }
+  TEST_CASE("checkpoints cleanup") { release_world(); }
+}
+
+TEST_SUITE("single") {
+  TEST_CASE("checkpoints: a process killed at any step of save_state leaves the newest complete checkpoint") {
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 8, 1);
+    torch::optim::SGD optimizer(model->parameters(), 0.1);
+    accelerator.prepare(model, optimizer);
+    auto set_weights = [&](double value) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.fill_(value);
+    };
+    auto weights = [&] { return model->parameters()[0].detach()[0][0].item<double>(); };
+    const fs::path base = fs::temp_directory_path() / ("accel_crash_" + std::to_string(getpid()));
+    fs::path dir;
+    // A child process saves weights `value` and dies at `step` of the save.
+    auto crash_saving = [&](double value, const char* step) {
+      const pid_t child = fork();
+      if (child == 0) {
+        set_weights(value);
+        accel::detail::checkpoint_hook() = [step](const char* at) {
+          if (std::strcmp(at, step) == 0) std::_Exit(3);
+        };
+        accelerator.save_state(dir);
+        std::_Exit(0);  // the step never came
+      }
+      int status = 0;
+      REQUIRE(waitpid(child, &status, 0) == child);
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    };
+    // Can this filesystem exchange two directories in one step?
+    fs::create_directories(base / "a");
+    fs::create_directories(base / "b");
+    const bool can_exchange =
+        ::renameat2(AT_FDCWD, (base / "a").c_str(), AT_FDCWD, (base / "b").c_str(), RENAME_EXCHANGE) == 0;
+    fs::remove_all(base);
+    if (!can_exchange) MESSAGE("no RENAME_EXCHANGE in " << fs::temp_directory_path() << ": two renames only");
+    for (const bool exchange : {true, false}) {
+      if (exchange && !can_exchange) continue;
+      accel::detail::checkpoint_use_exchange() = exchange;
+      const std::vector<const char*> steps =
+          exchange ? std::vector<const char*>{"files written", "manifest written", "exchanged"}
+                   : std::vector<const char*>{"files written", "manifest written", "between renames", "renamed"};
+      for (const char* step : steps) {
+        CAPTURE(exchange);
+        CAPTURE(step);
+        dir = base / "ckpt";
+        set_weights(1);
+        accelerator.save_state(dir);
+        REQUIRE(crash_saving(2, step) == 3);
+        // Not whole before its manifest is written; whole after.
+        const double newest = std::strcmp(step, "files written") == 0 ? 1 : 2;
+        // A later save that dies before its checkpoint is whole deletes nothing.
+        REQUIRE(crash_saving(3, "files written") == 3);
+        set_weights(0);
+        accelerator.load_state(dir);
+        CHECK(weights() == newest);
+        CHECK_FALSE(fs::exists(dir.string() + ".tmp"));
+        CHECK_FALSE(fs::exists(dir.string() + ".old"));
+        set_weights(4);
+        accelerator.save_state(dir);  // and saving goes on as usual
+        set_weights(0);
+        accelerator.load_state(dir);
+        CHECK(weights() == 4);
+        fs::remove_all(base);
+      }
+    }
+    accel::detail::checkpoint_use_exchange() = true;
+    // No checkpoint at all, and paths that name none.
+    CHECK_THROWS_WITH_AS(accelerator.load_state(base / "none"), doctest::Contains("no checkpoint directory"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_AS(accelerator.save_state(""), accel::InvalidArgument);
+    CHECK_THROWS_AS(accelerator.save_state("/"), accel::InvalidArgument);
+    world().destroy();
+  }
+
+  TEST_CASE("checkpoints: automatic naming keeps the newest whole checkpoint through crashes; bad settings are named") {
+    namespace fs = std::filesystem;
+    const fs::path project = fs::temp_directory_path() / ("accel_project_crash_" + std::to_string(getpid()));
+    accel::AcceleratorConfig c = config();
+    c.project_config = {.project_dir = project, .automatic_checkpoint_naming = true, .total_limit = 1};
+    accel::Accelerator accelerator(c);
+    Mlp model(4, 8, 1);
+    accelerator.prepare(model);
+    auto set_weights = [&](double value) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.fill_(value);
+    };
+    auto weights = [&] { return model->parameters()[0].detach()[0][0].item<double>(); };
+    auto crash_saving = [&](double value, const char* step) {  // as in the test above
+      const pid_t child = fork();
+      if (child == 0) {
+        set_weights(value);
+        accel::detail::checkpoint_hook() = [step](const char* at) {
+          if (std::strcmp(at, step) == 0) std::_Exit(3);
+        };
+        accelerator.save_state();
+        std::_Exit(0);
+      }
+      int status = 0;
+      REQUIRE(waitpid(child, &status, 0) == child);
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    };
+    auto listing = [&] { return sorted_names(project / "checkpoints"); };
+    set_weights(1);
+    accelerator.save_state();  // checkpoint_0
+    // total_limit=1: Accelerate removes checkpoint_0 before writing
+    // checkpoint_1, so a crash here would leave none; it is kept until the new one is whole.
+    REQUIRE(crash_saving(2, "files written") == 3);
+    set_weights(0);
+    accelerator.load_state();
+    CHECK(weights() == 1);
+    CHECK(accelerator.save_iteration() == 1);
+    // A crash once checkpoint_1 is whole (not yet in place): it is the newest.
+    REQUIRE(crash_saving(2, "manifest written") == 3);
+    CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_1.tmp"});
+    set_weights(0);
+    accelerator.load_state();
+    CHECK(weights() == 2);
+    CHECK(accelerator.save_iteration() == 2);
+    CHECK(listing() == std::vector<std::string>{"checkpoint_0", "checkpoint_1"});
+    set_weights(3);
+    CHECK(accelerator.save_state() == project / "checkpoints" / "checkpoint_2");
+    CHECK(listing() == std::vector<std::string>{"checkpoint_2"});
+    fs::remove_all(project);
+
+    // Settings that cannot work, before anything starts.
+    auto refused = [&](const std::function<void(accel::ProjectConfiguration&)>& set) {
+      accel::AcceleratorConfig bad = config();
+      set(bad.project_config);
+      return what_of([&] { accel::Accelerator{bad}; });
+    };
+    CHECK(refused([](auto& p) { p.automatic_checkpoint_naming = true; }) ==
+          "accel::Accelerator: automatic_checkpoint_naming needs a project_config.project_dir");
+    CHECK(refused([&](auto& p) {
+            p.project_dir = project;
+            p.total_limit = 2;
+          }) == "accel::Accelerator: project_config.total_limit applies to automatic_checkpoint_naming, which is off");
+    CHECK(refused([&](auto& p) {
+            p.project_dir = project;
+            p.automatic_checkpoint_naming = true;
+            p.total_limit = 0;
+          }) == "accel::Accelerator: project_config.total_limit must be at least 1, got 0");
+    CHECK(refused([](auto& p) { p.iteration = -1; }) ==
+          "accel::Accelerator: project_config.iteration must not be negative, got -1");
+    // ... or changed afterwards, when it is used.
+    accelerator.project_configuration().total_limit = 0;
+    CHECK_THROWS_WITH_AS(accelerator.save_state(), doctest::Contains("save_state: project_config.total_limit must be"),
+                         accel::InvalidArgument);
+    accelerator.project_configuration().total_limit.reset();
+    accelerator.project_configuration().automatic_checkpoint_naming = false;
+    CHECK_THROWS_WITH_AS(accelerator.save_state(), doctest::Contains("no checkpoint path (pass one, or turn on"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accelerator.load_state(), doctest::Contains("no checkpoint path (pass one, or turn on"),
+                         accel::InvalidArgument);
+    CHECK_FALSE(fs::exists(project));
+    world().destroy();
+  }
+
+  TEST_CASE("safetensors: save_model writes the format byte for byte; load_model reads it back, sharded or not") {
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    const fs::path base = fs::temp_directory_path() / ("accel_safetensors_" + std::to_string(getpid()));
+    {  // the format: length, JSON header padded with spaces to 8 bytes, little-endian data
+      One one(at::tensor({1.0f, 2.0f}));
+      accelerator.save_model(one, (base / "one").string());
+      std::string header = R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+      header.resize((header.size() + 7) / 8 * 8, ' ');
+      std::string expected(8, '\0');
+      for (int i = 0; i < 8; ++i) expected[i] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+      const float data[2] = {1.0f, 2.0f};
+      expected += header + std::string(reinterpret_cast<const char*>(data), 8);
+      CHECK(file_bytes(base / "one" / "model.safetensors") == expected);
+      One other(at::zeros({2}));
+      accelerator.load_model(other, (base / "one").string());
+      CHECK(at::equal(other->w, at::tensor({1.0f, 2.0f})));
+      One bf16(at::tensor({1.5f, -2.0f, 3.25f}).to(at::kBFloat16));
+      accelerator.save_model(bf16, (base / "bf16").string());
+      CHECK(file_bytes(base / "bf16" / "model.safetensors").find(R"("dtype":"BF16","shape":[3])") != std::string::npos);
+      One bf16_back(at::zeros({3}, at::kBFloat16));
+      accelerator.load_model(bf16_back, (base / "bf16").string());
+      CHECK(at::equal(bf16_back->w, bf16->w));
+    }
+    Net saved = seeded_net(3);
+    accelerator.save_model(saved, (base / "net").string());
+    Net loaded = seeded_net(4);
+    CHECK_FALSE(same_state(*saved, *loaded));
+    accelerator.load_model(loaded, (base / "net").string());
+    CHECK(same_state(*saved, *loaded));  // parameters and buffers (num_batches_tracked is int64)
+
+    {  // the free functions, without the Accelerator: the same bytes, read back by either
+      accel::save_model(saved, (base / "free").string());
+      CHECK(file_bytes(base / "free" / "model.safetensors") == file_bytes(base / "net" / "model.safetensors"));
+      Net free_loaded = seeded_net(6);
+      accel::load_model(free_loaded, (base / "net").string());
+      CHECK(same_state(*saved, *free_loaded));
+      CHECK_THROWS_WITH_AS(accel::save_model(saved, (base / "free").string(), 0),
+                           "accel::save_model: max_shard_bytes must be positive", accel::InvalidArgument);
+    }
+
+    // Sharded above the limit (each shard at most 256 bytes unless one tensor is larger), with an index.
+    accelerator.save_model(saved, (base / "net").string(), 256);
+    CHECK_FALSE(fs::exists(base / "net" / "model.safetensors"));
+    const std::string index = file_bytes(base / "net" / "model.safetensors.index.json");
+    CHECK(index.find(R"("weight_map")") != std::string::npos);
+    CHECK(index.find(R"("body.1.running_mean": "model-00001-of-)") != std::string::npos);
+    int shards = 0;
+    for (const auto& entry : fs::directory_iterator(base / "net"))
+      shards += entry.path().filename().string().starts_with("model-000");
+    CHECK(shards > 1);
+    Net from_shards = seeded_net(5);
+    accelerator.load_model(from_shards, (base / "net").string());
+    CHECK(same_state(*saved, *from_shards));
+    accelerator.save_model(saved, (base / "net").string());  // one file again: the shards and index go
+    std::size_t files = 0;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(base / "net")) ++files;
+    CHECK(files == 1);
+
+    // What does not fit is refused, and nothing is modified.
+    auto refused = [&](const std::string& dir, auto& model) {
+      const at::Tensor before = flat_parameters(*model).clone();
+      const std::string what = what_of([&] { accelerator.load_model(model, dir); });
+      CHECK(at::equal(before, flat_parameters(*model)));
+      return what;
+    };
+    Mlp narrow(4, 8, 1), wide(4, 16, 1);
+    accelerator.save_model(wide, (base / "wide").string());
+    CHECK(refused((base / "wide").string(), narrow).find("body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
+          std::string::npos);
+    const std::string net_into_mlp = refused((base / "net").string(), narrow);
+    CHECK(net_into_mlp.find("model.safetensors does not fit the model: missing body.2.weight") != std::string::npos);
+    CHECK(net_into_mlp.find("not in the model: body.1.bias, body.1.num_batches_tracked") != std::string::npos);
+    fs::copy(base / "net", base / "cut", fs::copy_options::recursive);
+    fs::resize_file(base / "cut" / "model.safetensors", fs::file_size(base / "cut" / "model.safetensors") - 4);
+    CHECK(refused((base / "cut").string(), loaded).find("do not hold its") != std::string::npos);
+    fs::create_directories(base / "junk");
+    std::ofstream(base / "junk" / "model.safetensors") << "junk";
+    CHECK(refused((base / "junk").string(), loaded).find("is not a safetensors file") != std::string::npos);
+    {
+      std::string bad = "{\"w\": [1,}";
+      std::string bytes(8, '\0');
+      bytes[0] = static_cast<char>(bad.size());
+      std::ofstream(base / "junk" / "model.safetensors", std::ios::binary) << bytes + bad;
+    }
+    CHECK(refused((base / "junk").string(), loaded).find("bad JSON at byte") != std::string::npos);
+    CHECK(refused((base / "none").string(), loaded).find("missing ") != std::string::npos);
+    fs::remove_all(base);
+    world().destroy();
+  }
+}
+
+// Run by tests/python_ref/run_safetensors.sh (CTest safetensors_python)
+// around tests/python_ref/safetensors_check.py: skipped otherwise.
+TEST_SUITE("python_safetensors" * doctest::skip()) {
+  TEST_CASE("write: a model, sharded too, and its outputs, for Python to load") {
+    const char* dir = std::getenv("ACCEL_SAFETENSORS_DIR");
+    REQUIRE(dir != nullptr);
+    accel::Accelerator accelerator(config());
+    Net net = seeded_net(3);
+    const at::Tensor x = at::linspace(-2, 2, 40).reshape({10, 4});
+    torch::NoGradGuard no_grad;
+    const at::Tensor y = net(x);
+    accelerator.save_model(net, std::string(dir) + "/cpp");
+    accelerator.save_model(net, std::string(dir) + "/cpp_sharded", 256);
+    accel::detail::write_safetensors(std::string(dir) + "/io.safetensors", {{"x", x}, {"y", y}});
+    world().destroy();
+  }
+
+  TEST_CASE("read: Python's model gives Python's outputs") {
+    const char* dir = std::getenv("ACCEL_SAFETENSORS_DIR");
+    REQUIRE(dir != nullptr);
+    accel::Accelerator accelerator(config());
+    Net net = seeded_net(9);
+    accelerator.load_model(net, std::string(dir) + "/py");
+    std::map<std::string, at::Tensor> io;
+    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/py_io.safetensors")) io.insert(named);
+    REQUIRE(io.count("x") == 1);
+    REQUIRE(io.count("y") == 1);
+    torch::NoGradGuard no_grad;
+    CHECK(at::equal(net(io["x"]), io["y"]));
+    CHECK(net->named_buffers()["body.1.num_batches_tracked"].item<int64_t>() == 7);
+    world().destroy();
+  }
+}

@@ -1,0 +1,374 @@
+// Training tests, sharded training (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD), and Python's FSDP2 compared (python_fsdp2).
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with
+// training_fixtures.hpp precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+
+TEST_SUITE("ranks") {
+  // Sharded data parallel (ZeRO-2 and ZeRO-3): the training of one process
+  // on the global batch, every replica identical, optimizer state and
+  // gradients 1/S (and under FULL_SHARD the parameters at rest: none).
+  TEST_CASE("sharding: SHARD_GRAD_OP and FULL_SHARD train as one process on the global batch, with 1/S of the state") {
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {  // SGD momentum, Adam, SGD momentum with 2 accumulation steps; x2
+      const auto strategy = variant < 3 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::FULL_SHARD;
+      const bool adam = variant % 3 == 1;
+      const int micro = variant % 3 == 2 ? 2 : 1;
+      CAPTURE(variant);
+      accel::AcceleratorConfig c = config(micro);
+      c.sharding_strategy = strategy;
+      c.bucket_cap_mb = 1;
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      CHECK(accelerator.sharding_strategy() == (P > 1 ? strategy : accel::ShardingStrategy::NO_SHARD));
+      // A fixed start: Adam divides by the gradients' size, so a gradient near zero would turn float32
+      // summation noise into a visible step; the figures below are those of this start.
+      torch::manual_seed(5);
+      Mlp model(5, 33, 2);  // 33: sizes that 2, 3 and 4 do not divide (padded chunks)
+      accelerator.prepare(model);
+      const bool full = P > 1 && strategy == accel::ShardingStrategy::FULL_SHARD;
+      CHECK(accelerator.data_parallel(model)->unit_count() == (full ? 3u : 0u));  // the three Linear layers
+      auto at_rest = [&] {  // bytes the parameters hold between steps
+        std::size_t bytes = 0;
+        for (const auto& p : model->parameters()) bytes += p.storage().nbytes();
+        return bytes;
+      };
+      if (full) CHECK(at_rest() == 0);
+      Mlp local = [&] {
+        const auto whole = accelerator.data_parallel(model)->summon_full_params();
+        return copy_of(model, 5, 33, 2);
+      }();
+      auto make = [&](Mlp& m) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (adam) return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(1e-2));
+        return std::make_unique<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      };
+      auto optimizer = make(model), local_optimizer = make(local);
+      accel::AcceleratedOptimizer prepared = accelerator.prepare(*optimizer);
+      auto generator = at::detail::createCPUGenerator(11);
+      double worst_norm = 0;
+      if (const auto& shards = accelerator.data_parallel(model)->shard_group()) start_sequence(shards);
+      for (int step = 0; step < 5; ++step) {
+        // `micro` micro-batches of 2 rows per process; the one process takes them all at once
+        const at::Tensor x = at::randn({2 * P * micro, 5}, generator), y = at::randn({2 * P * micro, 1}, generator);
+        double norm = 0;
+        const accel::GroupPtr& shards = accelerator.data_parallel(model)->shard_group();
+        const int64_t sequence = shards ? shards->getSequenceNumberForGroup() : 0;
+        for (int k = 0; k < micro; ++k) {
+          auto guard = accelerator.accumulate(model);
+          const int64_t at = (k * P + r) * 2;
+          accelerator.backward(torch::mse_loss(model(x.narrow(0, at, 2)), y.narrow(0, at, 2)));
+          if (accelerator.sync_gradients()) norm = accelerator.clip_grad_norm_(model->parameters(), 0.5);
+          prepared.step();
+          if (step < 4) prepared.zero_grad();  // the last step's gradients are counted below
+        }
+        if (shards) {  // collectives per step on the shard group: nothing gathered twice
+          // ZeRO-2: a reduce-scatter and an all-gather per bucket (one here), the norm's all-reduce.
+          // FULL_SHARD: per unit and micro-step an all-gather for forward and one for backward, and per unit
+          // a reduce-scatter; the norm's all-reduce.
+          const int64_t collectives = shards->getSequenceNumberForGroup() - sequence;
+          CHECK(collectives == (full ? 3 * 2 * micro + 3 + 1 : 1 + 1 + 1));
+        }
+        local_optimizer->zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        const double local_norm = torch::nn::utils::clip_grad_norm_(local->parameters(), 0.5);
+        local_optimizer->step();
+        worst_norm = std::max(worst_norm, std::abs(norm - local_norm) / local_norm);
+      }
+      if (full) CHECK(at_rest() == 0);
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " at " << P << " process(es), " << std::string(adam ? "Adam" : "SGD momentum")
+              << std::string(micro > 1 ? ", 2 accumulation steps" : "")
+              << ": largest parameter difference to one process " << difference
+              << ", gradient norm relative difference " << worst_norm);
+      CHECK(difference < 1e-5);
+      CHECK(worst_norm < 1e-5);
+      if (P > 1) CHECK(identical_across_ranks(*model, world().world_group()));
+      // Optimizer state: a chunk of ceil(numel / P) per parameter, per buffer.
+      int64_t expected = 0, state = 0, gradients = 0;
+      for (const auto& p : model->parameters()) expected += (p.numel() + P - 1) / P * (adam ? 2 : 1);
+      for (const auto& entry : optimizer->state()) {
+        if (adam) {
+          const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
+          state += s.exp_avg().numel() + s.exp_avg_sq().numel();
+        } else {
+          state += static_cast<torch::optim::SGDParamState&>(*entry.second).momentum_buffer().numel();
+        }
+      }
+      for (const auto& group : optimizer->param_groups())
+        for (const auto& p : group.params()) gradients += p.grad().defined() ? p.grad().numel() : 0;
+      CHECK(state == expected);
+      CHECK(gradients * (adam ? 2 : 1) == expected);
+      if (P > 1)
+        for (const auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());  // released at the step
+    }
+  }
+
+  TEST_CASE("sharding: an optimizer stepped directly, or not prepared, is an error; checkpoints are per process") {
+    namespace fs = std::filesystem;
+    accel::AcceleratorConfig c = config();
+    c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    const auto data = dataset(8, 4);
+    auto loss_of = [&](Mlp& m) { return torch::mse_loss(m(data.first), data.second); };
+    {
+      accel::Accelerator accelerator(c);
+      if (accelerator.num_processes() == 1) return;  // nothing is sharded
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      CHECK_THROWS_WITH_AS(accelerator.backward(loss_of(model)), doctest::Contains("is in no prepared optimizer"),
+                           accel::InvalidArgument);
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      auto prepared = accelerator.prepare(sgd);
+      accelerator.backward(loss_of(model));
+      sgd.step();  // not through `prepared`
+      CHECK_THROWS_WITH_AS(accelerator.backward(loss_of(model)),
+                           doctest::Contains("step the optimizer through the handle accelerator.prepare() returned"),
+                           accel::InvalidArgument);
+      Mlp other(4, 8, 1);
+      torch::optim::LBFGS lbfgs(other->parameters());
+      accelerator.prepare(other);
+      CHECK_THROWS_WITH_AS(accelerator.prepare(lbfgs), doctest::Contains("LBFGS cannot step shards"),
+                           accel::InvalidArgument);
+      CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, model), doctest::Contains("not under sharding yet"),
+                           accel::InvalidArgument);
+    }
+    {  // FULL_SHARD: a unit called around unit_forward finds no data (LibTorch's error, not garbage); a policy
+       // that chooses no unit is refused
+      c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+      accel::Accelerator accelerator(c);
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      const std::string bypass = what_of([&] { model->body->forward(data.first); });
+      CAPTURE(bypass);
+      // (LibTorch's words: a view of a parameter finds "storage of size 0", a direct read "data is not allocated")
+      CHECK((bypass.find("storage of size 0") != std::string::npos ||
+             bypass.find("data is not allocated") != std::string::npos));
+      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "nothing"; };
+      accel::Accelerator none(c);
+      Mlp other(4, 8, 1);
+      CHECK_THROWS_WITH_AS(none.prepare(other), doctest::Contains("FULL_SHARD found no unit in the model"),
+                           accel::InvalidArgument);
+      // Tied weights: in two units, or in a unit and outside it, they cannot be freed alone.
+      const at::Tensor w = at::randn({4, 4});
+      torch::nn::Sequential tied(std::make_shared<TiedImpl>(w), std::make_shared<TiedImpl>(w));
+      accel::AcceleratorConfig d = c;
+      d.auto_wrap_policy = {};
+      accel::Accelerator both(d);
+      CHECK_THROWS_WITH_AS(both.prepare(tied), doctest::Contains("is in two fully sharded units"), accel::InvalidArgument);
+      d.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "0"; };
+      accel::Accelerator first(d);
+      torch::nn::Sequential tied_again(std::make_shared<TiedImpl>(w), std::make_shared<TiedImpl>(w));
+      CHECK_THROWS_WITH_AS(first.prepare(tied_again), doctest::Contains("must own its storage"), accel::InvalidArgument);
+      c.auto_wrap_policy = {};
+    }
+
+    // A checkpoint: each process's optimizer shard in a file of its own; the
+    // run resumed from it goes on bit for bit. FULL_SHARD's model file holds
+    // whole parameters, and save_model/load_model see them too.
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+    CAPTURE(accel::to_string(strategy));
+    c.sharding_strategy = strategy;
+    accel::Accelerator accelerator(c);
+    const int P = accelerator.num_processes();
+    Mlp model(4, 16, 1);
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+    auto prepared = accelerator.prepare(model, adam);
+    auto parameters = [&] {
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      return flat_parameters(*model).clone();
+    };
+    auto train = [&](int steps) {
+      for (int i = 0; i < steps; ++i) {
+        std::get<1>(prepared).zero_grad();
+        accelerator.backward(loss_of(model));
+        std::get<1>(prepared).step();
+      }
+      return parameters();
+    };
+    const fs::path dir = shared_temp_path(accelerator, "accel_sharded_ckpt_");
+    const at::Tensor saved = train(2);
+    accelerator.save_state(dir);
+    for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
+    CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
+    {
+      torch::serialize::InputArchive archive;
+      archive.load_from((dir / "model.pt").string());
+      Mlp plain(4, 16, 1);
+      plain->load(archive);
+      CHECK(at::equal(flat_parameters(*plain), saved));  // whole parameters, under every strategy
+    }
+    const at::Tensor straight = train(3);
+    accelerator.load_state(dir);
+    CHECK(at::equal(train(3), straight));
+    accelerator.save_model(model, (dir / "export").string());
+    const at::Tensor exported = parameters();
+    train(1);
+    accelerator.load_model(model, (dir / "export").string());
+    CHECK(at::equal(parameters(), exported));
+    train(1);  // training goes on from the loaded weights, on every process alike
+    {
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      CHECK(identical_across_ranks(*model, world().world_group()));
+    }
+    {  // the same checkpoint in an unsharded run: refused, nothing changed
+      accel::AcceleratorConfig plain = config();
+      accel::Accelerator other(plain);
+      Mlp m(4, 16, 1);
+      torch::optim::Adam o(m->parameters(), torch::optim::AdamOptions(1e-2));
+      other.prepare(m, o);
+      CHECK(what_of([&] { other.load_state(dir); })
+                .find("its optimizer state is sharded " + std::to_string(P) + " way(s), this run's 1 way(s)") !=
+            std::string::npos);
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) fs::remove_all(dir);
+    }
+  }
+
+  // ZeRO-3 against ZeRO-2, which share their numerics: bit for bit equal under bf16 autocast, with a unit that some
+  // steps leave out (its prefetch is issued and dropped, its parameters keep their values), and in evaluation.
+  TEST_CASE("sharding: FULL_SHARD equals SHARD_GRAD_OP bit for bit under bf16 autocast, with a unit left out") {
+    struct NetImpl : torch::nn::Module {
+      NetImpl()
+          : fc1(register_module("fc1", torch::nn::Linear(6, 20))), fc2(register_module("fc2", torch::nn::Linear(20, 20))),
+            fc3(register_module("fc3", torch::nn::Linear(20, 1))) {}
+      at::Tensor forward(const at::Tensor& x, bool middle) {
+        at::Tensor h = accel::unit_forward(fc1, x).tanh();
+        if (middle) h = accel::unit_forward(fc2, h).tanh();
+        return accel::unit_forward(fc3, h);
+      }
+      torch::nn::Linear fc1, fc2, fc3;
+    };
+    TORCH_MODULE(Net);
+    std::vector<at::Tensor> finals, evaluations;
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+      accel::AcceleratorConfig c = config();
+      c.sharding_strategy = strategy;
+      c.mixed_precision = "bf16";
+      accel::Accelerator accelerator(c);
+      const int r = accelerator.process_index();
+      torch::manual_seed(8);
+      Net model;
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+      auto prepared = accelerator.prepare(model, adam);
+      auto generator = at::detail::createCPUGenerator(40 + r);
+      for (int step = 0; step < 5; ++step) {
+        const at::Tensor x = at::randn({4, 6}, generator), y = at::randn({4, 1}, generator);
+        std::get<1>(prepared).zero_grad();
+        {
+          auto autocast = accelerator.autocast();
+          accelerator.backward(torch::mse_loss(model->forward(x, step != 2).to(at::kFloat), y));
+        }
+        std::get<1>(prepared).step();
+      }
+      {
+        torch::NoGradGuard no_grad;
+        evaluations.push_back(model->forward(at::ones({2, 6}), true));
+      }
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      finals.push_back(flat_parameters(*model).clone());
+    }
+    CHECK(at::equal(finals[0], finals[1]));
+    CHECK(at::equal(evaluations[0], evaluations[1]));
+  }
+
+  // HSDP on a 2 x 2 model mesh: shards along mp_shard, averaged along
+  // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
+  // HYBRID_SHARD the parameters are sharded at rest too. FULL_SHARD on a
+  // mesh that replicates is refused (it would leave the replicas apart).
+  TEST_CASE("sharding: SHARD_GRAD_OP and HYBRID_SHARD on a 2 x 2 model mesh (replicated shards) train as one process") {
+    if (world().get_world_size() != 4) return;
+    accel::AcceleratorConfig c = config();
+    c.distributed = test_config({.mp_replicate_size = 2});
+    world().destroy();
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::HYBRID_SHARD}) {
+      c.sharding_strategy = strategy;
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      CHECK(accelerator.sharding_strategy() == strategy);
+      Mlp model(5, 33, 2);
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+      auto prepared = accelerator.prepare(model, adam);
+      accel::DataParallel& dp = *accelerator.data_parallel(model);
+      CHECK(dp.unit_count() == (strategy == accel::ShardingStrategy::HYBRID_SHARD ? 3u : 0u));
+      Mlp local = [&] {
+        const auto whole = dp.summon_full_params();
+        return copy_of(model, 5, 33, 2);
+      }();
+      torch::optim::Adam local_adam(local->parameters(), torch::optim::AdamOptions(1e-2));
+      auto generator = at::detail::createCPUGenerator(12);
+      for (int step = 0; step < 5; ++step) {
+        const at::Tensor x = at::randn({2 * P, 5}, generator), y = at::randn({2 * P, 1}, generator);
+        std::get<1>(prepared).zero_grad();
+        accelerator.backward(torch::mse_loss(model(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)));
+        std::get<1>(prepared).step();
+        local_adam.zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        local_adam.step();
+      }
+      const auto whole = dp.summon_full_params();
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " on a 2 x 2 model mesh, Adam: largest parameter difference to one process " << difference);
+      CHECK(difference < 1e-5);
+      CHECK(identical_across_ranks(*model, accel::DistributedInterface::instance().world_group()));
+      int64_t expected = 0, state = 0;
+      for (const auto& p : model->parameters()) expected += (p.numel() + 1) / 2 * 2;  // halves, along mp_shard
+      for (const auto& entry : adam.state()) {
+        const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
+        state += s.exp_avg().numel() + s.exp_avg_sq().numel();
+      }
+      CHECK(state == expected);
+    }
+    c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD shards along mp_shard only"),
+                         accel::InvalidArgument);
+    accel::DistributedInterface::instance().destroy();
+  }
+  TEST_CASE("sharding cleanup") { release_world(); }
+}
+
+// Run by tests/python_ref/run_fsdp2.sh (CTest python_fsdp2_*) around
+// tests/python_ref/fsdp2_ref.py, which trains the same model with Python's
+// DDP or FSDP2: skipped otherwise. The same start (DIR/init/model.safetensors,
+// written by Python), the same batches (DIR/batches.safetensors: x and y,
+// [steps, global batch, features], this process's rows of each), Adam with
+// the same learning rate; the trained model goes to DIR/cpp_MODE_WORLD for
+// fsdp2_ref.py to compare.
+TEST_SUITE("python_fsdp2" * doctest::skip()) {
+  TEST_CASE("train: Python's start, batches and optimizer under ACCEL_FSDP2_MODE") {
+    const char* dir = std::getenv("ACCEL_FSDP2_DIR");
+    const char* mode_name = std::getenv("ACCEL_FSDP2_MODE");
+    REQUIRE(dir != nullptr);
+    REQUIRE(mode_name != nullptr);
+    const std::string mode = mode_name;
+    const std::map<std::string, accel::ShardingStrategy> strategies{
+        {"no_shard", accel::ShardingStrategy::NO_SHARD},
+        {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
+        {"full_shard", accel::ShardingStrategy::FULL_SHARD},
+        {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD}};
+    REQUIRE(strategies.count(mode) == 1);
+    accel::AcceleratorConfig c = config();
+    c.sharding_strategy = strategies.at(mode);
+    if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
+    accel::Accelerator accelerator(c);
+    const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
+    Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
+    accelerator.load_model(model, std::string(dir) + "/init");
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));  // fsdp2_ref.py's LR
+    accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, adam));
+    std::map<std::string, at::Tensor> batches;
+    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors")) batches.insert(named);
+    const at::Tensor &x = batches.at("x"), &y = batches.at("y");
+    REQUIRE(x.size(1) % P == 0);
+    const int64_t b = x.size(1) / P;
+    for (int64_t step = 0; step < x.size(0); ++step) {
+      const at::Tensor loss = torch::mse_loss(model(x[step].narrow(0, r * b, b)), y[step].narrow(0, r * b, b));
+      accelerator.backward(loss);
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    accelerator.save_model(model, std::string(dir) + "/cpp_" + mode + "_" + std::to_string(P));
+    release_world();
+  }
+}
