@@ -28,6 +28,7 @@
 //     accel/distributed/concepts.hpp         what the collectives take: Scalar, ScalarVector, TensorLike
 //     accel/distributed/issue.hpp            debug mode, the group registry, issuing c10d operations, their errors
 //     accel/distributed/staging.hpp          Pending (each collective: a start, then a land), staging, the debug check
+//     accel/distributed/registration.hpp     registering the groups accel makes, with the code that diagnoses their failures
 //     accel/distributed/work.hpp             accel::Work: an operation in flight, what the _async forms return
 //     accel/distributed/collectives.hpp      all_reduce, broadcast, all_gather and their _async forms
 //     accel/distributed/exchange.hpp         reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, barriers
@@ -77,42 +78,13 @@
 // == accel/core/config.hpp ====================================================
 // accel/core/config.hpp: compile-time knobs, the environment's names, the ABI namespace.
 //
-// Compile-time knobs (define before including accel.hpp):
-//   ACCEL_DEFAULT_TIMEOUT_SECONDS  timeout of the store and of every process
-//                                  group when DistributedConfig says nothing
-//                                  else (default 18000, as LLaMA-Factory).
-//   ACCEL_WITH_NCCL                1 or 0 to force the NCCL path on or off;
-//                                  by default it is on exactly when LibTorch
-//                                  is a CUDA build and <nccl.h> is visible.
-//   ACCEL_TRAINING                 also compile the training helpers
-//                                  (Accelerator, DataParallel), which need
-//                                  torch::nn and so <torch/torch.h>.
-//   ACCEL_CORE_ONLY                stop before everything that needs LibTorch:
-//                                  enums, environment and strategy validation
-//                                  only, for tools that do not link LibTorch.
-//
-// Run-time environment:
-//   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE   torchrun's contract
-//   MASTER_ADDR, MASTER_PORT   rendezvous (a c10d::TCPStore served by rank 0;
-//                              defaults 127.0.0.1 and 29500)
-//   TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT   set by torchrun:
-//                              its agent serves the store, every rank connects
-//   USE_LIBUV                  0/1: LibTorch >= 2.4's libuv TCPStore server
-//                              (default: on where the build has libuv)
-//   ACCEL_DEVICE               cpu|cuda|mps|xpu|npu|meta: force the device
-//   ACCEL_BACKEND              gloo|nccl: force the process-group backend
-//   GLOO_SOCKET_IFNAME         network interface(s) for Gloo, comma-separated
-//   ACCEL_DEBUG_MODE           1/0, true/false, yes/no, on/off: every collective
-//                              first checks that all ranks made the same call
-//   ACCEL_TIMEOUT              seconds: the default DistributedConfig::timeout
-//   ACCEL_STORE_DIR            a private directory (0700): when every rank is
-//                              local, rendezvous in a c10d::FileStore there
-//                              (accel::spawn and accel_launch set it)
-//   Without RANK, the first complete set of Open MPI (OMPI_COMM_WORLD_*),
-//   MPICH/Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS),
-//   MVAPICH (MV2_COMM_WORLD_*) or Slurm (SLURM_PROCID, SLURM_NTASKS,
-//   SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE).
+// The compile-time knobs (macros defined before including accel.hpp) and
+// the environment variables read at run time are listed, each with its
+// meaning, in one table: README.md, "Configuration". The macros' defaults
+// are set below.
 
+// Timeout of the store and of every group when DistributedConfig says nothing
+// else (LLaMA-Factory's).
 #ifndef ACCEL_DEFAULT_TIMEOUT_SECONDS
 #define ACCEL_DEFAULT_TIMEOUT_SECONDS 18000
 #endif
@@ -472,6 +444,21 @@ inline std::array<bool, 4> present(const LauncherVars& vars) {
           std::getenv(vars.local_size) != nullptr || (vars.local_size_alt && std::getenv(vars.local_size_alt))};
 }
 
+// The launcher whose variables are set, at least in part (torchrun's: RANK),
+// or null. Unlike launch_env() it reads no values and cannot fail: a
+// collective with no world group asks it, to tell a process that is alone
+// (where collectives are the identity) from one that has not called
+// DistributedInterface::instance() yet. Being a few getenv calls, it keeps
+// the environment's parse out of every translation unit that calls a
+// collective.
+inline const char* launcher_in_environment() {
+  for (const auto& vars : kLaunchers) {
+    const std::array<bool, 4> set = present(vars);
+    if (vars.defaults ? set[0] : std::count(set.begin(), set.end(), true) > 0) return vars.launcher;
+  }
+  return nullptr;
+}
+
 // The launch environment, read and validated in one pass (see kLaunchers).
 inline LaunchEnv launch_env() {
   const LauncherVars* partial = nullptr;
@@ -732,6 +719,7 @@ class RankSet {
   ChildRank& operator[](std::size_t rank) { return ranks_[rank]; }
   std::vector<ChildRank>::iterator begin() { return ranks_.begin(); }
   std::vector<ChildRank>::iterator end() { return ranks_.end(); }
+  std::size_t size() const { return ranks_.size(); }
 
  private:
   std::vector<ChildRank> ranks_;
@@ -771,6 +759,110 @@ class PrivateDir {
  private:
   std::string path_;
 };
+
+// Rank `rank`'s environment for launch_processes: the caller's, with the
+// launch variables set (and OMP_NUM_THREADS=1 beside other ranks unless set).
+inline std::vector<std::string> rank_environment(int rank, int nprocs, int port, const std::string& store_dir,
+                                                 const std::vector<std::pair<std::string, std::string>>& extra_env) {
+  std::vector<std::pair<std::string, std::string>> set = {
+      {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
+      {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
+      {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir}};
+  if (!getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
+  if (nprocs > 1 && !getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
+  set.insert(set.end(), extra_env.begin(), extra_env.end());
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const std::string_view entry(*e);
+    const auto name = entry.substr(0, entry.find('='));
+    if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; })) env.emplace_back(entry);
+  }
+  for (const auto& [name, value] : set) env.push_back(name + "=" + value);
+  return env;
+}
+
+// Forks one rank and execs the program in it, its output into a pipe that
+// `child` reads from then on. The environment and every string are made
+// before fork: between fork and exec the child may only make
+// async-signal-safe calls (no allocation).
+inline void start_rank(ChildRank& child, std::vector<char*>& args, const std::vector<std::string>& env, pid_t launcher,
+                       const std::string& exec_error) {
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
+  int fds[2];
+  if (pipe(fds) != 0) throw RuntimeError(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
+  const pid_t pid = fork();
+  if (pid < 0) {
+    const int error = errno;
+    close(fds[0]);
+    close(fds[1]);
+    throw RuntimeError(std::string("accel::launch_processes: fork: ") + std::strerror(error));
+  }
+  if (pid == 0) {  // only async-signal-safe calls from here to exec
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
+    if (getppid() != launcher) _exit(127);
+    signal(SIGPIPE, SIG_DFL);  // a distributed launcher ignores it (detail::ignore_sigpipe)
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    execvpe(args[0], args.data(), envp.data());
+    if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
+    _exit(127);
+  }
+  child.pid = pid;  // owned by the rank set from here
+  child.out = fds[0];
+  setpgid(pid, pid);
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, O_NONBLOCK);
+}
+
+// Forwards the ranks' output until every rank has ended: the first non-zero
+// status (or 124 after the timeout) stops the others and is the result.
+inline int supervise(RankSet& ranks, const LaunchOptions& options) {
+  const int nprocs = static_cast<int>(ranks.size());
+  const auto start = std::chrono::steady_clock::now();
+  int running = nprocs, result = 0;
+  while (running > 0) {
+    std::vector<pollfd> fds;
+    for (auto& child : ranks)
+      if (child.out >= 0) fds.push_back({child.out, POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (int rank = 0; rank < nprocs; ++rank) {
+      auto& child = ranks[static_cast<std::size_t>(rank)];
+      if (child.out >= 0) forward_output(rank, child, false, options);
+      if (!child.running) continue;
+      int status = 0;
+      if (waitpid(child.pid, &status, WNOHANG) != child.pid) continue;
+      child.running = false;
+      --running;
+      kill(-child.pid, SIGKILL);  // anything the rank left running in its group
+      forward_output(rank, child, true, options);
+      RankSet::close_output(child);
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && result == 0) {
+        *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
+                     << std::endl;
+        result = code;
+        ranks.stop();
+        running = 0;
+      }
+    }
+    if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
+      *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
+      ranks.stop();
+      result = 124;
+      running = 0;
+    }
+  }
+  for (int rank = 0; rank < nprocs; ++rank) {
+    auto& child = ranks[static_cast<std::size_t>(rank)];
+    if (child.out >= 0) forward_output(rank, child, true, options);
+  }
+  return result;  // the rank set closes the pipes
+}
 }  // namespace detail
 
 // Starts nprocs ranks of `argv` (argv[0] looked up in PATH) on this host and
@@ -796,99 +888,11 @@ inline int launch_processes(int nprocs, const std::vector<std::string>& argv, co
   detail::RankSet ranks(static_cast<std::size_t>(nprocs));
   options.out->flush();
   const int port = detail::free_port();
-  // Each rank's environment is built here, before fork: between fork and
-  // exec the child may only make async-signal-safe calls (no allocation).
-  auto environment_of = [&](int rank) {
-    std::vector<std::pair<std::string, std::string>> set = {
-        {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(nprocs)},
-        {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(nprocs)},
-        {"MASTER_ADDR", "127.0.0.1"},         {"ACCEL_STORE_DIR", store_dir.path()}};
-    if (!detail::getenv_str("MASTER_PORT")) set.emplace_back("MASTER_PORT", std::to_string(port));
-    if (nprocs > 1 && !detail::getenv_str("OMP_NUM_THREADS")) set.emplace_back("OMP_NUM_THREADS", "1");
-    set.insert(set.end(), extra_env.begin(), extra_env.end());
-    std::vector<std::string> env;
-    for (char** e = environ; *e; ++e) {
-      const std::string_view entry(*e);
-      const auto name = entry.substr(0, entry.find('='));
-      if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; }))
-        env.emplace_back(entry);
-    }
-    for (const auto& [name, value] : set) env.push_back(name + "=" + value);
-    return env;
-  };
   const std::string exec_error = "accel: cannot run " + argv[0] + "\n";
-  for (int rank = 0; rank < nprocs; ++rank) {
-    const std::vector<std::string> env = environment_of(rank);
-    std::vector<char*> envp;
-    for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
-    envp.push_back(nullptr);
-    int fds[2];
-    if (pipe(fds) != 0) throw RuntimeError(std::string("accel::launch_processes: pipe: ") + std::strerror(errno));
-    const pid_t pid = fork();
-    if (pid < 0) {
-      const int error = errno;
-      close(fds[0]);
-      close(fds[1]);
-      throw RuntimeError(std::string("accel::launch_processes: fork: ") + std::strerror(error));
-    }
-    if (pid == 0) {  // only async-signal-safe calls from here to exec
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the launcher
-      if (getppid() != launcher) _exit(127);
-      signal(SIGPIPE, SIG_DFL);  // a distributed launcher ignores it (detail::ignore_sigpipe)
-      dup2(fds[1], STDOUT_FILENO);
-      dup2(fds[1], STDERR_FILENO);
-      close(fds[0]);
-      close(fds[1]);
-      execvpe(args[0], args.data(), envp.data());
-      if (write(STDERR_FILENO, exec_error.data(), exec_error.size()) < 0) _exit(127);
-      _exit(127);
-    }
-    ranks[static_cast<std::size_t>(rank)].pid = pid;  // owned by the rank set from here
-    ranks[static_cast<std::size_t>(rank)].out = fds[0];
-    setpgid(pid, pid);
-    close(fds[1]);
-    fcntl(fds[0], F_SETFL, O_NONBLOCK);
-  }
-  const auto start = std::chrono::steady_clock::now();
-  int running = nprocs, result = 0;
-  while (running > 0) {
-    std::vector<pollfd> fds;
-    for (auto& child : ranks)
-      if (child.out >= 0) fds.push_back({child.out, POLLIN, 0});
-    poll(fds.data(), fds.size(), 100);
-    for (int rank = 0; rank < nprocs; ++rank) {
-      auto& child = ranks[static_cast<std::size_t>(rank)];
-      if (child.out >= 0) detail::forward_output(rank, child, false, options);
-      if (!child.running) continue;
-      int status = 0;
-      if (waitpid(child.pid, &status, WNOHANG) != child.pid) continue;
-      child.running = false;
-      --running;
-      kill(-child.pid, SIGKILL);  // anything the rank left running in its group
-      detail::forward_output(rank, child, true, options);
-      detail::RankSet::close_output(child);
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (code != 0 && result == 0) {
-        *options.out << "accel: rank " << rank << " failed with status " << code << "; stopping the others"
-                     << std::endl;
-        result = code;
-        ranks.stop();
-        running = 0;
-      }
-    }
-    if (running > 0 && options.timeout.count() > 0 && std::chrono::steady_clock::now() - start > options.timeout) {
-      *options.out << "accel: timed out after " << options.timeout.count() << " s; stopping every rank" << std::endl;
-      ranks.stop();
-      result = 124;
-      running = 0;
-    }
-  }
-  for (int rank = 0; rank < nprocs; ++rank) {
-    auto& child = ranks[static_cast<std::size_t>(rank)];
-    if (child.out >= 0) detail::forward_output(rank, child, true, options);
-  }
-  return result;  // the rank set closes the pipes
+  for (int rank = 0; rank < nprocs; ++rank)
+    detail::start_rank(ranks[static_cast<std::size_t>(rank)], args,
+                       detail::rank_environment(rank, nprocs, port, store_dir.path(), extra_env), launcher, exec_error);
+  return detail::supervise(ranks, options);
 }
 
 // In the caller: starts nprocs ranks of this very program (same arguments)
@@ -1368,10 +1372,6 @@ inline bool debug_mode() {
   }
   return state == 1;
 }
-// Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
-inline void set_debug_mode(std::optional<bool> on) {
-  detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
-}
 
 namespace detail {
 struct GroupRegistry {
@@ -1379,33 +1379,29 @@ struct GroupRegistry {
   // a null group find it, without a lock.
   std::atomic<c10d::ProcessGroup*> world{nullptr};
   std::mutex mutex;  // guards entries (read only to word and diagnose errors)
+  // A group's roll call (registration.hpp), run after a timeout on a group with a store.
+  // The entry points to that code instead of failure() calling it, so that
+  // only the translation units that make groups (register_group) compile its
+  // thread and store protocol, not every one that calls a collective: it was
+  // a third of what one call costs to compile.
+  using RollCall = std::string (*)(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
+                                   std::chrono::milliseconds grace);
   struct Entry {
     std::string name;
     c10::intrusive_ptr<c10d::Store> store;  // the group's own keys, for roll calls; may be null
+    RollCall roll_call = nullptr;
     int roll_calls = 0;
   };
   std::map<const c10d::ProcessGroup*, Entry> entries;
+  // Debug mode's check that every rank made the same call (verify_same_call),
+  // pointed to for the same reason: set by register_group and set_debug_mode.
+  std::atomic<void (*)(c10d::ProcessGroup&, const std::string&)> verify_same_call{nullptr};
 };
 // Never destroyed: the singleton may release its groups during static
 // destruction at exit, after a registry with a destructor would be gone.
 inline GroupRegistry& registry() {
   static GroupRegistry* instance = new GroupRegistry;
   return *instance;
-}
-
-inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
-                           bool is_world = false) {
-  auto& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  reg.entries[group.get()] = {std::move(name), std::move(store)};
-  if (is_world) reg.world.store(group.get());
-}
-inline void unregister_group(const GroupPtr& group) {
-  auto& reg = registry();
-  std::lock_guard lock(reg.mutex);
-  reg.entries.erase(group.get());
-  c10d::ProcessGroup* expected = group.get();
-  reg.world.compare_exchange_strong(expected, nullptr);
 }
 
 inline std::string group_name(const c10d::ProcessGroup& group) {
@@ -1416,20 +1412,25 @@ inline std::string group_name(const c10d::ProcessGroup& group) {
 }
 
 inline std::string describe(const c10d::ProcessGroup& group) {
-  return "group '" + group_name(group) + "' (" + group.getBackendName() + ", rank " + std::to_string(group.getRank()) +
-         " of " + std::to_string(group.getSize()) + ")";
+  std::ostringstream text;  // (not std::string's +: each + is inlined code in every file that calls a collective)
+  text << "group '" << group_name(group) << "' (" << group.getBackendName() << ", rank " << group.getRank() << " of "
+       << group.getSize() << ")";
+  return text.str();
 }
 
 // The group a collective runs on, not owned (the caller's group, or the
-// world group the interface keeps alive); null when not distributed, where
-// collectives are the identity. No reference counting on the hot path.
+// world group the interface keeps alive); null when no launcher's
+// environment is set, where collectives are the identity. No reference
+// counting on the hot path.
 inline c10d::ProcessGroup* resolve(const GroupPtr& group, const char* op) {
   if (group) return group.get();
   if (auto* world = registry().world.load()) return world;
-  if (!is_distributed()) return nullptr;
-  throw LogicError(std::string("accel::") + op +
-                   ": RANK is set but no world group exists; call "
-                   "accel::DistributedInterface::instance() first or pass a group");
+  const char* launcher = launcher_in_environment();
+  if (!launcher) return nullptr;
+  const std::string what =
+      launcher == kLaunchers[0].launcher ? "RANK is set" : launcher + std::string("'s environment is set");
+  throw LogicError(std::string("accel::") + op + ": " + what +
+                   " but no world group exists; call accel::DistributedInterface::instance() first or pass a group");
 }
 
 inline std::string error_text(const std::exception& e) {
@@ -1438,71 +1439,50 @@ inline std::string error_text(const std::exception& e) {
 }
 
 // Runs `work` on a thread of its own and waits for it at most `limit`:
-// its result (or its exception), or nullopt when it overran. An overrun
-// thread is abandoned, still running, so `work` must own everything it uses
-// (capture by value). For calls into c10d's store clients, which can wait
-// for an answer with no timeout of their own (a stopped serving rank).
-template <class R, class Work>
-std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
-  auto done = std::make_shared<std::promise<R>>();
-  std::future<R> result = done->get_future();
-  std::thread([done, work = std::move(work)]() mutable {
+// true when it finished (rethrowing what it threw), false when it overran.
+// An overrun thread is abandoned, still running, so `work` must own
+// everything it uses (capture by value). For calls into c10d's store
+// clients, which can wait for an answer with no timeout of their own (a
+// stopped serving rank). Not a template, so that the thread and promise
+// machinery is compiled once, not once per caller.
+inline bool finished_within(std::chrono::milliseconds limit, std::function<void()> work) {
+  auto done = std::make_shared<std::promise<void>>();
+  std::future<void> finished = done->get_future();
+  std::thread([done, work = std::move(work)] {
     try {
-      done->set_value(work());
+      work();
+      done->set_value();
     } catch (...) {
       done->set_exception(std::current_exception());
     }
   }).detach();
-  if (result.wait_for(limit) != std::future_status::ready) return std::nullopt;
-  return result.get();
+  if (finished.wait_for(limit) != std::future_status::ready) return false;
+  finished.get();
+  return true;
+}
+// The same for work with a result: the result, or nullopt when it overran.
+template <class R, class Work>
+std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
+  auto result = std::make_shared<std::optional<R>>();  // shared with a thread that may outlive this call
+  if (!finished_within(limit, [result, work = std::move(work)]() mutable { *result = work(); })) return std::nullopt;
+  return std::move(*result);
 }
 
-// After a collective timed out: which ranks of the group did not time out
-// with it? Every rank that gets here reports in the group's store and waits
-// up to `grace` for the others; those that never report are named (hung, or
-// stuck somewhere else). A hint, as " (...)" for the error message, or "".
-// The store may itself be served by the hung rank (a TCPStore on rank 0):
-// the roll call runs on a thread of its own and is abandoned after
-// grace + 1 s, so it can never add more than that to the error.
+// The roll call of a group accel made (registered with its store), or "".
 inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
   c10::intrusive_ptr<c10d::Store> store;
+  GroupRegistry::RollCall call_roll = nullptr;
   int call = 0;
   {
     auto& reg = registry();
     std::lock_guard lock(reg.mutex);
     auto it = reg.entries.find(&group);
-    if (it == reg.entries.end() || !it->second.store) return "";
+    if (it == reg.entries.end() || !it->second.store || !it->second.roll_call) return "";
     store = it->second.store;
+    call_roll = it->second.roll_call;
     call = ++it->second.roll_calls;
   }
-  const int size = group.getSize(), rank = group.getRank();
-  const auto answer = run_within<std::string>(grace + std::chrono::seconds(1), [store, size, rank, call, grace] {
-    try {
-      const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
-      store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
-      if (store->add(base + "reported", 1) == size) store->set(base + "all", std::vector<uint8_t>{1});
-      // Polled: Store::wait's own timeout cannot be shorter than the store's
-      // (FileStore in 1.13 waits the store's timeout whatever it is given).
-      for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
-           std::this_thread::sleep_for(std::chrono::milliseconds(20)))
-        if (store->check({base + "all"})) return std::string();  // everyone timed out alike
-      const int64_t reported = store->add(base + "reported", 0);
-      std::string missing;
-      int64_t named = 0;
-      for (int r = 0; r < size && named < std::min<int64_t>(size - reported, 16); ++r)
-        if (!store->check({base + std::to_string(r)})) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-          ++named;
-        }
-      if (size - reported > named) missing += ", ...";
-      return " (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
-             "did not reach this timeout within " + std::to_string(grace.count()) +
-             " ms of this rank: hung, or stuck elsewhere)";
-    } catch (...) {
-      return std::string();
-    }
-  });
-  return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
+  return call_roll(std::move(store), group.getSize(), group.getRank(), call, grace);
 }
 
 inline bool is_timeout(const std::string& text) {
@@ -1516,8 +1496,10 @@ inline bool is_timeout(const std::string& text) {
 // also the ranks that seem to be the cause: roll_call).
 inline DistributedError failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
   const std::string text = error_text(e);
-  return DistributedError(std::string("accel::") + op + " failed on " + describe(group) + ": " + text +
-                          (is_timeout(text) ? roll_call(group) : std::string()));
+  std::ostringstream message;
+  message << "accel::" << op << " failed on " << describe(group) << ": " << text;
+  if (is_timeout(text)) message << roll_call(group);
+  return DistributedError(message.str());
 }
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
@@ -1978,11 +1960,22 @@ inline void verify_same_call(c10d::ProcessGroup& group, const std::string& call)
   throw DistributedError(message);
 }
 
+// Debug mode's check, through the pointer that registering a group or
+// set_debug_mode sets (registration.hpp says why).
+inline void verify_call(c10d::ProcessGroup& group, const std::string& call) {
+  auto* verify = registry().verify_same_call.load(std::memory_order_acquire);
+  if (!verify)
+    throw LogicError(
+        "accel: debug mode is on (ACCEL_DEBUG_MODE) but its check is not set up in this process: it comes with the "
+        "groups accel makes (DistributedInterface::instance(), new_group, split_group, meshes) and with "
+        "accel::set_debug_mode(); call accel::set_debug_mode(true) before using a group made with c10d directly");
+  verify(group, call);
+}
 // Runs the debug-mode check when it is on; `describe` builds the text only then.
 template <class Describe>
 void check_same_call(c10d::ProcessGroup& group, Describe&& describe) {
   if (debug_mode()) [[unlikely]]
-    verify_same_call(group, describe());
+    verify_call(group, describe());
 }
 
 inline std::string describe_tensor(const at::Tensor& t, std::optional<int64_t> free_dim = std::nullopt) {
@@ -2010,6 +2003,86 @@ std::string describe_tensorlike(const T& data) {
   else if constexpr (Scalar<T>) return type_tag<T>();
   else return "vector<" + type_tag<element_t<T>>() + ">[" + std::to_string(data.size()) + "]";
 }
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/registration.hpp =======================================
+// accel/distributed/registration.hpp: registering the groups accel makes, with the code that diagnoses their failures.
+//
+// The roll call after a timeout and debug mode's check of every rank's call
+// are reached through pointers that registering a group (or
+// set_debug_mode) sets, not called directly by every collective: a
+// translation unit compiles the code its calls reach, and these two were most
+// of what one collective costs to compile. Only the translation units that
+// make groups or switch debug mode compile them.
+
+ACCEL_NAMESPACE_BEGIN
+
+// Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
+inline void set_debug_mode(std::optional<bool> on) {
+  detail::registry().verify_same_call.store(&detail::verify_same_call, std::memory_order_release);
+  detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
+}
+
+namespace detail {
+// After a collective timed out: which ranks of the group did not time out
+// with it? Every rank that gets here reports in the group's store (its
+// `call`-th roll call) and waits up to `grace` for the others; those that
+// never report are named (hung, or stuck somewhere else). A hint, as
+// " (...)" for the error message, or "". The store may itself be served by
+// the hung rank (a TCPStore on rank 0): the roll call runs on a thread of its
+// own and is abandoned after grace + 1 s, so it can never add more than that
+// to the error.
+inline std::string roll_call_in_store(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
+                                      std::chrono::milliseconds grace) {
+  const auto answer = run_within<std::string>(grace + std::chrono::seconds(1), [store, size, rank, call, grace] {
+    try {
+      const std::string base = "accel_roll_call/" + std::to_string(call) + "/";
+      store->set(base + std::to_string(rank), std::vector<uint8_t>{1});
+      if (store->add(base + "reported", 1) == size) store->set(base + "all", std::vector<uint8_t>{1});
+      // Polled: Store::wait's own timeout cannot be shorter than the store's
+      // (FileStore in 1.13 waits the store's timeout whatever it is given).
+      for (const auto deadline = std::chrono::steady_clock::now() + grace; std::chrono::steady_clock::now() < deadline;
+           std::this_thread::sleep_for(std::chrono::milliseconds(20)))
+        if (store->check({base + "all"})) return std::string();  // everyone timed out alike
+      const int64_t reported = store->add(base + "reported", 0);
+      std::string missing;
+      int64_t named = 0;
+      for (int r = 0; r < size && named < std::min<int64_t>(size - reported, 16); ++r)
+        if (!store->check({base + std::to_string(r)})) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          ++named;
+        }
+      if (size - reported > named) missing += ", ...";
+      return " (roll call: rank" + std::string(size - reported > 1 ? "s " : " ") + missing + " of the group " +
+             "did not reach this timeout within " + std::to_string(grace.count()) +
+             " ms of this rank: hung, or stuck elsewhere)";
+    } catch (...) {
+      return std::string();
+    }
+  });
+  return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
+}
+
+// Groups accel makes are named for error messages and keep their store for
+// the roll call; collectives accept other groups as well.
+inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
+                           bool is_world = false) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.entries[group.get()] = {std::move(name), std::move(store), &roll_call_in_store};
+  reg.verify_same_call.store(&verify_same_call, std::memory_order_release);
+  if (is_world) reg.world.store(group.get());
+}
+inline void unregister_group(const GroupPtr& group) {
+  auto& reg = registry();
+  std::lock_guard lock(reg.mutex);
+  reg.entries.erase(group.get());
+  c10d::ProcessGroup* expected = group.get();
+  reg.world.compare_exchange_strong(expected, nullptr);
+}
+
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -2659,7 +2732,7 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_sp
   if (!g && output_split_sizes != input_split_sizes)
     throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
   if (g && debug_mode()) [[unlikely]] {
-    verify_same_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
+    verify_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
     // Every rank's sizes, so that every rank finds a disagreement alike.
     std::vector<int64_t> mine = input_split_sizes;
     mine.insert(mine.end(), output_split_sizes.begin(), output_split_sizes.end());
@@ -2817,6 +2890,80 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   }
 }
 
+namespace detail {
+// scatter's tensor form: src first broadcasts a header (dtype, rank and
+// sizes, or -1 when its parts disagree), so that every rank can allocate
+// its output.
+inline at::Tensor scatter_tensor(c10d::ProcessGroup& group, const std::vector<at::Tensor>& parts_on_src, int src,
+                                 bool root) {
+  // The header: dtype, rank and sizes (or -1 and why, when the parts disagree).
+  constexpr int kMaxDims = 64;
+  std::array<int64_t, 2 + kMaxDims> header{};
+  if (root) {
+    const at::Tensor& first = parts_on_src[0];
+    header[0] = static_cast<int64_t>(first.scalar_type());
+    header[1] = first.dim();
+    for (const auto& part : parts_on_src)
+      if (!part.defined() || part.sizes() != first.sizes() || part.scalar_type() != first.scalar_type() ||
+          part.device() != first.device() || first.dim() > kMaxDims)
+        header[1] = -1;
+    for (int64_t d = 0; d < std::min<int64_t>(first.dim(), kMaxDims); ++d) header[2 + d] = first.size(d);
+  }
+  at::Tensor header_view = at::from_blob(header.data(), {2 + kMaxDims}, cpu_options(c10::kLong));
+  broadcast_tensor(group, header_view, src);
+  if (header[1] < 0)
+    throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
+                          describe(group) +
+                          ") must all be defined and share one shape, dtype and device"
+                          " (at most 64 dimensions)");
+  const auto dtype = static_cast<c10::ScalarType>(header[0]);
+  const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
+  const c10::Device device = root ? parts_on_src[0].device() : group_device(group);
+  at::Tensor output = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
+  if (output.numel() == 0) return output;
+  const auto staging = staging_device(group, output);
+  at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
+  std::vector<at::Tensor> outputs{as_wire(group, target)};
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (root) {
+    inputs.emplace_back();
+    for (const auto& part : parts_on_src)
+      inputs[0].push_back(as_wire(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
+  }
+  c10d::ScatterOptions opts;
+  opts.rootRank = src;
+  run("scatter", group, [&] { return group.scatter(outputs, inputs, opts); });
+  if (staging) output.copy_(target);
+  return output;
+}
+// scatter's scalar and std::vector forms: bytes, each part with its length.
+template <TensorLike T>
+T scatter_values(c10d::ProcessGroup& group, const std::vector<T>& parts_on_src, int src, bool root) {
+  using E = element_t<T>;
+  std::vector<std::vector<char>> pieces;
+  if (root)
+    for (const auto& part : parts_on_src) {
+      if constexpr (Scalar<T>) {
+        const auto* bytes = reinterpret_cast<const char*>(&part);
+        pieces.emplace_back(bytes, bytes + sizeof(T));
+      } else {
+        const auto* bytes = reinterpret_cast<const char*>(part.data());
+        pieces.emplace_back(bytes, bytes + part.size() * sizeof(E));
+      }
+    }
+  std::vector<char> mine = scatter_bytes(group, src, pieces, "scatter");
+  if (root) mine = pieces[static_cast<std::size_t>(src)];
+  T out{};
+  if constexpr (Scalar<T>) {
+    std::memcpy(&out, mine.data(), sizeof(T));
+  } else {
+    out.resize(mine.size() / sizeof(E));
+    if (!mine.empty()) std::memcpy(out.data(), mine.data(), mine.size());
+  }
+  return out;
+}
+}  // namespace detail
+
 // Rank `src` sends parts_on_src[r] to rank r of the group; every rank returns
 // its own part. Only src reads parts_on_src (the others may pass {}); src
 // tells the others the shape and dtype first (tensors: one small broadcast;
@@ -2840,70 +2987,8 @@ T scatter(const std::vector<T>& parts_on_src, int src, const GroupPtr& group = {
     else return "scatter(vector<" + detail::type_tag<detail::element_t<T>>() + ">, src=" + std::to_string(src) + ")";
   });
   at::NoGradGuard no_grad;
-  if constexpr (std::same_as<T, at::Tensor>) {
-    // The header: dtype, rank and sizes (or -1 and why, when the parts disagree).
-    constexpr int kMaxDims = 64;
-    std::array<int64_t, 2 + kMaxDims> header{};
-    if (root) {
-      const at::Tensor& first = parts_on_src[0];
-      header[0] = static_cast<int64_t>(first.scalar_type());
-      header[1] = first.dim();
-      for (const auto& part : parts_on_src)
-        if (!part.defined() || part.sizes() != first.sizes() || part.scalar_type() != first.scalar_type() ||
-            part.device() != first.device() || first.dim() > kMaxDims)
-          header[1] = -1;
-      for (int64_t d = 0; d < std::min<int64_t>(first.dim(), kMaxDims); ++d) header[2 + d] = first.size(d);
-    }
-    at::Tensor header_view = at::from_blob(header.data(), {2 + kMaxDims}, detail::cpu_options(c10::kLong));
-    detail::broadcast_tensor(*g, header_view, src);
-    if (header[1] < 0)
-      throw InvalidArgument("accel::scatter: the parts on the source (rank " + std::to_string(src) + " of " +
-                            detail::describe(*g) +
-                            ") must all be defined and share one shape, dtype and device"
-                            " (at most 64 dimensions)");
-    const auto dtype = static_cast<c10::ScalarType>(header[0]);
-    const std::vector<int64_t> shape(header.begin() + 2, header.begin() + 2 + header[1]);
-    const c10::Device device = root ? parts_on_src[0].device() : detail::group_device(*g);
-    at::Tensor output = at::empty(shape, at::TensorOptions().dtype(dtype).device(device));
-    if (output.numel() == 0) return output;
-    const auto staging = detail::staging_device(*g, output);
-    at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
-    std::vector<at::Tensor> outputs{detail::as_wire(*g, target)};
-    std::vector<std::vector<at::Tensor>> inputs;
-    if (root) {
-      inputs.emplace_back();
-      for (const auto& part : parts_on_src)
-        inputs[0].push_back(detail::as_wire(*g, staging ? part.to(*staging).contiguous() : part.contiguous()));
-    }
-    c10d::ScatterOptions opts;
-    opts.rootRank = src;
-    detail::run("scatter", *g, [&] { return g->scatter(outputs, inputs, opts); });
-    if (staging) output.copy_(target);
-    return output;
-  } else {
-    using E = detail::element_t<T>;
-    std::vector<std::vector<char>> pieces;
-    if (root)
-      for (const auto& part : parts_on_src) {
-        if constexpr (Scalar<T>) {
-          const auto* bytes = reinterpret_cast<const char*>(&part);
-          pieces.emplace_back(bytes, bytes + sizeof(T));
-        } else {
-          const auto* bytes = reinterpret_cast<const char*>(part.data());
-          pieces.emplace_back(bytes, bytes + part.size() * sizeof(E));
-        }
-      }
-    std::vector<char> mine = detail::scatter_bytes(*g, src, pieces, "scatter");
-    if (root) mine = pieces[static_cast<std::size_t>(src)];
-    T out{};
-    if constexpr (Scalar<T>) {
-      std::memcpy(&out, mine.data(), sizeof(T));
-    } else {
-      out.resize(mine.size() / sizeof(E));
-      if (!mine.empty()) std::memcpy(out.data(), mine.data(), mine.size());
-    }
-    return out;
-  }
+  if constexpr (std::same_as<T, at::Tensor>) return detail::scatter_tensor(*g, parts_on_src, src, root);
+  else return detail::scatter_values(*g, parts_on_src, src, root);
 }
 
 // Sends data to rank `dst` of the group, which receives it with recv (the
@@ -5360,6 +5445,65 @@ inline void orthogonalize(const at::Tensor& matrix, double epsilon) {
     }
   }
 }
+
+// Which of a bucket's gradients PowerSGD compresses: the matrices (each
+// gradient viewed as n x m) whose rank-r factors, r = min(n, m,
+// matrix_approximation_rank), are smaller than the matrix by
+// min_compression_rate; the rest, and the used-flags after the gradients'
+// `length` elements, travel uncompressed.
+struct PowerSGDSplit {
+  std::vector<at::Tensor> matrices, plain;
+};
+inline PowerSGDSplit split_for_powerSGD(const GradBucket& bucket, const at::Tensor& input, int64_t length,
+                                        const PowerSGDState& state) {
+  PowerSGDSplit split;
+  for (const auto& g : bucket.gradients) {
+    if (g.dim() >= 2) {
+      const at::Tensor m = g.view({g.size(0), -1});
+      const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state.matrix_approximation_rank});
+      if ((n + k) * r * state.min_compression_rate < n * k) {
+        split.matrices.push_back(m);
+        continue;
+      }
+    }
+    split.plain.push_back(g);
+  }
+  split.plain.push_back(input.narrow(0, length, input.numel() - length));
+  return split;
+}
+// The factors P (n x r) and Q (m x r) of each matrix: views into bucket b's
+// P and Q memory (one tensor each, so that each is all-reduced at once). Q is
+// drawn at random where there is no memory to start from (the first step, or
+// always without warm_start), then orthogonalised.
+inline std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> powerSGD_factors(
+    PowerSGDState& state, std::size_t b, const std::vector<at::Tensor>& matrices, const at::TensorOptions& options) {
+  auto rank_of = [&](const at::Tensor& m) { return std::min({m.size(0), m.size(1), state.matrix_approximation_rank}); };
+  const bool randomize = !state.warm_start || !state.p_memory_dict.count(b);
+  if (randomize) {
+    int64_t ps = 0, qs = 0;
+    for (const auto& m : matrices) {
+      ps += m.size(0) * rank_of(m);
+      qs += m.size(1) * rank_of(m);
+    }
+    state.p_memory_dict[b] = at::empty({ps}, options);
+    state.q_memory_dict[b] = at::empty({qs}, options);
+  }
+  std::vector<at::Tensor> p, q;
+  for (int64_t i = 0, pi = 0, qi = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
+    const at::Tensor& m = matrices[static_cast<std::size_t>(i)];
+    const int64_t n = m.size(0), k = m.size(1), r = rank_of(m);
+    p.push_back(state.p_memory_dict[b].narrow(0, pi, n * r).view({n, r}));
+    q.push_back(state.q_memory_dict[b].narrow(0, qi, k * r).view({k, r}));
+    pi += n * r;
+    qi += k * r;
+  }
+  if (randomize) {
+    at::Generator generator = at::detail::createCPUGenerator((*state.rng)() % 1'000'000'000);
+    for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
+  }
+  for (auto& qm : q) orthogonalize(qm, state.orthogonalization_epsilon);
+  return {std::move(p), std::move(q)};
+}
 }  // namespace detail
 
 namespace comm_hooks {
@@ -5401,46 +5545,13 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
       else error = at::zeros_like(body);
       before = body.clone();
     }
-    // Which gradients are compressed; the rest (and the flags) travel as they are.
-    std::vector<at::Tensor> matrices, plain;
-    std::vector<int64_t> ranks;
-    int64_t ps = 0, qs = 0;
-    for (const auto& g : bucket.gradients) {
-      if (g.dim() >= 2) {
-        const at::Tensor m = g.view({g.size(0), -1});
-        const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state->matrix_approximation_rank});
-        if ((n + k) * r * state->min_compression_rate < n * k) {
-          matrices.push_back(m);
-          ranks.push_back(r);
-          ps += n * r;
-          qs += k * r;
-          continue;
-        }
-      }
-      plain.push_back(g);
-    }
-    plain.push_back(input.narrow(0, length, input.numel() - length));
+    detail::PowerSGDSplit split = detail::split_for_powerSGD(bucket, input, length, *state);
+    std::vector<at::Tensor> matrices = std::move(split.matrices), plain = std::move(split.plain);
     std::vector<at::Tensor> flat;
     for (const auto& t : plain) flat.push_back(t.reshape({-1}));
     const at::Tensor uncompressed = at::cat(flat);
-    const bool randomize = !state->warm_start || !state->p_memory_dict.count(b);
-    if (randomize) {
-      state->p_memory_dict[b] = at::empty({ps}, input.options());
-      state->q_memory_dict[b] = at::empty({qs}, input.options());
-    }
-    std::vector<at::Tensor> p, q;
-    for (std::size_t i = 0, pi = 0, qi = 0; i < matrices.size(); ++i) {
-      const int64_t n = matrices[i].size(0), k = matrices[i].size(1), r = ranks[i];
-      p.push_back(state->p_memory_dict[b].narrow(0, static_cast<int64_t>(pi), n * r).view({n, r}));
-      q.push_back(state->q_memory_dict[b].narrow(0, static_cast<int64_t>(qi), k * r).view({k, r}));
-      pi += static_cast<std::size_t>(n * r);
-      qi += static_cast<std::size_t>(k * r);
-    }
-    if (randomize) {
-      at::Generator generator = at::detail::createCPUGenerator((*state->rng)() % 1'000'000'000);
-      for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
-    }
-    for (auto& qm : q) detail::orthogonalize(qm, state->orthogonalization_epsilon);
+    auto factors = detail::powerSGD_factors(*state, b, matrices, input.options());
+    std::vector<at::Tensor> p = std::move(factors.first), q = std::move(factors.second);
     for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(p[i], matrices[i], q[i]);
     c10d::ProcessGroup* g = detail::enter_all_reduce(uncompressed, ReduceOp::SUM, group);
     return Work<at::Tensor>(detail::then(
@@ -6027,7 +6138,7 @@ inline bool steps_with(const State& s, const torch::optim::Optimizer& optimizer)
 // Before a backward, each shard against its chunk of the parameter
 // (LibTorch's optimizers write through .data(), which version counters do
 // not see, so values are compared; one pass over 1/S of the parameters
-// and one device sync). A shard that changed since the last gather()
+// and one device sync). A shard that changed since the last gather_shards()
 // means its optimizer was stepped directly, not through the handle
 // prepare() returned, and this forward used stale parameters: an error.
 // A parameter changed since then (by hand, Module::load) is taken into its
@@ -6209,7 +6320,7 @@ ACCEL_NAMESPACE_BEGIN
 // rank after rank so that each rank receives its chunk of every parameter
 // (and every used-flag), averaged along a replicate group too where there
 // is one (HSDP), and written to the shards' gradients. After the optimizer
-// steps the shards, gather() all-gathers them into every parameter and
+// steps the shards, gather_shards() all-gathers them into every parameter and
 // releases the parameters' gradients.
 //
 // Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
@@ -6459,7 +6570,10 @@ class DataParallel {
   void check_shards() { detail::dp::check_shards(*state_); }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather() { detail::dp::gather_shards(*state_); }
+  void gather_shards() { detail::dp::gather_shards(*state_); }
+  // The former name of gather_shards(), kept for the programs that call it
+  // (it read like accel::gather, which gathers data from every rank).
+  void gather() { gather_shards(); }
   // Every shard taken again from its parameter (after Module::load).
   void reshard() { detail::dp::reshard(*state_); }
 
@@ -8254,13 +8368,75 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
 }
 
+// One archive of the checkpoint, written and flushed to disk.
+inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+  archive.save_to(path.string());
+  fsync_path(path);
+}
+
+// What every process writes: its RNG states and step (as Accelerate's
+// random_states_<i>), and under sharding its own optimizer state.
+inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                                const std::filesystem::path& tmp) {
+  torch::serialize::OutputArchive archive;
+  archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+  if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
+  archive.write("step", at::scalar_tensor(step, at::kLong));
+  save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
+  if (!set.sharded->empty())
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
+      torch::serialize::OutputArchive state;
+      set.optimizers[i]->save(state);
+      save_archive(state, tmp / optimizer_file(set, ctx, i));
+    }
+}
+
+// What process 0 writes for all: the models (whole parameters), the
+// optimizers unless sharded, each prepared loader's resume point (epoch,
+// batches to skip), the schedulers' step counts (and own state) and the
+// registered objects.
+inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
+  auto write = [&](const std::string& name, auto& object) {
+    torch::serialize::OutputArchive archive;
+    object.save(archive);
+    save_archive(archive, tmp / name);
+  };
+  for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+  if (set.sharded->empty())
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
+  if (!set.loaders.empty()) {
+    std::vector<int64_t> points;
+    for (const auto& loader : set.loaders) {
+      const auto [epoch, skip] = loader->resume_point();
+      points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+    }
+    torch::serialize::OutputArchive archive;
+    archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+    save_archive(archive, tmp / "loaders.pt");
+  }
+  for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+    torch::serialize::OutputArchive archive;
+    archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
+    if (set.schedulers[i].save) {
+      torch::serialize::OutputArchive own;
+      set.schedulers[i].save(own);
+      archive.write("own", own);
+    }
+    save_archive(archive, tmp / numbered_file("scheduler", i));
+  }
+  for (std::size_t i = 0; i < set.objects.size(); ++i) {
+    torch::serialize::OutputArchive archive;
+    set.objects[i].save(archive);
+    save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
+  }
+}
+
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
   const auto full = set.full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
   const std::filesystem::path tmp = sibling(dir, ".tmp");
-  const std::string rng_file = "random_states_" + std::to_string(ctx.process_index) + ".pt";
   CheckpointManifest manifest{.serial = 0,
                               .processes = ctx.num_processes,
                               .models = static_cast<int64_t>(set.models.size()),
@@ -8276,62 +8452,11 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       std::filesystem::create_directories(tmp);
     });
   fail_together(error, "accel::Accelerator::save_state");
-  error = error_of([&] {  // as Accelerate's random_states_<i>: the RNG and the step
-    torch::serialize::OutputArchive archive;
-    archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
-    if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
-    archive.write("step", at::scalar_tensor(step, at::kLong));
-    archive.save_to((tmp / rng_file).string());
-    fsync_path(tmp / rng_file);
-    if (!set.sharded->empty())  // each process's optimizer state is its own
-      for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
-        torch::serialize::OutputArchive state;
-        set.optimizers[i]->save(state);
-        state.save_to((tmp / optimizer_file(set, ctx, i)).string());
-        fsync_path(tmp / optimizer_file(set, ctx, i));
-      }
-  });
+  error = error_of([&] { write_process_files(set, ctx, step, tmp); });
   fail_together(error, "accel::Accelerator::save_state");
   if (ctx.process_index == 0)
     error = error_of([&] {
-      auto write = [&](const std::string& name, auto& object) {
-        torch::serialize::OutputArchive archive;
-        object.save(archive);
-        archive.save_to((tmp / name).string());
-        fsync_path(tmp / name);
-      };
-      for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
-      if (set.sharded->empty())
-        for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
-      if (!set.loaders.empty()) {  // each prepared loader's resume point: (epoch, batches to skip)
-        std::vector<int64_t> points;
-        for (const auto& loader : set.loaders) {
-          const auto [epoch, skip] = loader->resume_point();
-          points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
-        }
-        torch::serialize::OutputArchive archive;
-        archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
-        archive.save_to((tmp / "loaders.pt").string());
-        fsync_path(tmp / "loaders.pt");
-      }
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {  // scheduler.pt: its step count (and its own state)
-        torch::serialize::OutputArchive archive;
-        archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
-        if (set.schedulers[i].save) {
-          torch::serialize::OutputArchive own;
-          set.schedulers[i].save(own);
-          archive.write("own", own);
-        }
-        archive.save_to((tmp / numbered_file("scheduler", i)).string());
-        fsync_path(tmp / numbered_file("scheduler", i));
-      }
-      for (std::size_t i = 0; i < set.objects.size(); ++i) {
-        torch::serialize::OutputArchive archive;
-        set.objects[i].save(archive);
-        const std::string name = "custom_checkpoint_" + std::to_string(i) + ".pt";
-        archive.save_to((tmp / name).string());
-        fsync_path(tmp / name);
-      }
+      write_shared_files(set, ctx, tmp);
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -9292,7 +9417,7 @@ class Accelerator {
     for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
     return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
       for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather();
+        if (dp->steps_with(optimizer)) dp->gather_shards();
     });
   }
   // A learning-rate scheduler: see AcceleratedScheduler.
