@@ -13,7 +13,8 @@
 #   2.6   Debian trixie's libtorch-dev in a root made once under the build
 #         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
 #         g++ 14 (the quick suites, the header copied alone, a user's -Werror
-#         build) and clang 19 (-Werror; the quick suites).
+#         build) and clang 19 (-Werror, -O0; the quick suites but the
+#         Python references).
 # ACCEL_LEGS="pip", "1.13" or "2.6" (or several) runs those legs; arguments go
 # to ctest instead of each leg's own selection (e.g. -L quick).
 set -euo pipefail

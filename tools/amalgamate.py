@@ -13,8 +13,12 @@ without its `#pragma once` and without its includes of other parts.
 
 A part starts with the line "// accel/TIER/NAME.hpp: its title." and includes the
 parts it uses. A part may include only parts listed before it, so the order is a
-dependency order and there is no cycle; anything else stops the script with the
-reason. The standard library only: this runs wherever the tests do.
+dependency order and there is no cycle. A part of the distributed tier reaches
+distributed/torch.hpp through its includes, and one of the training tier
+training/torch_nn.hpp: the LibTorch headers are what puts a part in its tier
+(and the CTest entry parts_compile_alone precompiles them on that rule).
+Anything else stops the script with the reason. The standard library only: this
+runs wherever the tests do.
 """
 import argparse
 import pathlib
@@ -26,6 +30,8 @@ INCLUDE = ROOT / "include"
 TIERS = ("core", "distributed", "training")
 PART_INCLUDE = re.compile(r'^#include "(accel/[^"]+)"\s*$')
 BANNER_WIDTH = 80
+# The part holding each tier's LibTorch headers, which every other part of the tier reaches.
+TIER_BASE = {"distributed": "accel/distributed/torch.hpp", "training": "accel/training/torch_nn.hpp"}
 
 
 class PartError(Exception):
@@ -50,7 +56,7 @@ def tier_parts(tier):
 
 
 def read_part(name, earlier):
-    """A part's title and its lines as they go into accel.hpp."""
+    """A part's title, its lines as they go into accel.hpp, and the parts it includes."""
     path = INCLUDE / name
     lines = path.read_text().splitlines()
     title = re.match(rf"^// {re.escape(name)}: (.+?)\.?$", lines[0] if lines else "")
@@ -58,7 +64,7 @@ def read_part(name, earlier):
         raise PartError(f"include/{name}: the first line must be '// {name}: <what it holds>.'")
     if "#pragma once" not in lines:
         raise PartError(f"include/{name}: no #pragma once")
-    body = []
+    body, includes = [], []
     for number, line in enumerate(lines, 1):
         if line == "#pragma once":
             continue
@@ -67,20 +73,33 @@ def read_part(name, earlier):
             if m.group(1) not in earlier:
                 raise PartError(f"include/{name}:{number}: includes {m.group(1)}, which is not listed before it "
                                 f"(a cycle, or a part out of order in its tier's umbrella header)")
+            includes.append(m.group(1))
             continue
         body.append(line)
     text = "\n".join(body)
     text = re.sub(r"\n{3,}", "\n\n", text).strip("\n")  # the blank lines the includes leave
-    return title.group(1), text.split("\n")
+    return title.group(1), text.split("\n"), includes
+
+
+def check_reaches_tier_base(name, reaches):
+    """A distributed or training part reaches its tier's LibTorch part (TIER_BASE)."""
+    base = TIER_BASE.get(name.split("/")[1])
+    if base and name != base and base not in reaches:
+        raise PartError(f"include/{name}: reaches no {base} through its includes; a part of its tier "
+                        f"uses LibTorch, so it includes that part or one that does")
 
 
 def assemble():
     """accel.hpp's lines, and for each line the file it came from."""
     frame_path = ROOT / "tools" / "accel.hpp.in"
     parts = {}  # name -> (title, lines), in order
+    reaches = {}  # name -> every part it includes, directly or not
     for tier in TIERS:
         for name in tier_parts(tier):
-            parts[name] = read_part(name, set(parts))
+            title, lines, includes = read_part(name, set(parts))
+            parts[name] = (title, lines)
+            reaches[name] = set(includes).union(*(reaches[i] for i in includes))
+            check_reaches_tier_base(name, reaches[name])
     out, origin = [], []
 
     def emit(lines, source):
