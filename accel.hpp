@@ -226,6 +226,18 @@ class DistributedError : public RuntimeError {
   using RuntimeError::RuntimeError;
 };
 
+namespace detail {
+// An exception's text without the C++ backtrace LibTorch appends to a
+// c10::Error's what() ("\nException raised from ... (most recent call
+// first):\nframe #0: ..."): the message is what a user acts on, and thirty
+// frames from every rank bury it. The core cannot name c10::Error (no
+// LibTorch here), so it cuts the text where that backtrace starts.
+inline std::string without_backtrace(const std::exception& e) {
+  const std::string_view text = e.what();
+  return std::string(text.substr(0, text.find("\nException raised from ")));
+}
+}  // namespace detail
+
 ACCEL_NAMESPACE_END
 
 // == accel/core/enums.hpp =====================================================
@@ -907,8 +919,8 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
       if constexpr (std::is_void_v<std::invoke_result_t<F>>) std::invoke(std::forward<F>(fn));
       else code = static_cast<int>(std::invoke(std::forward<F>(fn)));
     } catch (const std::exception& e) {
-      std::cerr << "accel::spawn: rank " << detail::getenv_str("RANK").value_or("?") << " failed: " << e.what()
-                << std::endl;
+      std::cerr << "accel::spawn: rank " << detail::getenv_str("RANK").value_or("?")
+                << " failed: " << detail::without_backtrace(e) << std::endl;
       code = 1;
     }
     std::cout.flush();
@@ -965,6 +977,7 @@ ACCEL_NAMESPACE_END
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -2003,6 +2016,23 @@ std::string describe_tensorlike(const T& data) {
   else if constexpr (Scalar<T>) return type_tag<T>();
   else return "vector<" + type_tag<element_t<T>>() + ">[" + std::to_string(data.size()) + "]";
 }
+
+// An in-place operation (all_reduce, broadcast, reduce_to, recv) writes every element of
+// the tensor it is given. Elements that share memory (expand(), a stride of 0)
+// would each receive a result in the same place: c10d notices only after the
+// collective ran (a c10::Error on every rank), and nothing notices on one
+// process, so it is refused before anything is sent, at every world size.
+inline void check_no_overlap(const at::Tensor& t, const char* op) {
+  if (!t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes) return;
+  std::ostringstream os;
+  os << "accel::" << op << ": the " << describe_tensor(t) << " has elements that share memory (strides " << t.strides()
+     << ", as from expand()), so it cannot receive the result in place; pass .contiguous() or .clone()";
+  throw InvalidArgument(os.str());
+}
+template <TensorLike T>
+void check_writable(const T& data, const char* op) {
+  if constexpr (std::same_as<T, at::Tensor>) check_no_overlap(data, op);
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -2194,10 +2224,14 @@ class PendingWork final : public WorkOf<R> {
 //   R wait()              waits and returns the result (as the blocking form
 //                         does; a tensor passed in holds it from then on);
 //                         failures throw the blocking form's DistributedError.
-//                         Once: the Work is empty afterwards (valid() false).
+//                         Once, as std::future::get: a second wait() is a
+//                         LogicError, and valid() is false afterwards.
 //   bool wait_for(ms)     waits at most ms; true once the operation completed
-//                         (wait() then returns at once, or throws its error).
+//                         (wait() then returns at once, or throws its error),
+//                         and after wait() (as torch's Work).
 //   bool is_completed()   wait_for without waiting.
+// A default-constructed or moved-from Work holds no operation: asking it
+// anything is a LogicError.
 // Destroying a Work that was never waited for waits for the operation (its
 // buffers must outlive it) and lands it (a tensor passed in holds the
 // result) but drops what wait() would return; a failure is then printed to
@@ -2209,11 +2243,12 @@ class Work {
   template <class Land>
   explicit Work(detail::Pending<Land> pending)
       : flight_(std::make_unique<detail::PendingWork<R, Land>>(std::move(pending))) {}
-  Work(Work&&) noexcept = default;
+  Work(Work&& other) noexcept : flight_(std::move(other.flight_)), waited_(std::exchange(other.waited_, false)) {}
   Work& operator=(Work&& other) noexcept {
     if (this != &other) {
       abandon();
       flight_ = std::move(other.flight_);
+      waited_ = std::exchange(other.waited_, false);
     }
     return *this;
   }
@@ -2221,16 +2256,23 @@ class Work {
 
   bool valid() const noexcept { return flight_ != nullptr; }
   R wait() {
+    if (waited_)
+      throw LogicError(
+          "accel::Work::wait: already waited for; wait() returns the result once (as std::future::get), "
+          "is_completed() and wait_for() stay true");
     std::unique_ptr<detail::WorkOf<R>> flight = std::move(flight_);
     if (!flight) throw_empty("wait");
+    waited_ = true;  // also when the operation failed: it ended, and wait() reported how
     flight->wait();
     return flight->land();
   }
   bool wait_for(std::chrono::milliseconds timeout) {
+    if (waited_) return true;
     if (!flight_) throw_empty("wait_for");
     return flight_->wait_for(timeout);
   }
   bool is_completed() {
+    if (waited_) return true;
     if (!flight_) throw_empty("is_completed");
     return flight_->completed();
   }
@@ -2238,7 +2280,7 @@ class Work {
  private:
   [[noreturn]] static void throw_empty(const char* member) {
     throw LogicError(std::string("accel::Work::") + member +
-                     ": this Work holds no operation (default-constructed, moved from, or already waited for)");
+                     ": this Work holds no operation (default-constructed or moved from)");
   }
   void abandon() noexcept {
     if (!flight_) return;
@@ -2246,12 +2288,13 @@ class Work {
       flight_->wait();
       flight_->land();  // in place: the caller's tensor holds the result
     } catch (const std::exception& e) {
-      std::cerr << "accel: " << e.what() << " (its accel::Work was destroyed without wait())" << std::endl;
+      std::cerr << "accel: " << detail::error_text(e) << " (its accel::Work was destroyed without wait())" << std::endl;
     }
     flight_.reset();
   }
 
   std::unique_ptr<detail::WorkOf<R>> flight_;
+  bool waited_ = false;  // wait() was called: completed from then on
 };
 
 ACCEL_NAMESPACE_END
@@ -2369,6 +2412,7 @@ auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {
 // operation is the identity (the process is not distributed).
 template <TensorLike T>
 c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr& group) {
+  check_writable(data, "all_reduce");
   if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "all_reduce");
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
@@ -2379,6 +2423,7 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
 }
 template <TensorLike T>
 c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& group) {
+  check_writable(data, "broadcast");
   c10d::ProcessGroup* g = resolve(group, "broadcast");
   check_source(g, src, "broadcast", "src");
   if (g)
@@ -2827,6 +2872,7 @@ inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int
 // (as torch.distributed.reduce leaves it). A tensor is reduced in place.
 template <TensorLike T>
 T reduce_to(T data, int dst, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
+  detail::check_writable(data, "reduce_to");
   if constexpr (std::same_as<T, at::Tensor>) detail::check_reduction(data.scalar_type(), op, "reduce_to");
   else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>)
     detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_to");
@@ -3015,11 +3061,13 @@ Work<void> isend(const T& data, int dst, const GroupPtr& group = {}, int tag = 0
 // std::vector) from rank `src` of the group, and returns it (a tensor: in place).
 template <TensorLike T>
 T recv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  detail::check_writable(data, "recv");
   c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
   return detail::start_recv_data(*g, std::move(data), src, tag).wait();
 }
 template <TensorLike T>
 Work<T> irecv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  detail::check_writable(data, "recv");
   c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
   return Work<T>(detail::start_recv_data(*g, std::move(data), src, tag));
 }
@@ -5089,6 +5137,29 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
   }
 }
 
+namespace detail {
+// One argument of print: a bool as true/false, and a floating-point number in
+// the fewest digits that read back as the same value (as Python's print),
+// not iostream's 6 significant digits; anything else through operator<<.
+template <class T>
+void print_one(std::ostream& os, const T& value) {
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (value ? "true" : "false");
+  } else if constexpr (std::is_floating_point_v<T>) {
+#if defined(__cpp_lib_to_chars)
+    std::array<char, 64> text;
+    const char* end = std::to_chars(text.data(), text.data() + text.size(), value).ptr;
+    os.write(text.data(), end - text.data());
+#else  // libc++ before 20: every digit that can matter instead
+    os.precision(std::numeric_limits<T>::max_digits10);
+    os << value;
+#endif
+  } else {
+    os << value;
+  }
+}
+}  // namespace detail
+
 // Prints its arguments, separated by spaces, on the main process (global
 // rank 0) only, as one write, so lines from different hosts never interleave.
 template <class... Args>
@@ -5096,7 +5167,7 @@ void print(const Args&... args) {
   if (get_rank() != 0) return;
   std::ostringstream line;
   bool first = true;
-  ((line << (first ? "" : " ") << args, first = false), ...);
+  ((line << (first ? "" : " "), detail::print_one(line, args), first = false), ...);
   line << '\n';
   std::cout << line.str() << std::flush;
 }
@@ -5819,7 +5890,7 @@ inline void issue_bucket(State& state, std::size_t b) {
       bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                             e.what());
+                             detail::error_text(e));
     }
     if (state.on_issued) state.on_issued(b);
     return;
@@ -5847,7 +5918,7 @@ inline void issue_bucket(State& state, std::size_t b) {
     bucket.work = state.hook(state.group, hooked);
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
-                           e.what());
+                           detail::error_text(e));
   }
   if (state.on_issued) state.on_issued(b);
 }
@@ -5920,7 +5991,8 @@ inline void fetch(State& s, std::size_t u) {
     try {
       bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
     } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                             detail::error_text(e));
     }
   }
 }
@@ -5934,7 +6006,8 @@ inline void materialize(State& s, std::size_t u) {
     try {
       rows = bucket.gathering.wait();  // (S, segment without the flags)
     } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                             detail::error_text(e));
     }
     bucket.gathering = {};
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
@@ -5972,7 +6045,8 @@ inline void end_unit_pass(State& s) {
       try {
         bucket.gathering.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                               detail::error_text(e));
       }
       bucket.gathering = {};
     }
@@ -6203,7 +6277,7 @@ inline void gather_shards(State& s) {
     }
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
-                           e.what());
+                           detail::error_text(e));
   }
 }
 
@@ -6263,7 +6337,8 @@ inline void finish_sharded(State& s) {
       for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
     }
   } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
+                           detail::error_text(e));
   }
   for (auto& bucket : s.buckets) {
     const auto n = static_cast<int64_t>(bucket.params.size());
@@ -6463,7 +6538,8 @@ class DataParallel {
       try {
         bucket.flat = bucket.work.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") + e.what());
+        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                               detail::error_text(e));
       }
       if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
         throw RuntimeError("accel::DataParallel: the communication hook returned " +
@@ -6508,7 +6584,7 @@ class DataParallel {
         work.wait();
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                               e.what());
+                               detail::error_text(e));
       }
     }
   }
@@ -6720,6 +6796,13 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 enum class ShardLayout { BATCHES, SAMPLES };
+namespace detail {
+template <>
+struct enum_names<ShardLayout> {
+  static constexpr std::string_view type = "ShardLayout";
+  static constexpr std::array<std::string_view, 2> names{"BATCHES", "SAMPLES"};
+};
+}  // namespace detail
 
 // The one-process batch sequence of an epoch, as lists of sample indices:
 // a custom sampler or batch sampler for prepare_data_loader.
@@ -7695,14 +7778,6 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
-inline std::string_view to_string(DistributedType t) {
-  switch (t) {
-    case DistributedType::NO: return "NO";
-    case DistributedType::MULTI_CPU: return "MULTI_CPU";
-    case DistributedType::MULTI_GPU: return "MULTI_GPU";
-  }
-  return "NO";
-}
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
 // checkpoints. With automatic_checkpoint_naming, each save_state() writes
@@ -7724,15 +7799,11 @@ struct ProjectConfiguration {
 // _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3): the parameters of each unit
 // (auto_wrap_policy) are sharded at rest too and gathered only while the unit
 // runs (accel::unit_forward) and for its backward; on a model mesh that
-// replicates (mp_replicate_size > 1) it is an error. HYBRID_SHARD: FULL_SHARD
-// with the shards averaged along Dim::MP_REPLICATE (HSDP). With
+// replicates (mp_replicate_size > 1) the shards are averaged along
+// Dim::MP_REPLICATE too, as FSDP2's fully_shard on a 2-D mesh: the mesh
+// decides. HYBRID_SHARD: another name for that (FSDP1's HSDP). With
 // mp_shard_size == 1 every strategy is NO_SHARD.
 enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
-
-inline std::string_view to_string(ShardingStrategy s) {
-  constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
-  return names[static_cast<std::size_t>(s)];
-}
 
 // Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
 // comm_hook): the built-in communication hook of every prepared model (see
@@ -7740,6 +7811,26 @@ inline std::string_view to_string(ShardingStrategy s) {
 // with an empty comm_state_option: plain all-reduces for the first 1000
 // steps).
 enum class DDPCommunicationHookType { NO, FP16, BF16, POWER_SGD };
+
+// Their string forms, as Accelerate and FSDP spell them: to_string,
+// from_string and operator<< (core/enums.hpp) take every public enum.
+namespace detail {
+template <>
+struct enum_names<DistributedType> {
+  static constexpr std::string_view type = "DistributedType";
+  static constexpr std::array<std::string_view, 3> names{"NO", "MULTI_CPU", "MULTI_GPU"};
+};
+template <>
+struct enum_names<ShardingStrategy> {
+  static constexpr std::string_view type = "ShardingStrategy";
+  static constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
+};
+template <>
+struct enum_names<DDPCommunicationHookType> {
+  static constexpr std::string_view type = "DDPCommunicationHookType";
+  static constexpr std::array<std::string_view, 4> names{"no", "fp16", "bf16", "power_sgd"};
+};
+}  // namespace detail
 
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
@@ -9349,13 +9440,6 @@ class Accelerator {
                             (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
                             std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
-    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
-        interface_->get_world_size(Dim::MP_REPLICATE) > 1)
-      throw InvalidArgument(
-          "accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
-          "replicates " +
-          std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
-          " ways (mp_replicate_size): that is HYBRID_SHARD");
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
@@ -9629,6 +9713,10 @@ class Accelerator {
   }
   template <TensorTree T>
   T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
     return accel::reduce(data, reduction);
   }
   template <TensorTree T>

@@ -1098,15 +1098,24 @@ TEST_SUITE("ranks") {
     CHECK(at::equal(w_tensor.wait(), at::arange(6, at::kFloat) * P + tri));
     CHECK(at::equal(t, at::arange(6, at::kFloat) * P + tri));
 
-    // Work itself: once, then empty; moves; a default one holds nothing.
+    // Work itself: waited for once, then completed (as torch's Work.isCompleted()); moves; a default
+    // or moved-from one holds nothing.
     CHECK_FALSE(w_tensor.valid());
-    CHECK_THROWS_WITH_AS(w_tensor.wait(), doctest::Contains("holds no operation"), accel::LogicError);
+    CHECK(w_tensor.is_completed());
+    CHECK(w_tensor.wait_for(std::chrono::milliseconds(0)));
+    CHECK_THROWS_WITH_AS(w_tensor.wait(), doctest::Contains("already waited for"), accel::LogicError);
     accel::Work<int> none;
-    CHECK_THROWS_AS(none.is_completed(), std::logic_error);
+    CHECK_THROWS_WITH_AS(none.is_completed(), doctest::Contains("holds no operation"), accel::LogicError);
+    CHECK_THROWS_WITH_AS(none.wait(), doctest::Contains("holds no operation"), accel::LogicError);
     none = accel::all_reduce_async(1, ReduceOp::SUM);
     accel::Work<int> moved = std::move(none);
     CHECK_FALSE(none.valid());
+    CHECK_THROWS_WITH_AS(none.wait_for(std::chrono::milliseconds(0)), doctest::Contains("holds no operation"),
+                         accel::LogicError);
     CHECK(moved.wait() == P);
+    accel::Work<int> waited = std::move(moved);  // "completed" moves with the Work
+    CHECK(waited.is_completed());
+    CHECK_THROWS_AS(moved.is_completed(), accel::LogicError);
     // Dropped without wait(): it is waited for and lands (the tensor holds the mean).
     at::Tensor dropped = at::full({3}, float(r));
     { auto unwaited = accel::all_reduce_async(dropped, ReduceOp::MEAN); }
@@ -1115,6 +1124,19 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_AS(accel::all_reduce_async(at::ones({2}, at::kLong), ReduceOp::MEAN), std::invalid_argument);
     CHECK_THROWS_AS(accel::broadcast_async(1, P), std::invalid_argument);
     if (P > 1) CHECK_THROWS_AS(accel::isend(1, r), std::invalid_argument);
+    // A tensor whose elements share memory cannot take a result in place: refused on every rank before
+    // anything is sent (c10d would throw its own error after the collective ran; one process would
+    // not notice), so the next collective still pairs up.
+    const at::Tensor overlapping = at::full({1}, 1.0).expand({4});
+    CHECK_THROWS_WITH_AS(accel::all_reduce(overlapping, ReduceOp::SUM), doctest::Contains("share memory"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accel::all_reduce_async(overlapping, ReduceOp::SUM),
+                         doctest::Contains("accel::all_reduce: the Float[4] cpu has elements that share memory"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_AS(accel::broadcast(overlapping, 0), accel::InvalidArgument);
+    CHECK_THROWS_AS(accel::reduce_to(overlapping, 0), accel::InvalidArgument);
+    if (P > 1) CHECK_THROWS_AS(accel::irecv(overlapping, (r + 1) % P), accel::InvalidArgument);
+    CHECK(accel::all_reduce(at::full({1}, 1.0).expand({4}).contiguous(), ReduceOp::SUM).equal(at::full({4}, 1.0 * P)));
 
     if (P > 1) {
       // Not completed while a peer has not joined: rank 0's operations wait for the others, which join
@@ -1329,9 +1351,10 @@ TEST_SUITE("async_peer_gone") {
             d.barrier();
             if (d.get_rank() == 1) std::_Exit(0);  // gone without a word
             const auto start = std::chrono::steady_clock::now();
+            accel::Work<at::Tensor> reduced;
             try {
               const at::Tensor x = at::ones({4}, at::kFloat);
-              if (name == "all_reduce") accel::all_reduce_async(x, ReduceOp::SUM).wait();
+              if (name == "all_reduce") (reduced = accel::all_reduce_async(x, ReduceOp::SUM)).wait();
               else if (name == "broadcast") accel::broadcast_async(x, 1).wait();
               else if (name == "all_gather") accel::all_gather_async(x).wait();
               else if (name == "reduce_scatter") accel::reduce_scatter_async(x).wait();
@@ -1342,6 +1365,7 @@ TEST_SUITE("async_peer_gone") {
               return 2;
             } catch (const accel::DistributedError& e) {
               std::cout << "threw after " << seconds_since(start) << " s: " << e.what() << std::endl;
+              if (name == "all_reduce" && !reduced.is_completed()) return 5;  // it ended, with an error: completed
               return std::string(e.what()).find("accel::" + name + " failed on group 'world'") != std::string::npos ? 0
                                                                                                                  : 3;
             }

@@ -602,6 +602,19 @@ TEST_SUITE("spawn") {
     CHECK(out.str().find("] accel::spawn: rank ") != std::string::npos);
     CHECK(out.str().find("failed: boom in a rank") != std::string::npos);
   }
+
+  TEST_CASE("spawn: a LibTorch error in a rank is printed without its C++ backtrace") {
+    std::ostringstream out;
+    accel::LaunchOptions options;
+    options.out = &out;
+    const int status = accel::spawn(
+        2, [] { (void)at::ones({2}).view({3}); }, options);  // a c10::Error, whose what() ends in 30 frames
+    INFO(out.str());
+    CHECK(status == 1);
+    CHECK(out.str().find("failed: shape '[3]' is invalid for input of size 2") != std::string::npos);
+    CHECK(out.str().find("Exception raised from") == std::string::npos);
+    CHECK(out.str().find("frame #") == std::string::npos);
+  }
 }
 
 // == Real mpirun (Open MPI) ===================================================

@@ -40,6 +40,13 @@ int64_t text_hash(const std::string& text) {
 // == single ===================================================================
 
 TEST_SUITE("single") {
+  TEST_CASE("print: bools as true/false, floating point in the fewest digits that read back (Python's print)") {
+    std::ostringstream captured;
+    std::streambuf* const saved = std::cout.rdbuf(captured.rdbuf());
+    accel::print("loss", 0.1, 1.0 / 3, 2.5f, true, false, 7, 1e-7);
+    std::cout.rdbuf(saved);
+    CHECK(captured.str() == "loss 0.1 0.3333333333333333 2.5 true false 7 1e-07\n");
+  }
   TEST_CASE("nested data: send_to_device, find_batch_size, find_device") {
     Batch batch{{"input_ids", longs({1, 2, 3, 4, 5, 6}).view({2, 3})}, {"labels", longs({0, 1})}};
     auto moved = accel::send_to_device(batch, c10::Device(c10::kMeta), false, {"labels"});

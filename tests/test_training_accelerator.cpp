@@ -252,6 +252,9 @@ TEST_SUITE("ranks") {
     for (int k = 0; k < P; ++k) accelerator.on_process([&] { ran += 1000; }, k)();
     CHECK(ran == (r == 0 ? 1 : 0) + (r == P - 1 ? 10 : 0) + (accelerator.is_local_main_process() ? 100 : 0) + 1000);
     CHECK(accelerator.reduce(at::ones({2})).sum().item<double>() == 2.0 * P);  // Accelerate's default: sum
+    CHECK(accelerator.reduce(at::full({2}, float(r)), "mean").equal(at::full({2}, (P - 1) / 2.0f)));  // as Accelerate
+    CHECK_THROWS_WITH_AS(accelerator.reduce(at::ones({2}), "avg"), doctest::Contains("unknown reduction 'avg'"),
+                         accel::InvalidArgument);
     CHECK(accelerator.gather(at::full({1}, r)).size(0) == P);
     CHECK(accelerator.pad_across_processes(at::ones({r + 1})).size(0) == P);
     CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
@@ -260,6 +263,24 @@ TEST_SUITE("ranks") {
 }
 
 TEST_SUITE("single") {
+  TEST_CASE("training: every enum round-trips through its string form, as the core's do") {
+    using accel::ShardingStrategy;
+    for (auto s : {ShardingStrategy::NO_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::FULL_SHARD,
+                   ShardingStrategy::HYBRID_SHARD})
+      CHECK(accel::from_string<ShardingStrategy>(accel::to_string(s)) == s);
+    CHECK(accel::from_string<ShardingStrategy>("HYBRID_SHARD") == ShardingStrategy::HYBRID_SHARD);
+    CHECK_THROWS_WITH_AS(
+        accel::from_string<ShardingStrategy>("full_shard"),
+        doctest::Contains("unknown value 'full_shard' (expected one of: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)"),
+        accel::InvalidArgument);
+    CHECK(accel::from_string<accel::DistributedType>("MULTI_GPU") == accel::DistributedType::MULTI_GPU);
+    CHECK(accel::to_string(accel::DDPCommunicationHookType::POWER_SGD) == "power_sgd");  // Accelerate's value
+    CHECK(accel::from_string<accel::DDPCommunicationHookType>("bf16") == accel::DDPCommunicationHookType::BF16);
+    CHECK(accel::from_string<accel::ShardLayout>("SAMPLES") == accel::ShardLayout::SAMPLES);
+    std::ostringstream os;
+    os << accel::DistributedType::MULTI_CPU << ' ' << ShardingStrategy::FULL_SHARD << ' ' << accel::ShardLayout::BATCHES;
+    CHECK(os.str() == "MULTI_CPU FULL_SHARD BATCHES");
+  }
   TEST_CASE("training: configuration errors") {
     {  // cpu = true goes to the interface's config, not to the environment
       EnvGuard env{{"ACCEL_DEVICE", nullptr}};

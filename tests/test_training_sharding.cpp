@@ -274,14 +274,15 @@ TEST_SUITE("ranks") {
 
   // HSDP on a 2 x 2 model mesh: shards along mp_shard, averaged along
   // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
-  // HYBRID_SHARD the parameters are sharded at rest too. FULL_SHARD on a
-  // mesh that replicates is refused (it would leave the replicas apart).
-  TEST_CASE("sharding: SHARD_GRAD_OP and HYBRID_SHARD on a 2 x 2 model mesh (replicated shards) train as one process") {
+  // HYBRID_SHARD the parameters are sharded at rest too, and FULL_SHARD is the
+  // same (FSDP2's fully_shard on a 2-D mesh: the mesh decides).
+  TEST_CASE("sharding: SHARD_GRAD_OP, HYBRID_SHARD and FULL_SHARD on a 2 x 2 model mesh (replicated shards) train as one process") {
     if (world().get_world_size() != 4) return;
     accel::AcceleratorConfig c = config();
     c.distributed = test_config({.mp_replicate_size = 2});
     world().destroy();
-    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::HYBRID_SHARD}) {
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::HYBRID_SHARD,
+                                accel::ShardingStrategy::FULL_SHARD}) {
       c.sharding_strategy = strategy;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
@@ -290,7 +291,7 @@ TEST_SUITE("ranks") {
       torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
       auto prepared = accelerator.prepare(model, adam);
       accel::DataParallel& dp = *accelerator.data_parallel(model);
-      CHECK(dp.unit_count() == (strategy == accel::ShardingStrategy::HYBRID_SHARD ? 3u : 0u));
+      CHECK(dp.unit_count() == (strategy == accel::ShardingStrategy::SHARD_GRAD_OP ? 0u : 3u));
       Mlp local = [&] {
         const auto whole = dp.summon_full_params();
         return copy_of(model, 5, 33, 2);
@@ -320,9 +321,19 @@ TEST_SUITE("ranks") {
       }
       CHECK(state == expected);
     }
+    // With mp_shard_size == 1 every strategy is NO_SHARD: nothing is sharded, FULL_SHARD's units included.
+    accel::DistributedInterface::instance().destroy();
+    c.distributed = test_config({.mp_replicate_size = 4});
     c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
-    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("FULL_SHARD shards along mp_shard only"),
-                         accel::InvalidArgument);
+    {
+      accel::Accelerator accelerator(c);
+      Mlp model(5, 33, 2);
+      accelerator.prepare(model);
+      CHECK(accelerator.data_parallel(model)->unit_count() == 0u);
+      int64_t held = 0;
+      for (const auto& p : model->parameters()) held += p.numel();
+      CHECK(held == (5 * 33 + 33) + (33 * 33 + 33) + (33 * 1 + 1));  // every parameter whole on every rank
+    }
     accel::DistributedInterface::instance().destroy();
   }
   TEST_CASE("sharding cleanup") { release_world(); }

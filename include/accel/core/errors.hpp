@@ -57,4 +57,16 @@ class DistributedError : public RuntimeError {
   using RuntimeError::RuntimeError;
 };
 
+namespace detail {
+// An exception's text without the C++ backtrace LibTorch appends to a
+// c10::Error's what() ("\nException raised from ... (most recent call
+// first):\nframe #0: ..."): the message is what a user acts on, and thirty
+// frames from every rank bury it. The core cannot name c10::Error (no
+// LibTorch here), so it cuts the text where that backtrace starts.
+inline std::string without_backtrace(const std::exception& e) {
+  const std::string_view text = e.what();
+  return std::string(text.substr(0, text.find("\nException raised from ")));
+}
+}  // namespace detail
+
 ACCEL_NAMESPACE_END

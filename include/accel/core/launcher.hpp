@@ -278,8 +278,8 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
       if constexpr (std::is_void_v<std::invoke_result_t<F>>) std::invoke(std::forward<F>(fn));
       else code = static_cast<int>(std::invoke(std::forward<F>(fn)));
     } catch (const std::exception& e) {
-      std::cerr << "accel::spawn: rank " << detail::getenv_str("RANK").value_or("?") << " failed: " << e.what()
-                << std::endl;
+      std::cerr << "accel::spawn: rank " << detail::getenv_str("RANK").value_or("?")
+                << " failed: " << detail::without_backtrace(e) << std::endl;
       code = 1;
     }
     std::cout.flush();

@@ -113,6 +113,7 @@ auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {
 // operation is the identity (the process is not distributed).
 template <TensorLike T>
 c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr& group) {
+  check_writable(data, "all_reduce");
   if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "all_reduce");
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
@@ -123,6 +124,7 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
 }
 template <TensorLike T>
 c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& group) {
+  check_writable(data, "broadcast");
   c10d::ProcessGroup* g = resolve(group, "broadcast");
   check_source(g, src, "broadcast", "src");
   if (g)

@@ -333,6 +333,7 @@ inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int
 // (as torch.distributed.reduce leaves it). A tensor is reduced in place.
 template <TensorLike T>
 T reduce_to(T data, int dst, ReduceOp op = ReduceOp::SUM, const GroupPtr& group = {}) {
+  detail::check_writable(data, "reduce_to");
   if constexpr (std::same_as<T, at::Tensor>) detail::check_reduction(data.scalar_type(), op, "reduce_to");
   else if (op == ReduceOp::MEAN && std::is_integral_v<detail::element_t<T>>)
     detail::reject_integral_mean(detail::value_dtype<detail::element_t<T>>(), "reduce_to");
@@ -521,11 +522,13 @@ Work<void> isend(const T& data, int dst, const GroupPtr& group = {}, int tag = 0
 // std::vector) from rank `src` of the group, and returns it (a tensor: in place).
 template <TensorLike T>
 T recv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  detail::check_writable(data, "recv");
   c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
   return detail::start_recv_data(*g, std::move(data), src, tag).wait();
 }
 template <TensorLike T>
 Work<T> irecv(T data, int src, const GroupPtr& group = {}, int tag = 0) {
+  detail::check_writable(data, "recv");
   c10d::ProcessGroup* g = detail::enter_point_to_point(group, src, "recv", "src");
   return Work<T>(detail::start_recv_data(*g, std::move(data), src, tag));
 }

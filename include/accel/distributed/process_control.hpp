@@ -89,6 +89,29 @@ T split_between_processes(const T& inputs, bool apply_padding = false, const Gro
   }
 }
 
+namespace detail {
+// One argument of print: a bool as true/false, and a floating-point number in
+// the fewest digits that read back as the same value (as Python's print),
+// not iostream's 6 significant digits; anything else through operator<<.
+template <class T>
+void print_one(std::ostream& os, const T& value) {
+  if constexpr (std::is_same_v<T, bool>) {
+    os << (value ? "true" : "false");
+  } else if constexpr (std::is_floating_point_v<T>) {
+#if defined(__cpp_lib_to_chars)
+    std::array<char, 64> text;
+    const char* end = std::to_chars(text.data(), text.data() + text.size(), value).ptr;
+    os.write(text.data(), end - text.data());
+#else  // libc++ before 20: every digit that can matter instead
+    os.precision(std::numeric_limits<T>::max_digits10);
+    os << value;
+#endif
+  } else {
+    os << value;
+  }
+}
+}  // namespace detail
+
 // Prints its arguments, separated by spaces, on the main process (global
 // rank 0) only, as one write, so lines from different hosts never interleave.
 template <class... Args>
@@ -96,7 +119,7 @@ void print(const Args&... args) {
   if (get_rank() != 0) return;
   std::ostringstream line;
   bool first = true;
-  ((line << (first ? "" : " ") << args, first = false), ...);
+  ((line << (first ? "" : " "), detail::print_one(line, args), first = false), ...);
   line << '\n';
   std::cout << line.str() << std::flush;
 }

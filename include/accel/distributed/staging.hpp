@@ -477,6 +477,23 @@ std::string describe_tensorlike(const T& data) {
   else if constexpr (Scalar<T>) return type_tag<T>();
   else return "vector<" + type_tag<element_t<T>>() + ">[" + std::to_string(data.size()) + "]";
 }
+
+// An in-place operation (all_reduce, broadcast, reduce_to, recv) writes every element of
+// the tensor it is given. Elements that share memory (expand(), a stride of 0)
+// would each receive a result in the same place: c10d notices only after the
+// collective ran (a c10::Error on every rank), and nothing notices on one
+// process, so it is refused before anything is sent, at every world size.
+inline void check_no_overlap(const at::Tensor& t, const char* op) {
+  if (!t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes) return;
+  std::ostringstream os;
+  os << "accel::" << op << ": the " << describe_tensor(t) << " has elements that share memory (strides " << t.strides()
+     << ", as from expand()), so it cannot receive the result in place; pass .contiguous() or .clone()";
+  throw InvalidArgument(os.str());
+}
+template <TensorLike T>
+void check_writable(const T& data, const char* op) {
+  if constexpr (std::same_as<T, at::Tensor>) check_no_overlap(data, op);
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END

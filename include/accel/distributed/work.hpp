@@ -107,10 +107,14 @@ class PendingWork final : public WorkOf<R> {
 //   R wait()              waits and returns the result (as the blocking form
 //                         does; a tensor passed in holds it from then on);
 //                         failures throw the blocking form's DistributedError.
-//                         Once: the Work is empty afterwards (valid() false).
+//                         Once, as std::future::get: a second wait() is a
+//                         LogicError, and valid() is false afterwards.
 //   bool wait_for(ms)     waits at most ms; true once the operation completed
-//                         (wait() then returns at once, or throws its error).
+//                         (wait() then returns at once, or throws its error),
+//                         and after wait() (as torch's Work).
 //   bool is_completed()   wait_for without waiting.
+// A default-constructed or moved-from Work holds no operation: asking it
+// anything is a LogicError.
 // Destroying a Work that was never waited for waits for the operation (its
 // buffers must outlive it) and lands it (a tensor passed in holds the
 // result) but drops what wait() would return; a failure is then printed to
@@ -122,11 +126,12 @@ class Work {
   template <class Land>
   explicit Work(detail::Pending<Land> pending)
       : flight_(std::make_unique<detail::PendingWork<R, Land>>(std::move(pending))) {}
-  Work(Work&&) noexcept = default;
+  Work(Work&& other) noexcept : flight_(std::move(other.flight_)), waited_(std::exchange(other.waited_, false)) {}
   Work& operator=(Work&& other) noexcept {
     if (this != &other) {
       abandon();
       flight_ = std::move(other.flight_);
+      waited_ = std::exchange(other.waited_, false);
     }
     return *this;
   }
@@ -134,16 +139,23 @@ class Work {
 
   bool valid() const noexcept { return flight_ != nullptr; }
   R wait() {
+    if (waited_)
+      throw LogicError(
+          "accel::Work::wait: already waited for; wait() returns the result once (as std::future::get), "
+          "is_completed() and wait_for() stay true");
     std::unique_ptr<detail::WorkOf<R>> flight = std::move(flight_);
     if (!flight) throw_empty("wait");
+    waited_ = true;  // also when the operation failed: it ended, and wait() reported how
     flight->wait();
     return flight->land();
   }
   bool wait_for(std::chrono::milliseconds timeout) {
+    if (waited_) return true;
     if (!flight_) throw_empty("wait_for");
     return flight_->wait_for(timeout);
   }
   bool is_completed() {
+    if (waited_) return true;
     if (!flight_) throw_empty("is_completed");
     return flight_->completed();
   }
@@ -151,7 +163,7 @@ class Work {
  private:
   [[noreturn]] static void throw_empty(const char* member) {
     throw LogicError(std::string("accel::Work::") + member +
-                     ": this Work holds no operation (default-constructed, moved from, or already waited for)");
+                     ": this Work holds no operation (default-constructed or moved from)");
   }
   void abandon() noexcept {
     if (!flight_) return;
@@ -159,12 +171,13 @@ class Work {
       flight_->wait();
       flight_->land();  // in place: the caller's tensor holds the result
     } catch (const std::exception& e) {
-      std::cerr << "accel: " << e.what() << " (its accel::Work was destroyed without wait())" << std::endl;
+      std::cerr << "accel: " << detail::error_text(e) << " (its accel::Work was destroyed without wait())" << std::endl;
     }
     flight_.reset();
   }
 
   std::unique_ptr<detail::WorkOf<R>> flight_;
+  bool waited_ = false;  // wait() was called: completed from then on
 };
 
 ACCEL_NAMESPACE_END

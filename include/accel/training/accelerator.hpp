@@ -38,13 +38,6 @@ class Accelerator {
                             (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
                             std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
-    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD && interface_->distributed() &&
-        interface_->get_world_size(Dim::MP_REPLICATE) > 1)
-      throw InvalidArgument(
-          "accel::Accelerator: FULL_SHARD shards along mp_shard only, and the model mesh also "
-          "replicates " +
-          std::to_string(interface_->get_world_size(Dim::MP_REPLICATE)) +
-          " ways (mp_replicate_size): that is HYBRID_SHARD");
     if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
@@ -318,6 +311,10 @@ class Accelerator {
   }
   template <TensorTree T>
   T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
     return accel::reduce(data, reduction);
   }
   template <TensorTree T>

@@ -7,14 +7,6 @@
 ACCEL_NAMESPACE_BEGIN
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
-inline std::string_view to_string(DistributedType t) {
-  switch (t) {
-    case DistributedType::NO: return "NO";
-    case DistributedType::MULTI_CPU: return "MULTI_CPU";
-    case DistributedType::MULTI_GPU: return "MULTI_GPU";
-  }
-  return "NO";
-}
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
 // checkpoints. With automatic_checkpoint_naming, each save_state() writes
@@ -36,15 +28,11 @@ struct ProjectConfiguration {
 // _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3): the parameters of each unit
 // (auto_wrap_policy) are sharded at rest too and gathered only while the unit
 // runs (accel::unit_forward) and for its backward; on a model mesh that
-// replicates (mp_replicate_size > 1) it is an error. HYBRID_SHARD: FULL_SHARD
-// with the shards averaged along Dim::MP_REPLICATE (HSDP). With
+// replicates (mp_replicate_size > 1) the shards are averaged along
+// Dim::MP_REPLICATE too, as FSDP2's fully_shard on a 2-D mesh: the mesh
+// decides. HYBRID_SHARD: another name for that (FSDP1's HSDP). With
 // mp_shard_size == 1 every strategy is NO_SHARD.
 enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
-
-inline std::string_view to_string(ShardingStrategy s) {
-  constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
-  return names[static_cast<std::size_t>(s)];
-}
 
 // Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
 // comm_hook): the built-in communication hook of every prepared model (see
@@ -52,6 +40,26 @@ inline std::string_view to_string(ShardingStrategy s) {
 // with an empty comm_state_option: plain all-reduces for the first 1000
 // steps).
 enum class DDPCommunicationHookType { NO, FP16, BF16, POWER_SGD };
+
+// Their string forms, as Accelerate and FSDP spell them: to_string,
+// from_string and operator<< (core/enums.hpp) take every public enum.
+namespace detail {
+template <>
+struct enum_names<DistributedType> {
+  static constexpr std::string_view type = "DistributedType";
+  static constexpr std::array<std::string_view, 3> names{"NO", "MULTI_CPU", "MULTI_GPU"};
+};
+template <>
+struct enum_names<ShardingStrategy> {
+  static constexpr std::string_view type = "ShardingStrategy";
+  static constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
+};
+template <>
+struct enum_names<DDPCommunicationHookType> {
+  static constexpr std::string_view type = "DDPCommunicationHookType";
+  static constexpr std::array<std::string_view, 4> names{"no", "fp16", "bf16", "power_sgd"};
+};
+}  // namespace detail
 
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;

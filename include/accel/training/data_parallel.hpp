@@ -181,7 +181,8 @@ class DataParallel {
       try {
         bucket.flat = bucket.work.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") + e.what());
+        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                               detail::error_text(e));
       }
       if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
         throw RuntimeError("accel::DataParallel: the communication hook returned " +
@@ -226,7 +227,7 @@ class DataParallel {
         work.wait();
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                               e.what());
+                               detail::error_text(e));
       }
     }
   }

@@ -36,7 +36,7 @@ inline void issue_bucket(State& state, std::size_t b) {
       bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                             e.what());
+                             detail::error_text(e));
     }
     if (state.on_issued) state.on_issued(b);
     return;
@@ -64,7 +64,7 @@ inline void issue_bucket(State& state, std::size_t b) {
     bucket.work = state.hook(state.group, hooked);
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
-                           e.what());
+                           detail::error_text(e));
   }
   if (state.on_issued) state.on_issued(b);
 }

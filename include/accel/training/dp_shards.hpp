@@ -122,7 +122,7 @@ inline void gather_shards(State& s) {
     }
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
-                           e.what());
+                           detail::error_text(e));
   }
 }
 
@@ -182,7 +182,8 @@ inline void finish_sharded(State& s) {
       for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
     }
   } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") + e.what());
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
+                           detail::error_text(e));
   }
   for (auto& bucket : s.buckets) {
     const auto n = static_cast<int64_t>(bucket.params.size());

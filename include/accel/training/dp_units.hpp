@@ -43,7 +43,8 @@ inline void fetch(State& s, std::size_t u) {
     try {
       bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
     } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                             detail::error_text(e));
     }
   }
 }
@@ -57,7 +58,8 @@ inline void materialize(State& s, std::size_t u) {
     try {
       rows = bucket.gathering.wait();  // (S, segment without the flags)
     } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                             detail::error_text(e));
     }
     bucket.gathering = {};
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
@@ -95,7 +97,8 @@ inline void end_unit_pass(State& s) {
       try {
         bucket.gathering.wait();
       } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") + e.what());
+        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                               detail::error_text(e));
       }
       bucket.gathering = {};
     }

@@ -31,6 +31,13 @@
 ACCEL_NAMESPACE_BEGIN
 
 enum class ShardLayout { BATCHES, SAMPLES };
+namespace detail {
+template <>
+struct enum_names<ShardLayout> {
+  static constexpr std::string_view type = "ShardLayout";
+  static constexpr std::array<std::string_view, 2> names{"BATCHES", "SAMPLES"};
+};
+}  // namespace detail
 
 // The one-process batch sequence of an epoch, as lists of sample indices:
 // a custom sampler or batch sampler for prepare_data_loader.
