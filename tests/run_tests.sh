@@ -4,12 +4,15 @@
 #   pip   PyPI's torch wheel (the newest release, a CUDA build, pinned in
 #         tests/pip/requirements.txt) in a virtual environment under the build
 #         directory, re-used while its pins are the same (tests/pip/leg.sh),
-#         g++ 12: EVERY entry (nested sanitizer, consumer and compile-failure
-#         builds, the NCCL path, libuv, torchrun, the Python references).
+#         g++ 12: every entry (nested sanitizer and consumer builds, the NCCL
+#         path, libuv, torchrun, the Python references) but the two the 1.13
+#         leg runs.
 #   1.13  Debian bookworm's libtorch-dev on this machine, g++ 12: what only it
 #         proves: the quick suites on the oldest supported LibTorch (with
 #         mpirun, two hosts, the sampler against Python 1.13), the header
-#         copied alone, and clang 14's -Werror check and fuzzers.
+#         copied alone, and clang 14's -Werror check and fuzzers; and the
+#         checks no LibTorch version changes, cheapest on its smaller headers:
+#         every part compiled alone and the compile-failure cases.
 #   2.6   Debian trixie's libtorch-dev in a root made once under the build
 #         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
 #         g++ 14 (the quick suites, the header copied alone, a user's -Werror
@@ -37,7 +40,7 @@ for leg in $legs; do
         (cd "$build" && ctest --output-on-failure -j2 --timeout 900 "$@") || status=1
       else
         (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -L quick) || status=1
-        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -R '^(copy_header_|clang_|fuzz_)') || status=1
+        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -R '^(copy_header_|clang_|fuzz_|parts_|compile_fail_)') || status=1
       fi ;;
     2.6)
       bash "$root/tests/trixie/make_root.sh" "$build/trixie-root"

@@ -2,10 +2,11 @@
 # The LibTorch 2.6 leg of tests/run_tests.sh, run inside the trixie root
 # (tests/trixie/in_root.sh): the same CMake/CTest build as on 1.13, with
 #   g++ 14:   the quick suites (every multi-rank suite, torchrun patched for a
-#             torch without libuv, the examples), the header copied alone and a
-#             user's -Werror build (GCC 14 warns where GCC 12 does not); the
-#             nested sanitizer, consumer and compile-failure builds run on the
-#             pip leg;
+#             torch without libuv, the examples) but the FSDP2 references
+#             (Python's FSDP2 is compared live with the newest torch, on the
+#             pip leg: 4 minutes here), the header copied alone and a user's
+#             -Werror build (GCC 14 warns where GCC 12 does not); the nested
+#             sanitizer and consumer builds run on the pip leg;
 #   clang 19: -Wall -Wextra -Werror, built, linked against LibTorch 2.6 and
 #             run: the quick suites of our own C++, without the Python
 #             references (the same comparisons g++ 14 just ran, and most of
@@ -23,7 +24,7 @@ status=0
 for compiler in g++ clang++; do
   dir=$build/trixie-${compiler%++}
   flags=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=$compiler -DACCEL_CLANG_NESTED=OFF -DACCEL_BUILD_BENCHMARKS=OFF)
-  selections=("-L quick")
+  selections=("-L quick -E ^python_fsdp2_")
   if [[ $compiler == clang++ ]]; then
     flags=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG=-O0 -DCMAKE_CXX_COMPILER=$compiler
            -DACCEL_CLANG_NESTED=OFF -DACCEL_BUILD_BENCHMARKS=OFF
