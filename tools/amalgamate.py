@@ -15,8 +15,7 @@ A part starts with the line "// accel/TIER/NAME.hpp: its title." and includes th
 parts it uses. A part may include only parts listed before it, so the order is a
 dependency order and there is no cycle. A part of the distributed tier reaches
 distributed/torch.hpp through its includes, and one of the training tier
-training/torch_nn.hpp: the LibTorch headers are what puts a part in its tier
-(and the CTest entry parts_compile_alone precompiles them on that rule).
+training/torch_nn.hpp: the LibTorch headers are what puts a part in its tier.
 Anything else stops the script with the reason. The standard library only: this
 runs wherever the tests do.
 """
