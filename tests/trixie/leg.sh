@@ -9,7 +9,7 @@
 #             sanitizer and consumer builds run on the pip leg;
 #   clang 19: -Wall -Wextra -Werror, built, linked against LibTorch 2.6 and
 #             run: the quick suites of our own C++, without the Python
-#             references (the same comparisons g++ 14 just ran, and most of
+#             references (g++ 14 and the pip leg run them; they are most of
 #             the quick label's time) and the checks of the repository that
 #             no compiler changes (accel.hpp in sync, docs, formatting).
 #             Built at -O0: clang's warnings come from its front end, the
