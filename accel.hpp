@@ -55,6 +55,7 @@
 //     accel/training/dispatch.hpp            dispatch_batches: one rank reads, the others receive their slices
 //     accel/training/loaders.hpp             PreparedDataLoader and PreparedIterableDataLoader
 //     accel/training/config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/checked_file.hpp        files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/prepared.hpp            what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/checkpoint_state.hpp    save_state's and load_state's work: write; read and check; apply or roll back; commit
@@ -7931,6 +7932,140 @@ class AcceleratedScheduler {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checked_file.hpp ==========================================
+// accel/training/checked_file.hpp: files written with every error checked: CheckedFile, atomic writes, archives.
+//
+// Checkpoints and weights are written here, never through std::ofstream or
+// LibTorch's OutputArchive::save_to(path): a stream says only that it failed,
+// not why (a full disk, a quota, an I/O error), and LibTorch's archive
+// writer, when a write fails, throws from its destructor, which ends the
+// process with std::terminate (pytorch#156955). Here the first error is kept
+// with its errno, nothing is thrown while LibTorch's writer runs, and the
+// caller gets an accel::RuntimeError naming the file and the cause; a file
+// that could not be written whole is removed.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+[[noreturn]] inline void throw_errno(const std::string& what, const std::filesystem::path& path, int error = errno) {
+  throw RuntimeError("accel: " + what + " " + path.string() + ": " + std::strerror(error));
+}
+
+// open + fsync + close: a file's bytes, or a directory's entries, on disk.
+inline void fsync_path(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_errno("cannot open", path);
+  const int rc = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (rc != 0) throw_errno("cannot fsync", path, error);
+}
+
+inline std::filesystem::path sibling(const std::filesystem::path& dir, const char* suffix) {
+  return dir.string() + suffix;
+}
+
+// A new file (created or truncated) written through write(2). write() never
+// throws: it keeps the first error and drops what follows, so that it can
+// serve LibTorch's archive writer. finish() puts the bytes on disk (fsync)
+// and throws that first error, naming the file; a CheckedFile not finished,
+// or whose finish() failed, removes its file.
+class CheckedFile {
+ public:
+  explicit CheckedFile(std::filesystem::path path) : path_(std::move(path)) {
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw_errno("cannot create", path_);
+  }
+  CheckedFile(const CheckedFile&) = delete;
+  CheckedFile& operator=(const CheckedFile&) = delete;
+  ~CheckedFile() {
+    if (fd_ < 0) return;
+    ::close(fd_);
+    ::unlink(path_.c_str());
+  }
+
+  void write(const void* data, std::size_t n) noexcept {
+    if (n >= kBuffer) {  // large (a tensor's bytes): straight to the file
+      flush();
+      put(data, n);
+      return;
+    }
+    if (buffer_.size() + n > kBuffer) flush();
+    buffer_.append(static_cast<const char*>(data), n);
+  }
+  void write(std::string_view text) noexcept { write(text.data(), text.size()); }
+
+  void finish() {
+    flush();
+    if (error_ == 0 && ::fsync(fd_) != 0) error_ = errno;
+    if (::close(fd_) != 0 && error_ == 0) error_ = errno;
+    fd_ = -1;
+    if (error_ != 0) {
+      ::unlink(path_.c_str());
+      throw_errno("cannot write", path_, error_);
+    }
+  }
+
+ private:
+  // LibTorch's archive writer hands over many small pieces (zip headers, names):
+  // gathered here into writes of up to kBuffer bytes.
+  static constexpr std::size_t kBuffer = std::size_t{1} << 20;
+
+  void flush() noexcept {
+    put(buffer_.data(), buffer_.size());
+    buffer_.clear();
+  }
+  void put(const void* data, std::size_t n) noexcept {
+    const char* p = static_cast<const char*>(data);
+    while (n > 0 && error_ == 0) {
+      const ssize_t wrote = ::write(fd_, p, n);
+      if (wrote < 0) {
+        if (errno != EINTR) error_ = errno;
+        continue;
+      }
+      p += wrote;
+      n -= static_cast<std::size_t>(wrote);
+    }
+  }
+
+  std::filesystem::path path_;
+  int fd_ = -1;
+  int error_ = 0;
+  std::string buffer_;
+};
+
+// A whole file's bytes written to `path` through a temporary name and a
+// rename: a reader finds the old file or the whole new one. On an error the
+// temporary file is removed and the old file stays.
+inline void write_file_atomically(const std::filesystem::path& path, const std::function<void(CheckedFile&)>& body) {
+  const std::filesystem::path tmp = sibling(path, ".tmp");
+  {
+    CheckedFile out(tmp);
+    body(out);
+    out.finish();
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(tmp.c_str());
+    throw_errno("cannot rename " + tmp.string() + " to", path, error);
+  }
+}
+
+// One archive written and flushed to disk. The writer returns every size as
+// written, whatever happened: a short count would make LibTorch's writer
+// throw from its destructor (pytorch#156955); finish() reports the error.
+inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+  CheckedFile out(path);
+  archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
+    out.write(data, n);
+    return n;
+  });
+  out.finish();
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint_files.hpp ======================================
 // accel/training/checkpoint_files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
@@ -7983,19 +8118,6 @@ struct CheckpointManifest {
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
 };
 
-[[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
-  throw RuntimeError("accel: " + what + " " + path.string() + ": " + std::strerror(errno));
-}
-
-// open + fsync + close: a file's bytes, or a directory's entries, on disk.
-inline void fsync_path(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw_errno("cannot open", path);
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw_errno("cannot fsync", path);
-}
-
 inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
   std::ifstream in(dir / checkpoint_manifest);
   std::string line;
@@ -8018,28 +8140,13 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
   return std::nullopt;  // cut short
 }
 
-inline fs::path sibling(const fs::path& dir, const char* suffix) { return dir.string() + suffix; }
-
-// A whole file's bytes written to `path` through a temporary name and a
-// rename: a reader finds the old file or the whole new one.
-inline void write_file_atomically(const fs::path& path, const std::function<void(std::ofstream&)>& body) {
-  const fs::path tmp = sibling(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw_errno("cannot create", tmp);
-    body(out);
-    out.flush();
-    if (!out) throw_errno("cannot write", tmp);
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, path);
-}
-
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
+  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) {
+    std::ostringstream out;
     out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
         << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
         << m.schedulers << "\nshards " << m.shards << "\nend\n";
+    file.write(out.str());
   });
 }
 
@@ -8051,12 +8158,9 @@ inline void discard_checkpoint(const fs::path& dir) {
   fs::remove_all(dir);
 }
 
-// A checkpoint's serial: from its manifest; 0 for a directory under the final
-// name written before manifests existed (it was only ever renamed into place
-// whole); none for anything incomplete.
-inline std::optional<int64_t> checkpoint_serial(const fs::path& dir, bool final_name) {
+// A checkpoint's serial, from its manifest; none for anything incomplete.
+inline std::optional<int64_t> checkpoint_serial(const fs::path& dir) {
   if (auto m = read_manifest(dir)) return m->serial;
-  if (final_name && fs::exists(dir / "model.pt")) return 0;
   return std::nullopt;
 }
 
@@ -8101,8 +8205,8 @@ inline void install_checkpoint(const fs::path& from, const fs::path& to) {
 // the others are removed. Returns DIR's serial (none: no checkpoint).
 inline std::optional<int64_t> recover_checkpoint(const fs::path& dir) {
   const fs::path tmp = sibling(dir, ".tmp"), old = sibling(dir, ".old");
-  const std::optional<int64_t> at_dir = checkpoint_serial(dir, true), at_tmp = checkpoint_serial(tmp, false),
-                               at_old = checkpoint_serial(old, false);
+  const std::optional<int64_t> at_dir = checkpoint_serial(dir), at_tmp = checkpoint_serial(tmp),
+                               at_old = checkpoint_serial(old);
   std::optional<int64_t> newest = at_dir;
   if (at_tmp && (!newest || *at_tmp > *newest) && (!at_old || *at_tmp >= *at_old)) {
     install_checkpoint(tmp, dir);
@@ -8459,12 +8563,6 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
 }
 
-// One archive of the checkpoint, written and flushed to disk.
-inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
-  archive.save_to(path.string());
-  fsync_path(path);
-}
-
 // What every process writes: its RNG states and step (as Accelerate's
 // random_states_<i>), and under sharding its own optimizer state.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
@@ -8536,15 +8634,26 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
                               .objects = static_cast<int64_t>(set.objects.size()),
                               .schedulers = static_cast<int64_t>(set.schedulers.size()),
                               .shards = ctx.shards};
+  // An error anywhere is thrown everywhere. The last checkpoint stays as it
+  // was, and an incomplete DIR.tmp is removed (a full disk gets its space
+  // back): once fail_together returns, no process writes into it any more.
+  auto fail_on_every_process = [&](const std::string& error) {
+    try {
+      fail_together(error, "accel::Accelerator::save_state");
+    } catch (...) {
+      std::error_code ignored;
+      if (ctx.process_index == 0 && !read_manifest(tmp)) std::filesystem::remove_all(tmp, ignored);
+      throw;
+    }
+  };
   std::string error;
   if (ctx.process_index == 0)
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
     });
-  fail_together(error, "accel::Accelerator::save_state");
-  error = error_of([&] { write_process_files(set, ctx, step, tmp); });
-  fail_together(error, "accel::Accelerator::save_state");
+  fail_on_every_process(error);
+  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
   if (ctx.process_index == 0)
     error = error_of([&] {
       write_shared_files(set, ctx, tmp);
@@ -8554,7 +8663,7 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       checkpoint_hook()("manifest written");
       install_checkpoint(tmp, dir);
     });
-  fail_together(error, "accel::Accelerator::save_state");
+  fail_on_every_process(error);
 }
 
 // What read_checkpoint read and checked, before anything changed.
@@ -8564,6 +8673,32 @@ struct LoadedCheckpoint {
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   int64_t step = 0;
 };
+
+// The manifest against this run: as many processes, models, optimizers,
+// schedulers, loaders and registered objects, sharded the same ways.
+inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+  const auto manifest = read_manifest(dir);
+  if (!manifest)
+    throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
+                       ", which save_state writes last, is missing or cut short");
+  if (manifest->processes != ctx.num_processes)
+    throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
+                       std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
+  const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+      {{"model(s)", {manifest->models, set.models.size()}},
+       {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+       {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+       {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+       {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+  for (const auto& count : counts)
+    if (count.second.first != static_cast<int64_t>(count.second.second))
+      throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                         std::to_string(count.second.second));
+  const int64_t shards = ctx.shards;
+  if (manifest->shards != shards)
+    throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
+                       std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+}
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
 // against the prepared set; nothing changes. An error on any process is
@@ -8591,27 +8726,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const auto manifest = read_manifest(dir);  // none: written before manifests existed
-    if (manifest) {
-      if (manifest->processes != ctx.num_processes)
-        throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                           std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
-      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
-          {{"model(s)", {manifest->models, set.models.size()}},
-           {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
-           {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
-           {"data loader(s)", {manifest->loaders, set.loaders.size()}},
-           {"registered object(s)", {manifest->objects, set.objects.size()}}}};
-      for (const auto& count : counts)
-        if (count.second.first != static_cast<int64_t>(count.second.second))
-          throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
-                             std::to_string(count.second.second));
-      const int64_t shards = ctx.shards;
-      if (manifest->shards != shards)
-        throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
-                           " way(s), this run's " + std::to_string(shards) +
-                           " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
-    }
+    check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -8660,10 +8775,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-    // Before manifests, the file held the generator state alone (torch::save's key "0").
-    rng =
-        tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(), (dir / rng_name).string());
-    if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+    rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
+    step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
     at::Tensor saved_device_rng;
     if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
       const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
@@ -9111,13 +9224,13 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   }
   header += "}";
   header.resize((header.size() + 7) / 8 * 8, ' ');
-  write_file_atomically(path, [&](std::ofstream& out) {
+  write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
-    out.write(reinterpret_cast<const char*>(&length), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(&length, 8);
+    out.write(header);
     for (const auto& named : tensors) {
       const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+      out.write(t.data_ptr(), t.numel() * t.element_size());
     }
   });
 }
@@ -9254,7 +9367,8 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
           index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
                    detail::json_quote(file);
         index += "\n  }\n}\n";
-        detail::write_file_atomically(path / "model.safetensors.index.json", [&](std::ofstream& out) { out << index; });
+        detail::write_file_atomically(path / "model.safetensors.index.json",
+                                      [&](detail::CheckedFile& out) { out.write(index); });
         written.insert("model.safetensors.index.json");
       }
       for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files

@@ -4,6 +4,10 @@
 
 #include "training_fixtures.hpp"
 
+#include <sys/resource.h>
+
+#include <csignal>
+
 TEST_SUITE("ranks") {
   TEST_CASE("training: a checkpoint saved on every rank resumes with identical results") {
     accel::Accelerator accelerator(config());
@@ -88,8 +92,9 @@ TEST_SUITE("ranks") {
     };
     auto rank_prefix = [&](int r) { return P > 1 ? "rank " + std::to_string(r) + ": " : std::string(); };
 
-    std::string what = refused([](const fs::path& d) { fs::resize_file(d / "optimizer.pt", fs::file_size(d / "optimizer.pt") / 2); },
-                               accelerator, model, optimizer);
+    std::string what =
+        refused([](const fs::path& d) { fs::resize_file(d / "optimizer.pt", fs::file_size(d / "optimizer.pt") / 2); },
+                accelerator, model, optimizer);
     CHECK(what.find("accel::Accelerator::load_state: " + rank_prefix(0) + "cannot read ") != std::string::npos);
     CHECK(what.find("optimizer.pt") != std::string::npos);
     CHECK(what.find("frame #") == std::string::npos);  // no C++ backtrace
@@ -109,13 +114,16 @@ TEST_SUITE("ranks") {
         accelerator, model, optimizer);
     CHECK(what.find("it was saved by " + std::to_string(P + 1) + " processes, this run has " + std::to_string(P)) !=
           std::string::npos);
+    what = refused([](const fs::path& d) { fs::remove(d / "accel_checkpoint.txt"); }, accelerator, model, optimizer);
+    CHECK(what.find("no complete checkpoint: " + dir.string() +
+                    "_4/accel_checkpoint.txt, which save_state writes last") != std::string::npos);
     {  // a model of another width
       accel::Accelerator other(config());
       Mlp narrow(4, 8, 1);
       torch::optim::SGD narrow_optimizer(narrow->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       other.prepare(narrow, narrow_optimizer);
       what = refused([](const fs::path&) {}, other, narrow, narrow_optimizer);
-      CHECK(what.find("_4/model.pt: body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
+      CHECK(what.find("_5/model.pt: body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
             std::string::npos);
     }
     {  // the same model, an optimizer over some of its parameters: refused as it loads, and put back
@@ -124,7 +132,7 @@ TEST_SUITE("ranks") {
       torch::optim::SGD partial(same->body->ptr(0)->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       other.prepare(same, partial);
       what = refused([](const fs::path&) {}, other, same, partial);
-      CHECK(what.find("_5/optimizer.pt does not fit the optimizer: ") != std::string::npos);
+      CHECK(what.find("_6/optimizer.pt does not fit the optimizer: ") != std::string::npos);
     }
     // after all that, the checkpoint itself loads
     {
@@ -136,6 +144,73 @@ TEST_SUITE("ranks") {
     CHECK(saved_momentum == momentum_sums(optimizer));
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) fs::remove_all(dir);
+  }
+
+  TEST_CASE("checkpoints: a write that fails (a full disk) is an error on every process; the last checkpoint stays") {
+    // RLIMIT_FSIZE makes write(2) fail past a size (EFBIG) as a full disk or a
+    // quota would (ENOSPC, EDQUOT): without privileges, on one process only.
+    // LibTorch's archive writer used to end the process here with
+    // std::terminate, throwing from its destructor (pytorch#156955).
+    namespace fs = std::filesystem;
+    accel::Accelerator accelerator(config());
+    Mlp model(4, 512, 1);  // model.pt and model.safetensors: over 12 KB
+    torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    accelerator.prepare(model, optimizer);
+    const fs::path dir = shared_temp_path(accelerator, "accel_full_ckpt_");
+    const fs::path weights = dir.string() + "_weights";
+    accelerator.save_state(dir);
+    accelerator.save_model(model, weights.string());
+    const at::Tensor saved = flat_parameters(*model).clone();
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.add_(1.0);
+    }
+    auto bytes_of = [](const fs::path& file) {
+      std::ifstream in(file, std::ios::binary);
+      return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    };
+    const std::string saved_weights = accelerator.is_main_process() ? bytes_of(weights / "model.safetensors") : "";
+    // Runs body on every process with files on process `rank` limited to `bytes`.
+    auto limited = [&](int rank, rlim_t bytes, const std::function<void()>& body) {
+      struct rlimit before{};
+      REQUIRE(::getrlimit(RLIMIT_FSIZE, &before) == 0);
+      const auto handler = std::signal(SIGXFSZ, SIG_IGN);  // else past the limit the process is killed
+      if (accelerator.process_index() == rank) {
+        struct rlimit low = before;
+        low.rlim_cur = bytes;
+        REQUIRE(::setrlimit(RLIMIT_FSIZE, &low) == 0);
+      }
+      const std::string what = what_of(body);
+      ::setrlimit(RLIMIT_FSIZE, &before);
+      std::signal(SIGXFSZ, handler);
+      return what;
+    };
+    const int P = accelerator.num_processes();
+    // The last process cannot write its RNG states (over 5 KB), then the main process its model.pt.
+    std::string what = limited(P - 1, 4096, [&] { accelerator.save_state(dir); });
+    CHECK(what.find("accel::Accelerator::save_state: ") != std::string::npos);
+    CHECK(what.find("cannot write " + dir.string() + ".tmp/random_states_" + std::to_string(P - 1) +
+                    ".pt: File too large") != std::string::npos);
+    what = limited(0, 8192, [&] { accelerator.save_state(dir); });
+    CHECK(what.find("cannot write " + dir.string() + ".tmp/model.pt: File too large") != std::string::npos);
+    accelerator.wait_for_everyone();  // (the main process removes it after the error)
+    CHECK_FALSE(fs::exists(dir.string() + ".tmp"));  // removed, to give a full disk its space back
+    accelerator.load_state(dir);
+    CHECK(at::equal(saved, flat_parameters(*model)));
+    // save_model: the error on every process, the earlier file whole, no .tmp file left.
+    what = limited(0, 8192, [&] { accelerator.save_model(model, weights.string()); });
+    CHECK(what.find("accel::save_model: ") != std::string::npos);
+    CHECK(what.find("cannot write " + (weights / "model.safetensors.tmp").string() + ": File too large") !=
+          std::string::npos);
+    if (accelerator.is_main_process()) {
+      CHECK(bytes_of(weights / "model.safetensors") == saved_weights);
+      CHECK_FALSE(fs::exists(weights / "model.safetensors.tmp"));
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) {
+      fs::remove_all(dir);
+      fs::remove_all(weights);
+    }
   }
 
   TEST_CASE("checkpoints: prepared loaders resume on the next batch; the step and registered objects return") {
@@ -217,7 +292,8 @@ TEST_SUITE("ranks") {
     if (accelerator.is_main_process()) fs::remove_all(dir);
   }
 
-  TEST_CASE("checkpoints: the learning rate and a scheduler's steps return (LibTorch's Optimizer::load drops the first)") {
+  TEST_CASE(
+      "checkpoints: the learning rate and a scheduler's steps return (LibTorch's Optimizer::load drops the first)") {
     auto lr = [](torch::optim::Optimizer& o) { return o.param_groups()[0].options().get_lr(); };
     std::vector<double> expected;
     double saved_lr = 0;
@@ -251,14 +327,15 @@ TEST_SUITE("ranks") {
       resumed.push_back(lr(sgd));
     }
     CHECK(resumed == expected);  // the schedule goes on where it was
-    {  // a scheduler already past the checkpoint cannot be replayed back
+    {                            // a scheduler already past the checkpoint cannot be replayed back
       accel::Accelerator other(config());
       Mlp m(4, 8, 1);
       torch::optim::SGD o(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       torch::optim::StepLR s(o, 3, 0.5);
       auto p = other.prepare(m, o, s);
       for (int i = 0; i < 5; ++i) std::get<2>(p).step();
-      CHECK(what_of([&] { other.load_state(dir); }).find("load the checkpoint before stepping it") != std::string::npos);
+      CHECK(what_of([&] { other.load_state(dir); }).find("load the checkpoint before stepping it") !=
+            std::string::npos);
     }
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
@@ -625,8 +702,8 @@ TEST_SUITE("single") {
     };
     Mlp narrow(4, 8, 1), wide(4, 16, 1);
     accelerator.save_model(wide, (base / "wide").string());
-    CHECK(refused((base / "wide").string(), narrow).find("body.0.weight is Float[16, 4] there, Float[8, 4] in the model") !=
-          std::string::npos);
+    CHECK(refused((base / "wide").string(), narrow)
+              .find("body.0.weight is Float[16, 4] there, Float[8, 4] in the model") != std::string::npos);
     const std::string net_into_mlp = refused((base / "net").string(), narrow);
     CHECK(net_into_mlp.find("model.safetensors does not fit the model: missing body.2.weight") != std::string::npos);
     CHECK(net_into_mlp.find("not in the model: body.1.bias, body.1.num_batches_tracked") != std::string::npos);

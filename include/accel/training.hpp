@@ -27,6 +27,7 @@
 #include "accel/training/dispatch.hpp"
 #include "accel/training/loaders.hpp"
 #include "accel/training/config.hpp"
+#include "accel/training/checked_file.hpp"
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/prepared.hpp"
 #include "accel/training/checkpoint_state.hpp"

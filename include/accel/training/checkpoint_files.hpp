@@ -20,6 +20,7 @@
 
 #include "accel/distributed/objects.hpp"
 #include "accel/training/autograd.hpp"
+#include "accel/training/checked_file.hpp"
 #include "accel/training/config.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -54,19 +55,6 @@ struct CheckpointManifest {
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
 };
 
-[[noreturn]] inline void throw_errno(const std::string& what, const fs::path& path) {
-  throw RuntimeError("accel: " + what + " " + path.string() + ": " + std::strerror(errno));
-}
-
-// open + fsync + close: a file's bytes, or a directory's entries, on disk.
-inline void fsync_path(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw_errno("cannot open", path);
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) throw_errno("cannot fsync", path);
-}
-
 inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
   std::ifstream in(dir / checkpoint_manifest);
   std::string line;
@@ -89,28 +77,13 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
   return std::nullopt;  // cut short
 }
 
-inline fs::path sibling(const fs::path& dir, const char* suffix) { return dir.string() + suffix; }
-
-// A whole file's bytes written to `path` through a temporary name and a
-// rename: a reader finds the old file or the whole new one.
-inline void write_file_atomically(const fs::path& path, const std::function<void(std::ofstream&)>& body) {
-  const fs::path tmp = sibling(path, ".tmp");
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw_errno("cannot create", tmp);
-    body(out);
-    out.flush();
-    if (!out) throw_errno("cannot write", tmp);
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, path);
-}
-
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  write_file_atomically(dir / checkpoint_manifest, [&](std::ofstream& out) {
+  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) {
+    std::ostringstream out;
     out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
         << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
         << m.schedulers << "\nshards " << m.shards << "\nend\n";
+    file.write(out.str());
   });
 }
 
@@ -122,12 +95,9 @@ inline void discard_checkpoint(const fs::path& dir) {
   fs::remove_all(dir);
 }
 
-// A checkpoint's serial: from its manifest; 0 for a directory under the final
-// name written before manifests existed (it was only ever renamed into place
-// whole); none for anything incomplete.
-inline std::optional<int64_t> checkpoint_serial(const fs::path& dir, bool final_name) {
+// A checkpoint's serial, from its manifest; none for anything incomplete.
+inline std::optional<int64_t> checkpoint_serial(const fs::path& dir) {
   if (auto m = read_manifest(dir)) return m->serial;
-  if (final_name && fs::exists(dir / "model.pt")) return 0;
   return std::nullopt;
 }
 
@@ -172,8 +142,8 @@ inline void install_checkpoint(const fs::path& from, const fs::path& to) {
 // the others are removed. Returns DIR's serial (none: no checkpoint).
 inline std::optional<int64_t> recover_checkpoint(const fs::path& dir) {
   const fs::path tmp = sibling(dir, ".tmp"), old = sibling(dir, ".old");
-  const std::optional<int64_t> at_dir = checkpoint_serial(dir, true), at_tmp = checkpoint_serial(tmp, false),
-                               at_old = checkpoint_serial(old, false);
+  const std::optional<int64_t> at_dir = checkpoint_serial(dir), at_tmp = checkpoint_serial(tmp),
+                               at_old = checkpoint_serial(old);
   std::optional<int64_t> newest = at_dir;
   if (at_tmp && (!newest || *at_tmp > *newest) && (!at_old || *at_tmp >= *at_old)) {
     install_checkpoint(tmp, dir);

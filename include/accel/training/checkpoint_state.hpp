@@ -36,12 +36,6 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
 }
 
-// One archive of the checkpoint, written and flushed to disk.
-inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
-  archive.save_to(path.string());
-  fsync_path(path);
-}
-
 // What every process writes: its RNG states and step (as Accelerate's
 // random_states_<i>), and under sharding its own optimizer state.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
@@ -113,15 +107,26 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
                               .objects = static_cast<int64_t>(set.objects.size()),
                               .schedulers = static_cast<int64_t>(set.schedulers.size()),
                               .shards = ctx.shards};
+  // An error anywhere is thrown everywhere. The last checkpoint stays as it
+  // was, and an incomplete DIR.tmp is removed (a full disk gets its space
+  // back): once fail_together returns, no process writes into it any more.
+  auto fail_on_every_process = [&](const std::string& error) {
+    try {
+      fail_together(error, "accel::Accelerator::save_state");
+    } catch (...) {
+      std::error_code ignored;
+      if (ctx.process_index == 0 && !read_manifest(tmp)) std::filesystem::remove_all(tmp, ignored);
+      throw;
+    }
+  };
   std::string error;
   if (ctx.process_index == 0)
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
     });
-  fail_together(error, "accel::Accelerator::save_state");
-  error = error_of([&] { write_process_files(set, ctx, step, tmp); });
-  fail_together(error, "accel::Accelerator::save_state");
+  fail_on_every_process(error);
+  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
   if (ctx.process_index == 0)
     error = error_of([&] {
       write_shared_files(set, ctx, tmp);
@@ -131,7 +136,7 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
       checkpoint_hook()("manifest written");
       install_checkpoint(tmp, dir);
     });
-  fail_together(error, "accel::Accelerator::save_state");
+  fail_on_every_process(error);
 }
 
 // What read_checkpoint read and checked, before anything changed.
@@ -141,6 +146,32 @@ struct LoadedCheckpoint {
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   int64_t step = 0;
 };
+
+// The manifest against this run: as many processes, models, optimizers,
+// schedulers, loaders and registered objects, sharded the same ways.
+inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+  const auto manifest = read_manifest(dir);
+  if (!manifest)
+    throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
+                       ", which save_state writes last, is missing or cut short");
+  if (manifest->processes != ctx.num_processes)
+    throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
+                       std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
+  const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+      {{"model(s)", {manifest->models, set.models.size()}},
+       {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+       {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+       {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+       {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+  for (const auto& count : counts)
+    if (count.second.first != static_cast<int64_t>(count.second.second))
+      throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                         std::to_string(count.second.second));
+  const int64_t shards = ctx.shards;
+  if (manifest->shards != shards)
+    throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
+                       std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+}
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
 // against the prepared set; nothing changes. An error on any process is
@@ -168,27 +199,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const auto manifest = read_manifest(dir);  // none: written before manifests existed
-    if (manifest) {
-      if (manifest->processes != ctx.num_processes)
-        throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                           std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
-      const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
-          {{"model(s)", {manifest->models, set.models.size()}},
-           {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
-           {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
-           {"data loader(s)", {manifest->loaders, set.loaders.size()}},
-           {"registered object(s)", {manifest->objects, set.objects.size()}}}};
-      for (const auto& count : counts)
-        if (count.second.first != static_cast<int64_t>(count.second.second))
-          throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
-                             std::to_string(count.second.second));
-      const int64_t shards = ctx.shards;
-      if (manifest->shards != shards)
-        throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) +
-                           " way(s), this run's " + std::to_string(shards) +
-                           " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
-    }
+    check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -237,10 +248,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-    // Before manifests, the file held the generator state alone (torch::save's key "0").
-    rng =
-        tensor(*rng_archive, manifest ? "cpu" : "0", current.scalar_type(), current.sizes(), (dir / rng_name).string());
-    if (manifest) step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+    rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
+    step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
     at::Tensor saved_device_rng;
     if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
       const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();

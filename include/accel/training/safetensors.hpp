@@ -214,13 +214,13 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   }
   header += "}";
   header.resize((header.size() + 7) / 8 * 8, ' ');
-  write_file_atomically(path, [&](std::ofstream& out) {
+  write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
-    out.write(reinterpret_cast<const char*>(&length), 8);
-    out.write(header.data(), static_cast<std::streamsize>(header.size()));
+    out.write(&length, 8);
+    out.write(header);
     for (const auto& named : tensors) {
       const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+      out.write(t.data_ptr(), t.numel() * t.element_size());
     }
   });
 }

@@ -62,7 +62,8 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
           index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
                    detail::json_quote(file);
         index += "\n  }\n}\n";
-        detail::write_file_atomically(path / "model.safetensors.index.json", [&](std::ofstream& out) { out << index; });
+        detail::write_file_atomically(path / "model.safetensors.index.json",
+                                      [&](detail::CheckedFile& out) { out.write(index); });
         written.insert("model.safetensors.index.json");
       }
       for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
