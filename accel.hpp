@@ -3592,6 +3592,52 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
   }
   return made;
 }
+
+// Called on this rank when its groups are made, before it waits for the
+// others' (tests hold a rank there); a no-op otherwise.
+inline std::function<void()>& groups_made_hook() {
+  static std::function<void()> hook = [] {};
+  return hook;
+}
+
+// Waits until every rank has made its groups of this call (key: one per
+// call). Only then may a rank destroy its groups or exit: a peer still
+// making its own would lose the connections it makes to this rank, or the
+// store this rank serves (rank 0), and fail with "Connection reset by peer".
+// One store round trip each, the last rank's answering the others (Python's
+// init_process_group ends with such a store-based barrier when
+// TORCH_DIST_INIT_BARRIER=1, its default up to torch 2.0). A rank that
+// could not make its groups answers instead (groups_failed), so the others
+// fail at once rather than at the timeout.
+inline void wait_for_groups_made(c10d::Store& store, const std::string& key, int rank, int world,
+                                 std::chrono::seconds timeout) {
+  groups_made_hook()();
+  const std::vector<uint8_t> done{1};
+  std::vector<uint8_t> answer;
+  try {
+    if (store.add(key, 1) == world) store.set(key + "/all", done);
+    answer = store.get(key + "/all");  // (waits for the key)
+  } catch (const std::exception& e) {
+    std::string late = "some";
+    try {
+      late = std::to_string(world - store.add(key, 0)) + " of " + std::to_string(world);
+    } catch (const std::exception&) {  // the store is gone too: the first error says so
+    }
+    throw DistributedError("accel: rank " + std::to_string(rank) + " made its groups and waited " +
+                           std::to_string(timeout.count()) + " s (the timeout), but " + late +
+                           " ranks did not make theirs: " + error_text(e));
+  }
+  if (answer != done)
+    throw DistributedError("accel: rank " + std::to_string(rank) + " made its groups, but " +
+                           std::string(answer.begin(), answer.end()));
+}
+inline void groups_failed(c10d::Store& store, const std::string& key, int rank, const std::string& why) {
+  const std::string text = "rank " + std::to_string(rank) + " could not make its own: " + why;
+  try {
+    store.set(key + "/all", std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (const std::exception&) {  // the store is gone: the others find that out themselves
+  }
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -3918,8 +3964,15 @@ class World {
     if (with_world) requests.push_back({"world", prefix_ + "world", rank_, size_, {}});
     for (const MeshRoot* root : roots)
       for (GroupRequest& asked : root->requests()) requests.push_back(std::move(asked));
-    auto made = detail::make_groups(backend_, store_, address_, requests,
-                                    std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+    const std::string key = next_made_key();
+    std::vector<MadeGroup> made;
+    try {
+      made = detail::make_groups(backend_, store_, address_, requests,
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+    } catch (const std::exception& e) {
+      groups_failed(*store_, key, rank_, error_text(e));
+      throw;
+    }
     std::size_t i = 0;
     if (with_world) {
       group_ = made[i].group;
@@ -3929,6 +3982,7 @@ class World {
     }
     for (MeshRoot* root : roots)
       for (std::size_t d = 0; d < root->shape.size(); ++d, ++i) root->adopt(requests[i], std::move(made[i]));
+    wait_for_groups_made(*store_, key, rank_, size_, timeout_);
   }
 
   // init_device_mesh's root, its groups made: the sizes and names checked,
@@ -4020,6 +4074,7 @@ class World {
   // group of one. Every rank calls this in the same order (the counter).
   GroupPtr user_group(const std::vector<int>& members, const std::string& name, const std::string& subkey) {
     const std::string key = prefix_ + "user/" + std::to_string(user_group_count_++) + "/" + subkey;
+    const std::string made_key = next_made_key();
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_);
     const auto it = std::find(members.begin(), members.end(), rank_);
     const bool member = it != members.end();
@@ -4031,13 +4086,19 @@ class World {
                                   static_cast<int>(members.size()), timeout)
                      : make_group(backend_, group_store, 0, 1, timeout);
     } catch (const std::exception& e) {
+      groups_failed(*store_, made_key, rank_, error_text(e));
       throw DistributedError("accel::" + name + ": creating the group failed on rank " + std::to_string(rank_) + ": " +
                              error_text(e));
     }
     register_group(group, member ? name : name + " (this rank alone: not a member)", group_store);
     user_groups_.push_back(group);
+    wait_for_groups_made(*store_, made_key, rank_, size_, timeout_);
     return group;
   }
+
+  // The key of the next call's wait_for_groups_made: every rank makes its
+  // groups in the same calls, in the same order.
+  std::string next_made_key() { return prefix_ + "made/" + std::to_string(made_count_++); }
 
   int rank_, size_;
   c10::DeviceType device_type_;
@@ -4050,6 +4111,7 @@ class World {
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
   int mesh_count_ = 0;                 // init_device_mesh
+  int made_count_ = 0;                 // next_made_key()
   // What the meshes made here see of this world (MeshRoot::world): set once
   // the world group exists, dropped (never changed) by release().
   std::shared_ptr<GroupPtr> world_token_ = std::make_shared<GroupPtr>();
@@ -9530,32 +9592,11 @@ ACCEL_NAMESPACE_BEGIN
 
 class Accelerator {
  public:
-  explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
-    if (config_.gradient_accumulation_steps < 1)
-      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                            std::to_string(config_.gradient_accumulation_steps));
-    if (config_.bucket_cap_mb < 1)
-      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                            std::to_string(config_.bucket_cap_mb));
-    const auto& mp = config_.mixed_precision;
-    if (mp != "no" && mp != "bf16" && mp != "fp16")
-      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
-    detail::check_project(config_.project_config, "accel::Accelerator");
-    if (config_.cpu) {
-      if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
-        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
-                              std::string(to_string(*config_.distributed.device)));
-      config_.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
-    }
+  // Every setting is checked before the rendezvous: a configuration one rank
+  // refuses, every rank refuses, and none leaves while its peers connect.
+  explicit Accelerator(AcceleratorConfig config = {}) : config_(checked(std::move(config))) {
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
-    if ((config_.comm_hook != DDPCommunicationHookType::NO || config_.gradient_as_bucket_view) && sharded())
-      throw InvalidArgument(std::string("accel::Accelerator: ") +
-                            (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
-                            " is about the all-reduce of NO_SHARD's buckets; under " +
-                            std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
-    if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
-      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
 
   // -- prepare ----------------------------------------------------------------
@@ -10000,6 +10041,38 @@ class Accelerator {
         }(),
         ...);
     return guard;
+  }
+  static AcceleratorConfig checked(AcceleratorConfig config) {
+    if (config.gradient_accumulation_steps < 1)
+      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
+                            std::to_string(config.gradient_accumulation_steps));
+    if (config.bucket_cap_mb < 1)
+      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
+                            std::to_string(config.bucket_cap_mb));
+    const auto& mp = config.mixed_precision;
+    if (mp != "no" && mp != "bf16" && mp != "fp16")
+      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    detail::check_project(config.project_config, "accel::Accelerator");
+    if (config.cpu) {
+      if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
+        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
+                              std::string(to_string(*config.distributed.device)));
+      config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
+    }
+    // What instance() will choose, known without it: the mesh sizes and the device.
+    const DistributedStrategy strategy(config.distributed);
+    const bool sharded =
+        config.sharding_strategy != ShardingStrategy::NO_SHARD && is_distributed() && strategy.mp_shard_size() > 1;
+    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) && sharded)
+      throw InvalidArgument(std::string("accel::Accelerator: ") +
+                            (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
+                            " is about the all-reduce of NO_SHARD's buckets; under " +
+                            std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
+    if (mp == "fp16" &&
+        (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
+            DeviceType::CUDA)
+      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
+    return config;
   }
   bool sharded() const {
     return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&

@@ -34,34 +34,35 @@ struct Twice {
   at::Tensor operator()(at::Tensor& t) const { return t * 2; }
 };
 
-#define ACCEL_INSTANTIATE(T)                                                            \
-  template T accel::all_reduce<T>(T, accel::ReduceOp, const accel::GroupPtr&);          \
-  template T accel::broadcast<T>(T, int, const accel::GroupPtr&);                       \
-  template auto accel::all_gather<T>(const T&, const accel::GroupPtr&);                 \
-  template T accel::operate_tensorlike<T, Twice>(Twice&&, T);                           \
-  template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>); \
-  template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>); \
-  template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);            \
+#define ACCEL_INSTANTIATE(T)                                                                      \
+  template T accel::all_reduce<T>(T, accel::ReduceOp, const accel::GroupPtr&);                    \
+  template T accel::broadcast<T>(T, int, const accel::GroupPtr&);                                 \
+  template auto accel::all_gather<T>(const T&, const accel::GroupPtr&);                           \
+  template T accel::operate_tensorlike<T, Twice>(Twice&&, T);                                     \
+  template auto accel::DistributedInterface::all_gather<T>(const T&, std::optional<Dim>);         \
+  template T accel::DistributedInterface::all_reduce<T>(T, ReduceOp, std::optional<Dim>);         \
+  template T accel::DistributedInterface::broadcast<T>(T, int, std::optional<Dim>);               \
   template accel::Work<T> accel::all_reduce_async<T>(T, accel::ReduceOp, const accel::GroupPtr&); \
-  template accel::Work<T> accel::broadcast_async<T>(T, int, const accel::GroupPtr&);            \
+  template accel::Work<T> accel::broadcast_async<T>(T, int, const accel::GroupPtr&);              \
   template auto accel::all_gather_async<T>(const T&, const accel::GroupPtr&);
 // The second wave: every TensorLike; the splitting ones for tensors and vectors.
 #define ACCEL_INSTANTIATE_WAVE2(T)                                                        \
-  template T accel::reduce_to<T>(T, int, accel::ReduceOp, const accel::GroupPtr&);      \
-  template auto accel::gather_to<T>(const T&, int, const accel::GroupPtr&);              \
-  template T accel::scatter<T>(const std::vector<T>&, int, const accel::GroupPtr&);     \
-  template void accel::send<T>(const T&, int, const accel::GroupPtr&, int);             \
-  template T accel::recv<T>(T, int, const accel::GroupPtr&, int);                          \
-  template accel::Work<void> accel::isend<T>(const T&, int, const accel::GroupPtr&, int);  \
+  template T accel::reduce_to<T>(T, int, accel::ReduceOp, const accel::GroupPtr&);        \
+  template auto accel::gather_to<T>(const T&, int, const accel::GroupPtr&);               \
+  template T accel::scatter<T>(const std::vector<T>&, int, const accel::GroupPtr&);       \
+  template void accel::send<T>(const T&, int, const accel::GroupPtr&, int);               \
+  template T accel::recv<T>(T, int, const accel::GroupPtr&, int);                         \
+  template accel::Work<void> accel::isend<T>(const T&, int, const accel::GroupPtr&, int); \
   template accel::Work<T> accel::irecv<T>(T, int, const accel::GroupPtr&, int);
-#define ACCEL_INSTANTIATE_SPLIT(T)                                                          \
-  template T accel::reduce_scatter<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
-  template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);                          \
+#define ACCEL_INSTANTIATE_SPLIT(T)                                                                           \
+  template T accel::reduce_scatter<T>(const T&, accel::ReduceOp, const accel::GroupPtr&);                    \
+  template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);                                         \
   template accel::Work<T> accel::reduce_scatter_async<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
   template accel::Work<T> accel::all_to_all_async<T>(const T&, const accel::GroupPtr&);
-#define ACCEL_INSTANTIATE_SCALAR(T)                                                                   \
-  ACCEL_INSTANTIATE(T) ACCEL_INSTANTIATE(std::vector<T>) ACCEL_INSTANTIATE_WAVE2(T)                 \
-  ACCEL_INSTANTIATE_WAVE2(std::vector<T>) ACCEL_INSTANTIATE_SPLIT(std::vector<T>)
+#define ACCEL_INSTANTIATE_SCALAR(T)                                                                    \
+  ACCEL_INSTANTIATE(T)                                                                                 \
+  ACCEL_INSTANTIATE(std::vector<T>) ACCEL_INSTANTIATE_WAVE2(T) ACCEL_INSTANTIATE_WAVE2(std::vector<T>) \
+      ACCEL_INSTANTIATE_SPLIT(std::vector<T>)
 
 ACCEL_INSTANTIATE(at::Tensor)
 ACCEL_INSTANTIATE_WAVE2(at::Tensor)
@@ -85,10 +86,9 @@ ACCEL_INSTANTIATE_SCALAR(char8_t)
 ACCEL_INSTANTIATE_SCALAR(char16_t)
 ACCEL_INSTANTIATE_SCALAR(char32_t)
 
-#define ACCEL_SCALAR_TYPES                                                                 \
-  char, signed char, unsigned char, short, unsigned short, int, unsigned int, long,       \
-      unsigned long, long long, unsigned long long, float, double, long double, wchar_t, \
-      char8_t, char16_t, char32_t
+#define ACCEL_SCALAR_TYPES                                                                                    \
+  char, signed char, unsigned char, short, unsigned short, int, unsigned int, long, unsigned long, long long, \
+      unsigned long long, float, double, long double, wchar_t, char8_t, char16_t, char32_t
 
 static_assert(accel::TensorLike<at::Tensor> && accel::TensorLike<std::vector<char32_t>>);
 static_assert(!accel::TensorLike<bool> && !accel::TensorLike<std::vector<bool>>);
@@ -116,8 +116,7 @@ TEST_SUITE("single") {
   }
 
   TEST_CASE("environment: defaults and torchrun values") {
-    EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr},
-                 {"LOCAL_WORLD_SIZE", nullptr}};
+    EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr}, {"LOCAL_WORLD_SIZE", nullptr}};
     CHECK_FALSE(accel::is_distributed());
     CHECK(accel::get_rank() == 0);
     CHECK(accel::get_world_size() == 1);
@@ -132,8 +131,7 @@ TEST_SUITE("single") {
   }
 
   TEST_CASE("environment: bad values name the variable and the value") {
-    EnvGuard base{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr},
-                  {"LOCAL_WORLD_SIZE", nullptr}};
+    EnvGuard base{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}, {"LOCAL_RANK", nullptr}, {"LOCAL_WORLD_SIZE", nullptr}};
     {
       EnvGuard env{{"RANK", "abc"}};
       CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: environment variable RANK='abc' is not an integer",
@@ -141,13 +139,11 @@ TEST_SUITE("single") {
     }
     {
       EnvGuard env{{"RANK", "4"}, {"WORLD_SIZE", "4"}};
-      CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: RANK=4 must be smaller than WORLD_SIZE=4",
-                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(accel::get_rank(), "accel: RANK=4 must be smaller than WORLD_SIZE=4", std::invalid_argument);
     }
     {
       EnvGuard env{{"WORLD_SIZE", "0"}};
-      CHECK_THROWS_WITH_AS(accel::get_world_size(),
-                           "accel: environment variable WORLD_SIZE=0 must be at least 1",
+      CHECK_THROWS_WITH_AS(accel::get_world_size(), "accel: environment variable WORLD_SIZE=0 must be at least 1",
                            std::invalid_argument);
     }
     {
@@ -161,14 +157,13 @@ TEST_SUITE("single") {
     }
     {
       EnvGuard env{{"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}};
-      CHECK_THROWS_WITH_AS(accel::get_local_rank(),
-                           "accel: LOCAL_RANK=2 must be smaller than LOCAL_WORLD_SIZE=2",
+      CHECK_THROWS_WITH_AS(accel::get_local_rank(), "accel: LOCAL_RANK=2 must be smaller than LOCAL_WORLD_SIZE=2",
                            std::invalid_argument);
     }
     {
       EnvGuard env{{"WORLD_SIZE", "2"}, {"LOCAL_WORLD_SIZE", "3"}};
-      CHECK_THROWS_WITH_AS(accel::get_local_world_size(),
-                           "accel: LOCAL_WORLD_SIZE=3 must not exceed WORLD_SIZE=2", std::invalid_argument);
+      CHECK_THROWS_WITH_AS(accel::get_local_world_size(), "accel: LOCAL_WORLD_SIZE=3 must not exceed WORLD_SIZE=2",
+                           std::invalid_argument);
     }
     {
       EnvGuard env{{"WORLD_SIZE", "3x"}};
@@ -211,8 +206,9 @@ TEST_SUITE("single") {
       return "nothing thrown";
     };
     CHECK(kind_of([] { accel::from_string<accel::Dim>("tp"); }).find("unknown value 'tp'") != std::string::npos);
-    CHECK(kind_of([] { accel::operate_tensorlike([](at::Tensor& t) { return t; }, ~uint64_t{0}); })
-              .find("does not fit") != std::string::npos);
+    CHECK(kind_of([] {
+            accel::operate_tensorlike([](at::Tensor& t) { return t; }, ~uint64_t{0});
+          }).find("does not fit") != std::string::npos);
     CHECK(kind_of([] { accel::DistributedStrategy(accel::DistributedConfig{.cp_size = 0}, 4); }).find("cp_size") !=
           std::string::npos);
     static_assert(std::is_base_of_v<std::invalid_argument, accel::InvalidArgument>);
@@ -255,9 +251,10 @@ TEST_SUITE("single") {
     }
     {  // DistributedConfig::device instead of the environment
       if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
-      CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(accel::DistributedConfig{.device = accel::DeviceType::CUDA}),
-                           doctest::Contains("DistributedConfig::device is cuda, but this LibTorch has no usable cuda"),
-                           accel::RuntimeError);
+      CHECK_THROWS_WITH_AS(
+          accel::DistributedInterface::instance(accel::DistributedConfig{.device = accel::DeviceType::CUDA}),
+          doctest::Contains("DistributedConfig::device is cuda, but this LibTorch has no usable cuda"),
+          accel::RuntimeError);
       auto& cpu = accel::DistributedInterface::instance(accel::DistributedConfig{.device = accel::DeviceType::CPU});
       CHECK(cpu.current_device() == c10::Device(c10::kCPU));
       CHECK(&accel::DistributedInterface::instance(accel::DistributedConfig{}) == &cpu);  // unset: what is in force
@@ -395,7 +392,7 @@ TEST_SUITE("single") {
     CHECK(accel::operate_tensorlike(Twice{}, 21LL) == 42LL);
     // A function may change the length: the vector follows.
     CHECK((accel::operate_tensorlike([](at::Tensor& t) { return at::cat({t, t}); }, std::vector<short>{1, 2}) ==
-          std::vector<short>{1, 2, 1, 2}));
+           std::vector<short>{1, 2, 1, 2}));
   }
 }
 
@@ -499,8 +496,8 @@ TEST_SUITE("ranks") {
       for (int i = 0; i < P; ++i) CHECK(at::equal(buffer[i], filled(i + 1 + round)));
     }
     at::Tensor wrong = at::empty({P + 1, 2, 3}, at::TensorOptions().dtype(dtype));
-    CHECK_THROWS_WITH_AS(accel::all_gather_into_tensor(wrong, filled(1)),
-                         doctest::Contains("output must have shape"), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::all_gather_into_tensor(wrong, filled(1)), doctest::Contains("output must have shape"),
+                         std::invalid_argument);
 
     at::Tensor b = filled(r + 1);
     accel::broadcast(b, P - 1);
@@ -520,9 +517,9 @@ TEST_SUITE("ranks") {
   TEST_CASE("every dtype LibTorch has, zero elements too: all_reduce, broadcast, all_gather, gather, reduce") {
     auto& d = world();
     const int P = d.get_world_size(), r = d.get_rank();
-    std::vector<c10::ScalarType> dtypes{at::kBool,  at::kByte,     at::kChar,  at::kShort,        at::kInt,
-                                        at::kLong,  at::kHalf,     at::kBFloat16, at::kFloat,     at::kDouble,
-                                        at::kComplexFloat, at::kComplexDouble};
+    std::vector<c10::ScalarType> dtypes{at::kBool,  at::kByte,   at::kChar,         at::kShort,
+                                        at::kInt,   at::kLong,   at::kHalf,         at::kBFloat16,
+                                        at::kFloat, at::kDouble, at::kComplexFloat, at::kComplexDouble};
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
     for (auto extra : {at::kUInt16, at::kUInt32, at::kUInt64, at::kFloat8_e4m3fn, at::kFloat8_e5m2})
       dtypes.push_back(extra);
@@ -535,8 +532,8 @@ TEST_SUITE("ranks") {
       return v.to(dtype);
     };
     auto doubles = [](const at::Tensor& t) {  // real and imaginary parts, for complex
-      at::Tensor wide = c10::isComplexType(t.scalar_type()) ? at::view_as_real(t.to(at::kComplexDouble))
-                                                            : t.to(at::kDouble);
+      at::Tensor wide =
+          c10::isComplexType(t.scalar_type()) ? at::view_as_real(t.to(at::kComplexDouble)) : t.to(at::kDouble);
       wide = wide.contiguous().flatten();
       return std::vector<double>(wide.data_ptr<double>(), wide.data_ptr<double>() + wide.numel());
     };
@@ -694,7 +691,8 @@ TEST_SUITE("ranks") {
       const auto longs = accel::reduce_to(std::vector<int64_t>{r, 1}, dst, ReduceOp::MAX);
       if (r == dst) CHECK(longs == std::vector<int64_t>{P - 1, 1});
     }
-    CHECK_THROWS_WITH_AS(accel::reduce_to(1.0, P), doctest::Contains(("dst=" + std::to_string(P)).c_str()), std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::reduce_to(1.0, P), doctest::Contains(("dst=" + std::to_string(P)).c_str()),
+                         std::invalid_argument);
 
     // gather_to: stacked on dst, empty elsewhere.
     const int dst = P - 1;
@@ -806,6 +804,36 @@ TEST_SUITE("ranks") {
     CHECK(d.get_world_size(Dim::MP_SHARD) == d.get_world_size());
   }
 
+  TEST_CASE("initialisation: instance() returns on no rank before every rank has made its groups") {
+    // The last rank is held once its groups are made until another rank
+    // says it returned from instance(), or 1.5 s. Before instance() waited
+    // for every rank, the others returned at once, then could destroy their
+    // groups or exit (and with rank 0 the store) under a rank still making
+    // its own ("Connection reset by peer", seen in CI).
+    release_world();
+    const int P = accel::get_world_size(), r = accel::get_rank();
+    if (!accel::is_distributed() || P < 2) return;
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / ("accel_init_wait_" + std::to_string(::getppid()));
+    auto returned = [&](int rank) { return dir / ("returned_" + std::to_string(rank)); };
+    bool early = false;
+    if (r == P - 1)
+      accel::detail::groups_made_hook() = [&] {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+        while (!early && std::chrono::steady_clock::now() < deadline) {
+          for (int other = 0; other < P - 1; ++other) early = early || fs::exists(returned(other));
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      };
+    fs::create_directories(dir);
+    auto& d = fresh();
+    accel::detail::groups_made_hook() = [] {};
+    if (r != P - 1) std::ofstream(returned(r)) << "returned";
+    CHECK_FALSE(early);
+    d.barrier();
+    if (r == 0) fs::remove_all(dir);
+  }
+
   TEST_CASE("singleton: same object, conflicting config, destroy and afresh") {
     auto& a = world();
     auto& b = accel::DistributedInterface::instance();
@@ -813,8 +841,8 @@ TEST_SUITE("ranks") {
     CHECK(&accel::DistributedInterface::instance(test_config()) == &a);
     auto other = test_config();
     other.cp_size = 2;
-    CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(other),
-                         doctest::Contains("already initialised"), std::logic_error);
+    CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(other), doctest::Contains("already initialised"),
+                         std::logic_error);
     other = test_config();
     other.timeout = std::chrono::seconds(61);
     CHECK_THROWS_AS(accel::DistributedInterface::instance(other), std::logic_error);
@@ -935,7 +963,8 @@ TEST_SUITE("ranks") {
     // Debug mode: different ranks on different processes are named.
     if (P > 1) {
       accel::set_debug_mode(true);
-      const std::string text = what_of([&] { accel::new_group(r == 0 ? std::vector<int>{0} : std::vector<int>{0, 1}); });
+      const std::string text =
+          what_of([&] { accel::new_group(r == 0 ? std::vector<int>{0} : std::vector<int>{0, 1}); });
       accel::set_debug_mode(false);
       CHECK(text.find("rank 0: new_group([0])") != std::string::npos);
       CHECK(text.find("rank 1: new_group([0, 1])") != std::string::npos);
@@ -989,15 +1018,16 @@ TEST_SUITE("ranks") {
     CHECK(mesh.get_group("dp_shard").get() == mesh.slice("dp_shard").get_group().get());
     std::ostringstream text;
     text << mixed;
-    CHECK(text.str() == "DeviceMesh(cpu, shape=(1," + std::to_string(P) + "), dims=(dp_replicate,dp_shard_cp), coordinate=(0," +
-                            std::to_string(r) + "))");
+    CHECK(text.str() == "DeviceMesh(cpu, shape=(1," + std::to_string(P) +
+                            "), dims=(dp_replicate,dp_shard_cp), coordinate=(0," + std::to_string(r) + "))");
 
     // Errors, each naming what is wrong (no communication: every rank throws alike).
     CHECK_THROWS_WITH_AS(mesh.slice("cp", "dp_shard"), doctest::Contains("'dp_shard' must come after 'cp'"),
                          std::invalid_argument);
     CHECK_THROWS_WITH_AS(mesh.slice("cp", "cp"), doctest::Contains("must come after"), std::invalid_argument);
     CHECK_THROWS_WITH_AS(mesh.slice("dp_shard", "dp"), doctest::Contains("must come after"), std::invalid_argument);
-    CHECK_THROWS_WITH_AS(mesh.slice("pp"), doctest::Contains("no dimension named 'pp' in (dp_replicate, dp_shard, cp, tp)"),
+    CHECK_THROWS_WITH_AS(mesh.slice("pp"),
+                         doctest::Contains("no dimension named 'pp' in (dp_replicate, dp_shard, cp, tp)"),
                          std::invalid_argument);
     // As Python's: a flattened dimension is reached by slicing, not as a dimension of the root.
     CHECK_THROWS_WITH_AS(mesh.get_group("dp"), doctest::Contains("no dimension named 'dp'"), std::invalid_argument);
@@ -1005,12 +1035,14 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten("dp"),
                          doctest::Contains("'dp' is already a flattened dimension of other dimensions"),
                          std::invalid_argument);
-    CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten("tp"), doctest::Contains("'tp' is already a dimension of the root"),
-                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(mesh.slice("cp", "tp").flatten("tp"),
+                         doctest::Contains("'tp' is already a dimension of the root"), std::invalid_argument);
     const std::string world_text = ", the world has " + std::to_string(P) + " ranks";
-    CHECK(what_of([&] { accel::init_device_mesh({P, 2}, {"x", "y"}); }).find("the sizes multiply to " + std::to_string(2 * P) +
-                                                                            world_text) != std::string::npos);
-    CHECK(what_of([&] { accel::init_device_mesh({1 << 30, 1 << 30}, {"x", "y"}); }).find(world_text) != std::string::npos);
+    CHECK(what_of([&] {
+            accel::init_device_mesh({P, 2}, {"x", "y"});
+          }).find("the sizes multiply to " + std::to_string(2 * P) + world_text) != std::string::npos);
+    CHECK(what_of([&] { accel::init_device_mesh({1 << 30, 1 << 30}, {"x", "y"}); }).find(world_text) !=
+          std::string::npos);
     CHECK_THROWS_WITH_AS(accel::init_device_mesh({P, 1}, {"x"}), doctest::Contains("2 sizes but 1 names"),
                          std::invalid_argument);
     CHECK_THROWS_WITH_AS(accel::init_device_mesh({P, 1}, {"x", "x"}), doctest::Contains("the name 'x' is given twice"),
@@ -1047,9 +1079,9 @@ TEST_SUITE("ranks") {
     const int P = d.get_world_size(), r = d.get_rank();
     const int64_t tri = int64_t{P} * (P - 1) / 2;  // 0 + 1 + ... + P-1
     // Issued together (ranks in the same order), waited for in reverse.
-    at::Tensor t = at::arange(6, at::kFloat) + r;                          // in place
+    at::Tensor t = at::arange(6, at::kFloat) + r;                             // in place
     at::Tensor strided = (at::arange(12, at::kDouble).view({3, 4}) + r).t();  // not contiguous: staged
-    at::Tensor half = (at::arange(4, at::kFloat) + r).to(at::kBFloat16);   // bf16 on Gloo: reduced in float32
+    at::Tensor half = (at::arange(4, at::kFloat) + r).to(at::kBFloat16);      // bf16 on Gloo: reduced in float32
     auto w_tensor = accel::all_reduce_async(t, ReduceOp::SUM);
     auto w_strided = accel::all_reduce_async(strided, ReduceOp::MAX);
     auto w_half = accel::all_reduce_async(half, ReduceOp::SUM);
@@ -1118,7 +1150,9 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_AS(moved.is_completed(), accel::LogicError);
     // Dropped without wait(): it is waited for and lands (the tensor holds the mean).
     at::Tensor dropped = at::full({3}, float(r));
-    { auto unwaited = accel::all_reduce_async(dropped, ReduceOp::MEAN); }
+    {
+      auto unwaited = accel::all_reduce_async(dropped, ReduceOp::MEAN);
+    }
     CHECK(at::equal(dropped, at::full({3}, tri / float(P))));
     // Checks come before anything moves, as in the blocking forms.
     CHECK_THROWS_AS(accel::all_reduce_async(at::ones({2}, at::kLong), ReduceOp::MEAN), std::invalid_argument);
@@ -1217,7 +1251,8 @@ std::vector<int> brute_force_group(const std::vector<int>& shape, int rank, cons
   for (int r = 0; r < world; ++r) {
     bool same = true;
     for (std::size_t d = 0; d < shape.size(); ++d)
-      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end() && coordinate(r)[d] != coordinate(rank)[d])
+      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end() &&
+          coordinate(r)[d] != coordinate(rank)[d])
         same = false;
     if (same) members.push_back(r);
   }
@@ -1264,11 +1299,12 @@ TEST_SUITE("mesh4") {
     for (Case c : {Case{2, 2, 2, 2}, Case{1, 4, 4, 1}, Case{4, 1, 1, 4}}) {
       CAPTURE(c.mp_replicate);
       CAPTURE(c.dp);
-      auto& d = fresh({.mp_replicate_size = c.mp_replicate, .mp_shard_size = c.mp_shard, .dp_size = c.dp,
-                       .cp_size = c.cp});
+      auto& d =
+          fresh({.mp_replicate_size = c.mp_replicate, .mp_shard_size = c.mp_shard, .dp_size = c.dp, .cp_size = c.cp});
       CHECK((d.strategy().model_mesh_shape() == std::array{c.mp_replicate, c.mp_shard}));
       CHECK((d.strategy().data_mesh_shape() == std::array{c.dp, c.cp}));
-      CHECK((d.model_mesh()->get_coordinate() == std::vector<int>{d.get_rank() / c.mp_shard, d.get_rank() % c.mp_shard}));
+      CHECK(
+          (d.model_mesh()->get_coordinate() == std::vector<int>{d.get_rank() / c.mp_shard, d.get_rank() % c.mp_shard}));
       CHECK((d.data_mesh()->get_coordinate() == std::vector<int>{d.get_rank() / c.cp, d.get_rank() % c.cp}));
       check_dimension(d, Dim::MP_REPLICATE, c.mp_replicate, c.mp_shard, 0);
       check_dimension(d, Dim::MP_SHARD, c.mp_replicate, c.mp_shard, 1);
@@ -1286,9 +1322,13 @@ TEST_SUITE("mesh4") {
       CAPTURE(shape[0] * 1000 + shape[1] * 100 + shape[2] * 10 + shape[3]);
       accel::DeviceMesh mesh = accel::init_device_mesh(shape, names);
       flatten_as_accelerate(mesh);
-      for (const auto& entry : std::vector<std::pair<std::string, std::vector<int>>>{
-               {"dp_replicate", {0}}, {"dp_shard", {1}}, {"cp", {2}}, {"tp", {3}},
-               {"dp", {0, 1}}, {"dp_shard_cp", {1, 2}}, {"dp_cp", {0, 1, 2}}}) {
+      for (const auto& entry : std::vector<std::pair<std::string, std::vector<int>>>{{"dp_replicate", {0}},
+                                                                                     {"dp_shard", {1}},
+                                                                                     {"cp", {2}},
+                                                                                     {"tp", {3}},
+                                                                                     {"dp", {0, 1}},
+                                                                                     {"dp_shard_cp", {1, 2}},
+                                                                                     {"dp_cp", {0, 1, 2}}}) {
         const std::string& name = entry.first;  // (CAPTURE's lambda cannot take a structured binding on clang < 16)
         const std::vector<int>& dims = entry.second;
         CAPTURE(name);
@@ -1315,8 +1355,7 @@ TEST_SUITE("exit") {
 
 TEST_SUITE("peer_gone") {
   TEST_CASE("a rank that leaves makes the others' collective throw, naming it and the group") {
-    auto& d = accel::DistributedInterface::instance(
-        accel::DistributedConfig{.timeout = std::chrono::seconds(10)});
+    auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(10)});
     d.barrier();
     const int P = d.get_world_size();
     if (d.get_rank() == P - 1) std::_Exit(0);  // gone without a word, mid-program
@@ -1344,9 +1383,10 @@ TEST_SUITE("async_peer_gone") {
           2,
           [] {
             const std::string name = std::getenv("ACCEL_TEST_ASYNC_OP");
-            auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(20)});
+            auto& d =
+                accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(20)});
             // Writing to the dead peer's socket must not kill this rank with SIGPIPE (status 141, seen in CI).
-            struct sigaction disposition {};
+            struct sigaction disposition{};
             if (sigaction(SIGPIPE, nullptr, &disposition) != 0 || disposition.sa_handler != SIG_IGN) return 4;
             d.barrier();
             if (d.get_rank() == 1) std::_Exit(0);  // gone without a word
@@ -1359,7 +1399,8 @@ TEST_SUITE("async_peer_gone") {
               else if (name == "all_gather") accel::all_gather_async(x).wait();
               else if (name == "reduce_scatter") accel::reduce_scatter_async(x).wait();
               else if (name == "all_to_all") accel::all_to_all_async(x).wait();
-              else if (name == "send") accel::isend(at::ones({1 << 24}, at::kFloat), 1).wait();  // 64 MB: not buffered away
+              else if (name == "send")
+                accel::isend(at::ones({1 << 24}, at::kFloat), 1).wait();  // 64 MB: not buffered away
               else accel::irecv(x, 1).wait();
               std::cout << "wait() returned" << std::endl;
               return 2;
@@ -1367,7 +1408,7 @@ TEST_SUITE("async_peer_gone") {
               std::cout << "threw after " << seconds_since(start) << " s: " << e.what() << std::endl;
               if (name == "all_reduce" && !reduced.is_completed()) return 5;  // it ended, with an error: completed
               return std::string(e.what()).find("accel::" + name + " failed on group 'world'") != std::string::npos ? 0
-                                                                                                                 : 3;
+                                                                                                                    : 3;
             }
           },
           options);

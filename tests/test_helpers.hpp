@@ -34,7 +34,6 @@ using accel::ReduceOp;
 
 // == Helpers ==================================================================
 
-
 // Values as numbers doctest can print (char8_t and friends have no <<);
 // long double holds every integer these tests use exactly.
 template <class T>
@@ -70,27 +69,12 @@ inline accel::DistributedConfig test_config(accel::DistributedConfig config = {}
   return config;
 }
 
-// A new interface, once every rank has one. Initialisation returns on a rank
-// as soon as its own groups are made, and a rank that destroys its groups
-// while a peer is still making its own breaks that peer's (seen in CI:
-// ranks_tcp_4, "making group 'world' ... Connection closed by peer"). The
-// library is to close that window itself (the reliability issue); until then
-// the suites wait here, one barrier on the world group per new interface.
-inline accel::DistributedInterface& settled(accel::DistributedInterface& d) {
-  d.barrier();  // (nothing to wait for when the process is not distributed)
-  return d;
-}
-
-inline accel::DistributedInterface& world() {
-  const bool made = accel::DistributedInterface::is_initialized();
-  auto& d = accel::DistributedInterface::instance(test_config());
-  return made ? d : settled(d);
-}
+inline accel::DistributedInterface& world() { return accel::DistributedInterface::instance(test_config()); }
 
 // A fresh interface with `config`, whatever was live before.
 inline accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) {
   if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
-  return settled(accel::DistributedInterface::instance(test_config(config)));
+  return accel::DistributedInterface::instance(test_config(config));
 }
 
 // Ends the suite's live interface, if any: never makes one only to destroy it (a rank that did would leave
@@ -119,5 +103,3 @@ inline std::string what_of(const std::function<void()>& f) {
   }
   return "<no exception>";
 }
-
-

@@ -293,6 +293,8 @@ TEST_SUITE("single") {
       CHECK_THROWS_WITH_AS(accel::Accelerator{on_cpu}, doctest::Contains("cpu = true, but distributed.device is cuda"),
                            accel::InvalidArgument);
     }
+    // Refused before the rendezvous: no rank leaves while its peers connect.
+    release_world();
     auto bad = config();
     bad.gradient_accumulation_steps = 0;
     CHECK_THROWS_AS(accel::Accelerator{bad}, std::invalid_argument);
@@ -301,6 +303,7 @@ TEST_SUITE("single") {
     CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("mixed_precision 'fp8'"), std::invalid_argument);
     bad.mixed_precision = "fp16";
     CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("needs CUDA"), std::invalid_argument);
+    CHECK_FALSE(accel::DistributedInterface::is_initialized());
     auto bf16 = config();
     bf16.mixed_precision = "bf16";
     accel::Accelerator accelerator(bf16);

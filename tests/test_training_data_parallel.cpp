@@ -133,8 +133,10 @@ TEST_SUITE("ranks") {
     accel::AcceleratorConfig c = config();
     c.comm_hook = accel::DDPCommunicationHookType::FP16;
     c.sharding_strategy = accel::ShardingStrategy::SHARD_GRAD_OP;
+    release_world();  // (refused before the rendezvous)
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
+    CHECK_FALSE(accel::DistributedInterface::is_initialized());
   }
 
   // torch's powerSGD_hook: one step against the algorithm written out (rank-2 compression of a 12 x 16 weight,

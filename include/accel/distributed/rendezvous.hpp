@@ -445,6 +445,52 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
   }
   return made;
 }
+
+// Called on this rank when its groups are made, before it waits for the
+// others' (tests hold a rank there); a no-op otherwise.
+inline std::function<void()>& groups_made_hook() {
+  static std::function<void()> hook = [] {};
+  return hook;
+}
+
+// Waits until every rank has made its groups of this call (key: one per
+// call). Only then may a rank destroy its groups or exit: a peer still
+// making its own would lose the connections it makes to this rank, or the
+// store this rank serves (rank 0), and fail with "Connection reset by peer".
+// One store round trip each, the last rank's answering the others (Python's
+// init_process_group ends with such a store-based barrier when
+// TORCH_DIST_INIT_BARRIER=1, its default up to torch 2.0). A rank that
+// could not make its groups answers instead (groups_failed), so the others
+// fail at once rather than at the timeout.
+inline void wait_for_groups_made(c10d::Store& store, const std::string& key, int rank, int world,
+                                 std::chrono::seconds timeout) {
+  groups_made_hook()();
+  const std::vector<uint8_t> done{1};
+  std::vector<uint8_t> answer;
+  try {
+    if (store.add(key, 1) == world) store.set(key + "/all", done);
+    answer = store.get(key + "/all");  // (waits for the key)
+  } catch (const std::exception& e) {
+    std::string late = "some";
+    try {
+      late = std::to_string(world - store.add(key, 0)) + " of " + std::to_string(world);
+    } catch (const std::exception&) {  // the store is gone too: the first error says so
+    }
+    throw DistributedError("accel: rank " + std::to_string(rank) + " made its groups and waited " +
+                           std::to_string(timeout.count()) + " s (the timeout), but " + late +
+                           " ranks did not make theirs: " + error_text(e));
+  }
+  if (answer != done)
+    throw DistributedError("accel: rank " + std::to_string(rank) + " made its groups, but " +
+                           std::string(answer.begin(), answer.end()));
+}
+inline void groups_failed(c10d::Store& store, const std::string& key, int rank, const std::string& why) {
+  const std::string text = "rank " + std::to_string(rank) + " could not make its own: " + why;
+  try {
+    store.set(key + "/all", std::vector<uint8_t>(text.begin(), text.end()));
+  } catch (const std::exception&) {  // the store is gone: the others find that out themselves
+  }
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END

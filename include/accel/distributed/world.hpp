@@ -61,8 +61,15 @@ class World {
     if (with_world) requests.push_back({"world", prefix_ + "world", rank_, size_, {}});
     for (const MeshRoot* root : roots)
       for (GroupRequest& asked : root->requests()) requests.push_back(std::move(asked));
-    auto made = detail::make_groups(backend_, store_, address_, requests,
-                                    std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+    const std::string key = next_made_key();
+    std::vector<MadeGroup> made;
+    try {
+      made = detail::make_groups(backend_, store_, address_, requests,
+                                 std::chrono::duration_cast<std::chrono::milliseconds>(timeout_));
+    } catch (const std::exception& e) {
+      groups_failed(*store_, key, rank_, error_text(e));
+      throw;
+    }
     std::size_t i = 0;
     if (with_world) {
       group_ = made[i].group;
@@ -72,6 +79,7 @@ class World {
     }
     for (MeshRoot* root : roots)
       for (std::size_t d = 0; d < root->shape.size(); ++d, ++i) root->adopt(requests[i], std::move(made[i]));
+    wait_for_groups_made(*store_, key, rank_, size_, timeout_);
   }
 
   // init_device_mesh's root, its groups made: the sizes and names checked,
@@ -163,6 +171,7 @@ class World {
   // group of one. Every rank calls this in the same order (the counter).
   GroupPtr user_group(const std::vector<int>& members, const std::string& name, const std::string& subkey) {
     const std::string key = prefix_ + "user/" + std::to_string(user_group_count_++) + "/" + subkey;
+    const std::string made_key = next_made_key();
     const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout_);
     const auto it = std::find(members.begin(), members.end(), rank_);
     const bool member = it != members.end();
@@ -174,13 +183,19 @@ class World {
                                   static_cast<int>(members.size()), timeout)
                      : make_group(backend_, group_store, 0, 1, timeout);
     } catch (const std::exception& e) {
+      groups_failed(*store_, made_key, rank_, error_text(e));
       throw DistributedError("accel::" + name + ": creating the group failed on rank " + std::to_string(rank_) + ": " +
                              error_text(e));
     }
     register_group(group, member ? name : name + " (this rank alone: not a member)", group_store);
     user_groups_.push_back(group);
+    wait_for_groups_made(*store_, made_key, rank_, size_, timeout_);
     return group;
   }
+
+  // The key of the next call's wait_for_groups_made: every rank makes its
+  // groups in the same calls, in the same order.
+  std::string next_made_key() { return prefix_ + "made/" + std::to_string(made_count_++); }
 
   int rank_, size_;
   c10::DeviceType device_type_;
@@ -193,6 +208,7 @@ class World {
   int user_group_count_ = 0;
   std::vector<GroupPtr> user_groups_;  // new_group / split_group
   int mesh_count_ = 0;                 // init_device_mesh
+  int made_count_ = 0;                 // next_made_key()
   // What the meshes made here see of this world (MeshRoot::world): set once
   // the world group exists, dropped (never changed) by release().
   std::shared_ptr<GroupPtr> world_token_ = std::make_shared<GroupPtr>();

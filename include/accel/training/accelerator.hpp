@@ -14,32 +14,11 @@ ACCEL_NAMESPACE_BEGIN
 
 class Accelerator {
  public:
-  explicit Accelerator(AcceleratorConfig config = {}) : config_(std::move(config)) {
-    if (config_.gradient_accumulation_steps < 1)
-      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                            std::to_string(config_.gradient_accumulation_steps));
-    if (config_.bucket_cap_mb < 1)
-      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                            std::to_string(config_.bucket_cap_mb));
-    const auto& mp = config_.mixed_precision;
-    if (mp != "no" && mp != "bf16" && mp != "fp16")
-      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
-    detail::check_project(config_.project_config, "accel::Accelerator");
-    if (config_.cpu) {
-      if (config_.distributed.device && *config_.distributed.device != DeviceType::CPU)
-        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
-                              std::string(to_string(*config_.distributed.device)));
-      config_.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
-    }
+  // Every setting is checked before the rendezvous: a configuration one rank
+  // refuses, every rank refuses, and none leaves while its peers connect.
+  explicit Accelerator(AcceleratorConfig config = {}) : config_(checked(std::move(config))) {
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
-    if ((config_.comm_hook != DDPCommunicationHookType::NO || config_.gradient_as_bucket_view) && sharded())
-      throw InvalidArgument(std::string("accel::Accelerator: ") +
-                            (config_.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
-                            " is about the all-reduce of NO_SHARD's buckets; under " +
-                            std::string(to_string(config_.sharding_strategy)) + " they are reduce-scattered");
-    if (mp == "fp16" && device_.type() != c10::DeviceType::CUDA)
-      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
   }
 
   // -- prepare ----------------------------------------------------------------
@@ -484,6 +463,38 @@ class Accelerator {
         }(),
         ...);
     return guard;
+  }
+  static AcceleratorConfig checked(AcceleratorConfig config) {
+    if (config.gradient_accumulation_steps < 1)
+      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
+                            std::to_string(config.gradient_accumulation_steps));
+    if (config.bucket_cap_mb < 1)
+      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
+                            std::to_string(config.bucket_cap_mb));
+    const auto& mp = config.mixed_precision;
+    if (mp != "no" && mp != "bf16" && mp != "fp16")
+      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    detail::check_project(config.project_config, "accel::Accelerator");
+    if (config.cpu) {
+      if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
+        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
+                              std::string(to_string(*config.distributed.device)));
+      config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
+    }
+    // What instance() will choose, known without it: the mesh sizes and the device.
+    const DistributedStrategy strategy(config.distributed);
+    const bool sharded =
+        config.sharding_strategy != ShardingStrategy::NO_SHARD && is_distributed() && strategy.mp_shard_size() > 1;
+    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) && sharded)
+      throw InvalidArgument(std::string("accel::Accelerator: ") +
+                            (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
+                            " is about the all-reduce of NO_SHARD's buckets; under " +
+                            std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
+    if (mp == "fp16" &&
+        (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
+            DeviceType::CUDA)
+      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
+    return config;
   }
   bool sharded() const {
     return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
