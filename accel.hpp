@@ -5843,6 +5843,7 @@ struct Bucket {
   // they hold their values now, and a prefetch in flight.
   int64_t unit = -1;
   bool resident = true;
+  std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
 struct Unit {
@@ -6041,6 +6042,28 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   return {found->second.first.lock(), found->second.second};
 }
 
+// A parameter at rest has no memory; its shape stays. Where LibTorch lets a
+// storage refuse every access with a message of its own (StorageImpl's
+// custom data-pointer error, with a way to lift it: newer LibTorch, such as
+// the pip wheel's), a parameter at rest keeps its size in bytes and any
+// kernel that reads it throws that message: this parameter is sharded at
+// rest, call its unit through accel::unit_forward. Without it the storage's
+// size is 0 too, so that a view or a checked read is LibTorch's own error,
+// and an element-wise kernel, which checks neither, reads a null pointer.
+template <class Storage = c10::StorageImpl>
+inline constexpr bool refuses_at_rest = requires(Storage& s, std::optional<std::string> m) {
+  s.release_data_and_set_meta_custom_data_ptr_error_msg_(m);
+  s.clear_data_ptr_access_error_msg_();
+};
+template <class Storage>
+inline void refuse_access(Storage& storage, const std::string& why) {
+  if constexpr (refuses_at_rest<Storage>) storage.release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+}
+template <class Storage>
+inline void allow_access(Storage& storage) {
+  if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
+}
+
 // A unit's parameters: fetch() issues the all-gather of its shards
 // (asynchronously, unless it holds them or one is in flight);
 // materialize() gives the parameters storage again and writes the gathered
@@ -6077,6 +6100,7 @@ inline void materialize(State& s, std::size_t u) {
       c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
       const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
       c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      allow_access(*storage);
       storage->set_data_ptr_noswap(allocator->allocate(bytes));
       storage->set_nbytes(bytes);
       at::Tensor values = bucket.params[i].variable_data();
@@ -6090,10 +6114,11 @@ inline void release(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (!bucket.resident) continue;
-    for (const auto& p : bucket.params) {
-      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
-      storage->set_nbytes(0);
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+      else storage->set_nbytes(0);
     }
     bucket.resident = false;
   }
@@ -6347,6 +6372,16 @@ inline void gather_shards(State& s) {
 // Every shard taken again from its parameter (after Module::load, which
 // gives every parameter storage of its own); units' parameters are freed
 // again.
+// Before Module::load: it replaces each parameter's storage (set_), which
+// reads the old storage's data pointer, so a unit's parameter at rest
+// stops refusing access (it still holds nothing); reshard() afterwards takes
+// the shards from what was loaded and puts the units at rest again.
+inline void open_for_load(State& s) {
+  std::lock_guard lock(s.mutex);
+  for (const auto& bucket : s.buckets)
+    if (bucket.unit >= 0 && !bucket.resident)
+      for (const auto& p : bucket.params) allow_access(*p.storage().unsafeGetStorageImpl());
+}
 inline void reshard(State& s) {
   if (!s.shard) return;
   std::lock_guard lock(s.mutex);
@@ -6534,6 +6569,7 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
+    if (!state_->units.empty()) name_at_rest();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
       detail::dp::release(*state_, u);  // at rest: the shards only
       std::lock_guard lock(detail::dp::unit_registry_mutex());
@@ -6713,7 +6749,9 @@ class DataParallel {
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
-  // Every shard taken again from its parameter (after Module::load).
+  // Module::load into the parameters, then every shard taken again from its
+  // parameter: open_for_load() before the load, reshard() after it.
+  void open_for_load() { detail::dp::open_for_load(*state_); }
   void reshard() { detail::dp::reshard(*state_); }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
@@ -6780,6 +6818,26 @@ class DataParallel {
             c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
     }
     return out;
+  }
+  // What a kernel that reads a unit's parameter at rest throws (where
+  // LibTorch lets it refuse; see detail::dp::refuses_at_rest): its name, its
+  // unit's, and the way out.
+  void name_at_rest() {
+    std::unordered_map<const c10::TensorImpl*, std::string> params;
+    for (const auto& named : module_->named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
+    std::unordered_map<const torch::nn::Module*, std::string> modules;
+    for (const auto& named : module_->named_modules()) modules[named.value().get()] = named.key();
+    for (auto& bucket : state_->buckets) {
+      if (bucket.unit < 0) continue;
+      const std::string unit = modules[state_->units[static_cast<std::size_t>(bucket.unit)].module];
+      for (const auto& p : bucket.params)
+        bucket.at_rest.push_back(
+            "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
+            unit +
+            "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+            "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+            "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+    }
   }
   // Puts a ReadyHook on each parameter's gradient accumulator. Run again
   // before each synced backward: an operation that replaces a parameter's
@@ -8911,6 +8969,7 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
 inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
   const auto& models = loaded.models;
   const auto& points = loaded.points;
+  for (DataParallel* dp : *set.sharded) dp->open_for_load();
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {

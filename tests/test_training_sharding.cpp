@@ -29,7 +29,14 @@ TEST_SUITE("ranks") {
       CHECK(accelerator.data_parallel(model)->unit_count() == (full ? 3u : 0u));  // the three Linear layers
       auto at_rest = [&] {  // bytes the parameters hold between steps
         std::size_t bytes = 0;
-        for (const auto& p : model->parameters()) bytes += p.storage().nbytes();
+        for (const auto& p : model->parameters()) {
+          bool holds = false;  // (a parameter at rest may refuse even to show its data pointer)
+          try {
+            holds = p.storage().data() != nullptr;
+          } catch (const c10::Error&) {
+          }
+          if (holds) bytes += p.storage().nbytes();
+        }
         return bytes;
       };
       if (full) CHECK(at_rest() == 0);
@@ -132,7 +139,7 @@ TEST_SUITE("ranks") {
       CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, model), doctest::Contains("not under sharding yet"),
                            accel::InvalidArgument);
     }
-    {  // FULL_SHARD: a unit called around unit_forward finds no data (LibTorch's error, not garbage); a policy
+    {  // FULL_SHARD: a unit called around unit_forward finds no data (an error, not garbage); a policy
        // that chooses no unit is refused
       c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
       accel::Accelerator accelerator(c);
@@ -140,9 +147,23 @@ TEST_SUITE("ranks") {
       accelerator.prepare(model);
       const std::string bypass = what_of([&] { model->body->forward(data.first); });
       CAPTURE(bypass);
-      // (LibTorch's words: a view of a parameter finds "storage of size 0", a direct read "data is not allocated")
-      CHECK((bypass.find("storage of size 0") != std::string::npos ||
-             bypass.find("data is not allocated") != std::string::npos));
+      if constexpr (accel::detail::dp::refuses_at_rest<>) {
+        // Every kernel that reads a parameter at rest refuses, naming it, its unit and the way out:
+        // a Linear, and an element-wise product (a custom RMSNorm's `x * weight`, a crash before).
+        const std::string rest = "the parameter 'body.0.weight' is sharded at rest (fully sharded unit 'body.0')";
+        CHECK(bypass.find("accel: the parameter 'body.0.") != std::string::npos);  // (the bias or the weight first)
+        CHECK(bypass.find("is sharded at rest (fully sharded unit 'body.0')") != std::string::npos);
+        CHECK(bypass.find("accel::unit_forward(unit, ...)") != std::string::npos);
+        const at::Tensor weight = model->body[0]->as<torch::nn::Linear>()->weight;
+        const std::string product = what_of([&] { (data.first * weight).sum(); });
+        CHECK(product.find(rest) != std::string::npos);
+        CHECK(what_of([&] { weight.clone(); }).find(rest) != std::string::npos);
+      } else {
+        // LibTorch's words: a view of a parameter finds "storage of size 0", a direct read "data is not
+        // allocated"; this LibTorch has no way to make an element-wise kernel refuse (it would read null).
+        CHECK((bypass.find("storage of size 0") != std::string::npos ||
+               bypass.find("data is not allocated") != std::string::npos));
+      }
       c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "nothing"; };
       accel::Accelerator none(c);
       Mlp other(4, 8, 1);
@@ -154,11 +175,13 @@ TEST_SUITE("ranks") {
       accel::AcceleratorConfig d = c;
       d.auto_wrap_policy = {};
       accel::Accelerator both(d);
-      CHECK_THROWS_WITH_AS(both.prepare(tied), doctest::Contains("is in two fully sharded units"), accel::InvalidArgument);
+      CHECK_THROWS_WITH_AS(both.prepare(tied), doctest::Contains("is in two fully sharded units"),
+                           accel::InvalidArgument);
       d.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return name == "0"; };
       accel::Accelerator first(d);
       torch::nn::Sequential tied_again(std::make_shared<TiedImpl>(w), std::make_shared<TiedImpl>(w));
-      CHECK_THROWS_WITH_AS(first.prepare(tied_again), doctest::Contains("must own its storage"), accel::InvalidArgument);
+      CHECK_THROWS_WITH_AS(first.prepare(tied_again), doctest::Contains("must own its storage"),
+                           accel::InvalidArgument);
       c.auto_wrap_policy = {};
     }
 
@@ -166,62 +189,63 @@ TEST_SUITE("ranks") {
     // run resumed from it goes on bit for bit. FULL_SHARD's model file holds
     // whole parameters, and save_model/load_model see them too.
     for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
-    CAPTURE(accel::to_string(strategy));
-    c.sharding_strategy = strategy;
-    accel::Accelerator accelerator(c);
-    const int P = accelerator.num_processes();
-    Mlp model(4, 16, 1);
-    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
-    auto prepared = accelerator.prepare(model, adam);
-    auto parameters = [&] {
-      const auto whole = accelerator.data_parallel(model)->summon_full_params();
-      return flat_parameters(*model).clone();
-    };
-    auto train = [&](int steps) {
-      for (int i = 0; i < steps; ++i) {
-        std::get<1>(prepared).zero_grad();
-        accelerator.backward(loss_of(model));
-        std::get<1>(prepared).step();
+      CAPTURE(accel::to_string(strategy));
+      c.sharding_strategy = strategy;
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes();
+      Mlp model(4, 16, 1);
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));
+      auto prepared = accelerator.prepare(model, adam);
+      auto parameters = [&] {
+        const auto whole = accelerator.data_parallel(model)->summon_full_params();
+        return flat_parameters(*model).clone();
+      };
+      auto train = [&](int steps) {
+        for (int i = 0; i < steps; ++i) {
+          std::get<1>(prepared).zero_grad();
+          accelerator.backward(loss_of(model));
+          std::get<1>(prepared).step();
+        }
+        return parameters();
+      };
+      const fs::path dir = shared_temp_path(accelerator, "accel_sharded_ckpt_");
+      const at::Tensor saved = train(2);
+      accelerator.save_state(dir);
+      for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
+      CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
+      {
+        torch::serialize::InputArchive archive;
+        archive.load_from((dir / "model.pt").string());
+        Mlp plain(4, 16, 1);
+        plain->load(archive);
+        CHECK(at::equal(flat_parameters(*plain), saved));  // whole parameters, under every strategy
       }
-      return parameters();
-    };
-    const fs::path dir = shared_temp_path(accelerator, "accel_sharded_ckpt_");
-    const at::Tensor saved = train(2);
-    accelerator.save_state(dir);
-    for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
-    CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
-    {
-      torch::serialize::InputArchive archive;
-      archive.load_from((dir / "model.pt").string());
-      Mlp plain(4, 16, 1);
-      plain->load(archive);
-      CHECK(at::equal(flat_parameters(*plain), saved));  // whole parameters, under every strategy
-    }
-    const at::Tensor straight = train(3);
-    accelerator.load_state(dir);
-    CHECK(at::equal(train(3), straight));
-    accelerator.save_model(model, (dir / "export").string());
-    const at::Tensor exported = parameters();
-    train(1);
-    accelerator.load_model(model, (dir / "export").string());
-    CHECK(at::equal(parameters(), exported));
-    train(1);  // training goes on from the loaded weights, on every process alike
-    {
-      const auto whole = accelerator.data_parallel(model)->summon_full_params();
-      CHECK(identical_across_ranks(*model, world().world_group()));
-    }
-    {  // the same checkpoint in an unsharded run: refused, nothing changed
-      accel::AcceleratorConfig plain = config();
-      accel::Accelerator other(plain);
-      Mlp m(4, 16, 1);
-      torch::optim::Adam o(m->parameters(), torch::optim::AdamOptions(1e-2));
-      other.prepare(m, o);
-      CHECK(what_of([&] { other.load_state(dir); })
-                .find("its optimizer state is sharded " + std::to_string(P) + " way(s), this run's 1 way(s)") !=
-            std::string::npos);
-    }
-    accelerator.wait_for_everyone();
-    if (accelerator.is_main_process()) fs::remove_all(dir);
+      const at::Tensor straight = train(3);
+      accelerator.load_state(dir);
+      CHECK(at::equal(train(3), straight));
+      accelerator.save_model(model, (dir / "export").string());
+      const at::Tensor exported = parameters();
+      train(1);
+      accelerator.load_model(model, (dir / "export").string());
+      CHECK(at::equal(parameters(), exported));
+      train(1);  // training goes on from the loaded weights, on every process alike
+      {
+        const auto whole = accelerator.data_parallel(model)->summon_full_params();
+        CHECK(identical_across_ranks(*model, world().world_group()));
+      }
+      {  // the same checkpoint in an unsharded run: refused, nothing changed
+        accel::AcceleratorConfig plain = config();
+        accel::Accelerator other(plain);
+        Mlp m(4, 16, 1);
+        torch::optim::Adam o(m->parameters(), torch::optim::AdamOptions(1e-2));
+        other.prepare(m, o);
+        CHECK(what_of([&] {
+                other.load_state(dir);
+              }).find("its optimizer state is sharded " + std::to_string(P) + " way(s), this run's 1 way(s)") !=
+              std::string::npos);
+      }
+      accelerator.wait_for_everyone();
+      if (accelerator.is_main_process()) fs::remove_all(dir);
     }
   }
 
@@ -230,7 +254,8 @@ TEST_SUITE("ranks") {
   TEST_CASE("sharding: FULL_SHARD equals SHARD_GRAD_OP bit for bit under bf16 autocast, with a unit left out") {
     struct NetImpl : torch::nn::Module {
       NetImpl()
-          : fc1(register_module("fc1", torch::nn::Linear(6, 20))), fc2(register_module("fc2", torch::nn::Linear(20, 20))),
+          : fc1(register_module("fc1", torch::nn::Linear(6, 20))),
+            fc2(register_module("fc2", torch::nn::Linear(20, 20))),
             fc3(register_module("fc3", torch::nn::Linear(20, 1))) {}
       at::Tensor forward(const at::Tensor& x, bool middle) {
         at::Tensor h = accel::unit_forward(fc1, x).tanh();
@@ -276,7 +301,9 @@ TEST_SUITE("ranks") {
   // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
   // HYBRID_SHARD the parameters are sharded at rest too, and FULL_SHARD is the
   // same (FSDP2's fully_shard on a 2-D mesh: the mesh decides).
-  TEST_CASE("sharding: SHARD_GRAD_OP, HYBRID_SHARD and FULL_SHARD on a 2 x 2 model mesh (replicated shards) train as one process") {
+  TEST_CASE(
+      "sharding: SHARD_GRAD_OP, HYBRID_SHARD and FULL_SHARD on a 2 x 2 model mesh (replicated shards) train as one "
+      "process") {
     if (world().get_world_size() != 4) return;
     accel::AcceleratorConfig c = config();
     c.distributed = test_config({.mp_replicate_size = 2});
@@ -369,7 +396,8 @@ TEST_SUITE("python_fsdp2" * doctest::skip()) {
     torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));  // fsdp2_ref.py's LR
     accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, adam));
     std::map<std::string, at::Tensor> batches;
-    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors")) batches.insert(named);
+    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors"))
+      batches.insert(named);
     const at::Tensor &x = batches.at("x"), &y = batches.at("y");
     REQUIRE(x.size(1) % P == 0);
     const int64_t b = x.size(1) / P;

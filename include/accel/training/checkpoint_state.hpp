@@ -322,6 +322,7 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
 inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
   const auto& models = loaded.models;
   const auto& points = loaded.points;
+  for (DataParallel* dp : *set.sharded) dp->open_for_load();
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {

@@ -114,6 +114,7 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
+    if (!state_->units.empty()) name_at_rest();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
       detail::dp::release(*state_, u);  // at rest: the shards only
       std::lock_guard lock(detail::dp::unit_registry_mutex());
@@ -293,7 +294,9 @@ class DataParallel {
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
-  // Every shard taken again from its parameter (after Module::load).
+  // Module::load into the parameters, then every shard taken again from its
+  // parameter: open_for_load() before the load, reshard() after it.
+  void open_for_load() { detail::dp::open_for_load(*state_); }
   void reshard() { detail::dp::reshard(*state_); }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
@@ -360,6 +363,26 @@ class DataParallel {
             c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
     }
     return out;
+  }
+  // What a kernel that reads a unit's parameter at rest throws (where
+  // LibTorch lets it refuse; see detail::dp::refuses_at_rest): its name, its
+  // unit's, and the way out.
+  void name_at_rest() {
+    std::unordered_map<const c10::TensorImpl*, std::string> params;
+    for (const auto& named : module_->named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
+    std::unordered_map<const torch::nn::Module*, std::string> modules;
+    for (const auto& named : module_->named_modules()) modules[named.value().get()] = named.key();
+    for (auto& bucket : state_->buckets) {
+      if (bucket.unit < 0) continue;
+      const std::string unit = modules[state_->units[static_cast<std::size_t>(bucket.unit)].module];
+      for (const auto& p : bucket.params)
+        bucket.at_rest.push_back(
+            "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
+            unit +
+            "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+            "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+            "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+    }
   }
   // Puts a ReadyHook on each parameter's gradient accumulator. Run again
   // before each synced backward: an operation that replaces a parameter's

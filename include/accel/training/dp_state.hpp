@@ -38,6 +38,7 @@ struct Bucket {
   // they hold their values now, and a prefetch in flight.
   int64_t unit = -1;
   bool resident = true;
+  std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
 struct Unit {

@@ -30,6 +30,28 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   return {found->second.first.lock(), found->second.second};
 }
 
+// A parameter at rest has no memory; its shape stays. Where LibTorch lets a
+// storage refuse every access with a message of its own (StorageImpl's
+// custom data-pointer error, with a way to lift it: newer LibTorch, such as
+// the pip wheel's), a parameter at rest keeps its size in bytes and any
+// kernel that reads it throws that message: this parameter is sharded at
+// rest, call its unit through accel::unit_forward. Without it the storage's
+// size is 0 too, so that a view or a checked read is LibTorch's own error,
+// and an element-wise kernel, which checks neither, reads a null pointer.
+template <class Storage = c10::StorageImpl>
+inline constexpr bool refuses_at_rest = requires(Storage& s, std::optional<std::string> m) {
+  s.release_data_and_set_meta_custom_data_ptr_error_msg_(m);
+  s.clear_data_ptr_access_error_msg_();
+};
+template <class Storage>
+inline void refuse_access(Storage& storage, const std::string& why) {
+  if constexpr (refuses_at_rest<Storage>) storage.release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+}
+template <class Storage>
+inline void allow_access(Storage& storage) {
+  if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
+}
+
 // A unit's parameters: fetch() issues the all-gather of its shards
 // (asynchronously, unless it holds them or one is in flight);
 // materialize() gives the parameters storage again and writes the gathered
@@ -66,6 +88,7 @@ inline void materialize(State& s, std::size_t u) {
       c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
       const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
       c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      allow_access(*storage);
       storage->set_data_ptr_noswap(allocator->allocate(bytes));
       storage->set_nbytes(bytes);
       at::Tensor values = bucket.params[i].variable_data();
@@ -79,10 +102,11 @@ inline void release(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (!bucket.resident) continue;
-    for (const auto& p : bucket.params) {
-      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
-      storage->set_nbytes(0);
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+      else storage->set_nbytes(0);
     }
     bucket.resident = false;
   }
