@@ -5120,6 +5120,29 @@ ACCEL_NAMESPACE_BEGIN
 // Blocks until every rank of the group (default: the world) arrives.
 inline void wait_for_everyone(const GroupPtr& group = {}) { barrier(group); }
 
+namespace detail {
+// A call every process makes, in the same order (the Accelerator's
+// backward, save_model, save_state, ...). One made on some processes only,
+// as in `if (is_main_process()) save_model(...)`, waits for the others until
+// the timeout (five hours by default), and in a group of its own debug
+// mode's check would not see the others either. So in debug mode each such
+// call first checks on the world group that every process made the same
+// one: it meets the others' next one (their backward, wait_for_everyone)
+// and every process names both at once. In any mode a DistributedError out
+// of it (the timeout) says that `name` is a collective.
+template <class Body>
+decltype(auto) every_process_calls(const char* name, Body&& body) {
+  if (c10d::ProcessGroup* world = resolve({}, name)) check_same_call(*world, [&] { return std::string(name); });
+  try {
+    return std::forward<Body>(body)();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string(e.what()) + " [" + name +
+                           " is a collective: every process calls it, in the same order; called on some processes "
+                           "only, as in `if (is_main_process()) ...`, it waits for the others until the timeout]");
+  }
+}
+}  // namespace detail
+
 // main_process_first with the main process of each host (local rank 0).
 template <class Body>
 std::invoke_result_t<Body&> local_main_process_first(Body&& body) {
@@ -9802,13 +9825,17 @@ class Accelerator {
   // inside no_sync or a non-sync accumulate step). A model none of whose
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
-    at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
-    if (join_) join_->before_backward();
-    for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-    for (auto& m : prepared_.models)
-      if (m.sync) m.data_parallel->prepare_for_backward();
-    scaled.backward();
-    for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    auto step = [&] {
+      at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
+      if (join_) join_->before_backward();
+      for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
+      for (auto& m : prepared_.models)
+        if (m.sync) m.data_parallel->prepare_for_backward();
+      scaled.backward();
+      for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    };
+    if (join_) step();  // (a joined process stands in for it without calling it)
+    else detail::every_process_calls("accel::Accelerator::backward", step);
   }
 
   // Training on uneven inputs (even_batches = false), as Accelerate's
@@ -9910,15 +9937,17 @@ class Accelerator {
   // data that did not come from a prepared loader).
   template <TensorTree T>
   T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
-    const GroupPtr group = interface_->get_group(Dim::DP);
-    auto first_rows = [](int64_t rows) {
-      return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
-    };
-    if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
-    const detail::LoaderState* loader = state_->loader();
-    if (loader && loader->real_rows)
-      return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
-    return accel::gather(data, group);
+    return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
+      const GroupPtr group = interface_->get_group(Dim::DP);
+      auto first_rows = [](int64_t rows) {
+        return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+      };
+      if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+      const detail::LoaderState* loader = state_->loader();
+      if (loader && loader->real_rows)
+        return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+      return accel::gather(data, group);
+    });
   }
   // Over every process, as Accelerate's methods of the same names.
   template <TensorTree T>
@@ -9946,7 +9975,9 @@ class Accelerator {
   void print(const Args&... args) const {
     accel::print(args...);
   }
-  void wait_for_everyone() const { accel::wait_for_everyone(); }
+  void wait_for_everyone() const {
+    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
+  }
   template <class Body>
   std::invoke_result_t<Body&> main_process_first(Body&& body) const {
     return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
@@ -9996,7 +10027,9 @@ class Accelerator {
   // exists), counts iteration up, and with total_limit then removes the
   // oldest beyond the limit. Returns the checkpoint's directory.
   std::filesystem::path save_state(const std::filesystem::path& path = {}) {
-    return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+    return detail::every_process_calls("accel::Accelerator::save_state", [&] {
+      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+    });
   }
 
   // Loads what save_state saved into the prepared models, optimizers,
@@ -10013,7 +10046,9 @@ class Accelerator {
   // newest numbered checkpoint, and any load sets iteration past the newest
   // (Accelerate leaves it, and the next save_state() finds its number taken).
   void load_state(const std::filesystem::path& path = {}) {
-    step_ = detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+    step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
+      return detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+    });
   }
 
  private:
@@ -10032,13 +10067,17 @@ class Accelerator {
   // the call (and load_model writes them back into the shards).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-    const auto full = prepared_.full_parameters(model.ptr().get());
-    accel::save_model(model, dir, max_shard_bytes);
+    detail::every_process_calls("accel::Accelerator::save_model", [&] {
+      const auto full = prepared_.full_parameters(model.ptr().get());
+      accel::save_model(model, dir, max_shard_bytes);
+    });
   }
   template <class ModuleHolder>
   void load_model(ModuleHolder& model, const std::string& dir) {
-    const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
-    accel::load_model(model, dir);
+    detail::every_process_calls("accel::Accelerator::load_model", [&] {
+      const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
+      accel::load_model(model, dir);
+    });
   }
 
   // -- properties -------------------------------------------------------------------

@@ -5,6 +5,53 @@
 #include "training_fixtures.hpp"
 
 TEST_SUITE("ranks") {
+  TEST_CASE(
+      "collective helpers: one called on the main process alone is named (debug mode: at once; else at the timeout)") {
+    release_world();
+    if (!accel::is_distributed() || accel::get_world_size() < 2) return;
+    namespace fs = std::filesystem;
+    auto c = config();
+    c.distributed.timeout = std::chrono::seconds(2);
+    fs::path dir, done;
+    {
+      accel::Accelerator accelerator(c);
+      Mlp model(4, 8, 1);
+      accelerator.prepare(model);
+      dir = shared_temp_path(accelerator, "accel_main_alone_");
+      // Debug mode: the others' wait_for_everyone meets the main process's save_model, and every process names both.
+      accel::set_debug_mode(true);
+      const std::string both = what_of([&] {
+        if (accelerator.is_main_process()) accelerator.save_model(model, dir.string());
+        else accelerator.wait_for_everyone();
+      });
+      accel::set_debug_mode(false);
+      CHECK(both.find("rank 0: accel::Accelerator::save_model") != std::string::npos);
+      CHECK(both.find("rank 1: accel::Accelerator::wait_for_everyone") != std::string::npos);
+      accelerator.wait_for_everyone();  // (both checks were the same all-gathers: still in step)
+      // Without it: the main process waits for the others until the timeout, and its error says
+      // that save_model is a collective. The others wait for that, away from every collective.
+      done = dir.string() + "_done";
+      if (accelerator.is_main_process()) {
+        const std::string alone = what_of([&] { accelerator.save_model(model, dir.string()); });
+        CHECK(alone.find("accel::Accelerator::save_model is a collective: every process calls it") !=
+              std::string::npos);
+        std::ofstream(done) << "done";
+      } else {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (!fs::exists(done) && std::chrono::steady_clock::now() < deadline)
+          std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        CHECK(fs::exists(done));
+      }
+    }
+    release_world();  // the world group timed out on the main process: a fresh one for what follows
+    const int P = world().get_world_size();
+    CHECK(accel::all_reduce(1, accel::ReduceOp::SUM) == P);
+    if (accel::get_rank() == 0) {
+      fs::remove_all(dir);
+      fs::remove(done);
+    }
+  }
+
   TEST_CASE("accumulate: sync_gradients keeps the last step's value; the count restarts with each pass") {
     accel::Accelerator accelerator(config(2));
     Mlp model(1, 4, 1);
@@ -53,39 +100,41 @@ TEST_SUITE("ranks") {
   TEST_CASE("accumulate: gradients equal the gathered batch's on sync steps only (Accelerate's test_sync)") {
     for (bool split : {false, true})
       for (bool each : {false, true})
-      for (bool dispatch : {false, true}) {
-        CAPTURE(split);
-        CAPTURE(each);
-        CAPTURE(dispatch);
-        auto c = config(2);
-        c.split_batches = split;
-        c.sync_each_batch = each;
-        accel::Accelerator accelerator(c);
-        const int P = accelerator.num_processes();
-        Twins t(accelerator);
-        auto loader = accelerator.prepare_data_loader(
-            Regression(80).map(torch::data::transforms::Stack<>()),
-            {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4, .dispatch_batches = dispatch});
-        std::size_t iteration = 0;
-        for (auto& batch : loader) {
-          CAPTURE(iteration);
-          at::Tensor loss = torch::mse_loss(t.reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
-          (loss / 2).backward();
-          {
-            auto guard = accelerator.accumulate(t.model);
-            accelerator.backward(torch::mse_loss(t.model(batch.data), batch.target));
+        for (bool dispatch : {false, true}) {
+          CAPTURE(split);
+          CAPTURE(each);
+          CAPTURE(dispatch);
+          auto c = config(2);
+          c.split_batches = split;
+          c.sync_each_batch = each;
+          accel::Accelerator accelerator(c);
+          const int P = accelerator.num_processes();
+          Twins t(accelerator);
+          auto loader = accelerator.prepare_data_loader(
+              Regression(80).map(torch::data::transforms::Stack<>()),
+              {.batch_size = split ? static_cast<std::size_t>(4 * P) : 4, .dispatch_batches = dispatch});
+          std::size_t iteration = 0;
+          for (auto& batch : loader) {
+            CAPTURE(iteration);
+            at::Tensor loss =
+                torch::mse_loss(t.reference(accelerator.gather(batch.data)), accelerator.gather(batch.target));
+            (loss / 2).backward();
+            {
+              auto guard = accelerator.accumulate(t.model);
+              accelerator.backward(torch::mse_loss(t.model(batch.data), batch.target));
+            }
+            const bool synced = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches() || each;
+            if (synced || P == 1) CHECK(same_grads(*t.model, *t.reference));
+            else CHECK_FALSE(same_grads(*t.model, *t.reference));
+            ++iteration;
           }
-          const bool synced = (iteration + 1) % 2 == 0 || iteration + 1 == loader.batches() || each;
-          if (synced || P == 1) CHECK(same_grads(*t.model, *t.reference));
-          else CHECK_FALSE(same_grads(*t.model, *t.reference));
-          ++iteration;
         }
-      }
   }
 
   // Accelerate's test_sync.py test_gradient_accumulation_with_opt_and_scheduler:
   // prepared optimizer and scheduler are called on every micro-step.
-  TEST_CASE("prepare(model, optimizer, scheduler): steps and zero_grad skipped between syncs; the scheduler steps P times") {
+  TEST_CASE(
+      "prepare(model, optimizer, scheduler): steps and zero_grad skipped between syncs; the scheduler steps P times") {
     accel::Accelerator accelerator(config(2));
     const int P = accelerator.num_processes();
     torch::manual_seed(42);
@@ -97,8 +146,8 @@ TEST_SUITE("ranks") {
     static_assert(std::is_same_v<decltype(model), Mlp&>);
     torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
     torch::optim::StepLR reference_lr(reference_sgd, 1, 0.9);
-    auto loader = accelerator.prepare_data_loader(Regression(40).map(torch::data::transforms::Stack<>()),
-                                                  {.batch_size = 4});
+    auto loader =
+        accelerator.prepare_data_loader(Regression(40).map(torch::data::transforms::Stack<>()), {.batch_size = 4});
     std::size_t iteration = 0;
     for (auto& batch : loader) {
       CAPTURE(iteration);
@@ -221,11 +270,10 @@ TEST_SUITE("ranks") {
     CHECK(accelerator.check_trigger());
     CHECK_FALSE(accelerator.check_trigger());  // reset by the check
 
-    std::vector<std::string> where{accelerator.is_main_process()
-                                       ? (std::filesystem::temp_directory_path() /
-                                          ("accel_first_" + std::to_string(getpid()) + ".txt"))
-                                             .string()
-                                       : ""};
+    std::vector<std::string> where{
+        accelerator.is_main_process()
+            ? (std::filesystem::temp_directory_path() / ("accel_first_" + std::to_string(getpid()) + ".txt")).string()
+            : ""};
     accel::broadcast_object_list(where);
     // No sleep needed to prove the order: every other process's body finds
     // the main process's line already written.
@@ -271,14 +319,16 @@ TEST_SUITE("single") {
     CHECK(accel::from_string<ShardingStrategy>("HYBRID_SHARD") == ShardingStrategy::HYBRID_SHARD);
     CHECK_THROWS_WITH_AS(
         accel::from_string<ShardingStrategy>("full_shard"),
-        doctest::Contains("unknown value 'full_shard' (expected one of: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)"),
+        doctest::Contains(
+            "unknown value 'full_shard' (expected one of: NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD)"),
         accel::InvalidArgument);
     CHECK(accel::from_string<accel::DistributedType>("MULTI_GPU") == accel::DistributedType::MULTI_GPU);
     CHECK(accel::to_string(accel::DDPCommunicationHookType::POWER_SGD) == "power_sgd");  // Accelerate's value
     CHECK(accel::from_string<accel::DDPCommunicationHookType>("bf16") == accel::DDPCommunicationHookType::BF16);
     CHECK(accel::from_string<accel::ShardLayout>("SAMPLES") == accel::ShardLayout::SAMPLES);
     std::ostringstream os;
-    os << accel::DistributedType::MULTI_CPU << ' ' << ShardingStrategy::FULL_SHARD << ' ' << accel::ShardLayout::BATCHES;
+    os << accel::DistributedType::MULTI_CPU << ' ' << ShardingStrategy::FULL_SHARD << ' '
+       << accel::ShardLayout::BATCHES;
     CHECK(os.str() == "MULTI_CPU FULL_SHARD BATCHES");
   }
   TEST_CASE("training: configuration errors") {

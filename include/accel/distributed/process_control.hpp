@@ -9,6 +9,29 @@ ACCEL_NAMESPACE_BEGIN
 // Blocks until every rank of the group (default: the world) arrives.
 inline void wait_for_everyone(const GroupPtr& group = {}) { barrier(group); }
 
+namespace detail {
+// A call every process makes, in the same order (the Accelerator's
+// backward, save_model, save_state, ...). One made on some processes only,
+// as in `if (is_main_process()) save_model(...)`, waits for the others until
+// the timeout (five hours by default), and in a group of its own debug
+// mode's check would not see the others either. So in debug mode each such
+// call first checks on the world group that every process made the same
+// one: it meets the others' next one (their backward, wait_for_everyone)
+// and every process names both at once. In any mode a DistributedError out
+// of it (the timeout) says that `name` is a collective.
+template <class Body>
+decltype(auto) every_process_calls(const char* name, Body&& body) {
+  if (c10d::ProcessGroup* world = resolve({}, name)) check_same_call(*world, [&] { return std::string(name); });
+  try {
+    return std::forward<Body>(body)();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string(e.what()) + " [" + name +
+                           " is a collective: every process calls it, in the same order; called on some processes "
+                           "only, as in `if (is_main_process()) ...`, it waits for the others until the timeout]");
+  }
+}
+}  // namespace detail
+
 // main_process_first with the main process of each host (local rank 0).
 template <class Body>
 std::invoke_result_t<Body&> local_main_process_first(Body&& body) {

@@ -165,13 +165,17 @@ class Accelerator {
   // inside no_sync or a non-sync accumulate step). A model none of whose
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
-    at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
-    if (join_) join_->before_backward();
-    for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-    for (auto& m : prepared_.models)
-      if (m.sync) m.data_parallel->prepare_for_backward();
-    scaled.backward();
-    for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    auto step = [&] {
+      at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
+      if (join_) join_->before_backward();
+      for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
+      for (auto& m : prepared_.models)
+        if (m.sync) m.data_parallel->prepare_for_backward();
+      scaled.backward();
+      for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    };
+    if (join_) step();  // (a joined process stands in for it without calling it)
+    else detail::every_process_calls("accel::Accelerator::backward", step);
   }
 
   // Training on uneven inputs (even_batches = false), as Accelerate's
@@ -273,15 +277,17 @@ class Accelerator {
   // data that did not come from a prepared loader).
   template <TensorTree T>
   T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
-    const GroupPtr group = interface_->get_group(Dim::DP);
-    auto first_rows = [](int64_t rows) {
-      return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
-    };
-    if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
-    const detail::LoaderState* loader = state_->loader();
-    if (loader && loader->real_rows)
-      return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
-    return accel::gather(data, group);
+    return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
+      const GroupPtr group = interface_->get_group(Dim::DP);
+      auto first_rows = [](int64_t rows) {
+        return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+      };
+      if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+      const detail::LoaderState* loader = state_->loader();
+      if (loader && loader->real_rows)
+        return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+      return accel::gather(data, group);
+    });
   }
   // Over every process, as Accelerate's methods of the same names.
   template <TensorTree T>
@@ -309,7 +315,9 @@ class Accelerator {
   void print(const Args&... args) const {
     accel::print(args...);
   }
-  void wait_for_everyone() const { accel::wait_for_everyone(); }
+  void wait_for_everyone() const {
+    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
+  }
   template <class Body>
   std::invoke_result_t<Body&> main_process_first(Body&& body) const {
     return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
@@ -359,7 +367,9 @@ class Accelerator {
   // exists), counts iteration up, and with total_limit then removes the
   // oldest beyond the limit. Returns the checkpoint's directory.
   std::filesystem::path save_state(const std::filesystem::path& path = {}) {
-    return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+    return detail::every_process_calls("accel::Accelerator::save_state", [&] {
+      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+    });
   }
 
   // Loads what save_state saved into the prepared models, optimizers,
@@ -376,7 +386,9 @@ class Accelerator {
   // newest numbered checkpoint, and any load sets iteration past the newest
   // (Accelerate leaves it, and the next save_state() finds its number taken).
   void load_state(const std::filesystem::path& path = {}) {
-    step_ = detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+    step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
+      return detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+    });
   }
 
  private:
@@ -395,13 +407,17 @@ class Accelerator {
   // the call (and load_model writes them back into the shards).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-    const auto full = prepared_.full_parameters(model.ptr().get());
-    accel::save_model(model, dir, max_shard_bytes);
+    detail::every_process_calls("accel::Accelerator::save_model", [&] {
+      const auto full = prepared_.full_parameters(model.ptr().get());
+      accel::save_model(model, dir, max_shard_bytes);
+    });
   }
   template <class ModuleHolder>
   void load_model(ModuleHolder& model, const std::string& dir) {
-    const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
-    accel::load_model(model, dir);
+    detail::every_process_calls("accel::Accelerator::load_model", [&] {
+      const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
+      accel::load_model(model, dir);
+    });
   }
 
   // -- properties -------------------------------------------------------------------
