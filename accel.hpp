@@ -9741,6 +9741,18 @@ class Accelerator {
         if (dp->steps_with(optimizer)) dp->gather_shards();
     });
   }
+  // Accelerate's single-object forms of prepare.
+  template <class ModuleHolder>
+    requires requires(ModuleHolder& m) { m.ptr(); }
+  ModuleHolder& prepare_model(ModuleHolder& model) {
+    return prepare(model);
+  }
+  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer) { return prepare(optimizer); }
+  template <class Scheduler>
+    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
+  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler) {
+    return prepare(scheduler);
+  }
   // A learning-rate scheduler: see AcceleratedScheduler.
   template <class Scheduler>
     requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
@@ -9836,6 +9848,16 @@ class Accelerator {
     };
     if (join_) step();  // (a joined process stands in for it without calling it)
     else detail::every_process_calls("accel::Accelerator::backward", step);
+  }
+
+  // Accelerate's lomo_backward runs the fused backward-and-step of a
+  // prepared LOMO optimizer (lomo-optim's Lomo, AdaLomo). LibTorch has none,
+  // so no prepared optimizer can be one: Accelerate's error for that case.
+  void lomo_backward(const at::Tensor&, double) {
+    throw InvalidArgument(
+        "accel::Accelerator::lomo_backward: Backward pass not properly called on LOMO optimizers. Are you sure you "
+        "passed a LOMO optimizer in accelerator.prepare()? (LibTorch has no LOMO optimizer: call backward(loss) and "
+        "step the optimizer)");
   }
 
   // Training on uneven inputs (even_batches = false), as Accelerate's
@@ -10099,6 +10121,30 @@ class Accelerator {
   // shard along (mp_shard_size == 1, or one process).
   ShardingStrategy sharding_strategy() const {
     return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
+  }
+  // Accelerate's use_distributed: more than one process.
+  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
+  // Accelerate's is_fsdp2: whether parameters are sharded at rest
+  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
+  bool is_fsdp2() const {
+    const ShardingStrategy s = sharding_strategy();
+    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
+  }
+  // Accelerate's should_save_model: true on every process, which all call
+  // save_model (a collective; the main process writes).
+  bool should_save_model() const { return true; }
+  // This process's rank along each kind of parallelism, as Accelerate names
+  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
+  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
+  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
+  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
+  int tensor_parallel_rank() const { return 0; }
+  int pipeline_parallel_rank() const { return 0; }
+  // Accelerate's verify_device_map: whether the model is spread over devices
+  // by a device map (big-model inference). accel.hpp places whole models: false.
+  template <class ModuleHolder>
+  bool verify_device_map(const ModuleHolder&) const {
+    return false;
   }
   // Accelerate's project_dir, project_configuration and save_iteration (the
   // number the next automatically named checkpoint takes; set it through

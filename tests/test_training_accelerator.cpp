@@ -52,6 +52,59 @@ TEST_SUITE("ranks") {
     }
   }
 
+  TEST_CASE("Accelerate's names: prepare_model/optimizer/scheduler, ranks per dimension, is_fsdp2 and the rest") {
+    release_world();
+    const int P = accel::get_world_size(), r = accel::get_rank();
+    {
+      accel::Accelerator accelerator(config());
+      Mlp model(4, 8, 1);
+      CHECK(&accelerator.prepare_model(model) == &model);
+      CHECK(accelerator.data_parallel(model) != nullptr);
+      // The same as prepare(): a scheduler prepared either way steps alike.
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1)),
+          twin(sgd.param_groups()[0].params(), torch::optim::SGDOptions(0.1));
+      accel::AcceleratedOptimizer optimizer = accelerator.prepare_optimizer(sgd);
+      accel::AcceleratedOptimizer twin_optimizer = accelerator.prepare(twin);
+      torch::optim::StepLR step_lr(sgd, 1, 0.5), twin_lr(twin, 1, 0.5);
+      accel::AcceleratedScheduler scheduler = accelerator.prepare_scheduler(step_lr);
+      accel::AcceleratedScheduler twin_scheduler = accelerator.prepare(twin_lr);
+      const auto data = dataset(8, 4);
+      accelerator.backward(torch::mse_loss(model(data.first), data.second));
+      optimizer.step();
+      twin_optimizer.step();
+      scheduler.step();
+      twin_scheduler.step();
+      CHECK(sgd.param_groups()[0].options().get_lr() == twin.param_groups()[0].options().get_lr());
+      CHECK(accelerator.use_distributed() == (P > 1));
+      CHECK(accelerator.data_parallel_rank() == r);  // the data mesh is (dp = P, cp = 1)
+      CHECK(accelerator.context_parallel_rank() == 0);
+      CHECK(accelerator.tensor_parallel_rank() == 0);
+      CHECK(accelerator.pipeline_parallel_rank() == 0);
+      CHECK_FALSE(accelerator.is_fsdp2());
+      CHECK(accelerator.should_save_model());
+      CHECK_FALSE(accelerator.verify_device_map(model));
+      CHECK_THROWS_WITH_AS(accelerator.lomo_backward(at::ones({}), 0.1),
+                           doctest::Contains("Are you sure you passed a LOMO optimizer"), accel::InvalidArgument);
+    }
+    if (P % 2 == 0) {  // (dp = P / 2, cp = 2), row-major: rank r is dp r / 2, cp r % 2
+      release_world();
+      auto c = config();
+      c.distributed.cp_size = 2;
+      accel::Accelerator accelerator(c);
+      CHECK(accelerator.data_parallel_rank() == r / 2);
+      CHECK(accelerator.context_parallel_rank() == r % 2);
+    }
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+      release_world();
+      auto c = config();
+      c.sharding_strategy = strategy;
+      accel::Accelerator accelerator(c);
+      // parameters sharded at rest: FULL_SHARD with more than one process to shard over
+      CHECK(accelerator.is_fsdp2() == (P > 1 && strategy == accel::ShardingStrategy::FULL_SHARD));
+    }
+    release_world();
+  }
+
   TEST_CASE("accumulate: sync_gradients keeps the last step's value; the count restarts with each pass") {
     accel::Accelerator accelerator(config(2));
     Mlp model(1, 4, 1);
