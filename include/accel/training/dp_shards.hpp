@@ -126,9 +126,6 @@ inline void gather_shards(State& s) {
   }
 }
 
-// Every shard taken again from its parameter (after Module::load, which
-// gives every parameter storage of its own); units' parameters are freed
-// again.
 // Before Module::load: it replaces each parameter's storage (set_), which
 // reads the old storage's data pointer, so a unit's parameter at rest
 // stops refusing access (it still holds nothing); reshard() afterwards takes
@@ -139,6 +136,9 @@ inline void open_for_load(State& s) {
     if (bucket.unit >= 0 && !bucket.resident)
       for (const auto& p : bucket.params) allow_access(*p.storage().unsafeGetStorageImpl());
 }
+// Every shard taken again from its parameter (after Module::load, which
+// gives every parameter storage of its own); units' parameters are freed
+// again.
 inline void reshard(State& s) {
   if (!s.shard) return;
   std::lock_guard lock(s.mutex);
