@@ -10,6 +10,7 @@
 // that could not be written whole is removed.
 #pragma once
 
+#include "accel/core/errors.hpp"
 #include "accel/training/torch_nn.hpp"
 
 ACCEL_NAMESPACE_BEGIN
