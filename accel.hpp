@@ -5132,7 +5132,8 @@ namespace detail {
 // of it (the timeout) says that `name` is a collective.
 template <class Body>
 decltype(auto) every_process_calls(const char* name, Body&& body) {
-  if (c10d::ProcessGroup* world = resolve({}, name)) check_same_call(*world, [&] { return std::string(name); });
+  if (debug_mode()) [[unlikely]]
+    if (c10d::ProcessGroup* world = resolve({}, name)) verify_call(*world, name);
   try {
     return std::forward<Body>(body)();
   } catch (const DistributedError& e) {
@@ -6592,7 +6593,8 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
-    if (!state_->units.empty()) name_at_rest();
+    if constexpr (detail::dp::refuses_at_rest<>)
+      if (!state_->units.empty()) name_at_rest();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
       detail::dp::release(*state_, u);  // at rest: the shards only
       std::lock_guard lock(detail::dp::unit_registry_mutex());
@@ -10205,9 +10207,8 @@ class Accelerator {
     }
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    const bool sharded =
-        config.sharding_strategy != ShardingStrategy::NO_SHARD && is_distributed() && strategy.mp_shard_size() > 1;
-    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) && sharded)
+    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
+        shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
                             (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
@@ -10218,10 +10219,11 @@ class Accelerator {
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
     return config;
   }
-  bool sharded() const {
-    return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
-           interface_->get_world_size(Dim::MP_SHARD) > 1;
+  // Whether the strategy has something to shard along (else it is NO_SHARD).
+  static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
+    return s != ShardingStrategy::NO_SHARD && distributed && mesh.mp_shard_size() > 1;
   }
+  bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
   // FULL_SHARD's units under `module` (see auto_wrap_policy).
   void choose_units(torch::nn::Module& module, const std::string& prefix,
                     std::vector<std::shared_ptr<torch::nn::Module>>& units) const {

@@ -25,6 +25,10 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include "test_helpers.hpp"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+
 // == Every public template, explicitly instantiated for every TensorLike ====
 
 // A function object for operate_tensorlike. Not in an anonymous namespace:
@@ -59,10 +63,10 @@ struct Twice {
   template T accel::all_to_all<T>(const T&, const accel::GroupPtr&);                                         \
   template accel::Work<T> accel::reduce_scatter_async<T>(const T&, accel::ReduceOp, const accel::GroupPtr&); \
   template accel::Work<T> accel::all_to_all_async<T>(const T&, const accel::GroupPtr&);
-#define ACCEL_INSTANTIATE_SCALAR(T)                                                                    \
-  ACCEL_INSTANTIATE(T)                                                                                 \
-  ACCEL_INSTANTIATE(std::vector<T>) ACCEL_INSTANTIATE_WAVE2(T) ACCEL_INSTANTIATE_WAVE2(std::vector<T>) \
-      ACCEL_INSTANTIATE_SPLIT(std::vector<T>)
+#define ACCEL_INSTANTIATE_SCALAR(T) \
+  ACCEL_INSTANTIATE(T)              \
+  ACCEL_INSTANTIATE(std::vector<T>) \
+  ACCEL_INSTANTIATE_WAVE2(T) ACCEL_INSTANTIATE_WAVE2(std::vector<T>) ACCEL_INSTANTIATE_SPLIT(std::vector<T>)
 
 ACCEL_INSTANTIATE(at::Tensor)
 ACCEL_INSTANTIATE_WAVE2(at::Tensor)
@@ -805,33 +809,46 @@ TEST_SUITE("ranks") {
   }
 
   TEST_CASE("initialisation: instance() returns on no rank before every rank has made its groups") {
-    // The last rank is held once its groups are made until another rank
-    // says it returned from instance(), or 1.5 s. Before instance() waited
-    // for every rank, the others returned at once, then could destroy their
-    // groups or exit (and with rank 0 the store) under a rank still making
-    // its own ("Connection reset by peer", seen in CI).
+    // The last rank is held once its groups are made (a slow peer) until
+    // another rank says, through a FIFO, that it returned from instance(),
+    // or 1.5 s (poll's timeout). Before instance() waited for every rank,
+    // the others returned at once, then could destroy their groups or exit
+    // (and with rank 0 the store) under a rank still making its own
+    // ("Connection reset by peer", seen in CI). The FIFO is open for reading
+    // before the last rank makes its groups, so no other rank can have
+    // returned before it is there to write to.
     release_world();
     const int P = accel::get_world_size(), r = accel::get_rank();
     if (!accel::is_distributed() || P < 2) return;
-    namespace fs = std::filesystem;
-    const fs::path dir = fs::temp_directory_path() / ("accel_init_wait_" + std::to_string(::getppid()));
-    auto returned = [&](int rank) { return dir / ("returned_" + std::to_string(rank)); };
+    const std::string fifo =
+        (std::filesystem::temp_directory_path() / ("accel_init_wait_" + std::to_string(::getppid()))).string();
+    int reader = -1;
     bool early = false;
-    if (r == P - 1)
+    if (r == P - 1) {
+      ::unlink(fifo.c_str());
+      REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+      reader = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+      REQUIRE(reader >= 0);
       accel::detail::groups_made_hook() = [&] {
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
-        while (!early && std::chrono::steady_clock::now() < deadline) {
-          for (int other = 0; other < P - 1; ++other) early = early || fs::exists(returned(other));
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
+        pollfd ready{.fd = reader, .events = POLLIN, .revents = 0};
+        early = ::poll(&ready, 1, 1500) > 0 && (ready.revents & POLLIN);
       };
-    fs::create_directories(dir);
+    }
     auto& d = fresh();
     accel::detail::groups_made_hook() = [] {};
-    if (r != P - 1) std::ofstream(returned(r)) << "returned";
+    if (r != P - 1) {
+      const int writer = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);  // (none: another parent; nothing to say)
+      if (writer >= 0) {
+        CHECK(::write(writer, "r", 1) == 1);
+        ::close(writer);
+      }
+    }
     CHECK_FALSE(early);
     d.barrier();
-    if (r == 0) fs::remove_all(dir);
+    if (r == P - 1) {
+      ::close(reader);
+      ::unlink(fifo.c_str());
+    }
   }
 
   TEST_CASE("singleton: same object, conflicting config, destroy and afresh") {

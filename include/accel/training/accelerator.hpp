@@ -545,9 +545,8 @@ class Accelerator {
     }
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    const bool sharded =
-        config.sharding_strategy != ShardingStrategy::NO_SHARD && is_distributed() && strategy.mp_shard_size() > 1;
-    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) && sharded)
+    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
+        shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
                             (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
@@ -558,10 +557,11 @@ class Accelerator {
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
     return config;
   }
-  bool sharded() const {
-    return config_.sharding_strategy != ShardingStrategy::NO_SHARD && interface_->distributed() &&
-           interface_->get_world_size(Dim::MP_SHARD) > 1;
+  // Whether the strategy has something to shard along (else it is NO_SHARD).
+  static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
+    return s != ShardingStrategy::NO_SHARD && distributed && mesh.mp_shard_size() > 1;
   }
+  bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
   // FULL_SHARD's units under `module` (see auto_wrap_policy).
   void choose_units(torch::nn::Module& module, const std::string& prefix,
                     std::vector<std::shared_ptr<torch::nn::Module>>& units) const {

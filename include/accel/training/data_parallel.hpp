@@ -114,7 +114,8 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
-    if (!state_->units.empty()) name_at_rest();
+    if constexpr (detail::dp::refuses_at_rest<>)
+      if (!state_->units.empty()) name_at_rest();
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
       detail::dp::release(*state_, u);  // at rest: the shards only
       std::lock_guard lock(detail::dp::unit_registry_mutex());
