@@ -4850,6 +4850,48 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
   return data;
 }
 
+// Accelerate's copy_tensor_to_devices: the tensor that exactly one process
+// of the group holds (the others pass an undefined at::Tensor, Python's
+// None) on every process, without the others knowing its shape or dtype:
+// one small all_gather of (holds it, dtype, dimensions), one broadcast of
+// its sizes, one of its values. The holder gets its own tensor back; the
+// others a new one on the group's device. Accelerate sums a buffer from
+// every process, so two holders would add up; here no holder or several
+// is an accel::InvalidArgument on every process.
+inline at::Tensor copy_tensor_to_devices(const at::Tensor& tensor = {}, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "copy_tensor_to_devices");
+  const bool holds = tensor.defined();
+  const char* rule = "exactly one process holds the tensor; the others pass an undefined at::Tensor";
+  if (!g) {
+    if (!holds) throw InvalidArgument(std::string("accel::copy_tensor_to_devices: ") + rule + " (no process does)");
+    return tensor;
+  }
+  detail::check_same_call(*g, [] { return std::string("copy_tensor_to_devices()"); });
+  const std::vector<int64_t> all = detail::exchange_counts(
+      *g, {holds, holds ? static_cast<int64_t>(tensor.scalar_type()) : 0, holds ? tensor.dim() : 0},
+      "copy_tensor_to_devices");
+  std::vector<int> holders;
+  for (int r = 0; r < g->getSize(); ++r)
+    if (all[3 * static_cast<std::size_t>(r)]) holders.push_back(r);
+  if (holders.size() != 1) {
+    std::string which = holders.empty() ? "none does" : "processes";
+    for (int r : holders) which += " " + std::to_string(r);
+    if (!holders.empty()) which += " do";
+    throw InvalidArgument(std::string("accel::copy_tensor_to_devices: ") + rule + " (" + which + ")");
+  }
+  const int from = holders.front();
+  const auto dtype = static_cast<c10::ScalarType>(all[3 * static_cast<std::size_t>(from) + 1]);
+  const int64_t dims = all[3 * static_cast<std::size_t>(from) + 2];
+  std::vector<int64_t> sizes = holds ? tensor.sizes().vec() : std::vector<int64_t>(static_cast<std::size_t>(dims));
+  at::NoGradGuard no_grad;
+  if (dims > 0)
+    detail::broadcast_tensor(*g, at::from_blob(sizes.data(), {dims}, detail::cpu_options(c10::kLong)), from);
+  at::Tensor out =
+      holds ? tensor.contiguous() : at::empty(sizes, at::TensorOptions().dtype(dtype).device(detail::group_device(*g)));
+  detail::broadcast_tensor(*g, out, from);
+  return holds ? tensor : out;
+}
+
 // Pads every tensor leaf along `dim` with pad_index to the largest size any
 // rank of the group has there (at the end, or at the start with pad_first).
 // Leaves with fewer dimensions than `dim` are left as they are. One small
@@ -5399,6 +5441,15 @@ ACCEL_NAMESPACE_END
 #include <set>
 #include <unistd.h>
 
+ACCEL_NAMESPACE_BEGIN
+namespace detail {
+// A LibTorch module holder (torch::nn::Linear, a TORCH_MODULE of yours): what
+// the Accelerator takes as a model.
+template <class M>
+concept module_holder = requires(M& m) { m.ptr(); };
+}  // namespace detail
+ACCEL_NAMESPACE_END
+
 // == accel/training/autograd.hpp ==============================================
 // accel/training/autograd.hpp: autograd-aware collectives (accel::autograd).
 //
@@ -5895,7 +5946,7 @@ struct State {
   int held = 0;
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
-  std::vector<const torch::optim::Optimizer*> optimizers;
+  std::vector<torch::optim::Optimizer*> optimizers;
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and
@@ -6421,6 +6472,48 @@ inline void reshard(State& s) {
   }
 }
 
+// Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
+// parameter's address as text, c10::guts::to_string's, 2.x by the address).
+template <class StateMap>
+void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<const void*>(parameter);
+    state.erase(key.str());
+  } else {
+    state.erase(parameter);
+  }
+}
+
+// The module given back for local use (Accelerator::free_memory): every
+// unit's parameters gathered for good (a collective on the shard group),
+// and every optimizer that stepped the shards given the parameters back in
+// their place, its state for the shards dropped (the optimizer starts
+// afresh: LibTorch's per-parameter state types are its own, so 1/S of each
+// cannot be put back together here). The hooks do nothing afterwards.
+inline void release_module(State& s) {
+  std::lock_guard lock(s.mutex);
+  if (s.shard) {
+    end_unit_pass(s);
+    for (std::size_t u = 0; u < s.units.size(); ++u) materialize(s, u);
+    ++s.held;                                                                    // (release() frees nothing while held)
+    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;  // shard -> its parameter
+    for (const auto& bucket : s.buckets)
+      for (std::size_t i = 0; i < bucket.shards.size(); ++i)
+        parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
+    for (torch::optim::Optimizer* optimizer : s.optimizers)
+      for (auto& group : optimizer->param_groups())
+        for (auto& p : group.params()) {
+          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
+          if (found == parameter_of.end()) continue;
+          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
+          p = *found->second;
+        }
+    s.optimizers.clear();
+  }
+  s.alive = false;
+}
+
 // Cuts every parameter into its chunks and makes this rank's shards.
 inline void make_shards(State& s) {
   const int64_t S = s.shard->getSize(), r = s.shard->getRank();
@@ -6774,6 +6867,12 @@ class DataParallel {
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
+  // Gives the module back for plain local use, for good (see
+  // detail::dp::release_module): under FULL_SHARD its parameters gathered
+  // (every rank of the shard group calls it); optimizers that stepped the
+  // shards step the parameters again, from a fresh state. Afterwards this
+  // DataParallel does nothing; destroy it.
+  void release_module() { detail::dp::release_module(*state_); }
   // Module::load into the parameters, then every shard taken again from its
   // parameter: open_for_load() before the load, reshard() after it.
   void open_for_load() { detail::dp::open_for_load(*state_); }
@@ -7064,6 +7163,12 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     bool even_batches = true, drop_last = false, split_batches = false;
     ShardLayout layout = ShardLayout::BATCHES;
     BatchSamplerFn batch_sampler{};  // BATCHES only: replaces shuffle and batch_size
+    // The batch size the custom batch sampler states (Python's
+    // batch_sampler.batch_size): every batch but the last holds this many,
+    // the last at most as many, and even_batches fills a short last batch up
+    // to it (as Accelerate fills a BatchSampler's). Unset: its batches may
+    // vary, and the last round is completed with whole batches.
+    std::optional<size_t> batch_sampler_batch_size{};
   };
   // What the loader learns at the start of each pass: the number of real
   // (non-repeated) samples of each of this process's batches, in order.
@@ -7071,6 +7176,9 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     std::vector<size_t> real_per_batch;
     size_t epoch = 0;
     size_t skip = 0;  // the next reset() starts after this many batches (then 0)
+    // Replaces Options::even_batches from the next reset() on, while set
+    // (Accelerator::join_uneven_inputs' even_batches).
+    std::optional<bool> even_batches{};
   };
 
   explicit ShardSampler(Options options, std::shared_ptr<Record> record = std::make_shared<Record>())
@@ -7082,10 +7190,16 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     if (o.batch_size == 0) fail("batch_size must be at least 1");
     if (o.batch_sampler && o.layout != ShardLayout::BATCHES)
       fail("a custom batch sampler needs ShardLayout::BATCHES (SAMPLES deals out single samples)");
-    if (o.batch_sampler && o.split_batches)
-      fail("split_batches needs a fixed batch size; a custom batch sampler's batches may vary");
-    if (o.split_batches && o.layout == ShardLayout::BATCHES && o.batch_size % o.num_replicas != 0)
-      fail("with split_batches the batch size (" + std::to_string(o.batch_size) + ") must be a multiple of the " +
+    if (o.batch_sampler_batch_size && !o.batch_sampler)
+      fail("batch_sampler_batch_size states the size of a custom batch sampler's batches; there is none");
+    if (o.batch_sampler_batch_size == size_t{0}) fail("batch_sampler_batch_size must be at least 1");
+    if (o.batch_sampler && o.split_batches && !o.batch_sampler_batch_size)
+      fail(
+          "split_batches needs a fixed batch size; a custom batch sampler's batches may vary (state its size in "
+          "batch_sampler_batch_size)");
+    const size_t batch = o.batch_sampler ? o.batch_sampler_batch_size.value_or(0) : o.batch_size;
+    if (o.split_batches && o.layout == ShardLayout::BATCHES && batch % o.num_replicas != 0)
+      fail("with split_batches the batch size (" + std::to_string(batch) + ") must be a multiple of the " +
            std::to_string(o.num_replicas) + " processes");
     reset();
   }
@@ -7093,6 +7207,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
   void reset(torch::optional<size_t> new_size = torch::nullopt) override {
     if (new_size) options_.size = *new_size;
     const Options& o = options_;
+    const bool even_batches = record_->even_batches.value_or(o.even_batches);
     epoch_ = record_->epoch;
     next_ = 0;
     std::vector<size_t> order;  // the dataset's order for this epoch (not needed with a batch sampler)
@@ -7108,7 +7223,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     batches_.clear();
     if (o.layout == ShardLayout::SAMPLES) {
       const size_t total =
-          o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
+          even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
       const size_t local = o.split_batches ? o.batch_size / o.num_replicas : o.batch_size;
       detail::SlotBatch mine;
       for (size_t position = o.rank; position < total; position += o.num_replicas)
@@ -7121,11 +7236,18 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
       std::vector<std::vector<size_t>> sequence;
       if (o.batch_sampler) {
         sequence = o.batch_sampler(epoch_);
-        for (size_t b = 0; b < sequence.size(); ++b)
+        for (size_t b = 0; b < sequence.size(); ++b) {
           for (size_t i : sequence[b])
             if (i >= o.size)
               throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds index " +
                                std::to_string(i) + ", past the dataset's " + std::to_string(o.size) + " samples");
+          const std::optional<size_t> stated = o.batch_sampler_batch_size;
+          const bool last = b + 1 == sequence.size();
+          if (stated && (sequence[b].size() > *stated || (!last && sequence[b].size() != *stated)))
+            throw InvalidArgument("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds " +
+                                  std::to_string(sequence[b].size()) + " indices, but it states batches of " +
+                                  std::to_string(*stated) + " (only the last may hold fewer)");
+        }
       } else {
         for (size_t i = 0; i < order.size(); i += o.batch_size)
           if (i + o.batch_size <= order.size() || !o.drop_last)
@@ -7133,8 +7255,8 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
                 order.begin() + static_cast<std::ptrdiff_t>(i),
                 order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
       }
-      batches_ = detail::shard_batches(sequence, o.batch_sampler ? std::nullopt : std::optional<size_t>(o.batch_size),
-                                       o.num_replicas, o.rank, o.split_batches, o.even_batches, o.drop_last);
+      batches_ = detail::shard_batches(sequence, o.batch_sampler ? o.batch_sampler_batch_size : o.batch_size,
+                                       o.num_replicas, o.rank, o.split_batches, even_batches, o.drop_last);
     }
     record_->real_per_batch.clear();
     for (const auto& batch : batches_)
@@ -7207,7 +7329,10 @@ struct DataLoaderConfig {
   bool drop_last = false;    // drop the incomplete last batch (and, BATCHES, an incomplete last round)
   size_t workers = 0;        // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
-  BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
+  BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES)
+  // The size of the custom batch sampler's batches, where it has one (see
+  // ShardSampler::Options); split_batches needs it unless dispatching.
+  std::optional<size_t> batch_sampler_batch_size{};
   // The main process reads every global batch and sends each process its
   // rows (accel/training/dispatch.hpp); unset: on for iterable datasets only,
   // as Accelerate. even_batches does not apply (every process gets rows of
@@ -7218,19 +7343,53 @@ struct DataLoaderConfig {
 namespace detail {
 // Where a prepared loader's pass stands.
 struct LoaderState {
+  const void* loader = nullptr;     // the loader whose pass this is (Accelerator::active_dataloader)
   std::optional<size_t> real_rows;  // real samples of the current batch
   bool end_of_dataloader = false;   // the current batch is the pass's last
 };
 // Where a prepared loader is in its passes, shared with the Accelerator for
 // save_state / load_state: the epoch the next pass uses, the pass under way
 // and how many of its batches were handed out, and how many batches the
-// next pass skips (load_state, skip_first_batches).
+// next pass skips (load_state, skip_first_batches); and the even_batches
+// that join_uneven_inputs sets for its block.
 struct LoaderPosition {
   size_t next_epoch = 0, epoch = 0, handed_out = 0, skip = 0;
   bool in_pass = false;
+  std::optional<bool> even_batches{};
   // The point a resumed run starts from: (epoch, batches to skip).
   std::pair<size_t, size_t> resume_point() const {
     return in_pass ? std::pair{epoch, handed_out} : std::pair{next_epoch, size_t{0}};
+  }
+  // The next pass resumes from there (load_state, load_state_dict).
+  void resume_at(size_t resume_epoch, size_t batches) {
+    next_epoch = resume_epoch;
+    skip = batches;
+    in_pass = false;
+  }
+  // A prepared loader's state_dict: {"epoch": the pass to resume,
+  // "batches_handed_out": how many of its batches were handed out}, inside
+  // a pass that pass and its batches so far, after it the next pass and 0
+  // (what save_state keeps). A c10::Dict, so that torch::pickle_save or an
+  // OutputArchive (as a c10::IValue) stores it.
+  c10::Dict<std::string, int64_t> state_dict() const {
+    const auto [resume_epoch, batches] = resume_point();
+    c10::Dict<std::string, int64_t> out;
+    out.insert("epoch", static_cast<int64_t>(resume_epoch));
+    out.insert("batches_handed_out", static_cast<int64_t>(batches));
+    return out;
+  }
+  // The next pass resumes where state_dict() was taken (the loader's own or
+  // another prepared loader's over the same data and processes).
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) {
+    auto field = [&](const char* key) {
+      const auto found = state.find(key);
+      if (found == state.end() || found->value() < 0 || state.size() != 2)
+        throw InvalidArgument(
+            "accel: a prepared loader's load_state_dict takes what its state_dict() returns: {\"epoch\": n, "
+            "\"batches_handed_out\": k}, both at least 0");
+      return static_cast<size_t>(found->value());
+    };
+    resume_at(field("epoch"), field("batches_handed_out"));
   }
   // After each read: a batch was handed out; after the last one (or none)
   // the pass is over, and a resumed run starts with the next epoch.
@@ -7254,6 +7413,7 @@ struct GradientState {
   bool sync_gradients = true;
   std::vector<const LoaderState*> active;
   const LoaderState* loader() const { return active.empty() ? nullptr : active.back(); }
+  const void* active_dataloader() const { return loader() ? loader()->loader : nullptr; }
   bool end_of_dataloader() const { return loader() && loader()->end_of_dataloader; }
   void remove(const LoaderState* state) { std::erase(active, state); }
 };
@@ -7263,11 +7423,11 @@ struct GradientState {
 class Pass {
  public:
   Pass() = default;
-  Pass(std::shared_ptr<GradientState> gradient_state, std::shared_ptr<LoaderState> state)
+  Pass(std::shared_ptr<GradientState> gradient_state, std::shared_ptr<LoaderState> state, const void* loader)
       : gradient_state_(std::move(gradient_state)), state_(std::move(state)) {
     gradient_state_->remove(state_.get());
     gradient_state_->active.push_back(state_.get());
-    *state_ = {};
+    *state_ = {.loader = loader};
   }
   Pass(Pass&& other) noexcept : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
   Pass(const Pass&) = delete;
@@ -7668,7 +7828,8 @@ class PreparedDataLoader {
                                   config.drop_last,
                                   dispatch ? false : split_batches,
                                   config.layout,
-                                  config.batch_sampler};
+                                  config.batch_sampler,
+                                  config.batch_sampler_batch_size};
     ShardSampler sampler(std::move(options), record_);
     if (!dispatch) {
       batches_ = sampler.batch_count();
@@ -7700,14 +7861,18 @@ class PreparedDataLoader {
         dispatcher_->begin([this] { return global_batch(); });
         for (size_t i = 0; i < skip && next(); ++i) {
         }  // every process reads and drops the same batches
-        return Iterator(this, detail::Pass(gradient_state_, state_));
+        return Iterator(this, detail::Pass(gradient_state_, state_, this));
       }
-    // The sampler starts after the skipped batches: none is read.
+    // The sampler starts after the skipped batches: none is read. It plans
+    // the pass when LibTorch's loader begins (with the even_batches of
+    // join_uneven_inputs, where one is set), which gives the pass's length.
     record_->skip = skip;
+    record_->even_batches = position_->even_batches;
+    it_.emplace(loader_->begin());
+    batches_ = record_->real_per_batch.size();
     index_ = std::min(skip, batches_);
     position_->handed_out = index_;
-    it_.emplace(loader_->begin());
-    return Iterator(this, detail::Pass(gradient_state_, state_));
+    return Iterator(this, detail::Pass(gradient_state_, state_, this));
   }
   Iterator end() { return Iterator(); }
 
@@ -7719,8 +7884,15 @@ class PreparedDataLoader {
   // where the sampler can skip (Accelerate's skip_first_batches).
   void skip_first_batches(size_t n) { position_->skip = n; }
   // Batches per pass on this process (the same on every process with
-  // even_batches or dispatch_batches).
+  // even_batches or dispatch_batches); during a pass, that pass's.
   size_t batches() const { return batches_; }
+  // Where the loader stands, as torchdata's StatefulDataLoader (Accelerate's
+  // use_stateful_dataloader): {"epoch", "batches_handed_out"} (inside a
+  // pass: that pass and the batches handed out so far; after it: the next
+  // pass and 0), a c10::Dict that torch::pickle_save stores.
+  // load_state_dict makes the next pass resume right after those batches.
+  c10::Dict<std::string, int64_t> state_dict() const { return position_->state_dict(); }
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) { position_->load_state_dict(state); }
 
  private:
   friend Iterator;
@@ -7831,13 +8003,16 @@ class PreparedIterableDataLoader {
     }
     for (size_t i = 0; i < skip && next(); ++i) {
     }
-    return Iterator(this, detail::Pass(gradient_state_, state_));
+    return Iterator(this, detail::Pass(gradient_state_, state_, this));
   }
   Iterator end() { return Iterator(); }
   // The next pass starts after its first n batches (Accelerate's
   // skip_first_batches; they are read and dropped).
   void skip_first_batches(size_t n) { position_->skip = n; }
   size_t next_epoch() const { return position_->next_epoch; }
+  // As PreparedDataLoader's (a resumed stream reads and drops the batches already handed out).
+  c10::Dict<std::string, int64_t> state_dict() const { return position_->state_dict(); }
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) { position_->load_state_dict(state); }
 
  private:
   friend Iterator;
@@ -8998,9 +9173,8 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    set.loaders[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
-    set.loaders[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
-    set.loaders[i]->in_pass = false;
+    set.loaders[i]->resume_at(static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>()),
+                              static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()));
   }
   auto set_state = [](at::Generator generator, const at::Tensor& state) {
     std::lock_guard lock(generator.mutex());
@@ -9873,7 +10047,36 @@ class Accelerator {
   // every backward; other collectives inside body would have no partner on a
   // joined rank (as with DDP's Join).
   template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+    join(std::forward<Body>(body), models...);
+  }
+  // The same, with the prepared loaders' even_batches set to even_batches
+  // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
+  // applies to each pass that starts inside the block. Loaders that
+  // dispatch batches, and iterable ones, have no even_batches (Accelerate
+  // warns about them, and also leaves them as they are).
+  template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
+  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
+    std::vector<std::pair<std::shared_ptr<detail::LoaderPosition>, std::optional<bool>>> saved;
+    for (auto& loader : prepared_.loaders)
+      saved.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
+    auto restore = [&] {
+      for (auto& [loader, value] : saved) loader->even_batches = value;
+    };
+    try {
+      join(std::forward<Body>(body), models...);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+  }
+
+ private:
+  template <class Body, class... ModuleHolders>
+  void join(Body&& body, ModuleHolders&... models) {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
     if (!prepared_.sharded->empty())
@@ -9893,6 +10096,7 @@ class Accelerator {
     join_.reset();
   }
 
+ public:
   // RAII: restores the models' gradient sync when it goes out of scope.
   using SyncGuard = detail::SyncGuard;
   // While the guard lives, backward() accumulates these models' gradients
@@ -9930,6 +10134,10 @@ class Accelerator {
   // Whether the batch being processed is the last of the innermost prepared
   // loader's pass.
   bool end_of_dataloader() const { return state_->end_of_dataloader(); }
+  // The innermost prepared loader whose pass is under way, as Accelerate's
+  // gradient_state.active_dataloader: its address (compare with &loader),
+  // nullptr outside every pass.
+  const void* active_dataloader() const { return state_->active_dataloader(); }
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
   // under sharding (detail::clip_grad_norm).
@@ -9950,6 +10158,28 @@ class Accelerator {
   ModuleHolder& unwrap_model(ModuleHolder& model) const {
     return model;
   }
+
+  // Accelerate's free_memory, for a second training run in the same
+  // process: the Accelerator lets go of every model, optimizer, scheduler
+  // and loader it prepared and every object registered for checkpointing
+  // (Accelerate keeps those; here they are references that may not outlive
+  // the run), and its step count restarts. Each prepared model is a plain
+  // module again: under FULL_SHARD its whole parameters gathered back into
+  // it, and an optimizer that stepped shards steps the parameters again,
+  // with its state started afresh (see DataParallel::release_module).
+  // Every process calls it. Loaders keep working on their own.
+  void free_memory() {
+    if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
+    detail::every_process_calls("accel::Accelerator::free_memory", [&] {
+      for (auto& m : prepared_.models) m.data_parallel->release_module();
+    });
+    prepared_.sharded->clear();  // the optimizers' handles stop gathering
+    prepared_ = {};
+    step_ = 0;
+    state_->sync_gradients = true;
+  }
+  // Accelerate's other name for free_memory.
+  void clear() { free_memory(); }
 
   // -- operations across processes (Accelerate's Accelerator methods) -------------
 

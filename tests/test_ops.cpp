@@ -118,6 +118,9 @@ TEST_SUITE("single") {
     CHECK(accel::gather_object(std::string("a")) == std::vector<std::string>{"a"});
     CHECK(accel::split_between_processes(range(0, 16)) == range(0, 16));
     CHECK(accel::split_between_processes(std::map<std::string, std::vector<int>>{}).empty());
+    CHECK(accel::copy_tensor_to_devices(x).is_same(x));
+    CHECK_THROWS_WITH_AS(accel::copy_tensor_to_devices(at::Tensor()), doctest::Contains("(no process does)"),
+                         std::invalid_argument);
   }
 
   TEST_CASE("split arithmetic: 17 and 8 items on 1, 2, 3 and 4 ranks") {
@@ -313,6 +316,30 @@ TEST_SUITE("ranks") {
     CHECK(state["flag"].item<bool>());
     CHECK_THROWS_WITH_AS(accel::broadcast(state, P), doctest::Contains(("from_process=" + std::to_string(P)).c_str()),
                          std::invalid_argument);
+  }
+
+  // Accelerate's test_ops.py test_copy_tensor_to_devices (its expected
+  // values), then other shapes, dtypes and holders, and the two mistakes.
+  TEST_CASE("copy_tensor_to_devices: the one holder's tensor on every rank, its shape unknown to the others") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    at::Tensor tensor = r == 0 ? at::tensor({1, 2, 3}, at::kInt) : at::Tensor();
+    at::Tensor copied = accel::copy_tensor_to_devices(tensor);
+    CHECK(copied.equal(at::tensor({1, 2, 3}, at::kInt)));
+    if (r == 0) CHECK(copied.is_same(tensor));  // the holder keeps its own
+    const int holder = P - 1;
+    const at::Tensor whole = at::arange(24, at::kDouble).reshape({2, 3, 4}).transpose(0, 2);  // not contiguous
+    copied = accel::copy_tensor_to_devices(r == holder ? whole : at::Tensor());
+    CHECK(shape(copied) == std::vector<int64_t>{4, 3, 2});
+    CHECK((copied.scalar_type() == at::kDouble));
+    CHECK(copied.equal(whole));
+    CHECK(accel::copy_tensor_to_devices(r == holder ? at::full({}, true, at::kBool) : at::Tensor()).item<bool>());  // 0-d
+    if (P < 2) return;
+    CHECK_THROWS_WITH_AS(accel::copy_tensor_to_devices(at::Tensor()), doctest::Contains("(none does)"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::copy_tensor_to_devices(r < 2 ? at::ones({2}) : at::Tensor()),
+                         doctest::Contains("(processes 0 1 do)"), std::invalid_argument);
+    CHECK(accel::all_reduce(1, accel::ReduceOp::SUM) == P);  // still in step afterwards
   }
 
   TEST_CASE("pad_across_processes: to the longest rank's size, at the end or at the start") {

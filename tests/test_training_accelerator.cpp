@@ -303,6 +303,102 @@ TEST_SUITE("ranks") {
                          std::invalid_argument);
   }
 
+  // Accelerate's test_distributed_data_loop.py test_join_can_override_even_batches, with the passes counted.
+  TEST_CASE("join_uneven_inputs(..., even_batches): the prepared loaders' setting for the passes inside the block") {
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), r = accelerator.process_index();
+    torch::nn::Linear model(1, 1);
+    accelerator.prepare(model);
+    // P + 1 samples in batches of 1: with even_batches every process gets 2 batches, without, process 0 only.
+    const auto n = static_cast<std::size_t>(P + 1);
+    auto train = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()), {.batch_size = 1});
+    auto valid = accelerator.prepare_data_loader(Indexed(n).map(torch::data::transforms::Stack<>()), {.batch_size = 1});
+    auto passes = [&] {
+      std::vector<std::size_t> lengths;
+      for (auto* loader : {&train, &valid}) {
+        std::size_t k = 0;
+        for (auto& batch : *loader) {
+          (void)batch;
+          ++k;
+        }
+        lengths.push_back(k);
+        CHECK(loader->batches() == k);
+      }
+      return lengths;
+    };
+    const std::size_t even = P == 1 ? n : 2, uneven = P == 1 ? n : (r == 0 ? 2 : 1);
+    CHECK(passes() == std::vector<std::size_t>{even, even});
+    std::vector<std::size_t> inside;
+    accelerator.join_uneven_inputs([&] { inside = passes(); }, /*even_batches=*/false, model);
+    CHECK(inside == std::vector<std::size_t>{uneven, uneven});
+    CHECK(passes() == std::vector<std::size_t>{even, even});  // the loaders' own setting again
+    CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] { throw std::runtime_error("body failed"); }, false, model),
+                         "body failed", std::runtime_error);
+    CHECK(passes() == std::vector<std::size_t>{even, even});  // and after a body that threw
+  }
+
+  // Accelerate's free_memory between two training runs (its test_accelerator.py test_free_memory_dereferences_prepared_components:
+  // nothing prepared stays referenced), here with what a C++ caller keeps: the model and optimizer themselves.
+  TEST_CASE("free_memory: every prepared model a plain module again, sharded ones gathered; the step count restarts") {
+    for (const auto strategy : {accel::ShardingStrategy::NO_SHARD, accel::ShardingStrategy::SHARD_GRAD_OP,
+                                accel::ShardingStrategy::FULL_SHARD}) {
+      CAPTURE(strategy);
+      release_world();
+      auto c = config(/*accumulation=*/2);
+      c.sharding_strategy = strategy;
+      accel::Accelerator accelerator(c);
+      const bool sharded = accelerator.sharding_strategy() != accel::ShardingStrategy::NO_SHARD;
+      torch::manual_seed(5);
+      Mlp model(4, 8, 1);
+      torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(0.01));
+      auto prepared = accelerator.prepare(model, adam);
+      accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+      const auto data = dataset(8, 4);
+      for (int step = 0; step < 3; ++step) {  // micro-steps 1 and 2 make a step; 3 accumulates
+        auto guard = accelerator.accumulate(model);
+        accelerator.backward(torch::mse_loss(model(data.first), data.second));
+        optimizer.step();
+        optimizer.zero_grad();
+      }
+      at::Tensor trained;
+      {
+        const auto full = accelerator.data_parallel(model)->summon_full_params();
+        trained = flat_parameters(*model).clone();
+      }
+      accelerator.free_memory();
+      CHECK(accelerator.data_parallel(model) == nullptr);
+      CHECK(flat_parameters(*model).equal(trained));  // (at rest under FULL_SHARD before: gathered for good)
+      // The optimizer steps the model's own parameters again; state kept per shard starts afresh.
+      const auto params = model->parameters();
+      const auto& group = adam.param_groups().at(0).params();
+      REQUIRE(group.size() == params.size());
+      for (std::size_t i = 0; i < params.size(); ++i) CHECK(group[i].is_same(params[i]));
+      CHECK(adam.state().size() == (sharded ? 0 : params.size()));
+      // A plain module: called directly, trained locally.
+      adam.zero_grad();
+      torch::mse_loss(model->body->forward(data.first), data.second).backward();
+      adam.step();
+      CHECK_FALSE(flat_parameters(*model).equal(trained));
+      // A second run in the same process: prepared anew, its accumulation count from the start
+      // (without the restart the third micro-step above would make this first one a sync step).
+      torch::optim::SGD sgd(model->parameters(), 0.1);
+      auto again = accelerator.prepare(model, sgd);
+      std::vector<bool> syncs;
+      for (int step = 0; step < 2; ++step) {
+        auto guard = accelerator.accumulate(model);
+        syncs.push_back(accelerator.sync_gradients());
+        accelerator.backward(torch::mse_loss(model(data.first), data.second));
+        std::get<1>(again).step();
+        std::get<1>(again).zero_grad();
+      }
+      CHECK(syncs == std::vector<bool>{false, true});
+      const auto full = accelerator.data_parallel(model)->summon_full_params();
+      if (accelerator.data_parallel(model)->distributed())
+        CHECK(identical_across_ranks(*model, accelerator.data_parallel(model)->group()));
+    }
+    release_world();
+  }
+
   // Accelerate's test_script.py test_trigger and process_execution_check.
   TEST_CASE("set_trigger on one process stops every process; main_process_first and the on_* wrappers") {
     accel::Accelerator accelerator(config());

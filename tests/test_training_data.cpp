@@ -341,32 +341,77 @@ TEST_SUITE("ranks") {
                          doctest::Contains("past the dataset's"), std::out_of_range);
   }
 
-  TEST_CASE("data: nested prepared loaders: end_of_dataloader follows the innermost (Accelerate's test_dataloader_break)") {
+  TEST_CASE(
+      "data: nested prepared loaders: end_of_dataloader and active_dataloader follow the innermost (Accelerate's "
+      "test_dataloader_break)") {
     accel::Accelerator accelerator(config());
     const auto P = static_cast<std::size_t>(accelerator.num_processes());
     auto first = accelerator.prepare_data_loader(Indexed(5 * P).map(torch::data::transforms::Stack<>()));
     auto second = accelerator.prepare_data_loader(Indexed(6 * P).map(torch::data::transforms::Stack<>()));
     CHECK_FALSE(accelerator.end_of_dataloader());
+    CHECK(accelerator.active_dataloader() == nullptr);
     std::size_t iteration = 0;
     for (auto& outer : first) {
       (void)outer;
+      CHECK(accelerator.active_dataloader() == &first);
       CHECK(accelerator.end_of_dataloader() == (iteration == first.batches() - 1));
       if (iteration == 1) {
         std::size_t inner = 0;
         for (auto& batch : second) {
           (void)batch;
+          CHECK(accelerator.active_dataloader() == &second);
           CHECK(accelerator.end_of_dataloader() == (inner++ == second.batches() - 1));
         }
+        CHECK(accelerator.active_dataloader() == &first);
         CHECK_FALSE(accelerator.end_of_dataloader());  // back in the outer pass, not its last batch
       }
       ++iteration;
     }
+    CHECK(accelerator.active_dataloader() == nullptr);
     CHECK_FALSE(accelerator.end_of_dataloader());
     for (auto& batch : first) {  // a pass left early ends with its iterator
       (void)batch;
       if (accelerator.end_of_dataloader()) break;
     }
     CHECK_FALSE(accelerator.end_of_dataloader());
+  }
+
+  // As Accelerate's stateful-dataloader tests (test_data_loader.py, use_stateful_dataloader): a state_dict
+  // taken mid-pass resumes another loader right after it; one taken after a pass, at the next epoch.
+  TEST_CASE("data: a prepared loader's state_dict resumes a loader where it was taken, in any process") {
+    accel::Accelerator accelerator(config());
+    const auto P = static_cast<std::size_t>(accelerator.num_processes());
+    auto make = [&] {
+      return accelerator.prepare_data_loader(Indexed(8 * P).map(torch::data::transforms::Stack<>()),
+                                             {.batch_size = 2, .shuffle = true, .seed = 9});
+    };
+    auto loader = make();
+    for (auto& batch : loader) (void)batch;  // epoch 0
+    std::vector<int64_t> rest;
+    c10::Dict<std::string, int64_t> mid;
+    std::size_t i = 0;
+    for (auto& batch : loader) {  // epoch 1: 2 of 4 batches, then the state, then the rest
+      if (++i == 2) mid = loader.state_dict();
+      if (i > 2)
+        for (int64_t k = 0; k < batch.target.size(0); ++k) rest.push_back(batch.target[k].item<int64_t>());
+    }
+    CHECK(mid.at("epoch") == 1);
+    CHECK(mid.at("batches_handed_out") == 2);
+    CHECK(loader.state_dict().at("epoch") == 2);  // after the pass: the next one, from its start
+    CHECK(loader.state_dict().at("batches_handed_out") == 0);
+    // Through LibTorch's pickler, as a checkpoint would keep it.
+    const c10::IValue kept = torch::pickle_load(torch::pickle_save(c10::IValue(mid)));
+    auto resumed = make();
+    resumed.load_state_dict(c10::impl::toTypedDict<std::string, int64_t>(kept.toGenericDict()));
+    std::vector<int64_t> got;
+    for (auto& batch : resumed)
+      for (int64_t k = 0; k < batch.target.size(0); ++k) got.push_back(batch.target[k].item<int64_t>());
+    CHECK(got == rest);
+    CHECK(resumed.next_epoch() == 2);
+    c10::Dict<std::string, int64_t> bad;
+    bad.insert("epoch", 1);
+    CHECK_THROWS_WITH_AS(resumed.load_state_dict(bad), doctest::Contains("takes what its state_dict() returns"),
+                         accel::InvalidArgument);
   }
 
   // Accelerate's test_distributed_data_loop.py (it expects 2 processes; its values there).
@@ -486,6 +531,19 @@ TEST_SUITE("single") {
         {2, 4, false, true, false, {{0, 1}}, {}},
         {2, 4, true, true, false, {}, {}},
     };
+    // Accelerate shards a BatchSampler(range(n), batch, drop_last) there: our own batches, and a custom
+    // batch sampler making the same ones and stating their size (as a BatchSampler's batch_size does).
+    auto batch_sampler = [](std::size_t n, std::size_t batch, bool drop_last) {
+      return [=](std::size_t) {
+        Batches out;
+        for (std::size_t i = 0; i < n; i += batch)
+          if (i + batch <= n || !drop_last) {
+            out.emplace_back();
+            for (std::size_t k = i; k < std::min(n, i + batch); ++k) out.back().push_back(k);
+          }
+        return out;
+      };
+    };
     for (const auto& c : cases) {
       CAPTURE(c.n);
       CAPTURE(c.batch);
@@ -496,8 +554,25 @@ TEST_SUITE("single") {
         accel::ShardSampler sampler({.size = c.n, .num_replicas = 2, .rank = r, .batch_size = c.batch,
                                      .even_batches = c.even, .drop_last = c.drop_last, .split_batches = c.split});
         CHECK(sampler.batches() == (r == 0 ? c.p0 : c.p1));
+        accel::ShardSampler custom({.size = c.n, .num_replicas = 2, .rank = r, .even_batches = c.even,
+                                    .drop_last = c.drop_last, .split_batches = c.split,
+                                    .batch_sampler = batch_sampler(c.n, c.batch, c.drop_last),
+                                    .batch_sampler_batch_size = c.batch});
+        CHECK(custom.batches() == (r == 0 ? c.p0 : c.p1));
       }
     }
+    // A stated size the batches do not keep is an error, not a guess.
+    auto stated = [](Batches sequence, std::size_t size) {
+      return accel::ShardSampler({.size = 8, .num_replicas = 2, .batch_sampler = [sequence](std::size_t) { return sequence; },
+                                  .batch_sampler_batch_size = size});
+    };
+    CHECK_THROWS_WITH_AS(stated({{0, 1, 2}, {3, 4, 5, 6}}, 3), doctest::Contains("batch 1 holds 4 indices, but it states batches of 3"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(stated({{0, 1}, {2, 3, 4}}, 3), doctest::Contains("batch 0 holds 2 indices"),
+                         std::invalid_argument);
+    CHECK(stated({{0, 1, 2}, {3, 4}}, 3).batches() == Batches{{0, 1, 2}});  // process 0 of 2
+    CHECK_THROWS_WITH_AS(accel::ShardSampler({.size = 8, .batch_sampler_batch_size = 2}),
+                         doctest::Contains("there is none"), std::invalid_argument);
     // test_batch_sampler_with_varying_batch_size and ..._varying_batch_size_{even_batches,many_processes}
     struct Varying {
       Batches sequence;

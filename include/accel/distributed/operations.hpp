@@ -1,6 +1,7 @@
 // accel/distributed/operations.hpp: Accelerate's operations: gather, pad_across_processes, reduce, ....
 #pragma once
 
+#include "accel/distributed/exchange.hpp"
 #include "accel/distributed/nested.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -248,6 +249,48 @@ T broadcast(T data, int from_process = 0, const GroupPtr& group = {}) {
       for (std::size_t k = 0; k < members.size(); ++k) leaves[members[k]].copy_(packing.view(buffer, k));
   }
   return data;
+}
+
+// Accelerate's copy_tensor_to_devices: the tensor that exactly one process
+// of the group holds (the others pass an undefined at::Tensor, Python's
+// None) on every process, without the others knowing its shape or dtype:
+// one small all_gather of (holds it, dtype, dimensions), one broadcast of
+// its sizes, one of its values. The holder gets its own tensor back; the
+// others a new one on the group's device. Accelerate sums a buffer from
+// every process, so two holders would add up; here no holder or several
+// is an accel::InvalidArgument on every process.
+inline at::Tensor copy_tensor_to_devices(const at::Tensor& tensor = {}, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "copy_tensor_to_devices");
+  const bool holds = tensor.defined();
+  const char* rule = "exactly one process holds the tensor; the others pass an undefined at::Tensor";
+  if (!g) {
+    if (!holds) throw InvalidArgument(std::string("accel::copy_tensor_to_devices: ") + rule + " (no process does)");
+    return tensor;
+  }
+  detail::check_same_call(*g, [] { return std::string("copy_tensor_to_devices()"); });
+  const std::vector<int64_t> all = detail::exchange_counts(
+      *g, {holds, holds ? static_cast<int64_t>(tensor.scalar_type()) : 0, holds ? tensor.dim() : 0},
+      "copy_tensor_to_devices");
+  std::vector<int> holders;
+  for (int r = 0; r < g->getSize(); ++r)
+    if (all[3 * static_cast<std::size_t>(r)]) holders.push_back(r);
+  if (holders.size() != 1) {
+    std::string which = holders.empty() ? "none does" : "processes";
+    for (int r : holders) which += " " + std::to_string(r);
+    if (!holders.empty()) which += " do";
+    throw InvalidArgument(std::string("accel::copy_tensor_to_devices: ") + rule + " (" + which + ")");
+  }
+  const int from = holders.front();
+  const auto dtype = static_cast<c10::ScalarType>(all[3 * static_cast<std::size_t>(from) + 1]);
+  const int64_t dims = all[3 * static_cast<std::size_t>(from) + 2];
+  std::vector<int64_t> sizes = holds ? tensor.sizes().vec() : std::vector<int64_t>(static_cast<std::size_t>(dims));
+  at::NoGradGuard no_grad;
+  if (dims > 0)
+    detail::broadcast_tensor(*g, at::from_blob(sizes.data(), {dims}, detail::cpu_options(c10::kLong)), from);
+  at::Tensor out =
+      holds ? tensor.contiguous() : at::empty(sizes, at::TensorOptions().dtype(dtype).device(detail::group_device(*g)));
+  detail::broadcast_tensor(*g, out, from);
+  return holds ? tensor : out;
 }
 
 // Pads every tensor leaf along `dim` with pad_index to the largest size any

@@ -211,7 +211,36 @@ class Accelerator {
   // every backward; other collectives inside body would have no partner on a
   // joined rank (as with DDP's Join).
   template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+    join(std::forward<Body>(body), models...);
+  }
+  // The same, with the prepared loaders' even_batches set to even_batches
+  // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
+  // applies to each pass that starts inside the block. Loaders that
+  // dispatch batches, and iterable ones, have no even_batches (Accelerate
+  // warns about them, and also leaves them as they are).
+  template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
+  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
+    std::vector<std::pair<std::shared_ptr<detail::LoaderPosition>, std::optional<bool>>> saved;
+    for (auto& loader : prepared_.loaders)
+      saved.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
+    auto restore = [&] {
+      for (auto& [loader, value] : saved) loader->even_batches = value;
+    };
+    try {
+      join(std::forward<Body>(body), models...);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+  }
+
+ private:
+  template <class Body, class... ModuleHolders>
+  void join(Body&& body, ModuleHolders&... models) {
     static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
     if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
     if (!prepared_.sharded->empty())
@@ -231,6 +260,7 @@ class Accelerator {
     join_.reset();
   }
 
+ public:
   // RAII: restores the models' gradient sync when it goes out of scope.
   using SyncGuard = detail::SyncGuard;
   // While the guard lives, backward() accumulates these models' gradients
@@ -268,6 +298,10 @@ class Accelerator {
   // Whether the batch being processed is the last of the innermost prepared
   // loader's pass.
   bool end_of_dataloader() const { return state_->end_of_dataloader(); }
+  // The innermost prepared loader whose pass is under way, as Accelerate's
+  // gradient_state.active_dataloader: its address (compare with &loader),
+  // nullptr outside every pass.
+  const void* active_dataloader() const { return state_->active_dataloader(); }
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
   // under sharding (detail::clip_grad_norm).
@@ -288,6 +322,28 @@ class Accelerator {
   ModuleHolder& unwrap_model(ModuleHolder& model) const {
     return model;
   }
+
+  // Accelerate's free_memory, for a second training run in the same
+  // process: the Accelerator lets go of every model, optimizer, scheduler
+  // and loader it prepared and every object registered for checkpointing
+  // (Accelerate keeps those; here they are references that may not outlive
+  // the run), and its step count restarts. Each prepared model is a plain
+  // module again: under FULL_SHARD its whole parameters gathered back into
+  // it, and an optimizer that stepped shards steps the parameters again,
+  // with its state started afresh (see DataParallel::release_module).
+  // Every process calls it. Loaders keep working on their own.
+  void free_memory() {
+    if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
+    detail::every_process_calls("accel::Accelerator::free_memory", [&] {
+      for (auto& m : prepared_.models) m.data_parallel->release_module();
+    });
+    prepared_.sharded->clear();  // the optimizers' handles stop gathering
+    prepared_ = {};
+    step_ = 0;
+    state_->sync_gradients = true;
+  }
+  // Accelerate's other name for free_memory.
+  void clear() { free_memory(); }
 
   // -- operations across processes (Accelerate's Accelerator methods) -------------
 

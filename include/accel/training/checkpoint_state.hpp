@@ -326,9 +326,8 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    set.loaders[i]->next_epoch = static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>());
-    set.loaders[i]->skip = static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>());
-    set.loaders[i]->in_pass = false;
+    set.loaders[i]->resume_at(static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>()),
+                              static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()));
   }
   auto set_state = [](at::Generator generator, const at::Tensor& state) {
     std::lock_guard lock(generator.mutex());

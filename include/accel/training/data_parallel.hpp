@@ -295,6 +295,12 @@ class DataParallel {
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
+  // Gives the module back for plain local use, for good (see
+  // detail::dp::release_module): under FULL_SHARD its parameters gathered
+  // (every rank of the shard group calls it); optimizers that stepped the
+  // shards step the parameters again, from a fresh state. Afterwards this
+  // DataParallel does nothing; destroy it.
+  void release_module() { detail::dp::release_module(*state_); }
   // Module::load into the parameters, then every shard taken again from its
   // parameter: open_for_load() before the load, reshard() after it.
   void open_for_load() { detail::dp::open_for_load(*state_); }

@@ -154,6 +154,48 @@ inline void reshard(State& s) {
   }
 }
 
+// Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
+// parameter's address as text, c10::guts::to_string's, 2.x by the address).
+template <class StateMap>
+void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<const void*>(parameter);
+    state.erase(key.str());
+  } else {
+    state.erase(parameter);
+  }
+}
+
+// The module given back for local use (Accelerator::free_memory): every
+// unit's parameters gathered for good (a collective on the shard group),
+// and every optimizer that stepped the shards given the parameters back in
+// their place, its state for the shards dropped (the optimizer starts
+// afresh: LibTorch's per-parameter state types are its own, so 1/S of each
+// cannot be put back together here). The hooks do nothing afterwards.
+inline void release_module(State& s) {
+  std::lock_guard lock(s.mutex);
+  if (s.shard) {
+    end_unit_pass(s);
+    for (std::size_t u = 0; u < s.units.size(); ++u) materialize(s, u);
+    ++s.held;                                                                    // (release() frees nothing while held)
+    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;  // shard -> its parameter
+    for (const auto& bucket : s.buckets)
+      for (std::size_t i = 0; i < bucket.shards.size(); ++i)
+        parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
+    for (torch::optim::Optimizer* optimizer : s.optimizers)
+      for (auto& group : optimizer->param_groups())
+        for (auto& p : group.params()) {
+          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
+          if (found == parameter_of.end()) continue;
+          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
+          p = *found->second;
+        }
+    s.optimizers.clear();
+  }
+  s.alive = false;
+}
+
 // Cuts every parameter into its chunks and makes this rank's shards.
 inline void make_shards(State& s) {
   const int64_t S = s.shard->getSize(), r = s.shard->getRank();

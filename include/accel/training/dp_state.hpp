@@ -66,7 +66,7 @@ struct State {
   int held = 0;
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
-  std::vector<const torch::optim::Optimizer*> optimizers;
+  std::vector<torch::optim::Optimizer*> optimizers;
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and

@@ -43,7 +43,8 @@ class PreparedDataLoader {
                                   config.drop_last,
                                   dispatch ? false : split_batches,
                                   config.layout,
-                                  config.batch_sampler};
+                                  config.batch_sampler,
+                                  config.batch_sampler_batch_size};
     ShardSampler sampler(std::move(options), record_);
     if (!dispatch) {
       batches_ = sampler.batch_count();
@@ -75,14 +76,18 @@ class PreparedDataLoader {
         dispatcher_->begin([this] { return global_batch(); });
         for (size_t i = 0; i < skip && next(); ++i) {
         }  // every process reads and drops the same batches
-        return Iterator(this, detail::Pass(gradient_state_, state_));
+        return Iterator(this, detail::Pass(gradient_state_, state_, this));
       }
-    // The sampler starts after the skipped batches: none is read.
+    // The sampler starts after the skipped batches: none is read. It plans
+    // the pass when LibTorch's loader begins (with the even_batches of
+    // join_uneven_inputs, where one is set), which gives the pass's length.
     record_->skip = skip;
+    record_->even_batches = position_->even_batches;
+    it_.emplace(loader_->begin());
+    batches_ = record_->real_per_batch.size();
     index_ = std::min(skip, batches_);
     position_->handed_out = index_;
-    it_.emplace(loader_->begin());
-    return Iterator(this, detail::Pass(gradient_state_, state_));
+    return Iterator(this, detail::Pass(gradient_state_, state_, this));
   }
   Iterator end() { return Iterator(); }
 
@@ -94,8 +99,15 @@ class PreparedDataLoader {
   // where the sampler can skip (Accelerate's skip_first_batches).
   void skip_first_batches(size_t n) { position_->skip = n; }
   // Batches per pass on this process (the same on every process with
-  // even_batches or dispatch_batches).
+  // even_batches or dispatch_batches); during a pass, that pass's.
   size_t batches() const { return batches_; }
+  // Where the loader stands, as torchdata's StatefulDataLoader (Accelerate's
+  // use_stateful_dataloader): {"epoch", "batches_handed_out"} (inside a
+  // pass: that pass and the batches handed out so far; after it: the next
+  // pass and 0), a c10::Dict that torch::pickle_save stores.
+  // load_state_dict makes the next pass resume right after those batches.
+  c10::Dict<std::string, int64_t> state_dict() const { return position_->state_dict(); }
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) { position_->load_state_dict(state); }
 
  private:
   friend Iterator;
@@ -206,13 +218,16 @@ class PreparedIterableDataLoader {
     }
     for (size_t i = 0; i < skip && next(); ++i) {
     }
-    return Iterator(this, detail::Pass(gradient_state_, state_));
+    return Iterator(this, detail::Pass(gradient_state_, state_, this));
   }
   Iterator end() { return Iterator(); }
   // The next pass starts after its first n batches (Accelerate's
   // skip_first_batches; they are read and dropped).
   void skip_first_batches(size_t n) { position_->skip = n; }
   size_t next_epoch() const { return position_->next_epoch; }
+  // As PreparedDataLoader's (a resumed stream reads and drops the batches already handed out).
+  c10::Dict<std::string, int64_t> state_dict() const { return position_->state_dict(); }
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) { position_->load_state_dict(state); }
 
  private:
   friend Iterator;

@@ -153,6 +153,12 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     bool even_batches = true, drop_last = false, split_batches = false;
     ShardLayout layout = ShardLayout::BATCHES;
     BatchSamplerFn batch_sampler{};  // BATCHES only: replaces shuffle and batch_size
+    // The batch size the custom batch sampler states (Python's
+    // batch_sampler.batch_size): every batch but the last holds this many,
+    // the last at most as many, and even_batches fills a short last batch up
+    // to it (as Accelerate fills a BatchSampler's). Unset: its batches may
+    // vary, and the last round is completed with whole batches.
+    std::optional<size_t> batch_sampler_batch_size{};
   };
   // What the loader learns at the start of each pass: the number of real
   // (non-repeated) samples of each of this process's batches, in order.
@@ -160,6 +166,9 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     std::vector<size_t> real_per_batch;
     size_t epoch = 0;
     size_t skip = 0;  // the next reset() starts after this many batches (then 0)
+    // Replaces Options::even_batches from the next reset() on, while set
+    // (Accelerator::join_uneven_inputs' even_batches).
+    std::optional<bool> even_batches{};
   };
 
   explicit ShardSampler(Options options, std::shared_ptr<Record> record = std::make_shared<Record>())
@@ -171,10 +180,16 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     if (o.batch_size == 0) fail("batch_size must be at least 1");
     if (o.batch_sampler && o.layout != ShardLayout::BATCHES)
       fail("a custom batch sampler needs ShardLayout::BATCHES (SAMPLES deals out single samples)");
-    if (o.batch_sampler && o.split_batches)
-      fail("split_batches needs a fixed batch size; a custom batch sampler's batches may vary");
-    if (o.split_batches && o.layout == ShardLayout::BATCHES && o.batch_size % o.num_replicas != 0)
-      fail("with split_batches the batch size (" + std::to_string(o.batch_size) + ") must be a multiple of the " +
+    if (o.batch_sampler_batch_size && !o.batch_sampler)
+      fail("batch_sampler_batch_size states the size of a custom batch sampler's batches; there is none");
+    if (o.batch_sampler_batch_size == size_t{0}) fail("batch_sampler_batch_size must be at least 1");
+    if (o.batch_sampler && o.split_batches && !o.batch_sampler_batch_size)
+      fail(
+          "split_batches needs a fixed batch size; a custom batch sampler's batches may vary (state its size in "
+          "batch_sampler_batch_size)");
+    const size_t batch = o.batch_sampler ? o.batch_sampler_batch_size.value_or(0) : o.batch_size;
+    if (o.split_batches && o.layout == ShardLayout::BATCHES && batch % o.num_replicas != 0)
+      fail("with split_batches the batch size (" + std::to_string(batch) + ") must be a multiple of the " +
            std::to_string(o.num_replicas) + " processes");
     reset();
   }
@@ -182,6 +197,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
   void reset(torch::optional<size_t> new_size = torch::nullopt) override {
     if (new_size) options_.size = *new_size;
     const Options& o = options_;
+    const bool even_batches = record_->even_batches.value_or(o.even_batches);
     epoch_ = record_->epoch;
     next_ = 0;
     std::vector<size_t> order;  // the dataset's order for this epoch (not needed with a batch sampler)
@@ -197,7 +213,7 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
     batches_.clear();
     if (o.layout == ShardLayout::SAMPLES) {
       const size_t total =
-          o.even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
+          even_batches && o.size > 0 ? (o.size + o.num_replicas - 1) / o.num_replicas * o.num_replicas : o.size;
       const size_t local = o.split_batches ? o.batch_size / o.num_replicas : o.batch_size;
       detail::SlotBatch mine;
       for (size_t position = o.rank; position < total; position += o.num_replicas)
@@ -210,11 +226,18 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
       std::vector<std::vector<size_t>> sequence;
       if (o.batch_sampler) {
         sequence = o.batch_sampler(epoch_);
-        for (size_t b = 0; b < sequence.size(); ++b)
+        for (size_t b = 0; b < sequence.size(); ++b) {
           for (size_t i : sequence[b])
             if (i >= o.size)
               throw OutOfRange("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds index " +
                                std::to_string(i) + ", past the dataset's " + std::to_string(o.size) + " samples");
+          const std::optional<size_t> stated = o.batch_sampler_batch_size;
+          const bool last = b + 1 == sequence.size();
+          if (stated && (sequence[b].size() > *stated || (!last && sequence[b].size() != *stated)))
+            throw InvalidArgument("accel::ShardSampler: the batch sampler's batch " + std::to_string(b) + " holds " +
+                                  std::to_string(sequence[b].size()) + " indices, but it states batches of " +
+                                  std::to_string(*stated) + " (only the last may hold fewer)");
+        }
       } else {
         for (size_t i = 0; i < order.size(); i += o.batch_size)
           if (i + o.batch_size <= order.size() || !o.drop_last)
@@ -222,8 +245,8 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
                 order.begin() + static_cast<std::ptrdiff_t>(i),
                 order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), i + o.batch_size)));
       }
-      batches_ = detail::shard_batches(sequence, o.batch_sampler ? std::nullopt : std::optional<size_t>(o.batch_size),
-                                       o.num_replicas, o.rank, o.split_batches, o.even_batches, o.drop_last);
+      batches_ = detail::shard_batches(sequence, o.batch_sampler ? o.batch_sampler_batch_size : o.batch_size,
+                                       o.num_replicas, o.rank, o.split_batches, even_batches, o.drop_last);
     }
     record_->real_per_batch.clear();
     for (const auto& batch : batches_)
@@ -296,7 +319,10 @@ struct DataLoaderConfig {
   bool drop_last = false;    // drop the incomplete last batch (and, BATCHES, an incomplete last round)
   size_t workers = 0;        // LibTorch's loader threads
   ShardLayout layout = ShardLayout::BATCHES;
-  BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES; split_batches only dispatching)
+  BatchSamplerFn batch_sampler{};  // a custom one-process batch sequence (BATCHES)
+  // The size of the custom batch sampler's batches, where it has one (see
+  // ShardSampler::Options); split_batches needs it unless dispatching.
+  std::optional<size_t> batch_sampler_batch_size{};
   // The main process reads every global batch and sends each process its
   // rows (accel/training/dispatch.hpp); unset: on for iterable datasets only,
   // as Accelerate. even_batches does not apply (every process gets rows of
@@ -307,19 +333,53 @@ struct DataLoaderConfig {
 namespace detail {
 // Where a prepared loader's pass stands.
 struct LoaderState {
+  const void* loader = nullptr;     // the loader whose pass this is (Accelerator::active_dataloader)
   std::optional<size_t> real_rows;  // real samples of the current batch
   bool end_of_dataloader = false;   // the current batch is the pass's last
 };
 // Where a prepared loader is in its passes, shared with the Accelerator for
 // save_state / load_state: the epoch the next pass uses, the pass under way
 // and how many of its batches were handed out, and how many batches the
-// next pass skips (load_state, skip_first_batches).
+// next pass skips (load_state, skip_first_batches); and the even_batches
+// that join_uneven_inputs sets for its block.
 struct LoaderPosition {
   size_t next_epoch = 0, epoch = 0, handed_out = 0, skip = 0;
   bool in_pass = false;
+  std::optional<bool> even_batches{};
   // The point a resumed run starts from: (epoch, batches to skip).
   std::pair<size_t, size_t> resume_point() const {
     return in_pass ? std::pair{epoch, handed_out} : std::pair{next_epoch, size_t{0}};
+  }
+  // The next pass resumes from there (load_state, load_state_dict).
+  void resume_at(size_t resume_epoch, size_t batches) {
+    next_epoch = resume_epoch;
+    skip = batches;
+    in_pass = false;
+  }
+  // A prepared loader's state_dict: {"epoch": the pass to resume,
+  // "batches_handed_out": how many of its batches were handed out}, inside
+  // a pass that pass and its batches so far, after it the next pass and 0
+  // (what save_state keeps). A c10::Dict, so that torch::pickle_save or an
+  // OutputArchive (as a c10::IValue) stores it.
+  c10::Dict<std::string, int64_t> state_dict() const {
+    const auto [resume_epoch, batches] = resume_point();
+    c10::Dict<std::string, int64_t> out;
+    out.insert("epoch", static_cast<int64_t>(resume_epoch));
+    out.insert("batches_handed_out", static_cast<int64_t>(batches));
+    return out;
+  }
+  // The next pass resumes where state_dict() was taken (the loader's own or
+  // another prepared loader's over the same data and processes).
+  void load_state_dict(const c10::Dict<std::string, int64_t>& state) {
+    auto field = [&](const char* key) {
+      const auto found = state.find(key);
+      if (found == state.end() || found->value() < 0 || state.size() != 2)
+        throw InvalidArgument(
+            "accel: a prepared loader's load_state_dict takes what its state_dict() returns: {\"epoch\": n, "
+            "\"batches_handed_out\": k}, both at least 0");
+      return static_cast<size_t>(found->value());
+    };
+    resume_at(field("epoch"), field("batches_handed_out"));
   }
   // After each read: a batch was handed out; after the last one (or none)
   // the pass is over, and a resumed run starts with the next epoch.
@@ -343,6 +403,7 @@ struct GradientState {
   bool sync_gradients = true;
   std::vector<const LoaderState*> active;
   const LoaderState* loader() const { return active.empty() ? nullptr : active.back(); }
+  const void* active_dataloader() const { return loader() ? loader()->loader : nullptr; }
   bool end_of_dataloader() const { return loader() && loader()->end_of_dataloader; }
   void remove(const LoaderState* state) { std::erase(active, state); }
 };
@@ -352,11 +413,11 @@ struct GradientState {
 class Pass {
  public:
   Pass() = default;
-  Pass(std::shared_ptr<GradientState> gradient_state, std::shared_ptr<LoaderState> state)
+  Pass(std::shared_ptr<GradientState> gradient_state, std::shared_ptr<LoaderState> state, const void* loader)
       : gradient_state_(std::move(gradient_state)), state_(std::move(state)) {
     gradient_state_->remove(state_.get());
     gradient_state_->active.push_back(state_.get());
-    *state_ = {};
+    *state_ = {.loader = loader};
   }
   Pass(Pass&& other) noexcept : gradient_state_(std::move(other.gradient_state_)), state_(std::move(other.state_)) {}
   Pass(const Pass&) = delete;

@@ -26,3 +26,12 @@
 #include <filesystem>
 #include <set>
 #include <unistd.h>
+
+ACCEL_NAMESPACE_BEGIN
+namespace detail {
+// A LibTorch module holder (torch::nn::Linear, a TORCH_MODULE of yours): what
+// the Accelerator takes as a model.
+template <class M>
+concept module_holder = requires(M& m) { m.ptr(); };
+}  // namespace detail
+ACCEL_NAMESPACE_END
