@@ -59,11 +59,13 @@
 //     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/prepared.hpp            what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/checkpoint_state.hpp    save_state's and load_state's work: write; read and check; apply or roll back; commit
-//     accel/training/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs)
+//     accel/training/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
 //     accel/training/safetensors.hpp         safetensors: Hugging Face's weight format, written and read
 //     accel/training/weights.hpp             save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/autocast.hpp            AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
-//     accel/training/accelerator.hpp         the Accelerator
+//     accel/training/accelerator_setup.hpp   what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
+//     accel/training/process_operations.hpp  Accelerate's operations as Accelerator methods, over every process
+//     accel/training/accelerator.hpp         the Accelerator: what it prepares, the training step, checkpoints
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -7343,9 +7345,9 @@ struct DataLoaderConfig {
 namespace detail {
 // Where a prepared loader's pass stands.
 struct LoaderState {
-  const void* loader = nullptr;     // the loader whose pass this is (Accelerator::active_dataloader)
-  std::optional<size_t> real_rows;  // real samples of the current batch
-  bool end_of_dataloader = false;   // the current batch is the pass's last
+  const void* loader = nullptr;       // the loader whose pass this is (Accelerator::active_dataloader)
+  std::optional<size_t> real_rows{};  // real samples of the current batch
+  bool end_of_dataloader = false;     // the current batch is the pass's last
 };
 // Where a prepared loader is in its passes, shared with the Accelerator for
 // save_state / load_state: the epoch the next pass uses, the pass under way
@@ -9275,7 +9277,7 @@ inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& 
 ACCEL_NAMESPACE_END
 
 // == accel/training/join.hpp ==================================================
-// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs).
+// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches.
 //
 // A rank whose loop ends first stands in for the others' gradient
 // all-reduces (with zeros: gradients are still divided by the whole group)
@@ -9325,6 +9327,41 @@ class Join {
   std::vector<PreparedModel*> models_;
   GroupPtr group_;
   int64_t steps_ = 0;  // backwards this rank ran
+};
+
+// Runs body (the training loop) joined: `current` holds the Join while body
+// runs (the Accelerator's backward reads it), and every rank finishes it
+// after body, also when it ran out of batches first. Not distributed: body
+// alone.
+template <class Body>
+void run_joined(std::optional<Join>& current, Join join, Body&& body) {
+  if (!join.group()) return static_cast<void>(std::invoke(body));
+  current.emplace(std::move(join));
+  try {
+    std::invoke(body);
+    current->finish();
+  } catch (...) {
+    current.reset();
+    throw;
+  }
+  current.reset();
+}
+
+// RAII: every prepared loader's even_batches set for the passes that start
+// while it lives (join_uneven_inputs' even_batches), then put back.
+class EvenBatchesOverride {
+ public:
+  EvenBatchesOverride(const std::vector<std::shared_ptr<LoaderPosition>>& loaders, bool even_batches) {
+    for (const auto& loader : loaders) saved_.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
+  }
+  EvenBatchesOverride(const EvenBatchesOverride&) = delete;
+  EvenBatchesOverride& operator=(const EvenBatchesOverride&) = delete;
+  ~EvenBatchesOverride() {
+    for (auto& [loader, value] : saved_) loader->even_batches = value;
+  }
+
+ private:
+  std::vector<std::pair<std::shared_ptr<LoaderPosition>, std::optional<bool>>> saved_;
 };
 }  // namespace detail
 
@@ -9843,367 +9880,198 @@ class AutocastGuard {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/accelerator.hpp ===========================================
-// accel/training/accelerator.hpp: the Accelerator.
+// == accel/training/accelerator_setup.hpp =====================================
+// accel/training/accelerator_setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them.
+//
+// The Accelerator (accelerator.hpp) is built on two parts that hold no
+// training state: AcceleratorSetup (this part), which checks the
+// configuration before the rendezvous, joins the world, answers the
+// properties Accelerate reads off an accelerator, and decides how a model
+// is wrapped (the DataParallel the strategy calls for); and
+// ProcessOperations (process_operations.hpp), Accelerate's operations over
+// every process. The Accelerator adds what it prepares and the training
+// step on top.
+
+#include "accel/training/checkpoint_files.hpp"  // check_project
 
 ACCEL_NAMESPACE_BEGIN
 
-class Accelerator {
+namespace detail {
+// The Accelerator's first base: its settings, checked; the world and the
+// device; Accelerate's properties; the DataParallel a model gets.
+class AcceleratorSetup {
  public:
+  c10::Device device() const { return device_; }
+  bool is_main_process() const { return interface_->get_rank() == 0; }
+  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
+  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
+  int process_index() const { return interface_->get_rank(); }
+  int local_process_index() const { return interface_->get_local_rank(); }
+  int num_processes() const { return interface_->get_world_size(); }
+  DistributedType distributed_type() const {
+    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
+    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+  }
+  const std::string& mixed_precision() const { return config_.mixed_precision; }
+  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
+  // The strategy in effect: NO_SHARD when the configured one has nothing to
+  // shard along (mp_shard_size == 1, or one process).
+  ShardingStrategy sharding_strategy() const {
+    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
+  }
+  // Accelerate's use_distributed: more than one process.
+  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
+  // Accelerate's is_fsdp2: whether parameters are sharded at rest
+  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
+  bool is_fsdp2() const {
+    const ShardingStrategy s = sharding_strategy();
+    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
+  }
+  // Accelerate's should_save_model: true on every process, which all call
+  // save_model (a collective; the main process writes).
+  bool should_save_model() const { return true; }
+  // This process's rank along each kind of parallelism, as Accelerate names
+  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
+  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
+  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
+  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
+  int tensor_parallel_rank() const { return 0; }
+  int pipeline_parallel_rank() const { return 0; }
+  // Accelerate's verify_device_map: whether the model is spread over devices
+  // by a device map (big-model inference). accel.hpp places whole models: false.
+  template <class ModuleHolder>
+  bool verify_device_map(const ModuleHolder&) const {
+    return false;
+  }
+  // Accelerate's project_dir, project_configuration and save_iteration (the
+  // number the next automatically named checkpoint takes; set it through
+  // project_configuration().iteration).
+  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
+  ProjectConfiguration& project_configuration() { return config_.project_config; }
+  int save_iteration() const { return config_.project_config.iteration; }
+
+ protected:
   // Every setting is checked before the rendezvous: a configuration one rank
   // refuses, every rank refuses, and none leaves while its peers connect.
-  explicit Accelerator(AcceleratorConfig config = {}) : config_(checked(std::move(config))) {
+  explicit AcceleratorSetup(AcceleratorConfig config) : config_(checked(std::move(config))) {
     interface_ = &DistributedInterface::instance(config_.distributed);
     device_ = interface_->current_device();
   }
 
-  // -- prepare ----------------------------------------------------------------
+  const AcceleratorConfig& config() const { return config_; }
+  const DistributedInterface& world() const { return *interface_; }
+  // Whether the configured strategy has something to shard along.
+  bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
 
-  // A model: moved to the device, its parameters and buffers broadcast from
-  // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
-  // DataParallel). Any number of models may be prepared; each keeps its own
-  // gradient sync. Returns the model itself (accel.hpp does not wrap).
-  template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
-  ModuleHolder& prepare(ModuleHolder& model) {
-    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
-    if (prepared_.find(module.get()))
-      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-    model->to(device_);
+  // The DataParallel that wraps `module` (already on the device) under the
+  // configured strategy: sharded along the model mesh, with FULL_SHARD's
+  // units; else over the data mesh, with the configured communication hook.
+  std::unique_ptr<DataParallel> data_parallel_for(const std::shared_ptr<torch::nn::Module>& module) const {
     const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
-    if (sharded()) {
-      std::vector<std::shared_ptr<torch::nn::Module>> units;
-      if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
-          config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
-        choose_units(*module, "", units);
-        if (units.empty())
-          throw InvalidArgument(
-              "accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
-              " found no unit in the model (" +
-              (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
-              "); use SHARD_GRAD_OP, or register the layers as submodules");
-      }
-      prepared_.models.push_back(detail::PreparedModel{
-          module, std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
-                                                 interface_->get_group(Dim::MP_SHARD),
-                                                 interface_->get_group(Dim::MP_REPLICATE), units)});
-      prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
-      for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
-    } else {
-      prepared_.models.push_back(
-          detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
-      if (config_.comm_hook == DDPCommunicationHookType::FP16)
-        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
-      if (config_.comm_hook == DDPCommunicationHookType::BF16)
-        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
+    if (!sharded()) {
+      auto dp = std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes);
+      if (config_.comm_hook == DDPCommunicationHookType::FP16) dp->register_comm_hook(comm_hooks::fp16_compress_hook());
+      if (config_.comm_hook == DDPCommunicationHookType::BF16) dp->register_comm_hook(comm_hooks::bf16_compress_hook());
       if (config_.comm_hook == DDPCommunicationHookType::POWER_SGD)
-        prepared_.models.back().data_parallel->register_comm_hook(
-            comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
-      if (config_.gradient_as_bucket_view) prepared_.models.back().data_parallel->gradient_as_bucket_view(true);
+        dp->register_comm_hook(comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
+      if (config_.gradient_as_bucket_view) dp->gradient_as_bucket_view(true);
+      return dp;
     }
-    return model;
-  }
-  // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
-  // Under sharding its groups then hold the shards of the prepared models'
-  // parameters (prepare it before it steps), and step it through the handle
-  // returned, whose step() gathers the parameters from the updated shards.
-  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
-    if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
-      prepared_.optimizers.push_back(&optimizer);
-    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
-    for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
-      for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather_shards();
-    });
-  }
-  // Accelerate's single-object forms of prepare.
-  template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
-  ModuleHolder& prepare_model(ModuleHolder& model) {
-    return prepare(model);
-  }
-  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer) { return prepare(optimizer); }
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler) {
-    return prepare(scheduler);
-  }
-  // A learning-rate scheduler: see AcceleratedScheduler.
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare(Scheduler& scheduler) {
-    auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
-                              [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
-    if (found == prepared_.schedulers.end()) {
-      detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
-      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
-                             torch::serialize::InputArchive& in) {
-                      c.save(out);
-                      m.load(in);
-                    }) {
-        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
-        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
-      }
-      prepared_.schedulers.push_back(std::move(p));
-      found = std::prev(prepared_.schedulers.end());
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
+        config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
+      choose_units(*module, "", units);
+      if (units.empty())
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
+            " found no unit in the model (" +
+            (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
+            "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
-    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP),
-                                found->steps);
-  }
-  // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
-  //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
-  template <class First, class Second, class... Rest>
-  auto prepare(First& first, Second& second, Rest&... rest) {
-    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
-        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
-  }
-
-  // A data loader over this process's share of `dataset` on the data-parallel
-  // group (see ShardSampler for the layouts). With split_batches,
-  // config.batch_size is the global batch and must divide evenly among the
-  // processes. config.dispatch_batches: the main process reads and sends.
-  // An IterableDataset (a LibTorch StatefulDataset) gives a
-  // PreparedIterableDataLoader instead.
-  template <class Dataset>
-  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = interface_->get_world_size(Dim::DP);
-    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
-      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
-                            std::to_string(config.batch_size) + ") must be a multiple of the " +
-                            std::to_string(replicas) + " data-parallel processes");
-    using Loader =
-        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(
-        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
-    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
-                  prepared_.loaders.back());
-  }
-  // The loader's next pass starts after its first n batches (Accelerate's
-  // skip_first_batches, for a run resumed by hand; load_state does it for
-  // prepared loaders). Returns the loader.
-  template <class Loader>
-    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
-  Loader& skip_first_batches(Loader& loader, size_t n) {
-    loader.skip_first_batches(n);
-    return loader;
-  }
-
-  // Anything with save(torch::serialize::OutputArchive&) and
-  // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
-  // of yours, a step counter) joins every checkpoint, as Accelerate's
-  // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
-  // registered, written by the main process. The object must outlive the
-  // Accelerator's checkpoints.
-  template <class T>
-    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-      c.save(out);
-      t.load(in);
-    }
-  void register_for_checkpointing(T& object) {
-    prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
-                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
-  }
-
-  // -- the training step --------------------------------------------------------
-
-  // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
-  // gradient all-reduce armed on every prepared model that syncs now (not
-  // inside no_sync or a non-sync accumulate step). A model none of whose
-  // parameters gets a gradient from this loss is left alone.
-  void backward(const at::Tensor& loss) {
-    auto step = [&] {
-      at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
-      if (join_) join_->before_backward();
-      for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-      for (auto& m : prepared_.models)
-        if (m.sync) m.data_parallel->prepare_for_backward();
-      scaled.backward();
-      for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
-    };
-    if (join_) step();  // (a joined process stands in for it without calling it)
-    else detail::every_process_calls("accel::Accelerator::backward", step);
-  }
-
-  // Accelerate's lomo_backward runs the fused backward-and-step of a
-  // prepared LOMO optimizer (lomo-optim's Lomo, AdaLomo). LibTorch has none,
-  // so no prepared optimizer can be one: Accelerate's error for that case.
-  void lomo_backward(const at::Tensor&, double) {
-    throw InvalidArgument(
-        "accel::Accelerator::lomo_backward: Backward pass not properly called on LOMO optimizers. Are you sure you "
-        "passed a LOMO optimizer in accelerator.prepare()? (LibTorch has no LOMO optimizer: call backward(loss) and "
-        "step the optimizer)");
-  }
-
-  // Training on uneven inputs (even_batches = false), as Accelerate's
-  // join_uneven_inputs over DDP's Join: runs body (the training loop); a
-  // rank whose loop ends first stands in for the others' gradient
-  // all-reduces (with zeros: gradients are still divided by the whole group)
-  // until every rank's loop has ended, and then every rank takes the
-  // weights of a rank that ran the most steps (DDP's final model sync).
-  // Inside body, each backward() first tells the joined ranks what to shadow
-  // (one small all_reduce), and every listed model that syncs is reduced on
-  // every backward; other collectives inside body would have no partner on a
-  // joined rank (as with DDP's Join).
-  template <class Body, class... ModuleHolders>
-    requires(detail::module_holder<ModuleHolders> && ...)
-  void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
-    join(std::forward<Body>(body), models...);
-  }
-  // The same, with the prepared loaders' even_batches set to even_batches
-  // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
-  // applies to each pass that starts inside the block. Loaders that
-  // dispatch batches, and iterable ones, have no even_batches (Accelerate
-  // warns about them, and also leaves them as they are).
-  template <class Body, class... ModuleHolders>
-    requires(detail::module_holder<ModuleHolders> && ...)
-  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
-    std::vector<std::pair<std::shared_ptr<detail::LoaderPosition>, std::optional<bool>>> saved;
-    for (auto& loader : prepared_.loaders)
-      saved.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
-    auto restore = [&] {
-      for (auto& [loader, value] : saved) loader->even_batches = value;
-    };
-    try {
-      join(std::forward<Body>(body), models...);
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
+    return std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
+                                          interface_->get_group(Dim::MP_SHARD),
+                                          interface_->get_group(Dim::MP_REPLICATE), units);
   }
 
  private:
-  template <class Body, class... ModuleHolders>
-  void join(Body&& body, ModuleHolders&... models) {
-    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
-    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
-    if (!prepared_.sharded->empty())
-      throw InvalidArgument(
-          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
-          "have to step its shard too); use NO_SHARD, or even batches");
-    detail::Join join({find_prepared(models, "join_uneven_inputs")...});
-    if (!join.group()) return static_cast<void>(std::invoke(body));  // one process: nothing to join
-    join_.emplace(std::move(join));
-    try {
-      std::invoke(body);
-      join_->finish();
-    } catch (...) {
-      join_.reset();
-      throw;
+  // Gradients are averaged over the whole data mesh (dp x cp), which spans
+  // the world: context-parallel peers see different parts of the same
+  // sequences and must stay identical (LLaMA-Factory's trainers do so).
+  GroupPtr gradient_group() const {
+    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
+  }
+  static AcceleratorConfig checked(AcceleratorConfig config) {
+    if (config.gradient_accumulation_steps < 1)
+      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
+                            std::to_string(config.gradient_accumulation_steps));
+    if (config.bucket_cap_mb < 1)
+      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
+                            std::to_string(config.bucket_cap_mb));
+    const auto& mp = config.mixed_precision;
+    if (mp != "no" && mp != "bf16" && mp != "fp16")
+      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
+    detail::check_project(config.project_config, "accel::Accelerator");
+    if (config.cpu) {
+      if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
+        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
+                              std::string(to_string(*config.distributed.device)));
+      config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
     }
-    join_.reset();
+    // What instance() will choose, known without it: the mesh sizes and the device.
+    const DistributedStrategy strategy(config.distributed);
+    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
+        shards(config.sharding_strategy, strategy, is_distributed()))
+      throw InvalidArgument(std::string("accel::Accelerator: ") +
+                            (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
+                            " is about the all-reduce of NO_SHARD's buckets; under " +
+                            std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
+    if (mp == "fp16" &&
+        (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
+            DeviceType::CUDA)
+      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
+    return config;
+  }
+  // Whether the strategy has something to shard along (else it is NO_SHARD).
+  static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
+    return s != ShardingStrategy::NO_SHARD && distributed && mesh.mp_shard_size() > 1;
+  }
+  // FULL_SHARD's units under `module` (see auto_wrap_policy).
+  void choose_units(torch::nn::Module& module, const std::string& prefix,
+                    std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
+    for (const auto& child : module.named_children()) {
+      const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
+      const bool unit = config_.auto_wrap_policy ? config_.auto_wrap_policy(name, *child.value())
+                                                 : !child.value()->parameters(/*recurse=*/false).empty();
+      if (unit) units.push_back(child.value());
+      else choose_units(*child.value(), name, units);
+    }
   }
 
+  AcceleratorConfig config_;
+  DistributedInterface* interface_ = nullptr;
+  c10::Device device_{c10::kCPU};
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/process_operations.hpp ====================================
+// accel/training/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
+//
+// Accelerate's Accelerator offers its operations as methods too
+// (accelerator.gather(x), accelerator.print(...)); the Accelerator takes
+// them from this part. Each calls the free function of the same name over
+// the world (accel/distributed/operations.hpp, process_control.hpp); the
+// trigger is the only state. gather_for_metrics, which needs the prepared
+// loaders, is the Accelerator's own.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The Accelerator's second base: Accelerate's operations over every
+// process, as methods (accelerator.gather(x), accelerator.print(...)).
+class ProcessOperations {
  public:
-  // RAII: restores the models' gradient sync when it goes out of scope.
-  using SyncGuard = detail::SyncGuard;
-  // While the guard lives, backward() accumulates these models' gradients
-  // locally (DDP's no_sync). A model that was never prepared never syncs.
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models) {
-    return with_sync(false, models...);
-  }
-  // While the guard lives, backward() syncs these models' gradients, also
-  // inside no_sync (Accelerate's trigger_sync_in_backward).
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models) {
-    return with_sync(true, models...);
-  }
-  // One micro-step of gradient accumulation, as Accelerate's accumulate():
-  // counts the step and sets sync_gradients(), true on every
-  // gradient_accumulation_steps-th call and on the last batch of a prepared
-  // loader's pass (which also restarts the count, so no accumulated gradient
-  // is carried into the next pass). On the other steps the given models
-  // accumulate locally while the guard lives (unless sync_each_batch).
-  // sync_gradients() keeps its value after the guard, for the loop to read.
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
-    if (config_.sync_with_dataloader && state_->end_of_dataloader()) {
-      step_ = 0;
-      state_->sync_gradients = true;
-    } else {
-      ++step_;
-      state_->sync_gradients = step_ % config_.gradient_accumulation_steps == 0;
-    }
-    return with_sync(state_->sync_gradients || config_.sync_each_batch, models...);
-  }
-  // Whether the current step syncs gradients (and prepared optimizers step).
-  bool sync_gradients() const { return state_->sync_gradients; }
-  // Whether the batch being processed is the last of the innermost prepared
-  // loader's pass.
-  bool end_of_dataloader() const { return state_->end_of_dataloader(); }
-  // The innermost prepared loader whose pass is under way, as Accelerate's
-  // gradient_state.active_dataloader: its address (compare with &loader),
-  // nullptr outside every pass.
-  const void* active_dataloader() const { return state_->active_dataloader(); }
-
-  // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
-  // under sharding (detail::clip_grad_norm).
-  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
-    return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
-  }
-  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
-    detail::clip_grad_value(prepared_, parameters, clip_value);
-  }
-
-  // RAII autocast for the configured mixed precision: bf16 on the CPU
-  // through LibTorch's autocast; a no-op for "no".
-  using AutocastGuard = detail::AutocastGuard;
-  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(config_.mixed_precision, device_); }
-
-  // The model itself: accel.hpp does not wrap modules.
-  template <class ModuleHolder>
-  ModuleHolder& unwrap_model(ModuleHolder& model) const {
-    return model;
-  }
-
-  // Accelerate's free_memory, for a second training run in the same
-  // process: the Accelerator lets go of every model, optimizer, scheduler
-  // and loader it prepared and every object registered for checkpointing
-  // (Accelerate keeps those; here they are references that may not outlive
-  // the run), and its step count restarts. Each prepared model is a plain
-  // module again: under FULL_SHARD its whole parameters gathered back into
-  // it, and an optimizer that stepped shards steps the parameters again,
-  // with its state started afresh (see DataParallel::release_module).
-  // Every process calls it. Loaders keep working on their own.
-  void free_memory() {
-    if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
-    detail::every_process_calls("accel::Accelerator::free_memory", [&] {
-      for (auto& m : prepared_.models) m.data_parallel->release_module();
-    });
-    prepared_.sharded->clear();  // the optimizers' handles stop gathering
-    prepared_ = {};
-    step_ = 0;
-    state_->sync_gradients = true;
-  }
-  // Accelerate's other name for free_memory.
-  void clear() { free_memory(); }
-
-  // -- operations across processes (Accelerate's Accelerator methods) -------------
-
-  // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
-  // welcome), over the data-parallel group. Inside a pass over a prepared
-  // loader, the rows that repeat samples (even_batches padding) are dropped
-  // first, so every sample of the dataset is counted exactly once.
-  // num_samples instead keeps the first num_samples rows of the result (for
-  // data that did not come from a prepared loader).
-  template <TensorTree T>
-  T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
-    return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
-      const GroupPtr group = interface_->get_group(Dim::DP);
-      auto first_rows = [](int64_t rows) {
-        return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
-      };
-      if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
-      const detail::LoaderState* loader = state_->loader();
-      if (loader && loader->real_rows)
-        return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
-      return accel::gather(data, group);
-    });
-  }
-  // Over every process, as Accelerate's methods of the same names.
   template <TensorTree T>
   T gather(const T& data) const {
     return accel::gather(data);
@@ -10267,6 +10135,323 @@ class Accelerator {
     return true;
   }
 
+ private:
+  int64_t trigger_ = 0;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator.hpp ===========================================
+// accel/training/accelerator.hpp: the Accelerator: what it prepares, the training step, checkpoints.
+//
+// Its configuration, world, device and properties come from
+// AcceleratorSetup (accelerator_setup.hpp), Accelerate's operations over
+// every process from ProcessOperations (process_operations.hpp). What it
+// prepares lives in a PreparedSet (prepared.hpp), which the checkpoint
+// functions (checkpoint_state.hpp) save and load.
+
+ACCEL_NAMESPACE_BEGIN
+
+class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOperations {
+ public:
+  // Every setting is checked before the rendezvous (AcceleratorSetup).
+  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorSetup(std::move(config)) {}
+
+  // -- prepare ----------------------------------------------------------------
+
+  // A model: moved to the device, its parameters and buffers broadcast from
+  // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
+  // DataParallel). Any number of models may be prepared; each keeps its own
+  // gradient sync. Returns the model itself (accel.hpp does not wrap).
+  template <class ModuleHolder>
+    requires requires(ModuleHolder& m) { m.ptr(); }
+  ModuleHolder& prepare(ModuleHolder& model) {
+    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
+    if (prepared_.find(module.get()))
+      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
+    model->to(device());
+    prepared_.models.push_back(detail::PreparedModel{module, data_parallel_for(module)});
+    if (sharded()) {
+      prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
+      for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
+    }
+    return model;
+  }
+  // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
+  // Under sharding its groups then hold the shards of the prepared models'
+  // parameters (prepare it before it steps), and step it through the handle
+  // returned, whose step() gathers the parameters from the updated shards.
+  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
+    if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
+      prepared_.optimizers.push_back(&optimizer);
+    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
+    for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
+    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
+      for (DataParallel* dp : *sharded)
+        if (dp->steps_with(optimizer)) dp->gather_shards();
+    });
+  }
+  // Accelerate's single-object forms of prepare.
+  template <class ModuleHolder>
+    requires requires(ModuleHolder& m) { m.ptr(); }
+  ModuleHolder& prepare_model(ModuleHolder& model) {
+    return prepare(model);
+  }
+  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer) { return prepare(optimizer); }
+  template <class Scheduler>
+    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
+  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler) {
+    return prepare(scheduler);
+  }
+  // A learning-rate scheduler: see AcceleratedScheduler.
+  template <class Scheduler>
+    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
+  AcceleratedScheduler prepare(Scheduler& scheduler) {
+    auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
+                              [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
+    if (found == prepared_.schedulers.end()) {
+      detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
+      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
+                             torch::serialize::InputArchive& in) {
+                      c.save(out);
+                      m.load(in);
+                    }) {
+        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
+        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
+      }
+      prepared_.schedulers.push_back(std::move(p));
+      found = std::prev(prepared_.schedulers.end());
+    }
+    return AcceleratedScheduler(scheduler, state_, config().split_batches ? 1 : world().get_world_size(Dim::DP),
+                                found->steps);
+  }
+  // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
+  //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
+  template <class First, class Second, class... Rest>
+  auto prepare(First& first, Second& second, Rest&... rest) {
+    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
+        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
+  }
+
+  // A data loader over this process's share of `dataset` on the data-parallel
+  // group (see ShardSampler for the layouts). With split_batches,
+  // config.batch_size is the global batch and must divide evenly among the
+  // processes. config.dispatch_batches: the main process reads and sends.
+  // An IterableDataset (a LibTorch StatefulDataset) gives a
+  // PreparedIterableDataLoader instead.
+  template <class Dataset>
+  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
+    const int replicas = world().get_world_size(Dim::DP);
+    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
+    if (this->config().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
+                            std::to_string(config.batch_size) + ") must be a multiple of the " +
+                            std::to_string(replicas) + " data-parallel processes");
+    using Loader =
+        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
+    prepared_.loaders.push_back(
+        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    return Loader(std::move(dataset), config, world().get_group(Dim::DP), this->config().split_batches, state_,
+                  prepared_.loaders.back());
+  }
+  // The loader's next pass starts after its first n batches (Accelerate's
+  // skip_first_batches, for a run resumed by hand; load_state does it for
+  // prepared loaders). Returns the loader.
+  template <class Loader>
+    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
+  Loader& skip_first_batches(Loader& loader, size_t n) {
+    loader.skip_first_batches(n);
+    return loader;
+  }
+
+  // Anything with save(torch::serialize::OutputArchive&) and
+  // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
+  // of yours, a step counter) joins every checkpoint, as Accelerate's
+  // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
+  // registered, written by the main process. The object must outlive the
+  // Accelerator's checkpoints.
+  template <class T>
+    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+      c.save(out);
+      t.load(in);
+    }
+  void register_for_checkpointing(T& object) {
+    prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
+                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
+  }
+
+  // -- the training step --------------------------------------------------------
+
+  // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
+  // gradient all-reduce armed on every prepared model that syncs now (not
+  // inside no_sync or a non-sync accumulate step). A model none of whose
+  // parameters gets a gradient from this loss is left alone.
+  void backward(const at::Tensor& loss) {
+    auto step = [&] {
+      const int steps = gradient_accumulation_steps();
+      at::Tensor scaled = steps > 1 ? loss / steps : loss;
+      if (join_) join_->before_backward();
+      for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
+      for (auto& m : prepared_.models)
+        if (m.sync) m.data_parallel->prepare_for_backward();
+      scaled.backward();
+      for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    };
+    if (join_) step();  // (a joined process stands in for it without calling it)
+    else detail::every_process_calls("accel::Accelerator::backward", step);
+  }
+
+  // Accelerate's lomo_backward runs the fused backward-and-step of a
+  // prepared LOMO optimizer (lomo-optim's Lomo, AdaLomo). LibTorch has none,
+  // so no prepared optimizer can be one: Accelerate's error for that case.
+  void lomo_backward(const at::Tensor&, double) {
+    throw InvalidArgument(
+        "accel::Accelerator::lomo_backward: Backward pass not properly called on LOMO optimizers. Are you sure you "
+        "passed a LOMO optimizer in accelerator.prepare()? (LibTorch has no LOMO optimizer: call backward(loss) and "
+        "step the optimizer)");
+  }
+
+  // Training on uneven inputs (even_batches = false), as Accelerate's
+  // join_uneven_inputs over DDP's Join: runs body (the training loop); a
+  // rank whose loop ends first stands in for the others' gradient
+  // all-reduces (with zeros: gradients are still divided by the whole group)
+  // until every rank's loop has ended, and then every rank takes the
+  // weights of a rank that ran the most steps (DDP's final model sync).
+  // Inside body, each backward() first tells the joined ranks what to shadow
+  // (one small all_reduce), and every listed model that syncs is reduced on
+  // every backward; other collectives inside body would have no partner on a
+  // joined rank (as with DDP's Join).
+  template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
+  void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
+    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+    if (!prepared_.sharded->empty())
+      throw InvalidArgument(
+          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+          "have to step its shard too); use NO_SHARD, or even batches");
+    detail::run_joined(join_, detail::Join({find_prepared(models, "join_uneven_inputs")...}), std::forward<Body>(body));
+  }
+  // The same, with the prepared loaders' even_batches set to even_batches
+  // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
+  // applies to each pass that starts inside the block. Loaders that
+  // dispatch batches, and iterable ones, have no even_batches (Accelerate
+  // warns about them, and also leaves them as they are).
+  template <class Body, class... ModuleHolders>
+    requires(detail::module_holder<ModuleHolders> && ...)
+  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
+    const detail::EvenBatchesOverride for_the_block(prepared_.loaders, even_batches);
+    join_uneven_inputs(std::forward<Body>(body), models...);
+  }
+
+  // RAII: restores the models' gradient sync when it goes out of scope.
+  using SyncGuard = detail::SyncGuard;
+  // While the guard lives, backward() accumulates these models' gradients
+  // locally (DDP's no_sync). A model that was never prepared never syncs.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models) {
+    return with_sync(false, models...);
+  }
+  // While the guard lives, backward() syncs these models' gradients, also
+  // inside no_sync (Accelerate's trigger_sync_in_backward).
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models) {
+    return with_sync(true, models...);
+  }
+  // One micro-step of gradient accumulation, as Accelerate's accumulate():
+  // counts the step and sets sync_gradients(), true on every
+  // gradient_accumulation_steps-th call and on the last batch of a prepared
+  // loader's pass (which also restarts the count, so no accumulated gradient
+  // is carried into the next pass). On the other steps the given models
+  // accumulate locally while the guard lives (unless sync_each_batch).
+  // sync_gradients() keeps its value after the guard, for the loop to read.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
+    if (config().sync_with_dataloader && state_->end_of_dataloader()) {
+      step_ = 0;
+      state_->sync_gradients = true;
+    } else {
+      ++step_;
+      state_->sync_gradients = step_ % gradient_accumulation_steps() == 0;
+    }
+    return with_sync(state_->sync_gradients || config().sync_each_batch, models...);
+  }
+  // Whether the current step syncs gradients (and prepared optimizers step).
+  bool sync_gradients() const { return state_->sync_gradients; }
+  // Whether the batch being processed is the last of the innermost prepared
+  // loader's pass.
+  bool end_of_dataloader() const { return state_->end_of_dataloader(); }
+  // The innermost prepared loader whose pass is under way, as Accelerate's
+  // gradient_state.active_dataloader: its address (compare with &loader),
+  // nullptr outside every pass.
+  const void* active_dataloader() const { return state_->active_dataloader(); }
+
+  // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
+  // under sharding (detail::clip_grad_norm).
+  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
+    return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
+  }
+  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+    detail::clip_grad_value(prepared_, parameters, clip_value);
+  }
+
+  // RAII autocast for the configured mixed precision: bf16 on the CPU
+  // through LibTorch's autocast; a no-op for "no".
+  using AutocastGuard = detail::AutocastGuard;
+  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(mixed_precision(), device()); }
+
+  // The model itself: accel.hpp does not wrap modules.
+  template <class ModuleHolder>
+  ModuleHolder& unwrap_model(ModuleHolder& model) const {
+    return model;
+  }
+
+  // Accelerate's free_memory, for a second training run in the same
+  // process: the Accelerator lets go of every model, optimizer, scheduler
+  // and loader it prepared and every object registered for checkpointing
+  // (Accelerate keeps those; here they are references that may not outlive
+  // the run), and its step count restarts. Each prepared model is a plain
+  // module again: under FULL_SHARD its whole parameters gathered back into
+  // it, and an optimizer that stepped shards steps the parameters again,
+  // with its state started afresh (see DataParallel::release_module).
+  // Every process calls it. Loaders keep working on their own.
+  void free_memory() {
+    if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
+    detail::every_process_calls("accel::Accelerator::free_memory", [&] {
+      for (auto& m : prepared_.models) m.data_parallel->release_module();
+    });
+    prepared_.sharded->clear();  // the optimizers' handles stop gathering
+    prepared_ = {};
+    step_ = 0;
+    state_->sync_gradients = true;
+  }
+  // Accelerate's other name for free_memory.
+  void clear() { free_memory(); }
+
+  // -- metrics across processes (the other operations: ProcessOperations) ----------
+
+  // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
+  // welcome), over the data-parallel group. Inside a pass over a prepared
+  // loader, the rows that repeat samples (even_batches padding) are dropped
+  // first, so every sample of the dataset is counted exactly once.
+  // num_samples instead keeps the first num_samples rows of the result (for
+  // data that did not come from a prepared loader).
+  template <TensorTree T>
+  T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
+    return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
+      const GroupPtr group = world().get_group(Dim::DP);
+      auto first_rows = [](int64_t rows) {
+        return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+      };
+      if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+      const detail::LoaderState* loader = state_->loader();
+      if (loader && loader->real_rows)
+        return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+      return accel::gather(data, group);
+    });
+  }
+
   // -- checkpoints ----------------------------------------------------------------
 
   // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
@@ -10282,7 +10467,7 @@ class Accelerator {
   // oldest beyond the limit. Returns the checkpoint's directory.
   std::filesystem::path save_state(const std::filesystem::path& path = {}) {
     return detail::every_process_calls("accel::Accelerator::save_state", [&] {
-      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
     });
   }
 
@@ -10301,7 +10486,7 @@ class Accelerator {
   // (Accelerate leaves it, and the next save_state() finds its number taken).
   void load_state(const std::filesystem::path& path = {}) {
     step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
-      return detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+      return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
     });
   }
 
@@ -10309,8 +10494,8 @@ class Accelerator {
   detail::CheckpointContext checkpoint_context() const {
     return {.process_index = process_index(),
             .num_processes = num_processes(),
-            .shards = prepared_.sharded->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD),
-            .device = device_};
+            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
+            .device = device()};
   }
 
  public:
@@ -10334,56 +10519,8 @@ class Accelerator {
     });
   }
 
-  // -- properties -------------------------------------------------------------------
+  // -- the prepared models' DataParallels ------------------------------------------------
 
-  c10::Device device() const { return device_; }
-  bool is_main_process() const { return interface_->get_rank() == 0; }
-  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
-  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
-  int process_index() const { return interface_->get_rank(); }
-  int local_process_index() const { return interface_->get_local_rank(); }
-  int num_processes() const { return interface_->get_world_size(); }
-  DistributedType distributed_type() const {
-    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
-    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
-  }
-  const std::string& mixed_precision() const { return config_.mixed_precision; }
-  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
-  // The strategy in effect: NO_SHARD when the configured one has nothing to
-  // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const {
-    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
-  }
-  // Accelerate's use_distributed: more than one process.
-  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
-  // Accelerate's is_fsdp2: whether parameters are sharded at rest
-  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
-  bool is_fsdp2() const {
-    const ShardingStrategy s = sharding_strategy();
-    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
-  }
-  // Accelerate's should_save_model: true on every process, which all call
-  // save_model (a collective; the main process writes).
-  bool should_save_model() const { return true; }
-  // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
-  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
-  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
-  int tensor_parallel_rank() const { return 0; }
-  int pipeline_parallel_rank() const { return 0; }
-  // Accelerate's verify_device_map: whether the model is spread over devices
-  // by a device map (big-model inference). accel.hpp places whole models: false.
-  template <class ModuleHolder>
-  bool verify_device_map(const ModuleHolder&) const {
-    return false;
-  }
-  // Accelerate's project_dir, project_configuration and save_iteration (the
-  // number the next automatically named checkpoint takes; set it through
-  // project_configuration().iteration).
-  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
-  ProjectConfiguration& project_configuration() { return config_.project_config; }
-  int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
   DataParallel* data_parallel() {
@@ -10396,12 +10533,6 @@ class Accelerator {
   }
 
  private:
-  // Gradients are averaged over the whole data mesh (dp x cp), which spans
-  // the world: context-parallel peers see different parts of the same
-  // sequences and must stay identical (LLaMA-Factory's trainers do so).
-  GroupPtr gradient_group() const {
-    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
-  }
   template <class ModuleHolder>
   detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
     if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
@@ -10418,60 +10549,9 @@ class Accelerator {
         ...);
     return guard;
   }
-  static AcceleratorConfig checked(AcceleratorConfig config) {
-    if (config.gradient_accumulation_steps < 1)
-      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                            std::to_string(config.gradient_accumulation_steps));
-    if (config.bucket_cap_mb < 1)
-      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                            std::to_string(config.bucket_cap_mb));
-    const auto& mp = config.mixed_precision;
-    if (mp != "no" && mp != "bf16" && mp != "fp16")
-      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
-    detail::check_project(config.project_config, "accel::Accelerator");
-    if (config.cpu) {
-      if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
-        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
-                              std::string(to_string(*config.distributed.device)));
-      config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
-    }
-    // What instance() will choose, known without it: the mesh sizes and the device.
-    const DistributedStrategy strategy(config.distributed);
-    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
-        shards(config.sharding_strategy, strategy, is_distributed()))
-      throw InvalidArgument(std::string("accel::Accelerator: ") +
-                            (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
-                            " is about the all-reduce of NO_SHARD's buckets; under " +
-                            std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
-    if (mp == "fp16" &&
-        (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
-            DeviceType::CUDA)
-      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
-    return config;
-  }
-  // Whether the strategy has something to shard along (else it is NO_SHARD).
-  static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
-    return s != ShardingStrategy::NO_SHARD && distributed && mesh.mp_shard_size() > 1;
-  }
-  bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
-  // FULL_SHARD's units under `module` (see auto_wrap_policy).
-  void choose_units(torch::nn::Module& module, const std::string& prefix,
-                    std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
-    for (const auto& child : module.named_children()) {
-      const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
-      const bool unit = config_.auto_wrap_policy ? config_.auto_wrap_policy(name, *child.value())
-                                                 : !child.value()->parameters(/*recurse=*/false).empty();
-      if (unit) units.push_back(child.value());
-      else choose_units(*child.value(), name, units);
-    }
-  }
-  AcceleratorConfig config_;
-  DistributedInterface* interface_ = nullptr;
-  c10::Device device_{c10::kCPU};
   detail::PreparedSet prepared_;
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;  // accumulate()'s count of micro-steps
-  int64_t trigger_ = 0;
   std::optional<detail::Join> join_;
 };
 

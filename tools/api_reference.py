@@ -5,7 +5,9 @@
     python3 tools/api_reference.py --check  exit 1 if docs/api.md differs from what the parts give
 
 For each part, in accel.hpp's order: what it declares outside accel::detail,
-with bodies left out. A function shows its signature; a struct or class its
+with bodies left out, and the classes of accel::detail that a public class
+derives from (their public members are that class's: the Accelerator's
+properties and operations come from two such bases). A function shows its signature; a struct or class its
 public members (data members with their defaults and comments); an enum, a
 concept or a using-declaration itself. The comment just above a declaration
 comes with it. Being generated, the page cannot drift from the code: the
@@ -22,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from amalgamate import INCLUDE, TIERS, tier_parts  # noqa: E402  (one order of the parts)
 
 OUTPUT = ROOT / "docs" / "api.md"
+PUBLIC_BASES = set()  # classes of accel::detail that a public class derives from (set by render)
 
 
 def code_mask(text):
@@ -152,7 +155,15 @@ def declarations(text, mask, start, end, in_class=False, public=True):
         first = head.lstrip()
         if re.match(r"^namespace detail\b", first) or first.startswith("namespace detail"):
             keep = False
-        if keep and re.match(r"^namespace \w+", first):  # a public namespace (autograd, comm_hooks)
+            if public and body is not None and not in_class:
+                bases = [block for block in declarations(text, mask, j + 1, body[1] - 1)
+                         if any(re.match(r"^\s*class (\w+)", line) and re.match(r"^\s*class (\w+)", line).group(1)
+                                in PUBLIC_BASES for line in block)]
+                if bases:
+                    out.append(["namespace detail {  // the bases of public classes"])
+                    out.extend(bases)
+                    out.append(["}  // namespace detail"])
+        if keep and body is not None and re.match(r"^namespace \w+", first):  # a public one (autograd, comm_hooks)
             out.append(comment + [head + " {"])
             out.extend(declarations(text, mask, j + 1, body[1] - 1))
             out.append([f"}}  // {first}"])
@@ -196,6 +207,10 @@ def part_api(name):
 
 
 def render():
+    for tier in TIERS:
+        for name in tier_parts(tier):
+            text = (INCLUDE / name).read_text()
+            PUBLIC_BASES.update(re.findall(r"public detail::(\w+)", code_mask(text)))
     lines = [
         "# API reference",
         "",
@@ -204,7 +219,9 @@ def render():
         "it differs from the code).*",
         "",
         "Every name outside `accel::detail`, part by part in accel.hpp's order, with its comment; bodies",
-        "left out. Everything is in namespace `accel` (an inline namespace for the ABI, never spelled).",
+        "left out; and the classes of `accel::detail` that a public class derives from, whose public",
+        "members are that class's. Everything is in namespace `accel` (an inline namespace for the ABI,",
+        "never spelled).",
         "What the names do, with examples: the other pages of `docs/`.",
         "",
     ]

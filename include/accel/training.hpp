@@ -35,6 +35,8 @@
 #include "accel/training/safetensors.hpp"
 #include "accel/training/weights.hpp"
 #include "accel/training/autocast.hpp"
+#include "accel/training/accelerator_setup.hpp"
+#include "accel/training/process_operations.hpp"
 #include "accel/training/accelerator.hpp"
 
 #endif  // ACCEL_HPP_TRAINING

@@ -1,25 +1,26 @@
-// accel/training/accelerator.hpp: the Accelerator.
+// accel/training/accelerator.hpp: the Accelerator: what it prepares, the training step, checkpoints.
+//
+// Its configuration, world, device and properties come from
+// AcceleratorSetup (accelerator_setup.hpp), Accelerate's operations over
+// every process from ProcessOperations (process_operations.hpp). What it
+// prepares lives in a PreparedSet (prepared.hpp), which the checkpoint
+// functions (checkpoint_state.hpp) save and load.
 #pragma once
 
-#include "accel/distributed/interface.hpp"
-#include "accel/distributed/process_control.hpp"
-#include "accel/training/data_parallel.hpp"
-#include "accel/training/loaders.hpp"
+#include "accel/training/accelerator_setup.hpp"
 #include "accel/training/autocast.hpp"
 #include "accel/training/checkpoint_state.hpp"
 #include "accel/training/join.hpp"
+#include "accel/training/loaders.hpp"
+#include "accel/training/process_operations.hpp"
 #include "accel/training/weights.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
-class Accelerator {
+class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOperations {
  public:
-  // Every setting is checked before the rendezvous: a configuration one rank
-  // refuses, every rank refuses, and none leaves while its peers connect.
-  explicit Accelerator(AcceleratorConfig config = {}) : config_(checked(std::move(config))) {
-    interface_ = &DistributedInterface::instance(config_.distributed);
-    device_ = interface_->current_device();
-  }
+  // Every setting is checked before the rendezvous (AcceleratorSetup).
+  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorSetup(std::move(config)) {}
 
   // -- prepare ----------------------------------------------------------------
 
@@ -33,37 +34,11 @@ class Accelerator {
     auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
     if (prepared_.find(module.get()))
       throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-    model->to(device_);
-    const int64_t bucket_bytes = config_.bucket_cap_mb * 1024 * 1024;
+    model->to(device());
+    prepared_.models.push_back(detail::PreparedModel{module, data_parallel_for(module)});
     if (sharded()) {
-      std::vector<std::shared_ptr<torch::nn::Module>> units;
-      if (config_.sharding_strategy == ShardingStrategy::FULL_SHARD ||
-          config_.sharding_strategy == ShardingStrategy::HYBRID_SHARD) {
-        choose_units(*module, "", units);
-        if (units.empty())
-          throw InvalidArgument(
-              "accel::Accelerator::prepare: " + std::string(to_string(config_.sharding_strategy)) +
-              " found no unit in the model (" +
-              (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
-              "); use SHARD_GRAD_OP, or register the layers as submodules");
-      }
-      prepared_.models.push_back(detail::PreparedModel{
-          module, std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
-                                                 interface_->get_group(Dim::MP_SHARD),
-                                                 interface_->get_group(Dim::MP_REPLICATE), units)});
       prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
       for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
-    } else {
-      prepared_.models.push_back(
-          detail::PreparedModel{module, std::make_unique<DataParallel>(module, gradient_group(), bucket_bytes)});
-      if (config_.comm_hook == DDPCommunicationHookType::FP16)
-        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::fp16_compress_hook());
-      if (config_.comm_hook == DDPCommunicationHookType::BF16)
-        prepared_.models.back().data_parallel->register_comm_hook(comm_hooks::bf16_compress_hook());
-      if (config_.comm_hook == DDPCommunicationHookType::POWER_SGD)
-        prepared_.models.back().data_parallel->register_comm_hook(
-            comm_hooks::powerSGD_hook(std::make_shared<PowerSGDState>()));
-      if (config_.gradient_as_bucket_view) prepared_.models.back().data_parallel->gradient_as_bucket_view(true);
     }
     return model;
   }
@@ -112,7 +87,7 @@ class Accelerator {
       prepared_.schedulers.push_back(std::move(p));
       found = std::prev(prepared_.schedulers.end());
     }
-    return AcceleratedScheduler(scheduler, state_, config_.split_batches ? 1 : interface_->get_world_size(Dim::DP),
+    return AcceleratedScheduler(scheduler, state_, config().split_batches ? 1 : world().get_world_size(Dim::DP),
                                 found->steps);
   }
   // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
@@ -131,9 +106,9 @@ class Accelerator {
   // PreparedIterableDataLoader instead.
   template <class Dataset>
   auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = interface_->get_world_size(Dim::DP);
+    const int replicas = world().get_world_size(Dim::DP);
     if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (config_.split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+    if (this->config().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
                             std::to_string(config.batch_size) + ") must be a multiple of the " +
                             std::to_string(replicas) + " data-parallel processes");
@@ -141,7 +116,7 @@ class Accelerator {
         std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
     prepared_.loaders.push_back(
         std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
-    return Loader(std::move(dataset), config, interface_->get_group(Dim::DP), config_.split_batches, state_,
+    return Loader(std::move(dataset), config, world().get_group(Dim::DP), this->config().split_batches, state_,
                   prepared_.loaders.back());
   }
   // The loader's next pass starts after its first n batches (Accelerate's
@@ -178,7 +153,8 @@ class Accelerator {
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     auto step = [&] {
-      at::Tensor scaled = config_.gradient_accumulation_steps > 1 ? loss / config_.gradient_accumulation_steps : loss;
+      const int steps = gradient_accumulation_steps();
+      at::Tensor scaled = steps > 1 ? loss / steps : loss;
       if (join_) join_->before_backward();
       for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
       for (auto& m : prepared_.models)
@@ -213,7 +189,13 @@ class Accelerator {
   template <class Body, class... ModuleHolders>
     requires(detail::module_holder<ModuleHolders> && ...)
   void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
-    join(std::forward<Body>(body), models...);
+    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
+    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+    if (!prepared_.sharded->empty())
+      throw InvalidArgument(
+          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+          "have to step its shard too); use NO_SHARD, or even batches");
+    detail::run_joined(join_, detail::Join({find_prepared(models, "join_uneven_inputs")...}), std::forward<Body>(body));
   }
   // The same, with the prepared loaders' even_batches set to even_batches
   // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
@@ -223,44 +205,10 @@ class Accelerator {
   template <class Body, class... ModuleHolders>
     requires(detail::module_holder<ModuleHolders> && ...)
   void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
-    std::vector<std::pair<std::shared_ptr<detail::LoaderPosition>, std::optional<bool>>> saved;
-    for (auto& loader : prepared_.loaders)
-      saved.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
-    auto restore = [&] {
-      for (auto& [loader, value] : saved) loader->even_batches = value;
-    };
-    try {
-      join(std::forward<Body>(body), models...);
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
+    const detail::EvenBatchesOverride for_the_block(prepared_.loaders, even_batches);
+    join_uneven_inputs(std::forward<Body>(body), models...);
   }
 
- private:
-  template <class Body, class... ModuleHolders>
-  void join(Body&& body, ModuleHolders&... models) {
-    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
-    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
-    if (!prepared_.sharded->empty())
-      throw InvalidArgument(
-          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
-          "have to step its shard too); use NO_SHARD, or even batches");
-    detail::Join join({find_prepared(models, "join_uneven_inputs")...});
-    if (!join.group()) return static_cast<void>(std::invoke(body));  // one process: nothing to join
-    join_.emplace(std::move(join));
-    try {
-      std::invoke(body);
-      join_->finish();
-    } catch (...) {
-      join_.reset();
-      throw;
-    }
-    join_.reset();
-  }
-
- public:
   // RAII: restores the models' gradient sync when it goes out of scope.
   using SyncGuard = detail::SyncGuard;
   // While the guard lives, backward() accumulates these models' gradients
@@ -284,14 +232,14 @@ class Accelerator {
   // sync_gradients() keeps its value after the guard, for the loop to read.
   template <class... ModuleHolders>
   [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
-    if (config_.sync_with_dataloader && state_->end_of_dataloader()) {
+    if (config().sync_with_dataloader && state_->end_of_dataloader()) {
       step_ = 0;
       state_->sync_gradients = true;
     } else {
       ++step_;
-      state_->sync_gradients = step_ % config_.gradient_accumulation_steps == 0;
+      state_->sync_gradients = step_ % gradient_accumulation_steps() == 0;
     }
-    return with_sync(state_->sync_gradients || config_.sync_each_batch, models...);
+    return with_sync(state_->sync_gradients || config().sync_each_batch, models...);
   }
   // Whether the current step syncs gradients (and prepared optimizers step).
   bool sync_gradients() const { return state_->sync_gradients; }
@@ -315,7 +263,7 @@ class Accelerator {
   // RAII autocast for the configured mixed precision: bf16 on the CPU
   // through LibTorch's autocast; a no-op for "no".
   using AutocastGuard = detail::AutocastGuard;
-  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(config_.mixed_precision, device_); }
+  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(mixed_precision(), device()); }
 
   // The model itself: accel.hpp does not wrap modules.
   template <class ModuleHolder>
@@ -345,7 +293,7 @@ class Accelerator {
   // Accelerate's other name for free_memory.
   void clear() { free_memory(); }
 
-  // -- operations across processes (Accelerate's Accelerator methods) -------------
+  // -- metrics across processes (the other operations: ProcessOperations) ----------
 
   // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
   // welcome), over the data-parallel group. Inside a pass over a prepared
@@ -356,7 +304,7 @@ class Accelerator {
   template <TensorTree T>
   T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
     return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
-      const GroupPtr group = interface_->get_group(Dim::DP);
+      const GroupPtr group = world().get_group(Dim::DP);
       auto first_rows = [](int64_t rows) {
         return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
       };
@@ -366,69 +314,6 @@ class Accelerator {
         return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
       return accel::gather(data, group);
     });
-  }
-  // Over every process, as Accelerate's methods of the same names.
-  template <TensorTree T>
-  T gather(const T& data) const {
-    return accel::gather(data);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
-                         bool pad_first = false) const {
-    return accel::pad_across_processes(data, dim, pad_index, pad_first);
-  }
-  template <class T>
-  T split_between_processes(const T& inputs, bool apply_padding = false) const {
-    return accel::split_between_processes(inputs, apply_padding);
-  }
-  template <class... Args>
-  void print(const Args&... args) const {
-    accel::print(args...);
-  }
-  void wait_for_everyone() const {
-    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
-  }
-  template <class Fn>
-  auto on_main_process(Fn fn) const {
-    return accel::on_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_local_main_process(Fn fn) const {
-    return accel::on_local_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_last_process(Fn fn) const {
-    return accel::on_last_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_process(Fn fn, int process_index) const {
-    return accel::on_process(std::move(fn), process_index);
-  }
-
-  // Any process can ask every process to stop at the same step: set_trigger()
-  // on one, then check_trigger() on all (one all_reduce) is true on all, and
-  // resets the trigger.
-  void set_trigger() { trigger_ = 1; }
-  bool check_trigger() {
-    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
-    trigger_ = 0;
-    return true;
   }
 
   // -- checkpoints ----------------------------------------------------------------
@@ -446,7 +331,7 @@ class Accelerator {
   // oldest beyond the limit. Returns the checkpoint's directory.
   std::filesystem::path save_state(const std::filesystem::path& path = {}) {
     return detail::every_process_calls("accel::Accelerator::save_state", [&] {
-      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, config_.project_config, path);
+      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
     });
   }
 
@@ -465,7 +350,7 @@ class Accelerator {
   // (Accelerate leaves it, and the next save_state() finds its number taken).
   void load_state(const std::filesystem::path& path = {}) {
     step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
-      return detail::load_checkpoint_state(prepared_, checkpoint_context(), config_.project_config, path);
+      return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
     });
   }
 
@@ -473,8 +358,8 @@ class Accelerator {
   detail::CheckpointContext checkpoint_context() const {
     return {.process_index = process_index(),
             .num_processes = num_processes(),
-            .shards = prepared_.sharded->empty() ? 1 : interface_->get_world_size(Dim::MP_SHARD),
-            .device = device_};
+            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
+            .device = device()};
   }
 
  public:
@@ -498,56 +383,8 @@ class Accelerator {
     });
   }
 
-  // -- properties -------------------------------------------------------------------
+  // -- the prepared models' DataParallels ------------------------------------------------
 
-  c10::Device device() const { return device_; }
-  bool is_main_process() const { return interface_->get_rank() == 0; }
-  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
-  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
-  int process_index() const { return interface_->get_rank(); }
-  int local_process_index() const { return interface_->get_local_rank(); }
-  int num_processes() const { return interface_->get_world_size(); }
-  DistributedType distributed_type() const {
-    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
-    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
-  }
-  const std::string& mixed_precision() const { return config_.mixed_precision; }
-  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
-  // The strategy in effect: NO_SHARD when the configured one has nothing to
-  // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const {
-    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
-  }
-  // Accelerate's use_distributed: more than one process.
-  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
-  // Accelerate's is_fsdp2: whether parameters are sharded at rest
-  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
-  bool is_fsdp2() const {
-    const ShardingStrategy s = sharding_strategy();
-    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
-  }
-  // Accelerate's should_save_model: true on every process, which all call
-  // save_model (a collective; the main process writes).
-  bool should_save_model() const { return true; }
-  // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
-  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
-  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
-  int tensor_parallel_rank() const { return 0; }
-  int pipeline_parallel_rank() const { return 0; }
-  // Accelerate's verify_device_map: whether the model is spread over devices
-  // by a device map (big-model inference). accel.hpp places whole models: false.
-  template <class ModuleHolder>
-  bool verify_device_map(const ModuleHolder&) const {
-    return false;
-  }
-  // Accelerate's project_dir, project_configuration and save_iteration (the
-  // number the next automatically named checkpoint takes; set it through
-  // project_configuration().iteration).
-  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
-  ProjectConfiguration& project_configuration() { return config_.project_config; }
-  int save_iteration() const { return config_.project_config.iteration; }
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
   DataParallel* data_parallel() {
@@ -560,12 +397,6 @@ class Accelerator {
   }
 
  private:
-  // Gradients are averaged over the whole data mesh (dp x cp), which spans
-  // the world: context-parallel peers see different parts of the same
-  // sequences and must stay identical (LLaMA-Factory's trainers do so).
-  GroupPtr gradient_group() const {
-    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
-  }
   template <class ModuleHolder>
   detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
     if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
@@ -582,60 +413,9 @@ class Accelerator {
         ...);
     return guard;
   }
-  static AcceleratorConfig checked(AcceleratorConfig config) {
-    if (config.gradient_accumulation_steps < 1)
-      throw InvalidArgument("accel::Accelerator: gradient_accumulation_steps must be at least 1, got " +
-                            std::to_string(config.gradient_accumulation_steps));
-    if (config.bucket_cap_mb < 1)
-      throw InvalidArgument("accel::Accelerator: bucket_cap_mb must be at least 1, got " +
-                            std::to_string(config.bucket_cap_mb));
-    const auto& mp = config.mixed_precision;
-    if (mp != "no" && mp != "bf16" && mp != "fp16")
-      throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
-    detail::check_project(config.project_config, "accel::Accelerator");
-    if (config.cpu) {
-      if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
-        throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
-                              std::string(to_string(*config.distributed.device)));
-      config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
-    }
-    // What instance() will choose, known without it: the mesh sizes and the device.
-    const DistributedStrategy strategy(config.distributed);
-    if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
-        shards(config.sharding_strategy, strategy, is_distributed()))
-      throw InvalidArgument(std::string("accel::Accelerator: ") +
-                            (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
-                            " is about the all-reduce of NO_SHARD's buckets; under " +
-                            std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
-    if (mp == "fp16" &&
-        (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
-            DeviceType::CUDA)
-      throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
-    return config;
-  }
-  // Whether the strategy has something to shard along (else it is NO_SHARD).
-  static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
-    return s != ShardingStrategy::NO_SHARD && distributed && mesh.mp_shard_size() > 1;
-  }
-  bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
-  // FULL_SHARD's units under `module` (see auto_wrap_policy).
-  void choose_units(torch::nn::Module& module, const std::string& prefix,
-                    std::vector<std::shared_ptr<torch::nn::Module>>& units) const {
-    for (const auto& child : module.named_children()) {
-      const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
-      const bool unit = config_.auto_wrap_policy ? config_.auto_wrap_policy(name, *child.value())
-                                                 : !child.value()->parameters(/*recurse=*/false).empty();
-      if (unit) units.push_back(child.value());
-      else choose_units(*child.value(), name, units);
-    }
-  }
-  AcceleratorConfig config_;
-  DistributedInterface* interface_ = nullptr;
-  c10::Device device_{c10::kCPU};
   detail::PreparedSet prepared_;
   std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;  // accumulate()'s count of micro-steps
-  int64_t trigger_ = 0;
   std::optional<detail::Join> join_;
 };
 

@@ -1,4 +1,4 @@
-// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs).
+// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches.
 //
 // A rank whose loop ends first stands in for the others' gradient
 // all-reduces (with zeros: gradients are still divided by the whole group)
@@ -51,6 +51,41 @@ class Join {
   std::vector<PreparedModel*> models_;
   GroupPtr group_;
   int64_t steps_ = 0;  // backwards this rank ran
+};
+
+// Runs body (the training loop) joined: `current` holds the Join while body
+// runs (the Accelerator's backward reads it), and every rank finishes it
+// after body, also when it ran out of batches first. Not distributed: body
+// alone.
+template <class Body>
+void run_joined(std::optional<Join>& current, Join join, Body&& body) {
+  if (!join.group()) return static_cast<void>(std::invoke(body));
+  current.emplace(std::move(join));
+  try {
+    std::invoke(body);
+    current->finish();
+  } catch (...) {
+    current.reset();
+    throw;
+  }
+  current.reset();
+}
+
+// RAII: every prepared loader's even_batches set for the passes that start
+// while it lives (join_uneven_inputs' even_batches), then put back.
+class EvenBatchesOverride {
+ public:
+  EvenBatchesOverride(const std::vector<std::shared_ptr<LoaderPosition>>& loaders, bool even_batches) {
+    for (const auto& loader : loaders) saved_.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
+  }
+  EvenBatchesOverride(const EvenBatchesOverride&) = delete;
+  EvenBatchesOverride& operator=(const EvenBatchesOverride&) = delete;
+  ~EvenBatchesOverride() {
+    for (auto& [loader, value] : saved_) loader->even_batches = value;
+  }
+
+ private:
+  std::vector<std::pair<std::shared_ptr<LoaderPosition>, std::optional<bool>>> saved_;
 };
 }  // namespace detail
 

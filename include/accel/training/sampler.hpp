@@ -333,9 +333,9 @@ struct DataLoaderConfig {
 namespace detail {
 // Where a prepared loader's pass stands.
 struct LoaderState {
-  const void* loader = nullptr;     // the loader whose pass this is (Accelerator::active_dataloader)
-  std::optional<size_t> real_rows;  // real samples of the current batch
-  bool end_of_dataloader = false;   // the current batch is the pass's last
+  const void* loader = nullptr;       // the loader whose pass this is (Accelerator::active_dataloader)
+  std::optional<size_t> real_rows{};  // real samples of the current batch
+  bool end_of_dataloader = false;     // the current batch is the pass's last
 };
 // Where a prepared loader is in its passes, shared with the Accelerator for
 // save_state / load_state: the epoch the next pass uses, the pass under way
