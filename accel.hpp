@@ -1300,7 +1300,7 @@ at::Tensor alias_bytes(std::vector<T>& values) {
 // How data travels in a collective: a view of its own memory, in its dtype
 // where every backend reduces it natively, else as raw bytes.
 template <class V>
-at::Tensor wire(V& data) {
+at::Tensor memory_view(V& data) {
   using E = element_t<V>;
   if constexpr (travels_natively<E>()) return alias(data, *exact_dtype<E>());
   else return alias_bytes(data);
@@ -1624,8 +1624,9 @@ inline bool native_dtype(const c10d::ProcessGroup& group, c10::ScalarType dtype)
     default: return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
   }
 }
-// What moves for a contiguous tensor: itself, or a view of its bytes.
-inline at::Tensor as_wire(const c10d::ProcessGroup& group, const at::Tensor& contiguous) {
+// What c10d gets for a contiguous tensor: itself, or a view of its bytes
+// where the backend does not move its dtype (native_dtype).
+inline at::Tensor backend_view(const c10d::ProcessGroup& group, const at::Tensor& contiguous) {
   if (native_dtype(group, contiguous.scalar_type())) return contiguous;
   return contiguous.reshape({-1}).view(c10::kByte);
 }
@@ -1641,7 +1642,7 @@ inline std::optional<c10::Device> staging_device([[maybe_unused]] const c10d::Pr
 }
 
 // How an in-place operation (all_reduce, reduce_to, broadcast, recv) reaches
-// c10d: `wire` is the tensor c10d gets. The common case runs on the
+// c10d: `c10d_tensor` is the tensor c10d gets. The common case runs on the
 // caller's tensor itself (contiguous, on the group's device, a dtype the
 // backend handles) and leaves `staged` undefined; otherwise it runs on
 // `staged`, a contiguous copy on the group's device, which land_in_place
@@ -1654,8 +1655,8 @@ inline bool direct(const c10d::ProcessGroup& group, const at::Tensor& tensor) {
 }
 struct InPlace {
   at::Tensor staged;
-  at::Tensor wire;
-  ReduceOp op = ReduceOp::SUM;  // what the wire form is reduced with
+  at::Tensor c10d_tensor;
+  ReduceOp op = ReduceOp::SUM;  // what c10d_tensor is reduced with
 };
 inline InPlace stage(const c10d::ProcessGroup& group, const at::Tensor& tensor,
                      std::optional<ReduceOp> reduction = std::nullopt) {
@@ -1678,8 +1679,9 @@ inline InPlace stage(const c10d::ProcessGroup& group, const at::Tensor& tensor,
   }
   if (device) staged = staged.to(*device);
   staged = staged.contiguous();
-  at::Tensor wire = reduction && c10::isComplexType(dtype) ? at::view_as_real(staged) : as_wire(group, staged);
-  return {staged.is_same(tensor) ? at::Tensor() : staged, std::move(wire), op};
+  at::Tensor c10d_tensor =
+      reduction && c10::isComplexType(dtype) ? at::view_as_real(staged) : backend_view(group, staged);
+  return {staged.is_same(tensor) ? at::Tensor() : staged, std::move(c10d_tensor), op};
 }
 // After an in-place operation: MEAN's division (on the staged form, before
 // any rounding back to the caller's dtype), then the copy back.
@@ -1730,7 +1732,7 @@ inline auto start_all_reduce(c10d::ProcessGroup& group, at::Tensor tensor, Reduc
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) [[likely]] {
     s = stage(group, tensor, op);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(s.op);
     work = issue("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
@@ -1750,7 +1752,7 @@ inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp 
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor, op);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::ReduceOptions opts;
     opts.reduceOp = to_c10d(s.op);
     opts.rootRank = dst;
@@ -1793,7 +1795,7 @@ inline auto start_broadcast(c10d::ProcessGroup& group, at::Tensor tensor, int sr
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     work = issue("broadcast", group, [&] { return group.broadcast(tensors, opts); });
@@ -1817,14 +1819,14 @@ inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& i
   std::vector<at::Tensor> staged;  // empty: c10d writes into outputs
   if (input.numel() != 0) {
     const auto device = staging_device(group, input);
-    std::vector<at::Tensor> inputs{as_wire(group, device ? input.to(*device).contiguous() : input.contiguous())};
+    std::vector<at::Tensor> inputs{backend_view(group, device ? input.to(*device).contiguous() : input.contiguous())};
     const bool direct =
         !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
     if (!direct)
       for (const auto& t : outputs)
         staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
     std::vector<std::vector<at::Tensor>> output_lists(1);
-    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(as_wire(group, t));
+    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(backend_view(group, t));
     work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
   }
   return Pending{&group, op, std::move(work), [outputs = std::move(outputs), staged = std::move(staged)] {
@@ -2321,7 +2323,7 @@ auto copy_for_async(const T& data) {
 
 // The start of an in-place operation (`start`, on a tensor) on any
 // TensorLike: a tensor as it is; a std::vector as a view of its elements
-// (wire), moved into the Pending (moving a std::vector keeps its elements
+// (memory_view), moved into the Pending (moving a std::vector keeps its elements
 // where c10d reads and writes them); a scalar as a std::vector of one.
 template <TensorLike T, class Start>
 auto start_in_place(T data, Start start) {
@@ -2330,7 +2332,7 @@ auto start_in_place(T data, Start start) {
   } else if constexpr (Scalar<T>) {
     return then(start_in_place(std::vector<T>{data}, std::move(start)), [](std::vector<T> v) { return v[0]; });
   } else {
-    auto pending = start(wire(data));
+    auto pending = start(memory_view(data));
     return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
   }
 }
@@ -2368,9 +2370,9 @@ auto start_all_gather(c10d::ProcessGroup& group, const T& data) {
   } else {
     std::vector<T> result(static_cast<std::size_t>(group.getSize()), data);  // slots of the right size
     std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(wire(slot));
+    for (auto& slot : result) outputs.push_back(memory_view(slot));
     // c10d only reads an allgather's input: a view of the caller's memory.
-    auto pending = start_all_gather_into(group, wire(const_cast<T&>(data)), std::move(outputs));
+    auto pending = start_all_gather_into(group, memory_view(const_cast<T&>(data)), std::move(outputs));
     return then(std::move(pending), [result = std::move(result)]() mutable { return std::move(result); });
   }
 }
@@ -2381,7 +2383,7 @@ inline auto start_send(c10d::ProcessGroup& group, const at::Tensor& tensor, int 
   if (tensor.numel() != 0) {
     const auto device = staging_device(group, tensor);
     staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
-    std::vector<at::Tensor> tensors{as_wire(group, staged)};
+    std::vector<at::Tensor> tensors{backend_view(group, staged)};
     work = issue("send", group, [&] { return group.send(tensors, peer, tag); });
   }
   return Pending{&group, "send", std::move(work), [staged = std::move(staged)] {}};
@@ -2391,7 +2393,7 @@ inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, i
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     work = issue("recv", group, [&] { return group.recv(tensors, peer, tag); });
   }
   return Pending{&group, "recv", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
@@ -2403,7 +2405,7 @@ inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, i
 template <TensorLike T>
 auto start_send_data(c10d::ProcessGroup& group, const T& data, int peer, int tag) {
   if constexpr (std::same_as<T, at::Tensor>) return start_send(group, data, peer, tag);
-  else return start_send(group, wire(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
+  else return start_send(group, memory_view(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
 }
 template <TensorLike T>
 auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {
@@ -2631,7 +2633,7 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
     // rows of nothing, on every rank: nothing moves
   } else if (equal && !phantom) {  // the backend's plain alltoall (Gloo's alltoallv is slower), no split sizes
     std::vector<int64_t> none;
-    at::Tensor in = as_wire(group, source), out = as_wire(group, output);
+    at::Tensor in = backend_view(group, source), out = backend_view(group, output);
     work = issue(op, group, [&] { return alltoall_single(group, out, in, none, none); });
   } else {
     in_bytes = source.reshape({-1}).view(c10::kByte);
@@ -2906,13 +2908,14 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   auto gather_into = [&](const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
     if (input.numel() == 0) return;  // nothing to move
     const auto device = detail::staging_device(*g, input);
-    std::vector<at::Tensor> inputs{detail::as_wire(*g, device ? input.to(*device).contiguous() : input.contiguous())};
+    std::vector<at::Tensor> inputs{
+        detail::backend_view(*g, device ? input.to(*device).contiguous() : input.contiguous())};
     std::vector<at::Tensor> staged;
     std::vector<std::vector<at::Tensor>> lists;
     if (root) {
       for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), inputs[0].options().dtype(t.scalar_type())));
       lists.emplace_back();
-      for (const auto& t : staged) lists[0].push_back(detail::as_wire(*g, t));
+      for (const auto& t : staged) lists[0].push_back(detail::backend_view(*g, t));
     }
     c10d::GatherOptions opts;
     opts.rootRank = dst;
@@ -2933,8 +2936,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   } else {
     std::vector<T> result(root ? static_cast<std::size_t>(size) : 0, data);
     std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    gather_into(detail::wire(const_cast<T&>(data)), outputs);  // c10d only reads a gather's input
+    for (auto& slot : result) outputs.push_back(detail::memory_view(slot));
+    gather_into(detail::memory_view(const_cast<T&>(data)), outputs);  // c10d only reads a gather's input
     return result;
   }
 }
@@ -2972,12 +2975,12 @@ inline at::Tensor scatter_tensor(c10d::ProcessGroup& group, const std::vector<at
   if (output.numel() == 0) return output;
   const auto staging = staging_device(group, output);
   at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
-  std::vector<at::Tensor> outputs{as_wire(group, target)};
+  std::vector<at::Tensor> outputs{backend_view(group, target)};
   std::vector<std::vector<at::Tensor>> inputs;
   if (root) {
     inputs.emplace_back();
     for (const auto& part : parts_on_src)
-      inputs[0].push_back(as_wire(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
+      inputs[0].push_back(backend_view(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
   }
   c10d::ScatterOptions opts;
   opts.rootRank = src;
@@ -7062,9 +7065,10 @@ struct Slot {
 };
 using SlotBatch = std::vector<Slot>;
 
-// v += v, as Python's list doubling (a vector cannot insert its own range).
+// v += v: v followed by itself, as Python's list doubling (a vector
+// cannot insert its own range).
 template <class T>
-void double_up(std::vector<T>& v) {
+void append_self(std::vector<T>& v) {
   const std::vector<T> copy = v;
   v.insert(v.end(), copy.begin(), copy.end());
 }
@@ -7098,7 +7102,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
       return out;
     }
     std::vector<size_t> initial = batches.front();
-    while (initial.size() < size) double_up(initial);
+    while (initial.size() < size) append_self(initial);
     SlotBatch full = slots(last, true);
     for (size_t i : initial) full.push_back({i, false});
     out.emplace_back(full.begin() + static_cast<std::ptrdiff_t>(part * process),
@@ -7130,7 +7134,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
     ++idx;
   }
   if (!batch_size) {  // cycle through whole batches
-    while (initial.size() < processes) double_up(initial);
+    while (initial.size() < processes) append_self(initial);
     for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++cycle, ++idx) {
       batch = slots(initial[cycle], false);
       if (idx % processes == process) out.push_back(batch);
@@ -7140,7 +7144,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
   }
   std::vector<size_t> flat;
   for (const auto& b : initial) flat.insert(flat.end(), b.begin(), b.end());
-  while (flat.size() < processes * *batch_size) double_up(flat);
+  while (flat.size() < processes * *batch_size) append_self(flat);
   for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++idx) {
     const size_t end = cycle + *batch_size - batch.size();
     for (size_t i = cycle; i < end; ++i) batch.push_back({flat[i], false});

@@ -19,7 +19,7 @@ auto copy_for_async(const T& data) {
 
 // The start of an in-place operation (`start`, on a tensor) on any
 // TensorLike: a tensor as it is; a std::vector as a view of its elements
-// (wire), moved into the Pending (moving a std::vector keeps its elements
+// (memory_view), moved into the Pending (moving a std::vector keeps its elements
 // where c10d reads and writes them); a scalar as a std::vector of one.
 template <TensorLike T, class Start>
 auto start_in_place(T data, Start start) {
@@ -28,7 +28,7 @@ auto start_in_place(T data, Start start) {
   } else if constexpr (Scalar<T>) {
     return then(start_in_place(std::vector<T>{data}, std::move(start)), [](std::vector<T> v) { return v[0]; });
   } else {
-    auto pending = start(wire(data));
+    auto pending = start(memory_view(data));
     return then(std::move(pending), [data = std::move(data)](const at::Tensor&) mutable { return std::move(data); });
   }
 }
@@ -66,9 +66,9 @@ auto start_all_gather(c10d::ProcessGroup& group, const T& data) {
   } else {
     std::vector<T> result(static_cast<std::size_t>(group.getSize()), data);  // slots of the right size
     std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(wire(slot));
+    for (auto& slot : result) outputs.push_back(memory_view(slot));
     // c10d only reads an allgather's input: a view of the caller's memory.
-    auto pending = start_all_gather_into(group, wire(const_cast<T&>(data)), std::move(outputs));
+    auto pending = start_all_gather_into(group, memory_view(const_cast<T&>(data)), std::move(outputs));
     return then(std::move(pending), [result = std::move(result)]() mutable { return std::move(result); });
   }
 }
@@ -79,7 +79,7 @@ inline auto start_send(c10d::ProcessGroup& group, const at::Tensor& tensor, int 
   if (tensor.numel() != 0) {
     const auto device = staging_device(group, tensor);
     staged = device ? tensor.to(*device).contiguous() : tensor.contiguous();
-    std::vector<at::Tensor> tensors{as_wire(group, staged)};
+    std::vector<at::Tensor> tensors{backend_view(group, staged)};
     work = issue("send", group, [&] { return group.send(tensors, peer, tag); });
   }
   return Pending{&group, "send", std::move(work), [staged = std::move(staged)] {}};
@@ -89,7 +89,7 @@ inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, i
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     work = issue("recv", group, [&] { return group.recv(tensors, peer, tag); });
   }
   return Pending{&group, "recv", std::move(work), [tensor = std::move(tensor), staged = std::move(s.staged)]() mutable {
@@ -101,7 +101,7 @@ inline auto start_recv(c10d::ProcessGroup& group, at::Tensor tensor, int peer, i
 template <TensorLike T>
 auto start_send_data(c10d::ProcessGroup& group, const T& data, int peer, int tag) {
   if constexpr (std::same_as<T, at::Tensor>) return start_send(group, data, peer, tag);
-  else return start_send(group, wire(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
+  else return start_send(group, memory_view(const_cast<T&>(data)), peer, tag);  // c10d only reads a send's tensor
 }
 template <TensorLike T>
 auto start_recv_data(c10d::ProcessGroup& group, T data, int peer, int tag) {

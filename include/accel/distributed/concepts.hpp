@@ -109,7 +109,7 @@ at::Tensor alias_bytes(std::vector<T>& values) {
 // How data travels in a collective: a view of its own memory, in its dtype
 // where every backend reduces it natively, else as raw bytes.
 template <class V>
-at::Tensor wire(V& data) {
+at::Tensor memory_view(V& data) {
   using E = element_t<V>;
   if constexpr (travels_natively<E>()) return alias(data, *exact_dtype<E>());
   else return alias_bytes(data);

@@ -89,7 +89,7 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
     // rows of nothing, on every rank: nothing moves
   } else if (equal && !phantom) {  // the backend's plain alltoall (Gloo's alltoallv is slower), no split sizes
     std::vector<int64_t> none;
-    at::Tensor in = as_wire(group, source), out = as_wire(group, output);
+    at::Tensor in = backend_view(group, source), out = backend_view(group, output);
     work = issue(op, group, [&] { return alltoall_single(group, out, in, none, none); });
   } else {
     in_bytes = source.reshape({-1}).view(c10::kByte);
@@ -364,13 +364,14 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   auto gather_into = [&](const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
     if (input.numel() == 0) return;  // nothing to move
     const auto device = detail::staging_device(*g, input);
-    std::vector<at::Tensor> inputs{detail::as_wire(*g, device ? input.to(*device).contiguous() : input.contiguous())};
+    std::vector<at::Tensor> inputs{
+        detail::backend_view(*g, device ? input.to(*device).contiguous() : input.contiguous())};
     std::vector<at::Tensor> staged;
     std::vector<std::vector<at::Tensor>> lists;
     if (root) {
       for (const auto& t : outputs) staged.push_back(at::empty(t.sizes(), inputs[0].options().dtype(t.scalar_type())));
       lists.emplace_back();
-      for (const auto& t : staged) lists[0].push_back(detail::as_wire(*g, t));
+      for (const auto& t : staged) lists[0].push_back(detail::backend_view(*g, t));
     }
     c10d::GatherOptions opts;
     opts.rootRank = dst;
@@ -391,8 +392,8 @@ auto gather_to(const T& data, int dst, const GroupPtr& group = {}) {
   } else {
     std::vector<T> result(root ? static_cast<std::size_t>(size) : 0, data);
     std::vector<at::Tensor> outputs;
-    for (auto& slot : result) outputs.push_back(detail::wire(slot));
-    gather_into(detail::wire(const_cast<T&>(data)), outputs);  // c10d only reads a gather's input
+    for (auto& slot : result) outputs.push_back(detail::memory_view(slot));
+    gather_into(detail::memory_view(const_cast<T&>(data)), outputs);  // c10d only reads a gather's input
     return result;
   }
 }
@@ -430,12 +431,12 @@ inline at::Tensor scatter_tensor(c10d::ProcessGroup& group, const std::vector<at
   if (output.numel() == 0) return output;
   const auto staging = staging_device(group, output);
   at::Tensor target = staging ? at::empty(shape, output.options().device(*staging)) : output;
-  std::vector<at::Tensor> outputs{as_wire(group, target)};
+  std::vector<at::Tensor> outputs{backend_view(group, target)};
   std::vector<std::vector<at::Tensor>> inputs;
   if (root) {
     inputs.emplace_back();
     for (const auto& part : parts_on_src)
-      inputs[0].push_back(as_wire(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
+      inputs[0].push_back(backend_view(group, staging ? part.to(*staging).contiguous() : part.contiguous()));
   }
   c10d::ScatterOptions opts;
   opts.rootRank = src;

@@ -82,8 +82,9 @@ inline bool native_dtype(const c10d::ProcessGroup& group, c10::ScalarType dtype)
     default: return !c10::isComplexType(dtype) && group.getBackendName() != "gloo";
   }
 }
-// What moves for a contiguous tensor: itself, or a view of its bytes.
-inline at::Tensor as_wire(const c10d::ProcessGroup& group, const at::Tensor& contiguous) {
+// What c10d gets for a contiguous tensor: itself, or a view of its bytes
+// where the backend does not move its dtype (native_dtype).
+inline at::Tensor backend_view(const c10d::ProcessGroup& group, const at::Tensor& contiguous) {
   if (native_dtype(group, contiguous.scalar_type())) return contiguous;
   return contiguous.reshape({-1}).view(c10::kByte);
 }
@@ -99,7 +100,7 @@ inline std::optional<c10::Device> staging_device([[maybe_unused]] const c10d::Pr
 }
 
 // How an in-place operation (all_reduce, reduce_to, broadcast, recv) reaches
-// c10d: `wire` is the tensor c10d gets. The common case runs on the
+// c10d: `c10d_tensor` is the tensor c10d gets. The common case runs on the
 // caller's tensor itself (contiguous, on the group's device, a dtype the
 // backend handles) and leaves `staged` undefined; otherwise it runs on
 // `staged`, a contiguous copy on the group's device, which land_in_place
@@ -112,8 +113,8 @@ inline bool direct(const c10d::ProcessGroup& group, const at::Tensor& tensor) {
 }
 struct InPlace {
   at::Tensor staged;
-  at::Tensor wire;
-  ReduceOp op = ReduceOp::SUM;  // what the wire form is reduced with
+  at::Tensor c10d_tensor;
+  ReduceOp op = ReduceOp::SUM;  // what c10d_tensor is reduced with
 };
 inline InPlace stage(const c10d::ProcessGroup& group, const at::Tensor& tensor,
                      std::optional<ReduceOp> reduction = std::nullopt) {
@@ -136,8 +137,9 @@ inline InPlace stage(const c10d::ProcessGroup& group, const at::Tensor& tensor,
   }
   if (device) staged = staged.to(*device);
   staged = staged.contiguous();
-  at::Tensor wire = reduction && c10::isComplexType(dtype) ? at::view_as_real(staged) : as_wire(group, staged);
-  return {staged.is_same(tensor) ? at::Tensor() : staged, std::move(wire), op};
+  at::Tensor c10d_tensor =
+      reduction && c10::isComplexType(dtype) ? at::view_as_real(staged) : backend_view(group, staged);
+  return {staged.is_same(tensor) ? at::Tensor() : staged, std::move(c10d_tensor), op};
 }
 // After an in-place operation: MEAN's division (on the staged form, before
 // any rounding back to the caller's dtype), then the copy back.
@@ -188,7 +190,7 @@ inline auto start_all_reduce(c10d::ProcessGroup& group, at::Tensor tensor, Reduc
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) [[likely]] {
     s = stage(group, tensor, op);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::AllreduceOptions opts;
     opts.reduceOp = to_c10d(s.op);
     work = issue("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
@@ -208,7 +210,7 @@ inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp 
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor, op);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::ReduceOptions opts;
     opts.reduceOp = to_c10d(s.op);
     opts.rootRank = dst;
@@ -251,7 +253,7 @@ inline auto start_broadcast(c10d::ProcessGroup& group, at::Tensor tensor, int sr
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) {
     s = stage(group, tensor);
-    std::vector<at::Tensor> tensors{s.wire};
+    std::vector<at::Tensor> tensors{s.c10d_tensor};
     c10d::BroadcastOptions opts;
     opts.rootRank = src;
     work = issue("broadcast", group, [&] { return group.broadcast(tensors, opts); });
@@ -275,14 +277,14 @@ inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& i
   std::vector<at::Tensor> staged;  // empty: c10d writes into outputs
   if (input.numel() != 0) {
     const auto device = staging_device(group, input);
-    std::vector<at::Tensor> inputs{as_wire(group, device ? input.to(*device).contiguous() : input.contiguous())};
+    std::vector<at::Tensor> inputs{backend_view(group, device ? input.to(*device).contiguous() : input.contiguous())};
     const bool direct =
         !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
     if (!direct)
       for (const auto& t : outputs)
         staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
     std::vector<std::vector<at::Tensor>> output_lists(1);
-    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(as_wire(group, t));
+    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(backend_view(group, t));
     work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
   }
   return Pending{&group, op, std::move(work), [outputs = std::move(outputs), staged = std::move(staged)] {

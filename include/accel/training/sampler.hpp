@@ -50,9 +50,10 @@ struct Slot {
 };
 using SlotBatch = std::vector<Slot>;
 
-// v += v, as Python's list doubling (a vector cannot insert its own range).
+// v += v: v followed by itself, as Python's list doubling (a vector
+// cannot insert its own range).
 template <class T>
-void double_up(std::vector<T>& v) {
+void append_self(std::vector<T>& v) {
   const std::vector<T> copy = v;
   v.insert(v.end(), copy.begin(), copy.end());
 }
@@ -86,7 +87,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
       return out;
     }
     std::vector<size_t> initial = batches.front();
-    while (initial.size() < size) double_up(initial);
+    while (initial.size() < size) append_self(initial);
     SlotBatch full = slots(last, true);
     for (size_t i : initial) full.push_back({i, false});
     out.emplace_back(full.begin() + static_cast<std::ptrdiff_t>(part * process),
@@ -118,7 +119,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
     ++idx;
   }
   if (!batch_size) {  // cycle through whole batches
-    while (initial.size() < processes) double_up(initial);
+    while (initial.size() < processes) append_self(initial);
     for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++cycle, ++idx) {
       batch = slots(initial[cycle], false);
       if (idx % processes == process) out.push_back(batch);
@@ -128,7 +129,7 @@ inline std::vector<SlotBatch> shard_batches(const std::vector<std::vector<size_t
   }
   std::vector<size_t> flat;
   for (const auto& b : initial) flat.insert(flat.end(), b.begin(), b.end());
-  while (flat.size() < processes * *batch_size) double_up(flat);
+  while (flat.size() < processes * *batch_size) append_self(flat);
   for (size_t cycle = 0; idx % processes != 0 || !batch.empty(); ++idx) {
     const size_t end = cycle + *batch_size - batch.size();
     for (size_t i = cycle; i < end; ++i) batch.push_back({flat[i], false});
