@@ -31,7 +31,8 @@
 //     accel/distributed/registration.hpp     registering the groups accel makes, with the code that diagnoses their failures
 //     accel/distributed/work.hpp             accel::Work: an operation in flight, what the _async forms return
 //     accel/distributed/collectives.hpp      all_reduce, broadcast, all_gather and their _async forms
-//     accel/distributed/exchange.hpp         reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, barriers
+//     accel/distributed/all_to_all.hpp       all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
+//     accel/distributed/exchange.hpp         reduce_to, gather_to, scatter, send/recv, barriers
 //     accel/distributed/rendezvous.hpp       rendezvous and groups: stores, agreeing on the world, making c10d groups
 //     accel/distributed/mesh.hpp             DeviceMesh: named dimensions, slice, flatten
 //     accel/distributed/world.hpp            World: the ranks of one initialisation, their rendezvous store and the groups made on it
@@ -2544,25 +2545,18 @@ inline at::Tensor& all_gather_into_tensor(at::Tensor& output, const at::Tensor& 
 
 ACCEL_NAMESPACE_END
 
-// == accel/distributed/exchange.hpp ===========================================
-// accel/distributed/exchange.hpp: reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, barriers.
+// == accel/distributed/all_to_all.hpp =========================================
+// accel/distributed/all_to_all.hpp: all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all.
 //
-// The rest of torch.distributed: reduce_scatter, all_to_all, reduce_to,
-// gather_to, scatter, send, recv, monitored_barrier. Ranks (src, dst) are
-// ranks within the group; a tensor with zero elements moves nothing.
+// torch.distributed's all_to_all_single and reduce_scatter. One c10d
+// all-to-all carries both: reduce_scatter sends each rank its part of
+// every rank's data and folds what arrives (Gloo in LibTorch 1.13 has no
+// reduce_scatter of its own). Ranks are ranks within the group; a tensor
+// with zero elements moves nothing.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// The device a group's collectives run on: the current CUDA device for an
-// NCCL group, else the CPU.
-inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group) {
-#if ACCEL_WITH_NCCL
-  if (group.getBackendName() == "nccl") return get_current_device();
-#endif
-  return c10::Device(c10::kCPU);
-}
-
 // Folds the rows of `rows` (dim 0: one per rank) with op, in a dtype that
 // holds the sum (float32 for the 16-bit and 8-bit floats, int64 for the
 // integers, whose sum then wraps as the backend's would), back in rows' dtype.
@@ -2611,16 +2605,21 @@ c10::intrusive_ptr<c10d::Work> alltoall_single(Group& group, at::Tensor& out, at
 // r; lands as the rows received, by source rank, out_splits[r] from rank r.
 // One c10d all-to-all on a contiguous tensor (its bytes, for a dtype the
 // backend lacks). Gloo divides by the rows of each side, so a side with no
-// rows sends itself one phantom byte, removed on arrival.
+// rows sends itself one phantom byte, removed on arrival. `into` (checked
+// by the caller: the output's shape and dtype) receives the rows: directly
+// where c10d can write it (contiguous, on the group's device), else
+// through a staged copy.
 inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<int64_t> out_splits,
-                                  std::vector<int64_t> in_splits, const char* op) {
+                                  std::vector<int64_t> in_splits, const char* op, const at::Tensor& into = {}) {
   at::NoGradGuard no_grad;
   const int rank = group.getRank();
   const int64_t out_rows = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
   std::vector<int64_t> out_shape = input.sizes().vec();
   out_shape[0] = out_rows;
   const auto device = staging_device(group, input);
-  at::Tensor output = at::empty(out_shape, input.options().device(device.value_or(input.device())));
+  const c10::Device lands_on = device.value_or(input.device());
+  const bool into_direct = into.defined() && into.is_contiguous() && into.device() == lands_on;
+  at::Tensor output = into_direct ? into : at::empty(out_shape, input.options().device(lands_on));
   const int64_t row_bytes = c10::multiply_integers(input.sizes().slice(1)) * static_cast<int64_t>(input.element_size());
   const at::Tensor source = device ? input.to(*device).contiguous() : input.contiguous();
   const bool phantom = input.size(0) == 0 || out_rows == 0;
@@ -2657,13 +2656,14 @@ inline auto start_all_to_all_rows(c10d::ProcessGroup& group, const at::Tensor& i
   return Pending{
       &group, op, std::move(work),
       [output = std::move(output), source, in_bytes = std::move(in_bytes), out_bytes = std::move(out_bytes), phantom,
-       out_at, home = input.device()] {
+       out_at, home = input.device(), into] {
         at::NoGradGuard no_grad;
         if (phantom && out_bytes.defined()) {
           at::Tensor real = output.reshape({-1}).view(c10::kByte);
           real.narrow(0, 0, out_at).copy_(out_bytes.narrow(0, 0, out_at));
           real.narrow(0, out_at, real.size(0) - out_at).copy_(out_bytes.narrow(0, out_at + 1, real.size(0) - out_at));
         }
+        if (into.defined()) return output.is_same(into) ? into : into.copy_(output);
         return output.device() == home ? output : output.to(home);
       }};
 }
@@ -2703,12 +2703,6 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
       return out;
     });
   }
-}
-
-template <TensorLike T>
-auto start_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op, int dst) {
-  if constexpr (folded<T>()) return start_fold_data(group, std::move(data), op, "reduce_to");  // one gather
-  else return start_in_place(std::move(data), [&](at::Tensor t) { return start_reduce(group, std::move(t), op, dst); });
 }
 
 template <TensorLike T>
@@ -2799,6 +2793,22 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_sp
   }
   return {std::move(output_split_sizes), std::move(input_split_sizes)};
 }
+
+// all_to_all_single's output against what this rank receives: its rows,
+// the input's row shape and dtype, writable, apart from the input.
+inline void check_all_to_all_output(const at::Tensor& output, const at::Tensor& input,
+                                    const std::vector<int64_t>& out_splits) {
+  if (!output.defined()) throw InvalidArgument("accel::all_to_all_single: output is an undefined tensor");
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape[0] = std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0});
+  if (output.sizes() != at::IntArrayRef(shape) || output.scalar_type() != input.scalar_type())
+    throw InvalidArgument("accel::all_to_all_single: output is " + describe_tensor(output) +
+                          ", but this rank receives " + c10::str(input.scalar_type(), at::IntArrayRef(shape)));
+  check_no_overlap(output, "all_to_all_single");
+  if (output.numel() > 0 && input.numel() > 0 && output.is_alias_of(input))
+    throw InvalidArgument(
+        "accel::all_to_all_single: output and input share memory; c10d reads one while writing the other");
+}
 }  // namespace detail
 
 // Splits data along dim 0 (a std::vector: its elements) into group-size equal
@@ -2871,6 +2881,70 @@ inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int
   if (!g) return Work<at::Tensor>(detail::ready(g, "all_to_all", data.clone()));
   return Work<at::Tensor>(detail::start_all_to_all_rows(*g, data, std::move(out), std::move(in), "all_to_all"));
 }
+
+// torch's all_to_all_single(output, input, output_split_sizes,
+// input_split_sizes): all_to_all (equal parts when the sizes are empty)
+// into `output`, which the caller keeps from call to call: nothing is
+// allocated for the result where c10d can write into it (contiguous, on
+// the group's device). output holds the rows this rank receives, in the
+// input's row shape and dtype; returns it.
+inline at::Tensor all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                    std::vector<int64_t> output_split_sizes = {},
+                                    std::vector<int64_t> input_split_sizes = {}, const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all_single");
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, input, std::move(output_split_sizes), std::move(input_split_sizes));
+  detail::check_all_to_all_output(output, input, out);
+  if (!g) {
+    at::NoGradGuard no_grad;
+    return output.copy_(input);
+  }
+  return detail::start_all_to_all_rows(*g, input, std::move(out), std::move(in), "all_to_all", output).wait();
+}
+inline Work<at::Tensor> all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
+                                                std::vector<int64_t> output_split_sizes = {},
+                                                std::vector<int64_t> input_split_sizes = {},
+                                                const GroupPtr& group = {}) {
+  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all_single");
+  auto [out, in] =
+      detail::check_all_to_all_splits(g, input, std::move(output_split_sizes), std::move(input_split_sizes));
+  detail::check_all_to_all_output(output, input, out);
+  if (!g) {
+    at::NoGradGuard no_grad;
+    return Work<at::Tensor>(detail::ready(g, "all_to_all", output.copy_(input)));
+  }
+  return Work<at::Tensor>(
+      detail::start_all_to_all_rows(*g, input, std::move(out), std::move(in), "all_to_all", output));
+}
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/exchange.hpp ===========================================
+// accel/distributed/exchange.hpp: reduce_to, gather_to, scatter, send/recv, barriers.
+//
+// The rest of torch.distributed: reduce_to, gather_to, scatter, send, recv,
+// monitored_barrier (all_to_all and reduce_scatter: all_to_all.hpp). Ranks
+// (src, dst) are ranks within the group; a tensor with zero elements moves
+// nothing.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The device a group's collectives run on: the current CUDA device for an
+// NCCL group, else the CPU.
+inline c10::Device group_device([[maybe_unused]] const c10d::ProcessGroup& group) {
+#if ACCEL_WITH_NCCL
+  if (group.getBackendName() == "nccl") return get_current_device();
+#endif
+  return c10::Device(c10::kCPU);
+}
+
+template <TensorLike T>
+auto start_reduce_data(c10d::ProcessGroup& group, T data, ReduceOp op, int dst) {
+  if constexpr (folded<T>()) return start_fold_data(group, std::move(data), op, "reduce_to");  // one gather
+  else return start_in_place(std::move(data), [&](at::Tensor t) { return start_reduce(group, std::move(t), op, dst); });
+}
+}  // namespace detail
 
 // Reduces data over the group onto rank `dst` (a rank within the group) and
 // returns it there; on the other ranks the returned value is unspecified

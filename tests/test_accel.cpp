@@ -756,6 +756,54 @@ TEST_SUITE("ranks") {
     CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // still in step
   }
 
+  // torch's all_to_all_single(output, input, ...): into an output the caller keeps.
+  TEST_CASE("all_to_all_single: into the caller's output, reused; staged when c10d cannot write it; checked") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    // Equal parts: row j of rank k holds 100 k + j; rank r receives rows 2r, 2r+1 of every rank.
+    const at::Tensor rows = (at::arange(2 * P, at::kFloat) + 100 * r).unsqueeze(1).repeat({1, 3});
+    const at::Tensor expected = accel::all_to_all(rows);
+    at::Tensor output = at::empty({2 * P, 3}, at::kFloat);
+    const void* memory = output.data_ptr();
+    for (int call = 0; call < 2; ++call) {
+      output.zero_();
+      at::Tensor got = accel::all_to_all_single(output, rows);
+      CHECK(got.data_ptr() == memory);  // received straight into it: nothing allocated for the result
+      CHECK(at::equal(output, expected));
+    }
+    // An output c10d cannot write directly (a transposed view) and a dtype Gloo does not move (bfloat16).
+    at::Tensor columns = at::empty({3, 2 * P}, at::kFloat);
+    at::Tensor view = columns.t();
+    accel::all_to_all_single(view, rows);
+    CHECK(at::equal(columns.t(), expected));
+    at::Tensor bf16 = at::empty({2 * P, 3}, at::kBFloat16);
+    accel::all_to_all_single(bf16, rows.to(at::kBFloat16));
+    CHECK(at::equal(bf16, expected.to(at::kBFloat16)));  // (bfloat16 rounds values past 256 alike)
+    // Uneven: rank i sends i + j rows to rank j (as in the all_to_all test above).
+    std::vector<int64_t> in_splits, out_splits;
+    std::vector<at::Tensor> segments, wanted;
+    for (int j = 0; j < P; ++j) {
+      in_splits.push_back(r + j);
+      out_splits.push_back(j + r);
+      segments.push_back((at::arange(r + j, at::kLong) + 1000 * r + 10 * j).unsqueeze(1));
+      wanted.push_back((at::arange(j + r, at::kLong) + 1000 * j + 10 * r).unsqueeze(1));
+    }
+    at::Tensor uneven = at::empty({std::accumulate(out_splits.begin(), out_splits.end(), int64_t{0}), 1}, at::kLong);
+    CHECK(at::equal(accel::all_to_all_single_async(uneven, at::cat(segments), out_splits, in_splits).wait(),
+                    at::cat(wanted)));
+    CHECK(at::equal(uneven, at::cat(wanted)));
+    // Mistakes, before anything is sent (the same on every rank).
+    CHECK_THROWS_WITH_AS(accel::all_to_all_single(at::empty({2 * P, 4}), rows),
+                         doctest::Contains(("output is Float[" + std::to_string(2 * P) + ", 4]").c_str()),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::all_to_all_single(at::empty({2 * P, 3}, at::kDouble), rows),
+                         doctest::Contains("but this rank receives Float["), std::invalid_argument);
+    at::Tensor same = rows.clone();
+    CHECK_THROWS_WITH_AS(accel::all_to_all_single(same, same), doctest::Contains("share memory"),
+                         std::invalid_argument);
+    CHECK(accel::all_reduce(1, ReduceOp::SUM) == P);  // still in step
+  }
+
   TEST_CASE("broadcast checks src against the group") {
     auto& d = world();
     const int P = d.get_world_size();

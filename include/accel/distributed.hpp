@@ -23,6 +23,7 @@
 #include "accel/distributed/registration.hpp"
 #include "accel/distributed/work.hpp"
 #include "accel/distributed/collectives.hpp"
+#include "accel/distributed/all_to_all.hpp"
 #include "accel/distributed/exchange.hpp"
 #include "accel/distributed/rendezvous.hpp"
 #include "accel/distributed/mesh.hpp"

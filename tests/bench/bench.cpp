@@ -191,9 +191,16 @@ void collectives() {
     csv("reduce_scatter", "raw_c10d_alltoall_sum", bytes, rs[0] * 1e6, "us");
     csv("reduce_scatter", "accel_tensor", bytes, rs[1] * 1e6, "us");
     csv("reduce_scatter", "raw_c10d_allreduce", bytes, rs[2] * 1e6, "us");
-    auto aa = interleaved({raw_alltoall, [&] { (void)accel::all_to_all(t, g); }}, trials, reps);
+    // And into an output kept from call to call (torch's all_to_all_single(out, t), as Python's loop does).
+    at::Tensor kept = at::empty({n});
+    auto raw_alltoall_kept = [&] { accel::detail::alltoall_single(*g, kept, t, splits, splits)->wait(); };
+    auto aa = interleaved({raw_alltoall, [&] { (void)accel::all_to_all(t, g); }, raw_alltoall_kept,
+                           [&] { (void)accel::all_to_all_single(kept, t, {}, {}, g); }},
+                          trials, reps);
     csv("all_to_all", "raw_c10d", bytes, aa[0] * 1e6, "us");
     csv("all_to_all", "accel_tensor", bytes, aa[1] * 1e6, "us");
+    csv("all_to_all_out", "raw_c10d", bytes, aa[2] * 1e6, "us");
+    csv("all_to_all_out", "accel_tensor", bytes, aa[3] * 1e6, "us");
     // Ping-pong: rank 0 sends, rank 1 answers; the others wait at the barrier.
     auto raw_pingpong = [&] {
       std::vector<at::Tensor> ts{t};

@@ -2,7 +2,9 @@
 # the launcher they share.
 #   bench_prepare CSV_NAME "PACKAGES" TARGET...   installs PACKAGES (and what the
 #       build needs), builds TARGET... and accel_launch, starts $out/CSV_NAME
-#   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines
+#   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines;
+#       a run that exits non-zero (a reference that fails, a rank that dies)
+#       is reported, then and again at the end, and the benchmark goes on
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${ACCEL_BUILD_DIR:-$root/build}
 out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
@@ -24,7 +26,17 @@ bench_prepare() {
 }
 
 # Keep rank 0's CSV lines; show progress on stderr.
+failed_runs=()
 run() {
   echo "== $*" >&2
-  "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2
+  if ! "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2; then
+    echo "!! exited non-zero (its rows so far are kept; going on): $*" >&2
+    failed_runs+=("$*")
+  fi
 }
+report_failed_runs() {
+  ((${#failed_runs[@]})) || return 0
+  echo "!! ${#failed_runs[@]} run(s) exited non-zero; their figures are missing or partial:" >&2
+  printf '!!   %s\n' "${failed_runs[@]}" >&2
+}
+trap report_failed_runs EXIT
