@@ -9970,8 +9970,6 @@ ACCEL_NAMESPACE_END
 // every process. The Accelerator adds what it prepares and the training
 // step on top.
 
-#include "accel/training/checkpoint_files.hpp"  // check_project
-
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
