@@ -6575,8 +6575,9 @@ inline void release_module(State& s) {
   if (s.shard) {
     end_unit_pass(s);
     for (std::size_t u = 0; u < s.units.size(); ++u) materialize(s, u);
-    ++s.held;                                                                    // (release() frees nothing while held)
-    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;  // shard -> its parameter
+    ++s.held;  // (release() frees nothing while held)
+    // Each shard's parameter, to put back in its place.
+    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
     for (const auto& bucket : s.buckets)
       for (std::size_t i = 0; i < bucket.shards.size(); ++i)
         parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
