@@ -10035,7 +10035,7 @@ class AcceleratorSetup {
     device_ = interface_->current_device();
   }
 
-  const AcceleratorConfig& config() const { return config_; }
+  const AcceleratorConfig& settings() const { return config_; }
   const DistributedInterface& world() const { return *interface_; }
   // Whether the configured strategy has something to shard along.
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
@@ -10300,7 +10300,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
       prepared_.schedulers.push_back(std::move(p));
       found = std::prev(prepared_.schedulers.end());
     }
-    return AcceleratedScheduler(scheduler, state_, config().split_batches ? 1 : world().get_world_size(Dim::DP),
+    return AcceleratedScheduler(scheduler, state_, settings().split_batches ? 1 : world().get_world_size(Dim::DP),
                                 found->steps);
   }
   // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
@@ -10321,7 +10321,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
     const int replicas = world().get_world_size(Dim::DP);
     if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (this->config().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+    if (settings().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
       throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
                             std::to_string(config.batch_size) + ") must be a multiple of the " +
                             std::to_string(replicas) + " data-parallel processes");
@@ -10329,7 +10329,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
         std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
     prepared_.loaders.push_back(
         std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
-    return Loader(std::move(dataset), config, world().get_group(Dim::DP), this->config().split_batches, state_,
+    return Loader(std::move(dataset), config, world().get_group(Dim::DP), settings().split_batches, state_,
                   prepared_.loaders.back());
   }
   // The loader's next pass starts after its first n batches (Accelerate's
@@ -10445,14 +10445,14 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   // sync_gradients() keeps its value after the guard, for the loop to read.
   template <class... ModuleHolders>
   [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
-    if (config().sync_with_dataloader && state_->end_of_dataloader()) {
+    if (settings().sync_with_dataloader && state_->end_of_dataloader()) {
       step_ = 0;
       state_->sync_gradients = true;
     } else {
       ++step_;
       state_->sync_gradients = step_ % gradient_accumulation_steps() == 0;
     }
-    return with_sync(state_->sync_gradients || config().sync_each_batch, models...);
+    return with_sync(state_->sync_gradients || settings().sync_each_batch, models...);
   }
   // Whether the current step syncs gradients (and prepared optimizers step).
   bool sync_gradients() const { return state_->sync_gradients; }

@@ -79,7 +79,7 @@ class AcceleratorSetup {
     device_ = interface_->current_device();
   }
 
-  const AcceleratorConfig& config() const { return config_; }
+  const AcceleratorConfig& settings() const { return config_; }
   const DistributedInterface& world() const { return *interface_; }
   // Whether the configured strategy has something to shard along.
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
