@@ -342,20 +342,8 @@ inline Work<at::Tensor> all_to_all_async(const at::Tensor& data, std::vector<int
 // into `output`, which the caller keeps from call to call: nothing is
 // allocated for the result where c10d can write into it (contiguous, on
 // the group's device). output holds the rows this rank receives, in the
-// input's row shape and dtype; returns it.
-inline at::Tensor all_to_all_single(const at::Tensor& output, const at::Tensor& input,
-                                    std::vector<int64_t> output_split_sizes = {},
-                                    std::vector<int64_t> input_split_sizes = {}, const GroupPtr& group = {}) {
-  c10d::ProcessGroup* g = detail::resolve(group, "all_to_all_single");
-  auto [out, in] =
-      detail::check_all_to_all_splits(g, input, std::move(output_split_sizes), std::move(input_split_sizes));
-  detail::check_all_to_all_output(output, input, out);
-  if (!g) {
-    at::NoGradGuard no_grad;
-    return output.copy_(input);
-  }
-  return detail::start_all_to_all_rows(*g, input, std::move(out), std::move(in), "all_to_all", output).wait();
-}
+// input's row shape and dtype; returns it (the _async form: its Work's
+// result).
 inline Work<at::Tensor> all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
                                                 std::vector<int64_t> output_split_sizes = {},
                                                 std::vector<int64_t> input_split_sizes = {},
@@ -370,6 +358,12 @@ inline Work<at::Tensor> all_to_all_single_async(const at::Tensor& output, const 
   }
   return Work<at::Tensor>(
       detail::start_all_to_all_rows(*g, input, std::move(out), std::move(in), "all_to_all", output));
+}
+inline at::Tensor all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                    std::vector<int64_t> output_split_sizes = {},
+                                    std::vector<int64_t> input_split_sizes = {}, const GroupPtr& group = {}) {
+  return all_to_all_single_async(output, input, std::move(output_split_sizes), std::move(input_split_sizes), group)
+      .wait();
 }
 
 ACCEL_NAMESPACE_END
