@@ -7068,7 +7068,7 @@ class DataParallel {
 // is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
-  requires requires(ModuleHolder& m) { m.ptr(); }
+  requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
   return DataParallel::unit_call(
       unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
@@ -10236,7 +10236,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   // DataParallel). Any number of models may be prepared; each keeps its own
   // gradient sync. Returns the model itself (accel.hpp does not wrap).
   template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
+    requires detail::module_holder<ModuleHolder>
   ModuleHolder& prepare(ModuleHolder& model) {
     auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
     if (prepared_.find(module.get()))
@@ -10265,7 +10265,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   }
   // Accelerate's single-object forms of prepare.
   template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
+    requires detail::module_holder<ModuleHolder>
   ModuleHolder& prepare_model(ModuleHolder& model) {
     return prepare(model);
   }

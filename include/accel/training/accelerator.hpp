@@ -29,7 +29,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   // DataParallel). Any number of models may be prepared; each keeps its own
   // gradient sync. Returns the model itself (accel.hpp does not wrap).
   template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
+    requires detail::module_holder<ModuleHolder>
   ModuleHolder& prepare(ModuleHolder& model) {
     auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
     if (prepared_.find(module.get()))
@@ -58,7 +58,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
   }
   // Accelerate's single-object forms of prepare.
   template <class ModuleHolder>
-    requires requires(ModuleHolder& m) { m.ptr(); }
+    requires detail::module_holder<ModuleHolder>
   ModuleHolder& prepare_model(ModuleHolder& model) {
     return prepare(model);
   }

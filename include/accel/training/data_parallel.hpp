@@ -422,7 +422,7 @@ class DataParallel {
 // is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
-  requires requires(ModuleHolder& m) { m.ptr(); }
+  requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
   return DataParallel::unit_call(
       unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
