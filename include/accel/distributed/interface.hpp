@@ -64,7 +64,7 @@ class DistributedInterface {
   // names unique and not empty. Not distributed: the world is one rank, every
   // size must be 1, and the groups are null (collectives are the identity).
   DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vector<std::string>& names) {
-    return DeviceMesh::root(world_.mesh_root(shape, names));
+    return DeviceMesh(world_.mesh_root(shape, names));
   }
 
   GroupPtr get_group(std::optional<Dim> dim = std::nullopt) const {
@@ -159,8 +159,8 @@ class DistributedInterface {
       auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
       auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
       world_.make_groups({model.get(), data.get()}, /*with_world=*/true);
-      model_mesh_ = DeviceMesh::root(std::move(model));
-      data_mesh_ = DeviceMesh::root(std::move(data));
+      model_mesh_ = DeviceMesh(std::move(model));
+      data_mesh_ = DeviceMesh(std::move(data));
     } catch (const DistributedError&) {
       release();
       throw;

@@ -116,6 +116,12 @@ inline std::string describe_mesh_call(const std::vector<int>& shape, const std::
 
 class DeviceMesh {
  public:
+  // The mesh of every dimension of a layout, in the layout's order (a
+  // dimension's group not made yet is made here). DistributedInterface makes
+  // the layouts (init_device_mesh, the model and data meshes); users get
+  // their meshes from it.
+  explicit DeviceMesh(std::shared_ptr<detail::MeshRoot> layout) : DeviceMesh(layout, every_dimension(*layout)) {}
+
   c10::DeviceType device_type() const { return root_->device_type; }
   int ndim() const { return static_cast<int>(dims_.size()); }
   const std::vector<int>& shape() const { return shape_; }
@@ -186,8 +192,6 @@ class DeviceMesh {
     std::string name;
     std::vector<int> root_dims;  // ascending
   };
-  friend class DistributedInterface;
-
   DeviceMesh(std::shared_ptr<detail::MeshRoot> root, std::vector<Dimension> dims)
       : root_(std::move(root)), dims_(std::move(dims)) {
     std::vector<int> all;
@@ -202,12 +206,10 @@ class DeviceMesh {
     ranks_ = root_->line(all).first;
   }
 
-  // Every root dimension of a new layout, as its own dimension; a
-  // dimension's group not made yet (make_groups) is made here.
-  static DeviceMesh root(std::shared_ptr<detail::MeshRoot> layout) {
+  static std::vector<Dimension> every_dimension(const detail::MeshRoot& layout) {
     std::vector<Dimension> dims;
-    for (std::size_t d = 0; d < layout->names.size(); ++d) dims.push_back({layout->names[d], {static_cast<int>(d)}});
-    return DeviceMesh(std::move(layout), std::move(dims));
+    for (std::size_t d = 0; d < layout.names.size(); ++d) dims.push_back({layout.names[d], {static_cast<int>(d)}});
+    return dims;
   }
 
   DeviceMesh select(std::initializer_list<std::string_view> wanted) const {
