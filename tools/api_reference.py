@@ -207,10 +207,19 @@ def part_api(name):
 
 
 def render():
+    derives = {}  # class -> the classes it derives from publicly
     for tier in TIERS:
         for name in tier_parts(tier):
-            text = (INCLUDE / name).read_text()
-            PUBLIC_BASES.update(re.findall(r"public detail::(\w+)", code_mask(text)))
+            text = code_mask((INCLUDE / name).read_text())
+            PUBLIC_BASES.update(re.findall(r"public detail::(\w+)", text))
+            for cls, bases in re.findall(r"\bclass (\w+)\s*(?:final\s*)?:([^{;]*)\{", text):
+                derives.setdefault(cls, set()).update(re.findall(r"public (?:detail::)?(\w+)", bases))
+    # and their own bases, whose public members are the public class's too
+    while True:
+        more = set().union(*(derives.get(cls, set()) for cls in PUBLIC_BASES)) - PUBLIC_BASES
+        if not more:
+            break
+        PUBLIC_BASES.update(more)
     lines = [
         "# API reference",
         "",

@@ -36,6 +36,7 @@
 #include "accel/training/weights.hpp"
 #include "accel/training/autocast.hpp"
 #include "accel/training/accelerator_setup.hpp"
+#include "accel/training/accelerator_preparing.hpp"
 #include "accel/training/process_operations.hpp"
 #include "accel/training/accelerator.hpp"
 

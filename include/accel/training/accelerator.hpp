@@ -1,13 +1,16 @@
-// accel/training/accelerator.hpp: the Accelerator: what it prepares, the training step, checkpoints.
+// accel/training/accelerator.hpp: the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights.
 //
 // Its configuration, world, device and properties come from
-// AcceleratorSetup (accelerator_setup.hpp), Accelerate's operations over
-// every process from ProcessOperations (process_operations.hpp). What it
-// prepares lives in a PreparedSet (prepared.hpp), which the checkpoint
-// functions (checkpoint_state.hpp) save and load.
+// AcceleratorSetup (accelerator_setup.hpp), what it prepares from
+// AcceleratorPreparing (accelerator_preparing.hpp: the models, optimizers,
+// schedulers and loaders, kept in a PreparedSet that the checkpoint
+// functions of checkpoint_state.hpp save and load), and Accelerate's
+// operations over every process from ProcessOperations
+// (process_operations.hpp). This part adds the training step, gradient sync
+// and accumulation, uneven inputs, checkpoints and weights.
 #pragma once
 
-#include "accel/training/accelerator_setup.hpp"
+#include "accel/training/accelerator_preparing.hpp"
 #include "accel/training/autocast.hpp"
 #include "accel/training/checkpoint_state.hpp"
 #include "accel/training/join.hpp"
@@ -17,133 +20,10 @@
 
 ACCEL_NAMESPACE_BEGIN
 
-class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOperations {
+class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessOperations {
  public:
   // Every setting is checked before the rendezvous (AcceleratorSetup).
-  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorSetup(std::move(config)) {}
-
-  // -- prepare ----------------------------------------------------------------
-
-  // A model: moved to the device, its parameters and buffers broadcast from
-  // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
-  // DataParallel). Any number of models may be prepared; each keeps its own
-  // gradient sync. Returns the model itself (accel.hpp does not wrap).
-  template <class ModuleHolder>
-    requires detail::module_holder<ModuleHolder>
-  ModuleHolder& prepare(ModuleHolder& model) {
-    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
-    if (prepared_.find(module.get()))
-      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-    model->to(device());
-    prepared_.models.push_back(detail::PreparedModel{module, data_parallel_for(module)});
-    if (sharded()) {
-      prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
-      for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
-    }
-    return model;
-  }
-  // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
-  // Under sharding its groups then hold the shards of the prepared models'
-  // parameters (prepare it before it steps), and step it through the handle
-  // returned, whose step() gathers the parameters from the updated shards.
-  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
-    if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
-      prepared_.optimizers.push_back(&optimizer);
-    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
-    for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
-      for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather_shards();
-    });
-  }
-  // Accelerate's single-object forms of prepare.
-  template <class ModuleHolder>
-    requires detail::module_holder<ModuleHolder>
-  ModuleHolder& prepare_model(ModuleHolder& model) {
-    return prepare(model);
-  }
-  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer) { return prepare(optimizer); }
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler) {
-    return prepare(scheduler);
-  }
-  // A learning-rate scheduler: see AcceleratedScheduler.
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare(Scheduler& scheduler) {
-    auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
-                              [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
-    if (found == prepared_.schedulers.end()) {
-      detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
-      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
-                             torch::serialize::InputArchive& in) {
-                      c.save(out);
-                      m.load(in);
-                    }) {
-        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
-        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
-      }
-      prepared_.schedulers.push_back(std::move(p));
-      found = std::prev(prepared_.schedulers.end());
-    }
-    return AcceleratedScheduler(scheduler, state_, settings().split_batches ? 1 : world().get_world_size(Dim::DP),
-                                found->steps);
-  }
-  // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
-  //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
-  template <class First, class Second, class... Rest>
-  auto prepare(First& first, Second& second, Rest&... rest) {
-    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
-        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
-  }
-
-  // A data loader over this process's share of `dataset` on the data-parallel
-  // group (see ShardSampler for the layouts). With split_batches,
-  // config.batch_size is the global batch and must divide evenly among the
-  // processes. config.dispatch_batches: the main process reads and sends.
-  // An IterableDataset (a LibTorch StatefulDataset) gives a
-  // PreparedIterableDataLoader instead.
-  template <class Dataset>
-  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = world().get_world_size(Dim::DP);
-    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (settings().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
-      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
-                            std::to_string(config.batch_size) + ") must be a multiple of the " +
-                            std::to_string(replicas) + " data-parallel processes");
-    using Loader =
-        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(
-        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
-    return Loader(std::move(dataset), config, world().get_group(Dim::DP), settings().split_batches, state_,
-                  prepared_.loaders.back());
-  }
-  // The loader's next pass starts after its first n batches (Accelerate's
-  // skip_first_batches, for a run resumed by hand; load_state does it for
-  // prepared loaders). Returns the loader.
-  template <class Loader>
-    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
-  Loader& skip_first_batches(Loader& loader, size_t n) {
-    loader.skip_first_batches(n);
-    return loader;
-  }
-
-  // Anything with save(torch::serialize::OutputArchive&) and
-  // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
-  // of yours, a step counter) joins every checkpoint, as Accelerate's
-  // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
-  // registered, written by the main process. The object must outlive the
-  // Accelerator's checkpoints.
-  template <class T>
-    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-      c.save(out);
-      t.load(in);
-    }
-  void register_for_checkpointing(T& object) {
-    prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
-                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
-  }
+  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorPreparing(std::move(config)) {}
 
   // -- the training step --------------------------------------------------------
 
@@ -285,8 +165,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     detail::every_process_calls("accel::Accelerator::free_memory", [&] {
       for (auto& m : prepared_.models) m.data_parallel->release_module();
     });
-    prepared_.sharded->clear();  // the optimizers' handles stop gathering
-    prepared_ = {};
+    let_go_of_prepared();
     step_ = 0;
     state_->sync_gradients = true;
   }
@@ -354,15 +233,6 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     });
   }
 
- private:
-  detail::CheckpointContext checkpoint_context() const {
-    return {.process_index = process_index(),
-            .num_processes = num_processes(),
-            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
-            .device = device()};
-  }
-
- public:
   // -- weights that leave C++ --------------------------------------------------------
 
   // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
@@ -383,26 +253,13 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     });
   }
 
-  // -- the prepared models' DataParallels ------------------------------------------------
-
-  // The DataParallel of the first prepared model, or of `model`; nullptr
-  // when it was not prepared.
-  DataParallel* data_parallel() {
-    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
-  }
-  template <class ModuleHolder>
-  DataParallel* data_parallel(ModuleHolder& model) {
-    detail::PreparedModel* p = prepared_.find(model.ptr().get());
-    return p ? p->data_parallel.get() : nullptr;
-  }
-
  private:
-  template <class ModuleHolder>
-  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
-    if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
-    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+  detail::CheckpointContext checkpoint_context() const {
+    return {.process_index = process_index(),
+            .num_processes = num_processes(),
+            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
+            .device = device()};
   }
-
   template <class... ModuleHolders>
   SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
     SyncGuard guard;
@@ -413,8 +270,6 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
         ...);
     return guard;
   }
-  detail::PreparedSet prepared_;
-  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;  // accumulate()'s count of micro-steps
   std::optional<detail::Join> join_;
 };
