@@ -15,58 +15,59 @@
 //
 // Contents, in the order data flows through the header:
 //   core:
-//     accel/core/version.hpp                 the version macros (CMake and the packages read them here)
-//     accel/core/config.hpp                  compile-time knobs, the environment's names, the ABI namespace
-//     accel/core/errors.hpp                  the error family: accel::Error and its kinds
-//     accel/core/enums.hpp                   ReduceOp, Dim, DeviceType and friends, with their string forms
-//     accel/core/environment.hpp             reading torchrun's and the MPI/Slurm launchers' environment
-//     accel/core/strategy.hpp                DistributedConfig and DistributedStrategy: the parallel sizes, validated
-//     accel/core/launcher.hpp                the local launcher: spawn and launch_processes (Linux)
+//     accel/core/version.hpp                    the version macros (CMake and the packages read them here)
+//     accel/core/config.hpp                     compile-time knobs, the environment's names, the ABI namespace
+//     accel/core/errors.hpp                     the error family: accel::Error and its kinds
+//     accel/core/enums.hpp                      ReduceOp, Dim, DeviceType and friends, with their string forms
+//     accel/core/environment.hpp                reading torchrun's and the MPI/Slurm launchers' environment
+//     accel/core/strategy.hpp                   DistributedConfig and DistributedStrategy: the parallel sizes, validated
+//     accel/core/launcher.hpp                   the local launcher: spawn and launch_processes (Linux)
 //   distributed:
-//     accel/distributed/torch.hpp            feature detection and the LibTorch headers the collectives need
-//     accel/distributed/devices.hpp          devices: which accelerator a process uses, binding and synchronising it
-//     accel/distributed/concepts.hpp         what the collectives take: Scalar, ScalarVector, TensorLike
-//     accel/distributed/issue.hpp            debug mode, the group registry, issuing c10d operations, their errors
-//     accel/distributed/staging.hpp          Pending (each collective: a start, then a land), staging, the debug check
-//     accel/distributed/registration.hpp     registering the groups accel makes, with the code that diagnoses their failures
-//     accel/distributed/work.hpp             accel::Work: an operation in flight, what the _async forms return
-//     accel/distributed/collectives.hpp      all_reduce, broadcast, all_gather and their _async forms
-//     accel/distributed/all_to_all.hpp       all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
-//     accel/distributed/exchange.hpp         reduce_to, gather_to, scatter, send/recv, barriers
-//     accel/distributed/rendezvous.hpp       rendezvous and groups: stores, agreeing on the world, making c10d groups
-//     accel/distributed/mesh.hpp             DeviceMesh: named dimensions, slice, flatten
-//     accel/distributed/world.hpp            World: the ranks of one initialisation, their rendezvous store and the groups made on it
-//     accel/distributed/interface.hpp        DistributedInterface (the singleton), new_group, init_device_mesh
-//     accel/distributed/nested.hpp           nested data (vectors, maps, tuples of tensors), packed for few collectives
-//     accel/distributed/operations.hpp       Accelerate's operations: gather, pad_across_processes, reduce, ...
-//     accel/distributed/objects.hpp          objects through the pickler: broadcast_object_list, gather_object, ...
-//     accel/distributed/process_control.hpp  process control: split_between_processes, on_main_process, ...
-//     accel/distributed/reproducibility.hpp  set_seed and synchronize_rng_states
+//     accel/distributed/torch.hpp               feature detection and the LibTorch headers the collectives need
+//     accel/distributed/devices.hpp             devices: which accelerator a process uses, binding and synchronising it
+//     accel/distributed/concepts.hpp            what the collectives take: Scalar, ScalarVector, TensorLike
+//     accel/distributed/issue.hpp               debug mode, the group registry, issuing c10d operations, their errors
+//     accel/distributed/staging.hpp             Pending (each collective: a start, then a land), staging, the debug check
+//     accel/distributed/registration.hpp        registering the groups accel makes, with the code that diagnoses their failures
+//     accel/distributed/work.hpp                accel::Work: an operation in flight, what the _async forms return
+//     accel/distributed/collectives.hpp         all_reduce, broadcast, all_gather and their _async forms
+//     accel/distributed/all_to_all.hpp          all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
+//     accel/distributed/exchange.hpp            reduce_to, gather_to, scatter, send/recv, barriers
+//     accel/distributed/rendezvous.hpp          rendezvous and groups: stores, agreeing on the world, making c10d groups
+//     accel/distributed/mesh.hpp                DeviceMesh: named dimensions, slice, flatten
+//     accel/distributed/world.hpp               World: the ranks of one initialisation, their rendezvous store and the groups made on it
+//     accel/distributed/interface.hpp           DistributedInterface (the singleton), new_group, init_device_mesh
+//     accel/distributed/nested.hpp              nested data (vectors, maps, tuples of tensors), packed for few collectives
+//     accel/distributed/operations.hpp          Accelerate's operations: gather, pad_across_processes, reduce, ...
+//     accel/distributed/objects.hpp             objects through the pickler: broadcast_object_list, gather_object, ...
+//     accel/distributed/process_control.hpp     process control: split_between_processes, on_main_process, ...
+//     accel/distributed/reproducibility.hpp     set_seed and synchronize_rng_states
 //   training:
-//     accel/training/torch_nn.hpp            the LibTorch headers the training helpers need (<torch/torch.h>)
-//     accel/training/autograd.hpp            autograd-aware collectives (accel::autograd)
-//     accel/training/comm_hooks.hpp          communication hooks: GradBucket, CommHook, PowerSGD
-//     accel/training/buckets.hpp             which gradients share a bucket (DDP's assignment, with FSDP units)
-//     accel/training/dp_state.hpp            DataParallel's state: its buckets, units and flags, shared with its autograd hooks
-//     accel/training/dp_reducer.hpp          DataParallel's reducer: a bucket issued as soon as its gradients are ready
-//     accel/training/dp_units.hpp            ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
-//     accel/training/dp_shards.hpp           ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
-//     accel/training/data_parallel.hpp       DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
-//     accel/training/sampler.hpp             data loading: ShardSampler and the loaders' shared state
-//     accel/training/dispatch.hpp            dispatch_batches: one rank reads, the others receive their slices
-//     accel/training/loaders.hpp             PreparedDataLoader and PreparedIterableDataLoader
-//     accel/training/config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
-//     accel/training/checked_file.hpp        files written with every error checked: CheckedFile, atomic writes, archives
-//     accel/training/checkpoint_files.hpp    checkpoint files: the manifest, atomic writes, reading back
-//     accel/training/prepared.hpp            what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
-//     accel/training/checkpoint_state.hpp    save_state's and load_state's work: write; read and check; apply or roll back; commit
-//     accel/training/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
-//     accel/training/safetensors.hpp         safetensors: Hugging Face's weight format, written and read
-//     accel/training/weights.hpp             save_model and load_model: a module's weights as Hugging Face's safetensors
-//     accel/training/autocast.hpp            AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
-//     accel/training/accelerator_setup.hpp   what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
-//     accel/training/process_operations.hpp  Accelerate's operations as Accelerator methods, over every process
-//     accel/training/accelerator.hpp         the Accelerator: what it prepares, the training step, checkpoints
+//     accel/training/torch_nn.hpp               the LibTorch headers the training helpers need (<torch/torch.h>)
+//     accel/training/autograd.hpp               autograd-aware collectives (accel::autograd)
+//     accel/training/comm_hooks.hpp             communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/buckets.hpp                which gradients share a bucket (DDP's assignment, with FSDP units)
+//     accel/training/dp_state.hpp               DataParallel's state: its buckets, units and flags, shared with its autograd hooks
+//     accel/training/dp_reducer.hpp             DataParallel's reducer: a bucket issued as soon as its gradients are ready
+//     accel/training/dp_units.hpp               ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
+//     accel/training/dp_shards.hpp              ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
+//     accel/training/data_parallel.hpp          DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
+//     accel/training/sampler.hpp                data loading: ShardSampler and the loaders' shared state
+//     accel/training/dispatch.hpp               dispatch_batches: one rank reads, the others receive their slices
+//     accel/training/loaders.hpp                PreparedDataLoader and PreparedIterableDataLoader
+//     accel/training/config.hpp                 AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
+//     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
+//     accel/training/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
+//     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
+//     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
+//     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
+//     accel/training/weights.hpp                save_model and load_model: a module's weights as Hugging Face's safetensors
+//     accel/training/autocast.hpp               AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
+//     accel/training/accelerator_setup.hpp      what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
+//     accel/training/accelerator_preparing.hpp  what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints
+//     accel/training/process_operations.hpp     Accelerate's operations as Accelerator methods, over every process
+//     accel/training/accelerator.hpp            the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -1396,29 +1397,48 @@ struct GroupRegistry {
   // a null group find it, without a lock.
   std::atomic<c10d::ProcessGroup*> world{nullptr};
   std::mutex mutex;  // guards entries (read only to word and diagnose errors)
-  // A group's roll call (registration.hpp), run after a timeout on a group with a store.
-  // The entry points to that code instead of failure() calling it, so that
-  // only the translation units that make groups (register_group) compile its
-  // thread and store protocol, not every one that calls a collective: it was
-  // a third of what one call costs to compile.
-  using RollCall = std::string (*)(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
-                                   std::chrono::milliseconds grace);
   struct Entry {
     std::string name;
     c10::intrusive_ptr<c10d::Store> store;  // the group's own keys, for roll calls; may be null
-    RollCall roll_call = nullptr;
     int roll_calls = 0;
   };
   std::map<const c10d::ProcessGroup*, Entry> entries;
-  // Debug mode's check that every rank made the same call (verify_same_call),
-  // pointed to for the same reason: set by register_group and set_debug_mode.
+  // The text of a failed operation's error (explain_failure in
+  // registration.hpp: the group's name, rank and size, and after a timeout a
+  // roll call of the group's ranks through its store). failure() reaches it
+  // through this pointer, which register_group sets, instead of calling it,
+  // so that only the translation units that make groups compile it (a thread
+  // and a store protocol), not every one that calls a collective: it was a
+  // third of what one call costs to compile.
+  // Debug mode's check that every rank made the same call (verify_same_call)
+  // is pointed to for the same reason: set by register_group and set_debug_mode.
+  std::atomic<std::string (*)(const char* op, c10d::ProcessGroup& group, const std::exception& e)> explain_failure{
+      nullptr};
   std::atomic<void (*)(c10d::ProcessGroup&, const std::string&)> verify_same_call{nullptr};
+  // debug_mode() itself (its parse of ACCEL_DEBUG_MODE, with its errors), for
+  // collectives that meet a state not read yet (checking_calls); set with
+  // verify_same_call.
+  std::atomic<bool (*)()> read_debug_mode{nullptr};
 };
 // Never destroyed: the singleton may release its groups during static
 // destruction at exit, after a registry with a destructor would be gone.
 inline GroupRegistry& registry() {
   static GroupRegistry* instance = new GroupRegistry;
   return *instance;
+}
+
+// Whether a collective runs debug mode's check: debug_mode(), reached
+// through the registry's pointer so that its parse of the variable is not
+// compiled into every file that calls a collective. A process where
+// nothing set the check up yet (only groups made with c10d directly) has no
+// reader; there the variable merely being set sends the call on to
+// verify_call, whose error says how to set the check up.
+inline bool checking_calls() {
+  const int state = debug_state().load(std::memory_order_relaxed);
+  if (state >= 0) [[likely]]
+    return state == 1;
+  if (auto* read = registry().read_debug_mode.load(std::memory_order_acquire)) return read();
+  return std::getenv("ACCEL_DEBUG_MODE") != nullptr;
 }
 
 inline std::string group_name(const c10d::ProcessGroup& group) {
@@ -1485,38 +1505,17 @@ std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
   return std::move(*result);
 }
 
-// The roll call of a group accel made (registered with its store), or "".
-inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
-  c10::intrusive_ptr<c10d::Store> store;
-  GroupRegistry::RollCall call_roll = nullptr;
-  int call = 0;
-  {
-    auto& reg = registry();
-    std::lock_guard lock(reg.mutex);
-    auto it = reg.entries.find(&group);
-    if (it == reg.entries.end() || !it->second.store || !it->second.roll_call) return "";
-    store = it->second.store;
-    call_roll = it->second.roll_call;
-    call = ++it->second.roll_calls;
-  }
-  return call_roll(std::move(store), group.getSize(), group.getRank(), call, grace);
-}
-
-inline bool is_timeout(const std::string& text) {
-  const std::string lower = lowercase(text);
-  return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
-}
-
 // Issues one c10d operation (the call itself can fail: a dtype or a shape
 // the backend rejects) and waits for it; any failure becomes a
 // DistributedError that names the operation and the group (after a timeout,
-// also the ranks that seem to be the cause: roll_call).
+// also the ranks that seem to be the cause: explain_failure in
+// registration.hpp, which every group accel makes sets up). A process that
+// never made an accel group (only groups made with c10d directly) gets the
+// operation and the exception's own text (with LibTorch's backtrace).
 inline DistributedError failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
-  const std::string text = error_text(e);
-  std::ostringstream message;
-  message << "accel::" << op << " failed on " << describe(group) << ": " << text;
-  if (is_timeout(text)) message << roll_call(group);
-  return DistributedError(message.str());
+  if (auto* explain = registry().explain_failure.load(std::memory_order_acquire))
+    return DistributedError(explain(op, group, e));
+  return DistributedError(std::string("accel::") + op + " failed: " + e.what());
 }
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
@@ -1728,15 +1727,19 @@ inline void all_reduce_direct(c10d::ProcessGroup& group, at::Tensor& tensor, Red
     tensor.div_(group.getSize());
   }
 }
+// The c10d call of an all_reduce of what stage() made.
+inline c10::intrusive_ptr<c10d::Work> issue_all_reduce(c10d::ProcessGroup& group, const InPlace& s) {
+  std::vector<at::Tensor> tensors{s.c10d_tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(s.op);
+  return issue("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
+}
 inline auto start_all_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp op) {
   InPlace s;
   c10::intrusive_ptr<c10d::Work> work;
   if (tensor.numel() != 0) [[likely]] {
     s = stage(group, tensor, op);
-    std::vector<at::Tensor> tensors{s.c10d_tensor};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = to_c10d(s.op);
-    work = issue("all_reduce", group, [&] { return group.allreduce(tensors, opts); });
+    work = issue_all_reduce(group, s);
   }
   const int64_t divisor = op == ReduceOp::MEAN ? group.getSize() : 1;
   return Pending{&group, "all_reduce", std::move(work),
@@ -1766,10 +1769,18 @@ inline auto start_reduce(c10d::ProcessGroup& group, at::Tensor tensor, ReduceOp 
                    return std::move(tensor);
                  }};
 }
+// The blocking all_reduce of a tensor. A tensor that must be staged first
+// takes the steps of start_all_reduce without its Pending: a file that calls
+// all_reduce compiles this path whether it runs or not, and the Pending's
+// captures and moves cost a sixth of what the compiler spends on a raw c10d
+// allreduce call (counted in its instructions).
 inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, ReduceOp op) {
-  if (tensor.numel() != 0 && direct(group, tensor)) [[likely]]
-    all_reduce_direct(group, tensor, op);
-  else start_all_reduce(group, tensor, op).wait();
+  if (tensor.numel() == 0) return;
+  if (direct(group, tensor)) [[likely]]
+    return all_reduce_direct(group, tensor, op);
+  const InPlace s = stage(group, tensor, op);
+  await("all_reduce", group, *issue_all_reduce(group, s));
+  land_in_place(tensor, s.staged, op == ReduceOp::MEAN ? group.getSize() : 1);
 }
 
 // The source of a broadcast is a rank within the group (`name` is how the
@@ -1985,15 +1996,16 @@ inline void verify_call(c10d::ProcessGroup& group, const std::string& call) {
   auto* verify = registry().verify_same_call.load(std::memory_order_acquire);
   if (!verify)
     throw LogicError(
-        "accel: debug mode is on (ACCEL_DEBUG_MODE) but its check is not set up in this process: it comes with the "
-        "groups accel makes (DistributedInterface::instance(), new_group, split_group, meshes) and with "
-        "accel::set_debug_mode(); call accel::set_debug_mode(true) before using a group made with c10d directly");
+        "accel: debug mode is on (or ACCEL_DEBUG_MODE is set) but its check is not set up in this process: it comes "
+        "with the groups accel makes (DistributedInterface::instance(), new_group, split_group, meshes) and with "
+        "accel::set_debug_mode(); call accel::set_debug_mode(true) before using a group made with c10d directly "
+        "(or set_debug_mode(std::nullopt) to go by ACCEL_DEBUG_MODE)");
   verify(group, call);
 }
 // Runs the debug-mode check when it is on; `describe` builds the text only then.
 template <class Describe>
 void check_same_call(c10d::ProcessGroup& group, Describe&& describe) {
-  if (debug_mode()) [[unlikely]]
+  if (checking_calls()) [[unlikely]]
     verify_call(group, describe());
 }
 
@@ -2010,17 +2022,33 @@ inline std::string describe_tensor(const at::Tensor& t, std::optional<int64_t> f
   return os.str();
 }
 
+// Debug mode's texts are built only when it is on, but their code is
+// compiled in every file that calls a collective; so the building is done by
+// these functions, compiled once per file, rather than at each call site.
+// A number type (int32, uint8, float64); a std::vector of them with its size.
+inline std::string number_type(bool floating, bool is_signed, std::size_t bytes) {
+  return (floating ? "float" : is_signed ? "int" : "uint") + std::to_string(bytes * 8);
+}
+inline std::string vector_of(const std::string& element, std::size_t size) {
+  return "vector<" + element + ">[" + std::to_string(size) + "]";
+}
+// A call: "op(arg, arg)".
+inline std::string call_text(const char* op, std::initializer_list<std::string_view> args) {
+  std::string text = std::string(op) + "(";
+  for (std::string_view arg : args) text.append(text.back() == '(' ? "" : ", ").append(arg);
+  return text + ")";
+}
+
 template <Scalar T>
 std::string type_tag() {
-  const char* kind = std::is_floating_point_v<T> ? "float" : std::is_signed_v<T> ? "int" : "uint";
-  return kind + std::to_string(sizeof(T) * 8);
+  return number_type(std::is_floating_point_v<T>, std::is_signed_v<T>, sizeof(T));
 }
 
 template <TensorLike T>
 std::string describe_tensorlike(const T& data) {
   if constexpr (std::same_as<T, at::Tensor>) return describe_tensor(data);
   else if constexpr (Scalar<T>) return type_tag<T>();
-  else return "vector<" + type_tag<element_t<T>>() + ">[" + std::to_string(data.size()) + "]";
+  else return vector_of(type_tag<element_t<T>>(), data.size());
 }
 
 // An in-place operation (all_reduce, broadcast, reduce_to, recv) writes every element of
@@ -2046,8 +2074,8 @@ ACCEL_NAMESPACE_END
 // == accel/distributed/registration.hpp =======================================
 // accel/distributed/registration.hpp: registering the groups accel makes, with the code that diagnoses their failures.
 //
-// The roll call after a timeout and debug mode's check of every rank's call
-// are reached through pointers that registering a group (or
+// The text of a failure (with the roll call after a timeout) and debug mode's
+// check of every rank's call are reached through pointers that registering a group (or
 // set_debug_mode) sets, not called directly by every collective: a
 // translation unit compiles the code its calls reach, and these two were most
 // of what one collective costs to compile. Only the translation units that
@@ -2058,6 +2086,7 @@ ACCEL_NAMESPACE_BEGIN
 // Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
 inline void set_debug_mode(std::optional<bool> on) {
   detail::registry().verify_same_call.store(&detail::verify_same_call, std::memory_order_release);
+  detail::registry().read_debug_mode.store(&debug_mode, std::memory_order_release);
   detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
 }
 
@@ -2101,14 +2130,45 @@ inline std::string roll_call_in_store(c10::intrusive_ptr<c10d::Store> store, int
   return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
 }
 
+// The roll call of a group accel made (registered with its store), or "".
+inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
+  c10::intrusive_ptr<c10d::Store> store;
+  int call = 0;
+  {
+    auto& reg = registry();
+    std::lock_guard lock(reg.mutex);
+    auto it = reg.entries.find(&group);
+    if (it == reg.entries.end() || !it->second.store) return "";
+    store = it->second.store;
+    call = ++it->second.roll_calls;
+  }
+  return roll_call_in_store(std::move(store), group.getSize(), group.getRank(), call, grace);
+}
+
+inline bool is_timeout(const std::string& text) {
+  const std::string lower = lowercase(text);
+  return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
+}
+
+// The text of a failed operation's error (failure() in issue.hpp reaches it
+// through the registry).
+inline std::string explain_failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
+  const std::string cause = error_text(e);  // (without LibTorch's backtrace)
+  std::string message = std::string("accel::") + op + " failed on " + describe(group) + ": " + cause;
+  if (is_timeout(cause)) message += roll_call(group);
+  return message;
+}
+
 // Groups accel makes are named for error messages and keep their store for
 // the roll call; collectives accept other groups as well.
 inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
                            bool is_world = false) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
-  reg.entries[group.get()] = {std::move(name), std::move(store), &roll_call_in_store};
+  reg.entries[group.get()] = {std::move(name), std::move(store)};
   reg.verify_same_call.store(&verify_same_call, std::memory_order_release);
+  reg.explain_failure.store(&explain_failure, std::memory_order_release);
+  reg.read_debug_mode.store(&debug_mode, std::memory_order_release);
   if (is_world) reg.world.store(group.get());
 }
 inline void unregister_group(const GroupPtr& group) {
@@ -2195,8 +2255,11 @@ class WorkCore {
 
  private:
   void watch() {
-    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, [work = work_] { work->wait(); });
+    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, work_);
   }
+  // A function, not a lambda, for the reason make_group_of (rendezvous.hpp)
+  // gives: the thread's body is reached from every virtual call in a file.
+  static void wait_on(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
 
   GroupPtr group_;
   const char* op_;
@@ -2422,9 +2485,7 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
   if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "all_reduce");
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
-  if (g)
-    check_same_call(
-        *g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
+  if (g) check_same_call(*g, [&] { return call_text("all_reduce", {describe_tensorlike(data), to_string(op)}); });
   return g;
 }
 template <TensorLike T>
@@ -2434,13 +2495,13 @@ c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& grou
   check_source(g, src, "broadcast", "src");
   if (g)
     check_same_call(*g,
-                    [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
+                    [&] { return call_text("broadcast", {describe_tensorlike(data), "src=" + std::to_string(src)}); });
   return g;
 }
 template <TensorLike T>
 c10d::ProcessGroup* enter_all_gather(const T& data, const GroupPtr& group) {
   c10d::ProcessGroup* g = resolve(group, "all_gather");
-  if (g) check_same_call(*g, [&] { return "all_gather(" + describe_tensorlike(data) + ")"; });
+  if (g) check_same_call(*g, [&] { return call_text("all_gather", {describe_tensorlike(data)}); });
   return g;
 }
 // Point-to-point: debug mode cannot compare the two sides (no collective runs).
@@ -2462,10 +2523,16 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
   if (!g) return data;
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
-    return data;
+  } else if constexpr (!detail::folded<T>()) {
+    // A view of the caller's own elements, reduced where they are: the path a
+    // tensor takes, so that a call on a number or a std::vector compiles no
+    // Pending of its own.
+    at::Tensor view = detail::memory_view(data);
+    detail::all_reduce_tensor(*g, view, op);
   } else {
     return detail::start_all_reduce_data(*g, std::move(data), op).wait();
   }
+  return data;
 }
 template <TensorLike T>
 Work<T> all_reduce_async(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
@@ -2775,7 +2842,7 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_sp
                           ", but dim 0 of the input is " + std::to_string(data.size(0)));
   if (!g && output_split_sizes != input_split_sizes)
     throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
-  if (g && debug_mode()) [[unlikely]] {
+  if (g && checking_calls()) [[unlikely]] {
     verify_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
     // Every rank's sizes, so that every rank finds a disagreement alike.
     std::vector<int64_t> mine = input_split_sizes;
@@ -3613,21 +3680,44 @@ struct MadeGroup {
   GroupPtr group;
   c10::intrusive_ptr<c10d::Store> store;  // the group's own keys
 };
+// What make_groups is asked, and where each group's outcome goes.
+struct GroupsCall {
+  const std::string& backend;
+  const c10::intrusive_ptr<c10d::Store>& store;
+  const std::optional<StoreAddress>& address;
+  const std::vector<GroupRequest>& requests;
+  std::chrono::milliseconds timeout;
+  std::vector<MadeGroup> made;
+  std::vector<std::exception_ptr> failed;
+};
+// Makes group i of a call. A function, not a lambda, because a thread runs
+// it: in every file that makes a virtual call (as releasing a tensor does),
+// GCC analyses whatever the call's possible targets reach, and a thread's
+// body is one (std::thread's state is polymorphic). Reached through a
+// function pointer, this code is analysed only where groups are made, not in
+// every file that calls a collective (over a quarter of the functions GCC
+// took up for a file with one all_reduce).
+inline void make_group_of(GroupsCall& call, std::size_t i, bool own_connection) {
+  const GroupRequest& request = call.requests[i];
+  try {
+    call.made[i].store = c10::make_intrusive<c10d::PrefixStore>(
+        request.key, own_connection ? bounded_connection(*call.address, request.size, call.timeout) : call.store);
+    call.made[i].group = make_group(call.backend, call.made[i].store, request.rank, request.size, call.timeout);
+  } catch (...) {
+    call.failed[i] = std::current_exception();
+  }
+}
 inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::optional<StoreAddress>& address,
                                           const std::vector<GroupRequest>& requests,
                                           std::chrono::milliseconds timeout) {
-  std::vector<MadeGroup> made(requests.size());
-  std::vector<std::exception_ptr> failed(requests.size());
-  auto make = [&](std::size_t i, bool own_connection) {
-    try {
-      made[i].store = c10::make_intrusive<c10d::PrefixStore>(
-          requests[i].key, own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
-      made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
-    } catch (...) {
-      failed[i] = std::current_exception();
-    }
-  };
+  GroupsCall call{backend,
+                  store,
+                  address,
+                  requests,
+                  timeout,
+                  std::vector<MadeGroup>(requests.size()),
+                  std::vector<std::exception_ptr>(requests.size())};
   // Made on this thread, with the shared store: every group of one rank (no
   // round trip), and the first that talks.
   std::vector<bool> here(requests.size(), true);
@@ -3639,22 +3729,22 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
   for (std::size_t i = 0; i < requests.size() && !unstarted; ++i) {
     if (here[i]) continue;
     try {
-      threads.emplace_back(make, i, /*own_connection=*/true);
+      threads.emplace_back(&make_group_of, std::ref(call), i, /*own_connection=*/true);
     } catch (...) {  // no thread: the ones started finish before this throws
       unstarted = std::current_exception();
     }
   }
   if (!unstarted)
     for (std::size_t i = 0; i < requests.size(); ++i)
-      if (here[i]) make(i, /*own_connection=*/false);
+      if (here[i]) make_group_of(call, i, /*own_connection=*/false);
   for (std::thread& t : threads) t.join();
   if (unstarted) std::rethrow_exception(unstarted);
   // Every caller's failure is a DistributedError naming the group (c10d
   // throws its own c10::Error, outside accel's family).
   for (std::size_t i = 0; i < requests.size(); ++i) {
-    if (!failed[i]) continue;
+    if (!call.failed[i]) continue;
     try {
-      std::rethrow_exception(failed[i]);
+      std::rethrow_exception(call.failed[i]);
     } catch (const DistributedError&) {
       throw;
     } catch (const std::exception& e) {
@@ -3663,7 +3753,7 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
                              ") failed: " + error_text(e));
     }
   }
-  return made;
+  return std::move(call.made);
 }
 
 // Called on this rank when its groups are made, before it waits for the
@@ -3829,6 +3919,12 @@ inline std::string describe_mesh_call(const std::vector<int>& shape, const std::
 
 class DeviceMesh {
  public:
+  // The mesh of every dimension of a layout, in the layout's order (a
+  // dimension's group not made yet is made here). DistributedInterface makes
+  // the layouts (init_device_mesh, the model and data meshes); users get
+  // their meshes from it.
+  explicit DeviceMesh(std::shared_ptr<detail::MeshRoot> layout) : DeviceMesh(layout, every_dimension(*layout)) {}
+
   c10::DeviceType device_type() const { return root_->device_type; }
   int ndim() const { return static_cast<int>(dims_.size()); }
   const std::vector<int>& shape() const { return shape_; }
@@ -3899,8 +3995,6 @@ class DeviceMesh {
     std::string name;
     std::vector<int> root_dims;  // ascending
   };
-  friend class DistributedInterface;
-
   DeviceMesh(std::shared_ptr<detail::MeshRoot> root, std::vector<Dimension> dims)
       : root_(std::move(root)), dims_(std::move(dims)) {
     std::vector<int> all;
@@ -3915,12 +4009,10 @@ class DeviceMesh {
     ranks_ = root_->line(all).first;
   }
 
-  // Every root dimension of a new layout, as its own dimension; a
-  // dimension's group not made yet (make_groups) is made here.
-  static DeviceMesh root(std::shared_ptr<detail::MeshRoot> layout) {
+  static std::vector<Dimension> every_dimension(const detail::MeshRoot& layout) {
     std::vector<Dimension> dims;
-    for (std::size_t d = 0; d < layout->names.size(); ++d) dims.push_back({layout->names[d], {static_cast<int>(d)}});
-    return DeviceMesh(std::move(layout), std::move(dims));
+    for (std::size_t d = 0; d < layout.names.size(); ++d) dims.push_back({layout.names[d], {static_cast<int>(d)}});
+    return dims;
   }
 
   DeviceMesh select(std::initializer_list<std::string_view> wanted) const {
@@ -4255,7 +4347,7 @@ class DistributedInterface {
   // names unique and not empty. Not distributed: the world is one rank, every
   // size must be 1, and the groups are null (collectives are the identity).
   DeviceMesh init_device_mesh(const std::vector<int>& shape, const std::vector<std::string>& names) {
-    return DeviceMesh::root(world_.mesh_root(shape, names));
+    return DeviceMesh(world_.mesh_root(shape, names));
   }
 
   GroupPtr get_group(std::optional<Dim> dim = std::nullopt) const {
@@ -4350,8 +4442,8 @@ class DistributedInterface {
       auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
       auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
       world_.make_groups({model.get(), data.get()}, /*with_world=*/true);
-      model_mesh_ = DeviceMesh::root(std::move(model));
-      data_mesh_ = DeviceMesh::root(std::move(data));
+      model_mesh_ = DeviceMesh(std::move(model));
+      data_mesh_ = DeviceMesh(std::move(data));
     } catch (const DistributedError&) {
       release();
       throw;
@@ -5247,7 +5339,7 @@ namespace detail {
 // of it (the timeout) says that `name` is a collective.
 template <class Body>
 decltype(auto) every_process_calls(const char* name, Body&& body) {
-  if (debug_mode()) [[unlikely]]
+  if (checking_calls()) [[unlikely]]
     if (c10d::ProcessGroup* world = resolve({}, name)) verify_call(*world, name);
   try {
     return std::forward<Body>(body)();
@@ -10126,108 +10218,21 @@ class AcceleratorSetup {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/process_operations.hpp ====================================
-// accel/training/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
+// == accel/training/accelerator_preparing.hpp =================================
+// accel/training/accelerator_preparing.hpp: what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints.
 //
-// Accelerate's Accelerator offers its operations as methods too
-// (accelerator.gather(x), accelerator.print(...)); the Accelerator takes
-// them from this part. Each calls the free function of the same name over
-// the world (accel/distributed/operations.hpp, process_control.hpp); the
-// trigger is the only state. gather_for_metrics, which needs the prepared
-// loaders, is the Accelerator's own.
+// The Accelerator's second layer, over AcceleratorSetup: prepare() in all
+// its forms, and the PreparedSet of what was prepared and the GradientState
+// that the prepared optimizers, schedulers and loaders share. The
+// Accelerator (accelerator.hpp) reads both to run the training step and to
+// save and load checkpoints.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// The Accelerator's second base: Accelerate's operations over every
-// process, as methods (accelerator.gather(x), accelerator.print(...)).
-class ProcessOperations {
+class AcceleratorPreparing : public AcceleratorSetup {
  public:
-  template <TensorTree T>
-  T gather(const T& data) const {
-    return accel::gather(data);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
-                         bool pad_first = false) const {
-    return accel::pad_across_processes(data, dim, pad_index, pad_first);
-  }
-  template <class T>
-  T split_between_processes(const T& inputs, bool apply_padding = false) const {
-    return accel::split_between_processes(inputs, apply_padding);
-  }
-  template <class... Args>
-  void print(const Args&... args) const {
-    accel::print(args...);
-  }
-  void wait_for_everyone() const {
-    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
-  }
-  template <class Fn>
-  auto on_main_process(Fn fn) const {
-    return accel::on_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_local_main_process(Fn fn) const {
-    return accel::on_local_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_last_process(Fn fn) const {
-    return accel::on_last_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_process(Fn fn, int process_index) const {
-    return accel::on_process(std::move(fn), process_index);
-  }
-
-  // Any process can ask every process to stop at the same step: set_trigger()
-  // on one, then check_trigger() on all (one all_reduce) is true on all, and
-  // resets the trigger.
-  void set_trigger() { trigger_ = 1; }
-  bool check_trigger() {
-    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
-    trigger_ = 0;
-    return true;
-  }
-
- private:
-  int64_t trigger_ = 0;
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/accelerator.hpp ===========================================
-// accel/training/accelerator.hpp: the Accelerator: what it prepares, the training step, checkpoints.
-//
-// Its configuration, world, device and properties come from
-// AcceleratorSetup (accelerator_setup.hpp), Accelerate's operations over
-// every process from ProcessOperations (process_operations.hpp). What it
-// prepares lives in a PreparedSet (prepared.hpp), which the checkpoint
-// functions (checkpoint_state.hpp) save and load.
-
-ACCEL_NAMESPACE_BEGIN
-
-class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOperations {
- public:
-  // Every setting is checked before the rendezvous (AcceleratorSetup).
-  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorSetup(std::move(config)) {}
+  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {}
 
   // -- prepare ----------------------------------------------------------------
 
@@ -10351,6 +10356,144 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
                                  [&object](torch::serialize::InputArchive& in) { object.load(in); }});
   }
+
+  // -- the prepared models' DataParallels ------------------------------------------------
+
+  // The DataParallel of the first prepared model, or of `model`; nullptr
+  // when it was not prepared.
+  DataParallel* data_parallel() {
+    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
+  }
+  template <class ModuleHolder>
+  DataParallel* data_parallel(ModuleHolder& model) {
+    detail::PreparedModel* p = prepared_.find(model.ptr().get());
+    return p ? p->data_parallel.get() : nullptr;
+  }
+
+ protected:
+  template <class ModuleHolder>
+  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
+    if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
+    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+  }
+  // Forgets everything prepared (free_memory, once the models are plain modules again).
+  void let_go_of_prepared() {
+    prepared_.sharded->clear();  // the optimizers' handles stop gathering
+    prepared_ = {};
+  }
+
+  detail::PreparedSet prepared_;
+  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/process_operations.hpp ====================================
+// accel/training/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
+//
+// Accelerate's Accelerator offers its operations as methods too
+// (accelerator.gather(x), accelerator.print(...)); the Accelerator takes
+// them from this part. Each calls the free function of the same name over
+// the world (accel/distributed/operations.hpp, process_control.hpp); the
+// trigger is the only state. gather_for_metrics, which needs the prepared
+// loaders, is the Accelerator's own.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The Accelerator's second base: Accelerate's operations over every
+// process, as methods (accelerator.gather(x), accelerator.print(...)).
+class ProcessOperations {
+ public:
+  template <TensorTree T>
+  T gather(const T& data) const {
+    return accel::gather(data);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
+    return accel::reduce(data, reduction);
+  }
+  template <TensorTree T>
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
+                         bool pad_first = false) const {
+    return accel::pad_across_processes(data, dim, pad_index, pad_first);
+  }
+  template <class T>
+  T split_between_processes(const T& inputs, bool apply_padding = false) const {
+    return accel::split_between_processes(inputs, apply_padding);
+  }
+  template <class... Args>
+  void print(const Args&... args) const {
+    accel::print(args...);
+  }
+  void wait_for_everyone() const {
+    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
+  }
+  template <class Body>
+  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
+  }
+  template <class Body>
+  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
+    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
+  }
+  template <class Fn>
+  auto on_main_process(Fn fn) const {
+    return accel::on_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_local_main_process(Fn fn) const {
+    return accel::on_local_main_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_last_process(Fn fn) const {
+    return accel::on_last_process(std::move(fn));
+  }
+  template <class Fn>
+  auto on_process(Fn fn, int process_index) const {
+    return accel::on_process(std::move(fn), process_index);
+  }
+
+  // Any process can ask every process to stop at the same step: set_trigger()
+  // on one, then check_trigger() on all (one all_reduce) is true on all, and
+  // resets the trigger.
+  void set_trigger() { trigger_ = 1; }
+  bool check_trigger() {
+    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
+    trigger_ = 0;
+    return true;
+  }
+
+ private:
+  int64_t trigger_ = 0;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator.hpp ===========================================
+// accel/training/accelerator.hpp: the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights.
+//
+// Its configuration, world, device and properties come from
+// AcceleratorSetup (accelerator_setup.hpp), what it prepares from
+// AcceleratorPreparing (accelerator_preparing.hpp: the models, optimizers,
+// schedulers and loaders, kept in a PreparedSet that the checkpoint
+// functions of checkpoint_state.hpp save and load), and Accelerate's
+// operations over every process from ProcessOperations
+// (process_operations.hpp). This part adds the training step, gradient sync
+// and accumulation, uneven inputs, checkpoints and weights.
+
+ACCEL_NAMESPACE_BEGIN
+
+class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessOperations {
+ public:
+  // Every setting is checked before the rendezvous (AcceleratorSetup).
+  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorPreparing(std::move(config)) {}
 
   // -- the training step --------------------------------------------------------
 
@@ -10492,8 +10635,7 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     detail::every_process_calls("accel::Accelerator::free_memory", [&] {
       for (auto& m : prepared_.models) m.data_parallel->release_module();
     });
-    prepared_.sharded->clear();  // the optimizers' handles stop gathering
-    prepared_ = {};
+    let_go_of_prepared();
     step_ = 0;
     state_->sync_gradients = true;
   }
@@ -10561,15 +10703,6 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     });
   }
 
- private:
-  detail::CheckpointContext checkpoint_context() const {
-    return {.process_index = process_index(),
-            .num_processes = num_processes(),
-            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
-            .device = device()};
-  }
-
- public:
   // -- weights that leave C++ --------------------------------------------------------
 
   // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
@@ -10590,26 +10723,13 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
     });
   }
 
-  // -- the prepared models' DataParallels ------------------------------------------------
-
-  // The DataParallel of the first prepared model, or of `model`; nullptr
-  // when it was not prepared.
-  DataParallel* data_parallel() {
-    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
-  }
-  template <class ModuleHolder>
-  DataParallel* data_parallel(ModuleHolder& model) {
-    detail::PreparedModel* p = prepared_.find(model.ptr().get());
-    return p ? p->data_parallel.get() : nullptr;
-  }
-
  private:
-  template <class ModuleHolder>
-  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
-    if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
-    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+  detail::CheckpointContext checkpoint_context() const {
+    return {.process_index = process_index(),
+            .num_processes = num_processes(),
+            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
+            .device = device()};
   }
-
   template <class... ModuleHolders>
   SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
     SyncGuard guard;
@@ -10620,8 +10740,6 @@ class Accelerator : public detail::AcceleratorSetup, public detail::ProcessOpera
         ...);
     return guard;
   }
-  detail::PreparedSet prepared_;
-  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
   int64_t step_ = 0;  // accumulate()'s count of micro-steps
   std::optional<detail::Join> join_;
 };

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # diagnostics_out_of_line: the object of a file that calls one collective has
-# neither roll_call_in_store nor verify_same_call; the object of a file that
-# also makes the world group has both.
+# none of the diagnostics reached through the group registry's pointers (the
+# failure text with its roll call, debug mode's check, the parse of
+# ACCEL_DEBUG_MODE); the object of a file that also makes the world group has
+# them all.
 set -euo pipefail
 one_call=$1
 makes_groups=$2
 count() { nm -C "$1" | grep -cE "detail::$2(\[abi:cxx11\])?\(" || true; }
-for name in roll_call_in_store verify_same_call; do
+for name in explain_failure roll_call_in_store verify_same_call env_bool; do
   in_call=$(count "$one_call" "$name")
   in_groups=$(count "$makes_groups" "$name")
   echo "$name: $in_call symbols in the one-call file, $in_groups in the group-making file"

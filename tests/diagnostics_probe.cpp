@@ -1,8 +1,8 @@
 // Compiled twice for the CTest entry diagnostics_out_of_line: a user's file
-// that calls one collective must not compile the roll call's thread and store
-// protocol nor debug mode's check (registration.hpp says why); a file that
-// makes groups compiles both (the control: the symbols are looked for where
-// they must be).
+// that calls one collective must not compile the failure text with the roll
+// call's thread and store protocol, debug mode's check nor the parse of
+// ACCEL_DEBUG_MODE (registration.hpp says why); a file that makes groups
+// compiles them (the control: the symbols are looked for where they must be).
 #include "accel.hpp"
 
 int main() {

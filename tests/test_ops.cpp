@@ -224,6 +224,35 @@ TEST_SUITE("single") {
     if (installed) verify.store(installed);
     std::filesystem::remove_all(dir);
   }
+
+  TEST_CASE("a failed operation on a group made with c10d directly: named in full once any accel group exists") {
+    // failure() reaches the full text through a pointer that registering a group sets
+    // (registration.hpp); a process that never made one gets the operation and the cause.
+    auto& explain = accel::detail::registry().explain_failure;
+    const auto installed = explain.exchange(nullptr);
+    char dir[] = "/tmp/accel_raw_failure_XXXXXX";
+    REQUIRE(mkdtemp(dir) != nullptr);
+    {
+      auto store = c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/store", 1);
+      auto options = c10d::ProcessGroupGloo::Options::create();
+      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      const accel::GroupPtr group = accel::detail::new_group<c10d::ProcessGroupGloo>(
+          store, 0, 1, options, c10::DeviceType::CPU, std::chrono::seconds(60));
+      // (c10d's calls cannot be made to fail on one healthy rank on demand: the issuing step is given a call that throws.)
+      auto fail = [&] {
+        accel::detail::issue("all_reduce", *group, []() -> c10::intrusive_ptr<c10d::Work> {
+          throw std::runtime_error("Connection closed by peer");
+        });
+      };
+      CHECK_THROWS_WITH_AS(fail(), "accel::all_reduce failed: Connection closed by peer", accel::DistributedError);
+      explain.store(&accel::detail::explain_failure);
+      CHECK_THROWS_WITH_AS(fail(),
+                           "accel::all_reduce failed on group 'unnamed' (gloo, rank 0 of 1): Connection closed by peer",
+                           accel::DistributedError);
+    }
+    explain.store(installed);
+    std::filesystem::remove_all(dir);
+  }
 }
 
 // == ranks: the same cases at 1, 2, 3 and 4 ranks ==============================

@@ -9,7 +9,9 @@
 # headers accel.hpp includes (its preprocessor lines, no code of its own: the
 # floor any header built on c10d pays). Writes
 # tests/bench/results/compile.{csv,md} (ACCEL_BENCH_OUT elsewhere). Needs a
-# quiet machine: never part of the test command. LibTorch's headers come from
+# quiet machine: never part of the test command. ACCEL_BENCH_INSTRUCTIONS=1
+# also counts the compiler's instructions under valgrind's cachegrind (about
+# a quarter of an hour more): a figure that a busy machine does not change. LibTorch's headers come from
 # ACCEL_BENCH_TORCH_INCLUDE (default /usr/include, Debian's 1.13). Elsewhere:
 #     bash tests/trixie/in_root.sh ROOT env ACCEL_BENCH_OUT=... bash tests/bench/run_compile_bench.sh
 #     ACCEL_BENCH_OUT=... ACCEL_BENCH_TORCH_INCLUDE=$(build/pip-venv/bin/python -c \
@@ -100,6 +102,32 @@ lines += ["", f"At -O2: the includes alone {i / t:.2f}x the ATen-only file; acce
           f"them ({p - i:.2f} s to parse, {a - p:.2f} s for the one call, where the raw c10d call costs {r - i:.2f} s).",
           f"Target: accel.hpp with one all_reduce <= 1.25x the raw c10d program at -O2: {a:.2f} / {r:.2f} s = "
           f"{ratio:.2f}, {'met' if ratio <= 1.25 else 'NOT met'}."]
+if os.environ.get("ACCEL_BENCH_INSTRUCTIONS") == "1":
+    # The instructions the compiler proper (cc1plus: preprocessing, parsing,
+    # code generation; not the assembler) executes at -O2, counted by
+    # cachegrind: the same on a busy machine as on a quiet one, where wall
+    # seconds are not. About four minutes per file, two at a time.
+    import concurrent.futures, re, shlex
+    def instructions(tu):
+        flags = ["-std=c++20", "-O2", f"-I{root}"] + \
+                ([f"-I{torch_include}"] if torch_include != "/usr/include" else []) + \
+                [f"-I{torch_include}/torch/csrc/api/include", "-c", f"{tmp}/{tu}.cpp", "-o", f"{tmp}/{tu}.o"]
+        driver = subprocess.run(["g++", *flags, "-###"], capture_output=True, text=True).stderr
+        cc1 = shlex.split(next(l for l in driver.splitlines() if "cc1plus" in l))
+        cc1[cc1.index("-o") + 1] = f"{tmp}/{tu}.s"
+        run = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null", *cc1],
+                             capture_output=True, text=True)
+        return int(re.search(r"I\s+refs:\s+([\d,]+)", run.stderr).group(1).replace(",", ""))
+    counted = ("accel", "parse", "includes", "raw")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        count = dict(zip(counted, pool.map(instructions, counted)))
+    lines += ["", "Instructions the compiler executes at -O2 (cachegrind, once each: deterministic):", "",
+              "| translation unit | instructions (G) | ratio to raw c10d |", "|---|---:|---:|"]
+    for tu, name in tus:
+        if tu in count:
+            lines.append(f"| {name} | {count[tu] / 1e9:.2f} | {count[tu] / count['raw']:.3f} |")
+    ratio = count["accel"] / count["raw"]
+    lines += ["", f"Target in instructions: {ratio:.3f}, {'met' if ratio <= 1.25 else 'NOT met'}."]
 open(f"{out}/compile.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

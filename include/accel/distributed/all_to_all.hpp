@@ -230,7 +230,7 @@ inline std::pair<std::vector<int64_t>, std::vector<int64_t>> check_all_to_all_sp
                           ", but dim 0 of the input is " + std::to_string(data.size(0)));
   if (!g && output_split_sizes != input_split_sizes)
     throw InvalidArgument("accel::all_to_all: output_split_sizes differ from input_split_sizes on one process");
-  if (g && debug_mode()) [[unlikely]] {
+  if (g && checking_calls()) [[unlikely]] {
     verify_call(*g, "all_to_all(" + describe_tensor(data, 0) + ", split sizes)");
     // Every rank's sizes, so that every rank finds a disagreement alike.
     std::vector<int64_t> mine = input_split_sizes;

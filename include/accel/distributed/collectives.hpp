@@ -117,9 +117,7 @@ c10d::ProcessGroup* enter_all_reduce(const T& data, ReduceOp op, const GroupPtr&
   if constexpr (std::same_as<T, at::Tensor>) check_reduction(data.scalar_type(), op, "all_reduce");
   else if (op == ReduceOp::MEAN && std::is_integral_v<element_t<T>>) reject_integral_mean(value_dtype<element_t<T>>());
   c10d::ProcessGroup* g = resolve(group, "all_reduce");
-  if (g)
-    check_same_call(
-        *g, [&] { return "all_reduce(" + describe_tensorlike(data) + ", " + std::string(to_string(op)) + ")"; });
+  if (g) check_same_call(*g, [&] { return call_text("all_reduce", {describe_tensorlike(data), to_string(op)}); });
   return g;
 }
 template <TensorLike T>
@@ -129,13 +127,13 @@ c10d::ProcessGroup* enter_broadcast(const T& data, int src, const GroupPtr& grou
   check_source(g, src, "broadcast", "src");
   if (g)
     check_same_call(*g,
-                    [&] { return "broadcast(" + describe_tensorlike(data) + ", src=" + std::to_string(src) + ")"; });
+                    [&] { return call_text("broadcast", {describe_tensorlike(data), "src=" + std::to_string(src)}); });
   return g;
 }
 template <TensorLike T>
 c10d::ProcessGroup* enter_all_gather(const T& data, const GroupPtr& group) {
   c10d::ProcessGroup* g = resolve(group, "all_gather");
-  if (g) check_same_call(*g, [&] { return "all_gather(" + describe_tensorlike(data) + ")"; });
+  if (g) check_same_call(*g, [&] { return call_text("all_gather", {describe_tensorlike(data)}); });
   return g;
 }
 // Point-to-point: debug mode cannot compare the two sides (no collective runs).
@@ -157,10 +155,16 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
   if (!g) return data;
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
-    return data;
+  } else if constexpr (!detail::folded<T>()) {
+    // A view of the caller's own elements, reduced where they are: the path a
+    // tensor takes, so that a call on a number or a std::vector compiles no
+    // Pending of its own.
+    at::Tensor view = detail::memory_view(data);
+    detail::all_reduce_tensor(*g, view, op);
   } else {
     return detail::start_all_reduce_data(*g, std::move(data), op).wait();
   }
+  return data;
 }
 template <TensorLike T>
 Work<T> all_reduce_async(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {

@@ -38,29 +38,48 @@ struct GroupRegistry {
   // a null group find it, without a lock.
   std::atomic<c10d::ProcessGroup*> world{nullptr};
   std::mutex mutex;  // guards entries (read only to word and diagnose errors)
-  // A group's roll call (registration.hpp), run after a timeout on a group with a store.
-  // The entry points to that code instead of failure() calling it, so that
-  // only the translation units that make groups (register_group) compile its
-  // thread and store protocol, not every one that calls a collective: it was
-  // a third of what one call costs to compile.
-  using RollCall = std::string (*)(c10::intrusive_ptr<c10d::Store> store, int size, int rank, int call,
-                                   std::chrono::milliseconds grace);
   struct Entry {
     std::string name;
     c10::intrusive_ptr<c10d::Store> store;  // the group's own keys, for roll calls; may be null
-    RollCall roll_call = nullptr;
     int roll_calls = 0;
   };
   std::map<const c10d::ProcessGroup*, Entry> entries;
-  // Debug mode's check that every rank made the same call (verify_same_call),
-  // pointed to for the same reason: set by register_group and set_debug_mode.
+  // The text of a failed operation's error (explain_failure in
+  // registration.hpp: the group's name, rank and size, and after a timeout a
+  // roll call of the group's ranks through its store). failure() reaches it
+  // through this pointer, which register_group sets, instead of calling it,
+  // so that only the translation units that make groups compile it (a thread
+  // and a store protocol), not every one that calls a collective: it was a
+  // third of what one call costs to compile.
+  // Debug mode's check that every rank made the same call (verify_same_call)
+  // is pointed to for the same reason: set by register_group and set_debug_mode.
+  std::atomic<std::string (*)(const char* op, c10d::ProcessGroup& group, const std::exception& e)> explain_failure{
+      nullptr};
   std::atomic<void (*)(c10d::ProcessGroup&, const std::string&)> verify_same_call{nullptr};
+  // debug_mode() itself (its parse of ACCEL_DEBUG_MODE, with its errors), for
+  // collectives that meet a state not read yet (checking_calls); set with
+  // verify_same_call.
+  std::atomic<bool (*)()> read_debug_mode{nullptr};
 };
 // Never destroyed: the singleton may release its groups during static
 // destruction at exit, after a registry with a destructor would be gone.
 inline GroupRegistry& registry() {
   static GroupRegistry* instance = new GroupRegistry;
   return *instance;
+}
+
+// Whether a collective runs debug mode's check: debug_mode(), reached
+// through the registry's pointer so that its parse of the variable is not
+// compiled into every file that calls a collective. A process where
+// nothing set the check up yet (only groups made with c10d directly) has no
+// reader; there the variable merely being set sends the call on to
+// verify_call, whose error says how to set the check up.
+inline bool checking_calls() {
+  const int state = debug_state().load(std::memory_order_relaxed);
+  if (state >= 0) [[likely]]
+    return state == 1;
+  if (auto* read = registry().read_debug_mode.load(std::memory_order_acquire)) return read();
+  return std::getenv("ACCEL_DEBUG_MODE") != nullptr;
 }
 
 inline std::string group_name(const c10d::ProcessGroup& group) {
@@ -127,38 +146,17 @@ std::optional<R> run_within(std::chrono::milliseconds limit, Work work) {
   return std::move(*result);
 }
 
-// The roll call of a group accel made (registered with its store), or "".
-inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
-  c10::intrusive_ptr<c10d::Store> store;
-  GroupRegistry::RollCall call_roll = nullptr;
-  int call = 0;
-  {
-    auto& reg = registry();
-    std::lock_guard lock(reg.mutex);
-    auto it = reg.entries.find(&group);
-    if (it == reg.entries.end() || !it->second.store || !it->second.roll_call) return "";
-    store = it->second.store;
-    call_roll = it->second.roll_call;
-    call = ++it->second.roll_calls;
-  }
-  return call_roll(std::move(store), group.getSize(), group.getRank(), call, grace);
-}
-
-inline bool is_timeout(const std::string& text) {
-  const std::string lower = lowercase(text);
-  return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
-}
-
 // Issues one c10d operation (the call itself can fail: a dtype or a shape
 // the backend rejects) and waits for it; any failure becomes a
 // DistributedError that names the operation and the group (after a timeout,
-// also the ranks that seem to be the cause: roll_call).
+// also the ranks that seem to be the cause: explain_failure in
+// registration.hpp, which every group accel makes sets up). A process that
+// never made an accel group (only groups made with c10d directly) gets the
+// operation and the exception's own text (with LibTorch's backtrace).
 inline DistributedError failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
-  const std::string text = error_text(e);
-  std::ostringstream message;
-  message << "accel::" << op << " failed on " << describe(group) << ": " << text;
-  if (is_timeout(text)) message << roll_call(group);
-  return DistributedError(message.str());
+  if (auto* explain = registry().explain_failure.load(std::memory_order_acquire))
+    return DistributedError(explain(op, group, e));
+  return DistributedError(std::string("accel::") + op + " failed: " + e.what());
 }
 template <class Issue>
 c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, Issue&& issue) {

@@ -21,7 +21,7 @@ namespace detail {
 // of it (the timeout) says that `name` is a collective.
 template <class Body>
 decltype(auto) every_process_calls(const char* name, Body&& body) {
-  if (debug_mode()) [[unlikely]]
+  if (checking_calls()) [[unlikely]]
     if (c10d::ProcessGroup* world = resolve({}, name)) verify_call(*world, name);
   try {
     return std::forward<Body>(body)();

@@ -1,7 +1,7 @@
 // accel/distributed/registration.hpp: registering the groups accel makes, with the code that diagnoses their failures.
 //
-// The roll call after a timeout and debug mode's check of every rank's call
-// are reached through pointers that registering a group (or
+// The text of a failure (with the roll call after a timeout) and debug mode's
+// check of every rank's call are reached through pointers that registering a group (or
 // set_debug_mode) sets, not called directly by every collective: a
 // translation unit compiles the code its calls reach, and these two were most
 // of what one collective costs to compile. Only the translation units that
@@ -16,6 +16,7 @@ ACCEL_NAMESPACE_BEGIN
 // Turns debug mode on or off for this process; nullopt re-reads ACCEL_DEBUG_MODE.
 inline void set_debug_mode(std::optional<bool> on) {
   detail::registry().verify_same_call.store(&detail::verify_same_call, std::memory_order_release);
+  detail::registry().read_debug_mode.store(&debug_mode, std::memory_order_release);
   detail::debug_state().store(on ? static_cast<int>(*on) : -1, std::memory_order_relaxed);
 }
 
@@ -59,14 +60,45 @@ inline std::string roll_call_in_store(c10::intrusive_ptr<c10d::Store> store, int
   return answer ? *answer : " (roll call: the group's store did not answer either; is the rank serving it hung?)";
 }
 
+// The roll call of a group accel made (registered with its store), or "".
+inline std::string roll_call(c10d::ProcessGroup& group, std::chrono::milliseconds grace = std::chrono::seconds(2)) {
+  c10::intrusive_ptr<c10d::Store> store;
+  int call = 0;
+  {
+    auto& reg = registry();
+    std::lock_guard lock(reg.mutex);
+    auto it = reg.entries.find(&group);
+    if (it == reg.entries.end() || !it->second.store) return "";
+    store = it->second.store;
+    call = ++it->second.roll_calls;
+  }
+  return roll_call_in_store(std::move(store), group.getSize(), group.getRank(), call, grace);
+}
+
+inline bool is_timeout(const std::string& text) {
+  const std::string lower = lowercase(text);
+  return lower.find("timed out") != std::string::npos || lower.find("timeout") != std::string::npos;
+}
+
+// The text of a failed operation's error (failure() in issue.hpp reaches it
+// through the registry).
+inline std::string explain_failure(const char* op, c10d::ProcessGroup& group, const std::exception& e) {
+  const std::string cause = error_text(e);  // (without LibTorch's backtrace)
+  std::string message = std::string("accel::") + op + " failed on " + describe(group) + ": " + cause;
+  if (is_timeout(cause)) message += roll_call(group);
+  return message;
+}
+
 // Groups accel makes are named for error messages and keep their store for
 // the roll call; collectives accept other groups as well.
 inline void register_group(const GroupPtr& group, std::string name, c10::intrusive_ptr<c10d::Store> store = {},
                            bool is_world = false) {
   auto& reg = registry();
   std::lock_guard lock(reg.mutex);
-  reg.entries[group.get()] = {std::move(name), std::move(store), &roll_call_in_store};
+  reg.entries[group.get()] = {std::move(name), std::move(store)};
   reg.verify_same_call.store(&verify_same_call, std::memory_order_release);
+  reg.explain_failure.store(&explain_failure, std::memory_order_release);
+  reg.read_debug_mode.store(&debug_mode, std::memory_order_release);
   if (is_world) reg.world.store(group.get());
 }
 inline void unregister_group(const GroupPtr& group) {

@@ -393,21 +393,44 @@ struct MadeGroup {
   GroupPtr group;
   c10::intrusive_ptr<c10d::Store> store;  // the group's own keys
 };
+// What make_groups is asked, and where each group's outcome goes.
+struct GroupsCall {
+  const std::string& backend;
+  const c10::intrusive_ptr<c10d::Store>& store;
+  const std::optional<StoreAddress>& address;
+  const std::vector<GroupRequest>& requests;
+  std::chrono::milliseconds timeout;
+  std::vector<MadeGroup> made;
+  std::vector<std::exception_ptr> failed;
+};
+// Makes group i of a call. A function, not a lambda, because a thread runs
+// it: in every file that makes a virtual call (as releasing a tensor does),
+// GCC analyses whatever the call's possible targets reach, and a thread's
+// body is one (std::thread's state is polymorphic). Reached through a
+// function pointer, this code is analysed only where groups are made, not in
+// every file that calls a collective (over a quarter of the functions GCC
+// took up for a file with one all_reduce).
+inline void make_group_of(GroupsCall& call, std::size_t i, bool own_connection) {
+  const GroupRequest& request = call.requests[i];
+  try {
+    call.made[i].store = c10::make_intrusive<c10d::PrefixStore>(
+        request.key, own_connection ? bounded_connection(*call.address, request.size, call.timeout) : call.store);
+    call.made[i].group = make_group(call.backend, call.made[i].store, request.rank, request.size, call.timeout);
+  } catch (...) {
+    call.failed[i] = std::current_exception();
+  }
+}
 inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store,
                                           const std::optional<StoreAddress>& address,
                                           const std::vector<GroupRequest>& requests,
                                           std::chrono::milliseconds timeout) {
-  std::vector<MadeGroup> made(requests.size());
-  std::vector<std::exception_ptr> failed(requests.size());
-  auto make = [&](std::size_t i, bool own_connection) {
-    try {
-      made[i].store = c10::make_intrusive<c10d::PrefixStore>(
-          requests[i].key, own_connection ? bounded_connection(*address, requests[i].size, timeout) : store);
-      made[i].group = make_group(backend, made[i].store, requests[i].rank, requests[i].size, timeout);
-    } catch (...) {
-      failed[i] = std::current_exception();
-    }
-  };
+  GroupsCall call{backend,
+                  store,
+                  address,
+                  requests,
+                  timeout,
+                  std::vector<MadeGroup>(requests.size()),
+                  std::vector<std::exception_ptr>(requests.size())};
   // Made on this thread, with the shared store: every group of one rank (no
   // round trip), and the first that talks.
   std::vector<bool> here(requests.size(), true);
@@ -419,22 +442,22 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
   for (std::size_t i = 0; i < requests.size() && !unstarted; ++i) {
     if (here[i]) continue;
     try {
-      threads.emplace_back(make, i, /*own_connection=*/true);
+      threads.emplace_back(&make_group_of, std::ref(call), i, /*own_connection=*/true);
     } catch (...) {  // no thread: the ones started finish before this throws
       unstarted = std::current_exception();
     }
   }
   if (!unstarted)
     for (std::size_t i = 0; i < requests.size(); ++i)
-      if (here[i]) make(i, /*own_connection=*/false);
+      if (here[i]) make_group_of(call, i, /*own_connection=*/false);
   for (std::thread& t : threads) t.join();
   if (unstarted) std::rethrow_exception(unstarted);
   // Every caller's failure is a DistributedError naming the group (c10d
   // throws its own c10::Error, outside accel's family).
   for (std::size_t i = 0; i < requests.size(); ++i) {
-    if (!failed[i]) continue;
+    if (!call.failed[i]) continue;
     try {
-      std::rethrow_exception(failed[i]);
+      std::rethrow_exception(call.failed[i]);
     } catch (const DistributedError&) {
       throw;
     } catch (const std::exception& e) {
@@ -443,7 +466,7 @@ inline std::vector<MadeGroup> make_groups(const std::string& backend, const c10:
                              ") failed: " + error_text(e));
     }
   }
-  return made;
+  return std::move(call.made);
 }
 
 // Called on this rank when its groups are made, before it waits for the

@@ -72,8 +72,11 @@ class WorkCore {
 
  private:
   void watch() {
-    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, [work = work_] { work->wait(); });
+    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, work_);
   }
+  // A function, not a lambda, for the reason make_group_of (rendezvous.hpp)
+  // gives: the thread's body is reached from every virtual call in a file.
+  static void wait_on(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
 
   GroupPtr group_;
   const char* op_;
