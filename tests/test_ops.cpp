@@ -35,6 +35,15 @@ std::vector<int64_t> uneven_rows(int P, int64_t scale) {
 int64_t text_hash(const std::string& text) {
   return static_cast<int64_t>(accel::detail::fnv1a(text.data(), text.size()));
 }
+// A one-rank Gloo group made with c10d directly, with its FileStore in dir: accel registers
+// nothing about it. (detail::new_group wraps the backend in a ProcessGroup on LibTorch 2.x.)
+accel::GroupPtr raw_gloo_group(const std::string& dir) {
+  auto store = c10::make_intrusive<c10d::FileStore>(dir + "/store", 1);
+  auto options = c10d::ProcessGroupGloo::Options::create();
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  return accel::detail::new_group<c10d::ProcessGroupGloo>(store, 0, 1, options, c10::DeviceType::CPU,
+                                                          std::chrono::seconds(60));
+}
 }  // namespace
 
 // == single ===================================================================
@@ -51,7 +60,7 @@ TEST_SUITE("single") {
     Batch batch{{"input_ids", longs({1, 2, 3, 4, 5, 6}).view({2, 3})}, {"labels", longs({0, 1})}};
     auto moved = accel::send_to_device(batch, c10::Device(c10::kMeta), false, {"labels"});
     CHECK(moved["input_ids"].is_meta());
-    CHECK(moved["labels"].device().is_cpu());  // skipped key
+    CHECK(moved["labels"].device().is_cpu());     // skipped key
     CHECK(batch["input_ids"].device().is_cpu());  // the input is not touched
 
     std::tuple<at::Tensor, std::string, std::vector<int>> mixed{at::ones({4, 2}), "name", {1, 2}};
@@ -146,7 +155,8 @@ TEST_SUITE("single") {
   }
 
   TEST_CASE("objects: a round trip keeps every value; corrupted or truncated bytes throw, never crash") {
-    using Record = std::tuple<std::string, int64_t, double, std::vector<int>, std::map<std::string, double>, at::Tensor>;
+    using Record =
+        std::tuple<std::string, int64_t, double, std::vector<int>, std::map<std::string, double>, at::Tensor>;
     Record record{"text", -5, 0.25, {1, 2, 3}, {{"accuracy", 0.95}, {"f1", 0.93}}, at::arange(4)};
     auto bytes = accel::detail::save_object(accel::detail::to_ivalue(record));
     auto back = accel::detail::from_ivalue<Record>(accel::detail::load_object(bytes.data(), bytes.size()));
@@ -201,12 +211,7 @@ TEST_SUITE("single") {
     char dir[] = "/tmp/accel_raw_group_XXXXXX";
     REQUIRE(mkdtemp(dir) != nullptr);
     {
-      auto store = c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/store", 1);
-      auto options = c10d::ProcessGroupGloo::Options::create();
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      // (detail::new_group wraps the backend in a ProcessGroup on LibTorch 2.x; it registers nothing.)
-      const accel::GroupPtr group = accel::detail::new_group<c10d::ProcessGroupGloo>(
-          store, 0, 1, options, c10::DeviceType::CPU, std::chrono::seconds(60));
+      const accel::GroupPtr group = raw_gloo_group(dir);
       EnvGuard env{{"ACCEL_DEBUG_MODE", "1"}};
       accel::set_debug_mode(std::nullopt);  // sets the check up (it is a switch of debug mode)
       CHECK(accel::all_reduce(3, accel::ReduceOp::SUM, group) == 3);
@@ -233,11 +238,7 @@ TEST_SUITE("single") {
     char dir[] = "/tmp/accel_raw_failure_XXXXXX";
     REQUIRE(mkdtemp(dir) != nullptr);
     {
-      auto store = c10::make_intrusive<c10d::FileStore>(std::string(dir) + "/store", 1);
-      auto options = c10d::ProcessGroupGloo::Options::create();
-      options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-      const accel::GroupPtr group = accel::detail::new_group<c10d::ProcessGroupGloo>(
-          store, 0, 1, options, c10::DeviceType::CPU, std::chrono::seconds(60));
+      const accel::GroupPtr group = raw_gloo_group(dir);
       // (c10d's calls cannot be made to fail on one healthy rank on demand: the issuing step is given a call that throws.)
       auto fail = [&] {
         accel::detail::issue("all_reduce", *group, []() -> c10::intrusive_ptr<c10d::Work> {
@@ -280,7 +281,8 @@ TEST_SUITE("ranks") {
     CHECK(values(all.select(1, 2)) == uneven_rows(P, 1));
     // Several dtypes in one structure (an odd number of bytes before 4- and 8-byte leaves), plus a 0-d leaf.
     std::map<std::string, at::Tensor> batch{{"a", at::full({r + 1}, r % 2 == 1, at::kBool)},
-                                            {"x", rows}, {"y", at::full({r + 1}, 10 * r, at::kLong)},
+                                            {"x", rows},
+                                            {"y", at::full({r + 1}, 10 * r, at::kLong)},
                                             {"z", at::tensor(static_cast<double>(r))},
                                             {"empty", at::empty({0, 2}, at::kInt)}};
     auto g = accel::gather(batch);
@@ -336,8 +338,8 @@ TEST_SUITE("ranks") {
     auto& d = world();
     const int P = d.get_world_size(), r = d.get_rank();
     const int src = P - 1;
-    std::map<std::string, at::Tensor> state{{"w", at::full({2, 3}, r, at::kFloat)}, {"step", longs({r, r})},
-                                            {"flag", at::full({1}, r == src, at::kBool)}};
+    std::map<std::string, at::Tensor> state{
+        {"w", at::full({2, 3}, r, at::kFloat)}, {"step", longs({r, r})}, {"flag", at::full({1}, r == src, at::kBool)}};
     at::Tensor w = state["w"];
     accel::broadcast(state, src);
     CHECK(values(w.flatten()) == std::vector<int64_t>(6, src));  // the caller's tensor, in place
@@ -362,7 +364,8 @@ TEST_SUITE("ranks") {
     CHECK(shape(copied) == std::vector<int64_t>{4, 3, 2});
     CHECK((copied.scalar_type() == at::kDouble));
     CHECK(copied.equal(whole));
-    CHECK(accel::copy_tensor_to_devices(r == holder ? at::full({}, true, at::kBool) : at::Tensor()).item<bool>());  // 0-d
+    CHECK(
+        accel::copy_tensor_to_devices(r == holder ? at::full({}, true, at::kBool) : at::Tensor()).item<bool>());  // 0-d
     if (P < 2) return;
     CHECK_THROWS_WITH_AS(accel::copy_tensor_to_devices(at::Tensor()), doctest::Contains("(none does)"),
                          std::invalid_argument);
@@ -565,18 +568,20 @@ TEST_SUITE("ranks") {
         {"gather", [&] { accel::gather(t); }, "rank 0: gather(Float[*, 3] cpu)", "rank 1: gather(Float[*, 3, 4] cpu)"},
         {"reduce", [&] { accel::reduce(t, "sum"); }, "rank 0: reduce(Float[2, 3] cpu, sum)",
          "rank 1: reduce(Float[2, 3, 4] cpu, sum)"},
-        {"broadcast", [&] { accel::broadcast(std::vector<at::Tensor>{t}); }, "rank 0: broadcast([Float[2, 3] cpu], src=0)",
-         "rank 1: broadcast([Float[2, 3, 4] cpu], src=0)"},
+        {"broadcast", [&] { accel::broadcast(std::vector<at::Tensor>{t}); },
+         "rank 0: broadcast([Float[2, 3] cpu], src=0)", "rank 1: broadcast([Float[2, 3, 4] cpu], src=0)"},
         {"pad_across_processes", [&] { accel::pad_across_processes(t); },
-         "rank 0: pad_across_processes(Float[*, 3] cpu, dim=0", "rank 1: pad_across_processes(Float[*, 3, 4] cpu, dim=0"},
+         "rank 0: pad_across_processes(Float[*, 3] cpu, dim=0",
+         "rank 1: pad_across_processes(Float[*, 3, 4] cpu, dim=0"},
         {"all_reduce", [&] { accel::all_reduce(std::vector<double>(r == 0 ? 3 : 4, 1.0)); },
          "rank 0: all_reduce(vector<float64>[3], mean)", "rank 1: all_reduce(vector<float64>[4], mean)"},
-        {"reduce_scatter", [&] { accel::reduce_scatter(split); }, "rank 0: reduce_scatter(Float[" + rows + ", 3] cpu, sum)",
+        {"reduce_scatter", [&] { accel::reduce_scatter(split); },
+         "rank 0: reduce_scatter(Float[" + rows + ", 3] cpu, sum)",
          "rank 1: reduce_scatter(Float[" + rows + ", 3, 4] cpu, sum)"},
         {"all_to_all", [&] { accel::all_to_all(split); }, "rank 0: all_to_all(Float[" + rows + ", 3] cpu)",
          "rank 1: all_to_all(Float[" + rows + ", 3, 4] cpu)"},
-        {"uneven all_to_all", [&] { accel::all_to_all(split, {}, {}); }, "rank 0: all_to_all(Float[*, 3] cpu, split sizes)",
-         "rank 1: all_to_all(Float[*, 3, 4] cpu, split sizes)"},
+        {"uneven all_to_all", [&] { accel::all_to_all(split, {}, {}); },
+         "rank 0: all_to_all(Float[*, 3] cpu, split sizes)", "rank 1: all_to_all(Float[*, 3, 4] cpu, split sizes)"},
         {"reduce_to", [&] { accel::reduce_to(t, 0); }, "rank 0: reduce_to(Float[2, 3] cpu, dst=0, sum)",
          "rank 1: reduce_to(Float[2, 3, 4] cpu, dst=0, sum)"},
         {"gather_to", [&] { accel::gather_to(t, 0); }, "rank 0: gather_to(Float[2, 3] cpu, dst=0)",
