@@ -156,11 +156,21 @@ T all_reduce(T data, ReduceOp op = ReduceOp::MEAN, const GroupPtr& group = {}) {
   if constexpr (std::same_as<T, at::Tensor>) {
     detail::all_reduce_tensor(*g, data, op);
   } else if constexpr (!detail::folded<T>()) {
-    // A view of the caller's own elements, reduced where they are: the path a
-    // tensor takes, so that a call on a number or a std::vector compiles no
-    // Pending of its own.
+    // A view of the caller's own elements, reduced where they are. It is
+    // contiguous, on the CPU and in a dtype every backend reduces, so it never
+    // needs the tensor path's staging (a file that calls all_reduce on a
+    // number compiles none of it), except the visit to the GPU that NCCL needs.
     at::Tensor view = detail::memory_view(data);
-    detail::all_reduce_tensor(*g, view, op);
+    if (view.numel() == 0) return data;
+#if ACCEL_WITH_NCCL
+    if (const auto device = detail::staging_device(*g, view)) {
+      at::Tensor staged = view.to(*device);
+      detail::all_reduce_direct(*g, staged, op);
+      view.copy_(staged);
+      return data;
+    }
+#endif
+    detail::all_reduce_direct(*g, view, op);
   } else {
     return detail::start_all_reduce_data(*g, std::move(data), op).wait();
   }
