@@ -611,6 +611,8 @@ TEST_SUITE("ranks") {
       // Zero elements: every operation returns at once, the right shape (before: SIGFPE inside Gloo).
       at::Tensor empty = at::empty({0, 3}, at::TensorOptions().dtype(dtype));
       CHECK(accel::all_reduce(empty, ReduceOp::SUM).numel() == 0);
+      CHECK(accel::all_reduce(std::vector<float>{}, ReduceOp::MEAN).empty());  // (a view of no memory)
+      CHECK(accel::all_reduce(std::vector<int64_t>{}, ReduceOp::SUM).empty());
       CHECK(accel::broadcast(empty, P - 1).numel() == 0);
       CHECK(accel::all_gather(empty).sizes() == at::IntArrayRef({P, 0, 3}));
       at::Tensor into = at::empty({P, 0, 3}, at::TensorOptions().dtype(dtype));
