@@ -6176,7 +6176,8 @@ ACCEL_NAMESPACE_END
 // ready; when a bucket is complete (and every bucket before it issued, so
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through the communication hook) or, sharded, its
-// reduce-scatter, without waiting.
+// reduce-scatter, without waiting. finish_unsharded waits for the
+// all-reduces and writes the averaged gradients back.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -6237,6 +6238,61 @@ inline void issue_bucket(State& state, std::size_t b) {
   if (state.on_issued) state.on_issued(b);
 }
 
+// finish() of a model that is not sharded: waits for each bucket's
+// all-reduce (through the communication hook) and writes the averaged
+// gradients of the parameters used on any rank back into their .grad.
+inline void finish_unsharded(State& state) {
+  for (auto& bucket : state.buckets) {
+    try {
+      bucket.flat = bucket.work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+      throw RuntimeError("accel::DataParallel: the communication hook returned " +
+                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
+                         std::to_string(bucket.packing.elements()));
+    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
+    bucket.flat = bucket.flat.reshape({-1});
+    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
+    const std::size_t n = bucket.params.size();
+    const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = used_anywhere.data_ptr<bool>();
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor& p = bucket.params[i];
+      if (used[i]) {
+        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
+        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+        else p.mutable_grad() = averaged.clone();
+      }
+      bucket.used[i] = 0;
+    }
+  }
+}
+
+// DataParallel::shadow_backward's collectives: every bucket's all-reduce,
+// in order, through the hook, with zero gradients and no used-flags.
+inline void shadow_backward(State& state) {
+  std::lock_guard lock(state.mutex);
+  std::vector<Work<at::Tensor>> works;
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
+    const Bucket& bucket = state.buckets[b];
+    GradBucket zeros = grad_bucket(state, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+    works.push_back(state.hook(state.group, zeros));
+  }
+  for (auto& work : works) {
+    try {
+      work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+  }
+}
+
 struct ReadyHook : torch::autograd::FunctionPostHook {
   ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
       : state_(std::move(state)), bucket_(bucket), index_(index) {}
@@ -6290,6 +6346,58 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   const auto found = unit_registry().find(module);
   if (found == unit_registry().end()) return {nullptr, 0};
   return {found->second.first.lock(), found->second.second};
+}
+
+// For DataParallel's constructor: which unit each of `params` belongs to
+// (-1: none). A parameter in two units, and one that shares storage or is a
+// view, cannot be freed alone: errors.
+inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    state.units.push_back(Unit{.module = units[u].get()});
+    for (const auto& p : units[u]->parameters()) {
+      if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
+        throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
+                              " is in two fully sharded units; units must not nest or share parameters");
+    }
+  }
+  std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
+  for (const auto& p : module.parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
+  std::vector<int64_t> out;
+  for (const auto& p : params) {
+    const auto found = owner.find(p.unsafeGetTensorImpl());
+    out.push_back(found == owner.end() ? -1 : found->second);
+    if (out.back() < 0) continue;
+    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+        p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
+      throw InvalidArgument(
+          "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
+          "storage (a parameter of shape " +
+          c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
+  }
+  return out;
+}
+// What a kernel that reads a unit's parameter at rest throws (where
+// LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
+// and the way out.
+inline void name_at_rest(State& state, const torch::nn::Module& module) {
+  std::unordered_map<const c10::TensorImpl*, std::string> params;
+  for (const auto& named : module.named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
+  std::unordered_map<const torch::nn::Module*, std::string> modules;
+  for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
+  for (auto& bucket : state.buckets) {
+    if (bucket.unit < 0) continue;
+    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
+    for (const auto& p : bucket.params)
+      bucket.at_rest.push_back(
+          "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
+          unit +
+          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+          "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+  }
 }
 
 // A parameter at rest has no memory; its shape stays. Where LibTorch lets a
@@ -6838,7 +6946,8 @@ class DataParallel {
     for (const auto& p : module_->parameters())
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    const auto unit_of = state_->shard ? assign_units(units, params) : std::vector<int64_t>(params.size(), -1);
+    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
+                                       : std::vector<int64_t>(params.size(), -1);
     std::vector<detail::BucketInput> inputs;
     for (std::size_t k = 0; k < params.size(); ++k)
       inputs.push_back(
@@ -6863,7 +6972,7 @@ class DataParallel {
     }
     if (state_->shard) detail::dp::make_shards(*state_);
     if constexpr (detail::dp::refuses_at_rest<>)
-      if (!state_->units.empty()) name_at_rest();
+      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
       detail::dp::release(*state_, u);  // at rest: the shards only
       std::lock_guard lock(detail::dp::unit_registry_mutex());
@@ -6927,35 +7036,7 @@ class DataParallel {
       detail::dp::finish_sharded(*state_);
       return true;
     }
-    for (auto& bucket : state_->buckets) {
-      try {
-        bucket.flat = bucket.work.wait();
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
-                               detail::error_text(e));
-      }
-      if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
-        throw RuntimeError("accel::DataParallel: the communication hook returned " +
-                           (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
-                           " for bucket " + std::to_string(&bucket - state_->buckets.data()) + " of " +
-                           std::to_string(bucket.packing.elements()));
-      if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
-      bucket.flat = bucket.flat.reshape({-1});
-      if (state_->bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
-      const std::size_t n = bucket.params.size();
-      const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
-      const bool* used = used_anywhere.data_ptr<bool>();
-      for (std::size_t i = 0; i < n; ++i) {
-        at::Tensor& p = bucket.params[i];
-        if (used[i]) {
-          at::Tensor averaged = bucket.packing.view(bucket.flat, i);
-          if (state_->bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
-          else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
-          else p.mutable_grad() = averaged.clone();
-        }
-        bucket.used[i] = 0;
-      }
-    }
+    detail::dp::finish_unsharded(*state_);
     return true;
   }
 
@@ -6964,22 +7045,7 @@ class DataParallel {
   // gradients and no used-flags; its own gradients are left alone.
   void shadow_backward() {
     if (!state_->group) return;
-    std::lock_guard lock(state_->mutex);
-    std::vector<Work<at::Tensor>> works;
-    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // through the hook: the same collective as the others'
-      const detail::dp::Bucket& bucket = state_->buckets[b];
-      GradBucket zeros =
-          detail::dp::grad_bucket(*state_, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-      works.push_back(state_->hook(state_->group, zeros));
-    }
-    for (auto& work : works) {
-      try {
-        work.wait();
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                               detail::error_text(e));
-      }
-    }
+    detail::dp::shadow_backward(*state_);
   }
 
   // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
@@ -7089,56 +7155,6 @@ class DataParallel {
   }
 
  private:
-  // Which unit each of `params` belongs to (-1: none). A parameter in two
-  // units, and one that shares storage or is a view, cannot be freed alone:
-  // errors.
-  std::vector<int64_t> assign_units(const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-                                    const std::vector<at::Tensor>& params) {
-    std::unordered_map<const c10::TensorImpl*, int64_t> owner;
-    for (std::size_t u = 0; u < units.size(); ++u) {
-      state_->units.push_back(detail::dp::Unit{.module = units[u].get()});
-      for (const auto& p : units[u]->parameters()) {
-        if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
-          throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
-                                " is in two fully sharded units; units must not nest or share parameters");
-      }
-    }
-    std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
-    for (const auto& p : module_->parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
-    std::vector<int64_t> out;
-    for (const auto& p : params) {
-      const auto found = owner.find(p.unsafeGetTensorImpl());
-      out.push_back(found == owner.end() ? -1 : found->second);
-      if (out.back() < 0) continue;
-      if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
-          p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-        throw InvalidArgument(
-            "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
-            "storage (a parameter of shape " +
-            c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
-    }
-    return out;
-  }
-  // What a kernel that reads a unit's parameter at rest throws (where
-  // LibTorch lets it refuse; see detail::dp::refuses_at_rest): its name, its
-  // unit's, and the way out.
-  void name_at_rest() {
-    std::unordered_map<const c10::TensorImpl*, std::string> params;
-    for (const auto& named : module_->named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
-    std::unordered_map<const torch::nn::Module*, std::string> modules;
-    for (const auto& named : module_->named_modules()) modules[named.value().get()] = named.key();
-    for (auto& bucket : state_->buckets) {
-      if (bucket.unit < 0) continue;
-      const std::string unit = modules[state_->units[static_cast<std::size_t>(bucket.unit)].module];
-      for (const auto& p : bucket.params)
-        bucket.at_rest.push_back(
-            "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
-            unit +
-            "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
-            "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-            "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
-    }
-  }
   // Puts a ReadyHook on each parameter's gradient accumulator. Run again
   // before each synced backward: an operation that replaces a parameter's
   // storage (Module::load's set_, set_data) gives it a new accumulator,

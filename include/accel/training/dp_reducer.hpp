@@ -4,7 +4,8 @@
 // ready; when a bucket is complete (and every bucket before it issued, so
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through the communication hook) or, sharded, its
-// reduce-scatter, without waiting.
+// reduce-scatter, without waiting. finish_unsharded waits for the
+// all-reduces and writes the averaged gradients back.
 #pragma once
 
 #include "accel/distributed/exchange.hpp"
@@ -67,6 +68,61 @@ inline void issue_bucket(State& state, std::size_t b) {
                            detail::error_text(e));
   }
   if (state.on_issued) state.on_issued(b);
+}
+
+// finish() of a model that is not sharded: waits for each bucket's
+// all-reduce (through the communication hook) and writes the averaged
+// gradients of the parameters used on any rank back into their .grad.
+inline void finish_unsharded(State& state) {
+  for (auto& bucket : state.buckets) {
+    try {
+      bucket.flat = bucket.work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+      throw RuntimeError("accel::DataParallel: the communication hook returned " +
+                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
+                         std::to_string(bucket.packing.elements()));
+    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
+    bucket.flat = bucket.flat.reshape({-1});
+    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
+    const std::size_t n = bucket.params.size();
+    const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = used_anywhere.data_ptr<bool>();
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor& p = bucket.params[i];
+      if (used[i]) {
+        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
+        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+        else p.mutable_grad() = averaged.clone();
+      }
+      bucket.used[i] = 0;
+    }
+  }
+}
+
+// DataParallel::shadow_backward's collectives: every bucket's all-reduce,
+// in order, through the hook, with zero gradients and no used-flags.
+inline void shadow_backward(State& state) {
+  std::lock_guard lock(state.mutex);
+  std::vector<Work<at::Tensor>> works;
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
+    const Bucket& bucket = state.buckets[b];
+    GradBucket zeros = grad_bucket(state, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+    works.push_back(state.hook(state.group, zeros));
+  }
+  for (auto& work : works) {
+    try {
+      work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+  }
 }
 
 struct ReadyHook : torch::autograd::FunctionPostHook {

@@ -30,6 +30,58 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   return {found->second.first.lock(), found->second.second};
 }
 
+// For DataParallel's constructor: which unit each of `params` belongs to
+// (-1: none). A parameter in two units, and one that shares storage or is a
+// view, cannot be freed alone: errors.
+inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    state.units.push_back(Unit{.module = units[u].get()});
+    for (const auto& p : units[u]->parameters()) {
+      if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
+        throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
+                              " is in two fully sharded units; units must not nest or share parameters");
+    }
+  }
+  std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
+  for (const auto& p : module.parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
+  std::vector<int64_t> out;
+  for (const auto& p : params) {
+    const auto found = owner.find(p.unsafeGetTensorImpl());
+    out.push_back(found == owner.end() ? -1 : found->second);
+    if (out.back() < 0) continue;
+    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+        p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
+      throw InvalidArgument(
+          "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
+          "storage (a parameter of shape " +
+          c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
+  }
+  return out;
+}
+// What a kernel that reads a unit's parameter at rest throws (where
+// LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
+// and the way out.
+inline void name_at_rest(State& state, const torch::nn::Module& module) {
+  std::unordered_map<const c10::TensorImpl*, std::string> params;
+  for (const auto& named : module.named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
+  std::unordered_map<const torch::nn::Module*, std::string> modules;
+  for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
+  for (auto& bucket : state.buckets) {
+    if (bucket.unit < 0) continue;
+    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
+    for (const auto& p : bucket.params)
+      bucket.at_rest.push_back(
+          "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
+          unit +
+          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+          "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+  }
+}
+
 // A parameter at rest has no memory; its shape stays. Where LibTorch lets a
 // storage refuse every access with a message of its own (StorageImpl's
 // custom data-pointer error, with a way to lift it: newer LibTorch, such as
