@@ -52,6 +52,7 @@ TEST_SUITE("ranks") {
       accel::AcceleratedOptimizer prepared = accelerator.prepare(*optimizer);
       auto generator = at::detail::createCPUGenerator(11);
       double worst_norm = 0;
+      const void* gradients_at = nullptr;  // where the shards' gradients live: the same memory every step
       if (const auto& shards = accelerator.data_parallel(model)->shard_group()) start_sequence(shards);
       for (int step = 0; step < 5; ++step) {
         // `micro` micro-batches of 2 rows per process; the one process takes them all at once
@@ -65,6 +66,11 @@ TEST_SUITE("ranks") {
           accelerator.backward(torch::mse_loss(model(x.narrow(0, at, 2)), y.narrow(0, at, 2)));
           if (accelerator.sync_gradients()) norm = accelerator.clip_grad_norm_(model->parameters(), 0.5);
           prepared.step();
+          if (P > 1 && accelerator.sync_gradients()) {  // (zero_grad sets them to none: kept memory all the same)
+            const void* at_now = optimizer->param_groups()[0].params()[0].grad().data_ptr();
+            if (!gradients_at) gradients_at = at_now;
+            CHECK(at_now == gradients_at);
+          }
           if (step < 4) prepared.zero_grad();  // the last step's gradients are counted below
         }
         if (shards) {  // collectives per step on the shard group: nothing gathered twice
@@ -106,6 +112,15 @@ TEST_SUITE("ranks") {
         for (const auto& p : group.params()) gradients += p.grad().defined() ? p.grad().numel() : 0;
       CHECK(state == expected);
       CHECK(gradients * (adam ? 2 : 1) == expected);
+      if (P > 1) {  // a bucket's shards stand on one buffer (the all-gather's input), their gradients on one
+        const auto& shards = optimizer->param_groups()[0].params();
+        for (std::size_t i = 0; i < shards.size(); ++i) {
+          const at::Tensor& first = shards[full ? i - i % 2 : 0];  // FULL_SHARD: a bucket per unit (weight, bias)
+          CHECK(shards[i].is_alias_of(first));
+          CHECK(shards[i].grad().is_alias_of(first.grad()));
+          if (full && i >= 2) CHECK_FALSE(shards[i].is_alias_of(shards[0]));
+        }
+      }
       if (P > 1)
         for (const auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());  // released at the step
     }

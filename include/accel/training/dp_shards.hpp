@@ -109,7 +109,7 @@ inline void gather_shards(State& s) {
   std::vector<Work<at::Tensor>> works;
   try {
     for (const auto& bucket : s.buckets)
-      if (bucket.unit < 0) works.push_back(all_gather_async(at::cat(bucket.shards), s.shard));
+      if (bucket.unit < 0) works.push_back(all_gather_async(bucket.owned, s.shard));
     for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
       Bucket& bucket = s.buckets[b];
       if (bucket.unit >= 0) continue;             // FULL_SHARD: gathered when the unit runs
@@ -204,14 +204,19 @@ inline void make_shards(State& s) {
   for (std::size_t b = 0; b < s.buckets.size(); ++b) {
     Bucket& bucket = s.buckets[b];
     int64_t at = 0;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      const at::Tensor& p = bucket.params[i];
+    for (const auto& p : bucket.params) {
       const int64_t c = (p.numel() + S - 1) / S;
       bucket.offsets.push_back(at);
       bucket.chunks.push_back(c);
       at += c;
-      at::Tensor shard = at::empty({c}, p.options());
-      read_chunk(p, r, c, shard);
+    }
+    bucket.owned = at::empty({at}, bucket.params.front().options().requires_grad(false));
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor& p = bucket.params[i];
+      // detach(): a leaf of its own on owned's memory, not an autograd view
+      // of it (optimizers step it in place, as they step a parameter).
+      at::Tensor shard = bucket.owned.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+      read_chunk(p, r, bucket.chunks[i], shard);
       shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
       bucket.shards.push_back(shard);
       bucket.in_optimizer.push_back(0);
@@ -246,9 +251,15 @@ inline void finish_sharded(State& s) {
       if (used[i]) {
         at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
         const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-        if (!shard.grad().defined()) shard.mutable_grad() = averaged.clone();
-        else if (bucket.unit >= 0) shard.mutable_grad().add_(averaged);  // the parameter's was released
-        else shard.mutable_grad().copy_(averaged);                       // the parameter's holds all since the step
+        if (!shard.grad().defined()) {  // first use, or set to none by zero_grad(): its piece of owned_grads
+          if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
+          shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+          shard.mutable_grad().copy_(averaged);
+        } else if (bucket.unit >= 0) {
+          shard.mutable_grad().add_(averaged);  // the parameter's was released
+        } else {
+          shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
+        }
       }
       bucket.used[static_cast<std::size_t>(i)] = 0;
     }

@@ -31,6 +31,13 @@ struct Bucket {
   // elements in all.
   std::vector<int64_t> offsets{}, chunks{};
   int64_t segment = 0;
+  // This rank's shards, one after another in `owned` (segment - n
+  // elements): shards[i] is a leaf standing on its piece, so the
+  // all-gather's input is `owned` itself, never a copy made per step.
+  // Their gradients likewise live in `owned_grads` once a reduction wrote
+  // them (kept between steps: 1/S of the gradients, as FSDP's sharded
+  // gradients).
+  at::Tensor owned{}, owned_grads{};
   std::vector<at::Tensor> shards{};
   std::vector<uint8_t> in_optimizer{};
   std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)

@@ -115,7 +115,7 @@ inline void fetch(State& s, std::size_t u) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident || bucket.gathering.valid()) continue;
     try {
-      bucket.gathering = all_gather_async(at::cat(bucket.shards), s.shard);
+      bucket.gathering = all_gather_async(bucket.owned, s.shard);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
