@@ -5,19 +5,19 @@
 #         tests/pip/requirements.txt) in a virtual environment under the build
 #         directory, re-used while its pins are the same (tests/pip/leg.sh),
 #         g++ 12: every entry (nested sanitizer and consumer builds, the NCCL
-#         path, libuv, torchrun, the Python references) but the two the 1.13
+#         path, libuv, torchrun, the Python references) but those the 1.13
 #         leg runs.
 #   1.13  Debian bookworm's libtorch-dev on this machine, g++ 12: what only it
 #         proves: the quick suites on the oldest supported LibTorch (with
 #         mpirun, two hosts, the sampler against Python 1.13), the header
 #         copied alone, and clang 14's -Werror check and fuzzers; and the
 #         checks no LibTorch version changes, cheapest on its smaller headers:
-#         every part compiled alone and the compile-failure cases.
+#         every part compiled alone, the compile-failure cases, the
+#         diagnostics kept out of line, and a user's -Werror build (GCC 12).
 #   2.6   Debian trixie's libtorch-dev in a root made once under the build
 #         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
-#         g++ 14 (the quick suites, the header copied alone, a user's -Werror
-#         build) and clang 19 (-Werror, -O0; the quick suites but the
-#         Python references).
+#         g++ 14 (the quick suites, a user's -Werror build) and clang 19's
+#         -Werror check of every translation unit (tests/clang_check.sh).
 # ACCEL_LEGS="pip", "1.13" or "2.6" (or several) runs those legs; arguments go
 # to ctest instead of each leg's own selection (e.g. -L quick).
 set -euo pipefail
@@ -40,7 +40,7 @@ for leg in $legs; do
         (cd "$build" && ctest --output-on-failure -j2 --timeout 900 "$@") || status=1
       else
         (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -L quick) || status=1
-        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -R '^(copy_header_|clang_|fuzz_|parts_|compile_fail_)') || status=1
+        (cd "$build" && ctest --output-on-failure -j2 --timeout 900 -R '^(copy_header_|clang_|fuzz_|parts_|compile_fail_|diagnostics_|werror_)') || status=1
       fi ;;
     2.6)
       bash "$root/tests/trixie/make_root.sh" "$build/trixie-root"
