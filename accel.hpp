@@ -55,6 +55,7 @@
 //     accel/training/sampler.hpp                data loading: ShardSampler and the loaders' shared state
 //     accel/training/dispatch.hpp               dispatch_batches: one rank reads, the others receive their slices
 //     accel/training/loaders.hpp                PreparedDataLoader and PreparedIterableDataLoader
+//     accel/training/grad_scaler.hpp            GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/config.hpp                 AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
 //     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
@@ -8304,6 +8305,153 @@ concept IterableDataset = requires(D& d) {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/grad_scaler.hpp ===========================================
+// accel/training/grad_scaler.hpp: GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler.
+//
+// fp16 holds numbers down to about 6e-8; small gradients underflow to zero
+// in it. Loss scaling multiplies the loss by a large factor before the
+// backward (so the gradients are large enough for fp16), divides the
+// gradients by it again before the optimizer sees them, skips the step when
+// any gradient overflowed to inf or NaN (and halves the factor), and grows
+// the factor after a run of good steps. LibTorch's C++ API has the kernels
+// (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_) but no
+// GradScaler; this is Python's, with its defaults and its order of calls.
+// The Accelerator makes one for mixed_precision "fp16" (Accelerate does the
+// same), and it can be used alone.
+
+ACCEL_NAMESPACE_BEGIN
+
+// Accelerate's GradScalerKwargs: the loss scaler's settings, with
+// torch.amp.GradScaler's defaults (AcceleratorConfig::grad_scaler).
+struct GradScalerKwargs {
+  double init_scale = 65536.0;  // 2^16
+  double growth_factor = 2.0;   // the scale is multiplied by this after growth_interval good steps in a row
+  double backoff_factor = 0.5;  // ... and by this after a step with an inf or NaN gradient (which is skipped)
+  int64_t growth_interval = 2000;
+  bool enabled = true;  // false: scale() and unscale_() do nothing, step() always steps
+};
+
+class GradScaler {
+ public:
+  // device: where the scale lives (the gradients' device); group: when
+  // given, a step is skipped on every process if any process saw an inf or
+  // NaN (needed where processes hold different gradients, as under
+  // sharding: FSDP's ShardedGradScaler does the same).
+  explicit GradScaler(GradScalerKwargs kwargs = {}, c10::Device device = c10::kCPU, GroupPtr group = {})
+      : kwargs_(kwargs), group_(std::move(group)) {
+    if (!(kwargs.init_scale > 0) || !(kwargs.growth_factor > 1) || !(kwargs.backoff_factor > 0) ||
+        !(kwargs.backoff_factor < 1) || kwargs.growth_interval < 1)
+      throw InvalidArgument(
+          "accel::GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= "
+          "1 (torch.amp.GradScaler's rules)");
+#if !ACCEL_TORCH_AT_LEAST(2, 4)
+    // The CPU kernels of the two _amp_ functions arrived in LibTorch 2.3.
+    if (kwargs.enabled && device.is_cpu())
+      throw InvalidArgument("accel::GradScaler: on the CPU it needs LibTorch 2.4 or newer; this is " +
+                            std::string(TORCH_VERSION));
+#endif
+    const auto options = at::TensorOptions().device(device);
+    scale_ = at::full({1}, kwargs.init_scale, options.dtype(at::kFloat));
+    growth_tracker_ = at::zeros({1}, options.dtype(at::kInt));
+  }
+
+  bool is_enabled() const { return kwargs_.enabled; }
+  // The loss times the current scale (the loss itself when disabled).
+  at::Tensor scale(const at::Tensor& loss) const {
+    if (!kwargs_.enabled) return loss;
+    return loss * scale_.to(loss.device(), /*non_blocking=*/true).reshape({});
+  }
+  // Divides the gradients of `optimizer`'s parameters by the scale, in
+  // place, and notes whether any is inf or NaN. At most once per optimizer
+  // between two update() calls (call it before clipping gradients).
+  void unscale_(torch::optim::Optimizer& optimizer) {
+    if (!kwargs_.enabled) return;
+    auto& state = states_[&optimizer];
+    if (state.unscaled)
+      throw LogicError("accel::GradScaler::unscale_: already called on this optimizer since the last update()");
+    at::NoGradGuard no_grad;
+    const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+    state.found_inf = at::zeros({1}, scale_.options().dtype(at::kFloat));
+    // The kernel takes gradients of one device and dtype at a time (Python groups them the same way).
+    std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        if (p.grad().is_sparse())
+          throw InvalidArgument("accel::GradScaler::unscale_: sparse gradients are not supported");
+        if (p.grad().scalar_type() == at::kHalf)
+          throw InvalidArgument(
+              "accel::GradScaler::unscale_: a gradient is fp16 (Python: \"Attempting to unscale FP16 gradients\"); "
+              "keep the parameters in fp32 and let autocast compute in fp16");
+        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.grad());
+      }
+    for (auto& [key, grads] : groups) {
+      at::Tensor found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(grads.front().device()));
+      state.found_inf.add_(found.to(state.found_inf.device()));
+    }
+    if (group_) accel::all_reduce(state.found_inf, ReduceOp::MAX, group_);
+    state.unscaled = true;
+  }
+  // Unscales (unless unscale_ was called) and steps the optimizer unless a
+  // gradient was inf or NaN. Returns whether it stepped. Reads one number
+  // from the device, as Python's does.
+  bool step(torch::optim::Optimizer& optimizer) {
+    if (!kwargs_.enabled) {
+      optimizer.step();
+      return true;
+    }
+    auto& state = states_[&optimizer];
+    if (state.stepped)
+      throw LogicError("accel::GradScaler::step: already called on this optimizer since the last update()");
+    if (!state.unscaled) unscale_(optimizer);
+    state.stepped = true;
+    if (state.found_inf.item<float>() != 0) return false;
+    optimizer.step();
+    return true;
+  }
+  // After the steps of an iteration: halves (backoff_factor) the scale if
+  // any stepped optimizer saw an inf or NaN, else counts a good step and
+  // grows the scale after growth_interval of them in a row.
+  void update() {
+    if (!kwargs_.enabled) return;
+    at::Tensor found_inf = at::zeros({1}, scale_.options());
+    bool any = false;
+    for (auto& [optimizer, state] : states_)
+      if (state.unscaled) {
+        found_inf.add_(state.found_inf.to(scale_.device()));
+        any = true;
+      }
+    states_.clear();
+    if (!any) return;  // nothing was unscaled since the last update: nothing to learn from (Python asserts)
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf, kwargs_.growth_factor, kwargs_.backoff_factor,
+                           kwargs_.growth_interval);
+  }
+
+  double get_scale() const { return kwargs_.enabled ? scale_.item<double>() : 1.0; }
+  // The good steps in a row since the scale last changed.
+  int64_t growth_tracker() const { return growth_tracker_.item<int64_t>(); }
+  // For checkpoints (Accelerate saves the scaler's state_dict: scale and
+  // growth tracker).
+  void load_state(double scale, int64_t growth_tracker) {
+    scale_.fill_(scale);
+    growth_tracker_.fill_(growth_tracker);
+    states_.clear();
+  }
+
+ private:
+  struct OptimizerState {
+    bool unscaled = false, stepped = false;
+    at::Tensor found_inf;  // > 0: some gradient was inf or NaN
+  };
+  GradScalerKwargs kwargs_;
+  GroupPtr group_;
+  at::Tensor scale_, growth_tracker_;
+  std::map<const torch::optim::Optimizer*, OptimizerState> states_;
+};
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/config.hpp ================================================
 // accel/training/config.hpp: AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler.
 
@@ -8366,7 +8514,8 @@ struct enum_names<DDPCommunicationHookType> {
 
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
-  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
+  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
+  GradScalerKwargs grad_scaler{};      // "fp16": the loss scaler's settings (Accelerate's GradScalerKwargs)
   bool cpu = false;                    // train on the CPU even where an accelerator exists (distributed.device)
   bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
   // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
@@ -8390,20 +8539,36 @@ struct AcceleratorConfig {
 // A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
 // zero_grad() do nothing on the micro-steps of gradient accumulation that do
 // not sync (so loops written for Accelerate call them unconditionally
-// inside accumulate()). A handle: copies share the optimizer.
+// inside accumulate()). Under fp16 mixed precision step() goes through the
+// Accelerator's GradScaler: the gradients are unscaled (unless
+// clip_grad_norm_ did it), the step is skipped when one is inf or NaN
+// (step_was_skipped()), and the scale is updated. A handle: copies share the
+// optimizer.
 class AcceleratedOptimizer {
  public:
   // after_step: run after each real step (under sharding: the parameters
-  // gathered from the shards the optimizer stepped).
+  // gathered from the shards the optimizer stepped); scaler: fp16's.
   AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state,
-                       std::function<void()> after_step = {})
-      : optimizer_(&optimizer), state_(std::move(state)), after_step_(std::move(after_step)) {}
+                       std::function<void()> after_step = {}, std::shared_ptr<GradScaler> scaler = {})
+      : optimizer_(&optimizer),
+        state_(std::move(state)),
+        after_step_(std::move(after_step)),
+        scaler_(std::move(scaler)),
+        skipped_(std::make_shared<bool>(false)) {}
 
   void step() {
     if (!state_->sync_gradients) return;
-    optimizer_->step();
-    if (after_step_) after_step_();
+    if (scaler_) {
+      *skipped_ = !scaler_->step(*optimizer_);
+      scaler_->update();
+    } else {
+      optimizer_->step();
+    }
+    if (after_step_ && !*skipped_) after_step_();
   }
+  // Whether the last step() was skipped because fp16's loss scaler found an
+  // inf or NaN gradient (Accelerate's step_was_skipped).
+  bool step_was_skipped() const { return *skipped_; }
   // set_to_none: the optimizer's own default when not given (LibTorch 1.x
   // zeroes the gradients, 2.x resets them, as Python's).
   void zero_grad(std::optional<bool> set_to_none = std::nullopt) {
@@ -8426,6 +8591,8 @@ class AcceleratedOptimizer {
   torch::optim::Optimizer* optimizer_;
   std::shared_ptr<const detail::GradientState> state_;
   std::function<void()> after_step_;
+  std::shared_ptr<GradScaler> scaler_;
+  std::shared_ptr<bool> skipped_;
 };
 
 // A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:
@@ -8961,6 +9128,7 @@ struct PreparedSet {
   std::vector<PreparedScheduler> schedulers;
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
   std::vector<CheckpointedObject> objects;               // in the order registered
+  std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)
@@ -9149,6 +9317,12 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     set.objects[i].save(archive);
     save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
   }
+  if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
+    torch::serialize::OutputArchive archive;
+    archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
+    archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
+    save_archive(archive, tmp / "scaler.pt");
+  }
 }
 
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
@@ -9203,6 +9377,7 @@ struct LoadedCheckpoint {
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   int64_t step = 0;
+  std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
 };
 
 // The manifest against this run: as many processes, models, optimizers,
@@ -9301,6 +9476,14 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       points =
           tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
     }
+    if (set.scaler) {
+      const std::string file = (dir / "scaler.pt").string();
+      if (!fs::exists(dir / "scaler.pt"))
+        throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+      auto archive = read("scaler.pt");
+      loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
+                       tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
+    }
     const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
     if (!fs::exists(dir / rng_name))
       throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
@@ -9393,6 +9576,7 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   };
   set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
   if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
   return loaded.step;
 }
 
@@ -10276,7 +10460,14 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 class AcceleratorPreparing : public AcceleratorSetup {
  public:
-  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {}
+  // mixed_precision "fp16" comes with a loss scaler (as Accelerate's);
+  // under sharding its overflow check is agreed over the world, since each
+  // process then holds other gradients.
+  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {
+    if (mixed_precision() == "fp16" && settings().grad_scaler.enabled)
+      prepared_.scaler = std::make_shared<GradScaler>(settings().grad_scaler, device(),
+                                                      sharded() ? world().world_group() : GroupPtr{});
+  }
 
   // -- prepare ----------------------------------------------------------------
 
@@ -10305,12 +10496,15 @@ class AcceleratorPreparing : public AcceleratorSetup {
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
     if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
       prepared_.optimizers.push_back(&optimizer);
-    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
+    if (!sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);
     for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
-      for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather_shards();
-    });
+    return AcceleratedOptimizer(
+        optimizer, state_,
+        [sharded = prepared_.sharded, &optimizer] {
+          for (DataParallel* dp : *sharded)
+            if (dp->steps_with(optimizer)) dp->gather_shards();
+        },
+        prepared_.scaler);
   }
   // Accelerate's single-object forms of prepare.
   template <class ModuleHolder>
@@ -10422,8 +10616,8 @@ class AcceleratorPreparing : public AcceleratorSetup {
   }
   // Forgets everything prepared (free_memory, once the models are plain modules again).
   void let_go_of_prepared() {
-    prepared_.sharded->clear();  // the optimizers' handles stop gathering
-    prepared_ = {};
+    prepared_.sharded->clear();                // the optimizers' handles stop gathering
+    prepared_ = {.scaler = prepared_.scaler};  // (the scaler is the Accelerator's, as Accelerate's)
   }
 
   detail::PreparedSet prepared_;
@@ -10541,14 +10735,16 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
 
   // -- the training step --------------------------------------------------------
 
-  // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
+  // loss.backward(), scaled by 1/gradient_accumulation_steps (and under
+  // fp16 by the loss scaler's scale), with the
   // gradient all-reduce armed on every prepared model that syncs now (not
   // inside no_sync or a non-sync accumulate step). A model none of whose
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     auto step = [&] {
       const int steps = gradient_accumulation_steps();
-      at::Tensor scaled = steps > 1 ? loss / steps : loss;
+      at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;
+      if (steps > 1) scaled = scaled / steps;
       if (join_) join_->before_backward();
       for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
       for (auto& m : prepared_.models)
@@ -10646,13 +10842,29 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   const void* active_dataloader() const { return state_->active_dataloader(); }
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
-  // under sharding (detail::clip_grad_norm).
+  // under sharding (detail::clip_grad_norm). Under fp16 the gradients are
+  // unscaled first (unscale_gradients), as Accelerate does: call them once
+  // per optimizer step, on the steps that sync.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
+    unscale_gradients();
     return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
   }
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+    unscale_gradients();
     detail::clip_grad_value(prepared_, parameters, clip_value);
   }
+  // Under fp16: divides the prepared optimizers' gradients (or `optimizer`'s)
+  // by the loss scale, once per step (GradScaler::unscale_); else nothing.
+  void unscale_gradients() {
+    if (prepared_.scaler)
+      for (auto* optimizer : prepared_.optimizers) prepared_.scaler->unscale_(*optimizer);
+  }
+  void unscale_gradients(AcceleratedOptimizer& optimizer) {
+    if (prepared_.scaler) prepared_.scaler->unscale_(optimizer.optimizer());
+  }
+  // The loss scaler of mixed_precision "fp16" (AcceleratorConfig::grad_scaler),
+  // as Accelerate's accelerator.scaler; nullptr otherwise.
+  GradScaler* scaler() const { return prepared_.scaler.get(); }
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
   // through LibTorch's autocast; a no-op for "no".

@@ -14,6 +14,8 @@
 //         sharded across the processes), full_shard (ZeRO-3: the parameters
 //         too, each Linear a unit gathered only while it runs); default
 //         no_shard
+//         --mixed-precision bf16 (autocast; the CPU or a GPU), fp16 (a GPU:
+//         autocast with dynamic loss scaling); default no
 //         --stop-after N (save and stop after N batches, as if interrupted;
 //         --resume then goes on mid-epoch and ends with the same weights,
 //         bit for bit, as an uninterrupted run: the last line's checksum)
@@ -63,7 +65,7 @@ struct Options {
   int spawn = 0, epochs = 3, accumulate = 1;
   int64_t stop_after = -1;
   size_t batch = 32;
-  std::string checkpoint = "train_mlp_checkpoint", export_dir;
+  std::string checkpoint = "train_mlp_checkpoint", export_dir, mixed_precision = "no";
   bool resume = false;
   accel::ShardingStrategy sharding = accel::ShardingStrategy::NO_SHARD;
 };
@@ -84,14 +86,14 @@ Options parse(int argc, char** argv) {
     else if (arg == "--resume") o.resume = true;
     else if (arg == "--export") o.export_dir = value();
     else if (arg == "--stop-after") o.stop_after = std::stoll(value());
+    else if (arg == "--mixed-precision") o.mixed_precision = value();
     else if (arg == "--sharding") {
       const std::string v = value();
       if (v == "no_shard") o.sharding = accel::ShardingStrategy::NO_SHARD;
       else if (v == "shard_grad_op") o.sharding = accel::ShardingStrategy::SHARD_GRAD_OP;
       else if (v == "full_shard") o.sharding = accel::ShardingStrategy::FULL_SHARD;
       else throw std::invalid_argument("--sharding " + v + " (expected no_shard, shard_grad_op or full_shard)");
-    }
-    else throw std::invalid_argument("unknown flag " + arg);
+    } else throw std::invalid_argument("unknown flag " + arg);
   }
   return o;
 }
@@ -103,7 +105,8 @@ double evaluate(accel::Accelerator& accelerator, Mlp& model, Loader& loader) {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> errors;
   for (auto& batch : loader) {
-    at::Tensor error = (model(batch.data) - batch.target).pow(2).reshape({-1});
+    const c10::Device device = accelerator.device();
+    at::Tensor error = (model(batch.data.to(device)) - batch.target.to(device)).pow(2).reshape({-1});
     errors.push_back(accelerator.gather_for_metrics(error));
   }
   return at::cat(errors).mean().item<double>();
@@ -113,6 +116,7 @@ int train(const Options& options) {
   accel::AcceleratorConfig config;
   config.gradient_accumulation_steps = options.accumulate;
   config.sharding_strategy = options.sharding;
+  config.mixed_precision = options.mixed_precision;  // (checked: fp16 needs a GPU)
   accel::Accelerator accelerator(config);
 
   torch::manual_seed(42);
@@ -130,7 +134,8 @@ int train(const Options& options) {
 
   const double initial = evaluate(accelerator, model, eval);
   accel::print("train_mlp:", accelerator.num_processes(), "process(es),", to_string(accelerator.distributed_type()),
-               "on", accelerator.device().str(), "- initial mse", initial);
+               "on", accelerator.device().str(), "mixed precision", accelerator.mixed_precision(), "- initial mse",
+               initial);
   const bool tty = isatty(STDOUT_FILENO);  // one updating line on a terminal, else a line per report
   int64_t batches_run = 0;
   for (int epoch = static_cast<int>(train.next_epoch()); epoch < options.epochs; ++epoch) {
@@ -138,7 +143,13 @@ int train(const Options& options) {
     int64_t samples = 0, step = 0;
     for (auto& batch : train) {
       auto sync = accelerator.accumulate(model);
-      at::Tensor loss = torch::mse_loss(model(batch.data), batch.target);
+      // The loaders hand out CPU tensors: on a GPU they go to the model's device.
+      const at::Tensor x = batch.data.to(accelerator.device()), y = batch.target.to(accelerator.device());
+      at::Tensor loss;
+      {
+        auto autocast = accelerator.autocast();  // bf16 or fp16 compute where configured; else nothing
+        loss = torch::mse_loss(model(x).to(at::kFloat), y);
+      }
       accelerator.backward(loss);
       if (accelerator.sync_gradients()) accelerator.clip_grad_norm_(model->parameters(), 1.0);
       optimizer.step();
@@ -174,7 +185,7 @@ int train(const Options& options) {
   const auto whole = accelerator.data_parallel(model)->summon_full_params();
   uint64_t checksum = 14695981039346656037ull;
   for (const auto& p : model->parameters()) {
-    const at::Tensor bytes = p.detach().contiguous();
+    const at::Tensor bytes = p.detach().cpu().contiguous();
     const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
     for (size_t i = 0; i < bytes.nbytes(); ++i) checksum = (checksum ^ data[i]) * 1099511628211ull;
   }

@@ -6,49 +6,14 @@
 //
 // Cases named "cuda: ..." need no GPU and must pass everywhere; cases named
 // "gpu: ..." run up to where a GPU is needed and, on a machine without one,
-// print why they stop (CTest shows them as skipped, cuda_gpu).
+// print why they stop (CTest shows them as skipped, cuda_gpu). The training
+// on a GPU (the Accelerator, DataParallel and sharding on CUDA, fp16 with
+// loss scaling) is in test_training_gpu.cpp.
 #include "test_helpers.hpp"
 
 #ifdef ACCEL_TEST_EXPECT_NCCL  // the pip leg: the NCCL path must really be compiled
 static_assert(ACCEL_WITH_NCCL, "accel.hpp's NCCL path is off: is <nccl.h> on the include path?");
 #endif
-
-namespace {
-#if ACCEL_WITH_NCCL  // (the helpers of the NCCL builds' cases)
-// False, with the reason printed for CTest (SKIP_REGULAR_EXPRESSION
-// "SKIPPED ("), where no CUDA device is visible.
-bool gpu_or_skip(const char* what) {
-  if (accel::is_torch_cuda_available()) return true;
-  std::printf("SKIPPED (no CUDA device visible): %s\n", what);
-  return false;
-}
-
-// A world of one over a private FileStore directory (no launcher).
-class WorldOfOne {
- public:
-  WorldOfOne()
-      : dir_(std::filesystem::temp_directory_path() / ("accel_cuda_" + std::to_string(getpid()))),
-        env_{{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"},
-             {"ACCEL_STORE_DIR", make_dir(dir_)}} {}
-  ~WorldOfOne() {
-    release_world();
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
-
- private:
-  static const char* make_dir(const std::filesystem::path& dir) {
-    std::filesystem::create_directories(dir);
-    std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
-    static thread_local std::string text;
-    text = dir.string();
-    return text.c_str();
-  }
-  std::filesystem::path dir_;
-  EnvGuard env_;
-};
-#endif
-}  // namespace
 
 TEST_SUITE("cuda") {
   TEST_CASE("cuda: CUDA devices take the nccl backend; a forced nccl is refused where it cannot run") {
@@ -87,11 +52,11 @@ TEST_SUITE("cuda") {
     }
     if (count == 0) {
       // Asking for the device a CPU-only machine lacks is an error, not a CPU run.
-      CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(
-                               test_config({.device = accel::DeviceType::CUDA})),
+      CHECK_THROWS_WITH_AS(accel::DistributedInterface::instance(test_config({.device = accel::DeviceType::CUDA})),
                            doctest::Contains("no usable cuda device"), accel::RuntimeError);
       EnvGuard env{{"ACCEL_DEVICE", "cuda"}};
-      CHECK_THROWS_WITH_AS(accel::get_current_accelerator(), doctest::Contains("ACCEL_DEVICE=cuda"), accel::RuntimeError);
+      CHECK_THROWS_WITH_AS(accel::get_current_accelerator(), doctest::Contains("ACCEL_DEVICE=cuda"),
+                           accel::RuntimeError);
     } else {
       EnvGuard env{{"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"}};
       accel::detail::bind_device(c10::DeviceType::CUDA);
@@ -119,6 +84,13 @@ TEST_SUITE("cuda") {
     CHECK(d.all_gather(int64_t{7}) == std::vector<int64_t>{7});
     CHECK(d.all_reduce(std::vector<double>{1.5, 2.5}, ReduceOp::SUM, std::nullopt) == std::vector<double>{1.5, 2.5});
     CHECK(accel::broadcast(3.25, 0) == 3.25);
+    // Debug mode compares each call across the group before it runs (a collective of its own, over NCCL here).
+    accel::set_debug_mode(true);
+    at::Tensor checked = at::ones({3}, at::TensorOptions().device(at::kCUDA));
+    accel::all_reduce(checked, ReduceOp::SUM);
+    CHECK(at::equal(checked.cpu(), at::ones({3})));
+    CHECK(accel::all_gather(std::vector<int>{1, 2}) == std::vector<std::vector<int>>{{1, 2}});
+    accel::set_debug_mode(false);
     accel::synchronize();
     d.destroy();
 #else

@@ -28,6 +28,7 @@
 #include <fstream>
 #include <iterator>
 #include <thread>
+#include <unistd.h>
 
 using accel::Dim;
 using accel::ReduceOp;
@@ -82,6 +83,43 @@ inline accel::DistributedInterface& fresh(accel::DistributedConfig config = {}) 
 inline void release_world() {
   if (accel::DistributedInterface::is_initialized()) accel::DistributedInterface::instance().destroy();
 }
+
+// False, with the reason printed for CTest (SKIP_REGULAR_EXPRESSION
+// "SKIPPED ("), where no CUDA device is visible: the "gpu: " cases.
+inline bool gpu_or_skip(const char* what) {
+  if (accel::is_torch_cuda_available()) return true;
+  std::printf("SKIPPED (no CUDA device visible): %s\n", what);
+  return false;
+}
+
+// A world of one over a private FileStore directory (no launcher), for as
+// long as it lives; its interface is destroyed with it.
+class WorldOfOne {
+ public:
+  WorldOfOne()
+      : dir_(std::filesystem::temp_directory_path() / ("accel_one_" + std::to_string(getpid()))),
+        env_{{"RANK", "0"},
+             {"WORLD_SIZE", "1"},
+             {"LOCAL_RANK", "0"},
+             {"LOCAL_WORLD_SIZE", "1"},
+             {"ACCEL_STORE_DIR", make_dir(dir_)}} {}
+  ~WorldOfOne() {
+    release_world();
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+
+ private:
+  static const char* make_dir(const std::filesystem::path& dir) {
+    std::filesystem::create_directories(dir);
+    std::filesystem::permissions(dir, std::filesystem::perms::owner_all);
+    static thread_local std::string text;
+    text = dir.string();
+    return text.c_str();
+  }
+  std::filesystem::path dir_;
+  EnvGuard env_;
+};
 
 // Collectives are counted by the group's sequence number. LibTorch before
 // 2.15 starts it only when asked (setSequenceNumberForGroup); from 2.15 on it

@@ -26,6 +26,7 @@
 #include "accel/training/sampler.hpp"
 #include "accel/training/dispatch.hpp"
 #include "accel/training/loaders.hpp"
+#include "accel/training/grad_scaler.hpp"
 #include "accel/training/config.hpp"
 #include "accel/training/checked_file.hpp"
 #include "accel/training/checkpoint_files.hpp"

@@ -4,7 +4,8 @@
 // Timings are medians over interleaved trials (A, B, A, B, ...), so both
 // variants see the same machine noise. tests/bench/run_bench.sh drives it.
 //
-//   bench overhead | bandwidth | batching | mesh | alloc | collectives | callgrind <accel|raw> <calls>
+//   bench overhead | bandwidth | batching | mesh | alloc | collectives | gpu_all_reduce
+//         | callgrind <accel|raw> <calls>
 
 #include "accel.hpp"
 
@@ -48,11 +49,9 @@ double median(std::vector<double> v) {
 int world_size() { return accel::get_world_size(); }
 bool is_rank0() { return accel::get_rank() == 0; }
 
-void csv(const std::string& part, const std::string& variant, long long size, double value,
-         const char* unit) {
+void csv(const std::string& part, const std::string& variant, long long size, double value, const char* unit) {
   if (is_rank0())
-    std::printf("CSV,%s,%d,%s,%lld,%.6g,%s\n", part.c_str(), world_size(), variant.c_str(), size, value,
-                unit);
+    std::printf("CSV,%s,%d,%s,%lld,%.6g,%s\n", part.c_str(), world_size(), variant.c_str(), size, value, unit);
 }
 
 // Seconds per call of each variant: `trials` rounds, each variant run `reps`
@@ -81,16 +80,48 @@ void raw_allreduce(c10d::ProcessGroup& pg, at::Tensor& t) {
   pg.allreduce(tensors, opts)->wait();
 }
 
+// NCCL on a GPU (tests/gpu/run_gpu.sh, a world of one): all_reduce through
+// accel and through c10d, each followed by a device synchronisation (NCCL
+// only queues the work on its stream), on a CUDA tensor and on CPU data
+// staged through the device. c10d's NCCL takes no CPU tensor: that
+// reference copies to the GPU and back by hand, as accel does for it.
+void gpu_all_reduce() {
+  auto g = accel::DistributedInterface::instance().world_group();
+  const c10::Device device = accel::get_current_device();
+  for (long long bytes = 1LL << 20; bytes <= (256LL << 20); bytes *= 4) {
+    const long long n = bytes / 4;
+    const int reps = static_cast<int>(std::clamp<long long>((1LL << 30) / bytes / 4, 2, 100));
+    at::Tensor on_device = at::ones({n}, at::TensorOptions().device(device)), host = at::ones({n});
+    auto m = interleaved({[&] {
+                            raw_allreduce(*g, on_device);
+                            accel::synchronize();
+                          },
+                          [&] {
+                            accel::all_reduce(on_device, ReduceOp::SUM, g);
+                            accel::synchronize();
+                          },
+                          [&] {
+                            at::Tensor staged = host.to(device);
+                            raw_allreduce(*g, staged);
+                            host.copy_(staged);
+                          },
+                          [&] { accel::all_reduce(host, ReduceOp::SUM, g); }},
+                         11, reps);
+    csv("gpu_all_reduce", "raw_c10d", bytes, m[0] * 1e6, "us");
+    csv("gpu_all_reduce", "accel_tensor", bytes, m[1] * 1e6, "us");
+    csv("gpu_all_reduce_staged", "raw_c10d", bytes, m[2] * 1e6, "us");
+    csv("gpu_all_reduce_staged", "accel_tensor", bytes, m[3] * 1e6, "us");
+  }
+}
+
 void overhead() {
   auto& dist = accel::DistributedInterface::instance();
   auto g = dist.world_group();
   at::Tensor t = at::ones({1});
   // raw_c10d_again runs the very same code as raw_c10d: its ratio is the
   // resolution of this measurement on this machine (an A/A control).
-  auto m = interleaved({[&] { raw_allreduce(*g, t); },
-                        [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
-                        [&] { dist.all_reduce(t, ReduceOp::SUM, accel::Dim::DP); },
-                        [&] { raw_allreduce(*g, t); }},
+  auto m = interleaved({[&] { raw_allreduce(*g, t); }, [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
+                        [&] { dist.all_reduce(t, ReduceOp::SUM, accel::Dim::DP); }, [&] { raw_allreduce(*g, t); }},
                        31, 2000);
   csv("overhead", "raw_c10d", 4, m[0] * 1e6, "us");
   csv("overhead", "accel_all_reduce", 4, m[1] * 1e6, "us");
@@ -108,8 +139,7 @@ void bandwidth() {
     at::Tensor t = at::ones({n});
     std::vector<float> vec(static_cast<std::size_t>(n), 1.0f);
     // all_reduce: raw tensor, accel tensor, accel std::vector.
-    auto ar = interleaved({[&] { raw_allreduce(*g, t); },
-                           [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
+    auto ar = interleaved({[&] { raw_allreduce(*g, t); }, [&] { accel::all_reduce(t, ReduceOp::SUM, g); },
                            [&] { vec = accel::all_reduce(std::move(vec), ReduceOp::SUM, g); }},
                           trials, reps);
     csv("all_reduce", "raw_c10d", bytes, ar[0] * 1e6, "us");
@@ -140,8 +170,7 @@ void bandwidth() {
                              auto outs = fresh_outputs();
                              raw_gather(outs);
                            },
-                           [&] { raw_gather(kept); },
-                           [&] { accel::all_gather_into_tensor(stacked, t, g); }},
+                           [&] { raw_gather(kept); }, [&] { accel::all_gather_into_tensor(stacked, t, g); }},
                           trials, reps);
     csv("all_gather", "raw_c10d", bytes, ag[0] * 1e6, "us");
     csv("all_gather", "accel_tensor", bytes, ag[1] * 1e6, "us");
@@ -179,14 +208,14 @@ void collectives() {
     std::vector<int64_t> splits;
     auto raw_alltoall = [&] {  // a fresh output, as accel.hpp returns one
       out = at::empty({n});
-      accel::detail::alltoall_single(*g, out, t, splits, splits)->wait();  // c10d's own call, by its name on this version
+      accel::detail::alltoall_single(*g, out, t, splits, splits)
+          ->wait();  // c10d's own call, by its name on this version
     };
     auto rs = interleaved({[&] {
                              raw_alltoall();
                              (void)out.view({P, n / P}).sum(0);
                            },
-                           [&] { (void)accel::reduce_scatter(t, ReduceOp::SUM, g); },
-                           [&] { raw_allreduce(*g, t); }},
+                           [&] { (void)accel::reduce_scatter(t, ReduceOp::SUM, g); }, [&] { raw_allreduce(*g, t); }},
                           trials, reps);
     csv("reduce_scatter", "raw_c10d_alltoall_sum", bytes, rs[0] * 1e6, "us");
     csv("reduce_scatter", "accel_tensor", bytes, rs[1] * 1e6, "us");
@@ -239,8 +268,7 @@ void overlap() {
   for (long long bytes : {1LL << 20, 16LL << 20}) {
     at::Tensor t = at::ones({bytes / 4});
     const int reps = bytes > (1 << 20) ? 3 : 10, trials = 9;
-    auto m = interleaved({[&] { accel::all_reduce(t, ReduceOp::SUM, g); },
-                          [&] { (void)at::mm(a, b); },
+    auto m = interleaved({[&] { accel::all_reduce(t, ReduceOp::SUM, g); }, [&] { (void)at::mm(a, b); },
                           [&] {
                             accel::all_reduce(t, ReduceOp::SUM, g);
                             (void)at::mm(a, b);
@@ -344,8 +372,8 @@ void alloc() {
   // Positive control: the counter sees an ordinary allocation of the same size.
   csv("alloc_bytes_per_call", "control_at_empty", n * 4, double(measure([&] { (void)at::empty({n}); })), "bytes");
   csv("alloc_bytes_per_call", "raw_c10d_tensor", n * 4, double(measure([&] { raw_allreduce(*g, t); })), "bytes");
-  csv("alloc_bytes_per_call", "accel_tensor", n * 4,
-      double(measure([&] { accel::all_reduce(t, ReduceOp::SUM, g); })), "bytes");
+  csv("alloc_bytes_per_call", "accel_tensor", n * 4, double(measure([&] { accel::all_reduce(t, ReduceOp::SUM, g); })),
+      "bytes");
   csv("alloc_bytes_per_call", "accel_vector", n * 4,
       double(measure([&] { vec = accel::all_reduce(std::move(vec), ReduceOp::SUM, g); })), "bytes");
 }
@@ -385,10 +413,13 @@ int main(int argc, char** argv) {
   else if (part == "batching") batching();
   else if (part == "alloc") alloc();
   else if (part == "collectives") collectives();
+  else if (part == "gpu_all_reduce") gpu_all_reduce();
   else if (part == "overlap") overlap();
   else if (part == "callgrind" && argc > 3) callgrind(argv[2], std::atoi(argv[3]));
   else {
-    std::fprintf(stderr, "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|overlap|callgrind <accel|raw> <calls>\n");
+    std::fprintf(stderr,
+                 "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|overlap|gpu_all_reduce|callgrind "
+                 "<accel|raw> <calls>\n");
     return 2;
   }
   accel::DistributedInterface::instance().destroy();

@@ -6,7 +6,9 @@
 //     CSV,ddp_step,<world>,accel_accelerator[_fp16],<params>,<ms per step>,ms
 // once per trial, and its loss after the last step:
 //     CSV,ddp_loss,<world>,accel_accelerator[_fp16],<params>,<loss>,mse
-// Run under tests/launch.cpp (run_ddp_bench.sh does).
+// Run under tests/launch.cpp (run_ddp_bench.sh does). On a machine with a
+// GPU the Accelerator takes it (NCCL; the variant ends in _cuda), and so does
+// bench_ddp.py with ACCEL_BENCH_DEVICE=cuda (tests/gpu/run_gpu.sh).
 //
 //     bench_ddp <trials> <steps> [none|fp16|powersgd]
 #define ACCEL_TRAINING
@@ -21,8 +23,8 @@ constexpr int64_t kIn = 256, kHidden = 1024, kBatch = 64;
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl()
-      : body(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, kHidden),
-             torch::nn::ReLU(), torch::nn::Linear(kHidden, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, 1)) {
+      : body(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, kHidden), torch::nn::ReLU(),
+             torch::nn::Linear(kHidden, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, 1)) {
     register_module("body", body);
   }
   at::Tensor forward(const at::Tensor& x) { return body->forward(x); }
@@ -35,7 +37,6 @@ int main(int argc, char** argv) {
   const int trials = argc > 1 ? std::stoi(argv[1]) : 5;
   const int steps = argc > 2 ? std::stoi(argv[2]) : 30;
   const std::string hook = argc > 3 ? argv[3] : "none";
-  const std::string variant = hook == "none" ? "accel_accelerator" : "accel_accelerator_" + hook;
   accel::AcceleratorConfig config;
   if (hook == "fp16") config.comm_hook = accel::DDPCommunicationHookType::FP16;
   accel::Accelerator accelerator(config);
@@ -48,8 +49,11 @@ int main(int argc, char** argv) {
         std::make_shared<accel::PowerSGDState>(accel::PowerSGDState{.start_powerSGD_iter = 2})));
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
+  const std::string variant = (hook == "none" ? "accel_accelerator" : "accel_accelerator_" + hook) +
+                              (accelerator.device().is_cuda() ? "_cuda" : "");
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
-  const at::Tensor x = at::randn({kBatch, kIn}, generator), y = at::randn({kBatch, 1}, generator);
+  const at::Tensor x = at::randn({kBatch, kIn}, generator).to(accelerator.device()),
+                   y = at::randn({kBatch, 1}, generator).to(accelerator.device());
   double loss = 0;
   auto step = [&] {
     optimizer.zero_grad();
@@ -64,7 +68,8 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < steps; ++i) step();
     accelerator.wait_for_everyone();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
     if (accelerator.is_main_process())
       std::printf("CSV,ddp_step,%d,%s,%lld,%.6g,ms\n", accelerator.num_processes(), variant.c_str(),
                   static_cast<long long>(params), ms);

@@ -6,10 +6,13 @@ powerSGD_hook of rank 1 from step 2). Rank 0 prints
     CSV,ddp_step,<world>,python_ddp[_fp16],<params>,<ms per step>,ms
 once per trial, and its loss after the last step (ddp_loss). Run each rank
 with Debian's /usr/bin/python3 under tests/launch.cpp (run_ddp_bench.sh does).
+With ACCEL_BENCH_DEVICE=cuda: NCCL and the GPU (the variant ends in _cuda), as
+bench_ddp.cpp on a machine with one.
 
     bench_ddp.py <trials> <steps> [none|fp16|powersgd]
 """
 
+import os
 import sys
 import time
 from datetime import timedelta
@@ -25,12 +28,16 @@ def main():
     trials = int(sys.argv[1]) if len(sys.argv) > 1 else 5
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
     hook = sys.argv[3] if len(sys.argv) > 3 else "none"
-    variant = "python_ddp" if hook == "none" else f"python_ddp_{hook}"
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    cuda = os.environ.get("ACCEL_BENCH_DEVICE") == "cuda"
+    variant = ("python_ddp" if hook == "none" else f"python_ddp_{hook}") + ("_cuda" if cuda else "")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
-                          nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
-    ddp = nn.parallel.DistributedDataParallel(model)
+                          nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1)).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     if hook == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -41,7 +48,7 @@ def main():
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    x, y = torch.randn(BATCH, IN, generator=g), torch.randn(BATCH, 1, generator=g)
+    x, y = torch.randn(BATCH, IN, generator=g).to(device), torch.randn(BATCH, 1, generator=g).to(device)
 
     loss = [0.0]
 

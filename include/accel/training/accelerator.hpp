@@ -27,14 +27,16 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
 
   // -- the training step --------------------------------------------------------
 
-  // loss.backward(), scaled by 1/gradient_accumulation_steps, with the
+  // loss.backward(), scaled by 1/gradient_accumulation_steps (and under
+  // fp16 by the loss scaler's scale), with the
   // gradient all-reduce armed on every prepared model that syncs now (not
   // inside no_sync or a non-sync accumulate step). A model none of whose
   // parameters gets a gradient from this loss is left alone.
   void backward(const at::Tensor& loss) {
     auto step = [&] {
       const int steps = gradient_accumulation_steps();
-      at::Tensor scaled = steps > 1 ? loss / steps : loss;
+      at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;
+      if (steps > 1) scaled = scaled / steps;
       if (join_) join_->before_backward();
       for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
       for (auto& m : prepared_.models)
@@ -132,13 +134,29 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   const void* active_dataloader() const { return state_->active_dataloader(); }
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
-  // under sharding (detail::clip_grad_norm).
+  // under sharding (detail::clip_grad_norm). Under fp16 the gradients are
+  // unscaled first (unscale_gradients), as Accelerate does: call them once
+  // per optimizer step, on the steps that sync.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
+    unscale_gradients();
     return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
   }
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+    unscale_gradients();
     detail::clip_grad_value(prepared_, parameters, clip_value);
   }
+  // Under fp16: divides the prepared optimizers' gradients (or `optimizer`'s)
+  // by the loss scale, once per step (GradScaler::unscale_); else nothing.
+  void unscale_gradients() {
+    if (prepared_.scaler)
+      for (auto* optimizer : prepared_.optimizers) prepared_.scaler->unscale_(*optimizer);
+  }
+  void unscale_gradients(AcceleratedOptimizer& optimizer) {
+    if (prepared_.scaler) prepared_.scaler->unscale_(optimizer.optimizer());
+  }
+  // The loss scaler of mixed_precision "fp16" (AcceleratorConfig::grad_scaler),
+  // as Accelerate's accelerator.scaler; nullptr otherwise.
+  GradScaler* scaler() const { return prepared_.scaler.get(); }
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
   // through LibTorch's autocast; a no-op for "no".

@@ -16,7 +16,14 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 class AcceleratorPreparing : public AcceleratorSetup {
  public:
-  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {}
+  // mixed_precision "fp16" comes with a loss scaler (as Accelerate's);
+  // under sharding its overflow check is agreed over the world, since each
+  // process then holds other gradients.
+  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {
+    if (mixed_precision() == "fp16" && settings().grad_scaler.enabled)
+      prepared_.scaler = std::make_shared<GradScaler>(settings().grad_scaler, device(),
+                                                      sharded() ? world().world_group() : GroupPtr{});
+  }
 
   // -- prepare ----------------------------------------------------------------
 
@@ -45,12 +52,15 @@ class AcceleratorPreparing : public AcceleratorSetup {
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
     if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
       prepared_.optimizers.push_back(&optimizer);
-    if (!sharded()) return AcceleratedOptimizer(optimizer, state_);
+    if (!sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);
     for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(optimizer, state_, [sharded = prepared_.sharded, &optimizer] {
-      for (DataParallel* dp : *sharded)
-        if (dp->steps_with(optimizer)) dp->gather_shards();
-    });
+    return AcceleratedOptimizer(
+        optimizer, state_,
+        [sharded = prepared_.sharded, &optimizer] {
+          for (DataParallel* dp : *sharded)
+            if (dp->steps_with(optimizer)) dp->gather_shards();
+        },
+        prepared_.scaler);
   }
   // Accelerate's single-object forms of prepare.
   template <class ModuleHolder>
@@ -162,8 +172,8 @@ class AcceleratorPreparing : public AcceleratorSetup {
   }
   // Forgets everything prepared (free_memory, once the models are plain modules again).
   void let_go_of_prepared() {
-    prepared_.sharded->clear();  // the optimizers' handles stop gathering
-    prepared_ = {};
+    prepared_.sharded->clear();                // the optimizers' handles stop gathering
+    prepared_ = {.scaler = prepared_.scaler};  // (the scaler is the Accelerator's, as Accelerate's)
   }
 
   detail::PreparedSet prepared_;

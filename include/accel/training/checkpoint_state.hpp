@@ -91,6 +91,12 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     set.objects[i].save(archive);
     save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
   }
+  if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
+    torch::serialize::OutputArchive archive;
+    archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
+    archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
+    save_archive(archive, tmp / "scaler.pt");
+  }
 }
 
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
@@ -145,6 +151,7 @@ struct LoadedCheckpoint {
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   int64_t step = 0;
+  std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
 };
 
 // The manifest against this run: as many processes, models, optimizers,
@@ -243,6 +250,14 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       points =
           tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
     }
+    if (set.scaler) {
+      const std::string file = (dir / "scaler.pt").string();
+      if (!fs::exists(dir / "scaler.pt"))
+        throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+      auto archive = read("scaler.pt");
+      loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
+                       tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
+    }
     const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
     if (!fs::exists(dir / rng_name))
       throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
@@ -335,6 +350,7 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   };
   set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
   if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
   return loaded.step;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "accel/core/strategy.hpp"
+#include "accel/training/grad_scaler.hpp"
 #include "accel/training/sampler.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -63,7 +64,8 @@ struct enum_names<DDPCommunicationHookType> {
 
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
-  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only)
+  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
+  GradScalerKwargs grad_scaler{};      // "fp16": the loss scaler's settings (Accelerate's GradScalerKwargs)
   bool cpu = false;                    // train on the CPU even where an accelerator exists (distributed.device)
   bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
   // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
@@ -87,20 +89,36 @@ struct AcceleratorConfig {
 // A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
 // zero_grad() do nothing on the micro-steps of gradient accumulation that do
 // not sync (so loops written for Accelerate call them unconditionally
-// inside accumulate()). A handle: copies share the optimizer.
+// inside accumulate()). Under fp16 mixed precision step() goes through the
+// Accelerator's GradScaler: the gradients are unscaled (unless
+// clip_grad_norm_ did it), the step is skipped when one is inf or NaN
+// (step_was_skipped()), and the scale is updated. A handle: copies share the
+// optimizer.
 class AcceleratedOptimizer {
  public:
   // after_step: run after each real step (under sharding: the parameters
-  // gathered from the shards the optimizer stepped).
+  // gathered from the shards the optimizer stepped); scaler: fp16's.
   AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state,
-                       std::function<void()> after_step = {})
-      : optimizer_(&optimizer), state_(std::move(state)), after_step_(std::move(after_step)) {}
+                       std::function<void()> after_step = {}, std::shared_ptr<GradScaler> scaler = {})
+      : optimizer_(&optimizer),
+        state_(std::move(state)),
+        after_step_(std::move(after_step)),
+        scaler_(std::move(scaler)),
+        skipped_(std::make_shared<bool>(false)) {}
 
   void step() {
     if (!state_->sync_gradients) return;
-    optimizer_->step();
-    if (after_step_) after_step_();
+    if (scaler_) {
+      *skipped_ = !scaler_->step(*optimizer_);
+      scaler_->update();
+    } else {
+      optimizer_->step();
+    }
+    if (after_step_ && !*skipped_) after_step_();
   }
+  // Whether the last step() was skipped because fp16's loss scaler found an
+  // inf or NaN gradient (Accelerate's step_was_skipped).
+  bool step_was_skipped() const { return *skipped_; }
   // set_to_none: the optimizer's own default when not given (LibTorch 1.x
   // zeroes the gradients, 2.x resets them, as Python's).
   void zero_grad(std::optional<bool> set_to_none = std::nullopt) {
@@ -123,6 +141,8 @@ class AcceleratedOptimizer {
   torch::optim::Optimizer* optimizer_;
   std::shared_ptr<const detail::GradientState> state_;
   std::function<void()> after_step_;
+  std::shared_ptr<GradScaler> scaler_;
+  std::shared_ptr<bool> skipped_;
 };
 
 // A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:

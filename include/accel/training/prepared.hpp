@@ -7,6 +7,7 @@
 #pragma once
 
 #include "accel/training/data_parallel.hpp"
+#include "accel/training/grad_scaler.hpp"
 #include "accel/training/sampler.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -46,6 +47,7 @@ struct PreparedSet {
   std::vector<PreparedScheduler> schedulers;
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
   std::vector<CheckpointedObject> objects;               // in the order registered
+  std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)

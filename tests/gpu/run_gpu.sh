@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# accel.hpp on a GPU: builds the tests, the example and the benchmarks
+# against the LibTorch inside python3's torch (a CUDA build) and runs, in
+# this order (most telling first, so a run cut short still says the most):
+#   1. the CUDA cases (CTest cuda_*): the backend choice and device binding;
+#      an NCCL world of one with every collective on CUDA tensors and on CPU
+#      data staged through the device; the Accelerator on CUDA against the
+#      same training on the CPU in fp32, bf16 autocast and fp16 with loss
+#      scaling; the scaler's skipped step and its checkpoint with the CUDA
+#      RNG; NO_SHARD, SHARD_GRAD_OP and FULL_SHARD with two processes on the
+#      GPU (Gloo on CUDA tensors) against one CPU process;
+#   2. examples/train_mlp on the GPU with no, bf16 and fp16 mixed precision;
+#   3. the benchmarks, side by side in one run: all_reduce over NCCL through
+#      accel and through c10d (a world of one, on the device and staged),
+#      and the data-parallel training step against Python's DDP (NCCL);
+#   4. every functional suite on the CPU (ACCEL_DEVICE=cpu: Gloo, 1-4 ranks)
+#      with this CUDA LibTorch and a GPU present.
+# Not part of CI (CI has no GPU). Where the machine has no Gloo or doctest
+# headers, tests/gpu/stage_headers.sh puts them under .gpu/ beforehand.
+#
+#     bash tests/gpu/run_gpu.sh OUT_DIR [SECONDS (600)]
+#     ACCEL_GPU_PHASES="1 3" bash tests/gpu/run_gpu.sh OUT_DIR   # some of them (the build always)
+# SECONDS: the suites of step 4 (and the rest of the build they need) stop
+# when the script has run that long, and count as failed if cut short.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+out=${1:?usage: run_gpu.sh OUT_DIR [SECONDS]}
+deadline=${2:-600}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log=$out/gpu.log
+exec > >(tee "$log") 2>&1
+jobs=$(nproc)
+build=${ACCEL_GPU_BUILD:-$root/build/gpu}
+phases=${ACCEL_GPU_PHASES:-1 2 3 4}
+status=0
+wanted() { [[ " $phases " == *" $1 "* ]]; }
+phase() { echo; echo "== $* ($(date -u +%T), $SECONDS s)"; }
+fail() { echo "FAILED: $*"; status=1; }
+
+phase "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || fail "nvidia-smi"
+python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())), "GPU", torch.cuda.get_device_name(0))' ||
+  fail "python3's torch"
+g++ --version | head -1
+cmake --version | head -1
+echo "$jobs cores"
+
+phase "build"
+prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+extra=()
+[[ -d $root/.gpu/include/gloo ]] && extra+=(-DACCEL_GLOO_INCLUDE_DIR="$root/.gpu/include")
+[[ -d $root/.gpu/lib/cmake/doctest ]] && extra+=(-Ddoctest_DIR="$root/.gpu/lib/cmake/doctest")
+[[ ! -f $build/CMakeCache.txt ]] && command -v ninja >/dev/null && extra+=(-G Ninja)
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" -DACCEL_TEST_EXPECT_NCCL=ON \
+  -DACCEL_CLANG_NESTED=OFF -DACCEL_TRAINING_TESTS_UNITY=OFF "${extra[@]}" >"$out/configure.log" 2>&1 ||
+  { tail -30 "$out/configure.log"; fail "configure"; exit 1; }
+grep -iE "warning|nccl|gloo" "$out/configure.log" | head -20
+cmake --build "$build" -j"$jobs" --target accel_tests accel_launch train_mlp accel_bench accel_bench_ddp \
+  >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -80; fail "build"; exit 1; }
+echo "built in $SECONDS s"
+
+if wanted 1; then
+phase "1. the CUDA cases"
+(cd "$build" && ctest -R '^cuda_' --output-on-failure -V --timeout 300 >"$out/cuda.log" 2>&1) || fail "cuda cases"
+grep -E "MESSAGE|difference|SKIPPED|test cases|assertions|Passed|Failed|\*\*\*" "$out/cuda.log" | head -60
+
+fi
+
+if wanted 2; then
+phase "2. examples/train_mlp on the GPU"
+for mp in no bf16 fp16; do
+  ckpt=$(mktemp -d)
+  (cd "$build" && timeout 120 examples/train_mlp --epochs 2 --mixed-precision $mp --checkpoint "$ckpt/c") \
+    >"$out/train_mlp_$mp.log" 2>&1 || fail "train_mlp --mixed-precision $mp"
+  grep -E "^train_mlp|epoch 1 .*step" "$out/train_mlp_$mp.log" | tail -4
+  rm -rf "$ckpt"
+done
+
+fi
+
+if wanted 3; then
+phase "3. benchmarks (one GPU; medians of interleaved trials)"
+launch=$build/tests/accel_launch
+timeout 120 "$launch" --timeout 110 1 "$build/tests/accel_bench" gpu_all_reduce >"$out/bench_all_reduce.log" 2>&1 ||
+  fail "bench gpu_all_reduce"
+csv=$out/gpu_bench.csv
+echo "part,world,variant,size,value,unit" >"$csv"
+sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_all_reduce.log" >>"$csv"
+for round in 1 2 3; do  # interleaved: accel, Python, accel, ...
+  timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_ddp" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
+    fail "bench_ddp (accel)"
+  ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_ddp.py" 3 100 \
+    >>"$out/bench_ddp.log" 2>&1 || fail "bench_ddp.py (Python DDP)"
+done
+sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_ddp.log" >>"$csv"
+python3 "$root/tests/gpu/summarize.py" "$csv" | tee "$out/gpu_bench.md"
+
+fi
+
+if wanted 4; then
+left=$((deadline - SECONDS))
+phase "4. the functional suites on the CPU, with this CUDA LibTorch (the $left s left)"
+(cd "$build" && ACCEL_DEVICE=cpu timeout "$((left > 0 ? left : 1))" bash -c "cmake --build . -j$jobs \
+   >'$out/build_all.log' 2>&1 && ctest -L quick -E '^cuda_' -j$jobs --timeout 200 >'$out/cpu_suites.log' 2>&1") ||
+  fail "the CPU suites (or their build, or the time allowed)"
+tail -25 "$out/cpu_suites.log"
+fi
+
+phase "done: $([[ $status == 0 ]] && echo 'every step passed' || echo 'some step FAILED')"
+exit $status
