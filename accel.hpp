@@ -966,6 +966,10 @@ ACCEL_NAMESPACE_END
 #define USE_C10D_GLOO 1
 #endif
 
+// ProcessGroupNCCL.hpp declares nothing unless USE_C10D_NCCL is defined. Its
+// inclusion follows ACCEL_WITH_NCCL, not that macro: some LibTorch packages
+// (torch 2.11's CMake config) define it for every consumer, also where the
+// CUDA headers it pulls in cannot compile (ACCEL_WITH_NCCL=0).
 #if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
 #define USE_C10D_NCCL 1
 #endif
@@ -995,7 +999,7 @@ ACCEL_NAMESPACE_END
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#ifdef USE_C10D_NCCL
+#if ACCEL_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -3405,7 +3409,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 #endif
   }
   if (backend == "nccl") {
-#ifdef USE_C10D_NCCL
+#if ACCEL_WITH_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);

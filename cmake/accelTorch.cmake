@@ -96,12 +96,23 @@ macro(_accel_wheel_cuda torch_root)
                      "(Caffe2's CUDA toolkit lookup skipped)")
     endif()
     # The wheel's cuda_runtime.h includes crt/host_config.h, which only a CUDA
-    # toolkit or `pip install "cuda-toolkit[crt]"` brings. Without it the NCCL
-    # path cannot compile: it is left off (ACCEL_WITH_NCCL=0), with the reason.
+    # toolkit or `pip install "cuda-toolkit[crt]"` brings. A toolkit's (at
+    # CUDA_HOME, CUDA_PATH or /usr/local/cuda) is searched after the wheel's
+    # headers. Without either the NCCL path cannot compile: it is left off
+    # (ACCEL_WITH_NCCL=0), with the reason.
     if(ACCEL_TORCH_CUDA_INCLUDE_DIR AND NOT EXISTS "${ACCEL_TORCH_CUDA_INCLUDE_DIR}/crt/host_config.h")
+      find_path(ACCEL_CUDA_CRT_INCLUDE_DIR crt/host_config.h
+                HINTS "$ENV{CUDA_HOME}/include" "$ENV{CUDA_PATH}/include" /usr/local/cuda/include NO_DEFAULT_PATH)
+    endif()
+    if(ACCEL_CUDA_CRT_INCLUDE_DIR AND TARGET torch::cudart)
+      set_property(TARGET torch::cudart APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${ACCEL_CUDA_CRT_INCLUDE_DIR}")
+      message(STATUS "accel: crt/host_config.h from the CUDA toolkit in ${ACCEL_CUDA_CRT_INCLUDE_DIR}")
+    endif()
+    if(ACCEL_TORCH_CUDA_INCLUDE_DIR AND NOT EXISTS "${ACCEL_TORCH_CUDA_INCLUDE_DIR}/crt/host_config.h"
+       AND NOT ACCEL_CUDA_CRT_INCLUDE_DIR)
       message(WARNING "accel: the wheel's CUDA headers lack crt/host_config.h, so accel.hpp's NCCL path is off "
                       "(ACCEL_WITH_NCCL=0; Gloo works). To compile it: pip install \"cuda-toolkit[crt]\" "
-                      "in the same environment as torch.")
+                      "in the same environment as torch, or set CUDA_HOME to a CUDA toolkit.")
       set(ACCEL_TORCH_WITHOUT_NCCL_PATH TRUE)
     elseif(EXISTS "${_accel_nvidia}/nccl/include/nccl.h")
       set(ACCEL_TORCH_NCCL_INCLUDE_DIR "${_accel_nvidia}/nccl/include")

@@ -47,6 +47,12 @@ cmake --version | head -1
 echo "$jobs cores"
 
 phase "build"
+# The wheel's CUDA headers need crt/host_config.h, which a CUDA toolkit has
+# (cmake/accelTorch.cmake looks at CUDA_HOME).
+if [[ -z ${CUDA_HOME:-} ]] && command -v nvcc >/dev/null; then
+  CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  export CUDA_HOME
+fi
 prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 extra=()
 [[ -d $root/.gpu/include/gloo ]] && extra+=(-DACCEL_GLOO_INCLUDE_DIR="$root/.gpu/include")

@@ -107,7 +107,7 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
 #endif
   }
   if (backend == "nccl") {
-#ifdef USE_C10D_NCCL
+#if ACCEL_WITH_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     return new_group<c10d::ProcessGroupNCCL>(store, rank, size, options, c10::DeviceType::CUDA, timeout);

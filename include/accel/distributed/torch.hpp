@@ -12,6 +12,10 @@
 #define USE_C10D_GLOO 1
 #endif
 
+// ProcessGroupNCCL.hpp declares nothing unless USE_C10D_NCCL is defined. Its
+// inclusion follows ACCEL_WITH_NCCL, not that macro: some LibTorch packages
+// (torch 2.11's CMake config) define it for every consumer, also where the
+// CUDA headers it pulls in cannot compile (ACCEL_WITH_NCCL=0).
 #if ACCEL_WITH_NCCL && !defined(USE_C10D_NCCL)
 #define USE_C10D_NCCL 1
 #endif
@@ -41,7 +45,7 @@
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
-#ifdef USE_C10D_NCCL
+#if ACCEL_WITH_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
