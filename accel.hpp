@@ -962,8 +962,16 @@ ACCEL_NAMESPACE_END
 // Gloo headers (Debian: libgloo-dev; PyPI's wheels ship none). Gloo's types
 // are reached only through pointers here, so the headers of a Gloo version
 // other than the one inside LibTorch will do (the pip leg uses Debian's).
-#if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+// Whether the gloo backend is compiled follows the headers (ACCEL_HAS_GLOO),
+// not that macro: some LibTorch packages (torch 2.11's CMake config) define
+// it for every consumer, though their wheels ship no Gloo headers.
+#if __has_include(<gloo/algorithm.h>)
+#define ACCEL_HAS_GLOO 1
+#ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO 1
+#endif
+#else
+#define ACCEL_HAS_GLOO 0
 #endif
 
 // ProcessGroupNCCL.hpp declares nothing unless USE_C10D_NCCL is defined. Its
@@ -996,7 +1004,7 @@ ACCEL_NAMESPACE_END
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <ATen/core/ivalue.h>
 #include <c10/macros/Export.h>
-#ifdef USE_C10D_GLOO
+#if ACCEL_HAS_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #if ACCEL_WITH_NCCL
@@ -3384,7 +3392,7 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
-#ifdef USE_C10D_GLOO
+#if ACCEL_HAS_GLOO
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     if (auto ifnames = getenv_str("GLOO_SOCKET_IFNAME")) {
       std::stringstream list(*ifnames);

@@ -82,7 +82,7 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
-#ifdef USE_C10D_GLOO
+#if ACCEL_HAS_GLOO
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     if (auto ifnames = getenv_str("GLOO_SOCKET_IFNAME")) {
       std::stringstream list(*ifnames);

@@ -8,8 +8,16 @@
 // Gloo headers (Debian: libgloo-dev; PyPI's wheels ship none). Gloo's types
 // are reached only through pointers here, so the headers of a Gloo version
 // other than the one inside LibTorch will do (the pip leg uses Debian's).
-#if !defined(USE_C10D_GLOO) && __has_include(<gloo/algorithm.h>)
+// Whether the gloo backend is compiled follows the headers (ACCEL_HAS_GLOO),
+// not that macro: some LibTorch packages (torch 2.11's CMake config) define
+// it for every consumer, though their wheels ship no Gloo headers.
+#if __has_include(<gloo/algorithm.h>)
+#define ACCEL_HAS_GLOO 1
+#ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO 1
+#endif
+#else
+#define ACCEL_HAS_GLOO 0
 #endif
 
 // ProcessGroupNCCL.hpp declares nothing unless USE_C10D_NCCL is defined. Its
@@ -42,7 +50,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <ATen/core/ivalue.h>
 #include <c10/macros/Export.h>
-#ifdef USE_C10D_GLOO
+#if ACCEL_HAS_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #if ACCEL_WITH_NCCL
