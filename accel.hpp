@@ -3348,6 +3348,11 @@ GroupPtr new_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int s
     group = c10::make_intrusive<Group>(
         store, rank, size, c10::make_intrusive<typename Group::Options>(backend->getBackendName(), timeout));
   group->setBackend(device, type, backend);
+  // Gloo reduces CUDA tensors too (through the host), as Python's gloo
+  // groups do ("cpu:gloo,cuda:gloo"): without this, a CUDA tensor on a gloo
+  // group fails with "No backend type associated with device type cuda".
+  if (type == c10d::ProcessGroup::BackendType::GLOO && device != c10::DeviceType::CUDA)
+    group->setBackend(c10::DeviceType::CUDA, type, backend);
   group->setDefaultBackend(type);
   return group;
 #else

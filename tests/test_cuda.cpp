@@ -45,7 +45,8 @@ TEST_SUITE("cuda") {
     const int count = accel::detail::guard_device_count(c10::DeviceType::CUDA);
     const std::string past = std::to_string(count);
     {
-      EnvGuard env{{"LOCAL_RANK", past.c_str()}, {"LOCAL_WORLD_SIZE", std::to_string(count + 1).c_str()}};
+      const std::string size = std::to_string(count + 1);  // (a local world no larger than the world)
+      EnvGuard env{{"LOCAL_RANK", past.c_str()}, {"LOCAL_WORLD_SIZE", size.c_str()}, {"WORLD_SIZE", size.c_str()}};
       const std::string expected = "LOCAL_RANK=" + past + " but only " + past;
       CHECK_THROWS_WITH_AS(accel::detail::bind_device(c10::DeviceType::CUDA), doctest::Contains(expected.c_str()),
                            accel::RuntimeError);
@@ -92,7 +93,9 @@ TEST_SUITE("cuda") {
     CHECK(accel::all_gather(std::vector<int>{1, 2}) == std::vector<std::vector<int>>{{1, 2}});
     accel::set_debug_mode(false);
     accel::synchronize();
+    std::fprintf(stderr, "gpu: synchronized; destroying the NCCL world\n");
     d.destroy();
+    std::fprintf(stderr, "gpu: the NCCL world is destroyed\n");
 #else
     std::printf("SKIPPED (no NCCL in this build): a CPU LibTorch, or no <nccl.h>\n");
 #endif

@@ -62,14 +62,27 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$pr
   -DACCEL_CLANG_NESTED=OFF -DACCEL_TRAINING_TESTS_UNITY=OFF "${extra[@]}" >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; fail "configure"; exit 1; }
 grep -iE "warning|nccl|gloo" "$out/configure.log" | head -20
-cmake --build "$build" -j"$jobs" --target accel_tests accel_launch train_mlp accel_bench accel_bench_ddp \
+targets=(accel_tests accel_launch train_mlp)
+wanted 3 && targets+=(accel_bench accel_bench_ddp)
+cmake --build "$build" -j"$jobs" --target "${targets[@]}" \
   >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -80; fail "build"; exit 1; }
 echo "built in $SECONDS s"
 
 if wanted 1; then
 phase "1. the CUDA cases"
-(cd "$build" && ctest -R '^cuda_' --output-on-failure -V --timeout 300 >"$out/cuda.log" 2>&1) || fail "cuda cases"
-grep -E "MESSAGE|difference|SKIPPED|test cases|assertions|Passed|Failed|\*\*\*" "$out/cuda.log" | head -60
+# Each group of cases in a process of its own (CTest's cuda_gpu runs them in
+# one), so that a crash in one hides none of the others.
+tests=$build/tests/accel_tests
+unlaunched=(env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u ACCEL_STORE_DIR)
+for cases in "cuda: *" "gpu: an NCCL world*" "gpu: the Accelerator*" "gpu: fp16*"; do
+  echo "-- $cases" >>"$out/cuda.log"
+  "${unlaunched[@]}" timeout 120 "$tests" -ts=cuda "-tc=$cases" --no-intro=true >>"$out/cuda.log" 2>&1 ||
+    fail "the cases $cases"
+done
+echo "-- 2 processes on the GPU" >>"$out/cuda.log"
+timeout 200 "$build/tests/accel_launch" --timeout 180 2 "$tests" -ts=cuda_ranks --no-intro=true >>"$out/cuda.log" 2>&1 ||
+  fail "the cases with 2 processes on the GPU"
+grep -E "^-- |difference|SKIPPED|ERROR|CRASHED|test cases|gpu: " "$out/cuda.log" | head -60
 
 fi
 
@@ -106,9 +119,12 @@ fi
 
 if wanted 4; then
 left=$((deadline - SECONDS))
-phase "4. the functional suites on the CPU, with this CUDA LibTorch (the $left s left)"
-(cd "$build" && ACCEL_DEVICE=cpu timeout "$((left > 0 ? left : 1))" bash -c "cmake --build . -j$jobs \
-   >'$out/build_all.log' 2>&1 && ctest -L quick -E '^cuda_' -j$jobs --timeout 200 >'$out/cpu_suites.log' 2>&1") ||
+selected=${ACCEL_GPU_CPU_TESTS:-}  # a CTest regex: those entries only (their targets built already)
+phase "4. the functional suites on the CPU, with this CUDA LibTorch (the $left s left)${selected:+: $selected}"
+build_all="cmake --build . -j$jobs >'$out/build_all.log' 2>&1"
+[[ -n $selected ]] && build_all=true
+(cd "$build" && ACCEL_DEVICE=cpu timeout "$((left > 0 ? left : 1))" bash -c "$build_all && ctest -L quick \
+   -E '^cuda_' ${selected:+-R '$selected'} -j$jobs --timeout 200 --output-on-failure >'$out/cpu_suites.log' 2>&1") ||
   fail "the CPU suites (or their build, or the time allowed)"
 tail -25 "$out/cpu_suites.log"
 fi
