@@ -24,6 +24,15 @@
 # /usr/lib/x86_64-linux-gnu/libtorch.so". We point those cache entries at the
 # LibTorch whose TorchConfig.cmake will be read.
 #
+# Some pip wheels (torch 2.5 to 2.11 at least: pytorch#133437) export the
+# std::filesystem functions of a libstdc++ linked into libtorch.so and
+# libtorch_cpu.so, and a program that lists those libraries before
+# libstdc++ (as g++ and CMake do) calls their copies, some of which crash:
+# std::filesystem::remove_all, which checkpoints use, jumps to address 0
+# (seen with torch 2.11.0; a four-line program reproduces it). Linking
+# libstdc++ first makes the program's calls take libstdc++'s own:
+# ACCEL_TORCH_STDCXX_FIRST says to (a packaged LibTorch, not with libc++).
+#
 # Sets, for the caller: ACCEL_TORCH_ROOT (the LibTorch directory, or empty),
 # and for a pip wheel ACCEL_TORCH_NCCL_INCLUDE_DIR (its nccl.h directory) and
 # ACCEL_TORCH_CUDA_INCLUDE_DIR (its CUDA runtime headers), else empty;
@@ -33,6 +42,7 @@ macro(accel_prepare_torch)
   set(ACCEL_TORCH_WITHOUT_NCCL_PATH FALSE)
   set(ACCEL_TORCH_NCCL_INCLUDE_DIR "")
   set(ACCEL_TORCH_CUDA_INCLUDE_DIR "")
+  set(ACCEL_TORCH_STDCXX_FIRST FALSE)
   if(NOT TARGET torch)
     _accel_torch_config_dir(_accel_torch_dir)
     if(_accel_torch_dir)
@@ -44,6 +54,9 @@ macro(accel_prepare_torch)
         set(c10_LIBRARY "${ACCEL_TORCH_ROOT}/lib/libc10.so" CACHE FILEPATH "LibTorch's libc10.so" FORCE)
       endif()
       _accel_wheel_cuda("${ACCEL_TORCH_ROOT}")
+      if(NOT CMAKE_CXX_FLAGS MATCHES "-stdlib=libc\\+\\+")
+        set(ACCEL_TORCH_STDCXX_FIRST TRUE)
+      endif()
     endif()
   endif()
 endmacro()

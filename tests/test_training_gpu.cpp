@@ -138,11 +138,12 @@ TEST_SUITE("cuda") {
       torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       accel::AcceleratedOptimizer optimizer = accelerator.prepare(sgd);
+      // One batch, 20 steps: the loss must fall (random batches each step would not).
       auto generator = at::detail::createCPUGenerator(17);
+      const at::Tensor x = at::randn({16, 8}, generator), y = at::randn({16, 1}, generator);
       int skipped = 0;
       double first_loss = 0, last_loss = 0;
       for (int step = 0; step < 20; ++step) {
-        const at::Tensor x = at::randn({16, 8}, generator), y = at::randn({16, 1}, generator);
         at::Tensor out;
         {
           auto autocast = accelerator.autocast();
