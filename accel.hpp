@@ -8362,7 +8362,8 @@ class GradScaler {
           "accel::GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= "
           "1 (torch.amp.GradScaler's rules)");
 #if !ACCEL_TORCH_AT_LEAST(2, 4)
-    // The CPU kernels of the two _amp_ functions arrived in LibTorch 2.3.
+    // LibTorch 1.13 has the two _amp_ kernels for CUDA only (2.6 and 2.15
+    // have CPU ones too; 2.4 is the oldest this is allowed on, unchecked).
     if (kwargs.enabled && device.is_cpu())
       throw InvalidArgument("accel::GradScaler: on the CPU it needs LibTorch 2.4 or newer; this is " +
                             std::string(TORCH_VERSION));
