@@ -10634,8 +10634,10 @@ class AcceleratorPreparing : public AcceleratorSetup {
   }
   // Forgets everything prepared (free_memory, once the models are plain modules again).
   void let_go_of_prepared() {
-    prepared_.sharded->clear();                // the optimizers' handles stop gathering
-    prepared_ = {.scaler = prepared_.scaler};  // (the scaler is the Accelerator's, as Accelerate's)
+    prepared_.sharded->clear();                 // the optimizers' handles stop gathering
+    auto scaler = std::move(prepared_.scaler);  // (the scaler is the Accelerator's, as Accelerate's)
+    prepared_ = {};
+    prepared_.scaler = std::move(scaler);
   }
 
   detail::PreparedSet prepared_;
