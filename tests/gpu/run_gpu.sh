@@ -2,7 +2,8 @@
 # accel.hpp on a GPU: builds the tests, the example and the benchmarks
 # against the LibTorch inside python3's torch (a CUDA build) and runs, in
 # this order (most telling first, so a run cut short still says the most):
-#   1. the CUDA cases (CTest cuda_*): the backend choice and device binding;
+#   1. the CUDA cases (CTest's cuda_* cases, each group in a process of its
+#      own): the backend choice and device binding;
 #      an NCCL world of one with every collective on CUDA tensors and on CPU
 #      data staged through the device; the Accelerator on CUDA against the
 #      same training on the CPU in fp32, bf16 autocast and fp16 with loss
@@ -20,6 +21,8 @@
 #
 #     bash tests/gpu/run_gpu.sh OUT_DIR [SECONDS (600)]
 #     ACCEL_GPU_PHASES="1 3" bash tests/gpu/run_gpu.sh OUT_DIR   # some of them (the build always)
+#     ACCEL_GPU_CPU_TESTS='^(single|ranks_2)$' ...   # step 4: those entries only, with their output
+#     ACCEL_GPU_BUILD=DIR ...                         # the build directory (default build/gpu)
 # SECONDS: the suites of step 4 (and the rest of the build they need) stop
 # when the script has run that long, and count as failed if cut short.
 set -uo pipefail
