@@ -29,7 +29,7 @@
 # libtorch_cpu.so, and a program that lists those libraries before
 # libstdc++ (as g++ and CMake do) calls their copies, some of which crash:
 # std::filesystem::remove_all, which checkpoints use, jumps to address 0
-# (seen with torch 2.11.0; a four-line program reproduces it). Linking
+# (seen with torch 2.11.0; a program of a few lines reproduces it). Linking
 # libstdc++ first makes the program's calls take libstdc++'s own:
 # ACCEL_TORCH_STDCXX_FIRST says to (a packaged LibTorch, not with libc++).
 #
