@@ -47,7 +47,9 @@
 //     accel/training/autograd.hpp               autograd-aware collectives (accel::autograd)
 //     accel/training/comm_hooks.hpp             communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/buckets.hpp                which gradients share a bucket (DDP's assignment, with FSDP units)
+//     accel/training/dp_buffers.hpp             the sharding engine's working buffers, taken again step after step instead of allocated anew
 //     accel/training/dp_state.hpp               DataParallel's state: its buckets, units and flags, shared with its autograd hooks
+//     accel/training/dp_scatter.hpp             ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
 //     accel/training/dp_reducer.hpp             DataParallel's reducer: a bucket issued as soon as its gradients are ready
 //     accel/training/dp_units.hpp               ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
 //     accel/training/dp_shards.hpp              ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
@@ -2793,6 +2795,29 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
       return out;
     });
   }
+}
+
+// reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
+// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
+// lands in `received` (data's size), and the fold of its S rows goes into
+// `out` (data's size / S). A SUM of float or double folds in place, in
+// the kernel fold_rows uses, so the result is the same; anything else
+// folds as fold_rows does and is copied in.
+inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
+                                      const at::Tensor& out, ReduceOp op) {
+  const int size = group.getSize();
+  const auto splits = equal_splits(data.size(0), size);
+  return then(start_all_to_all_rows(group, data, splits, splits, "reduce_scatter", received),
+              [out = out, op, size](const at::Tensor& landed) mutable {
+                at::NoGradGuard no_grad;
+                const at::Tensor rows = landed.view({size, -1});
+                const c10::ScalarType dtype = rows.scalar_type();
+                const int64_t first = 0;  // (the dim folded)
+                if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
+                  at::sum_out(out, rows, at::IntArrayRef(first));
+                else out.copy_(fold_rows(rows, op));
+                return out;
+              });
 }
 
 template <TensorLike T>
@@ -6074,14 +6099,84 @@ inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<Buck
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp_buffers.hpp ============================================
+// accel/training/dp_buffers.hpp: the sharding engine's working buffers, taken again step after step instead of allocated anew.
+//
+// Every step of sharded training moves the same buffers: a bucket's
+// gradients laid out for the reduce-scatter, what the all-to-all under it
+// receives, the folded result, the rows an all-gather lands in, a unit's
+// parameters while it runs. On the CPU a fresh buffer of that size is fresh
+// pages from the kernel each time (page faults, zeroing) and CUDA's caching
+// allocator has no CPU counterpart, so the engine keeps its own: a buffer
+// is given back to the pool once the collective that used it has landed,
+// and the next request of about the same size and kind takes it again. The pool holds what the busiest
+// moment of a step needed (the engine bounds that: at most two buckets or
+// units in flight, see dp_scatter.hpp and dp_units.hpp); clear() gives it
+// back, as torch.cuda.empty_cache() does for the caching allocator.
+
+#include <deque>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+class BufferPool {
+ public:
+  // A flat tensor of `numel` elements of `options`' dtype and device, its
+  // contents left as they were, lent until give() takes it back: the front
+  // of the smallest free buffer that holds it and is at most twice its size,
+  // else of a new one (so buffers of close sizes, such as a bucket's
+  // reduce-scatter input and its all-gather rows, are shared, and a small
+  // request never takes a large one).
+  at::Tensor take(int64_t numel, const at::TensorOptions& options) {
+    Slot* best = nullptr;
+    for (Slot& slot : slots_)
+      if (!slot.lent && slot.buffer.numel() >= numel && slot.buffer.numel() <= 2 * numel &&
+          slot.buffer.scalar_type() == options.dtype() && slot.buffer.device() == options.device() &&
+          (!best || slot.buffer.numel() < best->buffer.numel()))
+        best = &slot;
+    if (!best) best = &slots_.emplace_back(Slot{at::empty({numel}, options.requires_grad(false)), false});
+    best->lent = true;
+    return best->buffer.narrow(0, 0, numel);
+  }
+  // Takes back what take() lent (any view of it), once the operation that
+  // used it has completed. Told, not inferred from reference counts: c10d
+  // may drop its references to a completed operation's tensors later, on
+  // its own thread. Undefined tensors are ignored.
+  void give(const at::Tensor& taken) {
+    if (!taken.defined()) return;
+    for (Slot& slot : slots_)
+      if (slot.buffer.storage().is_alias_of(taken.storage())) slot.lent = false;
+  }
+  // Frees every buffer not lent now.
+  void clear() {
+    std::erase_if(slots_, [](const Slot& slot) { return !slot.lent; });
+  }
+  // Bytes the pool holds, lent or not.
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const Slot& slot : slots_) n += slot.buffer.numel() * static_cast<int64_t>(slot.buffer.element_size());
+    return n;
+  }
+
+ private:
+  struct Slot {
+    at::Tensor buffer;
+    bool lent;
+  };
+  std::deque<Slot> slots_;  // (a deque: take() hands out a slot while others are added)
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/dp_state.hpp ==============================================
 // accel/training/dp_state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
 //
 // A DataParallel keeps everything in one State behind a shared_ptr: the
 // autograd hooks it registers outlive it inside the graph, and see
 // `alive` turn false when it goes. The reducer (dp_reducer.hpp), the
-// ZeRO-3 units (dp_units.hpp) and DataParallel itself work on it, always
-// under its mutex.
+// ZeRO-3 units (dp_units.hpp), the sharded reduce-scatter (dp_scatter.hpp)
+// and DataParallel itself work on it, always under its mutex.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -6097,7 +6192,8 @@ struct Bucket {
   detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
   std::size_t ready = 0;
   at::Tensor flat{};
-  at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
+  at::Tensor views{};                 // gradient_as_bucket_view: the persistent bucket the gradients are views of
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
@@ -6111,6 +6207,7 @@ struct Bucket {
   // them (kept between steps: 1/S of the gradients, as FSDP's sharded
   // gradients).
   at::Tensor owned{}, owned_grads{};
+  at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
   std::vector<at::Tensor> shards{};
   std::vector<uint8_t> in_optimizer{};
   std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
@@ -6118,6 +6215,7 @@ struct Bucket {
   // they hold their values now, and a prefetch in flight.
   int64_t unit = -1;
   bool resident = true;
+  at::Tensor full{};                   // while resident: the pooled buffer the parameters' storage points into
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -6147,6 +6245,7 @@ struct State {
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
   std::vector<torch::optim::Optimizer*> optimizers;
+  BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and
@@ -6194,6 +6293,120 @@ inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tens
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp_scatter.hpp ============================================
+// accel/training/dp_scatter.hpp: ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients.
+//
+// Under sharding a bucket's gradients are laid out rank after rank (each
+// rank's chunk of every gradient, then one used-flag per parameter) and
+// reduce-scattered over the shard group, so that each rank receives the
+// sum of its own chunks; along a replicate group (HSDP) that is all-reduced
+// too. issue_scatter starts it as soon as the bucket is complete;
+// land_scatter waits for it and adds the averaged chunks into the shards'
+// gradients. The buffers come from the state's pool (dp_buffers.hpp) and
+// at most kScattersInFlight buckets are in flight: issuing one more lands
+// the oldest first, so the pool holds two buckets' buffers, never the whole
+// model's (FSDP2 likewise keeps one reduce-scatter outstanding).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+inline constexpr std::size_t kScattersInFlight = 2;
+
+// A bucket's pooled buffers given back (after its reduce-scatter landed, or
+// was waited for and dropped).
+inline void give_back(State& s, Bucket& bucket) {
+  for (at::Tensor* lent : {&bucket.laid_out, &bucket.received, &bucket.flat}) {
+    s.pool.give(*lent);
+    *lent = at::Tensor();
+  }
+}
+
+// Waits for bucket b's reduce-scatter (and its all-reduce along the
+// replicate group), then adds each used parameter's averaged chunk into its
+// shard's gradient: a gradient that is none (the first use, or zero_grad()
+// set it to none) becomes its piece of owned_grads, kept across steps. The
+// parameters' own gradients were released when the bucket was issued.
+inline void land_scatter(State& s, std::size_t b) {
+  Bucket& bucket = s.buckets[b];
+  at::Tensor reduced;
+  try {
+    reduced = bucket.work.wait();  // (bucket.flat: the pooled buffer it landed in)
+    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
+                           detail::error_text(e));
+  }
+  const auto n = static_cast<int64_t>(bucket.params.size());
+  const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
+  if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
+  else bucket.used_anywhere.copy_(flags.gt(0));
+  const bool* used = bucket.used_anywhere.data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (used[i]) {
+      at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+      const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+      if (!shard.grad().defined()) {
+        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
+        shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+        shard.mutable_grad().copy_(averaged);
+      } else {
+        shard.mutable_grad().add_(averaged);  // accumulates, as a parameter's gradient does
+      }
+    }
+    bucket.used[static_cast<std::size_t>(i)] = 0;
+  }
+  give_back(s, bucket);
+}
+
+// Lays bucket b's gradients out rank after rank (pre-divided by the number
+// of replicas, as DDP does) and starts its reduce-scatter without waiting,
+// first landing the oldest bucket in flight when kScattersInFlight are.
+inline void issue_scatter(State& s, std::size_t b) {
+  std::size_t in_flight = 0;
+  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
+  for (std::size_t e = 0; e < b && in_flight >= kScattersInFlight; ++e)
+    if (s.buckets[e].work.valid()) {
+      land_scatter(s, e);
+      --in_flight;
+    }
+  Bucket& bucket = s.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize();
+  const c10::TensorOptions options = bucket.params.front().options();
+  bucket.laid_out = s.pool.take(S * bucket.segment, options).zero_();
+  const at::Tensor& laid_out = bucket.laid_out;
+  const at::Tensor rows = laid_out.view({S, bucket.segment});
+  for (std::size_t i = 0; i < n; ++i)
+    if (bucket.params[i].grad().defined()) {
+      read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+      bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    }
+  rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
+      .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
+                 .expand({S, static_cast<int64_t>(n)}));
+  if (s.replicas != 1) laid_out.div_(s.replicas);
+  try {
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
+    bucket.received = s.pool.take(S * bucket.segment, options);
+    bucket.flat = s.pool.take(bucket.segment, options);  // (the folded chunks land here)
+    bucket.work =
+        Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                           detail::error_text(e));
+  }
+}
+
+// The end of a sharded backward: every bucket still in flight landed, in order.
+inline void finish_sharded(State& s) {
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    if (s.buckets[b].work.valid()) land_scatter(s, b);
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/dp_reducer.hpp ============================================
 // accel/training/dp_reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
 //
@@ -6201,37 +6414,21 @@ ACCEL_NAMESPACE_END
 // ready; when a bucket is complete (and every bucket before it issued, so
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through the communication hook) or, sharded, its
-// reduce-scatter, without waiting. finish_unsharded waits for the
+// reduce-scatter (dp_scatter.hpp), without waiting. finish_unsharded waits for the
 // all-reduces and writes the averaged gradients back.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
 // Flattens a bucket's gradients and used-flags (pre-divided by the group
-// size, as DDP does) and issues its all-reduce without waiting.
+// size, as DDP does) and issues its all-reduce without waiting (sharded:
+// its reduce-scatter).
 inline void issue_bucket(State& state, std::size_t b) {
   Bucket& bucket = state.buckets[b];
   at::NoGradGuard no_grad;
   const std::size_t n = bucket.params.size();
-  if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
-    const int64_t S = state.shard->getSize();
-    bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
-    const at::Tensor rows = bucket.flat.view({S, bucket.segment});
-    for (std::size_t i = 0; i < n; ++i)
-      if (bucket.params[i].grad().defined()) {
-        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-        if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
-      }
-    rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
-                   .expand({S, static_cast<int64_t>(n)}));
-    bucket.flat.div_(state.replicas);
-    try {
-      bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                             detail::error_text(e));
-    }
+  if (state.shard) {  // reduce-scattered instead (dp_scatter.hpp)
+    issue_scatter(state, b);
     if (state.on_issued) state.on_issued(b);
     return;
   }
@@ -6447,18 +6644,37 @@ inline void allow_access(Storage& storage) {
   if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
 }
 
+// The all-gather of a bucket's shards (`owned`, as it is) into rows from
+// the pool: (S, segment without the flags), row r rank r's shards.
+inline Work<at::Tensor> gather_rows(State& s, const Bucket& bucket) {
+  const int64_t S = s.shard->getSize(), width = bucket.owned.numel();
+  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);
+  if (!g) {
+    rows.select(0, 0).copy_(bucket.owned);
+    return Work<at::Tensor>(detail::ready(g, "all_gather", std::move(rows)));
+  }
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), [rows] { return rows; }));
+}
+
 // A unit's parameters: fetch() issues the all-gather of its shards
 // (asynchronously, unless it holds them or one is in flight);
-// materialize() gives the parameters storage again and writes the gathered
-// values in (through variable_data(): version counters stay, so autograd
-// accepts the values it saved in forward); release() frees their storage.
+// materialize() points the parameters' storage into one pooled buffer per
+// bucket and writes the gathered values in (through variable_data():
+// version counters stay, so autograd accepts the values it saved in
+// forward); release() takes the storage away again (the buffer goes back
+// to the pool). Each parameter starts 64 bytes aligned in the buffer.
+inline int64_t aligned(int64_t elements, int64_t element_size) {
+  const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
+  return (elements + per_line - 1) / per_line * per_line;
+}
 inline void fetch(State& s, std::size_t u) {
   at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident || bucket.gathering.valid()) continue;
     try {
-      bucket.gathering = all_gather_async(bucket.owned, s.shard);
+      bucket.gathering = gather_rows(s, bucket);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
@@ -6479,16 +6695,23 @@ inline void materialize(State& s, std::size_t u) {
                              detail::error_text(e));
     }
     bucket.gathering = {};
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+    const int64_t element_size = static_cast<int64_t>(bucket.owned.element_size());
+    int64_t total = 0;
+    for (const auto& p : bucket.params) total += aligned(p.numel(), element_size);
+    bucket.full = s.pool.take(total, bucket.owned.options());
+    auto* base = static_cast<char*>(bucket.full.data_ptr());
+    for (std::size_t i = 0, at = 0; i < bucket.params.size(); ++i) {
       c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-      const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
-      c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      const int64_t numel = bucket.params[i].numel();
       allow_access(*storage);
-      storage->set_data_ptr_noswap(allocator->allocate(bytes));
-      storage->set_nbytes(bytes);
+      // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
+      storage->set_data_ptr_noswap(c10::DataPtr(base + at * element_size, bucket.device));
+      storage->set_nbytes(static_cast<std::size_t>(numel * element_size));
+      at += static_cast<std::size_t>(aligned(numel, element_size));
       at::Tensor values = bucket.params[i].variable_data();
       write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
     }
+    s.pool.give(rows);
     bucket.resident = true;
   }
 }
@@ -6503,7 +6726,24 @@ inline void release(State& s, std::size_t u) {
       if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
       else storage->set_nbytes(0);
     }
+    s.pool.give(bucket.full);
+    bucket.full = at::Tensor();
     bucket.resident = false;
+  }
+}
+// A resident unit's parameters given memory of their own (copied out of
+// the pool's buffer), for a module that outlives the engine.
+inline void own_storage(State& s, std::size_t u) {
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (!bucket.full.defined()) continue;
+    for (auto& p : bucket.params) {
+      const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
+      c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
+      p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
+    }
+    s.pool.give(bucket.full);
+    bucket.full = at::Tensor();
   }
 }
 // The end of a backward: prefetches that found no use are waited for (a
@@ -6514,7 +6754,7 @@ inline void end_unit_pass(State& s) {
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
       try {
-        bucket.gathering.wait();
+        s.pool.give(bucket.gathering.wait());
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                                detail::error_text(e));
@@ -6693,7 +6933,10 @@ inline void check_shards(State& s) {
   std::lock_guard lock(s.mutex);
   at::NoGradGuard no_grad;
   const int64_t r = s.shard->getRank();
-  std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
+  // Per shard that may differ: [differs from its chunk, differs from its sum at the gather]. On the CPU
+  // at::equal compares without allocating or a device sync, so only a shard that differs is looked at.
+  std::vector<std::pair<Bucket*, std::size_t>> looked;
+  std::vector<at::Tensor> differs;
   for (auto& bucket : s.buckets)
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       if (!bucket.in_optimizer[i])
@@ -6705,23 +6948,27 @@ inline void check_shards(State& s) {
       const at::Tensor flat = bucket.params[i].reshape({-1});
       const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
                     length = std::min(bucket.chunks[i], flat.numel() - begin);
-      differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
+      const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
+      if (flat.is_cpu() && at::equal(shard, chunk)) continue;
+      looked.emplace_back(&bucket, i);
+      differs.push_back(shard.ne(chunk).any());
       differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
     }
   if (differs.empty()) return;
   const at::Tensor found = at::stack(differs).to(c10::kCPU);
   const bool* flag = found.data_ptr<bool>();
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
-      if (!flag[0]) continue;
-      if (flag[1])
-        throw InvalidArgument(
-            "accel::Accelerator::backward: under sharding, step the optimizer through the "
-            "handle accelerator.prepare() returned (its step() gathers the updated shards "
-            "into the parameters); the parameters this forward used are stale");
-      read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
+  for (const auto& [bucket, i] : looked) {
+    const bool changed = flag[0], stepped = flag[1];
+    flag += 2;
+    if (!changed) continue;
+    if (stepped)
+      throw InvalidArgument(
+          "accel::Accelerator::backward: under sharding, step the optimizer through the "
+          "handle accelerator.prepare() returned (its step() gathers the updated shards "
+          "into the parameters); the parameters this forward used are stale");
+    read_chunk(bucket->params[i], r, bucket->chunks[i], bucket->shards[i]);
+    bucket->sums[i] = bucket->shards[i].sum();
+  }
 }
 
 // After the optimizer stepped the shards: every parameter all-gathered
@@ -6732,20 +6979,26 @@ inline void gather_shards(State& s) {
   std::lock_guard lock(s.mutex);
   end_unit_pass(s);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
-  std::vector<Work<at::Tensor>> works;
-  try {
-    for (const auto& bucket : s.buckets)
-      if (bucket.unit < 0) works.push_back(all_gather_async(bucket.owned, s.shard));
-    for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;             // FULL_SHARD: gathered when the unit runs
-      const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
-        bucket.params[i].mutable_grad().reset();
-        bucket.sums[i] = bucket.shards[i].sum();
-      }
+  // At most kScattersInFlight all-gathers at once (their rows come from the pool).
+  std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
+  auto land = [&] {
+    Bucket& bucket = s.buckets[works.front().first];
+    const at::Tensor rows = works.front().second.wait();  // (S, segment without the flags)
+    works.pop_front();
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+      bucket.params[i].mutable_grad().reset();
+      at::sum_out(bucket.sums[i], bucket.shards[i]);
     }
+    s.pool.give(rows);
+  };
+  try {
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      if (s.buckets[b].unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (works.size() >= kScattersInFlight) land();
+      works.emplace_back(b, gather_rows(s, s.buckets[b]));
+    }
+    while (!works.empty()) land();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
                            detail::error_text(e));
@@ -6803,7 +7056,10 @@ inline void release_module(State& s) {
   std::lock_guard lock(s.mutex);
   if (s.shard) {
     end_unit_pass(s);
-    for (std::size_t u = 0; u < s.units.size(); ++u) materialize(s, u);
+    for (std::size_t u = 0; u < s.units.size(); ++u) {
+      materialize(s, u);
+      own_storage(s, u);  // the module outlives the pool
+    }
     ++s.held;  // (release() frees nothing while held)
     // Each shard's parameter, to put back in its place.
     std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
@@ -6850,48 +7106,10 @@ inline void make_shards(State& s) {
       s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
     }
     bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+    bucket.used_anywhere = at::empty({static_cast<int64_t>(bucket.params.size())}, at::TensorOptions(c10::kBool));
   }
 }
 
-// Sharded finish: each bucket's reduce-scatter waited for (and its
-// all-reduce along the replicate group), then each used parameter's
-// averaged chunk written to its shard's gradient, replacing it (the
-// parameter's own gradient holds everything accumulated since the step).
-inline void finish_sharded(State& s) {
-  try {
-    for (auto& bucket : s.buckets) bucket.flat = bucket.work.wait();
-    if (s.replicate) {
-      std::vector<Work<at::Tensor>> works;
-      for (auto& bucket : s.buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, s.replicate));
-      for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
-    }
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
-                           detail::error_text(e));
-  }
-  for (auto& bucket : s.buckets) {
-    const auto n = static_cast<int64_t>(bucket.params.size());
-    const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
-    const bool* used = used_anywhere.data_ptr<bool>();
-    for (int64_t i = 0; i < n; ++i) {
-      if (used[i]) {
-        at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
-        const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-        if (!shard.grad().defined()) {  // first use, or set to none by zero_grad(): its piece of owned_grads
-          if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
-          shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
-          shard.mutable_grad().copy_(averaged);
-        } else if (bucket.unit >= 0) {
-          shard.mutable_grad().add_(averaged);  // the parameter's was released
-        } else {
-          shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
-        }
-      }
-      bucket.used[static_cast<std::size_t>(i)] = 0;
-    }
-    bucket.flat = at::Tensor();
-  }
-}
 }  // namespace detail::dp
 
 ACCEL_NAMESPACE_END
@@ -7026,6 +7244,9 @@ class DataParallel {
     }
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
+    // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
+    // dies with the state: its parameters get memory of their own, as the model outlives us.
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::own_storage(*state_, u);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every
@@ -7051,6 +7272,7 @@ class DataParallel {
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
+      detail::dp::give_back(*state_, bucket);
     }
   }
 
@@ -7171,6 +7393,19 @@ class DataParallel {
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
+
+  // Sharded: the working buffers the engine keeps from step to step
+  // (dp_buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
+  // the caching allocator keeps; release_buffers() frees those not in use
+  // now (as torch.cuda.empty_cache()), and the next step allocates afresh.
+  int64_t buffer_bytes() const {
+    std::lock_guard lock(state_->mutex);
+    return state_->pool.bytes();
+  }
+  void release_buffers() {
+    std::lock_guard lock(state_->mutex);
+    state_->pool.clear();
+  }
   // Whether `module` is a unit of a live fully sharded DataParallel.
   static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
 

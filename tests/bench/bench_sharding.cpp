@@ -10,7 +10,9 @@
 // them: parameters and shards, the gradients of both, optimizer state;
 // between two steps, i.e. after optimizer.step() and before the next
 // zero_grad); between_steps_mb, peak_mb (every live CPU byte: between two
-// steps, and the highest during the timed steps); step_ms (per step, the
+// steps, and the highest during the timed steps); buffers_mb (of
+// between_steps_mb, the sharding engine's working buffers kept for the next
+// step, as CUDA's caching allocator keeps blocks); step_ms (per step, the
 // median of the trials). Run under tests/launch.cpp
 // (run_sharding_bench.sh does).
 //
@@ -41,8 +43,8 @@ int main(int argc, char** argv) {
 
   accel::AcceleratorConfig config;
   config.sharding_strategy = strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP
-                              : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
-                                                          : accel::ShardingStrategy::NO_SHARD;
+                             : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
+                                                         : accel::ShardingStrategy::NO_SHARD;
   accel::Accelerator accelerator(config);
   torch::manual_seed(0);
   torch::nn::Sequential model;
@@ -81,6 +83,8 @@ int main(int argc, char** argv) {
     state_bytes += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq()) + bytes_of(s.max_exp_avg_sq());
   }
   const int64_t between_steps = counting.live();
+  // Of those, the sharding engine's working buffers, kept for the next step (DataParallel::buffer_bytes).
+  const int64_t buffers = accelerator.data_parallel(model) ? accelerator.data_parallel(model)->buffer_bytes() : 0;
 
   std::vector<double> times;
   counting.reset_peak();
@@ -89,7 +93,8 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < steps; ++i) step();
     accelerator.wait_for_everyone();
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps);
+    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+                    steps);
   }
   std::sort(times.begin(), times.end());
   const int64_t peak = counting.peak();
@@ -105,6 +110,7 @@ int main(int argc, char** argv) {
   report("grads_mb", static_cast<double>(grad_bytes) / mb, "MiB");
   report("optimizer_mb", static_cast<double>(state_bytes) / mb, "MiB");
   report("between_steps_mb", static_cast<double>(between_steps) / mb, "MiB");
+  report("buffers_mb", static_cast<double>(buffers) / mb, "MiB");
   report("peak_mb", static_cast<double>(peak) / mb, "MiB");
   report("step_ms", times[times.size() / 2], "ms");
   std::fflush(stdout);

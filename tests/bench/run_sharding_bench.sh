@@ -34,12 +34,12 @@ variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_
 lines = [f"Sharded data parallel, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
          "between two steps (after step, before the next zero_grad); medians over rounds.", "",
-         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | peak CPU bytes in a step | ms/step |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | ms/step |",
+         "|---|---|---|---|---|---|---|---|---|"]
 for world in sorted({w for _, w, _ in rows}):
     for key, name in variants:
         lines.append(f"| {world} | {name} | {cell('params_mb', world, key)} | {cell('grads_mb', world, key)} | "
-                     f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | "
+                     f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | {cell('buffers_mb', world, key)} | "
                      f"{cell('peak_mb', world, key)} | {cell('step_ms', world, key, '{:.0f}')} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -160,6 +160,29 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
   }
 }
 
+// reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
+// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
+// lands in `received` (data's size), and the fold of its S rows goes into
+// `out` (data's size / S). A SUM of float or double folds in place, in
+// the kernel fold_rows uses, so the result is the same; anything else
+// folds as fold_rows does and is copied in.
+inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
+                                      const at::Tensor& out, ReduceOp op) {
+  const int size = group.getSize();
+  const auto splits = equal_splits(data.size(0), size);
+  return then(start_all_to_all_rows(group, data, splits, splits, "reduce_scatter", received),
+              [out = out, op, size](const at::Tensor& landed) mutable {
+                at::NoGradGuard no_grad;
+                const at::Tensor rows = landed.view({size, -1});
+                const c10::ScalarType dtype = rows.scalar_type();
+                const int64_t first = 0;  // (the dim folded)
+                if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
+                  at::sum_out(out, rows, at::IntArrayRef(first));
+                else out.copy_(fold_rows(rows, op));
+                return out;
+              });
+}
+
 template <TensorLike T>
   requires(!Scalar<T>)
 c10d::ProcessGroup* enter_reduce_scatter(const T& data, ReduceOp op, const GroupPtr& group) {

@@ -134,6 +134,9 @@ class DataParallel {
     }
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
+    // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
+    // dies with the state: its parameters get memory of their own, as the model outlives us.
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::own_storage(*state_, u);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every
@@ -159,6 +162,7 @@ class DataParallel {
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
+      detail::dp::give_back(*state_, bucket);
     }
   }
 
@@ -279,6 +283,19 @@ class DataParallel {
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
+
+  // Sharded: the working buffers the engine keeps from step to step
+  // (dp_buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
+  // the caching allocator keeps; release_buffers() frees those not in use
+  // now (as torch.cuda.empty_cache()), and the next step allocates afresh.
+  int64_t buffer_bytes() const {
+    std::lock_guard lock(state_->mutex);
+    return state_->pool.bytes();
+  }
+  void release_buffers() {
+    std::lock_guard lock(state_->mutex);
+    state_->pool.clear();
+  }
   // Whether `module` is a unit of a live fully sharded DataParallel.
   static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
 

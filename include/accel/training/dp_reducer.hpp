@@ -4,41 +4,25 @@
 // ready; when a bucket is complete (and every bucket before it issued, so
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through the communication hook) or, sharded, its
-// reduce-scatter, without waiting. finish_unsharded waits for the
+// reduce-scatter (dp_scatter.hpp), without waiting. finish_unsharded waits for the
 // all-reduces and writes the averaged gradients back.
 #pragma once
 
 #include "accel/distributed/exchange.hpp"
-#include "accel/training/dp_state.hpp"
+#include "accel/training/dp_scatter.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
 // Flattens a bucket's gradients and used-flags (pre-divided by the group
-// size, as DDP does) and issues its all-reduce without waiting.
+// size, as DDP does) and issues its all-reduce without waiting (sharded:
+// its reduce-scatter).
 inline void issue_bucket(State& state, std::size_t b) {
   Bucket& bucket = state.buckets[b];
   at::NoGradGuard no_grad;
   const std::size_t n = bucket.params.size();
-  if (state.shard) {  // rank after rank: each rank's chunk of every gradient, then the flags
-    const int64_t S = state.shard->getSize();
-    bucket.flat = at::zeros({S * bucket.segment}, bucket.params.front().options());
-    const at::Tensor rows = bucket.flat.view({S, bucket.segment});
-    for (std::size_t i = 0; i < n; ++i)
-      if (bucket.params[i].grad().defined()) {
-        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-        if (bucket.unit >= 0) bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it
-      }
-    rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-        .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
-                   .expand({S, static_cast<int64_t>(n)}));
-    bucket.flat.div_(state.replicas);
-    try {
-      bucket.work = reduce_scatter_async(bucket.flat, ReduceOp::SUM, state.shard);
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                             detail::error_text(e));
-    }
+  if (state.shard) {  // reduce-scattered instead (dp_scatter.hpp)
+    issue_scatter(state, b);
     if (state.on_issued) state.on_issued(b);
     return;
   }

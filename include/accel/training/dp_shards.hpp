@@ -11,6 +11,7 @@
 // parameter. ZeRO-3's units (dp_units.hpp) gather theirs at each use instead.
 #pragma once
 
+#include "accel/training/dp_scatter.hpp"
 #include "accel/training/dp_units.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -67,7 +68,10 @@ inline void check_shards(State& s) {
   std::lock_guard lock(s.mutex);
   at::NoGradGuard no_grad;
   const int64_t r = s.shard->getRank();
-  std::vector<at::Tensor> differs;  // per shard: [differs from its chunk, differs from its sum at the gather]
+  // Per shard that may differ: [differs from its chunk, differs from its sum at the gather]. On the CPU
+  // at::equal compares without allocating or a device sync, so only a shard that differs is looked at.
+  std::vector<std::pair<Bucket*, std::size_t>> looked;
+  std::vector<at::Tensor> differs;
   for (auto& bucket : s.buckets)
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       if (!bucket.in_optimizer[i])
@@ -79,23 +83,27 @@ inline void check_shards(State& s) {
       const at::Tensor flat = bucket.params[i].reshape({-1});
       const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
                     length = std::min(bucket.chunks[i], flat.numel() - begin);
-      differs.push_back(bucket.shards[i].narrow(0, 0, length).ne(flat.narrow(0, begin, length)).any());
+      const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
+      if (flat.is_cpu() && at::equal(shard, chunk)) continue;
+      looked.emplace_back(&bucket, i);
+      differs.push_back(shard.ne(chunk).any());
       differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
     }
   if (differs.empty()) return;
   const at::Tensor found = at::stack(differs).to(c10::kCPU);
   const bool* flag = found.data_ptr<bool>();
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size() && bucket.unit < 0; ++i, flag += 2) {
-      if (!flag[0]) continue;
-      if (flag[1])
-        throw InvalidArgument(
-            "accel::Accelerator::backward: under sharding, step the optimizer through the "
-            "handle accelerator.prepare() returned (its step() gathers the updated shards "
-            "into the parameters); the parameters this forward used are stale");
-      read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
+  for (const auto& [bucket, i] : looked) {
+    const bool changed = flag[0], stepped = flag[1];
+    flag += 2;
+    if (!changed) continue;
+    if (stepped)
+      throw InvalidArgument(
+          "accel::Accelerator::backward: under sharding, step the optimizer through the "
+          "handle accelerator.prepare() returned (its step() gathers the updated shards "
+          "into the parameters); the parameters this forward used are stale");
+    read_chunk(bucket->params[i], r, bucket->chunks[i], bucket->shards[i]);
+    bucket->sums[i] = bucket->shards[i].sum();
+  }
 }
 
 // After the optimizer stepped the shards: every parameter all-gathered
@@ -106,20 +114,26 @@ inline void gather_shards(State& s) {
   std::lock_guard lock(s.mutex);
   end_unit_pass(s);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
-  std::vector<Work<at::Tensor>> works;
-  try {
-    for (const auto& bucket : s.buckets)
-      if (bucket.unit < 0) works.push_back(all_gather_async(bucket.owned, s.shard));
-    for (std::size_t b = 0, w = 0; b < s.buckets.size(); ++b) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;             // FULL_SHARD: gathered when the unit runs
-      const at::Tensor rows = works[w++].wait();  // (S, segment without the flags)
-      for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-        write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
-        bucket.params[i].mutable_grad().reset();
-        bucket.sums[i] = bucket.shards[i].sum();
-      }
+  // At most kScattersInFlight all-gathers at once (their rows come from the pool).
+  std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
+  auto land = [&] {
+    Bucket& bucket = s.buckets[works.front().first];
+    const at::Tensor rows = works.front().second.wait();  // (S, segment without the flags)
+    works.pop_front();
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+      bucket.params[i].mutable_grad().reset();
+      at::sum_out(bucket.sums[i], bucket.shards[i]);
     }
+    s.pool.give(rows);
+  };
+  try {
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      if (s.buckets[b].unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (works.size() >= kScattersInFlight) land();
+      works.emplace_back(b, gather_rows(s, s.buckets[b]));
+    }
+    while (!works.empty()) land();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
                            detail::error_text(e));
@@ -177,7 +191,10 @@ inline void release_module(State& s) {
   std::lock_guard lock(s.mutex);
   if (s.shard) {
     end_unit_pass(s);
-    for (std::size_t u = 0; u < s.units.size(); ++u) materialize(s, u);
+    for (std::size_t u = 0; u < s.units.size(); ++u) {
+      materialize(s, u);
+      own_storage(s, u);  // the module outlives the pool
+    }
     ++s.held;  // (release() frees nothing while held)
     // Each shard's parameter, to put back in its place.
     std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
@@ -224,48 +241,10 @@ inline void make_shards(State& s) {
       s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
     }
     bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+    bucket.used_anywhere = at::empty({static_cast<int64_t>(bucket.params.size())}, at::TensorOptions(c10::kBool));
   }
 }
 
-// Sharded finish: each bucket's reduce-scatter waited for (and its
-// all-reduce along the replicate group), then each used parameter's
-// averaged chunk written to its shard's gradient, replacing it (the
-// parameter's own gradient holds everything accumulated since the step).
-inline void finish_sharded(State& s) {
-  try {
-    for (auto& bucket : s.buckets) bucket.flat = bucket.work.wait();
-    if (s.replicate) {
-      std::vector<Work<at::Tensor>> works;
-      for (auto& bucket : s.buckets) works.push_back(all_reduce_async(bucket.flat, ReduceOp::SUM, s.replicate));
-      for (std::size_t b = 0; b < works.size(); ++b) s.buckets[b].flat = works[b].wait();
-    }
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
-                           detail::error_text(e));
-  }
-  for (auto& bucket : s.buckets) {
-    const auto n = static_cast<int64_t>(bucket.params.size());
-    const at::Tensor used_anywhere = bucket.flat.narrow(0, bucket.segment - n, n).gt(0).to(c10::kCPU);
-    const bool* used = used_anywhere.data_ptr<bool>();
-    for (int64_t i = 0; i < n; ++i) {
-      if (used[i]) {
-        at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
-        const at::Tensor averaged = bucket.flat.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-        if (!shard.grad().defined()) {  // first use, or set to none by zero_grad(): its piece of owned_grads
-          if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
-          shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
-          shard.mutable_grad().copy_(averaged);
-        } else if (bucket.unit >= 0) {
-          shard.mutable_grad().add_(averaged);  // the parameter's was released
-        } else {
-          shard.mutable_grad().copy_(averaged);  // the parameter's holds all since the step
-        }
-      }
-      bucket.used[static_cast<std::size_t>(i)] = 0;
-    }
-    bucket.flat = at::Tensor();
-  }
-}
 }  // namespace detail::dp
 
 ACCEL_NAMESPACE_END

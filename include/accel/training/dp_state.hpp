@@ -3,12 +3,13 @@
 // A DataParallel keeps everything in one State behind a shared_ptr: the
 // autograd hooks it registers outlive it inside the graph, and see
 // `alive` turn false when it goes. The reducer (dp_reducer.hpp), the
-// ZeRO-3 units (dp_units.hpp) and DataParallel itself work on it, always
-// under its mutex.
+// ZeRO-3 units (dp_units.hpp), the sharded reduce-scatter (dp_scatter.hpp)
+// and DataParallel itself work on it, always under its mutex.
 #pragma once
 
 #include "accel/distributed/nested.hpp"
 #include "accel/training/comm_hooks.hpp"
+#include "accel/training/dp_buffers.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -24,7 +25,8 @@ struct Bucket {
   detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
   std::size_t ready = 0;
   at::Tensor flat{};
-  at::Tensor views{};  // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
+  at::Tensor views{};                 // gradient_as_bucket_view: the persistent bucket the gradients are views of
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
@@ -38,6 +40,7 @@ struct Bucket {
   // them (kept between steps: 1/S of the gradients, as FSDP's sharded
   // gradients).
   at::Tensor owned{}, owned_grads{};
+  at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
   std::vector<at::Tensor> shards{};
   std::vector<uint8_t> in_optimizer{};
   std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
@@ -45,6 +48,7 @@ struct Bucket {
   // they hold their values now, and a prefetch in flight.
   int64_t unit = -1;
   bool resident = true;
+  at::Tensor full{};                   // while resident: the pooled buffer the parameters' storage points into
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -74,6 +78,7 @@ struct State {
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
   std::vector<torch::optim::Optimizer*> optimizers;
+  BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and

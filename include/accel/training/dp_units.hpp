@@ -104,18 +104,37 @@ inline void allow_access(Storage& storage) {
   if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
 }
 
+// The all-gather of a bucket's shards (`owned`, as it is) into rows from
+// the pool: (S, segment without the flags), row r rank r's shards.
+inline Work<at::Tensor> gather_rows(State& s, const Bucket& bucket) {
+  const int64_t S = s.shard->getSize(), width = bucket.owned.numel();
+  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);
+  if (!g) {
+    rows.select(0, 0).copy_(bucket.owned);
+    return Work<at::Tensor>(detail::ready(g, "all_gather", std::move(rows)));
+  }
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), [rows] { return rows; }));
+}
+
 // A unit's parameters: fetch() issues the all-gather of its shards
 // (asynchronously, unless it holds them or one is in flight);
-// materialize() gives the parameters storage again and writes the gathered
-// values in (through variable_data(): version counters stay, so autograd
-// accepts the values it saved in forward); release() frees their storage.
+// materialize() points the parameters' storage into one pooled buffer per
+// bucket and writes the gathered values in (through variable_data():
+// version counters stay, so autograd accepts the values it saved in
+// forward); release() takes the storage away again (the buffer goes back
+// to the pool). Each parameter starts 64 bytes aligned in the buffer.
+inline int64_t aligned(int64_t elements, int64_t element_size) {
+  const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
+  return (elements + per_line - 1) / per_line * per_line;
+}
 inline void fetch(State& s, std::size_t u) {
   at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident || bucket.gathering.valid()) continue;
     try {
-      bucket.gathering = all_gather_async(bucket.owned, s.shard);
+      bucket.gathering = gather_rows(s, bucket);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
@@ -136,16 +155,23 @@ inline void materialize(State& s, std::size_t u) {
                              detail::error_text(e));
     }
     bucket.gathering = {};
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+    const int64_t element_size = static_cast<int64_t>(bucket.owned.element_size());
+    int64_t total = 0;
+    for (const auto& p : bucket.params) total += aligned(p.numel(), element_size);
+    bucket.full = s.pool.take(total, bucket.owned.options());
+    auto* base = static_cast<char*>(bucket.full.data_ptr());
+    for (std::size_t i = 0, at = 0; i < bucket.params.size(); ++i) {
       c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-      const std::size_t bytes = static_cast<std::size_t>(bucket.params[i].numel()) * bucket.params[i].element_size();
-      c10::Allocator* allocator = storage->allocator() ? storage->allocator() : c10::GetAllocator(bucket.device.type());
+      const int64_t numel = bucket.params[i].numel();
       allow_access(*storage);
-      storage->set_data_ptr_noswap(allocator->allocate(bytes));
-      storage->set_nbytes(bytes);
+      // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
+      storage->set_data_ptr_noswap(c10::DataPtr(base + at * element_size, bucket.device));
+      storage->set_nbytes(static_cast<std::size_t>(numel * element_size));
+      at += static_cast<std::size_t>(aligned(numel, element_size));
       at::Tensor values = bucket.params[i].variable_data();
       write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
     }
+    s.pool.give(rows);
     bucket.resident = true;
   }
 }
@@ -160,7 +186,24 @@ inline void release(State& s, std::size_t u) {
       if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
       else storage->set_nbytes(0);
     }
+    s.pool.give(bucket.full);
+    bucket.full = at::Tensor();
     bucket.resident = false;
+  }
+}
+// A resident unit's parameters given memory of their own (copied out of
+// the pool's buffer), for a module that outlives the engine.
+inline void own_storage(State& s, std::size_t u) {
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (!bucket.full.defined()) continue;
+    for (auto& p : bucket.params) {
+      const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
+      c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
+      p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
+    }
+    s.pool.give(bucket.full);
+    bucket.full = at::Tensor();
   }
 }
 // The end of a backward: prefetches that found no use are waited for (a
@@ -171,7 +214,7 @@ inline void end_unit_pass(State& s) {
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
       try {
-        bucket.gathering.wait();
+        s.pool.give(bucket.gathering.wait());
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                                detail::error_text(e));

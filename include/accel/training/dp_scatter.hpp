@@ -1,0 +1,116 @@
+// accel/training/dp_scatter.hpp: ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients.
+//
+// Under sharding a bucket's gradients are laid out rank after rank (each
+// rank's chunk of every gradient, then one used-flag per parameter) and
+// reduce-scattered over the shard group, so that each rank receives the
+// sum of its own chunks; along a replicate group (HSDP) that is all-reduced
+// too. issue_scatter starts it as soon as the bucket is complete;
+// land_scatter waits for it and adds the averaged chunks into the shards'
+// gradients. The buffers come from the state's pool (dp_buffers.hpp) and
+// at most kScattersInFlight buckets are in flight: issuing one more lands
+// the oldest first, so the pool holds two buckets' buffers, never the whole
+// model's (FSDP2 likewise keeps one reduce-scatter outstanding).
+#pragma once
+
+#include "accel/distributed/exchange.hpp"
+#include "accel/training/dp_state.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+inline constexpr std::size_t kScattersInFlight = 2;
+
+// A bucket's pooled buffers given back (after its reduce-scatter landed, or
+// was waited for and dropped).
+inline void give_back(State& s, Bucket& bucket) {
+  for (at::Tensor* lent : {&bucket.laid_out, &bucket.received, &bucket.flat}) {
+    s.pool.give(*lent);
+    *lent = at::Tensor();
+  }
+}
+
+// Waits for bucket b's reduce-scatter (and its all-reduce along the
+// replicate group), then adds each used parameter's averaged chunk into its
+// shard's gradient: a gradient that is none (the first use, or zero_grad()
+// set it to none) becomes its piece of owned_grads, kept across steps. The
+// parameters' own gradients were released when the bucket was issued.
+inline void land_scatter(State& s, std::size_t b) {
+  Bucket& bucket = s.buckets[b];
+  at::Tensor reduced;
+  try {
+    reduced = bucket.work.wait();  // (bucket.flat: the pooled buffer it landed in)
+    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
+                           detail::error_text(e));
+  }
+  const auto n = static_cast<int64_t>(bucket.params.size());
+  const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
+  if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
+  else bucket.used_anywhere.copy_(flags.gt(0));
+  const bool* used = bucket.used_anywhere.data_ptr<bool>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (used[i]) {
+      at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+      const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+      if (!shard.grad().defined()) {
+        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
+        shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+        shard.mutable_grad().copy_(averaged);
+      } else {
+        shard.mutable_grad().add_(averaged);  // accumulates, as a parameter's gradient does
+      }
+    }
+    bucket.used[static_cast<std::size_t>(i)] = 0;
+  }
+  give_back(s, bucket);
+}
+
+// Lays bucket b's gradients out rank after rank (pre-divided by the number
+// of replicas, as DDP does) and starts its reduce-scatter without waiting,
+// first landing the oldest bucket in flight when kScattersInFlight are.
+inline void issue_scatter(State& s, std::size_t b) {
+  std::size_t in_flight = 0;
+  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
+  for (std::size_t e = 0; e < b && in_flight >= kScattersInFlight; ++e)
+    if (s.buckets[e].work.valid()) {
+      land_scatter(s, e);
+      --in_flight;
+    }
+  Bucket& bucket = s.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize();
+  const c10::TensorOptions options = bucket.params.front().options();
+  bucket.laid_out = s.pool.take(S * bucket.segment, options).zero_();
+  const at::Tensor& laid_out = bucket.laid_out;
+  const at::Tensor rows = laid_out.view({S, bucket.segment});
+  for (std::size_t i = 0; i < n; ++i)
+    if (bucket.params[i].grad().defined()) {
+      read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+      bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    }
+  rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
+      .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
+                 .expand({S, static_cast<int64_t>(n)}));
+  if (s.replicas != 1) laid_out.div_(s.replicas);
+  try {
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
+    bucket.received = s.pool.take(S * bucket.segment, options);
+    bucket.flat = s.pool.take(bucket.segment, options);  // (the folded chunks land here)
+    bucket.work =
+        Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                           detail::error_text(e));
+  }
+}
+
+// The end of a sharded backward: every bucket still in flight landed, in order.
+inline void finish_sharded(State& s) {
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    if (s.buckets[b].work.valid()) land_scatter(s, b);
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
