@@ -6649,11 +6649,7 @@ inline void allow_access(Storage& storage) {
 inline Work<at::Tensor> gather_rows(State& s, const Bucket& bucket) {
   const int64_t S = s.shard->getSize(), width = bucket.owned.numel();
   at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
-  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);
-  if (!g) {
-    rows.select(0, 0).copy_(bucket.owned);
-    return Work<at::Tensor>(detail::ready(g, "all_gather", std::move(rows)));
-  }
+  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
   return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), [rows] { return rows; }));
 }
 

@@ -132,7 +132,7 @@ TEST_SUITE("ranks") {
   // out): at most one gathered copy of the parameters per all-gather, whose count per step is fixed,
   // and a few scalars.
   // Before the engine kept its buffers, each step also allocated every bucket's reduce-scatter input,
-  // what its all-to-all received and the folded result, and the all-gather's rows (about 3.5 gathered
+  // what its all-to-all received and the folded result, and the all-gather's rows (by their sizes, about 3.5
   // copies more): the bound fails then. Deterministic: the counting allocator's bytes, not time.
   TEST_CASE("sharding: from the third step on, the engine allocates no buffer per step") {
     for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
