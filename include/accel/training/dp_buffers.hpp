@@ -7,10 +7,11 @@
 // pages from the kernel each time (page faults, zeroing) and CUDA's caching
 // allocator has no CPU counterpart, so the engine keeps its own: a buffer
 // is given back to the pool once the collective that used it has landed,
-// and the next request of about the same size and kind takes it again. The pool holds what the busiest
-// moment of a step needed (the engine bounds that: at most two buckets or
-// units in flight, see dp_scatter.hpp and dp_units.hpp); clear() gives it
-// back, as torch.cuda.empty_cache() does for the caching allocator.
+// and the next request of about the same size and kind takes it again.
+// The pool holds what the busiest moment of a step needed (the engine
+// bounds that: at most two buckets in flight, see dp_scatter.hpp, and a
+// unit's prefetch beside the unit running, see dp_units.hpp); clear()
+// gives it back, as torch.cuda.empty_cache() does for the caching allocator.
 #pragma once
 
 #include "accel/training/torch_nn.hpp"
