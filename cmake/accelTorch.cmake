@@ -31,7 +31,11 @@
 # std::filesystem::remove_all, which checkpoints use, jumps to address 0
 # (seen with torch 2.11.0; a program of a few lines reproduces it). Linking
 # libstdc++ first makes the program's calls take libstdc++'s own:
-# ACCEL_TORCH_STDCXX_FIRST says to (a packaged LibTorch, not with libc++).
+# ACCEL_TORCH_STDCXX_FIRST says to (a packaged LibTorch, not with libc++),
+# and ACCEL_STDCXX_FIRST_FLAG is how: a linker flag that needs libstdc++
+# whether or not the linker runs with --as-needed (Ubuntu's g++ does, and a
+# plain stdc++ item there left libstdc++ out of the program's NEEDED entries
+# on a GPU machine, where LibTorch's copies then served every call).
 #
 # Sets, for the caller: ACCEL_TORCH_ROOT (the LibTorch directory, or empty),
 # and for a pip wheel ACCEL_TORCH_NCCL_INCLUDE_DIR (its nccl.h directory) and
@@ -43,6 +47,7 @@ macro(accel_prepare_torch)
   set(ACCEL_TORCH_NCCL_INCLUDE_DIR "")
   set(ACCEL_TORCH_CUDA_INCLUDE_DIR "")
   set(ACCEL_TORCH_STDCXX_FIRST FALSE)
+  set(ACCEL_STDCXX_FIRST_FLAG "-Wl,--push-state,--no-as-needed,-lstdc++,--pop-state")
   if(NOT TARGET torch)
     _accel_torch_config_dir(_accel_torch_dir)
     if(_accel_torch_dir)

@@ -6,6 +6,11 @@ mode=$1
 source_dir=$2
 launcher=$3
 here=$(cd "$(dirname "$0")" && pwd)
+# With a pip wheel's LibTorch the program must load libstdc++ first
+# (tests/needed_order.sh says why); elsewhere the order does not matter.
+check_order() {
+  if ldd "$1" | grep -q 'libtorch_cpu.so => .*site-packages'; then bash "$here/../needed_order.sh" "$1"; fi
+}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 configure=(cmake -S "$here/$mode" -B "$work/consumer" -DCMAKE_BUILD_TYPE=Release)
@@ -35,6 +40,7 @@ case $mode in
       echo "pkg-config --cflags --libs accel: $("${pc[@]}" --cflags --libs accel)"
       # shellcheck disable=SC2046 (the flags are words)
       g++ -DACCEL_CONSUMER_INCLUDE_TREE "$here/main.cpp" -o "$work/consumer_pc" $("${pc[@]}" --cflags --libs accel)
+      check_order "$work/consumer_pc"
       pc_output=$("$launcher" --timeout 120 2 "$work/consumer_pc")
       grep -q "consumer ok: sum 3 on 2 ranks" <<<"$pc_output" || { echo "$pc_output"; exit 1; }
     fi
@@ -56,6 +62,7 @@ if [[ $mode != find_package ]] && [[ -e $work/consumer/accel/tests ]]; then
   echo "the accel subproject built its tests: they must be off when it is not top-level"
   exit 1
 fi
+check_order "$work/consumer/consumer"
 output=$("$launcher" --timeout 120 2 "$work/consumer/consumer")
 echo "$output"
 grep -q "consumer ok: sum 3 on 2 ranks" <<<"$output"

@@ -34,6 +34,10 @@ out=$(cd "$out" && pwd)
 log=$out/gpu.log
 exec > >(tee "$log") 2>&1
 jobs=$(nproc)
+# The test cases that compare with Python's torch live (training_fixtures.hpp)
+# take this python3, which has it; their default is Debian's /usr/bin/python3.
+ACCEL_TEST_PYTHON=${ACCEL_TEST_PYTHON:-$(command -v python3)}
+export ACCEL_TEST_PYTHON
 build=${ACCEL_GPU_BUILD:-$root/build/gpu}
 phases=${ACCEL_GPU_PHASES:-1 2 3 4}
 status=0
@@ -70,6 +74,10 @@ wanted 3 && targets+=(accel_bench accel_bench_ddp)
 cmake --build "$build" -j"$jobs" --target "${targets[@]}" \
   >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -80; fail "build"; exit 1; }
 echo "built in $SECONDS s"
+# What puts libstdc++ ahead of LibTorch (the libstdcxx_before_libtorch entry).
+link=$(cat "$build/tests/CMakeFiles/accel_tests.dir/link.txt" 2>/dev/null ||
+       grep -A8 "^build tests/accel_tests:" "$build/build.ninja" 2>/dev/null || true)
+echo "libstdc++ on accel_tests' link line: $(grep -oE -- '[^ ]*stdc\+\+[^ ]*' <<<"$link" | paste -sd' ')"
 
 if wanted 1; then
 phase "1. the CUDA cases"
@@ -130,6 +138,15 @@ build_all="cmake --build . -j$jobs >'$out/build_all.log' 2>&1"
    -E '^cuda_' ${selected:+-R '$selected'} -j$jobs --timeout 200 --output-on-failure >'$out/cpu_suites.log' 2>&1") ||
   fail "the CPU suites (or their build, or the time allowed)"
 tail -25 "$out/cpu_suites.log"
+# The failed entries once more, one at a time, each with its output (ctest -j
+# in one log interleaves them), within what is left of the time.
+left=$((deadline - SECONDS))
+failed=$(sed -n '/tests FAILED:/,$ s/^[[:space:]]*[0-9]* - \([^ ]*\) (.*/\1/p' "$out/cpu_suites.log" | paste -sd'|')
+if [[ -n $failed ]] && ((left > 20)); then
+  (cd "$build" && ACCEL_DEVICE=cpu timeout "$left" ctest -R "^($failed)\$" --output-on-failure --timeout 120 \
+     >"$out/cpu_failed.log" 2>&1)
+  grep -E "Passed|Failed|SegFault|Timeout" "$out/cpu_failed.log" | head -20
+fi
 fi
 
 phase "done: $([[ $status == 0 ]] && echo 'every step passed' || echo 'some step FAILED')"

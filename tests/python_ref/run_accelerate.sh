@@ -24,6 +24,11 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 export OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1
+# A comparison on the CPU: with a GPU visible, Accelerate puts process i on
+# cuda:i (invalid on a one-GPU machine for process 1) and its test_script
+# casts to fp16 for the device (its tests/test_cpu.py runs these scripts only
+# where no GPU is). So no GPU is shown to either side.
+export CUDA_VISIBLE_DEVICES=
 for script in test_script test_ops test_sync; do
   echo "== Accelerate's $script on 2 CPU processes"
   (cd "$out" && timeout 300 python3 -c "

@@ -344,9 +344,11 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     set.loaders[i]->resume_at(static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>()),
                               static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()));
   }
+  // A generator's state is a CPU byte tensor, the CUDA generator's too; the
+  // archives were read onto the training device, so it comes back first.
   auto set_state = [](at::Generator generator, const at::Tensor& state) {
     std::lock_guard lock(generator.mutex());
-    generator.set_state(state);
+    generator.set_state(state.cpu());
   };
   set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
   if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
