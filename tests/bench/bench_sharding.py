@@ -1,13 +1,18 @@
 """Python's side of the sharding benchmark: bench_sharding.cpp's MLP, batch and
 Adam under DistributedDataParallel, with torch's ZeroRedundancyOptimizer
 (optimizer state sharded by whole parameters; "zero") or a plain Adam
-("no_shard"). Rank 0 prints, the largest over the processes,
+("no_shard"); or under FSDP2 (torch >= 2.7: `fully_shard` on every Linear
+and the root, as accel's units; "fsdp2_full_shard" reshards after forward,
+ZeRO-3, "fsdp2_shard_grad_op" does not, ZeRO-2). FSDP2's averaging on
+Gloo sums (pytorch#162338); set_force_sum_reduction_for_comms(True) makes it
+sum and divide, as the accel side does. Rank 0 prints, the largest over the
+processes,
     CSV,sharding_<figure>,<world>,python_<variant>,<params>,<value>,<unit>
 for grads_mb and optimizer_mb (held by tensors between two steps) and
 step_ms (median of the trials). Python has no CPU allocator counter, so no
 between_steps_mb or peak_mb. Run under tests/launch.cpp.
 
-    bench_sharding.py <no_shard|zero> <trials> <steps>
+    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op> <trials> <steps>
 """
 
 import statistics
@@ -33,7 +38,20 @@ def main():
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
     model = nn.Sequential(*layers)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    if variant.startswith("fsdp2_"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        reshard = variant == "fsdp2_full_shard"
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        for module in ddp.modules():
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
     if variant == "zero":
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
     else:
@@ -49,9 +67,12 @@ def main():
 
     for _ in range(2):
         step()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    def local(t):  # an FSDP2 parameter is a DTensor: this process's shard
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    grads = sum(local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
     inner = optimizer.optim if variant == "zero" else optimizer
-    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
+    state = sum(local(t).numel() * t.element_size() for s in inner.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     times = []
     for _ in range(trials):

@@ -8,20 +8,39 @@
 # sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
 # the test command.
 #
+# ACCEL_BENCH_LEG=pip: the pip leg's LibTorch and Python instead (its venv,
+# tests/pip/make_venv.sh; build in build/bench-pip, results in
+# tests/bench/results/pip), with Python's FSDP2 (`fully_shard`, ZeRO-2 and
+# ZeRO-3) beside DDP and ZeroRedundancyOptimizer.
+#
 #     bash tests/bench/run_sharding_bench.sh [rounds (2)] [steps per trial (5)]
+#     ACCEL_BENCH_LEG=pip bash tests/bench/run_sharding_bench.sh 1 3
 set -euo pipefail
 rounds=${1:-2}
 steps=${2:-5}
+python=/usr/bin/python3
+python_variants=(no_shard zero)
+if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
+  top=$(cd "$(dirname "$0")/../.." && pwd)
+  export ACCEL_BUILD_DIR=${ACCEL_BUILD_DIR:-$top/build/bench-pip}
+  export ACCEL_BENCH_OUT=${ACCEL_BENCH_OUT:-$top/tests/bench/results/pip}
+  bash "$top/tests/pip/make_venv.sh" "$top/build/pip-venv"
+  export PATH="$top/build/pip-venv/bin:$PATH"
+  CMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  export CMAKE_PREFIX_PATH
+  python=$top/build/pip-venv/bin/python3
+  python_variants=(no_shard zero fsdp2_shard_grad_op fsdp2_full_shard)
+fi
 source "$(dirname "$0")/common.sh"
 bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
     for variant in no_shard shard_grad_op full_shard; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
-    for variant in no_shard zero; do run $world /usr/bin/python3 "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
+    for variant in "${python_variants[@]}"; do run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
   done
 done
-/usr/bin/python3 - "$csv" "$out/sharding.md" <<'PY'
+"$python" - "$csv" "$out/sharding.md" <<'PY'
 import collections, csv, os, statistics, sys
 rows = collections.defaultdict(list)
 for r in csv.DictReader(open(sys.argv[1])):
@@ -30,14 +49,18 @@ def cell(figure, world, variant, fmt="{:.1f}"):
     v = rows.get((figure, world, variant))
     return fmt.format(statistics.median(v)) if v else "-"
 variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_OP"), ("full_shard", "accel FULL_SHARD"),
-            ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer")]
-lines = [f"Sharded data parallel, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
+            ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer"),
+            ("python_fsdp2_shard_grad_op", "Python FSDP2, ZeRO-2"), ("python_fsdp2_full_shard", "Python FSDP2, ZeRO-3")]
+import torch
+lines = [f"Sharded data parallel, LibTorch and Python torch {torch.__version__}, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
          "between two steps (after step, before the next zero_grad); medians over rounds.", "",
          "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | ms/step |",
          "|---|---|---|---|---|---|---|---|---|"]
 for world in sorted({w for _, w, _ in rows}):
     for key, name in variants:
+        if ("step_ms", world, key) not in rows:
+            continue  # (a variant this leg has not, or whose runs failed)
         lines.append(f"| {world} | {name} | {cell('params_mb', world, key)} | {cell('grads_mb', world, key)} | "
                      f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | {cell('buffers_mb', world, key)} | "
                      f"{cell('peak_mb', world, key)} | {cell('step_ms', world, key, '{:.0f}')} |")

@@ -309,6 +309,45 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, 
   start_all_gather_into(group, input, std::move(outputs), op).wait();
 }
 
+// The all-gather of a Gloo group's CPU tensors without c10d's staging.
+// Gloo's allgather gathers into a flat buffer of its own, allocated per call,
+// and copies the rows out (LibTorch 2.15: through two such buffers). Here
+// each rank sends its input to every other rank and receives theirs straight
+// into `rows` (group size rows, in rank order), and copies its own row in:
+// no allocation, one local copy, and the same bytes on the wire as Gloo's
+// ring (each rank sends and receives size - 1 rows). Gloo moves a
+// point-to-point message as bytes, whatever the dtype. Messages between two
+// ranks with one tag match in the order they were issued, and every rank
+// issues the same gathers in the same order; `tag` keeps them apart from
+// the caller's own sends. The Pending waits on the last receive, and its
+// landing on every other operation.
+inline constexpr const char* kDirectGather = "all_gather (point to point)";
+inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows) {
+  return group.getBackendName() == "gloo" && input.device().is_cpu() && rows.device().is_cpu() &&
+         input.is_contiguous() && rows.is_contiguous() && input.numel() > 0;
+}
+inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows,
+                                    int tag) {
+  const int size = group.getSize(), rank = group.getRank();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(2 * static_cast<std::size_t>(size - 1));
+  for (int step = 1; step < size; ++step) {  // (peers in a ring order: rank + 1 first, so no rank is everyone's first)
+    const int to = (rank + step) % size, from = (rank - step + size) % size;
+    std::vector<at::Tensor> sent{input}, received{rows.select(0, from)};
+    works.push_back(issue(kDirectGather, group, [&] { return group.send(sent, to, tag); }));
+    works.push_back(issue(kDirectGather, group, [&] { return group.recv(received, from, tag); }));
+  }
+  {
+    at::NoGradGuard no_grad;
+    rows.select(0, rank).copy_(input);
+  }
+  c10::intrusive_ptr<c10d::Work> last = works.back();
+  works.pop_back();
+  return Pending{&group, kDirectGather, std::move(last), [&group, works = std::move(works), input, rows] {
+                   for (const auto& work : works) await(kDirectGather, group, *work);
+                 }};
+}
+
 // Rank `src` sends pieces[r] to rank r of the group; every rank returns its
 // own (the source: an empty vector; it keeps its piece). One broadcast of the
 // lengths, one scatter of the pieces padded to the longest: each rank

@@ -105,11 +105,18 @@ inline void allow_access(Storage& storage) {
 }
 
 // The all-gather of a bucket's shards (`owned`, as it is) into rows from
-// the pool: (S, segment without the flags), row r rank r's shards.
+// the pool: (S, segment without the flags), row r rank r's shards. On Gloo
+// with CPU tensors, point to point into the rows (no buffer of c10d's per
+// step; staging.hpp); elsewhere c10d's all-gather (NCCL's is the fast one).
+// The tag is one no caller is likely to pick for sends of its own.
+inline constexpr int kGatherTag = 0x61636365;
 inline Work<at::Tensor> gather_rows(State& s, const Bucket& bucket) {
   const int64_t S = s.shard->getSize(), width = bucket.owned.numel();
   at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
   c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
+  if (detail::direct_gather_fits(*g, bucket.owned, rows))
+    return Work<at::Tensor>(
+        detail::then(detail::start_all_gather_direct(*g, bucket.owned, rows, kGatherTag), [rows] { return rows; }));
   return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), [rows] { return rows; }));
 }
 
