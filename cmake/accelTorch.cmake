@@ -33,9 +33,10 @@
 # libstdc++ first makes the program's calls take libstdc++'s own:
 # ACCEL_TORCH_STDCXX_FIRST says to (a packaged LibTorch, not with libc++),
 # and ACCEL_STDCXX_FIRST_FLAG is how: a linker flag that needs libstdc++
-# whether or not the linker runs with --as-needed (Ubuntu's g++ does, and a
-# plain stdc++ item there left libstdc++ out of the program's NEEDED entries
-# on a GPU machine, where LibTorch's copies then served every call).
+# whether or not the linker runs with --as-needed (Ubuntu's g++ does). A GCC
+# that has only a static libstdc++.a (as the GPU machine's /opt/gcc) takes
+# the same flag to link the runtime into the program ahead of LibTorch, so
+# that the program supplies every std::filesystem function itself.
 #
 # Sets, for the caller: ACCEL_TORCH_ROOT (the LibTorch directory, or empty),
 # and for a pip wheel ACCEL_TORCH_NCCL_INCLUDE_DIR (its nccl.h directory) and

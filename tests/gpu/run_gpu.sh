@@ -49,7 +49,7 @@ phase "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || fail "nvidia-smi"
 python3 -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "NCCL", ".".join(map(str, torch.cuda.nccl.version())), "GPU", torch.cuda.get_device_name(0))' ||
   fail "python3's torch"
-g++ --version | head -1
+echo "compiler (CMake takes \$CXX, else c++): ${CXX:-c++}"; "${CXX:-c++}" --version | head -1
 cmake --version | head -1
 echo "$jobs cores"
 
