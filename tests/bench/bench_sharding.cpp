@@ -14,7 +14,9 @@
 // between_steps_mb, the sharding engine's working buffers kept for the next
 // step, as CUDA's caching allocator keeps blocks); step_ms (per step, the
 // median of the trials). Run under tests/launch.cpp
-// (run_sharding_bench.sh does).
+// (run_sharding_bench.sh does). On a GPU (NCCL; the variant ends in _cuda;
+// tests/gpu/run_gpu.sh) the allocator figures, which count CPU bytes, are
+// not printed: the tensors live on the device.
 //
 //     bench_sharding <no_shard|shard_grad_op|full_shard> <trials> <steps>
 #define ACCEL_TRAINING
@@ -57,8 +59,11 @@ int main(int argc, char** argv) {
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
+  const at::Device device = accelerator.device();
+  const std::string variant = strategy + (device.is_cuda() ? "_cuda" : "");
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
-  const at::Tensor x = at::randn({kBatch, kWidth}, generator), y = at::randn({kBatch, kWidth}, generator);
+  const at::Tensor x = at::randn({kBatch, kWidth}, generator).to(device),
+                   y = at::randn({kBatch, kWidth}, generator).to(device);
   auto step = [&] {
     optimizer.zero_grad(/*set_to_none=*/true);
     accelerator.backward(torch::mse_loss(accel::unit_forward(model, x), y));
@@ -92,6 +97,7 @@ int main(int argc, char** argv) {
     accelerator.wait_for_everyone();
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < steps; ++i) step();
+    accel::synchronize();  // the device's queued work (nothing on the CPU)
     accelerator.wait_for_everyone();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
                     steps);
@@ -103,15 +109,17 @@ int main(int argc, char** argv) {
   auto report = [&](const char* figure, double value, const char* unit) {
     value = accel::all_reduce(value, accel::ReduceOp::MAX);
     if (accelerator.is_main_process())
-      std::printf("CSV,sharding_%s,%d,%s,%lld,%.6g,%s\n", figure, accelerator.num_processes(), strategy.c_str(),
+      std::printf("CSV,sharding_%s,%d,%s,%lld,%.6g,%s\n", figure, accelerator.num_processes(), variant.c_str(),
                   static_cast<long long>(params), value, unit);
   };
   report("params_mb", static_cast<double>(param_bytes) / mb, "MiB");
   report("grads_mb", static_cast<double>(grad_bytes) / mb, "MiB");
   report("optimizer_mb", static_cast<double>(state_bytes) / mb, "MiB");
-  report("between_steps_mb", static_cast<double>(between_steps) / mb, "MiB");
-  report("buffers_mb", static_cast<double>(buffers) / mb, "MiB");
-  report("peak_mb", static_cast<double>(peak) / mb, "MiB");
+  if (!device.is_cuda()) {  // CPU bytes only
+    report("between_steps_mb", static_cast<double>(between_steps) / mb, "MiB");
+    report("buffers_mb", static_cast<double>(buffers) / mb, "MiB");
+    report("peak_mb", static_cast<double>(peak) / mb, "MiB");
+  }
   report("step_ms", times[times.size() / 2], "ms");
   std::fflush(stdout);
   accel::DistributedInterface::instance().destroy();

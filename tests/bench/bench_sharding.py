@@ -10,11 +10,14 @@ processes,
     CSV,sharding_<figure>,<world>,python_<variant>,<params>,<value>,<unit>
 for grads_mb and optimizer_mb (held by tensors between two steps) and
 step_ms (median of the trials). Python has no CPU allocator counter, so no
-between_steps_mb or peak_mb. Run under tests/launch.cpp.
+between_steps_mb or peak_mb. With ACCEL_BENCH_DEVICE=cuda: NCCL and the
+GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. Run under
+tests/launch.cpp.
 
     bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op> <trials> <steps>
 """
 
+import os
 import statistics
 import sys
 import time
@@ -32,16 +35,20 @@ def main():
     variant = sys.argv[1] if len(sys.argv) > 1 else "zero"
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    cuda = os.environ.get("ACCEL_BENCH_DEVICE") == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
         layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    model = nn.Sequential(*layers)
+    model = nn.Sequential(*layers).to(device)
     if variant.startswith("fsdp2_"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         reshard = variant == "fsdp2_full_shard"
         for layer in model:
             if isinstance(layer, nn.Linear):
@@ -58,7 +65,7 @@ def main():
         optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    x, y = torch.randn(BATCH, WIDTH, generator=g).to(device), torch.randn(BATCH, WIDTH, generator=g).to(device)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -80,14 +87,16 @@ def main():
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
         times.append((time.perf_counter() - start) / steps * 1e3)
 
     def report(figure, value, unit):
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
-            print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant},{params},{t.item():.6g},{unit}",
+            print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant}{'_cuda' if cuda else ''},{params},{t.item():.6g},{unit}",
                   flush=True)
 
     report("grads_mb", grads / 2**20, "MiB")

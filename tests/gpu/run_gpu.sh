@@ -13,7 +13,9 @@
 #   2. examples/train_mlp on the GPU with no, bf16 and fp16 mixed precision;
 #   3. the benchmarks, side by side in one run: all_reduce over NCCL through
 #      accel and through c10d (a world of one, on the device and staged),
-#      and the data-parallel training step against Python's DDP (NCCL);
+#      the data-parallel training step against Python's DDP (NCCL), and the
+#      sharded step (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD) against Python's
+#      DDP, ZeroRedundancyOptimizer and FSDP2 (NCCL, a world of one);
 #   4. every functional suite on the CPU (ACCEL_DEVICE=cpu: Gloo, 1-4 ranks)
 #      with this CUDA LibTorch and a GPU present.
 # Not part of CI (CI has no GPU). Where the machine has no Gloo or doctest
@@ -23,6 +25,8 @@
 #     ACCEL_GPU_PHASES="1 3" bash tests/gpu/run_gpu.sh OUT_DIR   # some of them (the build always)
 #     ACCEL_GPU_CPU_TESTS='^(single|ranks_2)$' ...   # step 4: those entries only, with their output
 #     ACCEL_GPU_BUILD=DIR ...                         # the build directory (default build/gpu)
+#     ACCEL_GPU_BENCHES="ddp sharding" ...            # step 3: those benchmarks (all_reduce ddp sharding)
+#     ACCEL_GPU_ROUNDS=2 ...                          # step 3: interleaved rounds of the steps (3)
 # SECONDS: the suites of step 4 (and the rest of the build they need) stop
 # when the script has run that long, and count as failed if cut short.
 set -uo pipefail
@@ -69,8 +73,15 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$pr
   -DACCEL_CLANG_NESTED=OFF -DACCEL_TRAINING_TESTS_UNITY=OFF "${extra[@]}" >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; fail "configure"; exit 1; }
 grep -iE "warning|nccl|gloo" "$out/configure.log" | head -20
-targets=(accel_tests accel_launch train_mlp)
-wanted 3 && targets+=(accel_bench accel_bench_ddp)
+benches=${ACCEL_GPU_BENCHES:-all_reduce ddp sharding}
+rounds=${ACCEL_GPU_ROUNDS:-3}
+bench() { wanted 3 && [[ " $benches " == *" $1 "* ]]; }
+targets=(accel_launch)
+{ wanted 1 || wanted 4; } && targets+=(accel_tests)
+wanted 2 && targets+=(train_mlp)
+bench all_reduce && targets+=(accel_bench)
+bench ddp && targets+=(accel_bench_ddp)
+bench sharding && targets+=(accel_bench_sharding)
 cmake --build "$build" -j"$jobs" --target "${targets[@]}" \
   >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -80; fail "build"; exit 1; }
 echo "built in $SECONDS s"
@@ -112,18 +123,35 @@ fi
 if wanted 3; then
 phase "3. benchmarks (one GPU; medians of interleaved trials)"
 launch=$build/tests/accel_launch
-timeout 120 "$launch" --timeout 110 1 "$build/tests/accel_bench" gpu_all_reduce >"$out/bench_all_reduce.log" 2>&1 ||
-  fail "bench gpu_all_reduce"
 csv=$out/gpu_bench.csv
 echo "part,world,variant,size,value,unit" >"$csv"
-sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_all_reduce.log" >>"$csv"
-for round in 1 2 3; do  # interleaved: accel, Python, accel, ...
-  timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_ddp" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
-    fail "bench_ddp (accel)"
-  ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_ddp.py" 3 100 \
-    >>"$out/bench_ddp.log" 2>&1 || fail "bench_ddp.py (Python DDP)"
-done
-sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_ddp.log" >>"$csv"
+if bench all_reduce; then
+  timeout 120 "$launch" --timeout 110 1 "$build/tests/accel_bench" gpu_all_reduce >"$out/bench_all_reduce.log" 2>&1 ||
+    fail "bench gpu_all_reduce"
+  sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_all_reduce.log" >>"$csv"
+fi
+if bench ddp; then
+  for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, ...
+    timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_ddp" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
+      fail "bench_ddp (accel)"
+    ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_ddp.py" 3 100 \
+      >>"$out/bench_ddp.log" 2>&1 || fail "bench_ddp.py (Python DDP)"
+  done
+  sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_ddp.log" >>"$csv"
+fi
+if bench sharding; then
+  for ((round = 1; round <= rounds; ++round)); do  # interleaved; a side that fails is reported, the rest go on
+    for variant in no_shard shard_grad_op full_shard; do
+      timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_sharding" $variant 3 20 \
+        >>"$out/bench_sharding.log" 2>&1 || fail "bench_sharding $variant"
+    done
+    for variant in no_shard zero fsdp2_shard_grad_op fsdp2_full_shard; do
+      ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_sharding.py" \
+        $variant 3 20 >>"$out/bench_sharding.log" 2>&1 || fail "bench_sharding.py $variant"
+    done
+  done
+  sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_sharding.log" >>"$csv"
+fi
 python3 "$root/tests/gpu/summarize.py" "$csv" | tee "$out/gpu_bench.md"
 
 fi

@@ -1,8 +1,9 @@
 """Tables of tests/gpu/run_gpu.sh's benchmark figures (gpu_bench.csv: part,
 world, variant, size, value, unit), in Markdown: all_reduce over NCCL through
-accel against c10d, and the data-parallel step against Python's DDP. Each
+accel against c10d, the data-parallel step against Python's DDP, and the
+sharded step against DDP, ZeroRedundancyOptimizer and FSDP2. Each
 figure is a median: of the interleaved trials inside one run for all_reduce,
-of every trial of every run for the step.
+of every trial of every run for the steps.
 
     python3 tests/gpu/summarize.py gpu_bench.csv
 """
@@ -41,6 +42,20 @@ def main():
             out.append(f"| {variant} | {len(values)} | {m:.3f} | {m / accel if variant.startswith('python') else 1:.2f} |")
         losses = [f"{k[1]} {v[-1]:.9g}" for k, v in rows.items() if k[0] == "ddp_loss"]
         out += ["", "Loss after the last step: " + ", ".join(sorted(losses)) + "."]
+    shard = {k[1]: v for k, v in rows.items() if k[0] == "sharding_step_ms"}
+    if shard:
+        out += ["", "Sharded data parallel, NCCL, one process on the GPU (bench_sharding: Adam on 4 x 2048 x 2048, "
+                "batch 16, every Linear a unit; ms per step, medians over the rounds of each process's median):", "",
+                "| accel.hpp | ms/step | Python | ms/step | ratio (Python time / accel time) |", "|---|---|---|---|---|"]
+        pairs = (("no_shard", "no_shard"), ("shard_grad_op", "zero"), ("shard_grad_op", "fsdp2_shard_grad_op"),
+                 ("full_shard", "fsdp2_full_shard"))
+        for ours, theirs in pairs:
+            a, p = shard.get(f"{ours}_cuda"), shard.get(f"python_{theirs}_cuda")
+            if a and p:
+                a, p = statistics.median(a), statistics.median(p)
+                out.append(f"| {ours} | {a:.3f} | {theirs} | {p:.3f} | {p / a:.2f} |")
+        out += ["", "(Python's no_shard is DDP with Adam; zero is DDP with ZeroRedundancyOptimizer; fsdp2_* is "
+                "`fully_shard` on every Linear and the root.)"]
     print("\n".join(out))
 
 
