@@ -62,6 +62,7 @@
 //     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
+//     accel/training/checkpoint_world.hpp       a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
 //     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
 //     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
 //     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
@@ -7864,6 +7865,10 @@ struct LoaderState {
 struct LoaderPosition {
   size_t next_epoch = 0, epoch = 0, handed_out = 0, skip = 0;
   bool in_pass = false;
+  // Samples per batch over all the data-parallel processes (0: not known),
+  // by which a checkpoint's place carries over to another number of
+  // processes or batch size (checkpoint_world.hpp).
+  size_t samples_per_batch = 0;
   std::optional<bool> even_batches{};
   // The point a resumed run starts from: (epoch, batches to skip).
   std::pair<size_t, size_t> resume_point() const {
@@ -9525,6 +9530,74 @@ class SyncGuard {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint_world.hpp ======================================
+// accel/training/checkpoint_world.hpp: a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes.
+//
+// A checkpoint whose model and optimizer state are whole (one process,
+// DataParallel, NO_SHARD) loads at any number of processes: a job moved
+// from 4 processes to 2, or an elastic restart with fewer, goes on. Two
+// things in it belong to the saving run's layout, and these are the rules
+// for them:
+// - A prepared loader's place is kept in samples: the saving run read
+//   `batches` batches of the pass, each of `samples_per_batch` samples over
+//   all its processes (the batch size times the data-parallel processes,
+//   or the global batch with split_batches). This run skips as many of its
+//   own batches as cover them; where they do not come out whole, it skips
+//   the whole ones only (the rest is read again) and warns, naming how many
+//   samples. A position with a batch size that is not known (a custom
+//   batch sampler without batch_sampler_batch_size) cannot be converted.
+// - RNG states: process p loads the saving run's process p's. A process the
+//   saving run did not have seeds its generators from the state of process
+//   p mod N (N saving processes) and p, so that each new process draws a
+//   stream of its own, the same at every such resume.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The saving run's process whose RNG state (and accumulation step) process
+// p loads: its own where the saving run had it.
+inline int saved_process_for(int p, int saved_processes) { return p % saved_processes; }
+
+// The seed of a process the saving run did not have (see above): the
+// saved state's bytes and p, through FNV-1a and splitmix64's finaliser.
+inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
+  const at::Tensor bytes = saved_state.cpu().contiguous();
+  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t i = 0; i < bytes.numel() * static_cast<int64_t>(bytes.element_size()); ++i)
+    h = (h ^ data[i]) * 1099511628211ULL;
+  uint64_t z = h ^ (static_cast<uint64_t>(p) + 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// How many of this run's batches loader `index` skips to resume a pass of
+// which the saving run read `batches` batches of `saved_per_batch` samples
+// (0: not known), this run's batches being of `per_batch`. Warns (once, on
+// the main process) where the samples do not come out in whole batches.
+inline size_t resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
+                              bool main_process) {
+  if (batches == 0 || saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
+  if (saved_per_batch <= 0 || per_batch == 0)
+    throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
+                       " batches of its pass, and the samples per batch of " +
+                       (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
+                       " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
+                       "cannot be carried over to another batch size or number of processes");
+  const auto samples = static_cast<size_t>(saved_per_batch) * batches;
+  const size_t whole = samples / per_batch, again = samples % per_batch;
+  if (again != 0 && main_process)
+    TORCH_WARN("accel::Accelerator::load_state: prepared loader ", index, " read ", samples,
+               " samples of its pass in the saving run (", batches, " batches of ", saved_per_batch,
+               "); this run reads ", per_batch, " per batch, so it skips ", whole, " batches and reads the last ",
+               again, " of those samples again");
+  return whole;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint_state.hpp ======================================
 // accel/training/checkpoint_state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
 //
@@ -9591,13 +9664,15 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
-    std::vector<int64_t> points;
+    std::vector<int64_t> points, per_batch;
     for (const auto& loader : set.loaders) {
       const auto [epoch, skip] = loader->resume_point();
       points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+      per_batch.push_back(static_cast<int64_t>(loader->samples_per_batch));
     }
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+    archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
     save_archive(archive, tmp / "loaders.pt");
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
@@ -9674,20 +9749,27 @@ struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
+  at::Tensor saved_per_batch;          // the loaders' samples per batch in the saving run (undefined: not recorded)
+  bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
   int64_t step = 0;
   std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
 };
 
-// The manifest against this run: as many processes, models, optimizers,
-// schedulers, loaders and registered objects, sharded the same ways.
-inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+// The manifest against this run: as many models, optimizers, schedulers,
+// loaders and registered objects, sharded the same ways; as many processes
+// where the optimizer state is sharded (one file per process), any number
+// where it is whole (checkpoint_world.hpp).
+// Returns how many processes saved it.
+inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
                        ", which save_state writes last, is missing or cut short");
-  if (manifest->processes != ctx.num_processes)
+  if (manifest->processes != ctx.num_processes && (manifest->shards != 1 || !set.sharded->empty()))
     throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                       std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
+                       std::to_string(ctx.num_processes) +
+                       " (the model is sharded, its optimizer state saved per process: load it with as many; "
+                       "a checkpoint of a whole model, NO_SHARD or one process, loads at any number)");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -9702,6 +9784,7 @@ inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& 
   if (manifest->shards != shards)
     throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
                        std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+  return static_cast<int>(manifest->processes);
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -9730,7 +9813,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    check_manifest(dir, set, ctx);
+    const int saved_processes = check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -9771,8 +9854,21 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     }
     if (!set.loaders.empty()) {
       const std::string file = (dir / "loaders.pt").string();
-      points =
-          tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
+      auto archive = read("loaders.pt");
+      const auto n = static_cast<int64_t>(set.loaders.size());
+      points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+      if (archive->try_read("samples_per_batch", loaded.saved_per_batch))  // (older checkpoints lack it)
+        loaded.saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+      else if (saved_processes != ctx.num_processes)
+        throw RuntimeError(file +
+                           " does not say how many samples its loaders read per batch (an older "
+                           "accel.hpp saved it): load it with as many processes as saved it (" +
+                           std::to_string(saved_processes) + ")");
+      for (std::size_t i = 0; i < set.loaders.size(); ++i)  // (checked here: converting cannot fail later)
+        if (loaded.saved_per_batch.defined())
+          resumed_batches(i, static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()),
+                          loaded.saved_per_batch[static_cast<int64_t>(i)].item<int64_t>(),
+                          set.loaders[i]->samples_per_batch, /*main_process=*/false);
     }
     if (set.scaler) {
       const std::string file = (dir / "scaler.pt").string();
@@ -9782,9 +9878,11 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
                        tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
     }
-    const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
-    if (!fs::exists(dir / rng_name))
-      throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
+    // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
+    const int saved_process = saved_process_for(ctx.process_index, saved_processes);
+    loaded.derived_rng = saved_process != ctx.process_index;
+    const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+    if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
     rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
@@ -9865,8 +9963,12 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    set.loaders[i]->resume_at(static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>()),
-                              static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()));
+    const auto row = static_cast<int64_t>(i);
+    auto batches = static_cast<size_t>(points[row][1].item<int64_t>());
+    if (loaded.saved_per_batch.defined())  // kept in samples: another batch size or number of processes
+      batches = resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(),
+                                set.loaders[i]->samples_per_batch, ctx.process_index == 0);
+    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()), batches);
   }
   // A generator's state is a CPU byte tensor, the CUDA generator's too; the
   // archives were read onto the training device, so it comes back first.
@@ -9874,8 +9976,18 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     std::lock_guard lock(generator.mutex());
     generator.set_state(state.cpu());
   };
-  set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
-  if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  if (!loaded.derived_rng) {
+    set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
+    if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  } else {  // a process the saving run did not have: a stream of its own (checkpoint_world.hpp)
+    const uint64_t seed = derived_seed(loaded.rng, ctx.process_index);
+    auto reseed = [seed](at::Generator generator) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_current_seed(seed);
+    };
+    reseed(at::detail::getDefaultCPUGenerator());
+    if (ctx.device.is_cuda()) reseed(at::globalContext().defaultGenerator(ctx.device));
+  }
   if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
   return loaded.step;
 }
@@ -10864,8 +10976,10 @@ class AcceleratorPreparing : public AcceleratorSetup {
                             std::to_string(replicas) + " data-parallel processes");
     using Loader =
         std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(
-        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    auto position = std::make_shared<detail::LoaderPosition>();  // its place in its passes goes into checkpoints
+    const size_t batch = config.batch_sampler ? config.batch_sampler_batch_size.value_or(0) : config.batch_size;
+    position->samples_per_batch = settings().split_batches ? batch : batch * static_cast<size_t>(replicas);
+    prepared_.loaders.push_back(position);
     return Loader(std::move(dataset), config, world().get_group(Dim::DP), settings().split_batches, state_,
                   prepared_.loaders.back());
   }

@@ -109,11 +109,12 @@ TEST_SUITE("ranks") {
           std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
           const std::string line = "processes " + std::to_string(P);
           text.replace(text.find(line), line.size(), "processes " + std::to_string(P + 1));
+          text.replace(text.find("shards 1"), 8, "shards 2");  // sharded: one optimizer file per process
           std::ofstream(d / "accel_checkpoint.txt") << text;
         },
         accelerator, model, optimizer);
-    CHECK(what.find("it was saved by " + std::to_string(P + 1) + " processes, this run has " + std::to_string(P)) !=
-          std::string::npos);
+    CHECK(what.find("it was saved by " + std::to_string(P + 1) + " processes, this run has " + std::to_string(P) +
+                    " (the model is sharded, its optimizer state saved per process") != std::string::npos);
     what = refused([](const fs::path& d) { fs::remove(d / "accel_checkpoint.txt"); }, accelerator, model, optimizer);
     CHECK(what.find("no complete checkpoint: " + dir.string() +
                     "_4/accel_checkpoint.txt, which save_state writes last") != std::string::npos);
@@ -193,7 +194,7 @@ TEST_SUITE("ranks") {
                     ".pt: File too large") != std::string::npos);
     what = limited(0, 8192, [&] { accelerator.save_state(dir); });
     CHECK(what.find("cannot write " + dir.string() + ".tmp/model.pt: File too large") != std::string::npos);
-    accelerator.wait_for_everyone();  // (the main process removes it after the error)
+    accelerator.wait_for_everyone();                 // (the main process removes it after the error)
     CHECK_FALSE(fs::exists(dir.string() + ".tmp"));  // removed, to give a full disk its space back
     accelerator.load_state(dir);
     CHECK(at::equal(saved, flat_parameters(*model)));
@@ -757,5 +758,143 @@ TEST_SUITE("python_safetensors" * doctest::skip()) {
     CHECK(at::equal(net(io["x"]), io["y"]));
     CHECK(net->named_buffers()["body.1.num_batches_tracked"].item<int64_t>() == 7);
     world().destroy();
+  }
+}
+
+// Run by tests/resize_check.sh (CTest checkpoint_resize): a checkpoint saved
+// by 2 processes, loaded by 1, 3 and 4 with the same global batch (12
+// samples) and by 3 with another (ACCEL_RESIZE_BATCH per process); skipped
+// otherwise. The saving run records what it saved and what came next into
+// ACCEL_RESIZE_DIR; each loading run must match it.
+TEST_SUITE("checkpoint_resize" * doctest::skip()) {
+  constexpr size_t kGlobalBatch = 12;
+  struct Resized {  // the training both sides run: Adam on an MLP, the batch from each sample's index
+    explicit Resized(uint64_t seed, accel::Accelerator& acc) : accelerator(acc) {
+      torch::manual_seed(seed);
+      model = Mlp(4, 16, 1);
+      optimizer = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.01));
+      accelerator.prepare(model, *optimizer);
+    }
+    auto loader() {
+      const char* batch = std::getenv("ACCEL_RESIZE_BATCH");
+      const size_t per_process =
+          batch ? std::stoul(batch) : kGlobalBatch / static_cast<size_t>(accelerator.num_processes());
+      return accelerator.prepare_data_loader(Indexed(96).map(torch::data::transforms::Stack<>()),
+                                             {.batch_size = per_process, .shuffle = true, .seed = 3});
+    }
+    void step(const at::Tensor& indices) {
+      const at::Tensor i = indices.to(at::kFloat).reshape({-1, 1});
+      optimizer->zero_grad();
+      accelerator.backward(torch::mse_loss(model((i * at::arange(1, 5, at::kFloat)).sin()), i.cos()));
+      optimizer->step();
+    }
+    // Every process's batch in rank order: the samples of the global batch in the loader's order.
+    at::Tensor global(const at::Tensor& indices) { return accel::all_gather(indices.reshape({-1})).reshape({-1}); }
+    accel::Accelerator& accelerator;
+    Mlp model{nullptr};
+    std::unique_ptr<torch::optim::Adam> optimizer;
+  };
+  std::filesystem::path resize_dir() {
+    const char* dir = std::getenv("ACCEL_RESIZE_DIR");
+    REQUIRE(dir != nullptr);
+    return dir;
+  }
+
+  TEST_CASE("save: 3 steps, a checkpoint, what comes next") {
+    const auto dir = resize_dir();
+    accel::Accelerator accelerator(config());
+    Resized run(1, accelerator);
+    auto loader = run.loader();
+    int steps = 0;
+    std::map<std::string, at::Tensor> expect;
+    std::vector<at::Tensor> order;  // the samples of the pass after the checkpoint, in order
+    for (auto& batch : loader) {
+      if (steps == 3) {  // the batches after the checkpoint
+        order.push_back(run.global(batch.data));
+        if (order.size() == 1) {
+          run.step(batch.data);
+          expect["stepped"] = flat_parameters(*run.model).clone();
+        }
+        continue;
+      }
+      run.step(batch.data);
+      if (++steps == 3) {
+        accelerator.save_state(dir / "checkpoint");
+        expect["params"] = flat_parameters(*run.model).clone();
+        expect["rng"] = accel::all_gather(torch::rand({4}));  // each process's next draw
+      }
+    }
+    expect["order"] = at::cat(order);
+    REQUIRE(expect.size() == 4);
+    if (accelerator.is_main_process())
+      accel::detail::write_safetensors(dir / "expect.safetensors", {expect.begin(), expect.end()});
+    world().destroy();
+  }
+
+  TEST_CASE("load: the same model, optimizer, place and RNG; the next step as the saving run's") {
+    const auto dir = resize_dir();
+    std::map<std::string, at::Tensor> expect;
+    for (auto& named : accel::detail::read_safetensors(dir / "expect.safetensors")) expect.insert(named);
+    accel::Accelerator accelerator(config());
+    const int P = accelerator.num_processes(), saved = static_cast<int>(expect["rng"].size(0));
+    Resized run(7, accelerator);  // other initial weights: the load must replace them
+    auto loader = run.loader();
+    CHECK_FALSE(at::equal(flat_parameters(*run.model), expect["params"]));
+    accelerator.load_state(dir / "checkpoint");
+    CHECK(at::equal(flat_parameters(*run.model), expect["params"]));
+    const at::Tensor draws = accel::all_gather(torch::rand({4}));
+    for (int p = 0; p < P; ++p) {
+      if (p < saved) {
+        CHECK(at::equal(draws[p], expect["rng"][p]));  // its own saved state
+        continue;
+      }
+      for (int q = 0; q < P; ++q)  // a process the saving run did not have: a stream of its own
+        if (q != p) CHECK_FALSE(at::equal(draws[p], draws[q]));
+      for (int q = 0; q < saved; ++q) CHECK_FALSE(at::equal(draws[p], expect["rng"][q]));
+    }
+    bool stepped = false;
+    for (auto& batch : loader) {
+      // The samples after the saved place, whatever the layout: 36 read, then as many as a global batch holds.
+      const at::Tensor samples = run.global(batch.data);
+      CHECK(at::equal(samples, expect["order"].narrow(0, 0, samples.numel())));
+      if (samples.numel() != static_cast<int64_t>(kGlobalBatch)) {  // another global batch: no step to compare
+        MESSAGE(P, " processes after ", saved, ", ", samples.numel(), " samples per batch: resumed at sample 36");
+        stepped = true;
+        break;
+      }
+      run.step(batch.data);
+      const double apart = (flat_parameters(*run.model) - expect["stepped"]).abs().max().item<double>();
+      MESSAGE(P, " processes after ", saved, ": the next step ", apart, " from the saving run's");
+      CHECK(apart < 1e-6);
+      stepped = true;
+      break;
+    }
+    CHECK(stepped);
+    world().destroy();
+  }
+}
+
+TEST_SUITE("single") {
+  TEST_CASE("checkpoints at another number of processes: a loader's place in samples; seeds of new processes") {
+    using accel::detail::resumed_batches;
+    CHECK(resumed_batches(0, 5, 12, 12, true) == 5);  // the same batches: as saved
+    CHECK(resumed_batches(0, 3, 12, 6, true) == 6);   // 36 samples: 6 batches of 6
+    CHECK(resumed_batches(0, 3, 12, 24, true) == 1);  // 36 of 24 per batch: 1 skipped, 12 read again (warned)
+    CHECK(resumed_batches(0, 0, 0, 8, true) == 0);    // at a pass's start nothing needs converting
+    CHECK(resumed_batches(0, 4, 8, 8, true) == 4);    // (samples per batch known on both sides)
+    const std::string unknown = what_of([] { resumed_batches(2, 3, 0, 8, true); });
+    CHECK(unknown.find("prepared loader 2 stopped after 3 batches of its pass, and the samples per batch of the "
+                       "saving run are not known (a custom batch sampler: set batch_sampler_batch_size)") !=
+          std::string::npos);
+    CHECK(what_of([] { resumed_batches(0, 3, 8, 0, true); }).find("of this run are not known") != std::string::npos);
+    using accel::detail::derived_seed;
+    const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
+    CHECK(derived_seed(state, 3) == derived_seed(state.clone(), 3));  // the same at every resume
+    CHECK(derived_seed(state, 3) != derived_seed(state, 4));          // each new process a stream of its own
+    at::Tensor other = state.clone();
+    other[0] = static_cast<uint8_t>(other[0].item<uint8_t>() + 1);
+    CHECK(derived_seed(other, 3) != derived_seed(state, 3));
+    CHECK(accel::detail::saved_process_for(1, 2) == 1);
+    CHECK(accel::detail::saved_process_for(5, 2) == 1);
   }
 }

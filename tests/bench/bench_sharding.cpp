@@ -74,7 +74,12 @@ int main(int argc, char** argv) {
   // Held by tensors, between two steps.
   int64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;
   for (const auto& p : model->parameters()) {
-    param_bytes += static_cast<int64_t>(p.storage().nbytes());  // 0 at rest under FULL_SHARD
+    bool holds = false;  // none at rest under FULL_SHARD, where newer LibTorch keeps the
+    try {                // storage's size but refuses even to show its data pointer
+      holds = p.storage().data() != nullptr;
+    } catch (const c10::Error&) {
+    }
+    if (holds) param_bytes += static_cast<int64_t>(p.storage().nbytes());
     grad_bytes += bytes_of(p.grad());
   }
   for (const auto& group : adam.param_groups())

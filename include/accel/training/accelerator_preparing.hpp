@@ -120,8 +120,10 @@ class AcceleratorPreparing : public AcceleratorSetup {
                             std::to_string(replicas) + " data-parallel processes");
     using Loader =
         std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
-    prepared_.loaders.push_back(
-        std::make_shared<detail::LoaderPosition>());  // its place in its passes goes into checkpoints
+    auto position = std::make_shared<detail::LoaderPosition>();  // its place in its passes goes into checkpoints
+    const size_t batch = config.batch_sampler ? config.batch_sampler_batch_size.value_or(0) : config.batch_size;
+    position->samples_per_batch = settings().split_batches ? batch : batch * static_cast<size_t>(replicas);
+    prepared_.loaders.push_back(position);
     return Loader(std::move(dataset), config, world().get_group(Dim::DP), settings().split_batches, state_,
                   prepared_.loaders.back());
   }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "accel/training/checkpoint_files.hpp"
+#include "accel/training/checkpoint_world.hpp"
 #include "accel/training/prepared.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -67,13 +68,15 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
-    std::vector<int64_t> points;
+    std::vector<int64_t> points, per_batch;
     for (const auto& loader : set.loaders) {
       const auto [epoch, skip] = loader->resume_point();
       points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
+      per_batch.push_back(static_cast<int64_t>(loader->samples_per_batch));
     }
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+    archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
     save_archive(archive, tmp / "loaders.pt");
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
@@ -150,20 +153,27 @@ struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
+  at::Tensor saved_per_batch;          // the loaders' samples per batch in the saving run (undefined: not recorded)
+  bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
   int64_t step = 0;
   std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
 };
 
-// The manifest against this run: as many processes, models, optimizers,
-// schedulers, loaders and registered objects, sharded the same ways.
-inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+// The manifest against this run: as many models, optimizers, schedulers,
+// loaders and registered objects, sharded the same ways; as many processes
+// where the optimizer state is sharded (one file per process), any number
+// where it is whole (checkpoint_world.hpp).
+// Returns how many processes saved it.
+inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
                        ", which save_state writes last, is missing or cut short");
-  if (manifest->processes != ctx.num_processes)
+  if (manifest->processes != ctx.num_processes && (manifest->shards != 1 || !set.sharded->empty()))
     throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                       std::to_string(ctx.num_processes) + " (one RNG state per process: load it with as many)");
+                       std::to_string(ctx.num_processes) +
+                       " (the model is sharded, its optimizer state saved per process: load it with as many; "
+                       "a checkpoint of a whole model, NO_SHARD or one process, loads at any number)");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -178,6 +188,7 @@ inline void check_manifest(const std::filesystem::path& dir, const PreparedSet& 
   if (manifest->shards != shards)
     throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
                        std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
+  return static_cast<int>(manifest->processes);
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -206,7 +217,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    check_manifest(dir, set, ctx);
+    const int saved_processes = check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -247,8 +258,21 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
     }
     if (!set.loaders.empty()) {
       const std::string file = (dir / "loaders.pt").string();
-      points =
-          tensor(*read("loaders.pt"), "resume_points", at::kLong, {static_cast<int64_t>(set.loaders.size()), 2}, file);
+      auto archive = read("loaders.pt");
+      const auto n = static_cast<int64_t>(set.loaders.size());
+      points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+      if (archive->try_read("samples_per_batch", loaded.saved_per_batch))  // (older checkpoints lack it)
+        loaded.saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+      else if (saved_processes != ctx.num_processes)
+        throw RuntimeError(file +
+                           " does not say how many samples its loaders read per batch (an older "
+                           "accel.hpp saved it): load it with as many processes as saved it (" +
+                           std::to_string(saved_processes) + ")");
+      for (std::size_t i = 0; i < set.loaders.size(); ++i)  // (checked here: converting cannot fail later)
+        if (loaded.saved_per_batch.defined())
+          resumed_batches(i, static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()),
+                          loaded.saved_per_batch[static_cast<int64_t>(i)].item<int64_t>(),
+                          set.loaders[i]->samples_per_batch, /*main_process=*/false);
     }
     if (set.scaler) {
       const std::string file = (dir / "scaler.pt").string();
@@ -258,9 +282,11 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
                        tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
     }
-    const std::string rng_name = "random_states_" + std::to_string(ctx.process_index) + ".pt";
-    if (!fs::exists(dir / rng_name))
-      throw RuntimeError("missing " + (dir / rng_name).string() + " (saved by fewer processes than this run has?)");
+    // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
+    const int saved_process = saved_process_for(ctx.process_index, saved_processes);
+    loaded.derived_rng = saved_process != ctx.process_index;
+    const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+    if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
     auto rng_archive = read(rng_name);
     const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
     rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
@@ -341,8 +367,12 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    set.loaders[i]->resume_at(static_cast<size_t>(points[static_cast<int64_t>(i)][0].item<int64_t>()),
-                              static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()));
+    const auto row = static_cast<int64_t>(i);
+    auto batches = static_cast<size_t>(points[row][1].item<int64_t>());
+    if (loaded.saved_per_batch.defined())  // kept in samples: another batch size or number of processes
+      batches = resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(),
+                                set.loaders[i]->samples_per_batch, ctx.process_index == 0);
+    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()), batches);
   }
   // A generator's state is a CPU byte tensor, the CUDA generator's too; the
   // archives were read onto the training device, so it comes back first.
@@ -350,8 +380,18 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     std::lock_guard lock(generator.mutex());
     generator.set_state(state.cpu());
   };
-  set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
-  if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  if (!loaded.derived_rng) {
+    set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
+    if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
+  } else {  // a process the saving run did not have: a stream of its own (checkpoint_world.hpp)
+    const uint64_t seed = derived_seed(loaded.rng, ctx.process_index);
+    auto reseed = [seed](at::Generator generator) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_current_seed(seed);
+    };
+    reseed(at::detail::getDefaultCPUGenerator());
+    if (ctx.device.is_cuda()) reseed(at::globalContext().defaultGenerator(ctx.device));
+  }
   if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
   return loaded.step;
 }

@@ -346,6 +346,10 @@ struct LoaderState {
 struct LoaderPosition {
   size_t next_epoch = 0, epoch = 0, handed_out = 0, skip = 0;
   bool in_pass = false;
+  // Samples per batch over all the data-parallel processes (0: not known),
+  // by which a checkpoint's place carries over to another number of
+  // processes or batch size (checkpoint_world.hpp).
+  size_t samples_per_batch = 0;
   std::optional<bool> even_batches{};
   // The point a resumed run starts from: (epoch, batches to skip).
   std::pair<size_t, size_t> resume_point() const {
