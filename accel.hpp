@@ -9544,8 +9544,10 @@ ACCEL_NAMESPACE_END
 //   or the global batch with split_batches). This run skips as many of its
 //   own batches as cover them; where they do not come out whole, it skips
 //   the whole ones only (the rest is read again) and warns, naming how many
-//   samples. A position with a batch size that is not known (a custom
-//   batch sampler without batch_sampler_batch_size) cannot be converted.
+//   samples. Where either run's batch size is not known (a custom batch
+//   sampler without batch_sampler_batch_size), a place mid-pass carries
+//   over to as many processes only, in batches as saved, and is an error
+//   at another number.
 // - RNG states: process p loads the saving run's process p's. A process the
 //   saving run did not have seeds its generators from the state of process
 //   p mod N (N saving processes) and p, so that each new process draws a
@@ -9574,17 +9576,21 @@ inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
 
 // How many of this run's batches loader `index` skips to resume a pass of
 // which the saving run read `batches` batches of `saved_per_batch` samples
-// (0: not known), this run's batches being of `per_batch`. Warns (once, on
-// the main process) where the samples do not come out in whole batches.
+// (0: not known), this run's batches being of `per_batch` (0: not known)
+// and its processes as many as the saving run's or not. Warns (once, on the
+// main process) where the samples do not come out in whole batches.
 inline size_t resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
-                              bool main_process) {
-  if (batches == 0 || saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
-  if (saved_per_batch <= 0 || per_batch == 0)
+                              bool same_processes, bool main_process) {
+  if (batches == 0) return 0;
+  if (saved_per_batch <= 0 || per_batch == 0) {
+    if (same_processes) return batches;  // as saved (the batch size is the program's to keep)
     throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
                        " batches of its pass, and the samples per batch of " +
                        (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
                        " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
-                       "cannot be carried over to another batch size or number of processes");
+                       "cannot be carried over to another number of processes");
+  }
+  if (saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
   const auto samples = static_cast<size_t>(saved_per_batch) * batches;
   const size_t whole = samples / per_batch, again = samples % per_batch;
   if (again != 0 && main_process)
@@ -9750,6 +9756,7 @@ struct LoadedCheckpoint {
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   at::Tensor saved_per_batch;          // the loaders' samples per batch in the saving run (undefined: not recorded)
+  int saved_processes = 1;             // how many processes saved it
   bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
   int64_t step = 0;
   std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
@@ -9813,7 +9820,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const int saved_processes = check_manifest(dir, set, ctx);
+    const int saved_processes = loaded.saved_processes = check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -9868,7 +9875,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         if (loaded.saved_per_batch.defined())
           resumed_batches(i, static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()),
                           loaded.saved_per_batch[static_cast<int64_t>(i)].item<int64_t>(),
-                          set.loaders[i]->samples_per_batch, /*main_process=*/false);
+                          set.loaders[i]->samples_per_batch, saved_processes == ctx.num_processes,
+                          /*main_process=*/false);
     }
     if (set.scaler) {
       const std::string file = (dir / "scaler.pt").string();
@@ -9966,8 +9974,9 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     const auto row = static_cast<int64_t>(i);
     auto batches = static_cast<size_t>(points[row][1].item<int64_t>());
     if (loaded.saved_per_batch.defined())  // kept in samples: another batch size or number of processes
-      batches = resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(),
-                                set.loaders[i]->samples_per_batch, ctx.process_index == 0);
+      batches =
+          resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(), set.loaders[i]->samples_per_batch,
+                          loaded.saved_processes == ctx.num_processes, ctx.process_index == 0);
     set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()), batches);
   }
   // A generator's state is a CPU byte tensor, the CUDA generator's too; the

@@ -877,16 +877,19 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
 TEST_SUITE("single") {
   TEST_CASE("checkpoints at another number of processes: a loader's place in samples; seeds of new processes") {
     using accel::detail::resumed_batches;
-    CHECK(resumed_batches(0, 5, 12, 12, true) == 5);  // the same batches: as saved
-    CHECK(resumed_batches(0, 3, 12, 6, true) == 6);   // 36 samples: 6 batches of 6
-    CHECK(resumed_batches(0, 3, 12, 24, true) == 1);  // 36 of 24 per batch: 1 skipped, 12 read again (warned)
-    CHECK(resumed_batches(0, 0, 0, 8, true) == 0);    // at a pass's start nothing needs converting
-    CHECK(resumed_batches(0, 4, 8, 8, true) == 4);    // (samples per batch known on both sides)
-    const std::string unknown = what_of([] { resumed_batches(2, 3, 0, 8, true); });
+    // (index, batches read, samples per batch then, now, as many processes, main process)
+    CHECK(resumed_batches(0, 5, 12, 12, false, true) == 5);  // the same batches: as saved
+    CHECK(resumed_batches(0, 3, 12, 6, false, true) == 6);   // 36 samples: 6 batches of 6
+    CHECK(resumed_batches(0, 3, 12, 24, false, true) == 1);  // 36 of 24 per batch: 1 skipped, 12 read again (warned)
+    CHECK(resumed_batches(0, 0, 0, 8, false, true) == 0);    // at a pass's start nothing needs converting
+    CHECK(resumed_batches(0, 3, 0, 0, true, true) == 3);     // not known, as many processes: as saved
+    const std::string unknown = what_of([] { resumed_batches(2, 3, 0, 8, false, true); });
     CHECK(unknown.find("prepared loader 2 stopped after 3 batches of its pass, and the samples per batch of the "
-                       "saving run are not known (a custom batch sampler: set batch_sampler_batch_size)") !=
+                       "saving run are not known (a custom batch sampler: set batch_sampler_batch_size), so its "
+                       "place cannot be carried over to another number of processes") != std::string::npos);
+    CHECK(what_of([] { resumed_batches(0, 3, 8, 0, false, true); }).find("of this run are not known") !=
           std::string::npos);
-    CHECK(what_of([] { resumed_batches(0, 3, 8, 0, true); }).find("of this run are not known") != std::string::npos);
+    CHECK(what_of([] { resumed_batches(0, 3, 0, 0, false, true); }).find("are not known") != std::string::npos);
     using accel::detail::derived_seed;
     const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
     CHECK(derived_seed(state, 3) == derived_seed(state.clone(), 3));  // the same at every resume

@@ -154,6 +154,7 @@ struct LoadedCheckpoint {
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   at::Tensor saved_per_batch;          // the loaders' samples per batch in the saving run (undefined: not recorded)
+  int saved_processes = 1;             // how many processes saved it
   bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
   int64_t step = 0;
   std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
@@ -217,7 +218,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const int saved_processes = check_manifest(dir, set, ctx);
+    const int saved_processes = loaded.saved_processes = check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -272,7 +273,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         if (loaded.saved_per_batch.defined())
           resumed_batches(i, static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()),
                           loaded.saved_per_batch[static_cast<int64_t>(i)].item<int64_t>(),
-                          set.loaders[i]->samples_per_batch, /*main_process=*/false);
+                          set.loaders[i]->samples_per_batch, saved_processes == ctx.num_processes,
+                          /*main_process=*/false);
     }
     if (set.scaler) {
       const std::string file = (dir / "scaler.pt").string();
@@ -370,8 +372,9 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     const auto row = static_cast<int64_t>(i);
     auto batches = static_cast<size_t>(points[row][1].item<int64_t>());
     if (loaded.saved_per_batch.defined())  // kept in samples: another batch size or number of processes
-      batches = resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(),
-                                set.loaders[i]->samples_per_batch, ctx.process_index == 0);
+      batches =
+          resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(), set.loaders[i]->samples_per_batch,
+                          loaded.saved_processes == ctx.num_processes, ctx.process_index == 0);
     set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()), batches);
   }
   // A generator's state is a CPU byte tensor, the CUDA generator's too; the

@@ -11,8 +11,10 @@
 //   or the global batch with split_batches). This run skips as many of its
 //   own batches as cover them; where they do not come out whole, it skips
 //   the whole ones only (the rest is read again) and warns, naming how many
-//   samples. A position with a batch size that is not known (a custom
-//   batch sampler without batch_sampler_batch_size) cannot be converted.
+//   samples. Where either run's batch size is not known (a custom batch
+//   sampler without batch_sampler_batch_size), a place mid-pass carries
+//   over to as many processes only, in batches as saved, and is an error
+//   at another number.
 // - RNG states: process p loads the saving run's process p's. A process the
 //   saving run did not have seeds its generators from the state of process
 //   p mod N (N saving processes) and p, so that each new process draws a
@@ -45,17 +47,21 @@ inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
 
 // How many of this run's batches loader `index` skips to resume a pass of
 // which the saving run read `batches` batches of `saved_per_batch` samples
-// (0: not known), this run's batches being of `per_batch`. Warns (once, on
-// the main process) where the samples do not come out in whole batches.
+// (0: not known), this run's batches being of `per_batch` (0: not known)
+// and its processes as many as the saving run's or not. Warns (once, on the
+// main process) where the samples do not come out in whole batches.
 inline size_t resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
-                              bool main_process) {
-  if (batches == 0 || saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
-  if (saved_per_batch <= 0 || per_batch == 0)
+                              bool same_processes, bool main_process) {
+  if (batches == 0) return 0;
+  if (saved_per_batch <= 0 || per_batch == 0) {
+    if (same_processes) return batches;  // as saved (the batch size is the program's to keep)
     throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
                        " batches of its pass, and the samples per batch of " +
                        (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
                        " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
-                       "cannot be carried over to another batch size or number of processes");
+                       "cannot be carried over to another number of processes");
+  }
+  if (saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
   const auto samples = static_cast<size_t>(saved_per_batch) * batches;
   const size_t whole = samples / per_batch, again = samples % per_batch;
   if (again != 0 && main_process)
