@@ -877,19 +877,24 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
 TEST_SUITE("single") {
   TEST_CASE("checkpoints at another number of processes: a loader's place in samples; seeds of new processes") {
     using accel::detail::resumed_batches;
-    // (index, batches read, samples per batch then, now, as many processes, main process)
-    CHECK(resumed_batches(0, 5, 12, 12, false, true) == 5);  // the same batches: as saved
-    CHECK(resumed_batches(0, 3, 12, 6, false, true) == 6);   // 36 samples: 6 batches of 6
-    CHECK(resumed_batches(0, 3, 12, 24, false, true) == 1);  // 36 of 24 per batch: 1 skipped, 12 read again (warned)
-    CHECK(resumed_batches(0, 0, 0, 8, false, true) == 0);    // at a pass's start nothing needs converting
-    CHECK(resumed_batches(0, 3, 0, 0, true, true) == 3);     // not known, as many processes: as saved
-    const std::string unknown = what_of([] { resumed_batches(2, 3, 0, 8, false, true); });
+    // (index, batches read, samples per batch then, now, as many processes) -> batches to skip here
+    CHECK(resumed_batches(0, 5, 12, 12, false).batches == 5);   // the same batches: as saved
+    CHECK(resumed_batches(0, 3, 12, 6, false).batches == 6);    // 36 samples: 6 batches of 6
+    const auto partial = resumed_batches(0, 3, 12, 24, false);  // 36 of 24 per batch: 1 skipped, 12 read again
+    CHECK(partial.batches == 1);
+    CHECK(partial.warning.find("prepared loader 0 read 36 samples of its pass in the saving run (3 batches of 12); "
+                               "this run reads 24 per batch, so it skips 1 batches and reads the last 12 of those "
+                               "samples again") != std::string::npos);
+    CHECK(resumed_batches(0, 3, 12, 6, false).warning.empty());
+    CHECK(resumed_batches(0, 0, 0, 8, false).batches == 0);  // at a pass's start nothing needs converting
+    CHECK(resumed_batches(0, 3, 0, 0, true).batches == 3);   // not known, as many processes: as saved
+    CHECK(resumed_batches(0, 4, 8, 8, false).batches == 4);  // (samples per batch known on both sides)
+    const std::string unknown = what_of([] { resumed_batches(2, 3, 0, 8, false); });
     CHECK(unknown.find("prepared loader 2 stopped after 3 batches of its pass, and the samples per batch of the "
                        "saving run are not known (a custom batch sampler: set batch_sampler_batch_size), so its "
                        "place cannot be carried over to another number of processes") != std::string::npos);
-    CHECK(what_of([] { resumed_batches(0, 3, 8, 0, false, true); }).find("of this run are not known") !=
-          std::string::npos);
-    CHECK(what_of([] { resumed_batches(0, 3, 0, 0, false, true); }).find("are not known") != std::string::npos);
+    CHECK(what_of([] { resumed_batches(0, 3, 8, 0, false); }).find("of this run are not known") != std::string::npos);
+    CHECK(what_of([] { resumed_batches(0, 3, 0, 0, false); }).find("are not known") != std::string::npos);
     using accel::detail::derived_seed;
     const at::Tensor state = at::detail::getDefaultCPUGenerator().get_state();
     CHECK(derived_seed(state, 3) == derived_seed(state.clone(), 3));  // the same at every resume

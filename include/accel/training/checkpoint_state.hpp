@@ -153,8 +153,7 @@ struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
-  at::Tensor saved_per_batch;          // the loaders' samples per batch in the saving run (undefined: not recorded)
-  int saved_processes = 1;             // how many processes saved it
+  std::vector<std::string> warnings;   // given once the load is committed (a loader's place, checkpoint_world)
   bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
   int64_t step = 0;
   std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
@@ -218,7 +217,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const int saved_processes = loaded.saved_processes = check_manifest(dir, set, ctx);
+    const int saved_processes = check_manifest(dir, set, ctx);
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -262,19 +261,23 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       auto archive = read("loaders.pt");
       const auto n = static_cast<int64_t>(set.loaders.size());
       points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-      if (archive->try_read("samples_per_batch", loaded.saved_per_batch))  // (older checkpoints lack it)
-        loaded.saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+      // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
+      at::Tensor saved_per_batch;
+      if (archive->try_read("samples_per_batch", saved_per_batch))
+        saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
       else if (saved_processes != ctx.num_processes)
         throw RuntimeError(file +
                            " does not say how many samples its loaders read per batch (an older "
                            "accel.hpp saved it): load it with as many processes as saved it (" +
                            std::to_string(saved_processes) + ")");
-      for (std::size_t i = 0; i < set.loaders.size(); ++i)  // (checked here: converting cannot fail later)
-        if (loaded.saved_per_batch.defined())
-          resumed_batches(i, static_cast<size_t>(points[static_cast<int64_t>(i)][1].item<int64_t>()),
-                          loaded.saved_per_batch[static_cast<int64_t>(i)].item<int64_t>(),
-                          set.loaders[i]->samples_per_batch, saved_processes == ctx.num_processes,
-                          /*main_process=*/false);
+      for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
+        ResumedBatches resumed = resumed_batches(
+            static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
+            saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
+            saved_processes == ctx.num_processes);
+        points[i][1].fill_(static_cast<int64_t>(resumed.batches));
+        if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
+      }
     }
     if (set.scaler) {
       const std::string file = (dir / "scaler.pt").string();
@@ -369,13 +372,9 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
   for (DataParallel* dp : *set.sharded) dp->reshard();
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    const auto row = static_cast<int64_t>(i);
-    auto batches = static_cast<size_t>(points[row][1].item<int64_t>());
-    if (loaded.saved_per_batch.defined())  // kept in samples: another batch size or number of processes
-      batches =
-          resumed_batches(i, batches, loaded.saved_per_batch[row].item<int64_t>(), set.loaders[i]->samples_per_batch,
-                          loaded.saved_processes == ctx.num_processes, ctx.process_index == 0);
-    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()), batches);
+    const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read_checkpoint converted it)
+    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()),
+                              static_cast<size_t>(points[row][1].item<int64_t>()));
   }
   // A generator's state is a CPU byte tensor, the CUDA generator's too; the
   // archives were read onto the training device, so it comes back first.
@@ -396,6 +395,8 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     if (ctx.device.is_cuda()) reseed(at::globalContext().defaultGenerator(ctx.device));
   }
   if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
+  if (ctx.process_index == 0)
+    for (const auto& warning : loaded.warnings) TORCH_WARN(warning);
   return loaded.step;
 }
 

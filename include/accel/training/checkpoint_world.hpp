@@ -48,28 +48,32 @@ inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
 // How many of this run's batches loader `index` skips to resume a pass of
 // which the saving run read `batches` batches of `saved_per_batch` samples
 // (0: not known), this run's batches being of `per_batch` (0: not known)
-// and its processes as many as the saving run's or not. Warns (once, on the
-// main process) where the samples do not come out in whole batches.
-inline size_t resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
-                              bool same_processes, bool main_process) {
-  if (batches == 0) return 0;
+// and its processes as many as the saving run's or not; and, where the
+// samples do not come out in whole batches, the warning that says so
+// (empty otherwise; load_state gives it once the load is committed).
+struct ResumedBatches {
+  size_t batches = 0;
+  std::string warning{};
+};
+inline ResumedBatches resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
+                                      bool same_processes) {
+  if (batches == 0) return {};
   if (saved_per_batch <= 0 || per_batch == 0) {
-    if (same_processes) return batches;  // as saved (the batch size is the program's to keep)
+    if (same_processes) return {batches};  // as saved (the batch size is the program's to keep)
     throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
                        " batches of its pass, and the samples per batch of " +
                        (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
                        " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
                        "cannot be carried over to another number of processes");
   }
-  if (saved_per_batch == static_cast<int64_t>(per_batch)) return batches;
+  if (saved_per_batch == static_cast<int64_t>(per_batch)) return {batches};
   const auto samples = static_cast<size_t>(saved_per_batch) * batches;
   const size_t whole = samples / per_batch, again = samples % per_batch;
-  if (again != 0 && main_process)
-    TORCH_WARN("accel::Accelerator::load_state: prepared loader ", index, " read ", samples,
-               " samples of its pass in the saving run (", batches, " batches of ", saved_per_batch,
-               "); this run reads ", per_batch, " per batch, so it skips ", whole, " batches and reads the last ",
-               again, " of those samples again");
-  return whole;
+  if (again == 0) return {whole};
+  return {whole, c10::str("accel::Accelerator::load_state: prepared loader ", index, " read ", samples,
+                          " samples of its pass in the saving run (", batches, " batches of ", saved_per_batch,
+                          "); this run reads ", per_batch, " per batch, so it skips ", whole,
+                          " batches and reads the last ", again, " of those samples again")};
 }
 }  // namespace detail
 
