@@ -6262,6 +6262,35 @@ struct Bucket {
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
+// Every parameter of the bucket had a gradient here since the last sync:
+// then each was used on some rank, and the reduced flags need not be read
+// back (on a GPU that read would make the host wait for the reduction).
+inline bool used_by_all_here(const Bucket& bucket) {
+  return std::all_of(bucket.used.begin(), bucket.used.end(), [](uint8_t u) { return u != 0; });
+}
+
+// Writes the bucket's used-flags (host bytes) into `to`, a view of the
+// buffer about to be reduced (repeated along its rows where it has rows).
+// On a device, copying from ordinary host memory would make the host wait
+// for everything queued before it, once per bucket in the middle of the
+// backward; instead every flag set (the usual case) is a fill, and other
+// flags travel from page-locked memory without waiting (the caching host
+// allocator keeps it until the copy ends), as DDP copies its used map.
+inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
+  const auto n = static_cast<int64_t>(bucket.used.size());
+  const at::Tensor flags = at::from_blob(const_cast<uint8_t*>(bucket.used.data()), {n}, at::TensorOptions(c10::kByte));
+  if (to.is_cpu()) {
+    to.copy_(flags);
+  } else if (used_by_all_here(bucket)) {
+    to.fill_(1);
+  } else if (to.is_cuda()) {
+    const at::Tensor staged = at::empty({n}, at::TensorOptions(to.scalar_type()).pinned_memory(true)).copy_(flags);
+    to.copy_(staged.to(to.device(), /*non_blocking=*/true));
+  } else {
+    to.copy_(flags);
+  }
+}
+
 struct Unit {
   const torch::nn::Module* module = nullptr;
   std::vector<std::size_t> buckets{};
@@ -6380,12 +6409,15 @@ inline void land_scatter(State& s, std::size_t b) {
                            detail::error_text(e));
   }
   const auto n = static_cast<int64_t>(bucket.params.size());
-  const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
-  if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
-  else bucket.used_anywhere.copy_(flags.gt(0));
-  const bool* used = bucket.used_anywhere.data_ptr<bool>();
+  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
+  if (!all_used) {
+    const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
+    if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
+    else bucket.used_anywhere.copy_(flags.gt(0));
+  }
+  const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
   for (int64_t i = 0; i < n; ++i) {
-    if (used[i]) {
+    if (all_used || used[i]) {
       at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
       const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
       if (!shard.grad().defined()) {
@@ -6425,9 +6457,7 @@ inline void issue_scatter(State& s, std::size_t b) {
       read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
       bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
     }
-  rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-      .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
-                 .expand({S, static_cast<int64_t>(n)}));
+  write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
   if (s.replicas != 1) laid_out.div_(s.replicas);
   try {
     c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
@@ -6491,8 +6521,7 @@ inline void issue_bucket(State& state, std::size_t b) {
       if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
     }
   }
-  bucket.packing.view(bucket.flat, n)
-      .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
+  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
   try {
     GradBucket hooked = grad_bucket(state, b, bucket.flat);
     bucket.work = state.hook(state.group, hooked);
@@ -6523,11 +6552,13 @@ inline void finish_unsharded(State& state) {
     bucket.flat = bucket.flat.reshape({-1});
     if (state.bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
     const std::size_t n = bucket.params.size();
-    const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
-    const bool* used = used_anywhere.data_ptr<bool>();
+    // Which parameters some rank used: known here when this rank used them all.
+    const bool all_used = used_by_all_here(bucket);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
     for (std::size_t i = 0; i < n; ++i) {
       at::Tensor& p = bucket.params[i];
-      if (used[i]) {
+      if (all_used || used[i]) {
         at::Tensor averaged = bucket.packing.view(bucket.flat, i);
         if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
         else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
@@ -7216,6 +7247,15 @@ ACCEL_NAMESPACE_BEGIN
 // The class owns the state (dp_state.hpp) and keeps the API; the work is
 // in dp_reducer.hpp (the buckets), dp_shards.hpp (ZeRO-2) and dp_units.hpp
 // (ZeRO-3), on that state.
+//
+// On a GPU, streams as DDP: a bucket is flattened on the stream its
+// gradients were made on, and c10d runs its collective on a stream of its
+// own (NCCL's; Gloo's copies to and from the host) once that stream has
+// reached it; finish() makes the current stream wait for the reduction,
+// and the host waits for nothing: the used-flags are written without it,
+// and read back only where this rank left a parameter unused (dp_state.hpp;
+// the cuda case "gpu: DataParallel's backward ..." proves it under CUDA's
+// sync debug mode).
 //
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
@@ -9475,14 +9515,14 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   set.split_sharded(parameters, shards, whole);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
+  // read back once (on a GPU each read makes the host wait for the device).
   auto part = [&](const std::vector<at::Tensor>& grads) {
-    double total = 0;
-    for (const auto& g : grads) {
-      const double n = g.norm(norm_type).item<double>();
-      total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
-    }
-    return total;
+    if (grads.empty()) return 0.0;
+    std::vector<at::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
+    const at::Tensor all = at::stack(norms);
+    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
   };
   const double from_shards =
       accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());

@@ -9,6 +9,10 @@
 
 #include "training_fixtures.hpp"
 
+#if ACCEL_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>  // CUDA's sync debug mode
+#endif
+
 namespace {
 // Parameters whose gradients are `grads` (each parameter zero, of its
 // gradient's shape), and SGD with learning rate 1 over them: a step
@@ -116,6 +120,55 @@ TEST_SUITE("single") {
 }
 
 TEST_SUITE("cuda") {
+  TEST_CASE(
+      "gpu: DataParallel's backward and finish() on CUDA make the host wait for nothing (CUDA's sync debug mode "
+      "set to error)") {
+#if ACCEL_WITH_NCCL
+    if (!gpu_or_skip("DataParallel on CUDA needs a GPU")) return;
+    EnvGuard env{{"ACCEL_BACKEND", "nccl"}, {"ACCEL_DEVICE", "cuda"}};
+    WorldOfOne one;
+    auto& d = accel::DistributedInterface::instance(test_config());
+    const c10::Device device = d.current_device();
+    torch::manual_seed(6);
+    Mlp model(8, 512, 3);  // 2 MiB of parameters
+    Mlp reference = copy_of(model, 8, 512, 3);
+    model->to(device);
+    reference->to(device);
+    // The first bucket 1 MiB (as DDP), then 4 KiB ones: several all-reduces in flight during the backward.
+    accel::DataParallel dp(model.ptr(), d.world_group(), 4096);
+    auto generator = at::detail::createCPUGenerator(8);
+    const at::Tensor x = at::randn({16, 8}, generator).to(device), y = at::randn({16, 1}, generator).to(device);
+    auto& warnings = c10::cuda::warning_state();
+    struct Disabled {  // (the mode is process-wide: set back whatever a check throws)
+      ~Disabled() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED); }
+    } disabled;
+    // The mode catches a wait: reading a value back makes the host wait for the device.
+    warnings.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+    CHECK_THROWS(x.sum().item<float>());
+    warnings.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    for (int step = 0; step < 3; ++step) {
+      CAPTURE(step);
+      model->zero_grad();
+      dp.prepare_for_backward();
+      warnings.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+      // Each bucket's used-flags written, its all-reduce issued on NCCL's stream and waited for by the
+      // current stream, the averages written back: all queued, none waited for by the host.
+      CHECK_NOTHROW(torch::mse_loss(model(x), y).backward());
+      CHECK_NOTHROW(dp.finish());
+      warnings.set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+      reference->zero_grad();
+      torch::mse_loss(reference(x), y).backward();
+      const auto mine = model->parameters(), theirs = reference->parameters();
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        REQUIRE(mine[i].grad().defined());
+        CHECK(at::allclose(mine[i].grad(), theirs[i].grad(), 1e-6, 1e-7));  // averaged over a world of one
+      }
+    }
+#else
+    std::printf("SKIPPED (no NCCL in this build): a CPU LibTorch, or no <nccl.h>\n");
+#endif
+  }
+
   TEST_CASE(
       "gpu: the Accelerator on CUDA over NCCL (a world of one) trains as the CPU does: fp32, bf16 autocast, fp16") {
 #if ACCEL_WITH_NCCL

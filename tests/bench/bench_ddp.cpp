@@ -31,6 +31,12 @@ struct MlpImpl : torch::nn::Module {
   torch::nn::Sequential body;
 };
 TORCH_MODULE(Mlp);
+
+// "_cuda" on a GPU, "_cuda_gloo" for Gloo on CUDA tensors (ACCEL_BACKEND=gloo: processes sharing one GPU).
+std::string device_suffix(accel::Accelerator& accelerator) {
+  if (!accelerator.device().is_cuda()) return "";
+  return accel::DistributedInterface::instance().backend() == "gloo" ? "_cuda_gloo" : "_cuda";
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -49,8 +55,8 @@ int main(int argc, char** argv) {
         std::make_shared<accel::PowerSGDState>(accel::PowerSGDState{.start_powerSGD_iter = 2})));
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
-  const std::string variant = (hook == "none" ? "accel_accelerator" : "accel_accelerator_" + hook) +
-                              (accelerator.device().is_cuda() ? "_cuda" : "");
+  const std::string variant =
+      (hook == "none" ? "accel_accelerator" : "accel_accelerator_" + hook) + device_suffix(accelerator);
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
   const at::Tensor x = at::randn({kBatch, kIn}, generator).to(accelerator.device()),
                    y = at::randn({kBatch, 1}, generator).to(accelerator.device());

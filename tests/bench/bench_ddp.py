@@ -30,10 +30,14 @@ def main():
     hook = sys.argv[3] if len(sys.argv) > 3 else "none"
     cuda = os.environ.get("ACCEL_BENCH_DEVICE") == "cuda"
     variant = ("python_ddp" if hook == "none" else f"python_ddp_{hook}") + ("_cuda" if cuda else "")
+    if cuda and os.environ.get("ACCEL_BENCH_BACKEND") == "gloo":
+        variant += "_gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    # ACCEL_BENCH_BACKEND=gloo: Gloo on CUDA tensors (several processes sharing one GPU; the variant ends in _cuda_gloo).
+    backend = os.environ.get("ACCEL_BENCH_BACKEND") or ("nccl" if cuda else "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                           nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1)).to(device)

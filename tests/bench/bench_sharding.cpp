@@ -60,7 +60,10 @@ int main(int argc, char** argv) {
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   const at::Device device = accelerator.device();
-  const std::string variant = strategy + (device.is_cuda() ? "_cuda" : "");
+  const std::string variant =  // "_cuda_gloo": Gloo on CUDA tensors (ACCEL_BACKEND=gloo, processes sharing one GPU)
+      strategy + (!device.is_cuda()                                             ? ""
+                  : accel::DistributedInterface::instance().backend() == "gloo" ? "_cuda_gloo"
+                                                                                : "_cuda");
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
   const at::Tensor x = at::randn({kBatch, kWidth}, generator).to(device),
                    y = at::randn({kBatch, kWidth}, generator).to(device);

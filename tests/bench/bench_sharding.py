@@ -39,7 +39,10 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=300))
+    # ACCEL_BENCH_BACKEND=gloo: Gloo on CUDA tensors (several processes sharing one GPU; the variant ends in _cuda_gloo).
+    backend = os.environ.get("ACCEL_BENCH_BACKEND") or ("nccl" if cuda else "gloo")
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    suffix = ("_cuda" if cuda else "") + ("_gloo" if cuda and backend == "gloo" else "")
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -96,7 +99,7 @@ def main():
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
-            print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant}{'_cuda' if cuda else ''},{params},{t.item():.6g},{unit}",
+            print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant}{suffix},{params},{t.item():.6g},{unit}",
                   flush=True)
 
     report("grads_mb", grads / 2**20, "MiB")

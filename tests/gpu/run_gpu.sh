@@ -13,9 +13,10 @@
 #   2. examples/train_mlp on the GPU with no, bf16 and fp16 mixed precision;
 #   3. the benchmarks, side by side in one run: all_reduce over NCCL through
 #      accel and through c10d (a world of one, on the device and staged),
-#      the data-parallel training step against Python's DDP (NCCL), and the
+#      the data-parallel training step against Python's DDP, and the
 #      sharded step (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD) against Python's
-#      DDP, ZeroRedundancyOptimizer and FSDP2 (NCCL, a world of one);
+#      DDP, ZeroRedundancyOptimizer and FSDP2: a world of one on NCCL, and
+#      2 and 4 processes sharing the GPU with Gloo on CUDA tensors;
 #   4. every functional suite on the CPU (ACCEL_DEVICE=cpu: Gloo, 1-4 ranks)
 #      with this CUDA LibTorch and a GPU present.
 # Not part of CI (CI has no GPU). Where the machine has no Gloo or doctest
@@ -27,6 +28,8 @@
 #     ACCEL_GPU_BUILD=DIR ...                         # the build directory (default build/gpu)
 #     ACCEL_GPU_BENCHES="ddp sharding" ...            # step 3: those benchmarks (all_reduce ddp sharding)
 #     ACCEL_GPU_ROUNDS=2 ...                          # step 3: interleaved rounds of the steps (3)
+#     ACCEL_GPU_GLOO_WORLDS="2" ...                   # step 3: the steps at these numbers of processes as
+#                                                     #   well, sharing the GPU over Gloo ("2 4"; "" for none)
 # SECONDS: the suites of step 4 (and the rest of the build they need) stop
 # when the script has run that long, and count as failed if cut short.
 set -uo pipefail
@@ -75,6 +78,7 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$pr
 grep -iE "warning|nccl|gloo" "$out/configure.log" | head -20
 benches=${ACCEL_GPU_BENCHES:-all_reduce ddp sharding}
 rounds=${ACCEL_GPU_ROUNDS:-3}
+gloo_worlds=${ACCEL_GPU_GLOO_WORLDS-2 4}  # the step benchmarks at these numbers of processes too (Gloo, one GPU)
 bench() { wanted 3 && [[ " $benches " == *" $1 "* ]]; }
 targets=(accel_launch)
 { wanted 1 || wanted 4; } && targets+=(accel_tests)
@@ -96,7 +100,7 @@ phase "1. the CUDA cases"
 # one), so that a crash in one hides none of the others.
 tests=$build/tests/accel_tests
 unlaunched=(env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u ACCEL_STORE_DIR)
-for cases in "cuda: *" "gpu: an NCCL world*" "gpu: the Accelerator*" "gpu: fp16*"; do
+for cases in "cuda: *" "gpu: an NCCL world*" "gpu: DataParallel*" "gpu: the Accelerator*" "gpu: fp16*"; do
   echo "-- $cases" >>"$out/cuda.log"
   "${unlaunched[@]}" timeout 120 "$tests" -ts=cuda "-tc=$cases" --no-intro=true >>"$out/cuda.log" 2>&1 ||
     fail "the cases $cases"
@@ -130,24 +134,41 @@ if bench all_reduce; then
     fail "bench gpu_all_reduce"
   sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_all_reduce.log" >>"$csv"
 fi
+# A step benchmark at `world` processes: one on NCCL, or several sharing the
+# GPU with Gloo on CUDA tensors (NCCL refuses two ranks on one device), every
+# process bound to device 0.
+on_gpu() {
+  local world=$1
+  shift
+  if ((world == 1)); then
+    ACCEL_BENCH_DEVICE=cuda timeout 150 "$launch" --timeout 140 1 "$@"
+  else
+    ACCEL_BACKEND=gloo ACCEL_DEVICE=cuda ACCEL_BENCH_DEVICE=cuda ACCEL_BENCH_BACKEND=gloo \
+      timeout 150 "$launch" --timeout 140 "$world" env LOCAL_RANK=0 "$@"
+  fi
+}
 if bench ddp; then
   for ((round = 1; round <= rounds; ++round)); do  # interleaved: accel, Python, accel, ...
-    timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_ddp" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
-      fail "bench_ddp (accel)"
-    ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_ddp.py" 3 100 \
-      >>"$out/bench_ddp.log" 2>&1 || fail "bench_ddp.py (Python DDP)"
+    for world in 1 $gloo_worlds; do
+      on_gpu "$world" "$build/tests/accel_bench_ddp" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
+        fail "bench_ddp (accel) at $world"
+      on_gpu "$world" python3 "$root/tests/bench/bench_ddp.py" 3 100 >>"$out/bench_ddp.log" 2>&1 ||
+        fail "bench_ddp.py (Python DDP) at $world"
+    done
   done
   sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_ddp.log" >>"$csv"
 fi
 if bench sharding; then
   for ((round = 1; round <= rounds; ++round)); do  # interleaved; a side that fails is reported, the rest go on
-    for variant in no_shard shard_grad_op full_shard; do
-      timeout 100 "$launch" --timeout 90 1 "$build/tests/accel_bench_sharding" $variant 3 20 \
-        >>"$out/bench_sharding.log" 2>&1 || fail "bench_sharding $variant"
-    done
-    for variant in no_shard zero fsdp2_shard_grad_op fsdp2_full_shard; do
-      ACCEL_BENCH_DEVICE=cuda timeout 100 "$launch" --timeout 90 1 python3 "$root/tests/bench/bench_sharding.py" \
-        $variant 3 20 >>"$out/bench_sharding.log" 2>&1 || fail "bench_sharding.py $variant"
+    for world in 1 $gloo_worlds; do
+      for variant in no_shard shard_grad_op full_shard; do
+        on_gpu "$world" "$build/tests/accel_bench_sharding" $variant 3 20 >>"$out/bench_sharding.log" 2>&1 ||
+          fail "bench_sharding $variant at $world"
+      done
+      for variant in no_shard zero fsdp2_shard_grad_op fsdp2_full_shard; do
+        on_gpu "$world" python3 "$root/tests/bench/bench_sharding.py" $variant 3 20 >>"$out/bench_sharding.log" 2>&1 ||
+          fail "bench_sharding.py $variant at $world"
+      done
     done
   done
   sed -n 's/^\[rank 0\] CSV,//p' "$out/bench_sharding.log" >>"$csv"

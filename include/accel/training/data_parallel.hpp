@@ -61,6 +61,15 @@ ACCEL_NAMESPACE_BEGIN
 // in dp_reducer.hpp (the buckets), dp_shards.hpp (ZeRO-2) and dp_units.hpp
 // (ZeRO-3), on that state.
 //
+// On a GPU, streams as DDP: a bucket is flattened on the stream its
+// gradients were made on, and c10d runs its collective on a stream of its
+// own (NCCL's; Gloo's copies to and from the host) once that stream has
+// reached it; finish() makes the current stream wait for the reduction,
+// and the host waits for nothing: the used-flags are written without it,
+// and read back only where this rank left a parameter unused (dp_state.hpp;
+// the cuda case "gpu: DataParallel's backward ..." proves it under CUDA's
+// sync debug mode).
+//
 // Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
 // header includes torch/csrc/distributed/autograd/context/context.h, which
 // Debian's libtorch-dev does not ship, so it cannot be included there.

@@ -42,8 +42,7 @@ inline void issue_bucket(State& state, std::size_t b) {
       if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
     }
   }
-  bucket.packing.view(bucket.flat, n)
-      .copy_(at::from_blob(bucket.used.data(), {static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte)));
+  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
   try {
     GradBucket hooked = grad_bucket(state, b, bucket.flat);
     bucket.work = state.hook(state.group, hooked);
@@ -74,11 +73,13 @@ inline void finish_unsharded(State& state) {
     bucket.flat = bucket.flat.reshape({-1});
     if (state.bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
     const std::size_t n = bucket.params.size();
-    const at::Tensor used_anywhere = bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
-    const bool* used = used_anywhere.data_ptr<bool>();
+    // Which parameters some rank used: known here when this rank used them all.
+    const bool all_used = used_by_all_here(bucket);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
     for (std::size_t i = 0; i < n; ++i) {
       at::Tensor& p = bucket.params[i];
-      if (used[i]) {
+      if (all_used || used[i]) {
         at::Tensor averaged = bucket.packing.view(bucket.flat, i);
         if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
         else if (p.grad().defined()) p.mutable_grad().copy_(averaged);

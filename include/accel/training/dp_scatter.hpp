@@ -45,12 +45,15 @@ inline void land_scatter(State& s, std::size_t b) {
                            detail::error_text(e));
   }
   const auto n = static_cast<int64_t>(bucket.params.size());
-  const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
-  if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
-  else bucket.used_anywhere.copy_(flags.gt(0));
-  const bool* used = bucket.used_anywhere.data_ptr<bool>();
+  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
+  if (!all_used) {
+    const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
+    if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
+    else bucket.used_anywhere.copy_(flags.gt(0));
+  }
+  const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
   for (int64_t i = 0; i < n; ++i) {
-    if (used[i]) {
+    if (all_used || used[i]) {
       at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
       const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
       if (!shard.grad().defined()) {
@@ -90,9 +93,7 @@ inline void issue_scatter(State& s, std::size_t b) {
       read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
       bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
     }
-  rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n))
-      .copy_(at::from_blob(bucket.used.data(), {1, static_cast<int64_t>(n)}, at::TensorOptions(c10::kByte))
-                 .expand({S, static_cast<int64_t>(n)}));
+  write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
   if (s.replicas != 1) laid_out.div_(s.replicas);
   try {
     c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);

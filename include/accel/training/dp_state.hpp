@@ -52,6 +52,35 @@ struct Bucket {
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
+// Every parameter of the bucket had a gradient here since the last sync:
+// then each was used on some rank, and the reduced flags need not be read
+// back (on a GPU that read would make the host wait for the reduction).
+inline bool used_by_all_here(const Bucket& bucket) {
+  return std::all_of(bucket.used.begin(), bucket.used.end(), [](uint8_t u) { return u != 0; });
+}
+
+// Writes the bucket's used-flags (host bytes) into `to`, a view of the
+// buffer about to be reduced (repeated along its rows where it has rows).
+// On a device, copying from ordinary host memory would make the host wait
+// for everything queued before it, once per bucket in the middle of the
+// backward; instead every flag set (the usual case) is a fill, and other
+// flags travel from page-locked memory without waiting (the caching host
+// allocator keeps it until the copy ends), as DDP copies its used map.
+inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
+  const auto n = static_cast<int64_t>(bucket.used.size());
+  const at::Tensor flags = at::from_blob(const_cast<uint8_t*>(bucket.used.data()), {n}, at::TensorOptions(c10::kByte));
+  if (to.is_cpu()) {
+    to.copy_(flags);
+  } else if (used_by_all_here(bucket)) {
+    to.fill_(1);
+  } else if (to.is_cuda()) {
+    const at::Tensor staged = at::empty({n}, at::TensorOptions(to.scalar_type()).pinned_memory(true)).copy_(flags);
+    to.copy_(staged.to(to.device(), /*non_blocking=*/true));
+  } else {
+    to.copy_(flags);
+  }
+}
+
 struct Unit {
   const torch::nn::Module* module = nullptr;
   std::vector<std::size_t> buckets{};

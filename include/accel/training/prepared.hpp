@@ -91,14 +91,14 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   set.split_sharded(parameters, shards, whole);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group.
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
+  // read back once (on a GPU each read makes the host wait for the device).
   auto part = [&](const std::vector<at::Tensor>& grads) {
-    double total = 0;
-    for (const auto& g : grads) {
-      const double n = g.norm(norm_type).item<double>();
-      total = inf ? std::max(total, n) : total + std::pow(n, norm_type);
-    }
-    return total;
+    if (grads.empty()) return 0.0;
+    std::vector<at::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
+    const at::Tensor all = at::stack(norms);
+    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
   };
   const double from_shards =
       accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
