@@ -62,6 +62,7 @@
 //     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
+//     accel/training/checkpoint_reshard.hpp     an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
 //     accel/training/checkpoint_world.hpp       a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
 //     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
 //     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
@@ -9570,14 +9571,233 @@ class SyncGuard {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint_reshard.hpp ====================================
+// accel/training/checkpoint_reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
+//
+// Under sharding each process saves its own optimizer state
+// (optimizer_rank<k>.pt): for every sharded parameter of n elements, piece
+// k of its flattened values, ceil(n / S) elements (S: the shard group's
+// size; the last piece padded with zeros), as DataParallel shards it. With
+// the model mesh row-major (mp_replicate, mp_shard), process k holds piece
+// k mod S, so processes 0 .. S-1 hold every piece once. A run that shards
+// another way (another S, another number of processes, NO_SHARD or one
+// process, whose optimizer.pt is whole) needs other pieces: this part
+// builds this process's from the saved ones, reading only the first file
+// and those whose pieces overlap its own, and gives it to Optimizer::load as the archive it
+// would have saved (torch/optim/serialize.h's layout).
+//
+// The rule for a tensor of a parameter's state (Adam's exp_avg, SGD's
+// momentum_buffer, ...): one of the saved piece's size is a piece, one of
+// the parameter's shape is whole; anything else (a step count, a scalar)
+// is the same on every process and is taken from the first file as saved.
+// Where this run does not shard a parameter, its state comes back whole, in
+// the parameter's shape.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A position of an optimizer's parameter list (group after group), as this
+// run holds it: the whole parameter and, where sharded, which piece of how
+// many elements this process keeps (piece -1: whole).
+struct OptimizerSlot {
+  at::Tensor whole;
+  int64_t piece = -1, length = 0;
+};
+
+inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
+  std::map<const c10::TensorImpl*, OptimizerSlot> sharded;  // a shard -> its parameter and piece
+  for (const auto& m : set.models)
+    if (m.data_parallel && m.data_parallel->sharded())
+      for (const auto& p : m.module->parameters()) {
+        const at::Tensor shard = m.data_parallel->shard_of(p);
+        if (shard.defined())
+          sharded[shard.unsafeGetTensorImpl()] = {p, m.data_parallel->shard_group()->getRank(), shard.numel()};
+      }
+  std::vector<OptimizerSlot> slots;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      const auto found = sharded.find(p.unsafeGetTensorImpl());
+      slots.push_back(found != sharded.end() ? found->second : OptimizerSlot{p, -1, p.numel()});
+    }
+  return slots;
+}
+
+// One saved optimizer file, read: its archive, and for each position its
+// state's archive (none where the parameter had no state yet).
+struct SavedOptimizer {
+  std::string file;
+  torch::serialize::InputArchive archive;
+  std::vector<std::optional<torch::serialize::InputArchive>> states;
+};
+
+inline SavedOptimizer read_saved_optimizer(const std::filesystem::path& file, std::size_t slots, c10::Device device) {
+  SavedOptimizer saved{.file = file.string(), .archive = {}, .states = {}};
+  if (!std::filesystem::exists(file)) throw RuntimeError("missing " + saved.file);
+  try {
+    saved.archive.load_from(saved.file, device);
+    torch::serialize::InputArchive state, groups;
+    saved.archive.read("state", state);
+    saved.archive.read("param_groups", groups);
+    at::Tensor count;
+    groups.read("param_groups/size", count);
+    for (int64_t g = 0; g < count.item<int64_t>(); ++g) {
+      torch::serialize::InputArchive group;
+      groups.read("param_groups/" + std::to_string(g), group);
+      at::Tensor size;
+      group.read("params/size", size);
+      for (int64_t j = 0; j < size.item<int64_t>(); ++j) {
+        c10::IValue key;
+        group.read("params/" + std::to_string(j), key);
+        torch::serialize::InputArchive own;
+        saved.states.push_back(state.try_read(key.toStringRef(), own) ? std::optional(std::move(own)) : std::nullopt);
+      }
+    }
+  } catch (const std::exception& e) {
+    throw RuntimeError("cannot read " + saved.file + " as an optimizer's state: " + error_text(e));
+  }
+  if (saved.states.size() != slots)
+    throw RuntimeError(saved.file + " holds the state of " + std::to_string(saved.states.size()) +
+                       " parameters; this run's optimizer has " + std::to_string(slots));
+  return saved;
+}
+
+// Elements [begin, end) of a parameter's flattened values into `out` (from
+// its offset 0), out of the saved pieces (each `stride` elements: piece k
+// starts at k * stride) or one whole tensor (stride n).
+inline void copy_range(const std::vector<const at::Tensor*>& pieces, int64_t stride, int64_t begin, int64_t end,
+                       at::Tensor& out) {
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (!pieces[k]) continue;
+    const int64_t from = std::max(begin, static_cast<int64_t>(k) * stride),
+                  to = std::min(end, (static_cast<int64_t>(k) + 1) * stride);
+    if (from < to)
+      out.narrow(0, from - begin, to - from)
+          .copy_(pieces[k]->reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
+  }
+}
+
+// The saved state of optimizer `index` as this process's optimizer takes it
+// (an archive for Optimizer::load and load_group_options). `saved_shards`:
+// how many pieces the saving run cut each parameter into (1: whole, in
+// `file_of(0)`); `file_of(k)`: the file of the process that held piece k.
+inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
+    const PreparedSet& set, std::size_t index, int64_t saved_shards,
+    const std::function<std::filesystem::path(int64_t)>& file_of, c10::Device device) {
+  torch::optim::Optimizer& optimizer = *set.optimizers[index];
+  const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
+  // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
+  std::set<int64_t> needed{0};
+  for (const auto& slot : slots) {
+    const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+    const int64_t begin = slot.piece < 0 ? 0 : std::min(n, slot.piece * slot.length),
+                  end = slot.piece < 0 ? n : std::min(n, begin + slot.length);
+    for (int64_t k = stride ? begin / stride : 0; stride && k * stride < end && k < saved_shards; ++k) needed.insert(k);
+  }
+  std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
+  for (const int64_t k : needed)
+    files[static_cast<std::size_t>(k)] = read_saved_optimizer(file_of(k), slots.size(), device);
+  SavedOptimizer& first = *files[0];
+
+  torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
+  c10::IValue version;
+  first.archive.read("pytorch_version", version);
+  out.write("pytorch_version", version);
+  // The groups as the first file has them (its keys name the states below), options included.
+  torch::serialize::InputArchive saved_groups;
+  first.archive.read("param_groups", saved_groups);
+  at::Tensor group_count;
+  saved_groups.read("param_groups/size", group_count);
+  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
+    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
+                       " parameter groups; this run's optimizer has " +
+                       std::to_string(optimizer.param_groups().size()));
+  groups.write("param_groups/size", group_count);
+  std::size_t position = 0;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    torch::serialize::InputArchive saved_group, saved_options;
+    saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+    torch::serialize::OutputArchive group(out.compilation_unit()), options(out.compilation_unit());
+    at::Tensor size;
+    saved_group.read("params/size", size);
+    if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
+      throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
+                         std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
+                         std::to_string(optimizer.param_groups()[g].params().size()));
+    group.write("params/size", size);
+    for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
+      c10::IValue key;
+      saved_group.read("params/" + std::to_string(j), key);
+      group.write("params/" + std::to_string(j), key);
+      if (!first.states[position]) continue;  // no state yet (never stepped)
+      const OptimizerSlot& slot = slots[position];
+      const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+      torch::serialize::InputArchive& saved_state = *first.states[position];
+      torch::serialize::OutputArchive own(out.compilation_unit());
+      for (const std::string& field : saved_state.keys()) {
+        c10::IValue value;
+        saved_state.read(field, value);
+        const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+        const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
+        const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
+        if (!whole && !piece) {  // the same on every process: as saved
+          own.write(field, value);
+          continue;
+        }
+        std::vector<const at::Tensor*> sources(piece ? files.size() : 1, nullptr);
+        std::vector<at::Tensor> held(sources.size());
+        for (std::size_t k = 0; k < sources.size(); ++k) {
+          if (!files[k]) continue;
+          c10::IValue other;
+          if (k == 0) other = value;
+          else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
+                   !other.isTensor() || other.toTensor().numel() != stride)
+            throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
+                               " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
+          held[k] = other.toTensor();
+          sources[k] = &held[k];
+        }
+        const int64_t begin = slot.piece < 0 ? 0 : std::min(n, slot.piece * slot.length),
+                      end = slot.piece < 0 ? n : std::min(n, begin + slot.length);
+        at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
+        copy_range(sources, piece ? stride : n, begin, end, mine);
+        own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
+      }
+      state.write(key.toStringRef(), own);
+    }
+    // The options through the optimizer's own options type (what they are is the optimizer's business).
+    saved_group.read("options", saved_options);
+    const auto& current = optimizer.param_groups()[g];
+    std::unique_ptr<torch::optim::OptimizerOptions> copy =
+        (current.has_options() ? current.options() : optimizer.defaults()).clone();
+    copy->serialize(saved_options);
+    copy->serialize(options);
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  if (position != slots.size())
+    throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
+                       " parameters; this run's optimizer has " + std::to_string(slots.size()));
+  out.write("state", state);
+  out.write("param_groups", groups);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string held = std::move(bytes).str();
+  auto archive = std::make_unique<torch::serialize::InputArchive>();
+  archive->load_from(held.data(), held.size(), device);
+  return archive;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint_world.hpp ======================================
 // accel/training/checkpoint_world.hpp: a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes.
 //
-// A checkpoint whose model and optimizer state are whole (one process,
-// DataParallel, NO_SHARD) loads at any number of processes: a job moved
-// from 4 processes to 2, or an elastic restart with fewer, goes on. Two
-// things in it belong to the saving run's layout, and these are the rules
-// for them:
+// A checkpoint loads at any number of processes: a job moved from 4
+// processes to 2, or an elastic restart with fewer, goes on (a sharded
+// optimizer state is cut again for the new pieces: checkpoint_reshard.hpp).
+// Two more things in it belong to the saving run's layout, and these are
+// the rules for them:
 // - A prepared loader's place is kept in samples: the saving run read
 //   `batches` batches of the pass, each of `samples_per_batch` samples over
 //   all its processes (the batch size times the data-parallel processes,
@@ -9677,10 +9897,14 @@ inline std::string numbered_file(const std::string& stem, std::size_t i) {
 }
 // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
 // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
-inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+// (rank -1: the whole one).
+inline std::string optimizer_file(std::size_t i, int rank) {
   const std::string name = numbered_file("optimizer", i);
-  if (set.sharded->empty()) return name;
-  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
+  if (rank < 0) return name;
+  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(rank) + ".pt";
+}
+inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+  return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
 // What every process writes: its RNG states and step (as Accelerate's
@@ -9806,20 +10030,18 @@ struct LoadedCheckpoint {
 };
 
 // The manifest against this run: as many models, optimizers, schedulers,
-// loaders and registered objects, sharded the same ways; as many processes
-// where the optimizer state is sharded (one file per process), any number
-// where it is whole (checkpoint_world.hpp).
-// Returns how many processes saved it.
-inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+// loaders and registered objects. The number of processes and the ways
+// the optimizer state is sharded may differ (checkpoint_world.hpp,
+// checkpoint_reshard.hpp). Returns the saving run's layout.
+struct SavedLayout {
+  int processes = 1;
+  int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
+};
+inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
                        ", which save_state writes last, is missing or cut short");
-  if (manifest->processes != ctx.num_processes && (manifest->shards != 1 || !set.sharded->empty()))
-    throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                       std::to_string(ctx.num_processes) +
-                       " (the model is sharded, its optimizer state saved per process: load it with as many; "
-                       "a checkpoint of a whole model, NO_SHARD or one process, loads at any number)");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -9830,11 +10052,10 @@ inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& s
     if (count.second.first != static_cast<int64_t>(count.second.second))
       throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                          std::to_string(count.second.second));
-  const int64_t shards = ctx.shards;
-  if (manifest->shards != shards)
-    throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
-                       std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
-  return static_cast<int>(manifest->processes);
+  if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
+    throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and " + std::to_string(manifest->shards) + " shards");
+  return {static_cast<int>(manifest->processes), manifest->shards};
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -9863,7 +10084,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const int saved_processes = check_manifest(dir, set, ctx);
+    const SavedLayout saved = check_manifest(dir, set);
+    const int saved_processes = saved.processes;
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -9879,7 +10101,17 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       models[i] = read(numbered_file("model", i));
       check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
     }
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) optimizers[i] = read(optimizer_file(set, ctx, i));
+    // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
+    // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
+    const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i)
+      optimizers[i] =
+          as_saved
+              ? read(optimizer_file(set, ctx, i))
+              : resharded_optimizer(
+                    set, i, saved.shards,
+                    [&](int64_t k) { return dir / optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k)); },
+                    ctx.device);
     for (std::size_t i = 0; i < set.objects.size(); ++i)
       objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
     for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
@@ -11417,8 +11649,9 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   // a pass's last batch resumes with the next epoch); loop over epochs from
   // loader.next_epoch(). Transactional:
   // every file is read and checked first (parameter and buffer names, shapes
-  // and dtypes against the models; one RNG state per process, so the number
-  // of processes must be the saver's), on every process; on any error
+  // and dtypes against the models), on every process; another number of
+  // processes or another sharding strategy is fine (checkpoint_world.hpp,
+  // checkpoint_reshard.hpp); on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest

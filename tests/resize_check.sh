@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# A checkpoint of a whole model (NO_SHARD) saved by 2 processes and loaded by
-# 1, 3 and 4 with the same global batch, and by 3 with another: the suite
+# Checkpoints loaded by another number of processes, the suite
 # checkpoint_resize of the test program, whose saving run records what each
 # loading run must match (parameters, RNG draws, the samples after the saved
-# place, the step after it).
+# place, the step after it):
+#   a whole model (NO_SHARD) saved by 2 processes, loaded by 1, 3 and 4 with
+#   the same global batch, by 3 with another, and by 4 under FULL_SHARD
+#   (its optimizer state cut into pieces);
+#   a FULL_SHARD model saved by 4 (its optimizer state in 4 pieces), loaded
+#   by 2 under SHARD_GRAD_OP, by 1 (whole) and by 3 under FULL_SHARD
+#   (pieces that straddle the saved ones).
+# ACCEL_RESIZE_SAVE / ACCEL_RESIZE_LOAD: the strategy of either run.
 #     bash tests/resize_check.sh ACCEL_LAUNCH ACCEL_TESTS
 set -euo pipefail
 launch=${1:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS} tests=${2:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS}
@@ -11,20 +17,27 @@ ACCEL_RESIZE_DIR=$(mktemp -d)
 export ACCEL_RESIZE_DIR
 trap 'rm -rf "$ACCEL_RESIZE_DIR"' EXIT
 suite=(--no-skip -ts=checkpoint_resize --no-intro=true)
-echo "== saved by 2 processes"
-"$launch" --timeout 120 2 "$tests" "${suite[@]}" -tc='save*'
-# Runs the loading case on $1 processes; its output in full where it fails.
+# Saves on $1 processes (the strategy in ACCEL_RESIZE_SAVE), replacing the last checkpoint.
+save() {
+  echo "== saved by $1 processes (${ACCEL_RESIZE_SAVE:-no_shard})"
+  rm -rf "${ACCEL_RESIZE_DIR:?}"/*
+  "$launch" --timeout 120 "$1" "$tests" "${suite[@]}" -tc='save*'
+}
+# Loads on $1 processes; its output in full where it fails.
 load() {
   local out
+  echo "== loaded by $1 (${ACCEL_RESIZE_LOAD:-no_shard}${ACCEL_RESIZE_BATCH:+, $ACCEL_RESIZE_BATCH samples per process})"
   if ! out=$("$launch" --timeout 120 "$1" "$tests" "${suite[@]}" -tc='load*' -s 2>&1); then
     echo "$out"
     exit 1
   fi
   grep -E "processes after|test cases" <<<"$out"
 }
-for world in 1 3 4; do
-  echo "== loaded by $world"
-  load "$world"
-done
-echo "== loaded by 3 with 6 samples per process (a global batch of 18, not 12)"
-ACCEL_RESIZE_BATCH=6 load 3
+save 2
+for world in 1 3 4; do load "$world"; done
+ACCEL_RESIZE_BATCH=6 load 3  # a global batch of 18, not 12
+ACCEL_RESIZE_LOAD=full_shard load 4
+ACCEL_RESIZE_SAVE=full_shard save 4
+ACCEL_RESIZE_LOAD=shard_grad_op load 2
+load 1
+ACCEL_RESIZE_LOAD=full_shard load 3

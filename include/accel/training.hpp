@@ -33,6 +33,7 @@
 #include "accel/training/checked_file.hpp"
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/prepared.hpp"
+#include "accel/training/checkpoint_reshard.hpp"
 #include "accel/training/checkpoint_world.hpp"
 #include "accel/training/checkpoint_state.hpp"
 #include "accel/training/join.hpp"

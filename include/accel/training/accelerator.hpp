@@ -239,8 +239,9 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   // a pass's last batch resumes with the next epoch); loop over epochs from
   // loader.next_epoch(). Transactional:
   // every file is read and checked first (parameter and buffer names, shapes
-  // and dtypes against the models; one RNG state per process, so the number
-  // of processes must be the saver's), on every process; on any error
+  // and dtypes against the models), on every process; another number of
+  // processes or another sharding strategy is fine (checkpoint_world.hpp,
+  // checkpoint_reshard.hpp); on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "accel/training/checkpoint_files.hpp"
+#include "accel/training/checkpoint_reshard.hpp"
 #include "accel/training/checkpoint_world.hpp"
 #include "accel/training/prepared.hpp"
 
@@ -31,10 +32,14 @@ inline std::string numbered_file(const std::string& stem, std::size_t i) {
 }
 // Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
 // sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
-inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+// (rank -1: the whole one).
+inline std::string optimizer_file(std::size_t i, int rank) {
   const std::string name = numbered_file("optimizer", i);
-  if (set.sharded->empty()) return name;
-  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(ctx.process_index) + ".pt";
+  if (rank < 0) return name;
+  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(rank) + ".pt";
+}
+inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+  return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
 // What every process writes: its RNG states and step (as Accelerate's
@@ -160,20 +165,18 @@ struct LoadedCheckpoint {
 };
 
 // The manifest against this run: as many models, optimizers, schedulers,
-// loaders and registered objects, sharded the same ways; as many processes
-// where the optimizer state is sharded (one file per process), any number
-// where it is whole (checkpoint_world.hpp).
-// Returns how many processes saved it.
-inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& set, const CheckpointContext& ctx) {
+// loaders and registered objects. The number of processes and the ways
+// the optimizer state is sharded may differ (checkpoint_world.hpp,
+// checkpoint_reshard.hpp). Returns the saving run's layout.
+struct SavedLayout {
+  int processes = 1;
+  int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
+};
+inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
                        ", which save_state writes last, is missing or cut short");
-  if (manifest->processes != ctx.num_processes && (manifest->shards != 1 || !set.sharded->empty()))
-    throw RuntimeError("it was saved by " + std::to_string(manifest->processes) + " processes, this run has " +
-                       std::to_string(ctx.num_processes) +
-                       " (the model is sharded, its optimizer state saved per process: load it with as many; "
-                       "a checkpoint of a whole model, NO_SHARD or one process, loads at any number)");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -184,11 +187,10 @@ inline int check_manifest(const std::filesystem::path& dir, const PreparedSet& s
     if (count.second.first != static_cast<int64_t>(count.second.second))
       throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                          std::to_string(count.second.second));
-  const int64_t shards = ctx.shards;
-  if (manifest->shards != shards)
-    throw RuntimeError("its optimizer state is sharded " + std::to_string(manifest->shards) + " way(s), this run's " +
-                       std::to_string(shards) + " way(s) (sharding_strategy and mp_shard_size must be the saver's)");
-  return static_cast<int>(manifest->processes);
+  if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
+    throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and " + std::to_string(manifest->shards) + " shards");
+  return {static_cast<int>(manifest->processes), manifest->shards};
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -217,7 +219,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   models.resize(set.models.size());
   optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
-    const int saved_processes = check_manifest(dir, set, ctx);
+    const SavedLayout saved = check_manifest(dir, set);
+    const int saved_processes = saved.processes;
     auto read = [&](const std::string& name) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
@@ -233,7 +236,17 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       models[i] = read(numbered_file("model", i));
       check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
     }
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) optimizers[i] = read(optimizer_file(set, ctx, i));
+    // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
+    // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
+    const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
+    for (std::size_t i = 0; i < set.optimizers.size(); ++i)
+      optimizers[i] =
+          as_saved
+              ? read(optimizer_file(set, ctx, i))
+              : resharded_optimizer(
+                    set, i, saved.shards,
+                    [&](int64_t k) { return dir / optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k)); },
+                    ctx.device);
     for (std::size_t i = 0; i < set.objects.size(); ++i)
       objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
     for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));

@@ -1,10 +1,10 @@
 // accel/training/checkpoint_world.hpp: a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes.
 //
-// A checkpoint whose model and optimizer state are whole (one process,
-// DataParallel, NO_SHARD) loads at any number of processes: a job moved
-// from 4 processes to 2, or an elastic restart with fewer, goes on. Two
-// things in it belong to the saving run's layout, and these are the rules
-// for them:
+// A checkpoint loads at any number of processes: a job moved from 4
+// processes to 2, or an elastic restart with fewer, goes on (a sharded
+// optimizer state is cut again for the new pieces: checkpoint_reshard.hpp).
+// Two more things in it belong to the saving run's layout, and these are
+// the rules for them:
 // - A prepared loader's place is kept in samples: the saving run read
 //   `batches` batches of the pass, each of `samples_per_batch` samples over
 //   all its processes (the batch size times the data-parallel processes,
