@@ -8,7 +8,9 @@
 #   (its optimizer state cut into pieces);
 #   a FULL_SHARD model saved by 4 (its optimizer state in 4 pieces), loaded
 #   by 2 under SHARD_GRAD_OP, by 1 (whole) and by 3 under FULL_SHARD
-#   (pieces that straddle the saved ones).
+#   (pieces that straddle the saved ones);
+#   a HYBRID_SHARD model saved by 4 (2 replicas of 2 pieces: process k holds
+#   piece k mod 2), loaded by 3 under FULL_SHARD.
 # ACCEL_RESIZE_SAVE / ACCEL_RESIZE_LOAD: the strategy of either run.
 #     bash tests/resize_check.sh ACCEL_LAUNCH ACCEL_TESTS
 set -euo pipefail
@@ -40,4 +42,6 @@ ACCEL_RESIZE_LOAD=full_shard load 4
 ACCEL_RESIZE_SAVE=full_shard save 4
 ACCEL_RESIZE_LOAD=shard_grad_op load 2
 load 1
+ACCEL_RESIZE_LOAD=full_shard load 3
+ACCEL_RESIZE_SAVE=hybrid_shard save 4
 ACCEL_RESIZE_LOAD=full_shard load 3

@@ -806,14 +806,16 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
     std::optional<accel::AcceleratedOptimizer> stepper;
   };
   // The Accelerator of the saving (ACCEL_RESIZE_SAVE) or loading (ACCEL_RESIZE_LOAD) run: no_shard (the
-  // default), shard_grad_op or full_shard.
+  // default), shard_grad_op, full_shard or hybrid_shard (a model mesh of 2 replicas).
   accel::AcceleratorConfig resize_config(const char* variable) {
     accel::AcceleratorConfig c = config();
     const char* set = std::getenv(variable);
     const std::string strategy = set ? set : "no_shard";
-    c.sharding_strategy = strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP
-                          : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
-                                                      : accel::ShardingStrategy::NO_SHARD;
+    c.sharding_strategy = strategy == "shard_grad_op"  ? accel::ShardingStrategy::SHARD_GRAD_OP
+                          : strategy == "full_shard"   ? accel::ShardingStrategy::FULL_SHARD
+                          : strategy == "hybrid_shard" ? accel::ShardingStrategy::HYBRID_SHARD
+                                                       : accel::ShardingStrategy::NO_SHARD;
+    if (strategy == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});
     REQUIRE((strategy == "no_shard" || c.sharding_strategy != accel::ShardingStrategy::NO_SHARD));
     return c;
   }
@@ -851,7 +853,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
     REQUIRE(expect.size() == 4);
     if (accelerator.is_main_process())
       accel::detail::write_safetensors(dir / "expect.safetensors", {expect.begin(), expect.end()});
-    world().destroy();
+    release_world();  // (world() would ask for the default mesh)
   }
 
   TEST_CASE("load: the same model, optimizer, place and RNG; the next step as the saving run's") {
@@ -893,7 +895,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       break;
     }
     CHECK(stepped);
-    world().destroy();
+    release_world();  // (world() would ask for the default mesh)
   }
 }
 
