@@ -32,6 +32,9 @@ namespace detail {
 struct OptimizerSlot {
   at::Tensor whole;
   int64_t piece = -1, length = 0;
+  // The elements [begin, end) of the flattened parameter this process keeps.
+  int64_t begin() const { return piece < 0 ? 0 : std::min(whole.numel(), piece * length); }
+  int64_t end() const { return piece < 0 ? whole.numel() : std::min(whole.numel(), begin() + length); }
 };
 
 inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
@@ -93,16 +96,17 @@ inline SavedOptimizer read_saved_optimizer(const std::filesystem::path& file, st
 
 // Elements [begin, end) of a parameter's flattened values into `out` (from
 // its offset 0), out of the saved pieces (each `stride` elements: piece k
-// starts at k * stride) or one whole tensor (stride n).
-inline void copy_range(const std::vector<const at::Tensor*>& pieces, int64_t stride, int64_t begin, int64_t end,
+// starts at k * stride; undefined: not read, as not overlapping) or one
+// whole tensor (stride n).
+inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, int64_t begin, int64_t end,
                        at::Tensor& out) {
   for (std::size_t k = 0; k < pieces.size(); ++k) {
-    if (!pieces[k]) continue;
+    if (!pieces[k].defined()) continue;
     const int64_t from = std::max(begin, static_cast<int64_t>(k) * stride),
                   to = std::min(end, (static_cast<int64_t>(k) + 1) * stride);
     if (from < to)
       out.narrow(0, from - begin, to - from)
-          .copy_(pieces[k]->reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
+          .copy_(pieces[k].reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
   }
 }
 
@@ -118,10 +122,9 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
   std::set<int64_t> needed{0};
   for (const auto& slot : slots) {
-    const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
-    const int64_t begin = slot.piece < 0 ? 0 : std::min(n, slot.piece * slot.length),
-                  end = slot.piece < 0 ? n : std::min(n, begin + slot.length);
-    for (int64_t k = stride ? begin / stride : 0; stride && k * stride < end && k < saved_shards; ++k) needed.insert(k);
+    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
+    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
+      needed.insert(k);
   }
   std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
   for (const int64_t k : needed)
@@ -173,8 +176,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
           own.write(field, value);
           continue;
         }
-        std::vector<const at::Tensor*> sources(piece ? files.size() : 1, nullptr);
-        std::vector<at::Tensor> held(sources.size());
+        std::vector<at::Tensor> sources(piece ? files.size() : 1);
         for (std::size_t k = 0; k < sources.size(); ++k) {
           if (!files[k]) continue;
           c10::IValue other;
@@ -183,13 +185,10 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
                    !other.isTensor() || other.toTensor().numel() != stride)
             throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
                                " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
-          held[k] = other.toTensor();
-          sources[k] = &held[k];
+          sources[k] = other.toTensor();
         }
-        const int64_t begin = slot.piece < 0 ? 0 : std::min(n, slot.piece * slot.length),
-                      end = slot.piece < 0 ? n : std::min(n, begin + slot.length);
         at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
-        copy_range(sources, piece ? stride : n, begin, end, mine);
+        copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
         own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
       }
       state.write(key.toStringRef(), own);
