@@ -6237,7 +6237,8 @@ struct Bucket {
   std::size_t ready = 0;
   at::Tensor flat{};
   at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
-  at::Tensor views{};                 // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  at::Tensor
+      persistent{};  // not sharded: the bucket, kept across steps (gradient_as_bucket_view: the gradients' storage)
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
@@ -6249,7 +6250,8 @@ struct Bucket {
   // all-gather's input is `owned` itself, never a copy made per step.
   // Their gradients likewise live in `owned_grads` once a reduction wrote
   // them (kept between steps: 1/S of the gradients, as FSDP's sharded
-  // gradients).
+  // gradients; `segment` elements, so that a reduction can fold its
+  // used-flags in there too).
   at::Tensor owned{}, owned_grads{};
   at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
   std::vector<at::Tensor> shards{};
@@ -6336,14 +6338,20 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
 
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
 // being row r. read_rows copies t's rows into columns [off, off + c) of
-// rows (which start zeroed); write_rows copies them back into t;
+// rows, zeros where t ends before them (so rows need not start zeroed: a
+// pass over the whole buffer saved); write_rows copies them back into t;
 // read_chunk copies row r alone into `out`.
 inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
   const at::Tensor flat = t.reshape({-1});
   const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
   const at::Tensor columns = rows.narrow(1, off, c);
   if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
-  if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+  if (rest) {
+    columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+    columns[full].narrow(0, rest, c - rest).zero_();
+  }
+  const int64_t filled = full + (rest ? 1 : 0);
+  if (filled < rows.size(0)) columns.narrow(0, filled, rows.size(0) - filled).zero_();
 }
 inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
   const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
@@ -6374,7 +6382,7 @@ ACCEL_NAMESPACE_END
 // reduce-scattered over the shard group, so that each rank receives the
 // sum of its own chunks; along a replicate group (HSDP) that is all-reduced
 // too. issue_scatter starts it as soon as the bucket is complete;
-// land_scatter waits for it and adds the averaged chunks into the shards'
+// land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers come from the state's pool (dp_buffers.hpp) and
 // at most kScattersInFlight buckets are in flight: issuing one more lands
 // the oldest first, so the pool holds two buckets' buffers, never the whole
@@ -6395,15 +6403,18 @@ inline void give_back(State& s, Bucket& bucket) {
 }
 
 // Waits for bucket b's reduce-scatter (and its all-reduce along the
-// replicate group), then adds each used parameter's averaged chunk into its
-// shard's gradient: a gradient that is none (the first use, or zero_grad()
-// set it to none) becomes its piece of owned_grads, kept across steps. The
-// parameters' own gradients were released when the bucket was issued.
+// replicate group), then gives each used parameter's shard its averaged
+// chunk as gradient. Where the reduction folded straight into owned_grads
+// (every shard's gradient was none: the first use, or zero_grad() set them
+// to none) each gradient becomes its piece of it, kept across steps;
+// otherwise the chunks are added into the gradients there, as a
+// parameter's gradient accumulates. The parameters' own gradients were
+// released when the bucket was issued.
 inline void land_scatter(State& s, std::size_t b) {
   Bucket& bucket = s.buckets[b];
   at::Tensor reduced;
   try {
-    reduced = bucket.work.wait();  // (bucket.flat: the pooled buffer it landed in)
+    reduced = bucket.work.wait();  // (bucket.flat: owned_grads or the pooled buffer it landed in)
     if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
@@ -6417,16 +6428,19 @@ inline void land_scatter(State& s, std::size_t b) {
     else bucket.used_anywhere.copy_(flags.gt(0));
   }
   const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
+  const bool in_place = bucket.owned_grads.defined() && reduced.is_alias_of(bucket.owned_grads);
   for (int64_t i = 0; i < n; ++i) {
     if (all_used || used[i]) {
       at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
       const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-      if (!shard.grad().defined()) {
-        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
+      if (in_place) {
+        shard.mutable_grad() = averaged.detach();  // (a leaf's gradient, not an autograd view)
+      } else if (shard.grad().defined()) {
+        shard.mutable_grad().add_(averaged);
+      } else {
+        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, reduced.options());
         shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
         shard.mutable_grad().copy_(averaged);
-      } else {
-        shard.mutable_grad().add_(averaged);  // accumulates, as a parameter's gradient does
       }
     }
     bucket.used[static_cast<std::size_t>(i)] = 0;
@@ -6450,20 +6464,28 @@ inline void issue_scatter(State& s, std::size_t b) {
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
   const c10::TensorOptions options = bucket.params.front().options();
-  bucket.laid_out = s.pool.take(S * bucket.segment, options).zero_();
+  bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
   const at::Tensor& laid_out = bucket.laid_out;
   const at::Tensor rows = laid_out.view({S, bucket.segment});
   for (std::size_t i = 0; i < n; ++i)
     if (bucket.params[i].grad().defined()) {
       read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
       bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    } else {
+      rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
     }
   write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
   if (s.replicas != 1) laid_out.div_(s.replicas);
+  // Where the folded chunks land: straight in the shards' gradients when
+  // every one is none (the usual step, after zero_grad()), so that landing
+  // copies nothing; else in a pooled buffer, added into them when it lands.
+  const bool into_grads =
+      std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
+  if (into_grads && !bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
   try {
     c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
     bucket.received = s.pool.take(S * bucket.segment, options);
-    bucket.flat = s.pool.take(bucket.segment, options);  // (the folded chunks land here)
+    bucket.flat = into_grads ? bucket.owned_grads : s.pool.take(bucket.segment, options);
     bucket.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
   } catch (const DistributedError& e) {
@@ -6506,12 +6528,13 @@ inline void issue_bucket(State& state, std::size_t b) {
     if (state.on_issued) state.on_issued(b);
     return;
   }
-  if (state.bucket_view) {  // the bucket is persistent and the gradients are its views
-    if (!bucket.views.defined()) bucket.views = bucket.packing.buffer(bucket.params.front().options());
-    bucket.flat = bucket.views;
-  } else {
-    bucket.flat = bucket.packing.buffer(bucket.params.front().options());
-  }
+  // The bucket persists across steps, as DDP's: a buffer this large allocated
+  // per step would come back from the kernel as fresh pages each time (page
+  // faults and zeroing, a tenth of a CPU step's time). Under
+  // gradient_as_bucket_view the gradients are its views; otherwise they are
+  // copied in here and the averages copied back out in finish.
+  if (!bucket.persistent.defined()) bucket.persistent = bucket.packing.buffer(bucket.params.front().options());
+  bucket.flat = bucket.persistent;
   for (std::size_t i = 0; i < n; ++i) {
     at::Tensor& p = bucket.params[i];
     const at::Tensor view = bucket.packing.view(bucket.flat, i);
@@ -6551,7 +6574,8 @@ inline void finish_unsharded(State& state) {
                          std::to_string(bucket.packing.elements()));
     if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
     bucket.flat = bucket.flat.reshape({-1});
-    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.views)) bucket.flat = bucket.views.copy_(bucket.flat);
+    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
+      bucket.flat = bucket.persistent.copy_(bucket.flat);
     const std::size_t n = bucket.params.size();
     // Which parameters some rank used: known here when this rank used them all.
     const bool all_used = used_by_all_here(bucket);
@@ -7412,8 +7436,8 @@ class DataParallel {
     state_->hooked = true;
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
-  // into its bucket, which stays allocated, so the gradients are not copied
-  // into the bucket and back, and no bucket is allocated per step. Keep the
+  // into its (persistent) bucket, so the gradients are not copied into the
+  // bucket and back, nor held twice (as gradients and bucket). Keep the
   // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
@@ -7428,9 +7452,8 @@ class DataParallel {
     if (!on)
       for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
         for (auto& p : bucket.params)
-          if (p.grad().defined() && bucket.views.defined() && p.grad().is_alias_of(bucket.views))
+          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
             p.mutable_grad() = p.grad().clone();
-        bucket.views = at::Tensor();
       }
   }
 

@@ -224,8 +224,8 @@ class DataParallel {
     state_->hooked = true;
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
-  // into its bucket, which stays allocated, so the gradients are not copied
-  // into the bucket and back, and no bucket is allocated per step. Keep the
+  // into its (persistent) bucket, so the gradients are not copied into the
+  // bucket and back, nor held twice (as gradients and bucket). Keep the
   // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
@@ -240,9 +240,8 @@ class DataParallel {
     if (!on)
       for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
         for (auto& p : bucket.params)
-          if (p.grad().defined() && bucket.views.defined() && p.grad().is_alias_of(bucket.views))
+          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
             p.mutable_grad() = p.grad().clone();
-        bucket.views = at::Tensor();
       }
   }
 

@@ -5,7 +5,7 @@
 // reduce-scattered over the shard group, so that each rank receives the
 // sum of its own chunks; along a replicate group (HSDP) that is all-reduced
 // too. issue_scatter starts it as soon as the bucket is complete;
-// land_scatter waits for it and adds the averaged chunks into the shards'
+// land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers come from the state's pool (dp_buffers.hpp) and
 // at most kScattersInFlight buckets are in flight: issuing one more lands
 // the oldest first, so the pool holds two buckets' buffers, never the whole
@@ -30,15 +30,18 @@ inline void give_back(State& s, Bucket& bucket) {
 }
 
 // Waits for bucket b's reduce-scatter (and its all-reduce along the
-// replicate group), then adds each used parameter's averaged chunk into its
-// shard's gradient: a gradient that is none (the first use, or zero_grad()
-// set it to none) becomes its piece of owned_grads, kept across steps. The
-// parameters' own gradients were released when the bucket was issued.
+// replicate group), then gives each used parameter's shard its averaged
+// chunk as gradient. Where the reduction folded straight into owned_grads
+// (every shard's gradient was none: the first use, or zero_grad() set them
+// to none) each gradient becomes its piece of it, kept across steps;
+// otherwise the chunks are added into the gradients there, as a
+// parameter's gradient accumulates. The parameters' own gradients were
+// released when the bucket was issued.
 inline void land_scatter(State& s, std::size_t b) {
   Bucket& bucket = s.buckets[b];
   at::Tensor reduced;
   try {
-    reduced = bucket.work.wait();  // (bucket.flat: the pooled buffer it landed in)
+    reduced = bucket.work.wait();  // (bucket.flat: owned_grads or the pooled buffer it landed in)
     if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
@@ -52,16 +55,19 @@ inline void land_scatter(State& s, std::size_t b) {
     else bucket.used_anywhere.copy_(flags.gt(0));
   }
   const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
+  const bool in_place = bucket.owned_grads.defined() && reduced.is_alias_of(bucket.owned_grads);
   for (int64_t i = 0; i < n; ++i) {
     if (all_used || used[i]) {
       at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
       const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-      if (!shard.grad().defined()) {
-        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty_like(bucket.owned);
+      if (in_place) {
+        shard.mutable_grad() = averaged.detach();  // (a leaf's gradient, not an autograd view)
+      } else if (shard.grad().defined()) {
+        shard.mutable_grad().add_(averaged);
+      } else {
+        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, reduced.options());
         shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
         shard.mutable_grad().copy_(averaged);
-      } else {
-        shard.mutable_grad().add_(averaged);  // accumulates, as a parameter's gradient does
       }
     }
     bucket.used[static_cast<std::size_t>(i)] = 0;
@@ -85,20 +91,28 @@ inline void issue_scatter(State& s, std::size_t b) {
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
   const c10::TensorOptions options = bucket.params.front().options();
-  bucket.laid_out = s.pool.take(S * bucket.segment, options).zero_();
+  bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
   const at::Tensor& laid_out = bucket.laid_out;
   const at::Tensor rows = laid_out.view({S, bucket.segment});
   for (std::size_t i = 0; i < n; ++i)
     if (bucket.params[i].grad().defined()) {
       read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
       bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    } else {
+      rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
     }
   write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
   if (s.replicas != 1) laid_out.div_(s.replicas);
+  // Where the folded chunks land: straight in the shards' gradients when
+  // every one is none (the usual step, after zero_grad()), so that landing
+  // copies nothing; else in a pooled buffer, added into them when it lands.
+  const bool into_grads =
+      std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
+  if (into_grads && !bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
   try {
     c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
     bucket.received = s.pool.take(S * bucket.segment, options);
-    bucket.flat = s.pool.take(bucket.segment, options);  // (the folded chunks land here)
+    bucket.flat = into_grads ? bucket.owned_grads : s.pool.take(bucket.segment, options);
     bucket.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
   } catch (const DistributedError& e) {

@@ -26,7 +26,8 @@ struct Bucket {
   std::size_t ready = 0;
   at::Tensor flat{};
   at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
-  at::Tensor views{};                 // gradient_as_bucket_view: the persistent bucket the gradients are views of
+  at::Tensor
+      persistent{};  // not sharded: the bucket, kept across steps (gradient_as_bucket_view: the gradients' storage)
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
@@ -38,7 +39,8 @@ struct Bucket {
   // all-gather's input is `owned` itself, never a copy made per step.
   // Their gradients likewise live in `owned_grads` once a reduction wrote
   // them (kept between steps: 1/S of the gradients, as FSDP's sharded
-  // gradients).
+  // gradients; `segment` elements, so that a reduction can fold its
+  // used-flags in there too).
   at::Tensor owned{}, owned_grads{};
   at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
   std::vector<at::Tensor> shards{};
@@ -125,14 +127,20 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
 
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
 // being row r. read_rows copies t's rows into columns [off, off + c) of
-// rows (which start zeroed); write_rows copies them back into t;
+// rows, zeros where t ends before them (so rows need not start zeroed: a
+// pass over the whole buffer saved); write_rows copies them back into t;
 // read_chunk copies row r alone into `out`.
 inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
   const at::Tensor flat = t.reshape({-1});
   const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
   const at::Tensor columns = rows.narrow(1, off, c);
   if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
-  if (rest) columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+  if (rest) {
+    columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+    columns[full].narrow(0, rest, c - rest).zero_();
+  }
+  const int64_t filled = full + (rest ? 1 : 0);
+  if (filled < rows.size(0)) columns.narrow(0, filled, rows.size(0) - filled).zero_();
 }
 inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
   const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
