@@ -26,7 +26,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,16 @@ namespace {
 constexpr int64_t kWidth = 2048, kLayers = 4, kBatch = 16;
 
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
+
+// This process's resident memory (VmRSS) or its peak since the last reset (VmHWM), MiB, from /proc: the same
+// figure bench_sharding.py reads for Python, whose allocator has no counting hook.
+double resident_mb(const std::string& field = "VmRSS") {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  return std::nan("");
+}
+void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }  // VmHWM starts again from VmRSS
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -48,6 +60,7 @@ int main(int argc, char** argv) {
                              : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
                                                          : accel::ShardingStrategy::NO_SHARD;
   accel::Accelerator accelerator(config);
+  const double rss_before = resident_mb();  // (LibTorch and the process group: what no variant changes)
   torch::manual_seed(0);
   torch::nn::Sequential model;
   for (int64_t i = 0; i < kLayers; ++i) {
@@ -99,6 +112,8 @@ int main(int argc, char** argv) {
   // Of those, the sharding engine's working buffers, kept for the next step (DataParallel::buffer_bytes).
   const int64_t buffers = accelerator.data_parallel(model) ? accelerator.data_parallel(model)->buffer_bytes() : 0;
 
+  const double rss_between = resident_mb();
+  if (!device.is_cuda()) reset_peak_resident();
   std::vector<double> times;
   counting.reset_peak();
   for (int t = 0; t < trials; ++t) {
@@ -127,6 +142,8 @@ int main(int argc, char** argv) {
     report("between_steps_mb", static_cast<double>(between_steps) / mb, "MiB");
     report("buffers_mb", static_cast<double>(buffers) / mb, "MiB");
     report("peak_mb", static_cast<double>(peak) / mb, "MiB");
+    report("rss_between_mb", rss_between - rss_before, "MiB");  // as Python's: what training added
+    report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB");
   }
   report("step_ms", times[times.size() / 2], "ms");
   std::fflush(stdout);

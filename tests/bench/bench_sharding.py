@@ -31,6 +31,19 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 WIDTH, LAYERS, BATCH = 2048, 4, 16
 
 
+def resident_mb(field="VmRSS"):
+    """This process's resident memory (VmRSS) or its peak since the last reset (VmHWM), MiB, from /proc."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_peak_resident():
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the peak (VmHWM) starts again from VmRSS
+        f.write("5")
+
+
 def main():
     variant = sys.argv[1] if len(sys.argv) > 1 else "zero"
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -43,6 +56,7 @@ def main():
     backend = os.environ.get("ACCEL_BENCH_BACKEND") or ("nccl" if cuda else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
     suffix = ("_cuda" if cuda else "") + ("_gloo" if cuda and backend == "gloo" else "")
+    rss_before = resident_mb()  # (the interpreter, torch and the process group: what no variant changes)
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -84,6 +98,9 @@ def main():
     inner = optimizer.optim if variant == "zero" else optimizer
     state = sum(local(t).numel() * t.element_size() for s in inner.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
+    rss_between = resident_mb()
+    if not cuda:
+        reset_peak_resident()
     times = []
     for _ in range(trials):
         dist.barrier()
@@ -104,6 +121,9 @@ def main():
 
     report("grads_mb", grads / 2**20, "MiB")
     report("optimizer_mb", state / 2**20, "MiB")
+    if not cuda:  # resident memory that training added (the allocator's free blocks it kept count too)
+        report("rss_between_mb", rss_between - rss_before, "MiB")
+        report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB")
     report("step_ms", statistics.median(times), "ms")
     dist.destroy_process_group()
 

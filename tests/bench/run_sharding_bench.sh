@@ -55,15 +55,19 @@ import torch
 lines = [f"Sharded data parallel, LibTorch and Python torch {torch.__version__}, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
          "between two steps (after step, before the next zero_grad); medians over rounds.", "",
-         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | ms/step |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "The two RSS columns, read from /proc on both sides (Python's allocator has no counting hook): resident "
+         "memory added since before the model was built, between two steps and at the peak of the timed steps "
+         "(VmHWM after a reset); they include what each process's malloc keeps of freed blocks.", "",
+         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | RSS between steps | peak RSS | ms/step |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
 for world in sorted({w for _, w, _ in rows}):
     for key, name in variants:
         if ("step_ms", world, key) not in rows:
             continue  # (a variant this leg has not, or whose runs failed)
         lines.append(f"| {world} | {name} | {cell('params_mb', world, key)} | {cell('grads_mb', world, key)} | "
                      f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | {cell('buffers_mb', world, key)} | "
-                     f"{cell('peak_mb', world, key)} | {cell('step_ms', world, key, '{:.0f}')} |")
+                     f"{cell('peak_mb', world, key)} | {cell('rss_between_mb', world, key)} | {cell('rss_peak_mb', world, key)} | "
+                     f"{cell('step_ms', world, key, '{:.0f}')} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
