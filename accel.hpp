@@ -6237,8 +6237,8 @@ struct Bucket {
   std::size_t ready = 0;
   at::Tensor flat{};
   at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
-  at::Tensor
-      persistent{};  // not sharded: the bucket, kept across steps (gradient_as_bucket_view: the gradients' storage)
+  // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
+  at::Tensor persistent{};
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
