@@ -6532,8 +6532,11 @@ inline void issue_bucket(State& state, std::size_t b) {
   // per step would come back from the kernel as fresh pages each time (page
   // faults and zeroing, a tenth of a CPU step's time). Under
   // gradient_as_bucket_view the gradients are its views; otherwise they are
-  // copied in here and the averages copied back out in finish.
-  if (!bucket.persistent.defined()) bucket.persistent = bucket.packing.buffer(bucket.params.front().options());
+  // copied in here and the averages copied back out in finish. (Made
+  // anew only if the module moved to another device since.)
+  const at::TensorOptions options = bucket.params.front().options();
+  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
+    bucket.persistent = bucket.packing.buffer(options);
   bucket.flat = bucket.persistent;
   for (std::size_t i = 0; i < n; ++i) {
     at::Tensor& p = bucket.params[i];
