@@ -6402,6 +6402,14 @@ inline void give_back(State& s, Bucket& bucket) {
   }
 }
 
+// The bucket's owned_grads, made on first use: the shards' gradients, then
+// room for the used-flags (`segment` elements), so a reduction can fold
+// straight into it.
+inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& options) {
+  if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
+  return bucket.owned_grads;
+}
+
 // Waits for bucket b's reduce-scatter (and its all-reduce along the
 // replicate group), then gives each used parameter's shard its averaged
 // chunk as gradient. Where the reduction folded straight into owned_grads
@@ -6438,8 +6446,8 @@ inline void land_scatter(State& s, std::size_t b) {
       } else if (shard.grad().defined()) {
         shard.mutable_grad().add_(averaged);
       } else {
-        if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, reduced.options());
-        shard.mutable_grad() = bucket.owned_grads.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+        shard.mutable_grad() =
+            owned_grads(bucket, reduced.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
         shard.mutable_grad().copy_(averaged);
       }
     }
@@ -6481,11 +6489,10 @@ inline void issue_scatter(State& s, std::size_t b) {
   // copies nothing; else in a pooled buffer, added into them when it lands.
   const bool into_grads =
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
-  if (into_grads && !bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
   try {
     c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
     bucket.received = s.pool.take(S * bucket.segment, options);
-    bucket.flat = into_grads ? bucket.owned_grads : s.pool.take(bucket.segment, options);
+    bucket.flat = into_grads ? owned_grads(bucket, options) : s.pool.take(bucket.segment, options);
     bucket.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
   } catch (const DistributedError& e) {
