@@ -125,7 +125,12 @@ def main():
         report("rss_between_mb", rss_between - rss_before, "MiB")
         report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB")
     report("step_ms", statistics.median(times), "ms")
-    dist.destroy_process_group()
+    # Every figure is out. No teardown: torch 1.13's can deadlock when a DDP model goes (seen at 4 processes: the
+    # main thread in ~Reducer -> ~ProcessGroupGloo waiting for the group's mutex while its worker thread, holding
+    # it, frees a tensor and waits for the GIL), which left a run spinning until the launcher's timeout.
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
 #       build needs), builds TARGET... and accel_launch, starts $out/CSV_NAME
 #   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines;
 #       a run that exits non-zero (a reference that fails, a rank that dies)
-#       is reported, then and again at the end, and the benchmark goes on
+#       is reported, then and again at the end, and the benchmark goes on;
+#       ACCEL_BENCH_TIMEOUT (seconds, default 900) ends a run that stops
+#       progressing (a reference rank that spins) and counts it as failed
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${ACCEL_BUILD_DIR:-$root/build}
 out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
@@ -29,7 +31,7 @@ bench_prepare() {
 failed_runs=()
 run() {
   echo "== $*" >&2
-  if ! "$launch" --timeout 900 "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2; then
+  if ! "$launch" --timeout "${ACCEL_BENCH_TIMEOUT:-900}" "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2; then
     echo "!! exited non-zero (its rows so far are kept; going on): $*" >&2
     failed_runs+=("$*")
   fi
