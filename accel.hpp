@@ -61,12 +61,13 @@
 //     accel/training/config.hpp                 AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
 //     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
+//     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
 //     accel/training/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/checkpoint_reshard.hpp     an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
 //     accel/training/checkpoint_world.hpp       a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
+//     accel/training/checkpoint_shards.hpp      a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
 //     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
 //     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
-//     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
 //     accel/training/weights.hpp                save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/autocast.hpp               AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/accelerator_setup.hpp      what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
@@ -7145,6 +7146,64 @@ inline void reshard(State& s) {
   }
 }
 
+// For sharded checkpoints (checkpoint_shards.hpp), which neither gather
+// nor load whole what a rank keeps in pieces. This rank's piece of
+// parameter p: elements [begin, begin + values.numel()) of p flattened,
+// `values` a flat view (a unit's parameter holds nothing at rest: its
+// shard's; any other's own chunk, which check_shards treats as the truth).
+// None when p is not sharded here.
+struct Piece {
+  at::Tensor values;
+  int64_t begin = 0;
+};
+inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
+  std::lock_guard lock(s.mutex);
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end()) return std::nullopt;
+  const Bucket& bucket = s.buckets[found->second.first];
+  const std::size_t i = found->second.second;
+  const int64_t n = p.numel(), c = bucket.chunks[i];
+  const int64_t begin = std::min(s.shard->getRank() * c, n), length = std::min(c, n - begin);
+  const bool whole = bucket.unit < 0 || bucket.resident;
+  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
+               begin};
+}
+// What a load reads for parameter p, as (begin, length) of p flattened: a
+// unit's parameter only its piece (its shard is all it keeps), unless
+// summon_full_params() holds the units gathered; every other one whole.
+inline std::pair<int64_t, int64_t> load_range(State& s, const at::Tensor& p) {
+  std::lock_guard lock(s.mutex);
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
+    return {0, p.numel()};
+  const int64_t n = p.numel(), c = s.buckets[found->second.first].chunks[found->second.second];
+  const int64_t begin = std::min(s.shard->getRank() * c, n);
+  return {begin, std::min(c, n - begin)};
+}
+// Puts what a load read in place: values(p) holds load_range(p)'s elements
+// of each sharded parameter. Prefetches and gathered units are dropped
+// first (they hold the old values); a parameter read whole gives its shard
+// its chunk.
+inline void load_values(State& s, const std::function<at::Tensor(const at::Tensor&)>& values) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  if (s.held == 0) end_unit_pass(s);
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor v = values(bucket.params[i]).reshape({-1});
+      if (bucket.unit < 0 || s.held > 0) {
+        bucket.params[i].detach().view({-1}).copy_(v);
+        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+      } else {
+        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
+        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
+      }
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
 // Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
 // parameter's address as text, c10::guts::to_string's, 2.x by the address).
 template <class StateMap>
@@ -7497,6 +7556,18 @@ class DataParallel {
   // parameter: open_for_load() before the load, reshard() after it.
   void open_for_load() { detail::dp::open_for_load(*state_); }
   void reshard() { detail::dp::reshard(*state_); }
+
+  // Sharded checkpoints (checkpoint_shards.hpp): this rank's piece of
+  // parameter p, written without gathering (none: p is not sharded here;
+  // see detail::dp::piece_of); whether this rank writes its pieces (under
+  // HSDP the first replica does); what a load reads for p, and putting
+  // what it read in place (detail::dp::load_range and load_values).
+  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const { return detail::dp::piece_of(*state_, p); }
+  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
+  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const { return detail::dp::load_range(*state_, p); }
+  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
+    detail::dp::load_values(*state_, values);
+  }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
   // as the returned object lives (a collective on the shard group: every
@@ -9144,7 +9215,9 @@ ACCEL_NAMESPACE_END
 // == accel/training/checkpoint_files.hpp ======================================
 // accel/training/checkpoint_files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
-// A checkpoint is a directory: model.pt, model_1.pt, ..., optimizer.pt, ...,
+// A checkpoint is a directory: model.pt, model_1.pt, ... (a sharded model:
+// model/, model_1/, ... with each process's pieces; checkpoint_shards.hpp),
+// optimizer.pt, ... (sharded: optimizer_rank<k>.pt, ...),
 // random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
 // and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
 // out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
@@ -9455,6 +9528,342 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
   optimizer.state().clear();  // load() only sets the entries it finds
   optimizer.load(archive);
   load_group_options(optimizer, archive);
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/safetensors.hpp ===========================================
+// accel/training/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
+//
+// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
+// weights trained here load in Python and the reverse: an 8-byte
+// little-endian header length, a JSON header {"__metadata__": {...},
+// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
+// little-endian and row-major, offsets counted from the end of the header.
+// LibTorch reads and writes neither the format nor JSON in its public
+// headers, so the few lines here are ours: a writer, and a reader for the
+// JSON subset the format uses, which checks everything it is given.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
+    {at::kDouble, "F64"},
+    {at::kFloat, "F32"},
+    {at::kHalf, "F16"},
+    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},
+    {at::kInt, "I32"},
+    {at::kShort, "I16"},
+    {at::kChar, "I8"},
+    {at::kByte, "U8"},
+    {at::kBool, "BOOL"},
+}};
+
+// A JSON value: what the safetensors header and index hold.
+struct Json {
+  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
+  std::string text;  // a string's value, a number's digits
+  std::vector<Json> items;
+  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
+  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
+  const Json* find(std::string_view key) const {
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (keys[i] == key) return &values[i];
+    return nullptr;
+  }
+};
+
+class JsonReader {
+ public:
+  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
+  Json document() {
+    Json value = parse(0);
+    skip_space();
+    if (i_ != text_.size()) fail("text after the JSON value");
+    return value;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
+  }
+  void skip_space() {
+    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
+  }
+  bool take(char c) {
+    skip_space();
+    if (i_ < text_.size() && text_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!take(c)) fail(std::string("expected '") + c + "'");
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= text_.size()) fail("unterminated string");
+      const char c = text_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= text_.size()) fail("unterminated escape");
+      const char e = text_[i_++];
+      switch (e) {
+        case '"':
+        case '\\':
+        case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          if (i_ + 4 > text_.size()) fail("short \\u escape");
+          unsigned code = 0;
+          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
+          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
+          i_ += 4;
+          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
+          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
+          else if (code < 0x800)
+            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else
+            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
+                    static_cast<char>(0x80 | (code & 0x3F))};
+          break;
+        }
+        default: fail("bad escape");
+      }
+    }
+  }
+  Json parse(int depth) {
+    if (depth > 32) fail("nested too deep");
+    skip_space();
+    if (i_ >= text_.size()) fail("unexpected end");
+    Json v;
+    const char c = text_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = Json::Kind::Object;
+      if (take('}')) return v;
+      do {
+        skip_space();
+        std::string key = string();
+        expect(':');
+        v.keys.push_back(std::move(key));
+        v.values.push_back(parse(depth + 1));
+      } while (take(','));
+      expect('}');
+    } else if (c == '[') {
+      ++i_;
+      v.kind = Json::Kind::Array;
+      if (take(']')) return v;
+      do v.items.push_back(parse(depth + 1));
+      while (take(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = Json::Kind::String;
+      v.text = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      v.kind = Json::Kind::Number;
+      const std::size_t start = i_;
+      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
+      v.text = std::string(text_.substr(start, i_ - start));
+    } else {
+      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
+                                       std::pair{"null", Json::Kind::Null}})
+        if (text_.substr(i_, std::strlen(word)) == word) {
+          i_ += std::strlen(word);
+          v.kind = kind;
+          v.text = word;
+          return v;
+        }
+      fail("unexpected character");
+    }
+    return v;
+  }
+
+  std::string_view text_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+inline std::string json_quote(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += {'\\', c};
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += escape;
+    } else out += c;
+  }
+  return out + "\"";
+}
+
+inline int64_t json_uint(const Json& v, const std::string& what) {
+  int64_t value = -1;
+  if (v.kind == Json::Kind::Number) {
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
+    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
+  }
+  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
+  return value;
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous), with
+// `metadata`'s (key, text) pairs in its "__metadata__" beside "format".
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::vector<std::pair<std::string, std::string>>& metadata = {}) {
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
+  std::string header = R"({"__metadata__":{"format":"pt")";
+  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
+  header += "}";
+  uint64_t offset = 0;
+  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
+    const std::string& name = named.first;
+    const at::Tensor& tensor = named.second;
+    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
+    if (dtype == safetensors_dtypes.end())
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
+                            ")");
+    std::string shape;
+    for (const int64_t d : tensor.sizes()) {
+      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
+      shape += std::to_string(d);
+    }
+    const uint64_t bytes = tensor.numel() * tensor.element_size();
+    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  write_file_atomically(path, [&](CheckedFile& out) {
+    const uint64_t length = header.size();
+    out.write(&length, 8);
+    out.write(header);
+    for (const auto& named : tensors) {
+      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
+      out.write(t.data_ptr(), t.numel() * t.element_size());
+    }
+  });
+}
+
+// A safetensors file's header, checked: each tensor's dtype, shape and
+// byte range (inside the file, matching the size, no two overlapping), and
+// the "__metadata__" texts. `data_start`: where the tensors' bytes begin.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;  // bytes, from data_start
+};
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata;
+  int64_t data_start = 0;
+};
+inline SafetensorsHeader read_safetensors_header(std::istream& in, const fs::path& path) {
+  const std::string where = path.string();
+  const uint64_t file_size = fs::file_size(path);
+  uint64_t length = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
+    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
+  if (length > file_size - 8 || length > (uint64_t{100} << 20))
+    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
+                       " bytes in a file of " + std::to_string(file_size) + ")");
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  const Json doc = JsonReader(text, where).document();
+  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
+  const uint64_t data_size = file_size - 8 - length;
+  SafetensorsHeader header;
+  header.data_start = static_cast<int64_t>(8 + length);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
+    const std::string& name = doc.keys[field];
+    const Json& entry = doc.values[field];
+    if (name == "__metadata__") {
+      if (entry.kind != Json::Kind::Object) throw RuntimeError(where + ": __metadata__ is not a JSON object");
+      for (std::size_t k = 0; k < entry.keys.size(); ++k) {
+        if (entry.values[k].kind != Json::Kind::String)
+          throw RuntimeError(where + ": __metadata__'s " + entry.keys[k] + " is not a string");
+        header.metadata[entry.keys[k]] = entry.values[k].text;
+      }
+      continue;
+    }
+    const std::string what = where + ": tensor " + name;
+    const Json* dtype = entry.find("dtype");
+    const Json* shape = entry.find("shape");
+    const Json* offsets = entry.find("data_offsets");
+    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
+        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
+      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
+    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.second == dtype->text; });
+    if (known == safetensors_dtypes.end())
+      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    SafetensorsEntry e{.name = name, .dtype = known->first, .shape = {}};
+    int64_t numel = 1;
+    for (const Json& d : shape->items) {
+      e.shape.push_back(json_uint(d, what + "'s shape"));
+      numel *= e.shape.back();
+    }
+    e.begin = json_uint(offsets->items[0], what + "'s data_offsets");
+    e.end = json_uint(offsets->items[1], what + "'s data_offsets");
+    const auto bytes = static_cast<int64_t>(numel * c10::elementSize(e.dtype));
+    if (e.end < e.begin || static_cast<uint64_t>(e.end) > data_size || e.end - e.begin != bytes)
+      throw RuntimeError(what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
+                         std::to_string(data_size));
+    ranges.emplace_back(e.begin, e.end);
+    header.entries.push_back(std::move(e));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
+  return header;
+}
+
+// The tensors a safetensors file holds, checked as above, read whole.
+inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RuntimeError("missing " + path.string());
+  const SafetensorsHeader header = read_safetensors_header(in, path);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const SafetensorsEntry& e : header.entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
+    if (!in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin))
+      throw RuntimeError("cannot read " + path.string() + ": tensor " + e.name);
+    out.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+// A model's state_dict as Python makes it: dotted names, in its order (each
+// module's parameters, then its buffers, then its children's).
+inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& m : module.named_modules()) {
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
+    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
+  }
+  return out;
 }
 }  // namespace detail
 
@@ -9900,6 +10309,319 @@ inline ResumedBatches resumed_batches(std::size_t index, size_t batches, int64_t
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint_shards.hpp =====================================
+// accel/training/checkpoint_shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them.
+//
+// Under SHARD_GRAD_OP, FULL_SHARD and HYBRID_SHARD no process gathers the
+// model to save it. Process k of a shard group of S holds elements
+// [k*c, (k+1)*c) of every parameter flattened (c = ceil(n/S);
+// dp_shards.hpp) and writes them; under HSDP the first replica writes.
+// Process 0 writes what is not sharded (buffers, frozen parameters) whole.
+// The files are safetensors, in the directory model/ of the checkpoint
+// (model_1/, ... for more models), and each one's "__metadata__" has
+// "DCP_SHARDING_INFO": {name: {"saved_offsets": [...]}} as JSON text, the
+// place of each of its tensors in the whole. That is the layout of
+// torch.distributed.checkpoint's HuggingFaceStorageReader (torch
+// distributed/checkpoint/hf_storage.py; read with torch 2.15 in CTest
+// checkpoint_resize), so Python loads it at any number of processes:
+//
+//     dcp.load(state_dict, storage_reader=HuggingFaceStorageReader("ckpt/model"))
+//
+// A piece of a flattened tensor need not be a box of the whole (it can
+// start and end inside rows): it is written as the fewest boxes that tile
+// it, at most 2d-1 for d dimensions. A file holds each name once, so box j
+// of each of a process's pieces goes into that process's file j:
+// rank-<process>-part-<j>.safetensors.
+//
+// Loading (ShardedWeights) reads every file's header, checks that each
+// name's boxes tile its whole tensor exactly (nothing missing, nothing
+// twice) and that the model has the same names, dtypes and shapes, then
+// reads for each tensor only what the process keeps (its piece, or the
+// whole), and of each saved box that overlaps it only the bytes spanning
+// the overlap.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A box of a tensor: offsets and sizes per dimension. Boxes made by
+// boxes_of_range cover a contiguous run of the row-major elements, the
+// first at flat index `begin`.
+struct TensorBox {
+  std::vector<int64_t> offsets, sizes;
+  int64_t begin = 0;
+  int64_t numel() const { return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<>()); }
+};
+
+// Elements [begin, end) of the part of a tensor of `shape` from dimension
+// `dim` on, whose outer indices are `at` (its first element at flat index
+// `base`), as boxes in order: a partial first row, the whole rows, a
+// partial last row, partial rows cut the same way one dimension down.
+inline void add_boxes(const std::vector<int64_t>& shape, std::size_t dim, int64_t begin, int64_t end,
+                      std::vector<int64_t>& at, int64_t base, std::vector<TensorBox>& out) {
+  if (begin >= end) return;
+  const auto ones = [&] { return std::vector<int64_t>(at.size(), 1); };
+  if (dim == shape.size()) {  // a 0-d tensor: its one element
+    out.push_back({at, ones(), base});
+    return;
+  }
+  const int64_t inner = std::accumulate(shape.begin() + static_cast<std::ptrdiff_t>(dim) + 1, shape.end(), int64_t{1},
+                                        std::multiplies<>());
+  const int64_t first_whole = (begin + inner - 1) / inner, last_whole = end / inner;  // whole rows [first, last)
+  auto within_row = [&](int64_t row, int64_t from, int64_t to) {
+    at.push_back(row);
+    add_boxes(shape, dim + 1, from, to, at, base + row * inner, out);
+    at.pop_back();
+  };
+  if (first_whole > last_whole) return within_row(begin / inner, begin % inner, end % inner);  // one row, no edge
+  if (begin % inner) within_row(begin / inner, begin % inner, inner);
+  if (last_whole > first_whole) {
+    TensorBox box{at, ones(), base + first_whole * inner};
+    box.offsets.push_back(first_whole);
+    box.sizes.push_back(last_whole - first_whole);
+    for (std::size_t d = dim + 1; d < shape.size(); ++d) {
+      box.offsets.push_back(0);
+      box.sizes.push_back(shape[d]);
+    }
+    out.push_back(std::move(box));
+  }
+  if (end % inner) within_row(last_whole, 0, end % inner);
+}
+inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begin, int64_t end) {
+  std::vector<TensorBox> out;
+  std::vector<int64_t> at;
+  add_boxes(shape.vec(), 0, begin, end, at, 0, out);
+  return out;
+}
+
+inline std::string model_shards_dir(std::size_t i) { return i == 0 ? "model" : "model_" + std::to_string(i); }
+
+// Writes this process's part of a sharded model into dir (see the top).
+inline void write_model_shards(const torch::nn::Module& module, const DataParallel& dp, int process,
+                               const fs::path& dir) {
+  // parts[j]: the j-th box of each piece, with its place for DCP_SHARDING_INFO.
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> parts;
+  std::vector<std::string> places;
+  auto add = [&](std::size_t j, const std::string& name, const at::Tensor& values, const std::vector<int64_t>& at) {
+    if (parts.size() <= j) {
+      parts.resize(j + 1);
+      places.resize(j + 1);
+    }
+    parts[j].emplace_back(name, values);
+    // (appended piece by piece: GCC 12's -Wrestrict misfires on "" or "," + std::to_string(o))
+    std::string& place = places[j];
+    if (!place.empty()) place += ',';
+    place += json_quote(name);
+    place += ":{\"saved_offsets\":[";
+    for (std::size_t d = 0; d < at.size(); ++d) {
+      if (d) place += ',';
+      place += std::to_string(at[d]);
+    }
+    place += "]}";
+  };
+  for (const auto& [name, tensor] : state_dict(module)) {
+    const auto piece = dp.piece_of(tensor);
+    if (!piece) {
+      if (process == 0) add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
+      continue;
+    }
+    if (!dp.writes_pieces()) continue;
+    const int64_t length = piece->values.numel();
+    std::size_t j = 0;
+    for (const TensorBox& box : boxes_of_range(tensor.sizes(), piece->begin, piece->begin + length))
+      add(j++, name, piece->values.narrow(0, box.begin - piece->begin, box.numel()).view(box.sizes), box.offsets);
+  }
+  fs::create_directories(dir);
+  for (std::size_t j = 0; j < parts.size(); ++j) {
+    char file[64];
+    std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
+    write_safetensors(dir / file, parts[j], {{"DCP_SHARDING_INFO", "{" + places[j] + "}"}});
+  }
+}
+
+// A sharded model's files in a checkpoint, read and checked (see the top).
+class ShardedWeights {
+ public:
+  explicit ShardedWeights(const fs::path& dir) : dir_(dir) {
+    if (!fs::is_directory(dir)) throw RuntimeError("missing " + dir.string());
+    for (const auto& entry : fs::directory_iterator(dir))
+      if (entry.path().extension() == ".safetensors") files_.push_back(entry.path());
+    std::sort(files_.begin(), files_.end());
+    for (std::size_t f = 0; f < files_.size(); ++f) read_header(f);
+    for (auto& [name, whole] : tensors_) check_tiling(name, whole);
+  }
+
+  // The model's parameters and buffers (state_dict's names) against the
+  // files: the same names, dtypes and shapes, or an error naming them.
+  void check_fits(const std::vector<std::pair<std::string, at::Tensor>>& expected) const {
+    std::string missing, wrong, unexpected;
+    std::set<std::string> names;
+    for (const auto& [name, tensor] : expected) {
+      names.insert(name);
+      const auto found = tensors_.find(name);
+      if (found == tensors_.end()) missing += (missing.empty() ? "" : ", ") + name;
+      else if (found->second.dtype != tensor.scalar_type() || found->second.shape != tensor.sizes().vec())
+        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.dtype) +
+                 c10::str(at::IntArrayRef(found->second.shape)) + " there, " + c10::toString(tensor.scalar_type()) +
+                 c10::str(tensor.sizes()) + " in the model";
+    }
+    for (const auto& entry : tensors_)
+      if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
+      throw RuntimeError(dir_.string() +
+                         " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
+                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+                         (wrong.empty() ? "" : " " + wrong + "."));
+  }
+
+  // Elements [begin, begin + length) of tensor `name` flattened, on the CPU.
+  at::Tensor read(const std::string& name, int64_t begin, int64_t length) const {
+    const Whole& whole = tensors_.at(name);
+    at::Tensor out = at::empty({length}, at::TensorOptions(whole.dtype));
+    for (const TensorBox& want : boxes_of_range(whole.shape, begin, begin + length)) {
+      at::Tensor into = out.narrow(0, want.begin - begin, want.numel()).view(want.sizes);
+      for (const Saved& saved : whole.boxes) {
+        // The overlap, and the span of the saved box's bytes that holds it.
+        std::vector<int64_t> low(want.sizes.size()), size(want.sizes.size()), stride(want.sizes.size());
+        int64_t first = 0, last = 0, step = 1;
+        bool empty = false;
+        for (std::size_t d = want.sizes.size(); d-- > 0;) {
+          low[d] = std::max(want.offsets[d], saved.box.offsets[d]);
+          const int64_t high = std::min(want.offsets[d] + want.sizes[d], saved.box.offsets[d] + saved.box.sizes[d]);
+          size[d] = high - low[d];
+          empty = empty || size[d] <= 0;
+          stride[d] = step;
+          first += (low[d] - saved.box.offsets[d]) * step;
+          last += (high - 1 - saved.box.offsets[d]) * step;
+          step *= saved.box.sizes[d];
+        }
+        if (empty) continue;
+        at::Tensor span = at::empty({last - first + 1}, at::TensorOptions(whole.dtype));
+        read_bytes(saved, first, span);
+        at::Tensor target = into;
+        for (std::size_t d = 0; d < size.size(); ++d)
+          target = target.narrow(static_cast<int64_t>(d), low[d] - want.offsets[d], size[d]);
+        target.copy_(span.as_strided(size, stride));
+      }
+    }
+    return out;
+  }
+
+ private:
+  struct Saved {
+    std::size_t file;
+    TensorBox box;
+    int64_t at = 0;  // its bytes' place in the file
+  };
+  struct Whole {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    std::vector<Saved> boxes;
+  };
+
+  void read_header(std::size_t f) {
+    const fs::path& path = files_[f];
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw RuntimeError("cannot read " + path.string());
+    const SafetensorsHeader header = read_safetensors_header(in, path);
+    const auto info = header.metadata.find("DCP_SHARDING_INFO");
+    const Json places = info == header.metadata.end()
+                            ? Json{}
+                            : JsonReader(info->second, path.string() + "'s DCP_SHARDING_INFO").document();
+    for (const SafetensorsEntry& e : header.entries) {
+      std::vector<int64_t> offsets(e.shape.size(), 0);
+      if (info != header.metadata.end()) {
+        const Json* place = places.find(e.name);
+        const Json* saved = place ? place->find("saved_offsets") : nullptr;
+        if (!saved || saved->kind != Json::Kind::Array || saved->items.size() != e.shape.size())
+          throw RuntimeError(path.string() + ": DCP_SHARDING_INFO gives " + e.name + " no saved_offsets of " +
+                             std::to_string(e.shape.size()) + " dimensions");
+        for (std::size_t d = 0; d < offsets.size(); ++d)
+          offsets[d] = json_uint(saved->items[d], path.string() + ": " + e.name + "'s saved_offsets");
+      }
+      auto [it, added] = tensors_.try_emplace(e.name, Whole{e.dtype, {}, {}});
+      Whole& whole = it->second;
+      if (whole.dtype != e.dtype || (!added && whole.shape.size() != e.shape.size()))
+        throw RuntimeError(path.string() + ": " + e.name + " is " + c10::toString(e.dtype) +
+                           c10::str(at::IntArrayRef(e.shape)) + " here, of another dtype or rank in another file");
+      whole.shape.resize(e.shape.size(), 0);
+      for (std::size_t d = 0; d < e.shape.size(); ++d)
+        whole.shape[d] = std::max(whole.shape[d], offsets[d] + e.shape[d]);
+      whole.boxes.push_back({f, TensorBox{offsets, e.shape, 0}, header.data_start + e.begin});
+    }
+  }
+
+  // Each name's boxes tile its whole: as many elements, and no two overlap.
+  void check_tiling(const std::string& name, const Whole& whole) const {
+    const int64_t total = std::accumulate(whole.shape.begin(), whole.shape.end(), int64_t{1}, std::multiplies<>());
+    int64_t covered = 0;
+    for (std::size_t a = 0; a < whole.boxes.size(); ++a) {
+      covered += whole.boxes[a].box.numel();
+      for (std::size_t b = 0; b < a; ++b) {
+        bool overlap = whole.boxes[a].box.numel() > 0 && whole.boxes[b].box.numel() > 0;
+        for (std::size_t d = 0; overlap && d < whole.shape.size(); ++d) {
+          const TensorBox &x = whole.boxes[a].box, &y = whole.boxes[b].box;
+          overlap = x.offsets[d] < y.offsets[d] + y.sizes[d] && y.offsets[d] < x.offsets[d] + x.sizes[d];
+        }
+        if (overlap)
+          throw RuntimeError(dir_.string() + ": " + name + " has overlapping pieces in " +
+                             files_[whole.boxes[a].file].filename().string() + " and " +
+                             files_[whole.boxes[b].file].filename().string());
+      }
+    }
+    if (covered != total)
+      throw RuntimeError(dir_.string() + ": the pieces of " + name + " hold " + std::to_string(covered) + " of its " +
+                         std::to_string(total) + " elements (a file missing?)");
+  }
+
+  // Elements [first, first + into.numel()) of a saved box, into `into`.
+  void read_bytes(const Saved& saved, int64_t first, const at::Tensor& into) const {
+    const fs::path& path = files_[saved.file];
+    std::ifstream in(path, std::ios::binary);
+    const auto element = static_cast<int64_t>(into.element_size());
+    in.seekg(static_cast<std::streamoff>(saved.at + first * element));
+    if (!in || !in.read(static_cast<char*>(into.data_ptr()), static_cast<std::streamsize>(into.numel() * element)))
+      throw RuntimeError("cannot read " + path.string());
+  }
+
+  fs::path dir_;
+  std::vector<fs::path> files_;
+  std::map<std::string, Whole> tensors_;
+};
+
+// A model saved in pieces, for load_state's read step: the files checked
+// against the model, and what this process keeps of each parameter and
+// buffer read (dp's load_range under sharding, else everything whole).
+inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
+                                                           const fs::path& dir) {
+  const ShardedWeights weights(dir);
+  const auto expected = state_dict(module);
+  weights.check_fits(expected);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, tensor] : expected) {
+    const auto [begin, length] = dp && dp->sharded() ? dp->load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
+    out[name] = weights.read(name, begin, length).to(tensor.device());
+  }
+  return out;
+}
+// ... and for its commit step, which cannot fail: the sharded parameters
+// through dp (their shards, and the parameters where they are whole), the
+// rest copied in.
+inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* dp,
+                                const std::map<std::string, at::Tensor>& pieces) {
+  const bool sharded = dp && dp->sharded();
+  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> by_tensor;
+  at::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : state_dict(module)) {
+    const at::Tensor& values = pieces.at(name);
+    if (sharded && dp->shard_of(tensor).defined()) by_tensor[tensor.unsafeGetTensorImpl()] = &values;
+    else tensor.detach().copy_(values.view(tensor.sizes()));
+  }
+  if (sharded) dp->load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint_state.hpp ======================================
 // accel/training/checkpoint_state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
 //
@@ -9939,8 +10661,15 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
+// Whether model i is saved in pieces, every process its own
+// (checkpoint_shards.hpp), rather than whole in model.pt by process 0.
+inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
+  return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
+}
+
 // What every process writes: its RNG states and step (as Accelerate's
-// random_states_<i>), and under sharding its own optimizer state.
+// random_states_<i>), and under sharding its own pieces of the models and
+// its own optimizer state.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                                 const std::filesystem::path& tmp) {
   torch::serialize::OutputArchive archive;
@@ -9948,6 +10677,10 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
   save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
+  for (std::size_t i = 0; i < set.models.size(); ++i)
+    if (saved_in_pieces(set, i))
+      write_model_shards(*set.models[i].module, *set.models[i].data_parallel, ctx.process_index,
+                         tmp / model_shards_dir(i));
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
       torch::serialize::OutputArchive state;
@@ -9956,8 +10689,8 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
     }
 }
 
-// What process 0 writes for all: the models (whole parameters), the
-// optimizers unless sharded, each prepared loader's resume point (epoch,
+// What process 0 writes for all: the models not sharded (whole
+// parameters), the optimizers unless sharded, each prepared loader's resume point (epoch,
 // batches to skip), the schedulers' step counts (and own state) and the
 // registered objects.
 inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
@@ -9966,7 +10699,8 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     object.save(archive);
     save_archive(archive, tmp / name);
   };
-  for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+  for (std::size_t i = 0; i < set.models.size(); ++i)
+    if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
@@ -10008,7 +10742,6 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
-  const auto full = set.full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
   const std::filesystem::path tmp = sibling(dir, ".tmp");
   CheckpointManifest manifest{.serial = 0,
                               .processes = ctx.num_processes,
@@ -10035,12 +10768,16 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
+      for (std::size_t i = 0; i < set.models.size(); ++i)
+        if (saved_in_pieces(set, i)) std::filesystem::create_directory(tmp / model_shards_dir(i));
     });
   fail_on_every_process(error);
   fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
   if (ctx.process_index == 0)
     error = error_of([&] {
       write_shared_files(set, ctx, tmp);
+      for (std::size_t i = 0; i < set.models.size(); ++i)
+        if (saved_in_pieces(set, i)) fsync_path(tmp / model_shards_dir(i));
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -10053,6 +10790,8 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // What read_checkpoint read and checked, before anything changed.
 struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
+  // A model saved in pieces (models[i] null): what this process keeps of each parameter and buffer, by name.
+  std::vector<std::map<std::string, at::Tensor>> pieces;
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   std::vector<std::string> warnings;   // given once the load is committed (a loader's place, checkpoint_world)
@@ -10129,7 +10868,13 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       }
       return archive;
     };
+    loaded.pieces.resize(set.models.size());
     for (std::size_t i = 0; i < set.models.size(); ++i) {
+      if (fs::is_directory(dir / model_shards_dir(i))) {
+        loaded.pieces[i] =
+            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), dir / model_shards_dir(i));
+        continue;
+      }
       models[i] = read(numbered_file("model", i));
       check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
     }
@@ -10278,9 +11023,17 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
 inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
   const auto& models = loaded.models;
   const auto& points = loaded.points;
-  for (DataParallel* dp : *set.sharded) dp->open_for_load();
-  for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
-  for (DataParallel* dp : *set.sharded) dp->reshard();
+  for (std::size_t i = 0; i < set.models.size(); ++i) {
+    DataParallel* dp = set.models[i].data_parallel.get();
+    const bool sharded = dp && dp->sharded();
+    if (models[i]) {
+      if (sharded) dp->open_for_load();
+      set.models[i].module->load(*models[i]);
+      if (sharded) dp->reshard();
+    } else {
+      commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
+    }
+  }
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
     const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read_checkpoint converted it)
     set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()),
@@ -10486,302 +11239,6 @@ class EvenBatchesOverride {
  private:
   std::vector<std::pair<std::shared_ptr<LoaderPosition>, std::optional<bool>>> saved_;
 };
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/safetensors.hpp ===========================================
-// accel/training/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
-//
-// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
-// weights trained here load in Python and the reverse: an 8-byte
-// little-endian header length, a JSON header {"__metadata__": {...},
-// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
-// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
-// little-endian and row-major, offsets counted from the end of the header.
-// LibTorch reads and writes neither the format nor JSON in its public
-// headers, so the few lines here are ours: a writer, and a reader for the
-// JSON subset the format uses, which checks everything it is given.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
-    {at::kDouble, "F64"},
-    {at::kFloat, "F32"},
-    {at::kHalf, "F16"},
-    {at::kBFloat16, "BF16"},
-    {at::kLong, "I64"},
-    {at::kInt, "I32"},
-    {at::kShort, "I16"},
-    {at::kChar, "I8"},
-    {at::kByte, "U8"},
-    {at::kBool, "BOOL"},
-}};
-
-// A JSON value: what the safetensors header and index hold.
-struct Json {
-  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
-  std::string text;  // a string's value, a number's digits
-  std::vector<Json> items;
-  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
-  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
-  const Json* find(std::string_view key) const {
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      if (keys[i] == key) return &values[i];
-    return nullptr;
-  }
-};
-
-class JsonReader {
- public:
-  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
-  Json document() {
-    Json value = parse(0);
-    skip_space();
-    if (i_ != text_.size()) fail("text after the JSON value");
-    return value;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
-  }
-  void skip_space() {
-    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
-  }
-  bool take(char c) {
-    skip_space();
-    if (i_ < text_.size() && text_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!take(c)) fail(std::string("expected '") + c + "'");
-  }
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (i_ >= text_.size()) fail("unterminated string");
-      const char c = text_[i_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= text_.size()) fail("unterminated escape");
-      const char e = text_[i_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/': out += e; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          if (i_ + 4 > text_.size()) fail("short \\u escape");
-          unsigned code = 0;
-          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
-          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
-          i_ += 4;
-          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
-          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
-          else if (code < 0x800)
-            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
-          else
-            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
-                    static_cast<char>(0x80 | (code & 0x3F))};
-          break;
-        }
-        default: fail("bad escape");
-      }
-    }
-  }
-  Json parse(int depth) {
-    if (depth > 32) fail("nested too deep");
-    skip_space();
-    if (i_ >= text_.size()) fail("unexpected end");
-    Json v;
-    const char c = text_[i_];
-    if (c == '{') {
-      ++i_;
-      v.kind = Json::Kind::Object;
-      if (take('}')) return v;
-      do {
-        skip_space();
-        std::string key = string();
-        expect(':');
-        v.keys.push_back(std::move(key));
-        v.values.push_back(parse(depth + 1));
-      } while (take(','));
-      expect('}');
-    } else if (c == '[') {
-      ++i_;
-      v.kind = Json::Kind::Array;
-      if (take(']')) return v;
-      do v.items.push_back(parse(depth + 1));
-      while (take(','));
-      expect(']');
-    } else if (c == '"') {
-      v.kind = Json::Kind::String;
-      v.text = string();
-    } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = Json::Kind::Number;
-      const std::size_t start = i_;
-      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
-      v.text = std::string(text_.substr(start, i_ - start));
-    } else {
-      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
-                                       std::pair{"null", Json::Kind::Null}})
-        if (text_.substr(i_, std::strlen(word)) == word) {
-          i_ += std::strlen(word);
-          v.kind = kind;
-          v.text = word;
-          return v;
-        }
-      fail("unexpected character");
-    }
-    return v;
-  }
-
-  std::string_view text_;
-  std::string where_;
-  std::size_t i_ = 0;
-};
-
-inline std::string json_quote(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') out += {'\\', c};
-    else if (static_cast<unsigned char>(c) < 0x20) {
-      char escape[8];
-      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-      out += escape;
-    } else out += c;
-  }
-  return out + "\"";
-}
-
-inline int64_t json_uint(const Json& v, const std::string& what) {
-  int64_t value = -1;
-  if (v.kind == Json::Kind::Number) {
-    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
-    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
-  }
-  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
-  return value;
-}
-
-// One safetensors file of the named tensors (CPU copies, contiguous).
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
-  static_assert(std::endian::native == std::endian::little,
-                "safetensors is little-endian; so is every host LibTorch runs on");
-  std::string header = R"({"__metadata__":{"format":"pt"})";
-  uint64_t offset = 0;
-  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
-    const std::string& name = named.first;
-    const at::Tensor& tensor = named.second;
-    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
-                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
-    if (dtype == safetensors_dtypes.end())
-      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
-                            ")");
-    std::string shape;
-    for (const int64_t d : tensor.sizes()) {
-      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
-      shape += std::to_string(d);
-    }
-    const uint64_t bytes = tensor.numel() * tensor.element_size();
-    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
-              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
-    offset += bytes;
-  }
-  header += "}";
-  header.resize((header.size() + 7) / 8 * 8, ' ');
-  write_file_atomically(path, [&](CheckedFile& out) {
-    const uint64_t length = header.size();
-    out.write(&length, 8);
-    out.write(header);
-    for (const auto& named : tensors) {
-      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
-      out.write(t.data_ptr(), t.numel() * t.element_size());
-    }
-  });
-}
-
-// The tensors a safetensors file holds, each checked (dtype, shape, offsets
-// inside the file and matching the size, no overlap), read whole.
-inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
-  const std::string where = path.string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw RuntimeError("missing " + where);
-  const uint64_t file_size = fs::file_size(path);
-  uint64_t length = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
-    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
-  if (length > file_size - 8 || length > (uint64_t{100} << 20))
-    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
-                       " bytes in a file of " + std::to_string(file_size) + ")");
-  std::string header(length, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(length));
-  const Json doc = JsonReader(header, where).document();
-  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
-  const uint64_t data_size = file_size - 8 - length;
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
-    const std::string& name = doc.keys[field];
-    const Json& entry = doc.values[field];
-    if (name == "__metadata__") continue;
-    const std::string what = where + ": tensor " + name;
-    const Json* dtype = entry.find("dtype");
-    const Json* shape = entry.find("shape");
-    const Json* offsets = entry.find("data_offsets");
-    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
-        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
-      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
-    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
-                                    [&](const auto& d) { return d.second == dtype->text; });
-    if (known == safetensors_dtypes.end())
-      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
-    std::vector<int64_t> sizes;
-    for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
-    const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");
-    const int64_t end = json_uint(offsets->items[1], what + "'s data_offsets");
-    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(known->first));
-    const auto bytes = static_cast<int64_t>(t.numel() * t.element_size());
-    if (end < begin || static_cast<uint64_t>(end) > data_size || end - begin != bytes)
-      throw RuntimeError(what + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
-                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
-                         std::to_string(data_size));
-    in.seekg(static_cast<std::streamoff>(8 + length + begin));
-    if (!in.read(static_cast<char*>(t.data_ptr()), bytes)) throw RuntimeError("cannot read " + what);
-    ranges.emplace_back(begin, end);
-    out.emplace_back(name, std::move(t));
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (std::size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
-  return out;
-}
-
-// A model's state_dict as Python makes it: dotted names, in its order (each
-// module's parameters, then its buffers, then its children's).
-inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& m : module.named_modules()) {
-    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
-    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
-    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
-  }
-  return out;
-}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END

@@ -11,9 +11,14 @@
 #   (pieces that straddle the saved ones);
 #   a HYBRID_SHARD model saved by 4 (2 replicas of 2 pieces: process k holds
 #   piece k mod 2), loaded by 3 under FULL_SHARD.
+# Each sharded save writes each process's pieces of the model, which
+# Python's torch.distributed.checkpoint (HuggingFaceStorageReader with
+# safetensors: the pip leg's torch) also loads, at 1 and 2 processes
+# (tests/python_ref/dcp_check.py); elsewhere that check says it is skipped.
 # ACCEL_RESIZE_SAVE / ACCEL_RESIZE_LOAD: the strategy of either run.
 #     bash tests/resize_check.sh ACCEL_LAUNCH ACCEL_TESTS
 set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
 launch=${1:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS} tests=${2:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS}
 ACCEL_RESIZE_DIR=$(mktemp -d)
 export ACCEL_RESIZE_DIR
@@ -35,13 +40,38 @@ load() {
   fi
   grep -E "processes after|test cases" <<<"$out"
 }
+# Python's DCP loads the last sharded save on 1 and 2 processes: equal to the model gathered. Where
+# Python's torch is 2.7 or newer, its HuggingFaceStorageReader and safetensors must be there.
+dcp_reader=$(python3 -c '
+import sys, torch
+try:
+    import safetensors, torch.distributed.checkpoint as dcp
+    dcp.HuggingFaceStorageReader
+    print("yes")
+except (ImportError, AttributeError) as e:
+    print("no" if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 7) else "broken: %s" % e)
+' 2>/dev/null || echo no)
+python_loads() {
+  case $dcp_reader in
+    yes) ;;
+    no) echo "== Python's DCP: skipped (no torch >= 2.7 with safetensors here)" && return 0 ;;
+    *) echo "!! Python's torch is 2.7 or newer, yet: $dcp_reader" && exit 1 ;;
+  esac
+  local world
+  for world in 1 2; do
+    OMP_NUM_THREADS=1 "$launch" --timeout 120 "$world" python3 "$here/python_ref/dcp_check.py" \
+      "$ACCEL_RESIZE_DIR/checkpoint" "$ACCEL_RESIZE_DIR/whole"
+  done
+}
 save 2
 for world in 1 3 4; do load "$world"; done
 ACCEL_RESIZE_BATCH=6 load 3  # a global batch of 18, not 12
 ACCEL_RESIZE_LOAD=full_shard load 4
 ACCEL_RESIZE_SAVE=full_shard save 4
+python_loads
 ACCEL_RESIZE_LOAD=shard_grad_op load 2
 load 1
 ACCEL_RESIZE_LOAD=full_shard load 3
 ACCEL_RESIZE_SAVE=hybrid_shard save 4
+python_loads
 ACCEL_RESIZE_LOAD=full_shard load 3

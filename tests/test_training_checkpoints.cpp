@@ -635,6 +635,72 @@ TEST_SUITE("single") {
     world().destroy();
   }
 
+  TEST_CASE("sharded checkpoints: a flat piece as boxes; any range read back from pieces of another cut") {
+    using accel::detail::boxes_of_range;
+    auto describe = [](const std::vector<accel::detail::TensorBox>& boxes) {
+      std::string out;
+      for (const auto& b : boxes) out += c10::str(at::IntArrayRef(b.offsets), at::IntArrayRef(b.sizes), "@", b.begin, " ");
+      return out;
+    };
+    // A partial first row, the whole rows, a partial last row (2d-1 boxes at most), each a contiguous run.
+    CHECK(describe(boxes_of_range({5, 4}, 2, 17)) == "[0, 2][1, 2]@2 [1, 0][3, 4]@4 [4, 0][1, 1]@16 ");
+    CHECK(describe(boxes_of_range({5, 4}, 4, 12)) == "[1, 0][2, 4]@4 ");
+    CHECK(describe(boxes_of_range({5, 4}, 5, 7)) == "[1, 1][1, 2]@5 ");
+    CHECK(describe(boxes_of_range({2, 3, 4}, 5, 19)) ==
+          "[0, 1, 1][1, 1, 3]@5 [0, 2, 0][1, 1, 4]@8 [1, 0, 0][1, 1, 4]@12 [1, 1, 0][1, 1, 3]@16 ");
+    CHECK(describe(boxes_of_range({}, 0, 1)) == "[][]@0 ");
+    CHECK(boxes_of_range({7}, 3, 3).empty());
+    // A [7, 5] tensor written as 3 processes' pieces (ceil(35/3) = 12 elements each), as write_model_shards
+    // lays them out, read back in every range, and refused when a piece is missing or twice there.
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / ("accel_pieces_" + std::to_string(::getpid()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    const at::Tensor whole = at::arange(35, at::kFloat).reshape({7, 5}), bias = at::arange(3, at::kDouble);
+    auto write_piece = [&](int process, int64_t begin, int64_t end) {
+      std::size_t j = 0;
+      for (const auto& box : boxes_of_range(whole.sizes(), begin, end)) {
+        std::vector<std::pair<std::string, at::Tensor>> tensors{
+            {"w", whole.reshape({-1}).narrow(0, box.begin, box.numel()).view(box.sizes)}};
+        std::string info = "{\"w\":{\"saved_offsets\":[" + std::to_string(box.offsets[0]) + "," +
+                           std::to_string(box.offsets[1]) + "]}";
+        if (process == 0 && j == 0) {
+          tensors.emplace_back("b", bias);
+          info += ",\"b\":{\"saved_offsets\":[0]}";
+        }
+        accel::detail::write_safetensors(dir / ("rank-" + std::to_string(process) + "-part-" + std::to_string(j++) +
+                                                ".safetensors"),
+                                         tensors, {{"DCP_SHARDING_INFO", info + "}"}});
+      }
+    };
+    for (int k = 0; k < 3; ++k) write_piece(k, 12 * k, std::min<int64_t>(12 * (k + 1), 35));
+    const accel::detail::ShardedWeights weights(dir);
+    weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3}, at::kDouble)}});
+    for (int64_t begin = 0; begin <= 35; ++begin)
+      for (int64_t length = 0; begin + length <= 35; ++length)
+        REQUIRE(at::equal(weights.read("w", begin, length), whole.reshape({-1}).narrow(0, begin, length)));
+    CHECK(at::equal(weights.read("b", 0, 3), bias));
+    auto refused = [&](auto fn) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3})}}); })
+              .find("b is Double[3] there, Float[3] in the model") != std::string::npos);
+    CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}}); }).find("not in the model: b") !=
+          std::string::npos);
+    fs::remove(dir / "rank-1-part-1.safetensors");
+    CHECK(refused([&] { accel::detail::ShardedWeights{dir}; }).find("hold 30 of its 35 elements") !=
+          std::string::npos);
+    write_piece(1, 12, 24);
+    fs::copy_file(dir / "rank-1-part-1.safetensors", dir / "rank-9-part-0.safetensors");
+    CHECK(refused([&] { accel::detail::ShardedWeights{dir}; }).find("w has overlapping pieces") != std::string::npos);
+    fs::remove_all(dir);
+  }
+
   TEST_CASE("safetensors: save_model writes the format byte for byte; load_model reads it back, sharded or not") {
     namespace fs = std::filesystem;
     accel::Accelerator accelerator(config());
@@ -845,6 +911,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       run.step(batch.data);
       if (++steps == 3) {
         accelerator.save_state(dir / "checkpoint");
+        accelerator.save_model(run.model, (dir / "whole").string());  // (gathered: for Python's DCP to match)
         expect["params"] = run.parameters().clone();
         expect["rng"] = accel::all_gather(torch::rand({4}));  // each process's next draw
       }

@@ -12,6 +12,7 @@
 
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/checkpoint_reshard.hpp"
+#include "accel/training/checkpoint_shards.hpp"
 #include "accel/training/checkpoint_world.hpp"
 #include "accel/training/prepared.hpp"
 
@@ -42,8 +43,15 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
   return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
+// Whether model i is saved in pieces, every process its own
+// (checkpoint_shards.hpp), rather than whole in model.pt by process 0.
+inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
+  return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
+}
+
 // What every process writes: its RNG states and step (as Accelerate's
-// random_states_<i>), and under sharding its own optimizer state.
+// random_states_<i>), and under sharding its own pieces of the models and
+// its own optimizer state.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                                 const std::filesystem::path& tmp) {
   torch::serialize::OutputArchive archive;
@@ -51,6 +59,10 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
   save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
+  for (std::size_t i = 0; i < set.models.size(); ++i)
+    if (saved_in_pieces(set, i))
+      write_model_shards(*set.models[i].module, *set.models[i].data_parallel, ctx.process_index,
+                         tmp / model_shards_dir(i));
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
       torch::serialize::OutputArchive state;
@@ -59,8 +71,8 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
     }
 }
 
-// What process 0 writes for all: the models (whole parameters), the
-// optimizers unless sharded, each prepared loader's resume point (epoch,
+// What process 0 writes for all: the models not sharded (whole
+// parameters), the optimizers unless sharded, each prepared loader's resume point (epoch,
 // batches to skip), the schedulers' step counts (and own state) and the
 // registered objects.
 inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
@@ -69,7 +81,8 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     object.save(archive);
     save_archive(archive, tmp / name);
   };
-  for (std::size_t i = 0; i < set.models.size(); ++i) write(numbered_file("model", i), *set.models[i].module);
+  for (std::size_t i = 0; i < set.models.size(); ++i)
+    if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
@@ -111,7 +124,6 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
-  const auto full = set.full_parameters();  // model.pt holds whole parameters (FULL_SHARD)
   const std::filesystem::path tmp = sibling(dir, ".tmp");
   CheckpointManifest manifest{.serial = 0,
                               .processes = ctx.num_processes,
@@ -138,12 +150,16 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
+      for (std::size_t i = 0; i < set.models.size(); ++i)
+        if (saved_in_pieces(set, i)) std::filesystem::create_directory(tmp / model_shards_dir(i));
     });
   fail_on_every_process(error);
   fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
   if (ctx.process_index == 0)
     error = error_of([&] {
       write_shared_files(set, ctx, tmp);
+      for (std::size_t i = 0; i < set.models.size(); ++i)
+        if (saved_in_pieces(set, i)) fsync_path(tmp / model_shards_dir(i));
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -156,6 +172,8 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // What read_checkpoint read and checked, before anything changed.
 struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
+  // A model saved in pieces (models[i] null): what this process keeps of each parameter and buffer, by name.
+  std::vector<std::map<std::string, at::Tensor>> pieces;
   std::vector<int64_t> scheduler_steps;
   at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
   std::vector<std::string> warnings;   // given once the load is committed (a loader's place, checkpoint_world)
@@ -232,7 +250,13 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       }
       return archive;
     };
+    loaded.pieces.resize(set.models.size());
     for (std::size_t i = 0; i < set.models.size(); ++i) {
+      if (fs::is_directory(dir / model_shards_dir(i))) {
+        loaded.pieces[i] =
+            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), dir / model_shards_dir(i));
+        continue;
+      }
       models[i] = read(numbered_file("model", i));
       check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
     }
@@ -381,9 +405,17 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
 inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
   const auto& models = loaded.models;
   const auto& points = loaded.points;
-  for (DataParallel* dp : *set.sharded) dp->open_for_load();
-  for (std::size_t i = 0; i < set.models.size(); ++i) set.models[i].module->load(*models[i]);
-  for (DataParallel* dp : *set.sharded) dp->reshard();
+  for (std::size_t i = 0; i < set.models.size(); ++i) {
+    DataParallel* dp = set.models[i].data_parallel.get();
+    const bool sharded = dp && dp->sharded();
+    if (models[i]) {
+      if (sharded) dp->open_for_load();
+      set.models[i].module->load(*models[i]);
+      if (sharded) dp->reshard();
+    } else {
+      commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
+    }
+  }
   for (std::size_t i = 0; i < set.loaders.size(); ++i) {
     const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read_checkpoint converted it)
     set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()),

@@ -276,6 +276,18 @@ class DataParallel {
   void open_for_load() { detail::dp::open_for_load(*state_); }
   void reshard() { detail::dp::reshard(*state_); }
 
+  // Sharded checkpoints (checkpoint_shards.hpp): this rank's piece of
+  // parameter p, written without gathering (none: p is not sharded here;
+  // see detail::dp::piece_of); whether this rank writes its pieces (under
+  // HSDP the first replica does); what a load reads for p, and putting
+  // what it read in place (detail::dp::load_range and load_values).
+  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const { return detail::dp::piece_of(*state_, p); }
+  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
+  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const { return detail::dp::load_range(*state_, p); }
+  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
+    detail::dp::load_values(*state_, values);
+  }
+
   // FSDP's summon_full_params: every unit's parameters gathered for as long
   // as the returned object lives (a collective on the shard group: every
   // rank makes one, in the same order). With writeback, what the

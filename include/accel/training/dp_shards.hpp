@@ -168,6 +168,64 @@ inline void reshard(State& s) {
   }
 }
 
+// For sharded checkpoints (checkpoint_shards.hpp), which neither gather
+// nor load whole what a rank keeps in pieces. This rank's piece of
+// parameter p: elements [begin, begin + values.numel()) of p flattened,
+// `values` a flat view (a unit's parameter holds nothing at rest: its
+// shard's; any other's own chunk, which check_shards treats as the truth).
+// None when p is not sharded here.
+struct Piece {
+  at::Tensor values;
+  int64_t begin = 0;
+};
+inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
+  std::lock_guard lock(s.mutex);
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end()) return std::nullopt;
+  const Bucket& bucket = s.buckets[found->second.first];
+  const std::size_t i = found->second.second;
+  const int64_t n = p.numel(), c = bucket.chunks[i];
+  const int64_t begin = std::min(s.shard->getRank() * c, n), length = std::min(c, n - begin);
+  const bool whole = bucket.unit < 0 || bucket.resident;
+  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
+               begin};
+}
+// What a load reads for parameter p, as (begin, length) of p flattened: a
+// unit's parameter only its piece (its shard is all it keeps), unless
+// summon_full_params() holds the units gathered; every other one whole.
+inline std::pair<int64_t, int64_t> load_range(State& s, const at::Tensor& p) {
+  std::lock_guard lock(s.mutex);
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
+    return {0, p.numel()};
+  const int64_t n = p.numel(), c = s.buckets[found->second.first].chunks[found->second.second];
+  const int64_t begin = std::min(s.shard->getRank() * c, n);
+  return {begin, std::min(c, n - begin)};
+}
+// Puts what a load read in place: values(p) holds load_range(p)'s elements
+// of each sharded parameter. Prefetches and gathered units are dropped
+// first (they hold the old values); a parameter read whole gives its shard
+// its chunk.
+inline void load_values(State& s, const std::function<at::Tensor(const at::Tensor&)>& values) {
+  if (!s.shard) return;
+  std::lock_guard lock(s.mutex);
+  if (s.held == 0) end_unit_pass(s);
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor v = values(bucket.params[i]).reshape({-1});
+      if (bucket.unit < 0 || s.held > 0) {
+        bucket.params[i].detach().view({-1}).copy_(v);
+        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+      } else {
+        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
+        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
+      }
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
 // Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
 // parameter's address as text, c10::guts::to_string's, 2.x by the address).
 template <class StateMap>

@@ -188,11 +188,15 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
   return value;
 }
 
-// One safetensors file of the named tensors (CPU copies, contiguous).
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+// One safetensors file of the named tensors (CPU copies, contiguous), with
+// `metadata`'s (key, text) pairs in its "__metadata__" beside "format".
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::vector<std::pair<std::string, std::string>>& metadata = {}) {
   static_assert(std::endian::native == std::endian::little,
                 "safetensors is little-endian; so is every host LibTorch runs on");
-  std::string header = R"({"__metadata__":{"format":"pt"})";
+  std::string header = R"({"__metadata__":{"format":"pt")";
+  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
+  header += "}";
   uint64_t offset = 0;
   for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
     const std::string& name = named.first;
@@ -225,12 +229,22 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   });
 }
 
-// The tensors a safetensors file holds, each checked (dtype, shape, offsets
-// inside the file and matching the size, no overlap), read whole.
-inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+// A safetensors file's header, checked: each tensor's dtype, shape and
+// byte range (inside the file, matching the size, no two overlapping), and
+// the "__metadata__" texts. `data_start`: where the tensors' bytes begin.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;  // bytes, from data_start
+};
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata;
+  int64_t data_start = 0;
+};
+inline SafetensorsHeader read_safetensors_header(std::istream& in, const fs::path& path) {
   const std::string where = path.string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw RuntimeError("missing " + where);
   const uint64_t file_size = fs::file_size(path);
   uint64_t length = 0;
   if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
@@ -238,17 +252,26 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
   if (length > file_size - 8 || length > (uint64_t{100} << 20))
     throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
                        " bytes in a file of " + std::to_string(file_size) + ")");
-  std::string header(length, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(length));
-  const Json doc = JsonReader(header, where).document();
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  const Json doc = JsonReader(text, where).document();
   if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
   const uint64_t data_size = file_size - 8 - length;
-  std::vector<std::pair<std::string, at::Tensor>> out;
+  SafetensorsHeader header;
+  header.data_start = static_cast<int64_t>(8 + length);
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (std::size_t field = 0; field < doc.keys.size(); ++field) {
     const std::string& name = doc.keys[field];
     const Json& entry = doc.values[field];
-    if (name == "__metadata__") continue;
+    if (name == "__metadata__") {
+      if (entry.kind != Json::Kind::Object) throw RuntimeError(where + ": __metadata__ is not a JSON object");
+      for (std::size_t k = 0; k < entry.keys.size(); ++k) {
+        if (entry.values[k].kind != Json::Kind::String)
+          throw RuntimeError(where + ": __metadata__'s " + entry.keys[k] + " is not a string");
+        header.metadata[entry.keys[k]] = entry.values[k].text;
+      }
+      continue;
+    }
     const std::string what = where + ": tensor " + name;
     const Json* dtype = entry.find("dtype");
     const Json* shape = entry.find("shape");
@@ -260,24 +283,41 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
                                     [&](const auto& d) { return d.second == dtype->text; });
     if (known == safetensors_dtypes.end())
       throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
-    std::vector<int64_t> sizes;
-    for (const Json& d : shape->items) sizes.push_back(json_uint(d, what + "'s shape"));
-    const int64_t begin = json_uint(offsets->items[0], what + "'s data_offsets");
-    const int64_t end = json_uint(offsets->items[1], what + "'s data_offsets");
-    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(known->first));
-    const auto bytes = static_cast<int64_t>(t.numel() * t.element_size());
-    if (end < begin || static_cast<uint64_t>(end) > data_size || end - begin != bytes)
-      throw RuntimeError(what + ": data_offsets [" + std::to_string(begin) + ", " + std::to_string(end) +
+    SafetensorsEntry e{.name = name, .dtype = known->first, .shape = {}};
+    int64_t numel = 1;
+    for (const Json& d : shape->items) {
+      e.shape.push_back(json_uint(d, what + "'s shape"));
+      numel *= e.shape.back();
+    }
+    e.begin = json_uint(offsets->items[0], what + "'s data_offsets");
+    e.end = json_uint(offsets->items[1], what + "'s data_offsets");
+    const auto bytes = static_cast<int64_t>(numel * c10::elementSize(e.dtype));
+    if (e.end < e.begin || static_cast<uint64_t>(e.end) > data_size || e.end - e.begin != bytes)
+      throw RuntimeError(what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
                          ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
                          std::to_string(data_size));
-    in.seekg(static_cast<std::streamoff>(8 + length + begin));
-    if (!in.read(static_cast<char*>(t.data_ptr()), bytes)) throw RuntimeError("cannot read " + what);
-    ranges.emplace_back(begin, end);
-    out.emplace_back(name, std::move(t));
+    ranges.emplace_back(e.begin, e.end);
+    header.entries.push_back(std::move(e));
   }
   std::sort(ranges.begin(), ranges.end());
   for (std::size_t i = 1; i < ranges.size(); ++i)
     if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
+  return header;
+}
+
+// The tensors a safetensors file holds, checked as above, read whole.
+inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RuntimeError("missing " + path.string());
+  const SafetensorsHeader header = read_safetensors_header(in, path);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const SafetensorsEntry& e : header.entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
+    if (!in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin))
+      throw RuntimeError("cannot read " + path.string() + ": tensor " + e.name);
+    out.emplace_back(e.name, std::move(t));
+  }
   return out;
 }
 

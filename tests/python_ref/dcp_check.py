@@ -1,0 +1,68 @@
+"""Python's torch.distributed.checkpoint (DCP) reading a sharded checkpoint of
+accel.hpp (CTest checkpoint_resize, tests/resize_check.sh).
+
+    python3 dcp_check.py CHECKPOINT WHOLE           one process, or each rank under accel_launch N
+
+CHECKPOINT/model holds what each saving process wrote of the test's
+Mlp(4, 16, 1) (checkpoint_shards.hpp: safetensors with DCP_SHARDING_INFO);
+WHOLE/model.safetensors the same model gathered (Accelerator::save_model).
+On one process the model is plain; on more it is sharded by fully_shard (its
+parameters DTensors, each rank loading only its rows). Either way
+dcp.load(..., storage_reader=HuggingFaceStorageReader(...)) fills it, and every
+full tensor must equal the gathered one exactly. Exits 77 (skipped) where
+torch has no HuggingFaceStorageReader.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+try:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+except ImportError:
+    print(f"SKIP: torch {torch.__version__} has no HuggingFaceStorageReader")
+    sys.exit(77)
+from safetensors.torch import load_file
+
+
+class Mlp(torch.nn.Module):
+    # tests/training_fixtures.hpp's Mlp(4, 16, 1): the same names (body.0.weight, ...)
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def main(checkpoint, whole):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(5)  # weights unlike the saved ones: the load must replace every one
+    model = Mlp()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.body:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    state = model.state_dict()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(os.path.join(checkpoint, "model")))
+    model.load_state_dict(state)
+    expected = load_file(os.path.join(whole, "model.safetensors"))
+    assert sorted(expected) == sorted(model.state_dict()), (sorted(expected), sorted(model.state_dict()))
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if not torch.equal(full, expected[name]):
+            raise SystemExit(f"{name}: DCP loaded {full}, the C++ model holds {expected[name]}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(f"DCP on {world} process(es): {len(expected)} tensors equal to the C++ model's")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
