@@ -6913,6 +6913,43 @@ class FullParameters {
   bool writeback_;
 };
 
+// Whole parameters one unit at a time, for an export that must not hold
+// every unit at once (Accelerator::save_model): whole(p) gathers the unit
+// of parameter p (a collective on the shard group: every rank asks for the
+// same parameters in the same order), releasing the unit it gathered
+// before, and returns p, which holds its values until the next call; a
+// tensor in no unit comes back as it is. Units gathered for other reasons
+// (a prefetch, a forward left half done) are released first.
+class UnitByUnit {
+ public:
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+    std::lock_guard lock(state_->mutex);
+    if (state_->held == 0) end_unit_pass(*state_);
+  }
+  UnitByUnit(const UnitByUnit&) = delete;
+  UnitByUnit& operator=(const UnitByUnit&) = delete;
+  ~UnitByUnit() {
+    std::lock_guard lock(state_->mutex);
+    if (current_) release(*state_, *current_);
+  }
+  const at::Tensor& whole(const at::Tensor& p) {
+    std::lock_guard lock(state_->mutex);
+    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
+    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    if (current_ != u) {
+      if (current_) release(*state_, *current_);
+      current_ = u;
+      materialize(*state_, u);
+    }
+    return p;
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::optional<std::size_t> current_;
+};
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>
@@ -7582,6 +7619,10 @@ class DataParallel {
     ++state_->held;
     return FullParameters(state_, writeback);
   }
+  // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
+  // one unit gathered while it lives; every rank of the shard group in the
+  // same order).
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
 
@@ -9721,12 +9762,11 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
   return value;
 }
 
-// One safetensors file of the named tensors (CPU copies, contiguous), with
-// `metadata`'s (key, text) pairs in its "__metadata__" beside "format".
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::vector<std::pair<std::string, std::string>>& metadata = {}) {
-  static_assert(std::endian::native == std::endian::little,
-                "safetensors is little-endian; so is every host LibTorch runs on");
+// The header of a safetensors file of `tensors` (from their names, dtypes
+// and shapes alone), with `metadata`'s (key, text) pairs in its
+// "__metadata__" beside "format", padded with spaces to a multiple of 8.
+inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                      const std::vector<std::pair<std::string, std::string>>& metadata) {
   std::string header = R"({"__metadata__":{"format":"pt")";
   for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
   header += "}";
@@ -9751,12 +9791,28 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   }
   header += "}";
   header.resize((header.size() + 7) / 8 * 8, ' ');
+  return header;
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous), with
+// `metadata` as above. Where `values` is given, values(i) gives tensor i's
+// values as the file reaches it, in order (an export that gathers them one
+// at a time); `tensors` then only gives names, dtypes and shapes.
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::vector<std::pair<std::string, std::string>>& metadata = {},
+                              const std::function<at::Tensor(std::size_t)>& values = {}) {
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
+  const std::string header = safetensors_header(tensors, metadata);
   write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
     out.write(&length, 8);
     out.write(header);
-    for (const auto& named : tensors) {
-      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor t = (values ? values(i) : tensors[i].second).detach().to(at::kCPU).contiguous();
+      TORCH_INTERNAL_ASSERT(
+          t.sizes() == tensors[i].second.sizes() && t.scalar_type() == tensors[i].second.scalar_type(),
+          "write_safetensors: values of ", tensors[i].first, " unlike its header's");
       out.write(t.data_ptr(), t.numel() * t.element_size());
     }
   });
@@ -11252,6 +11308,80 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
+namespace detail {
+// save_model's work on `module`'s state_dict. whole(t) gives a tensor's
+// values when its turn comes (an Accelerator's FULL_SHARD model gathers
+// them unit by unit there, a collective); every process calls it for every
+// tensor in the same order, the main process writes, and an error there
+// (a full disk) still lets the others finish their calls before every
+// process throws it.
+inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const at::Tensor&)>& whole) {
+  namespace fs = std::filesystem;
+  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  using Named = std::vector<std::pair<std::string, at::Tensor>>;
+  std::vector<Named> shards(1);  // the files' tensors (names, dtypes and shapes; values come from whole())
+  uint64_t in_shard = 0, total = 0;
+  for (auto& named : state_dict(module)) {
+    const uint64_t bytes = named.second.numel() * named.second.element_size();
+    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(std::move(named));
+    in_shard += bytes;
+    total += bytes;
+  }
+  const bool writes = accel::get_rank() == 0;
+  std::string error;
+  if (writes)
+    error = error_of([&] {
+      fs::create_directories(path);
+      if (shards.size() == 1) fs::remove(path / "model.safetensors.index.json");  // it would be read first
+    });
+  std::set<std::string> written;
+  std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    char name[64];
+    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
+    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    std::size_t next = 0;  // the file's tensors whose values were asked for
+    auto values = [&](std::size_t i) {
+      next = i + 1;
+      return whole(shards[k][i].second);
+    };
+    if (writes && error.empty())
+      error = error_of([&] {
+        write_safetensors(path / name, shards[k], {}, values);
+        written.insert(name);
+        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      });
+    while (next < shards[k].size()) values(next);  // the other processes, and the main one after an error
+  }
+  if (writes && error.empty())
+    error = error_of([&] {
+      if (shards.size() > 1) {
+        std::string index =
+            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index +=
+              std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
+        index += "\n  }\n}\n";
+        write_file_atomically(path / "model.safetensors.index.json", [&](CheckedFile& out) { out.write(index); });
+        written.insert("model.safetensors.index.json");
+      }
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string file = entry.path().filename().string();
+        const bool ours = file == "model.safetensors" || file == "model.safetensors.index.json" ||
+                          (file.starts_with("model-") && file.ends_with(".safetensors"));
+        if (ours && !written.count(file)) fs::remove(entry.path());
+      }
+      fsync_path(path);
+    });
+  fail_together(error, "accel::save_model");
+}
+}  // namespace detail
+
 // Writes the model's weights as Hugging Face does, for Python (and
 // load_model) to read: dir/model.safetensors with the state_dict's names as
 // keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
@@ -11261,62 +11391,12 @@ ACCEL_NAMESPACE_BEGIN
 // temporary name, then renamed; the other layout's files of an earlier save
 // in dir are removed. It writes the parameters as they are: a model sharded
 // by an Accelerator goes through Accelerator::save_model, which gathers
-// them first (or hold a DataParallel::summon_full_params() around this).
+// them unit by unit (or hold a DataParallel::summon_full_params() around
+// this).
 template <class ModuleHolder>
 void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-  namespace fs = std::filesystem;
-  const fs::path path = detail::checkpoint_path(dir, "save_model");
-  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  std::string error;
-  if (accel::get_rank() == 0)
-    error = detail::error_of([&] {
-      using Named = std::vector<std::pair<std::string, at::Tensor>>;
-      std::vector<Named> shards(1);
-      uint64_t in_shard = 0, total = 0;
-      for (auto& named : detail::state_dict(*model.ptr())) {
-        const uint64_t bytes = named.second.numel() * named.second.element_size();
-        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
-          shards.emplace_back();
-          in_shard = 0;
-        }
-        shards.back().push_back(std::move(named));
-        in_shard += bytes;
-        total += bytes;
-      }
-      fs::create_directories(path);
-      std::set<std::string> written;
-      if (shards.size() == 1) {
-        fs::remove(path / "model.safetensors.index.json");  // it would be read first
-        detail::write_safetensors(path / "model.safetensors", shards[0]);
-        written.insert("model.safetensors");
-      } else {
-        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-        for (std::size_t k = 0; k < shards.size(); ++k) {
-          char name[64];
-          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-          detail::write_safetensors(path / name, shards[k]);
-          written.insert(name);
-          for (const auto& named : shards[k]) weight_map[named.first] = name;
-        }
-        std::string index =
-            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
-        for (const auto& [tensor, file] : weight_map)
-          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
-                   detail::json_quote(file);
-        index += "\n  }\n}\n";
-        detail::write_file_atomically(path / "model.safetensors.index.json",
-                                      [&](detail::CheckedFile& out) { out.write(index); });
-        written.insert("model.safetensors.index.json");
-      }
-      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-        const std::string name = entry.path().filename().string();
-        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                          (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if (ours && !written.count(name)) fs::remove(entry.path());
-      }
-      detail::fsync_path(path);
-    });
-  detail::fail_together(error, "accel::save_model");
+  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+                       [](const at::Tensor& t) { return t; });
 }
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
@@ -12154,13 +12234,19 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   // -- weights that leave C++ --------------------------------------------------------
 
   // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
-  // prepared model: under FULL_SHARD its whole parameters are gathered for
-  // the call (and load_model writes them back into the shards).
+  // prepared model. Under FULL_SHARD save_model gathers the parameters one
+  // unit at a time as the files reach them (no process holds more than one
+  // unit's whole parameters beside its shards); load_model gathers them all
+  // for the call and writes them back into the shards.
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
     detail::every_process_calls("accel::Accelerator::save_model", [&] {
-      const auto full = prepared_.full_parameters(model.ptr().get());
-      accel::save_model(model, dir, max_shard_bytes);
+      const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
+      DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
+      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, max_shard_bytes);
+      auto units = dp->unit_by_unit();
+      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+                           [&](const at::Tensor& t) { return units.whole(t); });
     });
   }
   template <class ModuleHolder>

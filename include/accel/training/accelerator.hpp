@@ -255,13 +255,19 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
   // -- weights that leave C++ --------------------------------------------------------
 
   // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
-  // prepared model: under FULL_SHARD its whole parameters are gathered for
-  // the call (and load_model writes them back into the shards).
+  // prepared model. Under FULL_SHARD save_model gathers the parameters one
+  // unit at a time as the files reach them (no process holds more than one
+  // unit's whole parameters beside its shards); load_model gathers them all
+  // for the call and writes them back into the shards.
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
     detail::every_process_calls("accel::Accelerator::save_model", [&] {
-      const auto full = prepared_.full_parameters(model.ptr().get());
-      accel::save_model(model, dir, max_shard_bytes);
+      const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
+      DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
+      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, max_shard_bytes);
+      auto units = dp->unit_by_unit();
+      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+                           [&](const at::Tensor& t) { return units.whole(t); });
     });
   }
   template <class ModuleHolder>

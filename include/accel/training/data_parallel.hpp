@@ -301,6 +301,10 @@ class DataParallel {
     ++state_->held;
     return FullParameters(state_, writeback);
   }
+  // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
+  // one unit gathered while it lives; every rank of the shard group in the
+  // same order).
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
 

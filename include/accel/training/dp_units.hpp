@@ -263,6 +263,43 @@ class FullParameters {
   bool writeback_;
 };
 
+// Whole parameters one unit at a time, for an export that must not hold
+// every unit at once (Accelerator::save_model): whole(p) gathers the unit
+// of parameter p (a collective on the shard group: every rank asks for the
+// same parameters in the same order), releasing the unit it gathered
+// before, and returns p, which holds its values until the next call; a
+// tensor in no unit comes back as it is. Units gathered for other reasons
+// (a prefetch, a forward left half done) are released first.
+class UnitByUnit {
+ public:
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+    std::lock_guard lock(state_->mutex);
+    if (state_->held == 0) end_unit_pass(*state_);
+  }
+  UnitByUnit(const UnitByUnit&) = delete;
+  UnitByUnit& operator=(const UnitByUnit&) = delete;
+  ~UnitByUnit() {
+    std::lock_guard lock(state_->mutex);
+    if (current_) release(*state_, *current_);
+  }
+  const at::Tensor& whole(const at::Tensor& p) {
+    std::lock_guard lock(state_->mutex);
+    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
+    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    if (current_ != u) {
+      if (current_) release(*state_, *current_);
+      current_ = u;
+      materialize(*state_, u);
+    }
+    return p;
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::optional<std::size_t> current_;
+};
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>

@@ -188,12 +188,11 @@ inline int64_t json_uint(const Json& v, const std::string& what) {
   return value;
 }
 
-// One safetensors file of the named tensors (CPU copies, contiguous), with
-// `metadata`'s (key, text) pairs in its "__metadata__" beside "format".
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::vector<std::pair<std::string, std::string>>& metadata = {}) {
-  static_assert(std::endian::native == std::endian::little,
-                "safetensors is little-endian; so is every host LibTorch runs on");
+// The header of a safetensors file of `tensors` (from their names, dtypes
+// and shapes alone), with `metadata`'s (key, text) pairs in its
+// "__metadata__" beside "format", padded with spaces to a multiple of 8.
+inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                      const std::vector<std::pair<std::string, std::string>>& metadata) {
   std::string header = R"({"__metadata__":{"format":"pt")";
   for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
   header += "}";
@@ -218,12 +217,28 @@ inline void write_safetensors(const fs::path& path, const std::vector<std::pair<
   }
   header += "}";
   header.resize((header.size() + 7) / 8 * 8, ' ');
+  return header;
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous), with
+// `metadata` as above. Where `values` is given, values(i) gives tensor i's
+// values as the file reaches it, in order (an export that gathers them one
+// at a time); `tensors` then only gives names, dtypes and shapes.
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::vector<std::pair<std::string, std::string>>& metadata = {},
+                              const std::function<at::Tensor(std::size_t)>& values = {}) {
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
+  const std::string header = safetensors_header(tensors, metadata);
   write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
     out.write(&length, 8);
     out.write(header);
-    for (const auto& named : tensors) {
-      const at::Tensor t = named.second.detach().to(at::kCPU).contiguous();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor t = (values ? values(i) : tensors[i].second).detach().to(at::kCPU).contiguous();
+      TORCH_INTERNAL_ASSERT(
+          t.sizes() == tensors[i].second.sizes() && t.scalar_type() == tensors[i].second.scalar_type(),
+          "write_safetensors: values of ", tensors[i].first, " unlike its header's");
       out.write(t.data_ptr(), t.numel() * t.element_size());
     }
   });

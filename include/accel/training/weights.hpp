@@ -10,6 +10,80 @@
 
 ACCEL_NAMESPACE_BEGIN
 
+namespace detail {
+// save_model's work on `module`'s state_dict. whole(t) gives a tensor's
+// values when its turn comes (an Accelerator's FULL_SHARD model gathers
+// them unit by unit there, a collective); every process calls it for every
+// tensor in the same order, the main process writes, and an error there
+// (a full disk) still lets the others finish their calls before every
+// process throws it.
+inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path, uint64_t max_shard_bytes,
+                         const std::function<at::Tensor(const at::Tensor&)>& whole) {
+  namespace fs = std::filesystem;
+  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  using Named = std::vector<std::pair<std::string, at::Tensor>>;
+  std::vector<Named> shards(1);  // the files' tensors (names, dtypes and shapes; values come from whole())
+  uint64_t in_shard = 0, total = 0;
+  for (auto& named : state_dict(module)) {
+    const uint64_t bytes = named.second.numel() * named.second.element_size();
+    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(std::move(named));
+    in_shard += bytes;
+    total += bytes;
+  }
+  const bool writes = accel::get_rank() == 0;
+  std::string error;
+  if (writes)
+    error = error_of([&] {
+      fs::create_directories(path);
+      if (shards.size() == 1) fs::remove(path / "model.safetensors.index.json");  // it would be read first
+    });
+  std::set<std::string> written;
+  std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    char name[64];
+    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
+    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    std::size_t next = 0;  // the file's tensors whose values were asked for
+    auto values = [&](std::size_t i) {
+      next = i + 1;
+      return whole(shards[k][i].second);
+    };
+    if (writes && error.empty())
+      error = error_of([&] {
+        write_safetensors(path / name, shards[k], {}, values);
+        written.insert(name);
+        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      });
+    while (next < shards[k].size()) values(next);  // the other processes, and the main one after an error
+  }
+  if (writes && error.empty())
+    error = error_of([&] {
+      if (shards.size() > 1) {
+        std::string index =
+            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index +=
+              std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
+        index += "\n  }\n}\n";
+        write_file_atomically(path / "model.safetensors.index.json", [&](CheckedFile& out) { out.write(index); });
+        written.insert("model.safetensors.index.json");
+      }
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string file = entry.path().filename().string();
+        const bool ours = file == "model.safetensors" || file == "model.safetensors.index.json" ||
+                          (file.starts_with("model-") && file.ends_with(".safetensors"));
+        if (ours && !written.count(file)) fs::remove(entry.path());
+      }
+      fsync_path(path);
+    });
+  fail_together(error, "accel::save_model");
+}
+}  // namespace detail
+
 // Writes the model's weights as Hugging Face does, for Python (and
 // load_model) to read: dir/model.safetensors with the state_dict's names as
 // keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
@@ -19,62 +93,12 @@ ACCEL_NAMESPACE_BEGIN
 // temporary name, then renamed; the other layout's files of an earlier save
 // in dir are removed. It writes the parameters as they are: a model sharded
 // by an Accelerator goes through Accelerator::save_model, which gathers
-// them first (or hold a DataParallel::summon_full_params() around this).
+// them unit by unit (or hold a DataParallel::summon_full_params() around
+// this).
 template <class ModuleHolder>
 void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-  namespace fs = std::filesystem;
-  const fs::path path = detail::checkpoint_path(dir, "save_model");
-  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  std::string error;
-  if (accel::get_rank() == 0)
-    error = detail::error_of([&] {
-      using Named = std::vector<std::pair<std::string, at::Tensor>>;
-      std::vector<Named> shards(1);
-      uint64_t in_shard = 0, total = 0;
-      for (auto& named : detail::state_dict(*model.ptr())) {
-        const uint64_t bytes = named.second.numel() * named.second.element_size();
-        if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
-          shards.emplace_back();
-          in_shard = 0;
-        }
-        shards.back().push_back(std::move(named));
-        in_shard += bytes;
-        total += bytes;
-      }
-      fs::create_directories(path);
-      std::set<std::string> written;
-      if (shards.size() == 1) {
-        fs::remove(path / "model.safetensors.index.json");  // it would be read first
-        detail::write_safetensors(path / "model.safetensors", shards[0]);
-        written.insert("model.safetensors");
-      } else {
-        std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-        for (std::size_t k = 0; k < shards.size(); ++k) {
-          char name[64];
-          std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
-          detail::write_safetensors(path / name, shards[k]);
-          written.insert(name);
-          for (const auto& named : shards[k]) weight_map[named.first] = name;
-        }
-        std::string index =
-            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
-        for (const auto& [tensor, file] : weight_map)
-          index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + detail::json_quote(tensor) + ": " +
-                   detail::json_quote(file);
-        index += "\n  }\n}\n";
-        detail::write_file_atomically(path / "model.safetensors.index.json",
-                                      [&](detail::CheckedFile& out) { out.write(index); });
-        written.insert("model.safetensors.index.json");
-      }
-      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-        const std::string name = entry.path().filename().string();
-        const bool ours = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                          (name.starts_with("model-") && name.ends_with(".safetensors"));
-        if (ours && !written.count(name)) fs::remove(entry.path());
-      }
-      detail::fsync_path(path);
-    });
-  detail::fail_together(error, "accel::save_model");
+  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+                       [](const at::Tensor& t) { return t; });
 }
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
