@@ -10,7 +10,9 @@
 #   by 2 under SHARD_GRAD_OP, by 1 (whole) and by 3 under FULL_SHARD
 #   (pieces that straddle the saved ones);
 #   a HYBRID_SHARD model saved by 4 (2 replicas of 2 pieces: process k holds
-#   piece k mod 2), loaded by 3 under FULL_SHARD.
+#   piece k mod 2), loaded by 3 under FULL_SHARD;
+#   the FULL_SHARD checkpoint saved again by a run whose main process dies at
+#   each step of the save, then loaded by 4 (the saved state, no leftovers).
 # Each sharded save writes each process's pieces of the model, which
 # Python's torch.distributed.checkpoint (HuggingFaceStorageReader with
 # safetensors: the pip leg's torch) also loads, at 1 and 2 processes
@@ -39,6 +41,14 @@ load() {
     exit 1
   fi
   grep -E "processes after|test cases" <<<"$out"
+}
+# A run that loads the checkpoint and saves it again, its main process dying at step $1 of the save.
+crash() {
+  echo "== saved again by 4 processes (${ACCEL_RESIZE_SAVE:-no_shard}), the main one killed at \"$1\""
+  if ACCEL_RESIZE_CRASH=$1 "$launch" --timeout 120 4 "$tests" "${suite[@]}" -tc='crash*' >/dev/null 2>&1; then
+    echo "!! the run that was to die finished"
+    exit 1
+  fi
 }
 # Python's DCP loads the last sharded save on 1 and 2 processes: equal to the model gathered. Where
 # Python's torch is 2.7 or newer, its HuggingFaceStorageReader and safetensors must be there.
@@ -70,6 +80,11 @@ ACCEL_RESIZE_LOAD=full_shard load 4
 ACCEL_RESIZE_SAVE=full_shard save 4
 python_loads
 ACCEL_RESIZE_LOAD=shard_grad_op load 2
+# (before its manifest, and after: either side of the moment a save becomes whole; checkpoint_files.hpp)
+for step in "files written" "manifest written"; do
+  ACCEL_RESIZE_SAVE=full_shard crash "$step"
+  ACCEL_RESIZE_LOAD=full_shard load 4
+done
 load 1
 ACCEL_RESIZE_LOAD=full_shard load 3
 ACCEL_RESIZE_SAVE=hybrid_shard save 4

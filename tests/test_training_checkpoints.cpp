@@ -864,6 +864,25 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       }
       return flat_parameters(*model).clone();
     }
+    // Under sharding: Adam's state of every parameter, whole (its shards' gathered), under the names a sharded
+    // checkpoint gives it for Python (checkpoint_shards.hpp).
+    std::vector<std::pair<std::string, at::Tensor>> whole_optimizer_state() {
+      std::vector<std::pair<std::string, at::Tensor>> out;
+      accel::DataParallel* dp = accelerator.data_parallel(model);
+      for (const auto& [name, p] : accel::detail::state_dict(*model)) {
+        const at::Tensor shard = dp->shard_of(p);
+        const auto* state = dynamic_cast<const torch::optim::AdamParamState*>(
+            accel::detail::state_for(*optimizer, shard));
+        REQUIRE(state != nullptr);
+        for (const auto& [key, value] : {std::pair{"exp_avg", state->exp_avg()}, {"exp_avg_sq", state->exp_avg_sq()}})
+          out.emplace_back("optimizer.state." + name + "." + key,
+                           accel::all_gather(value, dp->shard_group()).reshape({-1}).narrow(0, 0, p.numel()).view(
+                               p.sizes()));
+        out.emplace_back("optimizer.state." + name + ".step",
+                         at::scalar_tensor(static_cast<double>(state->step()), at::kFloat));
+      }
+      return out;
+    }
     // Every process's batch in rank order: the samples of the global batch in the loader's order.
     at::Tensor global(const at::Tensor& indices) { return accel::all_gather(indices.reshape({-1})).reshape({-1}); }
     accel::Accelerator& accelerator;
@@ -912,6 +931,10 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       if (++steps == 3) {
         accelerator.save_state(dir / "checkpoint");
         accelerator.save_model(run.model, (dir / "whole").string());  // (gathered: for Python's DCP to match)
+        if (accelerator.data_parallel(run.model)->sharded()) {
+          const auto state = run.whole_optimizer_state();
+          if (accelerator.is_main_process()) accel::detail::write_safetensors(dir / "whole" / "optimizer.safetensors", state);
+        }
         expect["params"] = run.parameters().clone();
         expect["rng"] = accel::all_gather(torch::rand({4}));  // each process's next draw
       }
@@ -921,6 +944,25 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
     if (accelerator.is_main_process())
       accel::detail::write_safetensors(dir / "expect.safetensors", {expect.begin(), expect.end()});
     release_world();  // (world() would ask for the default mesh)
+  }
+
+  // The checkpoint loaded and saved again, the same state, by a run whose main process dies at step
+  // ACCEL_RESIZE_CRASH of the save (the others find it gone and fail): the "load" case after it must find
+  // the saved state, whichever of the two copies recovery keeps, and nothing of the other.
+  TEST_CASE("crash: a save that dies on the main process at ACCEL_RESIZE_CRASH") {
+    const auto dir = resize_dir();
+    const char* step = std::getenv("ACCEL_RESIZE_CRASH");
+    REQUIRE(step != nullptr);
+    accel::Accelerator accelerator(resize_config("ACCEL_RESIZE_SAVE"));
+    Resized run(7, accelerator);
+    auto loader = run.loader();
+    accelerator.load_state(dir / "checkpoint");
+    if (accelerator.is_main_process())
+      accel::detail::checkpoint_hook() = [step](const char* at) {
+        if (std::strcmp(at, step) == 0) std::_Exit(3);
+      };
+    accelerator.save_state(dir / "checkpoint");
+    FAIL("the save was to die at ", step);
   }
 
   TEST_CASE("load: the same model, optimizer, place and RNG; the next step as the saving run's") {
@@ -934,6 +976,8 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
     CHECK_FALSE(at::equal(run.parameters(), expect["params"]));
     accelerator.load_state(dir / "checkpoint");
     CHECK(at::equal(run.parameters(), expect["params"]));
+    CHECK_FALSE(std::filesystem::exists(dir / "checkpoint.tmp"));  // (a save that died: recovered)
+    CHECK_FALSE(std::filesystem::exists(dir / "checkpoint.old"));
     const at::Tensor draws = accel::all_gather(torch::rand({4}));
     for (int p = 0; p < P; ++p) {
       if (p < saved) {

@@ -403,6 +403,9 @@ TEST_SUITE("ranks") {
     const c10::IValue kept = torch::pickle_load(torch::pickle_save(c10::IValue(mid)));
     auto resumed = make();
     resumed.load_state_dict(c10::impl::toTypedDict<std::string, int64_t>(kept.toGenericDict()));
+    // Taken again before the pass starts (a save right after a load): the same place, not the pass's start.
+    CHECK(resumed.state_dict().at("epoch") == 1);
+    CHECK(resumed.state_dict().at("batches_handed_out") == 2);
     std::vector<int64_t> got;
     for (auto& batch : resumed)
       for (int64_t k = 0; k < batch.target.size(0); ++k) got.push_back(batch.target[k].item<int64_t>());

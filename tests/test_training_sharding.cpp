@@ -383,9 +383,9 @@ TEST_SUITE("ranks") {
       accelerator.save_state(dir);
       for (int rank = 0; rank < P; ++rank) CHECK(fs::exists(dir / ("optimizer_rank" + std::to_string(rank) + ".pt")));
       CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
-      CHECK_FALSE(fs::exists(dir / "model.pt"));  // nothing gathered: each process wrote its pieces into model/
+      CHECK_FALSE(fs::exists(dir / "model.pt"));  // nothing gathered: each process wrote its pieces
       {
-        const accel::detail::ShardedWeights pieces(dir / "model");
+        const accel::detail::ShardedWeights pieces(dir);
         Mlp plain(4, 16, 1);
         torch::NoGradGuard no_grad;
         for (const auto& [name, t] : accel::detail::state_dict(*plain))

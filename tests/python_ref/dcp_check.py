@@ -3,14 +3,18 @@ accel.hpp (CTest checkpoint_resize, tests/resize_check.sh).
 
     python3 dcp_check.py CHECKPOINT WHOLE           one process, or each rank under accel_launch N
 
-CHECKPOINT/model holds what each saving process wrote of the test's
-Mlp(4, 16, 1) (checkpoint_shards.hpp: safetensors with DCP_SHARDING_INFO);
-WHOLE/model.safetensors the same model gathered (Accelerator::save_model).
-On one process the model is plain; on more it is sharded by fully_shard (its
-parameters DTensors, each rank loading only its rows). Either way
-dcp.load(..., storage_reader=HuggingFaceStorageReader(...)) fills it, and every
-full tensor must equal the gathered one exactly. Exits 77 (skipped) where
-torch has no HuggingFaceStorageReader.
+CHECKPOINT holds what each saving process wrote of the test's Mlp(4, 16, 1)
+and of its Adam's state (checkpoint_shards.hpp: safetensors with
+DCP_SHARDING_INFO); WHOLE/model.safetensors the same model gathered
+(Accelerator::save_model) and WHOLE/optimizer.safetensors Adam's state
+gathered, under the checkpoint's names. On one process the model is plain;
+on more it is sharded by fully_shard (parameters and Adam's moments
+DTensors, each rank loading only its rows). Either way
+dcp.load(..., storage_reader=HuggingFaceStorageReader(CHECKPOINT)) fills the
+model (its state_dict names) and Adam's state ({"optimizer": {"state": ...}},
+as get_optimizer_state_dict nests it), and every full tensor must equal the
+gathered one exactly. Exits 77 (skipped) where torch has no
+HuggingFaceStorageReader.
 """
 import os
 import sys
@@ -33,6 +37,9 @@ class Mlp(torch.nn.Module):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
+    def forward(self, x):
+        return self.body(x)
+
 
 def main(checkpoint, whole):
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,18 +55,35 @@ def main(checkpoint, whole):
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    # Adam's state as Python keeps it, made by one step (get_optimizer_state_dict's own way) before the load.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    adam = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.zeros(1, 4)).sum().backward()
+    adam.step()
+    reader = lambda: HuggingFaceStorageReader(checkpoint)  # (one reader per load)
     state = model.state_dict()
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(os.path.join(checkpoint, "model")))
+    dcp.load(state, storage_reader=reader())
     model.load_state_dict(state)
     expected = load_file(os.path.join(whole, "model.safetensors"))
     assert sorted(expected) == sorted(model.state_dict()), (sorted(expected), sorted(model.state_dict()))
-    for name, value in model.state_dict().items():
+    loaded = dict(model.state_dict())
+    optimizer = {"state": get_optimizer_state_dict(model, adam)["state"]}
+    dcp.load({"optimizer": optimizer}, storage_reader=reader())
+    set_optimizer_state_dict(model, adam, {"state": optimizer["state"],
+                                           "param_groups": get_optimizer_state_dict(model, adam)["param_groups"]})
+    for fqn, values in get_optimizer_state_dict(model, adam)["state"].items():
+        for key, value in values.items():
+            loaded[f"optimizer.state.{fqn}.{key}"] = value
+    expected.update(load_file(os.path.join(whole, "optimizer.safetensors")))
+    assert sorted(expected) == sorted(loaded), (sorted(expected), sorted(loaded))
+    for name, value in loaded.items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         if not torch.equal(full, expected[name]):
-            raise SystemExit(f"{name}: DCP loaded {full}, the C++ model holds {expected[name]}")
+            raise SystemExit(f"{name}: DCP loaded {full}, the C++ run holds {expected[name]}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        print(f"DCP on {world} process(es): {len(expected)} tensors equal to the C++ model's")
+        print(f"DCP on {world} process(es): {len(expected)} tensors (the model's, Adam's state) equal to the C++ run's")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,8 +1,9 @@
 // accel/training/checkpoint_files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
-// A checkpoint is a directory: model.pt, model_1.pt, ... (a sharded model:
-// model/, model_1/, ... with each process's pieces; checkpoint_shards.hpp),
-// optimizer.pt, ... (sharded: optimizer_rank<k>.pt, ...),
+// A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
+// each process's pieces, rank-<k>-part-<j>.safetensors;
+// checkpoint_shards.hpp), optimizer.pt, ... (sharded:
+// optimizer_rank<k>.pt, ...),
 // random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
 // and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
 // out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the

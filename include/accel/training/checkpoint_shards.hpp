@@ -5,15 +5,23 @@
 // [k*c, (k+1)*c) of every parameter flattened (c = ceil(n/S);
 // dp_shards.hpp) and writes them; under HSDP the first replica writes.
 // Process 0 writes what is not sharded (buffers, frozen parameters) whole.
-// The files are safetensors, in the directory model/ of the checkpoint
-// (model_1/, ... for more models), and each one's "__metadata__" has
-// "DCP_SHARDING_INFO": {name: {"saved_offsets": [...]}} as JSON text, the
-// place of each of its tensors in the whole. That is the layout of
-// torch.distributed.checkpoint's HuggingFaceStorageReader (torch
+// Beside them go the optimizers' state for those pieces where Python's
+// optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
+// SGD's momentum buffer: python_state), under Python's names. The files are
+// safetensors in the checkpoint's directory, and each one's "__metadata__"
+// has "DCP_SHARDING_INFO": {name: {"saved_offsets": [...]}} as JSON text,
+// the place of each of its tensors in the whole. That is what
+// torch.distributed.checkpoint's HuggingFaceStorageReader reads (torch's
 // distributed/checkpoint/hf_storage.py; read with torch 2.15 in CTest
-// checkpoint_resize), so Python loads it at any number of processes:
+// checkpoint_resize), so Python loads them at any number of processes:
 //
-//     dcp.load(state_dict, storage_reader=HuggingFaceStorageReader("ckpt/model"))
+//     dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader("ckpt"))
+//     dcp.load({"optimizer": {"state": ...}}, storage_reader=HuggingFaceStorageReader("ckpt"))
+//
+// (names: model_prefix and optimizer_prefix below). The optimizers' state
+// is also in LibTorch's archives, optimizer_rank<k>.pt, which is what C++
+// loads (any optimizer; checkpoint_reshard.hpp): those tensors are on disk
+// twice.
 //
 // A piece of a flattened tensor need not be a box of the whole (it can
 // start and end inside rows): it is written as the fewest boxes that tile
@@ -29,7 +37,7 @@
 // the overlap.
 #pragma once
 
-#include "accel/training/data_parallel.hpp"
+#include "accel/training/prepared.hpp"
 #include "accel/training/safetensors.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -85,22 +93,62 @@ inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begi
   return out;
 }
 
-inline std::string model_shards_dir(std::size_t i) { return i == 0 ? "model" : "model_" + std::to_string(i); }
+// The names in a checkpoint's safetensors: model 0's tensors under their
+// state_dict names (as Hugging Face's files), model i's under "model_<i>.",
+// optimizer i's state under "optimizer.state." ("optimizer_<i>.state.")
+// then the parameter's name and the state's, as Python's
+// get_optimizer_state_dict() nests them.
+inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" + std::to_string(i) + "."; }
+inline std::string optimizer_prefix(std::size_t i) {
+  return (i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i)) + ".state.";
+}
+// Whether a saved name is in the namespace of `prefix` (model 0's: every
+// name not in another's).
+inline bool in_namespace(const std::string& name, const std::string& prefix) {
+  if (!prefix.empty()) return name.starts_with(prefix);
+  if (name.starts_with("optimizer.state.")) return false;
+  for (const char* other : {"model_", "optimizer_"}) {
+    if (!name.starts_with(other)) continue;
+    const std::size_t digits = std::strlen(other), dot = name.find('.', digits);
+    if (dot != std::string::npos && dot > digits &&
+        std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits), name.begin() + static_cast<std::ptrdiff_t>(dot),
+                    [](char c) { return c >= '0' && c <= '9'; }))
+      return false;
+  }
+  return true;
+}
 
-// Writes this process's part of a sharded model into dir (see the top).
-inline void write_model_shards(const torch::nn::Module& module, const DataParallel& dp, int process,
-                               const fs::path& dir) {
-  // parts[j]: the j-th box of each piece, with its place for DCP_SHARDING_INFO.
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> parts;
-  std::vector<std::string> places;
-  auto add = [&](std::size_t j, const std::string& name, const at::Tensor& values, const std::vector<int64_t>& at) {
-    if (parts.size() <= j) {
-      parts.resize(j + 1);
-      places.resize(j + 1);
+// What one process writes: box j of each of its pieces goes into its file
+// j, with the place DCP_SHARDING_INFO gives it.
+class PieceFiles {
+ public:
+  // Elements [begin, begin + values.numel()) of a tensor of `shape`,
+  // flattened (`values`: a flat view).
+  void add_piece(const std::string& name, at::IntArrayRef shape, const at::Tensor& values, int64_t begin) {
+    std::size_t j = 0;
+    for (const TensorBox& box : boxes_of_range(shape, begin, begin + values.numel()))
+      add(j++, name, values.narrow(0, box.begin - begin, box.numel()).view(box.sizes), box.offsets);
+  }
+  void add_whole(const std::string& name, const at::Tensor& tensor) {
+    add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
+  }
+  void write(const fs::path& dir, int process) const {
+    for (std::size_t j = 0; j < parts_.size(); ++j) {
+      char file[64];
+      std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
+      write_safetensors(dir / file, parts_[j], {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}});
     }
-    parts[j].emplace_back(name, values);
+  }
+
+ private:
+  void add(std::size_t j, const std::string& name, const at::Tensor& values, const std::vector<int64_t>& at) {
+    if (parts_.size() <= j) {
+      parts_.resize(j + 1);
+      places_.resize(j + 1);
+    }
+    parts_[j].emplace_back(name, values);
     // (appended piece by piece: GCC 12's -Wrestrict misfires on "" or "," + std::to_string(o))
-    std::string& place = places[j];
+    std::string& place = places_[j];
     if (!place.empty()) place += ',';
     place += json_quote(name);
     place += ":{\"saved_offsets\":[";
@@ -109,25 +157,97 @@ inline void write_model_shards(const torch::nn::Module& module, const DataParall
       place += std::to_string(at[d]);
     }
     place += "]}";
+  }
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> parts_;
+  std::vector<std::string> places_;
+};
+
+// The state Python's optimizer of the same kind keeps per parameter, under
+// its names: Adam's and AdamW's moments (and amsgrad's maximum) and step
+// (a float32 scalar, as Python's), SGD's momentum buffer. Nothing for other
+// optimizers (their state is in LibTorch's archives only).
+inline std::vector<std::pair<std::string, at::Tensor>> python_state(const torch::optim::OptimizerParamState* state) {
+  auto step = [](int64_t n) { return at::scalar_tensor(static_cast<double>(n), at::kFloat); };
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto adam_like = [&](const auto& s) {
+    out = {{"exp_avg", s.exp_avg()}, {"exp_avg_sq", s.exp_avg_sq()}};
+    if (s.max_exp_avg_sq().defined()) out.emplace_back("max_exp_avg_sq", s.max_exp_avg_sq());
+    out.emplace_back("step", step(s.step()));
   };
-  for (const auto& [name, tensor] : state_dict(module)) {
-    const auto piece = dp.piece_of(tensor);
-    if (!piece) {
-      if (process == 0) add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
-      continue;
+  if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state)) adam_like(*adam);
+  else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(state)) adam_like(*adamw);
+  else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state))
+    if (sgd->momentum_buffer().defined()) out = {{"momentum_buffer", sgd->momentum_buffer()}};
+  return out;
+}
+// An optimizer's state for one parameter (LibTorch 1.x keys it by the
+// parameter's address as text, 2.x by the address); null if none.
+template <class Key>
+Key state_key(c10::TensorImpl* parameter) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream text;
+    text << static_cast<const void*>(parameter);
+    return text.str();
+  } else {
+    return parameter;
+  }
+}
+inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimizer& optimizer,
+                                                          const at::Tensor& parameter) {
+  auto& state = optimizer.state();
+  const auto found =
+      state.find(state_key<typename std::decay_t<decltype(state)>::key_type>(parameter.unsafeGetTensorImpl()));
+  return found == state.end() ? nullptr : found->second.get();
+}
+
+// Writes this process's pieces into dir (see the top): of every sharded
+// model, and of its optimizers' state where Python's optimizer of the same
+// kind has it (python_state).
+inline void write_pieces(PreparedSet& set, int process, const fs::path& dir) {
+  PieceFiles files;
+  // Each sharded parameter's shard (what the optimizers step), to its name, shape and piece.
+  struct Place {
+    std::string name;
+    at::Tensor parameter;
+    std::optional<dp::Piece> piece;
+    bool writes;
+  };
+  std::unordered_map<const c10::TensorImpl*, Place> places;
+  for (std::size_t i = 0; i < set.models.size(); ++i) {
+    const DataParallel* dp = set.models[i].data_parallel.get();
+    if (!dp || !dp->sharded()) continue;
+    for (const auto& [name, tensor] : state_dict(*set.models[i].module)) {
+      if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
+        throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
+                              " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
+                              "its module");
+      auto piece = dp->piece_of(tensor);
+      const at::Tensor shard = dp->shard_of(tensor);
+      if (!piece) {
+        if (process == 0) files.add_whole(model_prefix(i) + name, tensor);
+        continue;
+      }
+      if (dp->writes_pieces()) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
+      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), dp->writes_pieces()};
     }
-    if (!dp.writes_pieces()) continue;
-    const int64_t length = piece->values.numel();
-    std::size_t j = 0;
-    for (const TensorBox& box : boxes_of_range(tensor.sizes(), piece->begin, piece->begin + length))
-      add(j++, name, piece->values.narrow(0, box.begin - piece->begin, box.numel()).view(box.sizes), box.offsets);
   }
-  fs::create_directories(dir);
-  for (std::size_t j = 0; j < parts.size(); ++j) {
-    char file[64];
-    std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
-    write_safetensors(dir / file, parts[j], {{"DCP_SHARDING_INFO", "{" + places[j] + "}"}});
-  }
+  for (std::size_t k = 0; k < set.optimizers.size(); ++k)
+    for (const auto& group : set.optimizers[k]->param_groups())
+      for (const auto& p : group.params()) {
+        const auto found = places.find(p.unsafeGetTensorImpl());
+        if (found == places.end() || !found->second.writes) continue;
+        const Place& place = found->second;
+        const int64_t length = place.piece->values.numel();
+        for (const auto& [key, value] : python_state(state_for(*set.optimizers[k], p))) {
+          const std::string name = optimizer_prefix(k) + place.name + "." + key;
+          if (value.dim() == 0) {
+            if (place.piece->begin == 0) files.add_whole(name, value);  // (once: by the process of the first piece)
+          } else {
+            files.add_piece(name, place.parameter.sizes(), value.narrow(0, 0, length), place.piece->begin);
+          }
+        }
+      }
+  files.write(dir, process);
 }
 
 // A sharded model's files in a checkpoint, read and checked (see the top).
@@ -144,10 +264,12 @@ class ShardedWeights {
 
   // The model's parameters and buffers (state_dict's names) against the
   // files: the same names, dtypes and shapes, or an error naming them.
-  void check_fits(const std::vector<std::pair<std::string, at::Tensor>>& expected) const {
+  void check_fits(const std::vector<std::pair<std::string, at::Tensor>>& expected,
+                  const std::string& prefix = "") const {
     std::string missing, wrong, unexpected;
     std::set<std::string> names;
-    for (const auto& [name, tensor] : expected) {
+    for (const auto& [unprefixed, tensor] : expected) {
+      const std::string name = prefix + unprefixed;
       names.insert(name);
       const auto found = tensors_.find(name);
       if (found == tensors_.end()) missing += (missing.empty() ? "" : ", ") + name;
@@ -156,11 +278,12 @@ class ShardedWeights {
                  c10::str(at::IntArrayRef(found->second.shape)) + " there, " + c10::toString(tensor.scalar_type()) +
                  c10::str(tensor.sizes()) + " in the model";
     }
-    for (const auto& entry : tensors_)
-      if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+    for (const auto& entry : tensors_)  // (another model's names and the optimizers' are theirs)
+      if (in_namespace(entry.first, prefix) && !names.count(entry.first))
+        unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
     if (!missing.empty() || !wrong.empty() || !unexpected.empty())
       throw RuntimeError(dir_.string() +
-                         " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
+                         ": its pieces do not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
                          (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
                          (wrong.empty() ? "" : " " + wrong + "."));
   }
@@ -281,17 +404,17 @@ class ShardedWeights {
 };
 
 // A model saved in pieces, for load_state's read step: the files checked
-// against the model, and what this process keeps of each parameter and
-// buffer read (dp's load_range under sharding, else everything whole).
+// against the model (its names under `prefix`), and what this process keeps
+// of each parameter and buffer read (dp's load_range under sharding, else
+// everything whole).
 inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
-                                                           const fs::path& dir) {
-  const ShardedWeights weights(dir);
+                                                           const ShardedWeights& weights, const std::string& prefix) {
   const auto expected = state_dict(module);
-  weights.check_fits(expected);
+  weights.check_fits(expected, prefix);
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, tensor] : expected) {
     const auto [begin, length] = dp && dp->sharded() ? dp->load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
-    out[name] = weights.read(name, begin, length).to(tensor.device());
+    out[name] = weights.read(prefix + name, begin, length).to(tensor.device());
   }
   return out;
 }

@@ -59,10 +59,7 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
   save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
-  for (std::size_t i = 0; i < set.models.size(); ++i)
-    if (saved_in_pieces(set, i))
-      write_model_shards(*set.models[i].module, *set.models[i].data_parallel, ctx.process_index,
-                         tmp / model_shards_dir(i));
+  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp);
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
       torch::serialize::OutputArchive state;
@@ -150,16 +147,12 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
       std::filesystem::create_directories(tmp);
-      for (std::size_t i = 0; i < set.models.size(); ++i)
-        if (saved_in_pieces(set, i)) std::filesystem::create_directory(tmp / model_shards_dir(i));
     });
   fail_on_every_process(error);
   fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
   if (ctx.process_index == 0)
     error = error_of([&] {
       write_shared_files(set, ctx, tmp);
-      for (std::size_t i = 0; i < set.models.size(); ++i)
-        if (saved_in_pieces(set, i)) fsync_path(tmp / model_shards_dir(i));
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -251,10 +244,19 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       return archive;
     };
     loaded.pieces.resize(set.models.size());
+    std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
     for (std::size_t i = 0; i < set.models.size(); ++i) {
-      if (fs::is_directory(dir / model_shards_dir(i))) {
+      if (!fs::exists(dir / numbered_file("model", i))) {
+        if (!pieces) {
+          const auto found = fs::directory_iterator(dir);
+          if (std::none_of(fs::begin(found), fs::end(found),
+                           [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
+            throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
+                               " (and no sharded model's pieces, *.safetensors, beside it)");
+          pieces.emplace(dir);
+        }
         loaded.pieces[i] =
-            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), dir / model_shards_dir(i));
+            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
         continue;
       }
       models[i] = read(numbered_file("model", i));

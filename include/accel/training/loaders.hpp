@@ -104,7 +104,8 @@ class PreparedDataLoader {
   // Where the loader stands, as torchdata's StatefulDataLoader (Accelerate's
   // use_stateful_dataloader): {"epoch", "batches_handed_out"} (inside a
   // pass: that pass and the batches handed out so far; after it: the next
-  // pass and 0), a c10::Dict that torch::pickle_save stores.
+  // pass and the batches it is to skip, 0 unless a load or
+  // skip_first_batches set them), a c10::Dict that torch::pickle_save stores.
   // load_state_dict makes the next pass resume right after those batches.
   c10::Dict<std::string, int64_t> state_dict() const { return position_->state_dict(); }
   void load_state_dict(const c10::Dict<std::string, int64_t>& state) { position_->load_state_dict(state); }

@@ -351,9 +351,11 @@ struct LoaderPosition {
   // processes or batch size (checkpoint_world.hpp).
   size_t samples_per_batch = 0;
   std::optional<bool> even_batches{};
-  // The point a resumed run starts from: (epoch, batches to skip).
+  // The point a resumed run starts from: (epoch, batches to skip). Between
+  // passes, the next one and the batches it is to skip (a place that
+  // load_state or skip_first_batches set, kept by a save before the pass).
   std::pair<size_t, size_t> resume_point() const {
-    return in_pass ? std::pair{epoch, handed_out} : std::pair{next_epoch, size_t{0}};
+    return in_pass ? std::pair{epoch, handed_out} : std::pair{next_epoch, skip};
   }
   // The next pass resumes from there (load_state, load_state_dict).
   void resume_at(size_t resume_epoch, size_t batches) {
@@ -363,8 +365,8 @@ struct LoaderPosition {
   }
   // A prepared loader's state_dict: {"epoch": the pass to resume,
   // "batches_handed_out": how many of its batches were handed out}, inside
-  // a pass that pass and its batches so far, after it the next pass and 0
-  // (what save_state keeps). A c10::Dict, so that torch::pickle_save or an
+  // a pass that pass and its batches so far, after it the next pass and the
+  // batches it is to skip (what save_state keeps). A c10::Dict, so that torch::pickle_save or an
   // OutputArchive (as a c10::IValue) stores it.
   c10::Dict<std::string, int64_t> state_dict() const {
     const auto [resume_epoch, batches] = resume_point();
