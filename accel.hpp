@@ -7231,7 +7231,7 @@ inline void load_values(State& s, const std::function<at::Tensor(const at::Tenso
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       const at::Tensor v = values(bucket.params[i]).reshape({-1});
       if (bucket.unit < 0 || s.held > 0) {
-        bucket.params[i].detach().view({-1}).copy_(v);
+        bucket.params[i].detach().copy_(v.view(bucket.params[i].sizes()));
         read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
       } else {
         bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);

@@ -12,7 +12,8 @@
 #   a HYBRID_SHARD model saved by 4 (2 replicas of 2 pieces: process k holds
 #   piece k mod 2), loaded by 3 under FULL_SHARD;
 #   the FULL_SHARD checkpoint saved again by a run whose main process dies at
-#   each step of the save, then loaded by 4 (the saved state, no leftovers).
+#   each step of the save, then loaded by 4 (the saved state, no leftovers);
+#   a model saved by 1 process, loaded by 4 under FULL_SHARD.
 # Each sharded save writes each process's pieces of the model, which
 # Python's torch.distributed.checkpoint (HuggingFaceStorageReader with
 # safetensors: the pip leg's torch) also loads, at 1 and 2 processes
@@ -90,3 +91,5 @@ ACCEL_RESIZE_LOAD=full_shard load 3
 ACCEL_RESIZE_SAVE=hybrid_shard save 4
 python_loads
 ACCEL_RESIZE_LOAD=full_shard load 3
+save 1
+ACCEL_RESIZE_LOAD=full_shard load 4
