@@ -12364,9 +12364,10 @@ class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessO
 
   // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
   // prepared model. Under FULL_SHARD save_model gathers the parameters one
-  // unit at a time as the files reach them (no process holds more than one
-  // unit's whole parameters beside its shards); load_model gathers them all
-  // for the call and writes them back into the shards.
+  // unit at a time as the files reach them (beside its shards no process
+  // holds more than one unit's whole parameters and the rows its
+  // all-gather lands in); load_model gathers them all for the call and
+  // writes them back into the shards.
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
     detail::every_process_calls("accel::Accelerator::save_model", [&] {
