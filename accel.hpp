@@ -6365,9 +6365,15 @@ inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tenso
   if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
   if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
 }
+// Rank r's chunk of a tensor of n elements cut in chunks of c: (begin,
+// length), the last chunks short or empty.
+inline std::pair<int64_t, int64_t> chunk_range(int64_t r, int64_t c, int64_t n) {
+  const int64_t begin = std::min(r * c, n);
+  return {begin, std::min(c, n - begin)};
+}
 inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
   const at::Tensor flat = t.reshape({-1});
-  const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
+  const auto [begin, length] = chunk_range(r, c, flat.numel());
   if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
   if (length < c) out.narrow(0, length, c - length).zero_();
 }
@@ -7096,8 +7102,7 @@ inline void check_shards(State& s) {
                               "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
       if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
       const at::Tensor flat = bucket.params[i].reshape({-1});
-      const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
-                    length = std::min(bucket.chunks[i], flat.numel() - begin);
+      const auto [begin, length] = chunk_range(r, bucket.chunks[i], flat.numel());
       const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
       if (flat.is_cpu() && at::equal(shard, chunk)) continue;
       looked.emplace_back(&bucket, i);
@@ -7199,8 +7204,7 @@ inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
   if (!s.shard || found == s.shard_index.end()) return std::nullopt;
   const Bucket& bucket = s.buckets[found->second.first];
   const std::size_t i = found->second.second;
-  const int64_t n = p.numel(), c = bucket.chunks[i];
-  const int64_t begin = std::min(s.shard->getRank() * c, n), length = std::min(c, n - begin);
+  const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
   const bool whole = bucket.unit < 0 || bucket.resident;
   return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
                begin};
@@ -7213,9 +7217,7 @@ inline std::pair<int64_t, int64_t> load_range(State& s, const at::Tensor& p) {
   const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
   if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
     return {0, p.numel()};
-  const int64_t n = p.numel(), c = s.buckets[found->second.first].chunks[found->second.second];
-  const int64_t begin = std::min(s.shard->getRank() * c, n);
-  return {begin, std::min(c, n - begin)};
+  return chunk_range(s.shard->getRank(), s.buckets[found->second.first].chunks[found->second.second], p.numel());
 }
 // Puts what a load read in place: values(p) holds load_range(p)'s elements
 // of each sharded parameter. Prefetches and gathered units are dropped
@@ -7241,17 +7243,22 @@ inline void load_values(State& s, const std::function<at::Tensor(const at::Tenso
     }
 }
 
-// Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
+// An optimizer's key for one parameter's state (LibTorch 1.x keys it by the
 // parameter's address as text, c10::guts::to_string's, 2.x by the address).
 template <class StateMap>
-void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+typename StateMap::key_type state_key(const StateMap&, c10::TensorImpl* parameter) {
   if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
     std::ostringstream key;
     key << static_cast<const void*>(parameter);
-    state.erase(key.str());
+    return key.str();
   } else {
-    state.erase(parameter);
+    return parameter;
   }
+}
+// Drops an optimizer's state for one parameter.
+template <class StateMap>
+void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+  state.erase(state_key(state, parameter));
 }
 
 // The module given back for local use (Accelerator::free_memory): every
@@ -9914,6 +9921,33 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
   return out;
 }
 
+// What keeps a model's tensors (`expected`, state_dict's names, looked up
+// as prefix + name) from fitting those a file holds (`held`: name -> dtype
+// and shape, only names that are the model's to consider): "" when they
+// fit, else " missing a, b. not in the model: c. w is Float[16, 4] there,
+// Float[8, 4] in the model." (load_model and sharded checkpoints).
+inline std::string misfit(const std::vector<std::pair<std::string, at::Tensor>>& expected,
+                          const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& held,
+                          const std::string& prefix = "") {
+  std::string missing, wrong, unexpected;
+  std::set<std::string> names;
+  for (const auto& [unprefixed, tensor] : expected) {
+    const std::string name = prefix + unprefixed;
+    names.insert(name);
+    const auto found = held.find(name);
+    if (found == held.end()) missing += (missing.empty() ? "" : ", ") + name;
+    else if (found->second.first != tensor.scalar_type() || found->second.second != tensor.sizes().vec())
+      wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.first) +
+               c10::str(at::IntArrayRef(found->second.second)) + " there, " + c10::toString(tensor.scalar_type()) +
+               c10::str(tensor.sizes()) + " in the model";
+  }
+  for (const auto& entry : held)
+    if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+  return (missing.empty() ? "" : " missing " + missing + ".") +
+         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+         (wrong.empty() ? "" : " " + wrong + ".");
+}
+
 // A model's state_dict as Python makes it: dotted names, in its order (each
 // module's parameters, then its buffers, then its children's).
 inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
@@ -10548,23 +10582,11 @@ inline std::vector<std::pair<std::string, at::Tensor>> python_state(const torch:
     if (sgd->momentum_buffer().defined()) out = {{"momentum_buffer", sgd->momentum_buffer()}};
   return out;
 }
-// An optimizer's state for one parameter (LibTorch 1.x keys it by the
-// parameter's address as text, 2.x by the address); null if none.
-template <class Key>
-Key state_key(c10::TensorImpl* parameter) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream text;
-    text << static_cast<const void*>(parameter);
-    return text.str();
-  } else {
-    return parameter;
-  }
-}
+// An optimizer's state for one parameter; null if none.
 inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimizer& optimizer,
                                                           const at::Tensor& parameter) {
   auto& state = optimizer.state();
-  const auto found =
-      state.find(state_key<typename std::decay_t<decltype(state)>::key_type>(parameter.unsafeGetTensorImpl()));
+  const auto found = state.find(dp::state_key(state, parameter.unsafeGetTensorImpl()));
   return found == state.end() ? nullptr : found->second.get();
 }
 
@@ -10634,26 +10656,11 @@ class ShardedWeights {
   // files: the same names, dtypes and shapes, or an error naming them.
   void check_fits(const std::vector<std::pair<std::string, at::Tensor>>& expected,
                   const std::string& prefix = "") const {
-    std::string missing, wrong, unexpected;
-    std::set<std::string> names;
-    for (const auto& [unprefixed, tensor] : expected) {
-      const std::string name = prefix + unprefixed;
-      names.insert(name);
-      const auto found = tensors_.find(name);
-      if (found == tensors_.end()) missing += (missing.empty() ? "" : ", ") + name;
-      else if (found->second.dtype != tensor.scalar_type() || found->second.shape != tensor.sizes().vec())
-        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.dtype) +
-                 c10::str(at::IntArrayRef(found->second.shape)) + " there, " + c10::toString(tensor.scalar_type()) +
-                 c10::str(tensor.sizes()) + " in the model";
-    }
-    for (const auto& entry : tensors_)  // (another model's names and the optimizers' are theirs)
-      if (in_namespace(entry.first, prefix) && !names.count(entry.first))
-        unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
-      throw RuntimeError(dir_.string() +
-                         ": its pieces do not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
-                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-                         (wrong.empty() ? "" : " " + wrong + "."));
+    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+    for (const auto& [name, whole] : tensors_)  // (another model's names and the optimizers' are theirs)
+      if (in_namespace(name, prefix)) held[name] = {whole.dtype, whole.shape};
+    if (const std::string why = misfit(expected, held, prefix); !why.empty())
+      throw RuntimeError(dir_.string() + ": its pieces do not fit the model:" + why);
   }
 
   // Elements [begin, begin + length) of tensor `name` flattened, on the CPU.
@@ -11578,24 +11585,10 @@ void load_model(ModuleHolder& model, const std::string& dir) {
     } else {
       take(path / "model.safetensors", nullptr);
     }
-    std::string missing, wrong;
-    std::set<std::string> names;
-    for (const auto& [name, tensor] : expected) {
-      names.insert(name);
-      const auto found = loaded.find(name);
-      if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
-      else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
-        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
-                 c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
-                 c10::str(tensor.sizes()) + " in the model";
-    }
-    std::string unexpected;
-    for (const auto& entry : loaded)
-      if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
-      throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
-                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-                         (wrong.empty() ? "" : " " + wrong + "."));
+    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+    for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+    if (const std::string why = detail::misfit(expected, held); !why.empty())
+      throw RuntimeError(where + " does not fit the model:" + why);
   });
   detail::fail_together(error, "accel::load_model");
   torch::NoGradGuard no_grad;

@@ -180,23 +180,11 @@ inline std::vector<std::pair<std::string, at::Tensor>> python_state(const torch:
     if (sgd->momentum_buffer().defined()) out = {{"momentum_buffer", sgd->momentum_buffer()}};
   return out;
 }
-// An optimizer's state for one parameter (LibTorch 1.x keys it by the
-// parameter's address as text, 2.x by the address); null if none.
-template <class Key>
-Key state_key(c10::TensorImpl* parameter) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream text;
-    text << static_cast<const void*>(parameter);
-    return text.str();
-  } else {
-    return parameter;
-  }
-}
+// An optimizer's state for one parameter; null if none.
 inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimizer& optimizer,
                                                           const at::Tensor& parameter) {
   auto& state = optimizer.state();
-  const auto found =
-      state.find(state_key<typename std::decay_t<decltype(state)>::key_type>(parameter.unsafeGetTensorImpl()));
+  const auto found = state.find(dp::state_key(state, parameter.unsafeGetTensorImpl()));
   return found == state.end() ? nullptr : found->second.get();
 }
 
@@ -266,26 +254,11 @@ class ShardedWeights {
   // files: the same names, dtypes and shapes, or an error naming them.
   void check_fits(const std::vector<std::pair<std::string, at::Tensor>>& expected,
                   const std::string& prefix = "") const {
-    std::string missing, wrong, unexpected;
-    std::set<std::string> names;
-    for (const auto& [unprefixed, tensor] : expected) {
-      const std::string name = prefix + unprefixed;
-      names.insert(name);
-      const auto found = tensors_.find(name);
-      if (found == tensors_.end()) missing += (missing.empty() ? "" : ", ") + name;
-      else if (found->second.dtype != tensor.scalar_type() || found->second.shape != tensor.sizes().vec())
-        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.dtype) +
-                 c10::str(at::IntArrayRef(found->second.shape)) + " there, " + c10::toString(tensor.scalar_type()) +
-                 c10::str(tensor.sizes()) + " in the model";
-    }
-    for (const auto& entry : tensors_)  // (another model's names and the optimizers' are theirs)
-      if (in_namespace(entry.first, prefix) && !names.count(entry.first))
-        unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
-      throw RuntimeError(dir_.string() +
-                         ": its pieces do not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
-                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-                         (wrong.empty() ? "" : " " + wrong + "."));
+    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+    for (const auto& [name, whole] : tensors_)  // (another model's names and the optimizers' are theirs)
+      if (in_namespace(name, prefix)) held[name] = {whole.dtype, whole.shape};
+    if (const std::string why = misfit(expected, held, prefix); !why.empty())
+      throw RuntimeError(dir_.string() + ": its pieces do not fit the model:" + why);
   }
 
   // Elements [begin, begin + length) of tensor `name` flattened, on the CPU.

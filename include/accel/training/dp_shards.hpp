@@ -81,8 +81,7 @@ inline void check_shards(State& s) {
                               "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
       if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
       const at::Tensor flat = bucket.params[i].reshape({-1});
-      const int64_t begin = std::min(r * bucket.chunks[i], flat.numel()),
-                    length = std::min(bucket.chunks[i], flat.numel() - begin);
+      const auto [begin, length] = chunk_range(r, bucket.chunks[i], flat.numel());
       const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
       if (flat.is_cpu() && at::equal(shard, chunk)) continue;
       looked.emplace_back(&bucket, i);
@@ -184,8 +183,7 @@ inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
   if (!s.shard || found == s.shard_index.end()) return std::nullopt;
   const Bucket& bucket = s.buckets[found->second.first];
   const std::size_t i = found->second.second;
-  const int64_t n = p.numel(), c = bucket.chunks[i];
-  const int64_t begin = std::min(s.shard->getRank() * c, n), length = std::min(c, n - begin);
+  const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
   const bool whole = bucket.unit < 0 || bucket.resident;
   return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
                begin};
@@ -198,9 +196,7 @@ inline std::pair<int64_t, int64_t> load_range(State& s, const at::Tensor& p) {
   const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
   if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
     return {0, p.numel()};
-  const int64_t n = p.numel(), c = s.buckets[found->second.first].chunks[found->second.second];
-  const int64_t begin = std::min(s.shard->getRank() * c, n);
-  return {begin, std::min(c, n - begin)};
+  return chunk_range(s.shard->getRank(), s.buckets[found->second.first].chunks[found->second.second], p.numel());
 }
 // Puts what a load read in place: values(p) holds load_range(p)'s elements
 // of each sharded parameter. Prefetches and gathered units are dropped
@@ -226,17 +222,22 @@ inline void load_values(State& s, const std::function<at::Tensor(const at::Tenso
     }
 }
 
-// Drops an optimizer's state for one parameter (LibTorch 1.x keys it by the
+// An optimizer's key for one parameter's state (LibTorch 1.x keys it by the
 // parameter's address as text, c10::guts::to_string's, 2.x by the address).
 template <class StateMap>
-void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+typename StateMap::key_type state_key(const StateMap&, c10::TensorImpl* parameter) {
   if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
     std::ostringstream key;
     key << static_cast<const void*>(parameter);
-    state.erase(key.str());
+    return key.str();
   } else {
-    state.erase(parameter);
+    return parameter;
   }
+}
+// Drops an optimizer's state for one parameter.
+template <class StateMap>
+void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+  state.erase(state_key(state, parameter));
 }
 
 // The module given back for local use (Accelerator::free_memory): every

@@ -153,9 +153,15 @@ inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tenso
   if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
   if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
 }
+// Rank r's chunk of a tensor of n elements cut in chunks of c: (begin,
+// length), the last chunks short or empty.
+inline std::pair<int64_t, int64_t> chunk_range(int64_t r, int64_t c, int64_t n) {
+  const int64_t begin = std::min(r * c, n);
+  return {begin, std::min(c, n - begin)};
+}
 inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
   const at::Tensor flat = t.reshape({-1});
-  const int64_t begin = std::min(r * c, flat.numel()), length = std::min(c, flat.numel() - begin);
+  const auto [begin, length] = chunk_range(r, c, flat.numel());
   if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
   if (length < c) out.narrow(0, length, c - length).zero_();
 }

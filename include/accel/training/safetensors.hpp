@@ -336,6 +336,33 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs
   return out;
 }
 
+// What keeps a model's tensors (`expected`, state_dict's names, looked up
+// as prefix + name) from fitting those a file holds (`held`: name -> dtype
+// and shape, only names that are the model's to consider): "" when they
+// fit, else " missing a, b. not in the model: c. w is Float[16, 4] there,
+// Float[8, 4] in the model." (load_model and sharded checkpoints).
+inline std::string misfit(const std::vector<std::pair<std::string, at::Tensor>>& expected,
+                          const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& held,
+                          const std::string& prefix = "") {
+  std::string missing, wrong, unexpected;
+  std::set<std::string> names;
+  for (const auto& [unprefixed, tensor] : expected) {
+    const std::string name = prefix + unprefixed;
+    names.insert(name);
+    const auto found = held.find(name);
+    if (found == held.end()) missing += (missing.empty() ? "" : ", ") + name;
+    else if (found->second.first != tensor.scalar_type() || found->second.second != tensor.sizes().vec())
+      wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.first) +
+               c10::str(at::IntArrayRef(found->second.second)) + " there, " + c10::toString(tensor.scalar_type()) +
+               c10::str(tensor.sizes()) + " in the model";
+  }
+  for (const auto& entry : held)
+    if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+  return (missing.empty() ? "" : " missing " + missing + ".") +
+         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+         (wrong.empty() ? "" : " " + wrong + ".");
+}
+
 // A model's state_dict as Python makes it: dotted names, in its order (each
 // module's parameters, then its buffers, then its children's).
 inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {

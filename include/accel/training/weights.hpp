@@ -151,24 +151,10 @@ void load_model(ModuleHolder& model, const std::string& dir) {
     } else {
       take(path / "model.safetensors", nullptr);
     }
-    std::string missing, wrong;
-    std::set<std::string> names;
-    for (const auto& [name, tensor] : expected) {
-      names.insert(name);
-      const auto found = loaded.find(name);
-      if (found == loaded.end()) missing += (missing.empty() ? "" : ", ") + name;
-      else if (found->second.scalar_type() != tensor.scalar_type() || found->second.sizes() != tensor.sizes())
-        wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.scalar_type()) +
-                 c10::str(found->second.sizes()) + " there, " + c10::toString(tensor.scalar_type()) +
-                 c10::str(tensor.sizes()) + " in the model";
-    }
-    std::string unexpected;
-    for (const auto& entry : loaded)
-      if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-    if (!missing.empty() || !wrong.empty() || !unexpected.empty())
-      throw RuntimeError(where + " does not fit the model:" + (missing.empty() ? "" : " missing " + missing + ".") +
-                         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-                         (wrong.empty() ? "" : " " + wrong + "."));
+    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+    for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+    if (const std::string why = detail::misfit(expected, held); !why.empty())
+      throw RuntimeError(where + " does not fit the model:" + why);
   });
   detail::fail_together(error, "accel::load_model");
   torch::NoGradGuard no_grad;
