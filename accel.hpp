@@ -68,8 +68,10 @@
 //     accel/training/checkpoint_shards.hpp      a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
 //     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
 //     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
+//     accel/training/trackers.hpp               Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
 //     accel/training/weights.hpp                save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/autocast.hpp               AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
+//     accel/training/checkpoint.hpp             accel::checkpoint, activation checkpointing as torch.utils.checkpoint
 //     accel/training/accelerator_setup.hpp      what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
 //     accel/training/accelerator_preparing.hpp  what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints
 //     accel/training/process_operations.hpp     Accelerate's operations as Accelerator methods, over every process
@@ -6956,6 +6958,16 @@ class UnitByUnit {
   std::optional<std::size_t> current_;
 };
 
+// True on a thread while accel::checkpoint (checkpoint.hpp) runs a forward
+// again inside the backward. A unit called then keeps its parameters
+// gathered after its forward, because the backward of that forward follows
+// at once (its input hook frees them after it), and prefetches nothing: the
+// next unit of the forward has had its backward already.
+inline bool& recomputing() {
+  static thread_local bool on = false;
+  return on;
+}
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>
@@ -6974,16 +6986,18 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
     materialize(*state, u);
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
   }
   struct Release {  // after the forward, also when it throws
     State& state;
     std::size_t unit;
+    bool now;
     ~Release() {
+      if (!now) return;
       std::lock_guard lock(state.mutex);
       release(state, unit);
     }
-  } release_after{*state, u};
+  } release_after{*state, u, !recomputing()};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
@@ -8959,12 +8973,13 @@ ACCEL_NAMESPACE_BEGIN
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
-// checkpoints. With automatic_checkpoint_naming, each save_state() writes
+// checkpoints, and the experiment log its files (trackers.hpp). With automatic_checkpoint_naming, each save_state() writes
 // project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
 // up; total_limit keeps the newest that many (the oldest are removed once
 // the new one is whole); load_state() without a path loads the newest.
 struct ProjectConfiguration {
   std::filesystem::path project_dir{};
+  std::filesystem::path logging_dir{};  // where log_with's files go; empty: project_dir (as Accelerate)
   bool automatic_checkpoint_naming = false;
   std::optional<int> total_limit{};  // automatic naming only; at least 1
   int iteration = 0;                 // the number the next save_state() takes
@@ -9033,6 +9048,9 @@ struct AcceleratorConfig {
   std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
+  // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
+  // "csv" or "all" (files under project_config's logging_dir; trackers.hpp).
+  std::vector<std::string> log_with{};
 };
 
 // A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
@@ -11435,6 +11453,209 @@ class EvenBatchesOverride {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/trackers.hpp ==============================================
+// accel/training/trackers.hpp: Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files.
+//
+// Accelerate sends accelerator.log(values, step) to the trackers named in
+// log_with (TensorBoard, W&B, ...). Those are services or Python packages;
+// the trackers here are files that any plotting tool reads, written by the
+// main process only (Accelerate's main_process_only default):
+//   "jsonl": metrics.jsonl, one JSON object per log call: {"step": 3, "loss": 0.25}
+//   "csv":   metrics.csv, a header of "step" and every key logged so far, one row per call
+//   "all":   both
+// in logging_dir/<project_name> (init_trackers' name; logging_dir defaults
+// to project_dir, as Accelerate's ProjectConfiguration), appended to, so
+// a run resumed from a checkpoint continues the same files. Numbers are
+// written in the fewest digits that read back the same; NaN and infinities
+// as Python's json and csv modules write them (NaN, Infinity; nan, inf), so
+// pandas and Python read the files back as they are.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+inline constexpr std::array<std::string_view, 2> kTrackers{"jsonl", "csv"};
+
+// The tracker names of log_with, "all" expanded; an unknown name is an error naming the known ones.
+inline std::vector<std::string> tracker_names(const std::vector<std::string>& log_with) {
+  std::vector<std::string> out;
+  auto add = [&](std::string_view name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.emplace_back(name);
+  };
+  for (const auto& name : log_with) {
+    if (name == "all") {
+      for (const auto known : kTrackers) add(known);
+    } else if (std::find(kTrackers.begin(), kTrackers.end(), name) != kTrackers.end()) {
+      add(name);
+    } else {
+      throw InvalidArgument("accel::Accelerator: log_with names '" + name +
+                            "', which accel.hpp does not have (it writes files: jsonl, csv, or all; TensorBoard, W&B "
+                            "and the other services of Accelerate are not built in)");
+    }
+  }
+  return out;
+}
+inline std::filesystem::path logging_root(const ProjectConfiguration& project) {
+  return project.logging_dir.empty() ? project.project_dir : project.logging_dir;
+}
+// Before the rendezvous (AcceleratorSetup::checked): names known, and a place for the files.
+inline void check_trackers(const AcceleratorConfig& config) {
+  if (!tracker_names(config.log_with).empty() && logging_root(config.project_config).empty())
+    throw InvalidArgument(
+        "accel::Accelerator: log_with writes files, and needs project_config.project_dir (or logging_dir) "
+        "for them");
+}
+
+// A number as Python's json (csv: true, as its csv module) writes it.
+inline std::string tracked_number(double value, bool csv) {
+  if (std::isnan(value)) return csv ? "nan" : "NaN";
+  if (std::isinf(value)) return std::string(value < 0 ? "-" : "") + (csv ? "inf" : "Infinity");
+  std::ostringstream out;
+  print_one(out, value);
+  return out.str();
+}
+// A CSV field, quoted where it holds a comma, a quote or a line break (RFC 4180, Python's csv).
+inline std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
+  std::string out = "\"";
+  for (const char c : text) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+inline void append_line(const std::filesystem::path& file, const std::string& line) {
+  std::ofstream out(file, std::ios::app | std::ios::binary);
+  out << line << '\n';
+  out.flush();
+  if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + file.string());
+}
+// The keys of a metrics.csv header line (the columns after "step").
+inline std::vector<std::string> csv_columns(const std::string& header) {
+  std::vector<std::string> columns;
+  std::string cell;
+  bool quoted = false;
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    const char c = header[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < header.size() && header[i + 1] == '"') cell += header[++i];
+      else if (c == '"') quoted = false;
+      else cell += c;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      columns.push_back(std::move(cell));
+      cell.clear();
+    } else {
+      cell += c;
+    }
+  }
+  columns.push_back(std::move(cell));
+  if (!columns.empty()) columns.erase(columns.begin());  // "step"
+  return columns;
+}
+
+// The Accelerator's experiment log: init_trackers, log and end_training
+// (a base of Accelerator; the settings are its AcceleratorSetup's).
+class ExperimentLog {
+ public:
+  // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
+  // and `config` (the run's hyperparameters, as text) to config.json there.
+  // Every process calls it; the main process writes.
+  void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {}) {
+    if (project_name.empty() || project_name.find('/') != std::string::npos || project_name == "." ||
+        project_name == "..")
+      throw InvalidArgument("accel::Accelerator::init_trackers: the project name '" + project_name +
+                            "' is not a plain directory name");
+    project_ = project_name;
+    finished_ = false;
+    if (!writes()) return;
+    std::filesystem::create_directories(directory());
+    std::string text = "{";
+    for (const auto& [key, value] : config)
+      text += (text.size() > 1 ? ", " : "") + json_quote(key) + ": " + json_quote(value);
+    std::ofstream out(directory() / "config.json", std::ios::trunc | std::ios::binary);
+    out << text << "}\n";
+    out.flush();
+    if (!out)
+      throw RuntimeError("accel::Accelerator::init_trackers: cannot write " + (directory() / "config.json").string());
+  }
+
+  // Accelerate's log: `values` at `step` to every tracker (main process only).
+  void log(const std::map<std::string, double>& values, std::optional<int64_t> step = {}) {
+    if (finished_) throw InvalidArgument("accel::Accelerator::log: called after end_training()");
+    if (!writes()) return;
+    std::filesystem::create_directories(directory());
+    const auto names = tracker_names(config_->log_with);
+    if (std::find(names.begin(), names.end(), "jsonl") != names.end()) {
+      std::string line = "{";
+      if (step) line += "\"step\": " + std::to_string(*step);
+      for (const auto& [key, value] : values)
+        line += (line.size() > 1 ? ", " : "") + json_quote(key) + ": " + tracked_number(value, false);
+      append_line(directory() / "metrics.jsonl", line + "}");
+    }
+    if (std::find(names.begin(), names.end(), "csv") != names.end()) log_csv(values, step);
+  }
+
+  // Accelerate's end_training: the trackers finish (these files are
+  // complete after every log call already); log() after it is an error.
+  void end_training() { finished_ = true; }
+
+  // Where this run's files go (logging_dir, or project_dir, / project name).
+  std::filesystem::path logging_dir() const { return directory(); }
+
+ protected:
+  ExperimentLog(const AcceleratorConfig& config, bool main_process) : config_(&config), main_(main_process) {}
+
+ private:
+  bool writes() const { return main_ && !tracker_names(config_->log_with).empty(); }
+  std::filesystem::path directory() const {
+    const std::filesystem::path root = logging_root(config_->project_config);
+    return project_.empty() ? root : root / project_;
+  }
+  // A key not in the header yet rewrites the file with a wider header
+  // (earlier rows get empty cells there): columns never shift under a reader.
+  void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
+    const std::filesystem::path file = directory() / "metrics.csv";
+    std::vector<std::string> columns;
+    std::vector<std::string> rows;
+    if (std::ifstream in(file, std::ios::binary); in) {
+      std::string line;
+      if (std::getline(in, line)) columns = csv_columns(line);
+      while (std::getline(in, line)) rows.push_back(line);
+    }
+    const std::size_t known = columns.size();
+    for (const auto& entry : values)
+      if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
+    auto header = [&] {
+      std::string line = "step";
+      for (const auto& column : columns) line += "," + csv_field(column);
+      return line;
+    };
+    if (columns.size() != known || !std::filesystem::exists(file)) {
+      const std::filesystem::path temporary = file.string() + ".tmp";
+      {
+        std::ofstream out(temporary, std::ios::trunc | std::ios::binary);
+        out << header() << '\n';
+        for (const auto& row : rows) out << row << std::string(columns.size() - known, ',') << '\n';
+        out.flush();
+        if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + temporary.string());
+      }
+      std::filesystem::rename(temporary, file);
+    }
+    std::string row = step ? std::to_string(*step) : std::string();
+    for (const auto& column : columns) {
+      const auto found = values.find(column);
+      row += "," + (found == values.end() ? std::string() : tracked_number(found->second, true));
+    }
+    append_line(file, row);
+  }
+
+  const AcceleratorConfig* config_;
+  bool main_;
+  std::string project_;
+  bool finished_ = false;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/weights.hpp ===============================================
 // accel/training/weights.hpp: save_model and load_model: a module's weights as Hugging Face's safetensors.
 //
@@ -11601,64 +11822,250 @@ ACCEL_NAMESPACE_END
 // accel/training/autocast.hpp: AutocastGuard: LibTorch's autocast on for a scope, in the configured precision.
 //
 // Accelerator::autocast() returns one (Accelerator::AutocastGuard is this
-// type). LibTorch's autocast switches changed names in 2.4; this is the one
-// place that knows both.
+// type); accel::checkpoint restores a forward's autocast state for its
+// recomputation through AutocastScope. LibTorch's autocast switches changed
+// names in 2.4; this is the one place that knows both.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
+// LibTorch's autocast switches for one device type. LibTorch 2.4 took the
+// device type as an argument (and deprecated the per-device functions that
+// 1.x and 2.0-2.3 have).
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+inline at::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+  at::autocast::set_autocast_enabled(type, on);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(on);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(on);
+  }
+}
+#endif
+
+// Autocast on one device type set to `on` in `dtype` for a scope, and put
+// back as it was after (its cache of cast weights cleared where this scope
+// turned it on, as torch.autocast's exit does).
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType type, bool on, at::ScalarType dtype)
+      : type_(type), saved_enabled_(autocast_enabled(type)), saved_dtype_(autocast_dtype(type)) {
+    set_autocast(type_, on, dtype);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+  ~AutocastScope() {
+    if (!saved_enabled_ && autocast_enabled(type_)) at::autocast::clear_cache();
+    set_autocast(type_, saved_enabled_, saved_dtype_);
+  }
+
+ private:
+  c10::DeviceType type_;
+  bool saved_enabled_;
+  at::ScalarType saved_dtype_;
+};
+
 // RAII autocast for the configured mixed precision: bf16 on the CPU
 // through LibTorch's autocast; a no-op for "no".
 class AutocastGuard {
  public:
-  explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) : type_(device.type()) {
-    if (mixed_precision == "no") return;
-    saved_enabled_ = enabled(type_);
-    saved_dtype_ = dtype(type_);
-    set(type_, true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
-    active_ = true;
-  }
-  AutocastGuard(const AutocastGuard&) = delete;
-  AutocastGuard& operator=(const AutocastGuard&) = delete;
-  ~AutocastGuard() {
-    if (!active_) return;
-    at::autocast::clear_cache();
-    set(type_, saved_enabled_, saved_dtype_);
+  explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) {
+    if (mixed_precision != "no")
+      scope_.emplace(device.type(), true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
   }
 
  private:
-  // LibTorch 2.4 took the device type as an argument (and deprecated the
-  // per-device functions that 1.x and 2.0-2.3 have).
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-  static bool enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
-  static at::ScalarType dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
-  static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
-    at::autocast::set_autocast_dtype(type, dtype);
-    at::autocast::set_autocast_enabled(type, on);
-  }
-#else
-  static bool enabled(c10::DeviceType type) {
-    return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-  }
-  static at::ScalarType dtype(c10::DeviceType type) {
-    return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
-                                        : at::autocast::get_autocast_gpu_dtype();
-  }
-  static void set(c10::DeviceType type, bool on, at::ScalarType dtype) {
-    if (type == c10::DeviceType::CPU) {
-      at::autocast::set_autocast_cpu_dtype(dtype);
-      at::autocast::set_cpu_enabled(on);
-    } else {
-      at::autocast::set_autocast_gpu_dtype(dtype);
-      at::autocast::set_enabled(on);
-    }
-  }
-#endif
-  c10::DeviceType type_;
-  bool active_ = false, saved_enabled_ = false;
-  at::ScalarType saved_dtype_ = at::kBFloat16;
+  std::optional<AutocastScope> scope_;
 };
 }  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint.hpp ============================================
+// accel/training/checkpoint.hpp: accel::checkpoint, activation checkpointing as torch.utils.checkpoint.
+//
+// accel::checkpoint(fn, args...) returns fn(args...) without keeping the
+// activations inside fn: the forward runs under no_grad, only the inputs
+// are saved, and the backward runs fn again (with the random-number state
+// and the autocast state the forward had, so dropout draws the same mask
+// and the same kernels run in the same precision), then back-propagates
+// through that recomputation. Memory for a stack of blocks falls from every
+// block's activations to the blocks' inputs plus one block's activations,
+// for a second forward of each block in the backward.
+//
+// This is torch.utils.checkpoint's reentrant form (use_reentrant=True): a
+// custom autograd Function whose backward runs a backward of its own. The
+// non-reentrant form rests on saved-tensor hooks, which LibTorch's C++ API
+// does not offer. One difference on purpose: torch's reentrant form gives
+// the parameters inside fn no gradient when no input requires one (it
+// warns); here an empty leaf that requires grad joins the inputs in that
+// case, so the parameters get theirs, as with use_reentrant=False.
+//
+// It composes with unit_forward: under FULL_SHARD
+//     x = accel::checkpoint([&](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
+// gathers the block's parameters for the forward and frees them at once;
+// the recomputation in the backward gathers them again and keeps them
+// through the block's backward (detail::dp::recomputing()).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// What the forward saw and the recomputation needs back: fn with its
+// non-tensor arguments bound, the random-number states of the CPU and of
+// each CUDA device the inputs are on, and the autocast state.
+struct Recompute : torch::CustomClassHolder {
+  std::function<at::Tensor(const std::vector<at::Tensor>&)> fn;
+  std::vector<std::pair<at::Generator, at::Tensor>> rng;      // each generator and its state before the forward
+  std::array<std::pair<bool, at::ScalarType>, 2> autocast{};  // CPU's and CUDA's (enabled, dtype)
+
+  void capture(const std::vector<at::Tensor>& inputs) {
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    for (const auto& x : inputs)
+      if (x.defined() && x.is_cuda() && std::find(devices.begin(), devices.end(), x.device()) == devices.end())
+        devices.push_back(x.device());
+    for (const auto& device : devices) {
+      at::Generator generator = at::globalContext().defaultGenerator(device);
+      std::lock_guard lock(generator.mutex());
+      rng.emplace_back(generator, generator.get_state());
+    }
+    for (std::size_t i = 0; i < 2; ++i) autocast[i] = {autocast_enabled(types[i]), autocast_dtype(types[i])};
+  }
+  static constexpr std::array<c10::DeviceType, 2> types{c10::DeviceType::CPU, c10::DeviceType::CUDA};
+};
+
+// The random-number states of a forward put in place for its
+// recomputation, and the states of now put back after it (torch's
+// fork_rng), so that the recomputation draws what the forward drew and the
+// rest of the program draws on as if it had not run.
+class ReplayRandomness {
+ public:
+  explicit ReplayRandomness(const Recompute& run) {
+    for (const auto& [generator, state] : run.rng) {
+      at::Generator g = generator;
+      std::lock_guard lock(g.mutex());
+      now_.emplace_back(g, g.get_state());
+      g.set_state(state);
+    }
+  }
+  ReplayRandomness(const ReplayRandomness&) = delete;
+  ReplayRandomness& operator=(const ReplayRandomness&) = delete;
+  ~ReplayRandomness() {
+    for (auto& [generator, state] : now_) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+
+ private:
+  std::vector<std::pair<at::Generator, at::Tensor>> now_;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // (Function::apply runs this under no_grad: nothing inside fn is kept.)
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<Recompute>& run,
+                            at::TensorList inputs) {
+    run->capture(inputs.vec());
+    at::Tensor out = run->fn(inputs.vec());
+    ctx->save_for_backward(inputs.vec());  // (version-checked: an input changed in place since is an error)
+    ctx->saved_data["run"] = c10::IValue::make_capsule(run);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    c10::intrusive_ptr<torch::CustomClassHolder> holder = ctx->saved_data["run"].toCapsule();
+    const auto run = c10::intrusive_ptr<Recompute>::reclaim(static_cast<Recompute*>(holder.release()));
+    std::vector<at::Tensor> inputs;
+    for (const auto& saved : ctx->get_saved_variables())
+      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad()) : saved);
+    at::Tensor out;
+    {
+      const ReplayRandomness replay(*run);
+      const AutocastScope cpu(c10::DeviceType::CPU, run->autocast[0].first, run->autocast[0].second);
+      const AutocastScope cuda(c10::DeviceType::CUDA, run->autocast[1].first, run->autocast[1].second);
+      const at::AutoGradMode grad(true);
+      dp::recomputing() = true;
+      struct Done {
+        ~Done() { dp::recomputing() = false; }
+      } done;
+      out = run->fn(inputs);
+    }
+    // (Nothing in fn requires grad, or the output was not used: no gradients.)
+    if (out.requires_grad() && grads[0].defined()) torch::autograd::backward({out}, {grads[0]});
+    torch::autograd::variable_list result{at::Tensor()};  // (none for the Recompute)
+    for (const auto& x : inputs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    return result;
+  }
+};
+
+// Which of Args are tensors, and the index among the tensors of each.
+template <class... Args>
+inline constexpr std::array<bool, sizeof...(Args)> is_tensor_arg{
+    std::is_same_v<std::remove_cvref_t<Args>, at::Tensor>...};
+template <class... Args>
+inline constexpr std::size_t tensor_index(std::size_t position) {
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < position; ++i) k += is_tensor_arg<Args...>[i] ? 1 : 0;
+  return k;
+}
+}  // namespace detail
+
+// fn(args...) with its activations recomputed in the backward instead of
+// kept (see above). fn returns one at::Tensor; the at::Tensor arguments are
+// its differentiable inputs, any other argument is copied and passed again
+// as it was. Under no_grad (evaluation) it is fn(args...).
+template <class Fn, class... Args>
+at::Tensor checkpoint(Fn&& fn, Args&&... args) {
+  static_assert(std::is_same_v<std::invoke_result_t<Fn&, Args&...>, at::Tensor>,
+                "accel::checkpoint: fn returns one at::Tensor");
+  if (!at::GradMode::is_enabled()) return std::invoke(fn, args...);
+  std::vector<at::Tensor> inputs;
+  bool any_requires_grad = false;
+  auto collect = [&]<class A>(const A& a) {
+    if constexpr (std::is_same_v<A, at::Tensor>) {
+      inputs.push_back(a);
+      any_requires_grad = any_requires_grad || (a.defined() && a.requires_grad());
+    }
+  };
+  (collect(args), ...);
+  // The inputs travel through `inputs` (saved, version-checked); the other
+  // arguments are kept here. A tensor's place holds an empty tensor, so
+  // that the Recompute does not keep a second reference to it.
+  auto kept = std::make_tuple([]<class A>(A&& a) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<A>, at::Tensor>) return at::Tensor();
+    else return std::decay_t<A>(std::forward<A>(a));
+  }(args)...);
+  auto run = c10::make_intrusive<detail::Recompute>();
+  run->fn = [fn = std::decay_t<Fn>(std::forward<Fn>(fn)),
+             kept = std::move(kept)](const std::vector<at::Tensor>& in) mutable {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      auto pick = [&]<std::size_t Position>(std::integral_constant<std::size_t, Position>) -> decltype(auto) {
+        if constexpr (detail::is_tensor_arg<Args...>[Position])
+          return static_cast<const at::Tensor&>(in[detail::tensor_index<Args...>(Position)]);
+        else return std::get<Position>(kept);
+      };
+      return std::invoke(fn, pick(std::integral_constant<std::size_t, I>{})...);
+    }(std::index_sequence_for<Args...>{});
+  };
+  // torch's reentrant form would leave the parameters inside fn without
+  // gradients here; an empty leaf that requires grad makes the output
+  // require grad, so the backward (and the recomputation) runs.
+  if (!any_requires_grad) inputs.push_back(at::empty({0}).requires_grad_());
+  return detail::CheckpointFunction::apply(run, at::TensorList(inputs));
+}
 
 ACCEL_NAMESPACE_END
 
@@ -11791,6 +12198,7 @@ class AcceleratorSetup {
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
     detail::check_project(config.project_config, "accel::Accelerator");
+    detail::check_trackers(config);
     if (config.cpu) {
       if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
         throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +
@@ -12116,15 +12524,19 @@ ACCEL_NAMESPACE_END
 // schedulers and loaders, kept in a PreparedSet that the checkpoint
 // functions of checkpoint_state.hpp save and load), and Accelerate's
 // operations over every process from ProcessOperations
-// (process_operations.hpp). This part adds the training step, gradient sync
+// (process_operations.hpp), experiment logging from ExperimentLog
+// (trackers.hpp). This part adds the training step, gradient sync
 // and accumulation, uneven inputs, checkpoints and weights.
 
 ACCEL_NAMESPACE_BEGIN
 
-class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessOperations {
+class Accelerator : public detail::AcceleratorPreparing,
+                    public detail::ProcessOperations,
+                    public detail::ExperimentLog {
  public:
   // Every setting is checked before the rendezvous (AcceleratorSetup).
-  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorPreparing(std::move(config)) {}
+  explicit Accelerator(AcceleratorConfig config = {})
+      : AcceleratorPreparing(std::move(config)), ExperimentLog(settings(), is_main_process()) {}
 
   // -- the training step --------------------------------------------------------
 

@@ -445,6 +445,44 @@ TEST_SUITE("ranks") {
     CHECK(accelerator.pad_across_processes(at::ones({r + 1})).size(0) == P);
     CHECK(accelerator.split_between_processes(std::vector<int>(static_cast<std::size_t>(P), 1)).size() == 1);
   }
+  TEST_CASE("log: the main process appends to metrics.jsonl and metrics.csv as Python's json and csv write them") {
+    auto c = config();
+    c.log_with = {"all"};
+    c.project_config.project_dir = "unused";  // (logging_dir wins)
+    std::filesystem::path root;
+    {
+      accel::Accelerator probe(config());
+      root = shared_temp_path(probe, "accel_log_");
+    }
+    c.project_config.logging_dir = root;
+    accel::Accelerator accelerator(c);
+    accelerator.init_trackers("run", {{"lr", "0.01"}, {"note", "a \"quoted\" word"}});
+    CHECK(accelerator.logging_dir() == root / "run");
+    accelerator.log({{"loss", 1.5}}, 0);
+    accelerator.log({{"loss", std::nan("")}, {"acc", 0.1}}, 1);  // a new key: the CSV header widens
+    accelerator.log({{"loss", -std::numeric_limits<double>::infinity()}});  // no step
+    accelerator.end_training();
+    CHECK_THROWS_WITH_AS(accelerator.log({{"loss", 1.0}}, 3), doctest::Contains("after end_training()"),
+                         accel::InvalidArgument);
+    accelerator.wait_for_everyone();
+    auto lines = [](const std::filesystem::path& file) {
+      std::vector<std::string> out;
+      std::ifstream in(file);
+      for (std::string line; std::getline(in, line);) out.push_back(line);
+      return out;
+    };
+    // What json.dumps / csv.writer give for the same values (written by hand from Python 3.11's output).
+    CHECK(lines(root / "run" / "metrics.jsonl") ==
+          std::vector<std::string>{R"({"step": 0, "loss": 1.5})", R"({"step": 1, "acc": 0.1, "loss": NaN})",
+                                   R"({"loss": -Infinity})"});
+    CHECK(lines(root / "run" / "metrics.csv") ==
+          std::vector<std::string>{"step,loss,acc", "0,1.5,", "1,nan,0.1", ",-inf,"});
+    CHECK(lines(root / "run" / "config.json") ==
+          std::vector<std::string>{R"({"lr": "0.01", "note": "a \"quoted\" word"})"});
+    CHECK_FALSE(std::filesystem::exists("unused"));
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) std::filesystem::remove_all(root);
+  }
   TEST_CASE("accelerator cleanup") { release_world(); }
 }
 
@@ -484,6 +522,13 @@ TEST_SUITE("single") {
     // Refused before the rendezvous: no rank leaves while its peers connect.
     release_world();
     auto bad = config();
+    bad.log_with = {"tensorboard"};
+    CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("log_with names 'tensorboard'"),
+                         accel::InvalidArgument);
+    bad.log_with = {"csv"};
+    CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("needs project_config.project_dir"),
+                         accel::InvalidArgument);
+    bad = config();
     bad.gradient_accumulation_steps = 0;
     CHECK_THROWS_AS(accel::Accelerator{bad}, std::invalid_argument);
     bad = config();

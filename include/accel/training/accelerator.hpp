@@ -6,7 +6,8 @@
 // schedulers and loaders, kept in a PreparedSet that the checkpoint
 // functions of checkpoint_state.hpp save and load), and Accelerate's
 // operations over every process from ProcessOperations
-// (process_operations.hpp). This part adds the training step, gradient sync
+// (process_operations.hpp), experiment logging from ExperimentLog
+// (trackers.hpp). This part adds the training step, gradient sync
 // and accumulation, uneven inputs, checkpoints and weights.
 #pragma once
 
@@ -16,14 +17,18 @@
 #include "accel/training/join.hpp"
 #include "accel/training/loaders.hpp"
 #include "accel/training/process_operations.hpp"
+#include "accel/training/trackers.hpp"
 #include "accel/training/weights.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
-class Accelerator : public detail::AcceleratorPreparing, public detail::ProcessOperations {
+class Accelerator : public detail::AcceleratorPreparing,
+                    public detail::ProcessOperations,
+                    public detail::ExperimentLog {
  public:
   // Every setting is checked before the rendezvous (AcceleratorSetup).
-  explicit Accelerator(AcceleratorConfig config = {}) : AcceleratorPreparing(std::move(config)) {}
+  explicit Accelerator(AcceleratorConfig config = {})
+      : AcceleratorPreparing(std::move(config)), ExperimentLog(settings(), is_main_process()) {}
 
   // -- the training step --------------------------------------------------------
 

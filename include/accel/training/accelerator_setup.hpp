@@ -14,6 +14,7 @@
 #include "accel/training/checkpoint_files.hpp"  // check_project
 #include "accel/training/config.hpp"
 #include "accel/training/data_parallel.hpp"
+#include "accel/training/trackers.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -132,6 +133,7 @@ class AcceleratorSetup {
     if (mp != "no" && mp != "bf16" && mp != "fp16")
       throw InvalidArgument("accel::Accelerator: mixed_precision '" + mp + "' (expected no, bf16 or fp16)");
     detail::check_project(config.project_config, "accel::Accelerator");
+    detail::check_trackers(config);
     if (config.cpu) {
       if (config.distributed.device && *config.distributed.device != DeviceType::CPU)
         throw InvalidArgument("accel::Accelerator: cpu = true, but distributed.device is " +

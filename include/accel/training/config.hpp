@@ -10,12 +10,13 @@ ACCEL_NAMESPACE_BEGIN
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
-// checkpoints. With automatic_checkpoint_naming, each save_state() writes
+// checkpoints, and the experiment log its files (trackers.hpp). With automatic_checkpoint_naming, each save_state() writes
 // project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
 // up; total_limit keeps the newest that many (the oldest are removed once
 // the new one is whole); load_state() without a path loads the newest.
 struct ProjectConfiguration {
   std::filesystem::path project_dir{};
+  std::filesystem::path logging_dir{};  // where log_with's files go; empty: project_dir (as Accelerate)
   bool automatic_checkpoint_naming = false;
   std::optional<int> total_limit{};  // automatic naming only; at least 1
   int iteration = 0;                 // the number the next save_state() takes
@@ -84,6 +85,9 @@ struct AcceleratorConfig {
   std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
+  // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
+  // "csv" or "all" (files under project_config's logging_dir; trackers.hpp).
+  std::vector<std::string> log_with{};
 };
 
 // A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and

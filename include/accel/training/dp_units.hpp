@@ -300,6 +300,16 @@ class UnitByUnit {
   std::optional<std::size_t> current_;
 };
 
+// True on a thread while accel::checkpoint (checkpoint.hpp) runs a forward
+// again inside the backward. A unit called then keeps its parameters
+// gathered after its forward, because the backward of that forward follows
+// at once (its input hook frees them after it), and prefetches nothing: the
+// next unit of the forward has had its backward already.
+inline bool& recomputing() {
+  static thread_local bool on = false;
+  return on;
+}
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>
@@ -318,16 +328,18 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
     materialize(*state, u);
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
   }
   struct Release {  // after the forward, also when it throws
     State& state;
     std::size_t unit;
+    bool now;
     ~Release() {
+      if (!now) return;
       std::lock_guard lock(state.mutex);
       release(state, unit);
     }
-  } release_after{*state, u};
+  } release_after{*state, u, !recomputing()};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
