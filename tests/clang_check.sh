@@ -25,7 +25,7 @@ start() {  # NAME COMMAND...
   names+=("$1")
 }
 for tu in tests/test_accel.cpp tests/test_launch.cpp tests/test_ops.cpp tests/test_cuda.cpp examples/quick_start.cpp \
-          examples/mesh_demo.cpp examples/train_mlp.cpp tests/bench/bench.cpp tests/bench/bench_ddp.cpp \
+          examples/mesh_demo.cpp examples/train_mlp.cpp examples/train_llama.cpp tests/bench/bench.cpp tests/bench/bench_ddp.cpp \
           tests/bench/bench_sharding.cpp tests/launch.cpp tests/consumers/main.cpp tests/compile_fail.cpp \
           tests/abi_a.cpp tests/abi_b.cpp; do
   defines=()

@@ -1,0 +1,238 @@
+// A LLaMA-style decoder in LibTorch, laid out as Hugging Face's
+// LlamaForCausalLM (the same parameter names, so accel::save_model writes a
+// model.safetensors that transformers loads as it is): token embedding,
+// RMSNorm, rotary position embeddings, causal grouped-query attention,
+// SwiGLU, an untied LM head.
+//
+// Context parallelism, DeepSpeed-Ulysses' way (LLaMA-Factory's sequence-
+// parallel plugin): each rank of the cp group holds a contiguous slice of
+// every sequence; attention exchanges heads for sequence with an
+// all_to_all (each rank then holds every position of H/cp heads), runs as
+// usual on the whole sequence, and exchanges back. accel::autograd's
+// all_to_all carries the gradients back the same way.
+#pragma once
+
+#define ACCEL_TRAINING
+#include "accel.hpp"
+
+#include <cmath>
+#include <string>
+
+namespace llama {
+
+struct Config {
+  int64_t vocab_size = 256, hidden_size = 128, intermediate_size = 352, num_hidden_layers = 4,
+          num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256;
+  double rms_norm_eps = 1e-5, rope_theta = 10000.0;
+  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  // Hugging Face's config.json for LlamaForCausalLM with these sizes.
+  std::string to_json() const {
+    auto n = [](int64_t v) { return std::to_string(v); };
+    auto d = [](double v) {
+      std::ostringstream s;
+      s.precision(17);
+      s << v;
+      return s.str();
+    };
+    return "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n  \"vocab_size\": " +
+           n(vocab_size) + ",\n  \"hidden_size\": " + n(hidden_size) + ",\n  \"intermediate_size\": " +
+           n(intermediate_size) + ",\n  \"num_hidden_layers\": " + n(num_hidden_layers) +
+           ",\n  \"num_attention_heads\": " + n(num_attention_heads) + ",\n  \"num_key_value_heads\": " +
+           n(num_key_value_heads) + ",\n  \"head_dim\": " + n(head_dim()) + ",\n  \"max_position_embeddings\": " +
+           n(max_position_embeddings) + ",\n  \"rms_norm_eps\": " + d(rms_norm_eps) + ",\n  \"rope_theta\": " +
+           d(rope_theta) +
+           ",\n  \"hidden_act\": \"silu\",\n  \"attention_bias\": false,\n  \"mlp_bias\": false,\n"
+           "  \"tie_word_embeddings\": false,\n  \"bos_token_id\": null,\n  \"eos_token_id\": null,\n"
+           "  \"torch_dtype\": \"float32\"\n}\n";
+  }
+  // The sizes from a config.json (Hugging Face's field names; a missing
+  // number keeps this default, as transformers' LlamaConfig).
+  static Config from_json(const std::string& text) {
+    Config c;
+    auto number = [&](const std::string& key, auto& field) {
+      const auto at = text.find("\"" + key + "\"");
+      if (at == std::string::npos) return;
+      const auto colon = text.find(':', at);
+      field = static_cast<std::remove_reference_t<decltype(field)>>(std::stod(text.substr(colon + 1)));
+    };
+    number("vocab_size", c.vocab_size);
+    number("hidden_size", c.hidden_size);
+    number("intermediate_size", c.intermediate_size);
+    number("num_hidden_layers", c.num_hidden_layers);
+    number("num_attention_heads", c.num_attention_heads);
+    number("num_key_value_heads", c.num_key_value_heads);
+    number("max_position_embeddings", c.max_position_embeddings);
+    number("rms_norm_eps", c.rms_norm_eps);
+    number("rope_theta", c.rope_theta);
+    int64_t head_dim = c.head_dim();
+    number("head_dim", head_dim);
+    if (head_dim != c.head_dim())
+      throw std::invalid_argument("config.json: head_dim " + std::to_string(head_dim) +
+                                  " is not hidden_size / num_attention_heads (this model does not support that)");
+    return c;
+  }
+};
+
+// HF's LlamaRMSNorm: in float32, the weight applied in the input's dtype.
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t size, double eps) : eps(eps) { weight = register_parameter("weight", torch::ones({size})); }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor h = x.to(at::kFloat);
+    return weight * (h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
+  }
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+inline torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+// x: [B, T, h, d] -> [B, h, T, d] rotated by position (HF's rotate_half form).
+inline at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor t = x.transpose(1, 2);
+  const int64_t half = t.size(-1) / 2;
+  const at::Tensor rotated = torch::cat({-t.narrow(-1, half, half), t.narrow(-1, 0, half)}, -1);
+  return t * cos + rotated * sin;
+}
+
+// Ulysses' exchanges on the cp group, as accel::autograd::all_to_all along dim 0.
+// to_heads: [B, T/cp, h, d] (a slice of the sequence, every head) -> [B, T, h/cp, d].
+inline at::Tensor to_heads(const at::Tensor& x, const accel::GroupPtr& cp) {
+  const int64_t P = cp->getSize(), B = x.size(0), Tl = x.size(1), h = x.size(2), d = x.size(3);
+  const at::Tensor out = accel::autograd::all_to_all(x.permute({2, 0, 1, 3}).contiguous(), {}, {}, cp);
+  // out: [P (sequence slice) x h/P, B, Tl, d]
+  return out.view({P, h / P, B, Tl, d}).permute({2, 0, 3, 1, 4}).reshape({B, P * Tl, h / P, d});
+}
+// to_sequence: [B, T, h/cp, d] -> [B, T/cp, h, d], the inverse.
+inline at::Tensor to_sequence(const at::Tensor& x, const accel::GroupPtr& cp) {
+  const int64_t P = cp->getSize(), B = x.size(0), T = x.size(1), hl = x.size(2), d = x.size(3), Tl = T / P;
+  const at::Tensor chunks = x.view({B, P, Tl, hl, d}).permute({1, 3, 0, 2, 4}).contiguous();  // [P, hl, B, Tl, d]
+  const at::Tensor out = accel::autograd::all_to_all(chunks.view({P * hl, B, Tl, d}), {}, {}, cp);
+  // out: [P (head group) x hl, B, Tl, d]
+  return out.view({P * hl, B, Tl, d}).permute({1, 2, 0, 3});
+}
+
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(const Config& c)
+      : heads(c.num_attention_heads),
+        kv_heads(c.num_key_value_heads),
+        head_dim(c.head_dim()),
+        q_proj(register_module("q_proj", linear(c.hidden_size, heads * head_dim))),
+        k_proj(register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim))),
+        v_proj(register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim))),
+        o_proj(register_module("o_proj", linear(heads * head_dim, c.hidden_size))) {}
+  // x: [B, T/cp, hidden] (this rank's slice); cos, sin: [T, head_dim] for the whole sequence.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const accel::GroupPtr& cp) {
+    const int64_t B = x.size(0), Tl = x.size(1);
+    at::Tensor q = q_proj(x).view({B, Tl, heads, head_dim}), k = k_proj(x).view({B, Tl, kv_heads, head_dim}),
+               v = v_proj(x).view({B, Tl, kv_heads, head_dim});
+    if (cp) q = to_heads(q, cp), k = to_heads(k, cp), v = to_heads(v, cp);
+    const int64_t T = q.size(1), h = q.size(2), hk = k.size(2);
+    q = rotate(q, cos, sin);  // [B, h, T, d]
+    k = rotate(k, cos, sin);
+    v = v.transpose(1, 2);
+    // Grouped-query attention: each key/value head serves h / hk query heads (HF's repeat_kv).
+    k = k.repeat_interleave(h / hk, 1);
+    v = v.repeat_interleave(h / hk, 1);
+    at::Tensor scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(head_dim));
+    const at::Tensor future = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+    const at::Tensor weights = torch::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
+    at::Tensor out = torch::matmul(weights, v).transpose(1, 2);  // [B, T, h, d]
+    if (cp) out = to_sequence(out.contiguous(), cp);             // [B, T/cp, heads, d]
+    return o_proj(out.reshape({B, Tl, heads * head_dim}));
+  }
+  int64_t heads, kv_heads, head_dim;
+  torch::nn::Linear q_proj, k_proj, v_proj, o_proj;
+};
+TORCH_MODULE(Attention);
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl(const Config& c)
+      : gate_proj(register_module("gate_proj", linear(c.hidden_size, c.intermediate_size))),
+        up_proj(register_module("up_proj", linear(c.hidden_size, c.intermediate_size))),
+        down_proj(register_module("down_proj", linear(c.intermediate_size, c.hidden_size))) {}
+  at::Tensor forward(const at::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  torch::nn::Linear gate_proj, up_proj, down_proj;
+};
+TORCH_MODULE(Mlp);
+
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const Config& c)
+      : self_attn(register_module("self_attn", Attention(c))),
+        mlp(register_module("mlp", Mlp(c))),
+        input_layernorm(register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))),
+        post_attention_layernorm(
+            register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))) {}
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, accel::GroupPtr cp) {
+    const at::Tensor h = x + self_attn(input_layernorm(x), cos, sin, cp);
+    return h + mlp(post_attention_layernorm(h));
+  }
+  Attention self_attn;
+  Mlp mlp;
+  RMSNorm input_layernorm, post_attention_layernorm;
+};
+TORCH_MODULE(DecoderLayer);
+
+struct BodyImpl : torch::nn::Module {  // HF's LlamaModel ("model." in the names)
+  BodyImpl(const Config& c)
+      : embed_tokens(register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.hidden_size))),
+        norm(register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps))) {
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(DecoderLayer(c));
+    register_module("layers", layers);
+  }
+  torch::nn::Embedding embed_tokens;
+  torch::nn::ModuleList layers;
+  RMSNorm norm;
+};
+TORCH_MODULE(Body);
+
+struct LlamaImpl : torch::nn::Module {  // HF's LlamaForCausalLM
+  explicit LlamaImpl(const Config& c)
+      : config(c),
+        model(register_module("model", Body(c))),
+        lm_head(register_module("lm_head", linear(c.hidden_size, c.vocab_size))) {
+    // HF's _init_weights: normal(0, 0.02) for linear and embedding weights, RMSNorm's ones.
+    torch::NoGradGuard no_grad;
+    for (auto& p : named_parameters())
+      if (p.key().find("norm") == std::string::npos) p.value().normal_(0, 0.02);
+  }
+  // ids: [B, T/cp] (this rank's slice of each sequence; `cp` the group that
+  // holds the others, null without context parallelism). Logits [B, T/cp, V].
+  // Each decoder layer and the embedding and head go through
+  // accel::unit_forward (FULL_SHARD's units) and, with `recompute`, each
+  // layer through accel::checkpoint.
+  at::Tensor forward(const at::Tensor& ids, const accel::GroupPtr& cp = {}, bool recompute = false) {
+    const int64_t P = cp ? cp->getSize() : 1, T = ids.size(1) * P, d = config.head_dim();
+    // Rotary angles for every position of the whole sequence (positions are global: rank r's slice starts at r*T/P).
+    const at::Tensor inv_freq =
+        1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::dtype(torch::kFloat)) / d);
+    const at::Tensor freqs = torch::outer(torch::arange(T, torch::dtype(torch::kFloat)), inv_freq);
+    const at::Tensor angles = torch::cat({freqs, freqs}, -1).to(ids.device());
+    const at::Tensor cos = angles.cos(), sin = angles.sin();
+    at::Tensor h = accel::unit_forward(model->embed_tokens, ids);
+    for (const auto& layer : *model->layers) {
+      DecoderLayer block(std::dynamic_pointer_cast<DecoderLayerImpl>(layer));
+      auto run = [block, cos, sin, cp](const at::Tensor& x) mutable {  // by value: run again in the backward
+        return accel::unit_forward(block, x, cos, sin, cp);
+      };
+      h = recompute ? accel::checkpoint(run, h) : run(h);
+    }
+    return accel::unit_forward(lm_head, accel::unit_forward(model->norm, h));
+  }
+  Config config;
+  Body model;
+  torch::nn::Linear lm_head;
+};
+TORCH_MODULE(Llama);
+
+// FULL_SHARD's units (auto_wrap_policy): each decoder layer, the embedding,
+// the final norm and the head.
+inline bool is_unit(const std::string& name) {
+  if (name == "model.embed_tokens" || name == "model.norm" || name == "lm_head") return true;
+  return name.starts_with("model.layers.") && name.find('.', 13) == std::string::npos;
+}
+
+}  // namespace llama

@@ -1,0 +1,327 @@
+// Trains a small LLaMA (llama.hpp) on bytes, on both meshes: sharded along
+// the model mesh (FULL_SHARD; HSDP when mp_replicate > 1), data parallel
+// along dp and Ulysses context parallelism along cp; gradient accumulation,
+// clipping, bf16 autocast, AdamW with warmup and cosine decay, activation
+// checkpointing, checkpoints resumed mid-epoch, a progress line and a loss
+// log (metrics.csv, metrics.jsonl). The model is written and read in Hugging
+// Face's Llama layout: transformers.LlamaForCausalLM.from_pretrained(dir)
+// loads what --export writes, and --import starts from such a directory.
+//
+// Build:  cmake --build build --target train_llama accel_launch
+// Run:    build/examples/train_llama                       (one process, about a minute on 2 cores)
+//         build/examples/train_llama --spawn 4 --mp-replicate 2 --mp-shard 2 --dp 2 --cp 2
+//         build/tests/accel_launch 4 build/examples/train_llama --cp 4   (or torchrun)
+// Flags:  sizes --layers --hidden --heads --kv-heads --intermediate --seq;
+//         --batch (sequences per micro-step, all processes together) --accumulate --steps
+//         --lr --warmup --clip --seed --corpus (a file or directory; default /usr/share/common-licenses)
+//         meshes --mp-replicate --mp-shard --dp --cp (default: everything along mp_shard and dp)
+//         --sharding no_shard|shard_grad_op|full_shard (default full_shard) --mixed-precision no|bf16
+//         --recompute (activation checkpointing per decoder layer)
+//         --dir DIR (checkpoints and logs; default train_llama_run) --save-every N --resume --stop-after N
+//         --export DIR --import DIR --logits FILE (write the logits of a fixed input and stop)
+#include "llama.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <unistd.h>
+
+namespace {
+
+struct Options {
+  llama::Config model;
+  int64_t seq = 128, batch = 16, accumulate = 1, steps = 400, warmup = 20, save_every = 0, stop_after = -1, seed = 0;
+  double lr = 3e-3, clip = 1.0;
+  int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1;
+  accel::ShardingStrategy sharding = accel::ShardingStrategy::FULL_SHARD;
+  std::string mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run", export_dir,
+              import_dir, logits;
+  bool recompute = false, resume = false;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(arg + " needs a value");
+      return argv[++i];
+    };
+    auto integer = [&] { return std::stoll(value()); };
+    if (arg == "--layers") o.model.num_hidden_layers = integer();
+    else if (arg == "--hidden") o.model.hidden_size = integer();
+    else if (arg == "--heads") o.model.num_attention_heads = integer();
+    else if (arg == "--kv-heads") o.model.num_key_value_heads = integer();
+    else if (arg == "--intermediate") o.model.intermediate_size = integer();
+    else if (arg == "--seq") o.seq = integer();
+    else if (arg == "--batch") o.batch = integer();
+    else if (arg == "--accumulate") o.accumulate = integer();
+    else if (arg == "--steps") o.steps = integer();
+    else if (arg == "--warmup") o.warmup = integer();
+    else if (arg == "--lr") o.lr = std::stod(value());
+    else if (arg == "--clip") o.clip = std::stod(value());
+    else if (arg == "--seed") o.seed = integer();
+    else if (arg == "--corpus") o.corpus = value();
+    else if (arg == "--spawn") o.spawn = static_cast<int>(integer());
+    else if (arg == "--mp-replicate") o.mp_replicate = static_cast<int>(integer());
+    else if (arg == "--mp-shard") o.mp_shard = static_cast<int>(integer());
+    else if (arg == "--dp") o.dp = static_cast<int>(integer());
+    else if (arg == "--cp") o.cp = static_cast<int>(integer());
+    else if (arg == "--sharding") {
+      std::string name = value();  // full_shard -> FULL_SHARD, FSDP's spelling
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+      o.sharding = accel::from_string<accel::ShardingStrategy>(name);
+    }
+    else if (arg == "--mixed-precision") o.mixed_precision = value();
+    else if (arg == "--recompute") o.recompute = true;
+    else if (arg == "--dir") o.dir = value();
+    else if (arg == "--save-every") o.save_every = integer();
+    else if (arg == "--resume") o.resume = true;
+    else if (arg == "--stop-after") o.stop_after = integer();
+    else if (arg == "--export") o.export_dir = value();
+    else if (arg == "--import") o.import_dir = value();
+    else if (arg == "--logits") o.logits = value();
+    else throw std::invalid_argument("unknown flag " + arg);
+  }
+  o.model.max_position_embeddings = std::max(o.model.max_position_embeddings, o.seq);
+  return o;
+}
+
+// The corpus as bytes: a file, or every regular file of a directory (not
+// links: /usr/share/common-licenses/GPL is GPL-3 again), in name order.
+std::string read_corpus(const std::filesystem::path& where) {
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::is_directory(where)) {
+    for (const auto& entry : std::filesystem::directory_iterator(where))
+      if (entry.is_regular_file() && !entry.is_symlink()) files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(where);
+  }
+  std::string text;
+  for (const auto& file : files) {
+    std::ifstream in(file, std::ios::binary);
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (text.empty()) throw std::invalid_argument("train_llama: no text in " + where.string());
+  return text;
+}
+
+// Windows of seq + 1 bytes at a stride of seq: input = the first seq, label = the last seq.
+struct Windows : torch::data::datasets::Dataset<Windows> {
+  Windows(const std::string& text, int64_t seq) : seq(seq) {
+    bytes = torch::from_blob(const_cast<char*>(text.data()), {static_cast<int64_t>(text.size())}, torch::kUInt8)
+                .to(torch::kLong);
+  }
+  torch::data::Example<> get(size_t i) override {
+    const at::Tensor w = bytes.narrow(0, static_cast<int64_t>(i) * seq, seq + 1);
+    return {w.narrow(0, 0, seq), w.narrow(0, 1, seq)};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>((bytes.size(0) - 1) / seq); }
+  at::Tensor bytes;
+  int64_t seq;
+};
+
+// The optimizer-step count, kept in every checkpoint (it drives the learning-rate schedule).
+struct StepCount {
+  int64_t value = 0;
+  void save(torch::serialize::OutputArchive& out) const { out.write("step", at::scalar_tensor(value, at::kLong)); }
+  void load(torch::serialize::InputArchive& in) {
+    at::Tensor t;
+    in.read("step", t);
+    value = t.item<int64_t>();
+  }
+};
+
+// Linear warmup to lr, then cosine decay to lr / 10 at the last step.
+double learning_rate(const Options& o, int64_t step) {
+  if (step < o.warmup) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup);
+  const double progress = static_cast<double>(step - o.warmup) / static_cast<double>(std::max<int64_t>(1, o.steps - o.warmup));
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress))));
+}
+
+// Every configuration error before the first step, in words.
+void check(const Options& o, int world) {
+  const auto& m = o.model;
+  auto fail = [](const std::string& why) { throw std::invalid_argument("train_llama: " + why); };
+  if (m.hidden_size % m.num_attention_heads != 0)
+    fail("--hidden " + std::to_string(m.hidden_size) + " is not a multiple of --heads " +
+         std::to_string(m.num_attention_heads));
+  if (m.num_attention_heads % m.num_key_value_heads != 0)
+    fail("--heads " + std::to_string(m.num_attention_heads) + " is not a multiple of --kv-heads " +
+         std::to_string(m.num_key_value_heads));
+  if (m.head_dim() % 2 != 0) fail("the head size (--hidden / --heads) must be even for rotary embeddings");
+  if (m.num_attention_heads % o.cp != 0 || m.num_key_value_heads % o.cp != 0)
+    fail("Ulysses splits the heads over --cp " + std::to_string(o.cp) + ": --heads " +
+         std::to_string(m.num_attention_heads) + " and --kv-heads " + std::to_string(m.num_key_value_heads) +
+         " must both be multiples of it");
+  if (o.seq % o.cp != 0)
+    fail("--seq " + std::to_string(o.seq) + " is not a multiple of --cp " + std::to_string(o.cp) +
+         " (each cp rank holds an equal slice of every sequence)");
+  const int dp = o.dp ? o.dp : world / o.cp;
+  if (o.batch % dp != 0)
+    fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
+  if (o.steps < 1 || o.warmup < 1 || o.accumulate < 1) fail("--steps, --warmup and --accumulate must be at least 1");
+}
+
+// This process's peak resident memory (Linux's VmHWM), MiB; 0 where /proc has none.
+double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+void write_logits(const Options& o, llama::Llama& model) {
+  // A fixed input: the first seq bytes of a sentence repeated.
+  const std::string sentence = "The quick brown fox jumps over the lazy dog. ";
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < o.seq; ++i) ids.push_back(static_cast<unsigned char>(sentence[i % sentence.size()]));
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const at::Tensor logits = model->forward(torch::tensor(ids).view({1, o.seq})).contiguous();
+  std::ofstream out(o.logits, std::ios::binary);
+  out.write(static_cast<const char*>(logits.data_ptr()), static_cast<std::streamsize>(logits.nbytes()));
+  if (!out) throw std::runtime_error("train_llama: cannot write " + o.logits);
+  std::printf("train_llama: logits [1, %lld, %lld] in %s\n", static_cast<long long>(o.seq),
+              static_cast<long long>(o.model.vocab_size), o.logits.c_str());
+}
+
+int train(Options o) {
+  const int world = accel::get_world_size();  // (the launch environment; 1 without a launcher)
+  if (!o.import_dir.empty()) {
+    std::ifstream in(std::filesystem::path(o.import_dir) / "config.json");
+    if (!in) throw std::invalid_argument("train_llama: --import " + o.import_dir + " has no config.json");
+    const llama::Config imported = llama::Config::from_json(std::string(std::istreambuf_iterator<char>(in), {}));
+    o.model = imported;
+    o.model.max_position_embeddings = std::max(imported.max_position_embeddings, o.seq);
+  }
+  check(o, world);
+  torch::manual_seed(static_cast<uint64_t>(o.seed));
+  llama::Llama model(o.model);
+  if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);  // HF's names are this model's names
+  if (!o.logits.empty()) {
+    write_logits(o, model);
+    return 0;
+  }
+
+  accel::AcceleratorConfig config;
+  config.gradient_accumulation_steps = static_cast<int>(o.accumulate);
+  config.mixed_precision = o.mixed_precision;
+  config.sharding_strategy = o.sharding;
+  config.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return llama::is_unit(name); };
+  config.distributed.mp_replicate_size = o.mp_replicate;
+  if (o.mp_shard) config.distributed.mp_shard_size = o.mp_shard;  // (unset: world / mp_replicate)
+  config.distributed.cp_size = o.cp;
+  if (o.dp) config.distributed.dp_size = o.dp;  // (unset: world / cp)
+  config.project_config.project_dir = o.dir;
+  config.log_with = {"csv", "jsonl"};
+  accel::Accelerator accelerator(config);  // (a mesh that does not fit the world is its error)
+  const accel::GroupPtr cp = o.cp > 1 ? accel::DistributedInterface::instance().get_group(accel::Dim::CP) : accel::GroupPtr();
+  const int cp_rank = accelerator.context_parallel_rank();
+
+  int64_t parameters = 0;
+  for (const auto& p : model->parameters()) parameters += p.numel();  // (whole: prepare shards them)
+  torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.1).betas({0.9, 0.95}));
+  auto prepared = accelerator.prepare(model, adamw);
+  accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+  const int dp = accelerator.num_processes() / o.cp;
+  auto loader = accelerator.prepare_data_loader(
+      Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
+      {.batch_size = static_cast<size_t>(o.batch / dp), .shuffle = true, .seed = static_cast<uint64_t>(o.seed),
+       .drop_last = true});
+  StepCount step;
+  accelerator.register_for_checkpointing(step);
+  if (o.resume) accelerator.load_state(o.dir + "/checkpoint");
+  accelerator.init_trackers("logs", {{"layers", std::to_string(o.model.num_hidden_layers)},
+                                     {"hidden", std::to_string(o.model.hidden_size)},
+                                     {"seq", std::to_string(o.seq)},
+                                     {"batch", std::to_string(o.batch)},
+                                     {"lr", std::to_string(o.lr)}});
+
+  const accel::DistributedStrategy& mesh = accel::DistributedInterface::instance().strategy();
+  accel::print("train_llama:", accelerator.num_processes(), "process(es),",
+               accel::to_string(accelerator.sharding_strategy()), "on the model mesh", mesh.mp_replicate_size(), "x",
+               mesh.mp_shard_size(), "- data mesh dp", mesh.dp_size(), "x cp", mesh.cp_size(), "-",
+               o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters, "parameters - seq",
+               o.seq);
+  const bool tty = isatty(STDOUT_FILENO);
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t first = step.value, slice = o.seq / o.cp;
+  // The steady rate, for the final line: timed from the 5th step of this run on (the first ones warm up).
+  const int64_t timed_from = o.steps - first > 5 ? first + 5 : first;
+  auto timed_start = start;
+  int64_t steps_run = 0;
+  double last_loss = 0;
+  while (step.value < o.steps) {
+    for (auto& batch : loader) {
+      auto sync = accelerator.accumulate(model);
+      // This rank's slice of every sequence (cp), of this dp rank's sequences (the loader).
+      const at::Tensor ids = batch.data.narrow(1, cp_rank * slice, slice).to(accelerator.device());
+      const at::Tensor labels = batch.target.narrow(1, cp_rank * slice, slice).to(accelerator.device());
+      at::Tensor loss;
+      {
+        auto autocast = accelerator.autocast();
+        const at::Tensor logits = model->forward(ids, cp, o.recompute);
+        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat), labels.reshape({-1}));
+      }
+      accelerator.backward(loss);
+      if (!accelerator.sync_gradients()) continue;
+      for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
+      if (o.clip > 0) accelerator.clip_grad_norm_(model->parameters(), o.clip);
+      optimizer.step();
+      optimizer.zero_grad();
+      ++step.value;
+      last_loss = accelerator.reduce(loss.detach(), "mean").item<double>();  // every token of the step's batch
+      accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double per_step = seconds / static_cast<double>(step.value - first);
+      if (accelerator.is_main_process() && (step.value % 10 == 0 || step.value == o.steps))
+        std::printf("%sstep %5lld/%lld  loss %.4f  %.0f tokens/s  ETA %.0f s%s", tty ? "\r" : "",
+                    static_cast<long long>(step.value), static_cast<long long>(o.steps), last_loss,
+                    static_cast<double>(o.batch * o.seq * o.accumulate) / per_step,
+                    per_step * static_cast<double>(o.steps - step.value), tty ? "" : "\n");
+      if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();
+      if (o.save_every > 0 && step.value % o.save_every == 0) accelerator.save_state(o.dir + "/checkpoint");
+      if (++steps_run == o.stop_after) {  // as if the run were killed here, after a checkpoint
+        accelerator.save_state(o.dir + "/checkpoint");
+        accel::print("\ntrain_llama: stopped after", o.stop_after, "steps; resume with --resume");
+        accelerator.end_training();
+        return 0;
+      }
+      if (step.value >= o.steps) break;
+    }
+  }
+  if (accelerator.is_main_process() && tty) std::printf("\n");
+  accel::print("train_llama: final loss", last_loss, "after", step.value, "steps; log in",
+               accelerator.logging_dir().string() + "/metrics.csv");
+  if (step.value > timed_from) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
+    const double peak = accel::all_reduce(peak_rss_mib(), accel::ReduceOp::MAX);
+    accel::print("train_llama:", std::llround(static_cast<double>(o.batch * o.seq * o.accumulate * (step.value - timed_from)) / seconds),
+                 "tokens/s over steps", timed_from + 1, "to", step.value, "- peak RSS", std::llround(peak),
+                 "MiB (the largest process)");
+  }
+  if (!o.export_dir.empty()) {
+    accelerator.save_model(model, o.export_dir);  // model.safetensors (or shards and an index), HF's names
+    if (accelerator.is_main_process()) std::ofstream(std::filesystem::path(o.export_dir) / "config.json") << o.model.to_json();
+    accel::print("train_llama: model in", o.export_dir, "(transformers.LlamaForCausalLM.from_pretrained loads it)");
+  }
+  accelerator.end_training();
+  accelerator.wait_for_everyone();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options options = parse(argc, argv);
+    if (options.spawn > 0)  // this program again as N processes (accel::spawn), each running train()
+      return accel::spawn(options.spawn, [&] { return train(options); });
+    return train(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,164 @@
+"""Python's side of run_llama_bench.sh: the LLaMA of examples/llama.hpp in PyTorch, trained with FSDP2's
+fully_shard on the same model mesh (HSDP on a 2-D one) and the same Ulysses context parallelism on cp
+(torch.distributed.nn.functional.all_to_all_single), AdamW, fp32, Gloo, one thread per process.
+
+    torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS   (dp = world / cp, mp_shard = world / mp_replicate)
+
+Prints "bench: T tokens/s over steps a-b; peak RSS M MiB" (the largest VmHWM over the processes) on rank 0.
+"""
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single  # autograd-aware (deprecated in 2.x for _functional_collectives)
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, SEQ, BATCH, VOCAB = 4, 128, 4, 2, 352, 128, 16, 256
+
+
+def ulysses(x, cp, to_heads):
+    """[B, T/cp, h, d] <-> [B, T, h/cp, d] along the cp group (examples/llama.hpp's to_heads / to_sequence)."""
+    P = dist.get_world_size(cp)
+    if to_heads:
+        B, Tl, h, d = x.shape
+        out = all_to_all_single(torch.empty_like(x.permute(2, 0, 1, 3).contiguous()),
+                                x.permute(2, 0, 1, 3).contiguous(), group=cp)
+        return out.view(P, h // P, B, Tl, d).permute(2, 0, 3, 1, 4).reshape(B, P * Tl, h // P, d)
+    B, T, hl, d = x.shape
+    chunks = x.view(B, P, T // P, hl, d).permute(1, 3, 0, 2, 4).contiguous().view(P * hl, B, T // P, d)
+    out = all_to_all_single(torch.empty_like(chunks), chunks, group=cp)
+    return out.permute(1, 2, 0, 3)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def rotate(x, cos, sin):
+    t = x.transpose(1, 2)
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        d = HIDDEN // HEADS
+        self.q, self.k = torch.nn.Linear(HIDDEN, HEADS * d, bias=False), torch.nn.Linear(HIDDEN, KV_HEADS * d, bias=False)
+        self.v, self.o = torch.nn.Linear(HIDDEN, KV_HEADS * d, bias=False), torch.nn.Linear(HEADS * d, HIDDEN, bias=False)
+        self.gate, self.up = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False), torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.down = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+        self.norm1, self.norm2 = RMSNorm(), RMSNorm()
+
+    def forward(self, x, cos, sin, cp):
+        B, Tl, _ = x.shape
+        d = HIDDEN // HEADS
+        h = self.norm1(x)
+        q, k, v = self.q(h).view(B, Tl, HEADS, d), self.k(h).view(B, Tl, KV_HEADS, d), self.v(h).view(B, Tl, KV_HEADS, d)
+        if cp is not None:
+            q, k, v = (ulysses(t, cp, True) for t in (q, k, v))
+        T, hq, hk = q.shape[1], q.shape[2], k.shape[2]
+        q, k, v = rotate(q, cos, sin), rotate(k, cos, sin), v.transpose(1, 2)
+        k, v = k.repeat_interleave(hq // hk, 1), v.repeat_interleave(hq // hk, 1)
+        scores = (q @ k.transpose(2, 3)) / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        out = (torch.softmax(scores.float(), -1).to(q.dtype) @ v).transpose(1, 2)
+        if cp is not None:
+            out = ulysses(out.contiguous(), cp, False)
+        x = x + self.o(out.reshape(B, Tl, HEADS * d))
+        return x + self.down(F.silu(self.gate(self.norm2(x))) * self.up(self.norm2(x)))
+
+
+class Llama(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.norm, self.head = RMSNorm(), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids, cp):
+        P = dist.get_world_size(cp) if cp is not None else 1
+        T, d = ids.shape[1] * P, HIDDEN // HEADS
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(T).float(), inv)
+        angles = torch.cat((freqs, freqs), -1)
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, angles.cos(), angles.sin(), cp)
+        return self.head(self.norm(h))
+
+
+def peak_rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
+def main():
+    replicate, cp_size, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    model = Llama()
+    cp, dp_rank, dp = None, 0, world // cp_size
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        data_mesh = init_device_mesh("cpu", (dp, cp_size), mesh_dim_names=("dp", "cp"))
+        cp = data_mesh["cp"].get_group() if cp_size > 1 else None
+        dp_rank = data_mesh.get_local_rank("dp")
+        shape, names = ((replicate, world // replicate), ("replicate", "shard")) if replicate > 1 else ((world,), ("shard",))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for unit in [model.embed, *model.layers, model.norm, model.head]:  # accel's units (llama::is_unit)
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():  # Gloo's AVG sums in FSDP2 (pytorch#162338): sum, then divide as we do
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(float(world))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    per_dp, slice_len = BATCH // dp, SEQ // cp_size
+    cp_rank = rank % cp_size
+    start, first_timed = None, 5
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+        x = ids[:, cp_rank * slice_len:(cp_rank + 1) * slice_len]
+        y = ids[:, 1 + cp_rank * slice_len:1 + (cp_rank + 1) * slice_len]
+        loss = F.cross_entropy(model(x, cp).reshape(-1, VOCAB).float(), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == first_timed:
+            start = time.perf_counter()
+    seconds = time.perf_counter() - start
+    peak = torch.tensor([peak_rss_mib()])
+    if distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tokens = BATCH * SEQ * (steps - first_timed)
+        print(f"bench: {tokens / seconds:.0f} tokens/s over steps {first_timed + 1}-{steps}; peak RSS {peak.item():.0f} MiB",
+              flush=True)
+    if distributed:
+        dist.barrier()
+    os._exit(0)  # (no teardown: torch 2.15's FSDP2 on Gloo can abort there; the figures are out)
+
+
+if __name__ == "__main__":
+    main()

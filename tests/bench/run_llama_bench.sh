@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# examples/train_llama against the same LLaMA in Python (tests/bench/bench_llama.py: FSDP2's fully_shard on the
+# same model mesh, the same Ulysses exchanges on cp, AdamW, fp32, Gloo), side by side in one run on the pip leg:
+# tokens/s over the steps after the 5th and the largest peak RSS (VmHWM, MiB) over the processes, at 1, 2 and 4
+# processes: (dp 2), (cp 2), (dp 4), (dp 2, cp 2) sharded along all 4, and HSDP (2, 2) with dp 4. One thread per
+# process, rounds interleaved (C++ then Python, config by config), medians. Sizes: train_llama's defaults (4
+# layers, hidden 128, 4 heads sharing 2 key/value heads, seq 128, 16 sequences per step). Never part of the test
+# command. Writes llama.csv and llama.md to ACCEL_BENCH_OUT (default tests/bench/results/pip).
+#
+#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)]
+set -euo pipefail
+rounds=${1:-3}
+steps=${2:-20}
+top=$(cd "$(dirname "$0")/../.." && pwd)
+build=${ACCEL_BUILD_DIR:-$top/build/pip}
+out=${ACCEL_BENCH_OUT:-$top/tests/bench/results/pip}
+mkdir -p "$out"
+export PATH="$top/build/pip-venv/bin:$PATH" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS=ignore
+cmake --build "$build" --target train_llama accel_launch -j2 > /dev/null
+csv=$out/llama.csv
+echo "round,world,mesh,side,tokens_per_s,peak_rss_mib" > "$csv"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+# name world mp_replicate dp cp
+configs=("one 1 1 1 1" "dp2 2 1 2 1" "cp2 2 1 1 2" "dp4 4 1 4 1" "dp2_cp2 4 1 2 2" "hsdp_dp4 4 2 4 1")
+record() {  # round world mesh side log
+  local line
+  line=$(grep -E "tokens/s over steps" "$5" | tail -1)
+  local tokens peak
+  tokens=$(sed -E 's/.*[ :]([0-9]+) tokens\/s.*/\1/' <<< "$line")
+  peak=$(sed -E 's/.*peak RSS ([0-9]+) MiB.*/\1/' <<< "$line")
+  echo "$1,$2,$3,$4,$tokens,$peak" >> "$csv"
+  echo "round $1, $3 ($2 processes), $4: $tokens tokens/s, peak RSS $peak MiB"
+}
+for ((round = 1; round <= rounds; ++round)); do
+  for config in "${configs[@]}"; do
+    read -r name world replicate dp cp <<< "$config"
+    rm -rf "$scratch/run"
+    "$build/tests/accel_launch" --timeout 300 "$world" "$build/examples/train_llama" --steps "$steps" \
+      --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --dir "$scratch/run" > "$scratch/cpp.log" 2>&1
+    record "$round" "$world" "$name" accel "$scratch/cpp.log"
+    "$build/tests/accel_launch" --timeout 300 "$world" python3 "$top/tests/bench/bench_llama.py" "$replicate" "$cp" \
+      "$steps" > "$scratch/py.log" 2>&1
+    record "$round" "$world" "$name" python_fsdp2 "$scratch/py.log"
+  done
+done
+python3 - "$csv" "$out/llama.md" "$rounds" "$steps" <<'PY'
+import collections, csv, os, statistics, sys
+import torch
+rows = collections.defaultdict(list)
+for r in csv.DictReader(open(sys.argv[1])):
+    rows[(r["mesh"], int(r["world"]), r["side"])].append((float(r["tokens_per_s"]), float(r["peak_rss_mib"])))
+names = {"one": "one process", "dp2": "dp 2", "cp2": "cp 2 (Ulysses)", "dp4": "dp 4", "dp2_cp2": "dp 2 x cp 2",
+         "hsdp_dp4": "HSDP (2, 2), dp 4"}
+lines = [f"examples/train_llama against the same model in Python torch {torch.__version__} with FSDP2 (fully_shard per "
+         f"layer, embedding, norm and head; the same model mesh) and the same Ulysses exchanges; {os.cpu_count()} cores, "
+         f"one thread per process, AdamW, fp32; tokens/s over steps 6-{sys.argv[4]}, medians of {sys.argv[3]} "
+         "interleaved rounds; peak RSS = the largest VmHWM over the processes (Python's includes its interpreter and "
+         "torch's Python modules).", "",
+         "| processes | mesh (sharded along the model mesh: FULL_SHARD) | accel tokens/s | Python FSDP2 tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
+         "|---:|---|---:|---:|---:|---:|---:|"]
+for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4)]:
+    a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, "python_fsdp2"), [])
+    if not a or not p:
+        continue
+    at, pt = statistics.median(x[0] for x in a), statistics.median(x[0] for x in p)
+    am, pm = statistics.median(x[1] for x in a), statistics.median(x[1] for x in p)
+    lines.append(f"| {world} | {names[mesh]} | {at:.0f} | {pt:.0f} | {at / pt:.2f} | {am:.0f} | {pm:.0f} |")
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# examples/train_llama, small enough to run in seconds (fp32):
+#  1. on 4 processes with the model mesh (2, 2) (HSDP) and the data mesh (dp 2, cp 2), with (dp 4) and with
+#     (dp 1, cp 4) (FULL_SHARD along 4), the loss of every step equals one process's on the same global batches
+#     (within LOSS_TOLERANCE, relative: the same sums in another order);
+#  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
+#     same with activation checkpointing on: the same gradients);
+#  3. bad configurations stop before any step, with their reason;
+#  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported model and gives the C++
+#     model's logits, and a model initialised by transformers, imported into C++, gives transformers' logits.
+#     Skipped, saying so, where Python has no transformers.
+#     bash tests/llama_check.sh ACCEL_LAUNCH TRAIN_LLAMA DIR
+set -euo pipefail
+launch=$1 train=$2 dir=$3
+here=$(cd "$(dirname "$0")" && pwd)
+rm -rf "$dir" && mkdir -p "$dir"
+LOSS_TOLERANCE=1e-5
+sizes=(--layers 2 --hidden 64 --heads 8 --kv-heads 4 --intermediate 160 --seq 32 --batch 8 --warmup 2)
+run() { local world=$1; shift; "$launch" --timeout 240 "$world" "$train" "${sizes[@]}" "$@"; }
+
+# 1. Meshes against one process.
+run 1 --steps 6 --dir "$dir/one" > "$dir/one.log"
+declare -A meshes=([hsdp_dp2_cp2]="--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2" [dp4]="--dp 4"
+                   [dp1_cp4]="--dp 1 --cp 4")
+for name in hsdp_dp2_cp2 dp4 dp1_cp4; do
+  # shellcheck disable=SC2086
+  run 4 --steps 6 --dir "$dir/$name" ${meshes[$name]} | tee "$dir/$name.log"
+  python3 - "$dir/one/logs/metrics.csv" "$dir/$name/logs/metrics.csv" "$LOSS_TOLERANCE" "$name" <<'PY'
+import csv, sys
+one, other = ([float(r["loss"]) for r in csv.DictReader(open(p))] for p in sys.argv[1:3])
+tolerance = float(sys.argv[3])
+worst = max(abs(a - b) / abs(a) for a, b in zip(one, other))
+print(f"llama_check: {sys.argv[4]} against one process over {len(one)} steps: largest relative loss difference {worst:.3g}")
+assert len(one) == len(other) == 6 and worst <= tolerance, (one, other)
+PY
+done
+
+# 2. Stopped mid-epoch and resumed (an epoch is about 760 steps here), HSDP with cp, and with checkpointing.
+hsdp=(--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2 --steps 8)
+run 4 "${hsdp[@]}" --dir "$dir/straight" --export "$dir/straight/model" > "$dir/straight.log"
+run 4 "${hsdp[@]}" --dir "$dir/resumed" --stop-after 3 | tee "$dir/stopped.log"
+grep -q "stopped after 3 steps" "$dir/stopped.log"
+run 4 "${hsdp[@]}" --dir "$dir/resumed" --resume --export "$dir/resumed/model" > "$dir/resumed.log"
+cmp "$dir/straight/model/model.safetensors" "$dir/resumed/model/model.safetensors"
+test "$(wc -l < "$dir/resumed/logs/metrics.csv")" = 9  # the header and steps 1-8, the resumed run appending
+run 4 "${hsdp[@]}" --dir "$dir/recomputed" --recompute --export "$dir/recomputed/model" > "$dir/recomputed.log"
+cmp "$dir/straight/model/model.safetensors" "$dir/recomputed/model/model.safetensors"
+echo "llama_check: stopped after 3 steps and resumed, and with activation checkpointing: the same weights, byte for byte"
+
+# 3. Refused before any step.
+refused() {
+  local want=$1; shift
+  if "$@" > "$dir/refused.log" 2>&1; then echo "llama_check: accepted: $*"; exit 1; fi
+  grep -q -- "$want" "$dir/refused.log" || { cat "$dir/refused.log"; exit 1; }
+  if grep -q "step " "$dir/refused.log"; then echo "llama_check: a step ran before the error"; exit 1; fi
+  echo "llama_check: refused as expected: $want"
+}
+refused "must both be multiples of it" run 4 --steps 2 --dir "$dir/bad" --dp 1 --cp 4 --kv-heads 2
+refused "is not a multiple of --cp 4" run 4 --steps 2 --dir "$dir/bad" --dp 1 --cp 4 --seq 30
+refused "mp_replicate_size" run 4 --steps 2 --dir "$dir/bad" --mp-replicate 3
+
+# 4. transformers.
+if ! python3 -c 'import transformers' 2>/dev/null; then
+  echo "llama_check: SKIP the transformers checks: no transformers in this Python (the pip leg has it)"
+  exit 0
+fi
+"$train" --seq 32 --import "$dir/straight/model" --logits "$dir/straight/logits.bin"
+python3 "$here/python_ref/llama_check.py" compare "$dir/straight/model" 32 "$dir/straight/logits.bin"
+python3 "$here/python_ref/llama_check.py" make "$dir/python" 32
+"$train" --seq 32 --import "$dir/python" --logits "$dir/python/logits.bin"
+python3 "$here/python_ref/llama_check.py" compare "$dir/python" 32 "$dir/python/logits.bin"

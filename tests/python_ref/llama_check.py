@@ -1,0 +1,48 @@
+"""transformers' LlamaForCausalLM against examples/train_llama (tests/llama_check.sh).
+
+    llama_check.py make DIR SEQ     a randomly initialised LlamaForCausalLM saved to DIR (Hugging Face's layout)
+    llama_check.py compare DIR SEQ LOGITS
+                                    the model in DIR (written by C++ or by `make`) loaded by transformers; its
+                                    logits on train_llama's fixed input must equal LOGITS (float32, [1, SEQ, V])
+"""
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+SENTENCE = b"The quick brown fox jumps over the lazy dog. "
+TOLERANCE = 1e-4  # float32: the same operations, in another library's order
+
+
+def fixed_input(seq):
+    return torch.tensor([[SENTENCE[i % len(SENTENCE)] for i in range(seq)]], dtype=torch.long)
+
+
+def main():
+    mode, directory, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "make":
+        torch.manual_seed(1)
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq,
+                                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        model = transformers.LlamaForCausalLM(config)
+        model.save_pretrained(directory)
+        print(f"llama_check: a LlamaForCausalLM initialised by transformers {transformers.__version__} in {directory}")
+        return
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                          dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        expected = model(fixed_input(seq)).logits.float().numpy()
+    got = np.fromfile(sys.argv[4], dtype=np.float32).reshape(expected.shape)
+    difference = float(np.abs(got - expected).max())
+    print(f"llama_check: transformers {transformers.__version__} loaded {directory}; largest logit difference to "
+          f"C++ {difference:.3g} (logits up to {float(np.abs(expected).max()):.3g}; tolerance {TOLERANCE})")
+    if not difference < TOLERANCE:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
