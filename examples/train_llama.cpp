@@ -251,7 +251,8 @@ int train(Options o) {
   // The steady rate, for the final line: timed from the 5th step of this run on (the first ones warm up).
   const int64_t timed_from = o.steps - first > 5 ? first + 5 : first;
   auto timed_start = start;
-  int64_t steps_run = 0;
+  int64_t steps_run = 0, micro_steps = 0;
+  at::Tensor step_loss = at::zeros({});
   double last_loss = 0;
   while (step.value < o.steps) {
     for (auto& batch : loader) {
@@ -266,13 +267,17 @@ int train(Options o) {
         loss = torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat), labels.reshape({-1}));
       }
       accelerator.backward(loss);
+      step_loss += loss.detach();
+      ++micro_steps;
       if (!accelerator.sync_gradients()) continue;
       for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
       if (o.clip > 0) accelerator.clip_grad_norm_(model->parameters(), o.clip);
       optimizer.step();
       optimizer.zero_grad();
       ++step.value;
-      last_loss = accelerator.reduce(loss.detach(), "mean").item<double>();  // every token of the step's batch
+      // The mean over every token of the step's micro-batches, on every process.
+      last_loss = accelerator.reduce(step_loss / micro_steps, "mean").item<double>();
+      step_loss = at::zeros({}), micro_steps = 0;
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double per_step = seconds / static_cast<double>(step.value - first);
