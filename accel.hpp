@@ -8973,7 +8973,8 @@ ACCEL_NAMESPACE_BEGIN
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
-// checkpoints, and the experiment log its files (trackers.hpp). With automatic_checkpoint_naming, each save_state() writes
+// checkpoints, and the experiment log its files (trackers.hpp). With
+// automatic_checkpoint_naming, each save_state() writes
 // project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
 // up; total_limit keeps the newest that many (the oldest are removed once
 // the new one is whole); load_state() without a path loads the newest.
@@ -11464,7 +11465,8 @@ ACCEL_NAMESPACE_END
 //   "csv":   metrics.csv, a header of "step" and every key logged so far, one row per call
 //   "all":   both
 // in logging_dir/<project_name> (init_trackers' name; logging_dir defaults
-// to project_dir, as Accelerate's ProjectConfiguration), appended to, so
+// to project_dir, as Accelerate's ProjectConfiguration; both as configured
+// when the Accelerator is made), appended to, so
 // a run resumed from a checkpoint continues the same files. Numbers are
 // written in the fewest digits that read back the same; NaN and infinities
 // as Python's json and csv modules write them (NaN, Infinity; nan, inf), so
@@ -11569,7 +11571,7 @@ class ExperimentLog {
     std::filesystem::create_directories(directory());
     std::string text = "{";
     for (const auto& [key, value] : config)
-      text += (text.size() > 1 ? ", " : "") + json_quote(key) + ": " + json_quote(value);
+      text.append(text.size() > 1 ? ", " : "").append(json_quote(key)).append(": ").append(json_quote(value));
     std::ofstream out(directory() / "config.json", std::ios::trunc | std::ios::binary);
     out << text << "}\n";
     out.flush();
@@ -11582,15 +11584,17 @@ class ExperimentLog {
     if (finished_) throw InvalidArgument("accel::Accelerator::log: called after end_training()");
     if (!writes()) return;
     std::filesystem::create_directories(directory());
-    const auto names = tracker_names(config_->log_with);
-    if (std::find(names.begin(), names.end(), "jsonl") != names.end()) {
+    if (std::find(names_.begin(), names_.end(), "jsonl") != names_.end()) {
       std::string line = "{";
       if (step) line += "\"step\": " + std::to_string(*step);
       for (const auto& [key, value] : values)
-        line += (line.size() > 1 ? ", " : "") + json_quote(key) + ": " + tracked_number(value, false);
+        line.append(line.size() > 1 ? ", " : "")
+            .append(json_quote(key))
+            .append(": ")
+            .append(tracked_number(value, false));
       append_line(directory() / "metrics.jsonl", line + "}");
     }
-    if (std::find(names.begin(), names.end(), "csv") != names.end()) log_csv(values, step);
+    if (std::find(names_.begin(), names_.end(), "csv") != names_.end()) log_csv(values, step);
   }
 
   // Accelerate's end_training: the trackers finish (these files are
@@ -11601,14 +11605,14 @@ class ExperimentLog {
   std::filesystem::path logging_dir() const { return directory(); }
 
  protected:
-  ExperimentLog(const AcceleratorConfig& config, bool main_process) : config_(&config), main_(main_process) {}
+  // The trackers and their place are the configuration's as the
+  // Accelerator is made (a copy: an Accelerator may be moved).
+  ExperimentLog(const AcceleratorConfig& config, bool main_process)
+      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
 
  private:
-  bool writes() const { return main_ && !tracker_names(config_->log_with).empty(); }
-  std::filesystem::path directory() const {
-    const std::filesystem::path root = logging_root(config_->project_config);
-    return project_.empty() ? root : root / project_;
-  }
+  bool writes() const { return main_ && !names_.empty(); }
+  std::filesystem::path directory() const { return project_.empty() ? root_ : root_ / project_; }
   // A key not in the header yet rewrites the file with a wider header
   // (earlier rows get empty cells there): columns never shift under a reader.
   void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
@@ -11625,7 +11629,7 @@ class ExperimentLog {
       if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
     auto header = [&] {
       std::string line = "step";
-      for (const auto& column : columns) line += "," + csv_field(column);
+      for (const auto& column : columns) line.append(",").append(csv_field(column));
       return line;
     };
     if (columns.size() != known || !std::filesystem::exists(file)) {
@@ -11642,12 +11646,13 @@ class ExperimentLog {
     std::string row = step ? std::to_string(*step) : std::string();
     for (const auto& column : columns) {
       const auto found = values.find(column);
-      row += "," + (found == values.end() ? std::string() : tracked_number(found->second, true));
+      row.append(",").append(found == values.end() ? std::string() : tracked_number(found->second, true));
     }
     append_line(file, row);
   }
 
-  const AcceleratorConfig* config_;
+  std::vector<std::string> names_;
+  std::filesystem::path root_;
   bool main_;
   std::string project_;
   bool finished_ = false;
@@ -11916,7 +11921,7 @@ ACCEL_NAMESPACE_END
 // case, so the parameters get theirs, as with use_reentrant=False.
 //
 // It composes with unit_forward: under FULL_SHARD
-//     x = accel::checkpoint([&](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
+//     x = accel::checkpoint([block](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
 // gathers the block's parameters for the forward and frees them at once;
 // the recomputation in the backward gathers them again and keeps them
 // through the block's backward (detail::dp::recomputing()).
@@ -12026,7 +12031,9 @@ inline constexpr std::size_t tensor_index(std::size_t position) {
 // fn(args...) with its activations recomputed in the backward instead of
 // kept (see above). fn returns one at::Tensor; the at::Tensor arguments are
 // its differentiable inputs, any other argument is copied and passed again
-// as it was. Under no_grad (evaluation) it is fn(args...).
+// as it was. fn runs again in the backward, after the caller's forward has
+// returned: what it captures must live that long (capture locals by value).
+// Under no_grad (evaluation) it is fn(args...).
 template <class Fn, class... Args>
 at::Tensor checkpoint(Fn&& fn, Args&&... args) {
   static_assert(std::is_same_v<std::invoke_result_t<Fn&, Args&...>, at::Tensor>,

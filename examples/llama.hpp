@@ -21,8 +21,8 @@
 namespace llama {
 
 struct Config {
-  int64_t vocab_size = 256, hidden_size = 128, intermediate_size = 352, num_hidden_layers = 4,
-          num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 256;
+  int64_t vocab_size = 256, hidden_size = 128, intermediate_size = 352, num_hidden_layers = 4, num_attention_heads = 4,
+          num_key_value_heads = 2, max_position_embeddings = 256;
   double rms_norm_eps = 1e-5, rope_theta = 10000.0;
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   // Hugging Face's config.json for LlamaForCausalLM with these sizes.
@@ -35,12 +35,13 @@ struct Config {
       return s.str();
     };
     return "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n  \"vocab_size\": " +
-           n(vocab_size) + ",\n  \"hidden_size\": " + n(hidden_size) + ",\n  \"intermediate_size\": " +
-           n(intermediate_size) + ",\n  \"num_hidden_layers\": " + n(num_hidden_layers) +
-           ",\n  \"num_attention_heads\": " + n(num_attention_heads) + ",\n  \"num_key_value_heads\": " +
-           n(num_key_value_heads) + ",\n  \"head_dim\": " + n(head_dim()) + ",\n  \"max_position_embeddings\": " +
-           n(max_position_embeddings) + ",\n  \"rms_norm_eps\": " + d(rms_norm_eps) + ",\n  \"rope_theta\": " +
-           d(rope_theta) +
+           n(vocab_size) + ",\n  \"hidden_size\": " + n(hidden_size) +
+           ",\n  \"intermediate_size\": " + n(intermediate_size) +
+           ",\n  \"num_hidden_layers\": " + n(num_hidden_layers) +
+           ",\n  \"num_attention_heads\": " + n(num_attention_heads) +
+           ",\n  \"num_key_value_heads\": " + n(num_key_value_heads) + ",\n  \"head_dim\": " + n(head_dim()) +
+           ",\n  \"max_position_embeddings\": " + n(max_position_embeddings) +
+           ",\n  \"rms_norm_eps\": " + d(rms_norm_eps) + ",\n  \"rope_theta\": " + d(rope_theta) +
            ",\n  \"hidden_act\": \"silu\",\n  \"attention_bias\": false,\n  \"mlp_bias\": false,\n"
            "  \"tie_word_embeddings\": false,\n  \"bos_token_id\": null,\n  \"eos_token_id\": null,\n"
            "  \"torch_dtype\": \"float32\"\n}\n";
@@ -64,6 +65,9 @@ struct Config {
     number("max_position_embeddings", c.max_position_embeddings);
     number("rms_norm_eps", c.rms_norm_eps);
     number("rope_theta", c.rope_theta);
+    const auto tied = text.find("\"tie_word_embeddings\"");
+    if (tied != std::string::npos && text.compare(text.find_first_not_of(" :", text.find(':', tied)), 4, "true") == 0)
+      throw std::invalid_argument("config.json: tie_word_embeddings is true; this model's LM head is its own (untied)");
     int64_t head_dim = c.head_dim();
     number("head_dim", head_dim);
     if (head_dim != c.head_dim())
@@ -164,8 +168,7 @@ struct DecoderLayerImpl : torch::nn::Module {
       : self_attn(register_module("self_attn", Attention(c))),
         mlp(register_module("mlp", Mlp(c))),
         input_layernorm(register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))),
-        post_attention_layernorm(
-            register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))) {}
+        post_attention_layernorm(register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))) {}
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, accel::GroupPtr cp) {
     const at::Tensor h = x + self_attn(input_layernorm(x), cos, sin, cp);
     return h + mlp(post_attention_layernorm(h));

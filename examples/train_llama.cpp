@@ -71,8 +71,7 @@ Options parse(int argc, char** argv) {
       std::string name = value();  // full_shard -> FULL_SHARD, FSDP's spelling
       std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
       o.sharding = accel::from_string<accel::ShardingStrategy>(name);
-    }
-    else if (arg == "--mixed-precision") o.mixed_precision = value();
+    } else if (arg == "--mixed-precision") o.mixed_precision = value();
     else if (arg == "--recompute") o.recompute = true;
     else if (arg == "--dir") o.dir = value();
     else if (arg == "--save-every") o.save_every = integer();
@@ -136,7 +135,8 @@ struct StepCount {
 // Linear warmup to lr, then cosine decay to lr / 10 at the last step.
 double learning_rate(const Options& o, int64_t step) {
   if (step < o.warmup) return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup);
-  const double progress = static_cast<double>(step - o.warmup) / static_cast<double>(std::max<int64_t>(1, o.steps - o.warmup));
+  const double progress =
+      static_cast<double>(step - o.warmup) / static_cast<double>(std::max<int64_t>(1, o.steps - o.warmup));
   return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress))));
 }
 
@@ -217,7 +217,8 @@ int train(Options o) {
   config.project_config.project_dir = o.dir;
   config.log_with = {"csv", "jsonl"};
   accel::Accelerator accelerator(config);  // (a mesh that does not fit the world is its error)
-  const accel::GroupPtr cp = o.cp > 1 ? accel::DistributedInterface::instance().get_group(accel::Dim::CP) : accel::GroupPtr();
+  const accel::GroupPtr cp =
+      o.cp > 1 ? accel::DistributedInterface::instance().get_group(accel::Dim::CP) : accel::GroupPtr();
   const int cp_rank = accelerator.context_parallel_rank();
 
   int64_t parameters = 0;
@@ -226,10 +227,12 @@ int train(Options o) {
   auto prepared = accelerator.prepare(model, adamw);
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
   const int dp = accelerator.num_processes() / o.cp;
-  auto loader = accelerator.prepare_data_loader(
-      Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
-      {.batch_size = static_cast<size_t>(o.batch / dp), .shuffle = true, .seed = static_cast<uint64_t>(o.seed),
-       .drop_last = true});
+  auto loader =
+      accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
+                                      {.batch_size = static_cast<size_t>(o.batch / dp),
+                                       .shuffle = true,
+                                       .seed = static_cast<uint64_t>(o.seed),
+                                       .drop_last = true});
   StepCount step;
   accelerator.register_for_checkpointing(step);
   if (o.resume) accelerator.load_state(o.dir + "/checkpoint");
@@ -264,7 +267,8 @@ int train(Options o) {
       {
         auto autocast = accelerator.autocast();
         const at::Tensor logits = model->forward(ids, cp, o.recompute);
-        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat), labels.reshape({-1}));
+        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat),
+                                                    labels.reshape({-1}));
       }
       accelerator.backward(loss);
       step_loss += loss.detach();
@@ -303,13 +307,16 @@ int train(Options o) {
   if (step.value > timed_from) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
     const double peak = accel::all_reduce(peak_rss_mib(), accel::ReduceOp::MAX);
-    accel::print("train_llama:", std::llround(static_cast<double>(o.batch * o.seq * o.accumulate * (step.value - timed_from)) / seconds),
-                 "tokens/s over steps", timed_from + 1, "to", step.value, "- peak RSS", std::llround(peak),
-                 "MiB (the largest process)");
+    accel::print(
+        "train_llama:",
+        std::llround(static_cast<double>(o.batch * o.seq * o.accumulate * (step.value - timed_from)) / seconds),
+        "tokens/s over steps", timed_from + 1, "to", step.value, "- peak RSS", std::llround(peak),
+        "MiB (the largest process)");
   }
   if (!o.export_dir.empty()) {
     accelerator.save_model(model, o.export_dir);  // model.safetensors (or shards and an index), HF's names
-    if (accelerator.is_main_process()) std::ofstream(std::filesystem::path(o.export_dir) / "config.json") << o.model.to_json();
+    if (accelerator.is_main_process())
+      std::ofstream(std::filesystem::path(o.export_dir) / "config.json") << o.model.to_json();
     accel::print("train_llama: model in", o.export_dir, "(transformers.LlamaForCausalLM.from_pretrained loads it)");
   }
   accelerator.end_training();

@@ -83,12 +83,12 @@ TEST_SUITE("single") {
   TEST_CASE("checkpoint: parameters get gradients when no input requires grad; no_grad is a plain call") {
     torch::manual_seed(4);
     Block block(6);
-    block->eval();  // no dropout: two forwards agree
+    block->eval();                           // no dropout: two forwards agree
     const at::Tensor x = at::randn({3, 6});  // requires no grad
     auto run = [&](bool recompute) {
       block->zero_grad();
-      const at::Tensor out = recompute ? accel::checkpoint([&](const at::Tensor& h) { return block(h, 0.0); }, x)
-                                       : block(x, 0.0);
+      const at::Tensor out =
+          recompute ? accel::checkpoint([&](const at::Tensor& h) { return block(h, 0.0); }, x) : block(x, 0.0);
       out.sum().backward();
       return gradients_of(*block);
     };
@@ -146,11 +146,10 @@ TEST_SUITE("single") {
 TEST_SUITE("ranks") {
   TEST_CASE("checkpoint: through FULL_SHARD's units and SHARD_GRAD_OP, with dropout and bf16, equal to the plain run") {
     std::vector<at::Tensor> finals;
-    const std::array<std::pair<accel::ShardingStrategy, bool>, 4> runs{
-        {{accel::ShardingStrategy::FULL_SHARD, false},
-         {accel::ShardingStrategy::FULL_SHARD, true},
-         {accel::ShardingStrategy::SHARD_GRAD_OP, true},
-         {accel::ShardingStrategy::NO_SHARD, true}}};
+    const std::array<std::pair<accel::ShardingStrategy, bool>, 4> runs{{{accel::ShardingStrategy::FULL_SHARD, false},
+                                                                        {accel::ShardingStrategy::FULL_SHARD, true},
+                                                                        {accel::ShardingStrategy::SHARD_GRAD_OP, true},
+                                                                        {accel::ShardingStrategy::NO_SHARD, true}}};
     for (const auto& [strategy, recompute] : runs) {
       CAPTURE(accel::to_string(strategy));
       CAPTURE(recompute);

@@ -18,7 +18,7 @@
 // case, so the parameters get theirs, as with use_reentrant=False.
 //
 // It composes with unit_forward: under FULL_SHARD
-//     x = accel::checkpoint([&](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
+//     x = accel::checkpoint([block](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
 // gathers the block's parameters for the forward and frees them at once;
 // the recomputation in the backward gathers them again and keeps them
 // through the block's backward (detail::dp::recomputing()).
@@ -132,7 +132,9 @@ inline constexpr std::size_t tensor_index(std::size_t position) {
 // fn(args...) with its activations recomputed in the backward instead of
 // kept (see above). fn returns one at::Tensor; the at::Tensor arguments are
 // its differentiable inputs, any other argument is copied and passed again
-// as it was. Under no_grad (evaluation) it is fn(args...).
+// as it was. fn runs again in the backward, after the caller's forward has
+// returned: what it captures must live that long (capture locals by value).
+// Under no_grad (evaluation) it is fn(args...).
 template <class Fn, class... Args>
 at::Tensor checkpoint(Fn&& fn, Args&&... args) {
   static_assert(std::is_same_v<std::invoke_result_t<Fn&, Args&...>, at::Tensor>,

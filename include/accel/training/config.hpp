@@ -10,7 +10,8 @@ ACCEL_NAMESPACE_BEGIN
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
 
 // Accelerate's ProjectConfiguration: where save_state() without a path puts
-// checkpoints, and the experiment log its files (trackers.hpp). With automatic_checkpoint_naming, each save_state() writes
+// checkpoints, and the experiment log its files (trackers.hpp). With
+// automatic_checkpoint_naming, each save_state() writes
 // project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
 // up; total_limit keeps the newest that many (the oldest are removed once
 // the new one is whole); load_state() without a path loads the newest.

@@ -8,7 +8,8 @@
 //   "csv":   metrics.csv, a header of "step" and every key logged so far, one row per call
 //   "all":   both
 // in logging_dir/<project_name> (init_trackers' name; logging_dir defaults
-// to project_dir, as Accelerate's ProjectConfiguration), appended to, so
+// to project_dir, as Accelerate's ProjectConfiguration; both as configured
+// when the Accelerator is made), appended to, so
 // a run resumed from a checkpoint continues the same files. Numbers are
 // written in the fewest digits that read back the same; NaN and infinities
 // as Python's json and csv modules write them (NaN, Infinity; nan, inf), so
@@ -118,7 +119,7 @@ class ExperimentLog {
     std::filesystem::create_directories(directory());
     std::string text = "{";
     for (const auto& [key, value] : config)
-      text += (text.size() > 1 ? ", " : "") + json_quote(key) + ": " + json_quote(value);
+      text.append(text.size() > 1 ? ", " : "").append(json_quote(key)).append(": ").append(json_quote(value));
     std::ofstream out(directory() / "config.json", std::ios::trunc | std::ios::binary);
     out << text << "}\n";
     out.flush();
@@ -131,15 +132,17 @@ class ExperimentLog {
     if (finished_) throw InvalidArgument("accel::Accelerator::log: called after end_training()");
     if (!writes()) return;
     std::filesystem::create_directories(directory());
-    const auto names = tracker_names(config_->log_with);
-    if (std::find(names.begin(), names.end(), "jsonl") != names.end()) {
+    if (std::find(names_.begin(), names_.end(), "jsonl") != names_.end()) {
       std::string line = "{";
       if (step) line += "\"step\": " + std::to_string(*step);
       for (const auto& [key, value] : values)
-        line += (line.size() > 1 ? ", " : "") + json_quote(key) + ": " + tracked_number(value, false);
+        line.append(line.size() > 1 ? ", " : "")
+            .append(json_quote(key))
+            .append(": ")
+            .append(tracked_number(value, false));
       append_line(directory() / "metrics.jsonl", line + "}");
     }
-    if (std::find(names.begin(), names.end(), "csv") != names.end()) log_csv(values, step);
+    if (std::find(names_.begin(), names_.end(), "csv") != names_.end()) log_csv(values, step);
   }
 
   // Accelerate's end_training: the trackers finish (these files are
@@ -150,14 +153,14 @@ class ExperimentLog {
   std::filesystem::path logging_dir() const { return directory(); }
 
  protected:
-  ExperimentLog(const AcceleratorConfig& config, bool main_process) : config_(&config), main_(main_process) {}
+  // The trackers and their place are the configuration's as the
+  // Accelerator is made (a copy: an Accelerator may be moved).
+  ExperimentLog(const AcceleratorConfig& config, bool main_process)
+      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
 
  private:
-  bool writes() const { return main_ && !tracker_names(config_->log_with).empty(); }
-  std::filesystem::path directory() const {
-    const std::filesystem::path root = logging_root(config_->project_config);
-    return project_.empty() ? root : root / project_;
-  }
+  bool writes() const { return main_ && !names_.empty(); }
+  std::filesystem::path directory() const { return project_.empty() ? root_ : root_ / project_; }
   // A key not in the header yet rewrites the file with a wider header
   // (earlier rows get empty cells there): columns never shift under a reader.
   void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
@@ -174,7 +177,7 @@ class ExperimentLog {
       if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
     auto header = [&] {
       std::string line = "step";
-      for (const auto& column : columns) line += "," + csv_field(column);
+      for (const auto& column : columns) line.append(",").append(csv_field(column));
       return line;
     };
     if (columns.size() != known || !std::filesystem::exists(file)) {
@@ -191,12 +194,13 @@ class ExperimentLog {
     std::string row = step ? std::to_string(*step) : std::string();
     for (const auto& column : columns) {
       const auto found = values.find(column);
-      row += "," + (found == values.end() ? std::string() : tracked_number(found->second, true));
+      row.append(",").append(found == values.end() ? std::string() : tracked_number(found->second, true));
     }
     append_line(file, row);
   }
 
-  const AcceleratorConfig* config_;
+  std::vector<std::string> names_;
+  std::filesystem::path root_;
   bool main_;
   std::string project_;
   bool finished_ = false;
