@@ -150,7 +150,9 @@ TEST_SUITE("ranks") {
                                                                         {accel::ShardingStrategy::FULL_SHARD, true},
                                                                         {accel::ShardingStrategy::SHARD_GRAD_OP, true},
                                                                         {accel::ShardingStrategy::NO_SHARD, true}}};
-    for (const auto& [strategy, recompute] : runs) {
+    for (const auto& run : runs) {
+      const accel::ShardingStrategy strategy = run.first;  // (not a structured binding: clang 14 cannot capture one)
+      const bool recompute = run.second;
       CAPTURE(accel::to_string(strategy));
       CAPTURE(recompute);
       accel::AcceleratorConfig c = config();
