@@ -11567,6 +11567,7 @@ class ExperimentLog {
                             "' is not a plain directory name");
     project_ = project_name;
     finished_ = false;
+    csv_header_.reset();  // another directory: its own metrics.csv
     if (!writes()) return;
     std::filesystem::create_directories(directory());
     std::string text = "{";
@@ -11615,28 +11616,33 @@ class ExperimentLog {
   std::filesystem::path directory() const { return project_.empty() ? root_ : root_ / project_; }
   // A key not in the header yet rewrites the file with a wider header
   // (earlier rows get empty cells there): columns never shift under a reader.
+  // The header is read from the file once (a resumed run's), then kept here;
+  // the rows are read only for such a rewrite.
   void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
     const std::filesystem::path file = directory() / "metrics.csv";
-    std::vector<std::string> columns;
-    std::vector<std::string> rows;
-    if (std::ifstream in(file, std::ios::binary); in) {
+    const bool exists = std::filesystem::exists(file);
+    if (!csv_header_) {
+      csv_header_.emplace();
       std::string line;
-      if (std::getline(in, line)) columns = csv_columns(line);
-      while (std::getline(in, line)) rows.push_back(line);
+      if (std::ifstream in(file, std::ios::binary); in && std::getline(in, line)) *csv_header_ = csv_columns(line);
     }
+    std::vector<std::string>& columns = *csv_header_;
     const std::size_t known = columns.size();
     for (const auto& entry : values)
       if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
-    auto header = [&] {
-      std::string line = "step";
-      for (const auto& column : columns) line.append(",").append(csv_field(column));
-      return line;
-    };
-    if (columns.size() != known || !std::filesystem::exists(file)) {
+    if (columns.size() != known || !exists) {
+      std::vector<std::string> rows;
+      if (std::ifstream in(file, std::ios::binary); in) {
+        std::string line;
+        std::getline(in, line);  // (the old header)
+        while (std::getline(in, line)) rows.push_back(line);
+      }
       const std::filesystem::path temporary = file.string() + ".tmp";
       {
         std::ofstream out(temporary, std::ios::trunc | std::ios::binary);
-        out << header() << '\n';
+        out << "step";
+        for (const auto& column : columns) out << ',' << csv_field(column);
+        out << '\n';
         for (const auto& row : rows) out << row << std::string(columns.size() - known, ',') << '\n';
         out.flush();
         if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + temporary.string());
@@ -11656,6 +11662,7 @@ class ExperimentLog {
   bool main_;
   std::string project_;
   bool finished_ = false;
+  std::optional<std::vector<std::string>> csv_header_;  // metrics.csv's columns after "step", once known
 };
 }  // namespace detail
 

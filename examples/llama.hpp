@@ -115,7 +115,7 @@ inline at::Tensor to_sequence(const at::Tensor& x, const accel::GroupPtr& cp) {
   const at::Tensor chunks = x.view({B, P, Tl, hl, d}).permute({1, 3, 0, 2, 4}).contiguous();  // [P, hl, B, Tl, d]
   const at::Tensor out = accel::autograd::all_to_all(chunks.view({P * hl, B, Tl, d}), {}, {}, cp);
   // out: [P (head group) x hl, B, Tl, d]
-  return out.view({P * hl, B, Tl, d}).permute({1, 2, 0, 3});
+  return out.permute({1, 2, 0, 3});
 }
 
 struct AttentionImpl : torch::nn::Module {
