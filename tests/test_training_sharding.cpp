@@ -140,6 +140,106 @@ TEST_SUITE("ranks") {
     }
   }
 
+  // Large parameters are gathered straight into their storage (dp_units.hpp, gather_params: on Gloo with CPU
+  // tensors, a message per parameter and peer where the bucket's pieces average kPieceBytes or more; the
+  // small ones as rows copied out). A unit with a large weight, its bias and a one-element gain (the gain's
+  // piece is empty on every process but the first: neither sent nor received there) beside a small head
+  // (rows): training equals one process's, and the messages per step are those of the path each bucket takes.
+  struct BlockImpl : torch::nn::Module {
+    BlockImpl() {
+      lin = register_module("lin", torch::nn::Linear(1023, 1025));
+      gain = register_parameter("gain", at::full({1}, 0.5));
+    }
+    at::Tensor forward(const at::Tensor& x) { return lin(x) * gain; }
+    torch::nn::Linear lin{nullptr};
+    at::Tensor gain;
+  };
+  TORCH_MODULE(Block);
+  struct BigImpl : torch::nn::Module {
+    BigImpl() {
+      block = register_module("block", Block());
+      head = register_module("head", torch::nn::Linear(1025, 1));
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      return accel::unit_forward(head, torch::tanh(accel::unit_forward(block, x)));
+    }
+    Block block{nullptr};
+    torch::nn::Linear head{nullptr};
+  };
+  TORCH_MODULE(Big);
+  TEST_CASE("sharding: large parameters are gathered straight into their storage, small ones through rows") {
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+      CAPTURE(accel::to_string(strategy));
+      accel::AcceleratorConfig c = config();
+      c.sharding_strategy = strategy;
+      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+        return name == "block" || name == "head";
+      };
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      if (P == 1) return;  // nothing is sharded
+      const bool full = strategy == accel::ShardingStrategy::FULL_SHARD;
+      torch::manual_seed(9);
+      Big model;
+      Big local;
+      {
+        torch::NoGradGuard no_grad;
+        auto to = local->parameters();
+        auto from = model->parameters();
+        for (std::size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+      }
+      accelerator.prepare(model);
+      CHECK(accelerator.data_parallel(model)->unit_count() == (full ? 2u : 0u));
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      torch::optim::SGD local_sgd(local->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      accel::AcceleratedOptimizer prepared = accelerator.prepare(sgd);
+      const accel::GroupPtr& shards = accelerator.data_parallel(model)->shard_group();
+      const int S = shards->getSize(), me = shards->getRank();
+      // Messages c10d numbers per point-to-point operation (LibTorch 2.x: 1; 1.13 numbers none).
+      start_sequence(shards);
+      int64_t numbered = shards->getSequenceNumberForGroup();
+      {
+        auto sent = accel::isend(at::zeros({1}), (me + 1) % S, shards);
+        auto received = accel::irecv(at::zeros({1}), (me + S - 1) % S, shards);
+        sent.wait();
+        received.wait();
+      }
+      numbered = (shards->getSequenceNumberForGroup() - numbered) / 2;
+      // Per gather on this process, the messages of the direct path: to each of the S - 1 peers its own
+      // non-empty pieces, from each its non-empty ones. Pieces of `large` elements are non-empty everywhere
+      // (every size here is at least 254 per piece), those of one element on the first process only.
+      auto messages = [&](int large, int single) {
+        return (S - 1) * (large + (me == 0 ? single : 0)) + (S - 1) * large + (me == 0 ? 0 : single);
+      };
+      // ZeRO-2: buckets in reverse order of parameters() (the gain, a block's own parameter, comes first
+      // there), the first closed once it reaches 1 MiB, as DDP's: the head's bias and weight and the
+      // linear's bias and weight gathered directly; the gain alone in a second bucket, through rows (one
+      // message to and one from each peer); a reduce-scatter per bucket. FULL_SHARD: the block (weight,
+      // bias, gain) directly, twice; the head through rows, twice; a reduce-scatter per unit.
+      CHECK(accelerator.data_parallel(model)->bucket_count() == 2u);
+      const int64_t gathered = full ? 2 * messages(2, 1) + 2 * 2 * (S - 1) : messages(3, 1) + 2 * (S - 1);
+      const int64_t per_step = gathered * numbered + 2;
+      auto generator = at::detail::createCPUGenerator(13);
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor x = at::randn({2 * P, 1023}, generator), y = at::randn({2 * P, 1}, generator);
+        const int64_t sequence = shards->getSequenceNumberForGroup();
+        prepared.zero_grad();
+        accelerator.backward(torch::mse_loss(model(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)));
+        prepared.step();
+        CHECK(shards->getSequenceNumberForGroup() - sequence == per_step);
+        local_sgd.zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        local_sgd.step();
+      }
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " at " << P << " processes, large parameters: largest difference to one process " << difference);
+      CHECK(difference < 1e-5);
+      CHECK(identical_across_ranks(*model, world().world_group()));
+    }
+  }
+
   // No process gathers the whole model to save it: save_state writes each process's pieces
   // (checkpoint_shards.hpp) and gathers nothing; save_model gathers one unit at a time as the files reach it,
   // which takes that unit's parameters and the rows its all-gather lands in. Deterministic: the counting
@@ -181,7 +281,8 @@ TEST_SUITE("ranks") {
     };
     const int64_t state = peak_of([&] { accelerator.save_state(dir / "state"); });
     const int64_t exported = peak_of([&] { accelerator.save_model(model, (dir / "export").string()); });
-    const int64_t summoned = peak_of([&] { const auto whole = accelerator.data_parallel(model)->summon_full_params(); });
+    const int64_t summoned =
+        peak_of([&] { const auto whole = accelerator.data_parallel(model)->summon_full_params(); });
     counting.uninstall();
     // Besides: small tensors (the RNG states, 5 KB on the CPU; scalars; the collectives' padding; the error
     // exchange at the end). Measured at 2 to 4 processes: 5 KB in save_state, 12-14 KB in save_model.
@@ -189,10 +290,10 @@ TEST_SUITE("ranks") {
     MESSAGE(accelerator.num_processes() << " processes, peak bytes above the live ones: save_state " << state
                                         << ", save_model " << exported << ", summon_full_params " << summoned
                                         << "; the largest unit " << largest_unit);
-    CHECK(state <= kSlack);                          // nothing gathered
-    CHECK(exported <= 2 * largest_unit + kSlack);    // one unit: its parameters and its all-gather's rows
-    CHECK(summoned > 2 * largest_unit + kSlack);     // the control: every unit at once
-    {  // what save_model wrote is the whole model
+    CHECK(state <= kSlack);                        // nothing gathered
+    CHECK(exported <= 2 * largest_unit + kSlack);  // one unit: its parameters and its all-gather's rows
+    CHECK(summoned > 2 * largest_unit + kSlack);   // the control: every unit at once
+    {                                              // what save_model wrote is the whole model
       Mlp plain(8, 128, 5);
       accel::load_model(plain, (dir / "export").string());
       const auto whole = accelerator.data_parallel(model)->summon_full_params();

@@ -312,40 +312,58 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, 
 // The all-gather of a Gloo group's CPU tensors without c10d's staging.
 // Gloo's allgather gathers into a flat buffer of its own, allocated per call,
 // and copies the rows out (LibTorch 2.15: through two such buffers). Here
-// each rank sends its input to every other rank and receives theirs straight
-// into `rows` (group size rows, in rank order), and copies its own row in:
-// no allocation, one local copy, and the same bytes on the wire as Gloo's
-// ring (each rank sends and receives size - 1 rows). Gloo moves a
+// each rank sends its pieces to every other rank and receives theirs straight
+// where they belong, `into(from, i)` for piece i of rank `from` (a
+// contiguous CPU tensor of that piece's length, the same on every rank; an
+// empty one is neither sent nor received), and copies its own pieces in: no
+// allocation, one local copy, and the same bytes on the wire as Gloo's ring
+// (each rank sends and receives size - 1 rows). Gloo moves a
 // point-to-point message as bytes, whatever the dtype. Messages between two
 // ranks with one tag match in the order they were issued, and every rank
 // issues the same gathers in the same order; `tag` keeps them apart from
 // the caller's own sends. The Pending waits on the last receive, and its
-// landing on every other operation.
+// landing on every other operation. A piece is a message, so many small
+// pieces cost more than one row copied out after (see dp_units.hpp).
 inline constexpr const char* kDirectGather = "all_gather (point to point)";
 inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows) {
   return group.getBackendName() == "gloo" && input.device().is_cpu() && rows.device().is_cpu() &&
          input.is_contiguous() && rows.is_contiguous() && input.numel() > 0;
 }
-inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows,
+template <class Into>
+inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
                                     int tag) {
   const int size = group.getSize(), rank = group.getRank();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(2 * static_cast<std::size_t>(size - 1));
+  works.reserve(2 * static_cast<std::size_t>(size - 1) * pieces.size());
   for (int step = 1; step < size; ++step) {  // (peers in a ring order: rank + 1 first, so no rank is everyone's first)
     const int to = (rank + step) % size, from = (rank - step + size) % size;
-    std::vector<at::Tensor> sent{input}, received{rows.select(0, from)};
-    works.push_back(issue(kDirectGather, group, [&] { return group.send(sent, to, tag); }));
-    works.push_back(issue(kDirectGather, group, [&] { return group.recv(received, from, tag); }));
+    for (std::size_t i = 0; i < pieces.size(); ++i) {
+      std::vector<at::Tensor> sent{pieces[i]}, received{into(from, i)};
+      if (sent[0].numel() > 0) works.push_back(issue(kDirectGather, group, [&] { return group.send(sent, to, tag); }));
+      if (received[0].numel() > 0)
+        works.push_back(issue(kDirectGather, group, [&] { return group.recv(received, from, tag); }));
+    }
   }
   {
     at::NoGradGuard no_grad;
-    rows.select(0, rank).copy_(input);
+    for (std::size_t i = 0; i < pieces.size(); ++i)
+      if (pieces[i].numel() > 0) into(rank, i).copy_(pieces[i]);
   }
-  c10::intrusive_ptr<c10d::Work> last = works.back();
-  works.pop_back();
-  return Pending{&group, kDirectGather, std::move(last), [&group, works = std::move(works), input, rows] {
+  c10::intrusive_ptr<c10d::Work> last;
+  if (!works.empty()) {
+    last = works.back();
+    works.pop_back();
+  }
+  return Pending{&group, kDirectGather, std::move(last), [&group, works = std::move(works), pieces] {
                    for (const auto& work : works) await(kDirectGather, group, *work);
                  }};
+}
+// ... of one piece per rank, into `rows` (group size rows, in rank order).
+inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows,
+                                    int tag) {
+  return then(start_all_gather_pieces(
+                  group, {input}, [rows](int from, std::size_t) { return rows.select(0, from); }, tag),
+              [rows] {});
 }
 
 // Rank `src` sends pieces[r] to rank r of the group; every rank returns its

@@ -106,31 +106,36 @@ inline void check_shards(State& s) {
 }
 
 // After the optimizer stepped the shards: every parameter all-gathered
-// from them (one all_gather per bucket), and the parameters' gradients
-// released (the shards' hold this step's).
+// from them (one all_gather per bucket, straight into the parameters where
+// it can: gather_params), and the parameters' gradients released (the
+// shards' hold this step's).
 inline void gather_shards(State& s) {
   if (!s.shard) return;
   std::lock_guard lock(s.mutex);
   end_unit_pass(s);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
-  // At most kScattersInFlight all-gathers at once (their rows come from the pool).
+  // At most kScattersInFlight all-gathers at once (where they land in rows, those come from the pool).
   std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
   auto land = [&] {
     Bucket& bucket = s.buckets[works.front().first];
-    const at::Tensor rows = works.front().second.wait();  // (S, segment without the flags)
+    works.front().second.wait();
     works.pop_front();
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      write_rows(rows, bucket.offsets[i], bucket.chunks[i], bucket.params[i]);
+      // The values were written through variable_data(), which no version
+      // counter sees; this is an in-place change of the parameter.
+      bucket.params[i].unsafeGetTensorImpl()->bump_version();
       bucket.params[i].mutable_grad().reset();
       at::sum_out(bucket.sums[i], bucket.shards[i]);
     }
-    s.pool.give(rows);
   };
   try {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      if (s.buckets[b].unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      Bucket& bucket = s.buckets[b];
+      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
       if (works.size() >= kScattersInFlight) land();
-      works.emplace_back(b, gather_rows(s, s.buckets[b]));
+      std::vector<at::Tensor> into;
+      for (const auto& p : bucket.params) into.push_back(p.variable_data());
+      works.emplace_back(b, gather_params(s, bucket, std::move(into)));
     }
     while (!works.empty()) land();
   } catch (const DistributedError& e) {

@@ -50,7 +50,7 @@ struct Bucket {
   // they hold their values now, and a prefetch in flight.
   int64_t unit = -1;
   bool resident = true;
-  at::Tensor full{};                   // while resident: the pooled buffer the parameters' storage points into
+  at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };

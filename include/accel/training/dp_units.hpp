@@ -104,41 +104,89 @@ inline void allow_access(Storage& storage) {
   if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
 }
 
-// The all-gather of a bucket's shards (`owned`, as it is) into rows from
-// the pool: (S, segment without the flags), row r rank r's shards. On Gloo
-// with CPU tensors, point to point into the rows (no buffer of c10d's per
-// step; staging.hpp); elsewhere c10d's all-gather (NCCL's is the fast one).
-// The tag is one no caller is likely to pick for sends of its own.
+// The all-gather of a bucket's shards (`owned`, as it is) into its
+// parameters' places: once the Work lands, into[i] (contiguous where the
+// pieces travel alone, see below) holds parameter i's values. On Gloo with
+// CPU tensors the gather is point to point (staging.hpp), without a buffer
+// of c10d's per step: where the bucket's pieces are large (kPieceBytes per
+// parameter on average), each peer's chunk of each parameter is received
+// straight into into[i] (a message per parameter and peer, nothing copied
+// after: the parameters' values are written once); otherwise each peer's
+// whole segment is one message into rows from the pool, copied out when it
+// lands (a Gloo message costs about what copying kPieceBytes does, and a
+// model of many small parameters would pay it per parameter). Elsewhere
+// c10d's all-gather into the rows (NCCL's is the fast one), copied out
+// likewise. The tag is one no caller is likely to pick for sends of its
+// own.
 inline constexpr int kGatherTag = 0x61636365;
-inline Work<at::Tensor> gather_rows(State& s, const Bucket& bucket) {
-  const int64_t S = s.shard->getSize(), width = bucket.owned.numel();
-  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
+  const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
+  const auto n = static_cast<int64_t>(bucket.params.size());
   c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
-  if (detail::direct_gather_fits(*g, bucket.owned, rows))
+  const bool direct = detail::direct_gather_fits(*g, bucket.owned, bucket.owned);
+  const bool pieces =
+      direct && width * static_cast<int64_t>(bucket.owned.element_size()) >= kPieceBytes * n &&
+      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
+  if (pieces) {
+    std::vector<at::Tensor> mine;
+    for (std::size_t i = 0; i < into.size(); ++i)
+      mine.push_back(
+          bucket.owned.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
+    auto place = [&](int from, std::size_t i) {
+      const auto [begin, length] = chunk_range(from, bucket.chunks[i], into[i].numel());
+      return into[i].view({-1}).narrow(0, begin, length);
+    };
     return Work<at::Tensor>(
-        detail::then(detail::start_all_gather_direct(*g, bucket.owned, rows, kGatherTag), [rows] { return rows; }));
-  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), [rows] { return rows; }));
+        detail::then(detail::start_all_gather_pieces(*g, mine, place, kGatherTag), [] { return at::Tensor(); }));
+  }
+  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+  auto copy_out = [&s, rows, into = std::move(into), offsets = bucket.offsets, chunks = bucket.chunks]() mutable {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < into.size(); ++i) write_rows(rows, offsets[i], chunks[i], into[i]);
+    s.pool.give(rows);
+    return at::Tensor();
+  };
+  if (direct)
+    return Work<at::Tensor>(
+        detail::then(detail::start_all_gather_direct(*g, bucket.owned, rows, kGatherTag), std::move(copy_out)));
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), std::move(copy_out)));
 }
 
-// A unit's parameters: fetch() issues the all-gather of its shards
-// (asynchronously, unless it holds them or one is in flight);
-// materialize() points the parameters' storage into one pooled buffer per
-// bucket and writes the gathered values in (through variable_data():
-// version counters stay, so autograd accepts the values it saved in
+// A unit's parameters: fetch() takes one pooled buffer per bucket, the
+// parameters one after another in it (each starting 64 bytes aligned), and
+// issues the all-gather of their shards into it (asynchronously, unless it
+// holds them or one is in flight); materialize() waits for it and points
+// the parameters' storage into the buffer (the storage object stays, and
+// with it the version counter: autograd accepts the values it saved in
 // forward); release() takes the storage away again (the buffer goes back
-// to the pool). Each parameter starts 64 bytes aligned in the buffer.
+// to the pool).
 inline int64_t aligned(int64_t elements, int64_t element_size) {
   const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
   return (elements + per_line - 1) / per_line * per_line;
+}
+// Where each parameter of a unit's bucket starts in its buffer, and the buffer's length (the last entry).
+inline std::vector<int64_t> places_in_full(const Bucket& bucket) {
+  const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
+  std::vector<int64_t> at{0};
+  for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
+  return at;
 }
 inline void fetch(State& s, std::size_t u) {
   at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident || bucket.gathering.valid()) continue;
+    const std::vector<int64_t> at = places_in_full(bucket);
+    bucket.full = s.pool.take(at.back(), bucket.owned.options());
+    std::vector<at::Tensor> into;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i)
+      into.push_back(bucket.full.narrow(0, at[i], bucket.params[i].numel()));
     try {
-      bucket.gathering = gather_rows(s, bucket);
+      bucket.gathering = gather_params(s, bucket, std::move(into));
     } catch (const DistributedError& e) {
+      s.pool.give(bucket.full);
+      bucket.full = at::Tensor();
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
@@ -146,35 +194,26 @@ inline void fetch(State& s, std::size_t u) {
 }
 inline void materialize(State& s, std::size_t u) {
   fetch(s, u);
-  at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident) continue;
-    at::Tensor rows;
     try {
-      rows = bucket.gathering.wait();  // (S, segment without the flags)
+      bucket.gathering.wait();
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
     bucket.gathering = {};
-    const int64_t element_size = static_cast<int64_t>(bucket.owned.element_size());
-    int64_t total = 0;
-    for (const auto& p : bucket.params) total += aligned(p.numel(), element_size);
-    bucket.full = s.pool.take(total, bucket.owned.options());
+    const std::vector<int64_t> at = places_in_full(bucket);
     auto* base = static_cast<char*>(bucket.full.data_ptr());
-    for (std::size_t i = 0, at = 0; i < bucket.params.size(); ++i) {
+    const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-      const int64_t numel = bucket.params[i].numel();
       allow_access(*storage);
       // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
-      storage->set_data_ptr_noswap(c10::DataPtr(base + at * element_size, bucket.device));
-      storage->set_nbytes(static_cast<std::size_t>(numel * element_size));
-      at += static_cast<std::size_t>(aligned(numel, element_size));
-      at::Tensor values = bucket.params[i].variable_data();
-      write_rows(rows, bucket.offsets[i], bucket.chunks[i], values);
+      storage->set_data_ptr_noswap(c10::DataPtr(base + at[i] * element_size, bucket.device));
+      storage->set_nbytes(static_cast<std::size_t>(bucket.params[i].numel() * element_size));
     }
-    s.pool.give(rows);
     bucket.resident = true;
   }
 }
@@ -217,12 +256,14 @@ inline void end_unit_pass(State& s) {
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
       try {
-        s.pool.give(bucket.gathering.wait());
+        bucket.gathering.wait();
       } catch (const DistributedError& e) {
         throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                                detail::error_text(e));
       }
       bucket.gathering = {};
+      s.pool.give(bucket.full);
+      bucket.full = at::Tensor();
     }
   for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
   s.new_pass = true;
