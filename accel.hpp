@@ -1891,34 +1891,43 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
   return group.getBackendName() == "gloo" && input.device().is_cpu() && rows.device().is_cpu() &&
          input.is_contiguous() && rows.is_contiguous() && input.numel() > 0;
 }
-template <class Into>
-inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
-                                    int tag) {
+// The exchange under it (and under the sharding engine's point-to-point
+// reduce-scatter, dp_scatter.hpp, named kDirectScatter): to every other
+// rank `to`, `count` pieces sent(to, i); from every other rank `from`,
+// count pieces received into into(from, i). Both sides must agree on each
+// piece's length (an empty one is neither sent nor received).
+inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+template <class Sent, class Into>
+inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, Sent sent, Into into, int tag,
+                                  const char* op = kDirectGather) {
   const int size = group.getSize(), rank = group.getRank();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(2 * static_cast<std::size_t>(size - 1) * pieces.size());
+  works.reserve(2 * static_cast<std::size_t>(size - 1) * count);
   for (int step = 1; step < size; ++step) {  // (peers in a ring order: rank + 1 first, so no rank is everyone's first)
     const int to = (rank + step) % size, from = (rank - step + size) % size;
-    for (std::size_t i = 0; i < pieces.size(); ++i) {
-      std::vector<at::Tensor> sent{pieces[i]}, received{into(from, i)};
-      if (sent[0].numel() > 0) works.push_back(issue(kDirectGather, group, [&] { return group.send(sent, to, tag); }));
-      if (received[0].numel() > 0)
-        works.push_back(issue(kDirectGather, group, [&] { return group.recv(received, from, tag); }));
+    for (std::size_t i = 0; i < count; ++i) {
+      std::vector<at::Tensor> out{sent(to, i)}, in{into(from, i)};
+      if (out[0].numel() > 0) works.push_back(issue(op, group, [&] { return group.send(out, to, tag); }));
+      if (in[0].numel() > 0) works.push_back(issue(op, group, [&] { return group.recv(in, from, tag); }));
     }
-  }
-  {
-    at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < pieces.size(); ++i)
-      if (pieces[i].numel() > 0) into(rank, i).copy_(pieces[i]);
   }
   c10::intrusive_ptr<c10d::Work> last;
   if (!works.empty()) {
     last = works.back();
     works.pop_back();
   }
-  return Pending{&group, kDirectGather, std::move(last), [&group, works = std::move(works), pieces] {
-                   for (const auto& work : works) await(kDirectGather, group, *work);
+  return Pending{&group, op, std::move(last), [&group, op, works = std::move(works)] {
+                   for (const auto& work : works) await(op, group, *work);
                  }};
+}
+template <class Into>
+inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
+                                    int tag) {
+  auto pending = start_exchange_pieces(group, pieces.size(), [&](int, std::size_t i) { return pieces[i]; }, into, tag);
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    if (pieces[i].numel() > 0) into(group.getRank(), i).copy_(pieces[i]);
+  return pending;
 }
 // ... of one piece per rank, into `rows` (group size rows, in rank order).
 inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows,
@@ -2276,14 +2285,14 @@ class WorkCore {
  public:
   WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
-    // Gloo's send and recv (also those of a direct all-gather, staging.hpp)
+    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, staging.hpp)
     // report completion only from inside wait() (their isCompleted() stays
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
     // someone asks without waiting.
     const std::string_view name = op;
-    watched_ =
-        work_ && group_->getBackendName() == "gloo" && (name == "send" || name == "recv" || name == kDirectGather);
+    watched_ = work_ && group_->getBackendName() == "gloo" &&
+               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter);
   }
   WorkCore(const WorkCore&) = delete;
   WorkCore& operator=(const WorkCore&) = delete;
@@ -2867,19 +2876,21 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
 // `out` (data's size / S). A SUM of float or double folds in place, in
 // the kernel fold_rows uses, so the result is the same; anything else
 // folds as fold_rows does and is copied in.
+inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op) {
+  at::NoGradGuard no_grad;
+  const c10::ScalarType dtype = rows.scalar_type();
+  const int64_t first = 0;  // (the dim folded)
+  if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
+    at::sum_out(out, rows, at::IntArrayRef(first));
+  else out.copy_(fold_rows(rows, op));
+}
 inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
                                       const at::Tensor& out, ReduceOp op) {
   const int size = group.getSize();
   const auto splits = equal_splits(data.size(0), size);
   return then(start_all_to_all_rows(group, data, splits, splits, "reduce_scatter", received),
               [out = out, op, size](const at::Tensor& landed) mutable {
-                at::NoGradGuard no_grad;
-                const at::Tensor rows = landed.view({size, -1});
-                const c10::ScalarType dtype = rows.scalar_type();
-                const int64_t first = 0;  // (the dim folded)
-                if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
-                  at::sum_out(out, rows, at::IntArrayRef(first));
-                else out.copy_(fold_rows(rows, op));
+                fold_rows_into(landed.view({size, -1}), out, op);
                 return out;
               });
 }
@@ -6357,6 +6368,22 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
   return out;
 }
 
+// On Gloo with CPU tensors the engine's all-gathers and reduce-scatters
+// run point to point (dp_units.hpp, dp_scatter.hpp), with a tag no caller
+// is likely to pick for sends of its own. A bucket whose pieces are large,
+// kPieceBytes per parameter and rank on average, moves each parameter's
+// chunk as a message of its own, straight between the parameters (or
+// gradients) and the shards; a smaller one moves one message per peer
+// through a buffer laid out rank after rank, copied in or out: a Gloo
+// message costs about what copying kPieceBytes does, and a model of many
+// small parameters would pay it per parameter.
+inline constexpr int kGatherTag = 0x61636365;
+inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+inline bool large_pieces(const Bucket& bucket) {
+  return bucket.owned.numel() * static_cast<int64_t>(bucket.owned.element_size()) >=
+         kPieceBytes * static_cast<int64_t>(bucket.params.size());
+}
+
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
 // being row r. read_rows copies t's rows into columns [off, off + c) of
 // rows, zeros where t ends before them (so rows need not start zeroed: a
@@ -6483,9 +6510,60 @@ inline void land_scatter(State& s, std::size_t b) {
   give_back(s, bucket);
 }
 
+// Bucket b's reduce-scatter point to point, straight from the gradients
+// (Gloo with CPU tensors, and pieces as large as gather_params wants them,
+// dp_units.hpp): to each peer its chunk of every gradient, a message each,
+// and this rank's used-flags; what arrives lands in the rows of `received`
+// by sender, this rank's own row copied in from its gradients, and the
+// rows are folded as the all-to-all's would be (the same sum in the same
+// order; the division by the replicas follows the fold, since the
+// gradients are not ours to change). No laid-out copy of the bucket is
+// made: each gradient is sent from where autograd left it, and kept alive
+// until the bucket lands.
+inline bool scatters_directly(const State& s, const Bucket& bucket) {
+  if (s.shard->getBackendName() != "gloo" || !large_pieces(bucket)) return false;
+  return std::all_of(bucket.params.begin(), bucket.params.end(), [&](const at::Tensor& p) {
+    const at::Tensor& g = p.grad();
+    return g.defined() && g.is_cpu() && g.is_contiguous() && g.scalar_type() == bucket.owned.scalar_type();
+  });
+}
+inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
+  const at::Tensor rows = bucket.received.view({S, bucket.segment});
+  std::vector<at::Tensor> grads;
+  for (std::size_t i = 0; i < n; ++i) {
+    grads.push_back(bucket.params[i].grad().view({-1}));
+    bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
+    rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
+    if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
+  }
+  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
+  auto sent = [&](int to, std::size_t i) {
+    if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
+    const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
+    return grads[i].narrow(0, begin, length);
+  };
+  auto into = [&](int from, std::size_t i) {
+    if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
+    return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
+  };
+  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
+  // (grads moved into the landing only now: `sent` reads them above, and a
+  // function's arguments may be evaluated in any order)
+  return Work<at::Tensor>(detail::then(
+      std::move(pending), [rows, out = at::Tensor(out), grads = std::move(grads), replicas = s.replicas]() mutable {
+        detail::fold_rows_into(rows, out, ReduceOp::SUM);
+        if (replicas != 1) out.div_(replicas);
+        return out;
+      }));
+}
+
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
 // first landing the oldest bucket in flight when kScattersInFlight are.
+// Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(State& s, std::size_t b) {
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
@@ -6499,27 +6577,31 @@ inline void issue_scatter(State& s, std::size_t b) {
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
   const c10::TensorOptions options = bucket.params.front().options();
-  bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
-  const at::Tensor& laid_out = bucket.laid_out;
-  const at::Tensor rows = laid_out.view({S, bucket.segment});
-  for (std::size_t i = 0; i < n; ++i)
-    if (bucket.params[i].grad().defined()) {
-      read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-      bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
-    } else {
-      rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
-    }
-  write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
-  if (s.replicas != 1) laid_out.div_(s.replicas);
   // Where the folded chunks land: straight in the shards' gradients when
   // every one is none (the usual step, after zero_grad()), so that landing
   // copies nothing; else in a pooled buffer, added into them when it lands.
   const bool into_grads =
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
-    c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
     bucket.received = s.pool.take(S * bucket.segment, options);
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received, ReduceOp::SUM, s.shard);
     bucket.flat = into_grads ? owned_grads(bucket, options) : s.pool.take(bucket.segment, options);
+    if (scatters_directly(s, bucket)) {
+      bucket.work = start_direct_scatter(s, bucket, bucket.flat);
+      return;
+    }
+    bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
+    const at::Tensor& laid_out = bucket.laid_out;
+    const at::Tensor rows = laid_out.view({S, bucket.segment});
+    for (std::size_t i = 0; i < n; ++i)
+      if (bucket.params[i].grad().defined()) {
+        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+      } else {
+        rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
+      }
+    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
+    if (s.replicas != 1) laid_out.div_(s.replicas);
     bucket.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
   } catch (const DistributedError& e) {
@@ -6781,29 +6863,22 @@ inline void allow_access(Storage& storage) {
 }
 
 // The all-gather of a bucket's shards (`owned`, as it is) into its
-// parameters' places: once the Work lands, into[i] (contiguous where the
-// pieces travel alone, see below) holds parameter i's values. On Gloo with
-// CPU tensors the gather is point to point (staging.hpp), without a buffer
-// of c10d's per step: where the bucket's pieces are large (kPieceBytes per
-// parameter on average), each peer's chunk of each parameter is received
-// straight into into[i] (a message per parameter and peer, nothing copied
-// after: the parameters' values are written once); otherwise each peer's
-// whole segment is one message into rows from the pool, copied out when it
-// lands (a Gloo message costs about what copying kPieceBytes does, and a
-// model of many small parameters would pay it per parameter). Elsewhere
-// c10d's all-gather into the rows (NCCL's is the fast one), copied out
-// likewise. The tag is one no caller is likely to pick for sends of its
-// own.
-inline constexpr int kGatherTag = 0x61636365;
-inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+// parameters' places: once the Work lands, into[i] holds parameter i's
+// values. On Gloo with CPU tensors the gather is point to point
+// (staging.hpp), without a buffer of c10d's per step: where the bucket's
+// pieces are large (large_pieces, dp_state.hpp) and every into[i]
+// contiguous, each peer's chunk of each parameter is received straight
+// into into[i] (nothing copied after: the values are written once);
+// otherwise each peer's whole segment is one message into rows from the
+// pool, copied out when it lands. Elsewhere c10d's all-gather into the
+// rows (NCCL's is the fast one), copied out likewise.
 inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
   const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
-  const auto n = static_cast<int64_t>(bucket.params.size());
   c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
   const bool direct = detail::direct_gather_fits(*g, bucket.owned, bucket.owned);
-  const bool pieces =
-      direct && width * static_cast<int64_t>(bucket.owned.element_size()) >= kPieceBytes * n &&
-      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
+  const bool pieces = direct && large_pieces(bucket) && std::all_of(into.begin(), into.end(), [](const at::Tensor& t) {
+                        return t.is_cpu() && t.is_contiguous();
+                      });
   if (pieces) {
     std::vector<at::Tensor> mine;
     for (std::size_t i = 0; i < into.size(); ++i)

@@ -211,14 +211,19 @@ TEST_SUITE("ranks") {
       auto messages = [&](int large, int single) {
         return (S - 1) * (large + (me == 0 ? single : 0)) + (S - 1) * large + (me == 0 ? 0 : single);
       };
+      // The reduce-scatter of such a bucket is point to point too (dp_scatter.hpp): the same pieces the
+      // other way (a piece of one element goes only to the first process), and the used-flags to and
+      // from each peer. A bucket through rows: one message to and one from each peer for its all-gather,
+      // one c10d all-to-all for its reduce-scatter.
+      auto scattered = [&](int large, int single) { return messages(large, single) + 2 * (S - 1); };
       // ZeRO-2: buckets in reverse order of parameters() (the gain, a block's own parameter, comes first
       // there), the first closed once it reaches 1 MiB, as DDP's: the head's bias and weight and the
-      // linear's bias and weight gathered directly; the gain alone in a second bucket, through rows (one
-      // message to and one from each peer); a reduce-scatter per bucket. FULL_SHARD: the block (weight,
-      // bias, gain) directly, twice; the head through rows, twice; a reduce-scatter per unit.
+      // linear's bias and weight directly; the gain alone in a second bucket, through rows. FULL_SHARD:
+      // the block (weight, bias, gain) directly, gathered twice; the head through rows, gathered twice.
       CHECK(accelerator.data_parallel(model)->bucket_count() == 2u);
-      const int64_t gathered = full ? 2 * messages(2, 1) + 2 * 2 * (S - 1) : messages(3, 1) + 2 * (S - 1);
-      const int64_t per_step = gathered * numbered + 2;
+      const int64_t direct = full ? 2 * messages(2, 1) + scattered(2, 1) : messages(3, 1) + scattered(3, 1);
+      const int64_t rows = full ? 2 * 2 * (S - 1) : 2 * (S - 1);
+      const int64_t per_step = (direct + rows) * numbered + 1;
       auto generator = at::detail::createCPUGenerator(13);
       for (int step = 0; step < 3; ++step) {
         const at::Tensor x = at::randn({2 * P, 1023}, generator), y = at::randn({2 * P, 1}, generator);
@@ -238,6 +243,59 @@ TEST_SUITE("ranks") {
       CHECK(difference < 1e-5);
       CHECK(identical_across_ranks(*model, world().world_group()));
     }
+  }
+
+  // The same paths where the reduce-scatter's result is averaged along a replicate group too (HSDP on a
+  // 2 x 2 model mesh: the point-to-point path divides after its fold) and where gradients accumulate over
+  // two micro-steps before they are sent.
+  TEST_CASE("sharding: large parameters on a 2 x 2 model mesh, with accumulation, train as one process") {
+    if (world().get_world_size() != 4) return;
+    world().destroy();
+    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
+      CAPTURE(accel::to_string(strategy));
+      accel::AcceleratorConfig c = config(2);
+      c.distributed = test_config({.mp_replicate_size = 2});
+      c.sharding_strategy = strategy;
+      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+        return name == "block" || name == "head";
+      };
+      accel::Accelerator accelerator(c);
+      const int P = accelerator.num_processes(), r = accelerator.process_index();
+      torch::manual_seed(9);
+      Big model;
+      Big local;
+      {
+        torch::NoGradGuard no_grad;
+        auto to = local->parameters();
+        auto from = model->parameters();
+        for (std::size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+      }
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      torch::optim::SGD local_sgd(local->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+      auto prepared = accelerator.prepare(model, sgd);
+      CHECK(accelerator.data_parallel(model)->shard_group()->getSize() == 2);
+      auto generator = at::detail::createCPUGenerator(17);
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor x = at::randn({4 * P, 1023}, generator), y = at::randn({4 * P, 1}, generator);
+        for (int k = 0; k < 2; ++k) {
+          auto guard = accelerator.accumulate(model);
+          const int64_t at = (k * P + r) * 2;
+          accelerator.backward(torch::mse_loss(model(x.narrow(0, at, 2)), y.narrow(0, at, 2)));
+          std::get<1>(prepared).step();
+          std::get<1>(prepared).zero_grad();
+        }
+        local_sgd.zero_grad();
+        torch::mse_loss(local(x), y).backward();
+        local_sgd.step();
+      }
+      const auto whole = accelerator.data_parallel(model)->summon_full_params();
+      const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
+      MESSAGE(std::string(accel::to_string(strategy))
+              << " on a 2 x 2 mesh, 2 micro-steps, large parameters: largest difference to one process " << difference);
+      CHECK(difference < 1e-5);
+      CHECK(identical_across_ranks(*model, accel::DistributedInterface::instance().world_group()));
+    }
+    accel::DistributedInterface::instance().destroy();
   }
 
   // No process gathers the whole model to save it: save_state writes each process's pieces

@@ -166,19 +166,21 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
 // `out` (data's size / S). A SUM of float or double folds in place, in
 // the kernel fold_rows uses, so the result is the same; anything else
 // folds as fold_rows does and is copied in.
+inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op) {
+  at::NoGradGuard no_grad;
+  const c10::ScalarType dtype = rows.scalar_type();
+  const int64_t first = 0;  // (the dim folded)
+  if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
+    at::sum_out(out, rows, at::IntArrayRef(first));
+  else out.copy_(fold_rows(rows, op));
+}
 inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
                                       const at::Tensor& out, ReduceOp op) {
   const int size = group.getSize();
   const auto splits = equal_splits(data.size(0), size);
   return then(start_all_to_all_rows(group, data, splits, splits, "reduce_scatter", received),
               [out = out, op, size](const at::Tensor& landed) mutable {
-                at::NoGradGuard no_grad;
-                const at::Tensor rows = landed.view({size, -1});
-                const c10::ScalarType dtype = rows.scalar_type();
-                const int64_t first = 0;  // (the dim folded)
-                if (op == ReduceOp::SUM && (dtype == c10::kFloat || dtype == c10::kDouble))
-                  at::sum_out(out, rows, at::IntArrayRef(first));
-                else out.copy_(fold_rows(rows, op));
+                fold_rows_into(landed.view({size, -1}), out, op);
                 return out;
               });
 }

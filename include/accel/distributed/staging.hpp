@@ -329,34 +329,43 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
   return group.getBackendName() == "gloo" && input.device().is_cpu() && rows.device().is_cpu() &&
          input.is_contiguous() && rows.is_contiguous() && input.numel() > 0;
 }
-template <class Into>
-inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
-                                    int tag) {
+// The exchange under it (and under the sharding engine's point-to-point
+// reduce-scatter, dp_scatter.hpp, named kDirectScatter): to every other
+// rank `to`, `count` pieces sent(to, i); from every other rank `from`,
+// count pieces received into into(from, i). Both sides must agree on each
+// piece's length (an empty one is neither sent nor received).
+inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+template <class Sent, class Into>
+inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, Sent sent, Into into, int tag,
+                                  const char* op = kDirectGather) {
   const int size = group.getSize(), rank = group.getRank();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(2 * static_cast<std::size_t>(size - 1) * pieces.size());
+  works.reserve(2 * static_cast<std::size_t>(size - 1) * count);
   for (int step = 1; step < size; ++step) {  // (peers in a ring order: rank + 1 first, so no rank is everyone's first)
     const int to = (rank + step) % size, from = (rank - step + size) % size;
-    for (std::size_t i = 0; i < pieces.size(); ++i) {
-      std::vector<at::Tensor> sent{pieces[i]}, received{into(from, i)};
-      if (sent[0].numel() > 0) works.push_back(issue(kDirectGather, group, [&] { return group.send(sent, to, tag); }));
-      if (received[0].numel() > 0)
-        works.push_back(issue(kDirectGather, group, [&] { return group.recv(received, from, tag); }));
+    for (std::size_t i = 0; i < count; ++i) {
+      std::vector<at::Tensor> out{sent(to, i)}, in{into(from, i)};
+      if (out[0].numel() > 0) works.push_back(issue(op, group, [&] { return group.send(out, to, tag); }));
+      if (in[0].numel() > 0) works.push_back(issue(op, group, [&] { return group.recv(in, from, tag); }));
     }
-  }
-  {
-    at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < pieces.size(); ++i)
-      if (pieces[i].numel() > 0) into(rank, i).copy_(pieces[i]);
   }
   c10::intrusive_ptr<c10d::Work> last;
   if (!works.empty()) {
     last = works.back();
     works.pop_back();
   }
-  return Pending{&group, kDirectGather, std::move(last), [&group, works = std::move(works), pieces] {
-                   for (const auto& work : works) await(kDirectGather, group, *work);
+  return Pending{&group, op, std::move(last), [&group, op, works = std::move(works)] {
+                   for (const auto& work : works) await(op, group, *work);
                  }};
+}
+template <class Into>
+inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
+                                    int tag) {
+  auto pending = start_exchange_pieces(group, pieces.size(), [&](int, std::size_t i) { return pieces[i]; }, into, tag);
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < pieces.size(); ++i)
+    if (pieces[i].numel() > 0) into(group.getRank(), i).copy_(pieces[i]);
+  return pending;
 }
 // ... of one piece per rank, into `rows` (group size rows, in rank order).
 inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows,

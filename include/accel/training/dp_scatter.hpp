@@ -83,9 +83,60 @@ inline void land_scatter(State& s, std::size_t b) {
   give_back(s, bucket);
 }
 
+// Bucket b's reduce-scatter point to point, straight from the gradients
+// (Gloo with CPU tensors, and pieces as large as gather_params wants them,
+// dp_units.hpp): to each peer its chunk of every gradient, a message each,
+// and this rank's used-flags; what arrives lands in the rows of `received`
+// by sender, this rank's own row copied in from its gradients, and the
+// rows are folded as the all-to-all's would be (the same sum in the same
+// order; the division by the replicas follows the fold, since the
+// gradients are not ours to change). No laid-out copy of the bucket is
+// made: each gradient is sent from where autograd left it, and kept alive
+// until the bucket lands.
+inline bool scatters_directly(const State& s, const Bucket& bucket) {
+  if (s.shard->getBackendName() != "gloo" || !large_pieces(bucket)) return false;
+  return std::all_of(bucket.params.begin(), bucket.params.end(), [&](const at::Tensor& p) {
+    const at::Tensor& g = p.grad();
+    return g.defined() && g.is_cpu() && g.is_contiguous() && g.scalar_type() == bucket.owned.scalar_type();
+  });
+}
+inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
+  const at::Tensor rows = bucket.received.view({S, bucket.segment});
+  std::vector<at::Tensor> grads;
+  for (std::size_t i = 0; i < n; ++i) {
+    grads.push_back(bucket.params[i].grad().view({-1}));
+    bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
+    rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
+    if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
+  }
+  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
+  auto sent = [&](int to, std::size_t i) {
+    if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
+    const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
+    return grads[i].narrow(0, begin, length);
+  };
+  auto into = [&](int from, std::size_t i) {
+    if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
+    return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
+  };
+  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
+  // (grads moved into the landing only now: `sent` reads them above, and a
+  // function's arguments may be evaluated in any order)
+  return Work<at::Tensor>(detail::then(
+      std::move(pending), [rows, out = at::Tensor(out), grads = std::move(grads), replicas = s.replicas]() mutable {
+        detail::fold_rows_into(rows, out, ReduceOp::SUM);
+        if (replicas != 1) out.div_(replicas);
+        return out;
+      }));
+}
+
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
 // first landing the oldest bucket in flight when kScattersInFlight are.
+// Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(State& s, std::size_t b) {
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
@@ -99,27 +150,31 @@ inline void issue_scatter(State& s, std::size_t b) {
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
   const c10::TensorOptions options = bucket.params.front().options();
-  bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
-  const at::Tensor& laid_out = bucket.laid_out;
-  const at::Tensor rows = laid_out.view({S, bucket.segment});
-  for (std::size_t i = 0; i < n; ++i)
-    if (bucket.params[i].grad().defined()) {
-      read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-      bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
-    } else {
-      rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
-    }
-  write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
-  if (s.replicas != 1) laid_out.div_(s.replicas);
   // Where the folded chunks land: straight in the shards' gradients when
   // every one is none (the usual step, after zero_grad()), so that landing
   // copies nothing; else in a pooled buffer, added into them when it lands.
   const bool into_grads =
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
-    c10d::ProcessGroup* g = detail::enter_reduce_scatter(laid_out, ReduceOp::SUM, s.shard);
     bucket.received = s.pool.take(S * bucket.segment, options);
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received, ReduceOp::SUM, s.shard);
     bucket.flat = into_grads ? owned_grads(bucket, options) : s.pool.take(bucket.segment, options);
+    if (scatters_directly(s, bucket)) {
+      bucket.work = start_direct_scatter(s, bucket, bucket.flat);
+      return;
+    }
+    bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
+    const at::Tensor& laid_out = bucket.laid_out;
+    const at::Tensor rows = laid_out.view({S, bucket.segment});
+    for (std::size_t i = 0; i < n; ++i)
+      if (bucket.params[i].grad().defined()) {
+        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+      } else {
+        rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
+      }
+    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
+    if (s.replicas != 1) laid_out.div_(s.replicas);
     bucket.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
   } catch (const DistributedError& e) {

@@ -125,6 +125,22 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
   return out;
 }
 
+// On Gloo with CPU tensors the engine's all-gathers and reduce-scatters
+// run point to point (dp_units.hpp, dp_scatter.hpp), with a tag no caller
+// is likely to pick for sends of its own. A bucket whose pieces are large,
+// kPieceBytes per parameter and rank on average, moves each parameter's
+// chunk as a message of its own, straight between the parameters (or
+// gradients) and the shards; a smaller one moves one message per peer
+// through a buffer laid out rank after rank, copied in or out: a Gloo
+// message costs about what copying kPieceBytes does, and a model of many
+// small parameters would pay it per parameter.
+inline constexpr int kGatherTag = 0x61636365;
+inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+inline bool large_pieces(const Bucket& bucket) {
+  return bucket.owned.numel() * static_cast<int64_t>(bucket.owned.element_size()) >=
+         kPieceBytes * static_cast<int64_t>(bucket.params.size());
+}
+
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
 // being row r. read_rows copies t's rows into columns [off, off + c) of
 // rows, zeros where t ends before them (so rows need not start zeroed: a

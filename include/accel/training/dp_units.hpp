@@ -105,29 +105,22 @@ inline void allow_access(Storage& storage) {
 }
 
 // The all-gather of a bucket's shards (`owned`, as it is) into its
-// parameters' places: once the Work lands, into[i] (contiguous where the
-// pieces travel alone, see below) holds parameter i's values. On Gloo with
-// CPU tensors the gather is point to point (staging.hpp), without a buffer
-// of c10d's per step: where the bucket's pieces are large (kPieceBytes per
-// parameter on average), each peer's chunk of each parameter is received
-// straight into into[i] (a message per parameter and peer, nothing copied
-// after: the parameters' values are written once); otherwise each peer's
-// whole segment is one message into rows from the pool, copied out when it
-// lands (a Gloo message costs about what copying kPieceBytes does, and a
-// model of many small parameters would pay it per parameter). Elsewhere
-// c10d's all-gather into the rows (NCCL's is the fast one), copied out
-// likewise. The tag is one no caller is likely to pick for sends of its
-// own.
-inline constexpr int kGatherTag = 0x61636365;
-inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+// parameters' places: once the Work lands, into[i] holds parameter i's
+// values. On Gloo with CPU tensors the gather is point to point
+// (staging.hpp), without a buffer of c10d's per step: where the bucket's
+// pieces are large (large_pieces, dp_state.hpp) and every into[i]
+// contiguous, each peer's chunk of each parameter is received straight
+// into into[i] (nothing copied after: the values are written once);
+// otherwise each peer's whole segment is one message into rows from the
+// pool, copied out when it lands. Elsewhere c10d's all-gather into the
+// rows (NCCL's is the fast one), copied out likewise.
 inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
   const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
-  const auto n = static_cast<int64_t>(bucket.params.size());
   c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
   const bool direct = detail::direct_gather_fits(*g, bucket.owned, bucket.owned);
-  const bool pieces =
-      direct && width * static_cast<int64_t>(bucket.owned.element_size()) >= kPieceBytes * n &&
-      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
+  const bool pieces = direct && large_pieces(bucket) && std::all_of(into.begin(), into.end(), [](const at::Tensor& t) {
+                        return t.is_cpu() && t.is_contiguous();
+                      });
   if (pieces) {
     std::vector<at::Tensor> mine;
     for (std::size_t i = 0; i < into.size(); ++i)
