@@ -6440,7 +6440,9 @@ ACCEL_NAMESPACE_END
 // gradients. The buffers come from the state's pool (dp_buffers.hpp) and
 // at most kScattersInFlight buckets are in flight: issuing one more lands
 // the oldest first, so the pool holds two buckets' buffers, never the whole
-// model's (FSDP2 likewise keeps one reduce-scatter outstanding).
+// model's (FSDP2 likewise keeps one reduce-scatter outstanding). A bucket
+// of large parameters on Gloo skips the laying out: its reduce-scatter runs
+// point to point from the gradients themselves (start_direct_scatter).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -6519,13 +6521,13 @@ inline void land_scatter(State& s, std::size_t b) {
 // order; the division by the replicas follows the fold, since the
 // gradients are not ours to change). No laid-out copy of the bucket is
 // made: each gradient is sent from where autograd left it, and kept alive
-// until the bucket lands.
+// until the bucket lands. Every rank must take the same path, so the
+// choice rests on what all ranks share (the backend, the device, the
+// bucket's sizes), never on this rank's gradients: one that is none here
+// (a parameter this rank did not use) sends zeros, as the rows path lays
+// them out.
 inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  if (s.shard->getBackendName() != "gloo" || !large_pieces(bucket)) return false;
-  return std::all_of(bucket.params.begin(), bucket.params.end(), [&](const at::Tensor& p) {
-    const at::Tensor& g = p.grad();
-    return g.defined() && g.is_cpu() && g.is_contiguous() && g.scalar_type() == bucket.owned.scalar_type();
-  });
+  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() && large_pieces(bucket);
 }
 inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
   const std::size_t n = bucket.params.size();
@@ -6533,8 +6535,9 @@ inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at:
   const at::Tensor rows = bucket.received.view({S, bucket.segment});
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < n; ++i) {
-    grads.push_back(bucket.params[i].grad().view({-1}));
-    bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+    const at::Tensor& p = bucket.params[i];
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, bucket.owned.options()));
+    p.mutable_grad().reset();  // the shard's gradient accumulates it from here
     const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
     rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
     if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();

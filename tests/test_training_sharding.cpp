@@ -145,14 +145,17 @@ TEST_SUITE("ranks") {
   // small ones as rows copied out). A unit with a large weight, its bias and a one-element gain (the gain's
   // piece is empty on every process but the first: neither sent nor received there) beside a small head
   // (rows): training equals one process's, and the messages per step are those of the path each bucket takes.
+  // The odd processes leave the gain unused (its gradient none there): every process still takes the same
+  // path, the gain's gradient the average of the even processes' over all.
   struct BlockImpl : torch::nn::Module {
     BlockImpl() {
       lin = register_module("lin", torch::nn::Linear(1023, 1025));
       gain = register_parameter("gain", at::full({1}, 0.5));
     }
-    at::Tensor forward(const at::Tensor& x) { return lin(x) * gain; }
+    at::Tensor forward(const at::Tensor& x) { return use_gain ? lin(x) * gain : lin(x); }
     torch::nn::Linear lin{nullptr};
     at::Tensor gain;
+    bool use_gain = true;
   };
   TORCH_MODULE(Block);
   struct BigImpl : torch::nn::Module {
@@ -229,11 +232,17 @@ TEST_SUITE("ranks") {
         const at::Tensor x = at::randn({2 * P, 1023}, generator), y = at::randn({2 * P, 1}, generator);
         const int64_t sequence = shards->getSequenceNumberForGroup();
         prepared.zero_grad();
+        model->block->use_gain = r % 2 == 0;
         accelerator.backward(torch::mse_loss(model(x.narrow(0, 2 * r, 2)), y.narrow(0, 2 * r, 2)));
         prepared.step();
         CHECK(shards->getSequenceNumberForGroup() - sequence == per_step);
         local_sgd.zero_grad();
-        torch::mse_loss(local(x), y).backward();
+        at::Tensor loss = at::zeros({});
+        for (int k = 0; k < P; ++k) {  // (what DDP's average gives: each process's loss over P)
+          local->block->use_gain = k % 2 == 0;
+          loss = loss + torch::mse_loss(local(x.narrow(0, 2 * k, 2)), y.narrow(0, 2 * k, 2)) / P;
+        }
+        loss.backward();
         local_sgd.step();
       }
       const auto whole = accelerator.data_parallel(model)->summon_full_params();
