@@ -6873,7 +6873,8 @@ inline void allow_access(Storage& storage) {
 // contiguous, each peer's chunk of each parameter is received straight
 // into into[i] (nothing copied after: the values are written once);
 // otherwise each peer's whole segment is one message into rows from the
-// pool, copied out when it lands. Elsewhere c10d's all-gather into the
+// pool, copied out when it lands. (Every rank takes the same path: the
+// sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
 // rows (NCCL's is the fast one), copied out likewise.
 inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
   const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
