@@ -1883,8 +1883,8 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, 
 // point-to-point message as bytes, whatever the dtype. Messages between two
 // ranks with one tag match in the order they were issued, and every rank
 // issues the same gathers in the same order; `tag` keeps them apart from
-// the caller's own sends. The Pending waits on the last receive, and its
-// landing on every other operation. A piece is a message, so many small
+// the caller's own sends. The Pending waits on the last operation issued,
+// and its landing on every other one. A piece is a message, so many small
 // pieces cost more than one row copied out after (see dp_units.hpp).
 inline constexpr const char* kDirectGather = "all_gather (point to point)";
 inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows) {
