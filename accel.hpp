@@ -2870,12 +2870,10 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
   }
 }
 
-// reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
-// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
-// lands in `received` (data's size), and the fold of its S rows goes into
-// `out` (data's size / S). A SUM of float or double folds in place, in
-// the kernel fold_rows uses, so the result is the same; anything else
-// folds as fold_rows does and is copied in.
+// The S rows of `rows` folded into `out`, which the caller keeps: a SUM
+// of float or double in place, in the kernel fold_rows uses, so the result
+// is the same; anything else as fold_rows does, copied in. (Also the fold
+// of the sharding engine's point-to-point reduce-scatter, dp_scatter.hpp.)
 inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op) {
   at::NoGradGuard no_grad;
   const c10::ScalarType dtype = rows.scalar_type();
@@ -2884,6 +2882,11 @@ inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op)
     at::sum_out(out, rows, at::IntArrayRef(first));
   else out.copy_(fold_rows(rows, op));
 }
+
+// reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
+// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
+// lands in `received` (data's size), and the fold of its S rows goes into
+// `out` (data's size / S), by fold_rows_into.
 inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
                                       const at::Tensor& out, ReduceOp op) {
   const int size = group.getSize();
