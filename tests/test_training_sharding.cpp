@@ -170,27 +170,30 @@ TEST_SUITE("ranks") {
     torch::nn::Linear head{nullptr};
   };
   TORCH_MODULE(Big);
+  // Big's units under FULL_SHARD: the block and the head.
+  bool big_units(const std::string& name, const torch::nn::Module&) { return name == "block" || name == "head"; }
+  // A single-process Big with the same weights as `source`.
+  Big copy_of_big(Big & source) {
+    Big copy;
+    torch::NoGradGuard no_grad;
+    auto to = copy->parameters();
+    auto from = source->parameters();
+    for (std::size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+    return copy;
+  }
   TEST_CASE("sharding: large parameters are gathered straight into their storage, small ones through rows") {
     for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
       CAPTURE(accel::to_string(strategy));
       accel::AcceleratorConfig c = config();
       c.sharding_strategy = strategy;
-      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
-        return name == "block" || name == "head";
-      };
+      c.auto_wrap_policy = big_units;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
       if (P == 1) return;  // nothing is sharded
       const bool full = strategy == accel::ShardingStrategy::FULL_SHARD;
       torch::manual_seed(9);
       Big model;
-      Big local;
-      {
-        torch::NoGradGuard no_grad;
-        auto to = local->parameters();
-        auto from = model->parameters();
-        for (std::size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
-      }
+      Big local = copy_of_big(model);
       accelerator.prepare(model);
       CHECK(accelerator.data_parallel(model)->unit_count() == (full ? 2u : 0u));
       torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
@@ -265,20 +268,12 @@ TEST_SUITE("ranks") {
       accel::AcceleratorConfig c = config(2);
       c.distributed = test_config({.mp_replicate_size = 2});
       c.sharding_strategy = strategy;
-      c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
-        return name == "block" || name == "head";
-      };
+      c.auto_wrap_policy = big_units;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
       torch::manual_seed(9);
       Big model;
-      Big local;
-      {
-        torch::NoGradGuard no_grad;
-        auto to = local->parameters();
-        auto from = model->parameters();
-        for (std::size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
-      }
+      Big local = copy_of_big(model);
       torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
       torch::optim::SGD local_sgd(local->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
       auto prepared = accelerator.prepare(model, sgd);
