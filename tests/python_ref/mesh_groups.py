@@ -16,6 +16,8 @@ import sys
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from leave import leave_without_teardown
+
 dist.init_process_group("gloo")
 world, rank = dist.get_world_size(), dist.get_rank()
 divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -44,4 +46,4 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as out:
             label = what if isinstance(what, str) else ",".join(what)
             print("nd", *shape, f"{label}:", *sub.mesh.flatten().tolist(), "coordinate", *sub.get_coordinate(),
                   file=out)
-dist.destroy_process_group()
+leave_without_teardown()  # (leave.py: a teardown that aborts now and then)
