@@ -46,6 +46,7 @@
 //     accel/training/torch_nn.hpp               the LibTorch headers the training helpers need (<torch/torch.h>)
 //     accel/training/autograd.hpp               autograd-aware collectives (accel::autograd)
 //     accel/training/comm_hooks.hpp             communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/mixed_precision.hpp        MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
 //     accel/training/buckets.hpp                which gradients share a bucket (DDP's assignment, with FSDP units)
 //     accel/training/dp_buffers.hpp             the sharding engine's working buffers, taken again step after step instead of allocated anew
 //     accel/training/dp_state.hpp               DataParallel's state: its buckets, units and flags, shared with its autograd hooks
@@ -6090,6 +6091,40 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/mixed_precision.hpp =======================================
+// accel/training/mixed_precision.hpp: MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's.
+//
+// FSDP2's MixedPrecisionPolicy (fully_shard's mp_policy; Accelerate's
+// FullyShardedDataParallelPlugin.mixed_precision_policy). The parameters,
+// their shards, gradients and optimizer state keep their own dtype (fp32
+// masters); what changes is what travels and computes:
+// - param_dtype: each unit's parameters are all-gathered in this dtype (half
+//   the bytes of fp32 for bf16) and hold it while the unit runs, so its
+//   forward and backward compute in it; between units and between steps the
+//   parameters are at rest in their own dtype.
+// - reduce_dtype: the gradients are reduce-scattered in this dtype, then
+//   added to the shards' gradients in theirs. Unset: param_dtype, as FSDP2
+//   (set it to the parameters' dtype, e.g. kFloat, for full-precision
+//   reductions).
+// - cast_forward_inputs: a unit's floating-point input tensors are cast to
+//   the dtype its parameters hold (FSDP2's default); its outputs stay in it.
+// It applies where parameters are sharded at rest (FULL_SHARD,
+// HYBRID_SHARD), with every parameter in a unit; elsewhere mixed precision
+// is mixed_precision = "bf16" (autocast).
+
+ACCEL_NAMESPACE_BEGIN
+
+struct MixedPrecisionPolicy {
+  std::optional<c10::ScalarType> param_dtype{};
+  std::optional<c10::ScalarType> reduce_dtype{};
+  bool cast_forward_inputs = true;
+
+  // Whether it changes anything (a dtype set).
+  bool active() const { return param_dtype.has_value() || reduce_dtype.has_value(); }
+};
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/buckets.hpp ===============================================
 // accel/training/buckets.hpp: which gradients share a bucket (DDP's assignment, with FSDP units).
 //
@@ -6297,6 +6332,14 @@ struct Bucket {
   int64_t unit = -1;
   bool resident = true;
   at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
+  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
+  // `full` holds the parameters in that dtype (gathered for compute), the
+  // shards cast to it while their gather is in flight (`cast`, pooled), and
+  // each parameter as it is at rest (`rest`: its own dtype and storage, which
+  // it takes back when released).
+  bool low = false;
+  at::Tensor cast{};
+  std::vector<at::Tensor> rest{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -6355,6 +6398,12 @@ struct State {
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
   std::vector<torch::optim::Optimizer*> optimizers;
+  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
+  // units compute in (gathered in) and the one gradients are reduced in;
+  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
+  // are cast to the dtype its parameters hold.
+  std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  bool cast_inputs = true;
   BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
@@ -6382,9 +6431,12 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
 // small parameters would pay it per parameter.
 inline constexpr int kGatherTag = 0x61636365;
 inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
-inline bool large_pieces(const Bucket& bucket) {
-  return bucket.owned.numel() * static_cast<int64_t>(bucket.owned.element_size()) >=
-         kPieceBytes * static_cast<int64_t>(bucket.params.size());
+inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
+  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
+}
+// The dtype bucket b's gradients are reduce-scattered in.
+inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
+  return s.reduce_dtype.value_or(bucket.dtype);
 }
 
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
@@ -6506,7 +6558,7 @@ inline void land_scatter(State& s, std::size_t b) {
         shard.mutable_grad().add_(averaged);
       } else {
         shard.mutable_grad() =
-            owned_grads(bucket, reduced.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+            owned_grads(bucket, bucket.owned.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
         shard.mutable_grad().copy_(averaged);
       }
     }
@@ -6530,7 +6582,8 @@ inline void land_scatter(State& s, std::size_t b) {
 // (a parameter this rank did not use) sends zeros, as the rows path lays
 // them out.
 inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() && large_pieces(bucket);
+  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
+         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
 }
 inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
   const std::size_t n = bucket.params.size();
@@ -6539,7 +6592,9 @@ inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at:
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < n; ++i) {
     const at::Tensor& p = bucket.params[i];
-    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, bucket.owned.options()));
+    // (in the reduction's dtype: a policy's reduce_dtype casts)
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
+                                       : at::zeros({p.numel()}, rows.options()));
     p.mutable_grad().reset();  // the shard's gradient accumulates it from here
     const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
     rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
@@ -6582,11 +6637,15 @@ inline void issue_scatter(State& s, std::size_t b) {
   at::NoGradGuard no_grad;
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
-  const c10::TensorOptions options = bucket.params.front().options();
+  // (the shards' options, in the reduction's dtype: a parameter may hold a
+  // policy's param_dtype now, while its unit runs)
+  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
   // Where the folded chunks land: straight in the shards' gradients when
-  // every one is none (the usual step, after zero_grad()), so that landing
-  // copies nothing; else in a pooled buffer, added into them when it lands.
+  // every one is none (the usual step, after zero_grad()) and the reduction
+  // is in their dtype, so that landing copies nothing; else in a pooled
+  // buffer, added into them when it lands.
   const bool into_grads =
+      options.dtype() == bucket.owned.dtype() &&
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
     bucket.received = s.pool.take(S * bucket.segment, options);
@@ -6825,6 +6884,34 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   return out;
 }
+// A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
+// shards are made): its dtypes checked and kept, and each unit parameter's
+// tensor at rest kept for release() to give back (see Use).
+inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype})
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw InvalidArgument(
+          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
+          c10::toString(*dtype));
+  if (!s.shard)
+    throw InvalidArgument(
+        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
+        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
+  s.param_dtype = policy.param_dtype;
+  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  s.cast_inputs = policy.cast_forward_inputs;
+  if (!s.param_dtype) return;
+  for (auto& bucket : s.buckets) {
+    if (bucket.unit < 0)
+      throw InvalidArgument(
+          "accel::DataParallel: a MixedPrecisionPolicy's param_dtype needs every parameter in a fully sharded "
+          "unit (FULL_SHARD or HYBRID_SHARD, with auto_wrap_policy choosing them); a parameter of shape " +
+          c10::str(bucket.params.front().sizes()) + " is in none");
+    if (!c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
+    for (const auto& p : bucket.params) bucket.rest.push_back(p.variable_data());
+  }
+}
+
 // What a kernel that reads a unit's parameter at rest throws (where
 // LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
 // and the way out.
@@ -6868,9 +6955,9 @@ inline void allow_access(Storage& storage) {
   if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
 }
 
-// The all-gather of a bucket's shards (`owned`, as it is) into its
-// parameters' places: once the Work lands, into[i] holds parameter i's
-// values. On Gloo with CPU tensors the gather is point to point
+// The all-gather of a bucket's shards (`source`: `owned` as it is, or cast
+// to a policy's param_dtype) into its parameters' places: once the Work
+// lands, into[i] holds parameter i's values. On Gloo with CPU tensors the gather is point to point
 // (staging.hpp), without a buffer of c10d's per step: where the bucket's
 // pieces are large (large_pieces, dp_state.hpp) and every into[i]
 // contiguous, each peer's chunk of each parameter is received straight
@@ -6879,18 +6966,18 @@ inline void allow_access(Storage& storage) {
 // pool, copied out when it lands. (Every rank takes the same path: the
 // sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
 // rows (NCCL's is the fast one), copied out likewise.
-inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
-  const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
-  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
-  const bool direct = detail::direct_gather_fits(*g, bucket.owned, bucket.owned);
-  const bool pieces = direct && large_pieces(bucket) && std::all_of(into.begin(), into.end(), [](const at::Tensor& t) {
-                        return t.is_cpu() && t.is_contiguous();
-                      });
+inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, const at::Tensor& source,
+                                      std::vector<at::Tensor> into) {
+  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
+  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
+  const bool direct = detail::direct_gather_fits(*g, source, source);
+  const bool pieces =
+      direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
+      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
   if (pieces) {
     std::vector<at::Tensor> mine;
     for (std::size_t i = 0; i < into.size(); ++i)
-      mine.push_back(
-          bucket.owned.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
+      mine.push_back(source.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
     auto place = [&](int from, std::size_t i) {
       const auto [begin, length] = chunk_range(from, bucket.chunks[i], into[i].numel());
       return into[i].view({-1}).narrow(0, begin, length);
@@ -6898,7 +6985,7 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
     return Work<at::Tensor>(
         detail::then(detail::start_all_gather_pieces(*g, mine, place, kGatherTag), [] { return at::Tensor(); }));
   }
-  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+  at::Tensor rows = s.pool.take(S * width, source.options()).view({S, width});
   auto copy_out = [&s, rows, into = std::move(into), offsets = bucket.offsets, chunks = bucket.chunks]() mutable {
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < into.size(); ++i) write_rows(rows, offsets[i], chunks[i], into[i]);
@@ -6907,8 +6994,8 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
   };
   if (direct)
     return Work<at::Tensor>(
-        detail::then(detail::start_all_gather_direct(*g, bucket.owned, rows, kGatherTag), std::move(copy_out)));
-  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), std::move(copy_out)));
+        detail::then(detail::start_all_gather_direct(*g, source, rows, kGatherTag), std::move(copy_out)));
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, source, rows), std::move(copy_out)));
 }
 
 // A unit's parameters: fetch() takes one pooled buffer per bucket, the
@@ -6919,84 +7006,147 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
 // with it the version counter: autograd accepts the values it saved in
 // forward); release() takes the storage away again (the buffer goes back
 // to the pool).
+//
+// Under a MixedPrecisionPolicy's param_dtype (FSDP2's), a gather for
+// compute (Use::compute: a unit's forward and backward) sends the shards
+// cast to that dtype, and the parameters take it while the unit runs:
+// each parameter's tensor is given the buffer's view, dtype and all
+// (TensorImpl::shallow_copy_from, what Tensor::set_data does, without
+// set_data's reset of the gradient accumulator: the accumulator made at
+// wrapping, in the parameter's own dtype, stays, and autograd casts the
+// gradient to that dtype before it accumulates, so gradients and shards
+// keep the parameters' dtype); release() gives each its tensor at rest
+// back. Every other gather (summon_full_params, save_model, free_memory)
+// is in the parameters' own dtype (Use::full), as FSDP's full-precision
+// state dict.
+enum class Use { compute, full };
 inline int64_t aligned(int64_t elements, int64_t element_size) {
   const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
   return (elements + per_line - 1) / per_line * per_line;
 }
-// Where each parameter of a unit's bucket starts in its buffer, and the buffer's length (the last entry).
-inline std::vector<int64_t> places_in_full(const Bucket& bucket) {
-  const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
+// Where each parameter of a unit's bucket starts in its buffer of elements
+// of element_size bytes, and the buffer's length (the last entry).
+inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
   std::vector<int64_t> at{0};
   for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
   return at;
 }
-inline void fetch(State& s, std::size_t u) {
+// Whether a gather for `use` is in the policy's param_dtype. Not while
+// summon_full_params() holds the units: they stay in full precision, and a
+// unit called then computes in it.
+inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
+  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
+}
+inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
+  return bucket.low ? *s.param_dtype : bucket.dtype;
+}
+inline void wait_gathering(Bucket& bucket) {
+  try {
+    bucket.gathering.wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                           detail::error_text(e));
+  }
+  bucket.gathering = {};
+}
+// A bucket's parameters back at rest, and its buffers back in the pool.
+inline void release_bucket(State& s, Bucket& bucket) {
+  if (bucket.resident)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (bucket.low) {
+        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
+        continue;  // (its own storage never left rest)
+      }
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+      else storage->set_nbytes(0);
+    }
+  for (at::Tensor* lent : {&bucket.full, &bucket.cast}) {
+    s.pool.give(*lent);
+    *lent = at::Tensor();
+  }
+  bucket.resident = false;
+  bucket.low = false;
+}
+inline void fetch(State& s, std::size_t u, Use use) {
   at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
-    if (bucket.resident || bucket.gathering.valid()) continue;
-    const std::vector<int64_t> at = places_in_full(bucket);
-    bucket.full = s.pool.take(at.back(), bucket.owned.options());
+    const bool low = gathers_low(s, bucket, use);
+    if (bucket.resident || bucket.gathering.valid()) {
+      if (bucket.low == low) continue;
+      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
+      release_bucket(s, bucket);                             // in the other precision: gathered again
+    }
+    bucket.low = low;
+    const c10::ScalarType dtype = gathered_dtype(s, bucket);
+    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
+    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
+    if (low) bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.options()).copy_(bucket.owned);
     std::vector<at::Tensor> into;
     for (std::size_t i = 0; i < bucket.params.size(); ++i)
       into.push_back(bucket.full.narrow(0, at[i], bucket.params[i].numel()));
     try {
-      bucket.gathering = gather_params(s, bucket, std::move(into));
+      bucket.gathering = gather_params(s, bucket, low ? bucket.cast : bucket.owned, std::move(into));
     } catch (const DistributedError& e) {
-      s.pool.give(bucket.full);
-      bucket.full = at::Tensor();
+      release_bucket(s, bucket);  // (not resident: the buffers only)
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
   }
 }
-inline void materialize(State& s, std::size_t u) {
-  fetch(s, u);
+inline void materialize(State& s, std::size_t u, Use use) {
+  fetch(s, u, use);
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident) continue;
-    try {
-      bucket.gathering.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                             detail::error_text(e));
-    }
-    bucket.gathering = {};
-    const std::vector<int64_t> at = places_in_full(bucket);
+    wait_gathering(bucket);
+    s.pool.give(bucket.cast);
+    bucket.cast = at::Tensor();
+    const auto element_size = static_cast<int64_t>(bucket.full.element_size());
+    const std::vector<int64_t> at = places_in_full(bucket, element_size);
     auto* base = static_cast<char*>(bucket.full.data_ptr());
-    const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      at::Tensor& p = bucket.params[i];
+      if (bucket.low) {
+        const at::Tensor view = bucket.full.narrow(0, at[i], p.numel()).view(p.sizes());
+        p.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
+        continue;
+      }
+      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
       allow_access(*storage);
       // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
       storage->set_data_ptr_noswap(c10::DataPtr(base + at[i] * element_size, bucket.device));
-      storage->set_nbytes(static_cast<std::size_t>(bucket.params[i].numel() * element_size));
+      storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
     }
     bucket.resident = true;
   }
 }
 inline void release(State& s, std::size_t u) {
   if (s.held > 0) return;  // summon_full_params() keeps them
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (!bucket.resident) continue;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
-      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
-      else storage->set_nbytes(0);
-    }
-    s.pool.give(bucket.full);
-    bucket.full = at::Tensor();
-    bucket.resident = false;
-  }
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].resident) release_bucket(s, s.buckets[b]);
+}
+// The dtype unit u's parameters hold now, where a policy changed it (for
+// cast_inputs); none otherwise.
+inline std::optional<c10::ScalarType> computes_in(const State& s, std::size_t u) {
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].low) return s.param_dtype;
+  return std::nullopt;
 }
 // A resident unit's parameters given memory of their own (copied out of
-// the pool's buffer), for a module that outlives the engine.
+// the pool's buffer), for a module that outlives the engine. A unit
+// gathered for compute in a policy's param_dtype goes back to rest
+// instead: what it holds is not the parameters' values in their dtype.
 inline void own_storage(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (!bucket.full.defined()) continue;
+    if (bucket.low) {
+      release_bucket(s, bucket);
+      continue;
+    }
     for (auto& p : bucket.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
@@ -7013,15 +7163,8 @@ inline void end_unit_pass(State& s) {
   if (s.units.empty()) return;
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
-      try {
-        bucket.gathering.wait();
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                               detail::error_text(e));
-      }
-      bucket.gathering = {};
-      s.pool.give(bucket.full);
-      bucket.full = at::Tensor();
+      wait_gathering(bucket);
+      release_bucket(s, bucket);  // (not resident: the buffers only)
     }
   for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
   s.new_pass = true;
@@ -7089,7 +7232,7 @@ class UnitByUnit {
     if (current_ != u) {
       if (current_) release(*state_, *current_);
       current_ = u;
-      materialize(*state_, u);
+      materialize(*state_, u, Use::full);
     }
     return p;
   }
@@ -7117,6 +7260,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  std::optional<c10::ScalarType> cast;  // (a policy's cast_forward_inputs: the dtype the unit computes in)
   {
     std::lock_guard lock(state->mutex);
     if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
@@ -7125,9 +7269,11 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
       state->new_pass = false;
     }
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
-    materialize(*state, u);
+    materialize(*state, u, Use::compute);
+    cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+      fetch(*state, *(at + 1), Use::compute);
   }
   struct Release {  // after the forward, also when it throws
     State& state;
@@ -7142,8 +7288,10 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-      if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
-      at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
+      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
+      // A node of our own: its gradient means the unit's backward is done.
+      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
       in.register_hook([weak, u](const at::Tensor&) {
         if (const auto s = weak.lock()) {
           std::lock_guard lock(s->mutex);
@@ -7162,9 +7310,9 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
         if (const auto s = weak.lock()) {
           std::lock_guard lock(s->mutex);
           if (!s->alive) return;
-          materialize(*s, u);
+          materialize(*s, u, Use::compute);
           const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
+          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1), Use::compute);
         }
       });
   } else {
@@ -7311,7 +7459,7 @@ inline void gather_shards(State& s) {
       if (works.size() >= kScattersInFlight) land();
       std::vector<at::Tensor> into;
       for (const auto& p : bucket.params) into.push_back(p.variable_data());
-      works.emplace_back(b, gather_params(s, bucket, std::move(into)));
+      works.emplace_back(b, gather_params(s, bucket, bucket.owned, std::move(into)));
     }
     while (!works.empty()) land();
   } catch (const DistributedError& e) {
@@ -7365,7 +7513,7 @@ inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
   const Bucket& bucket = s.buckets[found->second.first];
   const std::size_t i = found->second.second;
   const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
-  const bool whole = bucket.unit < 0 || bucket.resident;
+  const bool whole = bucket.unit < 0 || (bucket.resident && !bucket.low);  // (low: in a policy's param_dtype)
   return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
                begin};
 }
@@ -7432,7 +7580,7 @@ inline void release_module(State& s) {
   if (s.shard) {
     end_unit_pass(s);
     for (std::size_t u = 0; u < s.units.size(); ++u) {
-      materialize(s, u);
+      materialize(s, u, Use::full);
       own_storage(s, u);  // the module outlives the pool
     }
     ++s.held;  // (release() frees nothing while held)
@@ -7565,10 +7713,12 @@ class DataParallel {
   // group: where parameters are broadcast from, and gradients averaged over
   // when not sharded. shard (of more than one rank): shard along it, and
   // average along replicate as well when given. units (sharded only):
-  // submodules whose parameters are sharded at rest (FULL_SHARD).
+  // submodules whose parameters are sharded at rest (FULL_SHARD). policy
+  // (sharded only; its param_dtype with every parameter in a unit): the
+  // dtypes units compute and gradients reduce in (see MixedPrecisionPolicy).
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
                GroupPtr shard = {}, GroupPtr replicate = {},
-               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {})
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
@@ -7609,6 +7759,7 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
+    if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
       if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
@@ -7782,7 +7933,7 @@ class DataParallel {
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
     if (state_->units.empty()) return FullParameters(nullptr, false);
     std::lock_guard lock(state_->mutex);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u, detail::dp::Use::full);
     ++state_->held;
     return FullParameters(state_, writeback);
   }
@@ -9193,6 +9344,12 @@ struct AcceleratorConfig {
   // first (a unit's own submodules are not asked). Empty: every submodule
   // with parameters of its own (Linear, Conv, Embedding, LayerNorm, ...).
   std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
+  // FULL_SHARD and HYBRID_SHARD: FSDP2's MixedPrecisionPolicy (Accelerate's
+  // FullyShardedDataParallelPlugin.mixed_precision_policy): units gathered
+  // and computed in param_dtype, gradients reduced in reduce_dtype, the
+  // parameters, shards and optimizer state kept in their own dtype (see
+  // mixed_precision.hpp). Empty: everything in the parameters' dtype.
+  MixedPrecisionPolicy mixed_precision_policy{};
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
@@ -12335,9 +12492,9 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
-    return std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
-                                          interface_->get_group(Dim::MP_SHARD),
-                                          interface_->get_group(Dim::MP_REPLICATE), units);
+    return std::make_unique<DataParallel>(
+        module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
+        interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
   }
 
  private:
@@ -12373,6 +12530,17 @@ class AcceleratorSetup {
                             (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
                             std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
+    if (config.mixed_precision_policy.active() && config.sharding_strategy != ShardingStrategy::FULL_SHARD &&
+        config.sharding_strategy != ShardingStrategy::HYBRID_SHARD)
+      throw InvalidArgument(
+          "accel::Accelerator: mixed_precision_policy is FSDP2's, for parameters sharded at rest (FULL_SHARD or "
+          "HYBRID_SHARD); under " +
+          std::string(to_string(config.sharding_strategy)) + " use mixed_precision = \"bf16\" (autocast)");
+    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype})
+      if (dtype && !c10::isFloatingType(*dtype))
+        throw InvalidArgument(
+            std::string("accel::Accelerator: mixed_precision_policy's dtypes are floating-point; got ") +
+            c10::toString(*dtype));
     if (mp == "fp16" &&
         (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
             DeviceType::CUDA)

@@ -17,6 +17,7 @@
 #include "accel/training/torch_nn.hpp"
 #include "accel/training/autograd.hpp"
 #include "accel/training/comm_hooks.hpp"
+#include "accel/training/mixed_precision.hpp"
 #include "accel/training/buckets.hpp"
 #include "accel/training/dp_buffers.hpp"
 #include "accel/training/dp_state.hpp"

@@ -110,9 +110,9 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
-    return std::make_unique<DataParallel>(module, interface_->world_group(), bucket_bytes,
-                                          interface_->get_group(Dim::MP_SHARD),
-                                          interface_->get_group(Dim::MP_REPLICATE), units);
+    return std::make_unique<DataParallel>(
+        module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
+        interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
   }
 
  private:
@@ -148,6 +148,17 @@ class AcceleratorSetup {
                             (config.gradient_as_bucket_view ? "gradient_as_bucket_view" : "comm_hook") +
                             " is about the all-reduce of NO_SHARD's buckets; under " +
                             std::string(to_string(config.sharding_strategy)) + " they are reduce-scattered");
+    if (config.mixed_precision_policy.active() && config.sharding_strategy != ShardingStrategy::FULL_SHARD &&
+        config.sharding_strategy != ShardingStrategy::HYBRID_SHARD)
+      throw InvalidArgument(
+          "accel::Accelerator: mixed_precision_policy is FSDP2's, for parameters sharded at rest (FULL_SHARD or "
+          "HYBRID_SHARD); under " +
+          std::string(to_string(config.sharding_strategy)) + " use mixed_precision = \"bf16\" (autocast)");
+    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype})
+      if (dtype && !c10::isFloatingType(*dtype))
+        throw InvalidArgument(
+            std::string("accel::Accelerator: mixed_precision_policy's dtypes are floating-point; got ") +
+            c10::toString(*dtype));
     if (mp == "fp16" &&
         (config.distributed.device ? *config.distributed.device : detail::from_c10(get_current_accelerator().type())) !=
             DeviceType::CUDA)

@@ -3,6 +3,7 @@
 
 #include "accel/core/strategy.hpp"
 #include "accel/training/grad_scaler.hpp"
+#include "accel/training/mixed_precision.hpp"
 #include "accel/training/sampler.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -84,6 +85,12 @@ struct AcceleratorConfig {
   // first (a unit's own submodules are not asked). Empty: every submodule
   // with parameters of its own (Linear, Conv, Embedding, LayerNorm, ...).
   std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
+  // FULL_SHARD and HYBRID_SHARD: FSDP2's MixedPrecisionPolicy (Accelerate's
+  // FullyShardedDataParallelPlugin.mixed_precision_policy): units gathered
+  // and computed in param_dtype, gradients reduced in reduce_dtype, the
+  // parameters, shards and optimizer state kept in their own dtype (see
+  // mixed_precision.hpp). Empty: everything in the parameters' dtype.
+  MixedPrecisionPolicy mixed_precision_policy{};
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",

@@ -80,10 +80,12 @@ class DataParallel {
   // group: where parameters are broadcast from, and gradients averaged over
   // when not sharded. shard (of more than one rank): shard along it, and
   // average along replicate as well when given. units (sharded only):
-  // submodules whose parameters are sharded at rest (FULL_SHARD).
+  // submodules whose parameters are sharded at rest (FULL_SHARD). policy
+  // (sharded only; its param_dtype with every parameter in a unit): the
+  // dtypes units compute and gradients reduce in (see MixedPrecisionPolicy).
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
                GroupPtr shard = {}, GroupPtr replicate = {},
-               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {})
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
@@ -124,6 +126,7 @@ class DataParallel {
       state_->buckets.push_back(std::move(bucket));
     }
     if (state_->shard) detail::dp::make_shards(*state_);
+    if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
       if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
     for (std::size_t u = 0; u < state_->units.size(); ++u) {
@@ -297,7 +300,7 @@ class DataParallel {
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
     if (state_->units.empty()) return FullParameters(nullptr, false);
     std::lock_guard lock(state_->mutex);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u, detail::dp::Use::full);
     ++state_->held;
     return FullParameters(state_, writeback);
   }

@@ -76,7 +76,7 @@ inline void land_scatter(State& s, std::size_t b) {
         shard.mutable_grad().add_(averaged);
       } else {
         shard.mutable_grad() =
-            owned_grads(bucket, reduced.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+            owned_grads(bucket, bucket.owned.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
         shard.mutable_grad().copy_(averaged);
       }
     }
@@ -100,7 +100,8 @@ inline void land_scatter(State& s, std::size_t b) {
 // (a parameter this rank did not use) sends zeros, as the rows path lays
 // them out.
 inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() && large_pieces(bucket);
+  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
+         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
 }
 inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
   const std::size_t n = bucket.params.size();
@@ -109,7 +110,9 @@ inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at:
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < n; ++i) {
     const at::Tensor& p = bucket.params[i];
-    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}) : at::zeros({p.numel()}, bucket.owned.options()));
+    // (in the reduction's dtype: a policy's reduce_dtype casts)
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
+                                       : at::zeros({p.numel()}, rows.options()));
     p.mutable_grad().reset();  // the shard's gradient accumulates it from here
     const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
     rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
@@ -152,11 +155,15 @@ inline void issue_scatter(State& s, std::size_t b) {
   at::NoGradGuard no_grad;
   const std::size_t n = bucket.params.size();
   const int64_t S = s.shard->getSize();
-  const c10::TensorOptions options = bucket.params.front().options();
+  // (the shards' options, in the reduction's dtype: a parameter may hold a
+  // policy's param_dtype now, while its unit runs)
+  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
   // Where the folded chunks land: straight in the shards' gradients when
-  // every one is none (the usual step, after zero_grad()), so that landing
-  // copies nothing; else in a pooled buffer, added into them when it lands.
+  // every one is none (the usual step, after zero_grad()) and the reduction
+  // is in their dtype, so that landing copies nothing; else in a pooled
+  // buffer, added into them when it lands.
   const bool into_grads =
+      options.dtype() == bucket.owned.dtype() &&
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
     bucket.received = s.pool.take(S * bucket.segment, options);

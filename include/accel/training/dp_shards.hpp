@@ -135,7 +135,7 @@ inline void gather_shards(State& s) {
       if (works.size() >= kScattersInFlight) land();
       std::vector<at::Tensor> into;
       for (const auto& p : bucket.params) into.push_back(p.variable_data());
-      works.emplace_back(b, gather_params(s, bucket, std::move(into)));
+      works.emplace_back(b, gather_params(s, bucket, bucket.owned, std::move(into)));
     }
     while (!works.empty()) land();
   } catch (const DistributedError& e) {
@@ -189,7 +189,7 @@ inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
   const Bucket& bucket = s.buckets[found->second.first];
   const std::size_t i = found->second.second;
   const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
-  const bool whole = bucket.unit < 0 || bucket.resident;
+  const bool whole = bucket.unit < 0 || (bucket.resident && !bucket.low);  // (low: in a policy's param_dtype)
   return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
                begin};
 }
@@ -256,7 +256,7 @@ inline void release_module(State& s) {
   if (s.shard) {
     end_unit_pass(s);
     for (std::size_t u = 0; u < s.units.size(); ++u) {
-      materialize(s, u);
+      materialize(s, u, Use::full);
       own_storage(s, u);  // the module outlives the pool
     }
     ++s.held;  // (release() frees nothing while held)

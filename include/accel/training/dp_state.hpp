@@ -10,6 +10,7 @@
 #include "accel/distributed/nested.hpp"
 #include "accel/training/comm_hooks.hpp"
 #include "accel/training/dp_buffers.hpp"
+#include "accel/training/mixed_precision.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -51,6 +52,14 @@ struct Bucket {
   int64_t unit = -1;
   bool resident = true;
   at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
+  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
+  // `full` holds the parameters in that dtype (gathered for compute), the
+  // shards cast to it while their gather is in flight (`cast`, pooled), and
+  // each parameter as it is at rest (`rest`: its own dtype and storage, which
+  // it takes back when released).
+  bool low = false;
+  at::Tensor cast{};
+  std::vector<at::Tensor> rest{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -109,6 +118,12 @@ struct State {
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
   std::vector<torch::optim::Optimizer*> optimizers;
+  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
+  // units compute in (gathered in) and the one gradients are reduced in;
+  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
+  // are cast to the dtype its parameters hold.
+  std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  bool cast_inputs = true;
   BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
@@ -136,9 +151,12 @@ inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& b
 // small parameters would pay it per parameter.
 inline constexpr int kGatherTag = 0x61636365;
 inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
-inline bool large_pieces(const Bucket& bucket) {
-  return bucket.owned.numel() * static_cast<int64_t>(bucket.owned.element_size()) >=
-         kPieceBytes * static_cast<int64_t>(bucket.params.size());
+inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
+  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
+}
+// The dtype bucket b's gradients are reduce-scattered in.
+inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
+  return s.reduce_dtype.value_or(bucket.dtype);
 }
 
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r

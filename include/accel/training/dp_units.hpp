@@ -61,6 +61,34 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   return out;
 }
+// A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
+// shards are made): its dtypes checked and kept, and each unit parameter's
+// tensor at rest kept for release() to give back (see Use).
+inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype})
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw InvalidArgument(
+          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
+          c10::toString(*dtype));
+  if (!s.shard)
+    throw InvalidArgument(
+        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
+        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
+  s.param_dtype = policy.param_dtype;
+  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  s.cast_inputs = policy.cast_forward_inputs;
+  if (!s.param_dtype) return;
+  for (auto& bucket : s.buckets) {
+    if (bucket.unit < 0)
+      throw InvalidArgument(
+          "accel::DataParallel: a MixedPrecisionPolicy's param_dtype needs every parameter in a fully sharded "
+          "unit (FULL_SHARD or HYBRID_SHARD, with auto_wrap_policy choosing them); a parameter of shape " +
+          c10::str(bucket.params.front().sizes()) + " is in none");
+    if (!c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
+    for (const auto& p : bucket.params) bucket.rest.push_back(p.variable_data());
+  }
+}
+
 // What a kernel that reads a unit's parameter at rest throws (where
 // LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
 // and the way out.
@@ -104,9 +132,9 @@ inline void allow_access(Storage& storage) {
   if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
 }
 
-// The all-gather of a bucket's shards (`owned`, as it is) into its
-// parameters' places: once the Work lands, into[i] holds parameter i's
-// values. On Gloo with CPU tensors the gather is point to point
+// The all-gather of a bucket's shards (`source`: `owned` as it is, or cast
+// to a policy's param_dtype) into its parameters' places: once the Work
+// lands, into[i] holds parameter i's values. On Gloo with CPU tensors the gather is point to point
 // (staging.hpp), without a buffer of c10d's per step: where the bucket's
 // pieces are large (large_pieces, dp_state.hpp) and every into[i]
 // contiguous, each peer's chunk of each parameter is received straight
@@ -115,18 +143,18 @@ inline void allow_access(Storage& storage) {
 // pool, copied out when it lands. (Every rank takes the same path: the
 // sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
 // rows (NCCL's is the fast one), copied out likewise.
-inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vector<at::Tensor> into) {
-  const int64_t S = s.shard->getSize(), width = bucket.owned.numel(), r = s.shard->getRank();
-  c10d::ProcessGroup* g = detail::enter_all_gather(bucket.owned, s.shard);  // (a shard group has 2 ranks or more)
-  const bool direct = detail::direct_gather_fits(*g, bucket.owned, bucket.owned);
-  const bool pieces = direct && large_pieces(bucket) && std::all_of(into.begin(), into.end(), [](const at::Tensor& t) {
-                        return t.is_cpu() && t.is_contiguous();
-                      });
+inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, const at::Tensor& source,
+                                      std::vector<at::Tensor> into) {
+  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
+  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
+  const bool direct = detail::direct_gather_fits(*g, source, source);
+  const bool pieces =
+      direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
+      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
   if (pieces) {
     std::vector<at::Tensor> mine;
     for (std::size_t i = 0; i < into.size(); ++i)
-      mine.push_back(
-          bucket.owned.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
+      mine.push_back(source.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
     auto place = [&](int from, std::size_t i) {
       const auto [begin, length] = chunk_range(from, bucket.chunks[i], into[i].numel());
       return into[i].view({-1}).narrow(0, begin, length);
@@ -134,7 +162,7 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
     return Work<at::Tensor>(
         detail::then(detail::start_all_gather_pieces(*g, mine, place, kGatherTag), [] { return at::Tensor(); }));
   }
-  at::Tensor rows = s.pool.take(S * width, bucket.owned.options()).view({S, width});
+  at::Tensor rows = s.pool.take(S * width, source.options()).view({S, width});
   auto copy_out = [&s, rows, into = std::move(into), offsets = bucket.offsets, chunks = bucket.chunks]() mutable {
     at::NoGradGuard no_grad;
     for (std::size_t i = 0; i < into.size(); ++i) write_rows(rows, offsets[i], chunks[i], into[i]);
@@ -143,8 +171,8 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
   };
   if (direct)
     return Work<at::Tensor>(
-        detail::then(detail::start_all_gather_direct(*g, bucket.owned, rows, kGatherTag), std::move(copy_out)));
-  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, bucket.owned, rows), std::move(copy_out)));
+        detail::then(detail::start_all_gather_direct(*g, source, rows, kGatherTag), std::move(copy_out)));
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, source, rows), std::move(copy_out)));
 }
 
 // A unit's parameters: fetch() takes one pooled buffer per bucket, the
@@ -155,84 +183,147 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, std::vecto
 // with it the version counter: autograd accepts the values it saved in
 // forward); release() takes the storage away again (the buffer goes back
 // to the pool).
+//
+// Under a MixedPrecisionPolicy's param_dtype (FSDP2's), a gather for
+// compute (Use::compute: a unit's forward and backward) sends the shards
+// cast to that dtype, and the parameters take it while the unit runs:
+// each parameter's tensor is given the buffer's view, dtype and all
+// (TensorImpl::shallow_copy_from, what Tensor::set_data does, without
+// set_data's reset of the gradient accumulator: the accumulator made at
+// wrapping, in the parameter's own dtype, stays, and autograd casts the
+// gradient to that dtype before it accumulates, so gradients and shards
+// keep the parameters' dtype); release() gives each its tensor at rest
+// back. Every other gather (summon_full_params, save_model, free_memory)
+// is in the parameters' own dtype (Use::full), as FSDP's full-precision
+// state dict.
+enum class Use { compute, full };
 inline int64_t aligned(int64_t elements, int64_t element_size) {
   const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
   return (elements + per_line - 1) / per_line * per_line;
 }
-// Where each parameter of a unit's bucket starts in its buffer, and the buffer's length (the last entry).
-inline std::vector<int64_t> places_in_full(const Bucket& bucket) {
-  const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
+// Where each parameter of a unit's bucket starts in its buffer of elements
+// of element_size bytes, and the buffer's length (the last entry).
+inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
   std::vector<int64_t> at{0};
   for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
   return at;
 }
-inline void fetch(State& s, std::size_t u) {
+// Whether a gather for `use` is in the policy's param_dtype. Not while
+// summon_full_params() holds the units: they stay in full precision, and a
+// unit called then computes in it.
+inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
+  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
+}
+inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
+  return bucket.low ? *s.param_dtype : bucket.dtype;
+}
+inline void wait_gathering(Bucket& bucket) {
+  try {
+    bucket.gathering.wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                           detail::error_text(e));
+  }
+  bucket.gathering = {};
+}
+// A bucket's parameters back at rest, and its buffers back in the pool.
+inline void release_bucket(State& s, Bucket& bucket) {
+  if (bucket.resident)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (bucket.low) {
+        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
+        continue;  // (its own storage never left rest)
+      }
+      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+      else storage->set_nbytes(0);
+    }
+  for (at::Tensor* lent : {&bucket.full, &bucket.cast}) {
+    s.pool.give(*lent);
+    *lent = at::Tensor();
+  }
+  bucket.resident = false;
+  bucket.low = false;
+}
+inline void fetch(State& s, std::size_t u, Use use) {
   at::NoGradGuard no_grad;
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
-    if (bucket.resident || bucket.gathering.valid()) continue;
-    const std::vector<int64_t> at = places_in_full(bucket);
-    bucket.full = s.pool.take(at.back(), bucket.owned.options());
+    const bool low = gathers_low(s, bucket, use);
+    if (bucket.resident || bucket.gathering.valid()) {
+      if (bucket.low == low) continue;
+      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
+      release_bucket(s, bucket);                             // in the other precision: gathered again
+    }
+    bucket.low = low;
+    const c10::ScalarType dtype = gathered_dtype(s, bucket);
+    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
+    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
+    if (low) bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.options()).copy_(bucket.owned);
     std::vector<at::Tensor> into;
     for (std::size_t i = 0; i < bucket.params.size(); ++i)
       into.push_back(bucket.full.narrow(0, at[i], bucket.params[i].numel()));
     try {
-      bucket.gathering = gather_params(s, bucket, std::move(into));
+      bucket.gathering = gather_params(s, bucket, low ? bucket.cast : bucket.owned, std::move(into));
     } catch (const DistributedError& e) {
-      s.pool.give(bucket.full);
-      bucket.full = at::Tensor();
+      release_bucket(s, bucket);  // (not resident: the buffers only)
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
   }
 }
-inline void materialize(State& s, std::size_t u) {
-  fetch(s, u);
+inline void materialize(State& s, std::size_t u, Use use) {
+  fetch(s, u, use);
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident) continue;
-    try {
-      bucket.gathering.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                             detail::error_text(e));
-    }
-    bucket.gathering = {};
-    const std::vector<int64_t> at = places_in_full(bucket);
+    wait_gathering(bucket);
+    s.pool.give(bucket.cast);
+    bucket.cast = at::Tensor();
+    const auto element_size = static_cast<int64_t>(bucket.full.element_size());
+    const std::vector<int64_t> at = places_in_full(bucket, element_size);
     auto* base = static_cast<char*>(bucket.full.data_ptr());
-    const auto element_size = static_cast<int64_t>(bucket.owned.element_size());
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      at::Tensor& p = bucket.params[i];
+      if (bucket.low) {
+        const at::Tensor view = bucket.full.narrow(0, at[i], p.numel()).view(p.sizes());
+        p.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
+        continue;
+      }
+      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
       allow_access(*storage);
       // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
       storage->set_data_ptr_noswap(c10::DataPtr(base + at[i] * element_size, bucket.device));
-      storage->set_nbytes(static_cast<std::size_t>(bucket.params[i].numel() * element_size));
+      storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
     }
     bucket.resident = true;
   }
 }
 inline void release(State& s, std::size_t u) {
   if (s.held > 0) return;  // summon_full_params() keeps them
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (!bucket.resident) continue;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
-      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
-      else storage->set_nbytes(0);
-    }
-    s.pool.give(bucket.full);
-    bucket.full = at::Tensor();
-    bucket.resident = false;
-  }
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].resident) release_bucket(s, s.buckets[b]);
+}
+// The dtype unit u's parameters hold now, where a policy changed it (for
+// cast_inputs); none otherwise.
+inline std::optional<c10::ScalarType> computes_in(const State& s, std::size_t u) {
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].low) return s.param_dtype;
+  return std::nullopt;
 }
 // A resident unit's parameters given memory of their own (copied out of
-// the pool's buffer), for a module that outlives the engine.
+// the pool's buffer), for a module that outlives the engine. A unit
+// gathered for compute in a policy's param_dtype goes back to rest
+// instead: what it holds is not the parameters' values in their dtype.
 inline void own_storage(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (!bucket.full.defined()) continue;
+    if (bucket.low) {
+      release_bucket(s, bucket);
+      continue;
+    }
     for (auto& p : bucket.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
@@ -249,15 +340,8 @@ inline void end_unit_pass(State& s) {
   if (s.units.empty()) return;
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
-      try {
-        bucket.gathering.wait();
-      } catch (const DistributedError& e) {
-        throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                               detail::error_text(e));
-      }
-      bucket.gathering = {};
-      s.pool.give(bucket.full);
-      bucket.full = at::Tensor();
+      wait_gathering(bucket);
+      release_bucket(s, bucket);  // (not resident: the buffers only)
     }
   for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
   s.new_pass = true;
@@ -325,7 +409,7 @@ class UnitByUnit {
     if (current_ != u) {
       if (current_) release(*state_, *current_);
       current_ = u;
-      materialize(*state_, u);
+      materialize(*state_, u, Use::full);
     }
     return p;
   }
@@ -353,6 +437,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  std::optional<c10::ScalarType> cast;  // (a policy's cast_forward_inputs: the dtype the unit computes in)
   {
     std::lock_guard lock(state->mutex);
     if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
@@ -361,9 +446,11 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
       state->new_pass = false;
     }
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
-    materialize(*state, u);
+    materialize(*state, u, Use::compute);
+    cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end()) fetch(*state, *(at + 1));
+    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+      fetch(*state, *(at + 1), Use::compute);
   }
   struct Release {  // after the forward, also when it throws
     State& state;
@@ -378,8 +465,10 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-      if (!a.requires_grad() || !at::GradMode::is_enabled()) return at::Tensor(a);
-      at::Tensor in = a.view_as(a);  // a node of our own: its gradient means the unit's backward is done
+      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
+      // A node of our own: its gradient means the unit's backward is done.
+      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
       in.register_hook([weak, u](const at::Tensor&) {
         if (const auto s = weak.lock()) {
           std::lock_guard lock(s->mutex);
@@ -398,9 +487,9 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
         if (const auto s = weak.lock()) {
           std::lock_guard lock(s->mutex);
           if (!s->alive) return;
-          materialize(*s, u);
+          materialize(*s, u, Use::compute);
           const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1));
+          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1), Use::compute);
         }
       });
   } else {

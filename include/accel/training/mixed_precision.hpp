@@ -1,0 +1,35 @@
+// accel/training/mixed_precision.hpp: MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's.
+//
+// FSDP2's MixedPrecisionPolicy (fully_shard's mp_policy; Accelerate's
+// FullyShardedDataParallelPlugin.mixed_precision_policy). The parameters,
+// their shards, gradients and optimizer state keep their own dtype (fp32
+// masters); what changes is what travels and computes:
+// - param_dtype: each unit's parameters are all-gathered in this dtype (half
+//   the bytes of fp32 for bf16) and hold it while the unit runs, so its
+//   forward and backward compute in it; between units and between steps the
+//   parameters are at rest in their own dtype.
+// - reduce_dtype: the gradients are reduce-scattered in this dtype, then
+//   added to the shards' gradients in theirs. Unset: param_dtype, as FSDP2
+//   (set it to the parameters' dtype, e.g. kFloat, for full-precision
+//   reductions).
+// - cast_forward_inputs: a unit's floating-point input tensors are cast to
+//   the dtype its parameters hold (FSDP2's default); its outputs stay in it.
+// It applies where parameters are sharded at rest (FULL_SHARD,
+// HYBRID_SHARD), with every parameter in a unit; elsewhere mixed precision
+// is mixed_precision = "bf16" (autocast).
+#pragma once
+
+#include "accel/training/torch_nn.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+struct MixedPrecisionPolicy {
+  std::optional<c10::ScalarType> param_dtype{};
+  std::optional<c10::ScalarType> reduce_dtype{};
+  bool cast_forward_inputs = true;
+
+  // Whether it changes anything (a dtype set).
+  bool active() const { return param_dtype.has_value() || reduce_dtype.has_value(); }
+};
+
+ACCEL_NAMESPACE_END
