@@ -821,17 +821,24 @@ TEST_SUITE("python_fsdp2" * doctest::skip()) {
         {"no_shard", accel::ShardingStrategy::NO_SHARD},
         {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
         {"full_shard", accel::ShardingStrategy::FULL_SHARD},
-        {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD}};
+        {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD},
+        {"full_shard_bf16", accel::ShardingStrategy::FULL_SHARD}};
     REQUIRE(strategies.count(mode) == 1);
     accel::AcceleratorConfig c = config();
     c.sharding_strategy = strategies.at(mode);
+    if (mode == "full_shard_bf16")  // (fsdp2_ref.py's MixedPrecisionPolicy; its output_dtype is the cast below)
+      c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
     if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
     accel::Accelerator accelerator(c);
     const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
     Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
     accelerator.load_model(model, std::string(dir) + "/init");
-    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-2));  // fsdp2_ref.py's LR
-    accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, adam));
+    // fsdp2_ref.py's optimizer_for: Adam at its LR; SGD with momentum under the bf16 policy
+    std::unique_ptr<torch::optim::Optimizer> chosen;
+    if (mode == "full_shard_bf16")
+      chosen = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    else chosen = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+    accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, *chosen));
     std::map<std::string, at::Tensor> batches;
     for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors"))
       batches.insert(named);
@@ -839,7 +846,8 @@ TEST_SUITE("python_fsdp2" * doctest::skip()) {
     REQUIRE(x.size(1) % P == 0);
     const int64_t b = x.size(1) / P;
     for (int64_t step = 0; step < x.size(0); ++step) {
-      const at::Tensor loss = torch::mse_loss(model(x[step].narrow(0, r * b, b)), y[step].narrow(0, r * b, b));
+      const at::Tensor out = model(x[step].narrow(0, r * b, b)).to(at::kFloat);
+      const at::Tensor loss = torch::mse_loss(out, y[step].narrow(0, r * b, b));
       accelerator.backward(loss);
       optimizer.step();
       optimizer.zero_grad();

@@ -8,7 +8,7 @@
 # trixie's 2.6).
 #
 #     run_fsdp2.sh ACCEL_LAUNCH TEST_BINARY MODE WORLD
-#     MODE: no_shard | shard_grad_op | full_shard | hybrid_shard
+#     MODE: no_shard | shard_grad_op | full_shard | hybrid_shard | full_shard_bf16
 set -euo pipefail
 launch=${1:?usage: run_fsdp2.sh ACCEL_LAUNCH TEST_BINARY MODE WORLD}
 binary=${2:?usage: run_fsdp2.sh ACCEL_LAUNCH TEST_BINARY MODE WORLD}
