@@ -6110,7 +6110,9 @@ ACCEL_NAMESPACE_END
 //   the dtype its parameters hold (FSDP2's default); its outputs stay in it.
 // It applies where parameters are sharded at rest (FULL_SHARD,
 // HYBRID_SHARD), with every parameter in a unit; elsewhere mixed precision
-// is mixed_precision = "bf16" (autocast).
+// is mixed_precision = "bf16" (autocast). Where nothing is sharded (one
+// process, mp_shard_size == 1) there is no gather to cast in, and the model
+// trains in its own dtype.
 
 ACCEL_NAMESPACE_BEGIN
 

@@ -1,6 +1,7 @@
 // Sharded data parallel, per process: allocator bytes and step time of
 // accel::Accelerator with NO_SHARD, SHARD_GRAD_OP (ZeRO-2) and FULL_SHARD
-// (ZeRO-3, each Linear a unit), Adam on an MLP
+// (ZeRO-3, each Linear a unit; full_shard_bf16: under a MixedPrecisionPolicy
+// of bf16 parameters and fp32 reductions), Adam on an MLP
 // of 4 x 2048 x 2048 (16.8 M parameters). Every CPU allocation LibTorch makes
 // goes through a counting allocator (c10::SetCPUAllocator), so the figures
 // are allocator bytes, not RSS. Rank 0 prints, per figure, the largest over
@@ -18,7 +19,7 @@
 // tests/gpu/run_gpu.sh) the allocator figures, which count CPU bytes, are
 // not printed: the tensors live on the device.
 //
-//     bench_sharding <no_shard|shard_grad_op|full_shard> <trials> <steps>
+//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16> <trials> <steps>
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -56,9 +57,11 @@ int main(int argc, char** argv) {
   counting.install();
 
   accel::AcceleratorConfig config;
-  config.sharding_strategy = strategy == "shard_grad_op" ? accel::ShardingStrategy::SHARD_GRAD_OP
-                             : strategy == "full_shard"  ? accel::ShardingStrategy::FULL_SHARD
-                                                         : accel::ShardingStrategy::NO_SHARD;
+  const bool bf16 = strategy == "full_shard_bf16";
+  config.sharding_strategy = strategy == "shard_grad_op"        ? accel::ShardingStrategy::SHARD_GRAD_OP
+                             : strategy == "full_shard" || bf16 ? accel::ShardingStrategy::FULL_SHARD
+                                                                : accel::ShardingStrategy::NO_SHARD;
+  if (bf16) config.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
   accel::Accelerator accelerator(config);
   const double rss_before = resident_mb();  // (LibTorch and the process group: what no variant changes)
   torch::manual_seed(0);
@@ -82,7 +85,7 @@ int main(int argc, char** argv) {
                    y = at::randn({kBatch, kWidth}, generator).to(device);
   auto step = [&] {
     optimizer.zero_grad(/*set_to_none=*/true);
-    accelerator.backward(torch::mse_loss(accel::unit_forward(model, x), y));
+    accelerator.backward(torch::mse_loss(accel::unit_forward(model, x).to(at::kFloat), y));  // (bf16 out: fp32 loss)
     optimizer.step();
   };
   for (int i = 0; i < 2; ++i) step();  // warm-up: optimizer state exists

@@ -3,7 +3,9 @@ Adam under DistributedDataParallel, with torch's ZeroRedundancyOptimizer
 (optimizer state sharded by whole parameters; "zero") or a plain Adam
 ("no_shard"); or under FSDP2 (torch >= 2.7: `fully_shard` on every Linear
 and the root, as accel's units; "fsdp2_full_shard" reshards after forward,
-ZeRO-3, "fsdp2_shard_grad_op" does not, ZeRO-2). FSDP2's averaging on
+ZeRO-3, "fsdp2_shard_grad_op" does not, ZeRO-2; "fsdp2_full_shard_bf16":
+ZeRO-3 under MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32,
+output_dtype=float32), bench_sharding.cpp's full_shard_bf16). FSDP2's averaging on
 Gloo sums (pytorch#162338); set_force_sum_reduction_for_comms(True) makes it
 sum and divide, as the accel side does. Rank 0 prints, the largest over the
 processes,
@@ -14,7 +16,7 @@ between_steps_mb or peak_mb. With ACCEL_BENCH_DEVICE=cuda: NCCL and the
 GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. Run under
 tests/launch.cpp.
 
-    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op> <trials> <steps>
+    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16> <trials> <steps>
 """
 
 import os
@@ -64,13 +66,17 @@ def main():
     model = nn.Sequential(*layers).to(device)
     if variant.startswith("fsdp2_"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        reshard = variant == "fsdp2_full_shard"
+        reshard = variant != "fsdp2_shard_grad_op"
+        policy = MixedPrecisionPolicy()
+        if variant == "fsdp2_full_shard_bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                          output_dtype=torch.float32)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        ddp = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         for module in ddp.modules():
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)

@@ -4,7 +4,8 @@
 # Python's DistributedDataParallel with a plain Adam and with
 # ZeroRedundancyOptimizer (Debian's python3-torch; Gloo), Adam on an MLP of
 # 4 x 2048 x 2048 (16.8 M parameters), batch 16 per process, at 2 and 4
-# processes, one intra-op thread each, interleaved. Writes sharding.csv and
+# processes, one intra-op thread each, interleaved; FULL_SHARD under a bf16
+# MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same). Writes sharding.csv and
 # sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
 # the test command.
 #
@@ -29,14 +30,14 @@ if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
   CMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   export CMAKE_PREFIX_PATH
   python=$top/build/pip-venv/bin/python3
-  python_variants=(no_shard zero fsdp2_shard_grad_op fsdp2_full_shard)
+  python_variants=(no_shard zero fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16)
 fi
 source "$(dirname "$0")/common.sh"
 bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
-    for variant in no_shard shard_grad_op full_shard; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
+    for variant in no_shard shard_grad_op full_shard full_shard_bf16; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
     for variant in "${python_variants[@]}"; do run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
   done
 done
@@ -49,8 +50,10 @@ def cell(figure, world, variant, fmt="{:.1f}"):
     v = rows.get((figure, world, variant))
     return fmt.format(statistics.median(v)) if v else "-"
 variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_OP"), ("full_shard", "accel FULL_SHARD"),
+            ("full_shard_bf16", "accel FULL_SHARD, bf16 policy"),
             ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer"),
-            ("python_fsdp2_shard_grad_op", "Python FSDP2, ZeRO-2"), ("python_fsdp2_full_shard", "Python FSDP2, ZeRO-3")]
+            ("python_fsdp2_shard_grad_op", "Python FSDP2, ZeRO-2"), ("python_fsdp2_full_shard", "Python FSDP2, ZeRO-3"),
+            ("python_fsdp2_full_shard_bf16", "Python FSDP2, ZeRO-3, bf16 policy")]
 import torch
 lines = [f"Sharded data parallel, LibTorch and Python torch {torch.__version__}, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
