@@ -108,6 +108,7 @@ def main():
     if not cuda:
         reset_peak_resident()
     times = []
+    cpu_start = time.process_time()  # every thread of this process: bench_sharding.cpp's cpu_ms
     for _ in range(trials):
         dist.barrier()
         start = time.perf_counter()
@@ -117,10 +118,11 @@ def main():
             torch.cuda.synchronize()
         dist.barrier()
         times.append((time.perf_counter() - start) / steps * 1e3)
+    cpu_per_step = (time.process_time() - cpu_start) / (trials * steps) * 1e3
 
-    def report(figure, value, unit):
+    def report(figure, value, unit, op=dist.ReduceOp.MAX):
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
         if dist.get_rank() == 0:
             print(f"CSV,sharding_{figure},{dist.get_world_size()},python_{variant}{suffix},{params},{t.item():.6g},{unit}",
                   flush=True)
@@ -131,6 +133,7 @@ def main():
         report("rss_between_mb", rss_between - rss_before, "MiB")
         report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB")
     report("step_ms", statistics.median(times), "ms")
+    report("cpu_ms", cpu_per_step, "ms", dist.ReduceOp.SUM)  # all processes together
     # Every figure is out. No teardown: torch 1.13's can deadlock when a DDP model goes (seen at 4 processes: the
     # main thread in ~Reducer -> ~ProcessGroupGloo waiting for the group's mutex while its worker thread, holding
     # it, frees a tensor and waits for the GIL), which left a run spinning until the launcher's timeout.

@@ -60,9 +60,10 @@ lines = [f"Sharded data parallel, LibTorch and Python torch {torch.__version__},
          "between two steps (after step, before the next zero_grad); medians over rounds.", "",
          "The two RSS columns, read from /proc on both sides (Python's allocator has no counting hook): resident "
          "memory added since before the model was built, between two steps and at the peak of the timed steps "
-         "(VmHWM after a reset); they include what each process's malloc keeps of freed blocks.", "",
-         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | RSS between steps | peak RSS | ms/step |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "(VmHWM after a reset); they include what each process's malloc keeps of freed blocks. CPU ms/step: the CPU "
+         "time of every thread of every process per step, summed (steadier than wall time where busy threads outnumber cores).", "",
+         "| processes | variant | parameters (+ shards) | gradients | optimizer state | all CPU bytes between steps | of which engine buffers kept | peak CPU bytes in a step | RSS between steps | peak RSS | ms/step | CPU ms/step |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for world in sorted({w for _, w, _ in rows}):
     for key, name in variants:
         if ("step_ms", world, key) not in rows:
@@ -70,7 +71,7 @@ for world in sorted({w for _, w, _ in rows}):
         lines.append(f"| {world} | {name} | {cell('params_mb', world, key)} | {cell('grads_mb', world, key)} | "
                      f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | {cell('buffers_mb', world, key)} | "
                      f"{cell('peak_mb', world, key)} | {cell('rss_between_mb', world, key)} | {cell('rss_peak_mb', world, key)} | "
-                     f"{cell('step_ms', world, key, '{:.0f}')} |")
+                     f"{cell('step_ms', world, key, '{:.0f}')} | {cell('cpu_ms', world, key, '{:.0f}')} |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
