@@ -3,7 +3,8 @@
 // A ReadyHook on each parameter's gradient accumulator marks the gradient
 // ready; when a bucket is complete (and every bucket before it issued, so
 // that every rank issues the same sequence) issue_bucket flattens it and
-// starts its all-reduce (through the communication hook) or, sharded, its
+// starts its all-reduce (through a registered communication hook, or the
+// default's division made by the flattening copy) or, sharded, its
 // reduce-scatter (dp_scatter.hpp), without waiting. finish_unsharded waits for the
 // all-reduces and writes the averaged gradients back.
 #pragma once
@@ -36,11 +37,30 @@ inline void issue_bucket(State& state, std::size_t b) {
   if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
     bucket.persistent = bucket.packing.buffer(options);
   bucket.flat = bucket.persistent;
+  // Without a registered hook the default one's work is done here: the
+  // gradients divided by the group's size, then all-reduced. Where they are
+  // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
+  // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
+  // two, with div_'s kernel and divisor, so the same bits. The used-flags
+  // stay undivided there: finish reads only whether they are above zero.
+  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
+  if (by_default && !bucket.divisor.defined()) {
+    // A wrapped number, as div_(Scalar) makes of its argument, made once: in
+    // the bucket's dtype, so that no division casts it (and allocates); in
+    // float for bfloat16 and float16, whose kernels read the divisor as
+    // float (so a world size they cannot hold exactly still divides exactly).
+    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
+    bucket.divisor =
+        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
+    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
+  }
   for (std::size_t i = 0; i < n; ++i) {
     at::Tensor& p = bucket.params[i];
-    const at::Tensor view = bucket.packing.view(bucket.flat, i);
+    at::Tensor view = bucket.packing.view(bucket.flat, i);
     if (!p.grad().defined()) {
       view.zero_();
+    } else if (divide_in_copy) {
+      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
     } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
       view.copy_(p.grad());
       if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
@@ -48,8 +68,13 @@ inline void issue_bucket(State& state, std::size_t b) {
   }
   write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
   try {
-    GradBucket hooked = grad_bucket(state, b, bucket.flat);
-    bucket.work = state.hook(state.group, hooked);
+    if (by_default) {
+      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
+      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
+    } else {
+      GradBucket hooked = grad_bucket(state, b, bucket.flat);
+      bucket.work = state.hook(state.group, hooked);
+    }
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
                            detail::error_text(e));
