@@ -6311,7 +6311,7 @@ struct Bucket {
   at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
   // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
   at::Tensor persistent{};
-  at::Tensor divisor{};  // not sharded, the default hook: the group's size, divided by as the gradients are copied in
+  at::Tensor divisor{};  // not sharded, no registered hook: the group's size, the gradients' divisor (dp_reducer.hpp)
   Work<at::Tensor> work{};
   // Sharded: a rank's segment holds its chunk of each parameter
   // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
