@@ -2,16 +2,17 @@
 # clang++ -Wall -Wextra -Werror over every translation unit of the project that
 # includes accel.hpp: a full semantic check (templates instantiated) without
 # code generation (clang's warnings come from its front end). Against
-# Debian's LibTorch: with libc++ on 1.13 (its headers do not compile with
-# clang 14 and libstdc++ 12 in C++20; the CTest entry clang_werror_check),
-# with libstdc++ on 2.6 (clang 19 in the trixie root, tests/trixie/leg.sh).
+# Debian's LibTorch 2.6 and libstdc++ 14, with clang 19 in the trixie root
+# (tests/trixie/leg.sh). (Not on 1.13: its headers do not compile with clang 14
+# and libstdc++ 12 in C++20, and a check against libc++ judged a build no one
+# can link, as LibTorch is built for libstdc++.)
 # accel.hpp and include/accel/ are included with -I, so their warnings count;
 # LibTorch's system headers do not.
-#   clang_check.sh CLANGXX SOURCE_DIR [STDLIB (libc++)]
+#   clang_check.sh CLANGXX SOURCE_DIR [STDLIB (libstdc++)]
 set -euo pipefail
 clangxx=$1
 root=$2
-stdlib=${3:-libc++}
+stdlib=${3:-libstdc++}
 flags=(-std=c++20 -stdlib="$stdlib" -fsyntax-only -Wall -Wextra -Werror -Wno-missing-field-initializers
        -I"$root" -I"$root/include" -isystem /usr/include/torch/csrc/api/include)  # Debian's home of torch/torch.h
 # Two compilers at once (the machines CI runs on have two cores); every
