@@ -27,13 +27,16 @@ if [[ -z $T ]]; then
 else
   # The README's pip commands, word for word (T: the torch package's directory).
   # PyPI's wheel is a CUDA build: its CUDA libraries are linked, NCCL's path compiled.
+  # (The two compile at once: this entry holds four processors for its ranks.)
   N=$T/../nvidia
   g++ -std=c++20 main.cpp -o main_nccl -isystem $T/include -isystem $T/include/torch/csrc/api/include \
     -isystem $N/nccl/include -isystem $N/cu13/include -L$T/lib -Wl,-rpath,$T/lib \
-    -Wl,--no-as-needed -ltorch_cuda -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10
+    -Wl,--no-as-needed -ltorch_cuda -Wl,--as-needed -ltorch_cpu -lc10_cuda -lc10 &
+  nccl_build=$!
   # The CPU-only form: no NCCL path, whatever nccl.h the system has.
   g++ -std=c++20 -DACCEL_WITH_NCCL=0 main.cpp -o main -isystem $T/include \
     -isystem $T/include/torch/csrc/api/include -L$T/lib -Wl,-rpath,$T/lib -ltorch_cpu -lc10
+  wait "$nccl_build"
   # The first really holds the NCCL path, the second does not: ACCEL_WITH_NCCL
   # is in the name of accel.hpp's ABI namespace (accel::abi_v..._nccl1).
   nm -C main_nccl | grep -c "accel::abi_v[0-9_]*t[0-9]*_nccl1::" >/dev/null || { echo "main_nccl: no NCCL path"; exit 1; }
