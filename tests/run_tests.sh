@@ -9,15 +9,22 @@
 #         leg runs.
 #   1.13  Debian bookworm's libtorch-dev on this machine, g++ 12: what only it
 #         proves: the quick suites on the oldest supported LibTorch (with
-#         mpirun, two hosts, the sampler against Python 1.13), the header
-#         copied alone, and clang 14's -Werror check and fuzzers; and the
-#         checks no LibTorch version changes, cheapest on its smaller headers:
-#         every part compiled alone, the compile-failure cases, the
-#         diagnostics kept out of line, and a user's -Werror build (GCC 12).
+#         mpirun, two hosts, the sampler against Python 1.13), built at
+#         Release's -O3 as users build them, the header copied alone, and
+#         clang 14's fuzzers; and the checks no LibTorch version changes,
+#         cheapest on its smaller headers: every part compiled alone, the
+#         compile-failure cases, the diagnostics kept out of line, and a
+#         user's -Werror build (GCC 12).
 #   2.6   Debian trixie's libtorch-dev in a root made once under the build
 #         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
 #         g++ 14 (the quick suites, a user's -Werror build) and clang 19's
 #         -Werror check of every translation unit (tests/clang_check.sh).
+# The pip and 2.6 legs build the test binaries at -O1: code generation is
+# most of their compile time (a test file: 181 s at -O3, 119 at -O1, g++ 12),
+# the suites run as fast (LibTorch does the work), and CI must stay within
+# its hour. The 1.13 leg keeps -O3, the probes of a user's build (werror_,
+# diagnostics_) and the benchmarks are -O3 on every leg, and the sanitizer
+# build is -O0.
 # ACCEL_LEGS="pip", "1.13" or "2.6" (or several) runs those legs; arguments go
 # to ctest instead of each leg's own selection (e.g. -L quick).
 set -euo pipefail

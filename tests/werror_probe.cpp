@@ -1,5 +1,5 @@
 // What a user's translation unit instantiates, compiled with the project's
-// compiler at the build's optimisation level and -Wall -Wextra -Werror, and
+// compiler at -O3 (CMake's Release) and -Wall -Wextra -Werror, and
 // without the -Wno-missing-field-initializers the test sources need: the
 // training example (Accelerator, DataParallel, loaders, checkpoints,
 // safetensors weights), the

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The LibTorch 2.6 leg of tests/run_tests.sh, run inside the trixie root
 # (tests/trixie/in_root.sh):
-#   g++ 14:   the same CMake/CTest build as on 1.13, with the quick suites
-#             (every multi-rank suite, torchrun patched for a torch without
-#             libuv, the examples) but the FSDP2 references (Python's FSDP2
-#             is compared live with the newest torch, on the pip leg), and a
-#             user's -Werror build (GCC 14 warns where GCC 12 does not); the
-#             nested sanitizer and consumer builds run on the pip leg;
+#   g++ 14:   the test binaries at -O1 (run_tests.sh says why), with the
+#             quick suites (every multi-rank suite, torchrun patched for a
+#             torch without libuv) but the FSDP2 references (Python's FSDP2
+#             is compared live with the newest torch, on the pip leg) and the
+#             examples (run on the pip and 1.13 legs; clang 19 below checks
+#             them here), and a user's -Werror build (GCC 14 warns where
+#             GCC 12 does not); the nested sanitizer and consumer builds run
+#             on the pip leg;
 #   clang 19: -Wall -Wextra -Werror over every translation unit against
 #             LibTorch 2.6 and libstdc++ 14 (tests/clang_check.sh: a full
 #             semantic check without code generation, two files at a time).
@@ -21,12 +23,15 @@ build=${1:?usage: leg.sh BUILD_DIR [CTEST_ARGS...]}
 shift
 status=0
 dir=$build/trixie-g
-selections=("-L quick -E ^python_fsdp2_" "-R ^werror_")
+selections=("-L quick -E ^(python_fsdp2_|example_)" "-R ^werror_")
 (($#)) && selections=("$*")
 echo "== LibTorch 2.6, $(g++ --version | head -1)"
 start=$(date +%s)
-cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DACCEL_CLANG_NESTED=OFF -DACCEL_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build "$dir" -j2
+cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DACCEL_CLANG_NESTED=OFF \
+  -DACCEL_BUILD_BENCHMARKS=OFF >/dev/null
+targets=(--target accel_tests accel_launch abi_namespace)  # what the suites above run
+(($#)) && targets=()
+cmake --build "$dir" -j2 "${targets[@]}"
 for selection in "${selections[@]}"; do
   # shellcheck disable=SC2086 (a selection is several ctest words)
   (cd "$dir" && ctest --output-on-failure -j2 --timeout 900 $selection) || status=1
