@@ -24,25 +24,24 @@ diagnostic() {
     }
     on { print }' <<<"$output"
 }
+marked=$(grep -n '// must fail: ' "$source")  # LINE:text ... // must fail: CONCEPT
 status=0
-cases=0
-while IFS= read -r marked; do
-  line=${marked%%:*}
-  concept=${marked##*must fail: }
-  cases=$((cases + 1))
+while IFS= read -r case; do
+  line=${case%%:*}
+  concept=${case##*must fail: }
   if diagnostic "$line" | grep -q "$concept"; then
     echo "line $line: rejected through $concept"
   else
     echo "line $line: no error naming $concept at this line" >&2
     status=1
   fi
-done < <(grep -n '// must fail: ' "$source")
-expected=$(grep -n '// must fail: ' "$source" | cut -d: -f1 | sort -u)
+done <<<"$marked"
+expected=$(cut -d: -f1 <<<"$marked" | sort -u)
 reported=$(grep -oE "$name:[0-9]+:[0-9]+: error:" <<<"$output" | cut -d: -f2 | sort -u)
 if [[ $reported != "$expected" ]]; then
   echo "errors on lines $(echo $reported), the cases are on lines $(echo $expected)" >&2
   status=1
 fi
 ((status == 0)) || echo "$output"
-echo "$cases cases"
+echo "$(wc -l <<<"$marked") cases"
 exit $status
