@@ -3,6 +3,7 @@
 // training_fixtures.hpp precompiled); the suites keep their names across files.
 
 #include "training_fixtures.hpp"
+#include <sstream>
 
 TEST_SUITE("ranks") {
   // Sharded data parallel (ZeRO-2 and ZeRO-3): the training of one process
@@ -809,50 +810,59 @@ TEST_SUITE("ranks") {
 // written by Python), the same batches (DIR/batches.safetensors: x and y,
 // [steps, global batch, features], this process's rows of each), Adam with
 // the same learning rate; the trained model goes to DIR/cpp_MODE_WORLD for
-// fsdp2_ref.py to compare.
+// fsdp2_ref.py to compare. One run trains each mode of ACCEL_FSDP2_MODES (a
+// space-separated list), each in a world of its own, one after the other.
+namespace {
+void train_as_python(const std::string& dir, const std::string& mode) {
+  CAPTURE(mode);
+  const std::map<std::string, accel::ShardingStrategy> strategies{
+      {"no_shard", accel::ShardingStrategy::NO_SHARD},
+      {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
+      {"full_shard", accel::ShardingStrategy::FULL_SHARD},
+      {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD},
+      {"full_shard_bf16", accel::ShardingStrategy::FULL_SHARD}};
+  REQUIRE(strategies.count(mode) == 1);
+  accel::AcceleratorConfig c = config();
+  c.sharding_strategy = strategies.at(mode);
+  if (mode == "full_shard_bf16")  // (fsdp2_ref.py's MixedPrecisionPolicy; its output_dtype is the cast below)
+    c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
+  if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
+  accel::Accelerator accelerator(c);
+  const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
+  Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
+  accelerator.load_model(model, std::string(dir) + "/init");
+  // fsdp2_ref.py's optimizer_for: Adam at its LR; SGD with momentum under the bf16 policy
+  std::unique_ptr<torch::optim::Optimizer> chosen;
+  if (mode == "full_shard_bf16")
+    chosen = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  else chosen = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
+  accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, *chosen));
+  std::map<std::string, at::Tensor> batches;
+  for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors")) batches.insert(named);
+  const at::Tensor &x = batches.at("x"), &y = batches.at("y");
+  REQUIRE(x.size(1) % P == 0);
+  const int64_t b = x.size(1) / P;
+  for (int64_t step = 0; step < x.size(0); ++step) {
+    const at::Tensor out = model(x[step].narrow(0, r * b, b)).to(at::kFloat);
+    const at::Tensor loss = torch::mse_loss(out, y[step].narrow(0, r * b, b));
+    accelerator.backward(loss);
+    optimizer.step();
+    optimizer.zero_grad();
+  }
+  accelerator.save_model(model, std::string(dir) + "/cpp_" + mode + "_" + std::to_string(P));
+  release_world();
+}
+}  // namespace
+
 TEST_SUITE("python_fsdp2" * doctest::skip()) {
-  TEST_CASE("train: Python's start, batches and optimizer under ACCEL_FSDP2_MODE") {
+  TEST_CASE("train: Python's start, batches and optimizer in each mode of ACCEL_FSDP2_MODES") {
     const char* dir = std::getenv("ACCEL_FSDP2_DIR");
-    const char* mode_name = std::getenv("ACCEL_FSDP2_MODE");
+    const char* modes = std::getenv("ACCEL_FSDP2_MODES");
     REQUIRE(dir != nullptr);
-    REQUIRE(mode_name != nullptr);
-    const std::string mode = mode_name;
-    const std::map<std::string, accel::ShardingStrategy> strategies{
-        {"no_shard", accel::ShardingStrategy::NO_SHARD},
-        {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
-        {"full_shard", accel::ShardingStrategy::FULL_SHARD},
-        {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD},
-        {"full_shard_bf16", accel::ShardingStrategy::FULL_SHARD}};
-    REQUIRE(strategies.count(mode) == 1);
-    accel::AcceleratorConfig c = config();
-    c.sharding_strategy = strategies.at(mode);
-    if (mode == "full_shard_bf16")  // (fsdp2_ref.py's MixedPrecisionPolicy; its output_dtype is the cast below)
-      c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
-    if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
-    accel::Accelerator accelerator(c);
-    const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
-    Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
-    accelerator.load_model(model, std::string(dir) + "/init");
-    // fsdp2_ref.py's optimizer_for: Adam at its LR; SGD with momentum under the bf16 policy
-    std::unique_ptr<torch::optim::Optimizer> chosen;
-    if (mode == "full_shard_bf16")
-      chosen = std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-    else chosen = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2));
-    accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, *chosen));
-    std::map<std::string, at::Tensor> batches;
-    for (auto& named : accel::detail::read_safetensors(std::string(dir) + "/batches.safetensors"))
-      batches.insert(named);
-    const at::Tensor &x = batches.at("x"), &y = batches.at("y");
-    REQUIRE(x.size(1) % P == 0);
-    const int64_t b = x.size(1) / P;
-    for (int64_t step = 0; step < x.size(0); ++step) {
-      const at::Tensor out = model(x[step].narrow(0, r * b, b)).to(at::kFloat);
-      const at::Tensor loss = torch::mse_loss(out, y[step].narrow(0, r * b, b));
-      accelerator.backward(loss);
-      optimizer.step();
-      optimizer.zero_grad();
-    }
-    accelerator.save_model(model, std::string(dir) + "/cpp_" + mode + "_" + std::to_string(P));
-    release_world();
+    REQUIRE(modes != nullptr);
+    std::istringstream names(modes);
+    int trained = 0;
+    for (std::string mode; names >> mode; ++trained) train_as_python(dir, mode);
+    REQUIRE(trained > 0);
   }
 }

@@ -1,9 +1,13 @@
 """Python's DDP and FSDP2 as the references for accel.hpp's data-parallel and
 sharded training (CTest python_fsdp2_*, tests/python_ref/run_fsdp2.sh).
 
-    python3 fsdp2_ref.py data DIR                   one process: initial weights and batches
-    python3 fsdp2_ref.py train DIR MODE [avg]       every rank (accel_launch N): Python trains
-    python3 fsdp2_ref.py compare DIR MODE WORLD     one process: Python's, accel.hpp's, one process's
+    python3 fsdp2_ref.py data DIR                      one process: initial weights and batches
+    python3 fsdp2_ref.py train DIR [--avg] MODE...     every rank (accel_launch N): Python trains each MODE
+    python3 fsdp2_ref.py compare DIR WORLD MODE...     one process: Python's, accel.hpp's, one process's
+
+Every MODE runs in the same processes, one after the other (one process group;
+a fresh model, mesh and optimizer each): starting Python with torch takes
+longer than training this model.
 
 MODE names accel.hpp's ShardingStrategy and, for Python:
   no_shard       DistributedDataParallel
@@ -95,7 +99,6 @@ def run_steps(model, optimizer, batches, rows):
 
 
 def train(root, mode, average_as_is):
-    dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     net = fresh_model(root)
     if mode == "no_shard":
@@ -129,7 +132,6 @@ def train(root, mode, average_as_is):
         name = f"py_{mode}_{world}" + ("_avg" if average_as_is else "")
         save_file(state, os.path.join(root, name + ".safetensors"))
         save_file(grads, os.path.join(root, name + ".grads.safetensors"))
-    leave_without_teardown()  # (leave.py: a teardown that aborts now and then)
 
 
 def compare(root, mode, world):
@@ -183,8 +185,24 @@ if __name__ == "__main__":
     if command == "data":
         make_data(root)
     elif command == "train":
-        train(root, sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "avg")
+        average_as_is = sys.argv[3] == "--avg"
+        modes = sys.argv[4:] if average_as_is else sys.argv[3:]
+        dist.init_process_group("gloo")
+        own_average = ", FSDP2's own AVG" if average_as_is else ""
+        for mode in modes:
+            if dist.get_rank() == 0:
+                print(f"== Python ({mode}{own_average}) on {dist.get_world_size()} processes", flush=True)
+            train(root, mode, average_as_is)
+        leave_without_teardown()  # (leave.py: a teardown that aborts now and then)
     elif command == "compare":
-        compare(root, sys.argv[3], int(sys.argv[4]))
+        failed = []
+        for mode in sys.argv[4:]:
+            try:
+                compare(root, mode, int(sys.argv[3]))
+            except AssertionError as e:  # (every mode reports; then the run fails naming them)
+                print(f"FAILED {mode}: {e}")
+                failed.append(mode)
+        if failed:
+            sys.exit(f"differ: {' '.join(failed)}")
     else:
         sys.exit(f"unknown command {command}")
