@@ -19,9 +19,9 @@
 #         directory and re-used (tests/trixie/make_root.sh, ~4 min, ~2 GB):
 #         g++ 14 (the quick suites, a user's -Werror build) and clang 19's
 #         -Werror check of every translation unit (tests/clang_check.sh).
-# The pip and 2.6 legs build the test binaries at -O1: code generation is
-# most of their compile time (a test file: 181 s at -O3, 119 at -O1, g++ 12),
-# the suites run as fast (LibTorch does the work), and CI must stay within
+# The pip and 2.6 legs build the test binaries at -Og: code generation is
+# most of their compile time (a test file: 181 s at -O3, 119 at -O1, 90 at
+# -Og, g++ 12), the suites spend theirs in LibTorch, and CI must stay within
 # its hour. The 1.13 leg keeps -O3, the probes of a user's build (werror_,
 # diagnostics_) and the benchmarks are -O3 on every leg, and the sanitizer
 # build is -O0.
