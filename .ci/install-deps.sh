@@ -6,7 +6,7 @@ set -euo pipefail
 # Inside the LibTorch 2.6 root (tests/trixie/make_root.sh), everything was
 # installed when the root was made.
 [[ -f /.accel-root-ready ]] && exit 0
-packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev valgrind clang libclang-rt-14-dev libc++-14-dev libc++abi-14-dev pkg-config python3-torch openmpi-bin iproute2 mmdebstrap "$@")
+packages=(g++ cmake make libtorch-dev libgloo-dev doctest-dev valgrind clang libclang-rt-14-dev pkg-config python3-torch openmpi-bin iproute2 mmdebstrap "$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
