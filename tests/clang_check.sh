@@ -64,12 +64,17 @@ start "ACCEL_CORE_ONLY program (built and linked without LibTorch)" \
 # Then each file from its precompiled header (skipped, with the header's
 # failure reported, where that failed).
 status=0
-declare -A finished=()  # pid -> exit status, for those waited for here
+# A job's exit status; bash lets each pid be waited for once, and a header's
+# job is asked for twice (before its files start, and in the report).
+declare -A finished=()
+succeeded() {  # PID
+  [[ -n ${finished[$1]:-} ]] || { wait "$1" && finished[$1]=0 || finished[$1]=$?; }
+  ((finished[$1] == 0))
+}
 from() {  # PCH FILE...
-  local name=$1 tu defines pid=${pch[$1]}
+  local name=$1 tu defines
   shift
-  [[ -n ${finished[$pid]:-} ]] || { wait "$pid" && finished[$pid]=0 || finished[$pid]=$?; }
-  if ((finished[$pid] != 0)); then
+  if ! succeeded "${pch[$name]}"; then
     echo "clang -Werror: $* not checked: their precompiled header failed" >&2
     status=1
     return 0
@@ -85,9 +90,7 @@ from header examples/quick_start.cpp examples/mesh_demo.cpp tests/bench/bench.cp
   tests/compile_fail.cpp
 from training examples/train_mlp.cpp examples/train_llama.cpp tests/bench/bench_ddp.cpp tests/bench/bench_sharding.cpp
 for k in "${!pids[@]}"; do
-  pid=${pids[$k]}
-  [[ -n ${finished[$pid]:-} ]] || { wait "$pid" && finished[$pid]=0 || finished[$pid]=$?; }
-  if ((finished[$pid] == 0)); then
+  if succeeded "${pids[$k]}"; then
     echo "clang -Werror: ${names[$k]} ok"
   else
     echo "clang -Werror: ${names[$k]} FAILED" >&2
