@@ -26,7 +26,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 launch=${1:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS} tests=${2:?usage: resize_check.sh ACCEL_LAUNCH ACCEL_TESTS}
 ACCEL_RESIZE_DIR=$(mktemp -d)
 export ACCEL_RESIZE_DIR
-trap 'rm -rf "$ACCEL_RESIZE_DIR"' EXIT
+kept=$(mktemp -d)  # saves kept for Python's DCP (keep_for_python)
+trap 'rm -rf "$ACCEL_RESIZE_DIR" "$kept"' EXIT
 suite=(--no-skip -ts=checkpoint_resize --no-intro=true)
 # Saves on $1 processes (the strategy in ACCEL_RESIZE_SAVE), replacing the last checkpoint.
 save() {
@@ -60,8 +61,10 @@ crash() {
     exit 1
   fi
 }
-# Python's DCP loads the last sharded save on 1 and 2 processes: equal to the model gathered. Where
-# Python's torch is 2.7 or newer, its HuggingFaceStorageReader and safetensors must be there.
+# Python's DCP loads sharded saves on 1 and 2 processes: equal to the model gathered. Where Python's
+# torch is 2.7 or newer, its HuggingFaceStorageReader and safetensors must be there. keep_for_python
+# copies the last save aside (the next save replaces it); python_loads checks those and the last save,
+# one start of Python per number of processes.
 dcp_reader=$(python3 -c '
 import sys, torch
 try:
@@ -71,6 +74,12 @@ try:
 except (ImportError, AttributeError) as e:
     print("no" if tuple(map(int, torch.__version__.split(".")[:2])) < (2, 7) else "broken: %s" % e)
 ' 2>/dev/null || echo no)
+for_python=()
+keep_for_python() {  # NAME
+  mkdir "$kept/$1"
+  cp -r "$ACCEL_RESIZE_DIR/checkpoint" "$ACCEL_RESIZE_DIR/whole" "$kept/$1/"
+  for_python+=("$kept/$1/checkpoint" "$kept/$1/whole")
+}
 python_loads() {
   case $dcp_reader in
     yes) ;;
@@ -80,7 +89,7 @@ python_loads() {
   local world
   for world in 1 2; do
     OMP_NUM_THREADS=1 "$launch" --timeout 120 "$world" python3 "$here/python_ref/dcp_check.py" \
-      "$ACCEL_RESIZE_DIR/checkpoint" "$ACCEL_RESIZE_DIR/whole"
+      "${for_python[@]}" "$ACCEL_RESIZE_DIR/checkpoint" "$ACCEL_RESIZE_DIR/whole"
   done
 }
 save 2
@@ -88,7 +97,7 @@ for world in 1 3 4; do load "$world"; done
 ACCEL_RESIZE_BATCH=6 load 3  # a global batch of 18, not 12
 ACCEL_RESIZE_LOAD=full_shard load 4
 ACCEL_RESIZE_SAVE=full_shard save 4
-python_loads
+keep_for_python full_shard
 ACCEL_RESIZE_LOAD=shard_grad_op load 2
 # (every step of the save protocol, both paths; checkpoint_files.hpp)
 for step in "files written" "manifest written" "exchanged" renames:"between renames" renames:renamed; do

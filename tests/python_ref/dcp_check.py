@@ -1,7 +1,11 @@
 """Python's torch.distributed.checkpoint (DCP) reading a sharded checkpoint of
 accel.hpp (CTest checkpoint_resize, tests/resize_check.sh).
 
-    python3 dcp_check.py CHECKPOINT WHOLE           one process, or each rank under accel_launch N
+    python3 dcp_check.py CHECKPOINT WHOLE [CHECKPOINT WHOLE...]
+                                    one process, or each rank under accel_launch N
+
+Each pair is checked in turn, on a model and an optimizer of its own (one
+start of Python for several checkpoints: importing torch is most of a run).
 
 CHECKPOINT holds what each saving process wrote of the test's Mlp(4, 16, 1)
 and of its Adam's state (checkpoint_shards.hpp: safetensors with
@@ -43,16 +47,13 @@ class Mlp(torch.nn.Module):
         return self.body(x)
 
 
-def main(checkpoint, whole):
+def check(checkpoint, whole, mesh):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(5)  # weights unlike the saved ones: the load must replace every one
     model = Mlp()
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
+    if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
-        dist.init_process_group("gloo")
-        mesh = init_device_mesh("cpu", (world,))
         for layer in model.body:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -85,10 +86,24 @@ def main(checkpoint, whole):
             raise SystemExit(f"{name}: DCP loaded {full}, the C++ run holds {expected[name]}")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        print(f"DCP on {world} process(es): {len(expected)} tensors (the model's, Adam's state) equal to the C++ run's")
+        print(f"DCP on {world} process(es): {len(expected)} tensors (the model's, Adam's state) of {checkpoint} "
+              "equal to the C++ run's")
+
+
+def main(pairs):
+    if not pairs or len(pairs) % 2:
+        raise SystemExit("usage: dcp_check.py CHECKPOINT WHOLE [CHECKPOINT WHOLE...]")
+    mesh = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for checkpoint, whole in zip(pairs[::2], pairs[1::2]):
+        check(checkpoint, whole, mesh)
     if dist.is_initialized():
         leave_without_teardown()  # every rank has checked (leave.py: a teardown that aborts now and then)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1:])
