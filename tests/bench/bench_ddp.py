@@ -5,7 +5,7 @@ communication hook (fp16: default_hooks.fp16_compress_hook; powersgd:
 powerSGD_hook of rank 1 from step 2). Rank 0 prints
     CSV,ddp_step,<world>,python_ddp[_fp16],<params>,<ms per step>,ms
 once per trial, and its loss after the last step (ddp_loss). Run each rank
-with Debian's /usr/bin/python3 under tests/launch.cpp (run_ddp_bench.sh does).
+with the leg's Python under tests/launch.cpp (run_ddp_bench.sh does).
 With ACCEL_BENCH_DEVICE=cuda: NCCL and the GPU (the variant ends in _cuda), as
 bench_ddp.cpp on a machine with one.
 

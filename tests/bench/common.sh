@@ -7,7 +7,22 @@
 #       is reported, then and again at the end, and the benchmark goes on;
 #       ACCEL_BENCH_TIMEOUT (seconds, default 900) ends a run that stops
 #       progressing (a reference rank that spins) and counts it as failed
+#   $python   the Python the references run on: Debian's python3-torch (1.13
+#       here, 2.6 in the trixie root), or with ACCEL_BENCH_LEG=pip the pip
+#       leg's venv (tests/pip/make_venv.sh), whose LibTorch the benchmark
+#       is then built against (in build/bench-pip; results in
+#       tests/bench/results/pip)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+python=/usr/bin/python3
+if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
+  bash "$root/tests/pip/make_venv.sh" "$root/build/pip-venv"
+  export PATH="$root/build/pip-venv/bin:$PATH"
+  CMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  export CMAKE_PREFIX_PATH
+  python=$root/build/pip-venv/bin/python3
+  export ACCEL_BUILD_DIR=${ACCEL_BUILD_DIR:-$root/build/bench-pip}
+  export ACCEL_BENCH_OUT=${ACCEL_BENCH_OUT:-$root/tests/bench/results/pip}
+fi
 build=${ACCEL_BUILD_DIR:-$root/build}
 out=${ACCEL_BENCH_OUT:-$root/tests/bench/results}
 launch=$build/tests/accel_launch

@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 bench_prepare results.csv "python3-torch gnuplot-nox time" accel_bench
 bench=$build/tests/accel_bench
-py=(/usr/bin/python3 "$root/tests/bench/bench_torch.py")
+py=("$python" "$root/tests/bench/bench_torch.py")
 
 run 2 "$bench" overhead
 run 2 "${py[@]}" latency
@@ -27,4 +27,4 @@ ACCEL_CALLGRIND_LIMIT=1e9 bash "$root/tests/callgrind_overhead.sh" "$bench" "${C
 
 # Compile cost has its own script: tests/bench/run_compile_bench.sh.
 
-/usr/bin/python3 "$root/tests/bench/summarize.py" "$csv" "$out"
+"$python" "$root/tests/bench/summarize.py" "$csv" "$out"

@@ -2,7 +2,8 @@
 # reduce_scatter, all_to_all and send/recv through accel.hpp against raw c10d
 # doing the same (in one process, interleaved) and Python torch.distributed
 # (separate runs, interleaved with ours), at 2 and 4 ranks, with whatever
-# LibTorch and python3-torch this machine (or root) has. Writes
+# LibTorch and python3-torch this machine (or root) has (ACCEL_BENCH_LEG=pip:
+# the pip leg's, common.sh). Writes
 # collectives.csv and collectives.md to ACCEL_BENCH_OUT (default
 # tests/bench/results). Slow and noisy: never part of the test command.
 #
@@ -14,10 +15,10 @@ bench_prepare collectives.csv python3-torch accel_bench
 for world in 2 4; do
   for ((trial = 1; trial <= trials; ++trial)); do
     run $world "$build/tests/accel_bench" collectives
-    run $world /usr/bin/python3 "$root/tests/bench/bench_torch.py" collectives
+    run $world "$python" "$root/tests/bench/bench_torch.py" collectives
   done
 done
-/usr/bin/python3 - "$csv" "$out/collectives.md" <<'PY'
+"$python" - "$csv" "$out/collectives.md" <<'PY'
 import collections, csv, statistics, sys
 import torch
 rows = collections.defaultdict(list)

@@ -2,7 +2,8 @@
 # Data-parallel training, side by side in one run: the same MLP (256-1024-
 # 1024-1024-1, 2.4 M parameters, batch 64 per rank, SGD with momentum) trained
 # with accel::Accelerator and with Python's DistributedDataParallel (Debian's
-# python3-torch: 1.13 on bookworm, 2.6 in the trixie root; Gloo), interleaved,
+# python3-torch: 1.13 on bookworm, 2.6 in the trixie root; with
+# ACCEL_BENCH_LEG=pip the pip leg's torch, common.sh; Gloo), interleaved,
 # at 2 and 4 ranks, one intra-op thread per rank on both sides. Writes ddp.csv
 # and ddp.md (step time, samples/s, ratio) to ACCEL_BENCH_OUT (default
 # tests/bench/results). Never part of the test command.
@@ -11,6 +12,8 @@
 #     # on LibTorch 2.6:
 #     bash tests/trixie/in_root.sh build/trixie-root env ACCEL_BUILD_DIR=build/trixie-gcc \
 #       ACCEL_BENCH_OUT=tests/bench/results/libtorch-2.6 bash tests/bench/run_ddp_bench.sh 3 20
+#     # on the pip leg's (results in tests/bench/results/pip):
+#     ACCEL_BENCH_LEG=pip bash tests/bench/run_ddp_bench.sh 3 20 none
 set -euo pipefail
 rounds=${1:-3}
 steps=${2:-30}
@@ -24,11 +27,11 @@ for world in 2 4; do
       run $world "$build/tests/accel_bench_ddp" 3 "$steps" $hook
       # Python's powerSGD_hook aborts on Gloo here (1.13 and 2.6: gloo::EnforceNotMet "op.preamble.length <=
       # op.nbytes"): ours is compared with our plain step only.
-      [[ $hook == powersgd ]] || run $world /usr/bin/python3 "$root/tests/bench/bench_ddp.py" 3 "$steps" $hook
+      [[ $hook == powersgd ]] || run $world "$python" "$root/tests/bench/bench_ddp.py" 3 "$steps" $hook
     done
   done
 done
-/usr/bin/python3 - "$csv" "$out/ddp.md" <<'PY'
+"$python" - "$csv" "$out/ddp.md" <<'PY'
 import collections, csv, os, statistics, sys
 rows = collections.defaultdict(list)
 params = {}

@@ -15,10 +15,10 @@ bench_prepare mesh.csv python3-torch accel_bench
 for world in 4 8 16; do
   for ((trial = 1; trial <= trials; ++trial)); do  # interleaved: accel, Python, accel, Python, ...
     run $world env -u ACCEL_STORE_DIR "$build/tests/accel_bench" mesh  # a TCPStore, as Python's
-    run $world /usr/bin/python3 "$root/tests/bench/bench_torch.py" mesh
+    run $world "$python" "$root/tests/bench/bench_torch.py" mesh
   done
 done
-/usr/bin/python3 - "$csv" "$out/mesh.md" <<'PY'
+"$python" - "$csv" "$out/mesh.md" <<'PY'
 import collections, csv, statistics, sys
 import torch
 rows = collections.defaultdict(list)

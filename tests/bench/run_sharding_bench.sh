@@ -9,30 +9,20 @@
 # sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
 # the test command.
 #
-# ACCEL_BENCH_LEG=pip: the pip leg's LibTorch and Python instead (its venv,
-# tests/pip/make_venv.sh; build in build/bench-pip, results in
-# tests/bench/results/pip), with Python's FSDP2 (`fully_shard`, ZeRO-2 and
-# ZeRO-3) beside DDP and ZeroRedundancyOptimizer.
+# ACCEL_BENCH_LEG=pip: the pip leg's LibTorch and Python instead (common.sh),
+# with Python's FSDP2 (`fully_shard`, ZeRO-2 and ZeRO-3) beside DDP and
+# ZeroRedundancyOptimizer.
 #
 #     bash tests/bench/run_sharding_bench.sh [rounds (2)] [steps per trial (5)]
 #     ACCEL_BENCH_LEG=pip bash tests/bench/run_sharding_bench.sh 1 3
 set -euo pipefail
 rounds=${1:-2}
 steps=${2:-5}
-python=/usr/bin/python3
+source "$(dirname "$0")/common.sh"
 python_variants=(no_shard zero)
 if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
-  top=$(cd "$(dirname "$0")/../.." && pwd)
-  export ACCEL_BUILD_DIR=${ACCEL_BUILD_DIR:-$top/build/bench-pip}
-  export ACCEL_BENCH_OUT=${ACCEL_BENCH_OUT:-$top/tests/bench/results/pip}
-  bash "$top/tests/pip/make_venv.sh" "$top/build/pip-venv"
-  export PATH="$top/build/pip-venv/bin:$PATH"
-  CMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
-  export CMAKE_PREFIX_PATH
-  python=$top/build/pip-venv/bin/python3
-  python_variants=(no_shard zero fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16)
+  python_variants+=(fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16)
 fi
-source "$(dirname "$0")/common.sh"
 bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
