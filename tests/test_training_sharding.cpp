@@ -1,4 +1,5 @@
-// Training tests, sharded training (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD), and Python's FSDP2 compared (python_fsdp2).
+// Training tests, sharded training (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD), the fused Adam it steps shards with,
+// and Python's FSDP2 compared (python_fsdp2).
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with
 // training_fixtures.hpp precompiled); the suites keep their names across files.
 
@@ -10,10 +11,15 @@ TEST_SUITE("ranks") {
   // on the global batch, every replica identical, optimizer state and
   // gradients 1/S (and under FULL_SHARD the parameters at rest: none).
   TEST_CASE("sharding: SHARD_GRAD_OP and FULL_SHARD train as one process on the global batch, with 1/S of the state") {
-    for (const int variant : {0, 1, 2, 3, 4, 5}) {  // SGD momentum, Adam, SGD momentum with 2 accumulation steps; x2
-      const auto strategy = variant < 3 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::FULL_SHARD;
-      const bool adam = variant % 3 == 1;
-      const int micro = variant % 3 == 2 ? 2 : 1;
+    // SGD momentum, Adam, SGD momentum with 2 accumulation steps; x2; then accel::FusedAdam under each
+    // (where LibTorch has its kernel, 2.4 on): the kernel steps each shard's values as the whole parameter's.
+    std::vector<int> variants{0, 1, 2, 3, 4, 5};
+    if (accel::detail::has_fused_adam) variants.insert(variants.end(), {6, 7});
+    for (const int variant : variants) {
+      const auto strategy =
+          variant < 3 || variant == 6 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::FULL_SHARD;
+      const bool fused = variant >= 6, adam = variant % 3 == 1 || fused;
+      const int micro = variant % 3 == 2 && !fused ? 2 : 1;
       CAPTURE(variant);
       accel::AcceleratorConfig c = config(micro);
       c.sharding_strategy = strategy;
@@ -46,6 +52,7 @@ TEST_SUITE("ranks") {
         return copy_of(model, 5, 33, 2);
       }();
       auto make = [&](Mlp& m) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (fused) return std::make_unique<accel::FusedAdam>(m->parameters(), torch::optim::AdamOptions(1e-2));
         if (adam) return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(1e-2));
         return std::make_unique<torch::optim::SGD>(m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
       };
@@ -104,11 +111,13 @@ TEST_SUITE("ranks") {
       if (full) CHECK(at_rest() == 0);
       const auto whole = accelerator.data_parallel(model)->summon_full_params();
       const double difference = (flat_parameters(*model) - flat_parameters(*local)).abs().max().item<double>();
-      MESSAGE(std::string(accel::to_string(strategy))
-              << " at " << P << " process(es), " << std::string(adam ? "Adam" : "SGD momentum")
-              << std::string(micro > 1 ? ", 2 accumulation steps" : "")
-              << ": largest parameter difference to one process " << difference
-              << ", gradient norm relative difference " << worst_norm);
+      MESSAGE(std::string(accel::to_string(strategy)) << " at " << P << " process(es), "
+                                                      << std::string(fused  ? "FusedAdam"
+                                                                     : adam ? "Adam"
+                                                                            : "SGD momentum")
+                                                      << std::string(micro > 1 ? ", 2 accumulation steps" : "")
+                                                      << ": largest parameter difference to one process " << difference
+                                                      << ", gradient norm relative difference " << worst_norm);
       CHECK(difference < 1e-5);
       CHECK(worst_norm < 1e-5);
       if (P > 1) CHECK(identical_across_ranks(*model, world().world_group()));
@@ -864,5 +873,140 @@ TEST_SUITE("python_fsdp2" * doctest::skip()) {
     int trained = 0;
     for (std::string mode; names >> mode; ++trained) train_as_python(dir, mode);
     REQUIRE(trained > 0);
+  }
+}
+
+// accel::FusedAdam / FusedAdamW (fused_adam.hpp): LibTorch's fused kernel,
+// checked live against Python's Adam(fused=True) / AdamW(fused=True) on the
+// leg's own torch (the same kernel: the same bits), and against
+// torch::optim::Adam / AdamW (another order of rounding: close, not equal).
+namespace {
+// Two parameters (37 values, and 3 x 5) and, at each step, gradients made by
+// the same ops on both sides; the parameters' bits after 5 steps.
+const char* fused_adam_python = R"(
+import torch
+for decoupled in (False, True):
+    for amsgrad in (False, True):
+        for weight_decay in (0.0, 0.1):
+            a = torch.linspace(-1, 1, 37)
+            b = torch.linspace(0.5, -2, 15).reshape(3, 5)
+            ps = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+            kind = torch.optim.AdamW if decoupled else torch.optim.Adam
+            opt = kind(ps, lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, amsgrad=amsgrad, fused=True)
+            for step in range(5):
+                for i, p in enumerate(ps):
+                    p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (0.37 * (step + 1) + i)).reshape(p.shape)
+                opt.step()
+            print(int(decoupled), int(amsgrad), weight_decay, *[v for p in ps for v in p.detach().view(torch.int32).flatten().tolist()])
+)";
+
+// Runs our side: the same lines as the script above prints, with `Kind` the
+// optimizer (FusedAdam: fused; torch::optim::Adam: LibTorch's own) for each
+// setting; the parameters kept in `out` (for the closeness check).
+template <class Adam, class AdamW>
+std::string fused_adam_lines(std::vector<std::vector<at::Tensor>>* out = nullptr) {
+  std::ostringstream lines;
+  for (const bool decoupled : {false, true})
+    for (const bool amsgrad : {false, true})
+      for (const double weight_decay : {0.0, 0.1}) {
+        std::vector<at::Tensor> ps{at::linspace(-1, 1, 37).requires_grad_(),
+                                   at::linspace(0.5, -2, 15).reshape({3, 5}).requires_grad_()};
+        std::unique_ptr<torch::optim::Optimizer> opt;
+        if (decoupled)
+          opt = std::make_unique<AdamW>(ps, torch::optim::AdamWOptions(0.01)
+                                                .betas({0.9, 0.99})
+                                                .eps(1e-8)
+                                                .weight_decay(weight_decay)
+                                                .amsgrad(amsgrad));
+        else
+          opt = std::make_unique<Adam>(
+              ps,
+              torch::optim::AdamOptions(0.01).betas({0.9, 0.99}).eps(1e-8).weight_decay(weight_decay).amsgrad(amsgrad));
+        for (int step = 0; step < 5; ++step) {
+          for (std::size_t i = 0; i < ps.size(); ++i)
+            ps[i].mutable_grad() =
+                at::sin(at::arange(ps[i].numel(), at::kFloat) * (0.37 * (step + 1) + static_cast<double>(i)))
+                    .reshape(ps[i].sizes());
+          opt->step();
+        }
+        lines << decoupled << ' ' << amsgrad << ' ' << (weight_decay == 0 ? "0.0" : "0.1");
+        for (const auto& p : ps) {
+          const at::Tensor bits = p.detach().view(at::kInt).contiguous();
+          for (int64_t j = 0; j < bits.numel(); ++j) lines << ' ' << bits.data_ptr<int32_t>()[j];
+        }
+        lines << '\n';
+        if (out) out->push_back(ps);
+      }
+  return lines.str();
+}
+}  // namespace
+
+TEST_SUITE("single") {
+  TEST_CASE("FusedAdam and FusedAdamW: Python's fused=True bit for bit, torch::optim::Adam's to rounding") {
+    if (!accel::detail::has_fused_adam) {
+      const std::string refused = what_of([] { accel::FusedAdam adam(std::vector<at::Tensor>{at::zeros({1})}); });
+      MESSAGE("LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << ": " << refused);
+      CHECK(refused.find("accel::FusedAdam needs LibTorch 2.4 or newer") != std::string::npos);
+      CHECK(what_of([] {
+              accel::FusedAdamW adamw(std::vector<at::Tensor>{at::zeros({1})});
+            }).find("use torch::optim::AdamW") != std::string::npos);
+      return;
+    }
+    std::vector<std::vector<at::Tensor>> fused, plain;
+    const std::string ours = fused_adam_lines<accel::FusedAdam, accel::FusedAdamW>(&fused);
+    CHECK(ours == python_output(fused_adam_python, "fused_adam"));
+    fused_adam_lines<torch::optim::Adam, torch::optim::AdamW>(&plain);
+    REQUIRE(fused.size() == plain.size());
+    double worst = 0;
+    for (std::size_t k = 0; k < fused.size(); ++k)
+      for (std::size_t i = 0; i < fused[k].size(); ++i)
+        worst = std::max(worst, (fused[k][i] - plain[k][i]).abs().max().item<double>());
+    MESSAGE("largest difference to torch::optim::Adam / AdamW after 5 steps: " << worst);
+    CHECK(worst < 1e-6);  // the same update, rounded otherwise (a step moves a parameter by about lr = 0.01)
+  }
+
+  TEST_CASE("FusedAdam: LibTorch's state (checkpoints and sharding read it), and what the kernel refuses") {
+    if (!accel::detail::has_fused_adam) return;  // (the constructor refuses: above)
+    Mlp model(4, 8, 1), local = copy_of(model, 4, 8, 1);
+    accel::FusedAdam fused(model->parameters(), torch::optim::AdamOptions(0.01).amsgrad(true));
+    torch::optim::Adam plain(local->parameters(), torch::optim::AdamOptions(0.01).amsgrad(true));
+    const at::Tensor x = at::linspace(-1, 1, 12).reshape({3, 4});
+    for (int step = 0; step < 3; ++step)
+      for (auto [m, o] : {std::pair<Mlp*, torch::optim::Optimizer*>{&model, &fused}, {&local, &plain}}) {
+        o->zero_grad();
+        (*m)(x).pow(2).sum().backward();
+        o->step();
+      }
+    REQUIRE(fused.state().size() == plain.state().size());
+    const auto params = model->parameters(), local_params = local->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& f = static_cast<const torch::optim::AdamParamState&>(
+          *fused.state().find(accel::detail::dp::state_key(fused.state(), params[i].unsafeGetTensorImpl()))->second);
+      const auto& p = static_cast<const torch::optim::AdamParamState&>(
+          *plain.state()
+               .find(accel::detail::dp::state_key(plain.state(), local_params[i].unsafeGetTensorImpl()))
+               ->second);
+      CHECK(f.step() == 3);
+      CHECK(f.step() == p.step());
+      CHECK(at::allclose(f.exp_avg(), p.exp_avg(), 1e-5, 1e-7));
+      CHECK(at::allclose(f.exp_avg_sq(), p.exp_avg_sq(), 1e-5, 1e-7));
+      CHECK(at::allclose(f.max_exp_avg_sq(), p.max_exp_avg_sq(), 1e-5, 1e-7));
+    }
+    // A closure, as LibTorch's step takes it: its loss comes back.
+    const at::Tensor loss = fused.step([&] {
+      fused.zero_grad();
+      const at::Tensor l = model(x).pow(2).sum();
+      l.backward();
+      return l;
+    });
+    CHECK(loss.defined());
+    // Gradients the kernel cannot take, named.
+    at::Tensor w = at::ones({4}).requires_grad_();
+    accel::FusedAdam one(std::vector<at::Tensor>{w});
+    w.mutable_grad() = at::ones({4}, at::kDouble);
+    CHECK(what_of([&] { one.step(); }).find("parameter 0 of its group is Float on cpu with a gradient of Double") !=
+          std::string::npos);
+    w.mutable_grad() = at::ones({4}).to_sparse();
+    CHECK(what_of([&] { one.step(); }).find("accel::FusedAdam does not support sparse gradients") != std::string::npos);
   }
 }

@@ -30,6 +30,7 @@
 #include "accel/training/dispatch.hpp"
 #include "accel/training/loaders.hpp"
 #include "accel/training/grad_scaler.hpp"
+#include "accel/training/fused_adam.hpp"
 #include "accel/training/config.hpp"
 #include "accel/training/checked_file.hpp"
 #include "accel/training/checkpoint_files.hpp"
