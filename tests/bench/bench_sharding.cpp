@@ -19,7 +19,10 @@
 // tests/gpu/run_gpu.sh) the allocator figures, which count CPU bytes, are
 // not printed: the tensors live on the device.
 //
-//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16> <trials> <steps>
+// A variant ending in _fused steps with accel::FusedAdam instead of
+// torch::optim::Adam (LibTorch 2.4 or newer).
+//
+//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16>[_fused] <trials> <steps>
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -58,7 +61,9 @@ double process_cpu_ms() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string strategy = argc > 1 ? argv[1] : "shard_grad_op";
+  const std::string variant_name = argc > 1 ? argv[1] : "shard_grad_op";
+  const bool fused = variant_name.ends_with("_fused");
+  const std::string strategy = fused ? variant_name.substr(0, variant_name.size() - 6) : variant_name;
   const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
   const int steps = argc > 3 ? std::stoi(argv[3]) : 5;
   accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();  // counts to the end
@@ -78,16 +83,18 @@ int main(int argc, char** argv) {
     model->push_back(torch::nn::Linear(kWidth, kWidth));
     model->push_back(torch::nn::ReLU());
   }
-  torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-4));
-  auto prepared = accelerator.prepare(model, adam);
+  std::unique_ptr<torch::optim::Optimizer> adam;
+  if (fused) adam = std::make_unique<accel::FusedAdam>(model->parameters(), torch::optim::AdamOptions(1e-4));
+  else adam = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4));
+  auto prepared = accelerator.prepare(model, *adam);
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   const at::Device device = accelerator.device();
   const std::string variant =  // "_cuda_gloo": Gloo on CUDA tensors (ACCEL_BACKEND=gloo, processes sharing one GPU)
-      strategy + (!device.is_cuda()                                             ? ""
-                  : accel::DistributedInterface::instance().backend() == "gloo" ? "_cuda_gloo"
-                                                                                : "_cuda");
+      variant_name + (!device.is_cuda()                                             ? ""
+                      : accel::DistributedInterface::instance().backend() == "gloo" ? "_cuda_gloo"
+                                                                                    : "_cuda");
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
   const at::Tensor x = at::randn({kBatch, kWidth}, generator).to(device),
                    y = at::randn({kBatch, kWidth}, generator).to(device);
@@ -109,13 +116,13 @@ int main(int argc, char** argv) {
     if (holds) param_bytes += static_cast<int64_t>(p.storage().nbytes());
     grad_bytes += bytes_of(p.grad());
   }
-  for (const auto& group : adam.param_groups())
+  for (const auto& group : adam->param_groups())
     for (const auto& p : group.params())
       if (accelerator.sharding_strategy() != accel::ShardingStrategy::NO_SHARD) {
         param_bytes += bytes_of(p);  // the shards
         grad_bytes += bytes_of(p.grad());
       }
-  for (const auto& entry : adam.state()) {
+  for (const auto& entry : adam->state()) {
     const auto& s = static_cast<torch::optim::AdamParamState&>(*entry.second);
     state_bytes += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq()) + bytes_of(s.max_exp_avg_sq());
   }

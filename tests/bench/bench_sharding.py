@@ -13,10 +13,11 @@ processes,
 for grads_mb and optimizer_mb (held by tensors between two steps) and
 step_ms (median of the trials). Python has no CPU allocator counter, so no
 between_steps_mb or peak_mb. With ACCEL_BENCH_DEVICE=cuda: NCCL and the
-GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. Run under
-tests/launch.cpp.
+GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. no_shard_fused
+and zero_fused: the same with Adam(fused=True), as bench_sharding.cpp's
+accel::FusedAdam variants. Run under tests/launch.cpp.
 
-    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16> <trials> <steps>
+    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16>[_fused] <trials> <steps>
 """
 
 import os
@@ -48,6 +49,8 @@ def reset_peak_resident():
 
 def main():
     variant = sys.argv[1] if len(sys.argv) > 1 else "zero"
+    fused = variant.endswith("_fused")  # Adam(fused=True): torch's fused kernel (on the CPU from torch 2.4)
+    kind = variant.removesuffix("_fused")
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     cuda = os.environ.get("ACCEL_BENCH_DEVICE") == "cuda"
@@ -68,9 +71,9 @@ def main():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        reshard = variant != "fsdp2_shard_grad_op"
+        reshard = kind != "fsdp2_shard_grad_op"
         policy = MixedPrecisionPolicy()
-        if variant == "fsdp2_full_shard_bf16":
+        if kind == "fsdp2_full_shard_bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                           output_dtype=torch.float32)
         for layer in model:
@@ -82,10 +85,10 @@ def main():
                 module.set_force_sum_reduction_for_comms(True)
     else:
         ddp = nn.parallel.DistributedDataParallel(model)
-    if variant == "zero":
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+    if kind == "zero":
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4, fused=fused)
     else:
-        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+        optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=fused)
     params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     x, y = torch.randn(BATCH, WIDTH, generator=g).to(device), torch.randn(BATCH, WIDTH, generator=g).to(device)
@@ -101,7 +104,7 @@ def main():
         return t.to_local() if hasattr(t, "to_local") else t
 
     grads = sum(local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    inner = optimizer.optim if variant == "zero" else optimizer
+    inner = optimizer.optim if kind == "zero" else optimizer
     state = sum(local(t).numel() * t.element_size() for s in inner.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)
     rss_between = resident_mb()

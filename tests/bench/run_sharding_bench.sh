@@ -5,7 +5,8 @@
 # ZeroRedundancyOptimizer (Debian's python3-torch; Gloo), Adam on an MLP of
 # 4 x 2048 x 2048 (16.8 M parameters), batch 16 per process, at 2 and 4
 # processes, one intra-op thread each, interleaved; FULL_SHARD under a bf16
-# MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same). Writes sharding.csv and
+# MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same); from torch 2.4 on, with
+# accel::FusedAdam and Python's Adam(fused=True) as well. Writes sharding.csv and
 # sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
 # the test command.
 #
@@ -19,15 +20,22 @@ set -euo pipefail
 rounds=${1:-2}
 steps=${2:-5}
 source "$(dirname "$0")/common.sh"
+accel_variants=(no_shard shard_grad_op full_shard full_shard_bf16)
 python_variants=(no_shard zero)
 if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
   python_variants+=(fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16)
+fi
+# With torch 2.4 or newer (its fused Adam kernel on the CPU): accel::FusedAdam
+# and Python's Adam(fused=True) too.
+if "$python" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 4))'; then
+  accel_variants+=(no_shard_fused shard_grad_op_fused full_shard_fused)
+  python_variants+=(no_shard_fused zero_fused)
 fi
 bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
-    for variant in no_shard shard_grad_op full_shard full_shard_bf16; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
+    for variant in "${accel_variants[@]}"; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
     for variant in "${python_variants[@]}"; do run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
   done
 done
@@ -43,7 +51,10 @@ variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_
             ("full_shard_bf16", "accel FULL_SHARD, bf16 policy"),
             ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer"),
             ("python_fsdp2_shard_grad_op", "Python FSDP2, ZeRO-2"), ("python_fsdp2_full_shard", "Python FSDP2, ZeRO-3"),
-            ("python_fsdp2_full_shard_bf16", "Python FSDP2, ZeRO-3, bf16 policy")]
+            ("python_fsdp2_full_shard_bf16", "Python FSDP2, ZeRO-3, bf16 policy"),
+            ("no_shard_fused", "accel NO_SHARD, FusedAdam"), ("shard_grad_op_fused", "accel SHARD_GRAD_OP, FusedAdam"),
+            ("full_shard_fused", "accel FULL_SHARD, FusedAdam"), ("python_no_shard_fused", "Python DDP + Adam(fused=True)"),
+            ("python_zero_fused", "Python DDP + ZeroRedundancyOptimizer(Adam, fused=True)")]
 import torch
 lines = [f"Sharded data parallel, LibTorch and Python torch {torch.__version__}, {os.cpu_count()} cores, one thread per process; Adam on 4 x 2048 x 2048 "
          "(16.8 M parameters), batch 16 per process. Per process, the largest over the processes; MiB held "
