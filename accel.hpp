@@ -9315,8 +9315,8 @@ namespace detail {
 inline constexpr bool has_fused_adam = TORCH_VERSION_MAJOR > 2 ||
                                        (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4);
 
-// Constructed first among a fused optimizer's members: refuses a LibTorch
-// without the kernels before anything is made.
+// A fused optimizer's first member: on a LibTorch without the kernels its
+// construction fails, so no such optimizer exists to step.
 struct FusedAdamSupport {
   explicit FusedAdamSupport(const char* name) {
     if (!has_fused_adam)
@@ -9346,14 +9346,12 @@ void fused_adam_step(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>
       if (t.device() == device) return t;
     return steps.emplace_back(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device)));
   };
-  auto& state = optimizer.state();
-  for (auto& group : optimizer.param_groups()) {
-    const auto& options = static_cast<const Options&>(group.options());
-    std::vector<Call> calls;
+  // Every gradient of every group checked before anything steps: a refused step leaves it all as it was.
+  for (const auto& group : optimizer.param_groups())
     for (std::size_t i = 0; i < group.params().size(); ++i) {
       const at::Tensor& p = group.params()[i];
-      if (!p.grad().defined()) continue;
       const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
       if (grad.is_sparse()) throw InvalidArgument(std::string(name) + " does not support sparse gradients");
       if (!p.is_floating_point() || grad.scalar_type() != p.scalar_type() || grad.device() != p.device())
         throw InvalidArgument(std::string(name) + ": parameter " + std::to_string(i) + " of its group is " +
@@ -9361,6 +9359,14 @@ void fused_adam_step(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>
                               " with a gradient of " + std::string(c10::toString(grad.scalar_type())) + " on " +
                               grad.device().str() +
                               " (the fused kernel takes floating parameters with gradients of their dtype and device)");
+    }
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const Options&>(group.options());
+    std::vector<Call> calls;
+    for (const at::Tensor& p : group.params()) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
       auto found = state.find(p.unsafeGetTensorImpl());
       if (found == state.end()) {  // as LibTorch's Adam::step makes it
         auto fresh = std::make_unique<ParamState>();

@@ -1008,5 +1008,6 @@ TEST_SUITE("single") {
           std::string::npos);
     w.mutable_grad() = at::ones({4}).to_sparse();
     CHECK(what_of([&] { one.step(); }).find("accel::FusedAdam does not support sparse gradients") != std::string::npos);
+    CHECK(one.state().empty());  // a refused step moves nothing (no state made, no count advanced)
   }
 }
