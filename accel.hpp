@@ -6227,8 +6227,8 @@ ACCEL_NAMESPACE_END
 // is given back to the pool once the collective that used it has landed,
 // and the next request of about the same size and kind takes it again.
 // The pool holds what the busiest moment of a step needed (the engine
-// bounds that: at most two buckets in flight, see dp_scatter.hpp, and a
-// unit's prefetch beside the unit running, see dp_units.hpp); clear()
+// bounds that: at most one or two buckets in flight, see dp_scatter.hpp,
+// and a unit's prefetch beside the unit running, see dp_units.hpp); clear()
 // gives it back, as torch.cuda.empty_cache() does for the caching allocator.
 
 #include <deque>
@@ -6497,16 +6497,27 @@ ACCEL_NAMESPACE_END
 // too. issue_scatter starts it as soon as the bucket is complete;
 // land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers come from the state's pool (dp_buffers.hpp) and
-// at most kScattersInFlight buckets are in flight: issuing one more lands
-// the oldest first, so the pool holds two buckets' buffers, never the whole
-// model's (FSDP2 likewise keeps one reduce-scatter outstanding). A bucket
+// at most scatters_in_flight() buckets are in flight: issuing one more
+// lands the oldest first, so the pool holds one or two buckets' buffers,
+// never the whole model's. A bucket
 // of large parameters on Gloo skips the laying out: its reduce-scatter runs
 // point to point from the gradients themselves (start_direct_scatter).
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-inline constexpr std::size_t kScattersInFlight = 2;
+// How many buckets' reduce-scatters may be in flight at once. Each holds
+// its gradients (whole until reduced) and what it receives: about twice
+// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
+// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
+// outstanding; the bucket issued next lands it. Measured on the sharding
+// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
+// processes), one instead of two: the same FULL_SHARD step time, its peak
+// 32 MiB lower (a unit's gradient and receive buffer). Without units
+// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
+// bucket's messages also overlap the next layer's backward: one measured
+// up to 6 % slower there.
+inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
@@ -6627,12 +6638,12 @@ inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at:
 
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
-// first landing the oldest bucket in flight when kScattersInFlight are.
+// first landing the oldest bucket in flight when scatters_in_flight() are.
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(State& s, std::size_t b) {
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= kScattersInFlight; ++e)
+  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(s, e);
       --in_flight;
@@ -7458,6 +7469,12 @@ inline void check_shards(State& s) {
   }
 }
 
+// How many of gather_shards' all-gathers may be in flight at once: two, so
+// that one bucket's messages travel while the next is issued. (They land
+// in the parameters themselves, so this bounds the pool only where a
+// bucket of small parameters lands in rows.)
+inline constexpr std::size_t kGathersInFlight = 2;
+
 // After the optimizer stepped the shards: every parameter all-gathered
 // from them (one all_gather per bucket, straight into the parameters where
 // it can: gather_params), and the parameters' gradients released (the
@@ -7467,7 +7484,7 @@ inline void gather_shards(State& s) {
   std::lock_guard lock(s.mutex);
   end_unit_pass(s);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
-  // At most kScattersInFlight all-gathers at once (where they land in rows, those come from the pool).
+  // At most kGathersInFlight all-gathers at once (where they land in rows, those come from the pool).
   std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
   auto land = [&] {
     Bucket& bucket = s.buckets[works.front().first];
@@ -7485,7 +7502,7 @@ inline void gather_shards(State& s) {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       Bucket& bucket = s.buckets[b];
       if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
-      if (works.size() >= kScattersInFlight) land();
+      if (works.size() >= kGathersInFlight) land();
       std::vector<at::Tensor> into;
       for (const auto& p : bucket.params) into.push_back(p.variable_data());
       works.emplace_back(b, gather_params(s, bucket, bucket.owned, std::move(into)));

@@ -454,6 +454,44 @@ TEST_SUITE("ranks") {
     }
   }
 
+  // FULL_SHARD's peak within a step, above what it holds between steps (the shards, their gradients and the
+  // engine's pool, which already holds the gathered units and a reduce-scatter's receive buffer): the
+  // gradients autograd makes whole before they are reduce-scattered. One reduce-scatter is in flight
+  // under FULL_SHARD (dp_scatter.hpp), so at most two units' gradients live at once: the one in flight
+  // and the one being made. With two in flight this step held three. Units of 4 MiB (large pieces: their
+  // reduce-scatter sends from the gradients themselves on Gloo); activations and scalars are kilobytes.
+  // Deterministic: the counting allocator's bytes.
+  TEST_CASE("sharding: a FULL_SHARD step holds at most two units' whole gradients beside what it keeps") {
+    accel::AcceleratorConfig c = config();
+    c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+    accel::Accelerator accelerator(c);
+    if (accelerator.num_processes() == 1 || !accelerator.device().is_cpu()) return;  // (CPU bytes are counted)
+    torch::manual_seed(3);
+    Mlp model(1024, 1024, 3, 1024);  // four units of 1024 x 1024 + 1024 floats
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.01));
+    auto prepared = accelerator.prepare(model, sgd);
+    REQUIRE(accelerator.data_parallel(model)->unit_count() == 4u);
+    const int64_t unit = (1024 * 1024 + 1024) * 4;
+    const at::Tensor x = at::randn({4, 1024}), y = at::randn({4, 1024});
+    accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();
+    counting.install();
+    for (int step = 0; step < 4; ++step) {
+      const int64_t before = counting.live();
+      counting.reset_peak();
+      std::get<1>(prepared).zero_grad();
+      accelerator.backward(torch::mse_loss(model(x), y));
+      std::get<1>(prepared).step();
+      const int64_t above = counting.peak() - before;
+      CAPTURE(step);
+      if (step < 2) continue;  // the pool fills
+      MESSAGE(accelerator.num_processes() << " processes, step " << step << ": peak " << above
+                                          << " bytes above those live before it; a unit's gradient " << unit);
+      CHECK(above > unit);                     // the gradient being made is counted
+      CHECK(above <= 2 * unit + (256 << 10));  // and one other, in flight
+    }
+    counting.uninstall();
+  }
+
   TEST_CASE("sharding: an optimizer stepped directly, or not prepared, is an error; checkpoints are per process") {
     namespace fs = std::filesystem;
     accel::AcceleratorConfig c = config();

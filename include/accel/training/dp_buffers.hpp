@@ -9,8 +9,8 @@
 // is given back to the pool once the collective that used it has landed,
 // and the next request of about the same size and kind takes it again.
 // The pool holds what the busiest moment of a step needed (the engine
-// bounds that: at most two buckets in flight, see dp_scatter.hpp, and a
-// unit's prefetch beside the unit running, see dp_units.hpp); clear()
+// bounds that: at most one or two buckets in flight, see dp_scatter.hpp,
+// and a unit's prefetch beside the unit running, see dp_units.hpp); clear()
 // gives it back, as torch.cuda.empty_cache() does for the caching allocator.
 #pragma once
 

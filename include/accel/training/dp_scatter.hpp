@@ -7,9 +7,9 @@
 // too. issue_scatter starts it as soon as the bucket is complete;
 // land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers come from the state's pool (dp_buffers.hpp) and
-// at most kScattersInFlight buckets are in flight: issuing one more lands
-// the oldest first, so the pool holds two buckets' buffers, never the whole
-// model's (FSDP2 likewise keeps one reduce-scatter outstanding). A bucket
+// at most scatters_in_flight() buckets are in flight: issuing one more
+// lands the oldest first, so the pool holds one or two buckets' buffers,
+// never the whole model's. A bucket
 // of large parameters on Gloo skips the laying out: its reduce-scatter runs
 // point to point from the gradients themselves (start_direct_scatter).
 #pragma once
@@ -20,7 +20,18 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-inline constexpr std::size_t kScattersInFlight = 2;
+// How many buckets' reduce-scatters may be in flight at once. Each holds
+// its gradients (whole until reduced) and what it receives: about twice
+// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
+// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
+// outstanding; the bucket issued next lands it. Measured on the sharding
+// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
+// processes), one instead of two: the same FULL_SHARD step time, its peak
+// 32 MiB lower (a unit's gradient and receive buffer). Without units
+// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
+// bucket's messages also overlap the next layer's backward: one measured
+// up to 6 % slower there.
+inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
@@ -141,12 +152,12 @@ inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at:
 
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
-// first landing the oldest bucket in flight when kScattersInFlight are.
+// first landing the oldest bucket in flight when scatters_in_flight() are.
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(State& s, std::size_t b) {
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= kScattersInFlight; ++e)
+  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(s, e);
       --in_flight;

@@ -105,6 +105,12 @@ inline void check_shards(State& s) {
   }
 }
 
+// How many of gather_shards' all-gathers may be in flight at once: two, so
+// that one bucket's messages travel while the next is issued. (They land
+// in the parameters themselves, so this bounds the pool only where a
+// bucket of small parameters lands in rows.)
+inline constexpr std::size_t kGathersInFlight = 2;
+
 // After the optimizer stepped the shards: every parameter all-gathered
 // from them (one all_gather per bucket, straight into the parameters where
 // it can: gather_params), and the parameters' gradients released (the
@@ -114,7 +120,7 @@ inline void gather_shards(State& s) {
   std::lock_guard lock(s.mutex);
   end_unit_pass(s);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
-  // At most kScattersInFlight all-gathers at once (where they land in rows, those come from the pool).
+  // At most kGathersInFlight all-gathers at once (where they land in rows, those come from the pool).
   std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
   auto land = [&] {
     Bucket& bucket = s.buckets[works.front().first];
@@ -132,7 +138,7 @@ inline void gather_shards(State& s) {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
       Bucket& bucket = s.buckets[b];
       if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
-      if (works.size() >= kScattersInFlight) land();
+      if (works.size() >= kGathersInFlight) land();
       std::vector<at::Tensor> into;
       for (const auto& p : bucket.params) into.push_back(p.variable_data());
       works.emplace_back(b, gather_params(s, bucket, bucket.owned, std::move(into)));
