@@ -5,7 +5,7 @@
 // variants see the same machine noise. tests/bench/run_bench.sh drives it.
 //
 //   bench overhead | bandwidth | batching | mesh | alloc | collectives | gpu_all_reduce
-//         | callgrind <calls>
+//         | callgrind <calls> [all_reduce|all_to_all]
 
 #include "accel.hpp"
 
@@ -382,21 +382,34 @@ void alloc() {
 // --instr-atstart=no): raw c10d's loop, then accel.hpp's, each counted from
 // zero and dumped on its own (the dumps .1 and .2 of the output file), so one
 // process (one start of LibTorch under valgrind, most of a run's time) counts
-// both.
-void callgrind(int calls) {
+// both. `what`: "all_reduce" (one float; tests/callgrind_overhead.sh) or
+// "all_to_all" (all_to_all_single into a kept output of 1024 floats against
+// c10d's alltoall_base into it, as part 8 compares them: measured by hand,
+// not by a test).
+void callgrind(int calls, const std::string& what) {
 #if !ACCEL_BENCH_HAS_CALLGRIND
   (void)calls;
+  (void)what;
   throw std::runtime_error("bench was built without <valgrind/callgrind.h> (Debian: valgrind)");
 #else
   auto& dist = accel::DistributedInterface::instance();
   auto g = dist.world_group();
-  at::Tensor t = at::ones({1});
-  for (int i = 0; i < 100; ++i) raw_allreduce(*g, t);  // warm-up, uncounted
+  at::Tensor t = at::ones({what == "all_to_all" ? 1024 : 1}), kept = at::empty_like(t);
+  std::vector<int64_t> splits;
+  std::function<void()> raw = [&] { raw_allreduce(*g, t); };
+  std::function<void()> ours = [&] { accel::all_reduce(t, ReduceOp::SUM, g); };
+  if (what == "all_to_all") {
+    raw = [&] { accel::detail::alltoall_single(*g, kept, t, splits, splits)->wait(); };
+    ours = [&] { (void)accel::all_to_all_single(kept, t, {}, {}, g); };
+  } else if (what != "all_reduce") {
+    throw std::runtime_error("bench callgrind: all_reduce or all_to_all, not " + what);
+  }
+  for (int i = 0; i < 100; ++i) raw();  // warm-up, uncounted
   CALLGRIND_START_INSTRUMENTATION;
   CALLGRIND_ZERO_STATS;
-  for (int i = 0; i < calls; ++i) raw_allreduce(*g, t);
+  for (int i = 0; i < calls; ++i) raw();
   CALLGRIND_DUMP_STATS_AT("raw");
-  for (int i = 0; i < calls; ++i) accel::all_reduce(t, ReduceOp::SUM, g);
+  for (int i = 0; i < calls; ++i) ours();
   CALLGRIND_DUMP_STATS_AT("accel");
   CALLGRIND_STOP_INSTRUMENTATION;
 #endif
@@ -418,11 +431,11 @@ int main(int argc, char** argv) {
   else if (part == "collectives") collectives();
   else if (part == "gpu_all_reduce") gpu_all_reduce();
   else if (part == "overlap") overlap();
-  else if (part == "callgrind" && argc > 2) callgrind(std::atoi(argv[2]));
+  else if (part == "callgrind" && argc > 2) callgrind(std::atoi(argv[2]), argc > 3 ? argv[3] : "all_reduce");
   else {
     std::fprintf(stderr,
                  "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|overlap|gpu_all_reduce|callgrind "
-                 "<calls>\n");
+                 "<calls> [all_reduce|all_to_all]\n");
     return 2;
   }
   accel::DistributedInterface::instance().destroy();
