@@ -20,9 +20,11 @@
 // not printed: the tensors live on the device.
 //
 // A variant ending in _fused steps with accel::FusedAdam instead of
-// torch::optim::Adam (LibTorch 2.4 or newer).
+// torch::optim::Adam (LibTorch 2.4 or newer). hybrid_shard: HYBRID_SHARD on
+// a (2, world / 2) model mesh (HSDP: units sharded along the second
+// dimension, replicated along the first; an even world of 4 or more).
 //
-//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16>[_fused] <trials> <steps>
+//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16|hybrid_shard>[_fused] <trials> <steps>
 #define ACCEL_TRAINING
 #include "accel.hpp"
 
@@ -73,8 +75,10 @@ int main(int argc, char** argv) {
   const bool bf16 = strategy == "full_shard_bf16";
   config.sharding_strategy = strategy == "shard_grad_op"        ? accel::ShardingStrategy::SHARD_GRAD_OP
                              : strategy == "full_shard" || bf16 ? accel::ShardingStrategy::FULL_SHARD
+                             : strategy == "hybrid_shard"       ? accel::ShardingStrategy::HYBRID_SHARD
                                                                 : accel::ShardingStrategy::NO_SHARD;
   if (bf16) config.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
+  if (strategy == "hybrid_shard") config.distributed.mp_replicate_size = 2;  // bench_sharding.py's (2, world / 2) mesh
   accel::Accelerator accelerator(config);
   const double rss_before = resident_mb();  // (LibTorch and the process group: what no variant changes)
   torch::manual_seed(0);

@@ -5,7 +5,9 @@ Adam under DistributedDataParallel, with torch's ZeroRedundancyOptimizer
 and the root, as accel's units; "fsdp2_full_shard" reshards after forward,
 ZeRO-3, "fsdp2_shard_grad_op" does not, ZeRO-2; "fsdp2_full_shard_bf16":
 ZeRO-3 under MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32,
-output_dtype=float32), bench_sharding.cpp's full_shard_bf16). FSDP2's averaging on
+output_dtype=float32), bench_sharding.cpp's full_shard_bf16; "fsdp2_hybrid_shard":
+ZeRO-3 on a (2, world / 2) mesh, replicated along the first dimension and
+sharded along the second, HSDP, bench_sharding.cpp's hybrid_shard). FSDP2's averaging on
 Gloo sums (pytorch#162338); set_force_sum_reduction_for_comms(True) makes it
 sum and divide, as the accel side does. Rank 0 prints, the largest over the
 processes,
@@ -17,7 +19,7 @@ GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. no_shard_fused
 and zero_fused: the same with Adam(fused=True), as bench_sharding.cpp's
 accel::FusedAdam variants. Run under tests/launch.cpp.
 
-    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16>[_fused] <trials> <steps>
+    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16|fsdp2_hybrid_shard>[_fused] <trials> <steps>
 """
 
 import os
@@ -70,7 +72,9 @@ def main():
     if variant.startswith("fsdp2_"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        world = dist.get_world_size()
+        mesh = (init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+                if kind == "fsdp2_hybrid_shard" else init_device_mesh(device.type, (world,)))
         reshard = kind != "fsdp2_shard_grad_op"
         policy = MixedPrecisionPolicy()
         if kind == "fsdp2_full_shard_bf16":

@@ -5,7 +5,8 @@
 # ZeroRedundancyOptimizer (Debian's python3-torch; Gloo), Adam on an MLP of
 # 4 x 2048 x 2048 (16.8 M parameters), batch 16 per process, at 2 and 4
 # processes, one intra-op thread each, interleaved; FULL_SHARD under a bf16
-# MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same); from torch 2.4 on, with
+# MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same), HYBRID_SHARD on a
+# (2, 2) mesh at 4 processes (on the pip leg against FSDP2's HSDP); from torch 2.4 on, with
 # accel::FusedAdam and Python's Adam(fused=True) as well. Writes sharding.csv and
 # sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
 # the test command.
@@ -20,10 +21,10 @@ set -euo pipefail
 rounds=${1:-2}
 steps=${2:-5}
 source "$(dirname "$0")/common.sh"
-accel_variants=(no_shard shard_grad_op full_shard full_shard_bf16)
+accel_variants=(no_shard shard_grad_op full_shard full_shard_bf16 hybrid_shard)
 python_variants=(no_shard zero)
 if [[ ${ACCEL_BENCH_LEG:-} == pip ]]; then
-  python_variants+=(fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16)
+  python_variants+=(fsdp2_shard_grad_op fsdp2_full_shard fsdp2_full_shard_bf16 fsdp2_hybrid_shard)
 fi
 # With torch 2.4 or newer (its fused Adam kernel on the CPU): accel::FusedAdam
 # and Python's Adam(fused=True) too.
@@ -35,8 +36,13 @@ bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 for world in 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
-    for variant in "${accel_variants[@]}"; do run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"; done
-    for variant in "${python_variants[@]}"; do run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"; done
+    # (HSDP on a (2, world / 2) mesh: at 4 processes only; at 2 it would shard nothing)
+    for variant in "${accel_variants[@]}"; do
+      [[ $variant == *hybrid* && $world == 2 ]] || run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"
+    done
+    for variant in "${python_variants[@]}"; do
+      [[ $variant == *hybrid* && $world == 2 ]] || run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"
+    done
   done
 done
 "$python" - "$csv" "$out/sharding.md" <<'PY'
@@ -48,10 +54,11 @@ def cell(figure, world, variant, fmt="{:.1f}"):
     v = rows.get((figure, world, variant))
     return fmt.format(statistics.median(v)) if v else "-"
 variants = [("no_shard", "accel NO_SHARD"), ("shard_grad_op", "accel SHARD_GRAD_OP"), ("full_shard", "accel FULL_SHARD"),
-            ("full_shard_bf16", "accel FULL_SHARD, bf16 policy"),
+            ("full_shard_bf16", "accel FULL_SHARD, bf16 policy"), ("hybrid_shard", "accel HYBRID_SHARD, (2, 2) mesh"),
             ("python_no_shard", "Python DDP + Adam"), ("python_zero", "Python DDP + ZeroRedundancyOptimizer"),
             ("python_fsdp2_shard_grad_op", "Python FSDP2, ZeRO-2"), ("python_fsdp2_full_shard", "Python FSDP2, ZeRO-3"),
             ("python_fsdp2_full_shard_bf16", "Python FSDP2, ZeRO-3, bf16 policy"),
+            ("python_fsdp2_hybrid_shard", "Python FSDP2, HSDP, (2, 2) mesh"),
             ("no_shard_fused", "accel NO_SHARD, FusedAdam"), ("shard_grad_op_fused", "accel SHARD_GRAD_OP, FusedAdam"),
             ("full_shard_fused", "accel FULL_SHARD, FusedAdam"), ("python_no_shard_fused", "Python DDP + Adam(fused=True)"),
             ("python_zero_fused", "Python DDP + ZeroRedundancyOptimizer(Adam, fused=True)")]
