@@ -6338,12 +6338,14 @@ struct Bucket {
   at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
   // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
   // `full` holds the parameters in that dtype (gathered for compute), the
-  // shards cast to it while their gather is in flight (`cast`, pooled), and
-  // each parameter as it is at rest (`rest`: its own dtype and storage, which
-  // it takes back when released).
+  // shards cast to it while their gather is in flight (`cast`, pooled), each
+  // parameter as it is at rest (`rest`: its own dtype and storage, which it
+  // takes back when released), and as it computes (`compute`: that dtype,
+  // on a storage of its own that points into `full` while the unit holds
+  // its values and at nothing otherwise; dp_units.hpp says why).
   bool low = false;
   at::Tensor cast{};
-  std::vector<at::Tensor> rest{};
+  std::vector<at::Tensor> rest{}, compute{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -6398,6 +6400,7 @@ struct State {
   std::vector<Unit> units;
   std::vector<std::size_t> order, last_order;
   bool new_pass = true;
+  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
   int held = 0;
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
@@ -6948,7 +6951,13 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
           "unit (FULL_SHARD or HYBRID_SHARD, with auto_wrap_policy choosing them); a parameter of shape " +
           c10::str(bucket.params.front().sizes()) + " is in none");
     if (!c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
-    for (const auto& p : bucket.params) bucket.rest.push_back(p.variable_data());
+    for (const auto& p : bucket.params) {
+      bucket.rest.push_back(p.variable_data());
+      // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
+      at::Tensor compute = at::empty({0}, p.options().dtype(*s.param_dtype).requires_grad(false));
+      compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
+      bucket.compute.push_back(std::move(compute));
+    }
   }
 }
 
@@ -7042,16 +7051,26 @@ inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, const at::
 // parameters one after another in it (each starting 64 bytes aligned), and
 // issues the all-gather of their shards into it (asynchronously, unless it
 // holds them or one is in flight); materialize() waits for it and points
-// the parameters' storage into the buffer (the storage object stays, and
-// with it the version counter: autograd accepts the values it saved in
-// forward); release() takes the storage away again (the buffer goes back
-// to the pool).
+// the parameters' storage into the buffer; release() takes the storage away
+// again (the buffer goes back to the pool, and the next unit of about its
+// size takes it).
+//
+// What autograd saved in the forward (a Linear saves its weight, W.t(), a
+// view) refers to the parameter's storage object, never to the pool's
+// buffer: the storage object stays the parameter's for good, and only
+// where it points changes. So the unit's backward, which gathers the
+// parameters again first (the hook on its output), reads its own values
+// wherever they landed that time, and a saved tensor read while the unit
+// is at rest finds no memory (an error), never the values of the unit that
+// took the buffer after it. The storage object stays, and with it the
+// version counter: autograd accepts the values it saved in forward.
 //
 // Under a MixedPrecisionPolicy's param_dtype (FSDP2's), a gather for
 // compute (Use::compute: a unit's forward and backward) sends the shards
-// cast to that dtype, and the parameters take it while the unit runs:
-// each parameter's tensor is given the buffer's view, dtype and all
-// (TensorImpl::shallow_copy_from, what Tensor::set_data does, without
+// cast to that dtype, and the parameters take it while the unit runs: each
+// parameter's tensor is given its `compute` tensor (that dtype, its own
+// storage object pointed into the buffer as above, for the same reason;
+// TensorImpl::shallow_copy_from, what Tensor::set_data does, without
 // set_data's reset of the gradient accumulator: the accumulator made at
 // wrapping, in the parameter's own dtype, stays, and autograd casts the
 // gradient to that dtype before it accumulates, so gradients and shards
@@ -7089,15 +7108,18 @@ inline void wait_gathering(Bucket& bucket) {
   }
   bucket.gathering = {};
 }
+// The storage parameter i of the bucket computes on: its own, or under a
+// policy's param_dtype its `compute` tensor's.
+inline c10::StorageImpl* computing_storage(const Bucket& bucket, std::size_t i) {
+  return (bucket.low ? bucket.compute[i] : bucket.params[i]).storage().unsafeGetStorageImpl();
+}
 // A bucket's parameters back at rest, and its buffers back in the pool.
 inline void release_bucket(State& s, Bucket& bucket) {
   if (bucket.resident)
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      if (bucket.low) {
+      if (bucket.low)  // (its own storage never left rest)
         bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
-        continue;  // (its own storage never left rest)
-      }
-      c10::StorageImpl* storage = bucket.params[i].storage().unsafeGetStorageImpl();
+      c10::StorageImpl* storage = computing_storage(bucket, i);
       storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
       if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
       else storage->set_nbytes(0);
@@ -7149,16 +7171,12 @@ inline void materialize(State& s, std::size_t u, Use use) {
     auto* base = static_cast<char*>(bucket.full.data_ptr());
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       at::Tensor& p = bucket.params[i];
-      if (bucket.low) {
-        const at::Tensor view = bucket.full.narrow(0, at[i], p.numel()).view(p.sizes());
-        p.unsafeGetTensorImpl()->shallow_copy_from(view.getIntrusivePtr());
-        continue;
-      }
-      c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+      c10::StorageImpl* storage = computing_storage(bucket, i);
       allow_access(*storage);
       // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
       storage->set_data_ptr_noswap(c10::DataPtr(base + at[i] * element_size, bucket.device));
       storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
+      if (bucket.low) p.unsafeGetTensorImpl()->shallow_copy_from(bucket.compute[i].getIntrusivePtr());
     }
     bucket.resident = true;
   }
@@ -7312,7 +7330,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
     materialize(*state, u, Use::compute);
     cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (!recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
       fetch(*state, *(at + 1), Use::compute);
   }
   struct Release {  // after the forward, also when it throws
@@ -7352,7 +7370,8 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
           if (!s->alive) return;
           materialize(*s, u, Use::compute);
           const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (at != s->order.end() && at != s->order.begin()) fetch(*s, *(at - 1), Use::compute);
+          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
+            fetch(*s, *(at - 1), Use::compute);
         }
       });
   } else {
@@ -7987,6 +8006,14 @@ class DataParallel {
   // one unit gathered while it lives; every rank of the shard group in the
   // same order).
   detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  // FULL_SHARD: whether a unit's gather is issued while the unit before it
+  // computes, in the forward and in the backward (AcceleratorConfig's
+  // forward_prefetch and backward_prefetch).
+  void set_prefetch(bool forward, bool backward) {
+    std::lock_guard lock(state_->mutex);
+    state_->prefetch_forward = forward;
+    state_->prefetch_backward = backward;
+  }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
 
@@ -9553,6 +9580,14 @@ struct AcceleratorConfig {
   // parameters, shards and optimizer state kept in their own dtype (see
   // mixed_precision.hpp). Empty: everything in the parameters' dtype.
   MixedPrecisionPolicy mixed_precision_policy{};
+  // FULL_SHARD and HYBRID_SHARD: whether a unit's all-gather is issued
+  // early, while the unit before it computes: in the forward the unit that
+  // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
+  // one unit ahead as well), in the backward the unit before (FSDP's
+  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
+  // one unit's parameters at a time, not two).
+  bool forward_prefetch = true;
+  bool backward_prefetch = true;
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
@@ -12695,9 +12730,11 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
-    return std::make_unique<DataParallel>(
+    auto dp = std::make_unique<DataParallel>(
         module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
         interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
+    dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
+    return dp;
   }
 
  private:

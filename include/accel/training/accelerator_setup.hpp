@@ -110,9 +110,11 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
-    return std::make_unique<DataParallel>(
+    auto dp = std::make_unique<DataParallel>(
         module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
         interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
+    dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
+    return dp;
   }
 
  private:

@@ -91,6 +91,14 @@ struct AcceleratorConfig {
   // parameters, shards and optimizer state kept in their own dtype (see
   // mixed_precision.hpp). Empty: everything in the parameters' dtype.
   MixedPrecisionPolicy mixed_precision_policy{};
+  // FULL_SHARD and HYBRID_SHARD: whether a unit's all-gather is issued
+  // early, while the unit before it computes: in the forward the unit that
+  // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
+  // one unit ahead as well), in the backward the unit before (FSDP's
+  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
+  // one unit's parameters at a time, not two).
+  bool forward_prefetch = true;
+  bool backward_prefetch = true;
   DistributedConfig distributed{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",

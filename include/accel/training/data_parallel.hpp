@@ -308,6 +308,14 @@ class DataParallel {
   // one unit gathered while it lives; every rank of the shard group in the
   // same order).
   detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  // FULL_SHARD: whether a unit's gather is issued while the unit before it
+  // computes, in the forward and in the backward (AcceleratorConfig's
+  // forward_prefetch and backward_prefetch).
+  void set_prefetch(bool forward, bool backward) {
+    std::lock_guard lock(state_->mutex);
+    state_->prefetch_forward = forward;
+    state_->prefetch_backward = backward;
+  }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
   std::size_t unit_count() const { return state_->units.size(); }
 

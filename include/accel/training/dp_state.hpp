@@ -55,12 +55,14 @@ struct Bucket {
   at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
   // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
   // `full` holds the parameters in that dtype (gathered for compute), the
-  // shards cast to it while their gather is in flight (`cast`, pooled), and
-  // each parameter as it is at rest (`rest`: its own dtype and storage, which
-  // it takes back when released).
+  // shards cast to it while their gather is in flight (`cast`, pooled), each
+  // parameter as it is at rest (`rest`: its own dtype and storage, which it
+  // takes back when released), and as it computes (`compute`: that dtype,
+  // on a storage of its own that points into `full` while the unit holds
+  // its values and at nothing otherwise; dp_units.hpp says why).
   bool low = false;
   at::Tensor cast{};
-  std::vector<at::Tensor> rest{};
+  std::vector<at::Tensor> rest{}, compute{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
@@ -115,6 +117,7 @@ struct State {
   std::vector<Unit> units;
   std::vector<std::size_t> order, last_order;
   bool new_pass = true;
+  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
   int held = 0;
   // Sharded: where each parameter's shard is, and the optimizers stepping them.
   std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
