@@ -157,8 +157,8 @@ inline at::Tensor flat_parameters(torch::nn::Module& m) {
 }
 
 // A single-process model with the same weights as `source`.
-inline Mlp copy_of(Mlp& source, int64_t in, int64_t hidden, int64_t layers) {
-  Mlp copy(in, hidden, layers);
+inline Mlp copy_of(Mlp& source, int64_t in, int64_t hidden, int64_t layers, int64_t out = 1) {
+  Mlp copy(in, hidden, layers, out);
   torch::NoGradGuard no_grad;
   auto to = copy->parameters();
   auto from = source->parameters();
