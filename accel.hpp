@@ -1899,6 +1899,43 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
 // count pieces received into into(from, i). Both sides must agree on each
 // piece's length (an empty one is neither sent nor received).
 inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+// The messages of an exchange not waited for yet. await_all() waits for
+// them in order and throws the first failure; whatever it left (after a
+// failure, or when the exchange's own last message failed first and its
+// landing never ran) is waited for when this is dropped, failures ignored:
+// an exchange ends with every message of it ended, so no buffer it reads
+// or writes goes back to its owner (the sharding engine's pool) while a
+// message still uses it. A message of a dead peer fails at once; one of a
+// live peer that never sends ends by the group's timeout.
+class Outstanding {
+ public:
+  Outstanding(c10d::ProcessGroup* group, const char* op, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : group_(group), op_(op), works_(std::move(works)) {}
+  Outstanding(Outstanding&& other) noexcept
+      : group_(other.group_), op_(other.op_), works_(std::move(other.works_)), next_(std::exchange(other.next_, 0)) {
+    other.works_.clear();
+  }
+  Outstanding(const Outstanding&) = delete;
+  Outstanding& operator=(const Outstanding&) = delete;
+  Outstanding& operator=(Outstanding&&) = delete;
+  ~Outstanding() {
+    for (; next_ < works_.size(); ++next_) {
+      try {
+        works_[next_]->wait();
+      } catch (const std::exception&) {  // (the exchange has reported its failure, or is being dropped)
+      }
+    }
+  }
+  void await_all() {
+    while (next_ < works_.size()) await(op_, *group_, *works_[next_++]);
+  }
+
+ private:
+  c10d::ProcessGroup* group_;
+  const char* op_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::size_t next_ = 0;
+};
 template <class Sent, class Into>
 inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, Sent sent, Into into, int tag,
                                   const char* op = kDirectGather) {
@@ -1918,9 +1955,8 @@ inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, 
     last = works.back();
     works.pop_back();
   }
-  return Pending{&group, op, std::move(last), [&group, op, works = std::move(works)] {
-                   for (const auto& work : works) await(op, group, *work);
-                 }};
+  return Pending{&group, op, std::move(last),
+                 [outstanding = Outstanding{&group, op, std::move(works)}]() mutable { outstanding.await_all(); }};
 }
 template <class Into>
 inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,
@@ -6383,6 +6419,10 @@ struct Unit {
   std::vector<std::size_t> buckets{};
 };
 struct State {
+  // The sharded steps' working buffers, reused (dp_buffers.hpp). First, so
+  // that it is destroyed last: a bucket's Work still in flight when the
+  // state goes lands into the pool as it is destroyed.
+  BufferPool pool;
   std::mutex mutex;
   GroupPtr group;
   GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
@@ -6411,7 +6451,6 @@ struct State {
   // are cast to the dtype its parameters hold.
   std::optional<c10::ScalarType> param_dtype, reduce_dtype;
   bool cast_inputs = true;
-  BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and
@@ -7099,10 +7138,17 @@ inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
 inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
   return bucket.low ? *s.param_dtype : bucket.dtype;
 }
-inline void wait_gathering(Bucket& bucket) {
+inline void release_bucket(State& s, Bucket& bucket);
+// Waits for the bucket's gather in flight. A failed one has ended every
+// message of it (staging.hpp's Outstanding), so its buffers go back to the
+// pool, and the collective's own error (operation, group, rank) goes on to
+// the caller under what the engine was doing.
+inline void wait_gathering(State& s, Bucket& bucket) {
   try {
     bucket.gathering.wait();
   } catch (const DistributedError& e) {
+    bucket.gathering = {};
+    release_bucket(s, bucket);  // (not resident: the buffers only)
     throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                            detail::error_text(e));
   }
@@ -7138,8 +7184,8 @@ inline void fetch(State& s, std::size_t u, Use use) {
     const bool low = gathers_low(s, bucket, use);
     if (bucket.resident || bucket.gathering.valid()) {
       if (bucket.low == low) continue;
-      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
-      release_bucket(s, bucket);                             // in the other precision: gathered again
+      if (bucket.gathering.valid()) wait_gathering(s, bucket);  // (a collective cannot be taken back)
+      release_bucket(s, bucket);                                // in the other precision: gathered again
     }
     bucket.low = low;
     const c10::ScalarType dtype = gathered_dtype(s, bucket);
@@ -7163,7 +7209,7 @@ inline void materialize(State& s, std::size_t u, Use use) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident) continue;
-    wait_gathering(bucket);
+    wait_gathering(s, bucket);
     s.pool.give(bucket.cast);
     bucket.cast = at::Tensor();
     const auto element_size = static_cast<int64_t>(bucket.full.element_size());
@@ -7193,18 +7239,30 @@ inline std::optional<c10::ScalarType> computes_in(const State& s, std::size_t u)
     if (s.buckets[b].low) return s.param_dtype;
   return std::nullopt;
 }
-// A resident unit's parameters given memory of their own (copied out of
-// the pool's buffer), for a module that outlives the engine. A unit
-// gathered for compute in a policy's param_dtype goes back to rest
-// instead: what it holds is not the parameters' values in their dtype.
+// Unit u left so that its module works without the engine, whose pool
+// goes (release_module, ~DataParallel): a resident unit's parameters get
+// memory of their own (copied out of the pool's buffer); a unit gathered
+// for compute in a policy's param_dtype goes back to rest instead (what it
+// holds is not the parameters' values in their dtype), and so does one
+// that holds nothing (at rest, or a gather that failed or is still in
+// flight: waited for first, its failure ignored, so that no message still
+// writes into the buffers given back). Nothing here reads a parameter at
+// rest: the only values copied are those the pool's buffer holds.
 inline void own_storage(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
-    if (!bucket.full.defined()) continue;
-    if (bucket.low) {
+    if (bucket.gathering.valid()) {
+      try {
+        bucket.gathering.wait();
+      } catch (const std::exception&) {  // (see above)
+      }
+      bucket.gathering = {};
+    }
+    if (!bucket.resident || bucket.low) {
       release_bucket(s, bucket);
       continue;
     }
+    if (!bucket.full.defined()) continue;  // (its parameters hold memory of their own already)
     for (auto& p : bucket.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
@@ -7214,6 +7272,21 @@ inline void own_storage(State& s, std::size_t u) {
     bucket.full = at::Tensor();
   }
 }
+// Every unit left as own_storage leaves it, for a DataParallel going away:
+// never throws (a destructor calls it, perhaps while an error of the
+// caller's unwinds). A unit whose copy fails (out of memory) goes back to
+// rest: its parameters then point at nothing, never at a freed buffer.
+inline void let_go_of_units(State& s) noexcept {
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    try {
+      own_storage(s, u);
+    } catch (const std::exception& e) {
+      std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
+                << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
+      for (std::size_t b : s.units[u].buckets) release_bucket(s, s.buckets[b]);
+    }
+  }
+}
 // The end of a backward: prefetches that found no use are waited for (a
 // collective cannot be taken back) and dropped, every unit is freed, and
 // the next forward records the order anew.
@@ -7221,7 +7294,7 @@ inline void end_unit_pass(State& s) {
   if (s.units.empty()) return;
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
-      wait_gathering(bucket);
+      wait_gathering(s, bucket);
       release_bucket(s, bucket);  // (not resident: the buffers only)
     }
   for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
@@ -7845,8 +7918,9 @@ class DataParallel {
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
     // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
-    // dies with the state: its parameters get memory of their own, as the model outlives us.
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::own_storage(*state_, u);
+    // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
+    // error (a failed gather, a peer gone): nothing here throws.
+    detail::dp::let_go_of_units(*state_);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every

@@ -335,6 +335,43 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
 // count pieces received into into(from, i). Both sides must agree on each
 // piece's length (an empty one is neither sent nor received).
 inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+// The messages of an exchange not waited for yet. await_all() waits for
+// them in order and throws the first failure; whatever it left (after a
+// failure, or when the exchange's own last message failed first and its
+// landing never ran) is waited for when this is dropped, failures ignored:
+// an exchange ends with every message of it ended, so no buffer it reads
+// or writes goes back to its owner (the sharding engine's pool) while a
+// message still uses it. A message of a dead peer fails at once; one of a
+// live peer that never sends ends by the group's timeout.
+class Outstanding {
+ public:
+  Outstanding(c10d::ProcessGroup* group, const char* op, std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : group_(group), op_(op), works_(std::move(works)) {}
+  Outstanding(Outstanding&& other) noexcept
+      : group_(other.group_), op_(other.op_), works_(std::move(other.works_)), next_(std::exchange(other.next_, 0)) {
+    other.works_.clear();
+  }
+  Outstanding(const Outstanding&) = delete;
+  Outstanding& operator=(const Outstanding&) = delete;
+  Outstanding& operator=(Outstanding&&) = delete;
+  ~Outstanding() {
+    for (; next_ < works_.size(); ++next_) {
+      try {
+        works_[next_]->wait();
+      } catch (const std::exception&) {  // (the exchange has reported its failure, or is being dropped)
+      }
+    }
+  }
+  void await_all() {
+    while (next_ < works_.size()) await(op_, *group_, *works_[next_++]);
+  }
+
+ private:
+  c10d::ProcessGroup* group_;
+  const char* op_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::size_t next_ = 0;
+};
 template <class Sent, class Into>
 inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, Sent sent, Into into, int tag,
                                   const char* op = kDirectGather) {
@@ -354,9 +391,8 @@ inline auto start_exchange_pieces(c10d::ProcessGroup& group, std::size_t count, 
     last = works.back();
     works.pop_back();
   }
-  return Pending{&group, op, std::move(last), [&group, op, works = std::move(works)] {
-                   for (const auto& work : works) await(op, group, *work);
-                 }};
+  return Pending{&group, op, std::move(last),
+                 [outstanding = Outstanding{&group, op, std::move(works)}]() mutable { outstanding.await_all(); }};
 }
 template <class Into>
 inline auto start_all_gather_pieces(c10d::ProcessGroup& group, const std::vector<at::Tensor>& pieces, Into into,

@@ -147,8 +147,9 @@ class DataParallel {
     std::lock_guard lock(state_->mutex);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
     // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
-    // dies with the state: its parameters get memory of their own, as the model outlives us.
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::own_storage(*state_, u);
+    // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
+    // error (a failed gather, a peer gone): nothing here throws.
+    detail::dp::let_go_of_units(*state_);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every

@@ -100,6 +100,10 @@ struct Unit {
   std::vector<std::size_t> buckets{};
 };
 struct State {
+  // The sharded steps' working buffers, reused (dp_buffers.hpp). First, so
+  // that it is destroyed last: a bucket's Work still in flight when the
+  // state goes lands into the pool as it is destroyed.
+  BufferPool pool;
   std::mutex mutex;
   GroupPtr group;
   GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
@@ -128,7 +132,6 @@ struct State {
   // are cast to the dtype its parameters hold.
   std::optional<c10::ScalarType> param_dtype, reduce_dtype;
   bool cast_inputs = true;
-  BufferPool pool;  // the sharded steps' working buffers, reused (dp_buffers.hpp)
 };
 
 // What a hook gets for bucket b laid out in `buffer`. The parameters and

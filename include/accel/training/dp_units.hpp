@@ -233,10 +233,17 @@ inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
 inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
   return bucket.low ? *s.param_dtype : bucket.dtype;
 }
-inline void wait_gathering(Bucket& bucket) {
+inline void release_bucket(State& s, Bucket& bucket);
+// Waits for the bucket's gather in flight. A failed one has ended every
+// message of it (staging.hpp's Outstanding), so its buffers go back to the
+// pool, and the collective's own error (operation, group, rank) goes on to
+// the caller under what the engine was doing.
+inline void wait_gathering(State& s, Bucket& bucket) {
   try {
     bucket.gathering.wait();
   } catch (const DistributedError& e) {
+    bucket.gathering = {};
+    release_bucket(s, bucket);  // (not resident: the buffers only)
     throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                            detail::error_text(e));
   }
@@ -272,8 +279,8 @@ inline void fetch(State& s, std::size_t u, Use use) {
     const bool low = gathers_low(s, bucket, use);
     if (bucket.resident || bucket.gathering.valid()) {
       if (bucket.low == low) continue;
-      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
-      release_bucket(s, bucket);                             // in the other precision: gathered again
+      if (bucket.gathering.valid()) wait_gathering(s, bucket);  // (a collective cannot be taken back)
+      release_bucket(s, bucket);                                // in the other precision: gathered again
     }
     bucket.low = low;
     const c10::ScalarType dtype = gathered_dtype(s, bucket);
@@ -297,7 +304,7 @@ inline void materialize(State& s, std::size_t u, Use use) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
     if (bucket.resident) continue;
-    wait_gathering(bucket);
+    wait_gathering(s, bucket);
     s.pool.give(bucket.cast);
     bucket.cast = at::Tensor();
     const auto element_size = static_cast<int64_t>(bucket.full.element_size());
@@ -327,18 +334,30 @@ inline std::optional<c10::ScalarType> computes_in(const State& s, std::size_t u)
     if (s.buckets[b].low) return s.param_dtype;
   return std::nullopt;
 }
-// A resident unit's parameters given memory of their own (copied out of
-// the pool's buffer), for a module that outlives the engine. A unit
-// gathered for compute in a policy's param_dtype goes back to rest
-// instead: what it holds is not the parameters' values in their dtype.
+// Unit u left so that its module works without the engine, whose pool
+// goes (release_module, ~DataParallel): a resident unit's parameters get
+// memory of their own (copied out of the pool's buffer); a unit gathered
+// for compute in a policy's param_dtype goes back to rest instead (what it
+// holds is not the parameters' values in their dtype), and so does one
+// that holds nothing (at rest, or a gather that failed or is still in
+// flight: waited for first, its failure ignored, so that no message still
+// writes into the buffers given back). Nothing here reads a parameter at
+// rest: the only values copied are those the pool's buffer holds.
 inline void own_storage(State& s, std::size_t u) {
   for (std::size_t b : s.units[u].buckets) {
     Bucket& bucket = s.buckets[b];
-    if (!bucket.full.defined()) continue;
-    if (bucket.low) {
+    if (bucket.gathering.valid()) {
+      try {
+        bucket.gathering.wait();
+      } catch (const std::exception&) {  // (see above)
+      }
+      bucket.gathering = {};
+    }
+    if (!bucket.resident || bucket.low) {
       release_bucket(s, bucket);
       continue;
     }
+    if (!bucket.full.defined()) continue;  // (its parameters hold memory of their own already)
     for (auto& p : bucket.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
@@ -348,6 +367,21 @@ inline void own_storage(State& s, std::size_t u) {
     bucket.full = at::Tensor();
   }
 }
+// Every unit left as own_storage leaves it, for a DataParallel going away:
+// never throws (a destructor calls it, perhaps while an error of the
+// caller's unwinds). A unit whose copy fails (out of memory) goes back to
+// rest: its parameters then point at nothing, never at a freed buffer.
+inline void let_go_of_units(State& s) noexcept {
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    try {
+      own_storage(s, u);
+    } catch (const std::exception& e) {
+      std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
+                << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
+      for (std::size_t b : s.units[u].buckets) release_bucket(s, s.buckets[b]);
+    }
+  }
+}
 // The end of a backward: prefetches that found no use are waited for (a
 // collective cannot be taken back) and dropped, every unit is freed, and
 // the next forward records the order anew.
@@ -355,7 +389,7 @@ inline void end_unit_pass(State& s) {
   if (s.units.empty()) return;
   for (auto& bucket : s.buckets)
     if (bucket.gathering.valid()) {
-      wait_gathering(bucket);
+      wait_gathering(s, bucket);
       release_bucket(s, bucket);  // (not resident: the buffers only)
     }
   for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
