@@ -44,6 +44,7 @@
 //     accel/distributed/reproducibility.hpp     set_seed and synchronize_rng_states
 //   training:
 //     accel/training/torch_nn.hpp               the LibTorch headers the training helpers need (<torch/torch.h>)
+//     accel/training/parameters.hpp             a module's parameters as Python counts them: each tensor once, known by all its names
 //     accel/training/autograd.hpp               autograd-aware collectives (accel::autograd)
 //     accel/training/comm_hooks.hpp             communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/mixed_precision.hpp        MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -5784,6 +5785,63 @@ concept module_holder = requires(M& m) { m.ptr(); };
 }  // namespace detail
 ACCEL_NAMESPACE_END
 
+// == accel/training/parameters.hpp ============================================
+// accel/training/parameters.hpp: a module's parameters as Python counts them: each tensor once, known by all its names.
+//
+// LibTorch's Module::parameters() lists a tensor registered in two modules
+// (tied weights: GPT-2's token embedding and head) twice, where Python's
+// parameters() removes the repeats. Stepped, reduced or counted twice, such
+// a weight trains wrongly without a word, so the training helpers take each
+// tensor once, by identity (its TensorImpl), in the order of its first
+// appearance; and an error about a parameter names it by every name it has.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// `tensors` with each tensor once (by identity, in first-appearance order).
+inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors)
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
+
+// Each parameter of `module` by its qualified names (state_dict's:
+// "transformer.wte.weight"), all of them for a tied one, in order.
+class ParameterNames {
+ public:
+  ParameterNames() = default;
+  explicit ParameterNames(const torch::nn::Module& module) {
+    for (const auto& named : module.named_parameters())
+      names_[named.value().unsafeGetTensorImpl()].push_back(named.key());
+  }
+  // "'transformer.wte.weight'", or for a tied one
+  // "'transformer.wte.weight' (tied: also 'lm_head.weight')"; a tensor
+  // that is no parameter of the module by its shape.
+  std::string describe(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    if (found == names_.end() || found->second.empty()) return "of shape " + c10::str(p.sizes());
+    std::string text = "'" + found->second.front() + "'";
+    for (std::size_t i = 1; i < found->second.size(); ++i)
+      text += (i == 1 ? " (tied: also '" : ", '") + found->second[i] + "'";
+    if (found->second.size() > 1) text += ")";
+    return text;
+  }
+  // The first name (empty for a tensor that is no parameter of the module).
+  std::string first(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    return found == names_.end() || found->second.empty() ? std::string() : found->second.front();
+  }
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/autograd.hpp ==============================================
 // accel/training/autograd.hpp: autograd-aware collectives (accel::autograd).
 //
@@ -6143,11 +6201,19 @@ ACCEL_NAMESPACE_END
 //   added to the shards' gradients in theirs. Unset: param_dtype, as FSDP2
 //   (set it to the parameters' dtype, e.g. kFloat, for full-precision
 //   reductions).
+// - output_dtype: a unit's floating-point output is cast to this dtype
+//   (FSDP2's output_dtype). Unset: it stays in the dtype the unit computed
+//   in.
 // - cast_forward_inputs: a unit's floating-point input tensors are cast to
-//   the dtype its parameters hold (FSDP2's default); its outputs stay in it.
-// It applies where parameters are sharded at rest (FULL_SHARD,
-// HYBRID_SHARD), with every parameter in a unit; elsewhere mixed precision
-// is mixed_precision = "bf16" (autocast). Where nothing is sharded (one
+//   the dtype its parameters hold (FSDP2's default).
+// It applies to the units of FULL_SHARD and HYBRID_SHARD. Parameters in no
+// unit (the root's own, a tied weight, which FSDP2 keeps in the root's
+// group) are whole while the model runs and compute in their own dtype, as
+// under FSDP2 a root given no policy of its own: a module there that meets
+// a unit's bf16 output (GPT-2's tied head after the last unit) needs
+// output_dtype = at::kFloat, or a cast of its own. The gradients of every
+// parameter are reduced in reduce_dtype. Elsewhere mixed precision is
+// mixed_precision = "bf16" (autocast). Where nothing is sharded (one
 // process, mp_shard_size == 1) there is no gather to cast in, and the model
 // trains in its own dtype.
 
@@ -6156,10 +6222,11 @@ ACCEL_NAMESPACE_BEGIN
 struct MixedPrecisionPolicy {
   std::optional<c10::ScalarType> param_dtype{};
   std::optional<c10::ScalarType> reduce_dtype{};
+  std::optional<c10::ScalarType> output_dtype{};
   bool cast_forward_inputs = true;
 
   // Whether it changes anything (a dtype set).
-  bool active() const { return param_dtype.has_value() || reduce_dtype.has_value(); }
+  bool active() const { return param_dtype.has_value() || reduce_dtype.has_value() || output_dtype.has_value(); }
 };
 
 ACCEL_NAMESPACE_END
@@ -6424,6 +6491,7 @@ struct State {
   // state goes lands into the pool as it is destroyed.
   BufferPool pool;
   std::mutex mutex;
+  ParameterNames names;  // the module's parameters by name, for errors that name one
   GroupPtr group;
   GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
   int64_t replicas = 1;       // gradients are averaged over this many ranks
@@ -6449,7 +6517,7 @@ struct State {
   // units compute in (gathered in) and the one gradients are reduced in;
   // none: the parameters' own. cast_inputs: a unit's floating-point inputs
   // are cast to the dtype its parameters hold.
-  std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
   bool cast_inputs = true;
 };
 
@@ -6935,42 +7003,84 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   return {found->second.first.lock(), found->second.second};
 }
 
-// For DataParallel's constructor: which unit each of `params` belongs to
-// (-1: none). A parameter in two units, and one that shares storage or is a
-// view, cannot be freed alone: errors.
+// For DataParallel's constructor: which unit each of `params` (each tensor
+// once) belongs to (-1: none), with state.units made for the units that
+// hold a parameter. A parameter belongs to the unit whose modules include
+// every module that registers it. One registered outside units too, or in
+// two of them (a tied weight: GPT-2's token embedding and its head), belongs
+// to none: it is sharded as the root's own parameters are (whole while the
+// model runs, ZeRO-2's way), so every module that reads it finds its values,
+// as FSDP2 keeps a tied weight in the root's group. Errors name the
+// parameter or unit: units inside units, and a unit's parameter that shares
+// its storage with another or is a view (it cannot be freed alone).
 inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
                                          const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                                          const std::vector<at::Tensor>& params) {
-  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  std::unordered_map<const torch::nn::Module*, std::string> name_of;
+  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
+  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
+    std::unordered_set<const torch::nn::Module*> set;
+    for (const auto& unit : units) set.insert(unit.get());
+    return set;
+  }();
+  // The unit each module lies in; -1 where a module lies in two (shared by both).
+  std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
   for (std::size_t u = 0; u < units.size(); ++u) {
-    state.units.push_back(Unit{.module = units[u].get()});
-    for (const auto& p : units[u]->parameters()) {
-      if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
-        throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
-                              " is in two fully sharded units; units must not nest or share parameters");
+    for (const auto& inner : units[u]->modules(/*include_self=*/false))
+      if (chosen.count(inner.get()))
+        throw InvalidArgument("accel::DataParallel: the fully sharded unit '" + name_of[inner.get()] +
+                              "' lies inside the unit '" + name_of[units[u].get()] +
+                              "'; units must not nest (auto_wrap_policy: a unit's own submodules are not asked)");
+    for (const auto& inner : units[u]->modules(/*include_self=*/true)) {
+      const auto [at, fresh] = unit_of_module.emplace(inner.get(), static_cast<int64_t>(u));
+      if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
     }
   }
+  // Each parameter's unit, over every module that registers it.
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (const auto& named : module.named_modules()) {
+    const auto found = unit_of_module.find(named.value().get());
+    const int64_t u = found == unit_of_module.end() ? -1 : found->second;
+    for (const auto& p : named.value()->parameters(/*recurse=*/false)) {
+      const auto [at, fresh] = owner.emplace(p.unsafeGetTensorImpl(), u);
+      if (!fresh && at->second != u) at->second = -1;
+    }
+  }
+  // Units that hold a parameter, numbered in the order given.
+  std::vector<int64_t> renumbered(units.size(), -1);
+  for (const auto& p : params) {
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    if (u >= 0) renumbered[static_cast<std::size_t>(u)] = 0;
+  }
+  for (std::size_t u = 0; u < units.size(); ++u)
+    if (renumbered[u] == 0) {
+      renumbered[u] = static_cast<int64_t>(state.units.size());
+      state.units.push_back(Unit{.module = units[u].get()});
+    }
   std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
-  for (const auto& p : module.parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
+  for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
   std::vector<int64_t> out;
   for (const auto& p : params) {
-    const auto found = owner.find(p.unsafeGetTensorImpl());
-    out.push_back(found == owner.end() ? -1 : found->second);
-    if (out.back() < 0) continue;
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
+    if (u < 0) continue;
     if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
         p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-      throw InvalidArgument(
-          "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
-          "storage (a parameter of shape " +
-          c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
+      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
+                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
+                            "' is a view or shares its storage with another parameter (share the tensor itself to "
+                            "tie weights: a tensor registered in several modules is one parameter)");
   }
   return out;
 }
 // A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
 // shards are made): its dtypes checked and kept, and each unit parameter's
-// tensor at rest kept for release() to give back (see Use).
+// tensor at rest kept for release() to give back (see Use). The policy is
+// the units': a parameter in no unit (the root's own, a tied weight) is
+// whole while the model runs, in its own dtype, and computes in it (a unit's
+// output_dtype hands such modules the activations in theirs).
 inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
-  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype})
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
     if (dtype && !c10::isFloatingType(*dtype))
       throw InvalidArgument(
           std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
@@ -6981,15 +7091,11 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
         "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
   s.param_dtype = policy.param_dtype;
   s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  s.output_dtype = policy.output_dtype;
   s.cast_inputs = policy.cast_forward_inputs;
   if (!s.param_dtype) return;
   for (auto& bucket : s.buckets) {
-    if (bucket.unit < 0)
-      throw InvalidArgument(
-          "accel::DataParallel: a MixedPrecisionPolicy's param_dtype needs every parameter in a fully sharded "
-          "unit (FULL_SHARD or HYBRID_SHARD, with auto_wrap_policy choosing them); a parameter of shape " +
-          c10::str(bucket.params.front().sizes()) + " is in none");
-    if (!c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
+    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
     for (const auto& p : bucket.params) {
       bucket.rest.push_back(p.variable_data());
       // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
@@ -7004,8 +7110,6 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
 // LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
 // and the way out.
 inline void name_at_rest(State& state, const torch::nn::Module& module) {
-  std::unordered_map<const c10::TensorImpl*, std::string> params;
-  for (const auto& named : module.named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
   std::unordered_map<const torch::nn::Module*, std::string> modules;
   for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
   for (auto& bucket : state.buckets) {
@@ -7013,11 +7117,11 @@ inline void name_at_rest(State& state, const torch::nn::Module& module) {
     const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
     for (const auto& p : bucket.params)
       bucket.at_rest.push_back(
-          "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
-          unit +
+          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
           "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
           "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-          "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
+          "weight registered in several modules is kept whole at the root");
   }
 }
 
@@ -7391,7 +7495,8 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-  std::optional<c10::ScalarType> cast;  // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
   {
     std::lock_guard lock(state->mutex);
     if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
@@ -7402,6 +7507,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
     materialize(*state, u, Use::compute);
     cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
+    output = state->output_dtype;
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
     if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
       fetch(*state, *(at + 1), Use::compute);
@@ -7447,6 +7553,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
             fetch(*s, *(at - 1), Use::compute);
         }
       });
+    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
   } else {
     static_assert(std::is_same_v<decltype(out), at::Tensor>,
                   "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
@@ -7531,8 +7638,7 @@ inline void check_shards(State& s) {
   for (auto& bucket : s.buckets)
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       if (!bucket.in_optimizer[i])
-        throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
-                              c10::str(bucket.params[i].sizes()) +
+        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(bucket.params[i]) +
                               " of a sharded model is in no prepared optimizer; under sharding its optimizer "
                               "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
       if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
@@ -7852,8 +7958,9 @@ class DataParallel {
   // when not sharded. shard (of more than one rank): shard along it, and
   // average along replicate as well when given. units (sharded only):
   // submodules whose parameters are sharded at rest (FULL_SHARD). policy
-  // (sharded only; its param_dtype with every parameter in a unit): the
-  // dtypes units compute and gradients reduce in (see MixedPrecisionPolicy).
+  // (sharded only): the dtypes units compute and gradients reduce in (see
+  // MixedPrecisionPolicy). A tensor registered in several modules (tied
+  // weights) is one parameter, as in Python's parameters().
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
                GroupPtr shard = {}, GroupPtr replicate = {},
                const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
@@ -7867,9 +7974,10 @@ class DataParallel {
     } else {
       state_->replicas = state_->group->getSize();
     }
+    state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
-    for (const auto& p : module_->parameters())
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
     const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
@@ -7927,10 +8035,9 @@ class DataParallel {
   // rank of the group.
   void sync_module_states(int src = 0) {
     if (!state_->group) return;
-    std::vector<at::Tensor> states;
-    for (const auto& p : module_->parameters()) states.push_back(p);
+    std::vector<at::Tensor> states = module_->parameters();
     for (const auto& b : module_->buffers()) states.push_back(b);
-    broadcast(std::move(states), src, state_->group);
+    broadcast(detail::unique_tensors(states), src, state_->group);
   }
 
   // Arms the hooks for the next backward; without it, backward accumulates
@@ -10672,15 +10779,42 @@ struct PreparedSet {
   }
 };
 
-// RAII: restores the models' gradient sync when it goes out of scope.
+// An optimizer's groups with each parameter once, for prepare(optimizer):
+// an optimizer made from LibTorch's model->parameters() holds a tied weight
+// twice (Python's parameters() would have given it once) and would step it
+// twice. A tensor in two groups is an error, as in Python's optimizers
+// ("some parameters appear in more than one parameter group"), named by the
+// prepared models' names for it.
+inline void take_parameters_once(torch::optim::Optimizer& optimizer, const PreparedSet& set) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<at::Tensor> kept;
+    std::unordered_set<const c10::TensorImpl*> in_group;
+    for (const auto& p : group.params()) {
+      if (!in_group.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) {
+        std::string name = "of shape " + c10::str(p.sizes());
+        for (const auto& m : set.models)
+          if (const std::string n = ParameterNames(*m.module).first(p); !n.empty()) name = "'" + n + "'";
+        throw InvalidArgument("accel::Accelerator::prepare: the parameter " + name +
+                              " is in more than one of the optimizer's parameter groups (as in Python, a parameter "
+                              "belongs to one group)");
+      }
+      kept.push_back(p);
+    }
+    if (kept.size() != group.params().size()) group.params() = std::move(kept);
+  }
+}
+
 // Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
 // models. After the all-reduce every rank holds the same averaged
 // gradients, so the norm computed here is the global one, identical on
 // every rank. Under sharding a sharded parameter's gradient is its shard's:
 // the norm adds up every rank's shards (one all_reduce), and the shards are
 // scaled.
-inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
+inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);
@@ -10706,7 +10840,8 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   }
   return norm;
 }
-inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double clip_value) {
+inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);
@@ -12850,7 +12985,8 @@ class AcceleratorSetup {
           "accel::Accelerator: mixed_precision_policy is FSDP2's, for parameters sharded at rest (FULL_SHARD or "
           "HYBRID_SHARD); under " +
           std::string(to_string(config.sharding_strategy)) + " use mixed_precision = \"bf16\" (autocast)");
-    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype})
+    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype,
+                              config.mixed_precision_policy.output_dtype})
       if (dtype && !c10::isFloatingType(*dtype))
         throw InvalidArgument(
             std::string("accel::Accelerator: mixed_precision_policy's dtypes are floating-point; got ") +
@@ -12932,7 +13068,10 @@ class AcceleratorPreparing : public AcceleratorSetup {
   // Under sharding its groups then hold the shards of the prepared models'
   // parameters (prepare it before it steps), and step it through the handle
   // returned, whose step() gathers the parameters from the updated shards.
+  // A tensor listed twice in it (LibTorch's model->parameters() lists a
+  // tied weight under each of its names) is stepped once.
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
+    detail::take_parameters_once(optimizer, prepared_);
     if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
       prepared_.optimizers.push_back(&optimizer);
     if (!sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);

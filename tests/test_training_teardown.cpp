@@ -48,18 +48,21 @@ int train_until_the_fault(const TeardownCase& t) {
     const bool bf16 = t.strategy == "full_shard_bf16";
     c.sharding_strategy = accel::from_string<accel::ShardingStrategy>(bf16 ? "FULL_SHARD" : t.strategy);
     if (t.strategy == "HYBRID_SHARD") c.distributed.mp_replicate_size = 2;
-    if (bf16) c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
+    if (bf16) {  // (the tied weight at the root, in fp32: the units hand it fp32 activations)
+      c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat, .output_dtype = at::kFloat};
+      c.auto_wrap_policy = gpt_blocks;
+    }
     accel::Accelerator accelerator(c);
     torch::manual_seed(3);
-    Gpt model(GptOptions{.tied = false});
-    torch::optim::SGD sgd(unique_parameters(*model), torch::optim::SGDOptions(0.1));
+    Gpt model(GptOptions{.tied = true});
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
     auto prepared = accelerator.prepare(model, sgd);
     auto generator = at::detail::createCPUGenerator(9);
     for (int step = 0; step < 4; ++step) {
       const at::Tensor tokens = at::randint(64, {2 * P, 8}, generator).narrow(0, 2 * rank, 2);
       auto loss_of = [&] {
         const at::Tensor logits = model(tokens);
-        return next_token_loss(bf16 ? logits.to(at::kFloat) : logits, tokens);
+        return next_token_loss(logits, tokens);
       };
       if (t.scenario == "throw_no_sync" && step == 1) {
         auto guard = accelerator.no_sync(model);
@@ -82,9 +85,10 @@ int train_until_the_fault(const TeardownCase& t) {
       torch::NoGradGuard no_grad;
       const at::Tensor tokens = at::randint(64, {2, 8}, generator);
       model(tokens);
-      model(tokens);                              // every unit a second time,
-      accel::unit_forward(model->wte, tokens);    // and the first once more: the unit after it is prefetched
-      return 0;                                   // and still in flight as the Accelerator goes
+      model(tokens);  // every unit a second time, and the first unit once more: the unit after it is
+      if (bf16) accel::unit_forward(model->blocks[0], model->wte(tokens));
+      else accel::unit_forward(model->wpe, at::arange(8));
+      return 0;  // prefetched and still in flight as the Accelerator goes
     }
     if (t.scenario == "save_rank0") {
       const auto dir = std::filesystem::temp_directory_path() / ("accel_teardown_" + std::to_string(getpid()));

@@ -15,6 +15,7 @@
 #define ACCEL_HPP_TRAINING
 
 #include "accel/training/torch_nn.hpp"
+#include "accel/training/parameters.hpp"
 #include "accel/training/autograd.hpp"
 #include "accel/training/comm_hooks.hpp"
 #include "accel/training/mixed_precision.hpp"

@@ -49,7 +49,10 @@ class AcceleratorPreparing : public AcceleratorSetup {
   // Under sharding its groups then hold the shards of the prepared models'
   // parameters (prepare it before it steps), and step it through the handle
   // returned, whose step() gathers the parameters from the updated shards.
+  // A tensor listed twice in it (LibTorch's model->parameters() lists a
+  // tied weight under each of its names) is stepped once.
   AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
+    detail::take_parameters_once(optimizer, prepared_);
     if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
       prepared_.optimizers.push_back(&optimizer);
     if (!sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);

@@ -156,7 +156,8 @@ class AcceleratorSetup {
           "accel::Accelerator: mixed_precision_policy is FSDP2's, for parameters sharded at rest (FULL_SHARD or "
           "HYBRID_SHARD); under " +
           std::string(to_string(config.sharding_strategy)) + " use mixed_precision = \"bf16\" (autocast)");
-    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype})
+    for (const auto& dtype : {config.mixed_precision_policy.param_dtype, config.mixed_precision_policy.reduce_dtype,
+                              config.mixed_precision_policy.output_dtype})
       if (dtype && !c10::isFloatingType(*dtype))
         throw InvalidArgument(
             std::string("accel::Accelerator: mixed_precision_policy's dtypes are floating-point; got ") +

@@ -81,8 +81,9 @@ class DataParallel {
   // when not sharded. shard (of more than one rank): shard along it, and
   // average along replicate as well when given. units (sharded only):
   // submodules whose parameters are sharded at rest (FULL_SHARD). policy
-  // (sharded only; its param_dtype with every parameter in a unit): the
-  // dtypes units compute and gradients reduce in (see MixedPrecisionPolicy).
+  // (sharded only): the dtypes units compute and gradients reduce in (see
+  // MixedPrecisionPolicy). A tensor registered in several modules (tied
+  // weights) is one parameter, as in Python's parameters().
   DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
                GroupPtr shard = {}, GroupPtr replicate = {},
                const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
@@ -96,9 +97,10 @@ class DataParallel {
     } else {
       state_->replicas = state_->group->getSize();
     }
+    state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
-    for (const auto& p : module_->parameters())
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
     const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
@@ -156,10 +158,9 @@ class DataParallel {
   // rank of the group.
   void sync_module_states(int src = 0) {
     if (!state_->group) return;
-    std::vector<at::Tensor> states;
-    for (const auto& p : module_->parameters()) states.push_back(p);
+    std::vector<at::Tensor> states = module_->parameters();
     for (const auto& b : module_->buffers()) states.push_back(b);
-    broadcast(std::move(states), src, state_->group);
+    broadcast(detail::unique_tensors(states), src, state_->group);
   }
 
   // Arms the hooks for the next backward; without it, backward accumulates

@@ -75,8 +75,7 @@ inline void check_shards(State& s) {
   for (auto& bucket : s.buckets)
     for (std::size_t i = 0; i < bucket.params.size(); ++i) {
       if (!bucket.in_optimizer[i])
-        throw InvalidArgument("accel::Accelerator::backward: a parameter of shape " +
-                              c10::str(bucket.params[i].sizes()) +
+        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(bucket.params[i]) +
                               " of a sharded model is in no prepared optimizer; under sharding its optimizer "
                               "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
       if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale

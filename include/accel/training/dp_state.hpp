@@ -11,6 +11,7 @@
 #include "accel/training/comm_hooks.hpp"
 #include "accel/training/dp_buffers.hpp"
 #include "accel/training/mixed_precision.hpp"
+#include "accel/training/parameters.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -105,6 +106,7 @@ struct State {
   // state goes lands into the pool as it is destroyed.
   BufferPool pool;
   std::mutex mutex;
+  ParameterNames names;  // the module's parameters by name, for errors that name one
   GroupPtr group;
   GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
   int64_t replicas = 1;       // gradients are averaged over this many ranks
@@ -130,7 +132,7 @@ struct State {
   // units compute in (gathered in) and the one gradients are reduced in;
   // none: the parameters' own. cast_inputs: a unit's floating-point inputs
   // are cast to the dtype its parameters hold.
-  std::optional<c10::ScalarType> param_dtype, reduce_dtype;
+  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
   bool cast_inputs = true;
 };
 

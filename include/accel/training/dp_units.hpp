@@ -30,42 +30,84 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
   return {found->second.first.lock(), found->second.second};
 }
 
-// For DataParallel's constructor: which unit each of `params` belongs to
-// (-1: none). A parameter in two units, and one that shares storage or is a
-// view, cannot be freed alone: errors.
+// For DataParallel's constructor: which unit each of `params` (each tensor
+// once) belongs to (-1: none), with state.units made for the units that
+// hold a parameter. A parameter belongs to the unit whose modules include
+// every module that registers it. One registered outside units too, or in
+// two of them (a tied weight: GPT-2's token embedding and its head), belongs
+// to none: it is sharded as the root's own parameters are (whole while the
+// model runs, ZeRO-2's way), so every module that reads it finds its values,
+// as FSDP2 keeps a tied weight in the root's group. Errors name the
+// parameter or unit: units inside units, and a unit's parameter that shares
+// its storage with another or is a view (it cannot be freed alone).
 inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
                                          const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                                          const std::vector<at::Tensor>& params) {
-  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  std::unordered_map<const torch::nn::Module*, std::string> name_of;
+  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
+  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
+    std::unordered_set<const torch::nn::Module*> set;
+    for (const auto& unit : units) set.insert(unit.get());
+    return set;
+  }();
+  // The unit each module lies in; -1 where a module lies in two (shared by both).
+  std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
   for (std::size_t u = 0; u < units.size(); ++u) {
-    state.units.push_back(Unit{.module = units[u].get()});
-    for (const auto& p : units[u]->parameters()) {
-      if (!owner.emplace(p.unsafeGetTensorImpl(), static_cast<int64_t>(u)).second)
-        throw InvalidArgument("accel::DataParallel: a parameter of shape " + c10::str(p.sizes()) +
-                              " is in two fully sharded units; units must not nest or share parameters");
+    for (const auto& inner : units[u]->modules(/*include_self=*/false))
+      if (chosen.count(inner.get()))
+        throw InvalidArgument("accel::DataParallel: the fully sharded unit '" + name_of[inner.get()] +
+                              "' lies inside the unit '" + name_of[units[u].get()] +
+                              "'; units must not nest (auto_wrap_policy: a unit's own submodules are not asked)");
+    for (const auto& inner : units[u]->modules(/*include_self=*/true)) {
+      const auto [at, fresh] = unit_of_module.emplace(inner.get(), static_cast<int64_t>(u));
+      if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
     }
   }
+  // Each parameter's unit, over every module that registers it.
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (const auto& named : module.named_modules()) {
+    const auto found = unit_of_module.find(named.value().get());
+    const int64_t u = found == unit_of_module.end() ? -1 : found->second;
+    for (const auto& p : named.value()->parameters(/*recurse=*/false)) {
+      const auto [at, fresh] = owner.emplace(p.unsafeGetTensorImpl(), u);
+      if (!fresh && at->second != u) at->second = -1;
+    }
+  }
+  // Units that hold a parameter, numbered in the order given.
+  std::vector<int64_t> renumbered(units.size(), -1);
+  for (const auto& p : params) {
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    if (u >= 0) renumbered[static_cast<std::size_t>(u)] = 0;
+  }
+  for (std::size_t u = 0; u < units.size(); ++u)
+    if (renumbered[u] == 0) {
+      renumbered[u] = static_cast<int64_t>(state.units.size());
+      state.units.push_back(Unit{.module = units[u].get()});
+    }
   std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
-  for (const auto& p : module.parameters()) ++storages[p.storage().unsafeGetStorageImpl()];
+  for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
   std::vector<int64_t> out;
   for (const auto& p : params) {
-    const auto found = owner.find(p.unsafeGetTensorImpl());
-    out.push_back(found == owner.end() ? -1 : found->second);
-    if (out.back() < 0) continue;
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
+    if (u < 0) continue;
     if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
         p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-      throw InvalidArgument(
-          "accel::DataParallel: under FULL_SHARD every parameter of a unit must own its "
-          "storage (a parameter of shape " +
-          c10::str(p.sizes()) + " is a view or shares storage: tied weights belong in no unit)");
+      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
+                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
+                            "' is a view or shares its storage with another parameter (share the tensor itself to "
+                            "tie weights: a tensor registered in several modules is one parameter)");
   }
   return out;
 }
 // A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
 // shards are made): its dtypes checked and kept, and each unit parameter's
-// tensor at rest kept for release() to give back (see Use).
+// tensor at rest kept for release() to give back (see Use). The policy is
+// the units': a parameter in no unit (the root's own, a tied weight) is
+// whole while the model runs, in its own dtype, and computes in it (a unit's
+// output_dtype hands such modules the activations in theirs).
 inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
-  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype})
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
     if (dtype && !c10::isFloatingType(*dtype))
       throw InvalidArgument(
           std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
@@ -76,15 +118,11 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
         "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
   s.param_dtype = policy.param_dtype;
   s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  s.output_dtype = policy.output_dtype;
   s.cast_inputs = policy.cast_forward_inputs;
   if (!s.param_dtype) return;
   for (auto& bucket : s.buckets) {
-    if (bucket.unit < 0)
-      throw InvalidArgument(
-          "accel::DataParallel: a MixedPrecisionPolicy's param_dtype needs every parameter in a fully sharded "
-          "unit (FULL_SHARD or HYBRID_SHARD, with auto_wrap_policy choosing them); a parameter of shape " +
-          c10::str(bucket.params.front().sizes()) + " is in none");
-    if (!c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
+    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
     for (const auto& p : bucket.params) {
       bucket.rest.push_back(p.variable_data());
       // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
@@ -99,8 +137,6 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
 // LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
 // and the way out.
 inline void name_at_rest(State& state, const torch::nn::Module& module) {
-  std::unordered_map<const c10::TensorImpl*, std::string> params;
-  for (const auto& named : module.named_parameters()) params[named.value().unsafeGetTensorImpl()] = named.key();
   std::unordered_map<const torch::nn::Module*, std::string> modules;
   for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
   for (auto& bucket : state.buckets) {
@@ -108,11 +144,11 @@ inline void name_at_rest(State& state, const torch::nn::Module& module) {
     const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
     for (const auto& p : bucket.params)
       bucket.at_rest.push_back(
-          "accel: the parameter '" + params[p.unsafeGetTensorImpl()] + "' is sharded at rest (fully sharded unit '" +
-          unit +
+          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
           "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
           "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-          "keep a weight used outside its unit too (tied) out of units (auto_wrap_policy)");
+          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
+          "weight registered in several modules is kept whole at the root");
   }
 }
 
@@ -486,7 +522,8 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-  std::optional<c10::ScalarType> cast;  // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
   {
     std::lock_guard lock(state->mutex);
     if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
@@ -497,6 +534,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
     if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
     materialize(*state, u, Use::compute);
     cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
+    output = state->output_dtype;
     const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
     if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
       fetch(*state, *(at + 1), Use::compute);
@@ -542,6 +580,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
             fetch(*s, *(at - 1), Use::compute);
         }
       });
+    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
   } else {
     static_assert(std::is_same_v<decltype(out), at::Tensor>,
                   "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");

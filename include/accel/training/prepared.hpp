@@ -77,15 +77,42 @@ struct PreparedSet {
   }
 };
 
-// RAII: restores the models' gradient sync when it goes out of scope.
+// An optimizer's groups with each parameter once, for prepare(optimizer):
+// an optimizer made from LibTorch's model->parameters() holds a tied weight
+// twice (Python's parameters() would have given it once) and would step it
+// twice. A tensor in two groups is an error, as in Python's optimizers
+// ("some parameters appear in more than one parameter group"), named by the
+// prepared models' names for it.
+inline void take_parameters_once(torch::optim::Optimizer& optimizer, const PreparedSet& set) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<at::Tensor> kept;
+    std::unordered_set<const c10::TensorImpl*> in_group;
+    for (const auto& p : group.params()) {
+      if (!in_group.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) {
+        std::string name = "of shape " + c10::str(p.sizes());
+        for (const auto& m : set.models)
+          if (const std::string n = ParameterNames(*m.module).first(p); !n.empty()) name = "'" + n + "'";
+        throw InvalidArgument("accel::Accelerator::prepare: the parameter " + name +
+                              " is in more than one of the optimizer's parameter groups (as in Python, a parameter "
+                              "belongs to one group)");
+      }
+      kept.push_back(p);
+    }
+    if (kept.size() != group.params().size()) group.params() = std::move(kept);
+  }
+}
+
 // Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
 // models. After the all-reduce every rank holds the same averaged
 // gradients, so the norm computed here is the global one, identical on
 // every rank. Under sharding a sharded parameter's gradient is its shard's:
 // the norm adds up every rank's shards (one all_reduce), and the shards are
 // scaled.
-inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double max_norm,
+inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);
@@ -111,7 +138,8 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   }
   return norm;
 }
-inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& parameters, double clip_value) {
+inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
   std::vector<at::Tensor> shards, whole;
   set.split_sharded(parameters, shards, whole);

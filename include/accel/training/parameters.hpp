@@ -1,0 +1,58 @@
+// accel/training/parameters.hpp: a module's parameters as Python counts them: each tensor once, known by all its names.
+//
+// LibTorch's Module::parameters() lists a tensor registered in two modules
+// (tied weights: GPT-2's token embedding and head) twice, where Python's
+// parameters() removes the repeats. Stepped, reduced or counted twice, such
+// a weight trains wrongly without a word, so the training helpers take each
+// tensor once, by identity (its TensorImpl), in the order of its first
+// appearance; and an error about a parameter names it by every name it has.
+#pragma once
+
+#include "accel/training/torch_nn.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// `tensors` with each tensor once (by identity, in first-appearance order).
+inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors)
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
+
+// Each parameter of `module` by its qualified names (state_dict's:
+// "transformer.wte.weight"), all of them for a tied one, in order.
+class ParameterNames {
+ public:
+  ParameterNames() = default;
+  explicit ParameterNames(const torch::nn::Module& module) {
+    for (const auto& named : module.named_parameters())
+      names_[named.value().unsafeGetTensorImpl()].push_back(named.key());
+  }
+  // "'transformer.wte.weight'", or for a tied one
+  // "'transformer.wte.weight' (tied: also 'lm_head.weight')"; a tensor
+  // that is no parameter of the module by its shape.
+  std::string describe(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    if (found == names_.end() || found->second.empty()) return "of shape " + c10::str(p.sizes());
+    std::string text = "'" + found->second.front() + "'";
+    for (std::size_t i = 1; i < found->second.size(); ++i)
+      text += (i == 1 ? " (tied: also '" : ", '") + found->second[i] + "'";
+    if (found->second.size() > 1) text += ")";
+    return text;
+  }
+  // The first name (empty for a tensor that is no parameter of the module).
+  std::string first(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    return found == names_.end() || found->second.empty() ? std::string() : found->second.front();
+  }
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
