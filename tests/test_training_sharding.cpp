@@ -1106,6 +1106,40 @@ TEST_SUITE("ranks") {
 // fsdp2_ref.py to compare. One run trains each mode of ACCEL_FSDP2_MODES (a
 // space-separated list), each in a world of its own, one after the other.
 namespace {
+// fsdp2_ref.py's gpt_ modes: its Gpt (training_fixtures.hpp's) from its start, on its tokens, with SGD and
+// momentum; each step's loss averaged over the processes into DIR/cpp_MODE_WORLD/losses.safetensors.
+void train_gpt_as_python(accel::Accelerator& accelerator, const std::string& dir, const std::string& mode) {
+  const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
+  const bool tied = mode.starts_with("gpt_tied");
+  Gpt model(GptOptions{.tied = tied});
+  accelerator.load_model(model, dir + (tied ? "/gpt_tied" : "/gpt"));
+  torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.9));  // (fsdp2_ref's GPT_LR)
+  accel::AcceleratedOptimizer optimizer = std::get<1>(accelerator.prepare(model, sgd));
+  const at::Tensor tokens = [&] {
+    for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors"))
+      if (named.first == "tokens") return named.second;
+    return at::Tensor();
+  }();
+  REQUIRE(tokens.defined());
+  REQUIRE(tokens.size(1) % P == 0);
+  const int64_t b = tokens.size(1) / P;
+  std::vector<double> losses;
+  for (int64_t step = 0; step < tokens.size(0); ++step) {
+    const at::Tensor mine = tokens[step].narrow(0, r * b, b);
+    const at::Tensor loss = next_token_loss(model(mine), mine);
+    accelerator.backward(loss);
+    optimizer.step();
+    optimizer.zero_grad();
+    losses.push_back(accelerator.reduce(loss.detach(), "mean").item<double>());
+  }
+  const std::string out = dir + "/cpp_" + mode + "_" + std::to_string(P);
+  accelerator.save_model(model, out);
+  if (accelerator.is_main_process())
+    accel::detail::write_safetensors(out + "/losses.safetensors",
+                                     {{"losses", at::tensor(losses, at::TensorOptions(at::kDouble))}});
+  accelerator.wait_for_everyone();
+}
+
 void train_as_python(const std::string& dir, const std::string& mode) {
   CAPTURE(mode);
   const std::map<std::string, accel::ShardingStrategy> strategies{
@@ -1113,14 +1147,25 @@ void train_as_python(const std::string& dir, const std::string& mode) {
       {"shard_grad_op", accel::ShardingStrategy::SHARD_GRAD_OP},
       {"full_shard", accel::ShardingStrategy::FULL_SHARD},
       {"hybrid_shard", accel::ShardingStrategy::HYBRID_SHARD},
-      {"full_shard_bf16", accel::ShardingStrategy::FULL_SHARD}};
+      {"full_shard_bf16", accel::ShardingStrategy::FULL_SHARD},
+      {"gpt_full_shard_bf16", accel::ShardingStrategy::FULL_SHARD},
+      {"gpt_tied_full_shard_bf16", accel::ShardingStrategy::FULL_SHARD},
+      {"gpt_tied_full_shard", accel::ShardingStrategy::FULL_SHARD}};
   REQUIRE(strategies.count(mode) == 1);
   accel::AcceleratorConfig c = config();
   c.sharding_strategy = strategies.at(mode);
-  if (mode == "full_shard_bf16")  // (fsdp2_ref.py's MixedPrecisionPolicy; its output_dtype is the cast below)
+  if (mode == "full_shard_bf16" || mode == "gpt_full_shard_bf16")  // (fsdp2_ref.py's MixedPrecisionPolicy)
     c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
+  if (mode.starts_with("gpt_tied")) c.auto_wrap_policy = gpt_blocks;  // (the tie at the root, in fp32)
+  if (mode == "gpt_tied_full_shard_bf16")
+    c.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat, .output_dtype = at::kFloat};
   if (mode == "hybrid_shard") c.distributed = test_config({.mp_replicate_size = 2});  // (2, P/2): fsdp2_ref's mesh
   accel::Accelerator accelerator(c);
+  if (mode.starts_with("gpt_")) {
+    train_gpt_as_python(accelerator, dir, mode);
+    release_world();
+    return;
+  }
   const int64_t P = accelerator.num_processes(), r = accelerator.process_index();
   Mlp model(16, 30, 2, 3);  // fsdp2_ref.py's Net
   accelerator.load_model(model, std::string(dir) + "/init");

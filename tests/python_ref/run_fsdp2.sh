@@ -10,7 +10,8 @@
 # Python's torch has no CPU FSDP2 (before 2.7: bookworm's 1.13, trixie's 2.6).
 #
 #     run_fsdp2.sh ACCEL_LAUNCH TEST_BINARY WORLD MODE...
-#     MODE: no_shard | shard_grad_op | full_shard | hybrid_shard | full_shard_bf16
+#     MODE: no_shard | shard_grad_op | full_shard | hybrid_shard | full_shard_bf16 | gpt_full_shard_bf16 |
+#           gpt_tied_full_shard_bf16 | gpt_tied_full_shard  (fsdp2_ref.py says what each is)
 set -euo pipefail
 usage="usage: run_fsdp2.sh ACCEL_LAUNCH TEST_BINARY WORLD MODE..."
 launch=${1:?$usage}
