@@ -483,6 +483,53 @@ TEST_SUITE("ranks") {
     accelerator.wait_for_everyone();
     if (accelerator.is_main_process()) std::filesystem::remove_all(root);
   }
+  // Keys holding a comma, a quote or a line break (LF, CRLF) are RFC 4180 fields, and Python's csv module reads
+  // back every row as logged: through the header's rewrites (a new key) and a resumed run (a second Accelerator
+  // appending under the same header, widening it once more). On main before this, a rewrite read the quoted
+  // header line by line and turned its second half into a row, and a resumed run took only its first line.
+  TEST_CASE("log: metrics.csv keys with commas, quotes and line breaks read back in Python's csv, resumed too") {
+    const std::string plain = "plain", comma = "a,b", quote = "say \"hi\"", lf = "line\nbreak", crlf = "cr\r\nlf";
+    accel::AcceleratorConfig c = config();
+    c.log_with = {"csv"};
+    {
+      accel::Accelerator probe(config());
+      c.project_config.project_dir = shared_temp_path(probe, "accel_log_csv_");
+    }
+    const std::filesystem::path file = c.project_config.project_dir / "run" / "metrics.csv";
+    {
+      accel::Accelerator accelerator(c);
+      accelerator.init_trackers("run");
+      accelerator.log({{plain, 1.5}, {lf, 2.5}}, 0);
+      accelerator.log({{comma, 3.5}}, 1);  // a new key: the header (holding a line break) is rewritten
+      accelerator.log({{quote, 4.5}, {lf, 5.5}}, 2);
+      accelerator.log({{plain, 6.5}}, 3);
+      accelerator.end_training();
+    }
+    {  // resumed: the header is read back from the file, then widened
+      accel::Accelerator accelerator(c);
+      accelerator.init_trackers("run");
+      accelerator.log({{crlf, 7.5}}, 4);
+      accelerator.log({{lf, 8.5}}, 5);
+      accelerator.wait_for_everyone();
+      if (!accelerator.is_main_process()) return;
+    }
+    const std::string script = "import csv, json\nprint(json.dumps(list(csv.reader(open(" +
+                               accel::detail::json_quote(file.string()) + ", newline='')))))\n";
+    const accel::detail::Json read =
+        accel::detail::JsonReader(python_output(script.c_str(), "metrics_csv"), "Python's csv").document();
+    std::vector<std::vector<std::string>> rows;
+    for (const auto& row : read.items) {
+      rows.emplace_back();
+      for (const auto& cell : row.items) rows.back().push_back(cell.text);
+    }
+    // Columns in the order the keys first came (within a call, the map's order: "line\nbreak" < "plain").
+    const std::vector<std::vector<std::string>> expected{
+        {"step", lf, plain, comma, quote, crlf}, {"0", "2.5", "1.5", "", "", ""}, {"1", "", "", "3.5", "", ""},
+        {"2", "5.5", "", "", "4.5", ""},         {"3", "", "6.5", "", "", ""},    {"4", "", "", "", "", "7.5"},
+        {"5", "8.5", "", "", "", ""}};
+    CHECK(rows == expected);
+    std::filesystem::remove_all(c.project_config.project_dir);
+  }
   TEST_CASE("accelerator cleanup") { release_world(); }
 }
 

@@ -76,7 +76,18 @@ inline void append_line(const std::filesystem::path& file, const std::string& li
   out.flush();
   if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + file.string());
 }
-// The keys of a metrics.csv header line (the columns after "step").
+// One CSV record of `in` (RFC 4180, as Python's csv module reads it): a
+// physical line, and while a quoted field is open (a key holding a line
+// break), the lines that follow, joined by the '\n' that ended them. None at
+// the end of the file.
+inline std::optional<std::string> read_csv_record(std::istream& in) {
+  std::string record, line;
+  if (!std::getline(in, record)) return std::nullopt;
+  // (a quote opens or closes a field; a doubled one inside it does both, so the count's parity says)
+  while (std::count(record.begin(), record.end(), '"') % 2 != 0 && std::getline(in, line)) record += '\n' + line;
+  return record;
+}
+// The keys of a metrics.csv header record (the columns after "step").
 inline std::vector<std::string> csv_columns(const std::string& header) {
   std::vector<std::string> columns;
   std::string cell;
@@ -171,8 +182,8 @@ class ExperimentLog {
     const bool exists = std::filesystem::exists(file);
     if (!csv_header_) {
       csv_header_.emplace();
-      std::string line;
-      if (std::ifstream in(file, std::ios::binary); in && std::getline(in, line)) *csv_header_ = csv_columns(line);
+      std::ifstream in(file, std::ios::binary);
+      if (const auto header = read_csv_record(in)) *csv_header_ = csv_columns(*header);
     }
     std::vector<std::string>& columns = *csv_header_;
     const std::size_t known = columns.size();
@@ -181,9 +192,8 @@ class ExperimentLog {
     if (columns.size() != known || !exists) {
       std::vector<std::string> rows;
       if (std::ifstream in(file, std::ios::binary); in) {
-        std::string line;
-        std::getline(in, line);  // (the old header)
-        while (std::getline(in, line)) rows.push_back(line);
+        read_csv_record(in);  // (the old header: records, not lines, as a key may hold a line break)
+        while (auto row = read_csv_record(in)) rows.push_back(std::move(*row));
       }
       const std::filesystem::path temporary = file.string() + ".tmp";
       {
