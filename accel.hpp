@@ -62,6 +62,7 @@
 //     accel/training/grad_scaler.hpp            GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/fused_adam.hpp             Adam and AdamW stepped by LibTorch's fused kernels
 //     accel/training/config.hpp                 AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/file_digest.hpp            XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
 //     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
 //     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
@@ -9870,6 +9871,223 @@ class AcceleratedScheduler {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/file_digest.hpp ===========================================
+// accel/training/file_digest.hpp: XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files.
+//
+// A checkpoint lists every file it wrote with its size and XXH64 hash
+// (checkpoint_files.hpp), and a load checks each file it reads against that
+// list: a flipped bit, a file cut short, or a file of another run put in
+// its place is refused, naming the file, before anything is loaded.
+// LibTorch's own archives carry zip CRC32s, but LibTorch reads them without
+// checking (its miniz is built without the reader's CRC checks), and
+// safetensors has none. XXH64 (Yann Collet's, the hash of xxHash's
+// XXH64 and Python's xxhash.xxh64) runs at memory speed on one core in
+// portable C++; the test vectors in the tests are xxhash's own.
+
+#include <fcntl.h>
+
+#include <semaphore>
+#include <thread>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// XXH64 with seed 0, fed in pieces of any size.
+class Xxh64 {
+ public:
+  void update(const void* data, std::size_t n) noexcept {
+    const auto* p = static_cast<const unsigned char*>(data);
+    total_ += n;
+    if (held_ + n < kStripe) {
+      if (n) std::memcpy(buffer_ + held_, p, n);
+      held_ += n;
+      return;
+    }
+    if (held_) {
+      const std::size_t fill = kStripe - held_;
+      std::memcpy(buffer_ + held_, p, fill);
+      consume(buffer_);
+      p += fill;
+      n -= fill;
+      held_ = 0;
+    }
+    // The lanes in locals: the input (bytes, which may alias anything) would
+    // otherwise make the compiler store and reload them every stripe (a
+    // third of the speed).
+    uint64_t v0 = v_[0], v1 = v_[1], v2 = v_[2], v3 = v_[3];
+    for (; n >= kStripe; p += kStripe, n -= kStripe) {
+      v0 = round(v0, read64(p));
+      v1 = round(v1, read64(p + 8));
+      v2 = round(v2, read64(p + 16));
+      v3 = round(v3, read64(p + 24));
+    }
+    v_[0] = v0, v_[1] = v1, v_[2] = v2, v_[3] = v3;
+    if (n) std::memcpy(buffer_, p, n);
+    held_ = n;
+  }
+  uint64_t digest() const noexcept {
+    uint64_t h = total_ >= kStripe
+                     ? std::rotl(v_[0], 1) + std::rotl(v_[1], 7) + std::rotl(v_[2], 12) + std::rotl(v_[3], 18)
+                     : kP5;  // (seed 0)
+    if (total_ >= kStripe)
+      for (const uint64_t v : v_) h = (h ^ round(0, v)) * kP1 + kP4;
+    h += total_;
+    const unsigned char* p = buffer_;
+    std::size_t n = held_;
+    for (; n >= 8; p += 8, n -= 8) h = std::rotl(h ^ round(0, read64(p)), 27) * kP1 + kP4;
+    if (n >= 4) {
+      h = std::rotl(h ^ (read32(p) * kP1), 23) * kP2 + kP3;
+      p += 4;
+      n -= 4;
+    }
+    for (; n > 0; ++p, --n) h = std::rotl(h ^ (*p * kP5), 11) * kP1;
+    h ^= h >> 33;
+    h *= kP2;
+    h ^= h >> 29;
+    h *= kP3;
+    return h ^ (h >> 32);
+  }
+
+ private:
+  static constexpr uint64_t kP1 = 11400714785074694791ull, kP2 = 14029467366897019727ull, kP3 = 1609587929392839161ull,
+                            kP4 = 9650029242287828579ull, kP5 = 2870177450012600261ull;
+  static constexpr std::size_t kStripe = 32;
+  static uint64_t round(uint64_t acc, uint64_t input) noexcept { return std::rotl(acc + input * kP2, 31) * kP1; }
+  // (little-endian, as XXH64 reads; so is every host LibTorch runs on: safetensors.hpp asserts it)
+  static uint64_t read64(const unsigned char* p) noexcept {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+  }
+  static uint64_t read32(const unsigned char* p) noexcept {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  void consume(const unsigned char* p) noexcept {
+    for (int lane = 0; lane < 4; ++lane) v_[lane] = round(v_[lane], read64(p + 8 * lane));
+  }
+
+  uint64_t v_[4] = {kP1 + kP2, kP2, 0, 0 - kP1};
+  unsigned char buffer_[kStripe] = {};
+  std::size_t held_ = 0;
+  uint64_t total_ = 0;
+};
+
+// An Xxh64 fed on a thread of its own, beside the caller's work on the
+// same bytes (a write(2) into the page cache takes about as long as
+// hashing them: on a machine with a core to spare the digest costs
+// nothing): start(p, n) begins on a piece, wait() returns once it is
+// hashed, and only then may the caller reuse the piece or start another.
+// The thread is made on the first start(); if it cannot be, start() hashes
+// on the caller's thread.
+class HashBeside {
+ public:
+  explicit HashBeside(Xxh64& hash) : hash_(hash) {}
+  HashBeside(const HashBeside&) = delete;
+  HashBeside& operator=(const HashBeside&) = delete;
+  ~HashBeside() {
+    if (!thread_.joinable()) return;
+    piece_ = nullptr;  // (stop)
+    go_.release();
+    thread_.join();
+  }
+  void start(const void* data, std::size_t n) noexcept {
+    piece_ = data;
+    size_ = n;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { run(); });
+      } catch (...) {
+        hash_.update(data, n);
+        done_.release();
+        return;
+      }
+    }
+    go_.release();
+  }
+  void wait() noexcept { done_.acquire(); }
+
+ private:
+  void run() noexcept {
+    for (;;) {
+      go_.acquire();
+      if (!piece_) return;
+      hash_.update(piece_, size_);
+      done_.release();
+    }
+  }
+
+  Xxh64& hash_;
+  const void* piece_ = nullptr;
+  std::size_t size_ = 0;
+  std::binary_semaphore go_{0}, done_{0};
+  std::thread thread_;
+};
+
+inline uint64_t xxh64(const void* data, std::size_t n) {
+  Xxh64 h;
+  h.update(data, n);
+  return h.digest();
+}
+
+// Whether files are hashed as they are written and checked as a checkpoint
+// is read: always, but for the sharding benchmark, which turns it off for
+// its baseline, to measure what the digests cost beside the I/O, side by
+// side in one run (tests/bench/bench_sharding.cpp, mode checkpoint).
+inline bool& file_digests_on() {
+  static bool on = true;
+  return on;
+}
+
+// What a checkpoint records of each file: its size and its bytes' XXH64.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint64_t xxh64 = 0;
+  bool operator==(const FileDigest&) const = default;
+};
+// The hash as 16 hexadecimal digits (how the manifest writes it); and back
+// (none: not 16 of them).
+inline std::string hex64(uint64_t value) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+inline std::optional<uint64_t> from_hex64(const std::string& text) {
+  if (text.size() != 16 || !std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isxdigit(c); }))
+    return std::nullopt;
+  return std::stoull(text, nullptr, 16);
+}
+
+// A file's digest, read in pieces of 1 MiB through read(2); an error names
+// the file and the cause.
+inline FileDigest digest_of_file(const std::filesystem::path& path) {
+  constexpr std::size_t kPiece = std::size_t{1} << 20;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw RuntimeError("accel: cannot open " + path.string() + ": " + std::strerror(errno));
+  std::unique_ptr<char[]> buffer(new char[kPiece]);
+  Xxh64 hash;
+  FileDigest digest;
+  for (;;) {
+    const ssize_t got = ::read(fd, buffer.get(), kPiece);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int error = errno;
+      ::close(fd);
+      throw RuntimeError("accel: cannot read " + path.string() + ": " + std::strerror(error));
+    }
+    if (got == 0) break;
+    hash.update(buffer.get(), static_cast<std::size_t>(got));
+    digest.bytes += static_cast<uint64_t>(got);
+  }
+  ::close(fd);
+  digest.xxh64 = hash.digest();
+  return digest;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checked_file.hpp ==========================================
 // accel/training/checked_file.hpp: files written with every error checked: CheckedFile, atomic writes, archives.
 //
@@ -9907,7 +10125,10 @@ inline std::filesystem::path sibling(const std::filesystem::path& dir, const cha
 // throws: it keeps the first error and drops what follows, so that it can
 // serve LibTorch's archive writer. finish() puts the bytes on disk (fsync)
 // and throws that first error, naming the file; a CheckedFile not finished,
-// or whose finish() failed, removes its file.
+// or whose finish() failed, removes its file. The bytes are hashed as they
+// go (XXH64, a large piece on a thread of its own beside its write(2):
+// HashBeside), and finish() returns the file's digest for a checkpoint's
+// manifest.
 class CheckedFile {
  public:
   explicit CheckedFile(std::filesystem::path path) : path_(std::move(path)) {
@@ -9933,7 +10154,7 @@ class CheckedFile {
   }
   void write(std::string_view text) noexcept { write(text.data(), text.size()); }
 
-  void finish() {
+  FileDigest finish() {
     flush();
     if (error_ == 0 && ::fsync(fd_) != 0) error_ = errno;
     if (::close(fd_) != 0 && error_ == 0) error_ = errno;
@@ -9942,18 +10163,30 @@ class CheckedFile {
       ::unlink(path_.c_str());
       throw_errno("cannot write", path_, error_);
     }
+    return {bytes_, hash_.digest()};
   }
 
  private:
   // LibTorch's archive writer hands over many small pieces (zip headers, names):
   // gathered here into writes of up to kBuffer bytes.
   static constexpr std::size_t kBuffer = std::size_t{1} << 20;
+  // From this size a piece is hashed on another thread (below it, the handover costs more than it saves).
+  static constexpr std::size_t kBeside = std::size_t{256} << 10;
 
   void flush() noexcept {
     put(buffer_.data(), buffer_.size());
     buffer_.clear();
   }
   void put(const void* data, std::size_t n) noexcept {
+    // A large piece is hashed beside its write(2), a small one before it.
+    const bool beside = file_digests_on() && n >= kBeside;
+    if (beside) beside_.start(data, n);
+    else if (file_digests_on()) hash_.update(data, n);
+    write_out(data, n);
+    if (beside) beside_.wait();
+  }
+  void write_out(const void* data, std::size_t n) noexcept {
+    bytes_ += n;
     const char* p = static_cast<const char*>(data);
     while (n > 0 && error_ == 0) {
       const ssize_t wrote = ::write(fd_, p, n);
@@ -9970,35 +10203,41 @@ class CheckedFile {
   int fd_ = -1;
   int error_ = 0;
   std::string buffer_;
+  Xxh64 hash_;
+  HashBeside beside_{hash_};
+  uint64_t bytes_ = 0;
 };
 
 // A whole file's bytes written to `path` through a temporary name and a
 // rename: a reader finds the old file or the whole new one. On an error the
-// temporary file is removed and the old file stays.
-inline void write_file_atomically(const std::filesystem::path& path, const std::function<void(CheckedFile&)>& body) {
+// temporary file is removed and the old file stays. Returns its digest.
+inline FileDigest write_file_atomically(const std::filesystem::path& path,
+                                        const std::function<void(CheckedFile&)>& body) {
   const std::filesystem::path tmp = sibling(path, ".tmp");
+  FileDigest digest;
   {
     CheckedFile out(tmp);
     body(out);
-    out.finish();
+    digest = out.finish();
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int error = errno;
     ::unlink(tmp.c_str());
     throw_errno("cannot rename " + tmp.string() + " to", path, error);
   }
+  return digest;
 }
 
 // One archive written and flushed to disk. The writer returns every size as
 // written, whatever happened: a short count would make LibTorch's writer
 // throw from its destructor (pytorch#156955); finish() reports the error.
-inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+inline FileDigest save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
   CheckedFile out(path);
   archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
     out.write(data, n);
     return n;
   });
-  out.finish();
+  return out.finish();
 }
 }  // namespace detail
 
@@ -10016,7 +10255,14 @@ ACCEL_NAMESPACE_END
 // out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
 // manifest accel_checkpoint.txt, whose presence (whole: it ends with "end")
 // marks the directory complete. Each manifest carries a serial, one more
-// than the checkpoint it replaces.
+// than the checkpoint it replaces, the checkpoint's id (random, its own:
+// every piece file carries it too), and every other file of the checkpoint
+// with its size and XXH64 hash (file_digest.hpp), which a load checks for
+// each file it reads before anything changes (CheckpointFiles): a damaged
+// file, one cut short, one of another checkpoint or one the manifest does
+// not list is refused, naming it. The manifest ends with a hash of its own
+// lines. A manifest of the first format (before digests) is read, its
+// files unchecked.
 //
 // save_state writes DIR.tmp, fsyncs every file, writes the manifest, fsyncs
 // the directory, then swaps DIR.tmp and DIR in one step (renameat2's
@@ -10026,6 +10272,9 @@ ACCEL_NAMESPACE_END
 // the next save_state or load_state first recovers: the complete one with the
 // highest serial becomes DIR and the others are removed. A save never removes
 // the newest complete checkpoint before its own is complete.
+
+#include <future>
+#include <random>
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -10046,9 +10295,14 @@ inline bool& checkpoint_use_exchange() {
 }
 
 inline constexpr const char* checkpoint_manifest = "accel_checkpoint.txt";
-inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 1";
+inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 2";
+inline constexpr const char* checkpoint_format_1 = "accel.hpp checkpoint 1";  // (no id, no digests)
+
+// The files one process wrote into a checkpoint, by name, with their digests.
+using FileLog = std::vector<std::pair<std::string, FileDigest>>;
 
 struct CheckpointManifest {
+  int format = 2;
   int64_t serial = 0;
   int64_t processes = 0;
   int64_t models = 0;
@@ -10057,16 +10311,58 @@ struct CheckpointManifest {
   int64_t objects = 0;
   int64_t schedulers = 0;
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
+  std::string id;      // 32 hexadecimal digits, this save's own
+  std::map<std::string, FileDigest> files;  // every file of the checkpoint but the manifest
 };
 
+// The manifest's text: its lines, then `check` with the XXH64 of all the
+// bytes before that line, then `end`.
+inline std::string manifest_text(const CheckpointManifest& m) {
+  std::ostringstream out;
+  out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
+      << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
+      << m.schedulers << "\nshards " << m.shards << "\nid " << m.id << "\n";
+  for (const auto& [name, digest] : m.files)
+    out << "file " << name << ' ' << digest.bytes << ' ' << hex64(digest.xxh64) << '\n';
+  std::string text = std::move(out).str();
+  return text + "check " + hex64(xxh64(text.data(), text.size())) + "\nend\n";
+}
+
+// A complete manifest, or none (missing, cut short, or its own hash wrong).
 inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
-  std::ifstream in(dir / checkpoint_manifest);
+  std::ifstream file(dir / checkpoint_manifest, std::ios::binary);
+  if (!file) return std::nullopt;
+  const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  std::istringstream in(text);
   std::string line;
-  if (!in || !std::getline(in, line) || line != checkpoint_format) return std::nullopt;
   CheckpointManifest m;
+  if (!std::getline(in, line)) return std::nullopt;
+  if (line == checkpoint_format_1) m.format = 1;
+  else if (line != checkpoint_format) return std::nullopt;
+  bool checked = false;
   std::string key;
   while (in >> key) {
-    if (key == "end") return m;
+    if (key == "end") return m.format == 1 || checked ? std::optional(m) : std::nullopt;
+    if (key == "check") {
+      const auto at = static_cast<std::size_t>(in.tellg()) - key.size();
+      std::string hash;
+      in >> hash;
+      checked = from_hex64(hash) == xxh64(text.data(), at);
+      if (!checked) return std::nullopt;
+      continue;
+    }
+    if (key == "id") {
+      in >> m.id;
+      continue;
+    }
+    if (key == "file") {
+      std::string name, hash;
+      FileDigest digest;
+      if (!(in >> name >> digest.bytes >> hash) || !from_hex64(hash)) return std::nullopt;
+      digest.xxh64 = *from_hex64(hash);
+      m.files[name] = digest;
+      continue;
+    }
     int64_t value = 0;
     if (!(in >> value)) return std::nullopt;
     if (key == "serial") m.serial = value;
@@ -10082,14 +10378,87 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
 }
 
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) {
-    std::ostringstream out;
-    out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
-        << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
-        << m.schedulers << "\nshards " << m.shards << "\nend\n";
-    file.write(out.str());
-  });
+  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) { file.write(manifest_text(m)); });
 }
+
+// A new checkpoint's id: 128 random bits, as hexadecimal digits.
+inline std::string new_checkpoint_id() {
+  std::random_device random;
+  std::string id;
+  for (int i = 0; i < 4; ++i) {
+    char part[9];
+    std::snprintf(part, sizeof part, "%08x", static_cast<unsigned>(random()));
+    id += part;
+  }
+  return id;
+}
+
+// A checkpoint's files as a load reads them, each checked against the
+// manifest's record (size and XXH64): check(name) refuses at once a file
+// that is missing or not listed, and starts reading and hashing it on a
+// thread of its own (one file at a time, in order), beside the caller's own
+// reading of it (both from the page cache: with a core to spare, the check
+// costs nothing); wait() returns once every check begun is done, throwing
+// the first that failed, naming the file. The load applies nothing before
+// wait() (read_checkpoint), and a check's error comes before any other (a
+// damaged file's parse may fail first). Only the files a process reads are
+// checked by it; every file is read by some process, and load_state fails
+// on every process when one refuses. A manifest of the first format has no
+// records: its files are read unchecked.
+class CheckpointFiles {
+ public:
+  CheckpointFiles(fs::path dir, CheckpointManifest manifest) : dir_(std::move(dir)), manifest_(std::move(manifest)) {}
+  CheckpointFiles(const CheckpointFiles&) = delete;
+  CheckpointFiles& operator=(const CheckpointFiles&) = delete;
+  ~CheckpointFiles() { wait_quietly(); }
+
+  // The file's path; its check begun.
+  fs::path check(const std::string& name) {
+    const fs::path path = dir_ / name;
+    if (!fs::exists(path)) throw RuntimeError("missing " + path.string());
+    if (manifest_.format < 2 || !file_digests_on() || !begun_.insert(name).second) return path;
+    const auto recorded = manifest_.files.find(name);
+    if (recorded == manifest_.files.end())
+      throw RuntimeError(path.string() + " is not one of this checkpoint's files (" +
+                         (dir_ / checkpoint_manifest).string() + " does not list it)");
+    std::shared_future<void> before = checks_.empty() ? std::shared_future<void>() : checks_.back();
+    checks_.push_back(std::async(std::launch::async, [path, expected = recorded->second, before] {
+                        if (before.valid()) before.wait();  // (one at a time)
+                        const FileDigest found = digest_of_file(path);
+                        if (found != expected)
+                          throw RuntimeError(path.string() + " is damaged or is not this checkpoint's: " +
+                                             std::to_string(found.bytes) + " bytes of XXH64 " + hex64(found.xxh64) +
+                                             ", where the checkpoint recorded " + std::to_string(expected.bytes) +
+                                             " bytes of " + hex64(expected.xxh64));
+                      }).share());
+    return path;
+  }
+  // Every check begun, done; the first that failed, thrown.
+  void wait() {
+    wait_quietly();
+    for (const auto& check : checks_) check.get();
+  }
+  // Whether the manifest records the files (and an id), so that they are checked.
+  bool recorded() const { return manifest_.format >= 2; }
+  const std::string& id() const { return manifest_.id; }
+  // The listed files whose names end with `suffix`, in order.
+  std::vector<fs::path> listed(std::string_view suffix) const {
+    std::vector<fs::path> out;
+    for (const auto& entry : manifest_.files)
+      if (entry.first.ends_with(suffix)) out.push_back(dir_ / entry.first);
+    return out;
+  }
+
+ private:
+  void wait_quietly() const noexcept {
+    for (const auto& check : checks_) check.wait();
+  }
+
+  fs::path dir_;
+  CheckpointManifest manifest_;
+  std::set<std::string> begun_;
+  std::vector<std::shared_future<void>> checks_;
+};
 
 // The manifest goes first, so a removal cut short never leaves a directory
 // that looks complete.
@@ -10550,13 +10919,14 @@ inline std::string safetensors_header(const std::vector<std::pair<std::string, a
 // `metadata` as above. Where `values` is given, values(i) gives tensor i's
 // values as the file reaches it, in order (an export that gathers them one
 // at a time); `tensors` then only gives names, dtypes and shapes.
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::vector<std::pair<std::string, std::string>>& metadata = {},
-                              const std::function<at::Tensor(std::size_t)>& values = {}) {
+inline FileDigest write_safetensors(const fs::path& path,
+                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata = {},
+                                    const std::function<at::Tensor(std::size_t)>& values = {}) {
   static_assert(std::endian::native == std::endian::little,
                 "safetensors is little-endian; so is every host LibTorch runs on");
   const std::string header = safetensors_header(tensors, metadata);
-  write_file_atomically(path, [&](CheckedFile& out) {
+  return write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
     out.write(&length, 8);
     out.write(header);
@@ -10930,6 +11300,13 @@ inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch:
   return slots;
 }
 
+// A checkpoint file read as an archive (checked and parsed by the caller),
+// with its path for errors.
+struct OpenedArchive {
+  std::string file;
+  torch::serialize::InputArchive archive;
+};
+
 // One saved optimizer file, read: its archive, and for each position its
 // state's archive (none where the parameter had no state yet).
 struct SavedOptimizer {
@@ -10938,11 +11315,9 @@ struct SavedOptimizer {
   std::vector<std::optional<torch::serialize::InputArchive>> states;
 };
 
-inline SavedOptimizer read_saved_optimizer(const std::filesystem::path& file, std::size_t slots, c10::Device device) {
-  SavedOptimizer saved{.file = file.string(), .archive = {}, .states = {}};
-  if (!std::filesystem::exists(file)) throw RuntimeError("missing " + saved.file);
+inline SavedOptimizer read_saved_optimizer(OpenedArchive opened, std::size_t slots) {
+  SavedOptimizer saved{.file = std::move(opened.file), .archive = std::move(opened.archive), .states = {}};
   try {
-    saved.archive.load_from(saved.file, device);
     torch::serialize::InputArchive state, groups;
     saved.archive.read("state", state);
     saved.archive.read("param_groups", groups);
@@ -10988,10 +11363,10 @@ inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, in
 // The saved state of optimizer `index` as this process's optimizer takes it
 // (an archive for Optimizer::load and load_group_options). `saved_shards`:
 // how many pieces the saving run cut each parameter into (1: whole, in
-// `file_of(0)`); `file_of(k)`: the file of the process that held piece k.
+// `open(0)`); `open(k)`: the file of the process that held piece k.
 inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
-    const PreparedSet& set, std::size_t index, int64_t saved_shards,
-    const std::function<std::filesystem::path(int64_t)>& file_of, c10::Device device) {
+    const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
+    const std::function<OpenedArchive(int64_t)>& open) {
   torch::optim::Optimizer& optimizer = *set.optimizers[index];
   const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
   // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
@@ -11002,8 +11377,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
       needed.insert(k);
   }
   std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : needed)
-    files[static_cast<std::size_t>(k)] = read_saved_optimizer(file_of(k), slots.size(), device);
+  for (const int64_t k : needed) files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
@@ -11204,12 +11578,19 @@ ACCEL_NAMESPACE_END
 // of each of a process's pieces goes into that process's file j:
 // rank-<process>-part-<j>.safetensors.
 //
-// Loading (ShardedWeights) reads every file's header, checks that each
+// Each file's metadata also carries the checkpoint's id
+// ("accel_checkpoint_id"; Python's reader takes only DCP_SHARDING_INFO).
+//
+// Loading (ShardedWeights) reads the header of every file the manifest
+// lists, refuses a file of another checkpoint (its id), checks that each
 // name's boxes tile its whole tensor exactly (nothing missing, nothing
 // twice) and that the model has the same names, dtypes and shapes, then
 // reads for each tensor only what the process keeps (its piece, or the
 // whole), and of each saved box that overlaps it only the bytes spanning
-// the overlap.
+// the overlap; a file it reads from is first checked whole against the
+// manifest's digest (CheckpointFiles), so a process reads each of those
+// files once more in full: where the layout is the saving run's, its own
+// files and the first process's first one (the buffers).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -11303,13 +11684,17 @@ class PieceFiles {
   void add_whole(const std::string& name, const at::Tensor& tensor) {
     add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
   }
-  void write(const fs::path& dir, int process) const {
+  // Into dir, with the checkpoint's id; each file and its digest into `log`.
+  void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
     for (std::size_t j = 0; j < parts_.size(); ++j) {
       char file[64];
       std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
-      write_safetensors(dir / file, parts_[j], {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}});
+      log.emplace_back(file,
+                       write_safetensors(dir / file, parts_[j],
+                                         {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}, {kCheckpointIdKey, id}}));
     }
   }
+  static constexpr const char* kCheckpointIdKey = "accel_checkpoint_id";
 
  private:
   void add(std::size_t j, const std::string& name, const at::Tensor& values, const std::vector<int64_t>& at) {
@@ -11361,8 +11746,8 @@ inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimize
 
 // Writes this process's pieces into dir (see the top): of every sharded
 // model, and of its optimizers' state where Python's optimizer of the same
-// kind has it (python_state).
-inline void write_pieces(PreparedSet& set, int process, const fs::path& dir) {
+// kind has it (python_state); each file into `log`.
+inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
   PieceFiles files;
   // Each sharded parameter's shard (what the optimizers step), to its name, shape and piece.
   struct Place {
@@ -11406,17 +11791,24 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir) {
           }
         }
       }
-  files.write(dir, process);
+  files.write(dir, process, id, log);
 }
 
-// A sharded model's files in a checkpoint, read and checked (see the top).
+// A sharded model's files in a checkpoint, read and checked (see the top):
+// those its manifest lists (`checked`), each checked against its digest
+// before its data is read; without records (a checkpoint of the first
+// format), every *.safetensors in dir, unchecked.
 class ShardedWeights {
  public:
-  explicit ShardedWeights(const fs::path& dir) : dir_(dir) {
+  ShardedWeights(const fs::path& dir, CheckpointFiles& checked) : dir_(dir), checked_(&checked) {
     if (!fs::is_directory(dir)) throw RuntimeError("missing " + dir.string());
-    for (const auto& entry : fs::directory_iterator(dir))
-      if (entry.path().extension() == ".safetensors") files_.push_back(entry.path());
-    std::sort(files_.begin(), files_.end());
+    if (checked.recorded()) {
+      files_ = checked.listed(".safetensors");
+    } else {
+      for (const auto& entry : fs::directory_iterator(dir))
+        if (entry.path().extension() == ".safetensors") files_.push_back(entry.path());
+      std::sort(files_.begin(), files_.end());
+    }
     for (std::size_t f = 0; f < files_.size(); ++f) read_header(f);
     for (auto& [name, whole] : tensors_) check_tiling(name, whole);
   }
@@ -11482,6 +11874,13 @@ class ShardedWeights {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw RuntimeError("cannot read " + path.string());
     const SafetensorsHeader header = read_safetensors_header(in, path);
+    if (checked_->recorded()) {
+      const auto id = header.metadata.find(PieceFiles::kCheckpointIdKey);
+      if (id == header.metadata.end() || id->second != checked_->id())
+        throw RuntimeError(path.string() + " is a piece of another checkpoint (its id " +
+                           (id == header.metadata.end() ? std::string("none") : id->second) + ", this one's " +
+                           checked_->id() + ")");
+    }
     const auto info = header.metadata.find("DCP_SHARDING_INFO");
     const Json places = info == header.metadata.end()
                             ? Json{}
@@ -11535,6 +11934,7 @@ class ShardedWeights {
   // Elements [first, first + into.numel()) of a saved box, into `into`.
   void read_bytes(const Saved& saved, int64_t first, const at::Tensor& into) const {
     const fs::path& path = files_[saved.file];
+    checked_->check(path.filename().string());
     std::ifstream in(path, std::ios::binary);
     const auto element = static_cast<int64_t>(into.element_size());
     in.seekg(static_cast<std::streamoff>(saved.at + first * element));
@@ -11543,6 +11943,7 @@ class ShardedWeights {
   }
 
   fs::path dir_;
+  CheckpointFiles* checked_;
   std::vector<fs::path> files_;
   std::map<std::string, Whole> tensors_;
 };
@@ -11626,34 +12027,41 @@ inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
   return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
 }
 
+// An archive written into the checkpoint directory `tmp` and logged with its digest.
+inline void save_logged(torch::serialize::OutputArchive& archive, const std::filesystem::path& tmp,
+                        const std::string& name, FileLog& log) {
+  log.emplace_back(name, save_archive(archive, tmp / name));
+}
+
 // What every process writes: its RNG states and step (as Accelerate's
 // random_states_<i>), and under sharding its own pieces of the models and
-// its own optimizer state.
+// its own optimizer state; each file into `log`.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
-                                const std::filesystem::path& tmp) {
+                                const std::filesystem::path& tmp, const std::string& id, FileLog& log) {
   torch::serialize::OutputArchive archive;
   archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
-  save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
-  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp);
+  save_logged(archive, tmp, "random_states_" + std::to_string(ctx.process_index) + ".pt", log);
+  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp, id, log);
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
       torch::serialize::OutputArchive state;
       set.optimizers[i]->save(state);
-      save_archive(state, tmp / optimizer_file(set, ctx, i));
+      save_logged(state, tmp, optimizer_file(set, ctx, i), log);
     }
 }
 
 // What process 0 writes for all: the models not sharded (whole
 // parameters), the optimizers unless sharded, each prepared loader's resume point (epoch,
 // batches to skip), the schedulers' step counts (and own state) and the
-// registered objects.
-inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
+// registered objects; each file into `log`.
+inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp,
+                               FileLog& log) {
   auto write = [&](const std::string& name, auto& object) {
     torch::serialize::OutputArchive archive;
     object.save(archive);
-    save_archive(archive, tmp / name);
+    save_logged(archive, tmp, name, log);
   };
   for (std::size_t i = 0; i < set.models.size(); ++i)
     if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
@@ -11669,7 +12077,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
     archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
-    save_archive(archive, tmp / "loaders.pt");
+    save_logged(archive, tmp, "loaders.pt", log);
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
     torch::serialize::OutputArchive archive;
@@ -11679,18 +12087,18 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
       set.schedulers[i].save(own);
       archive.write("own", own);
     }
-    save_archive(archive, tmp / numbered_file("scheduler", i));
+    save_logged(archive, tmp, numbered_file("scheduler", i), log);
   }
   for (std::size_t i = 0; i < set.objects.size(); ++i) {
     torch::serialize::OutputArchive archive;
     set.objects[i].save(archive);
-    save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
+    save_logged(archive, tmp, "custom_checkpoint_" + std::to_string(i) + ".pt", log);
   }
   if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
     torch::serialize::OutputArchive archive;
     archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
     archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
-    save_archive(archive, tmp / "scaler.pt");
+    save_logged(archive, tmp, "scaler.pt", log);
   }
 }
 
@@ -11723,13 +12131,32 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
   if (ctx.process_index == 0)
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      manifest.id = new_checkpoint_id();
       std::filesystem::create_directories(tmp);
     });
   fail_on_every_process(error);
-  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
+  {  // (every piece carries the id)
+    std::vector<std::string> id{manifest.id};
+    accel::broadcast_object_list(id);
+    manifest.id = id[0];
+  }
+  FileLog log;
+  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp, manifest.id, log); }));
+  {  // every process's files and digests, for the manifest (process 0 writes it)
+    std::ostringstream mine;
+    for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
+    for (const std::string& theirs : accel::gather_object(mine.str())) {
+      std::istringstream in(theirs);
+      std::string name;
+      FileDigest digest;
+      while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
+    }
+  }
   if (ctx.process_index == 0)
     error = error_of([&] {
-      write_shared_files(set, ctx, tmp);
+      FileLog shared;
+      write_shared_files(set, ctx, tmp, shared);
+      for (const auto& [name, digest] : shared) manifest.files[name] = digest;
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -11759,12 +12186,13 @@ struct LoadedCheckpoint {
 struct SavedLayout {
   int processes = 1;
   int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
+  CheckpointManifest manifest;
 };
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
-                       ", which save_state writes last, is missing or cut short");
+                       ", which save_state writes last, is missing, cut short or damaged");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -11778,7 +12206,7 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
     throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
-  return {static_cast<int>(manifest->processes), manifest->shards};
+  return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -11809,9 +12237,9 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   const std::string error = error_of([&] {
     const SavedLayout saved = check_manifest(dir, set);
     const int saved_processes = saved.processes;
+    CheckpointFiles files(dir, saved.manifest);  // (each file checked against its digest: files.wait() below)
     auto read = [&](const std::string& name) {
-      const fs::path file = dir / name;
-      if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
+      const fs::path file = files.check(name);
       auto archive = std::make_unique<torch::serialize::InputArchive>();
       try {
         archive->load_from(file.string(), ctx.device);
@@ -11820,103 +12248,110 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       }
       return archive;
     };
-    loaded.pieces.resize(set.models.size());
-    std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
-    for (std::size_t i = 0; i < set.models.size(); ++i) {
-      if (!fs::exists(dir / numbered_file("model", i))) {
-        if (!pieces) {
-          const auto found = fs::directory_iterator(dir);
-          if (std::none_of(fs::begin(found), fs::end(found),
-                           [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-            throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
-                               " (and no sharded model's pieces, *.safetensors, beside it)");
-          pieces.emplace(dir);
+    // Everything read, then every file's check awaited; a failed check is the error, before any other (a damaged
+    // file's parse may fail first).
+    try {
+      loaded.pieces.resize(set.models.size());
+      std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
+      for (std::size_t i = 0; i < set.models.size(); ++i) {
+        if (!fs::exists(dir / numbered_file("model", i))) {
+          if (!pieces) {
+            const auto found = fs::directory_iterator(dir);
+            if (std::none_of(fs::begin(found), fs::end(found),
+                             [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
+              throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
+                                 " (and no sharded model's pieces, *.safetensors, beside it)");
+            pieces.emplace(dir, files);
+          }
+          loaded.pieces[i] =
+              read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
+          continue;
         }
-        loaded.pieces[i] =
-            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
-        continue;
+        models[i] = read(numbered_file("model", i));
+        check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
       }
-      models[i] = read(numbered_file("model", i));
-      check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
-    }
-    // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
-    // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
-    const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i)
-      optimizers[i] =
-          as_saved
-              ? read(optimizer_file(set, ctx, i))
-              : resharded_optimizer(
-                    set, i, saved.shards,
-                    [&](int64_t k) { return dir / optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k)); },
-                    ctx.device);
-    for (std::size_t i = 0; i < set.objects.size(); ++i)
-      objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
-    // A tensor of the given dtype and shape under `key`, or an error naming the file.
-    auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
-                      at::IntArrayRef sizes, const std::string& file) {
-      at::Tensor value;
-      if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
-        throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
-      return value;
-    };
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-      const std::string file = (dir / numbered_file("scheduler", i)).string();
-      scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
-      torch::serialize::InputArchive own;
-      if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
-        throw RuntimeError(file + " has no state of the scheduler's own save()");
-      if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
-        throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
-                           " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
-                           " (load the checkpoint before stepping it)");
-    }
-    if (!set.loaders.empty()) {
-      const std::string file = (dir / "loaders.pt").string();
-      auto archive = read("loaders.pt");
-      const auto n = static_cast<int64_t>(set.loaders.size());
-      points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-      // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
-      at::Tensor saved_per_batch;
-      if (archive->try_read("samples_per_batch", saved_per_batch))
-        saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
-      else if (saved_processes != ctx.num_processes)
-        throw RuntimeError(file +
-                           " does not say how many samples its loaders read per batch (an older "
-                           "accel.hpp saved it): load it with as many processes as saved it (" +
-                           std::to_string(saved_processes) + ")");
-      for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
-        ResumedBatches resumed = resumed_batches(
-            static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
-            saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
-            saved_processes == ctx.num_processes);
-        points[i][1].fill_(static_cast<int64_t>(resumed.batches));
-        if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
+      // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
+      // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
+      const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
+      for (std::size_t i = 0; i < set.optimizers.size(); ++i)
+        optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
+                                 : resharded_optimizer(set, i, saved.shards, ctx.device, [&](int64_t k) {
+                                     const std::string name =
+                                         optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k));
+                                     return OpenedArchive{(dir / name).string(), std::move(*read(name))};
+                                   });
+      for (std::size_t i = 0; i < set.objects.size(); ++i)
+        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
+      // A tensor of the given dtype and shape under `key`, or an error naming the file.
+      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                        at::IntArrayRef sizes, const std::string& file) {
+        at::Tensor value;
+        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+        return value;
+      };
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+        const std::string file = (dir / numbered_file("scheduler", i)).string();
+        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
+        torch::serialize::InputArchive own;
+        if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
+          throw RuntimeError(file + " has no state of the scheduler's own save()");
+        if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
+          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
+                             " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
+                             " (load the checkpoint before stepping it)");
       }
+      if (!set.loaders.empty()) {
+        const std::string file = (dir / "loaders.pt").string();
+        auto archive = read("loaders.pt");
+        const auto n = static_cast<int64_t>(set.loaders.size());
+        points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+        // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
+        at::Tensor saved_per_batch;
+        if (archive->try_read("samples_per_batch", saved_per_batch))
+          saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+        else if (saved_processes != ctx.num_processes)
+          throw RuntimeError(file +
+                             " does not say how many samples its loaders read per batch (an older "
+                             "accel.hpp saved it): load it with as many processes as saved it (" +
+                             std::to_string(saved_processes) + ")");
+        for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
+          ResumedBatches resumed = resumed_batches(
+              static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
+              saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
+              saved_processes == ctx.num_processes);
+          points[i][1].fill_(static_cast<int64_t>(resumed.batches));
+          if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
+        }
+      }
+      if (set.scaler) {
+        const std::string file = (dir / "scaler.pt").string();
+        if (!fs::exists(dir / "scaler.pt"))
+          throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+        auto archive = read("scaler.pt");
+        loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
+                         tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
+      }
+      // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
+      const int saved_process = saved_process_for(ctx.process_index, saved_processes);
+      loaded.derived_rng = saved_process != ctx.process_index;
+      const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+      if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
+      auto rng_archive = read(rng_name);
+      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+      rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
+      step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+      at::Tensor saved_device_rng;
+      if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
+        const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
+        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
+      }
+    } catch (...) {
+      files.wait();
+      throw;
     }
-    if (set.scaler) {
-      const std::string file = (dir / "scaler.pt").string();
-      if (!fs::exists(dir / "scaler.pt"))
-        throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-      auto archive = read("scaler.pt");
-      loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
-                       tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
-    }
-    // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
-    const int saved_process = saved_process_for(ctx.process_index, saved_processes);
-    loaded.derived_rng = saved_process != ctx.process_index;
-    const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
-    if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
-    auto rng_archive = read(rng_name);
-    const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-    rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
-    step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
-    at::Tensor saved_device_rng;
-    if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
-      const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
-      device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
-    }
+    files.wait();
   });
   fail_together(error, "accel::Accelerator::load_state");
   return loaded;
@@ -12278,7 +12713,18 @@ inline void append_line(const std::filesystem::path& file, const std::string& li
   out.flush();
   if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + file.string());
 }
-// The keys of a metrics.csv header line (the columns after "step").
+// One CSV record of `in` (RFC 4180, as Python's csv module reads it): a
+// physical line, and while a quoted field is open (a key holding a line
+// break), the lines that follow, joined by the '\n' that ended them. None at
+// the end of the file.
+inline std::optional<std::string> read_csv_record(std::istream& in) {
+  std::string record, line;
+  if (!std::getline(in, record)) return std::nullopt;
+  // (a quote opens or closes a field; a doubled one inside it does both, so the count's parity says)
+  while (std::count(record.begin(), record.end(), '"') % 2 != 0 && std::getline(in, line)) record += '\n' + line;
+  return record;
+}
+// The keys of a metrics.csv header record (the columns after "step").
 inline std::vector<std::string> csv_columns(const std::string& header) {
   std::vector<std::string> columns;
   std::string cell;
@@ -12373,8 +12819,8 @@ class ExperimentLog {
     const bool exists = std::filesystem::exists(file);
     if (!csv_header_) {
       csv_header_.emplace();
-      std::string line;
-      if (std::ifstream in(file, std::ios::binary); in && std::getline(in, line)) *csv_header_ = csv_columns(line);
+      std::ifstream in(file, std::ios::binary);
+      if (const auto header = read_csv_record(in)) *csv_header_ = csv_columns(*header);
     }
     std::vector<std::string>& columns = *csv_header_;
     const std::size_t known = columns.size();
@@ -12383,9 +12829,8 @@ class ExperimentLog {
     if (columns.size() != known || !exists) {
       std::vector<std::string> rows;
       if (std::ifstream in(file, std::ios::binary); in) {
-        std::string line;
-        std::getline(in, line);  // (the old header)
-        while (std::getline(in, line)) rows.push_back(line);
+        read_csv_record(in);  // (the old header: records, not lines, as a key may hold a line break)
+        while (auto row = read_csv_record(in)) rows.push_back(std::move(*row));
       }
       const std::filesystem::path temporary = file.string() + ".tmp";
       {
@@ -12427,30 +12872,123 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
+// A tensor and its name (one state_dict entry).
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+// A state-dict adapter (torchtitan's StateDictAdapter, to_hf / from_hf),
+// tensor by tensor: how save_model writes the model's tensors in another
+// layout, such as a Hugging Face model's (other names; GPT-2's Conv1D
+// weights, [in, out] where a Linear holds [out, in]), and how load_model
+// reads them back. An empty function takes each tensor as it is.
+struct StateDictAdapter {
+  // save_model: one of the model's state_dict entries (its name, its whole
+  // values) as the file holds it, or nullopt to leave it out (a tied copy
+  // Hugging Face does not store). The name and the result's dtype and shape
+  // must follow from the name, dtype and shape alone: save_model learns
+  // them by calling it on a meta tensor before any values are gathered.
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> to_file;
+  // load_model: one of the file's tensors as the model holds it (the
+  // inverse), or nullopt for a tensor the model has no place for.
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> from_file;
+};
+
+struct SaveModelOptions {
+  // Above this many bytes, several files and an index (Accelerate's default, 10 GB).
+  uint64_t max_shard_bytes = 10'000'000'000;
+  StateDictAdapter adapter;
+};
+struct LoadModelOptions {
+  StateDictAdapter adapter;
+};
+
 namespace detail {
+// A tensor with `t`'s dtype and shape and no storage (the device "meta").
+inline at::Tensor meta_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+}
+
+// What save_model writes for each of the model's state_dict entries: the
+// file's name and a meta tensor of the file's dtype and shape, with the
+// model's entry the values come from.
+struct PlannedTensor {
+  NamedTensor file;
+  NamedTensor model;
+};
+inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter) {
+  std::vector<PlannedTensor> out;
+  std::map<std::string, std::string> from;  // a file name -> the model's name it came from
+  for (auto& named : state_dict(module)) {
+    std::optional<NamedTensor> file;
+    if (!adapter.to_file) {
+      file = NamedTensor(named.first, meta_like(named.second));
+    } else {
+      try {
+        file = adapter.to_file(named.first, meta_like(named.second));
+      } catch (const std::exception& e) {
+        throw InvalidArgument("accel::save_model: the adapter's to_file failed for '" + named.first +
+                              "' on a meta tensor (it is called on one first, to learn the file's names, dtypes and "
+                              "shapes before any values are gathered; it must not read values): " +
+                              e.what());
+      }
+      if (!file) continue;
+      if (file->first.empty())
+        throw InvalidArgument("accel::save_model: the adapter's to_file gave '" + named.first +
+                              "' an empty name (nullopt leaves a tensor out)");
+    }
+    if (const auto [at, fresh] = from.emplace(file->first, named.first); !fresh)
+      throw InvalidArgument("accel::save_model: the adapter's to_file gives '" + at->second + "' and '" + named.first +
+                            "' the same name, '" + file->first + "'");
+    out.push_back({std::move(*file), std::move(named)});
+  }
+  return out;
+}
+
 // save_model's work on `module`'s state_dict. whole(t) gives a tensor's
 // values when its turn comes (an Accelerator's FULL_SHARD model gathers
 // them unit by unit there, a collective); every process calls it for every
 // tensor in the same order, the main process writes, and an error there
 // (a full disk) still lets the others finish their calls before every
 // process throws it.
-inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path, uint64_t max_shard_bytes,
-                         const std::function<at::Tensor(const at::Tensor&)>& whole) {
+inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
+                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
   namespace fs = std::filesystem;
-  if (max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  using Named = std::vector<std::pair<std::string, at::Tensor>>;
-  std::vector<Named> shards(1);  // the files' tensors (names, dtypes and shapes; values come from whole())
+  if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  using Named = std::vector<NamedTensor>;
+  std::vector<Named> shards(1);                      // the files' tensors (names, dtypes and shapes: meta tensors)
+  std::vector<std::vector<NamedTensor>> sources(1);  // the model's entry of each, whose values whole() gives
   uint64_t in_shard = 0, total = 0;
-  for (auto& named : state_dict(module)) {
-    const uint64_t bytes = named.second.numel() * named.second.element_size();
-    if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
+  for (auto& planned : planned_tensors(module, options.adapter)) {
+    const at::Tensor& t = planned.file.second;
+    const uint64_t bytes = t.numel() * t.element_size();
+    if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) {
       shards.emplace_back();
+      sources.emplace_back();
       in_shard = 0;
     }
-    shards.back().push_back(std::move(named));
+    shards.back().push_back(std::move(planned.file));
+    sources.back().push_back(std::move(planned.model));
     in_shard += bytes;
     total += bytes;
   }
+  // The values of the file's tensor i of file k, through the adapter, checked against the plan.
+  auto file_values = [&](std::size_t k, std::size_t i) -> at::Tensor {
+    const auto& [name, model_tensor] = sources[k][i];
+    const at::Tensor values = whole(model_tensor);
+    if (!options.adapter.to_file) return values;
+    const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
+    const NamedTensor& planned = shards[k][i];
+    if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
+        file->second.sizes() != planned.second.sizes())
+      throw RuntimeError(
+          "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
+          (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
+                : std::string("nullopt")) +
+          " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
+          c10::str(planned.second.sizes()) +
+          " on a meta tensor of its dtype and shape: name, dtype and shape must follow from "
+          "those alone");
+    return file->second;
+  };
   const bool writes = accel::get_rank() == 0;
   std::string error;
   if (writes)
@@ -12467,7 +13005,7 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
-      return whole(shards[k][i].second);
+      return file_values(k, i);
     };
     if (writes && error.empty())
       error = error_of([&] {
@@ -12475,7 +13013,9 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
         written.insert(name);
         for (const auto& named : shards[k]) weight_map[named.first] = name;
       });
-    while (next < shards[k].size()) values(next);  // the other processes, and the main one after an error
+    // The other processes, and the main one after an error: the gathers only (whole() is a collective where
+    // the model is sharded; the adapter is the writer's).
+    for (; next < shards[k].size(); ++next) whole(sources[k][next].second);
   }
   if (writes && error.empty())
     error = error_of([&] {
@@ -12503,71 +13043,147 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
 
 // Writes the model's weights as Hugging Face does, for Python (and
 // load_model) to read: dir/model.safetensors with the state_dict's names as
-// keys ("body.0.weight"; parameters and buffers), or, above max_shard_bytes
+// keys ("body.0.weight"; parameters and buffers; a tied tensor under each of
+// its names, as Python's state_dict), or, above options.max_shard_bytes
 // (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
-// dir/model.safetensors.index.json. The main process writes; every process
-// calls it (and gets any error). Each file is written whole under a
-// temporary name, then renamed; the other layout's files of an earlier save
-// in dir are removed. It writes the parameters as they are: a model sharded
-// by an Accelerator goes through Accelerator::save_model, which gathers
-// them unit by unit (or hold a DataParallel::summon_full_params() around
-// this).
+// dir/model.safetensors.index.json. options.adapter renames, transforms or
+// leaves out tensors on the way (a Hugging Face layout). The main process
+// writes; every process calls it (and gets any error). Each file is written
+// whole under a temporary name, then renamed; the other layout's files of
+// an earlier save in dir are removed. It writes the parameters as they
+// are: a model sharded by an Accelerator goes through
+// Accelerator::save_model, which gathers them unit by unit (or hold a
+// DataParallel::summon_full_params() around this).
 template <class ModuleHolder>
-void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
-  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
+  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
                        [](const at::Tensor& t) { return t; });
 }
+// (the same, options.max_shard_bytes given alone)
+template <class ModuleHolder>
+void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
+  save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
+}
+
+namespace detail {
+// Every tensor of a safetensors model directory (one file, or shards and an
+// index, as save_model and Hugging Face write it), by name; `where` gets
+// the file that names them, for errors.
+inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+  namespace fs = std::filesystem;
+  std::map<std::string, at::Tensor> loaded;
+  auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
+    for (auto& [name, tensor] : read_safetensors(file)) {
+      if (weight_map) {
+        const auto mapped = weight_map->find(name);
+        if (mapped == weight_map->end() || mapped->second != file.filename().string())
+          throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
+      }
+      if (!loaded.emplace(name, std::move(tensor)).second)
+        throw RuntimeError(file.string() + ": " + name + " is in two files");
+    }
+  };
+  const fs::path index_file = path / "model.safetensors.index.json";
+  where = (path / "model.safetensors").string();
+  if (!fs::exists(index_file)) {
+    take(path / "model.safetensors", nullptr);
+    return loaded;
+  }
+  where = index_file.string();
+  std::ifstream in(index_file);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const Json doc = JsonReader(text, where).document();
+  const Json* map = doc.find("weight_map");
+  if (!map || map->kind != Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
+  std::map<std::string, std::string> weight_map;
+  for (std::size_t field = 0; field < map->keys.size(); ++field) {
+    const std::string& name = map->keys[field];
+    const Json& file = map->values[field];
+    if (file.kind != Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
+      throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
+    weight_map[name] = file.text;
+  }
+  std::set<std::string> files;
+  for (const auto& entry : weight_map) files.insert(entry.second);
+  for (const std::string& file : files) take(path / file, &weight_map);
+  for (const auto& entry : weight_map)
+    if (!loaded.count(entry.first))
+      throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+  return loaded;
+}
+
+// The file's tensors under the model's names, through the adapter's from_file.
+inline std::map<std::string, at::Tensor> adapted_from_file(std::map<std::string, at::Tensor> file,
+                                                           const StateDictAdapter& adapter) {
+  if (!adapter.from_file) return file;
+  std::map<std::string, at::Tensor> out;
+  std::map<std::string, std::string> from;  // a model name -> the file's name it came from
+  for (auto& [name, tensor] : file) {
+    std::optional<NamedTensor> model = adapter.from_file(name, tensor);
+    if (!model) continue;
+    if (const auto [at, fresh] = from.emplace(model->first, name); !fresh)
+      throw RuntimeError("the adapter's from_file gives '" + at->second + "' and '" + name + "' the same name, '" +
+                         model->first + "'");
+    out.emplace(std::move(model->first), std::move(model->second));
+  }
+  return out;
+}
+
+// The model's state_dict entries that `loaded` must fill: a tied tensor
+// (one tensor under several names, GPT-2's wte and lm_head) needs one of
+// its names there, as Hugging Face stores it once; where it has several,
+// their values must agree.
+inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
+                                                const std::map<std::string, at::Tensor>& loaded,
+                                                const std::string& where) {
+  std::vector<NamedTensor> out;
+  std::map<const c10::TensorImpl*, std::string> filled;  // a tied tensor -> the name that fills it
+  std::set<const c10::TensorImpl*> tied;
+  {
+    std::set<const c10::TensorImpl*> seen;
+    for (const auto& [name, t] : state_dict(module))
+      if (!seen.insert(t.unsafeGetTensorImpl()).second) tied.insert(t.unsafeGetTensorImpl());
+  }
+  for (auto& [name, t] : state_dict(module)) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    const auto found = loaded.find(name);
+    if (!tied.count(impl)) {
+      out.emplace_back(name, t);
+    } else if (found != loaded.end()) {
+      if (const auto [first, fresh] = filled.emplace(impl, name); !fresh) {
+        const at::Tensor& other = loaded.at(first->second);
+        if (other.sizes() == found->second.sizes() && other.scalar_type() == found->second.scalar_type() &&
+            !at::equal(other, found->second))
+          throw RuntimeError(where + ": " + first->second + " and " + name +
+                             " are one tensor in the model (tied), and differ there");
+      }
+      out.emplace_back(name, t);
+    }
+  }
+  for (auto& [name, t] : state_dict(module))  // a tied tensor with none of its names there: each is missing
+    if (tied.count(t.unsafeGetTensorImpl()) && !filled.count(t.unsafeGetTensorImpl())) out.emplace_back(name, t);
+  return out;
+}
+}  // namespace detail
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
 // save_pretrained / save_model, sharded or not) into the model, on every
-// process. Everything is read and checked before anything is copied: each
-// of the model's parameters and buffers must be there with its dtype and
-// shape, and nothing else; otherwise every process throws, naming the
-// file and the tensors. A sharded model: Accelerator::load_model.
+// process. options.adapter's from_file renames and transforms the file's
+// tensors first (the inverse of save_model's to_file). Everything is read
+// and checked before anything is copied: each of the model's parameters
+// and buffers must be there with its dtype and shape (a tied one under one
+// of its names at least), and nothing else; otherwise every process
+// throws, naming the file and the tensors. A sharded model:
+// Accelerator::load_model.
 template <class ModuleHolder>
-void load_model(ModuleHolder& model, const std::string& dir) {
-  namespace fs = std::filesystem;
-  const fs::path path = detail::checkpoint_path(dir, "load_model");
-  const auto expected = detail::state_dict(*model.ptr());
+void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
+  const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
+  std::vector<NamedTensor> expected;
   std::map<std::string, at::Tensor> loaded;
   const std::string error = detail::error_of([&] {
-    auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
-      for (auto& [name, tensor] : detail::read_safetensors(file)) {
-        if (weight_map) {
-          const auto mapped = weight_map->find(name);
-          if (mapped == weight_map->end() || mapped->second != file.filename().string())
-            throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
-        }
-        if (!loaded.emplace(name, std::move(tensor)).second)
-          throw RuntimeError(file.string() + ": " + name + " is in two files");
-      }
-    };
-    const fs::path index_file = path / "model.safetensors.index.json";
-    std::string where = (path / "model.safetensors").string();
-    if (fs::exists(index_file)) {
-      where = index_file.string();
-      std::ifstream in(index_file);
-      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      const detail::Json doc = detail::JsonReader(text, where).document();
-      const detail::Json* map = doc.find("weight_map");
-      if (!map || map->kind != detail::Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
-      std::map<std::string, std::string> weight_map;
-      for (std::size_t field = 0; field < map->keys.size(); ++field) {
-        const std::string& name = map->keys[field];
-        const detail::Json& file = map->values[field];
-        if (file.kind != detail::Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
-          throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
-        weight_map[name] = file.text;
-      }
-      std::set<std::string> files;
-      for (const auto& entry : weight_map) files.insert(entry.second);
-      for (const std::string& file : files) take(path / file, &weight_map);
-      for (const auto& entry : weight_map)
-        if (!loaded.count(entry.first))
-          throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
-    } else {
-      take(path / "model.safetensors", nullptr);
-    }
+    std::string where;
+    loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
+    expected = detail::entries_to_fill(*model.ptr(), loaded, where);
     std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
     for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
     if (const std::string why = detail::misfit(expected, held); !why.empty())
@@ -13555,21 +14171,26 @@ class Accelerator : public detail::AcceleratorPreparing,
   // all-gather lands in); load_model gathers them all for the call and
   // writes them back into the shards.
   template <class ModuleHolder>
-  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
+  void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
     detail::every_process_calls("accel::Accelerator::save_model", [&] {
       const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
       DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
-      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, max_shard_bytes);
+      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
       auto units = dp->unit_by_unit();
-      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
                            [&](const at::Tensor& t) { return units.whole(t); });
     });
   }
+  // (the same, options.max_shard_bytes given alone)
   template <class ModuleHolder>
-  void load_model(ModuleHolder& model, const std::string& dir) {
+  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
+    save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
+  }
+  template <class ModuleHolder>
+  void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
     detail::every_process_calls("accel::Accelerator::load_model", [&] {
       const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
-      accel::load_model(model, dir);
+      accel::load_model(model, dir, options);
     });
   }
 

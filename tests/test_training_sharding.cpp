@@ -629,7 +629,8 @@ TEST_SUITE("ranks") {
       CHECK_FALSE(fs::exists(dir / "optimizer.pt"));
       CHECK_FALSE(fs::exists(dir / "model.pt"));  // nothing gathered: each process wrote its pieces
       {
-        const accel::detail::ShardedWeights pieces(dir);
+        accel::detail::CheckpointFiles files(dir, *accel::detail::read_manifest(dir));
+        const accel::detail::ShardedWeights pieces(dir, files);
         Mlp plain(4, 16, 1);
         torch::NoGradGuard no_grad;
         for (const auto& [name, t] : accel::detail::state_dict(*plain))

@@ -137,6 +137,27 @@ inline at::Tensor next_token_loss(const at::Tensor& logits, const at::Tensor& to
   return torch::cross_entropy_loss(predicted.reshape({-1, predicted.size(2)}),
                                    tokens.narrow(1, 1, T - 1).reshape({-1}));
 }
+// Gpt's weights as Hugging Face's GPT2LMHeadModel stores them: Conv1D's
+// weights [in, out] (the transpose of a Linear's), the tied head left out
+// (from_pretrained ties it again); and back, leaving out the causal-mask
+// buffers older files hold (attn.bias, attn.masked_bias).
+inline bool gpt2_conv1d(const std::string& name) {
+  for (const char* conv : {".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight"})
+    if (name.ends_with(conv)) return true;
+  return false;
+}
+inline accel::StateDictAdapter gpt2_adapter(bool tied) {
+  accel::StateDictAdapter adapter;
+  adapter.to_file = [tied](const std::string& name, const at::Tensor& v) -> std::optional<accel::NamedTensor> {
+    if (tied && name == "lm_head.weight") return std::nullopt;
+    return accel::NamedTensor(name, gpt2_conv1d(name) ? v.t() : v);
+  };
+  adapter.from_file = [](const std::string& name, const at::Tensor& v) -> std::optional<accel::NamedTensor> {
+    if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) return std::nullopt;
+    return accel::NamedTensor(name, gpt2_conv1d(name) ? v.t() : v);
+  };
+  return adapter;
+}
 // Gpt's units by block (transformer.h.<i>), the way a user of FSDP wraps a transformer.
 inline bool gpt_blocks(const std::string& name, const torch::nn::Module&) {
   return name.starts_with("transformer.h.") && name.find('.', 14) == std::string::npos;

@@ -33,6 +33,7 @@
 #include "accel/training/grad_scaler.hpp"
 #include "accel/training/fused_adam.hpp"
 #include "accel/training/config.hpp"
+#include "accel/training/file_digest.hpp"
 #include "accel/training/checked_file.hpp"
 #include "accel/training/checkpoint_files.hpp"
 #include "accel/training/safetensors.hpp"

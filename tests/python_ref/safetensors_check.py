@@ -10,6 +10,13 @@ layouts into the same architecture with strict load_state_dict and must give
 the same outputs, bit for bit. Then it writes py/model.safetensors (another
 initialisation, with safetensors' save_file) and py_io.safetensors (x and its
 outputs) for the C++ side ("read") to load.
+
+With transformers (the pip leg; --gpt2): gpt2/ is a tied GPT-2-shaped model the
+C++ side exported in GPT-2's layout through a state-dict adapter, with
+gpt2_io.safetensors (tokens and its logits): GPT2LMHeadModel.from_pretrained
+must load it with no key missing, unexpected or mismatched, tie the head, and
+give those logits. Then it saves a GPT2LMHeadModel of its own (save_pretrained)
+to py_gpt2/ with py_gpt2_io.safetensors, for the C++ side to load.
 """
 import json
 import os
@@ -71,5 +78,31 @@ def main(root):
           f"outputs in Python; Python weights written")
 
 
+def gpt2(root):
+    import transformers
+    io = load_file(os.path.join(root, "gpt2_io.safetensors"))
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(root, "gpt2"), attn_implementation="eager",
+                                                                output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr(), "the head is not tied"
+    model.eval()
+    with torch.no_grad():
+        difference = (model(io["tokens"]).logits - io["logits"]).abs().max().item()
+    assert difference <= 1e-5, difference  # (Conv1D's addmm against Linear's: the same sums in another order)
+
+    torch.manual_seed(2)
+    model = transformers.GPT2LMHeadModel(model.config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # every tensor away from its initial value, LayerNorms included
+            p.add_(torch.randn_like(p) * 0.05)
+        logits = model(io["tokens"]).logits
+    model.save_pretrained(os.path.join(root, "py_gpt2"))
+    save_file({"tokens": io["tokens"], "logits": logits}, os.path.join(root, "py_gpt2_io.safetensors"))
+    print(f"safetensors_check: transformers {transformers.__version__} loaded the C++ GPT-2 export (tied, Conv1D "
+          f"layout): largest logit difference {difference:.3g}; a GPT2LMHeadModel saved for the C++ side")
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    if "--gpt2" in sys.argv:
+        gpt2(sys.argv[1])

@@ -266,21 +266,26 @@ class Accelerator : public detail::AcceleratorPreparing,
   // all-gather lands in); load_model gathers them all for the call and
   // writes them back into the shards.
   template <class ModuleHolder>
-  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes = 10'000'000'000) {
+  void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
     detail::every_process_calls("accel::Accelerator::save_model", [&] {
       const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
       DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
-      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, max_shard_bytes);
+      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
       auto units = dp->unit_by_unit();
-      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), max_shard_bytes,
+      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
                            [&](const at::Tensor& t) { return units.whole(t); });
     });
   }
+  // (the same, options.max_shard_bytes given alone)
   template <class ModuleHolder>
-  void load_model(ModuleHolder& model, const std::string& dir) {
+  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
+    save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
+  }
+  template <class ModuleHolder>
+  void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
     detail::every_process_calls("accel::Accelerator::load_model", [&] {
       const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
-      accel::load_model(model, dir);
+      accel::load_model(model, dir, options);
     });
   }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "accel/core/errors.hpp"
+#include "accel/training/file_digest.hpp"
 #include "accel/training/torch_nn.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -38,7 +39,10 @@ inline std::filesystem::path sibling(const std::filesystem::path& dir, const cha
 // throws: it keeps the first error and drops what follows, so that it can
 // serve LibTorch's archive writer. finish() puts the bytes on disk (fsync)
 // and throws that first error, naming the file; a CheckedFile not finished,
-// or whose finish() failed, removes its file.
+// or whose finish() failed, removes its file. The bytes are hashed as they
+// go (XXH64, a large piece on a thread of its own beside its write(2):
+// HashBeside), and finish() returns the file's digest for a checkpoint's
+// manifest.
 class CheckedFile {
  public:
   explicit CheckedFile(std::filesystem::path path) : path_(std::move(path)) {
@@ -64,7 +68,7 @@ class CheckedFile {
   }
   void write(std::string_view text) noexcept { write(text.data(), text.size()); }
 
-  void finish() {
+  FileDigest finish() {
     flush();
     if (error_ == 0 && ::fsync(fd_) != 0) error_ = errno;
     if (::close(fd_) != 0 && error_ == 0) error_ = errno;
@@ -73,18 +77,30 @@ class CheckedFile {
       ::unlink(path_.c_str());
       throw_errno("cannot write", path_, error_);
     }
+    return {bytes_, hash_.digest()};
   }
 
  private:
   // LibTorch's archive writer hands over many small pieces (zip headers, names):
   // gathered here into writes of up to kBuffer bytes.
   static constexpr std::size_t kBuffer = std::size_t{1} << 20;
+  // From this size a piece is hashed on another thread (below it, the handover costs more than it saves).
+  static constexpr std::size_t kBeside = std::size_t{256} << 10;
 
   void flush() noexcept {
     put(buffer_.data(), buffer_.size());
     buffer_.clear();
   }
   void put(const void* data, std::size_t n) noexcept {
+    // A large piece is hashed beside its write(2), a small one before it.
+    const bool beside = file_digests_on() && n >= kBeside;
+    if (beside) beside_.start(data, n);
+    else if (file_digests_on()) hash_.update(data, n);
+    write_out(data, n);
+    if (beside) beside_.wait();
+  }
+  void write_out(const void* data, std::size_t n) noexcept {
+    bytes_ += n;
     const char* p = static_cast<const char*>(data);
     while (n > 0 && error_ == 0) {
       const ssize_t wrote = ::write(fd_, p, n);
@@ -101,35 +117,41 @@ class CheckedFile {
   int fd_ = -1;
   int error_ = 0;
   std::string buffer_;
+  Xxh64 hash_;
+  HashBeside beside_{hash_};
+  uint64_t bytes_ = 0;
 };
 
 // A whole file's bytes written to `path` through a temporary name and a
 // rename: a reader finds the old file or the whole new one. On an error the
-// temporary file is removed and the old file stays.
-inline void write_file_atomically(const std::filesystem::path& path, const std::function<void(CheckedFile&)>& body) {
+// temporary file is removed and the old file stays. Returns its digest.
+inline FileDigest write_file_atomically(const std::filesystem::path& path,
+                                        const std::function<void(CheckedFile&)>& body) {
   const std::filesystem::path tmp = sibling(path, ".tmp");
+  FileDigest digest;
   {
     CheckedFile out(tmp);
     body(out);
-    out.finish();
+    digest = out.finish();
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const int error = errno;
     ::unlink(tmp.c_str());
     throw_errno("cannot rename " + tmp.string() + " to", path, error);
   }
+  return digest;
 }
 
 // One archive written and flushed to disk. The writer returns every size as
 // written, whatever happened: a short count would make LibTorch's writer
 // throw from its destructor (pytorch#156955); finish() reports the error.
-inline void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
+inline FileDigest save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& path) {
   CheckedFile out(path);
   archive.save_to([&](const void* data, std::size_t n) -> std::size_t {
     out.write(data, n);
     return n;
   });
-  out.finish();
+  return out.finish();
 }
 }  // namespace detail
 

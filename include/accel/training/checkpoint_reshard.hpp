@@ -55,6 +55,13 @@ inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch:
   return slots;
 }
 
+// A checkpoint file read as an archive (checked and parsed by the caller),
+// with its path for errors.
+struct OpenedArchive {
+  std::string file;
+  torch::serialize::InputArchive archive;
+};
+
 // One saved optimizer file, read: its archive, and for each position its
 // state's archive (none where the parameter had no state yet).
 struct SavedOptimizer {
@@ -63,11 +70,9 @@ struct SavedOptimizer {
   std::vector<std::optional<torch::serialize::InputArchive>> states;
 };
 
-inline SavedOptimizer read_saved_optimizer(const std::filesystem::path& file, std::size_t slots, c10::Device device) {
-  SavedOptimizer saved{.file = file.string(), .archive = {}, .states = {}};
-  if (!std::filesystem::exists(file)) throw RuntimeError("missing " + saved.file);
+inline SavedOptimizer read_saved_optimizer(OpenedArchive opened, std::size_t slots) {
+  SavedOptimizer saved{.file = std::move(opened.file), .archive = std::move(opened.archive), .states = {}};
   try {
-    saved.archive.load_from(saved.file, device);
     torch::serialize::InputArchive state, groups;
     saved.archive.read("state", state);
     saved.archive.read("param_groups", groups);
@@ -113,10 +118,10 @@ inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, in
 // The saved state of optimizer `index` as this process's optimizer takes it
 // (an archive for Optimizer::load and load_group_options). `saved_shards`:
 // how many pieces the saving run cut each parameter into (1: whole, in
-// `file_of(0)`); `file_of(k)`: the file of the process that held piece k.
+// `open(0)`); `open(k)`: the file of the process that held piece k.
 inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
-    const PreparedSet& set, std::size_t index, int64_t saved_shards,
-    const std::function<std::filesystem::path(int64_t)>& file_of, c10::Device device) {
+    const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
+    const std::function<OpenedArchive(int64_t)>& open) {
   torch::optim::Optimizer& optimizer = *set.optimizers[index];
   const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
   // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
@@ -127,8 +132,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
       needed.insert(k);
   }
   std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : needed)
-    files[static_cast<std::size_t>(k)] = read_saved_optimizer(file_of(k), slots.size(), device);
+  for (const int64_t k : needed) files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());

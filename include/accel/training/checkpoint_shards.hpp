@@ -29,14 +29,22 @@
 // of each of a process's pieces goes into that process's file j:
 // rank-<process>-part-<j>.safetensors.
 //
-// Loading (ShardedWeights) reads every file's header, checks that each
+// Each file's metadata also carries the checkpoint's id
+// ("accel_checkpoint_id"; Python's reader takes only DCP_SHARDING_INFO).
+//
+// Loading (ShardedWeights) reads the header of every file the manifest
+// lists, refuses a file of another checkpoint (its id), checks that each
 // name's boxes tile its whole tensor exactly (nothing missing, nothing
 // twice) and that the model has the same names, dtypes and shapes, then
 // reads for each tensor only what the process keeps (its piece, or the
 // whole), and of each saved box that overlaps it only the bytes spanning
-// the overlap.
+// the overlap; a file it reads from is first checked whole against the
+// manifest's digest (CheckpointFiles), so a process reads each of those
+// files once more in full: where the layout is the saving run's, its own
+// files and the first process's first one (the buffers).
 #pragma once
 
+#include "accel/training/checkpoint_files.hpp"
 #include "accel/training/prepared.hpp"
 #include "accel/training/safetensors.hpp"
 
@@ -132,13 +140,17 @@ class PieceFiles {
   void add_whole(const std::string& name, const at::Tensor& tensor) {
     add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
   }
-  void write(const fs::path& dir, int process) const {
+  // Into dir, with the checkpoint's id; each file and its digest into `log`.
+  void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
     for (std::size_t j = 0; j < parts_.size(); ++j) {
       char file[64];
       std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
-      write_safetensors(dir / file, parts_[j], {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}});
+      log.emplace_back(file,
+                       write_safetensors(dir / file, parts_[j],
+                                         {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}, {kCheckpointIdKey, id}}));
     }
   }
+  static constexpr const char* kCheckpointIdKey = "accel_checkpoint_id";
 
  private:
   void add(std::size_t j, const std::string& name, const at::Tensor& values, const std::vector<int64_t>& at) {
@@ -190,8 +202,8 @@ inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimize
 
 // Writes this process's pieces into dir (see the top): of every sharded
 // model, and of its optimizers' state where Python's optimizer of the same
-// kind has it (python_state).
-inline void write_pieces(PreparedSet& set, int process, const fs::path& dir) {
+// kind has it (python_state); each file into `log`.
+inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
   PieceFiles files;
   // Each sharded parameter's shard (what the optimizers step), to its name, shape and piece.
   struct Place {
@@ -235,17 +247,24 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir) {
           }
         }
       }
-  files.write(dir, process);
+  files.write(dir, process, id, log);
 }
 
-// A sharded model's files in a checkpoint, read and checked (see the top).
+// A sharded model's files in a checkpoint, read and checked (see the top):
+// those its manifest lists (`checked`), each checked against its digest
+// before its data is read; without records (a checkpoint of the first
+// format), every *.safetensors in dir, unchecked.
 class ShardedWeights {
  public:
-  explicit ShardedWeights(const fs::path& dir) : dir_(dir) {
+  ShardedWeights(const fs::path& dir, CheckpointFiles& checked) : dir_(dir), checked_(&checked) {
     if (!fs::is_directory(dir)) throw RuntimeError("missing " + dir.string());
-    for (const auto& entry : fs::directory_iterator(dir))
-      if (entry.path().extension() == ".safetensors") files_.push_back(entry.path());
-    std::sort(files_.begin(), files_.end());
+    if (checked.recorded()) {
+      files_ = checked.listed(".safetensors");
+    } else {
+      for (const auto& entry : fs::directory_iterator(dir))
+        if (entry.path().extension() == ".safetensors") files_.push_back(entry.path());
+      std::sort(files_.begin(), files_.end());
+    }
     for (std::size_t f = 0; f < files_.size(); ++f) read_header(f);
     for (auto& [name, whole] : tensors_) check_tiling(name, whole);
   }
@@ -311,6 +330,13 @@ class ShardedWeights {
     std::ifstream in(path, std::ios::binary);
     if (!in) throw RuntimeError("cannot read " + path.string());
     const SafetensorsHeader header = read_safetensors_header(in, path);
+    if (checked_->recorded()) {
+      const auto id = header.metadata.find(PieceFiles::kCheckpointIdKey);
+      if (id == header.metadata.end() || id->second != checked_->id())
+        throw RuntimeError(path.string() + " is a piece of another checkpoint (its id " +
+                           (id == header.metadata.end() ? std::string("none") : id->second) + ", this one's " +
+                           checked_->id() + ")");
+    }
     const auto info = header.metadata.find("DCP_SHARDING_INFO");
     const Json places = info == header.metadata.end()
                             ? Json{}
@@ -364,6 +390,7 @@ class ShardedWeights {
   // Elements [first, first + into.numel()) of a saved box, into `into`.
   void read_bytes(const Saved& saved, int64_t first, const at::Tensor& into) const {
     const fs::path& path = files_[saved.file];
+    checked_->check(path.filename().string());
     std::ifstream in(path, std::ios::binary);
     const auto element = static_cast<int64_t>(into.element_size());
     in.seekg(static_cast<std::streamoff>(saved.at + first * element));
@@ -372,6 +399,7 @@ class ShardedWeights {
   }
 
   fs::path dir_;
+  CheckpointFiles* checked_;
   std::vector<fs::path> files_;
   std::map<std::string, Whole> tensors_;
 };

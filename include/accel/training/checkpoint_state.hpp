@@ -49,34 +49,41 @@ inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
   return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
 }
 
+// An archive written into the checkpoint directory `tmp` and logged with its digest.
+inline void save_logged(torch::serialize::OutputArchive& archive, const std::filesystem::path& tmp,
+                        const std::string& name, FileLog& log) {
+  log.emplace_back(name, save_archive(archive, tmp / name));
+}
+
 // What every process writes: its RNG states and step (as Accelerate's
 // random_states_<i>), and under sharding its own pieces of the models and
-// its own optimizer state.
+// its own optimizer state; each file into `log`.
 inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
-                                const std::filesystem::path& tmp) {
+                                const std::filesystem::path& tmp, const std::string& id, FileLog& log) {
   torch::serialize::OutputArchive archive;
   archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
-  save_archive(archive, tmp / ("random_states_" + std::to_string(ctx.process_index) + ".pt"));
-  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp);
+  save_logged(archive, tmp, "random_states_" + std::to_string(ctx.process_index) + ".pt", log);
+  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp, id, log);
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
       torch::serialize::OutputArchive state;
       set.optimizers[i]->save(state);
-      save_archive(state, tmp / optimizer_file(set, ctx, i));
+      save_logged(state, tmp, optimizer_file(set, ctx, i), log);
     }
 }
 
 // What process 0 writes for all: the models not sharded (whole
 // parameters), the optimizers unless sharded, each prepared loader's resume point (epoch,
 // batches to skip), the schedulers' step counts (and own state) and the
-// registered objects.
-inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp) {
+// registered objects; each file into `log`.
+inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp,
+                               FileLog& log) {
   auto write = [&](const std::string& name, auto& object) {
     torch::serialize::OutputArchive archive;
     object.save(archive);
-    save_archive(archive, tmp / name);
+    save_logged(archive, tmp, name, log);
   };
   for (std::size_t i = 0; i < set.models.size(); ++i)
     if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
@@ -92,7 +99,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
     archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
-    save_archive(archive, tmp / "loaders.pt");
+    save_logged(archive, tmp, "loaders.pt", log);
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
     torch::serialize::OutputArchive archive;
@@ -102,18 +109,18 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
       set.schedulers[i].save(own);
       archive.write("own", own);
     }
-    save_archive(archive, tmp / numbered_file("scheduler", i));
+    save_logged(archive, tmp, numbered_file("scheduler", i), log);
   }
   for (std::size_t i = 0; i < set.objects.size(); ++i) {
     torch::serialize::OutputArchive archive;
     set.objects[i].save(archive);
-    save_archive(archive, tmp / ("custom_checkpoint_" + std::to_string(i) + ".pt"));
+    save_logged(archive, tmp, "custom_checkpoint_" + std::to_string(i) + ".pt", log);
   }
   if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
     torch::serialize::OutputArchive archive;
     archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
     archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
-    save_archive(archive, tmp / "scaler.pt");
+    save_logged(archive, tmp, "scaler.pt", log);
   }
 }
 
@@ -146,13 +153,32 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
   if (ctx.process_index == 0)
     error = error_of([&] {
       manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      manifest.id = new_checkpoint_id();
       std::filesystem::create_directories(tmp);
     });
   fail_on_every_process(error);
-  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp); }));
+  {  // (every piece carries the id)
+    std::vector<std::string> id{manifest.id};
+    accel::broadcast_object_list(id);
+    manifest.id = id[0];
+  }
+  FileLog log;
+  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp, manifest.id, log); }));
+  {  // every process's files and digests, for the manifest (process 0 writes it)
+    std::ostringstream mine;
+    for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
+    for (const std::string& theirs : accel::gather_object(mine.str())) {
+      std::istringstream in(theirs);
+      std::string name;
+      FileDigest digest;
+      while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
+    }
+  }
   if (ctx.process_index == 0)
     error = error_of([&] {
-      write_shared_files(set, ctx, tmp);
+      FileLog shared;
+      write_shared_files(set, ctx, tmp, shared);
+      for (const auto& [name, digest] : shared) manifest.files[name] = digest;
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
       fsync_path(tmp);
@@ -182,12 +208,13 @@ struct LoadedCheckpoint {
 struct SavedLayout {
   int processes = 1;
   int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
+  CheckpointManifest manifest;
 };
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
-                       ", which save_state writes last, is missing or cut short");
+                       ", which save_state writes last, is missing, cut short or damaged");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
        {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
@@ -201,7 +228,7 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
     throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
-  return {static_cast<int>(manifest->processes), manifest->shards};
+  return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
 // 1. Recovers a half-done save of dir, then reads and checks every file
@@ -232,9 +259,9 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   const std::string error = error_of([&] {
     const SavedLayout saved = check_manifest(dir, set);
     const int saved_processes = saved.processes;
+    CheckpointFiles files(dir, saved.manifest);  // (each file checked against its digest: files.wait() below)
     auto read = [&](const std::string& name) {
-      const fs::path file = dir / name;
-      if (!fs::exists(file)) throw RuntimeError("missing " + file.string());
+      const fs::path file = files.check(name);
       auto archive = std::make_unique<torch::serialize::InputArchive>();
       try {
         archive->load_from(file.string(), ctx.device);
@@ -243,103 +270,110 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       }
       return archive;
     };
-    loaded.pieces.resize(set.models.size());
-    std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
-    for (std::size_t i = 0; i < set.models.size(); ++i) {
-      if (!fs::exists(dir / numbered_file("model", i))) {
-        if (!pieces) {
-          const auto found = fs::directory_iterator(dir);
-          if (std::none_of(fs::begin(found), fs::end(found),
-                           [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-            throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
-                               " (and no sharded model's pieces, *.safetensors, beside it)");
-          pieces.emplace(dir);
+    // Everything read, then every file's check awaited; a failed check is the error, before any other (a damaged
+    // file's parse may fail first).
+    try {
+      loaded.pieces.resize(set.models.size());
+      std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
+      for (std::size_t i = 0; i < set.models.size(); ++i) {
+        if (!fs::exists(dir / numbered_file("model", i))) {
+          if (!pieces) {
+            const auto found = fs::directory_iterator(dir);
+            if (std::none_of(fs::begin(found), fs::end(found),
+                             [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
+              throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
+                                 " (and no sharded model's pieces, *.safetensors, beside it)");
+            pieces.emplace(dir, files);
+          }
+          loaded.pieces[i] =
+              read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
+          continue;
         }
-        loaded.pieces[i] =
-            read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
-        continue;
+        models[i] = read(numbered_file("model", i));
+        check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
       }
-      models[i] = read(numbered_file("model", i));
-      check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
-    }
-    // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
-    // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
-    const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i)
-      optimizers[i] =
-          as_saved
-              ? read(optimizer_file(set, ctx, i))
-              : resharded_optimizer(
-                    set, i, saved.shards,
-                    [&](int64_t k) { return dir / optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k)); },
-                    ctx.device);
-    for (std::size_t i = 0; i < set.objects.size(); ++i)
-      objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
-    // A tensor of the given dtype and shape under `key`, or an error naming the file.
-    auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
-                      at::IntArrayRef sizes, const std::string& file) {
-      at::Tensor value;
-      if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
-        throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
-      return value;
-    };
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-      const std::string file = (dir / numbered_file("scheduler", i)).string();
-      scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
-      torch::serialize::InputArchive own;
-      if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
-        throw RuntimeError(file + " has no state of the scheduler's own save()");
-      if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
-        throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
-                           " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
-                           " (load the checkpoint before stepping it)");
-    }
-    if (!set.loaders.empty()) {
-      const std::string file = (dir / "loaders.pt").string();
-      auto archive = read("loaders.pt");
-      const auto n = static_cast<int64_t>(set.loaders.size());
-      points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-      // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
-      at::Tensor saved_per_batch;
-      if (archive->try_read("samples_per_batch", saved_per_batch))
-        saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
-      else if (saved_processes != ctx.num_processes)
-        throw RuntimeError(file +
-                           " does not say how many samples its loaders read per batch (an older "
-                           "accel.hpp saved it): load it with as many processes as saved it (" +
-                           std::to_string(saved_processes) + ")");
-      for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
-        ResumedBatches resumed = resumed_batches(
-            static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
-            saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
-            saved_processes == ctx.num_processes);
-        points[i][1].fill_(static_cast<int64_t>(resumed.batches));
-        if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
+      // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
+      // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
+      const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
+      for (std::size_t i = 0; i < set.optimizers.size(); ++i)
+        optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
+                                 : resharded_optimizer(set, i, saved.shards, ctx.device, [&](int64_t k) {
+                                     const std::string name =
+                                         optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k));
+                                     return OpenedArchive{(dir / name).string(), std::move(*read(name))};
+                                   });
+      for (std::size_t i = 0; i < set.objects.size(); ++i)
+        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
+      // A tensor of the given dtype and shape under `key`, or an error naming the file.
+      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                        at::IntArrayRef sizes, const std::string& file) {
+        at::Tensor value;
+        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+        return value;
+      };
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
+        const std::string file = (dir / numbered_file("scheduler", i)).string();
+        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
+        torch::serialize::InputArchive own;
+        if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
+          throw RuntimeError(file + " has no state of the scheduler's own save()");
+        if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
+          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
+                             " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
+                             " (load the checkpoint before stepping it)");
       }
+      if (!set.loaders.empty()) {
+        const std::string file = (dir / "loaders.pt").string();
+        auto archive = read("loaders.pt");
+        const auto n = static_cast<int64_t>(set.loaders.size());
+        points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+        // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
+        at::Tensor saved_per_batch;
+        if (archive->try_read("samples_per_batch", saved_per_batch))
+          saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+        else if (saved_processes != ctx.num_processes)
+          throw RuntimeError(file +
+                             " does not say how many samples its loaders read per batch (an older "
+                             "accel.hpp saved it): load it with as many processes as saved it (" +
+                             std::to_string(saved_processes) + ")");
+        for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
+          ResumedBatches resumed = resumed_batches(
+              static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
+              saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
+              saved_processes == ctx.num_processes);
+          points[i][1].fill_(static_cast<int64_t>(resumed.batches));
+          if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
+        }
+      }
+      if (set.scaler) {
+        const std::string file = (dir / "scaler.pt").string();
+        if (!fs::exists(dir / "scaler.pt"))
+          throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+        auto archive = read("scaler.pt");
+        loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
+                         tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
+      }
+      // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
+      const int saved_process = saved_process_for(ctx.process_index, saved_processes);
+      loaded.derived_rng = saved_process != ctx.process_index;
+      const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+      if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
+      auto rng_archive = read(rng_name);
+      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+      rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
+      step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
+      at::Tensor saved_device_rng;
+      if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
+        const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
+        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
+      }
+    } catch (...) {
+      files.wait();
+      throw;
     }
-    if (set.scaler) {
-      const std::string file = (dir / "scaler.pt").string();
-      if (!fs::exists(dir / "scaler.pt"))
-        throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-      auto archive = read("scaler.pt");
-      loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
-                       tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
-    }
-    // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
-    const int saved_process = saved_process_for(ctx.process_index, saved_processes);
-    loaded.derived_rng = saved_process != ctx.process_index;
-    const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
-    if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
-    auto rng_archive = read(rng_name);
-    const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-    rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
-    step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
-    at::Tensor saved_device_rng;
-    if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
-      const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
-      device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
-    }
+    files.wait();
   });
   fail_together(error, "accel::Accelerator::load_state");
   return loaded;

@@ -224,13 +224,14 @@ inline std::string safetensors_header(const std::vector<std::pair<std::string, a
 // `metadata` as above. Where `values` is given, values(i) gives tensor i's
 // values as the file reaches it, in order (an export that gathers them one
 // at a time); `tensors` then only gives names, dtypes and shapes.
-inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::vector<std::pair<std::string, std::string>>& metadata = {},
-                              const std::function<at::Tensor(std::size_t)>& values = {}) {
+inline FileDigest write_safetensors(const fs::path& path,
+                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata = {},
+                                    const std::function<at::Tensor(std::size_t)>& values = {}) {
   static_assert(std::endian::native == std::endian::little,
                 "safetensors is little-endian; so is every host LibTorch runs on");
   const std::string header = safetensors_header(tensors, metadata);
-  write_file_atomically(path, [&](CheckedFile& out) {
+  return write_file_atomically(path, [&](CheckedFile& out) {
     const uint64_t length = header.size();
     out.write(&length, 8);
     out.write(header);
