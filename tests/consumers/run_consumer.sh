@@ -32,7 +32,7 @@ case $mode in
       echo "find_package(accel 99.0) was accepted by version $(grep -m1 PACKAGE_VERSION "$work/prefix/share/cmake/accel/accelConfigVersion.cmake")"
       exit 1
     fi
-    if command -v pkg-config >/dev/null; then
+    if command -v pkg-config >/dev/null && [[ ${ACCEL_CONSUMER_PKG_CONFIG:-1} != 0 ]]; then
       # The installed accel.pc builds the consumer and runs it, through the
       # installed include tree (accel/distributed.hpp) rather than accel.hpp,
       # which the CMake consumer below includes.

@@ -72,8 +72,8 @@ struct CheckpointManifest {
   int64_t objects = 0;
   int64_t schedulers = 0;
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
-  std::string id;      // 32 hexadecimal digits, this save's own
-  std::map<std::string, FileDigest> files;  // every file of the checkpoint but the manifest
+  std::string id{};    // 32 hexadecimal digits, this save's own
+  std::map<std::string, FileDigest> files{};  // every file of the checkpoint but the manifest
 };
 
 // The manifest's text: its lines, then `check` with the XXH64 of all the

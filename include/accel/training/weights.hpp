@@ -24,19 +24,19 @@ struct StateDictAdapter {
   // Hugging Face does not store). The name and the result's dtype and shape
   // must follow from the name, dtype and shape alone: save_model learns
   // them by calling it on a meta tensor before any values are gathered.
-  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> to_file;
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> to_file{};
   // load_model: one of the file's tensors as the model holds it (the
   // inverse), or nullopt for a tensor the model has no place for.
-  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> from_file;
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> from_file{};
 };
 
 struct SaveModelOptions {
   // Above this many bytes, several files and an index (Accelerate's default, 10 GB).
   uint64_t max_shard_bytes = 10'000'000'000;
-  StateDictAdapter adapter;
+  StateDictAdapter adapter{};
 };
 struct LoadModelOptions {
-  StateDictAdapter adapter;
+  StateDictAdapter adapter{};
 };
 
 namespace detail {
