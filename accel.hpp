@@ -15,71 +15,80 @@
 //
 // Contents, in the order data flows through the header:
 //   core:
-//     accel/core/version.hpp                    the version macros (CMake and the packages read them here)
-//     accel/core/config.hpp                     compile-time knobs, the environment's names, the ABI namespace
-//     accel/core/errors.hpp                     the error family: accel::Error and its kinds
-//     accel/core/enums.hpp                      ReduceOp, Dim, DeviceType and friends, with their string forms
-//     accel/core/environment.hpp                reading torchrun's and the MPI/Slurm launchers' environment
-//     accel/core/strategy.hpp                   DistributedConfig and DistributedStrategy: the parallel sizes, validated
-//     accel/core/launcher.hpp                   the local launcher: spawn and launch_processes (Linux)
+//     accel/core/version.hpp                             the version macros (CMake and the packages read them here)
+//     accel/core/config.hpp                              compile-time knobs, the environment's names, the ABI namespace
+//     accel/core/errors.hpp                              the error family: accel::Error and its kinds
+//     accel/core/enums.hpp                               ReduceOp, Dim, DeviceType and friends, with their string forms
+//     accel/core/environment.hpp                         reading torchrun's and the MPI/Slurm launchers' environment
+//     accel/core/strategy.hpp                            DistributedConfig and DistributedStrategy: the parallel sizes, validated
+//     accel/core/launcher.hpp                            the local launcher: spawn and launch_processes (Linux)
 //   distributed:
-//     accel/distributed/torch.hpp               feature detection and the LibTorch headers the collectives need
-//     accel/distributed/devices.hpp             devices: which accelerator a process uses, binding and synchronising it
-//     accel/distributed/concepts.hpp            what the collectives take: Scalar, ScalarVector, TensorLike
-//     accel/distributed/issue.hpp               debug mode, the group registry, issuing c10d operations, their errors
-//     accel/distributed/staging.hpp             Pending (each collective: a start, then a land), staging, the debug check
-//     accel/distributed/registration.hpp        registering the groups accel makes, with the code that diagnoses their failures
-//     accel/distributed/work.hpp                accel::Work: an operation in flight, what the _async forms return
-//     accel/distributed/collectives.hpp         all_reduce, broadcast, all_gather and their _async forms
-//     accel/distributed/all_to_all.hpp          all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
-//     accel/distributed/exchange.hpp            reduce_to, gather_to, scatter, send/recv, barriers
-//     accel/distributed/rendezvous.hpp          rendezvous and groups: stores, agreeing on the world, making c10d groups
-//     accel/distributed/mesh.hpp                DeviceMesh: named dimensions, slice, flatten
-//     accel/distributed/world.hpp               World: the ranks of one initialisation, their rendezvous store and the groups made on it
-//     accel/distributed/interface.hpp           DistributedInterface (the singleton), new_group, init_device_mesh
-//     accel/distributed/nested.hpp              nested data (vectors, maps, tuples of tensors), packed for few collectives
-//     accel/distributed/operations.hpp          Accelerate's operations: gather, pad_across_processes, reduce, ...
-//     accel/distributed/objects.hpp             objects through the pickler: broadcast_object_list, gather_object, ...
-//     accel/distributed/process_control.hpp     process control: split_between_processes, on_main_process, ...
-//     accel/distributed/reproducibility.hpp     set_seed and synchronize_rng_states
+//     accel/distributed/torch.hpp                        feature detection and the LibTorch headers the collectives need
+//     accel/distributed/devices.hpp                      devices: which accelerator a process uses, binding and synchronising it
+//     accel/distributed/concepts.hpp                     what the collectives take: Scalar, ScalarVector, TensorLike
+//     accel/distributed/issue.hpp                        debug mode, the group registry, issuing c10d operations, their errors
+//     accel/distributed/pending.hpp                      Pending: a collective issued (its start) and not landed yet (its land), the result it gives
+//     accel/distributed/staging.hpp                      what c10d gets for a tensor: dtypes every backend moves, staged copies, the device NCCL needs, reductions checked
+//     accel/distributed/start_gather.hpp                 the all-gather family started: into given outputs, into rows, of CPU elements
+//     accel/distributed/start_reduce.hpp                 the all-reduce family started: in place, onto one rank, and folded locally for types no backend reduces
+//     accel/distributed/start_broadcast.hpp              the broadcast family started: a tensor from one rank, its pieces scattered from one rank, the ranks checked
+//     accel/distributed/pieces.hpp                       a Gloo group's exchange of pieces point to point: the all-gather and reduce-scatter the sharding engine runs without staging
+//     accel/distributed/debug_check.hpp                  debug mode's check that every rank made the same call, and the texts that describe a call
+//     accel/distributed/registration.hpp                 registering the groups accel makes, with the code that diagnoses their failures
+//     accel/distributed/work.hpp                         accel::Work: an operation in flight, what the _async forms return
+//     accel/distributed/collectives.hpp                  all_reduce, broadcast, all_gather and their _async forms
+//     accel/distributed/all_to_all.hpp                   all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
+//     accel/distributed/exchange.hpp                     reduce_to, gather_to, scatter, send/recv, barriers
+//     accel/distributed/rendezvous.hpp                   rendezvous and groups: stores, agreeing on the world, making c10d groups
+//     accel/distributed/mesh.hpp                         DeviceMesh: named dimensions, slice, flatten
+//     accel/distributed/world.hpp                        World: the ranks of one initialisation, their rendezvous store and the groups made on it
+//     accel/distributed/interface.hpp                    DistributedInterface (the singleton), new_group, init_device_mesh
+//     accel/distributed/nested.hpp                       nested data (vectors, maps, tuples of tensors), packed for few collectives
+//     accel/distributed/operations.hpp                   Accelerate's operations: gather, pad_across_processes, reduce, ...
+//     accel/distributed/objects.hpp                      objects through the pickler: broadcast_object_list, gather_object, ...
+//     accel/distributed/process_control.hpp              process control: split_between_processes, on_main_process, ...
+//     accel/distributed/reproducibility.hpp              set_seed and synchronize_rng_states
 //   training:
-//     accel/training/torch_nn.hpp               the LibTorch headers the training helpers need (<torch/torch.h>)
-//     accel/training/parameters.hpp             a module's parameters as Python counts them: each tensor once, known by all its names
-//     accel/training/autograd.hpp               autograd-aware collectives (accel::autograd)
-//     accel/training/comm_hooks.hpp             communication hooks: GradBucket, CommHook, PowerSGD
-//     accel/training/mixed_precision.hpp        MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
-//     accel/training/buckets.hpp                which gradients share a bucket (DDP's assignment, with FSDP units)
-//     accel/training/dp_buffers.hpp             the sharding engine's working buffers, taken again step after step instead of allocated anew
-//     accel/training/dp_state.hpp               DataParallel's state: its buckets, units and flags, shared with its autograd hooks
-//     accel/training/dp_scatter.hpp             ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
-//     accel/training/dp_reducer.hpp             DataParallel's reducer: a bucket issued as soon as its gradients are ready
-//     accel/training/dp_units.hpp               ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
-//     accel/training/dp_shards.hpp              ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
-//     accel/training/data_parallel.hpp          DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
-//     accel/training/sampler.hpp                data loading: ShardSampler and the loaders' shared state
-//     accel/training/dispatch.hpp               dispatch_batches: one rank reads, the others receive their slices
-//     accel/training/loaders.hpp                PreparedDataLoader and PreparedIterableDataLoader
-//     accel/training/grad_scaler.hpp            GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
-//     accel/training/fused_adam.hpp             Adam and AdamW stepped by LibTorch's fused kernels
-//     accel/training/config.hpp                 AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
-//     accel/training/file_digest.hpp            XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
-//     accel/training/checked_file.hpp           files written with every error checked: CheckedFile, atomic writes, archives
-//     accel/training/checkpoint_files.hpp       checkpoint files: the manifest, atomic writes, reading back
-//     accel/training/safetensors.hpp            safetensors: Hugging Face's weight format, written and read
-//     accel/training/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
-//     accel/training/checkpoint_reshard.hpp     an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
-//     accel/training/checkpoint_world.hpp       a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
-//     accel/training/checkpoint_shards.hpp      a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
-//     accel/training/checkpoint_state.hpp       save_state's and load_state's work: write; read and check; apply or roll back; commit
-//     accel/training/join.hpp                   Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
-//     accel/training/trackers.hpp               Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
-//     accel/training/weights.hpp                save_model and load_model: a module's weights as Hugging Face's safetensors
-//     accel/training/autocast.hpp               AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
-//     accel/training/checkpoint.hpp             accel::checkpoint, activation checkpointing as torch.utils.checkpoint
-//     accel/training/accelerator_setup.hpp      what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
-//     accel/training/accelerator_preparing.hpp  what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints
-//     accel/training/process_operations.hpp     Accelerate's operations as Accelerator methods, over every process
-//     accel/training/accelerator.hpp            the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights
+//     accel/training/torch_nn.hpp                        the LibTorch headers the training helpers need (<torch/torch.h>)
+//     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
+//     accel/training/parallel/autograd.hpp               autograd-aware collectives (accel::autograd)
+//     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
+//     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
+//     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
+//     accel/training/optim/fused_adam.hpp                Adam and AdamW stepped by LibTorch's fused kernels
+//     accel/training/data/sampler.hpp                    data loading: ShardSampler and the loaders' shared state
+//     accel/training/accelerator_config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/data/dispatch.hpp                   dispatch_batches: one rank reads, the others receive their slices
+//     accel/training/data/loaders.hpp                    PreparedDataLoader and PreparedIterableDataLoader
+//     accel/training/dp/comm_hooks.hpp                   communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/dp/buckets.hpp                      which gradients share a bucket (DDP's assignment, with FSDP units)
+//     accel/training/dp/buffers.hpp                      the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
+//     accel/training/dp/state.hpp                        DataParallel's state: its buckets, units and flags, shared with its autograd hooks
+//     accel/training/dp/scatter.hpp                      ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
+//     accel/training/dp/reducer.hpp                      DataParallel's reducer: a bucket issued as soon as its gradients are ready
+//     accel/training/dp/unit_plan.hpp                    ZeRO-3's units planned: which unit holds each parameter, the registry accel::unit_forward finds a unit in, the policy's dtypes, the names a read at rest reports
+//     accel/training/dp/unit_params.hpp                  ZeRO-3's parameters gathered into a pooled buffer for a unit's forward and backward, and put back at rest after
+//     accel/training/dp/units.hpp                        ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
+//     accel/training/recompute.hpp                       accel::checkpoint, activation checkpointing as torch.utils.checkpoint
+//     accel/training/dp/shards.hpp                       ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
+//     accel/training/dp/data_parallel.hpp                DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
+//     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
+//     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
+//     accel/training/io/checked_file.hpp                 files written with every error checked: CheckedFile, atomic writes, archives
+//     accel/training/io/safetensors.hpp                  safetensors: Hugging Face's weight format, written and read
+//     accel/training/checkpoint/prepared.hpp             what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
+//     accel/training/accelerator/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
+//     accel/training/checkpoint/files.hpp                checkpoint files: the manifest, atomic writes, reading back
+//     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
+//     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
+//     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
+//     accel/training/checkpoint/state.hpp                save_state's and load_state's work: write; read and check; apply or roll back; commit
+//     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
+//     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
+//     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
+//     accel/training/accelerator/preparing.hpp           what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints
+//     accel/training/accelerator/process_operations.hpp  Accelerate's operations as Accelerator methods, over every process
+//     accel/training/accelerator/accelerator.hpp         the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -1568,8 +1577,8 @@ void run(const char* op, c10d::ProcessGroup& group, Issue&& issue) {
 
 ACCEL_NAMESPACE_END
 
-// == accel/distributed/staging.hpp ============================================
-// accel/distributed/staging.hpp: Pending (each collective: a start, then a land), staging, the debug check.
+// == accel/distributed/pending.hpp ============================================
+// accel/distributed/pending.hpp: Pending: a collective issued (its start) and not landed yet (its land), the result it gives.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -1612,7 +1621,16 @@ auto then(Pending<Land> pending, Next next) {
                    }
                  }};
 }
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/staging.hpp ============================================
+// accel/distributed/staging.hpp: what c10d gets for a tensor: dtypes every backend moves, staged copies, the device NCCL needs, reductions checked.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 inline c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
     case ReduceOp::MAX: return c10d::ReduceOp::MAX;
@@ -1731,7 +1749,86 @@ inline void check_other_reduction(c10::ScalarType dtype, ReduceOp op, const char
       !c10::isIntegralType(dtype, /*includeBool=*/false))
     throw InvalidArgument(std::string("accel::") + name + ": dtype " + c10::toString(dtype) + " cannot be reduced");
 }
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/start_gather.hpp =======================================
+// accel/distributed/start_gather.hpp: the all-gather family started: into given outputs, into rows, of CPU elements.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Gathers `input` from every rank into `outputs[r]` (same shape, any
+// memory); outputs c10d cannot write into directly are staged and copied
+// back when it lands.
+inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
+                                  const char* op = "all_gather") {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> staged;  // empty: c10d writes into outputs
+  if (input.numel() != 0) {
+    const auto device = staging_device(group, input);
+    std::vector<at::Tensor> inputs{backend_view(group, device ? input.to(*device).contiguous() : input.contiguous())};
+    const bool direct =
+        !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
+    if (!direct)
+      for (const auto& t : outputs)
+        staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
+    std::vector<std::vector<at::Tensor>> output_lists(1);
+    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(backend_view(group, t));
+    work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
+  }
+  return Pending{&group, op, std::move(work), [outputs = std::move(outputs), staged = std::move(staged)] {
+                   at::NoGradGuard no_grad;
+                   for (std::size_t r = 0; r < staged.size(); ++r) outputs[r].copy_(staged[r]);
+                 }};
+}
+inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
+                            const char* op = "all_gather") {
+  start_all_gather_into(group, input, std::move(outputs), op).wait();
+}
+
+// Every rank's `count` elements at `mine` (CPU memory), rank-major into
+// `all`, which holds group size * count elements.
+template <class T>
+auto start_all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
+  constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < group.getSize(); ++r)
+    outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
+  // c10d only reads an allgather's input.
+  return start_all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)),
+                               std::move(outputs), op);
+}
+template <class T>
+void all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
+  start_all_gather_cpu(group, mine, count, all, op).wait();
+}
+
+inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
+  std::vector<int64_t> shape{size};
+  shape.insert(shape.end(), input.sizes().begin(), input.sizes().end());
+  return shape;
+}
+
+// Gathers into the rows of `stacked`, of shape (group size, *input's shape).
+inline auto start_all_gather_rows(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& stacked,
+                                  const char* op = "all_gather") {
+  std::vector<at::Tensor> rows;
+  rows.reserve(group.getSize());
+  for (int r = 0; r < group.getSize(); ++r) rows.push_back(stacked.select(0, r));
+  return start_all_gather_into(group, input, std::move(rows), op);
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/start_reduce.hpp =======================================
+// accel/distributed/start_reduce.hpp: the all-reduce family started: in place, onto one rank, and folded locally for types no backend reduces.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // Collectives are not differentiable: our own in-place copies and the MEAN
 // division must not trip autograd's checks (in Python, c10d ops bypass
 // autograd too), so they run under NoGradGuard. A tensor with no elements
@@ -1807,6 +1904,48 @@ inline void all_reduce_tensor(c10d::ProcessGroup& group, at::Tensor& tensor, Red
   land_in_place(tensor, s.staged, op == ReduceOp::MEAN ? group.getSize() : 1);
 }
 
+// Types no backend reduces natively travel as bytes; all_reduce then gathers
+// every rank's bytes and folds them locally in T, which stays exact.
+template <Scalar T>
+T fold(ReduceOp op, const T* values, int count, int stride) {
+  T acc = values[0];
+  for (int r = 1; r < count; ++r) {
+    T x = values[static_cast<std::size_t>(r) * stride];
+    switch (op) {
+      case ReduceOp::SUM:
+      case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
+      case ReduceOp::MAX: acc = std::max(acc, x); break;
+      case ReduceOp::MIN: acc = std::min(acc, x); break;
+    }
+  }
+  if (op == ReduceOp::MEAN) acc = static_cast<T>(acc / count);
+  return acc;
+}
+
+template <Scalar T>
+auto start_fold(c10d::ProcessGroup& group, std::vector<T> data, ReduceOp op, const char* name) {
+  const int size = group.getSize();
+  std::vector<T> gathered(data.size() * static_cast<std::size_t>(size));
+  auto pending = start_all_gather_cpu(group, reinterpret_cast<const uint8_t*>(data.data()),
+                                      static_cast<int64_t>(data.size() * sizeof(T)),
+                                      reinterpret_cast<uint8_t*>(gathered.data()), name);
+  // (Moving a std::vector keeps its elements where c10d reads and writes them.)
+  return then(std::move(pending), [data = std::move(data), gathered = std::move(gathered), op, size]() mutable {
+    for (std::size_t i = 0; i < data.size(); ++i)
+      data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(data.size()));
+    return std::move(data);
+  });
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/start_broadcast.hpp ====================================
+// accel/distributed/start_broadcast.hpp: the broadcast family started: a tensor from one rank, its pieces scattered from one rank, the ranks checked.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // The source of a broadcast is a rank within the group (`name` is how the
 // operation's parameter is called); without a group only rank 0 exists.
 inline void check_source(const c10d::ProcessGroup* group, int src, const char* op, const char* name) {
@@ -1846,35 +1985,49 @@ inline void broadcast_tensor(c10d::ProcessGroup& group, const at::Tensor& tensor
   start_broadcast(group, tensor, src).wait();
 }
 
-// Gathers `input` from every rank into `outputs[r]` (same shape, any
-// memory); outputs c10d cannot write into directly are staged and copied
-// back when it lands.
-inline auto start_all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
-                                  const char* op = "all_gather") {
-  c10::intrusive_ptr<c10d::Work> work;
-  std::vector<at::Tensor> staged;  // empty: c10d writes into outputs
-  if (input.numel() != 0) {
-    const auto device = staging_device(group, input);
-    std::vector<at::Tensor> inputs{backend_view(group, device ? input.to(*device).contiguous() : input.contiguous())};
-    const bool direct =
-        !device && std::all_of(outputs.begin(), outputs.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
-    if (!direct)
-      for (const auto& t : outputs)
-        staged.push_back(at::empty(t.sizes(), t.options().device(device.value_or(t.device()))));
-    std::vector<std::vector<at::Tensor>> output_lists(1);
-    for (const auto& t : direct ? outputs : staged) output_lists[0].push_back(backend_view(group, t));
-    work = issue(op, group, [&] { return group.allgather(output_lists, inputs); });
+// Rank `src` sends pieces[r] to rank r of the group; every rank returns its
+// own (the source: an empty vector; it keeps its piece). One broadcast of the
+// lengths, one scatter of the pieces padded to the longest: each rank
+// receives only its own bytes. `pieces` matters on the source only.
+inline std::vector<char> scatter_bytes(c10d::ProcessGroup& group, int src, const std::vector<std::vector<char>>& pieces,
+                                       const char* op) {
+  const int size = group.getSize(), rank = group.getRank();
+  std::vector<int64_t> lengths(static_cast<std::size_t>(size), 0);
+  if (rank == src)
+    for (int r = 0; r < size; ++r)
+      if (r != src) lengths[r] = static_cast<int64_t>(pieces.at(static_cast<std::size_t>(r)).size());
+  at::Tensor length_view = at::from_blob(lengths.data(), {size}, cpu_options(c10::kLong));
+  broadcast_tensor(group, length_view, src);
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(lengths.begin(), lengths.end()));
+  at::Tensor output = at::empty({longest}, cpu_options(c10::kByte));
+  const std::optional<c10::Device> device = staging_device(group, output);
+  std::vector<std::vector<at::Tensor>> inputs;
+  if (rank == src) {
+    inputs.emplace_back();
+    for (int r = 0; r < size; ++r) {
+      at::Tensor padded = at::zeros({longest}, cpu_options(c10::kByte));
+      if (lengths[r] > 0) std::memcpy(padded.data_ptr(), pieces[r].data(), static_cast<std::size_t>(lengths[r]));
+      inputs.back().push_back(device ? padded.to(*device) : padded);
+    }
   }
-  return Pending{&group, op, std::move(work), [outputs = std::move(outputs), staged = std::move(staged)] {
-                   at::NoGradGuard no_grad;
-                   for (std::size_t r = 0; r < staged.size(); ++r) outputs[r].copy_(staged[r]);
-                 }};
+  std::vector<at::Tensor> outputs{device ? output.to(*device) : output};
+  c10d::ScatterOptions opts;
+  opts.rootRank = src;
+  run(op, group, [&] { return group.scatter(outputs, inputs, opts); });
+  const at::Tensor received = outputs.front().to(c10::kCPU);
+  const auto* bytes = static_cast<const char*>(received.data_ptr());
+  return std::vector<char>(bytes, bytes + lengths[static_cast<std::size_t>(rank)]);
 }
-inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, std::vector<at::Tensor> outputs,
-                            const char* op = "all_gather") {
-  start_all_gather_into(group, input, std::move(outputs), op).wait();
-}
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/pieces.hpp =============================================
+// accel/distributed/pieces.hpp: a Gloo group's exchange of pieces point to point: the all-gather and reduce-scatter the sharding engine runs without staging.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // The all-gather of a Gloo group's CPU tensors without c10d's staging.
 // Gloo's allgather gathers into a flat buffer of its own, allocated per call,
 // and copies the rows out (LibTorch 2.15: through two such buffers). Here
@@ -1889,14 +2042,14 @@ inline void all_gather_into(c10d::ProcessGroup& group, const at::Tensor& input, 
 // issues the same gathers in the same order; `tag` keeps them apart from
 // the caller's own sends. The Pending waits on the last operation issued,
 // and its landing on every other one. A piece is a message, so many small
-// pieces cost more than one row copied out after (see dp_units.hpp).
+// pieces cost more than one row copied out after (see dp/unit_params.hpp).
 inline constexpr const char* kDirectGather = "all_gather (point to point)";
 inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& rows) {
   return group.getBackendName() == "gloo" && input.device().is_cpu() && rows.device().is_cpu() &&
          input.is_contiguous() && rows.is_contiguous() && input.numel() > 0;
 }
 // The exchange under it (and under the sharding engine's point-to-point
-// reduce-scatter, dp_scatter.hpp, named kDirectScatter): to every other
+// reduce-scatter, dp/scatter.hpp, named kDirectScatter): to every other
 // rank `to`, `count` pieces sent(to, i); from every other rank `from`,
 // count pieces received into into(from, i). Both sides must agree on each
 // piece's length (an empty one is neither sent nor received).
@@ -1976,106 +2129,16 @@ inline auto start_all_gather_direct(c10d::ProcessGroup& group, const at::Tensor&
                   group, {input}, [rows](int from, std::size_t) { return rows.select(0, from); }, tag),
               [rows] {});
 }
+}  // namespace detail
 
-// Rank `src` sends pieces[r] to rank r of the group; every rank returns its
-// own (the source: an empty vector; it keeps its piece). One broadcast of the
-// lengths, one scatter of the pieces padded to the longest: each rank
-// receives only its own bytes. `pieces` matters on the source only.
-inline std::vector<char> scatter_bytes(c10d::ProcessGroup& group, int src, const std::vector<std::vector<char>>& pieces,
-                                       const char* op) {
-  const int size = group.getSize(), rank = group.getRank();
-  std::vector<int64_t> lengths(static_cast<std::size_t>(size), 0);
-  if (rank == src)
-    for (int r = 0; r < size; ++r)
-      if (r != src) lengths[r] = static_cast<int64_t>(pieces.at(static_cast<std::size_t>(r)).size());
-  at::Tensor length_view = at::from_blob(lengths.data(), {size}, cpu_options(c10::kLong));
-  broadcast_tensor(group, length_view, src);
-  const int64_t longest = std::max<int64_t>(1, *std::max_element(lengths.begin(), lengths.end()));
-  at::Tensor output = at::empty({longest}, cpu_options(c10::kByte));
-  const std::optional<c10::Device> device = staging_device(group, output);
-  std::vector<std::vector<at::Tensor>> inputs;
-  if (rank == src) {
-    inputs.emplace_back();
-    for (int r = 0; r < size; ++r) {
-      at::Tensor padded = at::zeros({longest}, cpu_options(c10::kByte));
-      if (lengths[r] > 0) std::memcpy(padded.data_ptr(), pieces[r].data(), static_cast<std::size_t>(lengths[r]));
-      inputs.back().push_back(device ? padded.to(*device) : padded);
-    }
-  }
-  std::vector<at::Tensor> outputs{device ? output.to(*device) : output};
-  c10d::ScatterOptions opts;
-  opts.rootRank = src;
-  run(op, group, [&] { return group.scatter(outputs, inputs, opts); });
-  const at::Tensor received = outputs.front().to(c10::kCPU);
-  const auto* bytes = static_cast<const char*>(received.data_ptr());
-  return std::vector<char>(bytes, bytes + lengths[static_cast<std::size_t>(rank)]);
-}
+ACCEL_NAMESPACE_END
 
-// Every rank's `count` elements at `mine` (CPU memory), rank-major into
-// `all`, which holds group size * count elements.
-template <class T>
-auto start_all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
-  constexpr c10::ScalarType dtype = c10::CppTypeToScalarType<T>::value;
-  std::vector<at::Tensor> outputs;
-  for (int r = 0; r < group.getSize(); ++r)
-    outputs.push_back(at::from_blob(all + r * count, {count}, cpu_options(dtype)));
-  // c10d only reads an allgather's input.
-  return start_all_gather_into(group, at::from_blob(const_cast<T*>(mine), {count}, cpu_options(dtype)),
-                               std::move(outputs), op);
-}
-template <class T>
-void all_gather_cpu(c10d::ProcessGroup& group, const T* mine, int64_t count, T* all, const char* op) {
-  start_all_gather_cpu(group, mine, count, all, op).wait();
-}
+// == accel/distributed/debug_check.hpp ========================================
+// accel/distributed/debug_check.hpp: debug mode's check that every rank made the same call, and the texts that describe a call.
 
-inline std::vector<int64_t> stacked_shape(int size, const at::Tensor& input) {
-  std::vector<int64_t> shape{size};
-  shape.insert(shape.end(), input.sizes().begin(), input.sizes().end());
-  return shape;
-}
+ACCEL_NAMESPACE_BEGIN
 
-// Gathers into the rows of `stacked`, of shape (group size, *input's shape).
-inline auto start_all_gather_rows(c10d::ProcessGroup& group, const at::Tensor& input, const at::Tensor& stacked,
-                                  const char* op = "all_gather") {
-  std::vector<at::Tensor> rows;
-  rows.reserve(group.getSize());
-  for (int r = 0; r < group.getSize(); ++r) rows.push_back(stacked.select(0, r));
-  return start_all_gather_into(group, input, std::move(rows), op);
-}
-
-// Types no backend reduces natively travel as bytes; all_reduce then gathers
-// every rank's bytes and folds them locally in T, which stays exact.
-template <Scalar T>
-T fold(ReduceOp op, const T* values, int count, int stride) {
-  T acc = values[0];
-  for (int r = 1; r < count; ++r) {
-    T x = values[static_cast<std::size_t>(r) * stride];
-    switch (op) {
-      case ReduceOp::SUM:
-      case ReduceOp::MEAN: acc = static_cast<T>(acc + x); break;
-      case ReduceOp::MAX: acc = std::max(acc, x); break;
-      case ReduceOp::MIN: acc = std::min(acc, x); break;
-    }
-  }
-  if (op == ReduceOp::MEAN) acc = static_cast<T>(acc / count);
-  return acc;
-}
-
-template <Scalar T>
-auto start_fold(c10d::ProcessGroup& group, std::vector<T> data, ReduceOp op, const char* name) {
-  const int size = group.getSize();
-  std::vector<T> gathered(data.size() * static_cast<std::size_t>(size));
-  auto pending = start_all_gather_cpu(group, reinterpret_cast<const uint8_t*>(data.data()),
-                                      static_cast<int64_t>(data.size() * sizeof(T)),
-                                      reinterpret_cast<uint8_t*>(gathered.data()), name);
-  // (Moving a std::vector keeps its elements where c10d reads and writes them.)
-  return then(std::move(pending), [data = std::move(data), gathered = std::move(gathered), op, size]() mutable {
-    for (std::size_t i = 0; i < data.size(); ++i)
-      data[i] = fold<T>(op, gathered.data() + i, size, static_cast<int>(data.size()));
-    return std::move(data);
-  });
-}
-
+namespace detail {
 // FNV-1a: the same on every host and compiler (std::hash promises neither).
 inline uint64_t fnv1a(const void* data, std::size_t size) {
   uint64_t hash = 1469598103934665603ull;
@@ -2325,7 +2388,7 @@ class WorkCore {
  public:
   WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
-    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, staging.hpp)
+    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, pieces.hpp)
     // report completion only from inside wait() (their isCompleted() stays
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
@@ -2913,7 +2976,7 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
 // The S rows of `rows` folded into `out`, which the caller keeps: a SUM
 // of float or double in place, in the kernel fold_rows uses, so the result
 // is the same; anything else as fold_rows does, copied in. (Also the fold
-// of the sharding engine's point-to-point reduce-scatter, dp_scatter.hpp.)
+// of the sharding engine's point-to-point reduce-scatter, dp/scatter.hpp.)
 inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op) {
   at::NoGradGuard no_grad;
   const c10::ScalarType dtype = rows.scalar_type();
@@ -2924,7 +2987,7 @@ inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op)
 }
 
 // reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
-// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
+// (the sharding engine's gradient buckets, dp/scatter.hpp): the all-to-all
 // lands in `received` (data's size), and the fold of its S rows goes into
 // `out` (data's size / S), by fold_rows_into.
 inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,
@@ -5843,8 +5906,8 @@ class ParameterNames {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/autograd.hpp ==============================================
-// accel/training/autograd.hpp: autograd-aware collectives (accel::autograd).
+// == accel/training/parallel/autograd.hpp =====================================
+// accel/training/parallel/autograd.hpp: autograd-aware collectives (accel::autograd).
 //
 // torch.distributed.nn.functional's: collectives inside model code (tensor
 // and context parallelism) whose backward is the adjoint collective, so
@@ -5973,222 +6036,233 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/comm_hooks.hpp ============================================
-// accel/training/comm_hooks.hpp: communication hooks: GradBucket, CommHook, PowerSGD.
+// == accel/training/precision/autocast.hpp ====================================
+// accel/training/precision/autocast.hpp: AutocastGuard: LibTorch's autocast on for a scope, in the configured precision.
+//
+// Accelerator::autocast() returns one (Accelerator::AutocastGuard is this
+// type); accel::checkpoint restores a forward's autocast state for its
+// recomputation through AutocastScope. LibTorch's autocast switches changed
+// names in 2.4; this is the one place that knows both.
 
 ACCEL_NAMESPACE_BEGIN
 
-// Communication hooks (DDP's register_comm_hook, Accelerate's comm_hook): a
-// hook replaces the all-reduce of each gradient bucket of a DataParallel.
-// It gets the bucket flattened (torch's GradBucket: this process's
-// gradients in the bucket's order, then one used-flag per parameter; not yet
-// divided) and returns the operation whose result is the bucket averaged
-// over the group, in any floating dtype: the result is cast back to the
-// bucket's, so a compressing hook need not decompress.
-struct GradBucket {
-  at::Tensor buffer{};
-  std::size_t index = 0;
-  bool is_last = false;  // the last bucket of this backward
-  std::vector<at::Tensor> parameters{};
-  std::vector<at::Tensor> gradients{};  // views of buffer, shaped as the parameters (the flags follow them)
-};
-using CommHook = std::function<Work<at::Tensor>(const GroupPtr& group, GradBucket& bucket)>;
-
-// torch.distributed.algorithms.ddp_comm_hooks.default_hooks'.
-namespace comm_hooks {
-// The default: divided first (as DDP), then all-reduced in place.
-inline CommHook allreduce_hook() {
-  return [](const GroupPtr& group, GradBucket& bucket) {
-    bucket.buffer.div_(group->getSize());
-    return all_reduce_async(bucket.buffer, ReduceOp::SUM, group);
-  };
-}
-// Cast to float16 (bfloat16), divided, all-reduced: half the bytes on the
-// wire. Gloo reduces float16 natively; bfloat16 it does not know, so
-// accel.hpp reduces it in float32 there (the rounding stays bfloat16's, the
-// bytes do not halve: use it with NCCL).
-inline CommHook fp16_compress_hook() {
-  return [](const GroupPtr& group, GradBucket& bucket) {
-    return all_reduce_async(bucket.buffer.to(at::kHalf).div_(group->getSize()), ReduceOp::SUM, group);
-  };
-}
-inline CommHook bf16_compress_hook() {
-  return [](const GroupPtr& group, GradBucket& bucket) {
-    return all_reduce_async(bucket.buffer.to(at::kBFloat16).div_(group->getSize()), ReduceOp::SUM, group);
-  };
-}
-}  // namespace comm_hooks
-
-// torch's PowerSGDState: the options of powerSGD_hook, and its memory.
-struct PowerSGDState {
-  int64_t matrix_approximation_rank = 1;
-  int64_t start_powerSGD_iter = 1000;  // plain all-reduces until this many steps
-  int64_t min_compression_rate = 2;    // compress a matrix only when it shrinks more than this
-  bool use_error_feedback = true;
-  bool warm_start = true;
-  double orthogonalization_epsilon = 0;
-  uint64_t random_seed = 0;
-  // The hook's memory (per bucket), and the steps taken.
-  int64_t iter = 0;
-  std::map<std::size_t, at::Tensor> error_dict{}, p_memory_dict{}, q_memory_dict{};
-  std::optional<std::mt19937_64> rng{};  // seeds of Q's random starts, from random_seed
-};
-
 namespace detail {
-// PowerSGD's Gram-Schmidt over the columns (torch 1.13's _orthogonalize).
-inline void orthogonalize(const at::Tensor& matrix, double epsilon) {
-  const int64_t columns = matrix.size(1);
-  for (int64_t i = 0; i < columns; ++i) {
-    const at::Tensor column = matrix.narrow(1, i, 1);
-    column.div_(epsilon == 0 ? column.norm() : column.norm() + epsilon);
-    if (i + 1 < columns) {
-      const at::Tensor rest = matrix.narrow(1, i + 1, columns - i - 1);
-      rest.sub_((column * rest).sum(0) * column);
-    }
+// LibTorch's autocast switches for one device type. LibTorch 2.4 took the
+// device type as an argument (and deprecated the per-device functions that
+// 1.x and 2.0-2.3 have).
+#if ACCEL_TORCH_AT_LEAST(2, 4)
+inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
+inline at::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
+inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(type, dtype);
+  at::autocast::set_autocast_enabled(type, on);
+}
+#else
+inline bool autocast_enabled(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType type) {
+  return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
+  if (type == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+    at::autocast::set_cpu_enabled(on);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+    at::autocast::set_enabled(on);
   }
 }
+#endif
 
-// Which of a bucket's gradients PowerSGD compresses: the matrices (each
-// gradient viewed as n x m) whose rank-r factors, r = min(n, m,
-// matrix_approximation_rank), are smaller than the matrix by
-// min_compression_rate; the rest, and the used-flags after the gradients'
-// `length` elements, travel uncompressed.
-struct PowerSGDSplit {
-  std::vector<at::Tensor> matrices, plain;
+// Autocast on one device type set to `on` in `dtype` for a scope, and put
+// back as it was after (its cache of cast weights cleared where this scope
+// turned it on, as torch.autocast's exit does).
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType type, bool on, at::ScalarType dtype)
+      : type_(type), saved_enabled_(autocast_enabled(type)), saved_dtype_(autocast_dtype(type)) {
+    set_autocast(type_, on, dtype);
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+  ~AutocastScope() {
+    if (!saved_enabled_ && autocast_enabled(type_)) at::autocast::clear_cache();
+    set_autocast(type_, saved_enabled_, saved_dtype_);
+  }
+
+ private:
+  c10::DeviceType type_;
+  bool saved_enabled_;
+  at::ScalarType saved_dtype_;
 };
-inline PowerSGDSplit split_for_powerSGD(const GradBucket& bucket, const at::Tensor& input, int64_t length,
-                                        const PowerSGDState& state) {
-  PowerSGDSplit split;
-  for (const auto& g : bucket.gradients) {
-    if (g.dim() >= 2) {
-      const at::Tensor m = g.view({g.size(0), -1});
-      const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state.matrix_approximation_rank});
-      if ((n + k) * r * state.min_compression_rate < n * k) {
-        split.matrices.push_back(m);
-        continue;
-      }
-    }
-    split.plain.push_back(g);
-  }
-  split.plain.push_back(input.narrow(0, length, input.numel() - length));
-  return split;
-}
-// The factors P (n x r) and Q (m x r) of each matrix: views into bucket b's
-// P and Q memory (one tensor each, so that each is all-reduced at once). Q is
-// drawn at random where there is no memory to start from (the first step, or
-// always without warm_start), then orthogonalised.
-inline std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> powerSGD_factors(
-    PowerSGDState& state, std::size_t b, const std::vector<at::Tensor>& matrices, const at::TensorOptions& options) {
-  auto rank_of = [&](const at::Tensor& m) { return std::min({m.size(0), m.size(1), state.matrix_approximation_rank}); };
-  const bool randomize = !state.warm_start || !state.p_memory_dict.count(b);
-  if (randomize) {
-    int64_t ps = 0, qs = 0;
-    for (const auto& m : matrices) {
-      ps += m.size(0) * rank_of(m);
-      qs += m.size(1) * rank_of(m);
-    }
-    state.p_memory_dict[b] = at::empty({ps}, options);
-    state.q_memory_dict[b] = at::empty({qs}, options);
-  }
-  std::vector<at::Tensor> p, q;
-  for (int64_t i = 0, pi = 0, qi = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
-    const at::Tensor& m = matrices[static_cast<std::size_t>(i)];
-    const int64_t n = m.size(0), k = m.size(1), r = rank_of(m);
-    p.push_back(state.p_memory_dict[b].narrow(0, pi, n * r).view({n, r}));
-    q.push_back(state.q_memory_dict[b].narrow(0, qi, k * r).view({k, r}));
-    pi += n * r;
-    qi += k * r;
-  }
-  if (randomize) {
-    at::Generator generator = at::detail::createCPUGenerator((*state.rng)() % 1'000'000'000);
-    for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
-  }
-  for (auto& qm : q) orthogonalize(qm, state.orthogonalization_epsilon);
-  return {std::move(p), std::move(q)};
-}
-}  // namespace detail
 
-namespace comm_hooks {
-// torch's powerSGD_hook (Vogels et al., 2019): each gradient matrix M (n x m,
-// a parameter viewed as rows x the rest) of rank-r compression worth it,
-// (n + m) r * min_compression_rate < n m, travels as two thin matrices:
-// P = M Q all-reduced and orthogonalised, Q = M^T P all-reduced, and M
-// becomes P Q^T / world size; vectors and small matrices are all-reduced as
-// they are, in one buffer. With error feedback each process adds what
-// compression lost at its last step; with warm start Q is kept from step to
-// step (the first Q is random, the same on every process: std::mt19937_64
-// seeded with random_seed draws a seed per start, where torch draws it from
-// NumPy). The first start_powerSGD_iter steps all-reduce plainly. The
-// uncompressed all-reduce is issued at once; P's and Q's run when the
-// bucket is waited for (at the end of backward).
-inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
-  if (!state) throw InvalidArgument("accel::comm_hooks::powerSGD_hook: no state");
-  if (state->matrix_approximation_rank < 1 || state->min_compression_rate < 1 || state->start_powerSGD_iter < 0)
-    throw InvalidArgument(
-        "accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
-        "must be at least 1, start_powerSGD_iter at least 0");
-  if (!state->rng) state->rng.emplace(state->random_seed);
-  return [state](const GroupPtr& group, GradBucket& bucket) -> Work<at::Tensor> {
-    const bool last = bucket.is_last;
-    if (state->iter < state->start_powerSGD_iter) {
-      if (last) ++state->iter;
-      return allreduce_hook()(group, bucket);
-    }
-    const std::size_t b = bucket.index;
-    const int64_t world = group->getSize();
-    at::Tensor input = bucket.buffer;
-    int64_t length = 0;  // of the gradients (the used-flags follow: never compressed, no error feedback)
-    for (const auto& g : bucket.gradients) length += g.numel();
-    const at::Tensor body = input.narrow(0, 0, length);
-    at::Tensor before;
-    if (state->use_error_feedback) {
-      at::Tensor& error = state->error_dict[b];
-      if (error.defined()) body.add_(error);
-      else error = at::zeros_like(body);
-      before = body.clone();
-    }
-    detail::PowerSGDSplit split = detail::split_for_powerSGD(bucket, input, length, *state);
-    std::vector<at::Tensor> matrices = std::move(split.matrices), plain = std::move(split.plain);
-    std::vector<at::Tensor> flat;
-    for (const auto& t : plain) flat.push_back(t.reshape({-1}));
-    const at::Tensor uncompressed = at::cat(flat);
-    auto factors = detail::powerSGD_factors(*state, b, matrices, input.options());
-    std::vector<at::Tensor> p = std::move(factors.first), q = std::move(factors.second);
-    for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(p[i], matrices[i], q[i]);
-    c10d::ProcessGroup* g = detail::enter_all_reduce(uncompressed, ReduceOp::SUM, group);
-    return Work<at::Tensor>(detail::then(
-        detail::start_all_reduce_data(*g, uncompressed, ReduceOp::SUM),
-        [state, group, b, world, last, input, body, before, matrices, plain, p, q](at::Tensor reduced) mutable {
-          reduced.div_(world);
-          int64_t at = 0;
-          for (const auto& t : plain) {
-            t.copy_(reduced.narrow(0, at, t.numel()).view(t.sizes()));
-            at += t.numel();
-          }
-          if (!matrices.empty()) {
-            accel::all_reduce(state->p_memory_dict[b], ReduceOp::SUM, group);  // no division: P is orthogonalised
-            for (const auto& pm : p) detail::orthogonalize(pm, state->orthogonalization_epsilon);
-            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(q[i], matrices[i].t(), p[i]);
-            accel::all_reduce(state->q_memory_dict[b], ReduceOp::SUM, group);  // in place
-            state->q_memory_dict[b].div_(world);
-            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(matrices[i], p[i], q[i].t());
-          }
-          if (state->use_error_feedback) state->error_dict[b] = before - body;
-          if (!state->warm_start) {
-            state->p_memory_dict.clear();
-            state->q_memory_dict.clear();
-          }
-          if (last) ++state->iter;
-          return input;
-        }));
-  };
-}
-}  // namespace comm_hooks
+// RAII autocast for the configured mixed precision: bf16 on the CPU
+// through LibTorch's autocast; a no-op for "no".
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) {
+    if (mixed_precision != "no")
+      scope_.emplace(device.type(), true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
+  }
+
+ private:
+  std::optional<AutocastScope> scope_;
+};
+}  // namespace detail
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/mixed_precision.hpp =======================================
-// accel/training/mixed_precision.hpp: MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's.
+// == accel/training/precision/grad_scaler.hpp =================================
+// accel/training/precision/grad_scaler.hpp: GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler.
+//
+// fp16 holds numbers down to about 6e-8; small gradients underflow to zero
+// in it. Loss scaling multiplies the loss by a large factor before the
+// backward (so the gradients are large enough for fp16), divides the
+// gradients by it again before the optimizer sees them, skips the step when
+// any gradient overflowed to inf or NaN (and halves the factor), and grows
+// the factor after a run of good steps. LibTorch's C++ API has the kernels
+// (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_) but no
+// GradScaler; this is Python's, with its defaults and its order of calls.
+// The Accelerator makes one for mixed_precision "fp16" (Accelerate does the
+// same), and it can be used alone.
+
+ACCEL_NAMESPACE_BEGIN
+
+// Accelerate's GradScalerKwargs: the loss scaler's settings, with
+// torch.amp.GradScaler's defaults (AcceleratorConfig::grad_scaler).
+struct GradScalerKwargs {
+  double init_scale = 65536.0;  // 2^16
+  double growth_factor = 2.0;   // the scale is multiplied by this after growth_interval good steps in a row
+  double backoff_factor = 0.5;  // ... and by this after a step with an inf or NaN gradient (which is skipped)
+  int64_t growth_interval = 2000;
+  bool enabled = true;  // false: scale() and unscale_() do nothing, step() always steps
+};
+
+class GradScaler {
+ public:
+  // device: where the scale lives (the gradients' device); group: when
+  // given, a step is skipped on every process if any process saw an inf or
+  // NaN (needed where processes hold different gradients, as under
+  // sharding: FSDP's ShardedGradScaler does the same).
+  explicit GradScaler(GradScalerKwargs kwargs = {}, c10::Device device = c10::kCPU, GroupPtr group = {})
+      : kwargs_(kwargs), group_(std::move(group)) {
+    if (!(kwargs.init_scale > 0) || !(kwargs.growth_factor > 1) || !(kwargs.backoff_factor > 0) ||
+        !(kwargs.backoff_factor < 1) || kwargs.growth_interval < 1)
+      throw InvalidArgument(
+          "accel::GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= "
+          "1 (torch.amp.GradScaler's rules)");
+#if !ACCEL_TORCH_AT_LEAST(2, 4)
+    // LibTorch 1.13 has the two _amp_ kernels for CUDA only (2.6 and 2.15
+    // have CPU ones too; 2.4 is the oldest this is allowed on, unchecked).
+    if (kwargs.enabled && device.is_cpu())
+      throw InvalidArgument("accel::GradScaler: on the CPU it needs LibTorch 2.4 or newer; this is " +
+                            std::string(TORCH_VERSION));
+#endif
+    const auto options = at::TensorOptions().device(device);
+    scale_ = at::full({1}, kwargs.init_scale, options.dtype(at::kFloat));
+    growth_tracker_ = at::zeros({1}, options.dtype(at::kInt));
+  }
+
+  bool is_enabled() const { return kwargs_.enabled; }
+  // The loss times the current scale (the loss itself when disabled).
+  at::Tensor scale(const at::Tensor& loss) const {
+    if (!kwargs_.enabled) return loss;
+    return loss * scale_.to(loss.device(), /*non_blocking=*/true).reshape({});
+  }
+  // Divides the gradients of `optimizer`'s parameters by the scale, in
+  // place, and notes whether any is inf or NaN. At most once per optimizer
+  // between two update() calls (call it before clipping gradients).
+  void unscale_(torch::optim::Optimizer& optimizer) {
+    if (!kwargs_.enabled) return;
+    auto& state = states_[&optimizer];
+    if (state.unscaled)
+      throw LogicError("accel::GradScaler::unscale_: already called on this optimizer since the last update()");
+    at::NoGradGuard no_grad;
+    const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+    state.found_inf = at::zeros({1}, scale_.options().dtype(at::kFloat));
+    // The kernel takes gradients of one device and dtype at a time (Python groups them the same way).
+    std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+    for (auto& group : optimizer.param_groups())
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        if (p.grad().is_sparse())
+          throw InvalidArgument("accel::GradScaler::unscale_: sparse gradients are not supported");
+        if (p.grad().scalar_type() == at::kHalf)
+          throw InvalidArgument(
+              "accel::GradScaler::unscale_: a gradient is fp16 (Python: \"Attempting to unscale FP16 gradients\"); "
+              "keep the parameters in fp32 and let autocast compute in fp16");
+        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.grad());
+      }
+    for (auto& [key, grads] : groups) {
+      at::Tensor found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
+      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(grads.front().device()));
+      state.found_inf.add_(found.to(state.found_inf.device()));
+    }
+    if (group_) accel::all_reduce(state.found_inf, ReduceOp::MAX, group_);
+    state.unscaled = true;
+  }
+  // Unscales (unless unscale_ was called) and steps the optimizer unless a
+  // gradient was inf or NaN. Returns whether it stepped. Reads one number
+  // from the device, as Python's does.
+  bool step(torch::optim::Optimizer& optimizer) {
+    if (!kwargs_.enabled) {
+      optimizer.step();
+      return true;
+    }
+    auto& state = states_[&optimizer];
+    if (state.stepped)
+      throw LogicError("accel::GradScaler::step: already called on this optimizer since the last update()");
+    if (!state.unscaled) unscale_(optimizer);
+    state.stepped = true;
+    if (state.found_inf.item<float>() != 0) return false;
+    optimizer.step();
+    return true;
+  }
+  // After the steps of an iteration: halves (backoff_factor) the scale if
+  // any stepped optimizer saw an inf or NaN, else counts a good step and
+  // grows the scale after growth_interval of them in a row.
+  void update() {
+    if (!kwargs_.enabled) return;
+    at::Tensor found_inf = at::zeros({1}, scale_.options());
+    bool any = false;
+    for (auto& [optimizer, state] : states_)
+      if (state.unscaled) {
+        found_inf.add_(state.found_inf.to(scale_.device()));
+        any = true;
+      }
+    states_.clear();
+    if (!any) return;  // nothing was unscaled since the last update: nothing to learn from (Python asserts)
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf, kwargs_.growth_factor, kwargs_.backoff_factor,
+                           kwargs_.growth_interval);
+  }
+
+  double get_scale() const { return kwargs_.enabled ? scale_.item<double>() : 1.0; }
+  // The good steps in a row since the scale last changed.
+  int64_t growth_tracker() const { return growth_tracker_.item<int64_t>(); }
+  // For checkpoints (Accelerate saves the scaler's state_dict: scale and
+  // growth tracker).
+  void load_state(double scale, int64_t growth_tracker) {
+    scale_.fill_(scale);
+    growth_tracker_.fill_(growth_tracker);
+    states_.clear();
+  }
+
+ private:
+  struct OptimizerState {
+    bool unscaled = false, stepped = false;
+    at::Tensor found_inf;  // > 0: some gradient was inf or NaN
+  };
+  GradScalerKwargs kwargs_;
+  GroupPtr group_;
+  at::Tensor scale_, growth_tracker_;
+  std::map<const torch::optim::Optimizer*, OptimizerState> states_;
+};
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/precision/policy.hpp ======================================
+// accel/training/precision/policy.hpp: MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's.
 //
 // FSDP2's MixedPrecisionPolicy (fully_shard's mp_policy; Accelerate's
 // FullyShardedDataParallelPlugin.mixed_precision_policy). The parameters,
@@ -6232,2055 +6306,165 @@ struct MixedPrecisionPolicy {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/buckets.hpp ===============================================
-// accel/training/buckets.hpp: which gradients share a bucket (DDP's assignment, with FSDP units).
+// == accel/training/optim/fused_adam.hpp ======================================
+// accel/training/optim/fused_adam.hpp: Adam and AdamW stepped by LibTorch's fused kernels.
 //
-// DataParallel averages gradients a bucket at a time, as backward produces
-// them. Which gradients share a bucket is decided once, here, by a pure
-// function of their dtypes, devices and sizes, so it can be tested in one
-// process against DDP's own cases (tests: "bucket assignment").
+// torch::optim::Adam and AdamW step a parameter with about six tensor
+// operations, each a pass over its memory, and a temporary the size of the
+// parameter (the denominator); Python's Adam(fused=True) steps a group's
+// parameters with one kernel (at::_fused_adam_, at::_fused_adamw_): one pass
+// over each parameter, its gradient and its two moments, no temporary. The
+// kernels run on CPUs since LibTorch 2.4 (on CUDA before). accel::FusedAdam
+// and accel::FusedAdamW are LibTorch's optimizers with that step: the same
+// options, the same state per parameter (AdamParamState, AdamWParamState:
+// prepare(), sharding, checkpoints and torch::save see the originals), and the
+// arithmetic of Python's fused=True, which rounds in another order than
+// torch::optim::Adam (its parameters agree with Adam's to rounding, not bit
+// for bit). Dense gradients of the parameter's own floating dtype. On
+// LibTorch before 2.4 the constructor refuses, as Python's fused=True does on
+// a CPU tensor there.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// What the assignment needs to know of one gradient.
-struct BucketInput {
-  c10::ScalarType dtype = c10::kFloat;
-  c10::Device device = c10::kCPU;
-  int64_t bytes = 0;  // numel * element size
-  int64_t unit = -1;  // the FULL_SHARD unit it belongs to (-1: none)
+inline constexpr bool has_fused_adam = TORCH_VERSION_MAJOR > 2 ||
+                                       (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4);
+
+// A fused optimizer's first member: on a LibTorch without the kernels its
+// construction fails, so no such optimizer exists to step.
+struct FusedAdamSupport {
+  explicit FusedAdamSupport(const char* name) {
+    if (!has_fused_adam)
+      throw RuntimeError(std::string(name) + " needs LibTorch 2.4 or newer (its fused Adam kernels); this is " +
+                         std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
+                         ": use torch::optim::" + (std::string_view(name).ends_with('W') ? "AdamW" : "Adam"));
+  }
 };
 
-struct BucketAssignment {
-  std::vector<std::vector<std::size_t>> buckets;  // indices of the inputs, ascending in each bucket
-  std::vector<int64_t> size_limits;               // the limit each bucket filled against (0: a unit's, none)
-};
-
-// torch's compute_bucket_assignment_by_size (c10d's reducer.cpp), for
-// gradients listed in the order backward produces them (DataParallel lists
-// the parameters reversed, as DDP does):
-// - gradients of one dtype and device share buckets; a bucket takes them
-//   until it holds at least its limit, then closes, so it ends with the
-//   gradient that filled it (a large layer does not wait alone for the end
-//   of backward);
-// - each dtype and device goes through size_limits in turn, the last one
-//   repeating (DDP passes 1 MiB, then bucket_cap_mb);
-// - buckets still open at the end are kept, and all are ordered by their
-//   first gradient: the order in which they complete.
-// One addition for FULL_SHARD: the gradients of a unit make buckets of
-// their own (one per dtype and device) with no limit, since a unit's
-// parameters are gathered and freed together.
-inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<BucketInput>& inputs,
-                                                          const std::vector<int64_t>& size_limits) {
-  if (size_limits.empty()) throw InvalidArgument("accel::DataParallel: bucket assignment needs a size limit");
-  for (int64_t limit : size_limits)
-    if (limit < 1)
-      throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) + " is not positive");
-  struct Open {
-    std::vector<std::size_t> indices;
-    int64_t bytes = 0;
-    std::size_t limit = 0;  // into size_limits
+// One step of a fused Adam (decoupled: AdamW) over every group of
+// `optimizer`, creating each parameter's state as LibTorch's own step does.
+// Parameters are stepped in one kernel call per device, dtype and step count
+// (a parameter that joined later has its own count); the kernel reads the
+// count from a tensor on the parameter's device, kept in `steps` (one per
+// device, refilled before each call: nothing is allocated per step).
+template <bool decoupled, class Options, class ParamState>
+void fused_adam_step(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>& steps, const char* name) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  struct Call {
+    c10::Device device;
+    at::ScalarType dtype;
+    int64_t step;
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
   };
-  using Key = std::tuple<int, int, int, int64_t>;  // dtype, device type, device index, unit
-  std::map<Key, Open> open;
-  BucketAssignment out;
-  auto close = [&out, &size_limits](Open& bucket, bool unit) {
-    out.buckets.push_back(std::move(bucket.indices));
-    out.size_limits.push_back(unit ? 0 : size_limits[bucket.limit]);
-    bucket.indices.clear();
-    bucket.bytes = 0;
+  auto step_tensor = [&](c10::Device device) -> at::Tensor& {
+    for (auto& t : steps)
+      if (t.device() == device) return t;
+    return steps.emplace_back(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device)));
   };
-  for (std::size_t i = 0; i < inputs.size(); ++i) {
-    const BucketInput& in = inputs[i];
-    Open& bucket =
-        open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
-    bucket.indices.push_back(i);
-    bucket.bytes += in.bytes;
-    if (in.unit < 0 && bucket.bytes >= size_limits[bucket.limit]) {
-      close(bucket, false);
-      bucket.limit = std::min(bucket.limit + 1, size_limits.size() - 1);
+  // Every gradient of every group checked before anything steps: a refused step leaves it all as it was.
+  for (const auto& group : optimizer.param_groups())
+    for (std::size_t i = 0; i < group.params().size(); ++i) {
+      const at::Tensor& p = group.params()[i];
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      if (grad.is_sparse()) throw InvalidArgument(std::string(name) + " does not support sparse gradients");
+      if (!p.is_floating_point() || grad.scalar_type() != p.scalar_type() || grad.device() != p.device())
+        throw InvalidArgument(std::string(name) + ": parameter " + std::to_string(i) + " of its group is " +
+                              std::string(c10::toString(p.scalar_type())) + " on " + p.device().str() +
+                              " with a gradient of " + std::string(c10::toString(grad.scalar_type())) + " on " +
+                              grad.device().str() +
+                              " (the fused kernel takes floating parameters with gradients of their dtype and device)");
+    }
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    const auto& options = static_cast<const Options&>(group.options());
+    std::vector<Call> calls;
+    for (const at::Tensor& p : group.params()) {
+      const at::Tensor& grad = p.grad();
+      if (!grad.defined()) continue;
+      auto found = state.find(p.unsafeGetTensorImpl());
+      if (found == state.end()) {  // as LibTorch's Adam::step makes it
+        auto fresh = std::make_unique<ParamState>();
+        fresh->step(0);
+        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        if (options.amsgrad()) fresh->max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
+        found = state.emplace(p.unsafeGetTensorImpl(), std::move(fresh)).first;
+      }
+      auto& s = static_cast<ParamState&>(*found->second);
+      s.step(s.step() + 1);
+      auto call = std::find_if(calls.begin(), calls.end(), [&](const Call& c) {
+        return c.device == p.device() && c.dtype == p.scalar_type() && c.step == s.step();
+      });
+      if (call == calls.end())
+        call = calls.insert(calls.end(), Call{p.device(), p.scalar_type(), s.step(), {}, {}, {}, {}, {}});
+      call->params.push_back(p);
+      call->grads.push_back(grad);
+      call->exp_avgs.push_back(s.exp_avg());
+      call->exp_avg_sqs.push_back(s.exp_avg_sq());
+      if (options.amsgrad()) call->max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
+    }
+    const auto [beta1, beta2] = options.betas();
+    for (auto& call : calls) {
+      at::Tensor& step = step_tensor(call.device);
+      step.fill_(static_cast<double>(call.step));
+      const std::vector<at::Tensor> counts(call.params.size(), step);
+      if constexpr (decoupled)
+        at::_fused_adamw_(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs, counts,
+                          options.lr(), beta1, beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                          /*maximize=*/false);
+      else
+        at::_fused_adam_(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs, counts,
+                         options.lr(), beta1, beta2, options.weight_decay(), options.eps(), options.amsgrad(),
+                         /*maximize=*/false);
     }
   }
-  for (auto& [key, bucket] : open)
-    if (!bucket.indices.empty()) close(bucket, std::get<3>(key) >= 0);
-  // Ordered by first index (the buckets are disjoint, so this is a total order).
-  std::vector<std::size_t> order(out.buckets.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::sort(order.begin(), order.end(),
-            [&out](std::size_t a, std::size_t b) { return out.buckets[a].front() < out.buckets[b].front(); });
-  BucketAssignment sorted;
-  for (std::size_t k : order) {
-    sorted.buckets.push_back(std::move(out.buckets[k]));
-    sorted.size_limits.push_back(out.size_limits[k]);
-  }
-  return sorted;
+#else
+  (void)optimizer, (void)steps, (void)name;  // (the constructor has refused)
+#endif
 }
+
+// LibTorch's optimizer Base (Adam; AdamW: decoupled) with the fused step.
+template <class Base, bool decoupled>
+class FusedAdamOf : public Base {
+ public:
+  using Base::Base;
+  torch::Tensor step(typename Base::LossClosure closure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    torch::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    using Options = std::conditional_t<decoupled, torch::optim::AdamWOptions, torch::optim::AdamOptions>;
+    using ParamState = std::conditional_t<decoupled, torch::optim::AdamWParamState, torch::optim::AdamParamState>;
+    fused_adam_step<decoupled, Options, ParamState>(*this, steps_, name);
+    return loss;
+  }
+
+ private:
+  static constexpr const char* name = decoupled ? "accel::FusedAdamW" : "accel::FusedAdam";
+  FusedAdamSupport support_{name};
+  std::vector<at::Tensor> steps_;  // the step count the kernel reads, one tensor per device
+};
 }  // namespace detail
 
-ACCEL_NAMESPACE_END
-
-// == accel/training/dp_buffers.hpp ============================================
-// accel/training/dp_buffers.hpp: the sharding engine's working buffers, taken again step after step instead of allocated anew.
-//
-// Every step of sharded training moves the same buffers: a bucket's
-// gradients laid out for the reduce-scatter, what the all-to-all under it
-// receives, the folded result, the rows an all-gather lands in, a unit's
-// parameters while it runs. On the CPU a fresh buffer of that size is fresh
-// pages from the kernel each time (page faults, zeroing) and CUDA's caching
-// allocator has no CPU counterpart, so the engine keeps its own: a buffer
-// is given back to the pool once the collective that used it has landed,
-// and the next request of about the same size and kind takes it again.
-// The pool holds what the busiest moment of a step needed (the engine
-// bounds that: at most one or two buckets in flight, see dp_scatter.hpp,
-// and a unit's prefetch beside the unit running, see dp_units.hpp); clear()
-// gives it back, as torch.cuda.empty_cache() does for the caching allocator.
-
-#include <deque>
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-class BufferPool {
+// torch::optim::Adam with Python's fused step (above), constructed as Adam:
+// accel::FusedAdam adam(model->parameters(), torch::optim::AdamOptions(1e-3)).
+class FusedAdam : public detail::FusedAdamOf<torch::optim::Adam, false> {
  public:
-  // A flat tensor of `numel` elements of `options`' dtype and device, its
-  // contents left as they were, lent until give() takes it back: the front
-  // of the smallest free buffer that holds it and is at most twice its size,
-  // else of a new one (so buffers of close sizes, such as a bucket's
-  // reduce-scatter input and its all-gather rows, are shared, and a small
-  // request never takes a large one).
-  at::Tensor take(int64_t numel, const at::TensorOptions& options) {
-    Slot* best = nullptr;
-    for (Slot& slot : slots_)
-      if (!slot.lent && slot.buffer.numel() >= numel && slot.buffer.numel() <= 2 * numel &&
-          slot.buffer.scalar_type() == options.dtype() && slot.buffer.device() == options.device() &&
-          (!best || slot.buffer.numel() < best->buffer.numel()))
-        best = &slot;
-    if (!best) best = &slots_.emplace_back(Slot{at::empty({numel}, options.requires_grad(false)), false});
-    best->lent = true;
-    return best->buffer.narrow(0, 0, numel);
-  }
-  // Takes back what take() lent (any view of it), once the operation that
-  // used it has completed. Told, not inferred from reference counts: c10d
-  // may drop its references to a completed operation's tensors later, on
-  // its own thread. Undefined tensors are ignored.
-  void give(const at::Tensor& taken) {
-    if (!taken.defined()) return;
-    for (Slot& slot : slots_)
-      if (slot.buffer.storage().is_alias_of(taken.storage())) slot.lent = false;
-  }
-  // Frees every buffer not lent now.
-  void clear() {
-    std::erase_if(slots_, [](const Slot& slot) { return !slot.lent; });
-  }
-  // Bytes the pool holds, lent or not.
-  int64_t bytes() const {
-    int64_t n = 0;
-    for (const Slot& slot : slots_) n += slot.buffer.numel() * static_cast<int64_t>(slot.buffer.element_size());
-    return n;
-  }
-
- private:
-  struct Slot {
-    at::Tensor buffer;
-    bool lent;
-  };
-  std::deque<Slot> slots_;  // (a deque: take() hands out a slot while others are added)
+  using FusedAdamOf::FusedAdamOf;
 };
-}  // namespace detail::dp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/dp_state.hpp ==============================================
-// accel/training/dp_state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
-//
-// A DataParallel keeps everything in one State behind a shared_ptr: the
-// autograd hooks it registers outlive it inside the graph, and see
-// `alive` turn false when it goes. The reducer (dp_reducer.hpp), the
-// ZeRO-3 units (dp_units.hpp), the sharded reduce-scatter (dp_scatter.hpp)
-// and DataParallel itself work on it, always under its mutex.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-struct Bucket {
-  // Every member has an initializer: GCC 14's -Wextra flags designated
-  // initializers that leave out members without one.
-  std::vector<at::Tensor> params{};
-  std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
-  std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
-  c10::ScalarType dtype;
-  c10::Device device;
-  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
-  std::size_t ready = 0;
-  at::Tensor flat{};
-  at::Tensor laid_out{}, received{};  // sharded: the reduce-scatter's pooled input and what its all-to-all received
-  // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
-  at::Tensor persistent{};
-  at::Tensor divisor{};  // not sharded, no registered hook: the group's size, the gradients' divisor (dp_reducer.hpp)
-  Work<at::Tensor> work{};
-  // Sharded: a rank's segment holds its chunk of each parameter
-  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
-  // elements in all.
-  std::vector<int64_t> offsets{}, chunks{};
-  int64_t segment = 0;
-  // This rank's shards, one after another in `owned` (segment - n
-  // elements): shards[i] is a leaf standing on its piece, so the
-  // all-gather's input is `owned` itself, never a copy made per step.
-  // Their gradients likewise live in `owned_grads` once a reduction wrote
-  // them (kept between steps: 1/S of the gradients, as FSDP's sharded
-  // gradients; `segment` elements, so that a reduction can fold its
-  // used-flags in there too).
-  at::Tensor owned{}, owned_grads{};
-  at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
-  std::vector<at::Tensor> shards{};
-  std::vector<uint8_t> in_optimizer{};
-  std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
-  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
-  // they hold their values now, and a prefetch in flight.
-  int64_t unit = -1;
-  bool resident = true;
-  at::Tensor full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' storage
-  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
-  // `full` holds the parameters in that dtype (gathered for compute), the
-  // shards cast to it while their gather is in flight (`cast`, pooled), each
-  // parameter as it is at rest (`rest`: its own dtype and storage, which it
-  // takes back when released), and as it computes (`compute`: that dtype,
-  // on a storage of its own that points into `full` while the unit holds
-  // its values and at nothing otherwise; dp_units.hpp says why).
-  bool low = false;
-  at::Tensor cast{};
-  std::vector<at::Tensor> rest{}, compute{};
-  std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
-  Work<at::Tensor> gathering{};
-};
-// Every parameter of the bucket had a gradient here since the last sync:
-// then each was used on some rank, and the reduced flags need not be read
-// back (on a GPU that read would make the host wait for the reduction).
-inline bool used_by_all_here(const Bucket& bucket) {
-  return std::all_of(bucket.used.begin(), bucket.used.end(), [](uint8_t u) { return u != 0; });
-}
-
-// Writes the bucket's used-flags (host bytes) into `to`, a view of the
-// buffer about to be reduced (repeated along its rows where it has rows).
-// On a device, copying from ordinary host memory would make the host wait
-// for everything queued before it, once per bucket in the middle of the
-// backward; instead every flag set (the usual case) is a fill, and other
-// flags travel from page-locked memory without waiting (the caching host
-// allocator keeps it until the copy ends), as DDP copies its used map.
-inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
-  const auto n = static_cast<int64_t>(bucket.used.size());
-  const at::Tensor flags = at::from_blob(const_cast<uint8_t*>(bucket.used.data()), {n}, at::TensorOptions(c10::kByte));
-  if (to.is_cpu()) {
-    to.copy_(flags);
-  } else if (used_by_all_here(bucket)) {
-    to.fill_(1);
-  } else if (to.is_cuda()) {
-    const at::Tensor staged = at::empty({n}, at::TensorOptions(to.scalar_type()).pinned_memory(true)).copy_(flags);
-    to.copy_(staged.to(to.device(), /*non_blocking=*/true));
-  } else {
-    to.copy_(flags);
-  }
-}
-
-struct Unit {
-  const torch::nn::Module* module = nullptr;
-  std::vector<std::size_t> buckets{};
-};
-struct State {
-  // The sharded steps' working buffers, reused (dp_buffers.hpp). First, so
-  // that it is destroyed last: a bucket's Work still in flight when the
-  // state goes lands into the pool as it is destroyed.
-  BufferPool pool;
-  std::mutex mutex;
-  ParameterNames names;  // the module's parameters by name, for errors that name one
-  GroupPtr group;
-  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
-  int64_t replicas = 1;       // gradients are averaged over this many ranks
-  std::vector<Bucket> buckets;
-  std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
-  std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
-  bool armed = false, alive = true;
-  std::function<void(std::size_t)> on_issued;
-  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
-  bool hooked = false;
-  bool bucket_view = false;  // (see gradient_as_bucket_view)
-  // FULL_SHARD: the units; the order they ran in this forward and the
-  // last (prefetching follows it); summon_full_params() objects alive.
-  std::vector<Unit> units;
-  std::vector<std::size_t> order, last_order;
-  bool new_pass = true;
-  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
-  int held = 0;
-  // Sharded: where each parameter's shard is, and the optimizers stepping them.
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
-  std::vector<torch::optim::Optimizer*> optimizers;
-  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
-  // units compute in (gathered in) and the one gradients are reduced in;
-  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
-  // are cast to the dtype its parameters hold.
-  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
-  bool cast_inputs = true;
-};
-
-// What a hook gets for bucket b laid out in `buffer`. The parameters and
-// the gradients' views only for a registered hook: the default needs the
-// buffer alone, and this runs for every bucket of every step.
-inline GradBucket grad_bucket(const State& s, std::size_t b, const at::Tensor& buffer) {
-  const Bucket& bucket = s.buckets[b];
-  GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
-  if (s.hooked) {
-    out.parameters = bucket.params;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
-  }
-  return out;
-}
-
-// On Gloo with CPU tensors the engine's all-gathers and reduce-scatters
-// run point to point (dp_units.hpp, dp_scatter.hpp), with a tag no caller
-// is likely to pick for sends of its own. A bucket whose pieces are large,
-// kPieceBytes per parameter and rank on average, moves each parameter's
-// chunk as a message of its own, straight between the parameters (or
-// gradients) and the shards; a smaller one moves one message per peer
-// through a buffer laid out rank after rank, copied in or out: a Gloo
-// message costs about what copying kPieceBytes does, and a model of many
-// small parameters would pay it per parameter.
-inline constexpr int kGatherTag = 0x61636365;
-inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
-inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
-  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
-}
-// The dtype bucket b's gradients are reduce-scattered in.
-inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
-  return s.reduce_dtype.value_or(bucket.dtype);
-}
-
-// The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
-// being row r. read_rows copies t's rows into columns [off, off + c) of
-// rows, zeros where t ends before them (so rows need not start zeroed: a
-// pass over the whole buffer saved); write_rows copies them back into t;
-// read_chunk copies row r alone into `out`.
-inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
-  const at::Tensor flat = t.reshape({-1});
-  const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
-  const at::Tensor columns = rows.narrow(1, off, c);
-  if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
-  if (rest) {
-    columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
-    columns[full].narrow(0, rest, c - rest).zero_();
-  }
-  const int64_t filled = full + (rest ? 1 : 0);
-  if (filled < rows.size(0)) columns.narrow(0, filled, rows.size(0) - filled).zero_();
-}
-inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
-  const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
-  const at::Tensor columns = rows.narrow(1, off, c);
-  if (!t.is_contiguous()) {
-    t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
-    return;
-  }
-  const at::Tensor flat = t.view({-1});
-  if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
-  if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
-}
-// Rank r's chunk of a tensor of n elements cut in chunks of c: (begin,
-// length), the last chunks short or empty.
-inline std::pair<int64_t, int64_t> chunk_range(int64_t r, int64_t c, int64_t n) {
-  const int64_t begin = std::min(r * c, n);
-  return {begin, std::min(c, n - begin)};
-}
-inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
-  const at::Tensor flat = t.reshape({-1});
-  const auto [begin, length] = chunk_range(r, c, flat.numel());
-  if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
-  if (length < c) out.narrow(0, length, c - length).zero_();
-}
-}  // namespace detail::dp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/dp_scatter.hpp ============================================
-// accel/training/dp_scatter.hpp: ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients.
-//
-// Under sharding a bucket's gradients are laid out rank after rank (each
-// rank's chunk of every gradient, then one used-flag per parameter) and
-// reduce-scattered over the shard group, so that each rank receives the
-// sum of its own chunks; along a replicate group (HSDP) that is all-reduced
-// too. issue_scatter starts it as soon as the bucket is complete;
-// land_scatter waits for it and gives the averaged chunks to the shards'
-// gradients. The buffers come from the state's pool (dp_buffers.hpp) and
-// at most scatters_in_flight() buckets are in flight: issuing one more
-// lands the oldest first, so the pool holds one or two buckets' buffers,
-// never the whole model's. A bucket
-// of large parameters on Gloo skips the laying out: its reduce-scatter runs
-// point to point from the gradients themselves (start_direct_scatter).
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-// How many buckets' reduce-scatters may be in flight at once. Each holds
-// its gradients (whole until reduced) and what it receives: about twice
-// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
-// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
-// outstanding; the bucket issued next lands it. Measured on the sharding
-// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
-// processes), one instead of two: the same FULL_SHARD step time, its peak
-// 32 MiB lower (a unit's gradient and receive buffer). Without units
-// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
-// bucket's messages also overlap the next layer's backward: one measured
-// up to 6 % slower there.
-inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
-
-// A bucket's pooled buffers given back (after its reduce-scatter landed, or
-// was waited for and dropped).
-inline void give_back(State& s, Bucket& bucket) {
-  for (at::Tensor* lent : {&bucket.laid_out, &bucket.received, &bucket.flat}) {
-    s.pool.give(*lent);
-    *lent = at::Tensor();
-  }
-}
-
-// The bucket's owned_grads, made on first use: the shards' gradients, then
-// room for the used-flags (`segment` elements), so a reduction can fold
-// straight into it.
-inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& options) {
-  if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
-  return bucket.owned_grads;
-}
-
-// Waits for bucket b's reduce-scatter (and its all-reduce along the
-// replicate group), then gives each used parameter's shard its averaged
-// chunk as gradient. Where the reduction folded straight into owned_grads
-// (every shard's gradient was none: the first use, or zero_grad() set them
-// to none) each gradient becomes its piece of it, kept across steps;
-// otherwise the chunks are added into the gradients there, as a
-// parameter's gradient accumulates. The parameters' own gradients were
-// released when the bucket was issued.
-inline void land_scatter(State& s, std::size_t b) {
-  Bucket& bucket = s.buckets[b];
-  at::Tensor reduced;
-  try {
-    reduced = bucket.work.wait();  // (bucket.flat: owned_grads or the pooled buffer it landed in)
-    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
-                           detail::error_text(e));
-  }
-  const auto n = static_cast<int64_t>(bucket.params.size());
-  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
-  if (!all_used) {
-    const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
-    if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
-    else bucket.used_anywhere.copy_(flags.gt(0));
-  }
-  const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
-  const bool in_place = bucket.owned_grads.defined() && reduced.is_alias_of(bucket.owned_grads);
-  for (int64_t i = 0; i < n; ++i) {
-    if (all_used || used[i]) {
-      at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
-      const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
-      if (in_place) {
-        shard.mutable_grad() = averaged.detach();  // (a leaf's gradient, not an autograd view)
-      } else if (shard.grad().defined()) {
-        shard.mutable_grad().add_(averaged);
-      } else {
-        shard.mutable_grad() =
-            owned_grads(bucket, bucket.owned.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
-        shard.mutable_grad().copy_(averaged);
-      }
-    }
-    bucket.used[static_cast<std::size_t>(i)] = 0;
-  }
-  give_back(s, bucket);
-}
-
-// Bucket b's reduce-scatter point to point, straight from the gradients
-// (Gloo with CPU tensors, and pieces as large as gather_params wants them,
-// dp_units.hpp): to each peer its chunk of every gradient, a message each,
-// and this rank's used-flags; what arrives lands in the rows of `received`
-// by sender, this rank's own row copied in from its gradients, and the
-// rows are folded as the all-to-all's would be (the same sum in the same
-// order; the division by the replicas follows the fold, since the
-// gradients are not ours to change). No laid-out copy of the bucket is
-// made: each gradient is sent from where autograd left it, and kept alive
-// until the bucket lands. Every rank must take the same path, so the
-// choice rests on what all ranks share (the backend, the device, the
-// bucket's sizes), never on this rank's gradients: one that is none here
-// (a parameter this rank did not use) sends zeros, as the rows path lays
-// them out.
-inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
-         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
-}
-inline Work<at::Tensor> start_direct_scatter(State& s, Bucket& bucket, const at::Tensor& out) {
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
-  const at::Tensor rows = bucket.received.view({S, bucket.segment});
-  std::vector<at::Tensor> grads;
-  for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = bucket.params[i];
-    // (in the reduction's dtype: a policy's reduce_dtype casts)
-    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
-                                       : at::zeros({p.numel()}, rows.options()));
-    p.mutable_grad().reset();  // the shard's gradient accumulates it from here
-    const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
-    rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
-    if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
-  }
-  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
-  auto sent = [&](int to, std::size_t i) {
-    if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
-    const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
-    return grads[i].narrow(0, begin, length);
-  };
-  auto into = [&](int from, std::size_t i) {
-    if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
-    return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
-  };
-  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
-  // (grads moved into the landing only now: `sent` reads them above, and a
-  // function's arguments may be evaluated in any order)
-  return Work<at::Tensor>(detail::then(
-      std::move(pending), [rows, out = at::Tensor(out), grads = std::move(grads), replicas = s.replicas]() mutable {
-        detail::fold_rows_into(rows, out, ReduceOp::SUM);
-        if (replicas != 1) out.div_(replicas);
-        return out;
-      }));
-}
-
-// Lays bucket b's gradients out rank after rank (pre-divided by the number
-// of replicas, as DDP does) and starts its reduce-scatter without waiting,
-// first landing the oldest bucket in flight when scatters_in_flight() are.
-// Large buckets on Gloo go point to point instead (start_direct_scatter).
-inline void issue_scatter(State& s, std::size_t b) {
-  std::size_t in_flight = 0;
-  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
-    if (s.buckets[e].work.valid()) {
-      land_scatter(s, e);
-      --in_flight;
-    }
-  Bucket& bucket = s.buckets[b];
-  at::NoGradGuard no_grad;
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize();
-  // (the shards' options, in the reduction's dtype: a parameter may hold a
-  // policy's param_dtype now, while its unit runs)
-  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
-  // Where the folded chunks land: straight in the shards' gradients when
-  // every one is none (the usual step, after zero_grad()) and the reduction
-  // is in their dtype, so that landing copies nothing; else in a pooled
-  // buffer, added into them when it lands.
-  const bool into_grads =
-      options.dtype() == bucket.owned.dtype() &&
-      std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
-  try {
-    bucket.received = s.pool.take(S * bucket.segment, options);
-    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received, ReduceOp::SUM, s.shard);
-    bucket.flat = into_grads ? owned_grads(bucket, options) : s.pool.take(bucket.segment, options);
-    if (scatters_directly(s, bucket)) {
-      bucket.work = start_direct_scatter(s, bucket, bucket.flat);
-      return;
-    }
-    bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
-    const at::Tensor& laid_out = bucket.laid_out;
-    const at::Tensor rows = laid_out.view({S, bucket.segment});
-    for (std::size_t i = 0; i < n; ++i)
-      if (bucket.params[i].grad().defined()) {
-        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
-      } else {
-        rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
-      }
-    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
-    if (s.replicas != 1) laid_out.div_(s.replicas);
-    bucket.work =
-        Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received, bucket.flat, ReduceOp::SUM));
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
-                           detail::error_text(e));
-  }
-}
-
-// The end of a sharded backward: every bucket still in flight landed, in order.
-inline void finish_sharded(State& s) {
-  for (std::size_t b = 0; b < s.buckets.size(); ++b)
-    if (s.buckets[b].work.valid()) land_scatter(s, b);
-}
-}  // namespace detail::dp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/dp_reducer.hpp ============================================
-// accel/training/dp_reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
-//
-// A ReadyHook on each parameter's gradient accumulator marks the gradient
-// ready; when a bucket is complete (and every bucket before it issued, so
-// that every rank issues the same sequence) issue_bucket flattens it and
-// starts its all-reduce (through a registered communication hook, or the
-// default's division made by the flattening copy) or, sharded, its
-// reduce-scatter (dp_scatter.hpp), without waiting. finish_unsharded waits for the
-// all-reduces and writes the averaged gradients back.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-// Flattens a bucket's gradients and used-flags (pre-divided by the group
-// size, as DDP does) and issues its all-reduce without waiting (sharded:
-// its reduce-scatter).
-inline void issue_bucket(State& state, std::size_t b) {
-  Bucket& bucket = state.buckets[b];
-  at::NoGradGuard no_grad;
-  const std::size_t n = bucket.params.size();
-  if (state.shard) {  // reduce-scattered instead (dp_scatter.hpp)
-    issue_scatter(state, b);
-    if (state.on_issued) state.on_issued(b);
-    return;
-  }
-  // The bucket persists across steps, as DDP's: a buffer this large allocated
-  // per step would come back from the kernel as fresh pages each time (page
-  // faults and zeroing, a tenth of a CPU step's time). Under
-  // gradient_as_bucket_view the gradients are its views; otherwise they are
-  // copied in here and the averages copied back out in finish. (Made
-  // anew only if the module moved to another device since.)
-  const at::TensorOptions options = bucket.params.front().options();
-  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
-    bucket.persistent = bucket.packing.buffer(options);
-  bucket.flat = bucket.persistent;
-  // Without a registered hook the default one's work is done here: the
-  // gradients divided by the group's size, then all-reduced. Where they are
-  // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
-  // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
-  // two, with div_'s kernel and divisor, so the same bits. The used-flags
-  // stay undivided there: finish reads only whether they are above zero.
-  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
-  if (by_default && !bucket.divisor.defined()) {
-    // A wrapped number, as div_(Scalar) makes of its argument, made once: in
-    // the bucket's dtype, so that no division casts it (and allocates); in
-    // float for bfloat16 and float16, whose kernels read the divisor as
-    // float (so a world size they cannot hold exactly still divides exactly).
-    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
-    bucket.divisor =
-        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
-    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
-  }
-  for (std::size_t i = 0; i < n; ++i) {
-    at::Tensor& p = bucket.params[i];
-    at::Tensor view = bucket.packing.view(bucket.flat, i);
-    if (!p.grad().defined()) {
-      view.zero_();
-    } else if (divide_in_copy) {
-      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
-    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
-      view.copy_(p.grad());
-      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
-    }
-  }
-  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
-  try {
-    if (by_default) {
-      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
-      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
-    } else {
-      GradBucket hooked = grad_bucket(state, b, bucket.flat);
-      bucket.work = state.hook(state.group, hooked);
-    }
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
-                           detail::error_text(e));
-  }
-  if (state.on_issued) state.on_issued(b);
-}
-
-// finish() of a model that is not sharded: waits for each bucket's
-// all-reduce (through the communication hook) and writes the averaged
-// gradients of the parameters used on any rank back into their .grad.
-inline void finish_unsharded(State& state) {
-  for (auto& bucket : state.buckets) {
-    try {
-      bucket.flat = bucket.work.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
-                             detail::error_text(e));
-    }
-    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
-      throw RuntimeError("accel::DataParallel: the communication hook returned " +
-                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
-                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
-                         std::to_string(bucket.packing.elements()));
-    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
-    bucket.flat = bucket.flat.reshape({-1});
-    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
-      bucket.flat = bucket.persistent.copy_(bucket.flat);
-    const std::size_t n = bucket.params.size();
-    // Which parameters some rank used: known here when this rank used them all.
-    const bool all_used = used_by_all_here(bucket);
-    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
-    const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
-    for (std::size_t i = 0; i < n; ++i) {
-      at::Tensor& p = bucket.params[i];
-      if (all_used || used[i]) {
-        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
-        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
-        else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
-        else p.mutable_grad() = averaged.clone();
-      }
-      bucket.used[i] = 0;
-    }
-  }
-}
-
-// DataParallel::shadow_backward's collectives: every bucket's all-reduce,
-// in order, through the hook, with zero gradients and no used-flags.
-inline void shadow_backward(State& state) {
-  std::lock_guard lock(state.mutex);
-  std::vector<Work<at::Tensor>> works;
-  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
-    const Bucket& bucket = state.buckets[b];
-    GradBucket zeros = grad_bucket(state, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-    works.push_back(state.hook(state.group, zeros));
-  }
-  for (auto& work : works) {
-    try {
-      work.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                             detail::error_text(e));
-    }
-  }
-}
-
-struct ReadyHook : torch::autograd::FunctionPostHook {
-  ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
-      : state_(std::move(state)), bucket_(bucket), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    State& s = *state_;
-    std::lock_guard lock(s.mutex);
-    if (!s.alive) return outputs;
-    Bucket& bucket = s.buckets[bucket_];
-    bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
-    if (!s.armed || bucket.seen[index_]) return outputs;
-    bucket.seen[index_] = 1;
-    ++s.fired;
-    if (++bucket.ready == bucket.params.size())
-      while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
-        issue_bucket(s, s.next++);
-    return outputs;
-  }
-  std::shared_ptr<State> state_;
-  std::size_t bucket_, index_;
-};
-}  // namespace detail::dp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/dp_units.hpp ==============================================
-// accel/training/dp_units.hpp: ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after.
-//
-// FULL_SHARD's units hold no parameter memory at rest. accel::unit_forward
-// calls unit_call, which gathers a unit's parameters (waiting for a prefetch
-// where one was issued, prefetching the unit that came next in the last
-// forward), runs the forward and frees them; hooks on the unit's output and
-// inputs gather them again for its backward and free them after it.
-// FullParameters (summon_full_params) keeps every unit gathered.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
-inline Registry& unit_registry() {
-  static Registry units;  // every live DataParallel's units, for accel::unit_forward
-  return units;
-}
-inline std::mutex& unit_registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-// The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
-inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
-  std::lock_guard lock(unit_registry_mutex());
-  const auto found = unit_registry().find(module);
-  if (found == unit_registry().end()) return {nullptr, 0};
-  return {found->second.first.lock(), found->second.second};
-}
-
-// For DataParallel's constructor: which unit each of `params` (each tensor
-// once) belongs to (-1: none), with state.units made for the units that
-// hold a parameter. A parameter belongs to the unit whose modules include
-// every module that registers it. One registered outside units too, or in
-// two of them (a tied weight: GPT-2's token embedding and its head), belongs
-// to none: it is sharded as the root's own parameters are (whole while the
-// model runs, ZeRO-2's way), so every module that reads it finds its values,
-// as FSDP2 keeps a tied weight in the root's group. Errors name the
-// parameter or unit: units inside units, and a unit's parameter that shares
-// its storage with another or is a view (it cannot be freed alone).
-inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
-                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-                                         const std::vector<at::Tensor>& params) {
-  std::unordered_map<const torch::nn::Module*, std::string> name_of;
-  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
-  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
-    std::unordered_set<const torch::nn::Module*> set;
-    for (const auto& unit : units) set.insert(unit.get());
-    return set;
-  }();
-  // The unit each module lies in; -1 where a module lies in two (shared by both).
-  std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
-  for (std::size_t u = 0; u < units.size(); ++u) {
-    for (const auto& inner : units[u]->modules(/*include_self=*/false))
-      if (chosen.count(inner.get()))
-        throw InvalidArgument("accel::DataParallel: the fully sharded unit '" + name_of[inner.get()] +
-                              "' lies inside the unit '" + name_of[units[u].get()] +
-                              "'; units must not nest (auto_wrap_policy: a unit's own submodules are not asked)");
-    for (const auto& inner : units[u]->modules(/*include_self=*/true)) {
-      const auto [at, fresh] = unit_of_module.emplace(inner.get(), static_cast<int64_t>(u));
-      if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
-    }
-  }
-  // Each parameter's unit, over every module that registers it.
-  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
-  for (const auto& named : module.named_modules()) {
-    const auto found = unit_of_module.find(named.value().get());
-    const int64_t u = found == unit_of_module.end() ? -1 : found->second;
-    for (const auto& p : named.value()->parameters(/*recurse=*/false)) {
-      const auto [at, fresh] = owner.emplace(p.unsafeGetTensorImpl(), u);
-      if (!fresh && at->second != u) at->second = -1;
-    }
-  }
-  // Units that hold a parameter, numbered in the order given.
-  std::vector<int64_t> renumbered(units.size(), -1);
-  for (const auto& p : params) {
-    const int64_t u = owner.at(p.unsafeGetTensorImpl());
-    if (u >= 0) renumbered[static_cast<std::size_t>(u)] = 0;
-  }
-  for (std::size_t u = 0; u < units.size(); ++u)
-    if (renumbered[u] == 0) {
-      renumbered[u] = static_cast<int64_t>(state.units.size());
-      state.units.push_back(Unit{.module = units[u].get()});
-    }
-  std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
-  for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
-  std::vector<int64_t> out;
-  for (const auto& p : params) {
-    const int64_t u = owner.at(p.unsafeGetTensorImpl());
-    out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
-    if (u < 0) continue;
-    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
-        p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
-                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
-                            "' is a view or shares its storage with another parameter (share the tensor itself to "
-                            "tie weights: a tensor registered in several modules is one parameter)");
-  }
-  return out;
-}
-// A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
-// shards are made): its dtypes checked and kept, and each unit parameter's
-// tensor at rest kept for release() to give back (see Use). The policy is
-// the units': a parameter in no unit (the root's own, a tied weight) is
-// whole while the model runs, in its own dtype, and computes in it (a unit's
-// output_dtype hands such modules the activations in theirs).
-inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
-  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
-    if (dtype && !c10::isFloatingType(*dtype))
-      throw InvalidArgument(
-          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
-          c10::toString(*dtype));
-  if (!s.shard)
-    throw InvalidArgument(
-        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
-        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
-  s.param_dtype = policy.param_dtype;
-  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
-  s.output_dtype = policy.output_dtype;
-  s.cast_inputs = policy.cast_forward_inputs;
-  if (!s.param_dtype) return;
-  for (auto& bucket : s.buckets) {
-    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
-    for (const auto& p : bucket.params) {
-      bucket.rest.push_back(p.variable_data());
-      // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
-      at::Tensor compute = at::empty({0}, p.options().dtype(*s.param_dtype).requires_grad(false));
-      compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
-      bucket.compute.push_back(std::move(compute));
-    }
-  }
-}
-
-// What a kernel that reads a unit's parameter at rest throws (where
-// LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
-// and the way out.
-inline void name_at_rest(State& state, const torch::nn::Module& module) {
-  std::unordered_map<const torch::nn::Module*, std::string> modules;
-  for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
-  for (auto& bucket : state.buckets) {
-    if (bucket.unit < 0) continue;
-    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
-    for (const auto& p : bucket.params)
-      bucket.at_rest.push_back(
-          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
-          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
-          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
-          "weight registered in several modules is kept whole at the root");
-  }
-}
-
-// A parameter at rest has no memory; its shape stays. Where LibTorch lets a
-// storage refuse every access with a message of its own (StorageImpl's
-// custom data-pointer error, with a way to lift it: newer LibTorch, such as
-// the pip wheel's), a parameter at rest keeps its size in bytes and any
-// kernel that reads it throws that message: this parameter is sharded at
-// rest, call its unit through accel::unit_forward. Without it the storage's
-// size is 0 too, so that a view or a checked read is LibTorch's own error,
-// and an element-wise kernel, which checks neither, reads a null pointer.
-template <class Storage = c10::StorageImpl>
-inline constexpr bool refuses_at_rest = requires(Storage& s, std::optional<std::string> m) {
-  s.release_data_and_set_meta_custom_data_ptr_error_msg_(m);
-  s.clear_data_ptr_access_error_msg_();
-};
-template <class Storage>
-inline void refuse_access(Storage& storage, const std::string& why) {
-  if constexpr (refuses_at_rest<Storage>) storage.release_data_and_set_meta_custom_data_ptr_error_msg_(why);
-}
-template <class Storage>
-inline void allow_access(Storage& storage) {
-  if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
-}
-
-// The all-gather of a bucket's shards (`source`: `owned` as it is, or cast
-// to a policy's param_dtype) into its parameters' places: once the Work
-// lands, into[i] holds parameter i's values. On Gloo with CPU tensors the gather is point to point
-// (staging.hpp), without a buffer of c10d's per step: where the bucket's
-// pieces are large (large_pieces, dp_state.hpp) and every into[i]
-// contiguous, each peer's chunk of each parameter is received straight
-// into into[i] (nothing copied after: the values are written once);
-// otherwise each peer's whole segment is one message into rows from the
-// pool, copied out when it lands. (Every rank takes the same path: the
-// sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
-// rows (NCCL's is the fast one), copied out likewise.
-inline Work<at::Tensor> gather_params(State& s, const Bucket& bucket, const at::Tensor& source,
-                                      std::vector<at::Tensor> into) {
-  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
-  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
-  const bool direct = detail::direct_gather_fits(*g, source, source);
-  const bool pieces =
-      direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
-      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
-  if (pieces) {
-    std::vector<at::Tensor> mine;
-    for (std::size_t i = 0; i < into.size(); ++i)
-      mine.push_back(source.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
-    auto place = [&](int from, std::size_t i) {
-      const auto [begin, length] = chunk_range(from, bucket.chunks[i], into[i].numel());
-      return into[i].view({-1}).narrow(0, begin, length);
-    };
-    return Work<at::Tensor>(
-        detail::then(detail::start_all_gather_pieces(*g, mine, place, kGatherTag), [] { return at::Tensor(); }));
-  }
-  at::Tensor rows = s.pool.take(S * width, source.options()).view({S, width});
-  auto copy_out = [&s, rows, into = std::move(into), offsets = bucket.offsets, chunks = bucket.chunks]() mutable {
-    at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < into.size(); ++i) write_rows(rows, offsets[i], chunks[i], into[i]);
-    s.pool.give(rows);
-    return at::Tensor();
-  };
-  if (direct)
-    return Work<at::Tensor>(
-        detail::then(detail::start_all_gather_direct(*g, source, rows, kGatherTag), std::move(copy_out)));
-  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, source, rows), std::move(copy_out)));
-}
-
-// A unit's parameters: fetch() takes one pooled buffer per bucket, the
-// parameters one after another in it (each starting 64 bytes aligned), and
-// issues the all-gather of their shards into it (asynchronously, unless it
-// holds them or one is in flight); materialize() waits for it and points
-// the parameters' storage into the buffer; release() takes the storage away
-// again (the buffer goes back to the pool, and the next unit of about its
-// size takes it).
-//
-// What autograd saved in the forward (a Linear saves its weight, W.t(), a
-// view) refers to the parameter's storage object, never to the pool's
-// buffer: the storage object stays the parameter's for good, and only
-// where it points changes. So the unit's backward, which gathers the
-// parameters again first (the hook on its output), reads its own values
-// wherever they landed that time, and a saved tensor read while the unit
-// is at rest finds no memory (an error), never the values of the unit that
-// took the buffer after it. The storage object stays, and with it the
-// version counter: autograd accepts the values it saved in forward.
-//
-// Under a MixedPrecisionPolicy's param_dtype (FSDP2's), a gather for
-// compute (Use::compute: a unit's forward and backward) sends the shards
-// cast to that dtype, and the parameters take it while the unit runs: each
-// parameter's tensor is given its `compute` tensor (that dtype, its own
-// storage object pointed into the buffer as above, for the same reason;
-// TensorImpl::shallow_copy_from, what Tensor::set_data does, without
-// set_data's reset of the gradient accumulator: the accumulator made at
-// wrapping, in the parameter's own dtype, stays, and autograd casts the
-// gradient to that dtype before it accumulates, so gradients and shards
-// keep the parameters' dtype); release() gives each its tensor at rest
-// back. Every other gather (summon_full_params, save_model, free_memory)
-// is in the parameters' own dtype (Use::full), as FSDP's full-precision
-// state dict.
-enum class Use { compute, full };
-inline int64_t aligned(int64_t elements, int64_t element_size) {
-  const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
-  return (elements + per_line - 1) / per_line * per_line;
-}
-// Where each parameter of a unit's bucket starts in its buffer of elements
-// of element_size bytes, and the buffer's length (the last entry).
-inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
-  std::vector<int64_t> at{0};
-  for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
-  return at;
-}
-// Whether a gather for `use` is in the policy's param_dtype. Not while
-// summon_full_params() holds the units: they stay in full precision, and a
-// unit called then computes in it.
-inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
-  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
-}
-inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
-  return bucket.low ? *s.param_dtype : bucket.dtype;
-}
-inline void release_bucket(State& s, Bucket& bucket);
-// Waits for the bucket's gather in flight. A failed one has ended every
-// message of it (staging.hpp's Outstanding), so its buffers go back to the
-// pool, and the collective's own error (operation, group, rank) goes on to
-// the caller under what the engine was doing.
-inline void wait_gathering(State& s, Bucket& bucket) {
-  try {
-    bucket.gathering.wait();
-  } catch (const DistributedError& e) {
-    bucket.gathering = {};
-    release_bucket(s, bucket);  // (not resident: the buffers only)
-    throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                           detail::error_text(e));
-  }
-  bucket.gathering = {};
-}
-// The storage parameter i of the bucket computes on: its own, or under a
-// policy's param_dtype its `compute` tensor's.
-inline c10::StorageImpl* computing_storage(const Bucket& bucket, std::size_t i) {
-  return (bucket.low ? bucket.compute[i] : bucket.params[i]).storage().unsafeGetStorageImpl();
-}
-// A bucket's parameters back at rest, and its buffers back in the pool.
-inline void release_bucket(State& s, Bucket& bucket) {
-  if (bucket.resident)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      if (bucket.low)  // (its own storage never left rest)
-        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
-      c10::StorageImpl* storage = computing_storage(bucket, i);
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
-      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
-      else storage->set_nbytes(0);
-    }
-  for (at::Tensor* lent : {&bucket.full, &bucket.cast}) {
-    s.pool.give(*lent);
-    *lent = at::Tensor();
-  }
-  bucket.resident = false;
-  bucket.low = false;
-}
-inline void fetch(State& s, std::size_t u, Use use) {
-  at::NoGradGuard no_grad;
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    const bool low = gathers_low(s, bucket, use);
-    if (bucket.resident || bucket.gathering.valid()) {
-      if (bucket.low == low) continue;
-      if (bucket.gathering.valid()) wait_gathering(s, bucket);  // (a collective cannot be taken back)
-      release_bucket(s, bucket);                                // in the other precision: gathered again
-    }
-    bucket.low = low;
-    const c10::ScalarType dtype = gathered_dtype(s, bucket);
-    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
-    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
-    if (low) bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.options()).copy_(bucket.owned);
-    std::vector<at::Tensor> into;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i)
-      into.push_back(bucket.full.narrow(0, at[i], bucket.params[i].numel()));
-    try {
-      bucket.gathering = gather_params(s, bucket, low ? bucket.cast : bucket.owned, std::move(into));
-    } catch (const DistributedError& e) {
-      release_bucket(s, bucket);  // (not resident: the buffers only)
-      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
-                             detail::error_text(e));
-    }
-  }
-}
-inline void materialize(State& s, std::size_t u, Use use) {
-  fetch(s, u, use);
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.resident) continue;
-    wait_gathering(s, bucket);
-    s.pool.give(bucket.cast);
-    bucket.cast = at::Tensor();
-    const auto element_size = static_cast<int64_t>(bucket.full.element_size());
-    const std::vector<int64_t> at = places_in_full(bucket, element_size);
-    auto* base = static_cast<char*>(bucket.full.data_ptr());
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      at::Tensor& p = bucket.params[i];
-      c10::StorageImpl* storage = computing_storage(bucket, i);
-      allow_access(*storage);
-      // Not owning: the pool keeps the memory; release() takes it back before the buffer is reused.
-      storage->set_data_ptr_noswap(c10::DataPtr(base + at[i] * element_size, bucket.device));
-      storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
-      if (bucket.low) p.unsafeGetTensorImpl()->shallow_copy_from(bucket.compute[i].getIntrusivePtr());
-    }
-    bucket.resident = true;
-  }
-}
-inline void release(State& s, std::size_t u) {
-  if (s.held > 0) return;  // summon_full_params() keeps them
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].resident) release_bucket(s, s.buckets[b]);
-}
-// The dtype unit u's parameters hold now, where a policy changed it (for
-// cast_inputs); none otherwise.
-inline std::optional<c10::ScalarType> computes_in(const State& s, std::size_t u) {
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].low) return s.param_dtype;
-  return std::nullopt;
-}
-// Unit u left so that its module works without the engine, whose pool
-// goes (release_module, ~DataParallel): a resident unit's parameters get
-// memory of their own (copied out of the pool's buffer); a unit gathered
-// for compute in a policy's param_dtype goes back to rest instead (what it
-// holds is not the parameters' values in their dtype), and so does one
-// that holds nothing (at rest, or a gather that failed or is still in
-// flight: waited for first, its failure ignored, so that no message still
-// writes into the buffers given back). Nothing here reads a parameter at
-// rest: the only values copied are those the pool's buffer holds.
-inline void own_storage(State& s, std::size_t u) {
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.gathering.valid()) {
-      try {
-        bucket.gathering.wait();
-      } catch (const std::exception&) {  // (see above)
-      }
-      bucket.gathering = {};
-    }
-    if (!bucket.resident || bucket.low) {
-      release_bucket(s, bucket);
-      continue;
-    }
-    if (!bucket.full.defined()) continue;  // (its parameters hold memory of their own already)
-    for (auto& p : bucket.params) {
-      const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
-      c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
-      p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
-    }
-    s.pool.give(bucket.full);
-    bucket.full = at::Tensor();
-  }
-}
-// Every unit left as own_storage leaves it, for a DataParallel going away:
-// never throws (a destructor calls it, perhaps while an error of the
-// caller's unwinds). A unit whose copy fails (out of memory) goes back to
-// rest: its parameters then point at nothing, never at a freed buffer.
-inline void let_go_of_units(State& s) noexcept {
-  for (std::size_t u = 0; u < s.units.size(); ++u) {
-    try {
-      own_storage(s, u);
-    } catch (const std::exception& e) {
-      std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
-                << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
-      for (std::size_t b : s.units[u].buckets) release_bucket(s, s.buckets[b]);
-    }
-  }
-}
-// The end of a backward: prefetches that found no use are waited for (a
-// collective cannot be taken back) and dropped, every unit is freed, and
-// the next forward records the order anew.
-inline void end_unit_pass(State& s) {
-  if (s.units.empty()) return;
-  for (auto& bucket : s.buckets)
-    if (bucket.gathering.valid()) {
-      wait_gathering(s, bucket);
-      release_bucket(s, bucket);  // (not resident: the buffers only)
-    }
-  for (std::size_t u = 0; u < s.units.size(); ++u) release(s, u);
-  s.new_pass = true;
-}
-
-// FSDP's summon_full_params: every unit's parameters gathered for as long
-// as the returned object lives (a collective on the shard group: every
-// rank makes one, in the same order). With writeback, what the
-// parameters hold then goes back into the shards. Nothing to do unless
-// fully sharded.
-class FullParameters {
+// torch::optim::AdamW (decoupled weight decay) with Python's fused step.
+class FusedAdamW : public detail::FusedAdamOf<torch::optim::AdamW, true> {
  public:
-  FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
-  FullParameters(const FullParameters&) = delete;
-  FullParameters& operator=(const FullParameters&) = delete;
-  FullParameters& operator=(FullParameters&&) = delete;
-  ~FullParameters() {
-    if (!state_) return;
-    std::lock_guard lock(state_->mutex);
-    if (--state_->held > 0) return;
-    at::NoGradGuard no_grad;
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
-      if (writeback_)
-        for (std::size_t b : state_->units[u].buckets) {
-          Bucket& bucket = state_->buckets[b];
-          for (std::size_t i = 0; i < bucket.params.size(); ++i)
-            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
-        }
-      release(*state_, u);
-    }
-  }
-
-  // (made by DataParallel::summon_full_params, which has gathered them)
-  FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
-
- private:
-  std::shared_ptr<State> state_;
-  bool writeback_;
+  using FusedAdamOf::FusedAdamOf;
 };
-
-// Whole parameters one unit at a time, for an export that must not hold
-// every unit at once (Accelerator::save_model): whole(p) gathers the unit
-// of parameter p (a collective on the shard group: every rank asks for the
-// same parameters in the same order), releasing the unit it gathered
-// before, and returns p, which holds its values until the next call; a
-// tensor in no unit comes back as it is. Units gathered for other reasons
-// (a prefetch, a forward left half done) are released first.
-class UnitByUnit {
- public:
-  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
-    std::lock_guard lock(state_->mutex);
-    if (state_->held == 0) end_unit_pass(*state_);
-  }
-  UnitByUnit(const UnitByUnit&) = delete;
-  UnitByUnit& operator=(const UnitByUnit&) = delete;
-  ~UnitByUnit() {
-    std::lock_guard lock(state_->mutex);
-    if (current_) release(*state_, *current_);
-  }
-  const at::Tensor& whole(const at::Tensor& p) {
-    std::lock_guard lock(state_->mutex);
-    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
-    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
-    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
-    if (current_ != u) {
-      if (current_) release(*state_, *current_);
-      current_ = u;
-      materialize(*state_, u, Use::full);
-    }
-    return p;
-  }
-
- private:
-  std::shared_ptr<State> state_;
-  std::optional<std::size_t> current_;
-};
-
-// True on a thread while accel::checkpoint (checkpoint.hpp) runs a forward
-// again inside the backward. A unit called then keeps its parameters
-// gathered after its forward, because the backward of that forward follows
-// at once (its input hook frees them after it), and prefetches nothing: the
-// next unit of the forward has had its backward already.
-inline bool& recomputing() {
-  static thread_local bool on = false;
-  return on;
-}
-
-// accel::unit_forward's machinery: fn(args...) with the parameters of the
-// unit `module` gathered (plainly fn(args...) when it is not a unit).
-template <class Fn, class... Args>
-inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
-  auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
-  const std::shared_ptr<State> state = std::move(found.first);
-  const std::size_t u = found.second;
-  if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
-  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
-  {
-    std::lock_guard lock(state->mutex);
-    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-      if (!state->order.empty()) state->last_order = std::move(state->order);
-      state->order.clear();
-      state->new_pass = false;
-    }
-    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
-    materialize(*state, u, Use::compute);
-    cast = state->cast_inputs ? computes_in(*state, u) : std::nullopt;
-    output = state->output_dtype;
-    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
-      fetch(*state, *(at + 1), Use::compute);
-  }
-  struct Release {  // after the forward, also when it throws
-    State& state;
-    std::size_t unit;
-    bool now;
-    ~Release() {
-      if (!now) return;
-      std::lock_guard lock(state.mutex);
-      release(state, unit);
-    }
-  } release_after{*state, u, !recomputing()};
-  const std::weak_ptr<State> weak = state;
-  auto enter = [&]<class A>(A&& a) -> decltype(auto) {
-    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
-      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
-      // A node of our own: its gradient means the unit's backward is done.
-      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
-      in.register_hook([weak, u](const at::Tensor&) {
-        if (const auto s = weak.lock()) {
-          std::lock_guard lock(s->mutex);
-          if (s->alive) release(*s, u);
-        }
-      });
-      return in;
-    } else {
-      return std::forward<A>(a);
-    }
-  };
-  auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
-  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-    if (out.requires_grad() && at::GradMode::is_enabled())
-      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
-        if (const auto s = weak.lock()) {
-          std::lock_guard lock(s->mutex);
-          if (!s->alive) return;
-          materialize(*s, u, Use::compute);
-          const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
-            fetch(*s, *(at - 1), Use::compute);
-        }
-      });
-    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
-  } else {
-    static_assert(std::is_same_v<decltype(out), at::Tensor>,
-                  "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
-  }
-  return out;
-}
-}  // namespace detail::dp
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/dp_shards.hpp =============================================
-// accel/training/dp_shards.hpp: ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped.
-//
-// Given a shard group of S ranks, every parameter is cut into S equal
-// chunks (the last padded with zeros) and rank r keeps chunk r as its
-// shard, a tensor of its own that the optimizer steps instead of the
-// parameter, so optimizer state is 1/S. A bucket's gradients are
-// reduce-scattered (dp_reducer.hpp) so that each rank receives its chunk of
-// every parameter, averaged along a replicate group too where there is one
-// (HSDP); finish_sharded writes them to the shards' gradients. After the
-// optimizer steps the shards, gather_shards all-gathers them into every
-// parameter. ZeRO-3's units (dp_units.hpp) gather theirs at each use instead.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail::dp {
-// The shard standing in for parameter p; undefined when p is not one of
-// this module's sharded parameters.
-inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  return found == s.shard_index.end() ? at::Tensor() : s.buckets[found->second.first].shards[found->second.second];
-}
-
-// Puts the shards in place of this module's parameters in the optimizer's
-// groups (so it steps, and keeps state for, the shards only). Before its
-// first step; not an LBFGS (its line search needs whole-vector products).
-inline void shard_optimizer(State& s, torch::optim::Optimizer& optimizer) {
-  if (!s.shard) return;
-  bool touched = false;
-  for (auto& group : optimizer.param_groups())
-    for (auto& p : group.params()) {
-      const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-      if (found == s.shard_index.end()) continue;
-      if (!optimizer.state().empty())
-        throw InvalidArgument(
-            "accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
-            "prepare it before its first step (its state becomes per-shard)");
-      if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
-        throw InvalidArgument(
-            "accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
-            "products over whole parameters); use NO_SHARD");
-      Bucket& bucket = s.buckets[found->second.first];
-      p = bucket.shards[found->second.second];
-      bucket.in_optimizer[found->second.second] = 1;
-      touched = true;
-    }
-  if (touched && std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) == s.optimizers.end())
-    s.optimizers.push_back(&optimizer);
-}
-
-inline bool steps_with(const State& s, const torch::optim::Optimizer& optimizer) {
-  return std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) != s.optimizers.end();
-}
-
-// Before a backward, each shard against its chunk of the parameter
-// (LibTorch's optimizers write through .data(), which version counters do
-// not see, so values are compared; one pass over 1/S of the parameters
-// and one device sync). A shard that changed since the last gather_shards()
-// means its optimizer was stepped directly, not through the handle
-// prepare() returned, and this forward used stale parameters: an error.
-// A parameter changed since then (by hand, Module::load) is taken into its
-// shard. Every shard must be in a prepared optimizer.
-inline void check_shards(State& s) {
-  if (!s.shard) return;
-  std::lock_guard lock(s.mutex);
-  at::NoGradGuard no_grad;
-  const int64_t r = s.shard->getRank();
-  // Per shard that may differ: [differs from its chunk, differs from its sum at the gather]. On the CPU
-  // at::equal compares without allocating or a device sync, so only a shard that differs is looked at.
-  std::vector<std::pair<Bucket*, std::size_t>> looked;
-  std::vector<at::Tensor> differs;
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      if (!bucket.in_optimizer[i])
-        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(bucket.params[i]) +
-                              " of a sharded model is in no prepared optimizer; under sharding its optimizer "
-                              "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
-      if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
-      const at::Tensor flat = bucket.params[i].reshape({-1});
-      const auto [begin, length] = chunk_range(r, bucket.chunks[i], flat.numel());
-      const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
-      if (flat.is_cpu() && at::equal(shard, chunk)) continue;
-      looked.emplace_back(&bucket, i);
-      differs.push_back(shard.ne(chunk).any());
-      differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
-    }
-  if (differs.empty()) return;
-  const at::Tensor found = at::stack(differs).to(c10::kCPU);
-  const bool* flag = found.data_ptr<bool>();
-  for (const auto& [bucket, i] : looked) {
-    const bool changed = flag[0], stepped = flag[1];
-    flag += 2;
-    if (!changed) continue;
-    if (stepped)
-      throw InvalidArgument(
-          "accel::Accelerator::backward: under sharding, step the optimizer through the "
-          "handle accelerator.prepare() returned (its step() gathers the updated shards "
-          "into the parameters); the parameters this forward used are stale");
-    read_chunk(bucket->params[i], r, bucket->chunks[i], bucket->shards[i]);
-    bucket->sums[i] = bucket->shards[i].sum();
-  }
-}
-
-// How many of gather_shards' all-gathers may be in flight at once: two, so
-// that one bucket's messages travel while the next is issued. (They land
-// in the parameters themselves, so this bounds the pool only where a
-// bucket of small parameters lands in rows.)
-inline constexpr std::size_t kGathersInFlight = 2;
-
-// After the optimizer stepped the shards: every parameter all-gathered
-// from them (one all_gather per bucket, straight into the parameters where
-// it can: gather_params), and the parameters' gradients released (the
-// shards' hold this step's).
-inline void gather_shards(State& s) {
-  if (!s.shard) return;
-  std::lock_guard lock(s.mutex);
-  end_unit_pass(s);  // a prefetch made before this step holds old values
-  at::NoGradGuard no_grad;
-  // At most kGathersInFlight all-gathers at once (where they land in rows, those come from the pool).
-  std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
-  auto land = [&] {
-    Bucket& bucket = s.buckets[works.front().first];
-    works.front().second.wait();
-    works.pop_front();
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      // The values were written through variable_data(), which no version
-      // counter sees; this is an in-place change of the parameter.
-      bucket.params[i].unsafeGetTensorImpl()->bump_version();
-      bucket.params[i].mutable_grad().reset();
-      at::sum_out(bucket.sums[i], bucket.shards[i]);
-    }
-  };
-  try {
-    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
-      if (works.size() >= kGathersInFlight) land();
-      std::vector<at::Tensor> into;
-      for (const auto& p : bucket.params) into.push_back(p.variable_data());
-      works.emplace_back(b, gather_params(s, bucket, bucket.owned, std::move(into)));
-    }
-    while (!works.empty()) land();
-  } catch (const DistributedError& e) {
-    throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
-                           detail::error_text(e));
-  }
-}
-
-// Before Module::load: it replaces each parameter's storage (set_), which
-// reads the old storage's data pointer, so a unit's parameter at rest
-// stops refusing access (it still holds nothing); reshard() afterwards takes
-// the shards from what was loaded and puts the units at rest again.
-inline void open_for_load(State& s) {
-  std::lock_guard lock(s.mutex);
-  for (const auto& bucket : s.buckets)
-    if (bucket.unit >= 0 && !bucket.resident)
-      for (const auto& p : bucket.params) allow_access(*p.storage().unsafeGetStorageImpl());
-}
-// Every shard taken again from its parameter (after Module::load, which
-// gives every parameter storage of its own); units' parameters are freed
-// again.
-inline void reshard(State& s) {
-  if (!s.shard) return;
-  std::lock_guard lock(s.mutex);
-  at::NoGradGuard no_grad;
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      read_chunk(bucket.params[i], s.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
-  for (std::size_t u = 0; u < s.units.size(); ++u) {
-    for (std::size_t b : s.units[u].buckets) s.buckets[b].resident = true;
-    release(s, u);
-  }
-}
-
-// For sharded checkpoints (checkpoint_shards.hpp), which neither gather
-// nor load whole what a rank keeps in pieces. This rank's piece of
-// parameter p: elements [begin, begin + values.numel()) of p flattened,
-// `values` a flat view (a unit's parameter holds nothing at rest: its
-// shard's; any other's own chunk, which check_shards treats as the truth).
-// None when p is not sharded here.
-struct Piece {
-  at::Tensor values;
-  int64_t begin = 0;
-};
-inline std::optional<Piece> piece_of(State& s, const at::Tensor& p) {
-  std::lock_guard lock(s.mutex);
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  if (!s.shard || found == s.shard_index.end()) return std::nullopt;
-  const Bucket& bucket = s.buckets[found->second.first];
-  const std::size_t i = found->second.second;
-  const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
-  const bool whole = bucket.unit < 0 || (bucket.resident && !bucket.low);  // (low: in a policy's param_dtype)
-  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
-               begin};
-}
-// What a load reads for parameter p, as (begin, length) of p flattened: a
-// unit's parameter only its piece (its shard is all it keeps), unless
-// summon_full_params() holds the units gathered; every other one whole.
-inline std::pair<int64_t, int64_t> load_range(State& s, const at::Tensor& p) {
-  std::lock_guard lock(s.mutex);
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
-    return {0, p.numel()};
-  return chunk_range(s.shard->getRank(), s.buckets[found->second.first].chunks[found->second.second], p.numel());
-}
-// Puts what a load read in place: values(p) holds load_range(p)'s elements
-// of each sharded parameter. Prefetches and gathered units are dropped
-// first (they hold the old values); a parameter read whole gives its shard
-// its chunk.
-inline void load_values(State& s, const std::function<at::Tensor(const at::Tensor&)>& values) {
-  if (!s.shard) return;
-  std::lock_guard lock(s.mutex);
-  if (s.held == 0) end_unit_pass(s);
-  at::NoGradGuard no_grad;
-  const int64_t r = s.shard->getRank();
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      const at::Tensor v = values(bucket.params[i]).reshape({-1});
-      if (bucket.unit < 0 || s.held > 0) {
-        bucket.params[i].detach().copy_(v.view(bucket.params[i].sizes()));
-        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
-      } else {
-        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
-        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
-      }
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
-}
-
-// An optimizer's key for one parameter's state (LibTorch 1.x keys it by the
-// parameter's address as text, c10::guts::to_string's, 2.x by the address).
-template <class StateMap>
-typename StateMap::key_type state_key(const StateMap&, c10::TensorImpl* parameter) {
-  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
-    std::ostringstream key;
-    key << static_cast<const void*>(parameter);
-    return key.str();
-  } else {
-    return parameter;
-  }
-}
-// Drops an optimizer's state for one parameter.
-template <class StateMap>
-void erase_state(StateMap& state, c10::TensorImpl* parameter) {
-  state.erase(state_key(state, parameter));
-}
-
-// The module given back for local use (Accelerator::free_memory): every
-// unit's parameters gathered for good (a collective on the shard group),
-// and every optimizer that stepped the shards given the parameters back in
-// their place, its state for the shards dropped (the optimizer starts
-// afresh: LibTorch's per-parameter state types are its own, so 1/S of each
-// cannot be put back together here). The hooks do nothing afterwards.
-inline void release_module(State& s) {
-  std::lock_guard lock(s.mutex);
-  if (s.shard) {
-    end_unit_pass(s);
-    for (std::size_t u = 0; u < s.units.size(); ++u) {
-      materialize(s, u, Use::full);
-      own_storage(s, u);  // the module outlives the pool
-    }
-    ++s.held;  // (release() frees nothing while held)
-    // Each shard's parameter, to put back in its place.
-    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
-    for (const auto& bucket : s.buckets)
-      for (std::size_t i = 0; i < bucket.shards.size(); ++i)
-        parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
-    for (torch::optim::Optimizer* optimizer : s.optimizers)
-      for (auto& group : optimizer->param_groups())
-        for (auto& p : group.params()) {
-          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
-          if (found == parameter_of.end()) continue;
-          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
-          p = *found->second;
-        }
-    s.optimizers.clear();
-  }
-  s.alive = false;
-}
-
-// Cuts every parameter into its chunks and makes this rank's shards.
-inline void make_shards(State& s) {
-  const int64_t S = s.shard->getSize(), r = s.shard->getRank();
-  at::NoGradGuard no_grad;
-  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-    Bucket& bucket = s.buckets[b];
-    int64_t at = 0;
-    for (const auto& p : bucket.params) {
-      const int64_t c = (p.numel() + S - 1) / S;
-      bucket.offsets.push_back(at);
-      bucket.chunks.push_back(c);
-      at += c;
-    }
-    bucket.owned = at::empty({at}, bucket.params.front().options().requires_grad(false));
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      const at::Tensor& p = bucket.params[i];
-      // detach(): a leaf of its own on owned's memory, not an autograd view
-      // of it (optimizers step it in place, as they step a parameter).
-      at::Tensor shard = bucket.owned.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
-      read_chunk(p, r, bucket.chunks[i], shard);
-      shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
-      bucket.shards.push_back(shard);
-      bucket.in_optimizer.push_back(0);
-      bucket.sums.push_back(shard.sum());
-      s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
-    }
-    bucket.segment = at + static_cast<int64_t>(bucket.params.size());
-    bucket.used_anywhere = at::empty({static_cast<int64_t>(bucket.params.size())}, at::TensorOptions(c10::kBool));
-  }
-}
-
-}  // namespace detail::dp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/data_parallel.hpp =========================================
-// accel/training/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
-
-ACCEL_NAMESPACE_BEGIN
-
-// Data parallelism for one module on one group, the DistributedDataParallel
-// design: parameters and buffers are broadcast from the group's rank 0;
-// gradients are averaged in buckets (DDP's assignment: one dtype and device
-// each, the first at least 1 MiB, then at least bucket_bytes, in reverse
-// parameter order, roughly the order backward produces them; see
-// accel/training/buckets.hpp). A
-// post-hook on each parameter's gradient accumulator marks it ready; a full
-// bucket is flattened and its all-reduce issued at once, asynchronously,
-// while backward goes on; finish() waits for them and writes the averages
-// back into the gradients, before the optimizer step.
-//
-// Unused parameters are handled as DDP with find_unused_parameters, without
-// its extra collective: each bucket carries, after the gradients, one flag
-// per parameter (did this rank produce its gradient since the last sync?),
-// summed with the gradients. A parameter no rank used keeps its .grad as it
-// was (undefined stays undefined, as in local training); one used anywhere
-// gets the average, zeros counted for the ranks that did not use it.
-// A backward in which none of the module's parameters got a gradient (the
-// loss came from another model) issues nothing and leaves the module alone.
-//
-// Sharded (ZeRO-2, FSDP's SHARD_GRAD_OP), given a shard group of S ranks:
-// every parameter is cut into S equal chunks (the last padded with zeros)
-// and rank r keeps chunk r as its shard, a tensor of its own that the
-// optimizer steps instead of the parameter (Accelerator::prepare puts the
-// shards into the optimizer's groups), so optimizer state is 1/S. A
-// bucket's gradients are reduce-scattered instead of all-reduced, laid out
-// rank after rank so that each rank receives its chunk of every parameter
-// (and every used-flag), averaged along a replicate group too where there
-// is one (HSDP), and written to the shards' gradients. After the optimizer
-// steps the shards, gather_shards() all-gathers them into every parameter and
-// releases the parameters' gradients.
-//
-// Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
-// parameters of each unit (a submodule) hold no memory at rest. LibTorch
-// modules have no forward hooks, so a unit runs through accel::unit_forward
-// (see below), which gathers its parameters from the shards (waiting for a
-// prefetch where one was issued, and prefetching the unit that came next in
-// the last forward), runs its forward and frees them again. Autograd hooks
-// on the unit's output and inputs gather them once more before the unit's
-// backward (prefetching the unit before it) and free them after it; each
-// unit is a bucket of its own, reduce-scattered as soon as its gradients
-// are complete, and the parameters' gradients are released right then (the
-// shards' gradients accumulate instead). Parameters in no unit (the root's
-// own) are sharded as under ZeRO-2. Freed storage is LibTorch's error on use
-// ("storage of size 0", "data is not allocated"), never stale values;
-// summon_full_params() gathers everything for as long as it lives
-// (checkpoints, exports, inspection).
-//
-// The class owns the state (dp_state.hpp) and keeps the API; the work is
-// in dp_reducer.hpp (the buckets), dp_shards.hpp (ZeRO-2) and dp_units.hpp
-// (ZeRO-3), on that state.
-//
-// On a GPU, streams as DDP: a bucket is flattened on the stream its
-// gradients were made on, and c10d runs its collective on a stream of its
-// own (NCCL's; Gloo's copies to and from the host) once that stream has
-// reached it; finish() makes the current stream wait for the reduction,
-// and the host waits for nothing: the used-flags are written without it,
-// and read back only where this rank left a parameter unused (dp_state.hpp;
-// the cuda case "gpu: DataParallel's backward ..." proves it under CUDA's
-// sync debug mode).
-//
-// Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
-// header includes torch/csrc/distributed/autograd/context/context.h, which
-// Debian's libtorch-dev does not ship, so it cannot be included there.
-class DataParallel {
- public:
-  static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
-
-  // group: where parameters are broadcast from, and gradients averaged over
-  // when not sharded. shard (of more than one rank): shard along it, and
-  // average along replicate as well when given. units (sharded only):
-  // submodules whose parameters are sharded at rest (FULL_SHARD). policy
-  // (sharded only): the dtypes units compute and gradients reduce in (see
-  // MixedPrecisionPolicy). A tensor registered in several modules (tied
-  // weights) is one parameter, as in Python's parameters().
-  DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
-               GroupPtr shard = {}, GroupPtr replicate = {},
-               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
-      : module_(module), state_(std::make_shared<detail::dp::State>()) {
-    state_->group = std::move(group);
-    if (!state_->group) return;  // not distributed: plain local training
-    if (shard && shard->getSize() > 1) {
-      state_->shard = std::move(shard);
-      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
-      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
-    } else {
-      state_->replicas = state_->group->getSize();
-    }
-    state_->names = detail::ParameterNames(*module_);
-    sync_module_states();
-    std::vector<at::Tensor> params;
-    for (const auto& p : detail::unique_tensors(module_->parameters()))
-      if (p.requires_grad()) params.push_back(p);
-    std::reverse(params.begin(), params.end());
-    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
-                                       : std::vector<int64_t>(params.size(), -1);
-    std::vector<detail::BucketInput> inputs;
-    for (std::size_t k = 0; k < params.size(); ++k)
-      inputs.push_back(
-          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
-    for (const auto& indices :
-         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
-      const at::Tensor& first = params[indices.front()];
-      detail::dp::Bucket bucket{
-          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
-      bucket.unit = unit_of[indices.front()];
-      if (bucket.unit >= 0)
-        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
-      for (std::size_t k : indices) {
-        bucket.params.push_back(params[k]);
-        bucket.used.push_back(0);
-        bucket.seen.push_back(0);
-        bucket.packing.add(params[k]);
-      }
-      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
-      accumulators_.resize(accumulators_.size() + bucket.params.size());
-      state_->buckets.push_back(std::move(bucket));
-    }
-    if (state_->shard) detail::dp::make_shards(*state_);
-    if (policy.active()) detail::dp::apply_policy(*state_, policy);
-    if constexpr (detail::dp::refuses_at_rest<>)
-      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
-      detail::dp::release(*state_, u);  // at rest: the shards only
-      std::lock_guard lock(detail::dp::unit_registry_mutex());
-      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
-    }
-    hook_accumulators();
-  }
-
-  DataParallel(const DataParallel&) = delete;
-  DataParallel& operator=(const DataParallel&) = delete;
-  ~DataParallel() {
-    {
-      std::lock_guard lock(detail::dp::unit_registry_mutex());
-      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
-    }
-    std::lock_guard lock(state_->mutex);
-    state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
-    // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
-    // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
-    // error (a failed gather, a peer gone): nothing here throws.
-    detail::dp::let_go_of_units(*state_);
-  }
-
-  // Copies the parameters and buffers of the group's rank `src` to every
-  // rank of the group.
-  void sync_module_states(int src = 0) {
-    if (!state_->group) return;
-    std::vector<at::Tensor> states = module_->parameters();
-    for (const auto& b : module_->buffers()) states.push_back(b);
-    broadcast(detail::unique_tensors(states), src, state_->group);
-  }
-
-  // Arms the hooks for the next backward; without it, backward accumulates
-  // gradients locally (no_sync).
-  void prepare_for_backward() {
-    if (!state_->group) return;
-    hook_accumulators();
-    std::lock_guard lock(state_->mutex);
-    state_->armed = true;
-    state_->next = 0;
-    state_->fired = 0;
-    for (auto& bucket : state_->buckets) {
-      bucket.ready = 0;
-      std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
-      bucket.work = {};  // (a Work left from a backward that never finished is waited for)
-      detail::dp::give_back(*state_, bucket);
-    }
-  }
-
-  // Waits for every bucket's all-reduce and writes the averaged gradients
-  // back. Buckets with parameters that got no gradient in this backward are
-  // reduced here, in the same order on every rank. Returns whether the
-  // module took part (false: no parameter of it got a gradient, nothing was
-  // communicated; with `always`, it takes part regardless).
-  bool finish(bool always = false) {
-    std::lock_guard lock(state_->mutex);
-    detail::dp::end_unit_pass(*state_);
-    if (!state_->armed) return false;
-    state_->armed = false;
-    if (state_->fired == 0 && !always) return false;
-    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(*state_, b);
-    state_->next = state_->buckets.size();
-    at::NoGradGuard no_grad;
-    if (state_->shard) {
-      detail::dp::finish_sharded(*state_);
-      return true;
-    }
-    detail::dp::finish_unsharded(*state_);
-    return true;
-  }
-
-  // A rank that has run out of inputs stands in for one backward of the
-  // others (DDP's join): every bucket's all-reduce, in order, with zero
-  // gradients and no used-flags; its own gradients are left alone.
-  void shadow_backward() {
-    if (!state_->group) return;
-    detail::dp::shadow_backward(*state_);
-  }
-
-  // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
-  // between a backward and its finish(); not under sharding.
-  void register_comm_hook(CommHook hook) {
-    if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
-    if (state_->shard)
-      throw InvalidArgument(
-          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
-          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
-    std::lock_guard lock(state_->mutex);
-    if (state_->hooked)
-      throw LogicError(
-          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
-          "DDP, once per model)");
-    if (state_->armed)
-      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
-    state_->hook = std::move(hook);
-    state_->hooked = true;
-  }
-  // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
-  // into its (persistent) bucket, so the gradients are not copied into the
-  // bucket and back, nor held twice (as gradients and bucket). Keep the
-  // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
-  // sets them to none): a gradient set to none is copied into its view at
-  // the next sync, as DDP does. NO_SHARD only.
-  void gradient_as_bucket_view(bool on) {
-    if (state_->shard && on)
-      throw InvalidArgument(
-          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
-          "reduce-scattered into its shards");
-    std::lock_guard lock(state_->mutex);
-    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
-    state_->bucket_view = on;
-    if (!on)
-      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
-        for (auto& p : bucket.params)
-          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
-            p.mutable_grad() = p.grad().clone();
-      }
-  }
-
-  // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
-
-  bool sharded() const { return state_->shard != nullptr; }
-  const GroupPtr& shard_group() const { return state_->shard; }
-  // The shard standing in for parameter p; undefined when p is not one of
-  // this module's sharded parameters.
-  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
-  // Puts the shards in place of this module's parameters in the optimizer's
-  // groups (see detail::dp::shard_optimizer).
-  void shard_optimizer(torch::optim::Optimizer& optimizer) { detail::dp::shard_optimizer(*state_, optimizer); }
-  bool steps_with(const torch::optim::Optimizer& optimizer) const { return detail::dp::steps_with(*state_, optimizer); }
-  // Before a backward: every shard checked against its parameter (an
-  // optimizer stepped directly, not through prepare()'s handle, is an error).
-  void check_shards() { detail::dp::check_shards(*state_); }
-  // After the optimizer stepped the shards: every parameter all-gathered
-  // from them, and the parameters' gradients released.
-  void gather_shards() { detail::dp::gather_shards(*state_); }
-  // The former name of gather_shards(), kept for the programs that call it
-  // (it read like accel::gather, which gathers data from every rank).
-  void gather() { gather_shards(); }
-  // Gives the module back for plain local use, for good (see
-  // detail::dp::release_module): under FULL_SHARD its parameters gathered
-  // (every rank of the shard group calls it); optimizers that stepped the
-  // shards step the parameters again, from a fresh state. Afterwards this
-  // DataParallel does nothing; destroy it.
-  void release_module() { detail::dp::release_module(*state_); }
-  // Module::load into the parameters, then every shard taken again from its
-  // parameter: open_for_load() before the load, reshard() after it.
-  void open_for_load() { detail::dp::open_for_load(*state_); }
-  void reshard() { detail::dp::reshard(*state_); }
-
-  // Sharded checkpoints (checkpoint_shards.hpp): this rank's piece of
-  // parameter p, written without gathering (none: p is not sharded here;
-  // see detail::dp::piece_of); whether this rank writes its pieces (under
-  // HSDP the first replica does); what a load reads for p, and putting
-  // what it read in place (detail::dp::load_range and load_values).
-  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const { return detail::dp::piece_of(*state_, p); }
-  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
-  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const { return detail::dp::load_range(*state_, p); }
-  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
-    detail::dp::load_values(*state_, values);
-  }
-
-  // FSDP's summon_full_params: every unit's parameters gathered for as long
-  // as the returned object lives (a collective on the shard group: every
-  // rank makes one, in the same order). With writeback, what the
-  // parameters hold then goes back into the shards. Nothing to do unless
-  // fully sharded.
-  using FullParameters = detail::dp::FullParameters;
-  [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
-    if (state_->units.empty()) return FullParameters(nullptr, false);
-    std::lock_guard lock(state_->mutex);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(*state_, u, detail::dp::Use::full);
-    ++state_->held;
-    return FullParameters(state_, writeback);
-  }
-  // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
-  // one unit gathered while it lives; every rank of the shard group in the
-  // same order).
-  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
-  // FULL_SHARD: whether a unit's gather is issued while the unit before it
-  // computes, in the forward and in the backward (AcceleratorConfig's
-  // forward_prefetch and backward_prefetch).
-  void set_prefetch(bool forward, bool backward) {
-    std::lock_guard lock(state_->mutex);
-    state_->prefetch_forward = forward;
-    state_->prefetch_backward = backward;
-  }
-  // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
-  std::size_t unit_count() const { return state_->units.size(); }
-
-  // Sharded: the working buffers the engine keeps from step to step
-  // (dp_buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
-  // the caching allocator keeps; release_buffers() frees those not in use
-  // now (as torch.cuda.empty_cache()), and the next step allocates afresh.
-  int64_t buffer_bytes() const {
-    std::lock_guard lock(state_->mutex);
-    return state_->pool.bytes();
-  }
-  void release_buffers() {
-    std::lock_guard lock(state_->mutex);
-    state_->pool.clear();
-  }
-  // Whether `module` is a unit of a live fully sharded DataParallel.
-  static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
-
-  // accel::unit_forward's machinery (detail::dp::unit_call).
-  template <class Fn, class... Args>
-  static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
-    return detail::dp::unit_call(module, std::forward<Fn>(fn), std::forward<Args>(args)...);
-  }
-
-  bool distributed() const { return state_->group != nullptr; }
-  std::size_t bucket_count() const { return state_->buckets.size(); }
-  const GroupPtr& group() const { return state_->group; }
-  // Called (on the autograd thread, under a lock) as each bucket's
-  // all-reduce is issued: for logging, profiling and tests.
-  void on_bucket_issued(std::function<void(std::size_t bucket)> callback) {
-    std::lock_guard lock(state_->mutex);
-    state_->on_issued = std::move(callback);
-  }
-
- private:
-  // Puts a ReadyHook on each parameter's gradient accumulator. Run again
-  // before each synced backward: an operation that replaces a parameter's
-  // storage (Module::load's set_, set_data) gives it a new accumulator,
-  // which must be hooked too.
-  void hook_accumulators() {
-    std::size_t k = 0;
-    for (std::size_t b = 0; b < state_->buckets.size(); ++b)
-      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i, ++k) {
-        auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
-        if (accumulator == accumulators_[k]) continue;
-        accumulator->add_post_hook(std::make_unique<detail::dp::ReadyHook>(state_, b, i));
-        accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
-      }
-  }
-
-  std::shared_ptr<torch::nn::Module> module_;
-  std::shared_ptr<detail::dp::State> state_;
-  // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
-  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-  std::vector<NodePtr> accumulators_;
-};
-
-// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
-// a model's forward a unit is called as
-//     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
-// which gathers the unit's parameters from their shards, runs its forward
-// and frees them (see DataParallel). The same code runs under every
-// strategy: a module that is no unit is simply called. On a Sequential that
-// is not a unit itself, each child is called in turn, through
-// unit_forward. A unit's forward returns one tensor.
-template <class ModuleHolder, class... Args>
-  requires detail::module_holder<ModuleHolder>
-auto unit_forward(ModuleHolder& unit, Args&&... args) {
-  return DataParallel::unit_call(
-      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
-      std::forward<Args>(args)...);
-}
-inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
-  if (DataParallel::is_unit(sequential.ptr().get()))
-    return DataParallel::unit_call(
-        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
-  for (auto& child : *sequential)
-    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
-  return x;
-}
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/sampler.hpp ===============================================
-// accel/training/sampler.hpp: data loading: ShardSampler and the loaders' shared state.
+// == accel/training/data/sampler.hpp ==========================================
+// accel/training/data/sampler.hpp: data loading: ShardSampler and the loaders' shared state.
 //
 // A prepared loader gives each process of the data-parallel group its share
 // of a dataset, in one of two layouts:
@@ -8603,7 +6787,7 @@ struct DataLoaderConfig {
   // ShardSampler::Options); split_batches needs it unless dispatching.
   std::optional<size_t> batch_sampler_batch_size{};
   // The main process reads every global batch and sends each process its
-  // rows (accel/training/dispatch.hpp); unset: on for iterable datasets only,
+  // rows (accel/training/data/dispatch.hpp); unset: on for iterable datasets only,
   // as Accelerate. even_batches does not apply (every process gets rows of
   // every global batch).
   std::optional<bool> dispatch_batches{};
@@ -8626,7 +6810,7 @@ struct LoaderPosition {
   bool in_pass = false;
   // Samples per batch over all the data-parallel processes (0: not known),
   // by which a checkpoint's place carries over to another number of
-  // processes or batch size (checkpoint_world.hpp).
+  // processes or batch size (checkpoint/world.hpp).
   size_t samples_per_batch = 0;
   std::optional<bool> even_batches{};
   // The point a resumed run starts from: (epoch, batches to skip). Between
@@ -8731,8 +6915,205 @@ class Pass {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/dispatch.hpp ==============================================
-// accel/training/dispatch.hpp: dispatch_batches: one rank reads, the others receive their slices.
+// == accel/training/accelerator_config.hpp ====================================
+// accel/training/accelerator_config.hpp: AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler.
+
+ACCEL_NAMESPACE_BEGIN
+
+enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
+
+// Accelerate's ProjectConfiguration: where save_state() without a path puts
+// checkpoints, and the experiment log its files (accelerator/trackers.hpp). With
+// automatic_checkpoint_naming, each save_state() writes
+// project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
+// up; total_limit keeps the newest that many (the oldest are removed once
+// the new one is whole); load_state() without a path loads the newest.
+struct ProjectConfiguration {
+  std::filesystem::path project_dir{};
+  std::filesystem::path logging_dir{};  // where log_with's files go; empty: project_dir (as Accelerate)
+  bool automatic_checkpoint_naming = false;
+  std::optional<int> total_limit{};  // automatic naming only; at least 1
+  int iteration = 0;                 // the number the next save_state() takes
+};
+
+// FSDP's sharding strategies, along the model mesh (Dim::MP_SHARD; see
+// DataParallel). NO_SHARD: every rank holds everything (DDP). SHARD_GRAD_OP
+// (ZeRO-2): gradients reduce-scattered, optimizer state and the update
+// sharded, parameters all-gathered after the step; with mp_replicate_size > 1
+// the shards are averaged along Dim::MP_REPLICATE too (FSDP's
+// _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3): the parameters of each unit
+// (auto_wrap_policy) are sharded at rest too and gathered only while the unit
+// runs (accel::unit_forward) and for its backward; on a model mesh that
+// replicates (mp_replicate_size > 1) the shards are averaged along
+// Dim::MP_REPLICATE too, as FSDP2's fully_shard on a 2-D mesh: the mesh
+// decides. HYBRID_SHARD: another name for that (FSDP1's HSDP). With
+// mp_shard_size == 1 every strategy is NO_SHARD.
+enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
+
+// Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
+// comm_hook): the built-in communication hook of every prepared model (see
+// accel::comm_hooks; POWER_SGD with PowerSGDState's defaults, as Accelerate
+// with an empty comm_state_option: plain all-reduces for the first 1000
+// steps).
+enum class DDPCommunicationHookType { NO, FP16, BF16, POWER_SGD };
+
+// Their string forms, as Accelerate and FSDP spell them: to_string,
+// from_string and operator<< (core/enums.hpp) take every public enum.
+namespace detail {
+template <>
+struct enum_names<DistributedType> {
+  static constexpr std::string_view type = "DistributedType";
+  static constexpr std::array<std::string_view, 3> names{"NO", "MULTI_CPU", "MULTI_GPU"};
+};
+template <>
+struct enum_names<ShardingStrategy> {
+  static constexpr std::string_view type = "ShardingStrategy";
+  static constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
+};
+template <>
+struct enum_names<DDPCommunicationHookType> {
+  static constexpr std::string_view type = "DDPCommunicationHookType";
+  static constexpr std::array<std::string_view, 4> names{"no", "fp16", "bf16", "power_sgd"};
+};
+}  // namespace detail
+
+struct AcceleratorConfig {
+  int gradient_accumulation_steps = 1;
+  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
+  GradScalerKwargs grad_scaler{};      // "fp16": the loss scaler's settings (Accelerate's GradScalerKwargs)
+  bool cpu = false;                    // train on the CPU even where an accelerator exists (distributed.device)
+  bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
+  // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
+  // pass is a sync step (and restarts the count); sync_each_batch all-reduces
+  // gradients on every micro-step (the optimizer still steps every k-th).
+  bool sync_with_dataloader = true;
+  bool sync_each_batch = false;
+  int64_t bucket_cap_mb = 25;
+  DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
+  bool gradient_as_bucket_view = false;                               // DDP's (see DataParallel); NO_SHARD only
+  ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
+  // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
+  // auto_wrap_policy), asked of each submodule by its dotted name, parents
+  // first (a unit's own submodules are not asked). Empty: every submodule
+  // with parameters of its own (Linear, Conv, Embedding, LayerNorm, ...).
+  std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
+  // FULL_SHARD and HYBRID_SHARD: FSDP2's MixedPrecisionPolicy (Accelerate's
+  // FullyShardedDataParallelPlugin.mixed_precision_policy): units gathered
+  // and computed in param_dtype, gradients reduced in reduce_dtype, the
+  // parameters, shards and optimizer state kept in their own dtype (see
+  // precision/policy.hpp). Empty: everything in the parameters' dtype.
+  MixedPrecisionPolicy mixed_precision_policy{};
+  // FULL_SHARD and HYBRID_SHARD: whether a unit's all-gather is issued
+  // early, while the unit before it computes: in the forward the unit that
+  // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
+  // one unit ahead as well), in the backward the unit before (FSDP's
+  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
+  // one unit's parameters at a time, not two).
+  bool forward_prefetch = true;
+  bool backward_prefetch = true;
+  DistributedConfig distributed{};
+  ProjectConfiguration project_config{};
+  // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
+  // "csv" or "all" (files under project_config's logging_dir; accelerator/trackers.hpp).
+  std::vector<std::string> log_with{};
+};
+
+// A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
+// zero_grad() do nothing on the micro-steps of gradient accumulation that do
+// not sync (so loops written for Accelerate call them unconditionally
+// inside accumulate()). Under fp16 mixed precision step() goes through the
+// Accelerator's GradScaler: the gradients are unscaled (unless
+// clip_grad_norm_ did it), the step is skipped when one is inf or NaN
+// (step_was_skipped()), and the scale is updated. A handle: copies share the
+// optimizer.
+class AcceleratedOptimizer {
+ public:
+  // after_step: run after each real step (under sharding: the parameters
+  // gathered from the shards the optimizer stepped); scaler: fp16's.
+  AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state,
+                       std::function<void()> after_step = {}, std::shared_ptr<GradScaler> scaler = {})
+      : optimizer_(&optimizer),
+        state_(std::move(state)),
+        after_step_(std::move(after_step)),
+        scaler_(std::move(scaler)),
+        skipped_(std::make_shared<bool>(false)) {}
+
+  void step() {
+    if (!state_->sync_gradients) return;
+    if (scaler_) {
+      *skipped_ = !scaler_->step(*optimizer_);
+      scaler_->update();
+    } else {
+      optimizer_->step();
+    }
+    if (after_step_ && !*skipped_) after_step_();
+  }
+  // Whether the last step() was skipped because fp16's loss scaler found an
+  // inf or NaN gradient (Accelerate's step_was_skipped).
+  bool step_was_skipped() const { return *skipped_; }
+  // set_to_none: the optimizer's own default when not given (LibTorch 1.x
+  // zeroes the gradients, 2.x resets them, as Python's).
+  void zero_grad(std::optional<bool> set_to_none = std::nullopt) {
+    if (!state_->sync_gradients) return;
+    if (!set_to_none) return optimizer_->zero_grad();
+    for (auto& group : optimizer_->param_groups())
+      for (auto& p : group.params()) {
+        if (*set_to_none) {
+          p.mutable_grad().reset();
+        } else if (p.grad().defined()) {
+          p.mutable_grad().detach_();
+          p.mutable_grad().zero_();
+        }
+      }
+  }
+  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
+  std::vector<torch::optim::OptimizerParamGroup>& param_groups() { return optimizer_->param_groups(); }
+
+ private:
+  torch::optim::Optimizer* optimizer_;
+  std::shared_ptr<const detail::GradientState> state_;
+  std::function<void()> after_step_;
+  std::shared_ptr<GradScaler> scaler_;
+  std::shared_ptr<bool> skipped_;
+};
+
+// A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:
+// step() does nothing on micro-steps that do not sync, and otherwise steps
+// the scheduler once per data-parallel process (the schedule was written in
+// one-process batches; each step consumed one batch on every process),
+// once with split_batches. Any scheduler with step() (torch::optim::StepLR,
+// LRScheduler subclasses, your own). A handle: copies share the scheduler,
+// and the count of its steps, which checkpoints keep.
+class AcceleratedScheduler {
+ public:
+  template <class Scheduler>
+    requires requires(Scheduler& s) { s.step(); }
+  AcceleratedScheduler(Scheduler& scheduler, std::shared_ptr<const detail::GradientState> state, int steps_per_call,
+                       std::shared_ptr<int64_t> steps = std::make_shared<int64_t>(0))
+      : step_([&scheduler] { scheduler.step(); }),
+        state_(std::move(state)),
+        steps_per_call_(steps_per_call),
+        steps_(std::move(steps)) {}
+
+  void step() {
+    if (!state_->sync_gradients) return;
+    for (int i = 0; i < steps_per_call_; ++i) {
+      step_();
+      ++*steps_;
+    }
+  }
+
+ private:
+  std::function<void()> step_;
+  std::shared_ptr<const detail::GradientState> state_;
+  int steps_per_call_;
+  std::shared_ptr<int64_t> steps_;  // the scheduler's own step() calls
+};
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/data/dispatch.hpp =========================================
+// accel/training/data/dispatch.hpp: dispatch_batches: one rank reads, the others receive their slices.
 //
 // With dispatch_batches the main process of the data-parallel group reads
 // every global batch (P one-process batches concatenated, or one batch of
@@ -9060,8 +7441,8 @@ GroupPtr dispatch_group(const DataLoaderConfig& config, bool iterable, const Gro
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/loaders.hpp ===============================================
-// accel/training/loaders.hpp: PreparedDataLoader and PreparedIterableDataLoader.
+// == accel/training/data/loaders.hpp ==========================================
+// accel/training/data/loaders.hpp: PreparedDataLoader and PreparedIterableDataLoader.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -9070,7 +7451,7 @@ ACCEL_NAMESPACE_BEGIN
 // Accelerate's prepared loaders do) and tells the Accelerator where the pass
 // is (end_of_dataloader) and which rows of each batch are repeats, so that
 // gather_for_metrics drops them. A pass left early (break) ends with its
-// iterator. With dispatch_batches only the main process reads (accel/training/dispatch.hpp).
+// iterator. With dispatch_batches only the main process reads (accel/training/data/dispatch.hpp).
 template <class Dataset>
 class PreparedDataLoader {
  public:
@@ -9226,7 +7607,7 @@ class PreparedDataLoader {
 // batch_size in all with split_batches) a process gets its slice:
 //   - dispatch_batches (the default for iterable datasets, as Accelerate):
 //     the main process reads the stream and sends every process its rows
-//     (accel/training/dispatch.hpp);
+//     (accel/training/data/dispatch.hpp);
 //   - otherwise every process reads the whole stream and keeps its slice,
 //     as Accelerate's IterableDatasetShard: unless drop_last the last global
 //     batch is completed to full size from the first one.
@@ -9369,513 +7750,2787 @@ concept IterableDataset = requires(D& d) {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/grad_scaler.hpp ===========================================
-// accel/training/grad_scaler.hpp: GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler.
-//
-// fp16 holds numbers down to about 6e-8; small gradients underflow to zero
-// in it. Loss scaling multiplies the loss by a large factor before the
-// backward (so the gradients are large enough for fp16), divides the
-// gradients by it again before the optimizer sees them, skips the step when
-// any gradient overflowed to inf or NaN (and halves the factor), and grows
-// the factor after a run of good steps. LibTorch's C++ API has the kernels
-// (_amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_) but no
-// GradScaler; this is Python's, with its defaults and its order of calls.
-// The Accelerator makes one for mixed_precision "fp16" (Accelerate does the
-// same), and it can be used alone.
+// == accel/training/dp/comm_hooks.hpp =========================================
+// accel/training/dp/comm_hooks.hpp: communication hooks: GradBucket, CommHook, PowerSGD.
 
 ACCEL_NAMESPACE_BEGIN
 
-// Accelerate's GradScalerKwargs: the loss scaler's settings, with
-// torch.amp.GradScaler's defaults (AcceleratorConfig::grad_scaler).
-struct GradScalerKwargs {
-  double init_scale = 65536.0;  // 2^16
-  double growth_factor = 2.0;   // the scale is multiplied by this after growth_interval good steps in a row
-  double backoff_factor = 0.5;  // ... and by this after a step with an inf or NaN gradient (which is skipped)
-  int64_t growth_interval = 2000;
-  bool enabled = true;  // false: scale() and unscale_() do nothing, step() always steps
+// Communication hooks (DDP's register_comm_hook, Accelerate's comm_hook): a
+// hook replaces the all-reduce of each gradient bucket of a DataParallel.
+// It gets the bucket flattened (torch's GradBucket: this process's
+// gradients in the bucket's order, then one used-flag per parameter; not yet
+// divided) and returns the operation whose result is the bucket averaged
+// over the group, in any floating dtype: the result is cast back to the
+// bucket's, so a compressing hook need not decompress.
+struct GradBucket {
+  at::Tensor buffer{};
+  std::size_t index = 0;
+  bool is_last = false;  // the last bucket of this backward
+  std::vector<at::Tensor> parameters{};
+  std::vector<at::Tensor> gradients{};  // views of buffer, shaped as the parameters (the flags follow them)
 };
+using CommHook = std::function<Work<at::Tensor>(const GroupPtr& group, GradBucket& bucket)>;
 
-class GradScaler {
- public:
-  // device: where the scale lives (the gradients' device); group: when
-  // given, a step is skipped on every process if any process saw an inf or
-  // NaN (needed where processes hold different gradients, as under
-  // sharding: FSDP's ShardedGradScaler does the same).
-  explicit GradScaler(GradScalerKwargs kwargs = {}, c10::Device device = c10::kCPU, GroupPtr group = {})
-      : kwargs_(kwargs), group_(std::move(group)) {
-    if (!(kwargs.init_scale > 0) || !(kwargs.growth_factor > 1) || !(kwargs.backoff_factor > 0) ||
-        !(kwargs.backoff_factor < 1) || kwargs.growth_interval < 1)
-      throw InvalidArgument(
-          "accel::GradScaler: needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and growth_interval >= "
-          "1 (torch.amp.GradScaler's rules)");
-#if !ACCEL_TORCH_AT_LEAST(2, 4)
-    // LibTorch 1.13 has the two _amp_ kernels for CUDA only (2.6 and 2.15
-    // have CPU ones too; 2.4 is the oldest this is allowed on, unchecked).
-    if (kwargs.enabled && device.is_cpu())
-      throw InvalidArgument("accel::GradScaler: on the CPU it needs LibTorch 2.4 or newer; this is " +
-                            std::string(TORCH_VERSION));
-#endif
-    const auto options = at::TensorOptions().device(device);
-    scale_ = at::full({1}, kwargs.init_scale, options.dtype(at::kFloat));
-    growth_tracker_ = at::zeros({1}, options.dtype(at::kInt));
-  }
-
-  bool is_enabled() const { return kwargs_.enabled; }
-  // The loss times the current scale (the loss itself when disabled).
-  at::Tensor scale(const at::Tensor& loss) const {
-    if (!kwargs_.enabled) return loss;
-    return loss * scale_.to(loss.device(), /*non_blocking=*/true).reshape({});
-  }
-  // Divides the gradients of `optimizer`'s parameters by the scale, in
-  // place, and notes whether any is inf or NaN. At most once per optimizer
-  // between two update() calls (call it before clipping gradients).
-  void unscale_(torch::optim::Optimizer& optimizer) {
-    if (!kwargs_.enabled) return;
-    auto& state = states_[&optimizer];
-    if (state.unscaled)
-      throw LogicError("accel::GradScaler::unscale_: already called on this optimizer since the last update()");
-    at::NoGradGuard no_grad;
-    const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
-    state.found_inf = at::zeros({1}, scale_.options().dtype(at::kFloat));
-    // The kernel takes gradients of one device and dtype at a time (Python groups them the same way).
-    std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
-    for (auto& group : optimizer.param_groups())
-      for (auto& p : group.params()) {
-        if (!p.grad().defined()) continue;
-        if (p.grad().is_sparse())
-          throw InvalidArgument("accel::GradScaler::unscale_: sparse gradients are not supported");
-        if (p.grad().scalar_type() == at::kHalf)
-          throw InvalidArgument(
-              "accel::GradScaler::unscale_: a gradient is fp16 (Python: \"Attempting to unscale FP16 gradients\"); "
-              "keep the parameters in fp32 and let autocast compute in fp16");
-        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.grad());
-      }
-    for (auto& [key, grads] : groups) {
-      at::Tensor found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
-      at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(grads.front().device()));
-      state.found_inf.add_(found.to(state.found_inf.device()));
-    }
-    if (group_) accel::all_reduce(state.found_inf, ReduceOp::MAX, group_);
-    state.unscaled = true;
-  }
-  // Unscales (unless unscale_ was called) and steps the optimizer unless a
-  // gradient was inf or NaN. Returns whether it stepped. Reads one number
-  // from the device, as Python's does.
-  bool step(torch::optim::Optimizer& optimizer) {
-    if (!kwargs_.enabled) {
-      optimizer.step();
-      return true;
-    }
-    auto& state = states_[&optimizer];
-    if (state.stepped)
-      throw LogicError("accel::GradScaler::step: already called on this optimizer since the last update()");
-    if (!state.unscaled) unscale_(optimizer);
-    state.stepped = true;
-    if (state.found_inf.item<float>() != 0) return false;
-    optimizer.step();
-    return true;
-  }
-  // After the steps of an iteration: halves (backoff_factor) the scale if
-  // any stepped optimizer saw an inf or NaN, else counts a good step and
-  // grows the scale after growth_interval of them in a row.
-  void update() {
-    if (!kwargs_.enabled) return;
-    at::Tensor found_inf = at::zeros({1}, scale_.options());
-    bool any = false;
-    for (auto& [optimizer, state] : states_)
-      if (state.unscaled) {
-        found_inf.add_(state.found_inf.to(scale_.device()));
-        any = true;
-      }
-    states_.clear();
-    if (!any) return;  // nothing was unscaled since the last update: nothing to learn from (Python asserts)
-    at::_amp_update_scale_(scale_, growth_tracker_, found_inf, kwargs_.growth_factor, kwargs_.backoff_factor,
-                           kwargs_.growth_interval);
-  }
-
-  double get_scale() const { return kwargs_.enabled ? scale_.item<double>() : 1.0; }
-  // The good steps in a row since the scale last changed.
-  int64_t growth_tracker() const { return growth_tracker_.item<int64_t>(); }
-  // For checkpoints (Accelerate saves the scaler's state_dict: scale and
-  // growth tracker).
-  void load_state(double scale, int64_t growth_tracker) {
-    scale_.fill_(scale);
-    growth_tracker_.fill_(growth_tracker);
-    states_.clear();
-  }
-
- private:
-  struct OptimizerState {
-    bool unscaled = false, stepped = false;
-    at::Tensor found_inf;  // > 0: some gradient was inf or NaN
+// torch.distributed.algorithms.ddp_comm_hooks.default_hooks'.
+namespace comm_hooks {
+// The default: divided first (as DDP), then all-reduced in place.
+inline CommHook allreduce_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    bucket.buffer.div_(group->getSize());
+    return all_reduce_async(bucket.buffer, ReduceOp::SUM, group);
   };
-  GradScalerKwargs kwargs_;
-  GroupPtr group_;
-  at::Tensor scale_, growth_tracker_;
-  std::map<const torch::optim::Optimizer*, OptimizerState> states_;
+}
+// Cast to float16 (bfloat16), divided, all-reduced: half the bytes on the
+// wire. Gloo reduces float16 natively; bfloat16 it does not know, so
+// accel.hpp reduces it in float32 there (the rounding stays bfloat16's, the
+// bytes do not halve: use it with NCCL).
+inline CommHook fp16_compress_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    return all_reduce_async(bucket.buffer.to(at::kHalf).div_(group->getSize()), ReduceOp::SUM, group);
+  };
+}
+inline CommHook bf16_compress_hook() {
+  return [](const GroupPtr& group, GradBucket& bucket) {
+    return all_reduce_async(bucket.buffer.to(at::kBFloat16).div_(group->getSize()), ReduceOp::SUM, group);
+  };
+}
+}  // namespace comm_hooks
+
+// torch's PowerSGDState: the options of powerSGD_hook, and its memory.
+struct PowerSGDState {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;  // plain all-reduces until this many steps
+  int64_t min_compression_rate = 2;    // compress a matrix only when it shrinks more than this
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0;
+  uint64_t random_seed = 0;
+  // The hook's memory (per bucket), and the steps taken.
+  int64_t iter = 0;
+  std::map<std::size_t, at::Tensor> error_dict{}, p_memory_dict{}, q_memory_dict{};
+  std::optional<std::mt19937_64> rng{};  // seeds of Q's random starts, from random_seed
 };
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/fused_adam.hpp ============================================
-// accel/training/fused_adam.hpp: Adam and AdamW stepped by LibTorch's fused kernels.
-//
-// torch::optim::Adam and AdamW step a parameter with about six tensor
-// operations, each a pass over its memory, and a temporary the size of the
-// parameter (the denominator); Python's Adam(fused=True) steps a group's
-// parameters with one kernel (at::_fused_adam_, at::_fused_adamw_): one pass
-// over each parameter, its gradient and its two moments, no temporary. The
-// kernels run on CPUs since LibTorch 2.4 (on CUDA before). accel::FusedAdam
-// and accel::FusedAdamW are LibTorch's optimizers with that step: the same
-// options, the same state per parameter (AdamParamState, AdamWParamState:
-// prepare(), sharding, checkpoints and torch::save see the originals), and the
-// arithmetic of Python's fused=True, which rounds in another order than
-// torch::optim::Adam (its parameters agree with Adam's to rounding, not bit
-// for bit). Dense gradients of the parameter's own floating dtype. On
-// LibTorch before 2.4 the constructor refuses, as Python's fused=True does on
-// a CPU tensor there.
-
-ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-inline constexpr bool has_fused_adam = TORCH_VERSION_MAJOR > 2 ||
-                                       (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4);
-
-// A fused optimizer's first member: on a LibTorch without the kernels its
-// construction fails, so no such optimizer exists to step.
-struct FusedAdamSupport {
-  explicit FusedAdamSupport(const char* name) {
-    if (!has_fused_adam)
-      throw RuntimeError(std::string(name) + " needs LibTorch 2.4 or newer (its fused Adam kernels); this is " +
-                         std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
-                         ": use torch::optim::" + (std::string_view(name).ends_with('W') ? "AdamW" : "Adam"));
-  }
-};
-
-// One step of a fused Adam (decoupled: AdamW) over every group of
-// `optimizer`, creating each parameter's state as LibTorch's own step does.
-// Parameters are stepped in one kernel call per device, dtype and step count
-// (a parameter that joined later has its own count); the kernel reads the
-// count from a tensor on the parameter's device, kept in `steps` (one per
-// device, refilled before each call: nothing is allocated per step).
-template <bool decoupled, class Options, class ParamState>
-void fused_adam_step(torch::optim::Optimizer& optimizer, std::vector<at::Tensor>& steps, const char* name) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-  struct Call {
-    c10::Device device;
-    at::ScalarType dtype;
-    int64_t step;
-    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs;
-  };
-  auto step_tensor = [&](c10::Device device) -> at::Tensor& {
-    for (auto& t : steps)
-      if (t.device() == device) return t;
-    return steps.emplace_back(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device)));
-  };
-  // Every gradient of every group checked before anything steps: a refused step leaves it all as it was.
-  for (const auto& group : optimizer.param_groups())
-    for (std::size_t i = 0; i < group.params().size(); ++i) {
-      const at::Tensor& p = group.params()[i];
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      if (grad.is_sparse()) throw InvalidArgument(std::string(name) + " does not support sparse gradients");
-      if (!p.is_floating_point() || grad.scalar_type() != p.scalar_type() || grad.device() != p.device())
-        throw InvalidArgument(std::string(name) + ": parameter " + std::to_string(i) + " of its group is " +
-                              std::string(c10::toString(p.scalar_type())) + " on " + p.device().str() +
-                              " with a gradient of " + std::string(c10::toString(grad.scalar_type())) + " on " +
-                              grad.device().str() +
-                              " (the fused kernel takes floating parameters with gradients of their dtype and device)");
-    }
-  auto& state = optimizer.state();
-  for (auto& group : optimizer.param_groups()) {
-    const auto& options = static_cast<const Options&>(group.options());
-    std::vector<Call> calls;
-    for (const at::Tensor& p : group.params()) {
-      const at::Tensor& grad = p.grad();
-      if (!grad.defined()) continue;
-      auto found = state.find(p.unsafeGetTensorImpl());
-      if (found == state.end()) {  // as LibTorch's Adam::step makes it
-        auto fresh = std::make_unique<ParamState>();
-        fresh->step(0);
-        fresh->exp_avg(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        fresh->exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        if (options.amsgrad()) fresh->max_exp_avg_sq(torch::zeros_like(p, at::MemoryFormat::Preserve));
-        found = state.emplace(p.unsafeGetTensorImpl(), std::move(fresh)).first;
-      }
-      auto& s = static_cast<ParamState&>(*found->second);
-      s.step(s.step() + 1);
-      auto call = std::find_if(calls.begin(), calls.end(), [&](const Call& c) {
-        return c.device == p.device() && c.dtype == p.scalar_type() && c.step == s.step();
-      });
-      if (call == calls.end())
-        call = calls.insert(calls.end(), Call{p.device(), p.scalar_type(), s.step(), {}, {}, {}, {}, {}});
-      call->params.push_back(p);
-      call->grads.push_back(grad);
-      call->exp_avgs.push_back(s.exp_avg());
-      call->exp_avg_sqs.push_back(s.exp_avg_sq());
-      if (options.amsgrad()) call->max_exp_avg_sqs.push_back(s.max_exp_avg_sq());
-    }
-    const auto [beta1, beta2] = options.betas();
-    for (auto& call : calls) {
-      at::Tensor& step = step_tensor(call.device);
-      step.fill_(static_cast<double>(call.step));
-      const std::vector<at::Tensor> counts(call.params.size(), step);
-      if constexpr (decoupled)
-        at::_fused_adamw_(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs, counts,
-                          options.lr(), beta1, beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                          /*maximize=*/false);
-      else
-        at::_fused_adam_(call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs, counts,
-                         options.lr(), beta1, beta2, options.weight_decay(), options.eps(), options.amsgrad(),
-                         /*maximize=*/false);
+// PowerSGD's Gram-Schmidt over the columns (torch 1.13's _orthogonalize).
+inline void orthogonalize(const at::Tensor& matrix, double epsilon) {
+  const int64_t columns = matrix.size(1);
+  for (int64_t i = 0; i < columns; ++i) {
+    const at::Tensor column = matrix.narrow(1, i, 1);
+    column.div_(epsilon == 0 ? column.norm() : column.norm() + epsilon);
+    if (i + 1 < columns) {
+      const at::Tensor rest = matrix.narrow(1, i + 1, columns - i - 1);
+      rest.sub_((column * rest).sum(0) * column);
     }
   }
-#else
-  (void)optimizer, (void)steps, (void)name;  // (the constructor has refused)
-#endif
 }
 
-// LibTorch's optimizer Base (Adam; AdamW: decoupled) with the fused step.
-template <class Base, bool decoupled>
-class FusedAdamOf : public Base {
- public:
-  using Base::Base;
-  torch::Tensor step(typename Base::LossClosure closure = nullptr) override {
-    torch::NoGradGuard no_grad;
-    torch::Tensor loss;
-    if (closure) {
-      at::AutoGradMode enable_grad(true);
-      loss = closure();
-    }
-    using Options = std::conditional_t<decoupled, torch::optim::AdamWOptions, torch::optim::AdamOptions>;
-    using ParamState = std::conditional_t<decoupled, torch::optim::AdamWParamState, torch::optim::AdamParamState>;
-    fused_adam_step<decoupled, Options, ParamState>(*this, steps_, name);
-    return loss;
-  }
-
- private:
-  static constexpr const char* name = decoupled ? "accel::FusedAdamW" : "accel::FusedAdam";
-  FusedAdamSupport support_{name};
-  std::vector<at::Tensor> steps_;  // the step count the kernel reads, one tensor per device
+// Which of a bucket's gradients PowerSGD compresses: the matrices (each
+// gradient viewed as n x m) whose rank-r factors, r = min(n, m,
+// matrix_approximation_rank), are smaller than the matrix by
+// min_compression_rate; the rest, and the used-flags after the gradients'
+// `length` elements, travel uncompressed.
+struct PowerSGDSplit {
+  std::vector<at::Tensor> matrices, plain;
 };
+inline PowerSGDSplit split_for_powerSGD(const GradBucket& bucket, const at::Tensor& input, int64_t length,
+                                        const PowerSGDState& state) {
+  PowerSGDSplit split;
+  for (const auto& g : bucket.gradients) {
+    if (g.dim() >= 2) {
+      const at::Tensor m = g.view({g.size(0), -1});
+      const int64_t n = m.size(0), k = m.size(1), r = std::min({n, k, state.matrix_approximation_rank});
+      if ((n + k) * r * state.min_compression_rate < n * k) {
+        split.matrices.push_back(m);
+        continue;
+      }
+    }
+    split.plain.push_back(g);
+  }
+  split.plain.push_back(input.narrow(0, length, input.numel() - length));
+  return split;
+}
+// The factors P (n x r) and Q (m x r) of each matrix: views into bucket b's
+// P and Q memory (one tensor each, so that each is all-reduced at once). Q is
+// drawn at random where there is no memory to start from (the first step, or
+// always without warm_start), then orthogonalised.
+inline std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> powerSGD_factors(
+    PowerSGDState& state, std::size_t b, const std::vector<at::Tensor>& matrices, const at::TensorOptions& options) {
+  auto rank_of = [&](const at::Tensor& m) { return std::min({m.size(0), m.size(1), state.matrix_approximation_rank}); };
+  const bool randomize = !state.warm_start || !state.p_memory_dict.count(b);
+  if (randomize) {
+    int64_t ps = 0, qs = 0;
+    for (const auto& m : matrices) {
+      ps += m.size(0) * rank_of(m);
+      qs += m.size(1) * rank_of(m);
+    }
+    state.p_memory_dict[b] = at::empty({ps}, options);
+    state.q_memory_dict[b] = at::empty({qs}, options);
+  }
+  std::vector<at::Tensor> p, q;
+  for (int64_t i = 0, pi = 0, qi = 0; i < static_cast<int64_t>(matrices.size()); ++i) {
+    const at::Tensor& m = matrices[static_cast<std::size_t>(i)];
+    const int64_t n = m.size(0), k = m.size(1), r = rank_of(m);
+    p.push_back(state.p_memory_dict[b].narrow(0, pi, n * r).view({n, r}));
+    q.push_back(state.q_memory_dict[b].narrow(0, qi, k * r).view({k, r}));
+    pi += n * r;
+    qi += k * r;
+  }
+  if (randomize) {
+    at::Generator generator = at::detail::createCPUGenerator((*state.rng)() % 1'000'000'000);
+    for (auto& qm : q) qm.copy_(at::randn(qm.sizes(), generator, at::TensorOptions(at::kFloat)));
+  }
+  for (auto& qm : q) orthogonalize(qm, state.orthogonalization_epsilon);
+  return {std::move(p), std::move(q)};
+}
 }  // namespace detail
 
-// torch::optim::Adam with Python's fused step (above), constructed as Adam:
-// accel::FusedAdam adam(model->parameters(), torch::optim::AdamOptions(1e-3)).
-class FusedAdam : public detail::FusedAdamOf<torch::optim::Adam, false> {
- public:
-  using FusedAdamOf::FusedAdamOf;
-};
-// torch::optim::AdamW (decoupled weight decay) with Python's fused step.
-class FusedAdamW : public detail::FusedAdamOf<torch::optim::AdamW, true> {
- public:
-  using FusedAdamOf::FusedAdamOf;
-};
+namespace comm_hooks {
+// torch's powerSGD_hook (Vogels et al., 2019): each gradient matrix M (n x m,
+// a parameter viewed as rows x the rest) of rank-r compression worth it,
+// (n + m) r * min_compression_rate < n m, travels as two thin matrices:
+// P = M Q all-reduced and orthogonalised, Q = M^T P all-reduced, and M
+// becomes P Q^T / world size; vectors and small matrices are all-reduced as
+// they are, in one buffer. With error feedback each process adds what
+// compression lost at its last step; with warm start Q is kept from step to
+// step (the first Q is random, the same on every process: std::mt19937_64
+// seeded with random_seed draws a seed per start, where torch draws it from
+// NumPy). The first start_powerSGD_iter steps all-reduce plainly. The
+// uncompressed all-reduce is issued at once; P's and Q's run when the
+// bucket is waited for (at the end of backward).
+inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
+  if (!state) throw InvalidArgument("accel::comm_hooks::powerSGD_hook: no state");
+  if (state->matrix_approximation_rank < 1 || state->min_compression_rate < 1 || state->start_powerSGD_iter < 0)
+    throw InvalidArgument(
+        "accel::comm_hooks::powerSGD_hook: matrix_approximation_rank and min_compression_rate "
+        "must be at least 1, start_powerSGD_iter at least 0");
+  if (!state->rng) state->rng.emplace(state->random_seed);
+  return [state](const GroupPtr& group, GradBucket& bucket) -> Work<at::Tensor> {
+    const bool last = bucket.is_last;
+    if (state->iter < state->start_powerSGD_iter) {
+      if (last) ++state->iter;
+      return allreduce_hook()(group, bucket);
+    }
+    const std::size_t b = bucket.index;
+    const int64_t world = group->getSize();
+    at::Tensor input = bucket.buffer;
+    int64_t length = 0;  // of the gradients (the used-flags follow: never compressed, no error feedback)
+    for (const auto& g : bucket.gradients) length += g.numel();
+    const at::Tensor body = input.narrow(0, 0, length);
+    at::Tensor before;
+    if (state->use_error_feedback) {
+      at::Tensor& error = state->error_dict[b];
+      if (error.defined()) body.add_(error);
+      else error = at::zeros_like(body);
+      before = body.clone();
+    }
+    detail::PowerSGDSplit split = detail::split_for_powerSGD(bucket, input, length, *state);
+    std::vector<at::Tensor> matrices = std::move(split.matrices), plain = std::move(split.plain);
+    std::vector<at::Tensor> flat;
+    for (const auto& t : plain) flat.push_back(t.reshape({-1}));
+    const at::Tensor uncompressed = at::cat(flat);
+    auto factors = detail::powerSGD_factors(*state, b, matrices, input.options());
+    std::vector<at::Tensor> p = std::move(factors.first), q = std::move(factors.second);
+    for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(p[i], matrices[i], q[i]);
+    c10d::ProcessGroup* g = detail::enter_all_reduce(uncompressed, ReduceOp::SUM, group);
+    return Work<at::Tensor>(detail::then(
+        detail::start_all_reduce_data(*g, uncompressed, ReduceOp::SUM),
+        [state, group, b, world, last, input, body, before, matrices, plain, p, q](at::Tensor reduced) mutable {
+          reduced.div_(world);
+          int64_t at = 0;
+          for (const auto& t : plain) {
+            t.copy_(reduced.narrow(0, at, t.numel()).view(t.sizes()));
+            at += t.numel();
+          }
+          if (!matrices.empty()) {
+            accel::all_reduce(state->p_memory_dict[b], ReduceOp::SUM, group);  // no division: P is orthogonalised
+            for (const auto& pm : p) detail::orthogonalize(pm, state->orthogonalization_epsilon);
+            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(q[i], matrices[i].t(), p[i]);
+            accel::all_reduce(state->q_memory_dict[b], ReduceOp::SUM, group);  // in place
+            state->q_memory_dict[b].div_(world);
+            for (std::size_t i = 0; i < matrices.size(); ++i) at::matmul_out(matrices[i], p[i], q[i].t());
+          }
+          if (state->use_error_feedback) state->error_dict[b] = before - body;
+          if (!state->warm_start) {
+            state->p_memory_dict.clear();
+            state->q_memory_dict.clear();
+          }
+          if (last) ++state->iter;
+          return input;
+        }));
+  };
+}
+}  // namespace comm_hooks
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/config.hpp ================================================
-// accel/training/config.hpp: AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler.
+// == accel/training/dp/buckets.hpp ============================================
+// accel/training/dp/buckets.hpp: which gradients share a bucket (DDP's assignment, with FSDP units).
+//
+// DataParallel averages gradients a bucket at a time, as backward produces
+// them. Which gradients share a bucket is decided once, here, by a pure
+// function of their dtypes, devices and sizes, so it can be tested in one
+// process against DDP's own cases (tests: "bucket assignment").
 
 ACCEL_NAMESPACE_BEGIN
 
-enum class DistributedType { NO, MULTI_CPU, MULTI_GPU };
-
-// Accelerate's ProjectConfiguration: where save_state() without a path puts
-// checkpoints, and the experiment log its files (trackers.hpp). With
-// automatic_checkpoint_naming, each save_state() writes
-// project_dir/checkpoints/checkpoint_<iteration> and then counts iteration
-// up; total_limit keeps the newest that many (the oldest are removed once
-// the new one is whole); load_state() without a path loads the newest.
-struct ProjectConfiguration {
-  std::filesystem::path project_dir{};
-  std::filesystem::path logging_dir{};  // where log_with's files go; empty: project_dir (as Accelerate)
-  bool automatic_checkpoint_naming = false;
-  std::optional<int> total_limit{};  // automatic naming only; at least 1
-  int iteration = 0;                 // the number the next save_state() takes
-};
-
-// FSDP's sharding strategies, along the model mesh (Dim::MP_SHARD; see
-// DataParallel). NO_SHARD: every rank holds everything (DDP). SHARD_GRAD_OP
-// (ZeRO-2): gradients reduce-scattered, optimizer state and the update
-// sharded, parameters all-gathered after the step; with mp_replicate_size > 1
-// the shards are averaged along Dim::MP_REPLICATE too (FSDP's
-// _HYBRID_SHARD_ZERO2). FULL_SHARD (ZeRO-3): the parameters of each unit
-// (auto_wrap_policy) are sharded at rest too and gathered only while the unit
-// runs (accel::unit_forward) and for its backward; on a model mesh that
-// replicates (mp_replicate_size > 1) the shards are averaged along
-// Dim::MP_REPLICATE too, as FSDP2's fully_shard on a 2-D mesh: the mesh
-// decides. HYBRID_SHARD: another name for that (FSDP1's HSDP). With
-// mp_shard_size == 1 every strategy is NO_SHARD.
-enum class ShardingStrategy { NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD };
-
-// Accelerate's DDPCommunicationHookType (DistributedDataParallelKwargs'
-// comm_hook): the built-in communication hook of every prepared model (see
-// accel::comm_hooks; POWER_SGD with PowerSGDState's defaults, as Accelerate
-// with an empty comm_state_option: plain all-reduces for the first 1000
-// steps).
-enum class DDPCommunicationHookType { NO, FP16, BF16, POWER_SGD };
-
-// Their string forms, as Accelerate and FSDP spell them: to_string,
-// from_string and operator<< (core/enums.hpp) take every public enum.
 namespace detail {
-template <>
-struct enum_names<DistributedType> {
-  static constexpr std::string_view type = "DistributedType";
-  static constexpr std::array<std::string_view, 3> names{"NO", "MULTI_CPU", "MULTI_GPU"};
+// What the assignment needs to know of one gradient.
+struct BucketInput {
+  c10::ScalarType dtype = c10::kFloat;
+  c10::Device device = c10::kCPU;
+  int64_t bytes = 0;  // numel * element size
+  int64_t unit = -1;  // the FULL_SHARD unit it belongs to (-1: none)
 };
-template <>
-struct enum_names<ShardingStrategy> {
-  static constexpr std::string_view type = "ShardingStrategy";
-  static constexpr std::array<std::string_view, 4> names{"NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"};
+
+struct BucketAssignment {
+  std::vector<std::vector<std::size_t>> buckets;  // indices of the inputs, ascending in each bucket
+  std::vector<int64_t> size_limits;               // the limit each bucket filled against (0: a unit's, none)
 };
-template <>
-struct enum_names<DDPCommunicationHookType> {
-  static constexpr std::string_view type = "DDPCommunicationHookType";
-  static constexpr std::array<std::string_view, 4> names{"no", "fp16", "bf16", "power_sgd"};
-};
+
+// torch's compute_bucket_assignment_by_size (c10d's reducer.cpp), for
+// gradients listed in the order backward produces them (DataParallel lists
+// the parameters reversed, as DDP does):
+// - gradients of one dtype and device share buckets; a bucket takes them
+//   until it holds at least its limit, then closes, so it ends with the
+//   gradient that filled it (a large layer does not wait alone for the end
+//   of backward);
+// - each dtype and device goes through size_limits in turn, the last one
+//   repeating (DDP passes 1 MiB, then bucket_cap_mb);
+// - buckets still open at the end are kept, and all are ordered by their
+//   first gradient: the order in which they complete.
+// One addition for FULL_SHARD: the gradients of a unit make buckets of
+// their own (one per dtype and device) with no limit, since a unit's
+// parameters are gathered and freed together.
+inline BucketAssignment compute_bucket_assignment_by_size(const std::vector<BucketInput>& inputs,
+                                                          const std::vector<int64_t>& size_limits) {
+  if (size_limits.empty()) throw InvalidArgument("accel::DataParallel: bucket assignment needs a size limit");
+  for (int64_t limit : size_limits)
+    if (limit < 1)
+      throw InvalidArgument("accel::DataParallel: bucket size limit " + std::to_string(limit) + " is not positive");
+  struct Open {
+    std::vector<std::size_t> indices;
+    int64_t bytes = 0;
+    std::size_t limit = 0;  // into size_limits
+  };
+  using Key = std::tuple<int, int, int, int64_t>;  // dtype, device type, device index, unit
+  std::map<Key, Open> open;
+  BucketAssignment out;
+  auto close = [&out, &size_limits](Open& bucket, bool unit) {
+    out.buckets.push_back(std::move(bucket.indices));
+    out.size_limits.push_back(unit ? 0 : size_limits[bucket.limit]);
+    bucket.indices.clear();
+    bucket.bytes = 0;
+  };
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const BucketInput& in = inputs[i];
+    Open& bucket =
+        open[Key{static_cast<int>(in.dtype), static_cast<int>(in.device.type()), in.device.index(), in.unit}];
+    bucket.indices.push_back(i);
+    bucket.bytes += in.bytes;
+    if (in.unit < 0 && bucket.bytes >= size_limits[bucket.limit]) {
+      close(bucket, false);
+      bucket.limit = std::min(bucket.limit + 1, size_limits.size() - 1);
+    }
+  }
+  for (auto& [key, bucket] : open)
+    if (!bucket.indices.empty()) close(bucket, std::get<3>(key) >= 0);
+  // Ordered by first index (the buckets are disjoint, so this is a total order).
+  std::vector<std::size_t> order(out.buckets.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&out](std::size_t a, std::size_t b) { return out.buckets[a].front() < out.buckets[b].front(); });
+  BucketAssignment sorted;
+  for (std::size_t k : order) {
+    sorted.buckets.push_back(std::move(out.buckets[k]));
+    sorted.size_limits.push_back(out.size_limits[k]);
+  }
+  return sorted;
+}
 }  // namespace detail
-
-struct AcceleratorConfig {
-  int gradient_accumulation_steps = 1;
-  std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
-  GradScalerKwargs grad_scaler{};      // "fp16": the loss scaler's settings (Accelerate's GradScalerKwargs)
-  bool cpu = false;                    // train on the CPU even where an accelerator exists (distributed.device)
-  bool split_batches = false;          // prepare_data_loader: batch_size is the global batch, split among ranks
-  // Accelerate's GradientAccumulationPlugin: the end of a prepared loader's
-  // pass is a sync step (and restarts the count); sync_each_batch all-reduces
-  // gradients on every micro-step (the optimizer still steps every k-th).
-  bool sync_with_dataloader = true;
-  bool sync_each_batch = false;
-  int64_t bucket_cap_mb = 25;
-  DDPCommunicationHookType comm_hook = DDPCommunicationHookType::NO;  // NO_SHARD only
-  bool gradient_as_bucket_view = false;                               // DDP's (see DataParallel); NO_SHARD only
-  ShardingStrategy sharding_strategy = ShardingStrategy::NO_SHARD;
-  // FULL_SHARD and HYBRID_SHARD: which submodules are units (FSDP's
-  // auto_wrap_policy), asked of each submodule by its dotted name, parents
-  // first (a unit's own submodules are not asked). Empty: every submodule
-  // with parameters of its own (Linear, Conv, Embedding, LayerNorm, ...).
-  std::function<bool(const std::string& name, const torch::nn::Module& module)> auto_wrap_policy{};
-  // FULL_SHARD and HYBRID_SHARD: FSDP2's MixedPrecisionPolicy (Accelerate's
-  // FullyShardedDataParallelPlugin.mixed_precision_policy): units gathered
-  // and computed in param_dtype, gradients reduced in reduce_dtype, the
-  // parameters, shards and optimizer state kept in their own dtype (see
-  // mixed_precision.hpp). Empty: everything in the parameters' dtype.
-  MixedPrecisionPolicy mixed_precision_policy{};
-  // FULL_SHARD and HYBRID_SHARD: whether a unit's all-gather is issued
-  // early, while the unit before it computes: in the forward the unit that
-  // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
-  // one unit ahead as well), in the backward the unit before (FSDP's
-  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
-  // one unit's parameters at a time, not two).
-  bool forward_prefetch = true;
-  bool backward_prefetch = true;
-  DistributedConfig distributed{};
-  ProjectConfiguration project_config{};
-  // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
-  // "csv" or "all" (files under project_config's logging_dir; trackers.hpp).
-  std::vector<std::string> log_with{};
-};
-
-// A prepared optimizer, as Accelerate's AcceleratedOptimizer: step() and
-// zero_grad() do nothing on the micro-steps of gradient accumulation that do
-// not sync (so loops written for Accelerate call them unconditionally
-// inside accumulate()). Under fp16 mixed precision step() goes through the
-// Accelerator's GradScaler: the gradients are unscaled (unless
-// clip_grad_norm_ did it), the step is skipped when one is inf or NaN
-// (step_was_skipped()), and the scale is updated. A handle: copies share the
-// optimizer.
-class AcceleratedOptimizer {
- public:
-  // after_step: run after each real step (under sharding: the parameters
-  // gathered from the shards the optimizer stepped); scaler: fp16's.
-  AcceleratedOptimizer(torch::optim::Optimizer& optimizer, std::shared_ptr<const detail::GradientState> state,
-                       std::function<void()> after_step = {}, std::shared_ptr<GradScaler> scaler = {})
-      : optimizer_(&optimizer),
-        state_(std::move(state)),
-        after_step_(std::move(after_step)),
-        scaler_(std::move(scaler)),
-        skipped_(std::make_shared<bool>(false)) {}
-
-  void step() {
-    if (!state_->sync_gradients) return;
-    if (scaler_) {
-      *skipped_ = !scaler_->step(*optimizer_);
-      scaler_->update();
-    } else {
-      optimizer_->step();
-    }
-    if (after_step_ && !*skipped_) after_step_();
-  }
-  // Whether the last step() was skipped because fp16's loss scaler found an
-  // inf or NaN gradient (Accelerate's step_was_skipped).
-  bool step_was_skipped() const { return *skipped_; }
-  // set_to_none: the optimizer's own default when not given (LibTorch 1.x
-  // zeroes the gradients, 2.x resets them, as Python's).
-  void zero_grad(std::optional<bool> set_to_none = std::nullopt) {
-    if (!state_->sync_gradients) return;
-    if (!set_to_none) return optimizer_->zero_grad();
-    for (auto& group : optimizer_->param_groups())
-      for (auto& p : group.params()) {
-        if (*set_to_none) {
-          p.mutable_grad().reset();
-        } else if (p.grad().defined()) {
-          p.mutable_grad().detach_();
-          p.mutable_grad().zero_();
-        }
-      }
-  }
-  torch::optim::Optimizer& optimizer() const { return *optimizer_; }
-  std::vector<torch::optim::OptimizerParamGroup>& param_groups() { return optimizer_->param_groups(); }
-
- private:
-  torch::optim::Optimizer* optimizer_;
-  std::shared_ptr<const detail::GradientState> state_;
-  std::function<void()> after_step_;
-  std::shared_ptr<GradScaler> scaler_;
-  std::shared_ptr<bool> skipped_;
-};
-
-// A prepared learning-rate scheduler, as Accelerate's AcceleratedScheduler:
-// step() does nothing on micro-steps that do not sync, and otherwise steps
-// the scheduler once per data-parallel process (the schedule was written in
-// one-process batches; each step consumed one batch on every process),
-// once with split_batches. Any scheduler with step() (torch::optim::StepLR,
-// LRScheduler subclasses, your own). A handle: copies share the scheduler,
-// and the count of its steps, which checkpoints keep.
-class AcceleratedScheduler {
- public:
-  template <class Scheduler>
-    requires requires(Scheduler& s) { s.step(); }
-  AcceleratedScheduler(Scheduler& scheduler, std::shared_ptr<const detail::GradientState> state, int steps_per_call,
-                       std::shared_ptr<int64_t> steps = std::make_shared<int64_t>(0))
-      : step_([&scheduler] { scheduler.step(); }),
-        state_(std::move(state)),
-        steps_per_call_(steps_per_call),
-        steps_(std::move(steps)) {}
-
-  void step() {
-    if (!state_->sync_gradients) return;
-    for (int i = 0; i < steps_per_call_; ++i) {
-      step_();
-      ++*steps_;
-    }
-  }
-
- private:
-  std::function<void()> step_;
-  std::shared_ptr<const detail::GradientState> state_;
-  int steps_per_call_;
-  std::shared_ptr<int64_t> steps_;  // the scheduler's own step() calls
-};
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/file_digest.hpp ===========================================
-// accel/training/file_digest.hpp: XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files.
+// == accel/training/dp/buffers.hpp ============================================
+// accel/training/dp/buffers.hpp: the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew.
+//
+// Every step of sharded training moves the same buffers: a bucket's
+// gradients laid out for the reduce-scatter, what the all-to-all under it
+// receives, the folded result, the rows an all-gather lands in, a unit's
+// parameters while it runs. On the CPU a fresh buffer of that size is fresh
+// pages from the kernel each time (page faults, zeroing) and CUDA's caching
+// allocator has no CPU counterpart, so the engine keeps its own pool.
+//
+// A buffer is lent as a Lease, a handle that gives it back when it goes
+// (reset, destroyed, or moved over); and a buffer given back is taken
+// again only when nothing else refers to it: no tensor (a view of it that
+// c10d or autograd still holds shares its storage, which the pool counts)
+// and no storage pointed into it (a unit's parameters: borrow() makes
+// their data pointers, counted until they let go). So a buffer cannot be
+// reused while a tensor saved for backward still reads it; the next request
+// gets another buffer instead (the bug of a pooled buffer handed on while
+// autograd held a view of it, which gave wrong gradients without a word,
+// cannot be written again). The pool holds what the busiest moment of a
+// step needed (the engine bounds that: at most one or two buckets in
+// flight, see dp/scatter.hpp, and a unit's prefetch beside the unit
+// running, see dp/unit_params.hpp); clear() gives back the memory of every buffer
+// not in use, as torch.cuda.empty_cache() does for the caching allocator.
+
+#include <chrono>
+#include <thread>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+class BufferPool {
+  struct Slot {
+    at::Tensor buffer;
+    bool lent = false;
+    std::atomic<int> borrows{0};  // data pointers into it alive (borrow(): freed on any thread)
+  };
+
+ public:
+  // A buffer lent by the pool: `tensor()` is a flat view of numel elements
+  // of it (its contents as they were). Move-only; gives the buffer back
+  // when reset or destroyed. An empty Lease (default-made, or reset) holds
+  // nothing.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept : slot_(std::move(other.slot_)), view_(std::move(other.view_)) {}
+    Lease& operator=(Lease&& other) noexcept {
+      if (this != &other) {
+        reset();
+        slot_ = std::move(other.slot_);
+        view_ = std::move(other.view_);
+      }
+      return *this;
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { reset(); }
+
+    const at::Tensor& tensor() const { return view_; }
+    explicit operator bool() const { return slot_ != nullptr; }
+    void reset() noexcept {
+      view_ = at::Tensor();  // (its reference to the storage first: the pool counts them)
+      if (slot_) slot_->lent = false;
+      slot_.reset();
+    }
+    // A data pointer `offset` bytes into the buffer, for a storage that
+    // points into it (a unit's parameter while the unit holds its values):
+    // the buffer is not taken again, nor its memory freed, while the
+    // pointer lives, whatever happens to this Lease.
+    c10::DataPtr borrow(std::size_t offset, c10::Device device) const {
+      auto* keep = new std::shared_ptr<Slot>(slot_);
+      ++(*keep)->borrows;
+      return c10::DataPtr(static_cast<char*>(view_.data_ptr()) + offset, keep, &give_back_borrow, device);
+    }
+
+   private:
+    friend class BufferPool;
+    Lease(std::shared_ptr<Slot> slot, at::Tensor view) : slot_(std::move(slot)), view_(std::move(view)) {}
+    static void give_back_borrow(void* keep) {
+      auto* slot = static_cast<std::shared_ptr<Slot>*>(keep);
+      --(*slot)->borrows;
+      delete slot;
+    }
+    std::shared_ptr<Slot> slot_;
+    at::Tensor view_;
+  };
+
+  // A buffer of at least `numel` elements of `options`' dtype and device:
+  // the smallest free one that holds it and is at most twice its size (so
+  // buffers of close sizes, such as a bucket's reduce-scatter input and its
+  // all-gather rows, are shared, and a small request never takes a large
+  // one), else a new one.
+  Lease take(int64_t numel, const at::TensorOptions& options) {
+    std::shared_ptr<Slot> best;
+    bool held_elsewhere = false;  // a fitting buffer given back that something still refers to
+    for (const auto& slot : slots_) {
+      if (!fits(*slot, numel, options)) continue;
+      if (!free_of_references(*slot)) {
+        held_elsewhere = true;
+        continue;
+      }
+      if (!best || slot->buffer.numel() < best->buffer.numel()) best = slot;
+    }
+    if (!best && held_elsewhere) best = wait_for_release(numel, options);
+    if (!best) {
+      best = std::make_shared<Slot>();
+      best->buffer = at::empty({numel}, options.requires_grad(false));
+      slots_.push_back(best);
+    }
+    best->lent = true;
+    return Lease(best, best->buffer.narrow(0, 0, numel));
+  }
+  // Frees every buffer not in use now.
+  void clear() {
+    std::erase_if(slots_, [](const std::shared_ptr<Slot>& slot) { return !slot->lent && free_of_references(*slot); });
+  }
+  // Bytes the pool holds, lent or not.
+  int64_t bytes() const {
+    int64_t n = 0;
+    for (const auto& slot : slots_) n += slot->buffer.numel() * static_cast<int64_t>(slot->buffer.element_size());
+    return n;
+  }
+
+ private:
+  // A buffer not lent, of the dtype and device, holding numel elements and at most twice that.
+  static bool fits(const Slot& slot, int64_t numel, const at::TensorOptions& options) {
+    return !slot.lent && slot.buffer.numel() >= numel && slot.buffer.numel() <= 2 * numel &&
+           slot.buffer.scalar_type() == options.dtype() && slot.buffer.device() == options.device();
+  }
+  // Nothing but the pool refers to the buffer: no tensor shares its
+  // storage, no data pointer points into it.
+  static bool free_of_references(const Slot& slot) {
+    return slot.borrows.load() == 0 && slot.buffer.storage().use_count() == 1;
+  }
+  // c10d lets go of a finished operation's tensors a moment after its Work
+  // completes, on its own thread (Gloo's worker drops the operation after
+  // marking it done): a buffer given back just now may still be referred to
+  // for that moment. Waits a little for one to come free; what autograd or
+  // a caller holds stays held, and the request then gets a new buffer.
+  std::shared_ptr<Slot> wait_for_release(int64_t numel, const at::TensorOptions& options) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+    do {
+      std::this_thread::yield();
+      for (const auto& slot : slots_)
+        if (fits(*slot, numel, options) && free_of_references(*slot)) return slot;
+    } while (std::chrono::steady_clock::now() < until);
+    return nullptr;
+  }
+
+  // (shared: a borrowed data pointer keeps its slot, and the memory, alive past the pool)
+  std::vector<std::shared_ptr<Slot>> slots_;
+};
+using Lease = BufferPool::Lease;
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/state.hpp ==============================================
+// accel/training/dp/state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
+//
+// A DataParallel keeps everything in one State behind a shared_ptr: the
+// autograd hooks it registers outlive it inside the graph, and see
+// `alive` turn false when it goes. The reducer (dp/reducer.hpp), the
+// ZeRO-3 units (dp/units.hpp), the sharded reduce-scatter (dp/scatter.hpp)
+// and DataParallel itself work on it, always under its mutex: only
+// DataParallel's public methods, the handles it returns, unit_forward and
+// the autograd hooks take it, each by making a Locked, and every engine
+// function that reads or changes the State after its construction takes
+// that Locked (below), so the compiler checks the rule.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+struct Bucket {
+  // Every member has an initializer: GCC 14's -Wextra flags designated
+  // initializers that leave out members without one.
+  std::vector<at::Tensor> params{};
+  std::vector<uint8_t> used{};  // per parameter: a gradient arrived since the last sync
+  std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
+  c10::ScalarType dtype;
+  c10::Device device;
+  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+  std::size_t ready = 0;
+  // Not sharded: the bucket being reduced (`persistent`, or what the communication hook returned).
+  at::Tensor flat{};
+  // Sharded: the reduce-scatter's pooled buffers: its laid-out input, what its all-to-all received, and
+  // where the chunks fold when they cannot fold straight into the shards' gradients.
+  Lease laid_out{}, received{}, folded{};
+  // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
+  at::Tensor persistent{};
+  at::Tensor divisor{};  // not sharded, no registered hook: the group's size, the gradients' divisor (dp/reducer.hpp)
+  Work<at::Tensor> work{};
+  // Sharded: a rank's segment holds its chunk of each parameter
+  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
+  // elements in all.
+  std::vector<int64_t> offsets{}, chunks{};
+  int64_t segment = 0;
+  // This rank's shards, one after another in `owned` (segment - n
+  // elements): shards[i] is a leaf standing on its piece, so the
+  // all-gather's input is `owned` itself, never a copy made per step.
+  // Their gradients likewise live in `owned_grads` once a reduction wrote
+  // them (kept between steps: 1/S of the gradients, as FSDP's sharded
+  // gradients; `segment` elements, so that a reduction can fold its
+  // used-flags in there too).
+  at::Tensor owned{}, owned_grads{};
+  at::Tensor used_anywhere{};  // (CPU bools, one per parameter: a reduction's used-flags read back)
+  std::vector<at::Tensor> shards{};
+  std::vector<uint8_t> in_optimizer{};
+  std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
+  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
+  // they hold their values now, and a prefetch in flight.
+  int64_t unit = -1;
+  bool resident = true;
+  Lease full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' memory
+  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
+  // `full` holds the parameters in that dtype (gathered for compute), the
+  // shards cast to it while their gather is in flight (`cast`, pooled), each
+  // parameter as it is at rest (`rest`: its own dtype and storage, which it
+  // takes back when released), and as it computes (`compute`: that dtype,
+  // on a storage of its own that points into `full` while the unit holds
+  // its values and at nothing otherwise; dp/unit_params.hpp says why).
+  bool low = false;
+  Lease cast{};
+  std::vector<at::Tensor> rest{}, compute{};
+  std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
+  Work<at::Tensor> gathering{};
+};
+// Every parameter of the bucket had a gradient here since the last sync:
+// then each was used on some rank, and the reduced flags need not be read
+// back (on a GPU that read would make the host wait for the reduction).
+inline bool used_by_all_here(const Bucket& bucket) {
+  return std::all_of(bucket.used.begin(), bucket.used.end(), [](uint8_t u) { return u != 0; });
+}
+
+// Writes the bucket's used-flags (host bytes) into `to`, a view of the
+// buffer about to be reduced (repeated along its rows where it has rows).
+// On a device, copying from ordinary host memory would make the host wait
+// for everything queued before it, once per bucket in the middle of the
+// backward; instead every flag set (the usual case) is a fill, and other
+// flags travel from page-locked memory without waiting (the caching host
+// allocator keeps it until the copy ends), as DDP copies its used map.
+inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
+  const auto n = static_cast<int64_t>(bucket.used.size());
+  const at::Tensor flags = at::from_blob(const_cast<uint8_t*>(bucket.used.data()), {n}, at::TensorOptions(c10::kByte));
+  if (to.is_cpu()) {
+    to.copy_(flags);
+  } else if (used_by_all_here(bucket)) {
+    to.fill_(1);
+  } else if (to.is_cuda()) {
+    const at::Tensor staged = at::empty({n}, at::TensorOptions(to.scalar_type()).pinned_memory(true)).copy_(flags);
+    to.copy_(staged.to(to.device(), /*non_blocking=*/true));
+  } else {
+    to.copy_(flags);
+  }
+}
+
+struct Unit {
+  const torch::nn::Module* module = nullptr;
+  std::vector<std::size_t> buckets{};
+};
+struct State {
+  // The sharded steps' working buffers, reused (dp/buffers.hpp). First, so
+  // that it is destroyed last: a bucket's Work still in flight when the
+  // state goes lands into the pool as it is destroyed.
+  BufferPool pool;
+  std::mutex mutex;
+  ParameterNames names;  // the module's parameters by name, for errors that name one
+  GroupPtr group;
+  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
+  int64_t replicas = 1;       // gradients are averaged over this many ranks
+  std::vector<Bucket> buckets;
+  std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
+  std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
+  bool armed = false, alive = true;
+  std::function<void(std::size_t)> on_issued;
+  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+  bool hooked = false;
+  bool bucket_view = false;  // (see gradient_as_bucket_view)
+  // FULL_SHARD: the units; the order they ran in this forward and the
+  // last (prefetching follows it); summon_full_params() objects alive.
+  std::vector<Unit> units;
+  std::vector<std::size_t> order, last_order;
+  bool new_pass = true;
+  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
+  int held = 0;
+  // Sharded: where each parameter's shard is, and the optimizers stepping them.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
+  std::vector<torch::optim::Optimizer*> optimizers;
+  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
+  // units compute in (gathered in) and the one gradients are reduced in;
+  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
+  // are cast to the dtype its parameters hold.
+  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
+  bool cast_inputs = true;
+};
+
+// Proof that a State's mutex is held, and the way to the State for the
+// engine's functions: made (locking) by DataParallel's public methods, the
+// handles it returns (FullParameters, UnitByUnit), unit_forward and the
+// autograd hooks, and passed down. No engine function locks: one that
+// needs the state takes a `const Locked&`, so none can be called without
+// the lock, nor lock it again (the mutex is not recursive: a second lock
+// would deadlock).
+class Locked {
+ public:
+  explicit Locked(State& state) : state_(state), lock_(state.mutex) {}
+  Locked(const Locked&) = delete;
+  Locked& operator=(const Locked&) = delete;
+  State& state() const { return state_; }
+
+ private:
+  State& state_;
+  std::lock_guard<std::mutex> lock_;
+};
+
+// What a hook gets for bucket b laid out in `buffer`. The parameters and
+// the gradients' views only for a registered hook: the default needs the
+// buffer alone, and this runs for every bucket of every step.
+inline GradBucket grad_bucket(const Locked& held, std::size_t b, const at::Tensor& buffer) {
+  const State& s = held.state();
+  const Bucket& bucket = s.buckets[b];
+  GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
+  if (s.hooked) {
+    out.parameters = bucket.params;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
+  }
+  return out;
+}
+
+// On Gloo with CPU tensors the engine's all-gathers and reduce-scatters
+// run point to point (dp/unit_params.hpp, dp/scatter.hpp), with a tag no caller
+// is likely to pick for sends of its own. A bucket whose pieces are large,
+// kPieceBytes per parameter and rank on average, moves each parameter's
+// chunk as a message of its own, straight between the parameters (or
+// gradients) and the shards; a smaller one moves one message per peer
+// through a buffer laid out rank after rank, copied in or out: a Gloo
+// message costs about what copying kPieceBytes does, and a model of many
+// small parameters would pay it per parameter.
+inline constexpr int kGatherTag = 0x61636365;
+inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
+inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
+  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
+}
+// The dtype bucket b's gradients are reduce-scattered in.
+inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
+  return s.reduce_dtype.value_or(bucket.dtype);
+}
+
+// The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
+// being row r. read_rows copies t's rows into columns [off, off + c) of
+// rows, zeros where t ends before them (so rows need not start zeroed: a
+// pass over the whole buffer saved); write_rows copies them back into t;
+// read_chunk copies row r alone into `out`.
+inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
+  const at::Tensor flat = t.reshape({-1});
+  const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
+  if (rest) {
+    columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
+    columns[full].narrow(0, rest, c - rest).zero_();
+  }
+  const int64_t filled = full + (rest ? 1 : 0);
+  if (filled < rows.size(0)) columns.narrow(0, filled, rows.size(0) - filled).zero_();
+}
+inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
+  const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
+  const at::Tensor columns = rows.narrow(1, off, c);
+  if (!t.is_contiguous()) {
+    t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
+    return;
+  }
+  const at::Tensor flat = t.view({-1});
+  if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
+  if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
+}
+// Rank r's chunk of a tensor of n elements cut in chunks of c: (begin,
+// length), the last chunks short or empty.
+inline std::pair<int64_t, int64_t> chunk_range(int64_t r, int64_t c, int64_t n) {
+  const int64_t begin = std::min(r * c, n);
+  return {begin, std::min(c, n - begin)};
+}
+inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
+  const at::Tensor flat = t.reshape({-1});
+  const auto [begin, length] = chunk_range(r, c, flat.numel());
+  if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
+  if (length < c) out.narrow(0, length, c - length).zero_();
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/scatter.hpp ============================================
+// accel/training/dp/scatter.hpp: ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients.
+//
+// Under sharding a bucket's gradients are laid out rank after rank (each
+// rank's chunk of every gradient, then one used-flag per parameter) and
+// reduce-scattered over the shard group, so that each rank receives the
+// sum of its own chunks; along a replicate group (HSDP) that is all-reduced
+// too. issue_scatter starts it as soon as the bucket is complete;
+// land_scatter waits for it and gives the averaged chunks to the shards'
+// gradients. The buffers are leases from the state's pool (dp/buffers.hpp) and
+// at most scatters_in_flight() buckets are in flight: issuing one more
+// lands the oldest first, so the pool holds one or two buckets' buffers,
+// never the whole model's. A bucket
+// of large parameters on Gloo skips the laying out: its reduce-scatter runs
+// point to point from the gradients themselves (start_direct_scatter).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// How many buckets' reduce-scatters may be in flight at once. Each holds
+// its gradients (whole until reduced) and what it receives: about twice
+// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
+// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
+// outstanding; the bucket issued next lands it. Measured on the sharding
+// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
+// processes), one instead of two: the same FULL_SHARD step time, its peak
+// 32 MiB lower (a unit's gradient and receive buffer). Without units
+// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
+// bucket's messages also overlap the next layer's backward: one measured
+// up to 6 % slower there.
+inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
+
+// A bucket's pooled buffers given back (after its reduce-scatter landed, or
+// was waited for and dropped).
+inline void give_back(Bucket& bucket) {
+  bucket.laid_out.reset();
+  bucket.received.reset();
+  bucket.folded.reset();
+}
+
+// The bucket's owned_grads, made on first use: the shards' gradients, then
+// room for the used-flags (`segment` elements), so a reduction can fold
+// straight into it.
+inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& options) {
+  if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
+  return bucket.owned_grads;
+}
+
+// Waits for bucket b's reduce-scatter (and its all-reduce along the
+// replicate group), then gives each used parameter's shard its averaged
+// chunk as gradient. Where the reduction folded straight into owned_grads
+// (every shard's gradient was none: the first use, or zero_grad() set them
+// to none) each gradient becomes its piece of it, kept across steps;
+// otherwise the chunks are added into the gradients there, as a
+// parameter's gradient accumulates. The parameters' own gradients were
+// released when the bucket was issued.
+inline void land_scatter(const Locked& held, std::size_t b) {
+  State& s = held.state();
+  Bucket& bucket = s.buckets[b];
+  at::Tensor reduced;
+  try {
+    reduced = bucket.work.wait();  // (owned_grads, or the pooled buffer it folded into)
+    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
+                           detail::error_text(e));
+  }
+  const auto n = static_cast<int64_t>(bucket.params.size());
+  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
+  if (!all_used) {
+    const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
+    if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
+    else bucket.used_anywhere.copy_(flags.gt(0));
+  }
+  const bool* used = all_used ? nullptr : bucket.used_anywhere.data_ptr<bool>();
+  const bool in_place = bucket.owned_grads.defined() && reduced.is_alias_of(bucket.owned_grads);
+  for (int64_t i = 0; i < n; ++i) {
+    if (all_used || used[i]) {
+      at::Tensor& shard = bucket.shards[static_cast<std::size_t>(i)];
+      const at::Tensor averaged = reduced.narrow(0, bucket.offsets[i], bucket.chunks[i]);
+      if (in_place) {
+        shard.mutable_grad() = averaged.detach();  // (a leaf's gradient, not an autograd view)
+      } else if (shard.grad().defined()) {
+        shard.mutable_grad().add_(averaged);
+      } else {
+        shard.mutable_grad() =
+            owned_grads(bucket, bucket.owned.options()).narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+        shard.mutable_grad().copy_(averaged);
+      }
+    }
+    bucket.used[static_cast<std::size_t>(i)] = 0;
+  }
+  give_back(bucket);
+}
+
+// Bucket b's reduce-scatter point to point, straight from the gradients
+// (Gloo with CPU tensors, and pieces as large as gather_params wants them,
+// dp/unit_params.hpp): to each peer its chunk of every gradient, a message each,
+// and this rank's used-flags; what arrives lands in the rows of `received`
+// by sender, this rank's own row copied in from its gradients, and the
+// rows are folded as the all-to-all's would be (the same sum in the same
+// order; the division by the replicas follows the fold, since the
+// gradients are not ours to change). No laid-out copy of the bucket is
+// made: each gradient is sent from where autograd left it, and kept alive
+// until the bucket lands. Every rank must take the same path, so the
+// choice rests on what all ranks share (the backend, the device, the
+// bucket's sizes), never on this rank's gradients: one that is none here
+// (a parameter this rank did not use) sends zeros, as the rows path lays
+// them out.
+inline bool scatters_directly(const State& s, const Bucket& bucket) {
+  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
+         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
+}
+inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, const at::Tensor& out) {
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
+  const at::Tensor rows = bucket.received.tensor().view({S, bucket.segment});
+  std::vector<at::Tensor> grads;
+  for (std::size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = bucket.params[i];
+    // (in the reduction's dtype: a policy's reduce_dtype casts)
+    grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
+                                       : at::zeros({p.numel()}, rows.options()));
+    p.mutable_grad().reset();  // the shard's gradient accumulates it from here
+    const auto [begin, length] = chunk_range(me, bucket.chunks[i], grads[i].numel());
+    rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
+    if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
+  }
+  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
+  auto sent = [&](int to, std::size_t i) {
+    if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
+    const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
+    return grads[i].narrow(0, begin, length);
+  };
+  auto into = [&](int from, std::size_t i) {
+    if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
+    return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
+  };
+  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
+  // (grads moved into the landing only now: `sent` reads them above, and a
+  // function's arguments may be evaluated in any order)
+  return Work<at::Tensor>(detail::then(
+      std::move(pending), [rows, out = at::Tensor(out), grads = std::move(grads), replicas = s.replicas]() mutable {
+        detail::fold_rows_into(rows, out, ReduceOp::SUM);
+        if (replicas != 1) out.div_(replicas);
+        return out;
+      }));
+}
+
+// Lays bucket b's gradients out rank after rank (pre-divided by the number
+// of replicas, as DDP does) and starts its reduce-scatter without waiting,
+// first landing the oldest bucket in flight when scatters_in_flight() are.
+// Large buckets on Gloo go point to point instead (start_direct_scatter).
+inline void issue_scatter(const Locked& held, std::size_t b) {
+  State& s = held.state();
+  std::size_t in_flight = 0;
+  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
+  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
+    if (s.buckets[e].work.valid()) {
+      land_scatter(held, e);
+      --in_flight;
+    }
+  Bucket& bucket = s.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  const int64_t S = s.shard->getSize();
+  // (the shards' options, in the reduction's dtype: a parameter may hold a
+  // policy's param_dtype now, while its unit runs)
+  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
+  // Where the folded chunks land: straight in the shards' gradients when
+  // every one is none (the usual step, after zero_grad()) and the reduction
+  // is in their dtype, so that landing copies nothing; else in a pooled
+  // buffer, added into them when it lands.
+  const bool into_grads =
+      options.dtype() == bucket.owned.dtype() &&
+      std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
+  try {
+    bucket.received = s.pool.take(S * bucket.segment, options);
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received.tensor(), ReduceOp::SUM, s.shard);
+    if (!into_grads) bucket.folded = s.pool.take(bucket.segment, options);
+    const at::Tensor out = into_grads ? owned_grads(bucket, options) : bucket.folded.tensor();
+    if (scatters_directly(s, bucket)) {
+      bucket.work = start_direct_scatter(s, bucket, out);
+      return;
+    }
+    bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
+    const at::Tensor& laid_out = bucket.laid_out.tensor();
+    const at::Tensor rows = laid_out.view({S, bucket.segment});
+    for (std::size_t i = 0; i < n; ++i)
+      if (bucket.params[i].grad().defined()) {
+        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+      } else {
+        rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
+      }
+    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
+    if (s.replicas != 1) laid_out.div_(s.replicas);
+    bucket.work =
+        Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received.tensor(), out, ReduceOp::SUM));
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
+                           detail::error_text(e));
+  }
+}
+
+// The end of a sharded backward: every bucket still in flight landed, in order.
+inline void finish_sharded(const Locked& held) {
+  State& s = held.state();
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    if (s.buckets[b].work.valid()) land_scatter(held, b);
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/reducer.hpp ============================================
+// accel/training/dp/reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
+//
+// A ReadyHook on each parameter's gradient accumulator marks the gradient
+// ready; when a bucket is complete (and every bucket before it issued, so
+// that every rank issues the same sequence) issue_bucket flattens it and
+// starts its all-reduce (through a registered communication hook, or the
+// default's division made by the flattening copy) or, sharded, its
+// reduce-scatter (dp/scatter.hpp), without waiting. finish_unsharded waits for the
+// all-reduces and writes the averaged gradients back.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// Flattens a bucket's gradients and used-flags (pre-divided by the group
+// size, as DDP does) and issues its all-reduce without waiting (sharded:
+// its reduce-scatter).
+inline void issue_bucket(const Locked& held, std::size_t b) {
+  State& state = held.state();
+  Bucket& bucket = state.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  if (state.shard) {  // reduce-scattered instead (dp/scatter.hpp)
+    issue_scatter(held, b);
+    if (state.on_issued) state.on_issued(b);
+    return;
+  }
+  // The bucket persists across steps, as DDP's: a buffer this large allocated
+  // per step would come back from the kernel as fresh pages each time (page
+  // faults and zeroing, a tenth of a CPU step's time). Under
+  // gradient_as_bucket_view the gradients are its views; otherwise they are
+  // copied in here and the averages copied back out in finish. (Made
+  // anew only if the module moved to another device since.)
+  const at::TensorOptions options = bucket.params.front().options();
+  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
+    bucket.persistent = bucket.packing.buffer(options);
+  bucket.flat = bucket.persistent;
+  // Without a registered hook the default one's work is done here: the
+  // gradients divided by the group's size, then all-reduced. Where they are
+  // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
+  // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
+  // two, with div_'s kernel and divisor, so the same bits. The used-flags
+  // stay undivided there: finish reads only whether they are above zero.
+  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
+  if (by_default && !bucket.divisor.defined()) {
+    // A wrapped number, as div_(Scalar) makes of its argument, made once: in
+    // the bucket's dtype, so that no division casts it (and allocates); in
+    // float for bfloat16 and float16, whose kernels read the divisor as
+    // float (so a world size they cannot hold exactly still divides exactly).
+    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
+    bucket.divisor =
+        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
+    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    at::Tensor& p = bucket.params[i];
+    at::Tensor view = bucket.packing.view(bucket.flat, i);
+    if (!p.grad().defined()) {
+      view.zero_();
+    } else if (divide_in_copy) {
+      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
+    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      view.copy_(p.grad());
+      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+    }
+  }
+  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
+  try {
+    if (by_default) {
+      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
+      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
+    } else {
+      GradBucket hooked = grad_bucket(held, b, bucket.flat);
+      bucket.work = state.hook(state.group, hooked);
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
+                           detail::error_text(e));
+  }
+  if (state.on_issued) state.on_issued(b);
+}
+
+// finish() of a model that is not sharded: waits for each bucket's
+// all-reduce (through the communication hook) and writes the averaged
+// gradients of the parameters used on any rank back into their .grad.
+inline void finish_unsharded(const Locked& held) {
+  State& state = held.state();
+  for (auto& bucket : state.buckets) {
+    try {
+      bucket.flat = bucket.work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+      throw RuntimeError("accel::DataParallel: the communication hook returned " +
+                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
+                         std::to_string(bucket.packing.elements()));
+    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
+    bucket.flat = bucket.flat.reshape({-1});
+    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
+      bucket.flat = bucket.persistent.copy_(bucket.flat);
+    const std::size_t n = bucket.params.size();
+    // Which parameters some rank used: known here when this rank used them all.
+    const bool all_used = used_by_all_here(bucket);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor& p = bucket.params[i];
+      if (all_used || used[i]) {
+        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
+        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+        else p.mutable_grad() = averaged.clone();
+      }
+      bucket.used[i] = 0;
+    }
+  }
+}
+
+// DataParallel::shadow_backward's collectives: every bucket's all-reduce,
+// in order, through the hook, with zero gradients and no used-flags.
+inline void shadow_backward(const Locked& held) {
+  State& state = held.state();
+  std::vector<Work<at::Tensor>> works;
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
+    const Bucket& bucket = state.buckets[b];
+    GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+    works.push_back(state.hook(state.group, zeros));
+  }
+  for (auto& work : works) {
+    try {
+      work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+  }
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
+      : state_(std::move(state)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    const Locked held(*state_);
+    State& s = held.state();
+    if (!s.alive) return outputs;
+    Bucket& bucket = s.buckets[bucket_];
+    bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
+    if (!s.armed || bucket.seen[index_]) return outputs;
+    bucket.seen[index_] = 1;
+    ++s.fired;
+    if (++bucket.ready == bucket.params.size())
+      while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
+        issue_bucket(held, s.next++);
+    return outputs;
+  }
+  std::shared_ptr<State> state_;
+  std::size_t bucket_, index_;
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/unit_plan.hpp ==========================================
+// accel/training/dp/unit_plan.hpp: ZeRO-3's units planned: which unit holds each parameter, the registry accel::unit_forward finds a unit in, the policy's dtypes, the names a read at rest reports.
+//
+// FULL_SHARD's units hold no parameter memory at rest (dp/unit_params.hpp
+// gathers and frees it, dp/units.hpp runs a unit). This part is what is
+// decided once, in DataParallel's constructor: every module that is a unit,
+// the parameters each holds (a tied one belongs to the unit holding every
+// module that registers it, else to the root), and what a MixedPrecisionPolicy
+// changes.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+using Registry = std::unordered_map<const torch::nn::Module*, std::pair<std::weak_ptr<State>, std::size_t>>;
+inline Registry& unit_registry() {
+  static Registry units;  // every live DataParallel's units, for accel::unit_forward
+  return units;
+}
+inline std::mutex& unit_registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+// The live DataParallel state whose unit `module` is, and the unit's index (null: no unit).
+inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn::Module* module) {
+  std::lock_guard lock(unit_registry_mutex());
+  const auto found = unit_registry().find(module);
+  if (found == unit_registry().end()) return {nullptr, 0};
+  return {found->second.first.lock(), found->second.second};
+}
+
+// For DataParallel's constructor: which unit each of `params` (each tensor
+// once) belongs to (-1: none), with state.units made for the units that
+// hold a parameter. A parameter belongs to the unit whose modules include
+// every module that registers it. One registered outside units too, or in
+// two of them (a tied weight: GPT-2's token embedding and its head), belongs
+// to none: it is sharded as the root's own parameters are (whole while the
+// model runs, ZeRO-2's way), so every module that reads it finds its values,
+// as FSDP2 keeps a tied weight in the root's group. Errors name the
+// parameter or unit: units inside units, and a unit's parameter that shares
+// its storage with another or is a view (it cannot be freed alone).
+inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const torch::nn::Module*, std::string> name_of;
+  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
+  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
+    std::unordered_set<const torch::nn::Module*> set;
+    for (const auto& unit : units) set.insert(unit.get());
+    return set;
+  }();
+  // The unit each module lies in; -1 where a module lies in two (shared by both).
+  std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
+  for (std::size_t u = 0; u < units.size(); ++u) {
+    for (const auto& inner : units[u]->modules(/*include_self=*/false))
+      if (chosen.count(inner.get()))
+        throw InvalidArgument("accel::DataParallel: the fully sharded unit '" + name_of[inner.get()] +
+                              "' lies inside the unit '" + name_of[units[u].get()] +
+                              "'; units must not nest (auto_wrap_policy: a unit's own submodules are not asked)");
+    for (const auto& inner : units[u]->modules(/*include_self=*/true)) {
+      const auto [at, fresh] = unit_of_module.emplace(inner.get(), static_cast<int64_t>(u));
+      if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
+    }
+  }
+  // Each parameter's unit, over every module that registers it.
+  std::unordered_map<const c10::TensorImpl*, int64_t> owner;
+  for (const auto& named : module.named_modules()) {
+    const auto found = unit_of_module.find(named.value().get());
+    const int64_t u = found == unit_of_module.end() ? -1 : found->second;
+    for (const auto& p : named.value()->parameters(/*recurse=*/false)) {
+      const auto [at, fresh] = owner.emplace(p.unsafeGetTensorImpl(), u);
+      if (!fresh && at->second != u) at->second = -1;
+    }
+  }
+  // Units that hold a parameter, numbered in the order given.
+  std::vector<int64_t> renumbered(units.size(), -1);
+  for (const auto& p : params) {
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    if (u >= 0) renumbered[static_cast<std::size_t>(u)] = 0;
+  }
+  for (std::size_t u = 0; u < units.size(); ++u)
+    if (renumbered[u] == 0) {
+      renumbered[u] = static_cast<int64_t>(state.units.size());
+      state.units.push_back(Unit{.module = units[u].get()});
+    }
+  std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
+  for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
+  std::vector<int64_t> out;
+  for (const auto& p : params) {
+    const int64_t u = owner.at(p.unsafeGetTensorImpl());
+    out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
+    if (u < 0) continue;
+    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+        p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
+      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
+                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
+                            "' is a view or shares its storage with another parameter (share the tensor itself to "
+                            "tie weights: a tensor registered in several modules is one parameter)");
+  }
+  return out;
+}
+// A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
+// shards are made): its dtypes checked and kept, and each unit parameter's
+// tensor at rest kept for release() to give back (see Use). The policy is
+// the units': a parameter in no unit (the root's own, a tied weight) is
+// whole while the model runs, in its own dtype, and computes in it (a unit's
+// output_dtype hands such modules the activations in theirs).
+inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw InvalidArgument(
+          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
+          c10::toString(*dtype));
+  if (!s.shard)
+    throw InvalidArgument(
+        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
+        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
+  s.param_dtype = policy.param_dtype;
+  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  s.output_dtype = policy.output_dtype;
+  s.cast_inputs = policy.cast_forward_inputs;
+  if (!s.param_dtype) return;
+  for (auto& bucket : s.buckets) {
+    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
+    for (const auto& p : bucket.params) {
+      bucket.rest.push_back(p.variable_data());
+      // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
+      at::Tensor compute = at::empty({0}, p.options().dtype(*s.param_dtype).requires_grad(false));
+      compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
+      bucket.compute.push_back(std::move(compute));
+    }
+  }
+}
+
+// What a kernel that reads a unit's parameter at rest throws (where
+// LibTorch lets it refuse; see refuses_at_rest below): its name, its unit's,
+// and the way out.
+inline void name_at_rest(State& state, const torch::nn::Module& module) {
+  std::unordered_map<const torch::nn::Module*, std::string> modules;
+  for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
+  for (auto& bucket : state.buckets) {
+    if (bucket.unit < 0) continue;
+    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
+    for (const auto& p : bucket.params)
+      bucket.at_rest.push_back(
+          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
+          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
+          "weight registered in several modules is kept whole at the root");
+  }
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/unit_params.hpp ========================================
+// accel/training/dp/unit_params.hpp: ZeRO-3's parameters gathered into a pooled buffer for a unit's forward and backward, and put back at rest after.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// A parameter at rest has no memory; its shape stays. Where LibTorch lets a
+// storage refuse every access with a message of its own (StorageImpl's
+// custom data-pointer error, with a way to lift it: newer LibTorch, such as
+// the pip wheel's), a parameter at rest keeps its size in bytes and any
+// kernel that reads it throws that message: this parameter is sharded at
+// rest, call its unit through accel::unit_forward. Without it the storage's
+// size is 0 too, so that a view or a checked read is LibTorch's own error,
+// and an element-wise kernel, which checks neither, reads a null pointer.
+template <class Storage = c10::StorageImpl>
+inline constexpr bool refuses_at_rest = requires(Storage& s, std::optional<std::string> m) {
+  s.release_data_and_set_meta_custom_data_ptr_error_msg_(m);
+  s.clear_data_ptr_access_error_msg_();
+};
+template <class Storage>
+inline void refuse_access(Storage& storage, const std::string& why) {
+  if constexpr (refuses_at_rest<Storage>) storage.release_data_and_set_meta_custom_data_ptr_error_msg_(why);
+}
+template <class Storage>
+inline void allow_access(Storage& storage) {
+  if constexpr (refuses_at_rest<Storage>) storage.clear_data_ptr_access_error_msg_();
+}
+
+// The all-gather of a bucket's shards (`source`: `owned` as it is, or cast
+// to a policy's param_dtype) into its parameters' places: once the Work
+// lands, into[i] holds parameter i's values. On Gloo with CPU tensors the gather is point to point
+// (distributed/pieces.hpp), without a buffer of c10d's per step: where the bucket's
+// pieces are large (large_pieces, dp/state.hpp) and every into[i]
+// contiguous, each peer's chunk of each parameter is received straight
+// into into[i] (nothing copied after: the values are written once);
+// otherwise each peer's whole segment is one message into rows from the
+// pool, copied out when it lands. (Every rank takes the same path: the
+// sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
+// rows (NCCL's is the fast one), copied out likewise.
+inline Work<at::Tensor> gather_params(const Locked& held, const Bucket& bucket, const at::Tensor& source,
+                                      std::vector<at::Tensor> into) {
+  State& s = held.state();
+  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
+  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
+  const bool direct = detail::direct_gather_fits(*g, source, source);
+  const bool pieces =
+      direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
+      std::all_of(into.begin(), into.end(), [](const at::Tensor& t) { return t.is_cpu() && t.is_contiguous(); });
+  if (pieces) {
+    std::vector<at::Tensor> mine;
+    for (std::size_t i = 0; i < into.size(); ++i)
+      mine.push_back(source.narrow(0, bucket.offsets[i], chunk_range(r, bucket.chunks[i], into[i].numel()).second));
+    auto place = [&](int from, std::size_t i) {
+      const auto [begin, length] = chunk_range(from, bucket.chunks[i], into[i].numel());
+      return into[i].view({-1}).narrow(0, begin, length);
+    };
+    return Work<at::Tensor>(
+        detail::then(detail::start_all_gather_pieces(*g, mine, place, kGatherTag), [] { return at::Tensor(); }));
+  }
+  Lease lease = s.pool.take(S * width, source.options());
+  const at::Tensor rows = lease.tensor().view({S, width});
+  // (the lease goes with the landing: the rows return to the pool once copied out, or with the Work)
+  auto copy_out = [lease = std::move(lease), rows, into = std::move(into), offsets = bucket.offsets,
+                   chunks = bucket.chunks]() mutable {
+    at::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < into.size(); ++i) write_rows(rows, offsets[i], chunks[i], into[i]);
+    return at::Tensor();
+  };
+  if (direct)
+    return Work<at::Tensor>(
+        detail::then(detail::start_all_gather_direct(*g, source, rows, kGatherTag), std::move(copy_out)));
+  return Work<at::Tensor>(detail::then(detail::start_all_gather_rows(*g, source, rows), std::move(copy_out)));
+}
+
+// A unit's parameters: fetch() takes one pooled buffer per bucket, the
+// parameters one after another in it (each starting 64 bytes aligned), and
+// issues the all-gather of their shards into it (asynchronously, unless it
+// holds them or one is in flight); materialize() waits for it and points
+// the parameters' storage into the buffer; release() takes the storage away
+// again (the buffer goes back to the pool, and the next unit of about its
+// size takes it).
+//
+// What autograd saved in the forward (a Linear saves its weight, W.t(), a
+// view) refers to the parameter's storage object, never to the pool's
+// buffer: the storage object stays the parameter's for good, and only
+// where it points changes. So the unit's backward, which gathers the
+// parameters again first (the hook on its output), reads its own values
+// wherever they landed that time, and a saved tensor read while the unit
+// is at rest finds no memory (an error), never the values of the unit that
+// took the buffer after it. The storage object stays, and with it the
+// version counter: autograd accepts the values it saved in forward.
+//
+// Under a MixedPrecisionPolicy's param_dtype (FSDP2's), a gather for
+// compute (Use::compute: a unit's forward and backward) sends the shards
+// cast to that dtype, and the parameters take it while the unit runs: each
+// parameter's tensor is given its `compute` tensor (that dtype, its own
+// storage object pointed into the buffer as above, for the same reason;
+// TensorImpl::shallow_copy_from, what Tensor::set_data does, without
+// set_data's reset of the gradient accumulator: the accumulator made at
+// wrapping, in the parameter's own dtype, stays, and autograd casts the
+// gradient to that dtype before it accumulates, so gradients and shards
+// keep the parameters' dtype); release() gives each its tensor at rest
+// back. Every other gather (summon_full_params, save_model, free_memory)
+// is in the parameters' own dtype (Use::full), as FSDP's full-precision
+// state dict.
+enum class Use { compute, full };
+inline int64_t aligned(int64_t elements, int64_t element_size) {
+  const int64_t per_line = std::max<int64_t>(1, 64 / element_size);
+  return (elements + per_line - 1) / per_line * per_line;
+}
+// Where each parameter of a unit's bucket starts in its buffer of elements
+// of element_size bytes, and the buffer's length (the last entry).
+inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
+  std::vector<int64_t> at{0};
+  for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
+  return at;
+}
+// Whether a gather for `use` is in the policy's param_dtype. Not while
+// summon_full_params() holds the units: they stay in full precision, and a
+// unit called then computes in it.
+inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
+  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
+}
+inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
+  return bucket.low ? *s.param_dtype : bucket.dtype;
+}
+inline void release_bucket(Bucket& bucket);
+// Waits for the bucket's gather in flight. A failed one has ended every
+// message of it (distributed/pieces.hpp's Outstanding), so its buffers go back to the
+// pool, and the collective's own error (operation, group, rank) goes on to
+// the caller under what the engine was doing.
+inline void wait_gathering(Bucket& bucket) {
+  try {
+    bucket.gathering.wait();
+  } catch (const DistributedError& e) {
+    bucket.gathering = {};
+    release_bucket(bucket);  // (not resident: the buffers only)
+    throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                           detail::error_text(e));
+  }
+  bucket.gathering = {};
+}
+// The storage parameter i of the bucket computes on: its own, or under a
+// policy's param_dtype its `compute` tensor's.
+inline c10::StorageImpl* computing_storage(const Bucket& bucket, std::size_t i) {
+  return (bucket.low ? bucket.compute[i] : bucket.params[i]).storage().unsafeGetStorageImpl();
+}
+// A bucket's parameters back at rest, and its buffers back in the pool.
+inline void release_bucket(Bucket& bucket) {
+  if (bucket.resident)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (bucket.low)  // (its own storage never left rest)
+        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
+      c10::StorageImpl* storage = computing_storage(bucket, i);
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+      else storage->set_nbytes(0);
+    }
+  bucket.full.reset();
+  bucket.cast.reset();
+  bucket.resident = false;
+  bucket.low = false;
+}
+inline void fetch(const Locked& held, std::size_t u, Use use) {
+  State& s = held.state();
+  at::NoGradGuard no_grad;
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    const bool low = gathers_low(s, bucket, use);
+    if (bucket.resident || bucket.gathering.valid()) {
+      if (bucket.low == low) continue;
+      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
+      release_bucket(bucket);                                // in the other precision: gathered again
+    }
+    bucket.low = low;
+    const c10::ScalarType dtype = gathered_dtype(s, bucket);
+    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
+    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
+    if (low) {
+      bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.tensor().options());
+      bucket.cast.tensor().copy_(bucket.owned);
+    }
+    std::vector<at::Tensor> into;
+    for (std::size_t i = 0; i < bucket.params.size(); ++i)
+      into.push_back(bucket.full.tensor().narrow(0, at[i], bucket.params[i].numel()));
+    try {
+      bucket.gathering = gather_params(held, bucket, low ? bucket.cast.tensor() : bucket.owned, std::move(into));
+    } catch (const DistributedError& e) {
+      release_bucket(bucket);  // (not resident: the buffers only)
+      throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
+                             detail::error_text(e));
+    }
+  }
+}
+inline void materialize(const Locked& held, std::size_t u, Use use) {
+  State& s = held.state();
+  fetch(held, u, use);
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.resident) continue;
+    wait_gathering(bucket);
+    bucket.cast.reset();
+    const auto element_size = static_cast<int64_t>(bucket.full.tensor().element_size());
+    const std::vector<int64_t> at = places_in_full(bucket, element_size);
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      at::Tensor& p = bucket.params[i];
+      c10::StorageImpl* storage = computing_storage(bucket, i);
+      allow_access(*storage);
+      // Borrowed from the lease: the buffer is not taken again while this pointer lives (release() drops it).
+      storage->set_data_ptr_noswap(bucket.full.borrow(static_cast<std::size_t>(at[i] * element_size), bucket.device));
+      storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
+      if (bucket.low) p.unsafeGetTensorImpl()->shallow_copy_from(bucket.compute[i].getIntrusivePtr());
+    }
+    bucket.resident = true;
+  }
+}
+inline void release(const Locked& held, std::size_t u) {
+  State& s = held.state();
+  if (s.held > 0) return;  // summon_full_params() keeps them
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].resident) release_bucket(s.buckets[b]);
+}
+// The dtype unit u's parameters hold now, where a policy changed it (for
+// cast_inputs); none otherwise.
+inline std::optional<c10::ScalarType> computes_in(const Locked& held, std::size_t u) {
+  const State& s = held.state();
+  for (std::size_t b : s.units[u].buckets)
+    if (s.buckets[b].low) return s.param_dtype;
+  return std::nullopt;
+}
+// Unit u left so that its module works without the engine, whose pool
+// goes (release_module, ~DataParallel): a resident unit's parameters get
+// memory of their own (copied out of the pool's buffer); a unit gathered
+// for compute in a policy's param_dtype goes back to rest instead (what it
+// holds is not the parameters' values in their dtype), and so does one
+// that holds nothing (at rest, or a gather that failed or is still in
+// flight: waited for first, its failure ignored, so that no message still
+// writes into the buffers given back). Nothing here reads a parameter at
+// rest: the only values copied are those the pool's buffer holds.
+inline void own_storage(const Locked& held, std::size_t u) {
+  State& s = held.state();
+  for (std::size_t b : s.units[u].buckets) {
+    Bucket& bucket = s.buckets[b];
+    if (bucket.gathering.valid()) {
+      try {
+        bucket.gathering.wait();
+      } catch (const std::exception&) {  // (see above)
+      }
+      bucket.gathering = {};
+    }
+    if (!bucket.resident || bucket.low) {
+      release_bucket(bucket);
+      continue;
+    }
+    if (!bucket.full) continue;  // (its parameters hold memory of their own already)
+    for (auto& p : bucket.params) {
+      const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
+      c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
+      p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
+    }
+    bucket.full.reset();
+  }
+}
+// Every unit left as own_storage leaves it, for a DataParallel going away:
+// never throws (a destructor calls it, perhaps while an error of the
+// caller's unwinds). A unit whose copy fails (out of memory) goes back to
+// rest: its parameters then point at nothing, never at a freed buffer.
+inline void let_go_of_units(const Locked& held) noexcept {
+  State& s = held.state();
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    try {
+      own_storage(held, u);
+    } catch (const std::exception& e) {
+      std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
+                << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
+      for (std::size_t b : s.units[u].buckets) release_bucket(s.buckets[b]);
+    }
+  }
+}
+// The end of a backward: prefetches that found no use are waited for (a
+// collective cannot be taken back) and dropped, every unit is freed, and
+// the next forward records the order anew.
+inline void end_unit_pass(const Locked& held) {
+  State& s = held.state();
+  if (s.units.empty()) return;
+  for (auto& bucket : s.buckets)
+    if (bucket.gathering.valid()) {
+      wait_gathering(bucket);
+      release_bucket(bucket);  // (not resident: the buffers only)
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) release(held, u);
+  s.new_pass = true;
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/units.hpp ==============================================
+// accel/training/dp/units.hpp: ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after.
+//
+// FULL_SHARD's units hold no parameter memory at rest. accel::unit_forward
+// calls unit_call, which gathers a unit's parameters (waiting for a prefetch
+// where one was issued, prefetching the unit that came next in the last
+// forward), runs the forward and frees them; hooks on the unit's output and
+// inputs gather them again for its backward and free them after it.
+// FullParameters (summon_full_params) keeps every unit gathered.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// FSDP's summon_full_params: every unit's parameters gathered for as long
+// as the returned object lives (a collective on the shard group: every
+// rank makes one, in the same order). With writeback, what the
+// parameters hold then goes back into the shards. Nothing to do unless
+// fully sharded.
+class FullParameters {
+ public:
+  FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+  FullParameters& operator=(FullParameters&&) = delete;
+  ~FullParameters() {
+    if (!state_) return;
+    const Locked held(*state_);
+    if (--state_->held > 0) return;
+    at::NoGradGuard no_grad;
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      if (writeback_)
+        for (std::size_t b : state_->units[u].buckets) {
+          Bucket& bucket = state_->buckets[b];
+          for (std::size_t i = 0; i < bucket.params.size(); ++i)
+            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        }
+      release(held, u);
+    }
+  }
+
+  // (made by DataParallel::summon_full_params, which has gathered them)
+  FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
+
+ private:
+  std::shared_ptr<State> state_;
+  bool writeback_;
+};
+
+// Whole parameters one unit at a time, for an export that must not hold
+// every unit at once (Accelerator::save_model): whole(p) gathers the unit
+// of parameter p (a collective on the shard group: every rank asks for the
+// same parameters in the same order), releasing the unit it gathered
+// before, and returns p, which holds its values until the next call; a
+// tensor in no unit comes back as it is. Units gathered for other reasons
+// (a prefetch, a forward left half done) are released first.
+class UnitByUnit {
+ public:
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+    const Locked held(*state_);
+    if (state_->held == 0) end_unit_pass(held);
+  }
+  UnitByUnit(const UnitByUnit&) = delete;
+  UnitByUnit& operator=(const UnitByUnit&) = delete;
+  ~UnitByUnit() {
+    const Locked held(*state_);
+    if (current_) release(held, *current_);
+  }
+  const at::Tensor& whole(const at::Tensor& p) {
+    const Locked held(*state_);
+    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
+    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    if (current_ != u) {
+      if (current_) release(held, *current_);
+      current_ = u;
+      materialize(held, u, Use::full);
+    }
+    return p;
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::optional<std::size_t> current_;
+};
+
+// True on a thread while accel::checkpoint (recompute.hpp) runs a forward
+// again inside the backward. A unit called then keeps its parameters
+// gathered after its forward, because the backward of that forward follows
+// at once (its input hook frees them after it), and prefetches nothing: the
+// next unit of the forward has had its backward already.
+inline bool& recomputing() {
+  static thread_local bool on = false;
+  return on;
+}
+
+// accel::unit_forward's machinery: fn(args...) with the parameters of the
+// unit `module` gathered (plainly fn(args...) when it is not a unit).
+template <class Fn, class... Args>
+inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+  auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
+  const std::shared_ptr<State> state = std::move(found.first);
+  const std::size_t u = found.second;
+  if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
+  {
+    const Locked held(*state);
+    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!state->order.empty()) state->last_order = std::move(state->order);
+      state->order.clear();
+      state->new_pass = false;
+    }
+    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    materialize(held, u, Use::compute);
+    cast = state->cast_inputs ? computes_in(held, u) : std::nullopt;
+    output = state->output_dtype;
+    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
+    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+      fetch(held, *(at + 1), Use::compute);
+  }
+  struct Release {  // after the forward, also when it throws
+    State& state;
+    std::size_t unit;
+    bool now;
+    ~Release() {
+      if (!now) return;
+      const Locked held(state);
+      release(held, unit);
+    }
+  } release_after{*state, u, !recomputing()};
+  const std::weak_ptr<State> weak = state;
+  auto enter = [&]<class A>(A&& a) -> decltype(auto) {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
+      // A node of our own: its gradient means the unit's backward is done.
+      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
+      in.register_hook([weak, u](const at::Tensor&) {
+        if (const auto s = weak.lock()) {
+          const Locked held(*s);
+          if (s->alive) release(held, u);
+        }
+      });
+      return in;
+    } else {
+      return std::forward<A>(a);
+    }
+  };
+  auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+    if (out.requires_grad() && at::GradMode::is_enabled())
+      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
+        if (const auto s = weak.lock()) {
+          const Locked held(*s);
+          if (!s->alive) return;
+          materialize(held, u, Use::compute);
+          const auto at = std::find(s->order.begin(), s->order.end(), u);
+          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
+            fetch(held, *(at - 1), Use::compute);
+        }
+      });
+    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
+  } else {
+    static_assert(std::is_same_v<decltype(out), at::Tensor>,
+                  "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
+  }
+  return out;
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/recompute.hpp =============================================
+// accel/training/recompute.hpp: accel::checkpoint, activation checkpointing as torch.utils.checkpoint.
+//
+// accel::checkpoint(fn, args...) returns fn(args...) without keeping the
+// activations inside fn: the forward runs under no_grad, only the inputs
+// are saved, and the backward runs fn again (with the random-number state
+// and the autocast state the forward had, so dropout draws the same mask
+// and the same kernels run in the same precision), then back-propagates
+// through that recomputation. Memory for a stack of blocks falls from every
+// block's activations to the blocks' inputs plus one block's activations,
+// for a second forward of each block in the backward.
+//
+// This is torch.utils.checkpoint's reentrant form (use_reentrant=True): a
+// custom autograd Function whose backward runs a backward of its own. The
+// non-reentrant form rests on saved-tensor hooks, which LibTorch's C++ API
+// does not offer. One difference on purpose: torch's reentrant form gives
+// the parameters inside fn no gradient when no input requires one (it
+// warns); here an empty leaf that requires grad joins the inputs in that
+// case, so the parameters get theirs, as with use_reentrant=False.
+//
+// It composes with unit_forward: under FULL_SHARD
+//     x = accel::checkpoint([block](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
+// gathers the block's parameters for the forward and frees them at once;
+// the recomputation in the backward gathers them again and keeps them
+// through the block's backward (detail::dp::recomputing()).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// What the forward saw and the recomputation needs back: fn with its
+// non-tensor arguments bound, the random-number states of the CPU and of
+// each CUDA device the inputs are on, and the autocast state.
+struct Recompute : torch::CustomClassHolder {
+  std::function<at::Tensor(const std::vector<at::Tensor>&)> fn;
+  std::vector<std::pair<at::Generator, at::Tensor>> rng;      // each generator and its state before the forward
+  std::array<std::pair<bool, at::ScalarType>, 2> autocast{};  // CPU's and CUDA's (enabled, dtype)
+
+  void capture(const std::vector<at::Tensor>& inputs) {
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    for (const auto& x : inputs)
+      if (x.defined() && x.is_cuda() && std::find(devices.begin(), devices.end(), x.device()) == devices.end())
+        devices.push_back(x.device());
+    for (const auto& device : devices) {
+      at::Generator generator = at::globalContext().defaultGenerator(device);
+      std::lock_guard lock(generator.mutex());
+      rng.emplace_back(generator, generator.get_state());
+    }
+    for (std::size_t i = 0; i < 2; ++i) autocast[i] = {autocast_enabled(types[i]), autocast_dtype(types[i])};
+  }
+  static constexpr std::array<c10::DeviceType, 2> types{c10::DeviceType::CPU, c10::DeviceType::CUDA};
+};
+
+// The random-number states of a forward put in place for its
+// recomputation, and the states of now put back after it (torch's
+// fork_rng), so that the recomputation draws what the forward drew and the
+// rest of the program draws on as if it had not run.
+class ReplayRandomness {
+ public:
+  explicit ReplayRandomness(const Recompute& run) {
+    for (const auto& [generator, state] : run.rng) {
+      at::Generator g = generator;
+      std::lock_guard lock(g.mutex());
+      now_.emplace_back(g, g.get_state());
+      g.set_state(state);
+    }
+  }
+  ReplayRandomness(const ReplayRandomness&) = delete;
+  ReplayRandomness& operator=(const ReplayRandomness&) = delete;
+  ~ReplayRandomness() {
+    for (auto& [generator, state] : now_) {
+      std::lock_guard lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+
+ private:
+  std::vector<std::pair<at::Generator, at::Tensor>> now_;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // (Function::apply runs this under no_grad: nothing inside fn is kept.)
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<Recompute>& run,
+                            at::TensorList inputs) {
+    run->capture(inputs.vec());
+    at::Tensor out = run->fn(inputs.vec());
+    ctx->save_for_backward(inputs.vec());  // (version-checked: an input changed in place since is an error)
+    ctx->saved_data["run"] = c10::IValue::make_capsule(run);
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    c10::intrusive_ptr<torch::CustomClassHolder> holder = ctx->saved_data["run"].toCapsule();
+    const auto run = c10::intrusive_ptr<Recompute>::reclaim(static_cast<Recompute*>(holder.release()));
+    std::vector<at::Tensor> inputs;
+    for (const auto& saved : ctx->get_saved_variables())
+      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad()) : saved);
+    at::Tensor out;
+    {
+      const ReplayRandomness replay(*run);
+      const AutocastScope cpu(c10::DeviceType::CPU, run->autocast[0].first, run->autocast[0].second);
+      const AutocastScope cuda(c10::DeviceType::CUDA, run->autocast[1].first, run->autocast[1].second);
+      const at::AutoGradMode grad(true);
+      dp::recomputing() = true;
+      struct Done {
+        ~Done() { dp::recomputing() = false; }
+      } done;
+      out = run->fn(inputs);
+    }
+    // (Nothing in fn requires grad, or the output was not used: no gradients.)
+    if (out.requires_grad() && grads[0].defined()) torch::autograd::backward({out}, {grads[0]});
+    torch::autograd::variable_list result{at::Tensor()};  // (none for the Recompute)
+    for (const auto& x : inputs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    return result;
+  }
+};
+
+// Which of Args are tensors, and the index among the tensors of each.
+template <class... Args>
+inline constexpr std::array<bool, sizeof...(Args)> is_tensor_arg{
+    std::is_same_v<std::remove_cvref_t<Args>, at::Tensor>...};
+template <class... Args>
+inline constexpr std::size_t tensor_index(std::size_t position) {
+  std::size_t k = 0;
+  for (std::size_t i = 0; i < position; ++i) k += is_tensor_arg<Args...>[i] ? 1 : 0;
+  return k;
+}
+}  // namespace detail
+
+// fn(args...) with its activations recomputed in the backward instead of
+// kept (see above). fn returns one at::Tensor; the at::Tensor arguments are
+// its differentiable inputs, any other argument is copied and passed again
+// as it was. fn runs again in the backward, after the caller's forward has
+// returned: what it captures must live that long (capture locals by value).
+// Under no_grad (evaluation) it is fn(args...).
+template <class Fn, class... Args>
+at::Tensor checkpoint(Fn&& fn, Args&&... args) {
+  static_assert(std::is_same_v<std::invoke_result_t<Fn&, Args&...>, at::Tensor>,
+                "accel::checkpoint: fn returns one at::Tensor");
+  if (!at::GradMode::is_enabled()) return std::invoke(fn, args...);
+  std::vector<at::Tensor> inputs;
+  bool any_requires_grad = false;
+  auto collect = [&]<class A>(const A& a) {
+    if constexpr (std::is_same_v<A, at::Tensor>) {
+      inputs.push_back(a);
+      any_requires_grad = any_requires_grad || (a.defined() && a.requires_grad());
+    }
+  };
+  (collect(args), ...);
+  // The inputs travel through `inputs` (saved, version-checked); the other
+  // arguments are kept here. A tensor's place holds an empty tensor, so
+  // that the Recompute does not keep a second reference to it.
+  auto kept = std::make_tuple([]<class A>(A&& a) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<A>, at::Tensor>) return at::Tensor();
+    else return std::decay_t<A>(std::forward<A>(a));
+  }(args)...);
+  auto run = c10::make_intrusive<detail::Recompute>();
+  run->fn = [fn = std::decay_t<Fn>(std::forward<Fn>(fn)),
+             kept = std::move(kept)](const std::vector<at::Tensor>& in) mutable {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      auto pick = [&]<std::size_t Position>(std::integral_constant<std::size_t, Position>) -> decltype(auto) {
+        if constexpr (detail::is_tensor_arg<Args...>[Position])
+          return static_cast<const at::Tensor&>(in[detail::tensor_index<Args...>(Position)]);
+        else return std::get<Position>(kept);
+      };
+      return std::invoke(fn, pick(std::integral_constant<std::size_t, I>{})...);
+    }(std::index_sequence_for<Args...>{});
+  };
+  // torch's reentrant form would leave the parameters inside fn without
+  // gradients here; an empty leaf that requires grad makes the output
+  // require grad, so the backward (and the recomputation) runs.
+  if (!any_requires_grad) inputs.push_back(at::empty({0}).requires_grad_());
+  return detail::CheckpointFunction::apply(run, at::TensorList(inputs));
+}
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/shards.hpp =============================================
+// accel/training/dp/shards.hpp: ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped.
+//
+// Given a shard group of S ranks, every parameter is cut into S equal
+// chunks (the last padded with zeros) and rank r keeps chunk r as its
+// shard, a tensor of its own that the optimizer steps instead of the
+// parameter, so optimizer state is 1/S. A bucket's gradients are
+// reduce-scattered (dp/reducer.hpp) so that each rank receives its chunk of
+// every parameter, averaged along a replicate group too where there is one
+// (HSDP); finish_sharded writes them to the shards' gradients. After the
+// optimizer steps the shards, gather_shards all-gathers them into every
+// parameter. ZeRO-3's units (dp/units.hpp) gather theirs at each use instead.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// The shard standing in for parameter p; undefined when p is not one of
+// this module's sharded parameters.
+inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  return found == s.shard_index.end() ? at::Tensor() : s.buckets[found->second.first].shards[found->second.second];
+}
+
+// Puts the shards in place of this module's parameters in the optimizer's
+// groups (so it steps, and keeps state for, the shards only). Before its
+// first step; not an LBFGS (its line search needs whole-vector products).
+inline void shard_optimizer(const Locked& held, torch::optim::Optimizer& optimizer) {
+  State& s = held.state();
+  if (!s.shard) return;
+  bool touched = false;
+  for (auto& group : optimizer.param_groups())
+    for (auto& p : group.params()) {
+      const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+      if (found == s.shard_index.end()) continue;
+      if (!optimizer.state().empty())
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
+            "prepare it before its first step (its state becomes per-shard)");
+      if (dynamic_cast<torch::optim::LBFGS*>(&optimizer))
+        throw InvalidArgument(
+            "accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
+            "products over whole parameters); use NO_SHARD");
+      Bucket& bucket = s.buckets[found->second.first];
+      p = bucket.shards[found->second.second];
+      bucket.in_optimizer[found->second.second] = 1;
+      touched = true;
+    }
+  if (touched && std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) == s.optimizers.end())
+    s.optimizers.push_back(&optimizer);
+}
+
+inline bool steps_with(const Locked& held, const torch::optim::Optimizer& optimizer) {
+  const State& s = held.state();
+  return std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) != s.optimizers.end();
+}
+
+// Before a backward, each shard against its chunk of the parameter
+// (LibTorch's optimizers write through .data(), which version counters do
+// not see, so values are compared; one pass over 1/S of the parameters
+// and one device sync). A shard that changed since the last gather_shards()
+// means its optimizer was stepped directly, not through the handle
+// prepare() returned, and this forward used stale parameters: an error.
+// A parameter changed since then (by hand, Module::load) is taken into its
+// shard. Every shard must be in a prepared optimizer.
+inline void check_shards(const Locked& held) {
+  State& s = held.state();
+  if (!s.shard) return;
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  // Per shard that may differ: [differs from its chunk, differs from its sum at the gather]. On the CPU
+  // at::equal compares without allocating or a device sync, so only a shard that differs is looked at.
+  std::vector<std::pair<Bucket*, std::size_t>> looked;
+  std::vector<at::Tensor> differs;
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      if (!bucket.in_optimizer[i])
+        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(bucket.params[i]) +
+                              " of a sharded model is in no prepared optimizer; under sharding its optimizer "
+                              "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
+      if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
+      const at::Tensor flat = bucket.params[i].reshape({-1});
+      const auto [begin, length] = chunk_range(r, bucket.chunks[i], flat.numel());
+      const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
+      if (flat.is_cpu() && at::equal(shard, chunk)) continue;
+      looked.emplace_back(&bucket, i);
+      differs.push_back(shard.ne(chunk).any());
+      differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
+    }
+  if (differs.empty()) return;
+  const at::Tensor found = at::stack(differs).to(c10::kCPU);
+  const bool* flag = found.data_ptr<bool>();
+  for (const auto& [bucket, i] : looked) {
+    const bool changed = flag[0], stepped = flag[1];
+    flag += 2;
+    if (!changed) continue;
+    if (stepped)
+      throw InvalidArgument(
+          "accel::Accelerator::backward: under sharding, step the optimizer through the "
+          "handle accelerator.prepare() returned (its step() gathers the updated shards "
+          "into the parameters); the parameters this forward used are stale");
+    read_chunk(bucket->params[i], r, bucket->chunks[i], bucket->shards[i]);
+    bucket->sums[i] = bucket->shards[i].sum();
+  }
+}
+
+// How many of gather_shards' all-gathers may be in flight at once: two, so
+// that one bucket's messages travel while the next is issued. (They land
+// in the parameters themselves, so this bounds the pool only where a
+// bucket of small parameters lands in rows.)
+inline constexpr std::size_t kGathersInFlight = 2;
+
+// After the optimizer stepped the shards: every parameter all-gathered
+// from them (one all_gather per bucket, straight into the parameters where
+// it can: gather_params), and the parameters' gradients released (the
+// shards' hold this step's).
+inline void gather_shards(const Locked& held) {
+  State& s = held.state();
+  if (!s.shard) return;
+  end_unit_pass(held);  // a prefetch made before this step holds old values
+  at::NoGradGuard no_grad;
+  // At most kGathersInFlight all-gathers at once (where they land in rows, those come from the pool).
+  std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
+  auto land = [&] {
+    Bucket& bucket = s.buckets[works.front().first];
+    works.front().second.wait();
+    works.pop_front();
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      // The values were written through variable_data(), which no version
+      // counter sees; this is an in-place change of the parameter.
+      bucket.params[i].unsafeGetTensorImpl()->bump_version();
+      bucket.params[i].mutable_grad().reset();
+      at::sum_out(bucket.sums[i], bucket.shards[i]);
+    }
+  };
+  try {
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      Bucket& bucket = s.buckets[b];
+      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (works.size() >= kGathersInFlight) land();
+      std::vector<at::Tensor> into;
+      for (const auto& p : bucket.params) into.push_back(p.variable_data());
+      works.emplace_back(b, gather_params(held, bucket, bucket.owned, std::move(into)));
+    }
+    while (!works.empty()) land();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
+                           detail::error_text(e));
+  }
+}
+
+// Before Module::load: it replaces each parameter's storage (set_), which
+// reads the old storage's data pointer, so a unit's parameter at rest
+// stops refusing access (it still holds nothing); reshard() afterwards takes
+// the shards from what was loaded and puts the units at rest again.
+inline void open_for_load(const Locked& held) {
+  const State& s = held.state();
+  for (const auto& bucket : s.buckets)
+    if (bucket.unit >= 0 && !bucket.resident)
+      for (const auto& p : bucket.params) allow_access(*p.storage().unsafeGetStorageImpl());
+}
+// Every shard taken again from its parameter (after Module::load, which
+// gives every parameter storage of its own); units' parameters are freed
+// again.
+inline void reshard(const Locked& held) {
+  State& s = held.state();
+  if (!s.shard) return;
+  at::NoGradGuard no_grad;
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      read_chunk(bucket.params[i], s.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+  for (std::size_t u = 0; u < s.units.size(); ++u) {
+    for (std::size_t b : s.units[u].buckets) s.buckets[b].resident = true;
+    release(held, u);
+  }
+}
+
+// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
+// nor load whole what a rank keeps in pieces. This rank's piece of
+// parameter p: elements [begin, begin + values.numel()) of p flattened,
+// `values` a flat view (a unit's parameter holds nothing at rest: its
+// shard's; any other's own chunk, which check_shards treats as the truth).
+// None when p is not sharded here.
+struct Piece {
+  at::Tensor values;
+  int64_t begin = 0;
+};
+inline std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) {
+  const State& s = held.state();
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end()) return std::nullopt;
+  const Bucket& bucket = s.buckets[found->second.first];
+  const std::size_t i = found->second.second;
+  const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
+  const bool whole = bucket.unit < 0 || (bucket.resident && !bucket.low);  // (low: in a policy's param_dtype)
+  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
+               begin};
+}
+// What a load reads for parameter p, as (begin, length) of p flattened: a
+// unit's parameter only its piece (its shard is all it keeps), unless
+// summon_full_params() holds the units gathered; every other one whole.
+inline std::pair<int64_t, int64_t> load_range(const Locked& held, const at::Tensor& p) {
+  const State& s = held.state();
+  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
+  if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
+    return {0, p.numel()};
+  return chunk_range(s.shard->getRank(), s.buckets[found->second.first].chunks[found->second.second], p.numel());
+}
+// Puts what a load read in place: values(p) holds load_range(p)'s elements
+// of each sharded parameter. Prefetches and gathered units are dropped
+// first (they hold the old values); a parameter read whole gives its shard
+// its chunk.
+inline void load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) {
+  State& s = held.state();
+  if (!s.shard) return;
+  if (s.held == 0) end_unit_pass(held);
+  at::NoGradGuard no_grad;
+  const int64_t r = s.shard->getRank();
+  for (auto& bucket : s.buckets)
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor v = values(bucket.params[i]).reshape({-1});
+      if (bucket.unit < 0 || s.held > 0) {
+        bucket.params[i].detach().copy_(v.view(bucket.params[i].sizes()));
+        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
+      } else {
+        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
+        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
+      }
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
+// An optimizer's key for one parameter's state (LibTorch 1.x keys it by the
+// parameter's address as text, c10::guts::to_string's, 2.x by the address).
+template <class StateMap>
+typename StateMap::key_type state_key(const StateMap&, c10::TensorImpl* parameter) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream key;
+    key << static_cast<const void*>(parameter);
+    return key.str();
+  } else {
+    return parameter;
+  }
+}
+// Drops an optimizer's state for one parameter.
+template <class StateMap>
+void erase_state(StateMap& state, c10::TensorImpl* parameter) {
+  state.erase(state_key(state, parameter));
+}
+
+// The module given back for local use (Accelerator::free_memory): every
+// unit's parameters gathered for good (a collective on the shard group),
+// and every optimizer that stepped the shards given the parameters back in
+// their place, its state for the shards dropped (the optimizer starts
+// afresh: LibTorch's per-parameter state types are its own, so 1/S of each
+// cannot be put back together here). The hooks do nothing afterwards.
+inline void release_module(const Locked& held) {
+  State& s = held.state();
+  if (s.shard) {
+    end_unit_pass(held);
+    for (std::size_t u = 0; u < s.units.size(); ++u) {
+      materialize(held, u, Use::full);
+      own_storage(held, u);  // the module outlives the pool
+    }
+    ++s.held;  // (release() frees nothing while held)
+    // Each shard's parameter, to put back in its place.
+    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
+    for (const auto& bucket : s.buckets)
+      for (std::size_t i = 0; i < bucket.shards.size(); ++i)
+        parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
+    for (torch::optim::Optimizer* optimizer : s.optimizers)
+      for (auto& group : optimizer->param_groups())
+        for (auto& p : group.params()) {
+          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
+          if (found == parameter_of.end()) continue;
+          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
+          p = *found->second;
+        }
+    s.optimizers.clear();
+  }
+  s.alive = false;
+}
+
+// Cuts every parameter into its chunks and makes this rank's shards.
+inline void make_shards(State& s) {
+  const int64_t S = s.shard->getSize(), r = s.shard->getRank();
+  at::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    Bucket& bucket = s.buckets[b];
+    int64_t at = 0;
+    for (const auto& p : bucket.params) {
+      const int64_t c = (p.numel() + S - 1) / S;
+      bucket.offsets.push_back(at);
+      bucket.chunks.push_back(c);
+      at += c;
+    }
+    bucket.owned = at::empty({at}, bucket.params.front().options().requires_grad(false));
+    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+      const at::Tensor& p = bucket.params[i];
+      // detach(): a leaf of its own on owned's memory, not an autograd view
+      // of it (optimizers step it in place, as they step a parameter).
+      at::Tensor shard = bucket.owned.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
+      read_chunk(p, r, bucket.chunks[i], shard);
+      shard.set_requires_grad(true);  // a leaf with a gradient, as the parameter it stands for
+      bucket.shards.push_back(shard);
+      bucket.in_optimizer.push_back(0);
+      bucket.sums.push_back(shard.sum());
+      s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+    }
+    bucket.segment = at + static_cast<int64_t>(bucket.params.size());
+    bucket.used_anywhere = at::empty({static_cast<int64_t>(bucket.params.size())}, at::TensorOptions(c10::kBool));
+  }
+}
+
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/data_parallel.hpp ======================================
+// accel/training/dp/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
+
+ACCEL_NAMESPACE_BEGIN
+
+// Data parallelism for one module on one group, the DistributedDataParallel
+// design: parameters and buffers are broadcast from the group's rank 0;
+// gradients are averaged in buckets (DDP's assignment: one dtype and device
+// each, the first at least 1 MiB, then at least bucket_bytes, in reverse
+// parameter order, roughly the order backward produces them; see
+// accel/training/dp/buckets.hpp). A
+// post-hook on each parameter's gradient accumulator marks it ready; a full
+// bucket is flattened and its all-reduce issued at once, asynchronously,
+// while backward goes on; finish() waits for them and writes the averages
+// back into the gradients, before the optimizer step.
+//
+// Unused parameters are handled as DDP with find_unused_parameters, without
+// its extra collective: each bucket carries, after the gradients, one flag
+// per parameter (did this rank produce its gradient since the last sync?),
+// summed with the gradients. A parameter no rank used keeps its .grad as it
+// was (undefined stays undefined, as in local training); one used anywhere
+// gets the average, zeros counted for the ranks that did not use it.
+// A backward in which none of the module's parameters got a gradient (the
+// loss came from another model) issues nothing and leaves the module alone.
+//
+// Sharded (ZeRO-2, FSDP's SHARD_GRAD_OP), given a shard group of S ranks:
+// every parameter is cut into S equal chunks (the last padded with zeros)
+// and rank r keeps chunk r as its shard, a tensor of its own that the
+// optimizer steps instead of the parameter (Accelerator::prepare puts the
+// shards into the optimizer's groups), so optimizer state is 1/S. A
+// bucket's gradients are reduce-scattered instead of all-reduced, laid out
+// rank after rank so that each rank receives its chunk of every parameter
+// (and every used-flag), averaged along a replicate group too where there
+// is one (HSDP), and written to the shards' gradients. After the optimizer
+// steps the shards, gather_shards() all-gathers them into every parameter and
+// releases the parameters' gradients.
+//
+// Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
+// parameters of each unit (a submodule) hold no memory at rest. LibTorch
+// modules have no forward hooks, so a unit runs through accel::unit_forward
+// (see below), which gathers its parameters from the shards (waiting for a
+// prefetch where one was issued, and prefetching the unit that came next in
+// the last forward), runs its forward and frees them again. Autograd hooks
+// on the unit's output and inputs gather them once more before the unit's
+// backward (prefetching the unit before it) and free them after it; each
+// unit is a bucket of its own, reduce-scattered as soon as its gradients
+// are complete, and the parameters' gradients are released right then (the
+// shards' gradients accumulate instead). Parameters in no unit (the root's
+// own) are sharded as under ZeRO-2. Freed storage is LibTorch's error on use
+// ("storage of size 0", "data is not allocated"), never stale values;
+// summon_full_params() gathers everything for as long as it lives
+// (checkpoints, exports, inspection).
+//
+// The class owns the state (dp/state.hpp) and keeps the API; the work is
+// in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
+// dp/unit_plan.hpp, dp/unit_params.hpp, dp/units.hpp (ZeRO-3), on that
+// state.
+//
+// On a GPU, streams as DDP: a bucket is flattened on the stream its
+// gradients were made on, and c10d runs its collective on a stream of its
+// own (NCCL's; Gloo's copies to and from the host) once that stream has
+// reached it; finish() makes the current stream wait for the reduction,
+// and the host waits for nothing: the used-flags are written without it,
+// and read back only where this rank left a parameter unused (dp/state.hpp;
+// the cuda case "gpu: DataParallel's backward ..." proves it under CUDA's
+// sync debug mode).
+//
+// Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
+// header includes torch/csrc/distributed/autograd/context/context.h, which
+// Debian's libtorch-dev does not ship, so it cannot be included there.
+class DataParallel {
+ public:
+  static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
+
+  // group: where parameters are broadcast from, and gradients averaged over
+  // when not sharded. shard (of more than one rank): shard along it, and
+  // average along replicate as well when given. units (sharded only):
+  // submodules whose parameters are sharded at rest (FULL_SHARD). policy
+  // (sharded only): the dtypes units compute and gradients reduce in (see
+  // MixedPrecisionPolicy). A tensor registered in several modules (tied
+  // weights) is one parameter, as in Python's parameters().
+  DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
+               GroupPtr shard = {}, GroupPtr replicate = {},
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
+      : module_(module), state_(std::make_shared<detail::dp::State>()) {
+    state_->group = std::move(group);
+    if (!state_->group) return;  // not distributed: plain local training
+    if (shard && shard->getSize() > 1) {
+      state_->shard = std::move(shard);
+      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
+      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
+    } else {
+      state_->replicas = state_->group->getSize();
+    }
+    state_->names = detail::ParameterNames(*module_);
+    sync_module_states();
+    std::vector<at::Tensor> params;
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
+      if (p.requires_grad()) params.push_back(p);
+    std::reverse(params.begin(), params.end());
+    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
+                                       : std::vector<int64_t>(params.size(), -1);
+    std::vector<detail::BucketInput> inputs;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      inputs.push_back(
+          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+    for (const auto& indices :
+         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      const at::Tensor& first = params[indices.front()];
+      detail::dp::Bucket bucket{
+          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      bucket.unit = unit_of[indices.front()];
+      if (bucket.unit >= 0)
+        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      for (std::size_t k : indices) {
+        bucket.params.push_back(params[k]);
+        bucket.used.push_back(0);
+        bucket.seen.push_back(0);
+        bucket.packing.add(params[k]);
+      }
+      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
+      accumulators_.resize(accumulators_.size() + bucket.params.size());
+      state_->buckets.push_back(std::move(bucket));
+    }
+    if (state_->shard) detail::dp::make_shards(*state_);
+    if (policy.active()) detail::dp::apply_policy(*state_, policy);
+    if constexpr (detail::dp::refuses_at_rest<>)
+      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
+    {
+      const detail::dp::Locked held(*state_);
+      for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::release(held, u);  // at rest: the shards only
+    }
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
+    }
+    hook_accumulators();
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+  ~DataParallel() {
+    {
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
+    }
+    const detail::dp::Locked held(*state_);
+    state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
+    // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
+    // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
+    // error (a failed gather, a peer gone): nothing here throws.
+    detail::dp::let_go_of_units(held);
+  }
+
+  // Copies the parameters and buffers of the group's rank `src` to every
+  // rank of the group.
+  void sync_module_states(int src = 0) {
+    if (!state_->group) return;
+    std::vector<at::Tensor> states = module_->parameters();
+    for (const auto& b : module_->buffers()) states.push_back(b);
+    broadcast(detail::unique_tensors(states), src, state_->group);
+  }
+
+  // Arms the hooks for the next backward; without it, backward accumulates
+  // gradients locally (no_sync).
+  void prepare_for_backward() {
+    if (!state_->group) return;
+    hook_accumulators();
+    const detail::dp::Locked held(*state_);
+    state_->armed = true;
+    state_->next = 0;
+    state_->fired = 0;
+    for (auto& bucket : state_->buckets) {
+      bucket.ready = 0;
+      std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
+      bucket.work = {};  // (a Work left from a backward that never finished is waited for)
+      detail::dp::give_back(bucket);
+    }
+  }
+
+  // Waits for every bucket's all-reduce and writes the averaged gradients
+  // back. Buckets with parameters that got no gradient in this backward are
+  // reduced here, in the same order on every rank. Returns whether the
+  // module took part (false: no parameter of it got a gradient, nothing was
+  // communicated; with `always`, it takes part regardless).
+  bool finish(bool always = false) {
+    const detail::dp::Locked held(*state_);
+    detail::dp::end_unit_pass(held);
+    if (!state_->armed) return false;
+    state_->armed = false;
+    if (state_->fired == 0 && !always) return false;
+    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
+    state_->next = state_->buckets.size();
+    at::NoGradGuard no_grad;
+    if (state_->shard) {
+      detail::dp::finish_sharded(held);
+      return true;
+    }
+    detail::dp::finish_unsharded(held);
+    return true;
+  }
+
+  // A rank that has run out of inputs stands in for one backward of the
+  // others (DDP's join): every bucket's all-reduce, in order, with zero
+  // gradients and no used-flags; its own gradients are left alone.
+  void shadow_backward() {
+    if (!state_->group) return;
+    detail::dp::shadow_backward(detail::dp::Locked(*state_));
+  }
+
+  // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
+  // between a backward and its finish(); not under sharding.
+  void register_comm_hook(CommHook hook) {
+    if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
+    if (state_->shard)
+      throw InvalidArgument(
+          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+    const detail::dp::Locked held(*state_);
+    if (state_->hooked)
+      throw LogicError(
+          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+          "DDP, once per model)");
+    if (state_->armed)
+      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
+    state_->hook = std::move(hook);
+    state_->hooked = true;
+  }
+  // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
+  // into its (persistent) bucket, so the gradients are not copied into the
+  // bucket and back, nor held twice (as gradients and bucket). Keep the
+  // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
+  // sets them to none): a gradient set to none is copied into its view at
+  // the next sync, as DDP does. NO_SHARD only.
+  void gradient_as_bucket_view(bool on) {
+    if (state_->shard && on)
+      throw InvalidArgument(
+          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+          "reduce-scattered into its shards");
+    const detail::dp::Locked held(*state_);
+    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
+    state_->bucket_view = on;
+    if (!on)
+      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
+        for (auto& p : bucket.params)
+          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
+            p.mutable_grad() = p.grad().clone();
+      }
+  }
+
+  // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
+
+  bool sharded() const { return state_->shard != nullptr; }
+  const GroupPtr& shard_group() const { return state_->shard; }
+  // The shard standing in for parameter p; undefined when p is not one of
+  // this module's sharded parameters.
+  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
+  // Puts the shards in place of this module's parameters in the optimizer's
+  // groups (see detail::dp::shard_optimizer).
+  void shard_optimizer(torch::optim::Optimizer& optimizer) {
+    detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+  }
+  bool steps_with(const torch::optim::Optimizer& optimizer) const {
+    return detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+  }
+  // Before a backward: every shard checked against its parameter (an
+  // optimizer stepped directly, not through prepare()'s handle, is an error).
+  void check_shards() { detail::dp::check_shards(detail::dp::Locked(*state_)); }
+  // After the optimizer stepped the shards: every parameter all-gathered
+  // from them, and the parameters' gradients released.
+  void gather_shards() { detail::dp::gather_shards(detail::dp::Locked(*state_)); }
+  // The former name of gather_shards(), kept for the programs that call it
+  // (it read like accel::gather, which gathers data from every rank).
+  void gather() { gather_shards(); }
+  // Gives the module back for plain local use, for good (see
+  // detail::dp::release_module): under FULL_SHARD its parameters gathered
+  // (every rank of the shard group calls it); optimizers that stepped the
+  // shards step the parameters again, from a fresh state. Afterwards this
+  // DataParallel does nothing; destroy it.
+  void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
+  // Module::load into the parameters, then every shard taken again from its
+  // parameter: open_for_load() before the load, reshard() after it.
+  void open_for_load() { detail::dp::open_for_load(detail::dp::Locked(*state_)); }
+  void reshard() { detail::dp::reshard(detail::dp::Locked(*state_)); }
+
+  // Sharded checkpoints (checkpoint/shards.hpp): this rank's piece of
+  // parameter p, written without gathering (none: p is not sharded here;
+  // see detail::dp::piece_of); whether this rank writes its pieces (under
+  // HSDP the first replica does); what a load reads for p, and putting
+  // what it read in place (detail::dp::load_range and load_values).
+  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const {
+    return detail::dp::piece_of(detail::dp::Locked(*state_), p);
+  }
+  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
+  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
+    return detail::dp::load_range(detail::dp::Locked(*state_), p);
+  }
+  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
+    detail::dp::load_values(detail::dp::Locked(*state_), values);
+  }
+
+  // FSDP's summon_full_params: every unit's parameters gathered for as long
+  // as the returned object lives (a collective on the shard group: every
+  // rank makes one, in the same order). With writeback, what the
+  // parameters hold then goes back into the shards. Nothing to do unless
+  // fully sharded.
+  using FullParameters = detail::dp::FullParameters;
+  [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
+    if (state_->units.empty()) return FullParameters(nullptr, false);
+    const detail::dp::Locked held(*state_);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
+    ++state_->held;
+    return FullParameters(state_, writeback);
+  }
+  // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
+  // one unit gathered while it lives; every rank of the shard group in the
+  // same order).
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  // FULL_SHARD: whether a unit's gather is issued while the unit before it
+  // computes, in the forward and in the backward (AcceleratorConfig's
+  // forward_prefetch and backward_prefetch).
+  void set_prefetch(bool forward, bool backward) {
+    const detail::dp::Locked held(*state_);
+    state_->prefetch_forward = forward;
+    state_->prefetch_backward = backward;
+  }
+  // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
+  std::size_t unit_count() const { return state_->units.size(); }
+
+  // Sharded: the working buffers the engine keeps from step to step
+  // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
+  // the caching allocator keeps; release_buffers() frees those not in use
+  // now (as torch.cuda.empty_cache()), and the next step allocates afresh.
+  int64_t buffer_bytes() const {
+    const detail::dp::Locked held(*state_);
+    return state_->pool.bytes();
+  }
+  void release_buffers() {
+    const detail::dp::Locked held(*state_);
+    state_->pool.clear();
+  }
+  // Whether `module` is a unit of a live fully sharded DataParallel.
+  static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
+
+  // accel::unit_forward's machinery (detail::dp::unit_call).
+  template <class Fn, class... Args>
+  static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+    return detail::dp::unit_call(module, std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+  bool distributed() const { return state_->group != nullptr; }
+  std::size_t bucket_count() const { return state_->buckets.size(); }
+  const GroupPtr& group() const { return state_->group; }
+  // Called (on the autograd thread, under a lock) as each bucket's
+  // all-reduce is issued: for logging, profiling and tests.
+  void on_bucket_issued(std::function<void(std::size_t bucket)> callback) {
+    const detail::dp::Locked held(*state_);
+    state_->on_issued = std::move(callback);
+  }
+
+ private:
+  // Puts a ReadyHook on each parameter's gradient accumulator. Run again
+  // before each synced backward: an operation that replaces a parameter's
+  // storage (Module::load's set_, set_data) gives it a new accumulator,
+  // which must be hooked too.
+  void hook_accumulators() {
+    std::size_t k = 0;
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b)
+      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i, ++k) {
+        auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
+        if (accumulator == accumulators_[k]) continue;
+        accumulator->add_post_hook(std::make_unique<detail::dp::ReadyHook>(state_, b, i));
+        accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
+      }
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<detail::dp::State> state_;
+  // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> accumulators_;
+};
+
+// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
+// a model's forward a unit is called as
+//     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
+// which gathers the unit's parameters from their shards, runs its forward
+// and frees them (see DataParallel). The same code runs under every
+// strategy: a module that is no unit is simply called. On a Sequential that
+// is not a unit itself, each child is called in turn, through
+// unit_forward. A unit's forward returns one tensor.
+template <class ModuleHolder, class... Args>
+  requires detail::module_holder<ModuleHolder>
+auto unit_forward(ModuleHolder& unit, Args&&... args) {
+  return DataParallel::unit_call(
+      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
+  if (DataParallel::is_unit(sequential.ptr().get()))
+    return DataParallel::unit_call(
+        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
+  for (auto& child : *sequential)
+    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
+  return x;
+}
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/io/json.hpp ===============================================
+// accel/training/io/json.hpp: JSON: a reader that checks everything it is given, and the quoting of a string.
+//
+// The JSON accel.hpp reads (a safetensors header, Hugging Face's
+// model.safetensors.index.json) and writes (the trackers' metrics.jsonl and
+// config.json, an index). LibTorch has no JSON reader or writer in its
+// public headers, so these few lines are ours.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A JSON value: what the safetensors header and index hold.
+struct Json {
+  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
+  std::string text;  // a string's value, a number's digits
+  std::vector<Json> items;
+  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
+  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
+  const Json* find(std::string_view key) const {
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (keys[i] == key) return &values[i];
+    return nullptr;
+  }
+};
+
+class JsonReader {
+ public:
+  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
+  Json document() {
+    Json value = parse(0);
+    skip_space();
+    if (i_ != text_.size()) fail("text after the JSON value");
+    return value;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
+  }
+  void skip_space() {
+    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
+  }
+  bool take(char c) {
+    skip_space();
+    if (i_ < text_.size() && text_[i_] == c) {
+      ++i_;
+      return true;
+    }
+    return false;
+  }
+  void expect(char c) {
+    if (!take(c)) fail(std::string("expected '") + c + "'");
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    while (true) {
+      if (i_ >= text_.size()) fail("unterminated string");
+      const char c = text_[i_++];
+      if (c == '"') return out;
+      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (i_ >= text_.size()) fail("unterminated escape");
+      const char e = text_[i_++];
+      switch (e) {
+        case '"':
+        case '\\':
+        case '/': out += e; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          if (i_ + 4 > text_.size()) fail("short \\u escape");
+          unsigned code = 0;
+          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
+          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
+          i_ += 4;
+          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
+          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
+          else if (code < 0x800)
+            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
+          else
+            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
+                    static_cast<char>(0x80 | (code & 0x3F))};
+          break;
+        }
+        default: fail("bad escape");
+      }
+    }
+  }
+  Json parse(int depth) {
+    if (depth > 32) fail("nested too deep");
+    skip_space();
+    if (i_ >= text_.size()) fail("unexpected end");
+    Json v;
+    const char c = text_[i_];
+    if (c == '{') {
+      ++i_;
+      v.kind = Json::Kind::Object;
+      if (take('}')) return v;
+      do {
+        skip_space();
+        std::string key = string();
+        expect(':');
+        v.keys.push_back(std::move(key));
+        v.values.push_back(parse(depth + 1));
+      } while (take(','));
+      expect('}');
+    } else if (c == '[') {
+      ++i_;
+      v.kind = Json::Kind::Array;
+      if (take(']')) return v;
+      do v.items.push_back(parse(depth + 1));
+      while (take(','));
+      expect(']');
+    } else if (c == '"') {
+      v.kind = Json::Kind::String;
+      v.text = string();
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      v.kind = Json::Kind::Number;
+      const std::size_t start = i_;
+      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
+      v.text = std::string(text_.substr(start, i_ - start));
+    } else {
+      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
+                                       std::pair{"null", Json::Kind::Null}})
+        if (text_.substr(i_, std::strlen(word)) == word) {
+          i_ += std::strlen(word);
+          v.kind = kind;
+          v.text = word;
+          return v;
+        }
+      fail("unexpected character");
+    }
+    return v;
+  }
+
+  std::string_view text_;
+  std::string where_;
+  std::size_t i_ = 0;
+};
+
+inline std::string json_quote(std::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') out += {'\\', c};
+    else if (static_cast<unsigned char>(c) < 0x20) {
+      char escape[8];
+      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+      out += escape;
+    } else out += c;
+  }
+  return out + "\"";
+}
+
+inline int64_t json_uint(const Json& v, const std::string& what) {
+  int64_t value = -1;
+  if (v.kind == Json::Kind::Number) {
+    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
+    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
+  }
+  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
+  return value;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/io/file_digest.hpp ========================================
+// accel/training/io/file_digest.hpp: XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files.
 //
 // A checkpoint lists every file it wrote with its size and XXH64 hash
-// (checkpoint_files.hpp), and a load checks each file it reads against that
+// (checkpoint/files.hpp), and a load checks each file it reads against that
 // list: a flipped bit, a file cut short, or a file of another run put in
 // its place is refused, naming the file, before anything is loaded.
 // LibTorch's own archives carry zip CRC32s, but LibTorch reads them without
@@ -9953,7 +10608,7 @@ class Xxh64 {
                             kP4 = 9650029242287828579ull, kP5 = 2870177450012600261ull;
   static constexpr std::size_t kStripe = 32;
   static uint64_t round(uint64_t acc, uint64_t input) noexcept { return std::rotl(acc + input * kP2, 31) * kP1; }
-  // (little-endian, as XXH64 reads; so is every host LibTorch runs on: safetensors.hpp asserts it)
+  // (little-endian, as XXH64 reads; so is every host LibTorch runs on: io/safetensors.hpp asserts it)
   static uint64_t read64(const unsigned char* p) noexcept {
     uint64_t v;
     std::memcpy(&v, p, 8);
@@ -10088,8 +10743,8 @@ inline FileDigest digest_of_file(const std::filesystem::path& path) {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checked_file.hpp ==========================================
-// accel/training/checked_file.hpp: files written with every error checked: CheckedFile, atomic writes, archives.
+// == accel/training/io/checked_file.hpp =======================================
+// accel/training/io/checked_file.hpp: files written with every error checked: CheckedFile, atomic writes, archives.
 //
 // Checkpoints and weights are written here, never through std::ofstream or
 // LibTorch's OutputArchive::save_to(path): a stream says only that it failed,
@@ -10243,12 +10898,497 @@ inline FileDigest save_archive(torch::serialize::OutputArchive& archive, const s
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint_files.hpp ======================================
-// accel/training/checkpoint_files.hpp: checkpoint files: the manifest, atomic writes, reading back.
+// == accel/training/io/safetensors.hpp ========================================
+// accel/training/io/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
+//
+// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
+// weights trained here load in Python and the reverse: an 8-byte
+// little-endian header length, a JSON header {"__metadata__": {...},
+// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
+// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
+// little-endian and row-major, offsets counted from the end of the header.
+// LibTorch reads and writes neither the format nor JSON in its public
+// headers, so the few lines here are ours: a writer, and a reader
+// (its JSON header through io/json.hpp), which checks everything it is given.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+namespace fs = std::filesystem;
+
+inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
+    {at::kDouble, "F64"},
+    {at::kFloat, "F32"},
+    {at::kHalf, "F16"},
+    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},
+    {at::kInt, "I32"},
+    {at::kShort, "I16"},
+    {at::kChar, "I8"},
+    {at::kByte, "U8"},
+    {at::kBool, "BOOL"},
+}};
+
+// The header of a safetensors file of `tensors` (from their names, dtypes
+// and shapes alone), with `metadata`'s (key, text) pairs in its
+// "__metadata__" beside "format", padded with spaces to a multiple of 8.
+inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                      const std::vector<std::pair<std::string, std::string>>& metadata) {
+  std::string header = R"({"__metadata__":{"format":"pt")";
+  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
+  header += "}";
+  uint64_t offset = 0;
+  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
+    const std::string& name = named.first;
+    const at::Tensor& tensor = named.second;
+    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
+    if (dtype == safetensors_dtypes.end())
+      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
+                            ")");
+    std::string shape;
+    for (const int64_t d : tensor.sizes()) {
+      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
+      shape += std::to_string(d);
+    }
+    const uint64_t bytes = tensor.numel() * tensor.element_size();
+    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  header.resize((header.size() + 7) / 8 * 8, ' ');
+  return header;
+}
+
+// One safetensors file of the named tensors (CPU copies, contiguous), with
+// `metadata` as above. Where `values` is given, values(i) gives tensor i's
+// values as the file reaches it, in order (an export that gathers them one
+// at a time); `tensors` then only gives names, dtypes and shapes.
+inline FileDigest write_safetensors(const fs::path& path,
+                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                    const std::vector<std::pair<std::string, std::string>>& metadata = {},
+                                    const std::function<at::Tensor(std::size_t)>& values = {}) {
+  static_assert(std::endian::native == std::endian::little,
+                "safetensors is little-endian; so is every host LibTorch runs on");
+  const std::string header = safetensors_header(tensors, metadata);
+  return write_file_atomically(path, [&](CheckedFile& out) {
+    const uint64_t length = header.size();
+    out.write(&length, 8);
+    out.write(header);
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor t = (values ? values(i) : tensors[i].second).detach().to(at::kCPU).contiguous();
+      TORCH_INTERNAL_ASSERT(
+          t.sizes() == tensors[i].second.sizes() && t.scalar_type() == tensors[i].second.scalar_type(),
+          "write_safetensors: values of ", tensors[i].first, " unlike its header's");
+      out.write(t.data_ptr(), t.numel() * t.element_size());
+    }
+  });
+}
+
+// A safetensors file's header, checked: each tensor's dtype, shape and
+// byte range (inside the file, matching the size, no two overlapping), and
+// the "__metadata__" texts. `data_start`: where the tensors' bytes begin.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0, end = 0;  // bytes, from data_start
+};
+struct SafetensorsHeader {
+  std::vector<SafetensorsEntry> entries;
+  std::map<std::string, std::string> metadata;
+  int64_t data_start = 0;
+};
+inline SafetensorsHeader read_safetensors_header(std::istream& in, const fs::path& path) {
+  const std::string where = path.string();
+  const uint64_t file_size = fs::file_size(path);
+  uint64_t length = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
+    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
+  if (length > file_size - 8 || length > (uint64_t{100} << 20))
+    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
+                       " bytes in a file of " + std::to_string(file_size) + ")");
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  const Json doc = JsonReader(text, where).document();
+  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
+  const uint64_t data_size = file_size - 8 - length;
+  SafetensorsHeader header;
+  header.data_start = static_cast<int64_t>(8 + length);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
+    const std::string& name = doc.keys[field];
+    const Json& entry = doc.values[field];
+    if (name == "__metadata__") {
+      if (entry.kind != Json::Kind::Object) throw RuntimeError(where + ": __metadata__ is not a JSON object");
+      for (std::size_t k = 0; k < entry.keys.size(); ++k) {
+        if (entry.values[k].kind != Json::Kind::String)
+          throw RuntimeError(where + ": __metadata__'s " + entry.keys[k] + " is not a string");
+        header.metadata[entry.keys[k]] = entry.values[k].text;
+      }
+      continue;
+    }
+    const std::string what = where + ": tensor " + name;
+    const Json* dtype = entry.find("dtype");
+    const Json* shape = entry.find("shape");
+    const Json* offsets = entry.find("data_offsets");
+    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
+        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
+      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
+    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
+                                    [&](const auto& d) { return d.second == dtype->text; });
+    if (known == safetensors_dtypes.end())
+      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
+    SafetensorsEntry e{.name = name, .dtype = known->first, .shape = {}};
+    int64_t numel = 1;
+    for (const Json& d : shape->items) {
+      e.shape.push_back(json_uint(d, what + "'s shape"));
+      numel *= e.shape.back();
+    }
+    e.begin = json_uint(offsets->items[0], what + "'s data_offsets");
+    e.end = json_uint(offsets->items[1], what + "'s data_offsets");
+    const auto bytes = static_cast<int64_t>(numel * c10::elementSize(e.dtype));
+    if (e.end < e.begin || static_cast<uint64_t>(e.end) > data_size || e.end - e.begin != bytes)
+      throw RuntimeError(what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
+                         std::to_string(data_size));
+    ranges.emplace_back(e.begin, e.end);
+    header.entries.push_back(std::move(e));
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
+  return header;
+}
+
+// The tensors a safetensors file holds, checked as above, read whole.
+inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw RuntimeError("missing " + path.string());
+  const SafetensorsHeader header = read_safetensors_header(in, path);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const SafetensorsEntry& e : header.entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
+    if (!in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin))
+      throw RuntimeError("cannot read " + path.string() + ": tensor " + e.name);
+    out.emplace_back(e.name, std::move(t));
+  }
+  return out;
+}
+
+// What keeps a model's tensors (`expected`, state_dict's names, looked up
+// as prefix + name) from fitting those a file holds (`held`: name -> dtype
+// and shape, only names that are the model's to consider): "" when they
+// fit, else " missing a, b. not in the model: c. w is Float[16, 4] there,
+// Float[8, 4] in the model." (load_model and sharded checkpoints).
+inline std::string misfit(const std::vector<std::pair<std::string, at::Tensor>>& expected,
+                          const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& held,
+                          const std::string& prefix = "") {
+  std::string missing, wrong, unexpected;
+  std::set<std::string> names;
+  for (const auto& [unprefixed, tensor] : expected) {
+    const std::string name = prefix + unprefixed;
+    names.insert(name);
+    const auto found = held.find(name);
+    if (found == held.end()) missing += (missing.empty() ? "" : ", ") + name;
+    else if (found->second.first != tensor.scalar_type() || found->second.second != tensor.sizes().vec())
+      wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.first) +
+               c10::str(at::IntArrayRef(found->second.second)) + " there, " + c10::toString(tensor.scalar_type()) +
+               c10::str(tensor.sizes()) + " in the model";
+  }
+  for (const auto& entry : held)
+    if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
+  return (missing.empty() ? "" : " missing " + missing + ".") +
+         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
+         (wrong.empty() ? "" : " " + wrong + ".");
+}
+
+// A model's state_dict as Python makes it: dotted names, in its order (each
+// module's parameters, then its buffers, then its children's).
+inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& m : module.named_modules()) {
+    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
+    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
+  }
+  return out;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/prepared.hpp ===================================
+// accel/training/checkpoint/prepared.hpp: what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects).
+//
+// The Accelerator adds to a PreparedSet as it prepares things and
+// registers objects; the checkpoint functions (checkpoint/state.hpp) save
+// and restore what it lists. Plain data, a few lookups, and SyncGuard, the
+// RAII switch of a prepared model's gradient sync.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+struct PreparedModel {
+  std::shared_ptr<torch::nn::Module> module;
+  std::unique_ptr<DataParallel> data_parallel;
+  bool sync = true;  // DDP's require_backward_grad_sync
+};
+
+// A prepared scheduler in checkpoints: its step count, and its own
+// save/load where it has them. LibTorch's LRScheduler has neither (its
+// step count is protected): load_state replays the missing steps on it,
+// before the optimizers' learning rates are restored.
+struct PreparedScheduler {
+  const void* address;
+  std::shared_ptr<int64_t> steps;
+  std::function<void()> step;
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+// An object registered for checkpointing (Accelerate's
+// register_for_checkpointing): how to save and load it.
+struct CheckpointedObject {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
+};
+
+struct PreparedSet {
+  std::deque<PreparedModel> models;  // a deque: sync guards hold pointers to the flags
+  // The sharded models' DataParallels (shared with the optimizers' handles,
+  // which gather after a step).
+  std::shared_ptr<std::vector<DataParallel*>> sharded = std::make_shared<std::vector<DataParallel*>>();
+  std::vector<torch::optim::Optimizer*> optimizers;
+  std::vector<PreparedScheduler> schedulers;
+  std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
+  std::vector<CheckpointedObject> objects;               // in the order registered
+  std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
+
+  PreparedModel* find(const torch::nn::Module* module) {
+    for (auto& m : models)
+      if (m.module.get() == module) return &m;
+    return nullptr;
+  }
+  // The fully sharded parameters of every prepared model (or of `module`)
+  // gathered for as long as the result lives (a collective: every process).
+  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
+                                                            bool writeback = false) {
+    std::vector<DataParallel::FullParameters> out;
+    for (auto& m : models)
+      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
+    return out;
+  }
+  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
+  // the others' own (into `whole`); parameters without one are left out.
+  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
+                     std::vector<at::Tensor>& whole) const {
+    for (const auto& p : parameters) {
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
+    }
+  }
+};
+
+// An optimizer's groups with each parameter once, for prepare(optimizer):
+// an optimizer made from LibTorch's model->parameters() holds a tied weight
+// twice (Python's parameters() would have given it once) and would step it
+// twice. A tensor in two groups is an error, as in Python's optimizers
+// ("some parameters appear in more than one parameter group"), named by the
+// prepared models' names for it.
+inline void take_parameters_once(torch::optim::Optimizer& optimizer, const PreparedSet& set) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (auto& group : optimizer.param_groups()) {
+    std::vector<at::Tensor> kept;
+    std::unordered_set<const c10::TensorImpl*> in_group;
+    for (const auto& p : group.params()) {
+      if (!in_group.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) {
+        std::string name = "of shape " + c10::str(p.sizes());
+        for (const auto& m : set.models)
+          if (const std::string n = ParameterNames(*m.module).first(p); !n.empty()) name = "'" + n + "'";
+        throw InvalidArgument("accel::Accelerator::prepare: the parameter " + name +
+                              " is in more than one of the optimizer's parameter groups (as in Python, a parameter "
+                              "belongs to one group)");
+      }
+      kept.push_back(p);
+    }
+    if (kept.size() != group.params().size()) group.params() = std::move(kept);
+  }
+}
+
+// Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
+// models. After the all-reduce every rank holds the same averaged
+// gradients, so the norm computed here is the global one, identical on
+// every rank. Under sharding a sharded parameter's gradient is its shard's:
+// the norm adds up every rank's shards (one all_reduce), and the shards are
+// scaled.
+inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
+                             double norm_type) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  const bool inf = std::isinf(norm_type);
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
+  // read back once (on a GPU each read makes the host wait for the device).
+  auto part = [&](const std::vector<at::Tensor>& grads) {
+    if (grads.empty()) return 0.0;
+    std::vector<at::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
+    const at::Tensor all = at::stack(norms);
+    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
+  };
+  const double from_shards =
+      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
+  const double from_whole = part(whole);
+  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const double coefficient = max_norm / (norm + 1e-6);
+  if (coefficient < 1) {
+    for (auto& g : shards) g.mul_(coefficient);
+    for (auto& g : whole) g.mul_(coefficient);
+  }
+  return norm;
+}
+inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
+  const std::vector<at::Tensor> parameters = unique_tensors(listed);
+  if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
+  std::vector<at::Tensor> shards, whole;
+  set.split_sharded(parameters, shards, whole);
+  at::NoGradGuard no_grad;
+  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
+  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+}
+
+// RAII: restores the gradient sync flags it set when it goes out of scope
+// (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
+class SyncGuard {
+ public:
+  SyncGuard() = default;
+  SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
+  SyncGuard(const SyncGuard&) = delete;
+  SyncGuard& operator=(const SyncGuard&) = delete;
+  SyncGuard& operator=(SyncGuard&&) = delete;
+  ~SyncGuard() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
+  }
+
+  // Sets flag to value now, and back to what it was when the guard goes.
+  void set(bool& flag, bool value) {
+    saved_.emplace_back(&flag, flag);
+    flag = value;
+  }
+
+ private:
+  std::vector<std::pair<bool*, bool>> saved_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/join.hpp ======================================
+// accel/training/accelerator/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches.
+//
+// A rank whose loop ends first stands in for the others' gradient
+// all-reduces (with zeros: gradients are still divided by the whole group)
+// until every rank's loop has ended; then every rank takes the weights of a
+// rank that ran the most steps (DDP's final model sync). Every backward
+// inside the loop first sends one small all_reduce, matched on the joined
+// ranks, that says which models to shadow.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+class Join {
+ public:
+  // models: the prepared models joined ranks stand in for (at least one).
+  explicit Join(std::vector<PreparedModel*> models)
+      : models_(std::move(models)), group_(models_.front()->data_parallel->group()) {}
+
+  // The group the models average over; null when not distributed.
+  const GroupPtr& group() const { return group_; }
+  bool includes(const PreparedModel* m) const { return std::find(models_.begin(), models_.end(), m) != models_.end(); }
+  // On a rank still training, before its backward.
+  void before_backward() { signal(1); }
+  // This rank's loop has ended: shadows the others' backwards until every
+  // loop has ended, then takes the weights of a rank that ran the most steps.
+  void finish() {
+    for (;;) {
+      const std::vector<int64_t> counts = signal(0);
+      if (counts[0] == 0) break;  // every rank has joined
+      for (std::size_t i = 0; i < models_.size(); ++i)
+        if (counts[i + 1] > 0) models_[i]->data_parallel->shadow_backward();
+    }
+    const std::vector<int64_t> steps = all_gather(steps_, group_);
+    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
+    for (PreparedModel* m : models_) m->data_parallel->sync_module_states(src);
+  }
+
+ private:
+  // The all_reduce of [ranks still training, then per model the ranks
+  // syncing it].
+  std::vector<int64_t> signal(int64_t active) {
+    std::vector<int64_t> out{active};
+    for (const PreparedModel* m : models_) out.push_back(active && m->sync ? 1 : 0);
+    steps_ += active;
+    return all_reduce(std::move(out), ReduceOp::SUM, group_);
+  }
+
+  std::vector<PreparedModel*> models_;
+  GroupPtr group_;
+  int64_t steps_ = 0;  // backwards this rank ran
+};
+
+// Runs body (the training loop) joined: `current` holds the Join while body
+// runs (the Accelerator's backward reads it), and every rank finishes it
+// after body, also when it ran out of batches first. Not distributed: body
+// alone.
+template <class Body>
+void run_joined(std::optional<Join>& current, Join join, Body&& body) {
+  if (!join.group()) return static_cast<void>(std::invoke(body));
+  current.emplace(std::move(join));
+  try {
+    std::invoke(body);
+    current->finish();
+  } catch (...) {
+    current.reset();
+    throw;
+  }
+  current.reset();
+}
+
+// RAII: every prepared loader's even_batches set for the passes that start
+// while it lives (join_uneven_inputs' even_batches), then put back.
+class EvenBatchesOverride {
+ public:
+  EvenBatchesOverride(const std::vector<std::shared_ptr<LoaderPosition>>& loaders, bool even_batches) {
+    for (const auto& loader : loaders) saved_.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
+  }
+  EvenBatchesOverride(const EvenBatchesOverride&) = delete;
+  EvenBatchesOverride& operator=(const EvenBatchesOverride&) = delete;
+  ~EvenBatchesOverride() {
+    for (auto& [loader, value] : saved_) loader->even_batches = value;
+  }
+
+ private:
+  std::vector<std::pair<std::shared_ptr<LoaderPosition>, std::optional<bool>>> saved_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/files.hpp ======================================
+// accel/training/checkpoint/files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
 // A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
 // each process's pieces, rank-<k>-part-<j>.safetensors;
-// checkpoint_shards.hpp), optimizer.pt, ... (sharded:
+// checkpoint/shards.hpp), optimizer.pt, ... (sharded:
 // optimizer_rank<k>.pt, ...),
 // random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
 // and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
@@ -10257,7 +11397,7 @@ ACCEL_NAMESPACE_END
 // marks the directory complete. Each manifest carries a serial, one more
 // than the checkpoint it replaces, the checkpoint's id (random, its own:
 // every piece file carries it too), and every other file of the checkpoint
-// with its size and XXH64 hash (file_digest.hpp), which a load checks for
+// with its size and XXH64 hash (io/file_digest.hpp), which a load checks for
 // each file it reads before anything changes (CheckpointFiles): a damaged
 // file, one cut short, one of another checkpoint or one the manifest does
 // not list is refused, naming it. The manifest ends with a hash of its own
@@ -10695,559 +11835,86 @@ inline void restore_optimizer(torch::optim::Optimizer& optimizer, const std::str
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/safetensors.hpp ===========================================
-// accel/training/safetensors.hpp: safetensors: Hugging Face's weight format, written and read.
+// == accel/training/checkpoint/world.hpp ======================================
+// accel/training/checkpoint/world.hpp: a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes.
 //
-// Hugging Face's weight format (huggingface.co/docs/safetensors), so that
-// weights trained here load in Python and the reverse: an 8-byte
-// little-endian header length, a JSON header {"__metadata__": {...},
-// "<name>": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]},
-// ...} padded with spaces to a multiple of 8, then the tensors' bytes,
-// little-endian and row-major, offsets counted from the end of the header.
-// LibTorch reads and writes neither the format nor JSON in its public
-// headers, so the few lines here are ours: a writer, and a reader for the
-// JSON subset the format uses, which checks everything it is given.
+// A checkpoint loads at any number of processes: a job moved from 4
+// processes to 2, or an elastic restart with fewer, goes on (a sharded
+// optimizer state is cut again for the new pieces: checkpoint/reshard.hpp).
+// Two more things in it belong to the saving run's layout, and these are
+// the rules for them:
+// - A prepared loader's place is kept in samples: the saving run read
+//   `batches` batches of the pass, each of `samples_per_batch` samples over
+//   all its processes (the batch size times the data-parallel processes,
+//   or the global batch with split_batches). This run skips as many of its
+//   own batches as cover them; where they do not come out whole, it skips
+//   the whole ones only (the rest is read again) and warns, naming how many
+//   samples. Where either run's batch size is not known (a custom batch
+//   sampler without batch_sampler_batch_size), a place mid-pass carries
+//   over to as many processes only, in batches as saved, and is an error
+//   at another number.
+// - RNG states: process p loads the saving run's process p's. A process the
+//   saving run did not have seeds its generators from the state of process
+//   p mod N (N saving processes) and p, so that each new process draws a
+//   stream of its own, the same at every such resume.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> safetensors_dtypes{{
-    {at::kDouble, "F64"},
-    {at::kFloat, "F32"},
-    {at::kHalf, "F16"},
-    {at::kBFloat16, "BF16"},
-    {at::kLong, "I64"},
-    {at::kInt, "I32"},
-    {at::kShort, "I16"},
-    {at::kChar, "I8"},
-    {at::kByte, "U8"},
-    {at::kBool, "BOOL"},
-}};
+// The saving run's process whose RNG state (and accumulation step) process
+// p loads: its own where the saving run had it.
+inline int saved_process_for(int p, int saved_processes) { return p % saved_processes; }
 
-// A JSON value: what the safetensors header and index hold.
-struct Json {
-  enum class Kind { Null, Bool, Number, String, Array, Object } kind = Kind::Null;
-  std::string text;  // a string's value, a number's digits
-  std::vector<Json> items;
-  std::vector<std::string> keys;  // an object's, in order, with values[i] (not pairs:
-  std::vector<Json> values;       // std::pair<std::string, Json> needs Json complete)
-  const Json* find(std::string_view key) const {
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      if (keys[i] == key) return &values[i];
-    return nullptr;
-  }
+// The seed of a process the saving run did not have (see above): the
+// saved state's bytes and p, through FNV-1a and splitmix64's finaliser.
+inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
+  const at::Tensor bytes = saved_state.cpu().contiguous();
+  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
+  uint64_t h = 1469598103934665603ULL;
+  for (int64_t i = 0; i < bytes.numel() * static_cast<int64_t>(bytes.element_size()); ++i)
+    h = (h ^ data[i]) * 1099511628211ULL;
+  uint64_t z = h ^ (static_cast<uint64_t>(p) + 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// How many of this run's batches loader `index` skips to resume a pass of
+// which the saving run read `batches` batches of `saved_per_batch` samples
+// (0: not known), this run's batches being of `per_batch` (0: not known)
+// and its processes as many as the saving run's or not; and, where the
+// samples do not come out in whole batches, the warning that says so
+// (empty otherwise; load_state gives it once the load is committed).
+struct ResumedBatches {
+  size_t batches = 0;
+  std::string warning{};
 };
-
-class JsonReader {
- public:
-  JsonReader(std::string_view text, std::string where) : text_(text), where_(std::move(where)) {}
-  Json document() {
-    Json value = parse(0);
-    skip_space();
-    if (i_ != text_.size()) fail("text after the JSON value");
-    return value;
+inline ResumedBatches resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
+                                      bool same_processes) {
+  if (batches == 0) return {};
+  if (saved_per_batch <= 0 || per_batch == 0) {
+    if (same_processes) return {batches};  // as saved (the batch size is the program's to keep)
+    throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
+                       " batches of its pass, and the samples per batch of " +
+                       (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
+                       " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
+                       "cannot be carried over to another number of processes");
   }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw RuntimeError(where_ + ": bad JSON at byte " + std::to_string(i_) + ": " + what);
-  }
-  void skip_space() {
-    while (i_ < text_.size() && (text_[i_] == ' ' || text_[i_] == '\n' || text_[i_] == '\r' || text_[i_] == '\t')) ++i_;
-  }
-  bool take(char c) {
-    skip_space();
-    if (i_ < text_.size() && text_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!take(c)) fail(std::string("expected '") + c + "'");
-  }
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (i_ >= text_.size()) fail("unterminated string");
-      const char c = text_[i_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= text_.size()) fail("unterminated escape");
-      const char e = text_[i_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/': out += e; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          if (i_ + 4 > text_.size()) fail("short \\u escape");
-          unsigned code = 0;
-          const auto [end, ec] = std::from_chars(text_.data() + i_, text_.data() + i_ + 4, code, 16);
-          if (ec != std::errc() || end != text_.data() + i_ + 4) fail("bad \\u escape");
-          i_ += 4;
-          if (code >= 0xD800 && code < 0xE000) fail("a surrogate \\u escape (names are expected to be plain)");
-          if (code < 0x80) out += static_cast<char>(code);  // UTF-8
-          else if (code < 0x800)
-            out += {static_cast<char>(0xC0 | (code >> 6)), static_cast<char>(0x80 | (code & 0x3F))};
-          else
-            out += {static_cast<char>(0xE0 | (code >> 12)), static_cast<char>(0x80 | ((code >> 6) & 0x3F)),
-                    static_cast<char>(0x80 | (code & 0x3F))};
-          break;
-        }
-        default: fail("bad escape");
-      }
-    }
-  }
-  Json parse(int depth) {
-    if (depth > 32) fail("nested too deep");
-    skip_space();
-    if (i_ >= text_.size()) fail("unexpected end");
-    Json v;
-    const char c = text_[i_];
-    if (c == '{') {
-      ++i_;
-      v.kind = Json::Kind::Object;
-      if (take('}')) return v;
-      do {
-        skip_space();
-        std::string key = string();
-        expect(':');
-        v.keys.push_back(std::move(key));
-        v.values.push_back(parse(depth + 1));
-      } while (take(','));
-      expect('}');
-    } else if (c == '[') {
-      ++i_;
-      v.kind = Json::Kind::Array;
-      if (take(']')) return v;
-      do v.items.push_back(parse(depth + 1));
-      while (take(','));
-      expect(']');
-    } else if (c == '"') {
-      v.kind = Json::Kind::String;
-      v.text = string();
-    } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = Json::Kind::Number;
-      const std::size_t start = i_;
-      while (i_ < text_.size() && std::strchr("+-0123456789.eE", text_[i_])) ++i_;
-      v.text = std::string(text_.substr(start, i_ - start));
-    } else {
-      for (const auto& [word, kind] : {std::pair{"true", Json::Kind::Bool}, std::pair{"false", Json::Kind::Bool},
-                                       std::pair{"null", Json::Kind::Null}})
-        if (text_.substr(i_, std::strlen(word)) == word) {
-          i_ += std::strlen(word);
-          v.kind = kind;
-          v.text = word;
-          return v;
-        }
-      fail("unexpected character");
-    }
-    return v;
-  }
-
-  std::string_view text_;
-  std::string where_;
-  std::size_t i_ = 0;
-};
-
-inline std::string json_quote(std::string_view text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') out += {'\\', c};
-    else if (static_cast<unsigned char>(c) < 0x20) {
-      char escape[8];
-      std::snprintf(escape, sizeof escape, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-      out += escape;
-    } else out += c;
-  }
-  return out + "\"";
-}
-
-inline int64_t json_uint(const Json& v, const std::string& what) {
-  int64_t value = -1;
-  if (v.kind == Json::Kind::Number) {
-    const auto [end, ec] = std::from_chars(v.text.data(), v.text.data() + v.text.size(), value);
-    if (ec != std::errc() || end != v.text.data() + v.text.size()) value = -1;
-  }
-  if (value < 0) throw RuntimeError(what + " is not a non-negative integer");
-  return value;
-}
-
-// The header of a safetensors file of `tensors` (from their names, dtypes
-// and shapes alone), with `metadata`'s (key, text) pairs in its
-// "__metadata__" beside "format", padded with spaces to a multiple of 8.
-inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                      const std::vector<std::pair<std::string, std::string>>& metadata) {
-  std::string header = R"({"__metadata__":{"format":"pt")";
-  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
-  header += "}";
-  uint64_t offset = 0;
-  for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
-    const std::string& name = named.first;
-    const at::Tensor& tensor = named.second;
-    const auto dtype = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
-                                    [&](const auto& d) { return d.first == tensor.scalar_type(); });
-    if (dtype == safetensors_dtypes.end())
-      throw InvalidArgument("accel: safetensors has no dtype for " + name + " (" + c10::toString(tensor.scalar_type()) +
-                            ")");
-    std::string shape;
-    for (const int64_t d : tensor.sizes()) {
-      if (!shape.empty()) shape += ',';  // (not "" or "," + to_string(d): GCC 12's -Wrestrict misfires on it)
-      shape += std::to_string(d);
-    }
-    const uint64_t bytes = tensor.numel() * tensor.element_size();
-    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
-              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
-    offset += bytes;
-  }
-  header += "}";
-  header.resize((header.size() + 7) / 8 * 8, ' ');
-  return header;
-}
-
-// One safetensors file of the named tensors (CPU copies, contiguous), with
-// `metadata` as above. Where `values` is given, values(i) gives tensor i's
-// values as the file reaches it, in order (an export that gathers them one
-// at a time); `tensors` then only gives names, dtypes and shapes.
-inline FileDigest write_safetensors(const fs::path& path,
-                                    const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                                    const std::vector<std::pair<std::string, std::string>>& metadata = {},
-                                    const std::function<at::Tensor(std::size_t)>& values = {}) {
-  static_assert(std::endian::native == std::endian::little,
-                "safetensors is little-endian; so is every host LibTorch runs on");
-  const std::string header = safetensors_header(tensors, metadata);
-  return write_file_atomically(path, [&](CheckedFile& out) {
-    const uint64_t length = header.size();
-    out.write(&length, 8);
-    out.write(header);
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      const at::Tensor t = (values ? values(i) : tensors[i].second).detach().to(at::kCPU).contiguous();
-      TORCH_INTERNAL_ASSERT(
-          t.sizes() == tensors[i].second.sizes() && t.scalar_type() == tensors[i].second.scalar_type(),
-          "write_safetensors: values of ", tensors[i].first, " unlike its header's");
-      out.write(t.data_ptr(), t.numel() * t.element_size());
-    }
-  });
-}
-
-// A safetensors file's header, checked: each tensor's dtype, shape and
-// byte range (inside the file, matching the size, no two overlapping), and
-// the "__metadata__" texts. `data_start`: where the tensors' bytes begin.
-struct SafetensorsEntry {
-  std::string name;
-  at::ScalarType dtype;
-  std::vector<int64_t> shape;
-  int64_t begin = 0, end = 0;  // bytes, from data_start
-};
-struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> entries;
-  std::map<std::string, std::string> metadata;
-  int64_t data_start = 0;
-};
-inline SafetensorsHeader read_safetensors_header(std::istream& in, const fs::path& path) {
-  const std::string where = path.string();
-  const uint64_t file_size = fs::file_size(path);
-  uint64_t length = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&length), 8))
-    throw RuntimeError(where + " is not a safetensors file (shorter than its 8-byte header length)");
-  if (length > file_size - 8 || length > (uint64_t{100} << 20))
-    throw RuntimeError(where + " is not a safetensors file (a header of " + std::to_string(length) +
-                       " bytes in a file of " + std::to_string(file_size) + ")");
-  std::string text(length, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(length));
-  const Json doc = JsonReader(text, where).document();
-  if (doc.kind != Json::Kind::Object) throw RuntimeError(where + ": the header is not a JSON object");
-  const uint64_t data_size = file_size - 8 - length;
-  SafetensorsHeader header;
-  header.data_start = static_cast<int64_t>(8 + length);
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (std::size_t field = 0; field < doc.keys.size(); ++field) {
-    const std::string& name = doc.keys[field];
-    const Json& entry = doc.values[field];
-    if (name == "__metadata__") {
-      if (entry.kind != Json::Kind::Object) throw RuntimeError(where + ": __metadata__ is not a JSON object");
-      for (std::size_t k = 0; k < entry.keys.size(); ++k) {
-        if (entry.values[k].kind != Json::Kind::String)
-          throw RuntimeError(where + ": __metadata__'s " + entry.keys[k] + " is not a string");
-        header.metadata[entry.keys[k]] = entry.values[k].text;
-      }
-      continue;
-    }
-    const std::string what = where + ": tensor " + name;
-    const Json* dtype = entry.find("dtype");
-    const Json* shape = entry.find("shape");
-    const Json* offsets = entry.find("data_offsets");
-    if (!dtype || !shape || !offsets || dtype->kind != Json::Kind::String || shape->kind != Json::Kind::Array ||
-        offsets->kind != Json::Kind::Array || offsets->items.size() != 2)
-      throw RuntimeError(what + " lacks dtype, shape or data_offsets");
-    const auto known = std::find_if(safetensors_dtypes.begin(), safetensors_dtypes.end(),
-                                    [&](const auto& d) { return d.second == dtype->text; });
-    if (known == safetensors_dtypes.end())
-      throw RuntimeError(what + " has dtype " + dtype->text + ", which accel.hpp does not read");
-    SafetensorsEntry e{.name = name, .dtype = known->first, .shape = {}};
-    int64_t numel = 1;
-    for (const Json& d : shape->items) {
-      e.shape.push_back(json_uint(d, what + "'s shape"));
-      numel *= e.shape.back();
-    }
-    e.begin = json_uint(offsets->items[0], what + "'s data_offsets");
-    e.end = json_uint(offsets->items[1], what + "'s data_offsets");
-    const auto bytes = static_cast<int64_t>(numel * c10::elementSize(e.dtype));
-    if (e.end < e.begin || static_cast<uint64_t>(e.end) > data_size || e.end - e.begin != bytes)
-      throw RuntimeError(what + ": data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
-                         ") do not hold its " + std::to_string(bytes) + " bytes within the file's " +
-                         std::to_string(data_size));
-    ranges.emplace_back(e.begin, e.end);
-    header.entries.push_back(std::move(e));
-  }
-  std::sort(ranges.begin(), ranges.end());
-  for (std::size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second) throw RuntimeError(where + ": two tensors' data overlap");
-  return header;
-}
-
-// The tensors a safetensors file holds, checked as above, read whole.
-inline std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw RuntimeError("missing " + path.string());
-  const SafetensorsHeader header = read_safetensors_header(in, path);
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const SafetensorsEntry& e : header.entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
-    in.seekg(static_cast<std::streamoff>(header.data_start + e.begin));
-    if (!in.read(static_cast<char*>(t.data_ptr()), e.end - e.begin))
-      throw RuntimeError("cannot read " + path.string() + ": tensor " + e.name);
-    out.emplace_back(e.name, std::move(t));
-  }
-  return out;
-}
-
-// What keeps a model's tensors (`expected`, state_dict's names, looked up
-// as prefix + name) from fitting those a file holds (`held`: name -> dtype
-// and shape, only names that are the model's to consider): "" when they
-// fit, else " missing a, b. not in the model: c. w is Float[16, 4] there,
-// Float[8, 4] in the model." (load_model and sharded checkpoints).
-inline std::string misfit(const std::vector<std::pair<std::string, at::Tensor>>& expected,
-                          const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& held,
-                          const std::string& prefix = "") {
-  std::string missing, wrong, unexpected;
-  std::set<std::string> names;
-  for (const auto& [unprefixed, tensor] : expected) {
-    const std::string name = prefix + unprefixed;
-    names.insert(name);
-    const auto found = held.find(name);
-    if (found == held.end()) missing += (missing.empty() ? "" : ", ") + name;
-    else if (found->second.first != tensor.scalar_type() || found->second.second != tensor.sizes().vec())
-      wrong += (wrong.empty() ? "" : "; ") + name + " is " + c10::toString(found->second.first) +
-               c10::str(at::IntArrayRef(found->second.second)) + " there, " + c10::toString(tensor.scalar_type()) +
-               c10::str(tensor.sizes()) + " in the model";
-  }
-  for (const auto& entry : held)
-    if (!names.count(entry.first)) unexpected += (unexpected.empty() ? "" : ", ") + entry.first;
-  return (missing.empty() ? "" : " missing " + missing + ".") +
-         (unexpected.empty() ? "" : " not in the model: " + unexpected + ".") +
-         (wrong.empty() ? "" : " " + wrong + ".");
-}
-
-// A model's state_dict as Python makes it: dotted names, in its order (each
-// module's parameters, then its buffers, then its children's).
-inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& m : module.named_modules()) {
-    const std::string prefix = m.key().empty() ? "" : m.key() + ".";
-    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) out.emplace_back(prefix + p.key(), p.value());
-    for (const auto& b : m.value()->named_buffers(/*recurse=*/false)) out.emplace_back(prefix + b.key(), b.value());
-  }
-  return out;
+  if (saved_per_batch == static_cast<int64_t>(per_batch)) return {batches};
+  const auto samples = static_cast<size_t>(saved_per_batch) * batches;
+  const size_t whole = samples / per_batch, again = samples % per_batch;
+  if (again == 0) return {whole};
+  return {whole, c10::str("accel::Accelerator::load_state: prepared loader ", index, " read ", samples,
+                          " samples of its pass in the saving run (", batches, " batches of ", saved_per_batch,
+                          "); this run reads ", per_batch, " per batch, so it skips ", whole,
+                          " batches and reads the last ", again, " of those samples again")};
 }
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/prepared.hpp ==============================================
-// accel/training/prepared.hpp: what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects).
-//
-// The Accelerator adds to a PreparedSet as it prepares things and
-// registers objects; the checkpoint functions (checkpoint_state.hpp) save
-// and restore what it lists. Plain data, a few lookups, and SyncGuard, the
-// RAII switch of a prepared model's gradient sync.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-struct PreparedModel {
-  std::shared_ptr<torch::nn::Module> module;
-  std::unique_ptr<DataParallel> data_parallel;
-  bool sync = true;  // DDP's require_backward_grad_sync
-};
-
-// A prepared scheduler in checkpoints: its step count, and its own
-// save/load where it has them. LibTorch's LRScheduler has neither (its
-// step count is protected): load_state replays the missing steps on it,
-// before the optimizers' learning rates are restored.
-struct PreparedScheduler {
-  const void* address;
-  std::shared_ptr<int64_t> steps;
-  std::function<void()> step;
-  std::function<void(torch::serialize::OutputArchive&)> save;
-  std::function<void(torch::serialize::InputArchive&)> load;
-};
-
-// An object registered for checkpointing (Accelerate's
-// register_for_checkpointing): how to save and load it.
-struct CheckpointedObject {
-  std::function<void(torch::serialize::OutputArchive&)> save;
-  std::function<void(torch::serialize::InputArchive&)> load;
-};
-
-struct PreparedSet {
-  std::deque<PreparedModel> models;  // a deque: sync guards hold pointers to the flags
-  // The sharded models' DataParallels (shared with the optimizers' handles,
-  // which gather after a step).
-  std::shared_ptr<std::vector<DataParallel*>> sharded = std::make_shared<std::vector<DataParallel*>>();
-  std::vector<torch::optim::Optimizer*> optimizers;
-  std::vector<PreparedScheduler> schedulers;
-  std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
-  std::vector<CheckpointedObject> objects;               // in the order registered
-  std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
-
-  PreparedModel* find(const torch::nn::Module* module) {
-    for (auto& m : models)
-      if (m.module.get() == module) return &m;
-    return nullptr;
-  }
-  // The fully sharded parameters of every prepared model (or of `module`)
-  // gathered for as long as the result lives (a collective: every process).
-  std::vector<DataParallel::FullParameters> full_parameters(const torch::nn::Module* module = nullptr,
-                                                            bool writeback = false) {
-    std::vector<DataParallel::FullParameters> out;
-    for (auto& m : models)
-      if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
-    return out;
-  }
-  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
-  // the others' own (into `whole`); parameters without one are left out.
-  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
-                     std::vector<at::Tensor>& whole) const {
-    for (const auto& p : parameters) {
-      at::Tensor shard;
-      for (const DataParallel* dp : *sharded)
-        if ((shard = dp->shard_of(p)).defined()) break;
-      const at::Tensor& holder = shard.defined() ? shard : p;
-      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
-    }
-  }
-};
-
-// An optimizer's groups with each parameter once, for prepare(optimizer):
-// an optimizer made from LibTorch's model->parameters() holds a tied weight
-// twice (Python's parameters() would have given it once) and would step it
-// twice. A tensor in two groups is an error, as in Python's optimizers
-// ("some parameters appear in more than one parameter group"), named by the
-// prepared models' names for it.
-inline void take_parameters_once(torch::optim::Optimizer& optimizer, const PreparedSet& set) {
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (auto& group : optimizer.param_groups()) {
-    std::vector<at::Tensor> kept;
-    std::unordered_set<const c10::TensorImpl*> in_group;
-    for (const auto& p : group.params()) {
-      if (!in_group.insert(p.unsafeGetTensorImpl()).second) continue;
-      if (!seen.insert(p.unsafeGetTensorImpl()).second) {
-        std::string name = "of shape " + c10::str(p.sizes());
-        for (const auto& m : set.models)
-          if (const std::string n = ParameterNames(*m.module).first(p); !n.empty()) name = "'" + n + "'";
-        throw InvalidArgument("accel::Accelerator::prepare: the parameter " + name +
-                              " is in more than one of the optimizer's parameter groups (as in Python, a parameter "
-                              "belongs to one group)");
-      }
-      kept.push_back(p);
-    }
-    if (kept.size() != group.params().size()) group.params() = std::move(kept);
-  }
-}
-
-// Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
-// models. After the all-reduce every rank holds the same averaged
-// gradients, so the norm computed here is the global one, identical on
-// every rank. Under sharding a sharded parameter's gradient is its shard's:
-// the norm adds up every rank's shards (one all_reduce), and the shards are
-// scaled.
-inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
-                             double norm_type) {
-  const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
-  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
-  std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
-  at::NoGradGuard no_grad;
-  const bool inf = std::isinf(norm_type);
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
-  // read back once (on a GPU each read makes the host wait for the device).
-  auto part = [&](const std::vector<at::Tensor>& grads) {
-    if (grads.empty()) return 0.0;
-    std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
-    const at::Tensor all = at::stack(norms);
-    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
-  };
-  const double from_shards =
-      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
-  const double from_whole = part(whole);
-  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
-  const double coefficient = max_norm / (norm + 1e-6);
-  if (coefficient < 1) {
-    for (auto& g : shards) g.mul_(coefficient);
-    for (auto& g : whole) g.mul_(coefficient);
-  }
-  return norm;
-}
-inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
-  const std::vector<at::Tensor> parameters = unique_tensors(listed);
-  if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
-  std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
-  at::NoGradGuard no_grad;
-  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
-  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
-}
-
-// RAII: restores the gradient sync flags it set when it goes out of scope
-// (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
-class SyncGuard {
- public:
-  SyncGuard() = default;
-  SyncGuard(SyncGuard&& other) noexcept : saved_(std::exchange(other.saved_, {})) {}
-  SyncGuard(const SyncGuard&) = delete;
-  SyncGuard& operator=(const SyncGuard&) = delete;
-  SyncGuard& operator=(SyncGuard&&) = delete;
-  ~SyncGuard() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
-  }
-
-  // Sets flag to value now, and back to what it was when the guard goes.
-  void set(bool& flag, bool value) {
-    saved_.emplace_back(&flag, flag);
-    flag = value;
-  }
-
- private:
-  std::vector<std::pair<bool*, bool>> saved_;
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint_reshard.hpp ====================================
-// accel/training/checkpoint_reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
+// == accel/training/checkpoint/reshard.hpp ====================================
+// accel/training/checkpoint/reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
 //
 // Under sharding each process saves its own optimizer state
 // (optimizer_rank<k>.pt): for every sharded parameter of n elements, piece
@@ -11468,91 +12135,13 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint_world.hpp ======================================
-// accel/training/checkpoint_world.hpp: a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes.
-//
-// A checkpoint loads at any number of processes: a job moved from 4
-// processes to 2, or an elastic restart with fewer, goes on (a sharded
-// optimizer state is cut again for the new pieces: checkpoint_reshard.hpp).
-// Two more things in it belong to the saving run's layout, and these are
-// the rules for them:
-// - A prepared loader's place is kept in samples: the saving run read
-//   `batches` batches of the pass, each of `samples_per_batch` samples over
-//   all its processes (the batch size times the data-parallel processes,
-//   or the global batch with split_batches). This run skips as many of its
-//   own batches as cover them; where they do not come out whole, it skips
-//   the whole ones only (the rest is read again) and warns, naming how many
-//   samples. Where either run's batch size is not known (a custom batch
-//   sampler without batch_sampler_batch_size), a place mid-pass carries
-//   over to as many processes only, in batches as saved, and is an error
-//   at another number.
-// - RNG states: process p loads the saving run's process p's. A process the
-//   saving run did not have seeds its generators from the state of process
-//   p mod N (N saving processes) and p, so that each new process draws a
-//   stream of its own, the same at every such resume.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// The saving run's process whose RNG state (and accumulation step) process
-// p loads: its own where the saving run had it.
-inline int saved_process_for(int p, int saved_processes) { return p % saved_processes; }
-
-// The seed of a process the saving run did not have (see above): the
-// saved state's bytes and p, through FNV-1a and splitmix64's finaliser.
-inline uint64_t derived_seed(const at::Tensor& saved_state, int p) {
-  const at::Tensor bytes = saved_state.cpu().contiguous();
-  const auto* data = static_cast<const unsigned char*>(bytes.data_ptr());
-  uint64_t h = 1469598103934665603ULL;
-  for (int64_t i = 0; i < bytes.numel() * static_cast<int64_t>(bytes.element_size()); ++i)
-    h = (h ^ data[i]) * 1099511628211ULL;
-  uint64_t z = h ^ (static_cast<uint64_t>(p) + 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-// How many of this run's batches loader `index` skips to resume a pass of
-// which the saving run read `batches` batches of `saved_per_batch` samples
-// (0: not known), this run's batches being of `per_batch` (0: not known)
-// and its processes as many as the saving run's or not; and, where the
-// samples do not come out in whole batches, the warning that says so
-// (empty otherwise; load_state gives it once the load is committed).
-struct ResumedBatches {
-  size_t batches = 0;
-  std::string warning{};
-};
-inline ResumedBatches resumed_batches(std::size_t index, size_t batches, int64_t saved_per_batch, size_t per_batch,
-                                      bool same_processes) {
-  if (batches == 0) return {};
-  if (saved_per_batch <= 0 || per_batch == 0) {
-    if (same_processes) return {batches};  // as saved (the batch size is the program's to keep)
-    throw RuntimeError("prepared loader " + std::to_string(index) + " stopped after " + std::to_string(batches) +
-                       " batches of its pass, and the samples per batch of " +
-                       (saved_per_batch <= 0 ? std::string("the saving run") : std::string("this run")) +
-                       " are not known (a custom batch sampler: set batch_sampler_batch_size), so its place "
-                       "cannot be carried over to another number of processes");
-  }
-  if (saved_per_batch == static_cast<int64_t>(per_batch)) return {batches};
-  const auto samples = static_cast<size_t>(saved_per_batch) * batches;
-  const size_t whole = samples / per_batch, again = samples % per_batch;
-  if (again == 0) return {whole};
-  return {whole, c10::str("accel::Accelerator::load_state: prepared loader ", index, " read ", samples,
-                          " samples of its pass in the saving run (", batches, " batches of ", saved_per_batch,
-                          "); this run reads ", per_batch, " per batch, so it skips ", whole,
-                          " batches and reads the last ", again, " of those samples again")};
-}
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint_shards.hpp =====================================
-// accel/training/checkpoint_shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them.
+// == accel/training/checkpoint/shards.hpp =====================================
+// accel/training/checkpoint/shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them.
 //
 // Under SHARD_GRAD_OP, FULL_SHARD and HYBRID_SHARD no process gathers the
 // model to save it. Process k of a shard group of S holds elements
 // [k*c, (k+1)*c) of every parameter flattened (c = ceil(n/S);
-// dp_shards.hpp) and writes them; under HSDP the first replica writes.
+// dp/shards.hpp) and writes them; under HSDP the first replica writes.
 // Process 0 writes what is not sharded (buffers, frozen parameters) whole.
 // Beside them go the optimizers' state for those pieces where Python's
 // optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
@@ -11569,7 +12158,7 @@ ACCEL_NAMESPACE_END
 //
 // (names: model_prefix and optimizer_prefix below). The optimizers' state
 // is also in LibTorch's archives, optimizer_rank<k>.pt, which is what C++
-// loads (any optimizer; checkpoint_reshard.hpp): those tensors are on disk
+// loads (any optimizer; checkpoint/reshard.hpp): those tensors are on disk
 // twice.
 //
 // A piece of a flattened tensor need not be a box of the whole (it can
@@ -11982,8 +12571,8 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint_state.hpp ======================================
-// accel/training/checkpoint_state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
+// == accel/training/checkpoint/state.hpp ======================================
+// accel/training/checkpoint/state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
 //
 // What goes into a checkpoint is what a PreparedSet lists, plus each
 // process's RNG state and accumulation step. Loading is transactional in
@@ -11992,7 +12581,7 @@ ACCEL_NAMESPACE_END
 // loads (schedulers, registered objects, optimizers) and puts the
 // optimizers back on every process if any refuses; commit_checkpoint then
 // loads what was checked and cannot fail. The files themselves (manifest,
-// atomic install, recovery) are checkpoint_files.hpp's.
+// atomic install, recovery) are checkpoint/files.hpp's.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -12022,7 +12611,7 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
 }
 
 // Whether model i is saved in pieces, every process its own
-// (checkpoint_shards.hpp), rather than whole in model.pt by process 0.
+// (checkpoint/shards.hpp), rather than whole in model.pt by process 0.
 inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
   return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
 }
@@ -12181,8 +12770,8 @@ struct LoadedCheckpoint {
 
 // The manifest against this run: as many models, optimizers, schedulers,
 // loaders and registered objects. The number of processes and the ways
-// the optimizer state is sharded may differ (checkpoint_world.hpp,
-// checkpoint_reshard.hpp). Returns the saving run's layout.
+// the optimizer state is sharded may differ (checkpoint/world.hpp,
+// checkpoint/reshard.hpp). Returns the saving run's layout.
 struct SavedLayout {
   int processes = 1;
   int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
@@ -12271,7 +12860,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
       }
       // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
-      // again from the saved pieces (checkpoint_reshard.hpp); piece k is in the file of process k.
+      // again from the saved pieces (checkpoint/reshard.hpp); piece k is in the file of process k.
       const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
       for (std::size_t i = 0; i < set.optimizers.size(); ++i)
         optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
@@ -12307,7 +12896,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         auto archive = read("loaders.pt");
         const auto n = static_cast<int64_t>(set.loaders.size());
         points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-        // Each place in this run's batches (checkpoint_world.hpp): converted here, so that nothing can fail later.
+        // Each place in this run's batches (checkpoint/world.hpp): converted here, so that nothing can fail later.
         at::Tensor saved_per_batch;
         if (archive->try_read("samples_per_batch", saved_per_batch))
           saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
@@ -12333,7 +12922,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
                          tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
       }
-      // This process's own, or where the saving run had fewer, one to seed from (checkpoint_world.hpp).
+      // This process's own, or where the saving run had fewer, one to seed from (checkpoint/world.hpp).
       const int saved_process = saved_process_for(ctx.process_index, saved_processes);
       loaded.derived_rng = saved_process != ctx.process_index;
       const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
@@ -12444,7 +13033,7 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
   if (!loaded.derived_rng) {
     set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
     if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
-  } else {  // a process the saving run did not have: a stream of its own (checkpoint_world.hpp)
+  } else {  // a process the saving run did not have: a stream of its own (checkpoint/world.hpp)
     const uint64_t seed = derived_seed(loaded.rng, ctx.process_index);
     auto reseed = [seed](at::Generator generator) {
       std::lock_guard lock(generator.mutex());
@@ -12548,323 +13137,8 @@ inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& 
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/join.hpp ==================================================
-// accel/training/join.hpp: Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches.
-//
-// A rank whose loop ends first stands in for the others' gradient
-// all-reduces (with zeros: gradients are still divided by the whole group)
-// until every rank's loop has ended; then every rank takes the weights of a
-// rank that ran the most steps (DDP's final model sync). Every backward
-// inside the loop first sends one small all_reduce, matched on the joined
-// ranks, that says which models to shadow.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-class Join {
- public:
-  // models: the prepared models joined ranks stand in for (at least one).
-  explicit Join(std::vector<PreparedModel*> models)
-      : models_(std::move(models)), group_(models_.front()->data_parallel->group()) {}
-
-  // The group the models average over; null when not distributed.
-  const GroupPtr& group() const { return group_; }
-  bool includes(const PreparedModel* m) const { return std::find(models_.begin(), models_.end(), m) != models_.end(); }
-  // On a rank still training, before its backward.
-  void before_backward() { signal(1); }
-  // This rank's loop has ended: shadows the others' backwards until every
-  // loop has ended, then takes the weights of a rank that ran the most steps.
-  void finish() {
-    for (;;) {
-      const std::vector<int64_t> counts = signal(0);
-      if (counts[0] == 0) break;  // every rank has joined
-      for (std::size_t i = 0; i < models_.size(); ++i)
-        if (counts[i + 1] > 0) models_[i]->data_parallel->shadow_backward();
-    }
-    const std::vector<int64_t> steps = all_gather(steps_, group_);
-    const int src = static_cast<int>(std::max_element(steps.begin(), steps.end()) - steps.begin());
-    for (PreparedModel* m : models_) m->data_parallel->sync_module_states(src);
-  }
-
- private:
-  // The all_reduce of [ranks still training, then per model the ranks
-  // syncing it].
-  std::vector<int64_t> signal(int64_t active) {
-    std::vector<int64_t> out{active};
-    for (const PreparedModel* m : models_) out.push_back(active && m->sync ? 1 : 0);
-    steps_ += active;
-    return all_reduce(std::move(out), ReduceOp::SUM, group_);
-  }
-
-  std::vector<PreparedModel*> models_;
-  GroupPtr group_;
-  int64_t steps_ = 0;  // backwards this rank ran
-};
-
-// Runs body (the training loop) joined: `current` holds the Join while body
-// runs (the Accelerator's backward reads it), and every rank finishes it
-// after body, also when it ran out of batches first. Not distributed: body
-// alone.
-template <class Body>
-void run_joined(std::optional<Join>& current, Join join, Body&& body) {
-  if (!join.group()) return static_cast<void>(std::invoke(body));
-  current.emplace(std::move(join));
-  try {
-    std::invoke(body);
-    current->finish();
-  } catch (...) {
-    current.reset();
-    throw;
-  }
-  current.reset();
-}
-
-// RAII: every prepared loader's even_batches set for the passes that start
-// while it lives (join_uneven_inputs' even_batches), then put back.
-class EvenBatchesOverride {
- public:
-  EvenBatchesOverride(const std::vector<std::shared_ptr<LoaderPosition>>& loaders, bool even_batches) {
-    for (const auto& loader : loaders) saved_.emplace_back(loader, std::exchange(loader->even_batches, even_batches));
-  }
-  EvenBatchesOverride(const EvenBatchesOverride&) = delete;
-  EvenBatchesOverride& operator=(const EvenBatchesOverride&) = delete;
-  ~EvenBatchesOverride() {
-    for (auto& [loader, value] : saved_) loader->even_batches = value;
-  }
-
- private:
-  std::vector<std::pair<std::shared_ptr<LoaderPosition>, std::optional<bool>>> saved_;
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/trackers.hpp ==============================================
-// accel/training/trackers.hpp: Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files.
-//
-// Accelerate sends accelerator.log(values, step) to the trackers named in
-// log_with (TensorBoard, W&B, ...). Those are services or Python packages;
-// the trackers here are files that any plotting tool reads, written by the
-// main process only (Accelerate's main_process_only default):
-//   "jsonl": metrics.jsonl, one JSON object per log call: {"step": 3, "loss": 0.25}
-//   "csv":   metrics.csv, a header of "step" and every key logged so far, one row per call
-//   "all":   both
-// in logging_dir/<project_name> (init_trackers' name; logging_dir defaults
-// to project_dir, as Accelerate's ProjectConfiguration; both as configured
-// when the Accelerator is made), appended to, so
-// a run resumed from a checkpoint continues the same files. Numbers are
-// written in the fewest digits that read back the same; NaN and infinities
-// as Python's json and csv modules write them (NaN, Infinity; nan, inf), so
-// pandas and Python read the files back as they are.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-inline constexpr std::array<std::string_view, 2> kTrackers{"jsonl", "csv"};
-
-// The tracker names of log_with, "all" expanded; an unknown name is an error naming the known ones.
-inline std::vector<std::string> tracker_names(const std::vector<std::string>& log_with) {
-  std::vector<std::string> out;
-  auto add = [&](std::string_view name) {
-    if (std::find(out.begin(), out.end(), name) == out.end()) out.emplace_back(name);
-  };
-  for (const auto& name : log_with) {
-    if (name == "all") {
-      for (const auto known : kTrackers) add(known);
-    } else if (std::find(kTrackers.begin(), kTrackers.end(), name) != kTrackers.end()) {
-      add(name);
-    } else {
-      throw InvalidArgument("accel::Accelerator: log_with names '" + name +
-                            "', which accel.hpp does not have (it writes files: jsonl, csv, or all; TensorBoard, W&B "
-                            "and the other services of Accelerate are not built in)");
-    }
-  }
-  return out;
-}
-inline std::filesystem::path logging_root(const ProjectConfiguration& project) {
-  return project.logging_dir.empty() ? project.project_dir : project.logging_dir;
-}
-// Before the rendezvous (AcceleratorSetup::checked): names known, and a place for the files.
-inline void check_trackers(const AcceleratorConfig& config) {
-  if (!tracker_names(config.log_with).empty() && logging_root(config.project_config).empty())
-    throw InvalidArgument(
-        "accel::Accelerator: log_with writes files, and needs project_config.project_dir (or logging_dir) "
-        "for them");
-}
-
-// A number as Python's json (csv: true, as its csv module) writes it.
-inline std::string tracked_number(double value, bool csv) {
-  if (std::isnan(value)) return csv ? "nan" : "NaN";
-  if (std::isinf(value)) return std::string(value < 0 ? "-" : "") + (csv ? "inf" : "Infinity");
-  std::ostringstream out;
-  print_one(out, value);
-  return out.str();
-}
-// A CSV field, quoted where it holds a comma, a quote or a line break (RFC 4180, Python's csv).
-inline std::string csv_field(const std::string& text) {
-  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
-  std::string out = "\"";
-  for (const char c : text) out += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return out + "\"";
-}
-inline void append_line(const std::filesystem::path& file, const std::string& line) {
-  std::ofstream out(file, std::ios::app | std::ios::binary);
-  out << line << '\n';
-  out.flush();
-  if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + file.string());
-}
-// One CSV record of `in` (RFC 4180, as Python's csv module reads it): a
-// physical line, and while a quoted field is open (a key holding a line
-// break), the lines that follow, joined by the '\n' that ended them. None at
-// the end of the file.
-inline std::optional<std::string> read_csv_record(std::istream& in) {
-  std::string record, line;
-  if (!std::getline(in, record)) return std::nullopt;
-  // (a quote opens or closes a field; a doubled one inside it does both, so the count's parity says)
-  while (std::count(record.begin(), record.end(), '"') % 2 != 0 && std::getline(in, line)) record += '\n' + line;
-  return record;
-}
-// The keys of a metrics.csv header record (the columns after "step").
-inline std::vector<std::string> csv_columns(const std::string& header) {
-  std::vector<std::string> columns;
-  std::string cell;
-  bool quoted = false;
-  for (std::size_t i = 0; i < header.size(); ++i) {
-    const char c = header[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < header.size() && header[i + 1] == '"') cell += header[++i];
-      else if (c == '"') quoted = false;
-      else cell += c;
-    } else if (c == '"') {
-      quoted = true;
-    } else if (c == ',') {
-      columns.push_back(std::move(cell));
-      cell.clear();
-    } else {
-      cell += c;
-    }
-  }
-  columns.push_back(std::move(cell));
-  if (!columns.empty()) columns.erase(columns.begin());  // "step"
-  return columns;
-}
-
-// The Accelerator's experiment log: init_trackers, log and end_training
-// (a base of Accelerator; the settings are its AcceleratorSetup's).
-class ExperimentLog {
- public:
-  // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
-  // and `config` (the run's hyperparameters, as text) to config.json there.
-  // Every process calls it; the main process writes.
-  void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {}) {
-    if (project_name.empty() || project_name.find('/') != std::string::npos || project_name == "." ||
-        project_name == "..")
-      throw InvalidArgument("accel::Accelerator::init_trackers: the project name '" + project_name +
-                            "' is not a plain directory name");
-    project_ = project_name;
-    finished_ = false;
-    csv_header_.reset();  // another directory: its own metrics.csv
-    if (!writes()) return;
-    std::filesystem::create_directories(directory());
-    std::string text = "{";
-    for (const auto& [key, value] : config)
-      text.append(text.size() > 1 ? ", " : "").append(json_quote(key)).append(": ").append(json_quote(value));
-    std::ofstream out(directory() / "config.json", std::ios::trunc | std::ios::binary);
-    out << text << "}\n";
-    out.flush();
-    if (!out)
-      throw RuntimeError("accel::Accelerator::init_trackers: cannot write " + (directory() / "config.json").string());
-  }
-
-  // Accelerate's log: `values` at `step` to every tracker (main process only).
-  void log(const std::map<std::string, double>& values, std::optional<int64_t> step = {}) {
-    if (finished_) throw InvalidArgument("accel::Accelerator::log: called after end_training()");
-    if (!writes()) return;
-    std::filesystem::create_directories(directory());
-    if (std::find(names_.begin(), names_.end(), "jsonl") != names_.end()) {
-      std::string line = "{";
-      if (step) line += "\"step\": " + std::to_string(*step);
-      for (const auto& [key, value] : values)
-        line.append(line.size() > 1 ? ", " : "")
-            .append(json_quote(key))
-            .append(": ")
-            .append(tracked_number(value, false));
-      append_line(directory() / "metrics.jsonl", line + "}");
-    }
-    if (std::find(names_.begin(), names_.end(), "csv") != names_.end()) log_csv(values, step);
-  }
-
-  // Accelerate's end_training: the trackers finish (these files are
-  // complete after every log call already); log() after it is an error.
-  void end_training() { finished_ = true; }
-
-  // Where this run's files go (logging_dir, or project_dir, / project name).
-  std::filesystem::path logging_dir() const { return directory(); }
-
- protected:
-  // The trackers and their place are the configuration's as the
-  // Accelerator is made (a copy: an Accelerator may be moved).
-  ExperimentLog(const AcceleratorConfig& config, bool main_process)
-      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
-
- private:
-  bool writes() const { return main_ && !names_.empty(); }
-  std::filesystem::path directory() const { return project_.empty() ? root_ : root_ / project_; }
-  // A key not in the header yet rewrites the file with a wider header
-  // (earlier rows get empty cells there): columns never shift under a reader.
-  // The header is read from the file once (a resumed run's), then kept here;
-  // the rows are read only for such a rewrite.
-  void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
-    const std::filesystem::path file = directory() / "metrics.csv";
-    const bool exists = std::filesystem::exists(file);
-    if (!csv_header_) {
-      csv_header_.emplace();
-      std::ifstream in(file, std::ios::binary);
-      if (const auto header = read_csv_record(in)) *csv_header_ = csv_columns(*header);
-    }
-    std::vector<std::string>& columns = *csv_header_;
-    const std::size_t known = columns.size();
-    for (const auto& entry : values)
-      if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
-    if (columns.size() != known || !exists) {
-      std::vector<std::string> rows;
-      if (std::ifstream in(file, std::ios::binary); in) {
-        read_csv_record(in);  // (the old header: records, not lines, as a key may hold a line break)
-        while (auto row = read_csv_record(in)) rows.push_back(std::move(*row));
-      }
-      const std::filesystem::path temporary = file.string() + ".tmp";
-      {
-        std::ofstream out(temporary, std::ios::trunc | std::ios::binary);
-        out << "step";
-        for (const auto& column : columns) out << ',' << csv_field(column);
-        out << '\n';
-        for (const auto& row : rows) out << row << std::string(columns.size() - known, ',') << '\n';
-        out.flush();
-        if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + temporary.string());
-      }
-      std::filesystem::rename(temporary, file);
-    }
-    std::string row = step ? std::to_string(*step) : std::string();
-    for (const auto& column : columns) {
-      const auto found = values.find(column);
-      row.append(",").append(found == values.end() ? std::string() : tracked_number(found->second, true));
-    }
-    append_line(file, row);
-  }
-
-  std::vector<std::string> names_;
-  std::filesystem::path root_;
-  bool main_;
-  std::string project_;
-  bool finished_ = false;
-  std::optional<std::vector<std::string>> csv_header_;  // metrics.csv's columns after "step", once known
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/weights.hpp ===============================================
-// accel/training/weights.hpp: save_model and load_model: a module's weights as Hugging Face's safetensors.
+// == accel/training/checkpoint/weights.hpp ====================================
+// accel/training/checkpoint/weights.hpp: save_model and load_model: a module's weights as Hugging Face's safetensors.
 //
 // Usable without an Accelerator: every process calls them (each is a
 // collective over the world when distributed), global rank 0 writes, and
@@ -13196,268 +13470,239 @@ void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOpti
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/autocast.hpp ==============================================
-// accel/training/autocast.hpp: AutocastGuard: LibTorch's autocast on for a scope, in the configured precision.
+// == accel/training/accelerator/trackers.hpp ==================================
+// accel/training/accelerator/trackers.hpp: Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files.
 //
-// Accelerator::autocast() returns one (Accelerator::AutocastGuard is this
-// type); accel::checkpoint restores a forward's autocast state for its
-// recomputation through AutocastScope. LibTorch's autocast switches changed
-// names in 2.4; this is the one place that knows both.
+// Accelerate sends accelerator.log(values, step) to the trackers named in
+// log_with (TensorBoard, W&B, ...). Those are services or Python packages;
+// the trackers here are files that any plotting tool reads, written by the
+// main process only (Accelerate's main_process_only default):
+//   "jsonl": metrics.jsonl, one JSON object per log call: {"step": 3, "loss": 0.25}
+//   "csv":   metrics.csv, a header of "step" and every key logged so far, one row per call
+//   "all":   both
+// in logging_dir/<project_name> (init_trackers' name; logging_dir defaults
+// to project_dir, as Accelerate's ProjectConfiguration; both as configured
+// when the Accelerator is made), appended to, so
+// a run resumed from a checkpoint continues the same files. Numbers are
+// written in the fewest digits that read back the same; NaN and infinities
+// as Python's json and csv modules write them (NaN, Infinity; nan, inf), so
+// pandas and Python read the files back as they are.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// LibTorch's autocast switches for one device type. LibTorch 2.4 took the
-// device type as an argument (and deprecated the per-device functions that
-// 1.x and 2.0-2.3 have).
-#if ACCEL_TORCH_AT_LEAST(2, 4)
-inline bool autocast_enabled(c10::DeviceType type) { return at::autocast::is_autocast_enabled(type); }
-inline at::ScalarType autocast_dtype(c10::DeviceType type) { return at::autocast::get_autocast_dtype(type); }
-inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
-  at::autocast::set_autocast_dtype(type, dtype);
-  at::autocast::set_autocast_enabled(type, on);
-}
-#else
-inline bool autocast_enabled(c10::DeviceType type) {
-  return type == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
-}
-inline at::ScalarType autocast_dtype(c10::DeviceType type) {
-  return type == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype() : at::autocast::get_autocast_gpu_dtype();
-}
-inline void set_autocast(c10::DeviceType type, bool on, at::ScalarType dtype) {
-  if (type == c10::DeviceType::CPU) {
-    at::autocast::set_autocast_cpu_dtype(dtype);
-    at::autocast::set_cpu_enabled(on);
-  } else {
-    at::autocast::set_autocast_gpu_dtype(dtype);
-    at::autocast::set_enabled(on);
-  }
-}
-#endif
+inline constexpr std::array<std::string_view, 2> kTrackers{"jsonl", "csv"};
 
-// Autocast on one device type set to `on` in `dtype` for a scope, and put
-// back as it was after (its cache of cast weights cleared where this scope
-// turned it on, as torch.autocast's exit does).
-class AutocastScope {
+// The tracker names of log_with, "all" expanded; an unknown name is an error naming the known ones.
+inline std::vector<std::string> tracker_names(const std::vector<std::string>& log_with) {
+  std::vector<std::string> out;
+  auto add = [&](std::string_view name) {
+    if (std::find(out.begin(), out.end(), name) == out.end()) out.emplace_back(name);
+  };
+  for (const auto& name : log_with) {
+    if (name == "all") {
+      for (const auto known : kTrackers) add(known);
+    } else if (std::find(kTrackers.begin(), kTrackers.end(), name) != kTrackers.end()) {
+      add(name);
+    } else {
+      throw InvalidArgument("accel::Accelerator: log_with names '" + name +
+                            "', which accel.hpp does not have (it writes files: jsonl, csv, or all; TensorBoard, W&B "
+                            "and the other services of Accelerate are not built in)");
+    }
+  }
+  return out;
+}
+inline std::filesystem::path logging_root(const ProjectConfiguration& project) {
+  return project.logging_dir.empty() ? project.project_dir : project.logging_dir;
+}
+// Before the rendezvous (AcceleratorSetup::checked): names known, and a place for the files.
+inline void check_trackers(const AcceleratorConfig& config) {
+  if (!tracker_names(config.log_with).empty() && logging_root(config.project_config).empty())
+    throw InvalidArgument(
+        "accel::Accelerator: log_with writes files, and needs project_config.project_dir (or logging_dir) "
+        "for them");
+}
+
+// A number as Python's json (csv: true, as its csv module) writes it.
+inline std::string tracked_number(double value, bool csv) {
+  if (std::isnan(value)) return csv ? "nan" : "NaN";
+  if (std::isinf(value)) return std::string(value < 0 ? "-" : "") + (csv ? "inf" : "Infinity");
+  std::ostringstream out;
+  print_one(out, value);
+  return out.str();
+}
+// A CSV field, quoted where it holds a comma, a quote or a line break (RFC 4180, Python's csv).
+inline std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\r\n") == std::string::npos) return text;
+  std::string out = "\"";
+  for (const char c : text) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+inline void append_line(const std::filesystem::path& file, const std::string& line) {
+  std::ofstream out(file, std::ios::app | std::ios::binary);
+  out << line << '\n';
+  out.flush();
+  if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + file.string());
+}
+// One CSV record of `in` (RFC 4180, as Python's csv module reads it): a
+// physical line, and while a quoted field is open (a key holding a line
+// break), the lines that follow, joined by the '\n' that ended them. None at
+// the end of the file.
+inline std::optional<std::string> read_csv_record(std::istream& in) {
+  std::string record, line;
+  if (!std::getline(in, record)) return std::nullopt;
+  // (a quote opens or closes a field; a doubled one inside it does both, so the count's parity says)
+  while (std::count(record.begin(), record.end(), '"') % 2 != 0 && std::getline(in, line)) record += '\n' + line;
+  return record;
+}
+// The keys of a metrics.csv header record (the columns after "step").
+inline std::vector<std::string> csv_columns(const std::string& header) {
+  std::vector<std::string> columns;
+  std::string cell;
+  bool quoted = false;
+  for (std::size_t i = 0; i < header.size(); ++i) {
+    const char c = header[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < header.size() && header[i + 1] == '"') cell += header[++i];
+      else if (c == '"') quoted = false;
+      else cell += c;
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      columns.push_back(std::move(cell));
+      cell.clear();
+    } else {
+      cell += c;
+    }
+  }
+  columns.push_back(std::move(cell));
+  if (!columns.empty()) columns.erase(columns.begin());  // "step"
+  return columns;
+}
+
+// The Accelerator's experiment log: init_trackers, log and end_training
+// (a base of Accelerator; the settings are its AcceleratorSetup's).
+class ExperimentLog {
  public:
-  AutocastScope(c10::DeviceType type, bool on, at::ScalarType dtype)
-      : type_(type), saved_enabled_(autocast_enabled(type)), saved_dtype_(autocast_dtype(type)) {
-    set_autocast(type_, on, dtype);
+  // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
+  // and `config` (the run's hyperparameters, as text) to config.json there.
+  // Every process calls it; the main process writes.
+  void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {}) {
+    if (project_name.empty() || project_name.find('/') != std::string::npos || project_name == "." ||
+        project_name == "..")
+      throw InvalidArgument("accel::Accelerator::init_trackers: the project name '" + project_name +
+                            "' is not a plain directory name");
+    project_ = project_name;
+    finished_ = false;
+    csv_header_.reset();  // another directory: its own metrics.csv
+    if (!writes()) return;
+    std::filesystem::create_directories(directory());
+    std::string text = "{";
+    for (const auto& [key, value] : config)
+      text.append(text.size() > 1 ? ", " : "").append(json_quote(key)).append(": ").append(json_quote(value));
+    std::ofstream out(directory() / "config.json", std::ios::trunc | std::ios::binary);
+    out << text << "}\n";
+    out.flush();
+    if (!out)
+      throw RuntimeError("accel::Accelerator::init_trackers: cannot write " + (directory() / "config.json").string());
   }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-  ~AutocastScope() {
-    if (!saved_enabled_ && autocast_enabled(type_)) at::autocast::clear_cache();
-    set_autocast(type_, saved_enabled_, saved_dtype_);
+
+  // Accelerate's log: `values` at `step` to every tracker (main process only).
+  void log(const std::map<std::string, double>& values, std::optional<int64_t> step = {}) {
+    if (finished_) throw InvalidArgument("accel::Accelerator::log: called after end_training()");
+    if (!writes()) return;
+    std::filesystem::create_directories(directory());
+    if (std::find(names_.begin(), names_.end(), "jsonl") != names_.end()) {
+      std::string line = "{";
+      if (step) line += "\"step\": " + std::to_string(*step);
+      for (const auto& [key, value] : values)
+        line.append(line.size() > 1 ? ", " : "")
+            .append(json_quote(key))
+            .append(": ")
+            .append(tracked_number(value, false));
+      append_line(directory() / "metrics.jsonl", line + "}");
+    }
+    if (std::find(names_.begin(), names_.end(), "csv") != names_.end()) log_csv(values, step);
   }
+
+  // Accelerate's end_training: the trackers finish (these files are
+  // complete after every log call already); log() after it is an error.
+  void end_training() { finished_ = true; }
+
+  // Where this run's files go (logging_dir, or project_dir, / project name).
+  std::filesystem::path logging_dir() const { return directory(); }
+
+ protected:
+  // The trackers and their place are the configuration's as the
+  // Accelerator is made (a copy: an Accelerator may be moved).
+  ExperimentLog(const AcceleratorConfig& config, bool main_process)
+      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
 
  private:
-  c10::DeviceType type_;
-  bool saved_enabled_;
-  at::ScalarType saved_dtype_;
-};
-
-// RAII autocast for the configured mixed precision: bf16 on the CPU
-// through LibTorch's autocast; a no-op for "no".
-class AutocastGuard {
- public:
-  explicit AutocastGuard(const std::string& mixed_precision, c10::Device device) {
-    if (mixed_precision != "no")
-      scope_.emplace(device.type(), true, mixed_precision == "fp16" ? at::kHalf : at::kBFloat16);
+  bool writes() const { return main_ && !names_.empty(); }
+  std::filesystem::path directory() const { return project_.empty() ? root_ : root_ / project_; }
+  // A key not in the header yet rewrites the file with a wider header
+  // (earlier rows get empty cells there): columns never shift under a reader.
+  // The header is read from the file once (a resumed run's), then kept here;
+  // the rows are read only for such a rewrite.
+  void log_csv(const std::map<std::string, double>& values, std::optional<int64_t> step) {
+    const std::filesystem::path file = directory() / "metrics.csv";
+    const bool exists = std::filesystem::exists(file);
+    if (!csv_header_) {
+      csv_header_.emplace();
+      std::ifstream in(file, std::ios::binary);
+      if (const auto header = read_csv_record(in)) *csv_header_ = csv_columns(*header);
+    }
+    std::vector<std::string>& columns = *csv_header_;
+    const std::size_t known = columns.size();
+    for (const auto& entry : values)
+      if (std::find(columns.begin(), columns.end(), entry.first) == columns.end()) columns.push_back(entry.first);
+    if (columns.size() != known || !exists) {
+      std::vector<std::string> rows;
+      if (std::ifstream in(file, std::ios::binary); in) {
+        read_csv_record(in);  // (the old header: records, not lines, as a key may hold a line break)
+        while (auto row = read_csv_record(in)) rows.push_back(std::move(*row));
+      }
+      const std::filesystem::path temporary = file.string() + ".tmp";
+      {
+        std::ofstream out(temporary, std::ios::trunc | std::ios::binary);
+        out << "step";
+        for (const auto& column : columns) out << ',' << csv_field(column);
+        out << '\n';
+        for (const auto& row : rows) out << row << std::string(columns.size() - known, ',') << '\n';
+        out.flush();
+        if (!out) throw RuntimeError("accel::Accelerator::log: cannot write " + temporary.string());
+      }
+      std::filesystem::rename(temporary, file);
+    }
+    std::string row = step ? std::to_string(*step) : std::string();
+    for (const auto& column : columns) {
+      const auto found = values.find(column);
+      row.append(",").append(found == values.end() ? std::string() : tracked_number(found->second, true));
+    }
+    append_line(file, row);
   }
 
- private:
-  std::optional<AutocastScope> scope_;
+  std::vector<std::string> names_;
+  std::filesystem::path root_;
+  bool main_;
+  std::string project_;
+  bool finished_ = false;
+  std::optional<std::vector<std::string>> csv_header_;  // metrics.csv's columns after "step", once known
 };
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint.hpp ============================================
-// accel/training/checkpoint.hpp: accel::checkpoint, activation checkpointing as torch.utils.checkpoint.
+// == accel/training/accelerator/setup.hpp =====================================
+// accel/training/accelerator/setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them.
 //
-// accel::checkpoint(fn, args...) returns fn(args...) without keeping the
-// activations inside fn: the forward runs under no_grad, only the inputs
-// are saved, and the backward runs fn again (with the random-number state
-// and the autocast state the forward had, so dropout draws the same mask
-// and the same kernels run in the same precision), then back-propagates
-// through that recomputation. Memory for a stack of blocks falls from every
-// block's activations to the blocks' inputs plus one block's activations,
-// for a second forward of each block in the backward.
-//
-// This is torch.utils.checkpoint's reentrant form (use_reentrant=True): a
-// custom autograd Function whose backward runs a backward of its own. The
-// non-reentrant form rests on saved-tensor hooks, which LibTorch's C++ API
-// does not offer. One difference on purpose: torch's reentrant form gives
-// the parameters inside fn no gradient when no input requires one (it
-// warns); here an empty leaf that requires grad joins the inputs in that
-// case, so the parameters get theirs, as with use_reentrant=False.
-//
-// It composes with unit_forward: under FULL_SHARD
-//     x = accel::checkpoint([block](const at::Tensor& h) { return accel::unit_forward(block, h); }, x);
-// gathers the block's parameters for the forward and frees them at once;
-// the recomputation in the backward gathers them again and keeps them
-// through the block's backward (detail::dp::recomputing()).
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// What the forward saw and the recomputation needs back: fn with its
-// non-tensor arguments bound, the random-number states of the CPU and of
-// each CUDA device the inputs are on, and the autocast state.
-struct Recompute : torch::CustomClassHolder {
-  std::function<at::Tensor(const std::vector<at::Tensor>&)> fn;
-  std::vector<std::pair<at::Generator, at::Tensor>> rng;      // each generator and its state before the forward
-  std::array<std::pair<bool, at::ScalarType>, 2> autocast{};  // CPU's and CUDA's (enabled, dtype)
-
-  void capture(const std::vector<at::Tensor>& inputs) {
-    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
-    for (const auto& x : inputs)
-      if (x.defined() && x.is_cuda() && std::find(devices.begin(), devices.end(), x.device()) == devices.end())
-        devices.push_back(x.device());
-    for (const auto& device : devices) {
-      at::Generator generator = at::globalContext().defaultGenerator(device);
-      std::lock_guard lock(generator.mutex());
-      rng.emplace_back(generator, generator.get_state());
-    }
-    for (std::size_t i = 0; i < 2; ++i) autocast[i] = {autocast_enabled(types[i]), autocast_dtype(types[i])};
-  }
-  static constexpr std::array<c10::DeviceType, 2> types{c10::DeviceType::CPU, c10::DeviceType::CUDA};
-};
-
-// The random-number states of a forward put in place for its
-// recomputation, and the states of now put back after it (torch's
-// fork_rng), so that the recomputation draws what the forward drew and the
-// rest of the program draws on as if it had not run.
-class ReplayRandomness {
- public:
-  explicit ReplayRandomness(const Recompute& run) {
-    for (const auto& [generator, state] : run.rng) {
-      at::Generator g = generator;
-      std::lock_guard lock(g.mutex());
-      now_.emplace_back(g, g.get_state());
-      g.set_state(state);
-    }
-  }
-  ReplayRandomness(const ReplayRandomness&) = delete;
-  ReplayRandomness& operator=(const ReplayRandomness&) = delete;
-  ~ReplayRandomness() {
-    for (auto& [generator, state] : now_) {
-      std::lock_guard lock(generator.mutex());
-      generator.set_state(state);
-    }
-  }
-
- private:
-  std::vector<std::pair<at::Generator, at::Tensor>> now_;
-};
-
-struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
-  // (Function::apply runs this under no_grad: nothing inside fn is kept.)
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<Recompute>& run,
-                            at::TensorList inputs) {
-    run->capture(inputs.vec());
-    at::Tensor out = run->fn(inputs.vec());
-    ctx->save_for_backward(inputs.vec());  // (version-checked: an input changed in place since is an error)
-    ctx->saved_data["run"] = c10::IValue::make_capsule(run);
-    return out;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    c10::intrusive_ptr<torch::CustomClassHolder> holder = ctx->saved_data["run"].toCapsule();
-    const auto run = c10::intrusive_ptr<Recompute>::reclaim(static_cast<Recompute*>(holder.release()));
-    std::vector<at::Tensor> inputs;
-    for (const auto& saved : ctx->get_saved_variables())
-      inputs.push_back(saved.defined() ? saved.detach().requires_grad_(saved.requires_grad()) : saved);
-    at::Tensor out;
-    {
-      const ReplayRandomness replay(*run);
-      const AutocastScope cpu(c10::DeviceType::CPU, run->autocast[0].first, run->autocast[0].second);
-      const AutocastScope cuda(c10::DeviceType::CUDA, run->autocast[1].first, run->autocast[1].second);
-      const at::AutoGradMode grad(true);
-      dp::recomputing() = true;
-      struct Done {
-        ~Done() { dp::recomputing() = false; }
-      } done;
-      out = run->fn(inputs);
-    }
-    // (Nothing in fn requires grad, or the output was not used: no gradients.)
-    if (out.requires_grad() && grads[0].defined()) torch::autograd::backward({out}, {grads[0]});
-    torch::autograd::variable_list result{at::Tensor()};  // (none for the Recompute)
-    for (const auto& x : inputs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
-    return result;
-  }
-};
-
-// Which of Args are tensors, and the index among the tensors of each.
-template <class... Args>
-inline constexpr std::array<bool, sizeof...(Args)> is_tensor_arg{
-    std::is_same_v<std::remove_cvref_t<Args>, at::Tensor>...};
-template <class... Args>
-inline constexpr std::size_t tensor_index(std::size_t position) {
-  std::size_t k = 0;
-  for (std::size_t i = 0; i < position; ++i) k += is_tensor_arg<Args...>[i] ? 1 : 0;
-  return k;
-}
-}  // namespace detail
-
-// fn(args...) with its activations recomputed in the backward instead of
-// kept (see above). fn returns one at::Tensor; the at::Tensor arguments are
-// its differentiable inputs, any other argument is copied and passed again
-// as it was. fn runs again in the backward, after the caller's forward has
-// returned: what it captures must live that long (capture locals by value).
-// Under no_grad (evaluation) it is fn(args...).
-template <class Fn, class... Args>
-at::Tensor checkpoint(Fn&& fn, Args&&... args) {
-  static_assert(std::is_same_v<std::invoke_result_t<Fn&, Args&...>, at::Tensor>,
-                "accel::checkpoint: fn returns one at::Tensor");
-  if (!at::GradMode::is_enabled()) return std::invoke(fn, args...);
-  std::vector<at::Tensor> inputs;
-  bool any_requires_grad = false;
-  auto collect = [&]<class A>(const A& a) {
-    if constexpr (std::is_same_v<A, at::Tensor>) {
-      inputs.push_back(a);
-      any_requires_grad = any_requires_grad || (a.defined() && a.requires_grad());
-    }
-  };
-  (collect(args), ...);
-  // The inputs travel through `inputs` (saved, version-checked); the other
-  // arguments are kept here. A tensor's place holds an empty tensor, so
-  // that the Recompute does not keep a second reference to it.
-  auto kept = std::make_tuple([]<class A>(A&& a) {
-    if constexpr (std::is_same_v<std::remove_cvref_t<A>, at::Tensor>) return at::Tensor();
-    else return std::decay_t<A>(std::forward<A>(a));
-  }(args)...);
-  auto run = c10::make_intrusive<detail::Recompute>();
-  run->fn = [fn = std::decay_t<Fn>(std::forward<Fn>(fn)),
-             kept = std::move(kept)](const std::vector<at::Tensor>& in) mutable {
-    return [&]<std::size_t... I>(std::index_sequence<I...>) {
-      auto pick = [&]<std::size_t Position>(std::integral_constant<std::size_t, Position>) -> decltype(auto) {
-        if constexpr (detail::is_tensor_arg<Args...>[Position])
-          return static_cast<const at::Tensor&>(in[detail::tensor_index<Args...>(Position)]);
-        else return std::get<Position>(kept);
-      };
-      return std::invoke(fn, pick(std::integral_constant<std::size_t, I>{})...);
-    }(std::index_sequence_for<Args...>{});
-  };
-  // torch's reentrant form would leave the parameters inside fn without
-  // gradients here; an empty leaf that requires grad makes the output
-  // require grad, so the backward (and the recomputation) runs.
-  if (!any_requires_grad) inputs.push_back(at::empty({0}).requires_grad_());
-  return detail::CheckpointFunction::apply(run, at::TensorList(inputs));
-}
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/accelerator_setup.hpp =====================================
-// accel/training/accelerator_setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them.
-//
-// The Accelerator (accelerator.hpp) is built on two parts that hold no
+// The Accelerator (accelerator/accelerator.hpp) is built on two parts that hold no
 // training state: AcceleratorSetup (this part), which checks the
 // configuration before the rendezvous, joins the world, answers the
 // properties Accelerate reads off an accelerator, and decides how a model
 // is wrapped (the DataParallel the strategy calls for); and
-// ProcessOperations (process_operations.hpp), Accelerate's operations over
+// ProcessOperations (accelerator/process_operations.hpp), Accelerate's operations over
 // every process. The Accelerator adds what it prepares and the training
 // step on top.
 
@@ -13637,13 +13882,13 @@ class AcceleratorSetup {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/accelerator_preparing.hpp =================================
-// accel/training/accelerator_preparing.hpp: what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints.
+// == accel/training/accelerator/preparing.hpp =================================
+// accel/training/accelerator/preparing.hpp: what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints.
 //
 // The Accelerator's second layer, over AcceleratorSetup: prepare() in all
 // its forms, and the PreparedSet of what was prepared and the GradientState
 // that the prepared optimizers, schedulers and loaders share. The
-// Accelerator (accelerator.hpp) reads both to run the training step and to
+// Accelerator (accelerator/accelerator.hpp) reads both to run the training step and to
 // save and load checkpoints.
 
 ACCEL_NAMESPACE_BEGIN
@@ -13825,8 +14070,8 @@ class AcceleratorPreparing : public AcceleratorSetup {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/process_operations.hpp ====================================
-// accel/training/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
+// == accel/training/accelerator/process_operations.hpp ========================
+// accel/training/accelerator/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
 //
 // Accelerate's Accelerator offers its operations as methods too
 // (accelerator.gather(x), accelerator.print(...)); the Accelerator takes
@@ -13912,17 +14157,17 @@ class ProcessOperations {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/accelerator.hpp ===========================================
-// accel/training/accelerator.hpp: the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights.
+// == accel/training/accelerator/accelerator.hpp ===============================
+// accel/training/accelerator/accelerator.hpp: the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights.
 //
 // Its configuration, world, device and properties come from
-// AcceleratorSetup (accelerator_setup.hpp), what it prepares from
-// AcceleratorPreparing (accelerator_preparing.hpp: the models, optimizers,
+// AcceleratorSetup (accelerator/setup.hpp), what it prepares from
+// AcceleratorPreparing (accelerator/preparing.hpp: the models, optimizers,
 // schedulers and loaders, kept in a PreparedSet that the checkpoint
-// functions of checkpoint_state.hpp save and load), and Accelerate's
+// functions of checkpoint/state.hpp save and load), and Accelerate's
 // operations over every process from ProcessOperations
-// (process_operations.hpp), experiment logging from ExperimentLog
-// (trackers.hpp). This part adds the training step, gradient sync
+// (accelerator/process_operations.hpp), experiment logging from ExperimentLog
+// (accelerator/trackers.hpp). This part adds the training step, gradient sync
 // and accumulation, uneven inputs, checkpoints and weights.
 
 ACCEL_NAMESPACE_BEGIN
@@ -14150,8 +14395,8 @@ class Accelerator : public detail::AcceleratorPreparing,
   // loader.next_epoch(). Transactional:
   // every file is read and checked first (parameter and buffer names, shapes
   // and dtypes against the models), on every process; another number of
-  // processes or another sharding strategy is fine (checkpoint_world.hpp,
-  // checkpoint_reshard.hpp); on any error
+  // processes or another sharding strategy is fine (checkpoint/world.hpp,
+  // checkpoint/reshard.hpp); on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest
@@ -14164,7 +14409,7 @@ class Accelerator : public detail::AcceleratorPreparing,
 
   // -- weights that leave C++ --------------------------------------------------------
 
-  // accel::save_model and accel::load_model (accel/training/weights.hpp) on a
+  // accel::save_model and accel::load_model (accel/training/checkpoint/weights.hpp) on a
   // prepared model. Under FULL_SHARD save_model gathers the parameters one
   // unit at a time as the files reach them (beside its shards no process
   // holds more than one unit's whole parameters and the rows its

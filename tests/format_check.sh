@@ -13,7 +13,7 @@ if [[ $version != *"version $want"* ]]; then
   exit 77
 fi
 cd "$root"
-files=(include/accel/*.hpp include/accel/*/*.hpp)
+files=(include/accel/*.hpp include/accel/*/*.hpp include/accel/*/*/*.hpp)
 if ! clang-format --dry-run -Werror "${files[@]}"; then
   echo "format_check: run clang-format $want -i on the files above (CONTRIBUTING.md), then tools/amalgamate.py"
   exit 1

@@ -99,7 +99,7 @@ ACCEL_RESIZE_LOAD=full_shard load 4
 ACCEL_RESIZE_SAVE=full_shard save 4
 keep_for_python full_shard
 ACCEL_RESIZE_LOAD=shard_grad_op load 2
-# (every step of the save protocol, both paths; checkpoint_files.hpp)
+# (every step of the save protocol, both paths; checkpoint/files.hpp)
 for step in "files written" "manifest written" "exchanged" renames:"between renames" renames:renamed; do
   renames=
   [[ $step == renames:* ]] && renames=1 step=${step#renames:}

@@ -1104,7 +1104,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       return flat_parameters(*model).clone();
     }
     // Under sharding: Adam's state of every parameter, whole (its shards' gathered), under the names a sharded
-    // checkpoint gives it for Python (checkpoint_shards.hpp).
+    // checkpoint gives it for Python (checkpoint/shards.hpp).
     std::vector<std::pair<std::string, at::Tensor>> whole_optimizer_state() {
       std::vector<std::pair<std::string, at::Tensor>> out;
       accel::DataParallel* dp = accelerator.data_parallel(model);
@@ -1188,7 +1188,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
   // The checkpoint loaded and saved again, the same state, by a run whose main process dies at step
   // ACCEL_RESIZE_CRASH of the save (the others find it gone and fail): the "load" case after it must find
   // the saved state, whichever of the two copies recovery keeps, and nothing of the other. With
-  // ACCEL_RESIZE_RENAMES the save takes the two-rename path (checkpoint_files.hpp). A step this
+  // ACCEL_RESIZE_RENAMES the save takes the two-rename path (checkpoint/files.hpp). A step this
   // filesystem never reaches ("exchanged" where it cannot exchange) says so and passes.
   TEST_CASE("crash: a save that dies on the main process at ACCEL_RESIZE_CRASH") {
     const auto dir = resize_dir();

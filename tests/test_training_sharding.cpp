@@ -150,7 +150,7 @@ TEST_SUITE("ranks") {
     }
   }
 
-  // Large parameters are gathered straight into their storage (dp_units.hpp, gather_params: on Gloo with CPU
+  // Large parameters are gathered straight into their storage (dp/unit_params.hpp, gather_params: on Gloo with CPU
   // tensors, a message per parameter and peer where the bucket's pieces average kPieceBytes or more; the
   // small ones as rows copied out). A unit with a large weight, its bias and a one-element gain (the gain's
   // piece is empty on every process but the first: neither sent nor received there) beside a small head
@@ -227,7 +227,7 @@ TEST_SUITE("ranks") {
       auto messages = [&](int large, int single) {
         return (S - 1) * (large + (me == 0 ? single : 0)) + (S - 1) * large + (me == 0 ? 0 : single);
       };
-      // The reduce-scatter of such a bucket is point to point too (dp_scatter.hpp): the same pieces the
+      // The reduce-scatter of such a bucket is point to point too (dp/scatter.hpp): the same pieces the
       // other way (a piece of one element goes only to the first process), and the used-flags to and
       // from each peer. A bucket through rows: one message to and one from each peer for its all-gather,
       // one c10d all-to-all for its reduce-scatter.
@@ -313,7 +313,7 @@ TEST_SUITE("ranks") {
   }
 
   // No process gathers the whole model to save it: save_state writes each process's pieces
-  // (checkpoint_shards.hpp) and gathers nothing; save_model gathers one unit at a time as the files reach it,
+  // (checkpoint/shards.hpp) and gathers nothing; save_model gathers one unit at a time as the files reach it,
   // which takes that unit's parameters and the rows its all-gather lands in. Deterministic: the counting
   // allocator's peak of live bytes during each save above those live before it, with the engine's pool
   // emptied first (else what it kept from training would serve every unit without an allocation);
@@ -375,7 +375,7 @@ TEST_SUITE("ranks") {
     if (accelerator.is_main_process()) fs::remove_all(dir);
   }
 
-  // The sharding engine allocates its working buffers once (dp_buffers.hpp): from the third step on, a
+  // The sharding engine allocates its working buffers once (dp/buffers.hpp): from the third step on, a
   // sharded step allocates no more than the same step of an unsharded model on one process, apart from
   // what c10d itself stages inside an all-gather and a few scalars. That staging depends on the LibTorch
   // (Gloo on 1.13 gathers into a flat tensor of its own and copies out: one gathered copy; on 2.15 two),
@@ -457,7 +457,7 @@ TEST_SUITE("ranks") {
   // FULL_SHARD's peak within a step, above what it holds between steps (the shards, their gradients and the
   // engine's pool, which already holds the gathered units and a reduce-scatter's receive buffer): the
   // gradients autograd makes whole before they are reduce-scattered. One reduce-scatter is in flight
-  // under FULL_SHARD (dp_scatter.hpp), so at most two units' gradients live at once: the one in flight
+  // under FULL_SHARD (dp/scatter.hpp), so at most two units' gradients live at once: the one in flight
   // and the one being made. With two in flight this step held three. Units of 4 MiB (large pieces: their
   // reduce-scatter sends from the gradients themselves on Gloo); activations and scalars are kilobytes.
   // Then the same under a bf16 MixedPrecisionPolicy (units of 2 MiB gathered in bf16, gradients reduced in
@@ -600,7 +600,7 @@ TEST_SUITE("ranks") {
     }
 
     // A checkpoint: each process's optimizer shard in a file of its own, and
-    // its pieces of the model (checkpoint_shards.hpp); the run resumed from
+    // its pieces of the model (checkpoint/shards.hpp); the run resumed from
     // it goes on bit for bit. save_model/load_model see whole parameters.
     for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
       CAPTURE(accel::to_string(strategy));
@@ -725,7 +725,7 @@ TEST_SUITE("ranks") {
   // (FSDP2's default, reduce_dtype unset), parameters, shards, gradients and Adam's state kept in fp32. Against
   // one process training in fp32 on the global batch: within bf16's precision, and not equal to it (the
   // policy took effect); every replica identical. fc2 (512 x 512, no bias) is large enough at 2 processes
-  // for the point-to-point gather and reduce-scatter (dp_state.hpp's large_pieces), fc1 and fc3 go through
+  // for the point-to-point gather and reduce-scatter (dp/state.hpp's large_pieces), fc1 and fc3 go through
   // rows.
   TEST_CASE("sharding: a MixedPrecisionPolicy computes units in bf16 and keeps fp32 masters") {
     struct NetImpl : torch::nn::Module {
@@ -1206,7 +1206,7 @@ TEST_SUITE("python_fsdp2" * doctest::skip()) {
   }
 }
 
-// accel::FusedAdam / FusedAdamW (fused_adam.hpp): LibTorch's fused kernel,
+// accel::FusedAdam / FusedAdamW (optim/fused_adam.hpp): LibTorch's fused kernel,
 // checked live against Python's Adam(fused=True) / AdamW(fused=True) on the
 // leg's own torch (the same kernel: the same bits), and against
 // torch::optim::Adam / AdamW (another order of rounding: close, not equal).
@@ -1272,6 +1272,58 @@ std::string fused_adam_lines(std::vector<std::vector<at::Tensor>>* out = nullptr
 }  // namespace
 
 TEST_SUITE("single") {
+  // The engine's pool lends buffers by handle, and takes one back only when nothing refers to it: a view of it
+  // that outlives its lease (what autograd saves in a forward), or a data pointer borrowed into it (a unit's
+  // parameter), keeps it from the next request, which gets another buffer; once they go, it is taken again with
+  // no new allocation. A borrowed pointer keeps the memory alive past the pool itself.
+  TEST_CASE("sharding: the pool never lends a buffer that a tensor or a borrowed pointer still refers to") {
+    using accel::detail::dp::BufferPool;
+    const auto f32 = at::TensorOptions(at::kFloat);
+    BufferPool pool;
+    BufferPool::Lease a = pool.take(100, f32);
+    a.tensor().fill_(1.0f);
+    at::Tensor saved = a.tensor().view({10, 10});  // a view that outlives the lease
+    const void* first = a.tensor().data_ptr();
+    a.reset();
+    CHECK_FALSE(a);
+    BufferPool::Lease b = pool.take(100, f32);  // the first buffer is referred to: another one
+    CHECK(b.tensor().data_ptr() != first);
+    CHECK(pool.bytes() == 2 * 100 * 4);
+    b.tensor().fill_(2.0f);
+    CHECK(saved.eq(1.0f).all().item<bool>());  // the saved view still reads its own values
+    const void* second = b.tensor().data_ptr();
+    saved = at::Tensor();
+    b.reset();
+    BufferPool::Lease c = pool.take(90, f32);  // both free now: one of them, nothing allocated
+    CHECK((c.tensor().data_ptr() == first || c.tensor().data_ptr() == second));
+    CHECK(pool.bytes() == 2 * 100 * 4);
+    // A borrowed data pointer: the buffer is not lent again while it lives.
+    const void* lent = c.tensor().data_ptr();
+    c10::DataPtr borrowed = c.borrow(8, c10::Device(c10::kCPU));
+    CHECK(static_cast<const char*>(borrowed.get()) == static_cast<const char*>(lent) + 8);
+    c.reset();
+    BufferPool::Lease d = pool.take(100, f32), e = pool.take(100, f32);
+    CHECK(d.tensor().data_ptr() != lent);
+    CHECK(e.tensor().data_ptr() != lent);  // (a third buffer: the borrowed one stays out)
+    CHECK(pool.bytes() == 3 * 100 * 4);
+    d.reset();
+    e.reset();
+    pool.clear();  // frees the two free buffers; the borrowed one stays
+    CHECK(pool.bytes() == 100 * 4);
+    borrowed = c10::DataPtr();
+    BufferPool::Lease g = pool.take(100, f32);
+    CHECK(g.tensor().data_ptr() == lent);
+    // A pointer borrowed past the pool's end keeps the memory.
+    c10::DataPtr outlives;
+    {
+      BufferPool short_lived;
+      BufferPool::Lease h = short_lived.take(16, f32);
+      h.tensor().fill_(3.0f);
+      outlives = h.borrow(0, c10::Device(c10::kCPU));
+    }
+    CHECK(static_cast<const float*>(outlives.get())[15] == 3.0f);
+  }
+
   TEST_CASE("FusedAdam and FusedAdamW: Python's fused=True bit for bit, torch::optim::Adam's to rounding") {
     if (!accel::detail::has_fused_adam) {
       const std::string refused = what_of([] { accel::FusedAdam adam(std::vector<at::Tensor>{at::zeros({1})}); });

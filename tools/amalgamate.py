@@ -11,13 +11,16 @@ and `@parts TIER@` becomes the parts that include/accel/TIER.hpp lists, in that
 order. Each part is inlined once, under a banner "// == accel/TIER/NAME.hpp",
 without its `#pragma once` and without its includes of other parts.
 
-A part starts with the line "// accel/TIER/NAME.hpp: its title." and includes the
-parts it uses. A part may include only parts listed before it, so the order is a
-dependency order and there is no cycle. A part of the distributed tier reaches
-distributed/torch.hpp through its includes, and one of the training tier
-training/torch_nn.hpp: the LibTorch headers are what puts a part in its tier.
-Anything else stops the script with the reason. The standard library only: this
-runs wherever the tests do.
+A part starts with the line "// accel/TIER/NAME.hpp: its title." (NAME may name a
+folder: accel/training/dp/units.hpp) and includes the parts it uses. The order is
+computed from those includes: each part comes after every part it includes (a
+part of an earlier tier is inlined with its tier), and where the includes leave
+the order open, in the order the umbrella header lists them; a cycle stops the
+script, naming it. The umbrella must list every part of its tier. A part of the
+distributed tier reaches distributed/torch.hpp through its includes, and one of
+the training tier training/torch_nn.hpp: the LibTorch headers are what puts a
+part in its tier. Anything else stops the script with the reason. The standard
+library only: this runs wherever the tests do.
 """
 import argparse
 import pathlib
@@ -37,24 +40,58 @@ class PartError(Exception):
     pass
 
 
-def tier_parts(tier):
-    """The parts include/accel/TIER.hpp lists, in its order."""
+def listed_parts(tier):
+    """The parts include/accel/TIER.hpp lists, in its order; every part of the tier's folder must be there."""
     umbrella = INCLUDE / "accel" / f"{tier}.hpp"
     listed = []
     for line in umbrella.read_text().splitlines():
         m = PART_INCLUDE.match(line)
         if m and m.group(1).startswith(f"accel/{tier}/"):
             listed.append(m.group(1))
-    on_disk = sorted(f"accel/{tier}/{p.name}" for p in (INCLUDE / "accel" / tier).glob("*.hpp"))
+    on_disk = sorted(str(p.relative_to(INCLUDE)) for p in (INCLUDE / "accel" / tier).rglob("*.hpp"))
     unlisted = sorted(set(on_disk) - set(listed))
     if unlisted:
         raise PartError(f"{umbrella.relative_to(ROOT)} does not list {', '.join(unlisted)}")
+    missing = sorted(set(listed) - set(on_disk))
+    if missing:
+        raise PartError(f"{umbrella.relative_to(ROOT)} lists {', '.join(missing)}, which is not a file")
     if len(set(listed)) != len(listed):
         raise PartError(f"{umbrella.relative_to(ROOT)} lists a part twice")
     return listed
 
 
-def read_part(name, earlier):
+def tier_parts(tier, earlier=()):
+    """The parts of a tier in the order accel.hpp inlines them: each after every part it includes, else in
+    the umbrella's order. `earlier`: the parts of the tiers before (included freely)."""
+    listed = listed_parts(tier)
+    includes = {name: read_part(name)[2] for name in listed}
+    for name, used in includes.items():
+        for used_name in used:
+            if used_name not in includes and used_name not in earlier:
+                raise PartError(f"include/{name}: includes {used_name}, which is no part of its tier or of a tier "
+                                f"before it")
+    # Kahn's order: each time, the first part in the umbrella's listing whose includes are all placed.
+    order, waiting = [], list(listed)
+    while waiting:
+        ready = next((name for name in waiting if all(u in order or u not in includes for u in includes[name])), None)
+        if ready is None:
+            raise PartError("the parts include each other in a cycle: " + cycle_among(waiting, includes))
+        order.append(ready)
+        waiting.remove(ready)
+    return order
+
+
+def cycle_among(waiting, includes):
+    """A cycle among the parts not placed (each includes one of the others), as 'a -> b -> a'."""
+    path = [waiting[0]]
+    while True:
+        following = next(u for u in includes[path[-1]] if u in waiting)
+        if following in path:
+            return " -> ".join(path[path.index(following):] + [following])
+        path.append(following)
+
+
+def read_part(name):
     """A part's title, its lines as they go into accel.hpp, and the parts it includes."""
     path = INCLUDE / name
     lines = path.read_text().splitlines()
@@ -69,9 +106,6 @@ def read_part(name, earlier):
             continue
         m = PART_INCLUDE.match(line)
         if m:
-            if m.group(1) not in earlier:
-                raise PartError(f"include/{name}:{number}: includes {m.group(1)}, which is not listed before it "
-                                f"(a cycle, or a part out of order in its tier's umbrella header)")
             includes.append(m.group(1))
             continue
         if re.match(r'^\s*#\s*include\s*["<]accel/', line):  # would reach the include tree from accel.hpp
@@ -97,8 +131,8 @@ def assemble():
     parts = {}  # name -> (title, lines), in order
     reaches = {}  # name -> every part it includes, directly or not
     for tier in TIERS:
-        for name in tier_parts(tier):
-            title, lines, includes = read_part(name, set(parts))
+        for name in tier_parts(tier, set(parts)):
+            title, lines, includes = read_part(name)
             parts[name] = (title, lines)
             reaches[name] = set(includes).union(*(reaches[i] for i in includes))
             check_reaches_tier_base(name, reaches[name])

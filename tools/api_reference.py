@@ -23,6 +23,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 from amalgamate import INCLUDE, TIERS, tier_parts  # noqa: E402  (one order of the parts)
 
+
+def ordered_parts():
+    """Every part, tier by tier, in accel.hpp's order."""
+    parts = []
+    for tier in TIERS:
+        parts += tier_parts(tier, set(parts))
+    return parts
+
+
 OUTPUT = ROOT / "docs" / "api.md"
 PUBLIC_BASES = set()  # classes of accel::detail that a public class derives from (set by render)
 
@@ -208,12 +217,11 @@ def part_api(name):
 
 def render():
     derives = {}  # class -> the classes it derives from publicly
-    for tier in TIERS:
-        for name in tier_parts(tier):
-            text = code_mask((INCLUDE / name).read_text())
-            PUBLIC_BASES.update(re.findall(r"public detail::(\w+)", text))
-            for cls, bases in re.findall(r"\bclass (\w+)\s*(?:final\s*)?:([^{;]*)\{", text):
-                derives.setdefault(cls, set()).update(re.findall(r"public (?:detail::)?(\w+)", bases))
+    for name in ordered_parts():
+        text = code_mask((INCLUDE / name).read_text())
+        PUBLIC_BASES.update(re.findall(r"public detail::(\w+)", text))
+        for cls, bases in re.findall(r"\bclass (\w+)\s*(?:final\s*)?:([^{;]*)\{", text):
+            derives.setdefault(cls, set()).update(re.findall(r"public (?:detail::)?(\w+)", bases))
     # and their own bases, whose public members are the public class's too
     while True:
         more = set().union(*(derives.get(cls, set()) for cls in PUBLIC_BASES)) - PUBLIC_BASES
@@ -234,9 +242,10 @@ def render():
         "What the names do, with examples: the other pages of `docs/`.",
         "",
     ]
+    parts = ordered_parts()
     for tier in TIERS:
         lines += [f"## {tier}", ""]
-        for name in tier_parts(tier):
+        for name in (part for part in parts if part.startswith(f"accel/{tier}/")):
             title, decls = part_api(name)
             if not decls:
                 continue

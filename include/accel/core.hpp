@@ -3,8 +3,8 @@
 // launchers, configuration tools and programs that do not link LibTorch).
 // accel.hpp with ACCEL_CORE_ONLY defined is the same, in one file.
 //
-// The parts are listed in dependency order: tools/amalgamate.py inlines them
-// into accel.hpp in this order and fails if a part includes a later one.
+// tools/amalgamate.py inlines the parts into accel.hpp each after the parts
+// it includes, else in this order.
 #pragma once
 
 // ACCEL_HPP: set by accel.hpp too, so that including both forms in one

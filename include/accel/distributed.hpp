@@ -4,8 +4,8 @@
 // LibTorch's ATen and c10d headers, never <torch/torch.h>. accel.hpp is the
 // same, in one file.
 //
-// The parts are listed in dependency order: tools/amalgamate.py inlines them
-// into accel.hpp in this order and fails if a part includes a later one.
+// tools/amalgamate.py inlines the parts into accel.hpp each after the parts
+// it includes, else in this order.
 #pragma once
 
 #include "accel/core.hpp"
@@ -19,7 +19,13 @@
 #include "accel/distributed/devices.hpp"
 #include "accel/distributed/concepts.hpp"
 #include "accel/distributed/issue.hpp"
+#include "accel/distributed/pending.hpp"
 #include "accel/distributed/staging.hpp"
+#include "accel/distributed/start_gather.hpp"
+#include "accel/distributed/start_reduce.hpp"
+#include "accel/distributed/start_broadcast.hpp"
+#include "accel/distributed/pieces.hpp"
+#include "accel/distributed/debug_check.hpp"
 #include "accel/distributed/registration.hpp"
 #include "accel/distributed/work.hpp"
 #include "accel/distributed/collectives.hpp"

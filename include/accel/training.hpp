@@ -3,8 +3,8 @@
 // checkpoints, safetensors, the Accelerator), which include <torch/torch.h>.
 // accel.hpp with ACCEL_TRAINING defined is the same, in one file.
 //
-// The parts are listed in dependency order: tools/amalgamate.py inlines them
-// into accel.hpp in this order and fails if a part includes a later one.
+// Every part is listed, by family (folder); tools/amalgamate.py inlines them
+// into accel.hpp each after the parts it includes, else in this order.
 #pragma once
 
 #include "accel/distributed.hpp"
@@ -14,42 +14,62 @@
 #ifndef ACCEL_HPP_TRAINING
 #define ACCEL_HPP_TRAINING
 
+// the tier's base: LibTorch, a module's parameters, the Accelerator's configuration, activation checkpointing
 #include "accel/training/torch_nn.hpp"
 #include "accel/training/parameters.hpp"
-#include "accel/training/autograd.hpp"
-#include "accel/training/comm_hooks.hpp"
-#include "accel/training/mixed_precision.hpp"
-#include "accel/training/buckets.hpp"
-#include "accel/training/dp_buffers.hpp"
-#include "accel/training/dp_state.hpp"
-#include "accel/training/dp_scatter.hpp"
-#include "accel/training/dp_reducer.hpp"
-#include "accel/training/dp_units.hpp"
-#include "accel/training/dp_shards.hpp"
-#include "accel/training/data_parallel.hpp"
-#include "accel/training/sampler.hpp"
-#include "accel/training/dispatch.hpp"
-#include "accel/training/loaders.hpp"
-#include "accel/training/grad_scaler.hpp"
-#include "accel/training/fused_adam.hpp"
-#include "accel/training/config.hpp"
-#include "accel/training/file_digest.hpp"
-#include "accel/training/checked_file.hpp"
-#include "accel/training/checkpoint_files.hpp"
-#include "accel/training/safetensors.hpp"
-#include "accel/training/prepared.hpp"
-#include "accel/training/checkpoint_reshard.hpp"
-#include "accel/training/checkpoint_world.hpp"
-#include "accel/training/checkpoint_shards.hpp"
-#include "accel/training/checkpoint_state.hpp"
-#include "accel/training/join.hpp"
-#include "accel/training/trackers.hpp"
-#include "accel/training/weights.hpp"
-#include "accel/training/autocast.hpp"
-#include "accel/training/checkpoint.hpp"
-#include "accel/training/accelerator_setup.hpp"
-#include "accel/training/accelerator_preparing.hpp"
-#include "accel/training/process_operations.hpp"
-#include "accel/training/accelerator.hpp"
+#include "accel/training/accelerator_config.hpp"
+#include "accel/training/recompute.hpp"
+
+// autograd-aware collectives (tensor and context parallelism)
+#include "accel/training/parallel/autograd.hpp"
+
+// precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy
+#include "accel/training/precision/autocast.hpp"
+#include "accel/training/precision/grad_scaler.hpp"
+#include "accel/training/precision/policy.hpp"
+
+// optimizers
+#include "accel/training/optim/fused_adam.hpp"
+
+// data: the sampler, dispatching batches, prepared loaders
+#include "accel/training/data/sampler.hpp"
+#include "accel/training/data/dispatch.hpp"
+#include "accel/training/data/loaders.hpp"
+
+// data parallelism: DataParallel and its ZeRO-2/ZeRO-3 engine, joins
+#include "accel/training/dp/comm_hooks.hpp"
+#include "accel/training/dp/buckets.hpp"
+#include "accel/training/dp/buffers.hpp"
+#include "accel/training/dp/state.hpp"
+#include "accel/training/dp/scatter.hpp"
+#include "accel/training/dp/reducer.hpp"
+#include "accel/training/dp/unit_plan.hpp"
+#include "accel/training/dp/unit_params.hpp"
+#include "accel/training/dp/units.hpp"
+#include "accel/training/dp/shards.hpp"
+#include "accel/training/dp/data_parallel.hpp"
+#include "accel/training/accelerator/join.hpp"
+
+// files: JSON, XXH64 digests, checked writes, safetensors
+#include "accel/training/io/json.hpp"
+#include "accel/training/io/file_digest.hpp"
+#include "accel/training/io/checked_file.hpp"
+#include "accel/training/io/safetensors.hpp"
+
+// checkpoints and exported weights
+#include "accel/training/checkpoint/prepared.hpp"
+#include "accel/training/checkpoint/files.hpp"
+#include "accel/training/checkpoint/world.hpp"
+#include "accel/training/checkpoint/reshard.hpp"
+#include "accel/training/checkpoint/shards.hpp"
+#include "accel/training/checkpoint/state.hpp"
+#include "accel/training/checkpoint/weights.hpp"
+
+// the Accelerator
+#include "accel/training/accelerator/trackers.hpp"
+#include "accel/training/accelerator/setup.hpp"
+#include "accel/training/accelerator/preparing.hpp"
+#include "accel/training/accelerator/process_operations.hpp"
+#include "accel/training/accelerator/accelerator.hpp"
 
 #endif  // ACCEL_HPP_TRAINING

@@ -8,7 +8,7 @@ Each pair is checked in turn, on a model and an optimizer of its own (one
 start of Python for several checkpoints: importing torch is most of a run).
 
 CHECKPOINT holds what each saving process wrote of the test's Mlp(4, 16, 1)
-and of its Adam's state (checkpoint_shards.hpp: safetensors with
+and of its Adam's state (checkpoint/shards.hpp: safetensors with
 DCP_SHARDING_INFO); WHOLE/model.safetensors the same model gathered
 (Accelerator::save_model) and WHOLE/optimizer.safetensors Adam's state
 gathered, under the checkpoint's names. On one process the model is plain;

@@ -163,7 +163,7 @@ auto start_reduce_scatter(c10d::ProcessGroup& group, const T& data, ReduceOp op)
 // The S rows of `rows` folded into `out`, which the caller keeps: a SUM
 // of float or double in place, in the kernel fold_rows uses, so the result
 // is the same; anything else as fold_rows does, copied in. (Also the fold
-// of the sharding engine's point-to-point reduce-scatter, dp_scatter.hpp.)
+// of the sharding engine's point-to-point reduce-scatter, dp/scatter.hpp.)
 inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op) {
   at::NoGradGuard no_grad;
   const c10::ScalarType dtype = rows.scalar_type();
@@ -174,7 +174,7 @@ inline void fold_rows_into(const at::Tensor& rows, at::Tensor& out, ReduceOp op)
 }
 
 // reduce_scatter of a 1-d tensor into buffers the caller keeps and reuses
-// (the sharding engine's gradient buckets, dp_scatter.hpp): the all-to-all
+// (the sharding engine's gradient buckets, dp/scatter.hpp): the all-to-all
 // lands in `received` (data's size), and the fold of its S rows goes into
 // `out` (data's size / S), by fold_rows_into.
 inline auto start_reduce_scatter_into(c10d::ProcessGroup& group, const at::Tensor& data, const at::Tensor& received,

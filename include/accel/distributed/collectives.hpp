@@ -1,6 +1,9 @@
 // accel/distributed/collectives.hpp: all_reduce, broadcast, all_gather and their _async forms.
 #pragma once
 
+#include "accel/distributed/debug_check.hpp"
+#include "accel/distributed/start_broadcast.hpp"
+#include "accel/distributed/start_reduce.hpp"
 #include "accel/distributed/work.hpp"
 
 ACCEL_NAMESPACE_BEGIN

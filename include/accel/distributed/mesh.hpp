@@ -7,7 +7,7 @@
 #pragma once
 
 #include "accel/distributed/registration.hpp"
-#include "accel/distributed/staging.hpp"
+#include "accel/distributed/debug_check.hpp"
 #include "accel/distributed/rendezvous.hpp"
 
 ACCEL_NAMESPACE_BEGIN

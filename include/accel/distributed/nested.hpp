@@ -10,7 +10,7 @@
 // whole structure in as few collectives as its dtypes allow.
 #pragma once
 
-#include "accel/distributed/staging.hpp"
+#include "accel/distributed/debug_check.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

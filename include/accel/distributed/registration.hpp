@@ -9,7 +9,7 @@
 #pragma once
 
 #include "accel/distributed/issue.hpp"
-#include "accel/distributed/staging.hpp"
+#include "accel/distributed/debug_check.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

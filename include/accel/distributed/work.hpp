@@ -5,7 +5,8 @@
 // same order), and return an accel::Work<R> instead of R.
 #pragma once
 
-#include "accel/distributed/staging.hpp"
+#include "accel/distributed/pending.hpp"
+#include "accel/distributed/pieces.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -16,7 +17,7 @@ class WorkCore {
  public:
   WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
-    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, staging.hpp)
+    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, pieces.hpp)
     // report completion only from inside wait() (their isCompleted() stays
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once

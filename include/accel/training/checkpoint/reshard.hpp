@@ -1,0 +1,224 @@
+// accel/training/checkpoint/reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
+//
+// Under sharding each process saves its own optimizer state
+// (optimizer_rank<k>.pt): for every sharded parameter of n elements, piece
+// k of its flattened values, ceil(n / S) elements (S: the shard group's
+// size; the last piece padded with zeros), as DataParallel shards it. With
+// the model mesh row-major (mp_replicate, mp_shard), process k holds piece
+// k mod S, so processes 0 .. S-1 hold every piece once. A run that shards
+// another way (another S, another number of processes, NO_SHARD or one
+// process, whose optimizer.pt is whole) needs other pieces: this part
+// builds this process's from the saved ones, reading only the first file
+// and those whose pieces overlap its own, and gives it to Optimizer::load as the archive it
+// would have saved (torch/optim/serialize.h's layout).
+//
+// The rule for a tensor of a parameter's state (Adam's exp_avg, SGD's
+// momentum_buffer, ...): one of the saved piece's size is a piece, one of
+// the parameter's shape is whole; anything else (a step count, a scalar)
+// is the same on every process and is taken from the first file as saved.
+// Where this run does not shard a parameter, its state comes back whole, in
+// the parameter's shape.
+#pragma once
+
+#include "accel/training/checkpoint/files.hpp"
+#include "accel/training/checkpoint/prepared.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A position of an optimizer's parameter list (group after group), as this
+// run holds it: the whole parameter and, where sharded, which piece of how
+// many elements this process keeps (piece -1: whole).
+struct OptimizerSlot {
+  at::Tensor whole;
+  int64_t piece = -1, length = 0;
+  // The elements [begin, end) of the flattened parameter this process keeps.
+  int64_t begin() const { return piece < 0 ? 0 : std::min(whole.numel(), piece * length); }
+  int64_t end() const { return piece < 0 ? whole.numel() : std::min(whole.numel(), begin() + length); }
+};
+
+inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
+  std::map<const c10::TensorImpl*, OptimizerSlot> sharded;  // a shard -> its parameter and piece
+  for (const auto& m : set.models)
+    if (m.data_parallel && m.data_parallel->sharded())
+      for (const auto& p : m.module->parameters()) {
+        const at::Tensor shard = m.data_parallel->shard_of(p);
+        if (shard.defined())
+          sharded[shard.unsafeGetTensorImpl()] = {p, m.data_parallel->shard_group()->getRank(), shard.numel()};
+      }
+  std::vector<OptimizerSlot> slots;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      const auto found = sharded.find(p.unsafeGetTensorImpl());
+      slots.push_back(found != sharded.end() ? found->second : OptimizerSlot{p, -1, p.numel()});
+    }
+  return slots;
+}
+
+// A checkpoint file read as an archive (checked and parsed by the caller),
+// with its path for errors.
+struct OpenedArchive {
+  std::string file;
+  torch::serialize::InputArchive archive;
+};
+
+// One saved optimizer file, read: its archive, and for each position its
+// state's archive (none where the parameter had no state yet).
+struct SavedOptimizer {
+  std::string file;
+  torch::serialize::InputArchive archive;
+  std::vector<std::optional<torch::serialize::InputArchive>> states;
+};
+
+inline SavedOptimizer read_saved_optimizer(OpenedArchive opened, std::size_t slots) {
+  SavedOptimizer saved{.file = std::move(opened.file), .archive = std::move(opened.archive), .states = {}};
+  try {
+    torch::serialize::InputArchive state, groups;
+    saved.archive.read("state", state);
+    saved.archive.read("param_groups", groups);
+    at::Tensor count;
+    groups.read("param_groups/size", count);
+    for (int64_t g = 0; g < count.item<int64_t>(); ++g) {
+      torch::serialize::InputArchive group;
+      groups.read("param_groups/" + std::to_string(g), group);
+      at::Tensor size;
+      group.read("params/size", size);
+      for (int64_t j = 0; j < size.item<int64_t>(); ++j) {
+        c10::IValue key;
+        group.read("params/" + std::to_string(j), key);
+        torch::serialize::InputArchive own;
+        saved.states.push_back(state.try_read(key.toStringRef(), own) ? std::optional(std::move(own)) : std::nullopt);
+      }
+    }
+  } catch (const std::exception& e) {
+    throw RuntimeError("cannot read " + saved.file + " as an optimizer's state: " + error_text(e));
+  }
+  if (saved.states.size() != slots)
+    throw RuntimeError(saved.file + " holds the state of " + std::to_string(saved.states.size()) +
+                       " parameters; this run's optimizer has " + std::to_string(slots));
+  return saved;
+}
+
+// Elements [begin, end) of a parameter's flattened values into `out` (from
+// its offset 0), out of the saved pieces (each `stride` elements: piece k
+// starts at k * stride; undefined: not read, as not overlapping) or one
+// whole tensor (stride n).
+inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, int64_t begin, int64_t end,
+                       at::Tensor& out) {
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (!pieces[k].defined()) continue;
+    const int64_t from = std::max(begin, static_cast<int64_t>(k) * stride),
+                  to = std::min(end, (static_cast<int64_t>(k) + 1) * stride);
+    if (from < to)
+      out.narrow(0, from - begin, to - from)
+          .copy_(pieces[k].reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
+  }
+}
+
+// The saved state of optimizer `index` as this process's optimizer takes it
+// (an archive for Optimizer::load and load_group_options). `saved_shards`:
+// how many pieces the saving run cut each parameter into (1: whole, in
+// `open(0)`); `open(k)`: the file of the process that held piece k.
+inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
+    const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
+    const std::function<OpenedArchive(int64_t)>& open) {
+  torch::optim::Optimizer& optimizer = *set.optimizers[index];
+  const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
+  // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
+  std::set<int64_t> needed{0};
+  for (const auto& slot : slots) {
+    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
+    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
+      needed.insert(k);
+  }
+  std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
+  for (const int64_t k : needed) files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
+  SavedOptimizer& first = *files[0];
+
+  torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
+  c10::IValue version;
+  first.archive.read("pytorch_version", version);
+  out.write("pytorch_version", version);
+  // The groups as the first file has them (its keys name the states below), options included.
+  torch::serialize::InputArchive saved_groups;
+  first.archive.read("param_groups", saved_groups);
+  at::Tensor group_count;
+  saved_groups.read("param_groups/size", group_count);
+  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
+    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
+                       " parameter groups; this run's optimizer has " +
+                       std::to_string(optimizer.param_groups().size()));
+  groups.write("param_groups/size", group_count);
+  std::size_t position = 0;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    torch::serialize::InputArchive saved_group, saved_options;
+    saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+    torch::serialize::OutputArchive group(out.compilation_unit()), options(out.compilation_unit());
+    at::Tensor size;
+    saved_group.read("params/size", size);
+    if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
+      throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
+                         std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
+                         std::to_string(optimizer.param_groups()[g].params().size()));
+    group.write("params/size", size);
+    for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
+      c10::IValue key;
+      saved_group.read("params/" + std::to_string(j), key);
+      group.write("params/" + std::to_string(j), key);
+      if (!first.states[position]) continue;  // no state yet (never stepped)
+      const OptimizerSlot& slot = slots[position];
+      const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+      torch::serialize::InputArchive& saved_state = *first.states[position];
+      torch::serialize::OutputArchive own(out.compilation_unit());
+      for (const std::string& field : saved_state.keys()) {
+        c10::IValue value;
+        saved_state.read(field, value);
+        const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+        const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
+        const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
+        if (!whole && !piece) {  // the same on every process: as saved
+          own.write(field, value);
+          continue;
+        }
+        std::vector<at::Tensor> sources(piece ? files.size() : 1);
+        for (std::size_t k = 0; k < sources.size(); ++k) {
+          if (!files[k]) continue;
+          c10::IValue other;
+          if (k == 0) other = value;
+          else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
+                   !other.isTensor() || other.toTensor().numel() != stride)
+            throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
+                               " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
+          sources[k] = other.toTensor();
+        }
+        at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
+        copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
+        own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
+      }
+      state.write(key.toStringRef(), own);
+    }
+    // The options through the optimizer's own options type (what they are is the optimizer's business).
+    saved_group.read("options", saved_options);
+    const auto& current = optimizer.param_groups()[g];
+    std::unique_ptr<torch::optim::OptimizerOptions> copy =
+        (current.has_options() ? current.options() : optimizer.defaults()).clone();
+    copy->serialize(saved_options);
+    copy->serialize(options);
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  if (position != slots.size())
+    throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
+                       " parameters; this run's optimizer has " + std::to_string(slots.size()));
+  out.write("state", state);
+  out.write("param_groups", groups);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string held = std::move(bytes).str();
+  auto archive = std::make_unique<torch::serialize::InputArchive>();
+  archive->load_from(held.data(), held.size(), device);
+  return archive;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END

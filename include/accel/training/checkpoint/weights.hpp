@@ -1,0 +1,335 @@
+// accel/training/checkpoint/weights.hpp: save_model and load_model: a module's weights as Hugging Face's safetensors.
+//
+// Usable without an Accelerator: every process calls them (each is a
+// collective over the world when distributed), global rank 0 writes, and
+// an error on any process is thrown on every process.
+#pragma once
+
+#include "accel/training/checkpoint/files.hpp"
+#include "accel/training/io/safetensors.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+// A tensor and its name (one state_dict entry).
+using NamedTensor = std::pair<std::string, at::Tensor>;
+
+// A state-dict adapter (torchtitan's StateDictAdapter, to_hf / from_hf),
+// tensor by tensor: how save_model writes the model's tensors in another
+// layout, such as a Hugging Face model's (other names; GPT-2's Conv1D
+// weights, [in, out] where a Linear holds [out, in]), and how load_model
+// reads them back. An empty function takes each tensor as it is.
+struct StateDictAdapter {
+  // save_model: one of the model's state_dict entries (its name, its whole
+  // values) as the file holds it, or nullopt to leave it out (a tied copy
+  // Hugging Face does not store). The name and the result's dtype and shape
+  // must follow from the name, dtype and shape alone: save_model learns
+  // them by calling it on a meta tensor before any values are gathered.
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> to_file{};
+  // load_model: one of the file's tensors as the model holds it (the
+  // inverse), or nullopt for a tensor the model has no place for.
+  std::function<std::optional<NamedTensor>(const std::string& name, const at::Tensor& value)> from_file{};
+};
+
+struct SaveModelOptions {
+  // Above this many bytes, several files and an index (Accelerate's default, 10 GB).
+  uint64_t max_shard_bytes = 10'000'000'000;
+  StateDictAdapter adapter{};
+};
+struct LoadModelOptions {
+  StateDictAdapter adapter{};
+};
+
+namespace detail {
+// A tensor with `t`'s dtype and shape and no storage (the device "meta").
+inline at::Tensor meta_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+}
+
+// What save_model writes for each of the model's state_dict entries: the
+// file's name and a meta tensor of the file's dtype and shape, with the
+// model's entry the values come from.
+struct PlannedTensor {
+  NamedTensor file;
+  NamedTensor model;
+};
+inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter) {
+  std::vector<PlannedTensor> out;
+  std::map<std::string, std::string> from;  // a file name -> the model's name it came from
+  for (auto& named : state_dict(module)) {
+    std::optional<NamedTensor> file;
+    if (!adapter.to_file) {
+      file = NamedTensor(named.first, meta_like(named.second));
+    } else {
+      try {
+        file = adapter.to_file(named.first, meta_like(named.second));
+      } catch (const std::exception& e) {
+        throw InvalidArgument("accel::save_model: the adapter's to_file failed for '" + named.first +
+                              "' on a meta tensor (it is called on one first, to learn the file's names, dtypes and "
+                              "shapes before any values are gathered; it must not read values): " +
+                              e.what());
+      }
+      if (!file) continue;
+      if (file->first.empty())
+        throw InvalidArgument("accel::save_model: the adapter's to_file gave '" + named.first +
+                              "' an empty name (nullopt leaves a tensor out)");
+    }
+    if (const auto [at, fresh] = from.emplace(file->first, named.first); !fresh)
+      throw InvalidArgument("accel::save_model: the adapter's to_file gives '" + at->second + "' and '" + named.first +
+                            "' the same name, '" + file->first + "'");
+    out.push_back({std::move(*file), std::move(named)});
+  }
+  return out;
+}
+
+// save_model's work on `module`'s state_dict. whole(t) gives a tensor's
+// values when its turn comes (an Accelerator's FULL_SHARD model gathers
+// them unit by unit there, a collective); every process calls it for every
+// tensor in the same order, the main process writes, and an error there
+// (a full disk) still lets the others finish their calls before every
+// process throws it.
+inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
+                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
+  namespace fs = std::filesystem;
+  if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  using Named = std::vector<NamedTensor>;
+  std::vector<Named> shards(1);                      // the files' tensors (names, dtypes and shapes: meta tensors)
+  std::vector<std::vector<NamedTensor>> sources(1);  // the model's entry of each, whose values whole() gives
+  uint64_t in_shard = 0, total = 0;
+  for (auto& planned : planned_tensors(module, options.adapter)) {
+    const at::Tensor& t = planned.file.second;
+    const uint64_t bytes = t.numel() * t.element_size();
+    if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) {
+      shards.emplace_back();
+      sources.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(std::move(planned.file));
+    sources.back().push_back(std::move(planned.model));
+    in_shard += bytes;
+    total += bytes;
+  }
+  // The values of the file's tensor i of file k, through the adapter, checked against the plan.
+  auto file_values = [&](std::size_t k, std::size_t i) -> at::Tensor {
+    const auto& [name, model_tensor] = sources[k][i];
+    const at::Tensor values = whole(model_tensor);
+    if (!options.adapter.to_file) return values;
+    const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
+    const NamedTensor& planned = shards[k][i];
+    if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
+        file->second.sizes() != planned.second.sizes())
+      throw RuntimeError(
+          "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
+          (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
+                : std::string("nullopt")) +
+          " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
+          c10::str(planned.second.sizes()) +
+          " on a meta tensor of its dtype and shape: name, dtype and shape must follow from "
+          "those alone");
+    return file->second;
+  };
+  const bool writes = accel::get_rank() == 0;
+  std::string error;
+  if (writes)
+    error = error_of([&] {
+      fs::create_directories(path);
+      if (shards.size() == 1) fs::remove(path / "model.safetensors.index.json");  // it would be read first
+    });
+  std::set<std::string> written;
+  std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    char name[64];
+    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
+    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    std::size_t next = 0;  // the file's tensors whose values were asked for
+    auto values = [&](std::size_t i) {
+      next = i + 1;
+      return file_values(k, i);
+    };
+    if (writes && error.empty())
+      error = error_of([&] {
+        write_safetensors(path / name, shards[k], {}, values);
+        written.insert(name);
+        for (const auto& named : shards[k]) weight_map[named.first] = name;
+      });
+    // The other processes, and the main one after an error: the gathers only (whole() is a collective where
+    // the model is sharded; the adapter is the writer's).
+    for (; next < shards[k].size(); ++next) whole(sources[k][next].second);
+  }
+  if (writes && error.empty())
+    error = error_of([&] {
+      if (shards.size() > 1) {
+        std::string index =
+            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
+        for (const auto& [tensor, file] : weight_map)
+          index +=
+              std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
+        index += "\n  }\n}\n";
+        write_file_atomically(path / "model.safetensors.index.json", [&](CheckedFile& out) { out.write(index); });
+        written.insert("model.safetensors.index.json");
+      }
+      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
+        const std::string file = entry.path().filename().string();
+        const bool ours = file == "model.safetensors" || file == "model.safetensors.index.json" ||
+                          (file.starts_with("model-") && file.ends_with(".safetensors"));
+        if (ours && !written.count(file)) fs::remove(entry.path());
+      }
+      fsync_path(path);
+    });
+  fail_together(error, "accel::save_model");
+}
+}  // namespace detail
+
+// Writes the model's weights as Hugging Face does, for Python (and
+// load_model) to read: dir/model.safetensors with the state_dict's names as
+// keys ("body.0.weight"; parameters and buffers; a tied tensor under each of
+// its names, as Python's state_dict), or, above options.max_shard_bytes
+// (Accelerate's default, 10 GB), dir/model-0000k-of-0000n.safetensors plus
+// dir/model.safetensors.index.json. options.adapter renames, transforms or
+// leaves out tensors on the way (a Hugging Face layout). The main process
+// writes; every process calls it (and gets any error). Each file is written
+// whole under a temporary name, then renamed; the other layout's files of
+// an earlier save in dir are removed. It writes the parameters as they
+// are: a model sharded by an Accelerator goes through
+// Accelerator::save_model, which gathers them unit by unit (or hold a
+// DataParallel::summon_full_params() around this).
+template <class ModuleHolder>
+void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
+  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
+                       [](const at::Tensor& t) { return t; });
+}
+// (the same, options.max_shard_bytes given alone)
+template <class ModuleHolder>
+void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
+  save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
+}
+
+namespace detail {
+// Every tensor of a safetensors model directory (one file, or shards and an
+// index, as save_model and Hugging Face write it), by name; `where` gets
+// the file that names them, for errors.
+inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+  namespace fs = std::filesystem;
+  std::map<std::string, at::Tensor> loaded;
+  auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
+    for (auto& [name, tensor] : read_safetensors(file)) {
+      if (weight_map) {
+        const auto mapped = weight_map->find(name);
+        if (mapped == weight_map->end() || mapped->second != file.filename().string())
+          throw RuntimeError(file.string() + " holds " + name + ", which the index does not place there");
+      }
+      if (!loaded.emplace(name, std::move(tensor)).second)
+        throw RuntimeError(file.string() + ": " + name + " is in two files");
+    }
+  };
+  const fs::path index_file = path / "model.safetensors.index.json";
+  where = (path / "model.safetensors").string();
+  if (!fs::exists(index_file)) {
+    take(path / "model.safetensors", nullptr);
+    return loaded;
+  }
+  where = index_file.string();
+  std::ifstream in(index_file);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const Json doc = JsonReader(text, where).document();
+  const Json* map = doc.find("weight_map");
+  if (!map || map->kind != Json::Kind::Object) throw RuntimeError(where + " has no weight_map object");
+  std::map<std::string, std::string> weight_map;
+  for (std::size_t field = 0; field < map->keys.size(); ++field) {
+    const std::string& name = map->keys[field];
+    const Json& file = map->values[field];
+    if (file.kind != Json::Kind::String || file.text.find('/') != std::string::npos || file.text == "..")
+      throw RuntimeError(where + ": the file of " + name + " is not a file name in " + path.string());
+    weight_map[name] = file.text;
+  }
+  std::set<std::string> files;
+  for (const auto& entry : weight_map) files.insert(entry.second);
+  for (const std::string& file : files) take(path / file, &weight_map);
+  for (const auto& entry : weight_map)
+    if (!loaded.count(entry.first))
+      throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+  return loaded;
+}
+
+// The file's tensors under the model's names, through the adapter's from_file.
+inline std::map<std::string, at::Tensor> adapted_from_file(std::map<std::string, at::Tensor> file,
+                                                           const StateDictAdapter& adapter) {
+  if (!adapter.from_file) return file;
+  std::map<std::string, at::Tensor> out;
+  std::map<std::string, std::string> from;  // a model name -> the file's name it came from
+  for (auto& [name, tensor] : file) {
+    std::optional<NamedTensor> model = adapter.from_file(name, tensor);
+    if (!model) continue;
+    if (const auto [at, fresh] = from.emplace(model->first, name); !fresh)
+      throw RuntimeError("the adapter's from_file gives '" + at->second + "' and '" + name + "' the same name, '" +
+                         model->first + "'");
+    out.emplace(std::move(model->first), std::move(model->second));
+  }
+  return out;
+}
+
+// The model's state_dict entries that `loaded` must fill: a tied tensor
+// (one tensor under several names, GPT-2's wte and lm_head) needs one of
+// its names there, as Hugging Face stores it once; where it has several,
+// their values must agree.
+inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
+                                                const std::map<std::string, at::Tensor>& loaded,
+                                                const std::string& where) {
+  std::vector<NamedTensor> out;
+  std::map<const c10::TensorImpl*, std::string> filled;  // a tied tensor -> the name that fills it
+  std::set<const c10::TensorImpl*> tied;
+  {
+    std::set<const c10::TensorImpl*> seen;
+    for (const auto& [name, t] : state_dict(module))
+      if (!seen.insert(t.unsafeGetTensorImpl()).second) tied.insert(t.unsafeGetTensorImpl());
+  }
+  for (auto& [name, t] : state_dict(module)) {
+    const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    const auto found = loaded.find(name);
+    if (!tied.count(impl)) {
+      out.emplace_back(name, t);
+    } else if (found != loaded.end()) {
+      if (const auto [first, fresh] = filled.emplace(impl, name); !fresh) {
+        const at::Tensor& other = loaded.at(first->second);
+        if (other.sizes() == found->second.sizes() && other.scalar_type() == found->second.scalar_type() &&
+            !at::equal(other, found->second))
+          throw RuntimeError(where + ": " + first->second + " and " + name +
+                             " are one tensor in the model (tied), and differ there");
+      }
+      out.emplace_back(name, t);
+    }
+  }
+  for (auto& [name, t] : state_dict(module))  // a tied tensor with none of its names there: each is missing
+    if (tied.count(t.unsafeGetTensorImpl()) && !filled.count(t.unsafeGetTensorImpl())) out.emplace_back(name, t);
+  return out;
+}
+}  // namespace detail
+
+// Reads weights written by save_model or by Python (safetensors' save_file,
+// save_pretrained / save_model, sharded or not) into the model, on every
+// process. options.adapter's from_file renames and transforms the file's
+// tensors first (the inverse of save_model's to_file). Everything is read
+// and checked before anything is copied: each of the model's parameters
+// and buffers must be there with its dtype and shape (a tied one under one
+// of its names at least), and nothing else; otherwise every process
+// throws, naming the file and the tensors. A sharded model:
+// Accelerator::load_model.
+template <class ModuleHolder>
+void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
+  const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
+  std::vector<NamedTensor> expected;
+  std::map<std::string, at::Tensor> loaded;
+  const std::string error = detail::error_of([&] {
+    std::string where;
+    loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
+    expected = detail::entries_to_fill(*model.ptr(), loaded, where);
+    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+    for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+    if (const std::string why = detail::misfit(expected, held); !why.empty())
+      throw RuntimeError(where + " does not fit the model:" + why);
+  });
+  detail::fail_together(error, "accel::load_model");
+  torch::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+}
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,414 @@
+// accel/training/dp/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
+#pragma once
+
+#include "accel/distributed/operations.hpp"
+#include "accel/training/dp/buckets.hpp"
+#include "accel/training/dp/reducer.hpp"
+#include "accel/training/dp/shards.hpp"
+#include "accel/training/dp/units.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+// Data parallelism for one module on one group, the DistributedDataParallel
+// design: parameters and buffers are broadcast from the group's rank 0;
+// gradients are averaged in buckets (DDP's assignment: one dtype and device
+// each, the first at least 1 MiB, then at least bucket_bytes, in reverse
+// parameter order, roughly the order backward produces them; see
+// accel/training/dp/buckets.hpp). A
+// post-hook on each parameter's gradient accumulator marks it ready; a full
+// bucket is flattened and its all-reduce issued at once, asynchronously,
+// while backward goes on; finish() waits for them and writes the averages
+// back into the gradients, before the optimizer step.
+//
+// Unused parameters are handled as DDP with find_unused_parameters, without
+// its extra collective: each bucket carries, after the gradients, one flag
+// per parameter (did this rank produce its gradient since the last sync?),
+// summed with the gradients. A parameter no rank used keeps its .grad as it
+// was (undefined stays undefined, as in local training); one used anywhere
+// gets the average, zeros counted for the ranks that did not use it.
+// A backward in which none of the module's parameters got a gradient (the
+// loss came from another model) issues nothing and leaves the module alone.
+//
+// Sharded (ZeRO-2, FSDP's SHARD_GRAD_OP), given a shard group of S ranks:
+// every parameter is cut into S equal chunks (the last padded with zeros)
+// and rank r keeps chunk r as its shard, a tensor of its own that the
+// optimizer steps instead of the parameter (Accelerator::prepare puts the
+// shards into the optimizer's groups), so optimizer state is 1/S. A
+// bucket's gradients are reduce-scattered instead of all-reduced, laid out
+// rank after rank so that each rank receives its chunk of every parameter
+// (and every used-flag), averaged along a replicate group too where there
+// is one (HSDP), and written to the shards' gradients. After the optimizer
+// steps the shards, gather_shards() all-gathers them into every parameter and
+// releases the parameters' gradients.
+//
+// Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
+// parameters of each unit (a submodule) hold no memory at rest. LibTorch
+// modules have no forward hooks, so a unit runs through accel::unit_forward
+// (see below), which gathers its parameters from the shards (waiting for a
+// prefetch where one was issued, and prefetching the unit that came next in
+// the last forward), runs its forward and frees them again. Autograd hooks
+// on the unit's output and inputs gather them once more before the unit's
+// backward (prefetching the unit before it) and free them after it; each
+// unit is a bucket of its own, reduce-scattered as soon as its gradients
+// are complete, and the parameters' gradients are released right then (the
+// shards' gradients accumulate instead). Parameters in no unit (the root's
+// own) are sharded as under ZeRO-2. Freed storage is LibTorch's error on use
+// ("storage of size 0", "data is not allocated"), never stale values;
+// summon_full_params() gathers everything for as long as it lives
+// (checkpoints, exports, inspection).
+//
+// The class owns the state (dp/state.hpp) and keeps the API; the work is
+// in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
+// dp/unit_plan.hpp, dp/unit_params.hpp, dp/units.hpp (ZeRO-3), on that
+// state.
+//
+// On a GPU, streams as DDP: a bucket is flattened on the stream its
+// gradients were made on, and c10d runs its collective on a stream of its
+// own (NCCL's; Gloo's copies to and from the host) once that stream has
+// reached it; finish() makes the current stream wait for the reduction,
+// and the host waits for nothing: the used-flags are written without it,
+// and read back only where this rank left a parameter unused (dp/state.hpp;
+// the cuda case "gpu: DataParallel's backward ..." proves it under CUDA's
+// sync debug mode).
+//
+// Why not LibTorch's own c10d::Reducer (the engine of Python's DDP)? Its
+// header includes torch/csrc/distributed/autograd/context/context.h, which
+// Debian's libtorch-dev does not ship, so it cannot be included there.
+class DataParallel {
+ public:
+  static constexpr int64_t kFirstBucketBytes = 1 << 20;  // as torch's DDP
+
+  // group: where parameters are broadcast from, and gradients averaged over
+  // when not sharded. shard (of more than one rank): shard along it, and
+  // average along replicate as well when given. units (sharded only):
+  // submodules whose parameters are sharded at rest (FULL_SHARD). policy
+  // (sharded only): the dtypes units compute and gradients reduce in (see
+  // MixedPrecisionPolicy). A tensor registered in several modules (tied
+  // weights) is one parameter, as in Python's parameters().
+  DataParallel(const std::shared_ptr<torch::nn::Module>& module, GroupPtr group, int64_t bucket_bytes,
+               GroupPtr shard = {}, GroupPtr replicate = {},
+               const std::vector<std::shared_ptr<torch::nn::Module>>& units = {}, MixedPrecisionPolicy policy = {})
+      : module_(module), state_(std::make_shared<detail::dp::State>()) {
+    state_->group = std::move(group);
+    if (!state_->group) return;  // not distributed: plain local training
+    if (shard && shard->getSize() > 1) {
+      state_->shard = std::move(shard);
+      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
+      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
+    } else {
+      state_->replicas = state_->group->getSize();
+    }
+    state_->names = detail::ParameterNames(*module_);
+    sync_module_states();
+    std::vector<at::Tensor> params;
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
+      if (p.requires_grad()) params.push_back(p);
+    std::reverse(params.begin(), params.end());
+    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
+                                       : std::vector<int64_t>(params.size(), -1);
+    std::vector<detail::BucketInput> inputs;
+    for (std::size_t k = 0; k < params.size(); ++k)
+      inputs.push_back(
+          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+    for (const auto& indices :
+         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
+      const at::Tensor& first = params[indices.front()];
+      detail::dp::Bucket bucket{
+          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
+      bucket.unit = unit_of[indices.front()];
+      if (bucket.unit >= 0)
+        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
+      for (std::size_t k : indices) {
+        bucket.params.push_back(params[k]);
+        bucket.used.push_back(0);
+        bucket.seen.push_back(0);
+        bucket.packing.add(params[k]);
+      }
+      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
+      accumulators_.resize(accumulators_.size() + bucket.params.size());
+      state_->buckets.push_back(std::move(bucket));
+    }
+    if (state_->shard) detail::dp::make_shards(*state_);
+    if (policy.active()) detail::dp::apply_policy(*state_, policy);
+    if constexpr (detail::dp::refuses_at_rest<>)
+      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
+    {
+      const detail::dp::Locked held(*state_);
+      for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::release(held, u);  // at rest: the shards only
+    }
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
+    }
+    hook_accumulators();
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+  ~DataParallel() {
+    {
+      std::lock_guard lock(detail::dp::unit_registry_mutex());
+      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
+    }
+    const detail::dp::Locked held(*state_);
+    state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
+    // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
+    // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
+    // error (a failed gather, a peer gone): nothing here throws.
+    detail::dp::let_go_of_units(held);
+  }
+
+  // Copies the parameters and buffers of the group's rank `src` to every
+  // rank of the group.
+  void sync_module_states(int src = 0) {
+    if (!state_->group) return;
+    std::vector<at::Tensor> states = module_->parameters();
+    for (const auto& b : module_->buffers()) states.push_back(b);
+    broadcast(detail::unique_tensors(states), src, state_->group);
+  }
+
+  // Arms the hooks for the next backward; without it, backward accumulates
+  // gradients locally (no_sync).
+  void prepare_for_backward() {
+    if (!state_->group) return;
+    hook_accumulators();
+    const detail::dp::Locked held(*state_);
+    state_->armed = true;
+    state_->next = 0;
+    state_->fired = 0;
+    for (auto& bucket : state_->buckets) {
+      bucket.ready = 0;
+      std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
+      bucket.work = {};  // (a Work left from a backward that never finished is waited for)
+      detail::dp::give_back(bucket);
+    }
+  }
+
+  // Waits for every bucket's all-reduce and writes the averaged gradients
+  // back. Buckets with parameters that got no gradient in this backward are
+  // reduced here, in the same order on every rank. Returns whether the
+  // module took part (false: no parameter of it got a gradient, nothing was
+  // communicated; with `always`, it takes part regardless).
+  bool finish(bool always = false) {
+    const detail::dp::Locked held(*state_);
+    detail::dp::end_unit_pass(held);
+    if (!state_->armed) return false;
+    state_->armed = false;
+    if (state_->fired == 0 && !always) return false;
+    for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
+    state_->next = state_->buckets.size();
+    at::NoGradGuard no_grad;
+    if (state_->shard) {
+      detail::dp::finish_sharded(held);
+      return true;
+    }
+    detail::dp::finish_unsharded(held);
+    return true;
+  }
+
+  // A rank that has run out of inputs stands in for one backward of the
+  // others (DDP's join): every bucket's all-reduce, in order, with zero
+  // gradients and no used-flags; its own gradients are left alone.
+  void shadow_backward() {
+    if (!state_->group) return;
+    detail::dp::shadow_backward(detail::dp::Locked(*state_));
+  }
+
+  // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
+  // between a backward and its finish(); not under sharding.
+  void register_comm_hook(CommHook hook) {
+    if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
+    if (state_->shard)
+      throw InvalidArgument(
+          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+    const detail::dp::Locked held(*state_);
+    if (state_->hooked)
+      throw LogicError(
+          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+          "DDP, once per model)");
+    if (state_->armed)
+      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
+    state_->hook = std::move(hook);
+    state_->hooked = true;
+  }
+  // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
+  // into its (persistent) bucket, so the gradients are not copied into the
+  // bucket and back, nor held twice (as gradients and bucket). Keep the
+  // gradients (zero_grad with set_to_none = false: LibTorch 2.x's default
+  // sets them to none): a gradient set to none is copied into its view at
+  // the next sync, as DDP does. NO_SHARD only.
+  void gradient_as_bucket_view(bool on) {
+    if (state_->shard && on)
+      throw InvalidArgument(
+          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+          "reduce-scattered into its shards");
+    const detail::dp::Locked held(*state_);
+    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
+    state_->bucket_view = on;
+    if (!on)
+      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
+        for (auto& p : bucket.params)
+          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
+            p.mutable_grad() = p.grad().clone();
+      }
+  }
+
+  // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
+
+  bool sharded() const { return state_->shard != nullptr; }
+  const GroupPtr& shard_group() const { return state_->shard; }
+  // The shard standing in for parameter p; undefined when p is not one of
+  // this module's sharded parameters.
+  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
+  // Puts the shards in place of this module's parameters in the optimizer's
+  // groups (see detail::dp::shard_optimizer).
+  void shard_optimizer(torch::optim::Optimizer& optimizer) {
+    detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+  }
+  bool steps_with(const torch::optim::Optimizer& optimizer) const {
+    return detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+  }
+  // Before a backward: every shard checked against its parameter (an
+  // optimizer stepped directly, not through prepare()'s handle, is an error).
+  void check_shards() { detail::dp::check_shards(detail::dp::Locked(*state_)); }
+  // After the optimizer stepped the shards: every parameter all-gathered
+  // from them, and the parameters' gradients released.
+  void gather_shards() { detail::dp::gather_shards(detail::dp::Locked(*state_)); }
+  // The former name of gather_shards(), kept for the programs that call it
+  // (it read like accel::gather, which gathers data from every rank).
+  void gather() { gather_shards(); }
+  // Gives the module back for plain local use, for good (see
+  // detail::dp::release_module): under FULL_SHARD its parameters gathered
+  // (every rank of the shard group calls it); optimizers that stepped the
+  // shards step the parameters again, from a fresh state. Afterwards this
+  // DataParallel does nothing; destroy it.
+  void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
+  // Module::load into the parameters, then every shard taken again from its
+  // parameter: open_for_load() before the load, reshard() after it.
+  void open_for_load() { detail::dp::open_for_load(detail::dp::Locked(*state_)); }
+  void reshard() { detail::dp::reshard(detail::dp::Locked(*state_)); }
+
+  // Sharded checkpoints (checkpoint/shards.hpp): this rank's piece of
+  // parameter p, written without gathering (none: p is not sharded here;
+  // see detail::dp::piece_of); whether this rank writes its pieces (under
+  // HSDP the first replica does); what a load reads for p, and putting
+  // what it read in place (detail::dp::load_range and load_values).
+  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const {
+    return detail::dp::piece_of(detail::dp::Locked(*state_), p);
+  }
+  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
+  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
+    return detail::dp::load_range(detail::dp::Locked(*state_), p);
+  }
+  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
+    detail::dp::load_values(detail::dp::Locked(*state_), values);
+  }
+
+  // FSDP's summon_full_params: every unit's parameters gathered for as long
+  // as the returned object lives (a collective on the shard group: every
+  // rank makes one, in the same order). With writeback, what the
+  // parameters hold then goes back into the shards. Nothing to do unless
+  // fully sharded.
+  using FullParameters = detail::dp::FullParameters;
+  [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
+    if (state_->units.empty()) return FullParameters(nullptr, false);
+    const detail::dp::Locked held(*state_);
+    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
+    ++state_->held;
+    return FullParameters(state_, writeback);
+  }
+  // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
+  // one unit gathered while it lives; every rank of the shard group in the
+  // same order).
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  // FULL_SHARD: whether a unit's gather is issued while the unit before it
+  // computes, in the forward and in the backward (AcceleratorConfig's
+  // forward_prefetch and backward_prefetch).
+  void set_prefetch(bool forward, bool backward) {
+    const detail::dp::Locked held(*state_);
+    state_->prefetch_forward = forward;
+    state_->prefetch_backward = backward;
+  }
+  // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
+  std::size_t unit_count() const { return state_->units.size(); }
+
+  // Sharded: the working buffers the engine keeps from step to step
+  // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
+  // the caching allocator keeps; release_buffers() frees those not in use
+  // now (as torch.cuda.empty_cache()), and the next step allocates afresh.
+  int64_t buffer_bytes() const {
+    const detail::dp::Locked held(*state_);
+    return state_->pool.bytes();
+  }
+  void release_buffers() {
+    const detail::dp::Locked held(*state_);
+    state_->pool.clear();
+  }
+  // Whether `module` is a unit of a live fully sharded DataParallel.
+  static bool is_unit(const torch::nn::Module* module) { return detail::dp::find_unit(module).first != nullptr; }
+
+  // accel::unit_forward's machinery (detail::dp::unit_call).
+  template <class Fn, class... Args>
+  static auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+    return detail::dp::unit_call(module, std::forward<Fn>(fn), std::forward<Args>(args)...);
+  }
+
+  bool distributed() const { return state_->group != nullptr; }
+  std::size_t bucket_count() const { return state_->buckets.size(); }
+  const GroupPtr& group() const { return state_->group; }
+  // Called (on the autograd thread, under a lock) as each bucket's
+  // all-reduce is issued: for logging, profiling and tests.
+  void on_bucket_issued(std::function<void(std::size_t bucket)> callback) {
+    const detail::dp::Locked held(*state_);
+    state_->on_issued = std::move(callback);
+  }
+
+ private:
+  // Puts a ReadyHook on each parameter's gradient accumulator. Run again
+  // before each synced backward: an operation that replaces a parameter's
+  // storage (Module::load's set_, set_data) gives it a new accumulator,
+  // which must be hooked too.
+  void hook_accumulators() {
+    std::size_t k = 0;
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b)
+      for (std::size_t i = 0; i < state_->buckets[b].params.size(); ++i, ++k) {
+        auto accumulator = torch::autograd::impl::grad_accumulator(state_->buckets[b].params[i]);
+        if (accumulator == accumulators_[k]) continue;
+        accumulator->add_post_hook(std::make_unique<detail::dp::ReadyHook>(state_, b, i));
+        accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
+      }
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::shared_ptr<detail::dp::State> state_;
+  // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> accumulators_;
+};
+
+// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
+// a model's forward a unit is called as
+//     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
+// which gathers the unit's parameters from their shards, runs its forward
+// and frees them (see DataParallel). The same code runs under every
+// strategy: a module that is no unit is simply called. On a Sequential that
+// is not a unit itself, each child is called in turn, through
+// unit_forward. A unit's forward returns one tensor.
+template <class ModuleHolder, class... Args>
+  requires detail::module_holder<ModuleHolder>
+auto unit_forward(ModuleHolder& unit, Args&&... args) {
+  return DataParallel::unit_call(
+      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
+      std::forward<Args>(args)...);
+}
+inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
+  if (DataParallel::is_unit(sequential.ptr().get()))
+    return DataParallel::unit_call(
+        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
+  for (auto& child : *sequential)
+    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
+  return x;
+}
+
+ACCEL_NAMESPACE_END

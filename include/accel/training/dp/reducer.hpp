@@ -1,0 +1,168 @@
+// accel/training/dp/reducer.hpp: DataParallel's reducer: a bucket issued as soon as its gradients are ready.
+//
+// A ReadyHook on each parameter's gradient accumulator marks the gradient
+// ready; when a bucket is complete (and every bucket before it issued, so
+// that every rank issues the same sequence) issue_bucket flattens it and
+// starts its all-reduce (through a registered communication hook, or the
+// default's division made by the flattening copy) or, sharded, its
+// reduce-scatter (dp/scatter.hpp), without waiting. finish_unsharded waits for the
+// all-reduces and writes the averaged gradients back.
+#pragma once
+
+#include "accel/distributed/exchange.hpp"
+#include "accel/training/dp/scatter.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// Flattens a bucket's gradients and used-flags (pre-divided by the group
+// size, as DDP does) and issues its all-reduce without waiting (sharded:
+// its reduce-scatter).
+inline void issue_bucket(const Locked& held, std::size_t b) {
+  State& state = held.state();
+  Bucket& bucket = state.buckets[b];
+  at::NoGradGuard no_grad;
+  const std::size_t n = bucket.params.size();
+  if (state.shard) {  // reduce-scattered instead (dp/scatter.hpp)
+    issue_scatter(held, b);
+    if (state.on_issued) state.on_issued(b);
+    return;
+  }
+  // The bucket persists across steps, as DDP's: a buffer this large allocated
+  // per step would come back from the kernel as fresh pages each time (page
+  // faults and zeroing, a tenth of a CPU step's time). Under
+  // gradient_as_bucket_view the gradients are its views; otherwise they are
+  // copied in here and the averages copied back out in finish. (Made
+  // anew only if the module moved to another device since.)
+  const at::TensorOptions options = bucket.params.front().options();
+  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
+    bucket.persistent = bucket.packing.buffer(options);
+  bucket.flat = bucket.persistent;
+  // Without a registered hook the default one's work is done here: the
+  // gradients divided by the group's size, then all-reduced. Where they are
+  // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
+  // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
+  // two, with div_'s kernel and divisor, so the same bits. The used-flags
+  // stay undivided there: finish reads only whether they are above zero.
+  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
+  if (by_default && !bucket.divisor.defined()) {
+    // A wrapped number, as div_(Scalar) makes of its argument, made once: in
+    // the bucket's dtype, so that no division casts it (and allocates); in
+    // float for bfloat16 and float16, whose kernels read the divisor as
+    // float (so a world size they cannot hold exactly still divides exactly).
+    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
+    bucket.divisor =
+        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
+    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    at::Tensor& p = bucket.params[i];
+    at::Tensor view = bucket.packing.view(bucket.flat, i);
+    if (!p.grad().defined()) {
+      view.zero_();
+    } else if (divide_in_copy) {
+      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
+    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      view.copy_(p.grad());
+      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+    }
+  }
+  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
+  try {
+    if (by_default) {
+      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
+      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
+    } else {
+      GradBucket hooked = grad_bucket(held, b, bucket.flat);
+      bucket.work = state.hook(state.group, hooked);
+    }
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
+                           detail::error_text(e));
+  }
+  if (state.on_issued) state.on_issued(b);
+}
+
+// finish() of a model that is not sharded: waits for each bucket's
+// all-reduce (through the communication hook) and writes the averaged
+// gradients of the parameters used on any rank back into their .grad.
+inline void finish_unsharded(const Locked& held) {
+  State& state = held.state();
+  for (auto& bucket : state.buckets) {
+    try {
+      bucket.flat = bucket.work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+      throw RuntimeError("accel::DataParallel: the communication hook returned " +
+                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
+                         std::to_string(bucket.packing.elements()));
+    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
+    bucket.flat = bucket.flat.reshape({-1});
+    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
+      bucket.flat = bucket.persistent.copy_(bucket.flat);
+    const std::size_t n = bucket.params.size();
+    // Which parameters some rank used: known here when this rank used them all.
+    const bool all_used = used_by_all_here(bucket);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
+    for (std::size_t i = 0; i < n; ++i) {
+      at::Tensor& p = bucket.params[i];
+      if (all_used || used[i]) {
+        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
+        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
+        else p.mutable_grad() = averaged.clone();
+      }
+      bucket.used[i] = 0;
+    }
+  }
+}
+
+// DataParallel::shadow_backward's collectives: every bucket's all-reduce,
+// in order, through the hook, with zero gradients and no used-flags.
+inline void shadow_backward(const Locked& held) {
+  State& state = held.state();
+  std::vector<Work<at::Tensor>> works;
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
+    const Bucket& bucket = state.buckets[b];
+    GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
+    works.push_back(state.hook(state.group, zeros));
+  }
+  for (auto& work : works) {
+    try {
+      work.wait();
+    } catch (const DistributedError& e) {
+      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                             detail::error_text(e));
+    }
+  }
+}
+
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::shared_ptr<State> state, std::size_t bucket, std::size_t index)
+      : state_(std::move(state)), bucket_(bucket), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    const Locked held(*state_);
+    State& s = held.state();
+    if (!s.alive) return outputs;
+    Bucket& bucket = s.buckets[bucket_];
+    bucket.used[index_] = 1;  // also under no_sync: the accumulated gradient counts at the next sync
+    if (!s.armed || bucket.seen[index_]) return outputs;
+    bucket.seen[index_] = 1;
+    ++s.fired;
+    if (++bucket.ready == bucket.params.size())
+      while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
+        issue_bucket(held, s.next++);
+    return outputs;
+  }
+  std::shared_ptr<State> state_;
+  std::size_t bucket_, index_;
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END

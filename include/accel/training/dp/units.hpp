@@ -1,0 +1,173 @@
+// accel/training/dp/units.hpp: ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after.
+//
+// FULL_SHARD's units hold no parameter memory at rest. accel::unit_forward
+// calls unit_call, which gathers a unit's parameters (waiting for a prefetch
+// where one was issued, prefetching the unit that came next in the last
+// forward), runs the forward and frees them; hooks on the unit's output and
+// inputs gather them again for its backward and free them after it.
+// FullParameters (summon_full_params) keeps every unit gathered.
+#pragma once
+
+#include "accel/training/dp/unit_params.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// FSDP's summon_full_params: every unit's parameters gathered for as long
+// as the returned object lives (a collective on the shard group: every
+// rank makes one, in the same order). With writeback, what the
+// parameters hold then goes back into the shards. Nothing to do unless
+// fully sharded.
+class FullParameters {
+ public:
+  FullParameters(FullParameters&& other) noexcept : state_(std::move(other.state_)), writeback_(other.writeback_) {}
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+  FullParameters& operator=(FullParameters&&) = delete;
+  ~FullParameters() {
+    if (!state_) return;
+    const Locked held(*state_);
+    if (--state_->held > 0) return;
+    at::NoGradGuard no_grad;
+    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+      if (writeback_)
+        for (std::size_t b : state_->units[u].buckets) {
+          Bucket& bucket = state_->buckets[b];
+          for (std::size_t i = 0; i < bucket.params.size(); ++i)
+            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        }
+      release(held, u);
+    }
+  }
+
+  // (made by DataParallel::summon_full_params, which has gathered them)
+  FullParameters(std::shared_ptr<State> state, bool writeback) : state_(std::move(state)), writeback_(writeback) {}
+
+ private:
+  std::shared_ptr<State> state_;
+  bool writeback_;
+};
+
+// Whole parameters one unit at a time, for an export that must not hold
+// every unit at once (Accelerator::save_model): whole(p) gathers the unit
+// of parameter p (a collective on the shard group: every rank asks for the
+// same parameters in the same order), releasing the unit it gathered
+// before, and returns p, which holds its values until the next call; a
+// tensor in no unit comes back as it is. Units gathered for other reasons
+// (a prefetch, a forward left half done) are released first.
+class UnitByUnit {
+ public:
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+    const Locked held(*state_);
+    if (state_->held == 0) end_unit_pass(held);
+  }
+  UnitByUnit(const UnitByUnit&) = delete;
+  UnitByUnit& operator=(const UnitByUnit&) = delete;
+  ~UnitByUnit() {
+    const Locked held(*state_);
+    if (current_) release(held, *current_);
+  }
+  const at::Tensor& whole(const at::Tensor& p) {
+    const Locked held(*state_);
+    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
+    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    if (current_ != u) {
+      if (current_) release(held, *current_);
+      current_ = u;
+      materialize(held, u, Use::full);
+    }
+    return p;
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  std::optional<std::size_t> current_;
+};
+
+// True on a thread while accel::checkpoint (recompute.hpp) runs a forward
+// again inside the backward. A unit called then keeps its parameters
+// gathered after its forward, because the backward of that forward follows
+// at once (its input hook frees them after it), and prefetches nothing: the
+// next unit of the forward has had its backward already.
+inline bool& recomputing() {
+  static thread_local bool on = false;
+  return on;
+}
+
+// accel::unit_forward's machinery: fn(args...) with the parameters of the
+// unit `module` gathered (plainly fn(args...) when it is not a unit).
+template <class Fn, class... Args>
+inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) {
+  auto found = find_unit(module);  // (no structured binding: lambdas below capture these; clang 14)
+  const std::shared_ptr<State> state = std::move(found.first);
+  const std::size_t u = found.second;
+  if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
+  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
+  {
+    const Locked held(*state);
+    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!state->order.empty()) state->last_order = std::move(state->order);
+      state->order.clear();
+      state->new_pass = false;
+    }
+    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    materialize(held, u, Use::compute);
+    cast = state->cast_inputs ? computes_in(held, u) : std::nullopt;
+    output = state->output_dtype;
+    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
+    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+      fetch(held, *(at + 1), Use::compute);
+  }
+  struct Release {  // after the forward, also when it throws
+    State& state;
+    std::size_t unit;
+    bool now;
+    ~Release() {
+      if (!now) return;
+      const Locked held(state);
+      release(held, unit);
+    }
+  } release_after{*state, u, !recomputing()};
+  const std::weak_ptr<State> weak = state;
+  auto enter = [&]<class A>(A&& a) -> decltype(auto) {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
+      // A node of our own: its gradient means the unit's backward is done.
+      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
+      in.register_hook([weak, u](const at::Tensor&) {
+        if (const auto s = weak.lock()) {
+          const Locked held(*s);
+          if (s->alive) release(held, u);
+        }
+      });
+      return in;
+    } else {
+      return std::forward<A>(a);
+    }
+  };
+  auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
+  if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
+    if (out.requires_grad() && at::GradMode::is_enabled())
+      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
+        if (const auto s = weak.lock()) {
+          const Locked held(*s);
+          if (!s->alive) return;
+          materialize(held, u, Use::compute);
+          const auto at = std::find(s->order.begin(), s->order.end(), u);
+          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
+            fetch(held, *(at - 1), Use::compute);
+        }
+      });
+    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
+  } else {
+    static_assert(std::is_same_v<decltype(out), at::Tensor>,
+                  "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
+  }
+  return out;
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
