@@ -76,6 +76,7 @@
 //     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
 //     accel/training/io/checked_file.hpp                 files written with every error checked: CheckedFile, atomic writes, archives
 //     accel/training/io/safetensors.hpp                  safetensors: Hugging Face's weight format, written and read
+//     accel/training/checkpoint/file_names.hpp           the name of every file save_state and save_model write, in one place
 //     accel/training/checkpoint/prepared.hpp             what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/accelerator/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
 //     accel/training/checkpoint/files.hpp                checkpoint files: the manifest, atomic writes, reading back
@@ -11120,6 +11121,69 @@ inline std::vector<std::pair<std::string, at::Tensor>> state_dict(const torch::n
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint/file_names.hpp =================================
+// accel/training/checkpoint/file_names.hpp: the name of every file save_state and save_model write, in one place.
+//
+// A checkpoint directory (save_state) holds model.pt, model_1.pt, ... (a
+// sharded model: each process's pieces instead), optimizer.pt, ... (sharded:
+// each process's optimizer_rank<r>.pt, ...), scheduler.pt, ..., random_states_<rank>.pt,
+// loaders.pt, scaler.pt, custom_checkpoint_<i>.pt and last the manifest. A
+// weights directory (save_model) holds model.safetensors, or Hugging Face's
+// model-<k>-of-<n>.safetensors with model.safetensors.index.json. The names
+// are Accelerate's and Hugging Face's where they have one, so that their
+// tools find the files.
+
+#include <cstdio>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::file_names {
+// The manifest: its presence marks a checkpoint complete (checkpoint/files.hpp).
+inline constexpr const char* manifest = "accel_checkpoint.txt";
+// stem.pt, stem_1.pt, ... for the i-th of its kind.
+inline std::string numbered(const std::string& stem, std::size_t i) {
+  return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
+}
+inline std::string model(std::size_t i) { return numbered("model", i); }
+inline std::string scheduler(std::size_t i) { return numbered("scheduler", i); }
+// Optimizer i's: optimizer.pt, optimizer_1.pt, ...; under sharding each
+// process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ... (rank -1:
+// the whole one).
+inline std::string optimizer(std::size_t i, int rank) {
+  const std::string name = numbered("optimizer", i);
+  if (rank < 0) return name;
+  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(rank) + ".pt";
+}
+// A process's RNG states and accumulation step, as Accelerate's.
+inline std::string random_states(int64_t process) { return "random_states_" + std::to_string(process) + ".pt"; }
+inline constexpr const char* loaders = "loaders.pt";
+inline constexpr const char* scaler = "scaler.pt";
+// The i-th object of register_for_checkpointing, as Accelerate's.
+inline std::string custom_object(std::size_t i) { return "custom_checkpoint_" + std::to_string(i) + ".pt"; }
+// A sharded model's piece j written by process `process` (checkpoint/shards.hpp).
+inline std::string piece(int process, std::size_t j) {
+  char name[64];
+  std::snprintf(name, sizeof name, "rank-%05d-part-%zu.safetensors", process, j);
+  return name;
+}
+
+// save_model's: one file, or Hugging Face's shards and their index.
+inline constexpr const char* weights = "model.safetensors";
+inline constexpr const char* weights_index = "model.safetensors.index.json";
+inline std::string weights_shard(std::size_t k, std::size_t count) {
+  if (count == 1) return weights;
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, count);
+  return name;
+}
+// Whether `file` is one save_model writes (an earlier save's are removed).
+inline bool is_weights_file(const std::string& file) {
+  return file == weights || file == weights_index || (file.starts_with("model-") && file.ends_with(".safetensors"));
+}
+}  // namespace detail::file_names
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint/prepared.hpp ===================================
 // accel/training/checkpoint/prepared.hpp: what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects).
 //
@@ -11386,6 +11450,7 @@ ACCEL_NAMESPACE_END
 // == accel/training/checkpoint/files.hpp ======================================
 // accel/training/checkpoint/files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
+// (Every file's name is checkpoint/file_names.hpp's.)
 // A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
 // each process's pieces, rank-<k>-part-<j>.safetensors;
 // checkpoint/shards.hpp), optimizer.pt, ... (sharded:
@@ -11434,7 +11499,6 @@ inline bool& checkpoint_use_exchange() {
   return use;
 }
 
-inline constexpr const char* checkpoint_manifest = "accel_checkpoint.txt";
 inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 2";
 inline constexpr const char* checkpoint_format_1 = "accel.hpp checkpoint 1";  // (no id, no digests)
 
@@ -11470,7 +11534,7 @@ inline std::string manifest_text(const CheckpointManifest& m) {
 
 // A complete manifest, or none (missing, cut short, or its own hash wrong).
 inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
-  std::ifstream file(dir / checkpoint_manifest, std::ios::binary);
+  std::ifstream file(dir / file_names::manifest, std::ios::binary);
   if (!file) return std::nullopt;
   const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   std::istringstream in(text);
@@ -11518,7 +11582,7 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
 }
 
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) { file.write(manifest_text(m)); });
+  write_file_atomically(dir / file_names::manifest, [&](CheckedFile& file) { file.write(manifest_text(m)); });
 }
 
 // A new checkpoint's id: 128 random bits, as hexadecimal digits.
@@ -11560,7 +11624,7 @@ class CheckpointFiles {
     const auto recorded = manifest_.files.find(name);
     if (recorded == manifest_.files.end())
       throw RuntimeError(path.string() + " is not one of this checkpoint's files (" +
-                         (dir_ / checkpoint_manifest).string() + " does not list it)");
+                         (dir_ / file_names::manifest).string() + " does not list it)");
     std::shared_future<void> before = checks_.empty() ? std::shared_future<void>() : checks_.back();
     checks_.push_back(std::async(std::launch::async, [path, expected = recorded->second, before] {
                         if (before.valid()) before.wait();  // (one at a time)
@@ -11604,7 +11668,7 @@ class CheckpointFiles {
 // that looks complete.
 inline void discard_checkpoint(const fs::path& dir) {
   if (!fs::exists(dir)) return;
-  fs::remove(dir / checkpoint_manifest);
+  fs::remove(dir / file_names::manifest);
   fs::remove_all(dir);
 }
 
@@ -12276,8 +12340,7 @@ class PieceFiles {
   // Into dir, with the checkpoint's id; each file and its digest into `log`.
   void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
     for (std::size_t j = 0; j < parts_.size(); ++j) {
-      char file[64];
-      std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
+      const std::string file = file_names::piece(process, j);
       log.emplace_back(file,
                        write_safetensors(dir / file, parts_[j],
                                          {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}, {kCheckpointIdKey, id}}));
@@ -12594,20 +12657,9 @@ struct CheckpointContext {
   c10::Device device{c10::kCPU};
 };
 
-// model.pt, model_1.pt, ...
-inline std::string numbered_file(const std::string& stem, std::size_t i) {
-  return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
-}
-// Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
-// sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
-// (rank -1: the whole one).
-inline std::string optimizer_file(std::size_t i, int rank) {
-  const std::string name = numbered_file("optimizer", i);
-  if (rank < 0) return name;
-  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(rank) + ".pt";
-}
+// Optimizer i's checkpoint file: this process's own under sharding, else the whole one.
 inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
-  return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
+  return file_names::optimizer(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
 // Whether model i is saved in pieces, every process its own
@@ -12631,7 +12683,7 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
   archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
-  save_logged(archive, tmp, "random_states_" + std::to_string(ctx.process_index) + ".pt", log);
+  save_logged(archive, tmp, file_names::random_states(ctx.process_index), log);
   if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp, id, log);
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
@@ -12653,7 +12705,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     save_logged(archive, tmp, name, log);
   };
   for (std::size_t i = 0; i < set.models.size(); ++i)
-    if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
+    if (!saved_in_pieces(set, i)) write(file_names::model(i), *set.models[i].module);
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
@@ -12666,7 +12718,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
     archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
-    save_logged(archive, tmp, "loaders.pt", log);
+    save_logged(archive, tmp, file_names::loaders, log);
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
     torch::serialize::OutputArchive archive;
@@ -12676,18 +12728,18 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
       set.schedulers[i].save(own);
       archive.write("own", own);
     }
-    save_logged(archive, tmp, numbered_file("scheduler", i), log);
+    save_logged(archive, tmp, file_names::scheduler(i), log);
   }
   for (std::size_t i = 0; i < set.objects.size(); ++i) {
     torch::serialize::OutputArchive archive;
     set.objects[i].save(archive);
-    save_logged(archive, tmp, "custom_checkpoint_" + std::to_string(i) + ".pt", log);
+    save_logged(archive, tmp, file_names::custom_object(i), log);
   }
   if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
     torch::serialize::OutputArchive archive;
     archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
     archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
-    save_logged(archive, tmp, "scaler.pt", log);
+    save_logged(archive, tmp, file_names::scaler, log);
   }
 }
 
@@ -12780,7 +12832,7 @@ struct SavedLayout {
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
-    throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
+    throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
@@ -12793,7 +12845,7 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
       throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                          std::to_string(count.second.second));
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
-    throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
@@ -12843,12 +12895,12 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       loaded.pieces.resize(set.models.size());
       std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
       for (std::size_t i = 0; i < set.models.size(); ++i) {
-        if (!fs::exists(dir / numbered_file("model", i))) {
+        if (!fs::exists(dir / file_names::model(i))) {
           if (!pieces) {
             const auto found = fs::directory_iterator(dir);
             if (std::none_of(fs::begin(found), fs::end(found),
                              [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-              throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
+              throw RuntimeError("missing " + (dir / file_names::model(i)).string() +
                                  " (and no sharded model's pieces, *.safetensors, beside it)");
             pieces.emplace(dir, files);
           }
@@ -12856,8 +12908,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
               read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
           continue;
         }
-        models[i] = read(numbered_file("model", i));
-        check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
+        models[i] = read(file_names::model(i));
+        check_module_archive(*set.models[i].module, *models[i], "", (dir / file_names::model(i)).string());
       }
       // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
       // again from the saved pieces (checkpoint/reshard.hpp); piece k is in the file of process k.
@@ -12866,12 +12918,11 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
                                  : resharded_optimizer(set, i, saved.shards, ctx.device, [&](int64_t k) {
                                      const std::string name =
-                                         optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k));
+                                         file_names::optimizer(i, saved.shards == 1 ? -1 : static_cast<int>(k));
                                      return OpenedArchive{(dir / name).string(), std::move(*read(name))};
                                    });
-      for (std::size_t i = 0; i < set.objects.size(); ++i)
-        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
+      for (std::size_t i = 0; i < set.objects.size(); ++i) objects.push_back(read(file_names::custom_object(i)));
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(file_names::scheduler(i)));
       // A tensor of the given dtype and shape under `key`, or an error naming the file.
       auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
                         at::IntArrayRef sizes, const std::string& file) {
@@ -12881,7 +12932,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         return value;
       };
       for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-        const std::string file = (dir / numbered_file("scheduler", i)).string();
+        const std::string file = (dir / file_names::scheduler(i)).string();
         scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
         torch::serialize::InputArchive own;
         if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
@@ -12892,8 +12943,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
                              " (load the checkpoint before stepping it)");
       }
       if (!set.loaders.empty()) {
-        const std::string file = (dir / "loaders.pt").string();
-        auto archive = read("loaders.pt");
+        const std::string file = (dir / file_names::loaders).string();
+        auto archive = read(file_names::loaders);
         const auto n = static_cast<int64_t>(set.loaders.size());
         points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
         // Each place in this run's batches (checkpoint/world.hpp): converted here, so that nothing can fail later.
@@ -12915,17 +12966,17 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         }
       }
       if (set.scaler) {
-        const std::string file = (dir / "scaler.pt").string();
-        if (!fs::exists(dir / "scaler.pt"))
+        const std::string file = (dir / file_names::scaler).string();
+        if (!fs::exists(dir / file_names::scaler))
           throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-        auto archive = read("scaler.pt");
+        auto archive = read(file_names::scaler);
         loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
                          tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
       }
       // This process's own, or where the saving run had fewer, one to seed from (checkpoint/world.hpp).
       const int saved_process = saved_process_for(ctx.process_index, saved_processes);
       loaded.derived_rng = saved_process != ctx.process_index;
-      const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+      const std::string rng_name = file_names::random_states(saved_process);
       if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
       auto rng_archive = read(rng_name);
       const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
@@ -12972,15 +13023,14 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
         }
         *set.schedulers[i].steps = scheduler_steps[i];
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / numbered_file("scheduler", i)).string() +
-                           " does not fit the scheduler: " + error_text(e));
+        throw RuntimeError((dir / file_names::scheduler(i)).string() + " does not fit the scheduler: " + error_text(e));
       }
     }
     for (std::size_t i = 0; i < set.objects.size(); ++i) {
       try {
         set.objects[i].load(*objects[i]);
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
+        throw RuntimeError((dir / file_names::custom_object(i)).string() +
                            " does not fit the registered object: " + error_text(e));
       }
     }
@@ -13268,14 +13318,12 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
   if (writes)
     error = error_of([&] {
       fs::create_directories(path);
-      if (shards.size() == 1) fs::remove(path / "model.safetensors.index.json");  // it would be read first
+      if (shards.size() == 1) fs::remove(path / file_names::weights_index);  // it would be read first
     });
   std::set<std::string> written;
   std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
   for (std::size_t k = 0; k < shards.size(); ++k) {
-    char name[64];
-    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
-    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    const std::string name = file_names::weights_shard(k, shards.size());
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
@@ -13300,14 +13348,12 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
           index +=
               std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
         index += "\n  }\n}\n";
-        write_file_atomically(path / "model.safetensors.index.json", [&](CheckedFile& out) { out.write(index); });
-        written.insert("model.safetensors.index.json");
+        write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
+        written.insert(file_names::weights_index);
       }
       for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
         const std::string file = entry.path().filename().string();
-        const bool ours = file == "model.safetensors" || file == "model.safetensors.index.json" ||
-                          (file.starts_with("model-") && file.ends_with(".safetensors"));
-        if (ours && !written.count(file)) fs::remove(entry.path());
+        if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
       }
       fsync_path(path);
     });
@@ -13357,10 +13403,10 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
         throw RuntimeError(file.string() + ": " + name + " is in two files");
     }
   };
-  const fs::path index_file = path / "model.safetensors.index.json";
-  where = (path / "model.safetensors").string();
+  const fs::path index_file = path / file_names::weights_index;
+  where = (path / file_names::weights).string();
   if (!fs::exists(index_file)) {
-    take(path / "model.safetensors", nullptr);
+    take(path / file_names::weights, nullptr);
     return loaded;
   }
   where = index_file.string();

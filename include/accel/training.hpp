@@ -57,6 +57,7 @@
 #include "accel/training/io/safetensors.hpp"
 
 // checkpoints and exported weights
+#include "accel/training/checkpoint/file_names.hpp"
 #include "accel/training/checkpoint/prepared.hpp"
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/checkpoint/world.hpp"

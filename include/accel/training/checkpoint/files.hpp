@@ -1,5 +1,6 @@
 // accel/training/checkpoint/files.hpp: checkpoint files: the manifest, atomic writes, reading back.
 //
+// (Every file's name is checkpoint/file_names.hpp's.)
 // A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
 // each process's pieces, rank-<k>-part-<j>.safetensors;
 // checkpoint/shards.hpp), optimizer.pt, ... (sharded:
@@ -33,6 +34,7 @@
 #include "accel/training/io/checked_file.hpp"
 #include "accel/training/accelerator_config.hpp"
 #include "accel/training/io/file_digest.hpp"
+#include "accel/training/checkpoint/file_names.hpp"
 
 #include <future>
 #include <random>
@@ -55,7 +57,6 @@ inline bool& checkpoint_use_exchange() {
   return use;
 }
 
-inline constexpr const char* checkpoint_manifest = "accel_checkpoint.txt";
 inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 2";
 inline constexpr const char* checkpoint_format_1 = "accel.hpp checkpoint 1";  // (no id, no digests)
 
@@ -91,7 +92,7 @@ inline std::string manifest_text(const CheckpointManifest& m) {
 
 // A complete manifest, or none (missing, cut short, or its own hash wrong).
 inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
-  std::ifstream file(dir / checkpoint_manifest, std::ios::binary);
+  std::ifstream file(dir / file_names::manifest, std::ios::binary);
   if (!file) return std::nullopt;
   const std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
   std::istringstream in(text);
@@ -139,7 +140,7 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
 }
 
 inline void write_manifest(const fs::path& dir, const CheckpointManifest& m) {
-  write_file_atomically(dir / checkpoint_manifest, [&](CheckedFile& file) { file.write(manifest_text(m)); });
+  write_file_atomically(dir / file_names::manifest, [&](CheckedFile& file) { file.write(manifest_text(m)); });
 }
 
 // A new checkpoint's id: 128 random bits, as hexadecimal digits.
@@ -181,7 +182,7 @@ class CheckpointFiles {
     const auto recorded = manifest_.files.find(name);
     if (recorded == manifest_.files.end())
       throw RuntimeError(path.string() + " is not one of this checkpoint's files (" +
-                         (dir_ / checkpoint_manifest).string() + " does not list it)");
+                         (dir_ / file_names::manifest).string() + " does not list it)");
     std::shared_future<void> before = checks_.empty() ? std::shared_future<void>() : checks_.back();
     checks_.push_back(std::async(std::launch::async, [path, expected = recorded->second, before] {
                         if (before.valid()) before.wait();  // (one at a time)
@@ -225,7 +226,7 @@ class CheckpointFiles {
 // that looks complete.
 inline void discard_checkpoint(const fs::path& dir) {
   if (!fs::exists(dir)) return;
-  fs::remove(dir / checkpoint_manifest);
+  fs::remove(dir / file_names::manifest);
   fs::remove_all(dir);
 }
 

@@ -143,8 +143,7 @@ class PieceFiles {
   // Into dir, with the checkpoint's id; each file and its digest into `log`.
   void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
     for (std::size_t j = 0; j < parts_.size(); ++j) {
-      char file[64];
-      std::snprintf(file, sizeof file, "rank-%05d-part-%zu.safetensors", process, j);
+      const std::string file = file_names::piece(process, j);
       log.emplace_back(file,
                        write_safetensors(dir / file, parts_[j],
                                          {{"DCP_SHARDING_INFO", "{" + places_[j] + "}"}, {kCheckpointIdKey, id}}));

@@ -27,20 +27,9 @@ struct CheckpointContext {
   c10::Device device{c10::kCPU};
 };
 
-// model.pt, model_1.pt, ...
-inline std::string numbered_file(const std::string& stem, std::size_t i) {
-  return i == 0 ? stem + ".pt" : stem + "_" + std::to_string(i) + ".pt";
-}
-// Optimizer i's checkpoint file: optimizer.pt, optimizer_1.pt, ...; under
-// sharding each process's own, optimizer_rank<r>.pt, optimizer_1_rank<r>.pt, ...
-// (rank -1: the whole one).
-inline std::string optimizer_file(std::size_t i, int rank) {
-  const std::string name = numbered_file("optimizer", i);
-  if (rank < 0) return name;
-  return name.substr(0, name.size() - 3) + "_rank" + std::to_string(rank) + ".pt";
-}
+// Optimizer i's checkpoint file: this process's own under sharding, else the whole one.
 inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
-  return optimizer_file(i, set.sharded->empty() ? -1 : ctx.process_index);
+  return file_names::optimizer(i, set.sharded->empty() ? -1 : ctx.process_index);
 }
 
 // Whether model i is saved in pieces, every process its own
@@ -64,7 +53,7 @@ inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, 
   archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
   if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
   archive.write("step", at::scalar_tensor(step, at::kLong));
-  save_logged(archive, tmp, "random_states_" + std::to_string(ctx.process_index) + ".pt", log);
+  save_logged(archive, tmp, file_names::random_states(ctx.process_index), log);
   if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp, id, log);
   if (!set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
@@ -86,7 +75,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     save_logged(archive, tmp, name, log);
   };
   for (std::size_t i = 0; i < set.models.size(); ++i)
-    if (!saved_in_pieces(set, i)) write(numbered_file("model", i), *set.models[i].module);
+    if (!saved_in_pieces(set, i)) write(file_names::model(i), *set.models[i].module);
   if (set.sharded->empty())
     for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
   if (!set.loaders.empty()) {
@@ -99,7 +88,7 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
     torch::serialize::OutputArchive archive;
     archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
     archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
-    save_logged(archive, tmp, "loaders.pt", log);
+    save_logged(archive, tmp, file_names::loaders, log);
   }
   for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
     torch::serialize::OutputArchive archive;
@@ -109,18 +98,18 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
       set.schedulers[i].save(own);
       archive.write("own", own);
     }
-    save_logged(archive, tmp, numbered_file("scheduler", i), log);
+    save_logged(archive, tmp, file_names::scheduler(i), log);
   }
   for (std::size_t i = 0; i < set.objects.size(); ++i) {
     torch::serialize::OutputArchive archive;
     set.objects[i].save(archive);
-    save_logged(archive, tmp, "custom_checkpoint_" + std::to_string(i) + ".pt", log);
+    save_logged(archive, tmp, file_names::custom_object(i), log);
   }
   if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
     torch::serialize::OutputArchive archive;
     archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
     archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
-    save_logged(archive, tmp, "scaler.pt", log);
+    save_logged(archive, tmp, file_names::scaler, log);
   }
 }
 
@@ -213,7 +202,7 @@ struct SavedLayout {
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
-    throw RuntimeError("no complete checkpoint: " + (dir / checkpoint_manifest).string() +
+    throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");
   const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
       {{"model(s)", {manifest->models, set.models.size()}},
@@ -226,7 +215,7 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
       throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                          std::to_string(count.second.second));
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
-    throw RuntimeError((dir / checkpoint_manifest).string() + " says " + std::to_string(manifest->processes) +
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
@@ -276,12 +265,12 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
       loaded.pieces.resize(set.models.size());
       std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
       for (std::size_t i = 0; i < set.models.size(); ++i) {
-        if (!fs::exists(dir / numbered_file("model", i))) {
+        if (!fs::exists(dir / file_names::model(i))) {
           if (!pieces) {
             const auto found = fs::directory_iterator(dir);
             if (std::none_of(fs::begin(found), fs::end(found),
                              [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-              throw RuntimeError("missing " + (dir / numbered_file("model", i)).string() +
+              throw RuntimeError("missing " + (dir / file_names::model(i)).string() +
                                  " (and no sharded model's pieces, *.safetensors, beside it)");
             pieces.emplace(dir, files);
           }
@@ -289,8 +278,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
               read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
           continue;
         }
-        models[i] = read(numbered_file("model", i));
-        check_module_archive(*set.models[i].module, *models[i], "", (dir / numbered_file("model", i)).string());
+        models[i] = read(file_names::model(i));
+        check_module_archive(*set.models[i].module, *models[i], "", (dir / file_names::model(i)).string());
       }
       // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
       // again from the saved pieces (checkpoint/reshard.hpp); piece k is in the file of process k.
@@ -299,12 +288,11 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
                                  : resharded_optimizer(set, i, saved.shards, ctx.device, [&](int64_t k) {
                                      const std::string name =
-                                         optimizer_file(i, saved.shards == 1 ? -1 : static_cast<int>(k));
+                                         file_names::optimizer(i, saved.shards == 1 ? -1 : static_cast<int>(k));
                                      return OpenedArchive{(dir / name).string(), std::move(*read(name))};
                                    });
-      for (std::size_t i = 0; i < set.objects.size(); ++i)
-        objects.push_back(read("custom_checkpoint_" + std::to_string(i) + ".pt"));
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(numbered_file("scheduler", i)));
+      for (std::size_t i = 0; i < set.objects.size(); ++i) objects.push_back(read(file_names::custom_object(i)));
+      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(file_names::scheduler(i)));
       // A tensor of the given dtype and shape under `key`, or an error naming the file.
       auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
                         at::IntArrayRef sizes, const std::string& file) {
@@ -314,7 +302,7 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         return value;
       };
       for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-        const std::string file = (dir / numbered_file("scheduler", i)).string();
+        const std::string file = (dir / file_names::scheduler(i)).string();
         scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
         torch::serialize::InputArchive own;
         if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
@@ -325,8 +313,8 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
                              " (load the checkpoint before stepping it)");
       }
       if (!set.loaders.empty()) {
-        const std::string file = (dir / "loaders.pt").string();
-        auto archive = read("loaders.pt");
+        const std::string file = (dir / file_names::loaders).string();
+        auto archive = read(file_names::loaders);
         const auto n = static_cast<int64_t>(set.loaders.size());
         points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
         // Each place in this run's batches (checkpoint/world.hpp): converted here, so that nothing can fail later.
@@ -348,17 +336,17 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
         }
       }
       if (set.scaler) {
-        const std::string file = (dir / "scaler.pt").string();
-        if (!fs::exists(dir / "scaler.pt"))
+        const std::string file = (dir / file_names::scaler).string();
+        if (!fs::exists(dir / file_names::scaler))
           throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-        auto archive = read("scaler.pt");
+        auto archive = read(file_names::scaler);
         loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
                          tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
       }
       // This process's own, or where the saving run had fewer, one to seed from (checkpoint/world.hpp).
       const int saved_process = saved_process_for(ctx.process_index, saved_processes);
       loaded.derived_rng = saved_process != ctx.process_index;
-      const std::string rng_name = "random_states_" + std::to_string(saved_process) + ".pt";
+      const std::string rng_name = file_names::random_states(saved_process);
       if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
       auto rng_archive = read(rng_name);
       const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
@@ -405,15 +393,14 @@ inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, Loa
         }
         *set.schedulers[i].steps = scheduler_steps[i];
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / numbered_file("scheduler", i)).string() +
-                           " does not fit the scheduler: " + error_text(e));
+        throw RuntimeError((dir / file_names::scheduler(i)).string() + " does not fit the scheduler: " + error_text(e));
       }
     }
     for (std::size_t i = 0; i < set.objects.size(); ++i) {
       try {
         set.objects[i].load(*objects[i]);
       } catch (const std::exception& e) {
-        throw RuntimeError((dir / ("custom_checkpoint_" + std::to_string(i) + ".pt")).string() +
+        throw RuntimeError((dir / file_names::custom_object(i)).string() +
                            " does not fit the registered object: " + error_text(e));
       }
     }

@@ -132,14 +132,12 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
   if (writes)
     error = error_of([&] {
       fs::create_directories(path);
-      if (shards.size() == 1) fs::remove(path / "model.safetensors.index.json");  // it would be read first
+      if (shards.size() == 1) fs::remove(path / file_names::weights_index);  // it would be read first
     });
   std::set<std::string> written;
   std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
   for (std::size_t k = 0; k < shards.size(); ++k) {
-    char name[64];
-    if (shards.size() == 1) std::snprintf(name, sizeof name, "model.safetensors");
-    else std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, shards.size());
+    const std::string name = file_names::weights_shard(k, shards.size());
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
@@ -164,14 +162,12 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
           index +=
               std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
         index += "\n  }\n}\n";
-        write_file_atomically(path / "model.safetensors.index.json", [&](CheckedFile& out) { out.write(index); });
-        written.insert("model.safetensors.index.json");
+        write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
+        written.insert(file_names::weights_index);
       }
       for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
         const std::string file = entry.path().filename().string();
-        const bool ours = file == "model.safetensors" || file == "model.safetensors.index.json" ||
-                          (file.starts_with("model-") && file.ends_with(".safetensors"));
-        if (ours && !written.count(file)) fs::remove(entry.path());
+        if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
       }
       fsync_path(path);
     });
@@ -221,10 +217,10 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
         throw RuntimeError(file.string() + ": " + name + " is in two files");
     }
   };
-  const fs::path index_file = path / "model.safetensors.index.json";
-  where = (path / "model.safetensors").string();
+  const fs::path index_file = path / file_names::weights_index;
+  where = (path / file_names::weights).string();
   if (!fs::exists(index_file)) {
-    take(path / "model.safetensors", nullptr);
+    take(path / file_names::weights, nullptr);
     return loaded;
   }
   where = index_file.string();
