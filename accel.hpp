@@ -8865,7 +8865,8 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
 // model runs, ZeRO-2's way), so every module that reads it finds its values,
 // as FSDP2 keeps a tied weight in the root's group. Errors name the
 // parameter or unit: units inside units, and a unit's parameter that shares
-// its storage with another or is a view (it cannot be freed alone).
+// its storage with another (it cannot be freed alone). A unit's parameter
+// that is a view of a larger tensor gets a storage of its own (below).
 inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
                                          const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                                          const std::vector<at::Tensor>& params) {
@@ -8917,12 +8918,21 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
     const int64_t u = owner.at(p.unsafeGetTensorImpl());
     out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
     if (u < 0) continue;
-    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+    if (storages[p.storage().unsafeGetStorageImpl()] > 1)
+      throw InvalidArgument(
+          "accel::DataParallel: under FULL_SHARD every parameter of a unit must have its storage "
+          "to itself; " +
+          state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
+          "' shares its storage with another parameter (share the tensor itself to tie weights: a "
+          "tensor registered in several modules is one parameter)");
+    // A piece of a larger tensor (a tensor-parallel shard narrowed from the
+    // whole, a view): its storage holds more than the parameter, so freeing
+    // it at rest would free the rest too. It takes a copy as a storage of
+    // its own, as FSDP2 replaces the parameters it shards; the tensor it
+    // was cut from keeps its values and no longer sees the parameter's.
+    if (p.storage_offset() != 0 || !p.is_contiguous() ||
         p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
-                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
-                            "' is a view or shares its storage with another parameter (share the tensor itself to "
-                            "tie weights: a tensor registered in several modules is one parameter)");
+      p.unsafeGetTensorImpl()->shallow_copy_from(p.detach().clone(at::MemoryFormat::Contiguous).getIntrusivePtr());
   }
   return out;
 }
@@ -10109,9 +10119,9 @@ class DataParallel {
   }
 
   // Arms the hooks for the next backward; without it, backward accumulates
-  // gradients locally (no_sync).
+  // gradients locally (no_sync). Nothing while gradient sync is off (below).
   void prepare_for_backward() {
-    if (!state_->group) return;
+    if (!state_->group || !requires_sync_) return;
     hook_accumulators();
     const detail::dp::Locked held(*state_);
     state_->armed = true;
@@ -10124,6 +10134,16 @@ class DataParallel {
       detail::dp::give_back(bucket);
     }
   }
+
+  // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
+  // while off, prepare_for_backward() arms nothing, so each backward adds
+  // its gradients to the parameters' own (under FULL_SHARD too: whole
+  // gradients, as FSDP2's no-sync micro-batches keep), and the first
+  // backward with it on again reduces their sum. A pipeline stage runs its
+  // micro-batches so, reducing on the last; Accelerator::no_sync and
+  // accumulate() switch it for the models they name.
+  void set_requires_gradient_sync(bool on) { requires_sync_ = on; }
+  bool requires_gradient_sync() const { return requires_sync_; }
 
   // Waits for every bucket's all-reduce and writes the averaged gradients
   // back. Buckets with parameters that got no gradient in this backward are
@@ -10326,6 +10346,7 @@ class DataParallel {
   // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> accumulators_;
+  bool requires_sync_ = true;
 };
 
 // FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
@@ -11197,8 +11218,7 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 struct PreparedModel {
   std::shared_ptr<torch::nn::Module> module;
-  std::unique_ptr<DataParallel> data_parallel;
-  bool sync = true;  // DDP's require_backward_grad_sync
+  std::unique_ptr<DataParallel> data_parallel;  // (its requires_gradient_sync: whether backward() reduces)
 };
 
 // A prepared scheduler in checkpoints: its step count, and its own
@@ -11221,7 +11241,7 @@ struct CheckpointedObject {
 };
 
 struct PreparedSet {
-  std::deque<PreparedModel> models;  // a deque: sync guards hold pointers to the flags
+  std::deque<PreparedModel> models;  // (a deque: references to its elements stay valid as it grows)
   // The sharded models' DataParallels (shared with the optimizers' handles,
   // which gather after a step).
   std::shared_ptr<std::vector<DataParallel*>> sharded = std::make_shared<std::vector<DataParallel*>>();
@@ -11330,7 +11350,8 @@ inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor
   for (auto& g : whole) g.clamp_(-clip_value, clip_value);
 }
 
-// RAII: restores the gradient sync flags it set when it goes out of scope
+// RAII: restores the models' gradient sync (DataParallel's
+// requires_gradient_sync) as it was when the guard goes out of scope
 // (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
 class SyncGuard {
  public:
@@ -11340,17 +11361,17 @@ class SyncGuard {
   SyncGuard& operator=(const SyncGuard&) = delete;
   SyncGuard& operator=(SyncGuard&&) = delete;
   ~SyncGuard() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) it->first->set_requires_gradient_sync(it->second);
   }
 
-  // Sets flag to value now, and back to what it was when the guard goes.
-  void set(bool& flag, bool value) {
-    saved_.emplace_back(&flag, flag);
-    flag = value;
+  // Sets the model's gradient sync to `on` now, and back when the guard goes.
+  void set(DataParallel& model, bool on) {
+    saved_.emplace_back(&model, model.requires_gradient_sync());
+    model.set_requires_gradient_sync(on);
   }
 
  private:
-  std::vector<std::pair<bool*, bool>> saved_;
+  std::vector<std::pair<DataParallel*, bool>> saved_;
 };
 }  // namespace detail
 
@@ -11399,7 +11420,7 @@ class Join {
   // syncing it].
   std::vector<int64_t> signal(int64_t active) {
     std::vector<int64_t> out{active};
-    for (const PreparedModel* m : models_) out.push_back(active && m->sync ? 1 : 0);
+    for (const PreparedModel* m : models_) out.push_back(active && m->data_parallel->requires_gradient_sync() ? 1 : 0);
     steps_ += active;
     return all_reduce(std::move(out), ReduceOp::SUM, group_);
   }
@@ -14240,8 +14261,7 @@ class Accelerator : public detail::AcceleratorPreparing,
       if (steps > 1) scaled = scaled / steps;
       if (join_) join_->before_backward();
       for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-      for (auto& m : prepared_.models)
-        if (m.sync) m.data_parallel->prepare_for_backward();
+      for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
       scaled.backward();
       for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
     };
@@ -14497,7 +14517,7 @@ class Accelerator : public detail::AcceleratorPreparing,
     SyncGuard guard;
     (
         [&] {
-          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(p->sync, sync);
+          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(*p->data_parallel, sync);
         }(),
         ...);
     return guard;

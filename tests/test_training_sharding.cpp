@@ -594,8 +594,20 @@ TEST_SUITE("ranks") {
                                   std::make_shared<TiedImpl>(base.narrow(0, 4, 4)));
       accel::Accelerator viewed(d);
       CHECK_THROWS_WITH_AS(viewed.prepare(views),
-                           doctest::Contains("'0.w' of unit '0' is a view or shares its storage with another parameter"),
+                           doctest::Contains("'0.w' of unit '0' shares its storage with another parameter"),
                            accel::InvalidArgument);
+      // One view of a larger tensor that no other parameter shares (a piece narrowed from a whole, as tensor
+      // parallelism cuts them) takes a storage of its own and is sharded; what it was cut from stays as it was.
+      const at::Tensor larger = at::arange(32, at::kFloat).view({4, 8});
+      torch::nn::Sequential piece(std::make_shared<TiedImpl>(larger.narrow(1, 2, 4)));
+      accel::Accelerator cut(d);
+      cut.prepare(piece);
+      CHECK(cut.data_parallel(piece)->unit_count() == (cut.num_processes() > 1 ? 1u : 0u));
+      {
+        const auto whole = cut.data_parallel(piece)->summon_full_params();
+        CHECK(at::equal(piece->parameters()[0], at::arange(32, at::kFloat).view({4, 8}).narrow(1, 2, 4)));
+      }
+      CHECK(at::equal(larger, at::arange(32, at::kFloat).view({4, 8})));
       c.auto_wrap_policy = {};
     }
 
@@ -1096,6 +1108,111 @@ TEST_SUITE("ranks") {
     accel::DistributedInterface::instance().destroy();
   }
   TEST_CASE("sharding cleanup") { release_world(); }
+}
+
+// Parameters that are already pieces of larger tensors, as tensor parallelism
+// hands them to the engine (Megatron's column- and row-parallel linears):
+// piece t of n of a Linear's rows (weight and bias), and of its columns (a
+// view of the whole weight: not contiguous, on a storage larger than itself).
+namespace {
+struct ColumnPieceImpl : torch::nn::Module {
+  ColumnPieceImpl(const torch::nn::Linear& whole, int64_t t, int64_t n) {
+    const int64_t h = whole->weight.size(0) / n;
+    weight = register_parameter("weight", whole->weight.detach().clone().narrow(0, t * h, h));
+    bias = register_parameter("bias", whole->bias.detach().clone().narrow(0, t * h, h));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(ColumnPiece);
+struct RowPieceImpl : torch::nn::Module {
+  RowPieceImpl(const torch::nn::Linear& whole, int64_t t, int64_t n) {
+    const int64_t h = whole->weight.size(1) / n;
+    weight = register_parameter("weight", whole->weight.detach().clone().narrow(1, t * h, h));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight); }
+  at::Tensor weight;
+};
+TORCH_MODULE(RowPiece);
+// fc2(tanh(fc1(x))) with fc1 cut by rows and fc2 by columns over `tp`: each
+// process computes its part of fc2's output, summed over tp.
+struct PiecesImpl : torch::nn::Module {
+  PiecesImpl(const torch::nn::Linear& fc1_whole, const torch::nn::Linear& fc2_whole, accel::GroupPtr group)
+      : tp(std::move(group)) {
+    fc1 = register_module("fc1", ColumnPiece(fc1_whole, tp->getRank(), tp->getSize()));
+    fc2 = register_module("fc2", RowPiece(fc2_whole, tp->getRank(), tp->getSize()));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const at::Tensor h = at::tanh(accel::unit_forward(fc1, x));
+    return accel::autograd::all_reduce(accel::unit_forward(fc2, h), accel::ReduceOp::SUM, tp);
+  }
+  ColumnPiece fc1{nullptr};
+  RowPiece fc2{nullptr};
+  accel::GroupPtr tp;
+};
+TORCH_MODULE(Pieces);
+}  // namespace
+
+TEST_SUITE("mesh4") {
+  // Four processes as a (shard 2, tp 2) mesh, tp innermost: each parameter is
+  // a tensor-parallel piece, sharded further over the shard group (FSDP over
+  // TP). Two micro-batches per step, the first with gradient sync off
+  // (FSDP2's set_requires_gradient_sync): after 3 SGD steps every piece
+  // equals its part of one process's model trained on the global batches.
+  TEST_CASE("sharding: pieces of larger tensors shard, reduce once per step and step as the whole model") {
+    auto& d = world();
+    REQUIRE(d.get_world_size() == 4);
+    const int r = d.get_rank(), s = r / 2;
+    const accel::GroupPtr tp = d.split_group(s, r), shard = d.split_group(r % 2, r);
+    for (const bool units : {false, true}) {  // SHARD_GRAD_OP, FULL_SHARD
+      CAPTURE(units);
+      torch::manual_seed(3);
+      torch::nn::Linear fc1(8, 14), fc2(torch::nn::LinearOptions(14, 5).bias(false));  // 14: pieces of 7 rows
+      Pieces pieces(fc1, fc2, tp);
+      REQUIRE_FALSE(pieces->fc2->weight.is_contiguous());
+      const std::vector<std::shared_ptr<torch::nn::Module>> unit_list =
+          units ? std::vector<std::shared_ptr<torch::nn::Module>>{pieces->fc1.ptr(), pieces->fc2.ptr()}
+                : std::vector<std::shared_ptr<torch::nn::Module>>{};
+      accel::DataParallel dp(pieces.ptr(), shard, 1 << 20, shard, {}, unit_list);
+      CHECK(dp.unit_count() == (units ? 2u : 0u));
+      torch::optim::SGD optimizer(pieces->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      dp.shard_optimizer(optimizer);
+      torch::optim::SGD whole_optimizer(std::vector<at::Tensor>{fc1->weight, fc1->bias, fc2->weight},
+                                        torch::optim::SGDOptions(0.1).momentum(0.9));
+      auto generator = at::detail::createCPUGenerator(17);
+      for (int step = 0; step < 3; ++step) {
+        // [micro-batch, shard rank, rows, features]: a shard rank's rows, read alike by its tp pair
+        const at::Tensor x = at::randn({2, 2, 3, 8}, generator), y = at::randn({2, 2, 3, 5}, generator);
+        for (int k = 0; k < 2; ++k) {
+          dp.set_requires_gradient_sync(k == 1);
+          // Each tp peer computes the same loss; all_reduce's adjoint sums their gradients, hence the halving.
+          const at::Tensor loss = torch::mse_loss(pieces(x[k][s]), y[k][s]) / 2;
+          dp.check_shards();
+          dp.prepare_for_backward();
+          loss.backward();
+          CHECK(dp.finish() == (k == 1));  // the first micro-batch communicates nothing
+        }
+        optimizer.step();
+        dp.gather_shards();
+        optimizer.zero_grad();
+        whole_optimizer.zero_grad();
+        at::Tensor whole_loss = at::zeros({});
+        for (int k = 0; k < 2; ++k)
+          whole_loss = whole_loss + torch::mse_loss(fc2(at::tanh(fc1(x[k].reshape({6, 8})))), y[k].reshape({6, 5}));
+        whole_loss.backward();
+        whole_optimizer.step();
+      }
+      const auto held = dp.summon_full_params();
+      const int64_t t = tp->getRank();
+      at::NoGradGuard no_grad;
+      const double difference = std::max({(pieces->fc1->weight - fc1->weight.narrow(0, 7 * t, 7)).abs().max().item<double>(),
+                                          (pieces->fc1->bias - fc1->bias.narrow(0, 7 * t, 7)).abs().max().item<double>(),
+                                          (pieces->fc2->weight - fc2->weight.narrow(1, 7 * t, 7)).abs().max().item<double>()});
+      MESSAGE(std::string(units ? "FULL_SHARD" : "SHARD_GRAD_OP") << " over tp pieces: largest difference to one process " << difference);
+      CHECK(difference < 1e-5);
+      CHECK((fc1->weight.narrow(0, 7 * t, 7) - fc1->weight.narrow(0, 7 * (1 - t), 7)).abs().max().item<double>() > 1e-3);
+    }
+  }
 }
 
 // Run by tests/python_ref/run_fsdp2.sh (CTest python_fsdp2_*) around

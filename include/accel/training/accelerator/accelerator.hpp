@@ -44,8 +44,7 @@ class Accelerator : public detail::AcceleratorPreparing,
       if (steps > 1) scaled = scaled / steps;
       if (join_) join_->before_backward();
       for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-      for (auto& m : prepared_.models)
-        if (m.sync) m.data_parallel->prepare_for_backward();
+      for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
       scaled.backward();
       for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
     };
@@ -301,7 +300,7 @@ class Accelerator : public detail::AcceleratorPreparing,
     SyncGuard guard;
     (
         [&] {
-          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(p->sync, sync);
+          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(*p->data_parallel, sync);
         }(),
         ...);
     return guard;

@@ -43,7 +43,7 @@ class Join {
   // syncing it].
   std::vector<int64_t> signal(int64_t active) {
     std::vector<int64_t> out{active};
-    for (const PreparedModel* m : models_) out.push_back(active && m->sync ? 1 : 0);
+    for (const PreparedModel* m : models_) out.push_back(active && m->data_parallel->requires_gradient_sync() ? 1 : 0);
     steps_ += active;
     return all_reduce(std::move(out), ReduceOp::SUM, group_);
   }

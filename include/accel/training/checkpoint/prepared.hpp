@@ -15,8 +15,7 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 struct PreparedModel {
   std::shared_ptr<torch::nn::Module> module;
-  std::unique_ptr<DataParallel> data_parallel;
-  bool sync = true;  // DDP's require_backward_grad_sync
+  std::unique_ptr<DataParallel> data_parallel;  // (its requires_gradient_sync: whether backward() reduces)
 };
 
 // A prepared scheduler in checkpoints: its step count, and its own
@@ -39,7 +38,7 @@ struct CheckpointedObject {
 };
 
 struct PreparedSet {
-  std::deque<PreparedModel> models;  // a deque: sync guards hold pointers to the flags
+  std::deque<PreparedModel> models;  // (a deque: references to its elements stay valid as it grows)
   // The sharded models' DataParallels (shared with the optimizers' handles,
   // which gather after a step).
   std::shared_ptr<std::vector<DataParallel*>> sharded = std::make_shared<std::vector<DataParallel*>>();
@@ -148,7 +147,8 @@ inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor
   for (auto& g : whole) g.clamp_(-clip_value, clip_value);
 }
 
-// RAII: restores the gradient sync flags it set when it goes out of scope
+// RAII: restores the models' gradient sync (DataParallel's
+// requires_gradient_sync) as it was when the guard goes out of scope
 // (Accelerator::no_sync, trigger_sync_in_backward and accumulate return one).
 class SyncGuard {
  public:
@@ -158,17 +158,17 @@ class SyncGuard {
   SyncGuard& operator=(const SyncGuard&) = delete;
   SyncGuard& operator=(SyncGuard&&) = delete;
   ~SyncGuard() {
-    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) *it->first = it->second;
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) it->first->set_requires_gradient_sync(it->second);
   }
 
-  // Sets flag to value now, and back to what it was when the guard goes.
-  void set(bool& flag, bool value) {
-    saved_.emplace_back(&flag, flag);
-    flag = value;
+  // Sets the model's gradient sync to `on` now, and back when the guard goes.
+  void set(DataParallel& model, bool on) {
+    saved_.emplace_back(&model, model.requires_gradient_sync());
+    model.set_requires_gradient_sync(on);
   }
 
  private:
-  std::vector<std::pair<bool*, bool>> saved_;
+  std::vector<std::pair<DataParallel*, bool>> saved_;
 };
 }  // namespace detail
 

@@ -168,9 +168,9 @@ class DataParallel {
   }
 
   // Arms the hooks for the next backward; without it, backward accumulates
-  // gradients locally (no_sync).
+  // gradients locally (no_sync). Nothing while gradient sync is off (below).
   void prepare_for_backward() {
-    if (!state_->group) return;
+    if (!state_->group || !requires_sync_) return;
     hook_accumulators();
     const detail::dp::Locked held(*state_);
     state_->armed = true;
@@ -183,6 +183,16 @@ class DataParallel {
       detail::dp::give_back(bucket);
     }
   }
+
+  // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
+  // while off, prepare_for_backward() arms nothing, so each backward adds
+  // its gradients to the parameters' own (under FULL_SHARD too: whole
+  // gradients, as FSDP2's no-sync micro-batches keep), and the first
+  // backward with it on again reduces their sum. A pipeline stage runs its
+  // micro-batches so, reducing on the last; Accelerator::no_sync and
+  // accumulate() switch it for the models they name.
+  void set_requires_gradient_sync(bool on) { requires_sync_ = on; }
+  bool requires_gradient_sync() const { return requires_sync_; }
 
   // Waits for every bucket's all-reduce and writes the averaged gradients
   // back. Buckets with parameters that got no gradient in this backward are
@@ -385,6 +395,7 @@ class DataParallel {
   // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> accumulators_;
+  bool requires_sync_ = true;
 };
 
 // FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in

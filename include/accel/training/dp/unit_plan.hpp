@@ -39,7 +39,8 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
 // model runs, ZeRO-2's way), so every module that reads it finds its values,
 // as FSDP2 keeps a tied weight in the root's group. Errors name the
 // parameter or unit: units inside units, and a unit's parameter that shares
-// its storage with another or is a view (it cannot be freed alone).
+// its storage with another (it cannot be freed alone). A unit's parameter
+// that is a view of a larger tensor gets a storage of its own (below).
 inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
                                          const std::vector<std::shared_ptr<torch::nn::Module>>& units,
                                          const std::vector<at::Tensor>& params) {
@@ -91,12 +92,21 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
     const int64_t u = owner.at(p.unsafeGetTensorImpl());
     out.push_back(u < 0 ? -1 : renumbered[static_cast<std::size_t>(u)]);
     if (u < 0) continue;
-    if (storages[p.storage().unsafeGetStorageImpl()] > 1 || p.storage_offset() != 0 || !p.is_contiguous() ||
+    if (storages[p.storage().unsafeGetStorageImpl()] > 1)
+      throw InvalidArgument(
+          "accel::DataParallel: under FULL_SHARD every parameter of a unit must have its storage "
+          "to itself; " +
+          state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
+          "' shares its storage with another parameter (share the tensor itself to tie weights: a "
+          "tensor registered in several modules is one parameter)");
+    // A piece of a larger tensor (a tensor-parallel shard narrowed from the
+    // whole, a view): its storage holds more than the parameter, so freeing
+    // it at rest would free the rest too. It takes a copy as a storage of
+    // its own, as FSDP2 replaces the parameters it shards; the tensor it
+    // was cut from keeps its values and no longer sees the parameter's.
+    if (p.storage_offset() != 0 || !p.is_contiguous() ||
         p.storage().nbytes() != static_cast<std::size_t>(p.numel()) * p.element_size())
-      throw InvalidArgument("accel::DataParallel: under FULL_SHARD every parameter of a unit must own its storage; " +
-                            state.names.describe(p) + " of unit '" + name_of[units[static_cast<std::size_t>(u)].get()] +
-                            "' is a view or shares its storage with another parameter (share the tensor itself to "
-                            "tie weights: a tensor registered in several modules is one parameter)");
+      p.unsafeGetTensorImpl()->shallow_copy_from(p.detach().clone(at::MemoryFormat::Contiguous).getIntrusivePtr());
   }
   return out;
 }
