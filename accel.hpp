@@ -63,7 +63,8 @@
 //     accel/training/dp/comm_hooks.hpp                   communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/dp/buckets.hpp                      which gradients share a bucket (DDP's assignment, with FSDP units)
 //     accel/training/dp/buffers.hpp                      the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
-//     accel/training/dp/state.hpp                        DataParallel's state: its buckets, units and flags, shared with its autograd hooks
+//     accel/training/dp/state.hpp                        DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks
+//     accel/training/dp/chunks.hpp                       the chunk layout sharding cuts every parameter into: S equal chunks, the last padded
 //     accel/training/dp/scatter.hpp                      ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
 //     accel/training/dp/reducer.hpp                      DataParallel's reducer: a bucket issued as soon as its gradients are ready
 //     accel/training/dp/unit_plan.hpp                    ZeRO-3's units planned: which unit holds each parameter, the registry accel::unit_forward finds a unit in, the policy's dtypes, the names a read at rest reports
@@ -71,7 +72,9 @@
 //     accel/training/dp/units.hpp                        ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
 //     accel/training/recompute.hpp                       accel::checkpoint, activation checkpointing as torch.utils.checkpoint
 //     accel/training/dp/shards.hpp                       ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
-//     accel/training/dp/data_parallel.hpp                DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward
+//     accel/training/dp/sharded_state_dict.hpp           what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
+//     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
+//     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered
 //     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
 //     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
 //     accel/training/io/checked_file.hpp                 files written with every error checked: CheckedFile, atomic writes, archives
@@ -8211,7 +8214,7 @@ using Lease = BufferPool::Lease;
 ACCEL_NAMESPACE_END
 
 // == accel/training/dp/state.hpp ==============================================
-// accel/training/dp/state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
+// accel/training/dp/state.hpp: DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks.
 //
 // A DataParallel keeps everything in one State behind a shared_ptr: the
 // autograd hooks it registers outlive it inside the graph, and see
@@ -8223,9 +8226,26 @@ ACCEL_NAMESPACE_END
 // function that reads or changes the State after its construction takes
 // that Locked (below), so the compiler checks the rule.
 
+#include <variant>
+
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
+// DataParallel's state is one common layout of buckets (below) and the
+// strategy's own state, one of two types held in State::mode:
+//   Replicated (NO_SHARD): each bucket all-reduced, through a communication hook;
+//   Sharded (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD): each parameter cut in
+//     chunks, each bucket reduce-scattered into this rank's shards; with
+//     Units (FULL_SHARD, HYBRID_SHARD) the parameters of each unit also
+//     gathered only while the unit runs.
+// FULL_SHARD is no third type: it is ZeRO-2 for every bucket (its root's
+// parameters are sharded exactly as SHARD_GRAD_OP's) plus Units, which
+// SHARD_GRAD_OP has none of; the units' code runs over the units' buckets
+// only, so it needs no test of the mode. The mode is chosen once, in
+// DataParallel's constructor, and read through replicated() / sharded().
+
+// A bucket as every strategy lays it out: its parameters (one dtype and
+// device), the flags of which had a gradient, and its reduction in flight.
 struct Bucket {
   // Every member has an initializer: GCC 14's -Wextra flags designated
   // initializers that leave out members without one.
@@ -8234,20 +8254,29 @@ struct Bucket {
   std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
   c10::ScalarType dtype;
   c10::Device device;
-  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+  detail::Packing packing;  // of the reduced buffer: the gradients, then one used-flag per parameter
   std::size_t ready = 0;
-  // Not sharded: the bucket being reduced (`persistent`, or what the communication hook returned).
-  at::Tensor flat{};
-  // Sharded: the reduce-scatter's pooled buffers: its laid-out input, what its all-to-all received, and
-  // where the chunks fold when they cannot fold straight into the shards' gradients.
-  Lease laid_out{}, received{}, folded{};
-  // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
-  at::Tensor persistent{};
-  at::Tensor divisor{};  // not sharded, no registered hook: the group's size, the gradients' divisor (dp/reducer.hpp)
-  Work<at::Tensor> work{};
-  // Sharded: a rank's segment holds its chunk of each parameter
-  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
-  // elements in all.
+  Work<at::Tensor> work{};  // its all-reduce (Replicated) or reduce-scatter (Sharded) in flight
+};
+
+// NO_SHARD's per bucket: the buffer being reduced (`persistent`, or what
+// the communication hook returned), the buffer kept across steps (under
+// gradient_as_bucket_view the gradients' storage too), and without a
+// registered hook the group's size, the gradients' divisor (dp/reducer.hpp).
+struct ReplicatedBucket {
+  at::Tensor flat{}, persistent{}, divisor{};
+};
+struct Replicated {
+  std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
+  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+  bool hooked = false;
+  bool bucket_view = false;  // (see gradient_as_bucket_view)
+};
+
+// Sharding's per bucket. A rank's segment holds its chunk of each
+// parameter (chunks[i] elements at offsets[i]), then the used-flags;
+// `segment` elements in all.
+struct ShardedBucket {
   std::vector<int64_t> offsets{}, chunks{};
   int64_t segment = 0;
   // This rank's shards, one after another in `owned` (segment - n
@@ -8262,24 +8291,61 @@ struct Bucket {
   std::vector<at::Tensor> shards{};
   std::vector<uint8_t> in_optimizer{};
   std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
-  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
-  // they hold their values now, and a prefetch in flight.
-  int64_t unit = -1;
+  // The reduce-scatter's pooled buffers: its laid-out input, what its
+  // all-to-all received, and where the chunks fold when they cannot fold
+  // straight into the shards' gradients.
+  Lease laid_out{}, received{}, folded{};
+  int64_t unit = -1;  // the unit whose parameters these are (-1: none, whole while the model runs)
+};
+
+// A unit's bucket (FULL_SHARD): which bucket, whether its parameters hold
+// their values now, and a gather in flight. `full` is the pooled buffer
+// its gather lands in, the parameters' memory while it is resident. Under
+// a MixedPrecisionPolicy's param_dtype: whether `full` holds the parameters
+// in that dtype (gathered for compute), the shards cast to it while their
+// gather is in flight (`cast`, pooled), each parameter as it is at rest
+// (`rest`: its own dtype and storage, which it takes back when released),
+// and as it computes (`compute`: that dtype, on a storage of its own that
+// points into `full` while the unit holds its values and at nothing
+// otherwise; dp/unit_params.hpp says why).
+struct UnitBucket {
+  std::size_t bucket = 0;  // into State::buckets
   bool resident = true;
-  Lease full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' memory
-  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
-  // `full` holds the parameters in that dtype (gathered for compute), the
-  // shards cast to it while their gather is in flight (`cast`, pooled), each
-  // parameter as it is at rest (`rest`: its own dtype and storage, which it
-  // takes back when released), and as it computes (`compute`: that dtype,
-  // on a storage of its own that points into `full` while the unit holds
-  // its values and at nothing otherwise; dp/unit_params.hpp says why).
+  Lease full{};
   bool low = false;
   Lease cast{};
   std::vector<at::Tensor> rest{}, compute{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
+struct Unit {
+  const torch::nn::Module* module = nullptr;
+  std::vector<UnitBucket> buckets{};
+};
+// FULL_SHARD's units; the order they ran in this forward and the last
+// (prefetching follows it); summon_full_params() objects alive. Under a
+// MixedPrecisionPolicy: the dtype units compute in (gathered in; none: the
+// parameters' own), and the one outputs are cast to; cast_inputs: a unit's
+// floating-point inputs are cast to the dtype its parameters hold.
+struct Units {
+  std::vector<Unit> list{};
+  std::vector<std::size_t> order{}, last_order{};
+  bool new_pass = true;
+  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
+  int held = 0;
+  std::optional<c10::ScalarType> param_dtype{}, output_dtype{};
+  bool cast_inputs = true;
+};
+struct Sharded {
+  GroupPtr shard{}, replicate{};         // sharded along shard, averaged along replicate too (HSDP)
+  std::vector<ShardedBucket> buckets{};  // (State::buckets' order)
+  // Where each parameter's shard is, and the optimizers stepping them.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index{};  // (bucket, i)
+  std::vector<torch::optim::Optimizer*> optimizers{};
+  std::optional<c10::ScalarType> reduce_dtype{};  // a MixedPrecisionPolicy's: the dtype gradients reduce in
+  Units units{};                                  // none under SHARD_GRAD_OP
+};
+
 // Every parameter of the bucket had a gradient here since the last sync:
 // then each was used on some rank, and the reduced flags need not be read
 // back (on a GPU that read would make the host wait for the reduction).
@@ -8309,10 +8375,6 @@ inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
   }
 }
 
-struct Unit {
-  const torch::nn::Module* module = nullptr;
-  std::vector<std::size_t> buckets{};
-};
 struct State {
   // The sharded steps' working buffers, reused (dp/buffers.hpp). First, so
   // that it is destroyed last: a bucket's Work still in flight when the
@@ -8321,33 +8383,55 @@ struct State {
   std::mutex mutex;
   ParameterNames names;  // the module's parameters by name, for errors that name one
   GroupPtr group;
-  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
-  int64_t replicas = 1;       // gradients are averaged over this many ranks
+  int64_t replicas = 1;  // gradients are averaged over this many ranks
   std::vector<Bucket> buckets;
   std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
-  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
-  bool hooked = false;
-  bool bucket_view = false;  // (see gradient_as_bucket_view)
-  // FULL_SHARD: the units; the order they ran in this forward and the
-  // last (prefetching follows it); summon_full_params() objects alive.
-  std::vector<Unit> units;
-  std::vector<std::size_t> order, last_order;
-  bool new_pass = true;
-  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
-  int held = 0;
-  // Sharded: where each parameter's shard is, and the optimizers stepping them.
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
-  std::vector<torch::optim::Optimizer*> optimizers;
-  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
-  // units compute in (gathered in) and the one gradients are reduced in;
-  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
-  // are cast to the dtype its parameters hold.
-  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
-  bool cast_inputs = true;
+  std::variant<Replicated, Sharded> mode;
 };
+// The strategy's state (see the top): replicated() under NO_SHARD (and
+// when not distributed), sharded() otherwise; is_sharded() says which.
+inline bool is_sharded(const State& s) { return std::holds_alternative<Sharded>(s.mode); }
+inline Sharded& sharded(State& s) { return std::get<Sharded>(s.mode); }
+inline const Sharded& sharded(const State& s) { return std::get<Sharded>(s.mode); }
+inline Replicated& replicated(State& s) { return std::get<Replicated>(s.mode); }
+inline const Replicated& replicated(const State& s) { return std::get<Replicated>(s.mode); }
+// Unit u's part of bucket b (b is one of the unit's buckets).
+inline const UnitBucket& unit_bucket(const Units& units, int64_t u, std::size_t b) {
+  for (const auto& ub : units.list[static_cast<std::size_t>(u)].buckets)
+    if (ub.bucket == b) return ub;
+  throw LogicError("accel::DataParallel: bucket " + std::to_string(b) + " is not unit " + std::to_string(u) + "'s");
+}
+
+// The common layout: `params` (each tensor once, in the order backward
+// produces their gradients) put in buckets by DDP's assignment (dp/buckets.hpp;
+// size_limits: the first bucket's, then every other's; a unit's parameters
+// in buckets of their own), each with room for its used-flags after the
+// gradients. Returns each bucket's unit (-1: none).
+inline std::vector<int64_t> lay_out(State& s, const std::vector<at::Tensor>& params,
+                                    const std::vector<int64_t>& unit_of, const std::vector<int64_t>& size_limits) {
+  std::vector<BucketInput> inputs;
+  for (std::size_t k = 0; k < params.size(); ++k)
+    inputs.push_back(
+        {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+  std::vector<int64_t> bucket_unit;
+  for (const auto& indices : compute_bucket_assignment_by_size(inputs, size_limits).buckets) {
+    const at::Tensor& first = params[indices.front()];
+    Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = Packing(first.scalar_type())};
+    bucket_unit.push_back(unit_of[indices.front()]);
+    for (std::size_t k : indices) {
+      bucket.params.push_back(params[k]);
+      bucket.used.push_back(0);
+      bucket.seen.push_back(0);
+      bucket.packing.add(params[k]);
+    }
+    bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
+    s.buckets.push_back(std::move(bucket));
+  }
+  return bucket_unit;
+}
 
 // Proof that a State's mutex is held, and the way to the State for the
 // engine's functions: made (locking) by DataParallel's public methods, the
@@ -8375,7 +8459,7 @@ inline GradBucket grad_bucket(const Locked& held, std::size_t b, const at::Tenso
   const State& s = held.state();
   const Bucket& bucket = s.buckets[b];
   GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
-  if (s.hooked) {
+  if (replicated(s).hooked) {
     out.parameters = bucket.params;
     for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
   }
@@ -8393,14 +8477,30 @@ inline GradBucket grad_bucket(const Locked& held, std::size_t b, const at::Tenso
 // small parameters would pay it per parameter.
 inline constexpr int kGatherTag = 0x61636365;
 inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
-inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
-  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
+inline bool large_pieces(const ShardedBucket& bucket, int64_t element_size) {
+  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.shards.size());
 }
 // The dtype bucket b's gradients are reduce-scattered in.
-inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
-  return s.reduce_dtype.value_or(bucket.dtype);
+inline c10::ScalarType reduce_dtype(const State& s, std::size_t b) {
+  return sharded(s).reduce_dtype.value_or(s.buckets[b].dtype);
 }
 
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/chunks.hpp =============================================
+// accel/training/dp/chunks.hpp: the chunk layout sharding cuts every parameter into: S equal chunks, the last padded.
+//
+// Under sharding (dp/shards.hpp) a parameter of n elements is cut into S
+// chunks of c = ceil(n / S) elements of it flattened, rank r keeping chunk
+// r; a bucket's gradients travel laid out rank after rank, chunk r of each
+// gradient in row r. These functions move tensors in and out of that
+// layout; they know nothing of buckets or groups.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
 // The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
 // being row r. read_rows copies t's rows into columns [off, off + c) of
 // rows, zeros where t ends before them (so rows need not start zeroed: a
@@ -8475,11 +8575,11 @@ namespace detail::dp {
 // (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
 // bucket's messages also overlap the next layer's backward: one measured
 // up to 6 % slower there.
-inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
+inline std::size_t scatters_in_flight(const Sharded& z) { return z.units.list.empty() ? 2 : 1; }
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
-inline void give_back(Bucket& bucket) {
+inline void give_back(ShardedBucket& bucket) {
   bucket.laid_out.reset();
   bucket.received.reset();
   bucket.folded.reset();
@@ -8488,7 +8588,7 @@ inline void give_back(Bucket& bucket) {
 // The bucket's owned_grads, made on first use: the shards' gradients, then
 // room for the used-flags (`segment` elements), so a reduction can fold
 // straight into it.
-inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& options) {
+inline const at::Tensor& owned_grads(ShardedBucket& bucket, const at::TensorOptions& options) {
   if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
   return bucket.owned_grads;
 }
@@ -8503,17 +8603,19 @@ inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& op
 // released when the bucket was issued.
 inline void land_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
-  Bucket& bucket = s.buckets[b];
+  Sharded& z = sharded(s);
+  Bucket& layout = s.buckets[b];
+  ShardedBucket& bucket = z.buckets[b];
   at::Tensor reduced;
   try {
-    reduced = bucket.work.wait();  // (owned_grads, or the pooled buffer it folded into)
-    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
+    reduced = layout.work.wait();  // (owned_grads, or the pooled buffer it folded into)
+    if (z.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, z.replicate).wait();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
                            detail::error_text(e));
   }
-  const auto n = static_cast<int64_t>(bucket.params.size());
-  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
+  const auto n = static_cast<int64_t>(layout.params.size());
+  const bool all_used = used_by_all_here(layout);  // (then the reduced flags need not be read)
   if (!all_used) {
     const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
     if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
@@ -8535,7 +8637,7 @@ inline void land_scatter(const Locked& held, std::size_t b) {
         shard.mutable_grad().copy_(averaged);
       }
     }
-    bucket.used[static_cast<std::size_t>(i)] = 0;
+    layout.used[static_cast<std::size_t>(i)] = 0;
   }
   give_back(bucket);
 }
@@ -8554,17 +8656,20 @@ inline void land_scatter(const Locked& held, std::size_t b) {
 // bucket's sizes), never on this rank's gradients: one that is none here
 // (a parameter this rank did not use) sends zeros, as the rows path lays
 // them out.
-inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
-         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
+inline bool scatters_directly(const State& s, std::size_t b) {
+  return sharded(s).shard->getBackendName() == "gloo" && s.buckets[b].device.is_cpu() &&
+         large_pieces(sharded(s).buckets[b], static_cast<int64_t>(c10::elementSize(reduce_dtype(s, b))));
 }
-inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, const at::Tensor& out) {
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
+inline Work<at::Tensor> start_direct_scatter(const State& s, std::size_t b, const at::Tensor& out) {
+  const Sharded& z = sharded(s);
+  const Bucket& layout = s.buckets[b];
+  const ShardedBucket& bucket = z.buckets[b];
+  const std::size_t n = layout.params.size();
+  const int64_t S = z.shard->getSize(), me = z.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
   const at::Tensor rows = bucket.received.tensor().view({S, bucket.segment});
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = bucket.params[i];
+    const at::Tensor& p = layout.params[i];
     // (in the reduction's dtype: a policy's reduce_dtype casts)
     grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
                                        : at::zeros({p.numel()}, rows.options()));
@@ -8573,7 +8678,7 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
     rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
     if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
   }
-  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
+  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), layout);
   auto sent = [&](int to, std::size_t i) {
     if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
     const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
@@ -8583,7 +8688,7 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
     if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
     return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
   };
-  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
+  auto pending = detail::start_exchange_pieces(*z.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
   // (grads moved into the landing only now: `sent` reads them above, and a
   // function's arguments may be evaluated in any order)
   return Work<at::Tensor>(detail::then(
@@ -8600,20 +8705,22 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
+  Sharded& z = sharded(s);
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
+  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(z); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(held, e);
       --in_flight;
     }
-  Bucket& bucket = s.buckets[b];
+  Bucket& layout = s.buckets[b];
+  ShardedBucket& bucket = z.buckets[b];
   at::NoGradGuard no_grad;
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize();
+  const std::size_t n = layout.params.size();
+  const int64_t S = z.shard->getSize();
   // (the shards' options, in the reduction's dtype: a parameter may hold a
   // policy's param_dtype now, while its unit runs)
-  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
+  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, b));
   // Where the folded chunks land: straight in the shards' gradients when
   // every one is none (the usual step, after zero_grad()) and the reduction
   // is in their dtype, so that landing copies nothing; else in a pooled
@@ -8623,26 +8730,26 @@ inline void issue_scatter(const Locked& held, std::size_t b) {
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
     bucket.received = s.pool.take(S * bucket.segment, options);
-    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received.tensor(), ReduceOp::SUM, s.shard);
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received.tensor(), ReduceOp::SUM, z.shard);
     if (!into_grads) bucket.folded = s.pool.take(bucket.segment, options);
     const at::Tensor out = into_grads ? owned_grads(bucket, options) : bucket.folded.tensor();
-    if (scatters_directly(s, bucket)) {
-      bucket.work = start_direct_scatter(s, bucket, out);
+    if (scatters_directly(s, b)) {
+      layout.work = start_direct_scatter(s, b, out);
       return;
     }
     bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
     const at::Tensor& laid_out = bucket.laid_out.tensor();
     const at::Tensor rows = laid_out.view({S, bucket.segment});
     for (std::size_t i = 0; i < n; ++i)
-      if (bucket.params[i].grad().defined()) {
-        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+      if (layout.params[i].grad().defined()) {
+        read_rows(layout.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        layout.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
       } else {
         rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
       }
-    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
+    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), layout);
     if (s.replicas != 1) laid_out.div_(s.replicas);
-    bucket.work =
+    layout.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received.tensor(), out, ReduceOp::SUM));
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +
@@ -8674,19 +8781,15 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-// Flattens a bucket's gradients and used-flags (pre-divided by the group
-// size, as DDP does) and issues its all-reduce without waiting (sharded:
-// its reduce-scatter).
-inline void issue_bucket(const Locked& held, std::size_t b) {
+// Bucket b's all-reduce (NO_SHARD): its gradients and used-flags
+// flattened (pre-divided by the group size, as DDP does) and the
+// all-reduce issued without waiting.
+inline void issue_all_reduce(const Locked& held, std::size_t b) {
   State& state = held.state();
   Bucket& bucket = state.buckets[b];
-  at::NoGradGuard no_grad;
+  Replicated& mode = replicated(state);
+  ReplicatedBucket& reduced = mode.buckets[b];
   const std::size_t n = bucket.params.size();
-  if (state.shard) {  // reduce-scattered instead (dp/scatter.hpp)
-    issue_scatter(held, b);
-    if (state.on_issued) state.on_issued(b);
-    return;
-  }
   // The bucket persists across steps, as DDP's: a buffer this large allocated
   // per step would come back from the kernel as fresh pages each time (page
   // faults and zeroing, a tenth of a CPU step's time). Under
@@ -8694,51 +8797,60 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
   // copied in here and the averages copied back out in finish. (Made
   // anew only if the module moved to another device since.)
   const at::TensorOptions options = bucket.params.front().options();
-  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
-    bucket.persistent = bucket.packing.buffer(options);
-  bucket.flat = bucket.persistent;
+  if (!reduced.persistent.defined() || reduced.persistent.device() != options.device())
+    reduced.persistent = bucket.packing.buffer(options);
+  reduced.flat = reduced.persistent;
   // Without a registered hook the default one's work is done here: the
   // gradients divided by the group's size, then all-reduced. Where they are
   // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
   // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
   // two, with div_'s kernel and divisor, so the same bits. The used-flags
   // stay undivided there: finish reads only whether they are above zero.
-  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
-  if (by_default && !bucket.divisor.defined()) {
+  const bool by_default = !mode.hooked, divide_in_copy = by_default && !mode.bucket_view;
+  if (by_default && !reduced.divisor.defined()) {
     // A wrapped number, as div_(Scalar) makes of its argument, made once: in
     // the bucket's dtype, so that no division casts it (and allocates); in
     // float for bfloat16 and float16, whose kernels read the divisor as
     // float (so a world size they cannot hold exactly still divides exactly).
-    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
-    bucket.divisor =
-        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
-    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
+    const bool half_width = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
+    reduced.divisor =
+        at::scalar_tensor(static_cast<double>(state.group->getSize()), half_width ? at::kFloat : bucket.dtype);
+    reduced.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
   }
   for (std::size_t i = 0; i < n; ++i) {
     at::Tensor& p = bucket.params[i];
-    at::Tensor view = bucket.packing.view(bucket.flat, i);
+    at::Tensor view = bucket.packing.view(reduced.flat, i);
     if (!p.grad().defined()) {
       view.zero_();
     } else if (divide_in_copy) {
-      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
-    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(),
+                  reduced.divisor);  // (sparse: into dense)
+    } else if (!mode.bucket_view || !p.grad().is_alias_of(view)) {
       view.copy_(p.grad());
-      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+      if (mode.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
     }
   }
-  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
+  write_used_flags(bucket.packing.view(reduced.flat, n), bucket);
   try {
     if (by_default) {
-      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
-      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
+      if (!divide_in_copy) reduced.flat.div_(reduced.divisor);  // (the views: divided where they lie)
+      bucket.work = all_reduce_async(reduced.flat, ReduceOp::SUM, state.group);
     } else {
-      GradBucket hooked = grad_bucket(held, b, bucket.flat);
-      bucket.work = state.hook(state.group, hooked);
+      GradBucket hooked = grad_bucket(held, b, reduced.flat);
+      bucket.work = mode.hook(state.group, hooked);
     }
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
                            detail::error_text(e));
   }
+}
+// Issues bucket b's reduction, now that its gradients are ready: the one
+// place a backward branches on the strategy.
+inline void issue_bucket(const Locked& held, std::size_t b) {
+  State& state = held.state();
+  at::NoGradGuard no_grad;
+  if (is_sharded(state)) issue_scatter(held, b);  // (dp/scatter.hpp)
+  else issue_all_reduce(held, b);
   if (state.on_issued) state.on_issued(b);
 }
 
@@ -8747,32 +8859,34 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
 // gradients of the parameters used on any rank back into their .grad.
 inline void finish_unsharded(const Locked& held) {
   State& state = held.state();
-  for (auto& bucket : state.buckets) {
+  Replicated& mode = replicated(state);
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+    Bucket& bucket = state.buckets[b];
+    ReplicatedBucket& reduced = mode.buckets[b];
     try {
-      bucket.flat = bucket.work.wait();
+      reduced.flat = bucket.work.wait();
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
                              detail::error_text(e));
     }
-    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+    if (!reduced.flat.defined() || reduced.flat.numel() != bucket.packing.elements())
       throw RuntimeError("accel::DataParallel: the communication hook returned " +
-                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
-                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
-                         std::to_string(bucket.packing.elements()));
-    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
-    bucket.flat = bucket.flat.reshape({-1});
-    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
-      bucket.flat = bucket.persistent.copy_(bucket.flat);
+                         (reduced.flat.defined() ? std::to_string(reduced.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(b) + " of " + std::to_string(bucket.packing.elements()));
+    if (reduced.flat.scalar_type() != bucket.dtype) reduced.flat = reduced.flat.to(bucket.dtype);  // decompressed
+    reduced.flat = reduced.flat.reshape({-1});
+    if (mode.bucket_view && !reduced.flat.is_alias_of(reduced.persistent))
+      reduced.flat = reduced.persistent.copy_(reduced.flat);
     const std::size_t n = bucket.params.size();
     // Which parameters some rank used: known here when this rank used them all.
     const bool all_used = used_by_all_here(bucket);
-    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(reduced.flat, n).gt(0).to(c10::kCPU);
     const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
     for (std::size_t i = 0; i < n; ++i) {
       at::Tensor& p = bucket.params[i];
       if (all_used || used[i]) {
-        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
-        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        at::Tensor averaged = bucket.packing.view(reduced.flat, i);
+        if (mode.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
         else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
         else p.mutable_grad() = averaged.clone();
       }
@@ -8789,7 +8903,7 @@ inline void shadow_backward(const Locked& held) {
   for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
     const Bucket& bucket = state.buckets[b];
     GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-    works.push_back(state.hook(state.group, zeros));
+    works.push_back(replicated(state).hook(state.group, zeros));
   }
   for (auto& work : works) {
     try {
@@ -8908,8 +9022,8 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   for (std::size_t u = 0; u < units.size(); ++u)
     if (renumbered[u] == 0) {
-      renumbered[u] = static_cast<int64_t>(state.units.size());
-      state.units.push_back(Unit{.module = units[u].get()});
+      renumbered[u] = static_cast<int64_t>(sharded(state).units.list.size());
+      sharded(state).units.list.push_back(Unit{.module = units[u].get()});
     }
   std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
   for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
@@ -8936,6 +9050,15 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   return out;
 }
+// Each bucket given to its unit (bucket_unit[b], as lay_out returned it;
+// -1: none), once the shards are made.
+inline void make_units(Sharded& z, const std::vector<int64_t>& bucket_unit) {
+  for (std::size_t b = 0; b < bucket_unit.size(); ++b) {
+    z.buckets[b].unit = bucket_unit[b];
+    if (bucket_unit[b] >= 0)
+      z.units.list[static_cast<std::size_t>(bucket_unit[b])].buckets.push_back(UnitBucket{.bucket = b});
+  }
+}
 // A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
 // shards are made): its dtypes checked and kept, and each unit parameter's
 // tensor at rest kept for release() to give back (see Use). The policy is
@@ -8948,25 +9071,28 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
       throw InvalidArgument(
           std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
           c10::toString(*dtype));
-  if (!s.shard)
+  if (!is_sharded(s))
     throw InvalidArgument(
         "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
         "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
-  s.param_dtype = policy.param_dtype;
-  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
-  s.output_dtype = policy.output_dtype;
-  s.cast_inputs = policy.cast_forward_inputs;
-  if (!s.param_dtype) return;
-  for (auto& bucket : s.buckets) {
-    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
-    for (const auto& p : bucket.params) {
-      bucket.rest.push_back(p.variable_data());
-      // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
-      at::Tensor compute = at::empty({0}, p.options().dtype(*s.param_dtype).requires_grad(false));
-      compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
-      bucket.compute.push_back(std::move(compute));
+  Sharded& z = sharded(s);
+  z.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  z.units.param_dtype = policy.param_dtype;
+  z.units.output_dtype = policy.output_dtype;
+  z.units.cast_inputs = policy.cast_forward_inputs;
+  if (!policy.param_dtype) return;
+  for (Unit& unit : z.units.list)
+    for (UnitBucket& ub : unit.buckets) {
+      const Bucket& layout = s.buckets[ub.bucket];
+      if (!c10::isFloatingType(layout.dtype) || layout.dtype == *policy.param_dtype) continue;
+      for (const auto& p : layout.params) {
+        ub.rest.push_back(p.variable_data());
+        // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
+        at::Tensor compute = at::empty({0}, p.options().dtype(*policy.param_dtype).requires_grad(false));
+        compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
+        ub.compute.push_back(std::move(compute));
+      }
     }
-  }
 }
 
 // What a kernel that reads a unit's parameter at rest throws (where
@@ -8975,17 +9101,17 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
 inline void name_at_rest(State& state, const torch::nn::Module& module) {
   std::unordered_map<const torch::nn::Module*, std::string> modules;
   for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
-  for (auto& bucket : state.buckets) {
-    if (bucket.unit < 0) continue;
-    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
-    for (const auto& p : bucket.params)
-      bucket.at_rest.push_back(
-          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
-          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
-          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
-          "weight registered in several modules is kept whole at the root");
-  }
+  for (Unit& unit_of : sharded(state).units.list)
+    for (UnitBucket& ub : unit_of.buckets) {
+      const std::string unit = modules[unit_of.module];
+      for (const auto& p : state.buckets[ub.bucket].params)
+        ub.at_rest.push_back(
+            "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
+            "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+            "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+            "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
+            "weight registered in several modules is kept whole at the root");
+    }
 }
 }  // namespace detail::dp
 
@@ -9030,11 +9156,13 @@ inline void allow_access(Storage& storage) {
 // pool, copied out when it lands. (Every rank takes the same path: the
 // sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
 // rows (NCCL's is the fast one), copied out likewise.
-inline Work<at::Tensor> gather_params(const Locked& held, const Bucket& bucket, const at::Tensor& source,
+inline Work<at::Tensor> gather_params(const Locked& held, std::size_t b, const at::Tensor& source,
                                       std::vector<at::Tensor> into) {
   State& s = held.state();
-  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
-  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
+  const Sharded& z = sharded(s);
+  const ShardedBucket& bucket = z.buckets[b];
+  const int64_t S = z.shard->getSize(), width = source.numel(), r = z.shard->getRank();
+  c10d::ProcessGroup* g = detail::enter_all_gather(source, z.shard);  // (a shard group has 2 ranks or more)
   const bool direct = detail::direct_gather_fits(*g, source, source);
   const bool pieces =
       direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
@@ -9103,83 +9231,85 @@ inline int64_t aligned(int64_t elements, int64_t element_size) {
 }
 // Where each parameter of a unit's bucket starts in its buffer of elements
 // of element_size bytes, and the buffer's length (the last entry).
-inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
+inline std::vector<int64_t> places_in_full(const Bucket& layout, int64_t element_size) {
   std::vector<int64_t> at{0};
-  for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
+  for (const auto& p : layout.params) at.push_back(at.back() + aligned(p.numel(), element_size));
   return at;
 }
 // Whether a gather for `use` is in the policy's param_dtype. Not while
 // summon_full_params() holds the units: they stay in full precision, and a
 // unit called then computes in it.
-inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
-  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
+inline bool gathers_low(const Units& units, const UnitBucket& ub, Use use) {
+  return use == Use::compute && !ub.rest.empty() && units.held == 0;
 }
-inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
-  return bucket.low ? *s.param_dtype : bucket.dtype;
+inline c10::ScalarType gathered_dtype(const Units& units, const Bucket& layout, const UnitBucket& ub) {
+  return ub.low ? *units.param_dtype : layout.dtype;
 }
-inline void release_bucket(Bucket& bucket);
+inline void release_bucket(const Bucket& layout, UnitBucket& ub);
 // Waits for the bucket's gather in flight. A failed one has ended every
 // message of it (distributed/pieces.hpp's Outstanding), so its buffers go back to the
 // pool, and the collective's own error (operation, group, rank) goes on to
 // the caller under what the engine was doing.
-inline void wait_gathering(Bucket& bucket) {
+inline void wait_gathering(const Bucket& layout, UnitBucket& ub) {
   try {
-    bucket.gathering.wait();
+    ub.gathering.wait();
   } catch (const DistributedError& e) {
-    bucket.gathering = {};
-    release_bucket(bucket);  // (not resident: the buffers only)
+    ub.gathering = {};
+    release_bucket(layout, ub);  // (not resident: the buffers only)
     throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                            detail::error_text(e));
   }
-  bucket.gathering = {};
+  ub.gathering = {};
 }
 // The storage parameter i of the bucket computes on: its own, or under a
 // policy's param_dtype its `compute` tensor's.
-inline c10::StorageImpl* computing_storage(const Bucket& bucket, std::size_t i) {
-  return (bucket.low ? bucket.compute[i] : bucket.params[i]).storage().unsafeGetStorageImpl();
+inline c10::StorageImpl* computing_storage(const Bucket& layout, const UnitBucket& ub, std::size_t i) {
+  return (ub.low ? ub.compute[i] : layout.params[i]).storage().unsafeGetStorageImpl();
 }
 // A bucket's parameters back at rest, and its buffers back in the pool.
-inline void release_bucket(Bucket& bucket) {
-  if (bucket.resident)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      if (bucket.low)  // (its own storage never left rest)
-        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
-      c10::StorageImpl* storage = computing_storage(bucket, i);
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
-      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+inline void release_bucket(const Bucket& layout, UnitBucket& ub) {
+  if (ub.resident)
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      if (ub.low)  // (its own storage never left rest)
+        layout.params[i].unsafeGetTensorImpl()->shallow_copy_from(ub.rest[i].getIntrusivePtr());
+      c10::StorageImpl* storage = computing_storage(layout, ub, i);
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, layout.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, ub.at_rest[i]);
       else storage->set_nbytes(0);
     }
-  bucket.full.reset();
-  bucket.cast.reset();
-  bucket.resident = false;
-  bucket.low = false;
+  ub.full.reset();
+  ub.cast.reset();
+  ub.resident = false;
+  ub.low = false;
 }
 inline void fetch(const Locked& held, std::size_t u, Use use) {
   State& s = held.state();
+  Sharded& z = sharded(s);
   at::NoGradGuard no_grad;
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    const bool low = gathers_low(s, bucket, use);
-    if (bucket.resident || bucket.gathering.valid()) {
-      if (bucket.low == low) continue;
-      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
-      release_bucket(bucket);                                // in the other precision: gathered again
+  for (UnitBucket& ub : z.units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    const at::Tensor& owned = z.buckets[ub.bucket].owned;
+    const bool low = gathers_low(z.units, ub, use);
+    if (ub.resident || ub.gathering.valid()) {
+      if (ub.low == low) continue;
+      if (ub.gathering.valid()) wait_gathering(layout, ub);  // (a collective cannot be taken back)
+      release_bucket(layout, ub);                            // in the other precision: gathered again
     }
-    bucket.low = low;
-    const c10::ScalarType dtype = gathered_dtype(s, bucket);
-    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
-    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
+    ub.low = low;
+    const c10::ScalarType dtype = gathered_dtype(z.units, layout, ub);
+    const std::vector<int64_t> at = places_in_full(layout, static_cast<int64_t>(c10::elementSize(dtype)));
+    ub.full = s.pool.take(at.back(), owned.options().dtype(dtype));
     if (low) {
-      bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.tensor().options());
-      bucket.cast.tensor().copy_(bucket.owned);
+      ub.cast = s.pool.take(owned.numel(), ub.full.tensor().options());
+      ub.cast.tensor().copy_(owned);
     }
     std::vector<at::Tensor> into;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i)
-      into.push_back(bucket.full.tensor().narrow(0, at[i], bucket.params[i].numel()));
+    for (std::size_t i = 0; i < layout.params.size(); ++i)
+      into.push_back(ub.full.tensor().narrow(0, at[i], layout.params[i].numel()));
     try {
-      bucket.gathering = gather_params(held, bucket, low ? bucket.cast.tensor() : bucket.owned, std::move(into));
+      ub.gathering = gather_params(held, ub.bucket, low ? ub.cast.tensor() : owned, std::move(into));
     } catch (const DistributedError& e) {
-      release_bucket(bucket);  // (not resident: the buffers only)
+      release_bucket(layout, ub);  // (not resident: the buffers only)
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
@@ -9188,37 +9318,38 @@ inline void fetch(const Locked& held, std::size_t u, Use use) {
 inline void materialize(const Locked& held, std::size_t u, Use use) {
   State& s = held.state();
   fetch(held, u, use);
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.resident) continue;
-    wait_gathering(bucket);
-    bucket.cast.reset();
-    const auto element_size = static_cast<int64_t>(bucket.full.tensor().element_size());
-    const std::vector<int64_t> at = places_in_full(bucket, element_size);
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      at::Tensor& p = bucket.params[i];
-      c10::StorageImpl* storage = computing_storage(bucket, i);
+  for (UnitBucket& ub : sharded(s).units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    if (ub.resident) continue;
+    wait_gathering(layout, ub);
+    ub.cast.reset();
+    const auto element_size = static_cast<int64_t>(ub.full.tensor().element_size());
+    const std::vector<int64_t> at = places_in_full(layout, element_size);
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      const at::Tensor& p = layout.params[i];
+      c10::StorageImpl* storage = computing_storage(layout, ub, i);
       allow_access(*storage);
       // Borrowed from the lease: the buffer is not taken again while this pointer lives (release() drops it).
-      storage->set_data_ptr_noswap(bucket.full.borrow(static_cast<std::size_t>(at[i] * element_size), bucket.device));
+      storage->set_data_ptr_noswap(ub.full.borrow(static_cast<std::size_t>(at[i] * element_size), layout.device));
       storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
-      if (bucket.low) p.unsafeGetTensorImpl()->shallow_copy_from(bucket.compute[i].getIntrusivePtr());
+      if (ub.low) p.unsafeGetTensorImpl()->shallow_copy_from(ub.compute[i].getIntrusivePtr());
     }
-    bucket.resident = true;
+    ub.resident = true;
   }
 }
 inline void release(const Locked& held, std::size_t u) {
   State& s = held.state();
-  if (s.held > 0) return;  // summon_full_params() keeps them
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].resident) release_bucket(s.buckets[b]);
+  Units& units = sharded(s).units;
+  if (units.held > 0) return;  // summon_full_params() keeps them
+  for (UnitBucket& ub : units.list[u].buckets)
+    if (ub.resident) release_bucket(s.buckets[ub.bucket], ub);
 }
 // The dtype unit u's parameters hold now, where a policy changed it (for
 // cast_inputs); none otherwise.
 inline std::optional<c10::ScalarType> computes_in(const Locked& held, std::size_t u) {
-  const State& s = held.state();
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].low) return s.param_dtype;
+  const Units& units = sharded(held.state()).units;
+  for (const UnitBucket& ub : units.list[u].buckets)
+    if (ub.low) return units.param_dtype;
   return std::nullopt;
 }
 // Unit u left so that its module works without the engine, whose pool
@@ -9232,26 +9363,26 @@ inline std::optional<c10::ScalarType> computes_in(const Locked& held, std::size_
 // rest: the only values copied are those the pool's buffer holds.
 inline void own_storage(const Locked& held, std::size_t u) {
   State& s = held.state();
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.gathering.valid()) {
+  for (UnitBucket& ub : sharded(s).units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    if (ub.gathering.valid()) {
       try {
-        bucket.gathering.wait();
+        ub.gathering.wait();
       } catch (const std::exception&) {  // (see above)
       }
-      bucket.gathering = {};
+      ub.gathering = {};
     }
-    if (!bucket.resident || bucket.low) {
-      release_bucket(bucket);
+    if (!ub.resident || ub.low) {
+      release_bucket(layout, ub);
       continue;
     }
-    if (!bucket.full) continue;  // (its parameters hold memory of their own already)
-    for (auto& p : bucket.params) {
+    if (!ub.full) continue;  // (its parameters hold memory of their own already)
+    for (const auto& p : layout.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
       p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
     }
-    bucket.full.reset();
+    ub.full.reset();
   }
 }
 // Every unit left as own_storage leaves it, for a DataParallel going away:
@@ -9260,29 +9391,34 @@ inline void own_storage(const Locked& held, std::size_t u) {
 // rest: its parameters then point at nothing, never at a freed buffer.
 inline void let_go_of_units(const Locked& held) noexcept {
   State& s = held.state();
-  for (std::size_t u = 0; u < s.units.size(); ++u) {
+  if (!is_sharded(s)) return;
+  Units& units = sharded(s).units;
+  for (std::size_t u = 0; u < units.list.size(); ++u) {
     try {
       own_storage(held, u);
     } catch (const std::exception& e) {
       std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
                 << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
-      for (std::size_t b : s.units[u].buckets) release_bucket(s.buckets[b]);
+      for (UnitBucket& ub : units.list[u].buckets) release_bucket(s.buckets[ub.bucket], ub);
     }
   }
 }
 // The end of a backward: prefetches that found no use are waited for (a
 // collective cannot be taken back) and dropped, every unit is freed, and
-// the next forward records the order anew.
+// the next forward records the order anew. Nothing without units.
 inline void end_unit_pass(const Locked& held) {
   State& s = held.state();
-  if (s.units.empty()) return;
-  for (auto& bucket : s.buckets)
-    if (bucket.gathering.valid()) {
-      wait_gathering(bucket);
-      release_bucket(bucket);  // (not resident: the buffers only)
-    }
-  for (std::size_t u = 0; u < s.units.size(); ++u) release(held, u);
-  s.new_pass = true;
+  if (!is_sharded(s)) return;
+  Units& units = sharded(s).units;
+  if (units.list.empty()) return;
+  for (Unit& unit : units.list)
+    for (UnitBucket& ub : unit.buckets)
+      if (ub.gathering.valid()) {
+        wait_gathering(s.buckets[ub.bucket], ub);
+        release_bucket(s.buckets[ub.bucket], ub);  // (not resident: the buffers only)
+      }
+  for (std::size_t u = 0; u < units.list.size(); ++u) release(held, u);
+  units.new_pass = true;
 }
 }  // namespace detail::dp
 
@@ -9315,14 +9451,16 @@ class FullParameters {
   ~FullParameters() {
     if (!state_) return;
     const Locked held(*state_);
-    if (--state_->held > 0) return;
+    Sharded& z = sharded(*state_);
+    if (--z.units.held > 0) return;
     at::NoGradGuard no_grad;
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+    for (std::size_t u = 0; u < z.units.list.size(); ++u) {
       if (writeback_)
-        for (std::size_t b : state_->units[u].buckets) {
-          Bucket& bucket = state_->buckets[b];
-          for (std::size_t i = 0; i < bucket.params.size(); ++i)
-            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        for (const UnitBucket& ub : z.units.list[u].buckets) {
+          const Bucket& layout = state_->buckets[ub.bucket];
+          ShardedBucket& bucket = z.buckets[ub.bucket];
+          for (std::size_t i = 0; i < layout.params.size(); ++i)
+            read_chunk(layout.params[i], z.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
         }
       release(held, u);
     }
@@ -9341,25 +9479,30 @@ class FullParameters {
 // of parameter p (a collective on the shard group: every rank asks for the
 // same parameters in the same order), releasing the unit it gathered
 // before, and returns p, which holds its values until the next call; a
-// tensor in no unit comes back as it is. Units gathered for other reasons
-// (a prefetch, a forward left half done) are released first.
+// tensor in no unit comes back as it is (every tensor, where nothing is
+// sharded). Units gathered for other reasons (a prefetch, a forward left
+// half done) are released first.
 class UnitByUnit {
  public:
-  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(is_sharded(*state) ? std::move(state) : nullptr) {
+    if (!state_) return;
     const Locked held(*state_);
-    if (state_->held == 0) end_unit_pass(held);
+    if (sharded(*state_).units.held == 0) end_unit_pass(held);
   }
   UnitByUnit(const UnitByUnit&) = delete;
   UnitByUnit& operator=(const UnitByUnit&) = delete;
   ~UnitByUnit() {
+    if (!state_) return;
     const Locked held(*state_);
     if (current_) release(held, *current_);
   }
   const at::Tensor& whole(const at::Tensor& p) {
+    if (!state_) return p;
     const Locked held(*state_);
-    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
-    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
-    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    const Sharded& z = sharded(*state_);
+    const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+    if (found == z.shard_index.end() || z.buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(z.buckets[found->second.first].unit);
     if (current_ != u) {
       if (current_) release(held, *current_);
       current_ = u;
@@ -9395,17 +9538,18 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
   {
     const Locked held(*state);
-    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-      if (!state->order.empty()) state->last_order = std::move(state->order);
-      state->order.clear();
-      state->new_pass = false;
+    Units& units = sharded(*state).units;
+    if (units.new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!units.order.empty()) units.last_order = std::move(units.order);
+      units.order.clear();
+      units.new_pass = false;
     }
-    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
     materialize(held, u, Use::compute);
-    cast = state->cast_inputs ? computes_in(held, u) : std::nullopt;
-    output = state->output_dtype;
-    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+    cast = units.cast_inputs ? computes_in(held, u) : std::nullopt;
+    output = units.output_dtype;
+    const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+    if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
       fetch(held, *(at + 1), Use::compute);
   }
   struct Release {  // after the forward, also when it throws
@@ -9444,8 +9588,9 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
           const Locked held(*s);
           if (!s->alive) return;
           materialize(held, u, Use::compute);
-          const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
+          const Units& units = sharded(*s).units;
+          const auto at = std::find(units.order.begin(), units.order.end(), u);
+          if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
             fetch(held, *(at - 1), Use::compute);
         }
       });
@@ -9655,21 +9800,22 @@ namespace detail::dp {
 // The shard standing in for parameter p; undefined when p is not one of
 // this module's sharded parameters.
 inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  return found == s.shard_index.end() ? at::Tensor() : s.buckets[found->second.first].shards[found->second.second];
+  if (!is_sharded(s)) return {};
+  const Sharded& z = sharded(s);
+  const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+  return found == z.shard_index.end() ? at::Tensor() : z.buckets[found->second.first].shards[found->second.second];
 }
 
 // Puts the shards in place of this module's parameters in the optimizer's
 // groups (so it steps, and keeps state for, the shards only). Before its
 // first step; not an LBFGS (its line search needs whole-vector products).
 inline void shard_optimizer(const Locked& held, torch::optim::Optimizer& optimizer) {
-  State& s = held.state();
-  if (!s.shard) return;
+  Sharded& z = sharded(held.state());
   bool touched = false;
   for (auto& group : optimizer.param_groups())
     for (auto& p : group.params()) {
-      const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-      if (found == s.shard_index.end()) continue;
+      const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+      if (found == z.shard_index.end()) continue;
       if (!optimizer.state().empty())
         throw InvalidArgument(
             "accel::Accelerator::prepare: the optimizer has already stepped; under sharding "
@@ -9678,18 +9824,18 @@ inline void shard_optimizer(const Locked& held, torch::optim::Optimizer& optimiz
         throw InvalidArgument(
             "accel::Accelerator::prepare: LBFGS cannot step shards (its line search needs "
             "products over whole parameters); use NO_SHARD");
-      Bucket& bucket = s.buckets[found->second.first];
+      ShardedBucket& bucket = z.buckets[found->second.first];
       p = bucket.shards[found->second.second];
       bucket.in_optimizer[found->second.second] = 1;
       touched = true;
     }
-  if (touched && std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) == s.optimizers.end())
-    s.optimizers.push_back(&optimizer);
+  if (touched && std::find(z.optimizers.begin(), z.optimizers.end(), &optimizer) == z.optimizers.end())
+    z.optimizers.push_back(&optimizer);
 }
 
 inline bool steps_with(const Locked& held, const torch::optim::Optimizer& optimizer) {
-  const State& s = held.state();
-  return std::find(s.optimizers.begin(), s.optimizers.end(), &optimizer) != s.optimizers.end();
+  const Sharded& z = sharded(held.state());
+  return std::find(z.optimizers.begin(), z.optimizers.end(), &optimizer) != z.optimizers.end();
 }
 
 // Before a backward, each shard against its chunk of the parameter
@@ -9702,32 +9848,35 @@ inline bool steps_with(const Locked& held, const torch::optim::Optimizer& optimi
 // shard. Every shard must be in a prepared optimizer.
 inline void check_shards(const Locked& held) {
   State& s = held.state();
-  if (!s.shard) return;
+  Sharded& z = sharded(s);
   at::NoGradGuard no_grad;
-  const int64_t r = s.shard->getRank();
+  const int64_t r = z.shard->getRank();
   // Per shard that may differ: [differs from its chunk, differs from its sum at the gather]. On the CPU
   // at::equal compares without allocating or a device sync, so only a shard that differs is looked at.
-  std::vector<std::pair<Bucket*, std::size_t>> looked;
+  std::vector<std::pair<std::size_t, std::size_t>> looked;
   std::vector<at::Tensor> differs;
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+  for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+    const Bucket& layout = s.buckets[b];
+    ShardedBucket& bucket = z.buckets[b];
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
       if (!bucket.in_optimizer[i])
-        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(bucket.params[i]) +
+        throw InvalidArgument("accel::Accelerator::backward: the parameter " + s.names.describe(layout.params[i]) +
                               " of a sharded model is in no prepared optimizer; under sharding its optimizer "
                               "steps the shards, so prepare it (accelerator.prepare(model, optimizer))");
       if (bucket.unit >= 0) continue;  // gathered from the shards at each use: never stale
-      const at::Tensor flat = bucket.params[i].reshape({-1});
+      const at::Tensor flat = layout.params[i].reshape({-1});
       const auto [begin, length] = chunk_range(r, bucket.chunks[i], flat.numel());
       const at::Tensor shard = bucket.shards[i].narrow(0, 0, length), chunk = flat.narrow(0, begin, length);
       if (flat.is_cpu() && at::equal(shard, chunk)) continue;
-      looked.emplace_back(&bucket, i);
+      looked.emplace_back(b, i);
       differs.push_back(shard.ne(chunk).any());
       differs.push_back(bucket.shards[i].sum().ne(bucket.sums[i]));
     }
+  }
   if (differs.empty()) return;
   const at::Tensor found = at::stack(differs).to(c10::kCPU);
   const bool* flag = found.data_ptr<bool>();
-  for (const auto& [bucket, i] : looked) {
+  for (const auto& [b, i] : looked) {
     const bool changed = flag[0], stepped = flag[1];
     flag += 2;
     if (!changed) continue;
@@ -9736,8 +9885,9 @@ inline void check_shards(const Locked& held) {
           "accel::Accelerator::backward: under sharding, step the optimizer through the "
           "handle accelerator.prepare() returned (its step() gathers the updated shards "
           "into the parameters); the parameters this forward used are stale");
-    read_chunk(bucket->params[i], r, bucket->chunks[i], bucket->shards[i]);
-    bucket->sums[i] = bucket->shards[i].sum();
+    ShardedBucket& bucket = z.buckets[b];
+    read_chunk(s.buckets[b].params[i], r, bucket.chunks[i], bucket.shards[i]);
+    bucket.sums[i] = bucket.shards[i].sum();
   }
 }
 
@@ -9753,120 +9903,37 @@ inline constexpr std::size_t kGathersInFlight = 2;
 // shards' hold this step's).
 inline void gather_shards(const Locked& held) {
   State& s = held.state();
-  if (!s.shard) return;
+  Sharded& z = sharded(s);
   end_unit_pass(held);  // a prefetch made before this step holds old values
   at::NoGradGuard no_grad;
   // At most kGathersInFlight all-gathers at once (where they land in rows, those come from the pool).
   std::deque<std::pair<std::size_t, Work<at::Tensor>>> works;
   auto land = [&] {
-    Bucket& bucket = s.buckets[works.front().first];
+    const std::size_t b = works.front().first;
     works.front().second.wait();
     works.pop_front();
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
+    for (std::size_t i = 0; i < s.buckets[b].params.size(); ++i) {
       // The values were written through variable_data(), which no version
       // counter sees; this is an in-place change of the parameter.
-      bucket.params[i].unsafeGetTensorImpl()->bump_version();
-      bucket.params[i].mutable_grad().reset();
-      at::sum_out(bucket.sums[i], bucket.shards[i]);
+      at::Tensor& p = s.buckets[b].params[i];
+      p.unsafeGetTensorImpl()->bump_version();
+      p.mutable_grad().reset();
+      at::sum_out(z.buckets[b].sums[i], z.buckets[b].shards[i]);
     }
   };
   try {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      Bucket& bucket = s.buckets[b];
-      if (bucket.unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
+      if (z.buckets[b].unit >= 0) continue;  // FULL_SHARD: gathered when the unit runs
       if (works.size() >= kGathersInFlight) land();
       std::vector<at::Tensor> into;
-      for (const auto& p : bucket.params) into.push_back(p.variable_data());
-      works.emplace_back(b, gather_params(held, bucket, bucket.owned, std::move(into)));
+      for (const auto& p : s.buckets[b].params) into.push_back(p.variable_data());
+      works.emplace_back(b, gather_params(held, b, z.buckets[b].owned, std::move(into)));
     }
     while (!works.empty()) land();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: gathering the parameters from their shards failed: ") +
                            detail::error_text(e));
   }
-}
-
-// Before Module::load: it replaces each parameter's storage (set_), which
-// reads the old storage's data pointer, so a unit's parameter at rest
-// stops refusing access (it still holds nothing); reshard() afterwards takes
-// the shards from what was loaded and puts the units at rest again.
-inline void open_for_load(const Locked& held) {
-  const State& s = held.state();
-  for (const auto& bucket : s.buckets)
-    if (bucket.unit >= 0 && !bucket.resident)
-      for (const auto& p : bucket.params) allow_access(*p.storage().unsafeGetStorageImpl());
-}
-// Every shard taken again from its parameter (after Module::load, which
-// gives every parameter storage of its own); units' parameters are freed
-// again.
-inline void reshard(const Locked& held) {
-  State& s = held.state();
-  if (!s.shard) return;
-  at::NoGradGuard no_grad;
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      read_chunk(bucket.params[i], s.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
-  for (std::size_t u = 0; u < s.units.size(); ++u) {
-    for (std::size_t b : s.units[u].buckets) s.buckets[b].resident = true;
-    release(held, u);
-  }
-}
-
-// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
-// nor load whole what a rank keeps in pieces. This rank's piece of
-// parameter p: elements [begin, begin + values.numel()) of p flattened,
-// `values` a flat view (a unit's parameter holds nothing at rest: its
-// shard's; any other's own chunk, which check_shards treats as the truth).
-// None when p is not sharded here.
-struct Piece {
-  at::Tensor values;
-  int64_t begin = 0;
-};
-inline std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) {
-  const State& s = held.state();
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  if (!s.shard || found == s.shard_index.end()) return std::nullopt;
-  const Bucket& bucket = s.buckets[found->second.first];
-  const std::size_t i = found->second.second;
-  const auto [begin, length] = chunk_range(s.shard->getRank(), bucket.chunks[i], p.numel());
-  const bool whole = bucket.unit < 0 || (bucket.resident && !bucket.low);  // (low: in a policy's param_dtype)
-  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
-               begin};
-}
-// What a load reads for parameter p, as (begin, length) of p flattened: a
-// unit's parameter only its piece (its shard is all it keeps), unless
-// summon_full_params() holds the units gathered; every other one whole.
-inline std::pair<int64_t, int64_t> load_range(const Locked& held, const at::Tensor& p) {
-  const State& s = held.state();
-  const auto found = s.shard_index.find(p.unsafeGetTensorImpl());
-  if (!s.shard || found == s.shard_index.end() || s.held > 0 || s.buckets[found->second.first].unit < 0)
-    return {0, p.numel()};
-  return chunk_range(s.shard->getRank(), s.buckets[found->second.first].chunks[found->second.second], p.numel());
-}
-// Puts what a load read in place: values(p) holds load_range(p)'s elements
-// of each sharded parameter. Prefetches and gathered units are dropped
-// first (they hold the old values); a parameter read whole gives its shard
-// its chunk.
-inline void load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) {
-  State& s = held.state();
-  if (!s.shard) return;
-  if (s.held == 0) end_unit_pass(held);
-  at::NoGradGuard no_grad;
-  const int64_t r = s.shard->getRank();
-  for (auto& bucket : s.buckets)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      const at::Tensor v = values(bucket.params[i]).reshape({-1});
-      if (bucket.unit < 0 || s.held > 0) {
-        bucket.params[i].detach().copy_(v.view(bucket.params[i].sizes()));
-        read_chunk(bucket.params[i], r, bucket.chunks[i], bucket.shards[i]);
-      } else {
-        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
-        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
-      }
-      bucket.sums[i] = bucket.shards[i].sum();
-    }
 }
 
 // An optimizer's key for one parameter's state (LibTorch 1.x keys it by the
@@ -9895,19 +9962,20 @@ void erase_state(StateMap& state, c10::TensorImpl* parameter) {
 // cannot be put back together here). The hooks do nothing afterwards.
 inline void release_module(const Locked& held) {
   State& s = held.state();
-  if (s.shard) {
+  if (is_sharded(s)) {
+    Sharded& z = sharded(s);
     end_unit_pass(held);
-    for (std::size_t u = 0; u < s.units.size(); ++u) {
+    for (std::size_t u = 0; u < z.units.list.size(); ++u) {
       materialize(held, u, Use::full);
       own_storage(held, u);  // the module outlives the pool
     }
-    ++s.held;  // (release() frees nothing while held)
+    ++z.units.held;  // (release() frees nothing while held)
     // Each shard's parameter, to put back in its place.
     std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
-    for (const auto& bucket : s.buckets)
-      for (std::size_t i = 0; i < bucket.shards.size(); ++i)
-        parameter_of[bucket.shards[i].unsafeGetTensorImpl()] = &bucket.params[i];
-    for (torch::optim::Optimizer* optimizer : s.optimizers)
+    for (std::size_t b = 0; b < s.buckets.size(); ++b)
+      for (std::size_t i = 0; i < z.buckets[b].shards.size(); ++i)
+        parameter_of[z.buckets[b].shards[i].unsafeGetTensorImpl()] = &s.buckets[b].params[i];
+    for (torch::optim::Optimizer* optimizer : z.optimizers)
       for (auto& group : optimizer->param_groups())
         for (auto& p : group.params()) {
           const auto found = parameter_of.find(p.unsafeGetTensorImpl());
@@ -9915,27 +9983,30 @@ inline void release_module(const Locked& held) {
           erase_state(optimizer->state(), p.unsafeGetTensorImpl());
           p = *found->second;
         }
-    s.optimizers.clear();
+    z.optimizers.clear();
   }
   s.alive = false;
 }
 
 // Cuts every parameter into its chunks and makes this rank's shards.
 inline void make_shards(State& s) {
-  const int64_t S = s.shard->getSize(), r = s.shard->getRank();
+  Sharded& z = sharded(s);
+  const int64_t S = z.shard->getSize(), r = z.shard->getRank();
   at::NoGradGuard no_grad;
+  z.buckets.resize(s.buckets.size());
   for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-    Bucket& bucket = s.buckets[b];
+    const std::vector<at::Tensor>& params = s.buckets[b].params;
+    ShardedBucket& bucket = z.buckets[b];
     int64_t at = 0;
-    for (const auto& p : bucket.params) {
+    for (const auto& p : params) {
       const int64_t c = (p.numel() + S - 1) / S;
       bucket.offsets.push_back(at);
       bucket.chunks.push_back(c);
       at += c;
     }
-    bucket.owned = at::empty({at}, bucket.params.front().options().requires_grad(false));
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      const at::Tensor& p = bucket.params[i];
+    bucket.owned = at::empty({at}, params.front().options().requires_grad(false));
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
       // detach(): a leaf of its own on owned's memory, not an autograd view
       // of it (optimizers step it in place, as they step a parameter).
       at::Tensor shard = bucket.owned.narrow(0, bucket.offsets[i], bucket.chunks[i]).detach();
@@ -9944,10 +10015,10 @@ inline void make_shards(State& s) {
       bucket.shards.push_back(shard);
       bucket.in_optimizer.push_back(0);
       bucket.sums.push_back(shard.sum());
-      s.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+      z.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
     }
-    bucket.segment = at + static_cast<int64_t>(bucket.params.size());
-    bucket.used_anywhere = at::empty({static_cast<int64_t>(bucket.params.size())}, at::TensorOptions(c10::kBool));
+    bucket.segment = at + static_cast<int64_t>(params.size());
+    bucket.used_anywhere = at::empty({static_cast<int64_t>(params.size())}, at::TensorOptions(c10::kBool));
   }
 }
 
@@ -9955,8 +10026,150 @@ inline void make_shards(State& s) {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp/sharded_state_dict.hpp =================================
+// accel/training/dp/sharded_state_dict.hpp: what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering.
+//
+// The checkpoint family (checkpoint/shards.hpp, checkpoint/state.hpp) reads
+// and writes a sharded model through one ShardedStateDict, which
+// DataParallel::sharded_state_dict() returns: this rank's piece of each
+// parameter, whether this rank writes pieces (under HSDP the first replica
+// does), what a load reads for each parameter and putting it in place, and
+// the two steps around a Module::load. Every method takes the engine's lock
+// for its call (dp/state.hpp's Locked); on a model that is not sharded
+// each one does nothing, and the pieces are whole tensors.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// Before Module::load: it replaces each parameter's storage (set_), which
+// reads the old storage's data pointer, so a unit's parameter at rest
+// stops refusing access (it still holds nothing); reshard() afterwards takes
+// the shards from what was loaded and puts the units at rest again.
+inline void open_for_load(const Locked& held) {
+  const State& s = held.state();
+  for (const Unit& unit : sharded(s).units.list)
+    for (const UnitBucket& ub : unit.buckets)
+      if (!ub.resident)
+        for (const auto& p : s.buckets[ub.bucket].params) allow_access(*p.storage().unsafeGetStorageImpl());
+}
+// Every shard taken again from its parameter (after Module::load, which
+// gives every parameter storage of its own); units' parameters are freed
+// again.
+inline void reshard(const Locked& held) {
+  State& s = held.state();
+  Sharded& z = sharded(s);
+  at::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    for (std::size_t i = 0; i < s.buckets[b].params.size(); ++i) {
+      ShardedBucket& bucket = z.buckets[b];
+      read_chunk(s.buckets[b].params[i], z.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+  for (std::size_t u = 0; u < z.units.list.size(); ++u) {
+    for (UnitBucket& ub : z.units.list[u].buckets) ub.resident = true;
+    release(held, u);
+  }
+}
+
+// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
+// nor load whole what a rank keeps in pieces. This rank's piece of
+// parameter p: elements [begin, begin + values.numel()) of p flattened,
+// `values` a flat view (a unit's parameter holds nothing at rest: its
+// shard's; any other's own chunk, which check_shards treats as the truth).
+// None when p is not sharded here.
+struct Piece {
+  at::Tensor values;
+  int64_t begin = 0;
+};
+inline std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) {
+  const Sharded& z = sharded(held.state());
+  const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+  if (found == z.shard_index.end()) return std::nullopt;
+  const auto [b, i] = found->second;
+  const ShardedBucket& bucket = z.buckets[b];
+  const auto [begin, length] = chunk_range(z.shard->getRank(), bucket.chunks[i], p.numel());
+  const bool whole = bucket.unit < 0 || [&] {
+    const UnitBucket& ub = unit_bucket(z.units, bucket.unit, b);
+    return ub.resident && !ub.low;  // (low: in a policy's param_dtype)
+  }();
+  return Piece{whole ? p.detach().reshape({-1}).narrow(0, begin, length) : bucket.shards[i].narrow(0, 0, length),
+               begin};
+}
+// What a load reads for parameter p, as (begin, length) of p flattened: a
+// unit's parameter only its piece (its shard is all it keeps), unless
+// summon_full_params() holds the units gathered; every other one whole.
+inline std::pair<int64_t, int64_t> load_range(const Locked& held, const at::Tensor& p) {
+  const Sharded& z = sharded(held.state());
+  const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+  if (found == z.shard_index.end() || z.units.held > 0 || z.buckets[found->second.first].unit < 0)
+    return {0, p.numel()};
+  return chunk_range(z.shard->getRank(), z.buckets[found->second.first].chunks[found->second.second], p.numel());
+}
+// Puts what a load read in place: values(p) holds load_range(p)'s elements
+// of each sharded parameter. Prefetches and gathered units are dropped
+// first (they hold the old values); a parameter read whole gives its shard
+// its chunk.
+inline void load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) {
+  State& s = held.state();
+  Sharded& z = sharded(s);
+  if (z.units.held == 0) end_unit_pass(held);
+  at::NoGradGuard no_grad;
+  const int64_t r = z.shard->getRank();
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    for (std::size_t i = 0; i < s.buckets[b].params.size(); ++i) {
+      at::Tensor& p = s.buckets[b].params[i];
+      ShardedBucket& bucket = z.buckets[b];
+      const at::Tensor v = values(p).reshape({-1});
+      if (bucket.unit < 0 || z.units.held > 0) {
+        p.detach().copy_(v.view(p.sizes()));
+        read_chunk(p, r, bucket.chunks[i], bucket.shards[i]);
+      } else {
+        bucket.shards[i].narrow(0, 0, v.numel()).copy_(v);
+        bucket.shards[i].narrow(0, v.numel(), bucket.chunks[i] - v.numel()).zero_();
+      }
+      bucket.sums[i] = bucket.shards[i].sum();
+    }
+}
+
+class ShardedStateDict {
+ public:
+  explicit ShardedStateDict(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+  // This rank's piece of parameter p (see Piece); none: p is not sharded here.
+  std::optional<Piece> piece_of(const at::Tensor& p) const {
+    if (!is_sharded(*state_)) return std::nullopt;
+    return dp::piece_of(Locked(*state_), p);
+  }
+  bool writes_pieces() const {
+    if (!is_sharded(*state_)) return false;
+    const GroupPtr& replicate = sharded(*state_).replicate;
+    return !replicate || replicate->getRank() == 0;
+  }
+  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
+    if (!is_sharded(*state_)) return {0, p.numel()};
+    return dp::load_range(Locked(*state_), p);
+  }
+  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
+    if (is_sharded(*state_)) dp::load_values(Locked(*state_), values);
+  }
+  // Module::load into the parameters, then every shard taken again from
+  // its parameter: open_for_load() before the load, reshard() after it.
+  void open_for_load() {
+    if (is_sharded(*state_)) dp::open_for_load(Locked(*state_));
+  }
+  void reshard() {
+    if (is_sharded(*state_)) dp::reshard(Locked(*state_));
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/dp/data_parallel.hpp ======================================
-// accel/training/dp/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
+// accel/training/dp/data_parallel.hpp: DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -9995,7 +10208,7 @@ ACCEL_NAMESPACE_BEGIN
 // Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
 // parameters of each unit (a submodule) hold no memory at rest. LibTorch
 // modules have no forward hooks, so a unit runs through accel::unit_forward
-// (see below), which gathers its parameters from the shards (waiting for a
+// (dp/unit_forward.hpp), which gathers its parameters from the shards (waiting for a
 // prefetch where one was issued, and prefetching the unit that came next in
 // the last forward), runs its forward and frees them again. Autograd hooks
 // on the unit's output and inputs gather them once more before the unit's
@@ -10042,54 +10255,43 @@ class DataParallel {
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
+    // The strategy, chosen here once (dp/state.hpp): sharded along a shard group of more than one rank.
     if (shard && shard->getSize() > 1) {
-      state_->shard = std::move(shard);
-      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
-      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
+      detail::dp::Sharded z{.shard = std::move(shard)};
+      if (replicate && replicate->getSize() > 1) z.replicate = std::move(replicate);
+      state_->replicas = z.shard->getSize() * (z.replicate ? z.replicate->getSize() : 1);
+      state_->mode = std::move(z);
     } else {
       state_->replicas = state_->group->getSize();
     }
+    detail::dp::Sharded* const z = sharding();
     state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
     for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
-                                       : std::vector<int64_t>(params.size(), -1);
-    std::vector<detail::BucketInput> inputs;
-    for (std::size_t k = 0; k < params.size(); ++k)
-      inputs.push_back(
-          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
-    for (const auto& indices :
-         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
-      const at::Tensor& first = params[indices.front()];
-      detail::dp::Bucket bucket{
-          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
-      bucket.unit = unit_of[indices.front()];
-      if (bucket.unit >= 0)
-        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
-      for (std::size_t k : indices) {
-        bucket.params.push_back(params[k]);
-        bucket.used.push_back(0);
-        bucket.seen.push_back(0);
-        bucket.packing.add(params[k]);
-      }
-      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
-      accumulators_.resize(accumulators_.size() + bucket.params.size());
-      state_->buckets.push_back(std::move(bucket));
+    const auto unit_of =
+        z ? detail::dp::assign_units(*state_, *module_, units, params) : std::vector<int64_t>(params.size(), -1);
+    const std::vector<int64_t> bucket_unit =
+        detail::dp::lay_out(*state_, params, unit_of, {kFirstBucketBytes, bucket_bytes});
+    accumulators_.resize(params.size());
+    if (!z) {
+      detail::dp::replicated(*state_).buckets.resize(state_->buckets.size());
+    } else {
+      detail::dp::make_shards(*state_);
+      detail::dp::make_units(*z, bucket_unit);
     }
-    if (state_->shard) detail::dp::make_shards(*state_);
     if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
-      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
+      if (unit_count() > 0) detail::dp::name_at_rest(*state_, *module_);
     {
       const detail::dp::Locked held(*state_);
-      for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::release(held, u);  // at rest: the shards only
+      for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::release(held, u);  // at rest: the shards only
     }
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+    for (std::size_t u = 0; u < unit_count(); ++u) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
+      detail::dp::unit_registry()[z->units.list[u].module] = {state_, u};
     }
     hook_accumulators();
   }
@@ -10097,9 +10299,9 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
-    {
+    if (const detail::dp::Sharded* z = sharding()) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
+      for (const auto& unit : z->units.list) detail::dp::unit_registry().erase(unit.module);
     }
     const detail::dp::Locked held(*state_);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
@@ -10131,8 +10333,9 @@ class DataParallel {
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
-      detail::dp::give_back(bucket);
     }
+    if (detail::dp::Sharded* z = sharding())
+      for (auto& bucket : z->buckets) detail::dp::give_back(bucket);
   }
 
   // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
@@ -10159,11 +10362,8 @@ class DataParallel {
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
-    if (state_->shard) {
-      detail::dp::finish_sharded(held);
-      return true;
-    }
-    detail::dp::finish_unsharded(held);
+    if (sharded()) detail::dp::finish_sharded(held);
+    else detail::dp::finish_unsharded(held);
     return true;
   }
 
@@ -10179,19 +10379,20 @@ class DataParallel {
   // between a backward and its finish(); not under sharding.
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
-    if (state_->shard)
+    if (sharded())
       throw InvalidArgument(
           "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
           "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     const detail::dp::Locked held(*state_);
-    if (state_->hooked)
+    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
+    if (mode.hooked)
       throw LogicError(
           "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
           "DDP, once per model)");
     if (state_->armed)
       throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
-    state_->hook = std::move(hook);
-    state_->hooked = true;
+    mode.hook = std::move(hook);
+    mode.hooked = true;
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
   // into its (persistent) bucket, so the gradients are not copied into the
@@ -10200,42 +10401,53 @@ class DataParallel {
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
-    if (state_->shard && on)
+    if (sharded()) {
+      if (!on) return;
       throw InvalidArgument(
           "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
           "reduce-scattered into its shards");
+    }
     const detail::dp::Locked held(*state_);
     if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
-    state_->bucket_view = on;
+    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
+    mode.bucket_view = on;
     if (!on)
-      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
-        for (auto& p : bucket.params)
-          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
+      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // the gradients become tensors of their own again
+        const at::Tensor& persistent = mode.buckets[b].persistent;
+        for (auto& p : state_->buckets[b].params)
+          if (p.grad().defined() && persistent.defined() && p.grad().is_alias_of(persistent))
             p.mutable_grad() = p.grad().clone();
       }
   }
 
   // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
 
-  bool sharded() const { return state_->shard != nullptr; }
-  const GroupPtr& shard_group() const { return state_->shard; }
+  bool sharded() const { return sharding() != nullptr; }
+  const GroupPtr& shard_group() const {
+    static const GroupPtr none;
+    return sharded() ? sharding()->shard : none;
+  }
   // The shard standing in for parameter p; undefined when p is not one of
   // this module's sharded parameters.
   at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
   // Puts the shards in place of this module's parameters in the optimizer's
   // groups (see detail::dp::shard_optimizer).
   void shard_optimizer(torch::optim::Optimizer& optimizer) {
-    detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+    if (sharded()) detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
   }
   bool steps_with(const torch::optim::Optimizer& optimizer) const {
-    return detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+    return sharded() && detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
   }
   // Before a backward: every shard checked against its parameter (an
   // optimizer stepped directly, not through prepare()'s handle, is an error).
-  void check_shards() { detail::dp::check_shards(detail::dp::Locked(*state_)); }
+  void check_shards() {
+    if (sharded()) detail::dp::check_shards(detail::dp::Locked(*state_));
+  }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather_shards() { detail::dp::gather_shards(detail::dp::Locked(*state_)); }
+  void gather_shards() {
+    if (sharded()) detail::dp::gather_shards(detail::dp::Locked(*state_));
+  }
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
@@ -10245,26 +10457,9 @@ class DataParallel {
   // shards step the parameters again, from a fresh state. Afterwards this
   // DataParallel does nothing; destroy it.
   void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
-  // Module::load into the parameters, then every shard taken again from its
-  // parameter: open_for_load() before the load, reshard() after it.
-  void open_for_load() { detail::dp::open_for_load(detail::dp::Locked(*state_)); }
-  void reshard() { detail::dp::reshard(detail::dp::Locked(*state_)); }
-
-  // Sharded checkpoints (checkpoint/shards.hpp): this rank's piece of
-  // parameter p, written without gathering (none: p is not sharded here;
-  // see detail::dp::piece_of); whether this rank writes its pieces (under
-  // HSDP the first replica does); what a load reads for p, and putting
-  // what it read in place (detail::dp::load_range and load_values).
-  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const {
-    return detail::dp::piece_of(detail::dp::Locked(*state_), p);
-  }
-  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
-  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
-    return detail::dp::load_range(detail::dp::Locked(*state_), p);
-  }
-  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
-    detail::dp::load_values(detail::dp::Locked(*state_), values);
-  }
+  // What checkpoints read and write of this model (detail::dp::ShardedStateDict:
+  // this rank's pieces, written and loaded without gathering).
+  detail::dp::ShardedStateDict sharded_state_dict() const { return detail::dp::ShardedStateDict(state_); }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
   // as the returned object lives (a collective on the shard group: every
@@ -10273,10 +10468,10 @@ class DataParallel {
   // fully sharded.
   using FullParameters = detail::dp::FullParameters;
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
-    if (state_->units.empty()) return FullParameters(nullptr, false);
+    if (unit_count() == 0) return FullParameters(nullptr, false);
     const detail::dp::Locked held(*state_);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
-    ++state_->held;
+    for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
+    ++sharding()->units.held;
     return FullParameters(state_, writeback);
   }
   // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
@@ -10287,12 +10482,13 @@ class DataParallel {
   // computes, in the forward and in the backward (AcceleratorConfig's
   // forward_prefetch and backward_prefetch).
   void set_prefetch(bool forward, bool backward) {
+    if (!sharded()) return;
     const detail::dp::Locked held(*state_);
-    state_->prefetch_forward = forward;
-    state_->prefetch_backward = backward;
+    sharding()->units.prefetch_forward = forward;
+    sharding()->units.prefetch_backward = backward;
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
-  std::size_t unit_count() const { return state_->units.size(); }
+  std::size_t unit_count() const { return sharded() ? sharding()->units.list.size() : 0; }
 
   // Sharded: the working buffers the engine keeps from step to step
   // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
@@ -10341,6 +10537,9 @@ class DataParallel {
       }
   }
 
+  // The sharded strategy's state; null when replicated (NO_SHARD, or not distributed).
+  detail::dp::Sharded* sharding() const { return std::get_if<detail::dp::Sharded>(&state_->mode); }
+
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::dp::State> state_;
   // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
@@ -10348,6 +10547,13 @@ class DataParallel {
   std::vector<NodePtr> accumulators_;
   bool requires_sync_ = true;
 };
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/unit_forward.hpp =======================================
+// accel/training/dp/unit_forward.hpp: accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered.
+
+ACCEL_NAMESPACE_BEGIN
 
 // FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
 // a model's forward a unit is called as
@@ -12433,19 +12639,20 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
   for (std::size_t i = 0; i < set.models.size(); ++i) {
     const DataParallel* dp = set.models[i].data_parallel.get();
     if (!dp || !dp->sharded()) continue;
+    const bool writes = dp->sharded_state_dict().writes_pieces();
     for (const auto& [name, tensor] : state_dict(*set.models[i].module)) {
       if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
-      auto piece = dp->piece_of(tensor);
+      auto piece = dp->sharded_state_dict().piece_of(tensor);
       const at::Tensor shard = dp->shard_of(tensor);
       if (!piece) {
         if (process == 0) files.add_whole(model_prefix(i) + name, tensor);
         continue;
       }
-      if (dp->writes_pieces()) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
-      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), dp->writes_pieces()};
+      if (writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
+      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), writes};
     }
   }
   for (std::size_t k = 0; k < set.optimizers.size(); ++k)
@@ -12631,7 +12838,8 @@ inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Modu
   weights.check_fits(expected, prefix);
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, tensor] : expected) {
-    const auto [begin, length] = dp && dp->sharded() ? dp->load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
+    const auto [begin, length] =
+        dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
     out[name] = weights.read(prefix + name, begin, length).to(tensor.device());
   }
   return out;
@@ -12649,7 +12857,8 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
     if (sharded && dp->shard_of(tensor).defined()) by_tensor[tensor.unsafeGetTensorImpl()] = &values;
     else tensor.detach().copy_(values.view(tensor.sizes()));
   }
-  if (sharded) dp->load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
+  if (sharded)
+    dp->sharded_state_dict().load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
 }
 }  // namespace detail
 
@@ -13083,9 +13292,9 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     DataParallel* dp = set.models[i].data_parallel.get();
     const bool sharded = dp && dp->sharded();
     if (models[i]) {
-      if (sharded) dp->open_for_load();
+      if (sharded) dp->sharded_state_dict().open_for_load();
       set.models[i].module->load(*models[i]);
-      if (sharded) dp->reshard();
+      if (sharded) dp->sharded_state_dict().reshard();
     } else {
       commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
     }

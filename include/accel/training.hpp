@@ -41,13 +41,16 @@
 #include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/buffers.hpp"
 #include "accel/training/dp/state.hpp"
+#include "accel/training/dp/chunks.hpp"
 #include "accel/training/dp/scatter.hpp"
 #include "accel/training/dp/reducer.hpp"
 #include "accel/training/dp/unit_plan.hpp"
 #include "accel/training/dp/unit_params.hpp"
 #include "accel/training/dp/units.hpp"
 #include "accel/training/dp/shards.hpp"
+#include "accel/training/dp/sharded_state_dict.hpp"
 #include "accel/training/dp/data_parallel.hpp"
+#include "accel/training/dp/unit_forward.hpp"
 #include "accel/training/accelerator/join.hpp"
 
 // files: JSON, XXH64 digests, checked writes, safetensors

@@ -215,19 +215,20 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
   for (std::size_t i = 0; i < set.models.size(); ++i) {
     const DataParallel* dp = set.models[i].data_parallel.get();
     if (!dp || !dp->sharded()) continue;
+    const bool writes = dp->sharded_state_dict().writes_pieces();
     for (const auto& [name, tensor] : state_dict(*set.models[i].module)) {
       if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
-      auto piece = dp->piece_of(tensor);
+      auto piece = dp->sharded_state_dict().piece_of(tensor);
       const at::Tensor shard = dp->shard_of(tensor);
       if (!piece) {
         if (process == 0) files.add_whole(model_prefix(i) + name, tensor);
         continue;
       }
-      if (dp->writes_pieces()) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
-      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), dp->writes_pieces()};
+      if (writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
+      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), writes};
     }
   }
   for (std::size_t k = 0; k < set.optimizers.size(); ++k)
@@ -413,7 +414,8 @@ inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Modu
   weights.check_fits(expected, prefix);
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, tensor] : expected) {
-    const auto [begin, length] = dp && dp->sharded() ? dp->load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
+    const auto [begin, length] =
+        dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
     out[name] = weights.read(prefix + name, begin, length).to(tensor.device());
   }
   return out;
@@ -431,7 +433,8 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
     if (sharded && dp->shard_of(tensor).defined()) by_tensor[tensor.unsafeGetTensorImpl()] = &values;
     else tensor.detach().copy_(values.view(tensor.sizes()));
   }
-  if (sharded) dp->load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
+  if (sharded)
+    dp->sharded_state_dict().load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
 }
 }  // namespace detail
 

@@ -432,9 +432,9 @@ inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx,
     DataParallel* dp = set.models[i].data_parallel.get();
     const bool sharded = dp && dp->sharded();
     if (models[i]) {
-      if (sharded) dp->open_for_load();
+      if (sharded) dp->sharded_state_dict().open_for_load();
       set.models[i].module->load(*models[i]);
-      if (sharded) dp->reshard();
+      if (sharded) dp->sharded_state_dict().reshard();
     } else {
       commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
     }

@@ -1,9 +1,10 @@
-// accel/training/dp/data_parallel.hpp: DataParallel (buckets, ZeRO-2 shards, ZeRO-3 units) and unit_forward.
+// accel/training/dp/data_parallel.hpp: DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units).
 #pragma once
 
 #include "accel/distributed/operations.hpp"
 #include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/reducer.hpp"
+#include "accel/training/dp/sharded_state_dict.hpp"
 #include "accel/training/dp/shards.hpp"
 #include "accel/training/dp/units.hpp"
 
@@ -44,7 +45,7 @@ ACCEL_NAMESPACE_BEGIN
 // Fully sharded (ZeRO-3, FSDP's FULL_SHARD), given units as well: the
 // parameters of each unit (a submodule) hold no memory at rest. LibTorch
 // modules have no forward hooks, so a unit runs through accel::unit_forward
-// (see below), which gathers its parameters from the shards (waiting for a
+// (dp/unit_forward.hpp), which gathers its parameters from the shards (waiting for a
 // prefetch where one was issued, and prefetching the unit that came next in
 // the last forward), runs its forward and frees them again. Autograd hooks
 // on the unit's output and inputs gather them once more before the unit's
@@ -91,54 +92,43 @@ class DataParallel {
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
+    // The strategy, chosen here once (dp/state.hpp): sharded along a shard group of more than one rank.
     if (shard && shard->getSize() > 1) {
-      state_->shard = std::move(shard);
-      if (replicate && replicate->getSize() > 1) state_->replicate = std::move(replicate);
-      state_->replicas = state_->shard->getSize() * (state_->replicate ? state_->replicate->getSize() : 1);
+      detail::dp::Sharded z{.shard = std::move(shard)};
+      if (replicate && replicate->getSize() > 1) z.replicate = std::move(replicate);
+      state_->replicas = z.shard->getSize() * (z.replicate ? z.replicate->getSize() : 1);
+      state_->mode = std::move(z);
     } else {
       state_->replicas = state_->group->getSize();
     }
+    detail::dp::Sharded* const z = sharding();
     state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
     for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    const auto unit_of = state_->shard ? detail::dp::assign_units(*state_, *module_, units, params)
-                                       : std::vector<int64_t>(params.size(), -1);
-    std::vector<detail::BucketInput> inputs;
-    for (std::size_t k = 0; k < params.size(); ++k)
-      inputs.push_back(
-          {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
-    for (const auto& indices :
-         detail::compute_bucket_assignment_by_size(inputs, {kFirstBucketBytes, bucket_bytes}).buckets) {
-      const at::Tensor& first = params[indices.front()];
-      detail::dp::Bucket bucket{
-          .dtype = first.scalar_type(), .device = first.device(), .packing = detail::Packing(first.scalar_type())};
-      bucket.unit = unit_of[indices.front()];
-      if (bucket.unit >= 0)
-        state_->units[static_cast<std::size_t>(bucket.unit)].buckets.push_back(state_->buckets.size());
-      for (std::size_t k : indices) {
-        bucket.params.push_back(params[k]);
-        bucket.used.push_back(0);
-        bucket.seen.push_back(0);
-        bucket.packing.add(params[k]);
-      }
-      bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
-      accumulators_.resize(accumulators_.size() + bucket.params.size());
-      state_->buckets.push_back(std::move(bucket));
+    const auto unit_of =
+        z ? detail::dp::assign_units(*state_, *module_, units, params) : std::vector<int64_t>(params.size(), -1);
+    const std::vector<int64_t> bucket_unit =
+        detail::dp::lay_out(*state_, params, unit_of, {kFirstBucketBytes, bucket_bytes});
+    accumulators_.resize(params.size());
+    if (!z) {
+      detail::dp::replicated(*state_).buckets.resize(state_->buckets.size());
+    } else {
+      detail::dp::make_shards(*state_);
+      detail::dp::make_units(*z, bucket_unit);
     }
-    if (state_->shard) detail::dp::make_shards(*state_);
     if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
-      if (!state_->units.empty()) detail::dp::name_at_rest(*state_, *module_);
+      if (unit_count() > 0) detail::dp::name_at_rest(*state_, *module_);
     {
       const detail::dp::Locked held(*state_);
-      for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::release(held, u);  // at rest: the shards only
+      for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::release(held, u);  // at rest: the shards only
     }
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+    for (std::size_t u = 0; u < unit_count(); ++u) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      detail::dp::unit_registry()[state_->units[u].module] = {state_, u};
+      detail::dp::unit_registry()[z->units.list[u].module] = {state_, u};
     }
     hook_accumulators();
   }
@@ -146,9 +136,9 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
-    {
+    if (const detail::dp::Sharded* z = sharding()) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      for (const auto& unit : state_->units) detail::dp::unit_registry().erase(unit.module);
+      for (const auto& unit : z->units.list) detail::dp::unit_registry().erase(unit.module);
     }
     const detail::dp::Locked held(*state_);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
@@ -180,8 +170,9 @@ class DataParallel {
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
-      detail::dp::give_back(bucket);
     }
+    if (detail::dp::Sharded* z = sharding())
+      for (auto& bucket : z->buckets) detail::dp::give_back(bucket);
   }
 
   // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
@@ -208,11 +199,8 @@ class DataParallel {
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
-    if (state_->shard) {
-      detail::dp::finish_sharded(held);
-      return true;
-    }
-    detail::dp::finish_unsharded(held);
+    if (sharded()) detail::dp::finish_sharded(held);
+    else detail::dp::finish_unsharded(held);
     return true;
   }
 
@@ -228,19 +216,20 @@ class DataParallel {
   // between a backward and its finish(); not under sharding.
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
-    if (state_->shard)
+    if (sharded())
       throw InvalidArgument(
           "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
           "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     const detail::dp::Locked held(*state_);
-    if (state_->hooked)
+    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
+    if (mode.hooked)
       throw LogicError(
           "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
           "DDP, once per model)");
     if (state_->armed)
       throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
-    state_->hook = std::move(hook);
-    state_->hooked = true;
+    mode.hook = std::move(hook);
+    mode.hooked = true;
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
   // into its (persistent) bucket, so the gradients are not copied into the
@@ -249,42 +238,53 @@ class DataParallel {
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
-    if (state_->shard && on)
+    if (sharded()) {
+      if (!on) return;
       throw InvalidArgument(
           "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
           "reduce-scattered into its shards");
+    }
     const detail::dp::Locked held(*state_);
     if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
-    state_->bucket_view = on;
+    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
+    mode.bucket_view = on;
     if (!on)
-      for (auto& bucket : state_->buckets) {  // the gradients become tensors of their own again
-        for (auto& p : bucket.params)
-          if (p.grad().defined() && bucket.persistent.defined() && p.grad().is_alias_of(bucket.persistent))
+      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // the gradients become tensors of their own again
+        const at::Tensor& persistent = mode.buckets[b].persistent;
+        for (auto& p : state_->buckets[b].params)
+          if (p.grad().defined() && persistent.defined() && p.grad().is_alias_of(persistent))
             p.mutable_grad() = p.grad().clone();
       }
   }
 
   // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
 
-  bool sharded() const { return state_->shard != nullptr; }
-  const GroupPtr& shard_group() const { return state_->shard; }
+  bool sharded() const { return sharding() != nullptr; }
+  const GroupPtr& shard_group() const {
+    static const GroupPtr none;
+    return sharded() ? sharding()->shard : none;
+  }
   // The shard standing in for parameter p; undefined when p is not one of
   // this module's sharded parameters.
   at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
   // Puts the shards in place of this module's parameters in the optimizer's
   // groups (see detail::dp::shard_optimizer).
   void shard_optimizer(torch::optim::Optimizer& optimizer) {
-    detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+    if (sharded()) detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
   }
   bool steps_with(const torch::optim::Optimizer& optimizer) const {
-    return detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+    return sharded() && detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
   }
   // Before a backward: every shard checked against its parameter (an
   // optimizer stepped directly, not through prepare()'s handle, is an error).
-  void check_shards() { detail::dp::check_shards(detail::dp::Locked(*state_)); }
+  void check_shards() {
+    if (sharded()) detail::dp::check_shards(detail::dp::Locked(*state_));
+  }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather_shards() { detail::dp::gather_shards(detail::dp::Locked(*state_)); }
+  void gather_shards() {
+    if (sharded()) detail::dp::gather_shards(detail::dp::Locked(*state_));
+  }
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
@@ -294,26 +294,9 @@ class DataParallel {
   // shards step the parameters again, from a fresh state. Afterwards this
   // DataParallel does nothing; destroy it.
   void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
-  // Module::load into the parameters, then every shard taken again from its
-  // parameter: open_for_load() before the load, reshard() after it.
-  void open_for_load() { detail::dp::open_for_load(detail::dp::Locked(*state_)); }
-  void reshard() { detail::dp::reshard(detail::dp::Locked(*state_)); }
-
-  // Sharded checkpoints (checkpoint/shards.hpp): this rank's piece of
-  // parameter p, written without gathering (none: p is not sharded here;
-  // see detail::dp::piece_of); whether this rank writes its pieces (under
-  // HSDP the first replica does); what a load reads for p, and putting
-  // what it read in place (detail::dp::load_range and load_values).
-  std::optional<detail::dp::Piece> piece_of(const at::Tensor& p) const {
-    return detail::dp::piece_of(detail::dp::Locked(*state_), p);
-  }
-  bool writes_pieces() const { return sharded() && (!state_->replicate || state_->replicate->getRank() == 0); }
-  std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
-    return detail::dp::load_range(detail::dp::Locked(*state_), p);
-  }
-  void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
-    detail::dp::load_values(detail::dp::Locked(*state_), values);
-  }
+  // What checkpoints read and write of this model (detail::dp::ShardedStateDict:
+  // this rank's pieces, written and loaded without gathering).
+  detail::dp::ShardedStateDict sharded_state_dict() const { return detail::dp::ShardedStateDict(state_); }
 
   // FSDP's summon_full_params: every unit's parameters gathered for as long
   // as the returned object lives (a collective on the shard group: every
@@ -322,10 +305,10 @@ class DataParallel {
   // fully sharded.
   using FullParameters = detail::dp::FullParameters;
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
-    if (state_->units.empty()) return FullParameters(nullptr, false);
+    if (unit_count() == 0) return FullParameters(nullptr, false);
     const detail::dp::Locked held(*state_);
-    for (std::size_t u = 0; u < state_->units.size(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
-    ++state_->held;
+    for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
+    ++sharding()->units.held;
     return FullParameters(state_, writeback);
   }
   // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
@@ -336,12 +319,13 @@ class DataParallel {
   // computes, in the forward and in the backward (AcceleratorConfig's
   // forward_prefetch and backward_prefetch).
   void set_prefetch(bool forward, bool backward) {
+    if (!sharded()) return;
     const detail::dp::Locked held(*state_);
-    state_->prefetch_forward = forward;
-    state_->prefetch_backward = backward;
+    sharding()->units.prefetch_forward = forward;
+    sharding()->units.prefetch_backward = backward;
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
-  std::size_t unit_count() const { return state_->units.size(); }
+  std::size_t unit_count() const { return sharded() ? sharding()->units.list.size() : 0; }
 
   // Sharded: the working buffers the engine keeps from step to step
   // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
@@ -390,6 +374,9 @@ class DataParallel {
       }
   }
 
+  // The sharded strategy's state; null when replicated (NO_SHARD, or not distributed).
+  detail::dp::Sharded* sharding() const { return std::get_if<detail::dp::Sharded>(&state_->mode); }
+
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::dp::State> state_;
   // (LibTorch 2.15 holds autograd nodes by intrusive_ptr, earlier versions by shared_ptr.)
@@ -397,29 +384,5 @@ class DataParallel {
   std::vector<NodePtr> accumulators_;
   bool requires_sync_ = true;
 };
-
-// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
-// a model's forward a unit is called as
-//     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
-// which gathers the unit's parameters from their shards, runs its forward
-// and frees them (see DataParallel). The same code runs under every
-// strategy: a module that is no unit is simply called. On a Sequential that
-// is not a unit itself, each child is called in turn, through
-// unit_forward. A unit's forward returns one tensor.
-template <class ModuleHolder, class... Args>
-  requires detail::module_holder<ModuleHolder>
-auto unit_forward(ModuleHolder& unit, Args&&... args) {
-  return DataParallel::unit_call(
-      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
-      std::forward<Args>(args)...);
-}
-inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
-  if (DataParallel::is_unit(sequential.ptr().get()))
-    return DataParallel::unit_call(
-        sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
-  for (auto& child : *sequential)
-    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
-  return x;
-}
 
 ACCEL_NAMESPACE_END

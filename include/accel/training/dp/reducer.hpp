@@ -15,19 +15,15 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-// Flattens a bucket's gradients and used-flags (pre-divided by the group
-// size, as DDP does) and issues its all-reduce without waiting (sharded:
-// its reduce-scatter).
-inline void issue_bucket(const Locked& held, std::size_t b) {
+// Bucket b's all-reduce (NO_SHARD): its gradients and used-flags
+// flattened (pre-divided by the group size, as DDP does) and the
+// all-reduce issued without waiting.
+inline void issue_all_reduce(const Locked& held, std::size_t b) {
   State& state = held.state();
   Bucket& bucket = state.buckets[b];
-  at::NoGradGuard no_grad;
+  Replicated& mode = replicated(state);
+  ReplicatedBucket& reduced = mode.buckets[b];
   const std::size_t n = bucket.params.size();
-  if (state.shard) {  // reduce-scattered instead (dp/scatter.hpp)
-    issue_scatter(held, b);
-    if (state.on_issued) state.on_issued(b);
-    return;
-  }
   // The bucket persists across steps, as DDP's: a buffer this large allocated
   // per step would come back from the kernel as fresh pages each time (page
   // faults and zeroing, a tenth of a CPU step's time). Under
@@ -35,51 +31,60 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
   // copied in here and the averages copied back out in finish. (Made
   // anew only if the module moved to another device since.)
   const at::TensorOptions options = bucket.params.front().options();
-  if (!bucket.persistent.defined() || bucket.persistent.device() != options.device())
-    bucket.persistent = bucket.packing.buffer(options);
-  bucket.flat = bucket.persistent;
+  if (!reduced.persistent.defined() || reduced.persistent.device() != options.device())
+    reduced.persistent = bucket.packing.buffer(options);
+  reduced.flat = reduced.persistent;
   // Without a registered hook the default one's work is done here: the
   // gradients divided by the group's size, then all-reduced. Where they are
   // copied in anyway (not gradient_as_bucket_view) the copy itself divides,
   // as DDP's copy_grad_to_bucket does: one pass over the bucket instead of
   // two, with div_'s kernel and divisor, so the same bits. The used-flags
   // stay undivided there: finish reads only whether they are above zero.
-  const bool by_default = !state.hooked, divide_in_copy = by_default && !state.bucket_view;
-  if (by_default && !bucket.divisor.defined()) {
+  const bool by_default = !mode.hooked, divide_in_copy = by_default && !mode.bucket_view;
+  if (by_default && !reduced.divisor.defined()) {
     // A wrapped number, as div_(Scalar) makes of its argument, made once: in
     // the bucket's dtype, so that no division casts it (and allocates); in
     // float for bfloat16 and float16, whose kernels read the divisor as
     // float (so a world size they cannot hold exactly still divides exactly).
-    const bool reduced = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
-    bucket.divisor =
-        at::scalar_tensor(static_cast<double>(state.group->getSize()), reduced ? at::kFloat : bucket.dtype);
-    bucket.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
+    const bool half_width = bucket.dtype == at::kBFloat16 || bucket.dtype == at::kHalf;
+    reduced.divisor =
+        at::scalar_tensor(static_cast<double>(state.group->getSize()), half_width ? at::kFloat : bucket.dtype);
+    reduced.divisor.unsafeGetTensorImpl()->set_wrapped_number(true);
   }
   for (std::size_t i = 0; i < n; ++i) {
     at::Tensor& p = bucket.params[i];
-    at::Tensor view = bucket.packing.view(bucket.flat, i);
+    at::Tensor view = bucket.packing.view(reduced.flat, i);
     if (!p.grad().defined()) {
       view.zero_();
     } else if (divide_in_copy) {
-      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(), bucket.divisor);  // (sparse: into dense)
-    } else if (!state.bucket_view || !p.grad().is_alias_of(view)) {
+      at::div_out(view, p.grad().is_sparse() ? p.grad().to_dense() : p.grad(),
+                  reduced.divisor);  // (sparse: into dense)
+    } else if (!mode.bucket_view || !p.grad().is_alias_of(view)) {
       view.copy_(p.grad());
-      if (state.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
+      if (mode.bucket_view) p.mutable_grad() = view;  // (a gradient set to none, or the first backward)
     }
   }
-  write_used_flags(bucket.packing.view(bucket.flat, n), bucket);
+  write_used_flags(bucket.packing.view(reduced.flat, n), bucket);
   try {
     if (by_default) {
-      if (!divide_in_copy) bucket.flat.div_(bucket.divisor);  // (the views: divided where they lie)
-      bucket.work = all_reduce_async(bucket.flat, ReduceOp::SUM, state.group);
+      if (!divide_in_copy) reduced.flat.div_(reduced.divisor);  // (the views: divided where they lie)
+      bucket.work = all_reduce_async(reduced.flat, ReduceOp::SUM, state.group);
     } else {
-      GradBucket hooked = grad_bucket(held, b, bucket.flat);
-      bucket.work = state.hook(state.group, hooked);
+      GradBucket hooked = grad_bucket(held, b, reduced.flat);
+      bucket.work = mode.hook(state.group, hooked);
     }
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's all_reduce failed: ") +
                            detail::error_text(e));
   }
+}
+// Issues bucket b's reduction, now that its gradients are ready: the one
+// place a backward branches on the strategy.
+inline void issue_bucket(const Locked& held, std::size_t b) {
+  State& state = held.state();
+  at::NoGradGuard no_grad;
+  if (is_sharded(state)) issue_scatter(held, b);  // (dp/scatter.hpp)
+  else issue_all_reduce(held, b);
   if (state.on_issued) state.on_issued(b);
 }
 
@@ -88,32 +93,34 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
 // gradients of the parameters used on any rank back into their .grad.
 inline void finish_unsharded(const Locked& held) {
   State& state = held.state();
-  for (auto& bucket : state.buckets) {
+  Replicated& mode = replicated(state);
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+    Bucket& bucket = state.buckets[b];
+    ReplicatedBucket& reduced = mode.buckets[b];
     try {
-      bucket.flat = bucket.work.wait();
+      reduced.flat = bucket.work.wait();
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
                              detail::error_text(e));
     }
-    if (!bucket.flat.defined() || bucket.flat.numel() != bucket.packing.elements())
+    if (!reduced.flat.defined() || reduced.flat.numel() != bucket.packing.elements())
       throw RuntimeError("accel::DataParallel: the communication hook returned " +
-                         (bucket.flat.defined() ? std::to_string(bucket.flat.numel()) + " elements" : "nothing") +
-                         " for bucket " + std::to_string(&bucket - state.buckets.data()) + " of " +
-                         std::to_string(bucket.packing.elements()));
-    if (bucket.flat.scalar_type() != bucket.dtype) bucket.flat = bucket.flat.to(bucket.dtype);  // decompressed
-    bucket.flat = bucket.flat.reshape({-1});
-    if (state.bucket_view && !bucket.flat.is_alias_of(bucket.persistent))
-      bucket.flat = bucket.persistent.copy_(bucket.flat);
+                         (reduced.flat.defined() ? std::to_string(reduced.flat.numel()) + " elements" : "nothing") +
+                         " for bucket " + std::to_string(b) + " of " + std::to_string(bucket.packing.elements()));
+    if (reduced.flat.scalar_type() != bucket.dtype) reduced.flat = reduced.flat.to(bucket.dtype);  // decompressed
+    reduced.flat = reduced.flat.reshape({-1});
+    if (mode.bucket_view && !reduced.flat.is_alias_of(reduced.persistent))
+      reduced.flat = reduced.persistent.copy_(reduced.flat);
     const std::size_t n = bucket.params.size();
     // Which parameters some rank used: known here when this rank used them all.
     const bool all_used = used_by_all_here(bucket);
-    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(bucket.flat, n).gt(0).to(c10::kCPU);
+    const at::Tensor used_anywhere = all_used ? at::Tensor() : bucket.packing.view(reduced.flat, n).gt(0).to(c10::kCPU);
     const bool* used = all_used ? nullptr : used_anywhere.data_ptr<bool>();
     for (std::size_t i = 0; i < n; ++i) {
       at::Tensor& p = bucket.params[i];
       if (all_used || used[i]) {
-        at::Tensor averaged = bucket.packing.view(bucket.flat, i);
-        if (state.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
+        at::Tensor averaged = bucket.packing.view(reduced.flat, i);
+        if (mode.bucket_view) p.mutable_grad() = averaged;  // (already there when it was a view)
         else if (p.grad().defined()) p.mutable_grad().copy_(averaged);
         else p.mutable_grad() = averaged.clone();
       }
@@ -130,7 +137,7 @@ inline void shadow_backward(const Locked& held) {
   for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
     const Bucket& bucket = state.buckets[b];
     GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-    works.push_back(state.hook(state.group, zeros));
+    works.push_back(replicated(state).hook(state.group, zeros));
   }
   for (auto& work : works) {
     try {

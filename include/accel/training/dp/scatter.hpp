@@ -15,6 +15,7 @@
 #pragma once
 
 #include "accel/distributed/exchange.hpp"
+#include "accel/training/dp/chunks.hpp"
 #include "accel/training/dp/state.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -31,11 +32,11 @@ namespace detail::dp {
 // (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
 // bucket's messages also overlap the next layer's backward: one measured
 // up to 6 % slower there.
-inline std::size_t scatters_in_flight(const State& s) { return s.units.empty() ? 2 : 1; }
+inline std::size_t scatters_in_flight(const Sharded& z) { return z.units.list.empty() ? 2 : 1; }
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
-inline void give_back(Bucket& bucket) {
+inline void give_back(ShardedBucket& bucket) {
   bucket.laid_out.reset();
   bucket.received.reset();
   bucket.folded.reset();
@@ -44,7 +45,7 @@ inline void give_back(Bucket& bucket) {
 // The bucket's owned_grads, made on first use: the shards' gradients, then
 // room for the used-flags (`segment` elements), so a reduction can fold
 // straight into it.
-inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& options) {
+inline const at::Tensor& owned_grads(ShardedBucket& bucket, const at::TensorOptions& options) {
   if (!bucket.owned_grads.defined()) bucket.owned_grads = at::empty({bucket.segment}, options);
   return bucket.owned_grads;
 }
@@ -59,17 +60,19 @@ inline const at::Tensor& owned_grads(Bucket& bucket, const at::TensorOptions& op
 // released when the bucket was issued.
 inline void land_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
-  Bucket& bucket = s.buckets[b];
+  Sharded& z = sharded(s);
+  Bucket& layout = s.buckets[b];
+  ShardedBucket& bucket = z.buckets[b];
   at::Tensor reduced;
   try {
-    reduced = bucket.work.wait();  // (owned_grads, or the pooled buffer it folded into)
-    if (s.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, s.replicate).wait();
+    reduced = layout.work.wait();  // (owned_grads, or the pooled buffer it folded into)
+    if (z.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, z.replicate).wait();
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
                            detail::error_text(e));
   }
-  const auto n = static_cast<int64_t>(bucket.params.size());
-  const bool all_used = used_by_all_here(bucket);  // (then the reduced flags need not be read)
+  const auto n = static_cast<int64_t>(layout.params.size());
+  const bool all_used = used_by_all_here(layout);  // (then the reduced flags need not be read)
   if (!all_used) {
     const at::Tensor flags = reduced.narrow(0, bucket.segment - n, n);
     if (flags.is_cpu()) at::gt_out(bucket.used_anywhere, flags, 0);  // (no allocation per step)
@@ -91,7 +94,7 @@ inline void land_scatter(const Locked& held, std::size_t b) {
         shard.mutable_grad().copy_(averaged);
       }
     }
-    bucket.used[static_cast<std::size_t>(i)] = 0;
+    layout.used[static_cast<std::size_t>(i)] = 0;
   }
   give_back(bucket);
 }
@@ -110,17 +113,20 @@ inline void land_scatter(const Locked& held, std::size_t b) {
 // bucket's sizes), never on this rank's gradients: one that is none here
 // (a parameter this rank did not use) sends zeros, as the rows path lays
 // them out.
-inline bool scatters_directly(const State& s, const Bucket& bucket) {
-  return s.shard->getBackendName() == "gloo" && bucket.device.is_cpu() &&
-         large_pieces(bucket, static_cast<int64_t>(c10::elementSize(reduce_dtype(s, bucket))));
+inline bool scatters_directly(const State& s, std::size_t b) {
+  return sharded(s).shard->getBackendName() == "gloo" && s.buckets[b].device.is_cpu() &&
+         large_pieces(sharded(s).buckets[b], static_cast<int64_t>(c10::elementSize(reduce_dtype(s, b))));
 }
-inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, const at::Tensor& out) {
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize(), me = s.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
+inline Work<at::Tensor> start_direct_scatter(const State& s, std::size_t b, const at::Tensor& out) {
+  const Sharded& z = sharded(s);
+  const Bucket& layout = s.buckets[b];
+  const ShardedBucket& bucket = z.buckets[b];
+  const std::size_t n = layout.params.size();
+  const int64_t S = z.shard->getSize(), me = z.shard->getRank(), flags = bucket.segment - static_cast<int64_t>(n);
   const at::Tensor rows = bucket.received.tensor().view({S, bucket.segment});
   std::vector<at::Tensor> grads;
   for (std::size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = bucket.params[i];
+    const at::Tensor& p = layout.params[i];
     // (in the reduction's dtype: a policy's reduce_dtype casts)
     grads.push_back(p.grad().defined() ? p.grad().reshape({-1}).to(rows.scalar_type())
                                        : at::zeros({p.numel()}, rows.options()));
@@ -129,7 +135,7 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
     rows[me].narrow(0, bucket.offsets[i], length).copy_(grads[i].narrow(0, begin, length));
     if (length < bucket.chunks[i]) rows.narrow(1, bucket.offsets[i] + length, bucket.chunks[i] - length).zero_();
   }
-  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), bucket);
+  write_used_flags(rows[me].narrow(0, flags, static_cast<int64_t>(n)), layout);
   auto sent = [&](int to, std::size_t i) {
     if (i == n) return rows[me].narrow(0, flags, static_cast<int64_t>(n));
     const auto [begin, length] = chunk_range(to, bucket.chunks[i], grads[i].numel());
@@ -139,7 +145,7 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
     if (i == n) return rows[from].narrow(0, flags, static_cast<int64_t>(n));
     return rows[from].narrow(0, bucket.offsets[i], chunk_range(me, bucket.chunks[i], grads[i].numel()).second);
   };
-  auto pending = detail::start_exchange_pieces(*s.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
+  auto pending = detail::start_exchange_pieces(*z.shard, n + 1, sent, into, kGatherTag, detail::kDirectScatter);
   // (grads moved into the landing only now: `sent` reads them above, and a
   // function's arguments may be evaluated in any order)
   return Work<at::Tensor>(detail::then(
@@ -156,20 +162,22 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, Bucket& bucket, con
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
+  Sharded& z = sharded(s);
   std::size_t in_flight = 0;
   for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(s); ++e)
+  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(z); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(held, e);
       --in_flight;
     }
-  Bucket& bucket = s.buckets[b];
+  Bucket& layout = s.buckets[b];
+  ShardedBucket& bucket = z.buckets[b];
   at::NoGradGuard no_grad;
-  const std::size_t n = bucket.params.size();
-  const int64_t S = s.shard->getSize();
+  const std::size_t n = layout.params.size();
+  const int64_t S = z.shard->getSize();
   // (the shards' options, in the reduction's dtype: a parameter may hold a
   // policy's param_dtype now, while its unit runs)
-  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, bucket));
+  const c10::TensorOptions options = bucket.owned.options().dtype(reduce_dtype(s, b));
   // Where the folded chunks land: straight in the shards' gradients when
   // every one is none (the usual step, after zero_grad()) and the reduction
   // is in their dtype, so that landing copies nothing; else in a pooled
@@ -179,26 +187,26 @@ inline void issue_scatter(const Locked& held, std::size_t b) {
       std::none_of(bucket.shards.begin(), bucket.shards.end(), [](const at::Tensor& t) { return t.grad().defined(); });
   try {
     bucket.received = s.pool.take(S * bucket.segment, options);
-    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received.tensor(), ReduceOp::SUM, s.shard);
+    c10d::ProcessGroup* g = detail::enter_reduce_scatter(bucket.received.tensor(), ReduceOp::SUM, z.shard);
     if (!into_grads) bucket.folded = s.pool.take(bucket.segment, options);
     const at::Tensor out = into_grads ? owned_grads(bucket, options) : bucket.folded.tensor();
-    if (scatters_directly(s, bucket)) {
-      bucket.work = start_direct_scatter(s, bucket, out);
+    if (scatters_directly(s, b)) {
+      layout.work = start_direct_scatter(s, b, out);
       return;
     }
     bucket.laid_out = s.pool.take(S * bucket.segment, options);  // (every element written below)
     const at::Tensor& laid_out = bucket.laid_out.tensor();
     const at::Tensor rows = laid_out.view({S, bucket.segment});
     for (std::size_t i = 0; i < n; ++i)
-      if (bucket.params[i].grad().defined()) {
-        read_rows(bucket.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
-        bucket.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
+      if (layout.params[i].grad().defined()) {
+        read_rows(layout.params[i].grad(), rows, bucket.offsets[i], bucket.chunks[i]);
+        layout.params[i].mutable_grad().reset();  // the shard's gradient accumulates it from here
       } else {
         rows.narrow(1, bucket.offsets[i], bucket.chunks[i]).zero_();
       }
-    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), bucket);
+    write_used_flags(rows.narrow(1, bucket.segment - static_cast<int64_t>(n), static_cast<int64_t>(n)), layout);
     if (s.replicas != 1) laid_out.div_(s.replicas);
-    bucket.work =
+    layout.work =
         Work<at::Tensor>(detail::start_reduce_scatter_into(*g, laid_out, bucket.received.tensor(), out, ReduceOp::SUM));
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: issuing a gradient bucket's reduce_scatter failed: ") +

@@ -1,4 +1,4 @@
-// accel/training/dp/state.hpp: DataParallel's state: its buckets, units and flags, shared with its autograd hooks.
+// accel/training/dp/state.hpp: DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks.
 //
 // A DataParallel keeps everything in one State behind a shared_ptr: the
 // autograd hooks it registers outlive it inside the graph, and see
@@ -13,13 +13,31 @@
 
 #include "accel/distributed/nested.hpp"
 #include "accel/training/dp/comm_hooks.hpp"
+#include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/buffers.hpp"
 #include "accel/training/precision/policy.hpp"
 #include "accel/training/parameters.hpp"
 
+#include <variant>
+
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
+// DataParallel's state is one common layout of buckets (below) and the
+// strategy's own state, one of two types held in State::mode:
+//   Replicated (NO_SHARD): each bucket all-reduced, through a communication hook;
+//   Sharded (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD): each parameter cut in
+//     chunks, each bucket reduce-scattered into this rank's shards; with
+//     Units (FULL_SHARD, HYBRID_SHARD) the parameters of each unit also
+//     gathered only while the unit runs.
+// FULL_SHARD is no third type: it is ZeRO-2 for every bucket (its root's
+// parameters are sharded exactly as SHARD_GRAD_OP's) plus Units, which
+// SHARD_GRAD_OP has none of; the units' code runs over the units' buckets
+// only, so it needs no test of the mode. The mode is chosen once, in
+// DataParallel's constructor, and read through replicated() / sharded().
+
+// A bucket as every strategy lays it out: its parameters (one dtype and
+// device), the flags of which had a gradient, and its reduction in flight.
 struct Bucket {
   // Every member has an initializer: GCC 14's -Wextra flags designated
   // initializers that leave out members without one.
@@ -28,20 +46,29 @@ struct Bucket {
   std::vector<uint8_t> seen{};  // per parameter: ... in the armed backward
   c10::ScalarType dtype;
   c10::Device device;
-  detail::Packing packing;  // of `flat`: the gradients, then one used-flag per parameter
+  detail::Packing packing;  // of the reduced buffer: the gradients, then one used-flag per parameter
   std::size_t ready = 0;
-  // Not sharded: the bucket being reduced (`persistent`, or what the communication hook returned).
-  at::Tensor flat{};
-  // Sharded: the reduce-scatter's pooled buffers: its laid-out input, what its all-to-all received, and
-  // where the chunks fold when they cannot fold straight into the shards' gradients.
-  Lease laid_out{}, received{}, folded{};
-  // Not sharded: the bucket, kept across steps (under gradient_as_bucket_view the gradients' storage too).
-  at::Tensor persistent{};
-  at::Tensor divisor{};  // not sharded, no registered hook: the group's size, the gradients' divisor (dp/reducer.hpp)
-  Work<at::Tensor> work{};
-  // Sharded: a rank's segment holds its chunk of each parameter
-  // (chunks[i] elements at offsets[i]), then the used-flags; `segment`
-  // elements in all.
+  Work<at::Tensor> work{};  // its all-reduce (Replicated) or reduce-scatter (Sharded) in flight
+};
+
+// NO_SHARD's per bucket: the buffer being reduced (`persistent`, or what
+// the communication hook returned), the buffer kept across steps (under
+// gradient_as_bucket_view the gradients' storage too), and without a
+// registered hook the group's size, the gradients' divisor (dp/reducer.hpp).
+struct ReplicatedBucket {
+  at::Tensor flat{}, persistent{}, divisor{};
+};
+struct Replicated {
+  std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
+  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
+  bool hooked = false;
+  bool bucket_view = false;  // (see gradient_as_bucket_view)
+};
+
+// Sharding's per bucket. A rank's segment holds its chunk of each
+// parameter (chunks[i] elements at offsets[i]), then the used-flags;
+// `segment` elements in all.
+struct ShardedBucket {
   std::vector<int64_t> offsets{}, chunks{};
   int64_t segment = 0;
   // This rank's shards, one after another in `owned` (segment - n
@@ -56,24 +83,61 @@ struct Bucket {
   std::vector<at::Tensor> shards{};
   std::vector<uint8_t> in_optimizer{};
   std::vector<at::Tensor> sums{};  // each shard's sum at the last gather (see check_shards)
-  // FULL_SHARD: the unit whose parameters these are (-1: none), whether
-  // they hold their values now, and a prefetch in flight.
-  int64_t unit = -1;
+  // The reduce-scatter's pooled buffers: its laid-out input, what its
+  // all-to-all received, and where the chunks fold when they cannot fold
+  // straight into the shards' gradients.
+  Lease laid_out{}, received{}, folded{};
+  int64_t unit = -1;  // the unit whose parameters these are (-1: none, whole while the model runs)
+};
+
+// A unit's bucket (FULL_SHARD): which bucket, whether its parameters hold
+// their values now, and a gather in flight. `full` is the pooled buffer
+// its gather lands in, the parameters' memory while it is resident. Under
+// a MixedPrecisionPolicy's param_dtype: whether `full` holds the parameters
+// in that dtype (gathered for compute), the shards cast to it while their
+// gather is in flight (`cast`, pooled), each parameter as it is at rest
+// (`rest`: its own dtype and storage, which it takes back when released),
+// and as it computes (`compute`: that dtype, on a storage of its own that
+// points into `full` while the unit holds its values and at nothing
+// otherwise; dp/unit_params.hpp says why).
+struct UnitBucket {
+  std::size_t bucket = 0;  // into State::buckets
   bool resident = true;
-  Lease full{};  // from the unit's fetch on: the pooled buffer its gather lands in, the parameters' memory
-  // Under a MixedPrecisionPolicy's param_dtype (State::param_dtype): whether
-  // `full` holds the parameters in that dtype (gathered for compute), the
-  // shards cast to it while their gather is in flight (`cast`, pooled), each
-  // parameter as it is at rest (`rest`: its own dtype and storage, which it
-  // takes back when released), and as it computes (`compute`: that dtype,
-  // on a storage of its own that points into `full` while the unit holds
-  // its values and at nothing otherwise; dp/unit_params.hpp says why).
+  Lease full{};
   bool low = false;
   Lease cast{};
   std::vector<at::Tensor> rest{}, compute{};
   std::vector<std::string> at_rest{};  // per parameter: what a kernel that reads it at rest throws
   Work<at::Tensor> gathering{};
 };
+struct Unit {
+  const torch::nn::Module* module = nullptr;
+  std::vector<UnitBucket> buckets{};
+};
+// FULL_SHARD's units; the order they ran in this forward and the last
+// (prefetching follows it); summon_full_params() objects alive. Under a
+// MixedPrecisionPolicy: the dtype units compute in (gathered in; none: the
+// parameters' own), and the one outputs are cast to; cast_inputs: a unit's
+// floating-point inputs are cast to the dtype its parameters hold.
+struct Units {
+  std::vector<Unit> list{};
+  std::vector<std::size_t> order{}, last_order{};
+  bool new_pass = true;
+  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
+  int held = 0;
+  std::optional<c10::ScalarType> param_dtype{}, output_dtype{};
+  bool cast_inputs = true;
+};
+struct Sharded {
+  GroupPtr shard{}, replicate{};         // sharded along shard, averaged along replicate too (HSDP)
+  std::vector<ShardedBucket> buckets{};  // (State::buckets' order)
+  // Where each parameter's shard is, and the optimizers stepping them.
+  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index{};  // (bucket, i)
+  std::vector<torch::optim::Optimizer*> optimizers{};
+  std::optional<c10::ScalarType> reduce_dtype{};  // a MixedPrecisionPolicy's: the dtype gradients reduce in
+  Units units{};                                  // none under SHARD_GRAD_OP
+};
+
 // Every parameter of the bucket had a gradient here since the last sync:
 // then each was used on some rank, and the reduced flags need not be read
 // back (on a GPU that read would make the host wait for the reduction).
@@ -103,10 +167,6 @@ inline void write_used_flags(const at::Tensor& to, const Bucket& bucket) {
   }
 }
 
-struct Unit {
-  const torch::nn::Module* module = nullptr;
-  std::vector<std::size_t> buckets{};
-};
 struct State {
   // The sharded steps' working buffers, reused (dp/buffers.hpp). First, so
   // that it is destroyed last: a bucket's Work still in flight when the
@@ -115,33 +175,55 @@ struct State {
   std::mutex mutex;
   ParameterNames names;  // the module's parameters by name, for errors that name one
   GroupPtr group;
-  GroupPtr shard, replicate;  // sharded: along shard, averaged along replicate too (HSDP)
-  int64_t replicas = 1;       // gradients are averaged over this many ranks
+  int64_t replicas = 1;  // gradients are averaged over this many ranks
   std::vector<Bucket> buckets;
   std::size_t next = 0;   // buckets launch strictly in order: the same on every rank
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
-  CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
-  bool hooked = false;
-  bool bucket_view = false;  // (see gradient_as_bucket_view)
-  // FULL_SHARD: the units; the order they ran in this forward and the
-  // last (prefetching follows it); summon_full_params() objects alive.
-  std::vector<Unit> units;
-  std::vector<std::size_t> order, last_order;
-  bool new_pass = true;
-  bool prefetch_forward = true, prefetch_backward = true;  // (see AcceleratorConfig::forward_prefetch)
-  int held = 0;
-  // Sharded: where each parameter's shard is, and the optimizers stepping them.
-  std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> shard_index;  // (bucket, i)
-  std::vector<torch::optim::Optimizer*> optimizers;
-  // FULL_SHARD under a MixedPrecisionPolicy (see DataParallel): the dtype
-  // units compute in (gathered in) and the one gradients are reduced in;
-  // none: the parameters' own. cast_inputs: a unit's floating-point inputs
-  // are cast to the dtype its parameters hold.
-  std::optional<c10::ScalarType> param_dtype, reduce_dtype, output_dtype;
-  bool cast_inputs = true;
+  std::variant<Replicated, Sharded> mode;
 };
+// The strategy's state (see the top): replicated() under NO_SHARD (and
+// when not distributed), sharded() otherwise; is_sharded() says which.
+inline bool is_sharded(const State& s) { return std::holds_alternative<Sharded>(s.mode); }
+inline Sharded& sharded(State& s) { return std::get<Sharded>(s.mode); }
+inline const Sharded& sharded(const State& s) { return std::get<Sharded>(s.mode); }
+inline Replicated& replicated(State& s) { return std::get<Replicated>(s.mode); }
+inline const Replicated& replicated(const State& s) { return std::get<Replicated>(s.mode); }
+// Unit u's part of bucket b (b is one of the unit's buckets).
+inline const UnitBucket& unit_bucket(const Units& units, int64_t u, std::size_t b) {
+  for (const auto& ub : units.list[static_cast<std::size_t>(u)].buckets)
+    if (ub.bucket == b) return ub;
+  throw LogicError("accel::DataParallel: bucket " + std::to_string(b) + " is not unit " + std::to_string(u) + "'s");
+}
+
+// The common layout: `params` (each tensor once, in the order backward
+// produces their gradients) put in buckets by DDP's assignment (dp/buckets.hpp;
+// size_limits: the first bucket's, then every other's; a unit's parameters
+// in buckets of their own), each with room for its used-flags after the
+// gradients. Returns each bucket's unit (-1: none).
+inline std::vector<int64_t> lay_out(State& s, const std::vector<at::Tensor>& params,
+                                    const std::vector<int64_t>& unit_of, const std::vector<int64_t>& size_limits) {
+  std::vector<BucketInput> inputs;
+  for (std::size_t k = 0; k < params.size(); ++k)
+    inputs.push_back(
+        {params[k].scalar_type(), params[k].device(), params[k].numel() * params[k].element_size(), unit_of[k]});
+  std::vector<int64_t> bucket_unit;
+  for (const auto& indices : compute_bucket_assignment_by_size(inputs, size_limits).buckets) {
+    const at::Tensor& first = params[indices.front()];
+    Bucket bucket{.dtype = first.scalar_type(), .device = first.device(), .packing = Packing(first.scalar_type())};
+    bucket_unit.push_back(unit_of[indices.front()]);
+    for (std::size_t k : indices) {
+      bucket.params.push_back(params[k]);
+      bucket.used.push_back(0);
+      bucket.seen.push_back(0);
+      bucket.packing.add(params[k]);
+    }
+    bucket.packing.add({static_cast<int64_t>(bucket.params.size())}, bucket.dtype);  // the used-flags
+    s.buckets.push_back(std::move(bucket));
+  }
+  return bucket_unit;
+}
 
 // Proof that a State's mutex is held, and the way to the State for the
 // engine's functions: made (locking) by DataParallel's public methods, the
@@ -169,7 +251,7 @@ inline GradBucket grad_bucket(const Locked& held, std::size_t b, const at::Tenso
   const State& s = held.state();
   const Bucket& bucket = s.buckets[b];
   GradBucket out{.buffer = buffer, .index = b, .is_last = b + 1 == s.buckets.size()};
-  if (s.hooked) {
+  if (replicated(s).hooked) {
     out.parameters = bucket.params;
     for (std::size_t i = 0; i < bucket.params.size(); ++i) out.gradients.push_back(bucket.packing.view(buffer, i));
   }
@@ -187,54 +269,14 @@ inline GradBucket grad_bucket(const Locked& held, std::size_t b, const at::Tenso
 // small parameters would pay it per parameter.
 inline constexpr int kGatherTag = 0x61636365;
 inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
-inline bool large_pieces(const Bucket& bucket, int64_t element_size) {
-  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.params.size());
+inline bool large_pieces(const ShardedBucket& bucket, int64_t element_size) {
+  return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.shards.size());
 }
 // The dtype bucket b's gradients are reduce-scattered in.
-inline c10::ScalarType reduce_dtype(const State& s, const Bucket& bucket) {
-  return s.reduce_dtype.value_or(bucket.dtype);
+inline c10::ScalarType reduce_dtype(const State& s, std::size_t b) {
+  return sharded(s).reduce_dtype.value_or(s.buckets[b].dtype);
 }
 
-// The chunk layout: t flattened and zero-padded to S chunks of c, chunk r
-// being row r. read_rows copies t's rows into columns [off, off + c) of
-// rows, zeros where t ends before them (so rows need not start zeroed: a
-// pass over the whole buffer saved); write_rows copies them back into t;
-// read_chunk copies row r alone into `out`.
-inline void read_rows(const at::Tensor& t, const at::Tensor& rows, int64_t off, int64_t c) {
-  const at::Tensor flat = t.reshape({-1});
-  const int64_t n = flat.numel(), full = c ? n / c : 0, rest = n - full * c;
-  const at::Tensor columns = rows.narrow(1, off, c);
-  if (full) columns.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * c).view({full, c}));
-  if (rest) {
-    columns[full].narrow(0, 0, rest).copy_(flat.narrow(0, full * c, rest));
-    columns[full].narrow(0, rest, c - rest).zero_();
-  }
-  const int64_t filled = full + (rest ? 1 : 0);
-  if (filled < rows.size(0)) columns.narrow(0, filled, rows.size(0) - filled).zero_();
-}
-inline void write_rows(const at::Tensor& rows, int64_t off, int64_t c, at::Tensor& t) {
-  const int64_t n = t.numel(), full = c ? n / c : 0, rest = n - full * c;
-  const at::Tensor columns = rows.narrow(1, off, c);
-  if (!t.is_contiguous()) {
-    t.copy_(columns.reshape({-1}).narrow(0, 0, n).view(t.sizes()));
-    return;
-  }
-  const at::Tensor flat = t.view({-1});
-  if (full) flat.narrow(0, 0, full * c).view({full, c}).copy_(columns.narrow(0, 0, full));
-  if (rest) flat.narrow(0, full * c, rest).copy_(columns[full].narrow(0, 0, rest));
-}
-// Rank r's chunk of a tensor of n elements cut in chunks of c: (begin,
-// length), the last chunks short or empty.
-inline std::pair<int64_t, int64_t> chunk_range(int64_t r, int64_t c, int64_t n) {
-  const int64_t begin = std::min(r * c, n);
-  return {begin, std::min(c, n - begin)};
-}
-inline void read_chunk(const at::Tensor& t, int64_t r, int64_t c, const at::Tensor& out) {
-  const at::Tensor flat = t.reshape({-1});
-  const auto [begin, length] = chunk_range(r, c, flat.numel());
-  if (length) out.narrow(0, 0, length).copy_(flat.narrow(0, begin, length));
-  if (length < c) out.narrow(0, length, c - length).zero_();
-}
 }  // namespace detail::dp
 
 ACCEL_NAMESPACE_END

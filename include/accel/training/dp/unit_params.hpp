@@ -1,6 +1,7 @@
 // accel/training/dp/unit_params.hpp: ZeRO-3's parameters gathered into a pooled buffer for a unit's forward and backward, and put back at rest after.
 #pragma once
 
+#include "accel/training/dp/chunks.hpp"
 #include "accel/training/dp/unit_plan.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -39,11 +40,13 @@ inline void allow_access(Storage& storage) {
 // pool, copied out when it lands. (Every rank takes the same path: the
 // sizes and the layout of the parameters are the same everywhere.) Elsewhere c10d's all-gather into the
 // rows (NCCL's is the fast one), copied out likewise.
-inline Work<at::Tensor> gather_params(const Locked& held, const Bucket& bucket, const at::Tensor& source,
+inline Work<at::Tensor> gather_params(const Locked& held, std::size_t b, const at::Tensor& source,
                                       std::vector<at::Tensor> into) {
   State& s = held.state();
-  const int64_t S = s.shard->getSize(), width = source.numel(), r = s.shard->getRank();
-  c10d::ProcessGroup* g = detail::enter_all_gather(source, s.shard);  // (a shard group has 2 ranks or more)
+  const Sharded& z = sharded(s);
+  const ShardedBucket& bucket = z.buckets[b];
+  const int64_t S = z.shard->getSize(), width = source.numel(), r = z.shard->getRank();
+  c10d::ProcessGroup* g = detail::enter_all_gather(source, z.shard);  // (a shard group has 2 ranks or more)
   const bool direct = detail::direct_gather_fits(*g, source, source);
   const bool pieces =
       direct && large_pieces(bucket, static_cast<int64_t>(source.element_size())) &&
@@ -112,83 +115,85 @@ inline int64_t aligned(int64_t elements, int64_t element_size) {
 }
 // Where each parameter of a unit's bucket starts in its buffer of elements
 // of element_size bytes, and the buffer's length (the last entry).
-inline std::vector<int64_t> places_in_full(const Bucket& bucket, int64_t element_size) {
+inline std::vector<int64_t> places_in_full(const Bucket& layout, int64_t element_size) {
   std::vector<int64_t> at{0};
-  for (const auto& p : bucket.params) at.push_back(at.back() + aligned(p.numel(), element_size));
+  for (const auto& p : layout.params) at.push_back(at.back() + aligned(p.numel(), element_size));
   return at;
 }
 // Whether a gather for `use` is in the policy's param_dtype. Not while
 // summon_full_params() holds the units: they stay in full precision, and a
 // unit called then computes in it.
-inline bool gathers_low(const State& s, const Bucket& bucket, Use use) {
-  return use == Use::compute && !bucket.rest.empty() && s.held == 0;
+inline bool gathers_low(const Units& units, const UnitBucket& ub, Use use) {
+  return use == Use::compute && !ub.rest.empty() && units.held == 0;
 }
-inline c10::ScalarType gathered_dtype(const State& s, const Bucket& bucket) {
-  return bucket.low ? *s.param_dtype : bucket.dtype;
+inline c10::ScalarType gathered_dtype(const Units& units, const Bucket& layout, const UnitBucket& ub) {
+  return ub.low ? *units.param_dtype : layout.dtype;
 }
-inline void release_bucket(Bucket& bucket);
+inline void release_bucket(const Bucket& layout, UnitBucket& ub);
 // Waits for the bucket's gather in flight. A failed one has ended every
 // message of it (distributed/pieces.hpp's Outstanding), so its buffers go back to the
 // pool, and the collective's own error (operation, group, rank) goes on to
 // the caller under what the engine was doing.
-inline void wait_gathering(Bucket& bucket) {
+inline void wait_gathering(const Bucket& layout, UnitBucket& ub) {
   try {
-    bucket.gathering.wait();
+    ub.gathering.wait();
   } catch (const DistributedError& e) {
-    bucket.gathering = {};
-    release_bucket(bucket);  // (not resident: the buffers only)
+    ub.gathering = {};
+    release_bucket(layout, ub);  // (not resident: the buffers only)
     throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                            detail::error_text(e));
   }
-  bucket.gathering = {};
+  ub.gathering = {};
 }
 // The storage parameter i of the bucket computes on: its own, or under a
 // policy's param_dtype its `compute` tensor's.
-inline c10::StorageImpl* computing_storage(const Bucket& bucket, std::size_t i) {
-  return (bucket.low ? bucket.compute[i] : bucket.params[i]).storage().unsafeGetStorageImpl();
+inline c10::StorageImpl* computing_storage(const Bucket& layout, const UnitBucket& ub, std::size_t i) {
+  return (ub.low ? ub.compute[i] : layout.params[i]).storage().unsafeGetStorageImpl();
 }
 // A bucket's parameters back at rest, and its buffers back in the pool.
-inline void release_bucket(Bucket& bucket) {
-  if (bucket.resident)
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      if (bucket.low)  // (its own storage never left rest)
-        bucket.params[i].unsafeGetTensorImpl()->shallow_copy_from(bucket.rest[i].getIntrusivePtr());
-      c10::StorageImpl* storage = computing_storage(bucket, i);
-      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, bucket.params[i].device()));
-      if constexpr (refuses_at_rest<>) refuse_access(*storage, bucket.at_rest[i]);
+inline void release_bucket(const Bucket& layout, UnitBucket& ub) {
+  if (ub.resident)
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      if (ub.low)  // (its own storage never left rest)
+        layout.params[i].unsafeGetTensorImpl()->shallow_copy_from(ub.rest[i].getIntrusivePtr());
+      c10::StorageImpl* storage = computing_storage(layout, ub, i);
+      storage->set_data_ptr_noswap(c10::DataPtr(nullptr, layout.params[i].device()));
+      if constexpr (refuses_at_rest<>) refuse_access(*storage, ub.at_rest[i]);
       else storage->set_nbytes(0);
     }
-  bucket.full.reset();
-  bucket.cast.reset();
-  bucket.resident = false;
-  bucket.low = false;
+  ub.full.reset();
+  ub.cast.reset();
+  ub.resident = false;
+  ub.low = false;
 }
 inline void fetch(const Locked& held, std::size_t u, Use use) {
   State& s = held.state();
+  Sharded& z = sharded(s);
   at::NoGradGuard no_grad;
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    const bool low = gathers_low(s, bucket, use);
-    if (bucket.resident || bucket.gathering.valid()) {
-      if (bucket.low == low) continue;
-      if (bucket.gathering.valid()) wait_gathering(bucket);  // (a collective cannot be taken back)
-      release_bucket(bucket);                                // in the other precision: gathered again
+  for (UnitBucket& ub : z.units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    const at::Tensor& owned = z.buckets[ub.bucket].owned;
+    const bool low = gathers_low(z.units, ub, use);
+    if (ub.resident || ub.gathering.valid()) {
+      if (ub.low == low) continue;
+      if (ub.gathering.valid()) wait_gathering(layout, ub);  // (a collective cannot be taken back)
+      release_bucket(layout, ub);                            // in the other precision: gathered again
     }
-    bucket.low = low;
-    const c10::ScalarType dtype = gathered_dtype(s, bucket);
-    const std::vector<int64_t> at = places_in_full(bucket, static_cast<int64_t>(c10::elementSize(dtype)));
-    bucket.full = s.pool.take(at.back(), bucket.owned.options().dtype(dtype));
+    ub.low = low;
+    const c10::ScalarType dtype = gathered_dtype(z.units, layout, ub);
+    const std::vector<int64_t> at = places_in_full(layout, static_cast<int64_t>(c10::elementSize(dtype)));
+    ub.full = s.pool.take(at.back(), owned.options().dtype(dtype));
     if (low) {
-      bucket.cast = s.pool.take(bucket.owned.numel(), bucket.full.tensor().options());
-      bucket.cast.tensor().copy_(bucket.owned);
+      ub.cast = s.pool.take(owned.numel(), ub.full.tensor().options());
+      ub.cast.tensor().copy_(owned);
     }
     std::vector<at::Tensor> into;
-    for (std::size_t i = 0; i < bucket.params.size(); ++i)
-      into.push_back(bucket.full.tensor().narrow(0, at[i], bucket.params[i].numel()));
+    for (std::size_t i = 0; i < layout.params.size(); ++i)
+      into.push_back(ub.full.tensor().narrow(0, at[i], layout.params[i].numel()));
     try {
-      bucket.gathering = gather_params(held, bucket, low ? bucket.cast.tensor() : bucket.owned, std::move(into));
+      ub.gathering = gather_params(held, ub.bucket, low ? ub.cast.tensor() : owned, std::move(into));
     } catch (const DistributedError& e) {
-      release_bucket(bucket);  // (not resident: the buffers only)
+      release_bucket(layout, ub);  // (not resident: the buffers only)
       throw DistributedError(std::string("accel::DataParallel: gathering a unit's parameters failed: ") +
                              detail::error_text(e));
     }
@@ -197,37 +202,38 @@ inline void fetch(const Locked& held, std::size_t u, Use use) {
 inline void materialize(const Locked& held, std::size_t u, Use use) {
   State& s = held.state();
   fetch(held, u, use);
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.resident) continue;
-    wait_gathering(bucket);
-    bucket.cast.reset();
-    const auto element_size = static_cast<int64_t>(bucket.full.tensor().element_size());
-    const std::vector<int64_t> at = places_in_full(bucket, element_size);
-    for (std::size_t i = 0; i < bucket.params.size(); ++i) {
-      at::Tensor& p = bucket.params[i];
-      c10::StorageImpl* storage = computing_storage(bucket, i);
+  for (UnitBucket& ub : sharded(s).units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    if (ub.resident) continue;
+    wait_gathering(layout, ub);
+    ub.cast.reset();
+    const auto element_size = static_cast<int64_t>(ub.full.tensor().element_size());
+    const std::vector<int64_t> at = places_in_full(layout, element_size);
+    for (std::size_t i = 0; i < layout.params.size(); ++i) {
+      const at::Tensor& p = layout.params[i];
+      c10::StorageImpl* storage = computing_storage(layout, ub, i);
       allow_access(*storage);
       // Borrowed from the lease: the buffer is not taken again while this pointer lives (release() drops it).
-      storage->set_data_ptr_noswap(bucket.full.borrow(static_cast<std::size_t>(at[i] * element_size), bucket.device));
+      storage->set_data_ptr_noswap(ub.full.borrow(static_cast<std::size_t>(at[i] * element_size), layout.device));
       storage->set_nbytes(static_cast<std::size_t>(p.numel() * element_size));
-      if (bucket.low) p.unsafeGetTensorImpl()->shallow_copy_from(bucket.compute[i].getIntrusivePtr());
+      if (ub.low) p.unsafeGetTensorImpl()->shallow_copy_from(ub.compute[i].getIntrusivePtr());
     }
-    bucket.resident = true;
+    ub.resident = true;
   }
 }
 inline void release(const Locked& held, std::size_t u) {
   State& s = held.state();
-  if (s.held > 0) return;  // summon_full_params() keeps them
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].resident) release_bucket(s.buckets[b]);
+  Units& units = sharded(s).units;
+  if (units.held > 0) return;  // summon_full_params() keeps them
+  for (UnitBucket& ub : units.list[u].buckets)
+    if (ub.resident) release_bucket(s.buckets[ub.bucket], ub);
 }
 // The dtype unit u's parameters hold now, where a policy changed it (for
 // cast_inputs); none otherwise.
 inline std::optional<c10::ScalarType> computes_in(const Locked& held, std::size_t u) {
-  const State& s = held.state();
-  for (std::size_t b : s.units[u].buckets)
-    if (s.buckets[b].low) return s.param_dtype;
+  const Units& units = sharded(held.state()).units;
+  for (const UnitBucket& ub : units.list[u].buckets)
+    if (ub.low) return units.param_dtype;
   return std::nullopt;
 }
 // Unit u left so that its module works without the engine, whose pool
@@ -241,26 +247,26 @@ inline std::optional<c10::ScalarType> computes_in(const Locked& held, std::size_
 // rest: the only values copied are those the pool's buffer holds.
 inline void own_storage(const Locked& held, std::size_t u) {
   State& s = held.state();
-  for (std::size_t b : s.units[u].buckets) {
-    Bucket& bucket = s.buckets[b];
-    if (bucket.gathering.valid()) {
+  for (UnitBucket& ub : sharded(s).units.list[u].buckets) {
+    const Bucket& layout = s.buckets[ub.bucket];
+    if (ub.gathering.valid()) {
       try {
-        bucket.gathering.wait();
+        ub.gathering.wait();
       } catch (const std::exception&) {  // (see above)
       }
-      bucket.gathering = {};
+      ub.gathering = {};
     }
-    if (!bucket.resident || bucket.low) {
-      release_bucket(bucket);
+    if (!ub.resident || ub.low) {
+      release_bucket(layout, ub);
       continue;
     }
-    if (!bucket.full) continue;  // (its parameters hold memory of their own already)
-    for (auto& p : bucket.params) {
+    if (!ub.full) continue;  // (its parameters hold memory of their own already)
+    for (const auto& p : layout.params) {
       const at::Tensor copy = p.detach().clone();  // its own memory, on p's device
       c10::DataPtr own = copy.storage().unsafeGetStorageImpl()->set_data_ptr(c10::DataPtr(nullptr, p.device()));
       p.storage().unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(own));
     }
-    bucket.full.reset();
+    ub.full.reset();
   }
 }
 // Every unit left as own_storage leaves it, for a DataParallel going away:
@@ -269,29 +275,34 @@ inline void own_storage(const Locked& held, std::size_t u) {
 // rest: its parameters then point at nothing, never at a freed buffer.
 inline void let_go_of_units(const Locked& held) noexcept {
   State& s = held.state();
-  for (std::size_t u = 0; u < s.units.size(); ++u) {
+  if (!is_sharded(s)) return;
+  Units& units = sharded(s).units;
+  for (std::size_t u = 0; u < units.list.size(); ++u) {
     try {
       own_storage(held, u);
     } catch (const std::exception& e) {
       std::cerr << "accel: a fully sharded unit's parameters could not be kept as the engine went ("
                 << detail::error_text(e) << "); they are at rest (no values)" << std::endl;
-      for (std::size_t b : s.units[u].buckets) release_bucket(s.buckets[b]);
+      for (UnitBucket& ub : units.list[u].buckets) release_bucket(s.buckets[ub.bucket], ub);
     }
   }
 }
 // The end of a backward: prefetches that found no use are waited for (a
 // collective cannot be taken back) and dropped, every unit is freed, and
-// the next forward records the order anew.
+// the next forward records the order anew. Nothing without units.
 inline void end_unit_pass(const Locked& held) {
   State& s = held.state();
-  if (s.units.empty()) return;
-  for (auto& bucket : s.buckets)
-    if (bucket.gathering.valid()) {
-      wait_gathering(bucket);
-      release_bucket(bucket);  // (not resident: the buffers only)
-    }
-  for (std::size_t u = 0; u < s.units.size(); ++u) release(held, u);
-  s.new_pass = true;
+  if (!is_sharded(s)) return;
+  Units& units = sharded(s).units;
+  if (units.list.empty()) return;
+  for (Unit& unit : units.list)
+    for (UnitBucket& ub : unit.buckets)
+      if (ub.gathering.valid()) {
+        wait_gathering(s.buckets[ub.bucket], ub);
+        release_bucket(s.buckets[ub.bucket], ub);  // (not resident: the buffers only)
+      }
+  for (std::size_t u = 0; u < units.list.size(); ++u) release(held, u);
+  units.new_pass = true;
 }
 }  // namespace detail::dp
 

@@ -82,8 +82,8 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   for (std::size_t u = 0; u < units.size(); ++u)
     if (renumbered[u] == 0) {
-      renumbered[u] = static_cast<int64_t>(state.units.size());
-      state.units.push_back(Unit{.module = units[u].get()});
+      renumbered[u] = static_cast<int64_t>(sharded(state).units.list.size());
+      sharded(state).units.list.push_back(Unit{.module = units[u].get()});
     }
   std::unordered_map<const void*, int64_t> storages;  // parameters on each storage, the whole model's
   for (const auto& p : unique_tensors(module.parameters())) ++storages[p.storage().unsafeGetStorageImpl()];
@@ -110,6 +110,15 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
   }
   return out;
 }
+// Each bucket given to its unit (bucket_unit[b], as lay_out returned it;
+// -1: none), once the shards are made.
+inline void make_units(Sharded& z, const std::vector<int64_t>& bucket_unit) {
+  for (std::size_t b = 0; b < bucket_unit.size(); ++b) {
+    z.buckets[b].unit = bucket_unit[b];
+    if (bucket_unit[b] >= 0)
+      z.units.list[static_cast<std::size_t>(bucket_unit[b])].buckets.push_back(UnitBucket{.bucket = b});
+  }
+}
 // A MixedPrecisionPolicy taken on (DataParallel's constructor, after the
 // shards are made): its dtypes checked and kept, and each unit parameter's
 // tensor at rest kept for release() to give back (see Use). The policy is
@@ -122,25 +131,28 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
       throw InvalidArgument(
           std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
           c10::toString(*dtype));
-  if (!s.shard)
+  if (!is_sharded(s))
     throw InvalidArgument(
         "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
         "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
-  s.param_dtype = policy.param_dtype;
-  s.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
-  s.output_dtype = policy.output_dtype;
-  s.cast_inputs = policy.cast_forward_inputs;
-  if (!s.param_dtype) return;
-  for (auto& bucket : s.buckets) {
-    if (bucket.unit < 0 || !c10::isFloatingType(bucket.dtype) || bucket.dtype == *s.param_dtype) continue;
-    for (const auto& p : bucket.params) {
-      bucket.rest.push_back(p.variable_data());
-      // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
-      at::Tensor compute = at::empty({0}, p.options().dtype(*s.param_dtype).requires_grad(false));
-      compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
-      bucket.compute.push_back(std::move(compute));
+  Sharded& z = sharded(s);
+  z.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
+  z.units.param_dtype = policy.param_dtype;
+  z.units.output_dtype = policy.output_dtype;
+  z.units.cast_inputs = policy.cast_forward_inputs;
+  if (!policy.param_dtype) return;
+  for (Unit& unit : z.units.list)
+    for (UnitBucket& ub : unit.buckets) {
+      const Bucket& layout = s.buckets[ub.bucket];
+      if (!c10::isFloatingType(layout.dtype) || layout.dtype == *policy.param_dtype) continue;
+      for (const auto& p : layout.params) {
+        ub.rest.push_back(p.variable_data());
+        // The parameter's shape in param_dtype, on a storage of no bytes of its own (materialize points it).
+        at::Tensor compute = at::empty({0}, p.options().dtype(*policy.param_dtype).requires_grad(false));
+        compute.unsafeGetTensorImpl()->set_sizes_contiguous(p.sizes());
+        ub.compute.push_back(std::move(compute));
+      }
     }
-  }
 }
 
 // What a kernel that reads a unit's parameter at rest throws (where
@@ -149,17 +161,17 @@ inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
 inline void name_at_rest(State& state, const torch::nn::Module& module) {
   std::unordered_map<const torch::nn::Module*, std::string> modules;
   for (const auto& named : module.named_modules()) modules[named.value().get()] = named.key();
-  for (auto& bucket : state.buckets) {
-    if (bucket.unit < 0) continue;
-    const std::string unit = modules[state.units[static_cast<std::size_t>(bucket.unit)].module];
-    for (const auto& p : bucket.params)
-      bucket.at_rest.push_back(
-          "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
-          "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
-          "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
-          "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
-          "weight registered in several modules is kept whole at the root");
-  }
+  for (Unit& unit_of : sharded(state).units.list)
+    for (UnitBucket& ub : unit_of.buckets) {
+      const std::string unit = modules[unit_of.module];
+      for (const auto& p : state.buckets[ub.bucket].params)
+        ub.at_rest.push_back(
+            "accel: the parameter '" + state.names.first(p) + "' is sharded at rest (fully sharded unit '" + unit +
+            "'): it holds its values only while its unit runs through accel::unit_forward. Call the unit as "
+            "accel::unit_forward(unit, ...), not unit->forward(...); read parameters under summon_full_params(); "
+            "a module outside the unit that reads it (a tied head) must register it too (register_parameter): a "
+            "weight registered in several modules is kept whole at the root");
+    }
 }
 }  // namespace detail::dp
 

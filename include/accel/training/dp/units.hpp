@@ -27,14 +27,16 @@ class FullParameters {
   ~FullParameters() {
     if (!state_) return;
     const Locked held(*state_);
-    if (--state_->held > 0) return;
+    Sharded& z = sharded(*state_);
+    if (--z.units.held > 0) return;
     at::NoGradGuard no_grad;
-    for (std::size_t u = 0; u < state_->units.size(); ++u) {
+    for (std::size_t u = 0; u < z.units.list.size(); ++u) {
       if (writeback_)
-        for (std::size_t b : state_->units[u].buckets) {
-          Bucket& bucket = state_->buckets[b];
-          for (std::size_t i = 0; i < bucket.params.size(); ++i)
-            read_chunk(bucket.params[i], state_->shard->getRank(), bucket.chunks[i], bucket.shards[i]);
+        for (const UnitBucket& ub : z.units.list[u].buckets) {
+          const Bucket& layout = state_->buckets[ub.bucket];
+          ShardedBucket& bucket = z.buckets[ub.bucket];
+          for (std::size_t i = 0; i < layout.params.size(); ++i)
+            read_chunk(layout.params[i], z.shard->getRank(), bucket.chunks[i], bucket.shards[i]);
         }
       release(held, u);
     }
@@ -53,25 +55,30 @@ class FullParameters {
 // of parameter p (a collective on the shard group: every rank asks for the
 // same parameters in the same order), releasing the unit it gathered
 // before, and returns p, which holds its values until the next call; a
-// tensor in no unit comes back as it is. Units gathered for other reasons
-// (a prefetch, a forward left half done) are released first.
+// tensor in no unit comes back as it is (every tensor, where nothing is
+// sharded). Units gathered for other reasons (a prefetch, a forward left
+// half done) are released first.
 class UnitByUnit {
  public:
-  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(is_sharded(*state) ? std::move(state) : nullptr) {
+    if (!state_) return;
     const Locked held(*state_);
-    if (state_->held == 0) end_unit_pass(held);
+    if (sharded(*state_).units.held == 0) end_unit_pass(held);
   }
   UnitByUnit(const UnitByUnit&) = delete;
   UnitByUnit& operator=(const UnitByUnit&) = delete;
   ~UnitByUnit() {
+    if (!state_) return;
     const Locked held(*state_);
     if (current_) release(held, *current_);
   }
   const at::Tensor& whole(const at::Tensor& p) {
+    if (!state_) return p;
     const Locked held(*state_);
-    const auto found = state_->shard_index.find(p.unsafeGetTensorImpl());
-    if (found == state_->shard_index.end() || state_->buckets[found->second.first].unit < 0) return p;
-    const auto u = static_cast<std::size_t>(state_->buckets[found->second.first].unit);
+    const Sharded& z = sharded(*state_);
+    const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
+    if (found == z.shard_index.end() || z.buckets[found->second.first].unit < 0) return p;
+    const auto u = static_cast<std::size_t>(z.buckets[found->second.first].unit);
     if (current_ != u) {
       if (current_) release(held, *current_);
       current_ = u;
@@ -107,17 +114,18 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
   {
     const Locked held(*state);
-    if (state->new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-      if (!state->order.empty()) state->last_order = std::move(state->order);
-      state->order.clear();
-      state->new_pass = false;
+    Units& units = sharded(*state).units;
+    if (units.new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
+      if (!units.order.empty()) units.last_order = std::move(units.order);
+      units.order.clear();
+      units.new_pass = false;
     }
-    if (std::find(state->order.begin(), state->order.end(), u) == state->order.end()) state->order.push_back(u);
+    if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
     materialize(held, u, Use::compute);
-    cast = state->cast_inputs ? computes_in(held, u) : std::nullopt;
-    output = state->output_dtype;
-    const auto at = std::find(state->last_order.begin(), state->last_order.end(), u);
-    if (state->prefetch_forward && !recomputing() && at != state->last_order.end() && at + 1 != state->last_order.end())
+    cast = units.cast_inputs ? computes_in(held, u) : std::nullopt;
+    output = units.output_dtype;
+    const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+    if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
       fetch(held, *(at + 1), Use::compute);
   }
   struct Release {  // after the forward, also when it throws
@@ -156,8 +164,9 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
           const Locked held(*s);
           if (!s->alive) return;
           materialize(held, u, Use::compute);
-          const auto at = std::find(s->order.begin(), s->order.end(), u);
-          if (s->prefetch_backward && at != s->order.end() && at != s->order.begin())
+          const Units& units = sharded(*s).units;
+          const auto at = std::find(units.order.begin(), units.order.end(), u);
+          if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
             fetch(held, *(at - 1), Use::compute);
         }
       });
