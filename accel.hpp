@@ -8981,16 +8981,13 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
 // parameter or unit: units inside units, and a unit's parameter that shares
 // its storage with another (it cannot be freed alone). A unit's parameter
 // that is a view of a larger tensor gets a storage of its own (below).
-inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
-                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-                                         const std::vector<at::Tensor>& params) {
-  std::unordered_map<const torch::nn::Module*, std::string> name_of;
-  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
-  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
-    std::unordered_set<const torch::nn::Module*> set;
-    for (const auto& unit : units) set.insert(unit.get());
-    return set;
-  }();
+// For assign_units: the unit (an index into `units`) each parameter of
+// `module` belongs to, over every module that registers it; -1 for none.
+inline std::unordered_map<const c10::TensorImpl*, int64_t> unit_of_parameters(
+    const torch::nn::Module& module, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+    std::unordered_map<const torch::nn::Module*, std::string>& name_of) {
+  std::unordered_set<const torch::nn::Module*> chosen;
+  for (const auto& unit : units) chosen.insert(unit.get());
   // The unit each module lies in; -1 where a module lies in two (shared by both).
   std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
   for (std::size_t u = 0; u < units.size(); ++u) {
@@ -9004,7 +9001,6 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
       if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
     }
   }
-  // Each parameter's unit, over every module that registers it.
   std::unordered_map<const c10::TensorImpl*, int64_t> owner;
   for (const auto& named : module.named_modules()) {
     const auto found = unit_of_module.find(named.value().get());
@@ -9014,6 +9010,15 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
       if (!fresh && at->second != u) at->second = -1;
     }
   }
+  return owner;
+}
+
+inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const torch::nn::Module*, std::string> name_of;
+  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
+  const auto owner = unit_of_parameters(module, units, name_of);
   // Units that hold a parameter, numbered in the order given.
   std::vector<int64_t> renumbered(units.size(), -1);
   for (const auto& p : params) {
@@ -9526,6 +9531,60 @@ inline bool& recomputing() {
   return on;
 }
 
+// A unit's forward begins: the forward's order recorded (the first unit of
+// a forward starts a new one; the last guides prefetching), the unit's
+// parameters gathered, and the unit after it in the last forward
+// prefetched. Returns the dtype its floating-point inputs are cast to (a
+// policy's cast_forward_inputs) and the one its output is (output_dtype).
+struct UnitDtypes {
+  std::optional<c10::ScalarType> inputs, output;
+};
+inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
+  Units& units = sharded(held.state()).units;
+  if (units.new_pass) {
+    if (!units.order.empty()) units.last_order = std::move(units.order);
+    units.order.clear();
+    units.new_pass = false;
+  }
+  if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
+  materialize(held, u, Use::compute);
+  const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+  if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
+    fetch(held, *(at + 1), Use::compute);
+  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype};
+}
+// One tensor input of unit u, cast where the policy says, and, where it
+// needs a gradient, a node of our own whose gradient means the unit's
+// backward is done: its hook frees the parameters.
+inline at::Tensor unit_input(const at::Tensor& a, std::optional<c10::ScalarType> cast, const std::weak_ptr<State>& weak,
+                             std::size_t u) {
+  const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+  if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : a;
+  at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
+  in.register_hook([weak, u](const at::Tensor&) {
+    if (const auto s = weak.lock()) {
+      const Locked held(*s);
+      if (s->alive) release(held, u);
+    }
+  });
+  return in;
+}
+// Before unit u's backward (a hook on its output): its parameters gathered
+// again, and the unit before it in this forward prefetched.
+inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& weak, std::size_t u) {
+  out.register_hook([weak, u](const at::Tensor&) {
+    if (const auto s = weak.lock()) {
+      const Locked held(*s);
+      if (!s->alive) return;
+      materialize(held, u, Use::compute);
+      const Units& units = sharded(*s).units;
+      const auto at = std::find(units.order.begin(), units.order.end(), u);
+      if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
+        fetch(held, *(at - 1), Use::compute);
+    }
+  });
+}
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>
@@ -9534,24 +9593,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
-  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
-  {
-    const Locked held(*state);
-    Units& units = sharded(*state).units;
-    if (units.new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-      if (!units.order.empty()) units.last_order = std::move(units.order);
-      units.order.clear();
-      units.new_pass = false;
-    }
-    if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
-    materialize(held, u, Use::compute);
-    cast = units.cast_inputs ? computes_in(held, u) : std::nullopt;
-    output = units.output_dtype;
-    const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
-    if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
-      fetch(held, *(at + 1), Use::compute);
-  }
+  const UnitDtypes dtypes = begin_unit_forward(Locked(*state), u);
   struct Release {  // after the forward, also when it throws
     State& state;
     std::size_t unit;
@@ -9564,37 +9606,13 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   } release_after{*state, u, !recomputing()};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
-    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
-      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
-      // A node of our own: its gradient means the unit's backward is done.
-      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
-      in.register_hook([weak, u](const at::Tensor&) {
-        if (const auto s = weak.lock()) {
-          const Locked held(*s);
-          if (s->alive) release(held, u);
-        }
-      });
-      return in;
-    } else {
-      return std::forward<A>(a);
-    }
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return unit_input(a, dtypes.inputs, weak, u);
+    else return std::forward<A>(a);
   };
   auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
   if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-    if (out.requires_grad() && at::GradMode::is_enabled())
-      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
-        if (const auto s = weak.lock()) {
-          const Locked held(*s);
-          if (!s->alive) return;
-          materialize(held, u, Use::compute);
-          const Units& units = sharded(*s).units;
-          const auto at = std::find(units.order.begin(), units.order.end(), u);
-          if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
-            fetch(held, *(at - 1), Use::compute);
-        }
-      });
-    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
+    if (out.requires_grad() && at::GradMode::is_enabled()) gather_before_backward(out, weak, u);
+    if (dtypes.output && out.is_floating_point() && out.scalar_type() != *dtypes.output) return out.to(*dtypes.output);
   } else {
     static_assert(std::is_same_v<decltype(out), at::Tensor>,
                   "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");

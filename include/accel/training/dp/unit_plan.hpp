@@ -41,16 +41,13 @@ inline std::pair<std::shared_ptr<State>, std::size_t> find_unit(const torch::nn:
 // parameter or unit: units inside units, and a unit's parameter that shares
 // its storage with another (it cannot be freed alone). A unit's parameter
 // that is a view of a larger tensor gets a storage of its own (below).
-inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
-                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
-                                         const std::vector<at::Tensor>& params) {
-  std::unordered_map<const torch::nn::Module*, std::string> name_of;
-  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
-  const std::unordered_set<const torch::nn::Module*> chosen = [&] {
-    std::unordered_set<const torch::nn::Module*> set;
-    for (const auto& unit : units) set.insert(unit.get());
-    return set;
-  }();
+// For assign_units: the unit (an index into `units`) each parameter of
+// `module` belongs to, over every module that registers it; -1 for none.
+inline std::unordered_map<const c10::TensorImpl*, int64_t> unit_of_parameters(
+    const torch::nn::Module& module, const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+    std::unordered_map<const torch::nn::Module*, std::string>& name_of) {
+  std::unordered_set<const torch::nn::Module*> chosen;
+  for (const auto& unit : units) chosen.insert(unit.get());
   // The unit each module lies in; -1 where a module lies in two (shared by both).
   std::unordered_map<const torch::nn::Module*, int64_t> unit_of_module;
   for (std::size_t u = 0; u < units.size(); ++u) {
@@ -64,7 +61,6 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
       if (!fresh && at->second != static_cast<int64_t>(u)) at->second = -1;
     }
   }
-  // Each parameter's unit, over every module that registers it.
   std::unordered_map<const c10::TensorImpl*, int64_t> owner;
   for (const auto& named : module.named_modules()) {
     const auto found = unit_of_module.find(named.value().get());
@@ -74,6 +70,15 @@ inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& 
       if (!fresh && at->second != u) at->second = -1;
     }
   }
+  return owner;
+}
+
+inline std::vector<int64_t> assign_units(State& state, const torch::nn::Module& module,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const torch::nn::Module*, std::string> name_of;
+  for (const auto& named : module.named_modules()) name_of.emplace(named.value().get(), named.key());
+  const auto owner = unit_of_parameters(module, units, name_of);
   // Units that hold a parameter, numbered in the order given.
   std::vector<int64_t> renumbered(units.size(), -1);
   for (const auto& p : params) {

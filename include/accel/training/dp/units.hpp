@@ -102,6 +102,60 @@ inline bool& recomputing() {
   return on;
 }
 
+// A unit's forward begins: the forward's order recorded (the first unit of
+// a forward starts a new one; the last guides prefetching), the unit's
+// parameters gathered, and the unit after it in the last forward
+// prefetched. Returns the dtype its floating-point inputs are cast to (a
+// policy's cast_forward_inputs) and the one its output is (output_dtype).
+struct UnitDtypes {
+  std::optional<c10::ScalarType> inputs, output;
+};
+inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
+  Units& units = sharded(held.state()).units;
+  if (units.new_pass) {
+    if (!units.order.empty()) units.last_order = std::move(units.order);
+    units.order.clear();
+    units.new_pass = false;
+  }
+  if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
+  materialize(held, u, Use::compute);
+  const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+  if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
+    fetch(held, *(at + 1), Use::compute);
+  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype};
+}
+// One tensor input of unit u, cast where the policy says, and, where it
+// needs a gradient, a node of our own whose gradient means the unit's
+// backward is done: its hook frees the parameters.
+inline at::Tensor unit_input(const at::Tensor& a, std::optional<c10::ScalarType> cast, const std::weak_ptr<State>& weak,
+                             std::size_t u) {
+  const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
+  if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : a;
+  at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
+  in.register_hook([weak, u](const at::Tensor&) {
+    if (const auto s = weak.lock()) {
+      const Locked held(*s);
+      if (s->alive) release(held, u);
+    }
+  });
+  return in;
+}
+// Before unit u's backward (a hook on its output): its parameters gathered
+// again, and the unit before it in this forward prefetched.
+inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& weak, std::size_t u) {
+  out.register_hook([weak, u](const at::Tensor&) {
+    if (const auto s = weak.lock()) {
+      const Locked held(*s);
+      if (!s->alive) return;
+      materialize(held, u, Use::compute);
+      const Units& units = sharded(*s).units;
+      const auto at = std::find(units.order.begin(), units.order.end(), u);
+      if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
+        fetch(held, *(at - 1), Use::compute);
+    }
+  });
+}
+
 // accel::unit_forward's machinery: fn(args...) with the parameters of the
 // unit `module` gathered (plainly fn(args...) when it is not a unit).
 template <class Fn, class... Args>
@@ -110,24 +164,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   const std::shared_ptr<State> state = std::move(found.first);
   const std::size_t u = found.second;
   if (!state) return std::forward<Fn>(fn)(std::forward<Args>(args)...);
-  std::optional<c10::ScalarType> cast;    // (a policy's cast_forward_inputs: the dtype the unit computes in)
-  std::optional<c10::ScalarType> output;  // (a policy's output_dtype)
-  {
-    const Locked held(*state);
-    Units& units = sharded(*state).units;
-    if (units.new_pass) {  // the first unit of a forward: the last forward's order guides prefetching
-      if (!units.order.empty()) units.last_order = std::move(units.order);
-      units.order.clear();
-      units.new_pass = false;
-    }
-    if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
-    materialize(held, u, Use::compute);
-    cast = units.cast_inputs ? computes_in(held, u) : std::nullopt;
-    output = units.output_dtype;
-    const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
-    if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
-      fetch(held, *(at + 1), Use::compute);
-  }
+  const UnitDtypes dtypes = begin_unit_forward(Locked(*state), u);
   struct Release {  // after the forward, also when it throws
     State& state;
     std::size_t unit;
@@ -140,37 +177,13 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
   } release_after{*state, u, !recomputing()};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
-    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
-      const bool casts = cast && a.is_floating_point() && a.scalar_type() != *cast;
-      if (!a.requires_grad() || !at::GradMode::is_enabled()) return casts ? a.to(*cast) : at::Tensor(a);
-      // A node of our own: its gradient means the unit's backward is done.
-      at::Tensor in = casts ? a.to(*cast) : a.view_as(a);
-      in.register_hook([weak, u](const at::Tensor&) {
-        if (const auto s = weak.lock()) {
-          const Locked held(*s);
-          if (s->alive) release(held, u);
-        }
-      });
-      return in;
-    } else {
-      return std::forward<A>(a);
-    }
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return unit_input(a, dtypes.inputs, weak, u);
+    else return std::forward<A>(a);
   };
   auto out = std::forward<Fn>(fn)(enter(std::forward<Args>(args))...);
   if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
-    if (out.requires_grad() && at::GradMode::is_enabled())
-      out.register_hook([weak, u](const at::Tensor&) {  // before the unit's backward
-        if (const auto s = weak.lock()) {
-          const Locked held(*s);
-          if (!s->alive) return;
-          materialize(held, u, Use::compute);
-          const Units& units = sharded(*s).units;
-          const auto at = std::find(units.order.begin(), units.order.end(), u);
-          if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
-            fetch(held, *(at - 1), Use::compute);
-        }
-      });
-    if (output && out.is_floating_point() && out.scalar_type() != *output) return out.to(*output);
+    if (out.requires_grad() && at::GradMode::is_enabled()) gather_before_backward(out, weak, u);
+    if (dtypes.output && out.is_floating_point() && out.scalar_type() != *dtypes.output) return out.to(*dtypes.output);
   } else {
     static_assert(std::is_same_v<decltype(out), at::Tensor>,
                   "accel::unit_forward: a fully sharded unit's forward returns one at::Tensor");
