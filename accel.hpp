@@ -86,7 +86,10 @@
 //     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
 //     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
 //     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
-//     accel/training/checkpoint/state.hpp                save_state's and load_state's work: write; read and check; apply or roll back; commit
+//     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
+//     accel/training/checkpoint/write.hpp                save_state's work: every process's files, then process 0's, then the manifest, installed at once
+//     accel/training/checkpoint/read.hpp                 load_state's first step: every file of a checkpoint read and checked against this run, nothing changed
+//     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: write; read and check; apply or roll back; commit
 //     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
 //     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
@@ -12336,6 +12339,94 @@ inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, in
   }
 }
 
+// The saved pieces this process needs: those overlapping its own, and the
+// first (the layout, step counts).
+inline std::set<int64_t> pieces_needed(const std::vector<OptimizerSlot>& slots, int64_t saved_shards) {
+  std::set<int64_t> needed{0};
+  for (const auto& slot : slots) {
+    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
+    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
+      needed.insert(k);
+  }
+  return needed;
+}
+
+using SavedFiles = std::vector<std::optional<SavedOptimizer>>;  // (by saved piece; empty: not needed)
+
+// The state of parameter `position` as this process keeps it, into `own`:
+// each field the size of the whole parameter, or of a saved piece, cut to
+// this process's range out of the saved files that hold it; any other field
+// (a step count) as the first file has it.
+inline void reshard_state(SavedFiles& files, std::size_t position, const OptimizerSlot& slot, int64_t saved_shards,
+                          torch::serialize::OutputArchive& own) {
+  SavedOptimizer& first = *files[0];
+  const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+  torch::serialize::InputArchive& saved_state = *first.states[position];
+  for (const std::string& field : saved_state.keys()) {
+    c10::IValue value;
+    saved_state.read(field, value);
+    const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+    const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
+    const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
+    if (!whole && !piece) {  // the same on every process: as saved
+      own.write(field, value);
+      continue;
+    }
+    std::vector<at::Tensor> sources(piece ? files.size() : 1);
+    for (std::size_t k = 0; k < sources.size(); ++k) {
+      if (!files[k]) continue;
+      c10::IValue other;
+      if (k == 0) other = value;
+      else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
+               !other.isTensor() || other.toTensor().numel() != stride)
+        throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
+                           " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
+      sources[k] = other.toTensor();
+    }
+    at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
+    copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
+    own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
+  }
+}
+
+// Parameter group g as the first file has it (its keys name the states,
+// written into `state`), its options through the optimizer's own options
+// type (what they are is the optimizer's business). `position` counts the
+// parameters of the groups before it.
+inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& optimizer, std::size_t g,
+                                                     torch::serialize::InputArchive& saved_groups, SavedFiles& files,
+                                                     const std::vector<OptimizerSlot>& slots, int64_t saved_shards,
+                                                     std::size_t& position, torch::serialize::OutputArchive& state) {
+  const SavedOptimizer& first = *files[0];
+  torch::serialize::InputArchive saved_group, saved_options;
+  saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
+  at::Tensor size;
+  saved_group.read("params/size", size);
+  if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
+    throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
+                       std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
+                       std::to_string(optimizer.param_groups()[g].params().size()));
+  group.write("params/size", size);
+  for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
+    c10::IValue key;
+    saved_group.read("params/" + std::to_string(j), key);
+    group.write("params/" + std::to_string(j), key);
+    if (!first.states[position]) continue;  // no state yet (never stepped)
+    torch::serialize::OutputArchive own(state.compilation_unit());
+    reshard_state(files, position, slots[position], saved_shards, own);
+    state.write(key.toStringRef(), own);
+  }
+  saved_group.read("options", saved_options);
+  const auto& current = optimizer.param_groups()[g];
+  std::unique_ptr<torch::optim::OptimizerOptions> copy =
+      (current.has_options() ? current.options() : optimizer.defaults()).clone();
+  copy->serialize(saved_options);
+  copy->serialize(options);
+  group.write("options", options);
+  return group;
+}
+
 // The saved state of optimizer `index` as this process's optimizer takes it
 // (an archive for Optimizer::load and load_group_options). `saved_shards`:
 // how many pieces the saving run cut each parameter into (1: whole, in
@@ -12345,22 +12436,15 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
     const std::function<OpenedArchive(int64_t)>& open) {
   torch::optim::Optimizer& optimizer = *set.optimizers[index];
   const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
-  // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
-  std::set<int64_t> needed{0};
-  for (const auto& slot : slots) {
-    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
-    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
-      needed.insert(k);
-  }
-  std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : needed) files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
+  SavedFiles files(static_cast<std::size_t>(saved_shards));
+  for (const int64_t k : pieces_needed(slots, saved_shards))
+    files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
   c10::IValue version;
   first.archive.read("pytorch_version", version);
   out.write("pytorch_version", version);
-  // The groups as the first file has them (its keys name the states below), options included.
   torch::serialize::InputArchive saved_groups;
   first.archive.read("param_groups", saved_groups);
   at::Tensor group_count;
@@ -12372,60 +12456,8 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   groups.write("param_groups/size", group_count);
   std::size_t position = 0;
   for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-    torch::serialize::InputArchive saved_group, saved_options;
-    saved_groups.read("param_groups/" + std::to_string(g), saved_group);
-    torch::serialize::OutputArchive group(out.compilation_unit()), options(out.compilation_unit());
-    at::Tensor size;
-    saved_group.read("params/size", size);
-    if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
-      throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
-                         std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
-                         std::to_string(optimizer.param_groups()[g].params().size()));
-    group.write("params/size", size);
-    for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
-      c10::IValue key;
-      saved_group.read("params/" + std::to_string(j), key);
-      group.write("params/" + std::to_string(j), key);
-      if (!first.states[position]) continue;  // no state yet (never stepped)
-      const OptimizerSlot& slot = slots[position];
-      const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
-      torch::serialize::InputArchive& saved_state = *first.states[position];
-      torch::serialize::OutputArchive own(out.compilation_unit());
-      for (const std::string& field : saved_state.keys()) {
-        c10::IValue value;
-        saved_state.read(field, value);
-        const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
-        const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
-        const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
-        if (!whole && !piece) {  // the same on every process: as saved
-          own.write(field, value);
-          continue;
-        }
-        std::vector<at::Tensor> sources(piece ? files.size() : 1);
-        for (std::size_t k = 0; k < sources.size(); ++k) {
-          if (!files[k]) continue;
-          c10::IValue other;
-          if (k == 0) other = value;
-          else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
-                   !other.isTensor() || other.toTensor().numel() != stride)
-            throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
-                               " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
-          sources[k] = other.toTensor();
-        }
-        at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
-        copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
-        own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
-      }
-      state.write(key.toStringRef(), own);
-    }
-    // The options through the optimizer's own options type (what they are is the optimizer's business).
-    saved_group.read("options", saved_options);
-    const auto& current = optimizer.param_groups()[g];
-    std::unique_ptr<torch::optim::OptimizerOptions> copy =
-        (current.has_options() ? current.options() : optimizer.defaults()).clone();
-    copy->serialize(saved_options);
-    copy->serialize(options);
-    group.write("options", options);
+    torch::serialize::OutputArchive group =
+        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state);
     groups.write("param_groups/" + std::to_string(g), group);
   }
   if (position != slots.size())
@@ -12882,17 +12914,8 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint/state.hpp ======================================
-// accel/training/checkpoint/state.hpp: save_state's and load_state's work: write; read and check; apply or roll back; commit.
-//
-// What goes into a checkpoint is what a PreparedSet lists, plus each
-// process's RNG state and accumulation step. Loading is transactional in
-// three steps, each a collective: read_checkpoint reads and checks every
-// file and changes nothing; apply_checkpoint loads what can refuse as it
-// loads (schedulers, registered objects, optimizers) and puts the
-// optimizers back on every process if any refuses; commit_checkpoint then
-// loads what was checked and cannot fail. The files themselves (manifest,
-// atomic install, recovery) are checkpoint/files.hpp's.
+// == accel/training/checkpoint/context.hpp ====================================
+// accel/training/checkpoint/context.hpp: where this process stands, as a checkpoint records and checks it, and which files are its own.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -12916,6 +12939,23 @@ inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
   return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
 }
 
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/write.hpp ======================================
+// accel/training/checkpoint/write.hpp: save_state's work: every process's files, then process 0's, then the manifest, installed at once.
+//
+// Every process writes its RNG states and, under sharding, its pieces of
+// the models and its optimizer state; process 0 writes what is whole (the
+// models not sharded, the optimizers unless sharded, the loaders' places,
+// the schedulers, the registered objects, the loss scaler) and, last, the
+// manifest listing every file with its digest (checkpoint/files.hpp). All
+// of it goes into DIR.tmp, installed as DIR at once.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // An archive written into the checkpoint directory `tmp` and logged with its digest.
 inline void save_logged(torch::serialize::OutputArchive& archive, const std::filesystem::path& tmp,
                         const std::string& name, FileLog& log) {
@@ -12991,19 +13031,36 @@ inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, c
   }
 }
 
+// The manifest's counts for this run (its serial, id and files come later).
+inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointContext& ctx) {
+  return {.serial = 0,
+          .processes = ctx.num_processes,
+          .models = static_cast<int64_t>(set.models.size()),
+          .optimizers = static_cast<int64_t>(set.optimizers.size()),
+          .loaders = static_cast<int64_t>(set.loaders.size()),
+          .objects = static_cast<int64_t>(set.objects.size()),
+          .schedulers = static_cast<int64_t>(set.schedulers.size()),
+          .shards = ctx.shards};
+}
+// Every process's files and digests, into the manifest process 0 writes
+// (a collective: every process calls it with its own log).
+inline void add_every_process_files(const FileLog& log, CheckpointManifest& manifest) {
+  std::ostringstream mine;
+  for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
+  for (const std::string& theirs : accel::gather_object(mine.str())) {
+    std::istringstream in(theirs);
+    std::string name;
+    FileDigest digest;
+    while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
+  }
+}
+
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
   const std::filesystem::path tmp = sibling(dir, ".tmp");
-  CheckpointManifest manifest{.serial = 0,
-                              .processes = ctx.num_processes,
-                              .models = static_cast<int64_t>(set.models.size()),
-                              .optimizers = static_cast<int64_t>(set.optimizers.size()),
-                              .loaders = static_cast<int64_t>(set.loaders.size()),
-                              .objects = static_cast<int64_t>(set.objects.size()),
-                              .schedulers = static_cast<int64_t>(set.schedulers.size()),
-                              .shards = ctx.shards};
+  CheckpointManifest manifest = manifest_for(set, ctx);
   // An error anywhere is thrown everywhere. The last checkpoint stays as it
   // was, and an incomplete DIR.tmp is removed (a full disk gets its space
   // back): once fail_together returns, no process writes into it any more.
@@ -13031,16 +13088,7 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
   }
   FileLog log;
   fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp, manifest.id, log); }));
-  {  // every process's files and digests, for the manifest (process 0 writes it)
-    std::ostringstream mine;
-    for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
-    for (const std::string& theirs : accel::gather_object(mine.str())) {
-      std::istringstream in(theirs);
-      std::string name;
-      FileDigest digest;
-      while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
-    }
-  }
+  add_every_process_files(log, manifest);
   if (ctx.process_index == 0)
     error = error_of([&] {
       FileLog shared;
@@ -13054,7 +13102,22 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     });
   fail_on_every_process(error);
 }
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/read.hpp =======================================
+// accel/training/checkpoint/read.hpp: load_state's first step: every file of a checkpoint read and checked against this run, nothing changed.
+//
+// read_checkpoint recovers a half-done save, checks the manifest against
+// what this run prepared, reads every file (each checked against its
+// digest) and every value it will load, and returns them as a
+// LoadedCheckpoint; an error on any process is thrown on every process,
+// naming the file. checkpoint/state.hpp then applies and commits it.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // What read_checkpoint read and checked, before anything changed.
 struct LoadedCheckpoint {
   std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
@@ -13098,143 +13161,182 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
+// Reads one checkpoint's files for read_checkpoint: each file checked
+// against its digest (by `files`, in the background: files.wait() says),
+// and each value checked against this run, into `loaded`. One method per
+// artifact; each throws an error naming the file.
+class CheckpointReader {
+ public:
+  CheckpointReader(const PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir,
+                   const SavedLayout& saved, CheckpointFiles& files, LoadedCheckpoint& loaded)
+      : set_(set), ctx_(ctx), dir_(dir), saved_(saved), files_(files), loaded_(loaded) {}
+
+  // Each model whole (model_<i>.pt), or this process's part of its pieces (checkpoint/shards.hpp).
+  void models() {
+    namespace fs = std::filesystem;
+    loaded_.models.resize(set_.models.size());
+    loaded_.pieces.resize(set_.models.size());
+    std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
+    for (std::size_t i = 0; i < set_.models.size(); ++i) {
+      const fs::path whole = dir_ / file_names::model(i);
+      if (fs::exists(whole)) {
+        loaded_.models[i] = read(file_names::model(i));
+        check_module_archive(*set_.models[i].module, *loaded_.models[i], "", whole.string());
+        continue;
+      }
+      if (!pieces) {
+        const auto found = fs::directory_iterator(dir_);
+        if (std::none_of(fs::begin(found), fs::end(found),
+                         [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
+          throw RuntimeError("missing " + whole.string() +
+                             " (and no sharded model's pieces, *.safetensors, beside it)");
+        pieces.emplace(dir_, files_);
+      }
+      loaded_.pieces[i] =
+          read_model_pieces(*set_.models[i].module, set_.models[i].data_parallel.get(), *pieces, model_prefix(i));
+    }
+  }
+  // Each optimizer's state as saved where this run shards it the same way
+  // (or keeps it whole), else cut again from the saved pieces
+  // (checkpoint/reshard.hpp); piece k is in the file of process k.
+  void optimizers() {
+    const bool as_saved =
+        saved_.shards == ctx_.shards && (saved_.shards == 1 || saved_.processes == ctx_.num_processes);
+    for (std::size_t i = 0; i < set_.optimizers.size(); ++i)
+      loaded_.optimizers.push_back(as_saved ? read(optimizer_file(set_, ctx_, i))
+                                            : resharded_optimizer(set_, i, saved_.shards, ctx_.device, [&](int64_t k) {
+                                                const std::string name = file_names::optimizer(
+                                                    i, saved_.shards == 1 ? -1 : static_cast<int>(k));
+                                                return OpenedArchive{(dir_ / name).string(), std::move(*read(name))};
+                                              }));
+  }
+  void objects() {
+    for (std::size_t i = 0; i < set_.objects.size(); ++i) loaded_.objects.push_back(read(file_names::custom_object(i)));
+  }
+  // Each scheduler's step count, and its own state where it has a save() of its own.
+  void schedulers() {
+    for (std::size_t i = 0; i < set_.schedulers.size(); ++i) {
+      loaded_.schedulers.push_back(read(file_names::scheduler(i)));
+      const std::string file = (dir_ / file_names::scheduler(i)).string();
+      const int64_t steps = tensor(*loaded_.schedulers[i], "steps", at::kLong, {}, file).item<int64_t>();
+      loaded_.scheduler_steps.push_back(steps);
+      torch::serialize::InputArchive own;
+      if (set_.schedulers[i].load && !loaded_.schedulers[i]->try_read("own", own))
+        throw RuntimeError(file + " has no state of the scheduler's own save()");
+      if (!set_.schedulers[i].load && steps < *set_.schedulers[i].steps)
+        throw RuntimeError(file + ": the scheduler took " + std::to_string(steps) +
+                           " steps; this one has already taken " + std::to_string(*set_.schedulers[i].steps) +
+                           " (load the checkpoint before stepping it)");
+    }
+  }
+  // The loaders' places, each converted to this run's batches (checkpoint/world.hpp).
+  void loaders() {
+    if (set_.loaders.empty()) return;
+    const std::string file = (dir_ / file_names::loaders).string();
+    auto archive = read(file_names::loaders);
+    const auto n = static_cast<int64_t>(set_.loaders.size());
+    at::Tensor& points = loaded_.points;
+    points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+    at::Tensor saved_per_batch;
+    if (archive->try_read("samples_per_batch", saved_per_batch))
+      saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+    else if (saved_.processes != ctx_.num_processes)
+      throw RuntimeError(file +
+                         " does not say how many samples its loaders read per batch (an older accel.hpp saved it): "
+                         "load it with as many processes as saved it (" +
+                         std::to_string(saved_.processes) + ")");
+    for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
+      ResumedBatches resumed = resumed_batches(
+          static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
+          saved_per_batch[i].item<int64_t>(), set_.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
+          saved_.processes == ctx_.num_processes);
+      points[i][1].fill_(static_cast<int64_t>(resumed.batches));
+      if (!resumed.warning.empty()) loaded_.warnings.push_back(std::move(resumed.warning));
+    }
+  }
+  void scaler() {
+    if (!set_.scaler) return;
+    const std::string file = (dir_ / file_names::scaler).string();
+    if (!std::filesystem::exists(dir_ / file_names::scaler))
+      throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+    auto archive = read(file_names::scaler);
+    loaded_.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
+                      tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
+  }
+  // This process's RNG states and step, or where the saving run had fewer
+  // processes, one to seed from (checkpoint/world.hpp).
+  void random_states() {
+    const int saved_process = saved_process_for(ctx_.process_index, saved_.processes);
+    loaded_.derived_rng = saved_process != ctx_.process_index;
+    const std::string name = file_names::random_states(saved_process), file = (dir_ / name).string();
+    if (!std::filesystem::exists(dir_ / name)) throw RuntimeError("missing " + file);
+    auto archive = read(name);
+    const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+    loaded_.rng = tensor(*archive, "cpu", current.scalar_type(), current.sizes(), file);
+    loaded_.step = tensor(*archive, "step", at::kLong, {}, file).item<int64_t>();
+    at::Tensor saved_device_rng;
+    if (ctx_.device.is_cuda() && archive->try_read("cuda", saved_device_rng)) {
+      const at::Tensor now = at::globalContext().defaultGenerator(ctx_.device).get_state();
+      loaded_.device_rng = tensor(*archive, "cuda", now.scalar_type(), now.sizes(), file);
+    }
+  }
+
+ private:
+  // The archive `name`, checked against the manifest's record.
+  std::unique_ptr<torch::serialize::InputArchive> read(const std::string& name) {
+    const std::filesystem::path file = files_.check(name);
+    auto archive = std::make_unique<torch::serialize::InputArchive>();
+    try {
+      archive->load_from(file.string(), ctx_.device);
+    } catch (const std::exception& e) {
+      throw RuntimeError("cannot read " + file.string() + ": " + error_text(e));
+    }
+    return archive;
+  }
+  // A tensor of the given dtype and shape under `key`, or an error naming the file.
+  static at::Tensor tensor(torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                           at::IntArrayRef sizes, const std::string& file) {
+    at::Tensor value;
+    if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+      throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+    return value;
+  }
+
+  const PreparedSet& set_;
+  const CheckpointContext& ctx_;
+  const std::filesystem::path& dir_;
+  const SavedLayout& saved_;
+  CheckpointFiles& files_;
+  LoadedCheckpoint& loaded_;
+};
+
 // 1. Recovers a half-done save of dir, then reads and checks every file
 // against the prepared set; nothing changes. An error on any process is
 // thrown on every process, naming the file.
 inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const CheckpointContext& ctx,
                                         const std::filesystem::path& dir) {
-  namespace fs = std::filesystem;
   {
     std::string error;
     if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
     fail_together(error, "accel::Accelerator::load_state");
   }
-  if (!fs::is_directory(dir))
+  if (!std::filesystem::is_directory(dir))
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
   LoadedCheckpoint loaded;
-  auto& models = loaded.models;  // (names for the members, as the checks below read them)
-  auto& optimizers = loaded.optimizers;
-  auto& objects = loaded.objects;
-  auto& schedulers = loaded.schedulers;
-  auto& scheduler_steps = loaded.scheduler_steps;
-  auto& rng = loaded.rng;
-  auto& device_rng = loaded.device_rng;
-  auto& points = loaded.points;
-  auto& step = loaded.step;
-  models.resize(set.models.size());
-  optimizers.resize(set.optimizers.size());
   const std::string error = error_of([&] {
     const SavedLayout saved = check_manifest(dir, set);
-    const int saved_processes = saved.processes;
     CheckpointFiles files(dir, saved.manifest);  // (each file checked against its digest: files.wait() below)
-    auto read = [&](const std::string& name) {
-      const fs::path file = files.check(name);
-      auto archive = std::make_unique<torch::serialize::InputArchive>();
-      try {
-        archive->load_from(file.string(), ctx.device);
-      } catch (const std::exception& e) {
-        throw RuntimeError("cannot read " + file.string() + ": " + error_text(e));
-      }
-      return archive;
-    };
-    // Everything read, then every file's check awaited; a failed check is the error, before any other (a damaged
-    // file's parse may fail first).
+    CheckpointReader reader(set, ctx, dir, saved, files, loaded);
+    // Everything read, then every file's check awaited; a failed check is
+    // the error, before any other (a damaged file's parse may fail first).
     try {
-      loaded.pieces.resize(set.models.size());
-      std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
-      for (std::size_t i = 0; i < set.models.size(); ++i) {
-        if (!fs::exists(dir / file_names::model(i))) {
-          if (!pieces) {
-            const auto found = fs::directory_iterator(dir);
-            if (std::none_of(fs::begin(found), fs::end(found),
-                             [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-              throw RuntimeError("missing " + (dir / file_names::model(i)).string() +
-                                 " (and no sharded model's pieces, *.safetensors, beside it)");
-            pieces.emplace(dir, files);
-          }
-          loaded.pieces[i] =
-              read_model_pieces(*set.models[i].module, set.models[i].data_parallel.get(), *pieces, model_prefix(i));
-          continue;
-        }
-        models[i] = read(file_names::model(i));
-        check_module_archive(*set.models[i].module, *models[i], "", (dir / file_names::model(i)).string());
-      }
-      // Each optimizer's state as saved where this run shards it the same way (or keeps it whole), else cut
-      // again from the saved pieces (checkpoint/reshard.hpp); piece k is in the file of process k.
-      const bool as_saved = saved.shards == ctx.shards && (saved.shards == 1 || saved.processes == ctx.num_processes);
-      for (std::size_t i = 0; i < set.optimizers.size(); ++i)
-        optimizers[i] = as_saved ? read(optimizer_file(set, ctx, i))
-                                 : resharded_optimizer(set, i, saved.shards, ctx.device, [&](int64_t k) {
-                                     const std::string name =
-                                         file_names::optimizer(i, saved.shards == 1 ? -1 : static_cast<int>(k));
-                                     return OpenedArchive{(dir / name).string(), std::move(*read(name))};
-                                   });
-      for (std::size_t i = 0; i < set.objects.size(); ++i) objects.push_back(read(file_names::custom_object(i)));
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) schedulers.push_back(read(file_names::scheduler(i)));
-      // A tensor of the given dtype and shape under `key`, or an error naming the file.
-      auto tensor = [&](torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
-                        at::IntArrayRef sizes, const std::string& file) {
-        at::Tensor value;
-        if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
-          throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
-        return value;
-      };
-      for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-        const std::string file = (dir / file_names::scheduler(i)).string();
-        scheduler_steps.push_back(tensor(*schedulers[i], "steps", at::kLong, {}, file).item<int64_t>());
-        torch::serialize::InputArchive own;
-        if (set.schedulers[i].load && !schedulers[i]->try_read("own", own))
-          throw RuntimeError(file + " has no state of the scheduler's own save()");
-        if (!set.schedulers[i].load && scheduler_steps[i] < *set.schedulers[i].steps)
-          throw RuntimeError(file + ": the scheduler took " + std::to_string(scheduler_steps[i]) +
-                             " steps; this one has already taken " + std::to_string(*set.schedulers[i].steps) +
-                             " (load the checkpoint before stepping it)");
-      }
-      if (!set.loaders.empty()) {
-        const std::string file = (dir / file_names::loaders).string();
-        auto archive = read(file_names::loaders);
-        const auto n = static_cast<int64_t>(set.loaders.size());
-        points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-        // Each place in this run's batches (checkpoint/world.hpp): converted here, so that nothing can fail later.
-        at::Tensor saved_per_batch;
-        if (archive->try_read("samples_per_batch", saved_per_batch))
-          saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
-        else if (saved_processes != ctx.num_processes)
-          throw RuntimeError(file +
-                             " does not say how many samples its loaders read per batch (an older "
-                             "accel.hpp saved it): load it with as many processes as saved it (" +
-                             std::to_string(saved_processes) + ")");
-        for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
-          ResumedBatches resumed = resumed_batches(
-              static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
-              saved_per_batch[i].item<int64_t>(), set.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
-              saved_processes == ctx.num_processes);
-          points[i][1].fill_(static_cast<int64_t>(resumed.batches));
-          if (!resumed.warning.empty()) loaded.warnings.push_back(std::move(resumed.warning));
-        }
-      }
-      if (set.scaler) {
-        const std::string file = (dir / file_names::scaler).string();
-        if (!fs::exists(dir / file_names::scaler))
-          throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-        auto archive = read(file_names::scaler);
-        loaded.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
-                         tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
-      }
-      // This process's own, or where the saving run had fewer, one to seed from (checkpoint/world.hpp).
-      const int saved_process = saved_process_for(ctx.process_index, saved_processes);
-      loaded.derived_rng = saved_process != ctx.process_index;
-      const std::string rng_name = file_names::random_states(saved_process);
-      if (!fs::exists(dir / rng_name)) throw RuntimeError("missing " + (dir / rng_name).string());
-      auto rng_archive = read(rng_name);
-      const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-      rng = tensor(*rng_archive, "cpu", current.scalar_type(), current.sizes(), (dir / rng_name).string());
-      step = tensor(*rng_archive, "step", at::kLong, {}, (dir / rng_name).string()).item<int64_t>();
-      at::Tensor saved_device_rng;
-      if (ctx.device.is_cuda() && rng_archive->try_read("cuda", saved_device_rng)) {
-        const at::Tensor now = at::globalContext().defaultGenerator(ctx.device).get_state();
-        device_rng = tensor(*rng_archive, "cuda", now.scalar_type(), now.sizes(), (dir / rng_name).string());
-      }
+      reader.models();
+      reader.optimizers();
+      reader.objects();
+      reader.schedulers();
+      reader.loaders();
+      reader.scaler();
+      reader.random_states();
     } catch (...) {
       files.wait();
       throw;
@@ -13244,7 +13346,26 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   fail_together(error, "accel::Accelerator::load_state");
   return loaded;
 }
+}  // namespace detail
 
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/state.hpp ======================================
+// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: write; read and check; apply or roll back; commit.
+//
+// What goes into a checkpoint is what a PreparedSet lists, plus each
+// process's RNG state and accumulation step (checkpoint/write.hpp writes
+// it). Loading is transactional in three steps, each a collective:
+// read_checkpoint (checkpoint/read.hpp) reads and checks every file and
+// changes nothing; apply_checkpoint loads what can refuse as it loads
+// (schedulers, registered objects, optimizers) and puts the optimizers
+// back on every process if any refuses; commit_checkpoint then loads what
+// was checked and cannot fail. The files themselves (manifest, atomic
+// install, recovery) are checkpoint/files.hpp's.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // 2. Schedulers and registered objects with a load() of their own check
 // what they load as they load it (and cannot be put back); the other
 // schedulers replay their missing steps (which sets the optimizers'
@@ -13515,6 +13636,73 @@ inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& modul
   return out;
 }
 
+// save_weights' files: the tensors of each (names, dtypes and shapes:
+// meta tensors), the model's entry each comes from (whose values whole()
+// gives), and their bytes in all. A file takes tensors until the next
+// would pass max_shard_bytes.
+struct WeightFiles {
+  std::vector<std::vector<NamedTensor>> files = std::vector<std::vector<NamedTensor>>(1);  // (one file, to start)
+  std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
+  uint64_t total = 0;
+};
+inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options) {
+  WeightFiles plan;
+  uint64_t in_file = 0;
+  for (auto& planned : planned_tensors(module, options.adapter)) {
+    const at::Tensor& t = planned.file.second;
+    const uint64_t bytes = t.numel() * t.element_size();
+    if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+      plan.files.emplace_back();
+      plan.sources.emplace_back();
+      in_file = 0;
+    }
+    plan.files.back().push_back(std::move(planned.file));
+    plan.sources.back().push_back(std::move(planned.model));
+    in_file += bytes;
+    plan.total += bytes;
+  }
+  return plan;
+}
+// The values a file holds for the model's tensor `name` (values: its whole
+// values), through the adapter, checked against the planned name, dtype
+// and shape.
+inline at::Tensor adapted_values(const SaveModelOptions& options, const std::string& name, const at::Tensor& values,
+                                 const NamedTensor& planned) {
+  if (!options.adapter.to_file) return values;
+  const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
+  if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
+      file->second.sizes() != planned.second.sizes())
+    throw RuntimeError(
+        "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
+        (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
+              : std::string("nullopt")) +
+        " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
+        c10::str(planned.second.sizes()) +
+        " on a meta tensor of its dtype and shape: name, dtype and shape must follow from those alone");
+  return file->second;
+}
+// After the files: Hugging Face's index where there are several (sorted by
+// tensor name), an earlier save's other weight files removed, the directory
+// synced.
+inline void finish_weights_dir(const std::filesystem::path& path, const WeightFiles& plan,
+                               const std::map<std::string, std::string>& weight_map, std::set<std::string> written) {
+  namespace fs = std::filesystem;
+  if (plan.files.size() > 1) {
+    std::string index =
+        "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(plan.total) + "\n  },\n  \"weight_map\": {";
+    for (const auto& [tensor, file] : weight_map)
+      index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
+    index += "\n  }\n}\n";
+    write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
+    written.insert(file_names::weights_index);
+  }
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string file = entry.path().filename().string();
+    if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
+  }
+  fsync_path(path);
+}
+
 // save_model's work on `module`'s state_dict. whole(t) gives a tensor's
 // values when its turn comes (an Accelerator's FULL_SHARD model gathers
 // them unit by unit there, a collective); every process calls it for every
@@ -13525,86 +13713,36 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
                          const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  using Named = std::vector<NamedTensor>;
-  std::vector<Named> shards(1);                      // the files' tensors (names, dtypes and shapes: meta tensors)
-  std::vector<std::vector<NamedTensor>> sources(1);  // the model's entry of each, whose values whole() gives
-  uint64_t in_shard = 0, total = 0;
-  for (auto& planned : planned_tensors(module, options.adapter)) {
-    const at::Tensor& t = planned.file.second;
-    const uint64_t bytes = t.numel() * t.element_size();
-    if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) {
-      shards.emplace_back();
-      sources.emplace_back();
-      in_shard = 0;
-    }
-    shards.back().push_back(std::move(planned.file));
-    sources.back().push_back(std::move(planned.model));
-    in_shard += bytes;
-    total += bytes;
-  }
-  // The values of the file's tensor i of file k, through the adapter, checked against the plan.
-  auto file_values = [&](std::size_t k, std::size_t i) -> at::Tensor {
-    const auto& [name, model_tensor] = sources[k][i];
-    const at::Tensor values = whole(model_tensor);
-    if (!options.adapter.to_file) return values;
-    const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
-    const NamedTensor& planned = shards[k][i];
-    if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
-        file->second.sizes() != planned.second.sizes())
-      throw RuntimeError(
-          "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
-          (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
-                : std::string("nullopt")) +
-          " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
-          c10::str(planned.second.sizes()) +
-          " on a meta tensor of its dtype and shape: name, dtype and shape must follow from "
-          "those alone");
-    return file->second;
-  };
+  const WeightFiles plan = plan_weight_files(module, options);
+  const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
   if (writes)
     error = error_of([&] {
       fs::create_directories(path);
-      if (shards.size() == 1) fs::remove(path / file_names::weights_index);  // it would be read first
+      if (count == 1) fs::remove(path / file_names::weights_index);  // it would be read first
     });
   std::set<std::string> written;
   std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-  for (std::size_t k = 0; k < shards.size(); ++k) {
-    const std::string name = file_names::weights_shard(k, shards.size());
+  for (std::size_t k = 0; k < count; ++k) {
+    const std::string name = file_names::weights_shard(k, count);
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
-      return file_values(k, i);
+      const auto& [source, tensor] = plan.sources[k][i];
+      return adapted_values(options, source, whole(tensor), plan.files[k][i]);
     };
     if (writes && error.empty())
       error = error_of([&] {
-        write_safetensors(path / name, shards[k], {}, values);
+        write_safetensors(path / name, plan.files[k], {}, values);
         written.insert(name);
-        for (const auto& named : shards[k]) weight_map[named.first] = name;
+        for (const auto& named : plan.files[k]) weight_map[named.first] = name;
       });
     // The other processes, and the main one after an error: the gathers only (whole() is a collective where
     // the model is sharded; the adapter is the writer's).
-    for (; next < shards[k].size(); ++next) whole(sources[k][next].second);
+    for (; next < plan.files[k].size(); ++next) whole(plan.sources[k][next].second);
   }
-  if (writes && error.empty())
-    error = error_of([&] {
-      if (shards.size() > 1) {
-        std::string index =
-            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
-        for (const auto& [tensor, file] : weight_map)
-          index +=
-              std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
-        index += "\n  }\n}\n";
-        write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
-        written.insert(file_names::weights_index);
-      }
-      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-        const std::string file = entry.path().filename().string();
-        if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
-      }
-      fsync_path(path);
-    });
+  if (writes && error.empty()) error = error_of([&] { finish_weights_dir(path, plan, weight_map, written); });
   fail_together(error, "accel::save_model");
 }
 }  // namespace detail

@@ -66,6 +66,9 @@
 #include "accel/training/checkpoint/world.hpp"
 #include "accel/training/checkpoint/reshard.hpp"
 #include "accel/training/checkpoint/shards.hpp"
+#include "accel/training/checkpoint/context.hpp"
+#include "accel/training/checkpoint/write.hpp"
+#include "accel/training/checkpoint/read.hpp"
 #include "accel/training/checkpoint/state.hpp"
 #include "accel/training/checkpoint/weights.hpp"
 

@@ -115,6 +115,94 @@ inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, in
   }
 }
 
+// The saved pieces this process needs: those overlapping its own, and the
+// first (the layout, step counts).
+inline std::set<int64_t> pieces_needed(const std::vector<OptimizerSlot>& slots, int64_t saved_shards) {
+  std::set<int64_t> needed{0};
+  for (const auto& slot : slots) {
+    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
+    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
+      needed.insert(k);
+  }
+  return needed;
+}
+
+using SavedFiles = std::vector<std::optional<SavedOptimizer>>;  // (by saved piece; empty: not needed)
+
+// The state of parameter `position` as this process keeps it, into `own`:
+// each field the size of the whole parameter, or of a saved piece, cut to
+// this process's range out of the saved files that hold it; any other field
+// (a step count) as the first file has it.
+inline void reshard_state(SavedFiles& files, std::size_t position, const OptimizerSlot& slot, int64_t saved_shards,
+                          torch::serialize::OutputArchive& own) {
+  SavedOptimizer& first = *files[0];
+  const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+  torch::serialize::InputArchive& saved_state = *first.states[position];
+  for (const std::string& field : saved_state.keys()) {
+    c10::IValue value;
+    saved_state.read(field, value);
+    const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+    const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
+    const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
+    if (!whole && !piece) {  // the same on every process: as saved
+      own.write(field, value);
+      continue;
+    }
+    std::vector<at::Tensor> sources(piece ? files.size() : 1);
+    for (std::size_t k = 0; k < sources.size(); ++k) {
+      if (!files[k]) continue;
+      c10::IValue other;
+      if (k == 0) other = value;
+      else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
+               !other.isTensor() || other.toTensor().numel() != stride)
+        throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
+                           " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
+      sources[k] = other.toTensor();
+    }
+    at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
+    copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
+    own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
+  }
+}
+
+// Parameter group g as the first file has it (its keys name the states,
+// written into `state`), its options through the optimizer's own options
+// type (what they are is the optimizer's business). `position` counts the
+// parameters of the groups before it.
+inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& optimizer, std::size_t g,
+                                                     torch::serialize::InputArchive& saved_groups, SavedFiles& files,
+                                                     const std::vector<OptimizerSlot>& slots, int64_t saved_shards,
+                                                     std::size_t& position, torch::serialize::OutputArchive& state) {
+  const SavedOptimizer& first = *files[0];
+  torch::serialize::InputArchive saved_group, saved_options;
+  saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
+  at::Tensor size;
+  saved_group.read("params/size", size);
+  if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
+    throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
+                       std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
+                       std::to_string(optimizer.param_groups()[g].params().size()));
+  group.write("params/size", size);
+  for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
+    c10::IValue key;
+    saved_group.read("params/" + std::to_string(j), key);
+    group.write("params/" + std::to_string(j), key);
+    if (!first.states[position]) continue;  // no state yet (never stepped)
+    torch::serialize::OutputArchive own(state.compilation_unit());
+    reshard_state(files, position, slots[position], saved_shards, own);
+    state.write(key.toStringRef(), own);
+  }
+  saved_group.read("options", saved_options);
+  const auto& current = optimizer.param_groups()[g];
+  std::unique_ptr<torch::optim::OptimizerOptions> copy =
+      (current.has_options() ? current.options() : optimizer.defaults()).clone();
+  copy->serialize(saved_options);
+  copy->serialize(options);
+  group.write("options", options);
+  return group;
+}
+
 // The saved state of optimizer `index` as this process's optimizer takes it
 // (an archive for Optimizer::load and load_group_options). `saved_shards`:
 // how many pieces the saving run cut each parameter into (1: whole, in
@@ -124,22 +212,15 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
     const std::function<OpenedArchive(int64_t)>& open) {
   torch::optim::Optimizer& optimizer = *set.optimizers[index];
   const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
-  // The saved pieces this process needs: those overlapping its own, and the first (the layout, step counts).
-  std::set<int64_t> needed{0};
-  for (const auto& slot : slots) {
-    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
-    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
-      needed.insert(k);
-  }
-  std::vector<std::optional<SavedOptimizer>> files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : needed) files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
+  SavedFiles files(static_cast<std::size_t>(saved_shards));
+  for (const int64_t k : pieces_needed(slots, saved_shards))
+    files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
   c10::IValue version;
   first.archive.read("pytorch_version", version);
   out.write("pytorch_version", version);
-  // The groups as the first file has them (its keys name the states below), options included.
   torch::serialize::InputArchive saved_groups;
   first.archive.read("param_groups", saved_groups);
   at::Tensor group_count;
@@ -151,60 +232,8 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   groups.write("param_groups/size", group_count);
   std::size_t position = 0;
   for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-    torch::serialize::InputArchive saved_group, saved_options;
-    saved_groups.read("param_groups/" + std::to_string(g), saved_group);
-    torch::serialize::OutputArchive group(out.compilation_unit()), options(out.compilation_unit());
-    at::Tensor size;
-    saved_group.read("params/size", size);
-    if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
-      throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
-                         std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
-                         std::to_string(optimizer.param_groups()[g].params().size()));
-    group.write("params/size", size);
-    for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
-      c10::IValue key;
-      saved_group.read("params/" + std::to_string(j), key);
-      group.write("params/" + std::to_string(j), key);
-      if (!first.states[position]) continue;  // no state yet (never stepped)
-      const OptimizerSlot& slot = slots[position];
-      const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
-      torch::serialize::InputArchive& saved_state = *first.states[position];
-      torch::serialize::OutputArchive own(out.compilation_unit());
-      for (const std::string& field : saved_state.keys()) {
-        c10::IValue value;
-        saved_state.read(field, value);
-        const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
-        const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
-        const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
-        if (!whole && !piece) {  // the same on every process: as saved
-          own.write(field, value);
-          continue;
-        }
-        std::vector<at::Tensor> sources(piece ? files.size() : 1);
-        for (std::size_t k = 0; k < sources.size(); ++k) {
-          if (!files[k]) continue;
-          c10::IValue other;
-          if (k == 0) other = value;
-          else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
-                   !other.isTensor() || other.toTensor().numel() != stride)
-            throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
-                               " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
-          sources[k] = other.toTensor();
-        }
-        at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
-        copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
-        own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
-      }
-      state.write(key.toStringRef(), own);
-    }
-    // The options through the optimizer's own options type (what they are is the optimizer's business).
-    saved_group.read("options", saved_options);
-    const auto& current = optimizer.param_groups()[g];
-    std::unique_ptr<torch::optim::OptimizerOptions> copy =
-        (current.has_options() ? current.options() : optimizer.defaults()).clone();
-    copy->serialize(saved_options);
-    copy->serialize(options);
-    group.write("options", options);
+    torch::serialize::OutputArchive group =
+        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state);
     groups.write("param_groups/" + std::to_string(g), group);
   }
   if (position != slots.size())

@@ -81,6 +81,73 @@ inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& modul
   return out;
 }
 
+// save_weights' files: the tensors of each (names, dtypes and shapes:
+// meta tensors), the model's entry each comes from (whose values whole()
+// gives), and their bytes in all. A file takes tensors until the next
+// would pass max_shard_bytes.
+struct WeightFiles {
+  std::vector<std::vector<NamedTensor>> files = std::vector<std::vector<NamedTensor>>(1);  // (one file, to start)
+  std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
+  uint64_t total = 0;
+};
+inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options) {
+  WeightFiles plan;
+  uint64_t in_file = 0;
+  for (auto& planned : planned_tensors(module, options.adapter)) {
+    const at::Tensor& t = planned.file.second;
+    const uint64_t bytes = t.numel() * t.element_size();
+    if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+      plan.files.emplace_back();
+      plan.sources.emplace_back();
+      in_file = 0;
+    }
+    plan.files.back().push_back(std::move(planned.file));
+    plan.sources.back().push_back(std::move(planned.model));
+    in_file += bytes;
+    plan.total += bytes;
+  }
+  return plan;
+}
+// The values a file holds for the model's tensor `name` (values: its whole
+// values), through the adapter, checked against the planned name, dtype
+// and shape.
+inline at::Tensor adapted_values(const SaveModelOptions& options, const std::string& name, const at::Tensor& values,
+                                 const NamedTensor& planned) {
+  if (!options.adapter.to_file) return values;
+  const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
+  if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
+      file->second.sizes() != planned.second.sizes())
+    throw RuntimeError(
+        "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
+        (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
+              : std::string("nullopt")) +
+        " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
+        c10::str(planned.second.sizes()) +
+        " on a meta tensor of its dtype and shape: name, dtype and shape must follow from those alone");
+  return file->second;
+}
+// After the files: Hugging Face's index where there are several (sorted by
+// tensor name), an earlier save's other weight files removed, the directory
+// synced.
+inline void finish_weights_dir(const std::filesystem::path& path, const WeightFiles& plan,
+                               const std::map<std::string, std::string>& weight_map, std::set<std::string> written) {
+  namespace fs = std::filesystem;
+  if (plan.files.size() > 1) {
+    std::string index =
+        "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(plan.total) + "\n  },\n  \"weight_map\": {";
+    for (const auto& [tensor, file] : weight_map)
+      index += std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
+    index += "\n  }\n}\n";
+    write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
+    written.insert(file_names::weights_index);
+  }
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string file = entry.path().filename().string();
+    if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
+  }
+  fsync_path(path);
+}
+
 // save_model's work on `module`'s state_dict. whole(t) gives a tensor's
 // values when its turn comes (an Accelerator's FULL_SHARD model gathers
 // them unit by unit there, a collective); every process calls it for every
@@ -91,86 +158,36 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
                          const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  using Named = std::vector<NamedTensor>;
-  std::vector<Named> shards(1);                      // the files' tensors (names, dtypes and shapes: meta tensors)
-  std::vector<std::vector<NamedTensor>> sources(1);  // the model's entry of each, whose values whole() gives
-  uint64_t in_shard = 0, total = 0;
-  for (auto& planned : planned_tensors(module, options.adapter)) {
-    const at::Tensor& t = planned.file.second;
-    const uint64_t bytes = t.numel() * t.element_size();
-    if (in_shard > 0 && in_shard + bytes > options.max_shard_bytes) {
-      shards.emplace_back();
-      sources.emplace_back();
-      in_shard = 0;
-    }
-    shards.back().push_back(std::move(planned.file));
-    sources.back().push_back(std::move(planned.model));
-    in_shard += bytes;
-    total += bytes;
-  }
-  // The values of the file's tensor i of file k, through the adapter, checked against the plan.
-  auto file_values = [&](std::size_t k, std::size_t i) -> at::Tensor {
-    const auto& [name, model_tensor] = sources[k][i];
-    const at::Tensor values = whole(model_tensor);
-    if (!options.adapter.to_file) return values;
-    const std::optional<NamedTensor> file = options.adapter.to_file(name, values);
-    const NamedTensor& planned = shards[k][i];
-    if (!file || file->first != planned.first || file->second.scalar_type() != planned.second.scalar_type() ||
-        file->second.sizes() != planned.second.sizes())
-      throw RuntimeError(
-          "the adapter's to_file gave '" + name + "' " +  // (fail_together names save_model)
-          (file ? "'" + file->first + "', " + c10::toString(file->second.scalar_type()) + c10::str(file->second.sizes())
-                : std::string("nullopt")) +
-          " on its values, and '" + planned.first + "', " + c10::toString(planned.second.scalar_type()) +
-          c10::str(planned.second.sizes()) +
-          " on a meta tensor of its dtype and shape: name, dtype and shape must follow from "
-          "those alone");
-    return file->second;
-  };
+  const WeightFiles plan = plan_weight_files(module, options);
+  const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
   if (writes)
     error = error_of([&] {
       fs::create_directories(path);
-      if (shards.size() == 1) fs::remove(path / file_names::weights_index);  // it would be read first
+      if (count == 1) fs::remove(path / file_names::weights_index);  // it would be read first
     });
   std::set<std::string> written;
   std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
-  for (std::size_t k = 0; k < shards.size(); ++k) {
-    const std::string name = file_names::weights_shard(k, shards.size());
+  for (std::size_t k = 0; k < count; ++k) {
+    const std::string name = file_names::weights_shard(k, count);
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
-      return file_values(k, i);
+      const auto& [source, tensor] = plan.sources[k][i];
+      return adapted_values(options, source, whole(tensor), plan.files[k][i]);
     };
     if (writes && error.empty())
       error = error_of([&] {
-        write_safetensors(path / name, shards[k], {}, values);
+        write_safetensors(path / name, plan.files[k], {}, values);
         written.insert(name);
-        for (const auto& named : shards[k]) weight_map[named.first] = name;
+        for (const auto& named : plan.files[k]) weight_map[named.first] = name;
       });
     // The other processes, and the main one after an error: the gathers only (whole() is a collective where
     // the model is sharded; the adapter is the writer's).
-    for (; next < shards[k].size(); ++next) whole(sources[k][next].second);
+    for (; next < plan.files[k].size(); ++next) whole(plan.sources[k][next].second);
   }
-  if (writes && error.empty())
-    error = error_of([&] {
-      if (shards.size() > 1) {
-        std::string index =
-            "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total) + "\n  },\n  \"weight_map\": {";
-        for (const auto& [tensor, file] : weight_map)
-          index +=
-              std::string(index.back() == '{' ? "\n" : ",\n") + "    " + json_quote(tensor) + ": " + json_quote(file);
-        index += "\n  }\n}\n";
-        write_file_atomically(path / file_names::weights_index, [&](CheckedFile& out) { out.write(index); });
-        written.insert(file_names::weights_index);
-      }
-      for (const auto& entry : fs::directory_iterator(path)) {  // an earlier save's other files
-        const std::string file = entry.path().filename().string();
-        if (file_names::is_weights_file(file) && !written.count(file)) fs::remove(entry.path());
-      }
-      fsync_path(path);
-    });
+  if (writes && error.empty()) error = error_of([&] { finish_weights_dir(path, plan, weight_map, written); });
   fail_together(error, "accel::save_model");
 }
 }  // namespace detail
