@@ -82,10 +82,12 @@
 //     accel/training/checkpoint/file_names.hpp           the name of every file save_state and save_model write, in one place
 //     accel/training/checkpoint/prepared.hpp             what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
 //     accel/training/accelerator/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
-//     accel/training/checkpoint/files.hpp                checkpoint files: the manifest, atomic writes, reading back
+//     accel/training/checkpoint/manifest.hpp             a checkpoint's manifest (every file with its size and XXH64, the checkpoint's id) and the checks a load makes against it
+//     accel/training/checkpoint/files.hpp                a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares
 //     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
 //     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
-//     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them
+//     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
+//     accel/training/checkpoint/sharded_weights.hpp      a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
 //     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
 //     accel/training/checkpoint/write.hpp                save_state's work: every process's files, then process 0's, then the manifest, installed at once
 //     accel/training/checkpoint/read.hpp                 load_state's first step: every file of a checkpoint read and checked against this run, nothing changed
@@ -11695,36 +11697,19 @@ class EvenBatchesOverride {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint/files.hpp ======================================
-// accel/training/checkpoint/files.hpp: checkpoint files: the manifest, atomic writes, reading back.
+// == accel/training/checkpoint/manifest.hpp ===================================
+// accel/training/checkpoint/manifest.hpp: a checkpoint's manifest (every file with its size and XXH64, the checkpoint's id) and the checks a load makes against it.
 //
-// (Every file's name is checkpoint/file_names.hpp's.)
-// A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
-// each process's pieces, rank-<k>-part-<j>.safetensors;
-// checkpoint/shards.hpp), optimizer.pt, ... (sharded:
-// optimizer_rank<k>.pt, ...),
-// random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
-// and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
-// out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
-// manifest accel_checkpoint.txt, whose presence (whole: it ends with "end")
-// marks the directory complete. Each manifest carries a serial, one more
-// than the checkpoint it replaces, the checkpoint's id (random, its own:
-// every piece file carries it too), and every other file of the checkpoint
-// with its size and XXH64 hash (io/file_digest.hpp), which a load checks for
-// each file it reads before anything changes (CheckpointFiles): a damaged
-// file, one cut short, one of another checkpoint or one the manifest does
-// not list is refused, naming it. The manifest ends with a hash of its own
-// lines. A manifest of the first format (before digests) is read, its
-// files unchecked.
-//
-// save_state writes DIR.tmp, fsyncs every file, writes the manifest, fsyncs
-// the directory, then swaps DIR.tmp and DIR in one step (renameat2's
-// RENAME_EXCHANGE) and removes the old one. Where the filesystem cannot
-// exchange, two renames with the old one at DIR.old between them. Whatever
-// moment a process dies at, one of DIR, DIR.tmp and DIR.old is complete, and
-// the next save_state or load_state first recovers: the complete one with the
-// highest serial becomes DIR and the others are removed. A save never removes
-// the newest complete checkpoint before its own is complete.
+// The manifest, accel_checkpoint.txt, is written last: its presence (whole:
+// it ends with "end") marks a checkpoint complete. It carries a serial, one
+// more than the checkpoint it replaces, the checkpoint's id (random, its
+// own: every piece file carries it too), and every other file of the
+// checkpoint with its size and XXH64 hash (io/file_digest.hpp), which a
+// load checks for each file it reads before anything changes
+// (CheckpointFiles): a damaged file, one cut short, one of another
+// checkpoint or one the manifest does not list is refused, naming it. The
+// manifest ends with a hash of its own lines. A manifest of the first
+// format (before digests) is read, its files unchecked.
 
 #include <future>
 #include <random>
@@ -11733,19 +11718,6 @@ ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
 namespace fs = std::filesystem;
-
-// Called at each step of the save protocol (tests kill the process there);
-// a no-op otherwise. Steps: "files written", "manifest written", "exchanged",
-// "between renames", "renamed".
-inline std::function<void(const char*)>& checkpoint_hook() {
-  static std::function<void(const char*)> hook = [](const char*) {};
-  return hook;
-}
-// Tests turn RENAME_EXCHANGE off to run the two-rename path.
-inline bool& checkpoint_use_exchange() {
-  static bool use = true;
-  return use;
-}
 
 inline constexpr const char* checkpoint_format = "accel.hpp checkpoint 2";
 inline constexpr const char* checkpoint_format_1 = "accel.hpp checkpoint 1";  // (no id, no digests)
@@ -11911,6 +11883,52 @@ class CheckpointFiles {
   std::set<std::string> begun_;
   std::vector<std::shared_future<void>> checks_;
 };
+
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/files.hpp ======================================
+// accel/training/checkpoint/files.hpp: a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares.
+//
+// (Every file's name is checkpoint/file_names.hpp's; the manifest that
+// lists them is checkpoint/manifest.hpp's.)
+// A checkpoint is a directory: model.pt, model_1.pt, ... (sharded models:
+// each process's pieces, rank-<k>-part-<j>.safetensors;
+// checkpoint/shards.hpp), optimizer.pt, ... (sharded:
+// optimizer_rank<k>.pt, ...),
+// random_states_<rank>.pt (that rank's CPU RNG, its CUDA device's on a GPU,
+// and the accumulation step, as Accelerate's), loaders.pt (each prepared loader's epoch and batches handed
+// out), custom_checkpoint_<i>.pt (register_for_checkpointing), and last the
+// manifest accel_checkpoint.txt, whose presence (whole: it ends with "end")
+// marks the directory complete.
+//
+// save_state writes DIR.tmp, fsyncs every file, writes the manifest, fsyncs
+// the directory, then swaps DIR.tmp and DIR in one step (renameat2's
+// RENAME_EXCHANGE) and removes the old one. Where the filesystem cannot
+// exchange, two renames with the old one at DIR.old between them. Whatever
+// moment a process dies at, one of DIR, DIR.tmp and DIR.old is complete, and
+// the next save_state or load_state first recovers: the complete one with the
+// highest serial becomes DIR and the others are removed. A save never removes
+// the newest complete checkpoint before its own is complete.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+namespace fs = std::filesystem;
+
+// Called at each step of the save protocol (tests kill the process there);
+// a no-op otherwise. Steps: "files written", "manifest written", "exchanged",
+// "between renames", "renamed".
+inline std::function<void(const char*)>& checkpoint_hook() {
+  static std::function<void(const char*)> hook = [](const char*) {};
+  return hook;
+}
+// Tests turn RENAME_EXCHANGE off to run the two-rename path.
+inline bool& checkpoint_use_exchange() {
+  static bool use = true;
+  return use;
+}
 
 // The manifest goes first, so a removal cut short never leaves a directory
 // that looks complete.
@@ -12477,7 +12495,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
 ACCEL_NAMESPACE_END
 
 // == accel/training/checkpoint/shards.hpp =====================================
-// accel/training/checkpoint/shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them.
+// accel/training/checkpoint/shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back).
 //
 // Under SHARD_GRAD_OP, FULL_SHARD and HYBRID_SHARD no process gathers the
 // model to save it. Process k of a shard group of S holds elements
@@ -12510,17 +12528,6 @@ ACCEL_NAMESPACE_END
 //
 // Each file's metadata also carries the checkpoint's id
 // ("accel_checkpoint_id"; Python's reader takes only DCP_SHARDING_INFO).
-//
-// Loading (ShardedWeights) reads the header of every file the manifest
-// lists, refuses a file of another checkpoint (its id), checks that each
-// name's boxes tile its whole tensor exactly (nothing missing, nothing
-// twice) and that the model has the same names, dtypes and shapes, then
-// reads for each tensor only what the process keeps (its piece, or the
-// whole), and of each saved box that overlaps it only the bytes spanning
-// the overlap; a file it reads from is first checked whole against the
-// manifest's digest (CheckpointFiles), so a process reads each of those
-// files once more in full: where the layout is the saving run's, its own
-// files and the first process's first one (the buffers).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -12724,7 +12731,28 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
   files.write(dir, process, id, log);
 }
 
-// A sharded model's files in a checkpoint, read and checked (see the top):
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/sharded_weights.hpp ============================
+// accel/training/checkpoint/sharded_weights.hpp: a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read.
+//
+// Loading (ShardedWeights) reads the header of every file the manifest
+// lists, refuses a file of another checkpoint (its id), checks that each
+// name's boxes tile its whole tensor exactly (nothing missing, nothing
+// twice) and that the model has the same names, dtypes and shapes, then
+// reads for each tensor only what the process keeps (its piece, or the
+// whole), and of each saved box that overlaps it only the bytes spanning
+// the overlap; a file it reads from is first checked whole against the
+// manifest's digest (CheckpointFiles), so a process reads each of those
+// files once more in full: where the layout is the saving run's, its own
+// files and the first process's first one (the buffers).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A sharded model's files in a checkpoint, read and checked (see checkpoint/shards.hpp's top):
 // those its manifest lists (`checked`), each checked against its digest
 // before its data is read; without records (a checkpoint of the first
 // format), every *.safetensors in dir, unchecked.

@@ -62,10 +62,12 @@
 // checkpoints and exported weights
 #include "accel/training/checkpoint/file_names.hpp"
 #include "accel/training/checkpoint/prepared.hpp"
+#include "accel/training/checkpoint/manifest.hpp"
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/checkpoint/world.hpp"
 #include "accel/training/checkpoint/reshard.hpp"
 #include "accel/training/checkpoint/shards.hpp"
+#include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/checkpoint/context.hpp"
 #include "accel/training/checkpoint/write.hpp"
 #include "accel/training/checkpoint/read.hpp"

@@ -10,7 +10,7 @@
 #include "accel/training/checkpoint/context.hpp"
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/checkpoint/reshard.hpp"
-#include "accel/training/checkpoint/shards.hpp"
+#include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/checkpoint/world.hpp"
 
 ACCEL_NAMESPACE_BEGIN

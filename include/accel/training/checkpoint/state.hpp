@@ -12,6 +12,7 @@
 #pragma once
 
 #include "accel/training/checkpoint/read.hpp"
+#include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/checkpoint/write.hpp"
 
 ACCEL_NAMESPACE_BEGIN
