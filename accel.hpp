@@ -94,10 +94,13 @@
 //     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: write; read and check; apply or roll back; commit
 //     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
-//     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them
-//     accel/training/accelerator/preparing.hpp           what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints
-//     accel/training/accelerator/process_operations.hpp  Accelerate's operations as Accelerator methods, over every process
-//     accel/training/accelerator/accelerator.hpp         the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights
+//     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets
+//     accel/training/accelerator/accelerator.hpp         the Accelerator, declared: every public method in one place, and the state it holds
+//     accel/training/accelerator/properties.hpp          the Accelerator's constructor and properties: what it runs on, read off its setup
+//     accel/training/accelerator/preparing.hpp           the Accelerator's prepare() in all its forms, and letting go of what it prepared
+//     accel/training/accelerator/training_step.hpp       the Accelerator's training step: backward, gradient sync and accumulation, uneven inputs, clipping, the loss scale
+//     accel/training/accelerator/process_operations.hpp  the Accelerator's work over every process: Accelerate's operations as methods, metrics, the trigger, the experiment log
+//     accel/training/accelerator/checkpoints.hpp         the Accelerator's checkpoints (save_state, load_state) and exported weights (save_model, load_model)
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -14041,9 +14044,14 @@ inline std::vector<std::string> csv_columns(const std::string& header) {
 }
 
 // The Accelerator's experiment log: init_trackers, log and end_training
-// (a base of Accelerator; the settings are its AcceleratorSetup's).
+// (an Accelerator holds one; the settings are its AcceleratorSetup's).
 class ExperimentLog {
  public:
+  // The trackers and their place are the configuration's as the
+  // Accelerator is made (a copy: an Accelerator may be moved).
+  ExperimentLog(const AcceleratorConfig& config, bool main_process)
+      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
+
   // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
   // and `config` (the run's hyperparameters, as text) to config.json there.
   // Every process calls it; the main process writes.
@@ -14091,12 +14099,6 @@ class ExperimentLog {
 
   // Where this run's files go (logging_dir, or project_dir, / project name).
   std::filesystem::path logging_dir() const { return directory(); }
-
- protected:
-  // The trackers and their place are the configuration's as the
-  // Accelerator is made (a copy: an Accelerator may be moved).
-  ExperimentLog(const AcceleratorConfig& config, bool main_process)
-      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
 
  private:
   bool writes() const { return main_ && !names_.empty(); }
@@ -14155,74 +14157,21 @@ class ExperimentLog {
 ACCEL_NAMESPACE_END
 
 // == accel/training/accelerator/setup.hpp =====================================
-// accel/training/accelerator/setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them.
+// accel/training/accelerator/setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets.
 //
-// The Accelerator (accelerator/accelerator.hpp) is built on two parts that hold no
-// training state: AcceleratorSetup (this part), which checks the
-// configuration before the rendezvous, joins the world, answers the
-// properties Accelerate reads off an accelerator, and decides how a model
-// is wrapped (the DataParallel the strategy calls for); and
-// ProcessOperations (accelerator/process_operations.hpp), Accelerate's operations over
-// every process. The Accelerator adds what it prepares and the training
-// step on top.
+// The Accelerator (accelerator/accelerator.hpp) holds one AcceleratorSetup,
+// which holds no training state: it checks the configuration before the
+// rendezvous, joins the world, and decides how a model is wrapped (the
+// DataParallel the strategy calls for). The Accelerator's properties
+// (accelerator/properties.hpp) are read off it.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// The Accelerator's first base: its settings, checked; the world and the
-// device; Accelerate's properties; the DataParallel a model gets.
+// The Accelerator's settings, checked; the world and the device; the
+// DataParallel a model gets.
 class AcceleratorSetup {
  public:
-  c10::Device device() const { return device_; }
-  bool is_main_process() const { return interface_->get_rank() == 0; }
-  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
-  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
-  int process_index() const { return interface_->get_rank(); }
-  int local_process_index() const { return interface_->get_local_rank(); }
-  int num_processes() const { return interface_->get_world_size(); }
-  DistributedType distributed_type() const {
-    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
-    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
-  }
-  const std::string& mixed_precision() const { return config_.mixed_precision; }
-  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
-  // The strategy in effect: NO_SHARD when the configured one has nothing to
-  // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const {
-    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
-  }
-  // Accelerate's use_distributed: more than one process.
-  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
-  // Accelerate's is_fsdp2: whether parameters are sharded at rest
-  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
-  bool is_fsdp2() const {
-    const ShardingStrategy s = sharding_strategy();
-    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
-  }
-  // Accelerate's should_save_model: true on every process, which all call
-  // save_model (a collective; the main process writes).
-  bool should_save_model() const { return true; }
-  // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
-  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
-  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
-  int tensor_parallel_rank() const { return 0; }
-  int pipeline_parallel_rank() const { return 0; }
-  // Accelerate's verify_device_map: whether the model is spread over devices
-  // by a device map (big-model inference). accel.hpp places whole models: false.
-  template <class ModuleHolder>
-  bool verify_device_map(const ModuleHolder&) const {
-    return false;
-  }
-  // Accelerate's project_dir, project_configuration and save_iteration (the
-  // number the next automatically named checkpoint takes; set it through
-  // project_configuration().iteration).
-  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
-  ProjectConfiguration& project_configuration() { return config_.project_config; }
-  int save_iteration() const { return config_.project_config.iteration; }
-
- protected:
   // Every setting is checked before the rendezvous: a configuration one rank
   // refuses, every rank refuses, and none leaves while its peers connect.
   explicit AcceleratorSetup(AcceleratorConfig config) : config_(checked(std::move(config))) {
@@ -14230,9 +14179,11 @@ class AcceleratorSetup {
     device_ = interface_->current_device();
   }
 
-  const AcceleratorConfig& settings() const { return config_; }
+  const AcceleratorConfig& config() const { return config_; }
+  ProjectConfiguration& project() { return config_.project_config; }  // (its iteration counts the saves)
   const DistributedInterface& world() const { return *interface_; }
-  // Whether the configured strategy has something to shard along.
+  c10::Device device() const { return device_; }
+  // Whether the configured strategy has something to shard along (else it is NO_SHARD).
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
 
   // The DataParallel that wraps `module` (already on the device) under the
@@ -14342,30 +14293,89 @@ class AcceleratorSetup {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/accelerator/preparing.hpp =================================
-// accel/training/accelerator/preparing.hpp: what an Accelerator prepares: models, optimizers, schedulers, data loaders, objects for checkpoints.
+// == accel/training/accelerator/accelerator.hpp ===============================
+// accel/training/accelerator/accelerator.hpp: the Accelerator, declared: every public method in one place, and the state it holds.
 //
-// The Accelerator's second layer, over AcceleratorSetup: prepare() in all
-// its forms, and the PreparedSet of what was prepared and the GradientState
-// that the prepared optimizers, schedulers and loaders share. The
-// Accelerator (accelerator/accelerator.hpp) reads both to run the training step and to
-// save and load checkpoints.
+// The class is declared here whole and defined after, part by part, as
+// c10d declares a ProcessGroup in one header: a reader finds every method
+// below with what it does, and the part that defines each family is named
+// above it. Include accel.hpp or accel/training.hpp, which hold them all.
+//
+// The state is held in members, each a small type of its own: the checked
+// configuration with the world and the device (AcceleratorSetup), what was
+// prepared (PreparedSet, which checkpoints save and load), the accumulation
+// count and the join of uneven inputs (the step's sync control), and the
+// experiment log.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-class AcceleratorPreparing : public AcceleratorSetup {
- public:
-  // mixed_precision "fp16" comes with a loss scaler (as Accelerate's);
-  // under sharding its overflow check is agreed over the world, since each
-  // process then holds other gradients.
-  explicit AcceleratorPreparing(AcceleratorConfig config) : AcceleratorSetup(std::move(config)) {
-    if (mixed_precision() == "fp16" && settings().grad_scaler.enabled)
-      prepared_.scaler = std::make_shared<GradScaler>(settings().grad_scaler, device(),
-                                                      sharded() ? world().world_group() : GroupPtr{});
-  }
+// What prepare() takes for a scheduler: anything that steps and is not an
+// optimizer (LibTorch's LRScheduler, or a scheduler of yours).
+template <class S>
+concept scheduler_like = !std::derived_from<S, torch::optim::Optimizer> && requires(S& s) { s.step(); };
+// What register_for_checkpointing takes: an object with LibTorch's save and load.
+template <class T>
+concept checkpointable =
+    requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+      c.save(out);
+      t.load(in);
+    };
+// What skip_first_batches takes: a prepared loader.
+template <class L>
+concept skips_batches = requires(L& l) { l.skip_first_batches(size_t{1}); };
+}  // namespace detail
 
-  // -- prepare ----------------------------------------------------------------
+class Accelerator {
+ public:
+  // Every setting is checked before the rendezvous (AcceleratorSetup); under
+  // mixed_precision "fp16" the Accelerator holds a loss scaler (as
+  // Accelerate's), whose overflow check under sharding is agreed over the
+  // world, since each process then holds other gradients.
+  explicit Accelerator(AcceleratorConfig config = {});
+
+  // -- what it runs on (accelerator/properties.hpp) ------------------------------
+
+  c10::Device device() const;
+  bool is_main_process() const;
+  bool is_local_main_process() const;
+  bool is_last_process() const;
+  int process_index() const;
+  int local_process_index() const;
+  int num_processes() const;
+  DistributedType distributed_type() const;
+  const std::string& mixed_precision() const;
+  int gradient_accumulation_steps() const;
+  // The strategy in effect: NO_SHARD when the configured one has nothing to
+  // shard along (mp_shard_size == 1, or one process).
+  ShardingStrategy sharding_strategy() const;
+  // Accelerate's use_distributed: more than one process.
+  bool use_distributed() const;
+  // Accelerate's is_fsdp2: whether parameters are sharded at rest
+  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
+  bool is_fsdp2() const;
+  // Accelerate's should_save_model: true on every process, which all call
+  // save_model (a collective; the main process writes).
+  bool should_save_model() const;
+  // This process's rank along each kind of parallelism, as Accelerate names
+  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
+  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
+  int data_parallel_rank() const;
+  int context_parallel_rank() const;
+  int tensor_parallel_rank() const;
+  int pipeline_parallel_rank() const;
+  // Accelerate's verify_device_map: whether the model is spread over devices
+  // by a device map (big-model inference). accel.hpp places whole models: false.
+  template <class ModuleHolder>
+  bool verify_device_map(const ModuleHolder&) const;
+  // Accelerate's project_dir, project_configuration and save_iteration (the
+  // number the next automatically named checkpoint takes; set it through
+  // project_configuration().iteration).
+  const std::filesystem::path& project_dir() const;
+  ProjectConfiguration& project_configuration();
+  int save_iteration() const;
+
+  // -- prepare (accelerator/preparing.hpp) ---------------------------------------
 
   // A model: moved to the device, its parameters and buffers broadcast from
   // rank 0, and bucketed gradient all-reduce armed over the data mesh (see
@@ -14373,79 +14383,28 @@ class AcceleratorPreparing : public AcceleratorSetup {
   // gradient sync. Returns the model itself (accel.hpp does not wrap).
   template <class ModuleHolder>
     requires detail::module_holder<ModuleHolder>
-  ModuleHolder& prepare(ModuleHolder& model) {
-    auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
-    if (prepared_.find(module.get()))
-      throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-    model->to(device());
-    prepared_.models.push_back(detail::PreparedModel{module, data_parallel_for(module)});
-    if (sharded()) {
-      prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
-      for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
-    }
-    return model;
-  }
+  ModuleHolder& prepare(ModuleHolder& model);
   // An optimizer (any torch::optim::Optimizer): see AcceleratedOptimizer.
   // Under sharding its groups then hold the shards of the prepared models'
   // parameters (prepare it before it steps), and step it through the handle
   // returned, whose step() gathers the parameters from the updated shards.
   // A tensor listed twice in it (LibTorch's model->parameters() lists a
   // tied weight under each of its names) is stepped once.
-  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer) {
-    detail::take_parameters_once(optimizer, prepared_);
-    if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
-      prepared_.optimizers.push_back(&optimizer);
-    if (!sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);
-    for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
-    return AcceleratedOptimizer(
-        optimizer, state_,
-        [sharded = prepared_.sharded, &optimizer] {
-          for (DataParallel* dp : *sharded)
-            if (dp->steps_with(optimizer)) dp->gather_shards();
-        },
-        prepared_.scaler);
-  }
-  // Accelerate's single-object forms of prepare.
-  template <class ModuleHolder>
-    requires detail::module_holder<ModuleHolder>
-  ModuleHolder& prepare_model(ModuleHolder& model) {
-    return prepare(model);
-  }
-  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer) { return prepare(optimizer); }
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler) {
-    return prepare(scheduler);
-  }
+  AcceleratedOptimizer prepare(torch::optim::Optimizer& optimizer);
   // A learning-rate scheduler: see AcceleratedScheduler.
-  template <class Scheduler>
-    requires(!std::derived_from<Scheduler, torch::optim::Optimizer> && requires(Scheduler& s) { s.step(); })
-  AcceleratedScheduler prepare(Scheduler& scheduler) {
-    auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
-                              [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
-    if (found == prepared_.schedulers.end()) {
-      detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
-      if constexpr (requires(const Scheduler& c, Scheduler& m, torch::serialize::OutputArchive& out,
-                             torch::serialize::InputArchive& in) {
-                      c.save(out);
-                      m.load(in);
-                    }) {
-        p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
-        p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
-      }
-      prepared_.schedulers.push_back(std::move(p));
-      found = std::prev(prepared_.schedulers.end());
-    }
-    return AcceleratedScheduler(scheduler, state_, settings().split_batches ? 1 : world().get_world_size(Dim::DP),
-                                found->steps);
-  }
+  template <detail::scheduler_like Scheduler>
+  AcceleratedScheduler prepare(Scheduler& scheduler);
   // Several at once, as Accelerate's prepare(model, optimizer, scheduler):
   //   auto [model, optimizer, scheduler] = accelerator.prepare(net, adam, step_lr);
   template <class First, class Second, class... Rest>
-  auto prepare(First& first, Second& second, Rest&... rest) {
-    return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
-        prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
-  }
+  auto prepare(First& first, Second& second, Rest&... rest);
+  // Accelerate's single-object forms of prepare.
+  template <class ModuleHolder>
+    requires detail::module_holder<ModuleHolder>
+  ModuleHolder& prepare_model(ModuleHolder& model);
+  AcceleratedOptimizer prepare_optimizer(torch::optim::Optimizer& optimizer);
+  template <detail::scheduler_like Scheduler>
+  AcceleratedScheduler prepare_scheduler(Scheduler& scheduler);
 
   // A data loader over this process's share of `dataset` on the data-parallel
   // group (see ShardSampler for the layouts). With split_batches,
@@ -14454,31 +14413,12 @@ class AcceleratorPreparing : public AcceleratorSetup {
   // An IterableDataset (a LibTorch StatefulDataset) gives a
   // PreparedIterableDataLoader instead.
   template <class Dataset>
-  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {}) {
-    const int replicas = world().get_world_size(Dim::DP);
-    if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
-    if (settings().split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
-      throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
-                            std::to_string(config.batch_size) + ") must be a multiple of the " +
-                            std::to_string(replicas) + " data-parallel processes");
-    using Loader =
-        std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
-    auto position = std::make_shared<detail::LoaderPosition>();  // its place in its passes goes into checkpoints
-    const size_t batch = config.batch_sampler ? config.batch_sampler_batch_size.value_or(0) : config.batch_size;
-    position->samples_per_batch = settings().split_batches ? batch : batch * static_cast<size_t>(replicas);
-    prepared_.loaders.push_back(position);
-    return Loader(std::move(dataset), config, world().get_group(Dim::DP), settings().split_batches, state_,
-                  prepared_.loaders.back());
-  }
+  auto prepare_data_loader(Dataset dataset, DataLoaderConfig config = {});
   // The loader's next pass starts after its first n batches (Accelerate's
   // skip_first_batches, for a run resumed by hand; load_state does it for
   // prepared loaders). Returns the loader.
-  template <class Loader>
-    requires requires(Loader& l) { l.skip_first_batches(size_t{1}); }
-  Loader& skip_first_batches(Loader& loader, size_t n) {
-    loader.skip_first_batches(n);
-    return loader;
-  }
+  template <detail::skips_batches Loader>
+  Loader& skip_first_batches(Loader& loader, size_t n);
 
   // Anything with save(torch::serialize::OutputArchive&) and
   // load(torch::serialize::InputArchive&) (a LibTorch scheduler or sampler
@@ -14486,191 +14426,72 @@ class AcceleratorPreparing : public AcceleratorSetup {
   // register_for_checkpointing: custom_checkpoint_<i>.pt, in the order
   // registered, written by the main process. The object must outlive the
   // Accelerator's checkpoints.
-  template <class T>
-    requires requires(T& t, const T& c, torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
-      c.save(out);
-      t.load(in);
-    }
-  void register_for_checkpointing(T& object) {
-    prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
-                                 [&object](torch::serialize::InputArchive& in) { object.load(in); }});
-  }
-
-  // -- the prepared models' DataParallels ------------------------------------------------
+  template <detail::checkpointable T>
+  void register_for_checkpointing(T& object);
 
   // The DataParallel of the first prepared model, or of `model`; nullptr
   // when it was not prepared.
-  DataParallel* data_parallel() {
-    return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
-  }
+  DataParallel* data_parallel();
   template <class ModuleHolder>
-  DataParallel* data_parallel(ModuleHolder& model) {
-    detail::PreparedModel* p = prepared_.find(model.ptr().get());
-    return p ? p->data_parallel.get() : nullptr;
-  }
-
- protected:
+  DataParallel* data_parallel(ModuleHolder& model);
+  // The model itself: accel.hpp does not wrap modules.
   template <class ModuleHolder>
-  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op) {
-    if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
-    throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
-  }
-  // Forgets everything prepared (free_memory, once the models are plain modules again).
-  void let_go_of_prepared() {
-    prepared_.sharded->clear();                 // the optimizers' handles stop gathering
-    auto scaler = std::move(prepared_.scaler);  // (the scaler is the Accelerator's, as Accelerate's)
-    prepared_ = {};
-    prepared_.scaler = std::move(scaler);
-  }
+  ModuleHolder& unwrap_model(ModuleHolder& model) const;
 
-  detail::PreparedSet prepared_;
-  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
-};
-}  // namespace detail
+  // Accelerate's free_memory, for a second training run in the same
+  // process: the Accelerator lets go of every model, optimizer, scheduler
+  // and loader it prepared and every object registered for checkpointing
+  // (Accelerate keeps those; here they are references that may not outlive
+  // the run), and its step count restarts. Each prepared model is a plain
+  // module again: under FULL_SHARD its whole parameters gathered back into
+  // it, and an optimizer that stepped shards steps the parameters again,
+  // with its state started afresh (see DataParallel::release_module).
+  // Every process calls it. Loaders keep working on their own.
+  void free_memory();
+  // Accelerate's other name for free_memory.
+  void clear();
 
-ACCEL_NAMESPACE_END
-
-// == accel/training/accelerator/process_operations.hpp ========================
-// accel/training/accelerator/process_operations.hpp: Accelerate's operations as Accelerator methods, over every process.
-//
-// Accelerate's Accelerator offers its operations as methods too
-// (accelerator.gather(x), accelerator.print(...)); the Accelerator takes
-// them from this part. Each calls the free function of the same name over
-// the world (accel/distributed/operations.hpp, process_control.hpp); the
-// trigger is the only state. gather_for_metrics, which needs the prepared
-// loaders, is the Accelerator's own.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// The Accelerator's second base: Accelerate's operations over every
-// process, as methods (accelerator.gather(x), accelerator.print(...)).
-class ProcessOperations {
- public:
-  template <TensorTree T>
-  T gather(const T& data) const {
-    return accel::gather(data);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const {  // Accelerate's default: sum
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T reduce(const T& data, std::string_view reduction) const {  // "sum", "mean", "max", "min", as accel::reduce
-    return accel::reduce(data, reduction);
-  }
-  template <TensorTree T>
-  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0,
-                         bool pad_first = false) const {
-    return accel::pad_across_processes(data, dim, pad_index, pad_first);
-  }
-  template <class T>
-  T split_between_processes(const T& inputs, bool apply_padding = false) const {
-    return accel::split_between_processes(inputs, apply_padding);
-  }
-  template <class... Args>
-  void print(const Args&... args) const {
-    accel::print(args...);
-  }
-  void wait_for_everyone() const {
-    detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
-  }
-  template <class Body>
-  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const {
-    return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
-  }
-  template <class Fn>
-  auto on_main_process(Fn fn) const {
-    return accel::on_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_local_main_process(Fn fn) const {
-    return accel::on_local_main_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_last_process(Fn fn) const {
-    return accel::on_last_process(std::move(fn));
-  }
-  template <class Fn>
-  auto on_process(Fn fn, int process_index) const {
-    return accel::on_process(std::move(fn), process_index);
-  }
-
-  // Any process can ask every process to stop at the same step: set_trigger()
-  // on one, then check_trigger() on all (one all_reduce) is true on all, and
-  // resets the trigger.
-  void set_trigger() { trigger_ = 1; }
-  bool check_trigger() {
-    if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
-    trigger_ = 0;
-    return true;
-  }
-
- private:
-  int64_t trigger_ = 0;
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/accelerator/accelerator.hpp ===============================
-// accel/training/accelerator/accelerator.hpp: the Accelerator: the training step, gradient sync, uneven inputs, checkpoints and weights.
-//
-// Its configuration, world, device and properties come from
-// AcceleratorSetup (accelerator/setup.hpp), what it prepares from
-// AcceleratorPreparing (accelerator/preparing.hpp: the models, optimizers,
-// schedulers and loaders, kept in a PreparedSet that the checkpoint
-// functions of checkpoint/state.hpp save and load), and Accelerate's
-// operations over every process from ProcessOperations
-// (accelerator/process_operations.hpp), experiment logging from ExperimentLog
-// (accelerator/trackers.hpp). This part adds the training step, gradient sync
-// and accumulation, uneven inputs, checkpoints and weights.
-
-ACCEL_NAMESPACE_BEGIN
-
-class Accelerator : public detail::AcceleratorPreparing,
-                    public detail::ProcessOperations,
-                    public detail::ExperimentLog {
- public:
-  // Every setting is checked before the rendezvous (AcceleratorSetup).
-  explicit Accelerator(AcceleratorConfig config = {})
-      : AcceleratorPreparing(std::move(config)), ExperimentLog(settings(), is_main_process()) {}
-
-  // -- the training step --------------------------------------------------------
+  // -- the training step (accelerator/training_step.hpp) -------------------------
 
   // loss.backward(), scaled by 1/gradient_accumulation_steps (and under
   // fp16 by the loss scaler's scale), with the
   // gradient all-reduce armed on every prepared model that syncs now (not
   // inside no_sync or a non-sync accumulate step). A model none of whose
   // parameters gets a gradient from this loss is left alone.
-  void backward(const at::Tensor& loss) {
-    auto step = [&] {
-      const int steps = gradient_accumulation_steps();
-      at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;
-      if (steps > 1) scaled = scaled / steps;
-      if (join_) join_->before_backward();
-      for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
-      for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
-      scaled.backward();
-      for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
-    };
-    if (join_) step();  // (a joined process stands in for it without calling it)
-    else detail::every_process_calls("accel::Accelerator::backward", step);
-  }
-
+  void backward(const at::Tensor& loss);
   // Accelerate's lomo_backward runs the fused backward-and-step of a
   // prepared LOMO optimizer (lomo-optim's Lomo, AdaLomo). LibTorch has none,
   // so no prepared optimizer can be one: Accelerate's error for that case.
-  void lomo_backward(const at::Tensor&, double) {
-    throw InvalidArgument(
-        "accel::Accelerator::lomo_backward: Backward pass not properly called on LOMO optimizers. Are you sure you "
-        "passed a LOMO optimizer in accelerator.prepare()? (LibTorch has no LOMO optimizer: call backward(loss) and "
-        "step the optimizer)");
-  }
+  void lomo_backward(const at::Tensor& loss, double learning_rate);
+
+  // RAII: restores the models' gradient sync when it goes out of scope.
+  using SyncGuard = detail::SyncGuard;
+  // While the guard lives, backward() accumulates these models' gradients
+  // locally (DDP's no_sync). A model that was never prepared never syncs.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models);
+  // While the guard lives, backward() syncs these models' gradients, also
+  // inside no_sync (Accelerate's trigger_sync_in_backward).
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models);
+  // One micro-step of gradient accumulation, as Accelerate's accumulate():
+  // counts the step and sets sync_gradients(), true on every
+  // gradient_accumulation_steps-th call and on the last batch of a prepared
+  // loader's pass (which also restarts the count, so no accumulated gradient
+  // is carried into the next pass). On the other steps the given models
+  // accumulate locally while the guard lives (unless sync_each_batch).
+  // sync_gradients() keeps its value after the guard, for the loop to read.
+  template <class... ModuleHolders>
+  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models);
+  // Whether the current step syncs gradients (and prepared optimizers step).
+  bool sync_gradients() const;
+  // Whether the batch being processed is the last of the innermost prepared
+  // loader's pass.
+  bool end_of_dataloader() const;
+  // The innermost prepared loader whose pass is under way, as Accelerate's
+  // gradient_state.active_dataloader: its address (compare with &loader),
+  // nullptr outside every pass.
+  const void* active_dataloader() const;
 
   // Training on uneven inputs (even_batches = false), as Accelerate's
   // join_uneven_inputs over DDP's Join: runs body (the training loop); a
@@ -14684,15 +14505,7 @@ class Accelerator : public detail::AcceleratorPreparing,
   // joined rank (as with DDP's Join).
   template <class Body, class... ModuleHolders>
     requires(detail::module_holder<ModuleHolders> && ...)
-  void join_uneven_inputs(Body&& body, ModuleHolders&... models) {
-    static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
-    if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
-    if (!prepared_.sharded->empty())
-      throw InvalidArgument(
-          "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
-          "have to step its shard too); use NO_SHARD, or even batches");
-    detail::run_joined(join_, detail::Join({find_prepared(models, "join_uneven_inputs")...}), std::forward<Body>(body));
-  }
+  void join_uneven_inputs(Body&& body, ModuleHolders&... models);
   // The same, with the prepared loaders' even_batches set to even_batches
   // for the block (Accelerate's join_uneven_inputs(..., even_batches)): it
   // applies to each pass that starts inside the block. Loaders that
@@ -14700,111 +14513,63 @@ class Accelerator : public detail::AcceleratorPreparing,
   // warns about them, and also leaves them as they are).
   template <class Body, class... ModuleHolders>
     requires(detail::module_holder<ModuleHolders> && ...)
-  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
-    const detail::EvenBatchesOverride for_the_block(prepared_.loaders, even_batches);
-    join_uneven_inputs(std::forward<Body>(body), models...);
-  }
-
-  // RAII: restores the models' gradient sync when it goes out of scope.
-  using SyncGuard = detail::SyncGuard;
-  // While the guard lives, backward() accumulates these models' gradients
-  // locally (DDP's no_sync). A model that was never prepared never syncs.
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard no_sync(ModuleHolders&... models) {
-    return with_sync(false, models...);
-  }
-  // While the guard lives, backward() syncs these models' gradients, also
-  // inside no_sync (Accelerate's trigger_sync_in_backward).
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard trigger_sync_in_backward(ModuleHolders&... models) {
-    return with_sync(true, models...);
-  }
-  // One micro-step of gradient accumulation, as Accelerate's accumulate():
-  // counts the step and sets sync_gradients(), true on every
-  // gradient_accumulation_steps-th call and on the last batch of a prepared
-  // loader's pass (which also restarts the count, so no accumulated gradient
-  // is carried into the next pass). On the other steps the given models
-  // accumulate locally while the guard lives (unless sync_each_batch).
-  // sync_gradients() keeps its value after the guard, for the loop to read.
-  template <class... ModuleHolders>
-  [[nodiscard]] SyncGuard accumulate(ModuleHolders&... models) {
-    if (settings().sync_with_dataloader && state_->end_of_dataloader()) {
-      step_ = 0;
-      state_->sync_gradients = true;
-    } else {
-      ++step_;
-      state_->sync_gradients = step_ % gradient_accumulation_steps() == 0;
-    }
-    return with_sync(state_->sync_gradients || settings().sync_each_batch, models...);
-  }
-  // Whether the current step syncs gradients (and prepared optimizers step).
-  bool sync_gradients() const { return state_->sync_gradients; }
-  // Whether the batch being processed is the last of the innermost prepared
-  // loader's pass.
-  bool end_of_dataloader() const { return state_->end_of_dataloader(); }
-  // The innermost prepared loader whose pass is under way, as Accelerate's
-  // gradient_state.active_dataloader: its address (compare with &loader),
-  // nullptr outside every pass.
-  const void* active_dataloader() const { return state_->active_dataloader(); }
+  void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models);
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
   // under sharding (detail::clip_grad_norm). Under fp16 the gradients are
   // unscaled first (unscale_gradients), as Accelerate does: call them once
   // per optimizer step, on the steps that sync.
-  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) {
-    unscale_gradients();
-    return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
-  }
-  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
-    unscale_gradients();
-    detail::clip_grad_value(prepared_, parameters, clip_value);
-  }
+  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value);
   // Under fp16: divides the prepared optimizers' gradients (or `optimizer`'s)
   // by the loss scale, once per step (GradScaler::unscale_); else nothing.
-  void unscale_gradients() {
-    if (prepared_.scaler)
-      for (auto* optimizer : prepared_.optimizers) prepared_.scaler->unscale_(*optimizer);
-  }
-  void unscale_gradients(AcceleratedOptimizer& optimizer) {
-    if (prepared_.scaler) prepared_.scaler->unscale_(optimizer.optimizer());
-  }
+  void unscale_gradients();
+  void unscale_gradients(AcceleratedOptimizer& optimizer);
   // The loss scaler of mixed_precision "fp16" (AcceleratorConfig::grad_scaler),
   // as Accelerate's accelerator.scaler; nullptr otherwise.
-  GradScaler* scaler() const { return prepared_.scaler.get(); }
+  GradScaler* scaler() const;
 
   // RAII autocast for the configured mixed precision: bf16 on the CPU
   // through LibTorch's autocast; a no-op for "no".
   using AutocastGuard = detail::AutocastGuard;
-  [[nodiscard]] AutocastGuard autocast() const { return AutocastGuard(mixed_precision(), device()); }
+  [[nodiscard]] AutocastGuard autocast() const;
 
-  // The model itself: accel.hpp does not wrap modules.
-  template <class ModuleHolder>
-  ModuleHolder& unwrap_model(ModuleHolder& model) const {
-    return model;
-  }
+  // -- over every process (accelerator/process_operations.hpp) -------------------
 
-  // Accelerate's free_memory, for a second training run in the same
-  // process: the Accelerator lets go of every model, optimizer, scheduler
-  // and loader it prepared and every object registered for checkpointing
-  // (Accelerate keeps those; here they are references that may not outlive
-  // the run), and its step count restarts. Each prepared model is a plain
-  // module again: under FULL_SHARD its whole parameters gathered back into
-  // it, and an optimizer that stepped shards steps the parameters again,
-  // with its state started afresh (see DataParallel::release_module).
-  // Every process calls it. Loaders keep working on their own.
-  void free_memory() {
-    if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
-    detail::every_process_calls("accel::Accelerator::free_memory", [&] {
-      for (auto& m : prepared_.models) m.data_parallel->release_module();
-    });
-    let_go_of_prepared();
-    step_ = 0;
-    state_->sync_gradients = true;
-  }
-  // Accelerate's other name for free_memory.
-  void clear() { free_memory(); }
+  // Accelerate's operations as methods (accelerator.gather(x),
+  // accelerator.print(...)): each calls the free function of the same name
+  // over the world (accel/distributed/operations.hpp, process_control.hpp).
+  template <TensorTree T>
+  T gather(const T& data) const;
+  template <TensorTree T>
+  T reduce(const T& data, ReduceOp reduction = ReduceOp::SUM) const;  // Accelerate's default: sum
+  template <TensorTree T>
+  T reduce(const T& data, std::string_view reduction) const;  // "sum", "mean", "max", "min", as accel::reduce
+  template <TensorTree T>
+  T pad_across_processes(const T& data, int64_t dim = 0, const at::Scalar& pad_index = 0, bool pad_first = false) const;
+  template <class T>
+  T split_between_processes(const T& inputs, bool apply_padding = false) const;
+  template <class... Args>
+  void print(const Args&... args) const;
+  void wait_for_everyone() const;
+  template <class Body>
+  std::invoke_result_t<Body&> main_process_first(Body&& body) const;
+  template <class Body>
+  std::invoke_result_t<Body&> local_main_process_first(Body&& body) const;
+  template <class Fn>
+  auto on_main_process(Fn fn) const;
+  template <class Fn>
+  auto on_local_main_process(Fn fn) const;
+  template <class Fn>
+  auto on_last_process(Fn fn) const;
+  template <class Fn>
+  auto on_process(Fn fn, int process_index) const;
 
-  // -- metrics across processes (the other operations: ProcessOperations) ----------
+  // Any process can ask every process to stop at the same step: set_trigger()
+  // on one, then check_trigger() on all (one all_reduce) is true on all, and
+  // resets the trigger.
+  void set_trigger();
+  bool check_trigger();
 
   // Every rank's tensors concatenated along dim 0 in rank order (uneven sizes
   // welcome), over the data-parallel group. Inside a pass over a prepared
@@ -14813,21 +14578,23 @@ class Accelerator : public detail::AcceleratorPreparing,
   // num_samples instead keeps the first num_samples rows of the result (for
   // data that did not come from a prepared loader).
   template <TensorTree T>
-  T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt) {
-    return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
-      const GroupPtr group = world().get_group(Dim::DP);
-      auto first_rows = [](int64_t rows) {
-        return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
-      };
-      if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
-      const detail::LoaderState* loader = state_->loader();
-      if (loader && loader->real_rows)
-        return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
-      return accel::gather(data, group);
-    });
-  }
+  T gather_for_metrics(const T& data, std::optional<int64_t> num_samples = std::nullopt);
 
-  // -- checkpoints ----------------------------------------------------------------
+  // -- the experiment log (accelerator/process_operations.hpp; files: trackers.hpp)
+
+  // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
+  // and `config` (the run's hyperparameters, as text) to config.json there.
+  // Every process calls it; the main process writes.
+  void init_trackers(const std::string& project_name, const std::map<std::string, std::string>& config = {});
+  // Accelerate's log: `values` at `step` to every tracker (main process only).
+  void log(const std::map<std::string, double>& values, std::optional<int64_t> step = {});
+  // Accelerate's end_training: the trackers finish (these files are
+  // complete after every log call already); log() after it is an error.
+  void end_training();
+  // Where this run's files go (logging_dir, or project_dir, / project name).
+  std::filesystem::path logging_dir() const;
+
+  // -- checkpoints and weights (accelerator/checkpoints.hpp) ---------------------
 
   // Saves every prepared model and optimizer (model.pt, model_1.pt, ...,
   // optimizer.pt, optimizer_1.pt, ...), every rank's RNG state and the
@@ -14840,12 +14607,7 @@ class Accelerator : public detail::AcceleratorPreparing,
   // writes project_dir/checkpoints/checkpoint_<iteration> (an error if that
   // exists), counts iteration up, and with total_limit then removes the
   // oldest beyond the limit. Returns the checkpoint's directory.
-  std::filesystem::path save_state(const std::filesystem::path& path = {}) {
-    return detail::every_process_calls("accel::Accelerator::save_state", [&] {
-      return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
-    });
-  }
-
+  std::filesystem::path save_state(const std::filesystem::path& path = {});
   // Loads what save_state saved into the prepared models, optimizers,
   // registered objects and this rank's RNG and step, after a half-done save
   // is recovered. Each prepared loader's next pass resumes where the saved
@@ -14860,13 +14622,7 @@ class Accelerator : public detail::AcceleratorPreparing,
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest
   // (Accelerate leaves it, and the next save_state() finds its number taken).
-  void load_state(const std::filesystem::path& path = {}) {
-    step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
-      return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
-    });
-  }
-
-  // -- weights that leave C++ --------------------------------------------------------
+  void load_state(const std::filesystem::path& path = {});
 
   // accel::save_model and accel::load_model (accel/training/checkpoint/weights.hpp) on a
   // prepared model. Under FULL_SHARD save_model gathers the parameters one
@@ -14875,49 +14631,480 @@ class Accelerator : public detail::AcceleratorPreparing,
   // all-gather lands in); load_model gathers them all for the call and
   // writes them back into the shards.
   template <class ModuleHolder>
-  void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
-    detail::every_process_calls("accel::Accelerator::save_model", [&] {
-      const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
-      DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
-      if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
-      auto units = dp->unit_by_unit();
-      detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
-                           [&](const at::Tensor& t) { return units.whole(t); });
-    });
-  }
+  void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {});
   // (the same, options.max_shard_bytes given alone)
   template <class ModuleHolder>
-  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
-    save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
-  }
+  void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes);
   template <class ModuleHolder>
-  void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
-    detail::every_process_calls("accel::Accelerator::load_model", [&] {
-      const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
-      accel::load_model(model, dir, options);
-    });
-  }
+  void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {});
 
  private:
-  detail::CheckpointContext checkpoint_context() const {
-    return {.process_index = process_index(),
-            .num_processes = num_processes(),
-            .shards = prepared_.sharded->empty() ? 1 : world().get_world_size(Dim::MP_SHARD),
-            .device = device()};
-  }
+  template <class ModuleHolder>
+  detail::PreparedModel* find_prepared(ModuleHolder& model, const char* op);
+  // Forgets everything prepared (free_memory, once the models are plain modules again).
+  void let_go_of_prepared();
   template <class... ModuleHolders>
-  SyncGuard with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {  // (no models: sync unused)
-    SyncGuard guard;
-    (
-        [&] {
-          if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(*p->data_parallel, sync);
-        }(),
-        ...);
-    return guard;
-  }
-  int64_t step_ = 0;  // accumulate()'s count of micro-steps
+  SyncGuard with_sync(bool sync, ModuleHolders&... models);
+  detail::CheckpointContext checkpoint_context() const;
+
+  // The checked configuration, the world and the device.
+  detail::AcceleratorSetup setup_;
+  // What was prepared, and what the prepared optimizers, schedulers and
+  // loaders share (Accelerate's GradientState).
+  detail::PreparedSet prepared_;
+  std::shared_ptr<detail::GradientState> state_ = std::make_shared<detail::GradientState>();
+  // The step's sync control: accumulate()'s count of micro-steps, and the
+  // join of uneven inputs while join_uneven_inputs runs its body.
+  int64_t step_ = 0;
   std::optional<detail::Join> join_;
+  // check_trigger()'s flag, and the experiment log's files.
+  int64_t trigger_ = 0;
+  detail::ExperimentLog log_;
 };
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/properties.hpp ================================
+// accel/training/accelerator/properties.hpp: the Accelerator's constructor and properties: what it runs on, read off its setup.
+
+ACCEL_NAMESPACE_BEGIN
+
+inline Accelerator::Accelerator(AcceleratorConfig config)
+    : setup_(std::move(config)), log_(setup_.config(), is_main_process()) {
+  if (mixed_precision() == "fp16" && setup_.config().grad_scaler.enabled)
+    prepared_.scaler = std::make_shared<GradScaler>(setup_.config().grad_scaler, device(),
+                                                    setup_.sharded() ? setup_.world().world_group() : GroupPtr{});
+}
+
+inline c10::Device Accelerator::device() const { return setup_.device(); }
+inline bool Accelerator::is_main_process() const { return setup_.world().get_rank() == 0; }
+inline bool Accelerator::is_local_main_process() const { return setup_.world().get_local_rank() == 0; }
+inline bool Accelerator::is_last_process() const { return process_index() == num_processes() - 1; }
+inline int Accelerator::process_index() const { return setup_.world().get_rank(); }
+inline int Accelerator::local_process_index() const { return setup_.world().get_local_rank(); }
+inline int Accelerator::num_processes() const { return setup_.world().get_world_size(); }
+inline DistributedType Accelerator::distributed_type() const {
+  if (!setup_.world().distributed() || num_processes() == 1) return DistributedType::NO;
+  return device().is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+}
+inline const std::string& Accelerator::mixed_precision() const { return setup_.config().mixed_precision; }
+inline int Accelerator::gradient_accumulation_steps() const { return setup_.config().gradient_accumulation_steps; }
+inline ShardingStrategy Accelerator::sharding_strategy() const {
+  return setup_.sharded() ? setup_.config().sharding_strategy : ShardingStrategy::NO_SHARD;
+}
+inline bool Accelerator::use_distributed() const { return distributed_type() != DistributedType::NO; }
+inline bool Accelerator::is_fsdp2() const {
+  const ShardingStrategy s = sharding_strategy();
+  return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
+}
+inline bool Accelerator::should_save_model() const { return true; }
+inline int Accelerator::data_parallel_rank() const { return setup_.world().get_rank(Dim::DP); }
+inline int Accelerator::context_parallel_rank() const { return setup_.world().get_rank(Dim::CP); }
+inline int Accelerator::tensor_parallel_rank() const { return 0; }
+inline int Accelerator::pipeline_parallel_rank() const { return 0; }
+template <class ModuleHolder>
+bool Accelerator::verify_device_map(const ModuleHolder&) const {
+  return false;
+}
+inline const std::filesystem::path& Accelerator::project_dir() const {
+  return setup_.config().project_config.project_dir;
+}
+inline ProjectConfiguration& Accelerator::project_configuration() { return setup_.project(); }
+inline int Accelerator::save_iteration() const { return setup_.config().project_config.iteration; }
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/preparing.hpp =================================
+// accel/training/accelerator/preparing.hpp: the Accelerator's prepare() in all its forms, and letting go of what it prepared.
+//
+// Each prepared thing is listed in the PreparedSet, which the training step
+// reads and checkpoints save and load; the optimizers, schedulers and
+// loaders share the GradientState.
+
+ACCEL_NAMESPACE_BEGIN
+
+template <class ModuleHolder>
+  requires detail::module_holder<ModuleHolder>
+ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
+  auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
+  if (prepared_.find(module.get()))
+    throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
+  model->to(device());
+  prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module)});
+  if (setup_.sharded()) {
+    prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
+    for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
+  }
+  return model;
+}
+
+inline AcceleratedOptimizer Accelerator::prepare(torch::optim::Optimizer& optimizer) {
+  detail::take_parameters_once(optimizer, prepared_);
+  if (std::find(prepared_.optimizers.begin(), prepared_.optimizers.end(), &optimizer) == prepared_.optimizers.end())
+    prepared_.optimizers.push_back(&optimizer);
+  if (!setup_.sharded()) return AcceleratedOptimizer(optimizer, state_, {}, prepared_.scaler);
+  for (DataParallel* dp : *prepared_.sharded) dp->shard_optimizer(optimizer);
+  return AcceleratedOptimizer(
+      optimizer, state_,
+      [sharded = prepared_.sharded, &optimizer] {
+        for (DataParallel* dp : *sharded)
+          if (dp->steps_with(optimizer)) dp->gather_shards();
+      },
+      prepared_.scaler);
+}
+
+template <detail::scheduler_like Scheduler>
+AcceleratedScheduler Accelerator::prepare(Scheduler& scheduler) {
+  auto found = std::find_if(prepared_.schedulers.begin(), prepared_.schedulers.end(),
+                            [&](const detail::PreparedScheduler& p) { return p.address == &scheduler; });
+  if (found == prepared_.schedulers.end()) {
+    detail::PreparedScheduler p{&scheduler, std::make_shared<int64_t>(0), [&scheduler] { scheduler.step(); }, {}, {}};
+    if constexpr (detail::checkpointable<Scheduler>) {
+      p.save = [&scheduler](torch::serialize::OutputArchive& out) { scheduler.save(out); };
+      p.load = [&scheduler](torch::serialize::InputArchive& in) { scheduler.load(in); };
+    }
+    prepared_.schedulers.push_back(std::move(p));
+    found = std::prev(prepared_.schedulers.end());
+  }
+  return AcceleratedScheduler(scheduler, state_,
+                              setup_.config().split_batches ? 1 : setup_.world().get_world_size(Dim::DP), found->steps);
+}
+
+template <class First, class Second, class... Rest>
+auto Accelerator::prepare(First& first, Second& second, Rest&... rest) {
+  return std::tuple<decltype(prepare(first)), decltype(prepare(second)), decltype(prepare(rest))...>{
+      prepare(first), prepare(second), prepare(rest)...};  // braces: prepared left to right
+}
+
+template <class ModuleHolder>
+  requires detail::module_holder<ModuleHolder>
+ModuleHolder& Accelerator::prepare_model(ModuleHolder& model) {
+  return prepare(model);
+}
+inline AcceleratedOptimizer Accelerator::prepare_optimizer(torch::optim::Optimizer& optimizer) {
+  return prepare(optimizer);
+}
+template <detail::scheduler_like Scheduler>
+AcceleratedScheduler Accelerator::prepare_scheduler(Scheduler& scheduler) {
+  return prepare(scheduler);
+}
+
+template <class Dataset>
+auto Accelerator::prepare_data_loader(Dataset dataset, DataLoaderConfig config) {
+  const int replicas = setup_.world().get_world_size(Dim::DP);
+  const bool split_batches = setup_.config().split_batches;
+  if (config.batch_size == 0) throw InvalidArgument("accel::prepare_data_loader: batch_size must be at least 1");
+  if (split_batches && config.batch_size % static_cast<size_t>(replicas) != 0)
+    throw InvalidArgument("accel::prepare_data_loader: with split_batches the batch size (" +
+                          std::to_string(config.batch_size) + ") must be a multiple of the " +
+                          std::to_string(replicas) + " data-parallel processes");
+  using Loader =
+      std::conditional_t<IterableDataset<Dataset>, PreparedIterableDataLoader<Dataset>, PreparedDataLoader<Dataset>>;
+  auto position = std::make_shared<detail::LoaderPosition>();  // its place in its passes goes into checkpoints
+  const size_t batch = config.batch_sampler ? config.batch_sampler_batch_size.value_or(0) : config.batch_size;
+  position->samples_per_batch = split_batches ? batch : batch * static_cast<size_t>(replicas);
+  prepared_.loaders.push_back(position);
+  return Loader(std::move(dataset), config, setup_.world().get_group(Dim::DP), split_batches, state_,
+                prepared_.loaders.back());
+}
+
+template <detail::skips_batches Loader>
+Loader& Accelerator::skip_first_batches(Loader& loader, size_t n) {
+  loader.skip_first_batches(n);
+  return loader;
+}
+
+template <detail::checkpointable T>
+void Accelerator::register_for_checkpointing(T& object) {
+  prepared_.objects.push_back({[&object](torch::serialize::OutputArchive& out) { object.save(out); },
+                               [&object](torch::serialize::InputArchive& in) { object.load(in); }});
+}
+
+inline DataParallel* Accelerator::data_parallel() {
+  return prepared_.models.empty() ? nullptr : prepared_.models.front().data_parallel.get();
+}
+template <class ModuleHolder>
+DataParallel* Accelerator::data_parallel(ModuleHolder& model) {
+  detail::PreparedModel* p = prepared_.find(model.ptr().get());
+  return p ? p->data_parallel.get() : nullptr;
+}
+template <class ModuleHolder>
+ModuleHolder& Accelerator::unwrap_model(ModuleHolder& model) const {
+  return model;
+}
+
+inline void Accelerator::free_memory() {
+  if (join_) throw LogicError("accel::Accelerator::free_memory: inside join_uneven_inputs");
+  detail::every_process_calls("accel::Accelerator::free_memory", [&] {
+    for (auto& m : prepared_.models) m.data_parallel->release_module();
+  });
+  let_go_of_prepared();
+  step_ = 0;
+  state_->sync_gradients = true;
+}
+inline void Accelerator::clear() { free_memory(); }
+
+template <class ModuleHolder>
+detail::PreparedModel* Accelerator::find_prepared(ModuleHolder& model, const char* op) {
+  if (detail::PreparedModel* p = prepared_.find(model.ptr().get())) return p;
+  throw InvalidArgument(std::string("accel::Accelerator::") + op + ": the model was not prepared");
+}
+inline void Accelerator::let_go_of_prepared() {
+  prepared_.sharded->clear();                 // the optimizers' handles stop gathering
+  auto scaler = std::move(prepared_.scaler);  // (the scaler is the Accelerator's, as Accelerate's)
+  prepared_ = {};
+  prepared_.scaler = std::move(scaler);
+}
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/training_step.hpp =============================
+// accel/training/accelerator/training_step.hpp: the Accelerator's training step: backward, gradient sync and accumulation, uneven inputs, clipping, the loss scale.
+
+ACCEL_NAMESPACE_BEGIN
+
+inline void Accelerator::backward(const at::Tensor& loss) {
+  auto step = [&] {
+    const int steps = gradient_accumulation_steps();
+    at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;
+    if (steps > 1) scaled = scaled / steps;
+    if (join_) join_->before_backward();
+    for (DataParallel* dp : *prepared_.sharded) dp->check_shards();
+    for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
+    scaled.backward();
+    for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+  };
+  if (join_) step();  // (a joined process stands in for it without calling it)
+  else detail::every_process_calls("accel::Accelerator::backward", step);
+}
+
+inline void Accelerator::lomo_backward(const at::Tensor&, double) {
+  throw InvalidArgument(
+      "accel::Accelerator::lomo_backward: Backward pass not properly called on LOMO optimizers. Are you sure you "
+      "passed a LOMO optimizer in accelerator.prepare()? (LibTorch has no LOMO optimizer: call backward(loss) and "
+      "step the optimizer)");
+}
+
+template <class... ModuleHolders>
+Accelerator::SyncGuard Accelerator::no_sync(ModuleHolders&... models) {
+  return with_sync(false, models...);
+}
+template <class... ModuleHolders>
+Accelerator::SyncGuard Accelerator::trigger_sync_in_backward(ModuleHolders&... models) {
+  return with_sync(true, models...);
+}
+template <class... ModuleHolders>
+Accelerator::SyncGuard Accelerator::accumulate(ModuleHolders&... models) {
+  if (setup_.config().sync_with_dataloader && state_->end_of_dataloader()) {
+    step_ = 0;
+    state_->sync_gradients = true;
+  } else {
+    ++step_;
+    state_->sync_gradients = step_ % gradient_accumulation_steps() == 0;
+  }
+  return with_sync(state_->sync_gradients || setup_.config().sync_each_batch, models...);
+}
+inline bool Accelerator::sync_gradients() const { return state_->sync_gradients; }
+inline bool Accelerator::end_of_dataloader() const { return state_->end_of_dataloader(); }
+inline const void* Accelerator::active_dataloader() const { return state_->active_dataloader(); }
+
+template <class... ModuleHolders>
+Accelerator::SyncGuard Accelerator::with_sync([[maybe_unused]] bool sync, ModuleHolders&... models) {
+  SyncGuard guard;  // (no models: sync unused)
+  (
+      [&] {
+        if (detail::PreparedModel* p = prepared_.find(models.ptr().get())) guard.set(*p->data_parallel, sync);
+      }(),
+      ...);
+  return guard;
+}
+
+template <class Body, class... ModuleHolders>
+  requires(detail::module_holder<ModuleHolders> && ...)
+void Accelerator::join_uneven_inputs(Body&& body, ModuleHolders&... models) {
+  static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
+  if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+  if (!prepared_.sharded->empty())
+    throw InvalidArgument(
+        "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
+        "have to step its shard too); use NO_SHARD, or even batches");
+  detail::run_joined(join_, detail::Join({find_prepared(models, "join_uneven_inputs")...}), std::forward<Body>(body));
+}
+template <class Body, class... ModuleHolders>
+  requires(detail::module_holder<ModuleHolders> && ...)
+void Accelerator::join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models) {
+  const detail::EvenBatchesOverride for_the_block(prepared_.loaders, even_batches);
+  join_uneven_inputs(std::forward<Body>(body), models...);
+}
+
+inline double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                           double norm_type) {
+  unscale_gradients();
+  return detail::clip_grad_norm(prepared_, parameters, max_norm, norm_type);
+}
+inline void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+  unscale_gradients();
+  detail::clip_grad_value(prepared_, parameters, clip_value);
+}
+inline void Accelerator::unscale_gradients() {
+  if (prepared_.scaler)
+    for (auto* optimizer : prepared_.optimizers) prepared_.scaler->unscale_(*optimizer);
+}
+inline void Accelerator::unscale_gradients(AcceleratedOptimizer& optimizer) {
+  if (prepared_.scaler) prepared_.scaler->unscale_(optimizer.optimizer());
+}
+inline GradScaler* Accelerator::scaler() const { return prepared_.scaler.get(); }
+
+inline Accelerator::AutocastGuard Accelerator::autocast() const { return AutocastGuard(mixed_precision(), device()); }
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/process_operations.hpp ========================
+// accel/training/accelerator/process_operations.hpp: the Accelerator's work over every process: Accelerate's operations as methods, metrics, the trigger, the experiment log.
+//
+// Each operation calls the free function of the same name over the world
+// (accel/distributed/operations.hpp, process_control.hpp);
+// gather_for_metrics also reads the prepared loaders' passes, and the log
+// methods hand over to the ExperimentLog (accelerator/trackers.hpp).
+
+ACCEL_NAMESPACE_BEGIN
+
+template <TensorTree T>
+T Accelerator::gather(const T& data) const {
+  return accel::gather(data);
+}
+template <TensorTree T>
+T Accelerator::reduce(const T& data, ReduceOp reduction) const {
+  return accel::reduce(data, reduction);
+}
+template <TensorTree T>
+T Accelerator::reduce(const T& data, std::string_view reduction) const {
+  return accel::reduce(data, reduction);
+}
+template <TensorTree T>
+T Accelerator::pad_across_processes(const T& data, int64_t dim, const at::Scalar& pad_index, bool pad_first) const {
+  return accel::pad_across_processes(data, dim, pad_index, pad_first);
+}
+template <class T>
+T Accelerator::split_between_processes(const T& inputs, bool apply_padding) const {
+  return accel::split_between_processes(inputs, apply_padding);
+}
+template <class... Args>
+void Accelerator::print(const Args&... args) const {
+  accel::print(args...);
+}
+inline void Accelerator::wait_for_everyone() const {
+  detail::every_process_calls("accel::Accelerator::wait_for_everyone", [] { accel::wait_for_everyone(); });
+}
+template <class Body>
+std::invoke_result_t<Body&> Accelerator::main_process_first(Body&& body) const {
+  return accel::main_process_first(std::forward<Body>(body), /*local_only=*/false);
+}
+template <class Body>
+std::invoke_result_t<Body&> Accelerator::local_main_process_first(Body&& body) const {
+  return accel::main_process_first(std::forward<Body>(body), /*local_only=*/true);
+}
+template <class Fn>
+auto Accelerator::on_main_process(Fn fn) const {
+  return accel::on_main_process(std::move(fn));
+}
+template <class Fn>
+auto Accelerator::on_local_main_process(Fn fn) const {
+  return accel::on_local_main_process(std::move(fn));
+}
+template <class Fn>
+auto Accelerator::on_last_process(Fn fn) const {
+  return accel::on_last_process(std::move(fn));
+}
+template <class Fn>
+auto Accelerator::on_process(Fn fn, int process_index) const {
+  return accel::on_process(std::move(fn), process_index);
+}
+
+inline void Accelerator::set_trigger() { trigger_ = 1; }
+inline bool Accelerator::check_trigger() {
+  if (accel::all_reduce(trigger_, ReduceOp::SUM) == 0) return false;
+  trigger_ = 0;
+  return true;
+}
+
+template <TensorTree T>
+T Accelerator::gather_for_metrics(const T& data, std::optional<int64_t> num_samples) {
+  return detail::every_process_calls("accel::Accelerator::gather_for_metrics", [&]() -> T {
+    const GroupPtr group = setup_.world().get_group(Dim::DP);
+    auto first_rows = [](int64_t rows) {
+      return [rows](const at::Tensor& t) { return t.dim() ? t.narrow(0, 0, std::min(rows, t.size(0))) : t; };
+    };
+    if (num_samples) return recursively_apply(first_rows(*num_samples), accel::gather(data, group));
+    const detail::LoaderState* loader = state_->loader();
+    if (loader && loader->real_rows)
+      return accel::gather(recursively_apply(first_rows(static_cast<int64_t>(*loader->real_rows)), data), group);
+    return accel::gather(data, group);
+  });
+}
+
+inline void Accelerator::init_trackers(const std::string& project_name,
+                                       const std::map<std::string, std::string>& config) {
+  log_.init_trackers(project_name, config);
+}
+inline void Accelerator::log(const std::map<std::string, double>& values, std::optional<int64_t> step) {
+  log_.log(values, step);
+}
+inline void Accelerator::end_training() { log_.end_training(); }
+inline std::filesystem::path Accelerator::logging_dir() const { return log_.logging_dir(); }
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/accelerator/checkpoints.hpp ===============================
+// accel/training/accelerator/checkpoints.hpp: the Accelerator's checkpoints (save_state, load_state) and exported weights (save_model, load_model).
+//
+// The checkpoint functions (checkpoint/state.hpp) do the work on the
+// PreparedSet; this part says where this process stands and runs them on
+// every process.
+
+ACCEL_NAMESPACE_BEGIN
+
+inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
+  return detail::every_process_calls("accel::Accelerator::save_state", [&] {
+    return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
+  });
+}
+
+inline void Accelerator::load_state(const std::filesystem::path& path) {
+  step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
+    return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
+  });
+}
+
+template <class ModuleHolder>
+void Accelerator::save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options) {
+  detail::every_process_calls("accel::Accelerator::save_model", [&] {
+    const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
+    DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
+    if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
+    auto units = dp->unit_by_unit();
+    detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
+                         [&](const at::Tensor& t) { return units.whole(t); });
+  });
+}
+template <class ModuleHolder>
+void Accelerator::save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_bytes) {
+  save_model(model, dir, SaveModelOptions{.max_shard_bytes = max_shard_bytes});
+}
+template <class ModuleHolder>
+void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options) {
+  detail::every_process_calls("accel::Accelerator::load_model", [&] {
+    const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
+    accel::load_model(model, dir, options);
+  });
+}
+
+inline detail::CheckpointContext Accelerator::checkpoint_context() const {
+  return {.process_index = process_index(),
+          .num_processes = num_processes(),
+          .shards = prepared_.sharded->empty() ? 1 : setup_.world().get_world_size(Dim::MP_SHARD),
+          .device = device()};
+}
 
 ACCEL_NAMESPACE_END
 

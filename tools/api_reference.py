@@ -6,8 +6,9 @@
 
 For each part, in accel.hpp's order: what it declares outside accel::detail,
 with bodies left out, and the classes of accel::detail that a public class
-derives from (their public members are that class's: the Accelerator's
-properties and operations come from two such bases). A function shows its signature; a struct or class its
+derives from (their public members are that class's: the error classes'
+what() and the like). A member defined outside its class shows once, where
+the class declares it. A function shows its signature; a struct or class its
 public members (data members with their defaults and comments); an enum, a
 concept or a using-declaration itself. The comment just above a declaration
 comes with it. Being generated, the page cannot drift from the code: the
@@ -161,6 +162,10 @@ def declarations(text, mask, start, end, in_class=False, public=True):
         nl = text.find("\n", stop)
         nxt = end if nl < 0 or nl > end else nl + 1
         keep = public and not re.match(r"^\s*(friend\b|static_assert|using namespace)", head)
+        # A member defined outside its class (`T Accelerator::gather(...)`; classes are capitalized,
+        # namespaces not): the class shows its declaration.
+        if not in_class and re.search(r"(^|[\s&*>])[A-Z]\w*::(~?\w+|operator\W+)\s*\(", mask[i:j]):
+            keep = False
         first = head.lstrip()
         if re.match(r"^namespace detail\b", first) or first.startswith("namespace detail"):
             keep = False

@@ -77,8 +77,11 @@
 // the Accelerator
 #include "accel/training/accelerator/trackers.hpp"
 #include "accel/training/accelerator/setup.hpp"
-#include "accel/training/accelerator/preparing.hpp"
-#include "accel/training/accelerator/process_operations.hpp"
 #include "accel/training/accelerator/accelerator.hpp"
+#include "accel/training/accelerator/properties.hpp"
+#include "accel/training/accelerator/preparing.hpp"
+#include "accel/training/accelerator/training_step.hpp"
+#include "accel/training/accelerator/process_operations.hpp"
+#include "accel/training/accelerator/checkpoints.hpp"
 
 #endif  // ACCEL_HPP_TRAINING

@@ -1,13 +1,10 @@
-// accel/training/accelerator/setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and what follows from them.
+// accel/training/accelerator/setup.hpp: what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets.
 //
-// The Accelerator (accelerator/accelerator.hpp) is built on two parts that hold no
-// training state: AcceleratorSetup (this part), which checks the
-// configuration before the rendezvous, joins the world, answers the
-// properties Accelerate reads off an accelerator, and decides how a model
-// is wrapped (the DataParallel the strategy calls for); and
-// ProcessOperations (accelerator/process_operations.hpp), Accelerate's operations over
-// every process. The Accelerator adds what it prepares and the training
-// step on top.
+// The Accelerator (accelerator/accelerator.hpp) holds one AcceleratorSetup,
+// which holds no training state: it checks the configuration before the
+// rendezvous, joins the world, and decides how a model is wrapped (the
+// DataParallel the strategy calls for). The Accelerator's properties
+// (accelerator/properties.hpp) are read off it.
 #pragma once
 
 #include "accel/distributed/interface.hpp"
@@ -19,60 +16,10 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// The Accelerator's first base: its settings, checked; the world and the
-// device; Accelerate's properties; the DataParallel a model gets.
+// The Accelerator's settings, checked; the world and the device; the
+// DataParallel a model gets.
 class AcceleratorSetup {
  public:
-  c10::Device device() const { return device_; }
-  bool is_main_process() const { return interface_->get_rank() == 0; }
-  bool is_local_main_process() const { return interface_->get_local_rank() == 0; }
-  bool is_last_process() const { return interface_->get_rank() == interface_->get_world_size() - 1; }
-  int process_index() const { return interface_->get_rank(); }
-  int local_process_index() const { return interface_->get_local_rank(); }
-  int num_processes() const { return interface_->get_world_size(); }
-  DistributedType distributed_type() const {
-    if (!interface_->distributed() || num_processes() == 1) return DistributedType::NO;
-    return device_.is_cuda() ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
-  }
-  const std::string& mixed_precision() const { return config_.mixed_precision; }
-  int gradient_accumulation_steps() const { return config_.gradient_accumulation_steps; }
-  // The strategy in effect: NO_SHARD when the configured one has nothing to
-  // shard along (mp_shard_size == 1, or one process).
-  ShardingStrategy sharding_strategy() const {
-    return sharded() ? config_.sharding_strategy : ShardingStrategy::NO_SHARD;
-  }
-  // Accelerate's use_distributed: more than one process.
-  bool use_distributed() const { return distributed_type() != DistributedType::NO; }
-  // Accelerate's is_fsdp2: whether parameters are sharded at rest
-  // (FULL_SHARD or HYBRID_SHARD with something to shard along).
-  bool is_fsdp2() const {
-    const ShardingStrategy s = sharding_strategy();
-    return s == ShardingStrategy::FULL_SHARD || s == ShardingStrategy::HYBRID_SHARD;
-  }
-  // Accelerate's should_save_model: true on every process, which all call
-  // save_model (a collective; the main process writes).
-  bool should_save_model() const { return true; }
-  // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
-  int data_parallel_rank() const { return interface_->get_rank(Dim::DP); }
-  int context_parallel_rank() const { return interface_->get_rank(Dim::CP); }
-  int tensor_parallel_rank() const { return 0; }
-  int pipeline_parallel_rank() const { return 0; }
-  // Accelerate's verify_device_map: whether the model is spread over devices
-  // by a device map (big-model inference). accel.hpp places whole models: false.
-  template <class ModuleHolder>
-  bool verify_device_map(const ModuleHolder&) const {
-    return false;
-  }
-  // Accelerate's project_dir, project_configuration and save_iteration (the
-  // number the next automatically named checkpoint takes; set it through
-  // project_configuration().iteration).
-  const std::filesystem::path& project_dir() const { return config_.project_config.project_dir; }
-  ProjectConfiguration& project_configuration() { return config_.project_config; }
-  int save_iteration() const { return config_.project_config.iteration; }
-
- protected:
   // Every setting is checked before the rendezvous: a configuration one rank
   // refuses, every rank refuses, and none leaves while its peers connect.
   explicit AcceleratorSetup(AcceleratorConfig config) : config_(checked(std::move(config))) {
@@ -80,9 +27,11 @@ class AcceleratorSetup {
     device_ = interface_->current_device();
   }
 
-  const AcceleratorConfig& settings() const { return config_; }
+  const AcceleratorConfig& config() const { return config_; }
+  ProjectConfiguration& project() { return config_.project_config; }  // (its iteration counts the saves)
   const DistributedInterface& world() const { return *interface_; }
-  // Whether the configured strategy has something to shard along.
+  c10::Device device() const { return device_; }
+  // Whether the configured strategy has something to shard along (else it is NO_SHARD).
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
 
   // The DataParallel that wraps `module` (already on the device) under the

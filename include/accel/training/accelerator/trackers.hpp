@@ -113,9 +113,14 @@ inline std::vector<std::string> csv_columns(const std::string& header) {
 }
 
 // The Accelerator's experiment log: init_trackers, log and end_training
-// (a base of Accelerator; the settings are its AcceleratorSetup's).
+// (an Accelerator holds one; the settings are its AcceleratorSetup's).
 class ExperimentLog {
  public:
+  // The trackers and their place are the configuration's as the
+  // Accelerator is made (a copy: an Accelerator may be moved).
+  ExperimentLog(const AcceleratorConfig& config, bool main_process)
+      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
+
   // Accelerate's init_trackers: the files go to logging_dir/<project_name>,
   // and `config` (the run's hyperparameters, as text) to config.json there.
   // Every process calls it; the main process writes.
@@ -163,12 +168,6 @@ class ExperimentLog {
 
   // Where this run's files go (logging_dir, or project_dir, / project name).
   std::filesystem::path logging_dir() const { return directory(); }
-
- protected:
-  // The trackers and their place are the configuration's as the
-  // Accelerator is made (a copy: an Accelerator may be moved).
-  ExperimentLog(const AcceleratorConfig& config, bool main_process)
-      : names_(tracker_names(config.log_with)), root_(logging_root(config.project_config)), main_(main_process) {}
 
  private:
   bool writes() const { return main_ && !names_.empty(); }
