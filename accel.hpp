@@ -39,7 +39,9 @@
 //     accel/distributed/collectives.hpp                  all_reduce, broadcast, all_gather and their _async forms
 //     accel/distributed/all_to_all.hpp                   all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
 //     accel/distributed/exchange.hpp                     reduce_to, gather_to, scatter, send/recv, barriers
-//     accel/distributed/rendezvous.hpp                   rendezvous and groups: stores, agreeing on the world, making c10d groups
+//     accel/distributed/backends.hpp                     one c10d process group made on either LibTorch generation, over a store
+//     accel/distributed/rendezvous.hpp                   rendezvous: the store ranks meet on, and agreeing on the world
+//     accel/distributed/make_groups.hpp                  several c10d groups made at once over the rendezvous store, and every rank waiting until all are made
 //     accel/distributed/mesh.hpp                         DeviceMesh: named dimensions, slice, flatten
 //     accel/distributed/world.hpp                        World: the ranks of one initialisation, their rendezvous store and the groups made on it
 //     accel/distributed/interface.hpp                    DistributedInterface (the singleton), new_group, init_device_mesh
@@ -56,7 +58,8 @@
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
 //     accel/training/optim/fused_adam.hpp                Adam and AdamW stepped by LibTorch's fused kernels
-//     accel/training/data/sampler.hpp                    data loading: ShardSampler and the loaders' shared state
+//     accel/training/data/sampler.hpp                    data loading: ShardSampler, which deals out each process's share of a dataset
+//     accel/training/data/loader_state.hpp               what a prepared loader is configured with and shares: DataLoaderConfig, its place in its passes, Accelerate's GradientState
 //     accel/training/accelerator_config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
 //     accel/training/data/dispatch.hpp                   dispatch_batches: one rank reads, the others receive their slices
 //     accel/training/data/loaders.hpp                    PreparedDataLoader and PreparedIterableDataLoader
@@ -89,9 +92,10 @@
 //     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
 //     accel/training/checkpoint/sharded_weights.hpp      a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
 //     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
-//     accel/training/checkpoint/write.hpp                save_state's work: every process's files, then process 0's, then the manifest, installed at once
-//     accel/training/checkpoint/read.hpp                 load_state's first step: every file of a checkpoint read and checked against this run, nothing changed
-//     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: write; read and check; apply or roll back; commit
+//     accel/training/checkpoint/item.hpp                 what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
+//     accel/training/checkpoint/model_items.hpp          the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
+//     accel/training/checkpoint/state_items.hpp          the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
+//     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them
 //     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
 //     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets
@@ -3528,12 +3532,12 @@ std::invoke_result_t<Body&> main_process_first(Body&& body, bool local_only = tr
 
 ACCEL_NAMESPACE_END
 
-// == accel/distributed/rendezvous.hpp =========================================
-// accel/distributed/rendezvous.hpp: rendezvous and groups: stores, agreeing on the world, making c10d groups.
+// == accel/distributed/backends.hpp ===========================================
+// accel/distributed/backends.hpp: one c10d process group made on either LibTorch generation, over a store.
 //
-// How ranks meet (a c10d store: FileStore, TCPStore, or torchrun's agent
-// store), agree on the world before building anything, and construct c10d
-// process groups on both LibTorch generations.
+// The c10d backends' constructors and options changed between LibTorch 1.x
+// and 2.x; make_group hides that, and picks the network interface Gloo
+// binds (loopback when every rank is on this host).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -3653,6 +3657,20 @@ inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<
   throw RuntimeError("accel: process-group backend '" + backend + "' is not supported by accel.hpp (use gloo or nccl)");
 }
 
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/rendezvous.hpp =========================================
+// accel/distributed/rendezvous.hpp: rendezvous: the store ranks meet on, and agreeing on the world.
+//
+// How ranks meet (a c10d store: FileStore, TCPStore, or torchrun's agent
+// store) and agree on the world before building anything; the groups are
+// made over the store afterwards (distributed/make_groups.hpp).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // A c10d::TCPStore. From 2.4 on LibTorch serves it with libuv by default
 // (TCPStoreOptions::useLibUV), which only builds made with libuv have
 // (pytorch.org and pip: yes; Debian: no), and the check for it fails every
@@ -3906,6 +3924,16 @@ inline Rendezvoused rendezvous(const StoreAddress& address, int rank, int world,
   return std::move(*met);
 }
 
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/make_groups.hpp ========================================
+// accel/distributed/make_groups.hpp: several c10d groups made at once over the rendezvous store, and every rank waiting until all are made.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
 // Groups made at once. On LibTorch 1.13 making a group is mostly waiting
 // for its members' store round trips, which made one after another add up
 // (on 2.6 it measured no gain; README, Benchmarks part 4); so each group of
@@ -6476,7 +6504,7 @@ class FusedAdamW : public detail::FusedAdamOf<torch::optim::AdamW, true> {
 ACCEL_NAMESPACE_END
 
 // == accel/training/data/sampler.hpp ==========================================
-// accel/training/data/sampler.hpp: data loading: ShardSampler and the loaders' shared state.
+// accel/training/data/sampler.hpp: data loading: ShardSampler, which deals out each process's share of a dataset.
 //
 // A prepared loader gives each process of the data-parallel group its share
 // of a dataset, in one of two layouts:
@@ -6785,6 +6813,19 @@ class ShardSampler : public torch::data::samplers::Sampler<> {
   std::vector<detail::SlotBatch> batches_;
   size_t epoch_ = 0, next_ = 0;
 };
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/data/loader_state.hpp =====================================
+// accel/training/data/loader_state.hpp: what a prepared loader is configured with and shares: DataLoaderConfig, its place in its passes, Accelerate's GradientState.
+//
+// A prepared loader (data/loaders.hpp) reads its DataLoaderConfig; its
+// LoaderPosition is shared with the Accelerator, whose checkpoints save and
+// restore it; and the GradientState is shared by the Accelerator and every
+// prepared optimizer, scheduler and loader, so that each knows whether this
+// step syncs and which pass is under way.
+
+ACCEL_NAMESPACE_BEGIN
 
 struct DataLoaderConfig {
   size_t batch_size = 1;  // per process, or global with AcceleratorConfig::split_batches
@@ -12974,92 +13015,517 @@ inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint/write.hpp ======================================
-// accel/training/checkpoint/write.hpp: save_state's work: every process's files, then process 0's, then the manifest, installed at once.
+// == accel/training/checkpoint/item.hpp =======================================
+// accel/training/checkpoint/item.hpp: what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it.
 //
-// Every process writes its RNG states and, under sharding, its pieces of
-// the models and its optimizer state; process 0 writes what is whole (the
-// models not sharded, the optimizers unless sharded, the loaders' places,
-// the schedulers, the registered objects, the loss scaler) and, last, the
-// manifest listing every file with its digest (checkpoint/files.hpp). All
-// of it goes into DIR.tmp, installed as DIR at once.
+// A checkpoint is a list of items, one per artifact (a model, the sharded
+// pieces, each optimizer, scheduler and registered object, the loaders'
+// places, the loss scaler, this process's RNG states); the driver
+// (checkpoint/state.hpp) runs each phase over the whole list, with the
+// collectives between phases, and writes the manifest last. An item does
+// its own artifact only, and every phase but write_* is optional:
+//
+//   write_own     every process: files of its own (RNG states, its pieces)
+//   write_shared  process 0: the files of all (whole models, ...)
+//   read          read and check what it will load; changes nothing
+//   keep          before any item applies: what roll_back puts back
+//   apply         load what can refuse as it loads
+//   roll_back     some process refused: put back what keep kept
+//   commit        load what read checked, and cannot fail
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// An archive written into the checkpoint directory `tmp` and logged with its digest.
-inline void save_logged(torch::serialize::OutputArchive& archive, const std::filesystem::path& tmp,
-                        const std::string& name, FileLog& log) {
-  log.emplace_back(name, save_archive(archive, tmp / name));
-}
+// What a write phase hands an item: where it writes (the checkpoint's DIR.tmp)
+// and the log of files written, which goes into the manifest.
+struct ItemWriter {
+  const CheckpointContext& ctx;
+  const std::filesystem::path& dir;
+  const std::string& id;  // the checkpoint's, which every piece file carries
+  FileLog& log;
 
-// What every process writes: its RNG states and step (as Accelerate's
-// random_states_<i>), and under sharding its own pieces of the models and
-// its own optimizer state; each file into `log`.
-inline void write_process_files(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
-                                const std::filesystem::path& tmp, const std::string& id, FileLog& log) {
-  torch::serialize::OutputArchive archive;
-  archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
-  if (ctx.device.is_cuda()) archive.write("cuda", at::globalContext().defaultGenerator(ctx.device).get_state());
-  archive.write("step", at::scalar_tensor(step, at::kLong));
-  save_logged(archive, tmp, file_names::random_states(ctx.process_index), log);
-  if (!set.sharded->empty()) write_pieces(set, ctx.process_index, tmp, id, log);
-  if (!set.sharded->empty())
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
-      torch::serialize::OutputArchive state;
-      set.optimizers[i]->save(state);
-      save_logged(state, tmp, optimizer_file(set, ctx, i), log);
+  void save(torch::serialize::OutputArchive& archive, const std::string& name) const {
+    log.emplace_back(name, save_archive(archive, dir / name));
+  }
+};
+
+// The saving run's layout, read off the manifest: the number of processes
+// and the ways the optimizer state was sharded may differ from this run's
+// (checkpoint/world.hpp, checkpoint/reshard.hpp).
+struct SavedLayout {
+  int processes = 1;
+  int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
+  CheckpointManifest manifest;
+};
+
+// What the read phase hands an item: the files (each checked against its
+// digest, in the background, by `files`), the saving run's layout, and
+// where to leave warnings that are given once the load is committed.
+class ItemReader {
+ public:
+  ItemReader(const CheckpointContext& context, const std::filesystem::path& directory, const SavedLayout& layout,
+             CheckpointFiles& files)
+      : ctx(context), dir(directory), saved(layout), files_(files) {}
+
+  const CheckpointContext& ctx;
+  const std::filesystem::path& dir;
+  const SavedLayout& saved;
+  std::vector<std::string> warnings;  // (a loader's place, checkpoint_world)
+
+  // The archive `name`, checked against the manifest's record.
+  std::unique_ptr<torch::serialize::InputArchive> read(const std::string& name) {
+    const std::filesystem::path file = files_.check(name);
+    auto archive = std::make_unique<torch::serialize::InputArchive>();
+    try {
+      archive->load_from(file.string(), ctx.device);
+    } catch (const std::exception& e) {
+      throw RuntimeError("cannot read " + file.string() + ": " + error_text(e));
     }
-}
+    return archive;
+  }
+  // A tensor of the given dtype and shape under `key`, or an error naming the file.
+  static at::Tensor tensor(torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
+                           at::IntArrayRef sizes, const std::string& file) {
+    at::Tensor value;
+    if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
+      throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
+    return value;
+  }
+  // The sharded models' pieces (*.safetensors), indexed once for every model read from them.
+  const ShardedWeights& pieces(const std::string& missing_whole) {
+    namespace fs = std::filesystem;
+    if (!pieces_) {
+      const auto found = fs::directory_iterator(dir);
+      if (std::none_of(fs::begin(found), fs::end(found),
+                       [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
+        throw RuntimeError("missing " + missing_whole + " (and no sharded model's pieces, *.safetensors, beside it)");
+      pieces_.emplace(dir, files_);
+    }
+    return *pieces_;
+  }
 
-// What process 0 writes for all: the models not sharded (whole
-// parameters), the optimizers unless sharded, each prepared loader's resume point (epoch,
-// batches to skip), the schedulers' step counts (and own state) and the
-// registered objects; each file into `log`.
-inline void write_shared_files(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& tmp,
-                               FileLog& log) {
-  auto write = [&](const std::string& name, auto& object) {
+ private:
+  CheckpointFiles& files_;
+  std::optional<ShardedWeights> pieces_;
+};
+
+// One artifact of a checkpoint (the phases at the top of this part).
+class CheckpointItem {
+ public:
+  virtual ~CheckpointItem() = default;
+  virtual void write_own(const ItemWriter&) {}
+  virtual void write_shared(const ItemWriter&) {}
+  virtual void read(ItemReader&) {}
+  virtual void keep() {}
+  virtual void apply() {}
+  virtual void roll_back() {}
+  virtual void commit() {}
+};
+using CheckpointItems = std::vector<std::unique_ptr<CheckpointItem>>;
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/model_items.hpp ================================
+// accel/training/checkpoint/model_items.hpp: the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Prepared model i. Written whole by process 0 unless it is saved in
+// pieces (ShardedPiecesItem writes those); read back from whichever the
+// checkpoint holds, so that a model saved sharded loads unsharded and the
+// other way round (checkpoint/sharded_weights.hpp).
+class ModelItem final : public CheckpointItem {
+ public:
+  ModelItem(PreparedSet& set, std::size_t i) : model_(set.models[i]), i_(i), in_pieces_(saved_in_pieces(set, i)) {}
+
+  void write_shared(const ItemWriter& out) override {
+    if (in_pieces_) return;
     torch::serialize::OutputArchive archive;
-    object.save(archive);
-    save_logged(archive, tmp, name, log);
-  };
-  for (std::size_t i = 0; i < set.models.size(); ++i)
-    if (!saved_in_pieces(set, i)) write(file_names::model(i), *set.models[i].module);
-  if (set.sharded->empty())
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) write(optimizer_file(set, ctx, i), *set.optimizers[i]);
-  if (!set.loaders.empty()) {
+    model_.module->save(archive);
+    out.save(archive, file_names::model(i_));
+  }
+  void read(ItemReader& in) override {
+    const std::filesystem::path whole = in.dir / file_names::model(i_);
+    if (std::filesystem::exists(whole)) {
+      archive_ = in.read(file_names::model(i_));
+      check_module_archive(*model_.module, *archive_, "", whole.string());
+    } else {
+      pieces_ =
+          read_model_pieces(*model_.module, model_.data_parallel.get(), in.pieces(whole.string()), model_prefix(i_));
+    }
+  }
+  void commit() override {
+    DataParallel* dp = model_.data_parallel.get();
+    if (!archive_) return commit_model_pieces(*model_.module, dp, pieces_);
+    const bool sharded = dp && dp->sharded();
+    if (sharded) dp->sharded_state_dict().open_for_load();
+    model_.module->load(*archive_);
+    if (sharded) dp->sharded_state_dict().reshard();
+  }
+
+ private:
+  PreparedModel& model_;
+  std::size_t i_;
+  bool in_pieces_;
+  std::unique_ptr<torch::serialize::InputArchive> archive_;  // read whole,
+  std::map<std::string, at::Tensor> pieces_;                 // else what this process keeps of each piece
+};
+
+// The sharded models' pieces and their optimizers' state, as Python's DCP
+// reads them (checkpoint/shards.hpp): every process writes its own. C++
+// reads them back through ModelItem (the models) and OptimizerItem (its
+// own archives, which hold the optimizer state too).
+class ShardedPiecesItem final : public CheckpointItem {
+ public:
+  explicit ShardedPiecesItem(PreparedSet& set) : set_(set) {}
+  void write_own(const ItemWriter& out) override {
+    if (!set_.sharded->empty()) write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
+  }
+
+ private:
+  PreparedSet& set_;
+};
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/state_items.hpp ================================
+// accel/training/checkpoint/state_items.hpp: the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Prepared optimizer i: written whole by process 0, or under sharding each
+// process its own state; read as saved where this run shards it the same
+// way (or keeps it whole), else cut again from the saved pieces, piece k in
+// process k's file (checkpoint/reshard.hpp). It can refuse as it loads, and
+// is put back if any process refuses anything.
+class OptimizerItem final : public CheckpointItem {
+ public:
+  OptimizerItem(PreparedSet& set, const CheckpointContext& ctx, std::size_t i)
+      : set_(set), optimizer_(*set.optimizers[i]), i_(i), name_(optimizer_file(set, ctx, i)) {}
+
+  void write_own(const ItemWriter& out) override {
+    if (!set_.sharded->empty()) save(out);
+  }
+  void write_shared(const ItemWriter& out) override {
+    if (set_.sharded->empty()) save(out);
+  }
+  void read(ItemReader& in) override {
+    const SavedLayout& saved = in.saved;
+    file_ = (in.dir / name_).string();
+    const bool as_saved =
+        saved.shards == in.ctx.shards && (saved.shards == 1 || saved.processes == in.ctx.num_processes);
+    archive_ = as_saved ? in.read(name_) : resharded_optimizer(set_, i_, saved.shards, in.ctx.device, [&](int64_t k) {
+      const std::string name = file_names::optimizer(i_, saved.shards == 1 ? -1 : static_cast<int>(k));
+      return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
+    });
+  }
+  void keep() override { snapshot_ = optimizer_snapshot(optimizer_); }
+  void apply() override {
+    try {
+      optimizer_.load(*archive_);
+      load_group_options(optimizer_, *archive_);
+    } catch (const std::exception& e) {
+      throw RuntimeError(file_ + " does not fit the optimizer: " + error_text(e));
+    }
+  }
+  void roll_back() override {
+    if (snapshot_) restore_optimizer(optimizer_, *snapshot_);
+  }
+
+ private:
+  void save(const ItemWriter& out) {
+    torch::serialize::OutputArchive archive;
+    optimizer_.save(archive);
+    out.save(archive, name_);
+  }
+
+  PreparedSet& set_;
+  torch::optim::Optimizer& optimizer_;
+  std::size_t i_;
+  std::string name_, file_;  // the file's name, and its path once read
+  std::unique_ptr<torch::serialize::InputArchive> archive_;
+  std::optional<std::string> snapshot_;  // what it had before the load
+};
+
+// Prepared scheduler i: its step count, and its own state where it has a
+// save() of its own. A scheduler with a load() of its own checks what it
+// loads as it loads it; the others replay their missing steps, which sets
+// the optimizers' learning rates the way the saved run did (the
+// optimizers' own state comes after). Neither can be put back.
+class SchedulerItem final : public CheckpointItem {
+ public:
+  SchedulerItem(PreparedScheduler& scheduler, std::size_t i) : scheduler_(scheduler), name_(file_names::scheduler(i)) {}
+
+  void write_shared(const ItemWriter& out) override {
+    torch::serialize::OutputArchive archive;
+    archive.write("steps", at::scalar_tensor(*scheduler_.steps, at::kLong));
+    if (scheduler_.save) {
+      torch::serialize::OutputArchive own;
+      scheduler_.save(own);
+      archive.write("own", own);
+    }
+    out.save(archive, name_);
+  }
+  void read(ItemReader& in) override {
+    archive_ = in.read(name_);
+    file_ = (in.dir / name_).string();
+    steps_ = ItemReader::tensor(*archive_, "steps", at::kLong, {}, file_).item<int64_t>();
+    torch::serialize::InputArchive own;
+    if (scheduler_.load && !archive_->try_read("own", own))
+      throw RuntimeError(file_ + " has no state of the scheduler's own save()");
+    if (!scheduler_.load && steps_ < *scheduler_.steps)
+      throw RuntimeError(file_ + ": the scheduler took " + std::to_string(steps_) +
+                         " steps; this one has already taken " + std::to_string(*scheduler_.steps) +
+                         " (load the checkpoint before stepping it)");
+  }
+  void apply() override {
+    try {
+      if (scheduler_.load) {
+        torch::serialize::InputArchive own;
+        archive_->read("own", own);
+        scheduler_.load(own);
+      } else {
+        for (int64_t k = *scheduler_.steps; k < steps_; ++k) scheduler_.step();
+      }
+      *scheduler_.steps = steps_;
+    } catch (const std::exception& e) {
+      throw RuntimeError(file_ + " does not fit the scheduler: " + error_text(e));
+    }
+  }
+
+ private:
+  PreparedScheduler& scheduler_;
+  std::string name_, file_;
+  std::unique_ptr<torch::serialize::InputArchive> archive_;
+  int64_t steps_ = 0;
+};
+
+// Registered object i (register_for_checkpointing): its own save and load,
+// which checks what it loads as it loads it.
+class ObjectItem final : public CheckpointItem {
+ public:
+  ObjectItem(CheckpointedObject& object, std::size_t i) : object_(object), name_(file_names::custom_object(i)) {}
+
+  void write_shared(const ItemWriter& out) override {
+    torch::serialize::OutputArchive archive;
+    object_.save(archive);
+    out.save(archive, name_);
+  }
+  void read(ItemReader& in) override {
+    archive_ = in.read(name_);
+    file_ = (in.dir / name_).string();
+  }
+  void apply() override {
+    try {
+      object_.load(*archive_);
+    } catch (const std::exception& e) {
+      throw RuntimeError(file_ + " does not fit the registered object: " + error_text(e));
+    }
+  }
+
+ private:
+  CheckpointedObject& object_;
+  std::string name_, file_;
+  std::unique_ptr<torch::serialize::InputArchive> archive_;
+};
+
+// Every prepared loader's resume point (epoch, batches to skip) and samples
+// per batch, one file for all; read back converted to this run's batches
+// (checkpoint/world.hpp).
+class LoadersItem final : public CheckpointItem {
+ public:
+  explicit LoadersItem(std::vector<std::shared_ptr<LoaderPosition>>& loaders) : loaders_(loaders) {}
+
+  void write_shared(const ItemWriter& out) override {
+    if (loaders_.empty()) return;
     std::vector<int64_t> points, per_batch;
-    for (const auto& loader : set.loaders) {
+    for (const auto& loader : loaders_) {
       const auto [epoch, skip] = loader->resume_point();
       points.insert(points.end(), {static_cast<int64_t>(epoch), static_cast<int64_t>(skip)});
       per_batch.push_back(static_cast<int64_t>(loader->samples_per_batch));
     }
     torch::serialize::OutputArchive archive;
-    archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(set.loaders.size()), 2}));
+    archive.write("resume_points", at::tensor(points).reshape({static_cast<int64_t>(loaders_.size()), 2}));
     archive.write("samples_per_batch", at::tensor(per_batch));  // (0: not known) by which a place carries over
-    save_logged(archive, tmp, file_names::loaders, log);
+    out.save(archive, file_names::loaders);
   }
-  for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-    torch::serialize::OutputArchive archive;
-    archive.write("steps", at::scalar_tensor(*set.schedulers[i].steps, at::kLong));
-    if (set.schedulers[i].save) {
-      torch::serialize::OutputArchive own;
-      set.schedulers[i].save(own);
-      archive.write("own", own);
+  void read(ItemReader& in) override;
+  void commit() override {
+    for (std::size_t i = 0; i < loaders_.size(); ++i) {
+      const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read converted it)
+      loaders_[i]->resume_at(static_cast<size_t>(points_[row][0].item<int64_t>()),
+                             static_cast<size_t>(points_[row][1].item<int64_t>()));
     }
-    save_logged(archive, tmp, file_names::scheduler(i), log);
   }
-  for (std::size_t i = 0; i < set.objects.size(); ++i) {
+
+ private:
+  std::vector<std::shared_ptr<LoaderPosition>>& loaders_;
+  at::Tensor points_;
+};
+
+inline void LoadersItem::read(ItemReader& in) {
+  if (loaders_.empty()) return;
+  const std::string file = (in.dir / file_names::loaders).string();
+  auto archive = in.read(file_names::loaders);
+  const auto n = static_cast<int64_t>(loaders_.size());
+  points_ = ItemReader::tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
+  at::Tensor saved_per_batch;
+  const bool same_processes = in.saved.processes == in.ctx.num_processes;
+  if (archive->try_read("samples_per_batch", saved_per_batch))
+    saved_per_batch = ItemReader::tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
+  else if (!same_processes)
+    throw RuntimeError(file +
+                       " does not say how many samples its loaders read per batch (an older accel.hpp saved it): "
+                       "load it with as many processes as saved it (" +
+                       std::to_string(in.saved.processes) + ")");
+  for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
+    ResumedBatches resumed = resumed_batches(
+        static_cast<std::size_t>(i), static_cast<size_t>(points_[i][1].item<int64_t>()),
+        saved_per_batch[i].item<int64_t>(), loaders_[static_cast<std::size_t>(i)]->samples_per_batch, same_processes);
+    points_[i][1].fill_(static_cast<int64_t>(resumed.batches));
+    if (!resumed.warning.empty()) in.warnings.push_back(std::move(resumed.warning));
+  }
+}
+
+// mixed_precision "fp16"'s loss scaler: the scale and growth tracker, the
+// same on every process (each step's overflow check is agreed).
+class ScalerItem final : public CheckpointItem {
+ public:
+  explicit ScalerItem(std::shared_ptr<GradScaler> scaler) : scaler_(std::move(scaler)) {}
+
+  void write_shared(const ItemWriter& out) override {
     torch::serialize::OutputArchive archive;
-    set.objects[i].save(archive);
-    save_logged(archive, tmp, file_names::custom_object(i), log);
+    archive.write("scale", at::scalar_tensor(scaler_->get_scale(), at::kDouble));
+    archive.write("growth_tracker", at::scalar_tensor(scaler_->growth_tracker(), at::kLong));
+    out.save(archive, file_names::scaler);
   }
-  if (set.scaler) {  // (the same on every process: each step's overflow check is agreed)
+  void read(ItemReader& in) override {
+    const std::string file = (in.dir / file_names::scaler).string();
+    if (!std::filesystem::exists(in.dir / file_names::scaler))
+      throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
+    auto archive = in.read(file_names::scaler);
+    scale_ = ItemReader::tensor(*archive, "scale", at::kDouble, {}, file).item<double>();
+    growth_tracker_ = ItemReader::tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>();
+  }
+  void commit() override { scaler_->load_state(scale_, growth_tracker_); }
+
+ private:
+  std::shared_ptr<GradScaler> scaler_;
+  double scale_ = 0;
+  int64_t growth_tracker_ = 0;
+};
+
+// This process's RNG states and the accumulation step (Accelerate's
+// random_states_<i>), or where the saving run had fewer processes, one to
+// seed a stream of its own from (checkpoint/world.hpp).
+class RandomStatesItem final : public CheckpointItem {
+ public:
+  explicit RandomStatesItem(int64_t step) : step_(step) {}
+  // The accumulation step: the one saved, once read.
+  int64_t step() const { return step_; }
+
+  void write_own(const ItemWriter& out) override {
     torch::serialize::OutputArchive archive;
-    archive.write("scale", at::scalar_tensor(set.scaler->get_scale(), at::kDouble));
-    archive.write("growth_tracker", at::scalar_tensor(set.scaler->growth_tracker(), at::kLong));
-    save_logged(archive, tmp, file_names::scaler, log);
+    archive.write("cpu", at::detail::getDefaultCPUGenerator().get_state());
+    if (out.ctx.device.is_cuda())
+      archive.write("cuda", at::globalContext().defaultGenerator(out.ctx.device).get_state());
+    archive.write("step", at::scalar_tensor(step_, at::kLong));
+    out.save(archive, file_names::random_states(out.ctx.process_index));
   }
+  void read(ItemReader& in) override;
+  void commit() override;
+
+ private:
+  int64_t step_;
+  c10::Device device_{c10::kCPU};
+  int process_index_ = 0;
+  at::Tensor rng_, device_rng_;  // device_rng_: the CUDA generator's, where both runs had one
+  bool derived_ = false;         // the saving run had no process of this index: seed from rng_
+};
+
+inline void RandomStatesItem::read(ItemReader& in) {
+  device_ = in.ctx.device;
+  process_index_ = in.ctx.process_index;
+  const int saved_process = saved_process_for(process_index_, in.saved.processes);
+  derived_ = saved_process != process_index_;
+  const std::string name = file_names::random_states(saved_process), file = (in.dir / name).string();
+  if (!std::filesystem::exists(in.dir / name)) throw RuntimeError("missing " + file);
+  auto archive = in.read(name);
+  const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
+  rng_ = ItemReader::tensor(*archive, "cpu", current.scalar_type(), current.sizes(), file);
+  step_ = ItemReader::tensor(*archive, "step", at::kLong, {}, file).item<int64_t>();
+  at::Tensor saved_device_rng;
+  if (device_.is_cuda() && archive->try_read("cuda", saved_device_rng)) {
+    const at::Tensor now = at::globalContext().defaultGenerator(device_).get_state();
+    device_rng_ = ItemReader::tensor(*archive, "cuda", now.scalar_type(), now.sizes(), file);
+  }
+}
+
+// A generator's state is a CPU byte tensor, the CUDA generator's too; the
+// archives were read onto the training device, so it comes back first.
+inline void RandomStatesItem::commit() {
+  auto set_state = [](at::Generator generator, const at::Tensor& state) {
+    std::lock_guard lock(generator.mutex());
+    generator.set_state(state.cpu());
+  };
+  if (!derived_) {
+    set_state(at::detail::getDefaultCPUGenerator(), rng_);
+    if (device_rng_.defined()) set_state(at::globalContext().defaultGenerator(device_), device_rng_);
+    return;
+  }
+  const uint64_t seed = derived_seed(rng_, process_index_);
+  auto reseed = [seed](at::Generator generator) {
+    std::lock_guard lock(generator.mutex());
+    generator.set_current_seed(seed);
+  };
+  reseed(at::detail::getDefaultCPUGenerator());
+  if (device_.is_cuda()) reseed(at::globalContext().defaultGenerator(device_));
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/state.hpp ======================================
+// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them.
+//
+// A checkpoint is a list of items, one per artifact (checkpoint/item.hpp
+// says what each phase does; the items are in model_items.hpp and
+// state_items.hpp). Saving: every process writes its own files, then
+// process 0 the files of all and, last, the manifest listing every file
+// with its digest; all of it goes into DIR.tmp, installed as DIR at once
+// (checkpoint/files.hpp). Loading is transactional, each step a
+// collective: every item reads and checks its files, changing nothing;
+// then the items that can refuse as they load apply, and all are put back
+// on every process if any refuses; then every item commits what was
+// checked and cannot fail. An error on any process is thrown on every
+// process, naming the file.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The items of a checkpoint of `set`, in the order of every phase: the
+// schedulers and registered objects apply before the optimizers (a
+// replayed scheduler sets learning rates, which the optimizers' own state
+// then overrides). The last is the RNG states' (see random_states_of).
+inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
+  CheckpointItems items;
+  for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
+  items.push_back(std::make_unique<ShardedPiecesItem>(set));
+  for (std::size_t i = 0; i < set.schedulers.size(); ++i)
+    items.push_back(std::make_unique<SchedulerItem>(set.schedulers[i], i));
+  for (std::size_t i = 0; i < set.objects.size(); ++i) items.push_back(std::make_unique<ObjectItem>(set.objects[i], i));
+  for (std::size_t i = 0; i < set.optimizers.size(); ++i) items.push_back(std::make_unique<OptimizerItem>(set, ctx, i));
+  items.push_back(std::make_unique<LoadersItem>(set.loaders));
+  if (set.scaler) items.push_back(std::make_unique<ScalerItem>(set.scaler));
+  items.push_back(std::make_unique<RandomStatesItem>(step));
+  return items;
+}
+inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
+  return static_cast<const RandomStatesItem&>(*items.back());
 }
 
 // The manifest's counts for this run (its serial, id and files come later).
@@ -13090,6 +13556,7 @@ inline void add_every_process_files(const FileLog& log, CheckpointManifest& mani
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
+  const CheckpointItems items = checkpoint_items(set, ctx, step);
   const std::filesystem::path tmp = sibling(dir, ".tmp");
   CheckpointManifest manifest = manifest_for(set, ctx);
   // An error anywhere is thrown everywhere. The last checkpoint stays as it
@@ -13118,12 +13585,14 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     manifest.id = id[0];
   }
   FileLog log;
-  fail_on_every_process(error_of([&] { write_process_files(set, ctx, step, tmp, manifest.id, log); }));
+  fail_on_every_process(error_of([&] {
+    for (const auto& item : items) item->write_own({ctx, tmp, manifest.id, log});
+  }));
   add_every_process_files(log, manifest);
   if (ctx.process_index == 0)
     error = error_of([&] {
       FileLog shared;
-      write_shared_files(set, ctx, tmp, shared);
+      for (const auto& item : items) item->write_shared({ctx, tmp, manifest.id, shared});
       for (const auto& [name, digest] : shared) manifest.files[name] = digest;
       checkpoint_hook()("files written");
       write_manifest(tmp, manifest);
@@ -13133,44 +13602,8 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
     });
   fail_on_every_process(error);
 }
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint/read.hpp =======================================
-// accel/training/checkpoint/read.hpp: load_state's first step: every file of a checkpoint read and checked against this run, nothing changed.
-//
-// read_checkpoint recovers a half-done save, checks the manifest against
-// what this run prepared, reads every file (each checked against its
-// digest) and every value it will load, and returns them as a
-// LoadedCheckpoint; an error on any process is thrown on every process,
-// naming the file. checkpoint/state.hpp then applies and commits it.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// What read_checkpoint read and checked, before anything changed.
-struct LoadedCheckpoint {
-  std::vector<std::unique_ptr<torch::serialize::InputArchive>> models, optimizers, objects, schedulers;
-  // A model saved in pieces (models[i] null): what this process keeps of each parameter and buffer, by name.
-  std::vector<std::map<std::string, at::Tensor>> pieces;
-  std::vector<int64_t> scheduler_steps;
-  at::Tensor rng, device_rng, points;  // device_rng: the CUDA generator's, where both runs had one
-  std::vector<std::string> warnings;   // given once the load is committed (a loader's place, checkpoint_world)
-  bool derived_rng = false;            // the saving run had no process of this index: seed from rng (checkpoint_world)
-  int64_t step = 0;
-  std::optional<std::pair<double, int64_t>> scaler;  // the loss scale and growth tracker, where this run has a scaler
-};
-
 // The manifest against this run: as many models, optimizers, schedulers,
-// loaders and registered objects. The number of processes and the ways
-// the optimizer state is sharded may differ (checkpoint/world.hpp,
-// checkpoint/reshard.hpp). Returns the saving run's layout.
-struct SavedLayout {
-  int processes = 1;
-  int64_t shards = 1;  // ways its optimizer state is sharded (1: whole, in optimizer.pt)
-  CheckpointManifest manifest;
-};
+// loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
   if (!manifest)
@@ -13192,160 +13625,13 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
-// Reads one checkpoint's files for read_checkpoint: each file checked
-// against its digest (by `files`, in the background: files.wait() says),
-// and each value checked against this run, into `loaded`. One method per
-// artifact; each throws an error naming the file.
-class CheckpointReader {
- public:
-  CheckpointReader(const PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir,
-                   const SavedLayout& saved, CheckpointFiles& files, LoadedCheckpoint& loaded)
-      : set_(set), ctx_(ctx), dir_(dir), saved_(saved), files_(files), loaded_(loaded) {}
-
-  // Each model whole (model_<i>.pt), or this process's part of its pieces (checkpoint/shards.hpp).
-  void models() {
-    namespace fs = std::filesystem;
-    loaded_.models.resize(set_.models.size());
-    loaded_.pieces.resize(set_.models.size());
-    std::optional<ShardedWeights> pieces;  // (read once, where a model was saved in pieces)
-    for (std::size_t i = 0; i < set_.models.size(); ++i) {
-      const fs::path whole = dir_ / file_names::model(i);
-      if (fs::exists(whole)) {
-        loaded_.models[i] = read(file_names::model(i));
-        check_module_archive(*set_.models[i].module, *loaded_.models[i], "", whole.string());
-        continue;
-      }
-      if (!pieces) {
-        const auto found = fs::directory_iterator(dir_);
-        if (std::none_of(fs::begin(found), fs::end(found),
-                         [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-          throw RuntimeError("missing " + whole.string() +
-                             " (and no sharded model's pieces, *.safetensors, beside it)");
-        pieces.emplace(dir_, files_);
-      }
-      loaded_.pieces[i] =
-          read_model_pieces(*set_.models[i].module, set_.models[i].data_parallel.get(), *pieces, model_prefix(i));
-    }
-  }
-  // Each optimizer's state as saved where this run shards it the same way
-  // (or keeps it whole), else cut again from the saved pieces
-  // (checkpoint/reshard.hpp); piece k is in the file of process k.
-  void optimizers() {
-    const bool as_saved =
-        saved_.shards == ctx_.shards && (saved_.shards == 1 || saved_.processes == ctx_.num_processes);
-    for (std::size_t i = 0; i < set_.optimizers.size(); ++i)
-      loaded_.optimizers.push_back(as_saved ? read(optimizer_file(set_, ctx_, i))
-                                            : resharded_optimizer(set_, i, saved_.shards, ctx_.device, [&](int64_t k) {
-                                                const std::string name = file_names::optimizer(
-                                                    i, saved_.shards == 1 ? -1 : static_cast<int>(k));
-                                                return OpenedArchive{(dir_ / name).string(), std::move(*read(name))};
-                                              }));
-  }
-  void objects() {
-    for (std::size_t i = 0; i < set_.objects.size(); ++i) loaded_.objects.push_back(read(file_names::custom_object(i)));
-  }
-  // Each scheduler's step count, and its own state where it has a save() of its own.
-  void schedulers() {
-    for (std::size_t i = 0; i < set_.schedulers.size(); ++i) {
-      loaded_.schedulers.push_back(read(file_names::scheduler(i)));
-      const std::string file = (dir_ / file_names::scheduler(i)).string();
-      const int64_t steps = tensor(*loaded_.schedulers[i], "steps", at::kLong, {}, file).item<int64_t>();
-      loaded_.scheduler_steps.push_back(steps);
-      torch::serialize::InputArchive own;
-      if (set_.schedulers[i].load && !loaded_.schedulers[i]->try_read("own", own))
-        throw RuntimeError(file + " has no state of the scheduler's own save()");
-      if (!set_.schedulers[i].load && steps < *set_.schedulers[i].steps)
-        throw RuntimeError(file + ": the scheduler took " + std::to_string(steps) +
-                           " steps; this one has already taken " + std::to_string(*set_.schedulers[i].steps) +
-                           " (load the checkpoint before stepping it)");
-    }
-  }
-  // The loaders' places, each converted to this run's batches (checkpoint/world.hpp).
-  void loaders() {
-    if (set_.loaders.empty()) return;
-    const std::string file = (dir_ / file_names::loaders).string();
-    auto archive = read(file_names::loaders);
-    const auto n = static_cast<int64_t>(set_.loaders.size());
-    at::Tensor& points = loaded_.points;
-    points = tensor(*archive, "resume_points", at::kLong, {n, 2}, file);
-    at::Tensor saved_per_batch;
-    if (archive->try_read("samples_per_batch", saved_per_batch))
-      saved_per_batch = tensor(*archive, "samples_per_batch", at::kLong, {n}, file);
-    else if (saved_.processes != ctx_.num_processes)
-      throw RuntimeError(file +
-                         " does not say how many samples its loaders read per batch (an older accel.hpp saved it): "
-                         "load it with as many processes as saved it (" +
-                         std::to_string(saved_.processes) + ")");
-    for (int64_t i = 0; saved_per_batch.defined() && i < n; ++i) {
-      ResumedBatches resumed = resumed_batches(
-          static_cast<std::size_t>(i), static_cast<size_t>(points[i][1].item<int64_t>()),
-          saved_per_batch[i].item<int64_t>(), set_.loaders[static_cast<std::size_t>(i)]->samples_per_batch,
-          saved_.processes == ctx_.num_processes);
-      points[i][1].fill_(static_cast<int64_t>(resumed.batches));
-      if (!resumed.warning.empty()) loaded_.warnings.push_back(std::move(resumed.warning));
-    }
-  }
-  void scaler() {
-    if (!set_.scaler) return;
-    const std::string file = (dir_ / file_names::scaler).string();
-    if (!std::filesystem::exists(dir_ / file_names::scaler))
-      throw RuntimeError("missing " + file + " (this run has fp16's loss scaler; the saving run had none)");
-    auto archive = read(file_names::scaler);
-    loaded_.scaler = {tensor(*archive, "scale", at::kDouble, {}, file).item<double>(),
-                      tensor(*archive, "growth_tracker", at::kLong, {}, file).item<int64_t>()};
-  }
-  // This process's RNG states and step, or where the saving run had fewer
-  // processes, one to seed from (checkpoint/world.hpp).
-  void random_states() {
-    const int saved_process = saved_process_for(ctx_.process_index, saved_.processes);
-    loaded_.derived_rng = saved_process != ctx_.process_index;
-    const std::string name = file_names::random_states(saved_process), file = (dir_ / name).string();
-    if (!std::filesystem::exists(dir_ / name)) throw RuntimeError("missing " + file);
-    auto archive = read(name);
-    const at::Tensor current = at::detail::getDefaultCPUGenerator().get_state();
-    loaded_.rng = tensor(*archive, "cpu", current.scalar_type(), current.sizes(), file);
-    loaded_.step = tensor(*archive, "step", at::kLong, {}, file).item<int64_t>();
-    at::Tensor saved_device_rng;
-    if (ctx_.device.is_cuda() && archive->try_read("cuda", saved_device_rng)) {
-      const at::Tensor now = at::globalContext().defaultGenerator(ctx_.device).get_state();
-      loaded_.device_rng = tensor(*archive, "cuda", now.scalar_type(), now.sizes(), file);
-    }
-  }
-
- private:
-  // The archive `name`, checked against the manifest's record.
-  std::unique_ptr<torch::serialize::InputArchive> read(const std::string& name) {
-    const std::filesystem::path file = files_.check(name);
-    auto archive = std::make_unique<torch::serialize::InputArchive>();
-    try {
-      archive->load_from(file.string(), ctx_.device);
-    } catch (const std::exception& e) {
-      throw RuntimeError("cannot read " + file.string() + ": " + error_text(e));
-    }
-    return archive;
-  }
-  // A tensor of the given dtype and shape under `key`, or an error naming the file.
-  static at::Tensor tensor(torch::serialize::InputArchive& archive, const char* key, at::ScalarType dtype,
-                           at::IntArrayRef sizes, const std::string& file) {
-    at::Tensor value;
-    if (!archive.try_read(key, value) || value.scalar_type() != dtype || value.sizes() != sizes)
-      throw RuntimeError(file + " has no " + key + " of " + c10::toString(dtype) + c10::str(sizes));
-    return value;
-  }
-
-  const PreparedSet& set_;
-  const CheckpointContext& ctx_;
-  const std::filesystem::path& dir_;
-  const SavedLayout& saved_;
-  CheckpointFiles& files_;
-  LoadedCheckpoint& loaded_;
-};
-
-// 1. Recovers a half-done save of dir, then reads and checks every file
-// against the prepared set; nothing changes. An error on any process is
-// thrown on every process, naming the file.
-inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const CheckpointContext& ctx,
-                                        const std::filesystem::path& dir) {
+// 1. Recovers a half-done save of dir, then every item reads and checks
+// its files against the prepared set; nothing changes. Each file is checked
+// against its digest in the background; a failed check is the error, before
+// any other (a damaged file's parse may fail first). Returns the warnings
+// to give once the load is committed.
+inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
+                                                const CheckpointContext& ctx, const std::filesystem::path& dir) {
   {
     std::string error;
     if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
@@ -13353,157 +13639,45 @@ inline LoadedCheckpoint read_checkpoint(const PreparedSet& set, const Checkpoint
   }
   if (!std::filesystem::is_directory(dir))
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
-  LoadedCheckpoint loaded;
+  std::vector<std::string> warnings;
   const std::string error = error_of([&] {
     const SavedLayout saved = check_manifest(dir, set);
-    CheckpointFiles files(dir, saved.manifest);  // (each file checked against its digest: files.wait() below)
-    CheckpointReader reader(set, ctx, dir, saved, files, loaded);
-    // Everything read, then every file's check awaited; a failed check is
-    // the error, before any other (a damaged file's parse may fail first).
+    CheckpointFiles files(dir, saved.manifest);
+    ItemReader reader(ctx, dir, saved, files);
     try {
-      reader.models();
-      reader.optimizers();
-      reader.objects();
-      reader.schedulers();
-      reader.loaders();
-      reader.scaler();
-      reader.random_states();
+      for (const auto& item : items) item->read(reader);
     } catch (...) {
       files.wait();
       throw;
     }
     files.wait();
+    warnings = std::move(reader.warnings);
   });
   fail_together(error, "accel::Accelerator::load_state");
-  return loaded;
+  return warnings;
 }
-}  // namespace detail
 
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint/state.hpp ======================================
-// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: write; read and check; apply or roll back; commit.
-//
-// What goes into a checkpoint is what a PreparedSet lists, plus each
-// process's RNG state and accumulation step (checkpoint/write.hpp writes
-// it). Loading is transactional in three steps, each a collective:
-// read_checkpoint (checkpoint/read.hpp) reads and checks every file and
-// changes nothing; apply_checkpoint loads what can refuse as it loads
-// (schedulers, registered objects, optimizers) and puts the optimizers
-// back on every process if any refuses; commit_checkpoint then loads what
-// was checked and cannot fail. The files themselves (manifest, atomic
-// install, recovery) are checkpoint/files.hpp's.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// 2. Schedulers and registered objects with a load() of their own check
-// what they load as they load it (and cannot be put back); the other
-// schedulers replay their missing steps (which sets the optimizers'
-// learning rates the way the saved run did; the optimizers' own come
-// next). The optimizers check their groups: what they had is kept, to be
-// put back on every process if any one of them refuses.
-inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, LoadedCheckpoint& loaded,
-                             const std::filesystem::path& dir) {
-  auto& optimizers = loaded.optimizers;
-  auto& objects = loaded.objects;
-  auto& schedulers = loaded.schedulers;
-  const auto& scheduler_steps = loaded.scheduler_steps;
-  std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
+// 2. The items that can refuse as they load apply (each first keeps what
+// it would put back), and every item is put back on every process if any
+// one refuses. 3. Then every item commits. Returns the saved accumulation
+// step.
+inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  const CheckpointItems items = checkpoint_items(set, ctx);
+  const std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir);
   const std::string error = error_of([&] {
-    for (auto* optimizer : set.optimizers) snapshots.push_back(optimizer_snapshot(*optimizer));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-      try {
-        if (set.schedulers[i].load) {
-          torch::serialize::InputArchive own;
-          schedulers[i]->read("own", own);
-          set.schedulers[i].load(own);
-        } else {
-          for (int64_t k = *set.schedulers[i].steps; k < scheduler_steps[i]; ++k) set.schedulers[i].step();
-        }
-        *set.schedulers[i].steps = scheduler_steps[i];
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / file_names::scheduler(i)).string() + " does not fit the scheduler: " + error_text(e));
-      }
-    }
-    for (std::size_t i = 0; i < set.objects.size(); ++i) {
-      try {
-        set.objects[i].load(*objects[i]);
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / file_names::custom_object(i)).string() +
-                           " does not fit the registered object: " + error_text(e));
-      }
-    }
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
-      try {
-        set.optimizers[i]->load(*optimizers[i]);
-        load_group_options(*set.optimizers[i], *optimizers[i]);
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() +
-                           " does not fit the optimizer: " + error_text(e));
-      }
-    }
+    for (const auto& item : items) item->keep();
+    for (const auto& item : items) item->apply();
   });
   try {
     fail_together(error, "accel::Accelerator::load_state");
   } catch (...) {
-    for (std::size_t i = 0; i < snapshots.size(); ++i) restore_optimizer(*set.optimizers[i], snapshots[i]);
+    for (const auto& item : items) item->roll_back();
     throw;
   }
-}
-
-// 3. What was read and checked cannot fail to load: the models (and their
-// shards), the loaders' places, this process's RNG. Returns the saved
-// accumulation step.
-inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
-  const auto& models = loaded.models;
-  const auto& points = loaded.points;
-  for (std::size_t i = 0; i < set.models.size(); ++i) {
-    DataParallel* dp = set.models[i].data_parallel.get();
-    const bool sharded = dp && dp->sharded();
-    if (models[i]) {
-      if (sharded) dp->sharded_state_dict().open_for_load();
-      set.models[i].module->load(*models[i]);
-      if (sharded) dp->sharded_state_dict().reshard();
-    } else {
-      commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
-    }
-  }
-  for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read_checkpoint converted it)
-    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()),
-                              static_cast<size_t>(points[row][1].item<int64_t>()));
-  }
-  // A generator's state is a CPU byte tensor, the CUDA generator's too; the
-  // archives were read onto the training device, so it comes back first.
-  auto set_state = [](at::Generator generator, const at::Tensor& state) {
-    std::lock_guard lock(generator.mutex());
-    generator.set_state(state.cpu());
-  };
-  if (!loaded.derived_rng) {
-    set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
-    if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
-  } else {  // a process the saving run did not have: a stream of its own (checkpoint/world.hpp)
-    const uint64_t seed = derived_seed(loaded.rng, ctx.process_index);
-    auto reseed = [seed](at::Generator generator) {
-      std::lock_guard lock(generator.mutex());
-      generator.set_current_seed(seed);
-    };
-    reseed(at::detail::getDefaultCPUGenerator());
-    if (ctx.device.is_cuda()) reseed(at::globalContext().defaultGenerator(ctx.device));
-  }
-  if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
+  for (const auto& item : items) item->commit();
   if (ctx.process_index == 0)
-    for (const auto& warning : loaded.warnings) TORCH_WARN(warning);
-  return loaded.step;
-}
-
-// read_checkpoint, apply_checkpoint and commit_checkpoint in turn. Returns
-// the saved accumulation step.
-inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  LoadedCheckpoint loaded = read_checkpoint(set, ctx, dir);
-  apply_checkpoint(set, ctx, loaded, dir);
-  return commit_checkpoint(set, ctx, loaded);
+    for (const auto& warning : warnings) TORCH_WARN(warning);
+  return random_states_of(items).step();
 }
 
 // Accelerator::save_state: into `path`, or with automatic_checkpoint_naming

@@ -31,8 +31,9 @@
 // optimizers
 #include "accel/training/optim/fused_adam.hpp"
 
-// data: the sampler, dispatching batches, prepared loaders
+// data: the sampler, the loaders' shared state, dispatching batches, prepared loaders
 #include "accel/training/data/sampler.hpp"
+#include "accel/training/data/loader_state.hpp"
 #include "accel/training/data/dispatch.hpp"
 #include "accel/training/data/loaders.hpp"
 
@@ -69,8 +70,9 @@
 #include "accel/training/checkpoint/shards.hpp"
 #include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/checkpoint/context.hpp"
-#include "accel/training/checkpoint/write.hpp"
-#include "accel/training/checkpoint/read.hpp"
+#include "accel/training/checkpoint/item.hpp"
+#include "accel/training/checkpoint/model_items.hpp"
+#include "accel/training/checkpoint/state_items.hpp"
 #include "accel/training/checkpoint/state.hpp"
 #include "accel/training/checkpoint/weights.hpp"
 

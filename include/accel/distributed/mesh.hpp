@@ -8,7 +8,7 @@
 
 #include "accel/distributed/registration.hpp"
 #include "accel/distributed/debug_check.hpp"
-#include "accel/distributed/rendezvous.hpp"
+#include "accel/distributed/make_groups.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

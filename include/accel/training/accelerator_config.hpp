@@ -4,7 +4,7 @@
 #include "accel/core/strategy.hpp"
 #include "accel/training/precision/grad_scaler.hpp"
 #include "accel/training/precision/policy.hpp"
-#include "accel/training/data/sampler.hpp"
+#include "accel/training/data/loader_state.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

@@ -8,7 +8,7 @@
 
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/precision/grad_scaler.hpp"
-#include "accel/training/data/sampler.hpp"
+#include "accel/training/data/loader_state.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

@@ -1,130 +1,195 @@
-// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: write; read and check; apply or roll back; commit.
+// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them.
 //
-// What goes into a checkpoint is what a PreparedSet lists, plus each
-// process's RNG state and accumulation step (checkpoint/write.hpp writes
-// it). Loading is transactional in three steps, each a collective:
-// read_checkpoint (checkpoint/read.hpp) reads and checks every file and
-// changes nothing; apply_checkpoint loads what can refuse as it loads
-// (schedulers, registered objects, optimizers) and puts the optimizers
-// back on every process if any refuses; commit_checkpoint then loads what
-// was checked and cannot fail. The files themselves (manifest, atomic
-// install, recovery) are checkpoint/files.hpp's.
+// A checkpoint is a list of items, one per artifact (checkpoint/item.hpp
+// says what each phase does; the items are in model_items.hpp and
+// state_items.hpp). Saving: every process writes its own files, then
+// process 0 the files of all and, last, the manifest listing every file
+// with its digest; all of it goes into DIR.tmp, installed as DIR at once
+// (checkpoint/files.hpp). Loading is transactional, each step a
+// collective: every item reads and checks its files, changing nothing;
+// then the items that can refuse as they load apply, and all are put back
+// on every process if any refuses; then every item commits what was
+// checked and cannot fail. An error on any process is thrown on every
+// process, naming the file.
 #pragma once
 
-#include "accel/training/checkpoint/read.hpp"
-#include "accel/training/checkpoint/sharded_weights.hpp"
-#include "accel/training/checkpoint/write.hpp"
+#include "accel/training/checkpoint/model_items.hpp"
+#include "accel/training/checkpoint/state_items.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// 2. Schedulers and registered objects with a load() of their own check
-// what they load as they load it (and cannot be put back); the other
-// schedulers replay their missing steps (which sets the optimizers'
-// learning rates the way the saved run did; the optimizers' own come
-// next). The optimizers check their groups: what they had is kept, to be
-// put back on every process if any one of them refuses.
-inline void apply_checkpoint(PreparedSet& set, const CheckpointContext& ctx, LoadedCheckpoint& loaded,
+// The items of a checkpoint of `set`, in the order of every phase: the
+// schedulers and registered objects apply before the optimizers (a
+// replayed scheduler sets learning rates, which the optimizers' own state
+// then overrides). The last is the RNG states' (see random_states_of).
+inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
+  CheckpointItems items;
+  for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
+  items.push_back(std::make_unique<ShardedPiecesItem>(set));
+  for (std::size_t i = 0; i < set.schedulers.size(); ++i)
+    items.push_back(std::make_unique<SchedulerItem>(set.schedulers[i], i));
+  for (std::size_t i = 0; i < set.objects.size(); ++i) items.push_back(std::make_unique<ObjectItem>(set.objects[i], i));
+  for (std::size_t i = 0; i < set.optimizers.size(); ++i) items.push_back(std::make_unique<OptimizerItem>(set, ctx, i));
+  items.push_back(std::make_unique<LoadersItem>(set.loaders));
+  if (set.scaler) items.push_back(std::make_unique<ScalerItem>(set.scaler));
+  items.push_back(std::make_unique<RandomStatesItem>(step));
+  return items;
+}
+inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
+  return static_cast<const RandomStatesItem&>(*items.back());
+}
+
+// The manifest's counts for this run (its serial, id and files come later).
+inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointContext& ctx) {
+  return {.serial = 0,
+          .processes = ctx.num_processes,
+          .models = static_cast<int64_t>(set.models.size()),
+          .optimizers = static_cast<int64_t>(set.optimizers.size()),
+          .loaders = static_cast<int64_t>(set.loaders.size()),
+          .objects = static_cast<int64_t>(set.objects.size()),
+          .schedulers = static_cast<int64_t>(set.schedulers.size()),
+          .shards = ctx.shards};
+}
+// Every process's files and digests, into the manifest process 0 writes
+// (a collective: every process calls it with its own log).
+inline void add_every_process_files(const FileLog& log, CheckpointManifest& manifest) {
+  std::ostringstream mine;
+  for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
+  for (const std::string& theirs : accel::gather_object(mine.str())) {
+    std::istringstream in(theirs);
+    std::string name;
+    FileDigest digest;
+    while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
+  }
+}
+
+// Writes the checkpoint into dir (through dir.tmp and an atomic install);
+// every process calls it, and an error anywhere is thrown everywhere.
+inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
-  auto& optimizers = loaded.optimizers;
-  auto& objects = loaded.objects;
-  auto& schedulers = loaded.schedulers;
-  const auto& scheduler_steps = loaded.scheduler_steps;
-  std::vector<std::string> snapshots;  // taken before a replayed scheduler sets learning rates
+  const CheckpointItems items = checkpoint_items(set, ctx, step);
+  const std::filesystem::path tmp = sibling(dir, ".tmp");
+  CheckpointManifest manifest = manifest_for(set, ctx);
+  // An error anywhere is thrown everywhere. The last checkpoint stays as it
+  // was, and an incomplete DIR.tmp is removed (a full disk gets its space
+  // back): once fail_together returns, no process writes into it any more.
+  auto fail_on_every_process = [&](const std::string& error) {
+    try {
+      fail_together(error, "accel::Accelerator::save_state");
+    } catch (...) {
+      std::error_code ignored;
+      if (ctx.process_index == 0 && !read_manifest(tmp)) std::filesystem::remove_all(tmp, ignored);
+      throw;
+    }
+  };
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      manifest.id = new_checkpoint_id();
+      std::filesystem::create_directories(tmp);
+    });
+  fail_on_every_process(error);
+  {  // (every piece carries the id)
+    std::vector<std::string> id{manifest.id};
+    accel::broadcast_object_list(id);
+    manifest.id = id[0];
+  }
+  FileLog log;
+  fail_on_every_process(error_of([&] {
+    for (const auto& item : items) item->write_own({ctx, tmp, manifest.id, log});
+  }));
+  add_every_process_files(log, manifest);
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      FileLog shared;
+      for (const auto& item : items) item->write_shared({ctx, tmp, manifest.id, shared});
+      for (const auto& [name, digest] : shared) manifest.files[name] = digest;
+      checkpoint_hook()("files written");
+      write_manifest(tmp, manifest);
+      fsync_path(tmp);
+      checkpoint_hook()("manifest written");
+      install_checkpoint(tmp, dir);
+    });
+  fail_on_every_process(error);
+}
+// The manifest against this run: as many models, optimizers, schedulers,
+// loaders and registered objects. Returns the saving run's layout.
+inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
+  const auto manifest = read_manifest(dir);
+  if (!manifest)
+    throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
+                       ", which save_state writes last, is missing, cut short or damaged");
+  const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+      {{"model(s)", {manifest->models, set.models.size()}},
+       {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+       {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+       {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+       {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+  for (const auto& count : counts)
+    if (count.second.first != static_cast<int64_t>(count.second.second))
+      throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                         std::to_string(count.second.second));
+  if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and " + std::to_string(manifest->shards) + " shards");
+  return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
+}
+
+// 1. Recovers a half-done save of dir, then every item reads and checks
+// its files against the prepared set; nothing changes. Each file is checked
+// against its digest in the background; a failed check is the error, before
+// any other (a damaged file's parse may fail first). Returns the warnings
+// to give once the load is committed.
+inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
+                                                const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  {
+    std::string error;
+    if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
+    fail_together(error, "accel::Accelerator::load_state");
+  }
+  if (!std::filesystem::is_directory(dir))
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+  std::vector<std::string> warnings;
   const std::string error = error_of([&] {
-    for (auto* optimizer : set.optimizers) snapshots.push_back(optimizer_snapshot(*optimizer));
-    for (std::size_t i = 0; i < set.schedulers.size(); ++i) {
-      try {
-        if (set.schedulers[i].load) {
-          torch::serialize::InputArchive own;
-          schedulers[i]->read("own", own);
-          set.schedulers[i].load(own);
-        } else {
-          for (int64_t k = *set.schedulers[i].steps; k < scheduler_steps[i]; ++k) set.schedulers[i].step();
-        }
-        *set.schedulers[i].steps = scheduler_steps[i];
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / file_names::scheduler(i)).string() + " does not fit the scheduler: " + error_text(e));
-      }
+    const SavedLayout saved = check_manifest(dir, set);
+    CheckpointFiles files(dir, saved.manifest);
+    ItemReader reader(ctx, dir, saved, files);
+    try {
+      for (const auto& item : items) item->read(reader);
+    } catch (...) {
+      files.wait();
+      throw;
     }
-    for (std::size_t i = 0; i < set.objects.size(); ++i) {
-      try {
-        set.objects[i].load(*objects[i]);
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / file_names::custom_object(i)).string() +
-                           " does not fit the registered object: " + error_text(e));
-      }
-    }
-    for (std::size_t i = 0; i < set.optimizers.size(); ++i) {
-      try {
-        set.optimizers[i]->load(*optimizers[i]);
-        load_group_options(*set.optimizers[i], *optimizers[i]);
-      } catch (const std::exception& e) {
-        throw RuntimeError((dir / optimizer_file(set, ctx, i)).string() +
-                           " does not fit the optimizer: " + error_text(e));
-      }
-    }
+    files.wait();
+    warnings = std::move(reader.warnings);
+  });
+  fail_together(error, "accel::Accelerator::load_state");
+  return warnings;
+}
+
+// 2. The items that can refuse as they load apply (each first keeps what
+// it would put back), and every item is put back on every process if any
+// one refuses. 3. Then every item commits. Returns the saved accumulation
+// step.
+inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  const CheckpointItems items = checkpoint_items(set, ctx);
+  const std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir);
+  const std::string error = error_of([&] {
+    for (const auto& item : items) item->keep();
+    for (const auto& item : items) item->apply();
   });
   try {
     fail_together(error, "accel::Accelerator::load_state");
   } catch (...) {
-    for (std::size_t i = 0; i < snapshots.size(); ++i) restore_optimizer(*set.optimizers[i], snapshots[i]);
+    for (const auto& item : items) item->roll_back();
     throw;
   }
-}
-
-// 3. What was read and checked cannot fail to load: the models (and their
-// shards), the loaders' places, this process's RNG. Returns the saved
-// accumulation step.
-inline int64_t commit_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const LoadedCheckpoint& loaded) {
-  const auto& models = loaded.models;
-  const auto& points = loaded.points;
-  for (std::size_t i = 0; i < set.models.size(); ++i) {
-    DataParallel* dp = set.models[i].data_parallel.get();
-    const bool sharded = dp && dp->sharded();
-    if (models[i]) {
-      if (sharded) dp->sharded_state_dict().open_for_load();
-      set.models[i].module->load(*models[i]);
-      if (sharded) dp->sharded_state_dict().reshard();
-    } else {
-      commit_model_pieces(*set.models[i].module, dp, loaded.pieces[i]);
-    }
-  }
-  for (std::size_t i = 0; i < set.loaders.size(); ++i) {
-    const auto row = static_cast<int64_t>(i);  // (the place in this run's batches: read_checkpoint converted it)
-    set.loaders[i]->resume_at(static_cast<size_t>(points[row][0].item<int64_t>()),
-                              static_cast<size_t>(points[row][1].item<int64_t>()));
-  }
-  // A generator's state is a CPU byte tensor, the CUDA generator's too; the
-  // archives were read onto the training device, so it comes back first.
-  auto set_state = [](at::Generator generator, const at::Tensor& state) {
-    std::lock_guard lock(generator.mutex());
-    generator.set_state(state.cpu());
-  };
-  if (!loaded.derived_rng) {
-    set_state(at::detail::getDefaultCPUGenerator(), loaded.rng);
-    if (loaded.device_rng.defined()) set_state(at::globalContext().defaultGenerator(ctx.device), loaded.device_rng);
-  } else {  // a process the saving run did not have: a stream of its own (checkpoint/world.hpp)
-    const uint64_t seed = derived_seed(loaded.rng, ctx.process_index);
-    auto reseed = [seed](at::Generator generator) {
-      std::lock_guard lock(generator.mutex());
-      generator.set_current_seed(seed);
-    };
-    reseed(at::detail::getDefaultCPUGenerator());
-    if (ctx.device.is_cuda()) reseed(at::globalContext().defaultGenerator(ctx.device));
-  }
-  if (loaded.scaler) set.scaler->load_state(loaded.scaler->first, loaded.scaler->second);
+  for (const auto& item : items) item->commit();
   if (ctx.process_index == 0)
-    for (const auto& warning : loaded.warnings) TORCH_WARN(warning);
-  return loaded.step;
-}
-
-// read_checkpoint, apply_checkpoint and commit_checkpoint in turn. Returns
-// the saved accumulation step.
-inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  LoadedCheckpoint loaded = read_checkpoint(set, ctx, dir);
-  apply_checkpoint(set, ctx, loaded, dir);
-  return commit_checkpoint(set, ctx, loaded);
+    for (const auto& warning : warnings) TORCH_WARN(warning);
+  return random_states_of(items).step();
 }
 
 // Accelerator::save_state: into `path`, or with automatic_checkpoint_naming

@@ -21,7 +21,7 @@
 #pragma once
 
 #include "accel/distributed/objects.hpp"
-#include "accel/training/data/sampler.hpp"
+#include "accel/training/data/loader_state.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
