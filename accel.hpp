@@ -8243,11 +8243,16 @@ class BufferPool {
   // completes, on its own thread (Gloo's worker drops the operation after
   // marking it done): a buffer given back just now may still be referred to
   // for that moment. Waits a little for one to come free; what autograd or
-  // a caller holds stays held, and the request then gets a new buffer.
+  // a caller holds stays held, and the request then gets a new buffer. The
+  // wait sleeps rather than spins, so that on a machine with more processes
+  // than cores the worker gets the core it needs (a 2 ms spin let the pool
+  // grow by a buffer now and then on two cores running two 4-process
+  // tests); it is paid only where the pool would otherwise grow, which
+  // happens a bounded number of times in a run.
   std::shared_ptr<Slot> wait_for_release(int64_t numel, const at::TensorOptions& options) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
     do {
-      std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
       for (const auto& slot : slots_)
         if (fits(*slot, numel, options) && free_of_references(*slot)) return slot;
     } while (std::chrono::steady_clock::now() < until);
