@@ -133,6 +133,16 @@ inline std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> powerSGD_fact
   for (auto& qm : q) orthogonalize(qm, state.orthogonalization_epsilon);
   return {std::move(p), std::move(q)};
 }
+// With error feedback: adds to bucket b's gradients what compression lost
+// at this process's last step, and returns them as they then are (what the
+// compressed result will be subtracted from); else an undefined tensor.
+inline at::Tensor add_error_feedback(PowerSGDState& state, std::size_t b, const at::Tensor& body) {
+  if (!state.use_error_feedback) return {};
+  at::Tensor& error = state.error_dict[b];
+  if (error.defined()) body.add_(error);
+  else error = at::zeros_like(body);
+  return body.clone();
+}
 }  // namespace detail
 
 namespace comm_hooks {
@@ -167,13 +177,7 @@ inline CommHook powerSGD_hook(std::shared_ptr<PowerSGDState> state) {
     int64_t length = 0;  // of the gradients (the used-flags follow: never compressed, no error feedback)
     for (const auto& g : bucket.gradients) length += g.numel();
     const at::Tensor body = input.narrow(0, 0, length);
-    at::Tensor before;
-    if (state->use_error_feedback) {
-      at::Tensor& error = state->error_dict[b];
-      if (error.defined()) body.add_(error);
-      else error = at::zeros_like(body);
-      before = body.clone();
-    }
+    const at::Tensor before = detail::add_error_feedback(*state, b, body);
     detail::PowerSGDSplit split = detail::split_for_powerSGD(bucket, input, length, *state);
     std::vector<at::Tensor> matrices = std::move(split.matrices), plain = std::move(split.plain);
     std::vector<at::Tensor> flat;
