@@ -13131,6 +13131,18 @@ class CheckpointItem {
   virtual void commit() {}
 };
 using CheckpointItems = std::vector<std::unique_ptr<CheckpointItem>>;
+
+// An item's apply step: where the artifact itself refuses what was read (a
+// file saved from another optimizer, scheduler or object), the error names
+// the file and what it was meant for.
+template <class Apply>
+void apply_or_name_file(const std::string& file, const char* artifact, Apply&& apply) {
+  try {
+    apply();
+  } catch (const std::exception& e) {
+    throw RuntimeError(file + " does not fit the " + artifact + ": " + error_text(e));
+  }
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -13234,12 +13246,10 @@ class OptimizerItem final : public CheckpointItem {
   }
   void keep() override { snapshot_ = optimizer_snapshot(optimizer_); }
   void apply() override {
-    try {
+    apply_or_name_file(file_, "optimizer", [&] {
       optimizer_.load(*archive_);
       load_group_options(optimizer_, *archive_);
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the optimizer: " + error_text(e));
-    }
+    });
   }
   void roll_back() override {
     if (snapshot_) restore_optimizer(optimizer_, *snapshot_);
@@ -13292,7 +13302,7 @@ class SchedulerItem final : public CheckpointItem {
                          " (load the checkpoint before stepping it)");
   }
   void apply() override {
-    try {
+    apply_or_name_file(file_, "scheduler", [&] {
       if (scheduler_.load) {
         torch::serialize::InputArchive own;
         archive_->read("own", own);
@@ -13301,9 +13311,7 @@ class SchedulerItem final : public CheckpointItem {
         for (int64_t k = *scheduler_.steps; k < steps_; ++k) scheduler_.step();
       }
       *scheduler_.steps = steps_;
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the scheduler: " + error_text(e));
-    }
+    });
   }
 
  private:
@@ -13329,11 +13337,7 @@ class ObjectItem final : public CheckpointItem {
     file_ = (in.dir / name_).string();
   }
   void apply() override {
-    try {
-      object_.load(*archive_);
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the registered object: " + error_text(e));
-    }
+    apply_or_name_file(file_, "registered object", [&] { object_.load(*archive_); });
   }
 
  private:
@@ -13519,7 +13523,7 @@ namespace detail {
 // The items of a checkpoint of `set`, in the order of every phase: the
 // schedulers and registered objects apply before the optimizers (a
 // replayed scheduler sets learning rates, which the optimizers' own state
-// then overrides). The last is the RNG states' (see random_states_of).
+// then overrides). The RNG states' comes last.
 inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
   CheckpointItems items;
   for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
@@ -13534,7 +13538,9 @@ inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContex
   return items;
 }
 inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
-  return static_cast<const RandomStatesItem&>(*items.back());
+  for (const auto& item : items)  // (found by type, so that reordering the list cannot pick another item)
+    if (const auto* states = dynamic_cast<const RandomStatesItem*>(item.get())) return *states;
+  throw LogicError("accel::Accelerator::load_state: no RNG states among the checkpoint's items");
 }
 
 // The manifest's counts for this run (its serial, id and files come later).

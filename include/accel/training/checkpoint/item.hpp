@@ -109,6 +109,18 @@ class CheckpointItem {
   virtual void commit() {}
 };
 using CheckpointItems = std::vector<std::unique_ptr<CheckpointItem>>;
+
+// An item's apply step: where the artifact itself refuses what was read (a
+// file saved from another optimizer, scheduler or object), the error names
+// the file and what it was meant for.
+template <class Apply>
+void apply_or_name_file(const std::string& file, const char* artifact, Apply&& apply) {
+  try {
+    apply();
+  } catch (const std::exception& e) {
+    throw RuntimeError(file + " does not fit the " + artifact + ": " + error_text(e));
+  }
+}
 }  // namespace detail
 
 ACCEL_NAMESPACE_END

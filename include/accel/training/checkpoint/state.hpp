@@ -22,7 +22,7 @@ namespace detail {
 // The items of a checkpoint of `set`, in the order of every phase: the
 // schedulers and registered objects apply before the optimizers (a
 // replayed scheduler sets learning rates, which the optimizers' own state
-// then overrides). The last is the RNG states' (see random_states_of).
+// then overrides). The RNG states' comes last.
 inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
   CheckpointItems items;
   for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
@@ -37,7 +37,9 @@ inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContex
   return items;
 }
 inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
-  return static_cast<const RandomStatesItem&>(*items.back());
+  for (const auto& item : items)  // (found by type, so that reordering the list cannot pick another item)
+    if (const auto* states = dynamic_cast<const RandomStatesItem*>(item.get())) return *states;
+  throw LogicError("accel::Accelerator::load_state: no RNG states among the checkpoint's items");
 }
 
 // The manifest's counts for this run (its serial, id and files come later).

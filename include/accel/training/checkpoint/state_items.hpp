@@ -36,12 +36,10 @@ class OptimizerItem final : public CheckpointItem {
   }
   void keep() override { snapshot_ = optimizer_snapshot(optimizer_); }
   void apply() override {
-    try {
+    apply_or_name_file(file_, "optimizer", [&] {
       optimizer_.load(*archive_);
       load_group_options(optimizer_, *archive_);
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the optimizer: " + error_text(e));
-    }
+    });
   }
   void roll_back() override {
     if (snapshot_) restore_optimizer(optimizer_, *snapshot_);
@@ -94,7 +92,7 @@ class SchedulerItem final : public CheckpointItem {
                          " (load the checkpoint before stepping it)");
   }
   void apply() override {
-    try {
+    apply_or_name_file(file_, "scheduler", [&] {
       if (scheduler_.load) {
         torch::serialize::InputArchive own;
         archive_->read("own", own);
@@ -103,9 +101,7 @@ class SchedulerItem final : public CheckpointItem {
         for (int64_t k = *scheduler_.steps; k < steps_; ++k) scheduler_.step();
       }
       *scheduler_.steps = steps_;
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the scheduler: " + error_text(e));
-    }
+    });
   }
 
  private:
@@ -131,11 +127,7 @@ class ObjectItem final : public CheckpointItem {
     file_ = (in.dir / name_).string();
   }
   void apply() override {
-    try {
-      object_.load(*archive_);
-    } catch (const std::exception& e) {
-      throw RuntimeError(file_ + " does not fit the registered object: " + error_text(e));
-    }
+    apply_or_name_file(file_, "registered object", [&] { object_.load(*archive_); });
   }
 
  private:
