@@ -66,6 +66,7 @@
 //     accel/training/dp/comm_hooks.hpp                   communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/dp/buckets.hpp                      which gradients share a bucket (DDP's assignment, with FSDP units)
 //     accel/training/dp/buffers.hpp                      the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
+//     accel/training/dp/strategy.hpp                     Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode
 //     accel/training/dp/state.hpp                        DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks
 //     accel/training/dp/chunks.hpp                       the chunk layout sharding cuts every parameter into: S equal chunks, the last padded
 //     accel/training/dp/scatter.hpp                      ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
@@ -76,6 +77,7 @@
 //     accel/training/recompute.hpp                       accel::checkpoint, activation checkpointing as torch.utils.checkpoint
 //     accel/training/dp/shards.hpp                       ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
 //     accel/training/dp/sharded_state_dict.hpp           what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
+//     accel/training/dp/strategies.hpp                   the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it
 //     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
 //     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered
 //     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
@@ -8271,6 +8273,118 @@ using Lease = BufferPool::Lease;
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp/strategy.hpp ===========================================
+// accel/training/dp/strategy.hpp: Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode.
+//
+// DataParallel's constructor makes one strategy (dp/state.hpp's Replicated
+// or Sharded, each holding its own state) and every operation whose work
+// depends on the mode is a call through this interface; no other code tests
+// which mode it runs (the strategies' own code knows). Why an interface and
+// not a std::variant visited at each call: the operations are many, and a
+// new strategy (one that takes pieces of tensor-parallel parameters, say) is
+// then one class listing them all, checked by the compiler, instead of a
+// case added to every visit. The strategies define these in
+// dp/strategies.hpp, after the engine's parts they call into.
+//
+// Every operation that reads or changes the engine's state takes the lock
+// token (dp/state.hpp's Locked); the defaults are what a strategy that
+// keeps no shards does: nothing, or the whole tensor.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+struct State;
+class Locked;
+
+// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
+// nor load whole what a rank keeps in pieces: elements [begin, begin +
+// values.numel()) of a parameter flattened, `values` a flat view (see
+// Sharded's piece_of in dp/sharded_state_dict.hpp).
+struct Piece {
+  at::Tensor values;
+  int64_t begin = 0;
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  // Whether parameters are cut into shards here (SHARD_GRAD_OP, FULL_SHARD,
+  // HYBRID_SHARD), and along which group (null when they are not).
+  virtual bool shards() const { return false; }
+  virtual const GroupPtr& shard_group() const;
+
+  // -- building (DataParallel's constructor, in this order) --
+  // The FULL_SHARD unit each of `params` belongs to (-1: none).
+  virtual std::vector<int64_t> assign_units(State& s, const torch::nn::Module& module,
+                                            const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                            const std::vector<at::Tensor>& params) = 0;
+  // The strategy's own state for the common layout just made (bucket_unit:
+  // each bucket's unit, -1 for none).
+  virtual void lay_out(State& s, const std::vector<int64_t>& bucket_unit) = 0;
+  // A MixedPrecisionPolicy, its dtypes already checked (see check_policy).
+  virtual void take_policy(State& s, const MixedPrecisionPolicy& policy) = 0;
+  // The modules that are FULL_SHARD units, in order (none elsewhere).
+  virtual std::size_t unit_count() const { return 0; }
+  virtual std::vector<const torch::nn::Module*> unit_modules() const { return {}; }
+
+  // -- a synced backward --
+  // Before it: whatever the last step's reductions still hold handed back.
+  virtual void arm(const Locked&) {}
+  // Bucket b's reduction started, its gradients all ready (all-reduce or reduce-scatter).
+  virtual void issue(const Locked& held, std::size_t b) = 0;
+  // Every reduction waited for and its result written where the optimizer reads it.
+  virtual void finish(const Locked& held) = 0;
+  // The end of a forward and backward pass: FULL_SHARD's units freed.
+  virtual void end_unit_pass(const Locked&) {}
+  // A joined rank standing in for the others' backward (DDP's join).
+  virtual void shadow_backward(const Locked& held) = 0;
+
+  // -- NO_SHARD's options (refused by the sharded strategies) --
+  virtual void register_comm_hook(const Locked& held, CommHook hook) = 0;
+  virtual void gradient_as_bucket_view(const Locked& held, bool on) = 0;
+
+  // -- the shards and the optimizers that step them --
+  virtual at::Tensor shard_of(const State&, const at::Tensor&) const { return {}; }
+  virtual void shard_optimizer(const Locked&, torch::optim::Optimizer&) {}
+  virtual bool steps_with(const Locked&, const torch::optim::Optimizer&) const { return false; }
+  virtual void check_shards(const Locked&) {}
+  virtual void gather_shards(const Locked&) {}
+  // DataParallel::release_module: the module whole again, the optimizers
+  // given its parameters back.
+  virtual void release_module(const Locked&) {}
+
+  // -- FULL_SHARD's units --
+  // summon_full_params: every unit gathered until the returned count of holders drops.
+  virtual void summon_units(const Locked&) {}
+  virtual void set_prefetch(const Locked&, bool /*forward*/, bool /*backward*/) {}
+  // For the destructor: the units' parameters given memory of their own. Never throws.
+  virtual void let_go_of_units(const Locked&) noexcept {}
+
+  // -- what a checkpoint reads and writes (ShardedStateDict) --
+  virtual std::optional<Piece> piece_of(const Locked&, const at::Tensor&) const { return std::nullopt; }
+  virtual bool writes_pieces() const { return false; }
+  virtual std::pair<int64_t, int64_t> load_range(const Locked&, const at::Tensor& p) const { return {0, p.numel()}; }
+  virtual void load_values(const Locked&, const std::function<at::Tensor(const at::Tensor&)>&) {}
+  virtual void open_for_load(const Locked&) {}
+  virtual void reshard(const Locked&) {}
+};
+inline const GroupPtr& Strategy::shard_group() const {
+  static const GroupPtr none;
+  return none;
+}
+
+// A MixedPrecisionPolicy's dtypes are floating-point, whatever the strategy.
+inline void check_policy(const MixedPrecisionPolicy& policy) {
+  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
+    if (dtype && !c10::isFloatingType(*dtype))
+      throw InvalidArgument(
+          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
+          c10::toString(*dtype));
+}
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/dp/state.hpp ==============================================
 // accel/training/dp/state.hpp: DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks.
 //
@@ -8284,13 +8398,12 @@ ACCEL_NAMESPACE_END
 // function that reads or changes the State after its construction takes
 // that Locked (below), so the compiler checks the rule.
 
-#include <variant>
-
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
 // DataParallel's state is one common layout of buckets (below) and the
-// strategy's own state, one of two types held in State::mode:
+// strategy's own state, held in State::mode by one of the two strategies
+// (dp/strategy.hpp's interface; their operations are in dp/strategies.hpp):
 //   Replicated (NO_SHARD): each bucket all-reduced, through a communication hook;
 //   Sharded (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD): each parameter cut in
 //     chunks, each bucket reduce-scattered into this rank's shards; with
@@ -8300,7 +8413,8 @@ namespace detail::dp {
 // parameters are sharded exactly as SHARD_GRAD_OP's) plus Units, which
 // SHARD_GRAD_OP has none of; the units' code runs over the units' buckets
 // only, so it needs no test of the mode. The mode is chosen once, in
-// DataParallel's constructor, and read through replicated() / sharded().
+// DataParallel's constructor; the engine's functions of one strategy reach
+// its state through replicated() / sharded().
 
 // A bucket as every strategy lays it out: its parameters (one dtype and
 // device), the flags of which had a gradient, and its reduction in flight.
@@ -8324,11 +8438,22 @@ struct Bucket {
 struct ReplicatedBucket {
   at::Tensor flat{}, persistent{}, divisor{};
 };
-struct Replicated {
+struct Replicated final : Strategy {
   std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
   CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
   bool hooked = false;
   bool bucket_view = false;  // (see gradient_as_bucket_view)
+
+  std::vector<int64_t> assign_units(State& s, const torch::nn::Module& module,
+                                    const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                    const std::vector<at::Tensor>& params) override;
+  void lay_out(State& s, const std::vector<int64_t>& bucket_unit) override;
+  void take_policy(State& s, const MixedPrecisionPolicy& policy) override;
+  void issue(const Locked& held, std::size_t b) override;
+  void finish(const Locked& held) override;
+  void shadow_backward(const Locked& held) override;
+  void register_comm_hook(const Locked& held, CommHook hook) override;
+  void gradient_as_bucket_view(const Locked& held, bool on) override;
 };
 
 // Sharding's per bucket. A rank's segment holds its chunk of each
@@ -8394,7 +8519,10 @@ struct Units {
   std::optional<c10::ScalarType> param_dtype{}, output_dtype{};
   bool cast_inputs = true;
 };
-struct Sharded {
+struct Sharded final : Strategy {
+  Sharded(GroupPtr shard_group, GroupPtr replicate_group)
+      : shard(std::move(shard_group)), replicate(std::move(replicate_group)) {}
+
   GroupPtr shard{}, replicate{};         // sharded along shard, averaged along replicate too (HSDP)
   std::vector<ShardedBucket> buckets{};  // (State::buckets' order)
   // Where each parameter's shard is, and the optimizers stepping them.
@@ -8402,6 +8530,38 @@ struct Sharded {
   std::vector<torch::optim::Optimizer*> optimizers{};
   std::optional<c10::ScalarType> reduce_dtype{};  // a MixedPrecisionPolicy's: the dtype gradients reduce in
   Units units{};                                  // none under SHARD_GRAD_OP
+
+  bool shards() const override { return true; }
+  const GroupPtr& shard_group() const override { return shard; }
+  std::vector<int64_t> assign_units(State& s, const torch::nn::Module& module,
+                                    const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                    const std::vector<at::Tensor>& params) override;
+  void lay_out(State& s, const std::vector<int64_t>& bucket_unit) override;
+  void take_policy(State& s, const MixedPrecisionPolicy& policy) override;
+  std::size_t unit_count() const override;
+  std::vector<const torch::nn::Module*> unit_modules() const override;
+  void arm(const Locked& held) override;
+  void issue(const Locked& held, std::size_t b) override;
+  void finish(const Locked& held) override;
+  void end_unit_pass(const Locked& held) override;
+  void shadow_backward(const Locked& held) override;
+  void register_comm_hook(const Locked& held, CommHook hook) override;
+  void gradient_as_bucket_view(const Locked& held, bool on) override;
+  at::Tensor shard_of(const State& s, const at::Tensor& p) const override;
+  void shard_optimizer(const Locked& held, torch::optim::Optimizer& optimizer) override;
+  bool steps_with(const Locked& held, const torch::optim::Optimizer& optimizer) const override;
+  void check_shards(const Locked& held) override;
+  void gather_shards(const Locked& held) override;
+  void release_module(const Locked& held) override;
+  void summon_units(const Locked& held) override;
+  void set_prefetch(const Locked& held, bool forward, bool backward) override;
+  void let_go_of_units(const Locked& held) noexcept override;
+  std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) const override;
+  bool writes_pieces() const override;
+  std::pair<int64_t, int64_t> load_range(const Locked& held, const at::Tensor& p) const override;
+  void load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) override;
+  void open_for_load(const Locked& held) override;
+  void reshard(const Locked& held) override;
 };
 
 // Every parameter of the bucket had a gradient here since the last sync:
@@ -8447,15 +8607,21 @@ struct State {
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
-  std::variant<Replicated, Sharded> mode;
+  // The strategy and its state (Replicated when not distributed).
+  std::unique_ptr<Strategy> mode = std::make_unique<Replicated>();
 };
-// The strategy's state (see the top): replicated() under NO_SHARD (and
-// when not distributed), sharded() otherwise; is_sharded() says which.
-inline bool is_sharded(const State& s) { return std::holds_alternative<Sharded>(s.mode); }
-inline Sharded& sharded(State& s) { return std::get<Sharded>(s.mode); }
-inline const Sharded& sharded(const State& s) { return std::get<Sharded>(s.mode); }
-inline Replicated& replicated(State& s) { return std::get<Replicated>(s.mode); }
-inline const Replicated& replicated(const State& s) { return std::get<Replicated>(s.mode); }
+// The strategy's state, for the engine's functions of that strategy (each
+// is called only through it: a wrong one is a bug of ours, said so).
+inline Sharded& sharded(State& s) {
+  if (!s.mode->shards()) throw LogicError("accel::DataParallel: a sharded operation on a model that is not sharded");
+  return static_cast<Sharded&>(*s.mode);
+}
+inline const Sharded& sharded(const State& s) { return sharded(const_cast<State&>(s)); }
+inline Replicated& replicated(State& s) {
+  if (s.mode->shards()) throw LogicError("accel::DataParallel: a NO_SHARD operation on a sharded model");
+  return static_cast<Replicated&>(*s.mode);
+}
+inline const Replicated& replicated(const State& s) { return replicated(const_cast<State&>(s)); }
 // Unit u's part of bucket b (b is one of the unit's buckets).
 inline const UnitBucket& unit_bucket(const Units& units, int64_t u, std::size_t b) {
   for (const auto& ub : units.list[static_cast<std::size_t>(u)].buckets)
@@ -8902,13 +9068,12 @@ inline void issue_all_reduce(const Locked& held, std::size_t b) {
                            detail::error_text(e));
   }
 }
-// Issues bucket b's reduction, now that its gradients are ready: the one
-// place a backward branches on the strategy.
+// Issues bucket b's reduction, now that its gradients are ready: the
+// strategy's (issue_all_reduce above, or dp/scatter.hpp's issue_scatter).
 inline void issue_bucket(const Locked& held, std::size_t b) {
   State& state = held.state();
   at::NoGradGuard no_grad;
-  if (is_sharded(state)) issue_scatter(held, b);  // (dp/scatter.hpp)
-  else issue_all_reduce(held, b);
+  state.mode->issue(held, b);
   if (state.on_issued) state.on_issued(b);
 }
 
@@ -9129,15 +9294,6 @@ inline void make_units(Sharded& z, const std::vector<int64_t>& bucket_unit) {
 // whole while the model runs, in its own dtype, and computes in it (a unit's
 // output_dtype hands such modules the activations in theirs).
 inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
-  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
-    if (dtype && !c10::isFloatingType(*dtype))
-      throw InvalidArgument(
-          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
-          c10::toString(*dtype));
-  if (!is_sharded(s))
-    throw InvalidArgument(
-        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
-        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
   Sharded& z = sharded(s);
   z.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
   z.units.param_dtype = policy.param_dtype;
@@ -9454,7 +9610,6 @@ inline void own_storage(const Locked& held, std::size_t u) {
 // rest: its parameters then point at nothing, never at a freed buffer.
 inline void let_go_of_units(const Locked& held) noexcept {
   State& s = held.state();
-  if (!is_sharded(s)) return;
   Units& units = sharded(s).units;
   for (std::size_t u = 0; u < units.list.size(); ++u) {
     try {
@@ -9471,7 +9626,6 @@ inline void let_go_of_units(const Locked& held) noexcept {
 // the next forward records the order anew. Nothing without units.
 inline void end_unit_pass(const Locked& held) {
   State& s = held.state();
-  if (!is_sharded(s)) return;
   Units& units = sharded(s).units;
   if (units.list.empty()) return;
   for (Unit& unit : units.list)
@@ -9547,7 +9701,8 @@ class FullParameters {
 // half done) are released first.
 class UnitByUnit {
  public:
-  explicit UnitByUnit(std::shared_ptr<State> state) : state_(is_sharded(*state) ? std::move(state) : nullptr) {
+  // state: a fully sharded model's (one with units); null otherwise.
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
     if (!state_) return;
     const Locked held(*state_);
     if (sharded(*state_).units.held == 0) end_unit_pass(held);
@@ -9876,7 +10031,6 @@ namespace detail::dp {
 // The shard standing in for parameter p; undefined when p is not one of
 // this module's sharded parameters.
 inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
-  if (!is_sharded(s)) return {};
   const Sharded& z = sharded(s);
   const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
   return found == z.shard_index.end() ? at::Tensor() : z.buckets[found->second.first].shards[found->second.second];
@@ -10035,33 +10189,30 @@ void erase_state(StateMap& state, c10::TensorImpl* parameter) {
 // and every optimizer that stepped the shards given the parameters back in
 // their place, its state for the shards dropped (the optimizer starts
 // afresh: LibTorch's per-parameter state types are its own, so 1/S of each
-// cannot be put back together here). The hooks do nothing afterwards.
+// cannot be put back together here). DataParallel then makes its hooks inert.
 inline void release_module(const Locked& held) {
   State& s = held.state();
-  if (is_sharded(s)) {
-    Sharded& z = sharded(s);
-    end_unit_pass(held);
-    for (std::size_t u = 0; u < z.units.list.size(); ++u) {
-      materialize(held, u, Use::full);
-      own_storage(held, u);  // the module outlives the pool
-    }
-    ++z.units.held;  // (release() frees nothing while held)
-    // Each shard's parameter, to put back in its place.
-    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
-    for (std::size_t b = 0; b < s.buckets.size(); ++b)
-      for (std::size_t i = 0; i < z.buckets[b].shards.size(); ++i)
-        parameter_of[z.buckets[b].shards[i].unsafeGetTensorImpl()] = &s.buckets[b].params[i];
-    for (torch::optim::Optimizer* optimizer : z.optimizers)
-      for (auto& group : optimizer->param_groups())
-        for (auto& p : group.params()) {
-          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
-          if (found == parameter_of.end()) continue;
-          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
-          p = *found->second;
-        }
-    z.optimizers.clear();
+  Sharded& z = sharded(s);
+  end_unit_pass(held);
+  for (std::size_t u = 0; u < z.units.list.size(); ++u) {
+    materialize(held, u, Use::full);
+    own_storage(held, u);  // the module outlives the pool
   }
-  s.alive = false;
+  ++z.units.held;  // (release() frees nothing while held)
+  // Each shard's parameter, to put back in its place.
+  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    for (std::size_t i = 0; i < z.buckets[b].shards.size(); ++i)
+      parameter_of[z.buckets[b].shards[i].unsafeGetTensorImpl()] = &s.buckets[b].params[i];
+  for (torch::optim::Optimizer* optimizer : z.optimizers)
+    for (auto& group : optimizer->param_groups())
+      for (auto& p : group.params()) {
+        const auto found = parameter_of.find(p.unsafeGetTensorImpl());
+        if (found == parameter_of.end()) continue;
+        erase_state(optimizer->state(), p.unsafeGetTensorImpl());
+        p = *found->second;
+      }
+  z.optimizers.clear();
 }
 
 // Cuts every parameter into its chunks and makes this rank's shards.
@@ -10147,16 +10298,9 @@ inline void reshard(const Locked& held) {
   }
 }
 
-// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
-// nor load whole what a rank keeps in pieces. This rank's piece of
-// parameter p: elements [begin, begin + values.numel()) of p flattened,
-// `values` a flat view (a unit's parameter holds nothing at rest: its
-// shard's; any other's own chunk, which check_shards treats as the truth).
-// None when p is not sharded here.
-struct Piece {
-  at::Tensor values;
-  int64_t begin = 0;
-};
+// This rank's Piece of parameter p (dp/strategy.hpp): a unit's parameter
+// holds nothing at rest, so its shard's; any other's own chunk, which
+// check_shards treats as the truth. None when p is not sharded here.
 inline std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) {
   const Sharded& z = sharded(held.state());
   const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
@@ -10212,34 +10356,150 @@ class ShardedStateDict {
   explicit ShardedStateDict(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
   // This rank's piece of parameter p (see Piece); none: p is not sharded here.
-  std::optional<Piece> piece_of(const at::Tensor& p) const {
-    if (!is_sharded(*state_)) return std::nullopt;
-    return dp::piece_of(Locked(*state_), p);
-  }
-  bool writes_pieces() const {
-    if (!is_sharded(*state_)) return false;
-    const GroupPtr& replicate = sharded(*state_).replicate;
-    return !replicate || replicate->getRank() == 0;
-  }
+  std::optional<Piece> piece_of(const at::Tensor& p) const { return state_->mode->piece_of(Locked(*state_), p); }
+  bool writes_pieces() const { return state_->mode->writes_pieces(); }
   std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
-    if (!is_sharded(*state_)) return {0, p.numel()};
-    return dp::load_range(Locked(*state_), p);
+    return state_->mode->load_range(Locked(*state_), p);
   }
   void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
-    if (is_sharded(*state_)) dp::load_values(Locked(*state_), values);
+    state_->mode->load_values(Locked(*state_), values);
   }
   // Module::load into the parameters, then every shard taken again from
   // its parameter: open_for_load() before the load, reshard() after it.
-  void open_for_load() {
-    if (is_sharded(*state_)) dp::open_for_load(Locked(*state_));
-  }
-  void reshard() {
-    if (is_sharded(*state_)) dp::reshard(Locked(*state_));
-  }
+  void open_for_load() { state_->mode->open_for_load(Locked(*state_)); }
+  void reshard() { state_->mode->reshard(Locked(*state_)); }
 
  private:
   std::shared_ptr<State> state_;
 };
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/dp/strategies.hpp =========================================
+// accel/training/dp/strategies.hpp: the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it.
+//
+// dp/strategy.hpp declares what a strategy does, dp/state.hpp each
+// strategy's state; here each operation of each one is defined, after the
+// parts that do the work (the reducer, the shards, the units, the
+// checkpoints' pieces). Reading one strategy top to bottom says what a
+// step of it runs. Calls into the engine's functions are written dp::name:
+// several have the name of the operation calling them, which would find the
+// member instead.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// -- Replicated (NO_SHARD): buckets all-reduced, gradients written back whole --
+
+inline std::vector<int64_t> Replicated::assign_units(State&, const torch::nn::Module&,
+                                                     const std::vector<std::shared_ptr<torch::nn::Module>>&,
+                                                     const std::vector<at::Tensor>& params) {
+  return std::vector<int64_t>(params.size(), -1);  // (units are a sharded strategy's)
+}
+inline void Replicated::lay_out(State& s, const std::vector<int64_t>&) { buckets.resize(s.buckets.size()); }
+inline void Replicated::take_policy(State&, const MixedPrecisionPolicy&) {
+  throw InvalidArgument(
+      "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
+      "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
+}
+inline void Replicated::issue(const Locked& held, std::size_t b) { issue_all_reduce(held, b); }
+inline void Replicated::finish(const Locked& held) { finish_unsharded(held); }
+inline void Replicated::shadow_backward(const Locked& held) { dp::shadow_backward(held); }
+inline void Replicated::register_comm_hook(const Locked& held, CommHook to_register) {
+  if (hooked)
+    throw LogicError(
+        "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
+        "DDP, once per model)");
+  if (held.state().armed)
+    throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
+  hook = std::move(to_register);
+  hooked = true;
+}
+inline void Replicated::gradient_as_bucket_view(const Locked& held, bool on) {
+  State& s = held.state();
+  if (s.armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
+  bucket_view = on;
+  if (!on)
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {  // the gradients become tensors of their own again
+      const at::Tensor& persistent = buckets[b].persistent;
+      for (auto& p : s.buckets[b].params)
+        if (p.grad().defined() && persistent.defined() && p.grad().is_alias_of(persistent))
+          p.mutable_grad() = p.grad().clone();
+    }
+}
+
+// -- Sharded (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD): buckets reduce-scattered into shards --
+
+inline std::vector<int64_t> Sharded::assign_units(State& s, const torch::nn::Module& module,
+                                                  const std::vector<std::shared_ptr<torch::nn::Module>>& unit_list,
+                                                  const std::vector<at::Tensor>& params) {
+  return dp::assign_units(s, module, unit_list, params);  // (dp/unit_plan.hpp)
+}
+inline void Sharded::lay_out(State& s, const std::vector<int64_t>& bucket_unit) {
+  make_shards(s);                  // (dp/shards.hpp)
+  make_units(*this, bucket_unit);  // (dp/unit_plan.hpp)
+}
+inline void Sharded::take_policy(State& s, const MixedPrecisionPolicy& policy) { apply_policy(s, policy); }
+inline std::size_t Sharded::unit_count() const { return units.list.size(); }
+inline std::vector<const torch::nn::Module*> Sharded::unit_modules() const {
+  std::vector<const torch::nn::Module*> modules;
+  for (const Unit& unit : units.list) modules.push_back(unit.module);
+  return modules;
+}
+inline void Sharded::arm(const Locked&) {
+  for (auto& bucket : buckets) give_back(bucket);  // (the last step's pooled buffers)
+}
+inline void Sharded::issue(const Locked& held, std::size_t b) { issue_scatter(held, b); }
+inline void Sharded::finish(const Locked& held) { finish_sharded(held); }
+inline void Sharded::end_unit_pass(const Locked& held) { dp::end_unit_pass(held); }
+inline void Sharded::shadow_backward(const Locked&) {
+  throw LogicError(
+      "accel::DataParallel::shadow_backward: a sharded model cannot be stood in for (a joined process "
+      "would have to step its shard too); use NO_SHARD, or even batches");
+}
+inline void Sharded::register_comm_hook(const Locked&, CommHook) {
+  throw InvalidArgument(
+      "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
+      "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
+}
+inline void Sharded::gradient_as_bucket_view(const Locked&, bool on) {
+  if (on)
+    throw InvalidArgument(
+        "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
+        "reduce-scattered into its shards");
+}
+inline at::Tensor Sharded::shard_of(const State& s, const at::Tensor& p) const { return dp::shard_of(s, p); }
+inline void Sharded::shard_optimizer(const Locked& held, torch::optim::Optimizer& optimizer) {
+  dp::shard_optimizer(held, optimizer);
+}
+inline bool Sharded::steps_with(const Locked& held, const torch::optim::Optimizer& optimizer) const {
+  return dp::steps_with(held, optimizer);
+}
+inline void Sharded::check_shards(const Locked& held) { dp::check_shards(held); }
+inline void Sharded::gather_shards(const Locked& held) { dp::gather_shards(held); }
+inline void Sharded::release_module(const Locked& held) { dp::release_module(held); }
+inline void Sharded::summon_units(const Locked& held) {
+  for (std::size_t u = 0; u < units.list.size(); ++u) materialize(held, u, Use::full);
+  ++units.held;
+}
+inline void Sharded::set_prefetch(const Locked&, bool forward, bool backward) {
+  units.prefetch_forward = forward;
+  units.prefetch_backward = backward;
+}
+inline void Sharded::let_go_of_units(const Locked& held) noexcept { dp::let_go_of_units(held); }
+inline std::optional<Piece> Sharded::piece_of(const Locked& held, const at::Tensor& p) const {
+  return dp::piece_of(held, p);
+}
+inline bool Sharded::writes_pieces() const { return !replicate || replicate->getRank() == 0; }  // (HSDP: one replica)
+inline std::pair<int64_t, int64_t> Sharded::load_range(const Locked& held, const at::Tensor& p) const {
+  return dp::load_range(held, p);
+}
+inline void Sharded::load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) {
+  dp::load_values(held, values);
+}
+inline void Sharded::open_for_load(const Locked& held) { dp::open_for_load(held); }
+inline void Sharded::reshard(const Locked& held) { dp::reshard(held); }
 }  // namespace detail::dp
 
 ACCEL_NAMESPACE_END
@@ -10297,8 +10557,10 @@ ACCEL_NAMESPACE_BEGIN
 // summon_full_params() gathers everything for as long as it lives
 // (checkpoints, exports, inspection).
 //
-// The class owns the state (dp/state.hpp) and keeps the API; the work is
-// in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
+// The class owns the state (dp/state.hpp) and keeps the API. It chooses
+// the strategy once, in its constructor, and calls it for everything that
+// differs by mode (dp/strategy.hpp, defined in dp/strategies.hpp); the work
+// is in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
 // dp/unit_plan.hpp, dp/unit_params.hpp, dp/units.hpp (ZeRO-3), on that
 // state.
 //
@@ -10331,43 +10593,41 @@ class DataParallel {
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
-    // The strategy, chosen here once (dp/state.hpp): sharded along a shard group of more than one rank.
+    // The strategy, chosen here once (the only test of the mode; dp/strategy.hpp):
+    // sharded along a shard group of more than one rank.
     if (shard && shard->getSize() > 1) {
-      detail::dp::Sharded z{.shard = std::move(shard)};
-      if (replicate && replicate->getSize() > 1) z.replicate = std::move(replicate);
-      state_->replicas = z.shard->getSize() * (z.replicate ? z.replicate->getSize() : 1);
-      state_->mode = std::move(z);
+      if (replicate && replicate->getSize() == 1) replicate.reset();
+      state_->replicas = shard->getSize() * (replicate ? replicate->getSize() : 1);
+      state_->mode = std::make_unique<detail::dp::Sharded>(std::move(shard), std::move(replicate));
     } else {
       state_->replicas = state_->group->getSize();
     }
-    detail::dp::Sharded* const z = sharding();
+    detail::dp::Strategy& mode = *state_->mode;
     state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
     for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    const auto unit_of =
-        z ? detail::dp::assign_units(*state_, *module_, units, params) : std::vector<int64_t>(params.size(), -1);
+    const std::vector<int64_t> unit_of = mode.assign_units(*state_, *module_, units, params);
     const std::vector<int64_t> bucket_unit =
         detail::dp::lay_out(*state_, params, unit_of, {kFirstBucketBytes, bucket_bytes});
     accumulators_.resize(params.size());
-    if (!z) {
-      detail::dp::replicated(*state_).buckets.resize(state_->buckets.size());
-    } else {
-      detail::dp::make_shards(*state_);
-      detail::dp::make_units(*z, bucket_unit);
+    mode.lay_out(*state_, bucket_unit);
+    if (policy.active()) {
+      detail::dp::check_policy(policy);
+      mode.take_policy(*state_, policy);
     }
-    if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
       if (unit_count() > 0) detail::dp::name_at_rest(*state_, *module_);
     {
       const detail::dp::Locked held(*state_);
       for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::release(held, u);  // at rest: the shards only
     }
-    for (std::size_t u = 0; u < unit_count(); ++u) {
+    const std::vector<const torch::nn::Module*> unit_modules = mode.unit_modules();
+    for (std::size_t u = 0; u < unit_modules.size(); ++u) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      detail::dp::unit_registry()[z->units.list[u].module] = {state_, u};
+      detail::dp::unit_registry()[unit_modules[u]] = {state_, u};
     }
     hook_accumulators();
   }
@@ -10375,16 +10635,16 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
-    if (const detail::dp::Sharded* z = sharding()) {
+    {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      for (const auto& unit : z->units.list) detail::dp::unit_registry().erase(unit.module);
+      for (const auto* unit : state_->mode->unit_modules()) detail::dp::unit_registry().erase(unit);
     }
     const detail::dp::Locked held(*state_);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
     // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
     // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
     // error (a failed gather, a peer gone): nothing here throws.
-    detail::dp::let_go_of_units(held);
+    state_->mode->let_go_of_units(held);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every
@@ -10410,8 +10670,7 @@ class DataParallel {
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
     }
-    if (detail::dp::Sharded* z = sharding())
-      for (auto& bucket : z->buckets) detail::dp::give_back(bucket);
+    state_->mode->arm(held);
   }
 
   // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
@@ -10431,15 +10690,14 @@ class DataParallel {
   // communicated; with `always`, it takes part regardless).
   bool finish(bool always = false) {
     const detail::dp::Locked held(*state_);
-    detail::dp::end_unit_pass(held);
+    state_->mode->end_unit_pass(held);
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
-    if (sharded()) detail::dp::finish_sharded(held);
-    else detail::dp::finish_unsharded(held);
+    state_->mode->finish(held);
     return true;
   }
 
@@ -10448,27 +10706,16 @@ class DataParallel {
   // gradients and no used-flags; its own gradients are left alone.
   void shadow_backward() {
     if (!state_->group) return;
-    detail::dp::shadow_backward(detail::dp::Locked(*state_));
+    const detail::dp::Locked held(*state_);
+    state_->mode->shadow_backward(held);
   }
 
   // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
   // between a backward and its finish(); not under sharding.
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
-    if (sharded())
-      throw InvalidArgument(
-          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
-          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     const detail::dp::Locked held(*state_);
-    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
-    if (mode.hooked)
-      throw LogicError(
-          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
-          "DDP, once per model)");
-    if (state_->armed)
-      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
-    mode.hook = std::move(hook);
-    mode.hooked = true;
+    state_->mode->register_comm_hook(held, std::move(hook));
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
   // into its (persistent) bucket, so the gradients are not copied into the
@@ -10477,53 +10724,32 @@ class DataParallel {
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
-    if (sharded()) {
-      if (!on) return;
-      throw InvalidArgument(
-          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
-          "reduce-scattered into its shards");
-    }
     const detail::dp::Locked held(*state_);
-    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
-    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
-    mode.bucket_view = on;
-    if (!on)
-      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // the gradients become tensors of their own again
-        const at::Tensor& persistent = mode.buckets[b].persistent;
-        for (auto& p : state_->buckets[b].params)
-          if (p.grad().defined() && persistent.defined() && p.grad().is_alias_of(persistent))
-            p.mutable_grad() = p.grad().clone();
-      }
+    state_->mode->gradient_as_bucket_view(held, on);
   }
 
   // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
 
-  bool sharded() const { return sharding() != nullptr; }
-  const GroupPtr& shard_group() const {
-    static const GroupPtr none;
-    return sharded() ? sharding()->shard : none;
-  }
+  bool sharded() const { return state_->mode->shards(); }
+  // The group parameters are sharded along (null when not sharded).
+  const GroupPtr& shard_group() const { return state_->mode->shard_group(); }
   // The shard standing in for parameter p; undefined when p is not one of
   // this module's sharded parameters.
-  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
+  at::Tensor shard_of(const at::Tensor& p) const { return state_->mode->shard_of(*state_, p); }
   // Puts the shards in place of this module's parameters in the optimizer's
   // groups (see detail::dp::shard_optimizer).
   void shard_optimizer(torch::optim::Optimizer& optimizer) {
-    if (sharded()) detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+    state_->mode->shard_optimizer(detail::dp::Locked(*state_), optimizer);
   }
   bool steps_with(const torch::optim::Optimizer& optimizer) const {
-    return sharded() && detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+    return state_->mode->steps_with(detail::dp::Locked(*state_), optimizer);
   }
   // Before a backward: every shard checked against its parameter (an
   // optimizer stepped directly, not through prepare()'s handle, is an error).
-  void check_shards() {
-    if (sharded()) detail::dp::check_shards(detail::dp::Locked(*state_));
-  }
+  void check_shards() { state_->mode->check_shards(detail::dp::Locked(*state_)); }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather_shards() {
-    if (sharded()) detail::dp::gather_shards(detail::dp::Locked(*state_));
-  }
+  void gather_shards() { state_->mode->gather_shards(detail::dp::Locked(*state_)); }
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
@@ -10532,7 +10758,11 @@ class DataParallel {
   // (every rank of the shard group calls it); optimizers that stepped the
   // shards step the parameters again, from a fresh state. Afterwards this
   // DataParallel does nothing; destroy it.
-  void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
+  void release_module() {
+    const detail::dp::Locked held(*state_);
+    state_->mode->release_module(held);
+    state_->alive = false;  // the hooks do nothing from now on
+  }
   // What checkpoints read and write of this model (detail::dp::ShardedStateDict:
   // this rank's pieces, written and loaded without gathering).
   detail::dp::ShardedStateDict sharded_state_dict() const { return detail::dp::ShardedStateDict(state_); }
@@ -10545,26 +10775,21 @@ class DataParallel {
   using FullParameters = detail::dp::FullParameters;
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
     if (unit_count() == 0) return FullParameters(nullptr, false);
-    const detail::dp::Locked held(*state_);
-    for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
-    ++sharding()->units.held;
+    state_->mode->summon_units(detail::dp::Locked(*state_));
     return FullParameters(state_, writeback);
   }
   // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
   // one unit gathered while it lives; every rank of the shard group in the
   // same order).
-  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(unit_count() > 0 ? state_ : nullptr); }
   // FULL_SHARD: whether a unit's gather is issued while the unit before it
   // computes, in the forward and in the backward (AcceleratorConfig's
   // forward_prefetch and backward_prefetch).
   void set_prefetch(bool forward, bool backward) {
-    if (!sharded()) return;
-    const detail::dp::Locked held(*state_);
-    sharding()->units.prefetch_forward = forward;
-    sharding()->units.prefetch_backward = backward;
+    state_->mode->set_prefetch(detail::dp::Locked(*state_), forward, backward);
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
-  std::size_t unit_count() const { return sharded() ? sharding()->units.list.size() : 0; }
+  std::size_t unit_count() const { return state_->mode->unit_count(); }
 
   // Sharded: the working buffers the engine keeps from step to step
   // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
@@ -10612,9 +10837,6 @@ class DataParallel {
         accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
       }
   }
-
-  // The sharded strategy's state; null when replicated (NO_SHARD, or not distributed).
-  detail::dp::Sharded* sharding() const { return std::get_if<detail::dp::Sharded>(&state_->mode); }
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::dp::State> state_;

@@ -1038,6 +1038,43 @@ TEST_SUITE("ranks") {
     }
   }
 
+  // What only NO_SHARD does (DataParallel's strategy, dp/strategy.hpp): a
+  // sharded model refuses it with a named error before it communicates, and
+  // a NO_SHARD one has nothing of sharding's (no shards, units or pieces).
+  TEST_CASE("sharding: what only NO_SHARD does is refused by a sharded model; NO_SHARD has no shards") {
+    auto& d = world();
+    if (d.get_world_size() == 1) return;  // (one process shards nothing)
+    torch::manual_seed(5);
+    torch::nn::Linear layer(3, 2);
+    accel::DataParallel sharded(layer.ptr(), d.world_group(), 1 << 20, d.world_group());
+    CHECK(sharded.sharded());
+    CHECK(sharded.shard_group() == d.world_group());
+    CHECK_THROWS_WITH_AS(sharded.register_comm_hook(accel::comm_hooks::allreduce_hook()),
+                         doctest::Contains("communication hooks need NO_SHARD"), accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(sharded.gradient_as_bucket_view(true), doctest::Contains("reduce-scattered into its shards"),
+                         accel::InvalidArgument);
+    sharded.gradient_as_bucket_view(false);  // (what it is anyway: nothing to do)
+    CHECK_THROWS_WITH_AS(sharded.shadow_backward(), doctest::Contains("use NO_SHARD, or even batches"),
+                         accel::LogicError);
+    CHECK(sharded.shard_of(layer->weight).defined());
+    CHECK(sharded.sharded_state_dict().piece_of(layer->weight).has_value());
+
+    torch::nn::Linear plain(3, 2);
+    accel::DataParallel replicated(plain.ptr(), d.world_group(), 1 << 20);
+    CHECK_FALSE(replicated.sharded());
+    CHECK(replicated.shard_group() == nullptr);
+    CHECK_FALSE(replicated.shard_of(plain->weight).defined());
+    CHECK(replicated.unit_count() == 0u);
+    const accel::detail::dp::ShardedStateDict state = replicated.sharded_state_dict();
+    CHECK_FALSE(state.piece_of(plain->weight).has_value());
+    CHECK_FALSE(state.writes_pieces());
+    CHECK(state.load_range(plain->weight) == std::pair<int64_t, int64_t>{0, 6});
+    torch::optim::SGD sgd(plain->parameters(), 0.1);
+    replicated.shard_optimizer(sgd);
+    CHECK(sgd.param_groups()[0].params()[0].is_same(plain->weight));  // untouched
+    CHECK_FALSE(replicated.steps_with(sgd));
+  }
+
   // HSDP on a 2 x 2 model mesh: shards along mp_shard, averaged along
   // mp_replicate; with SHARD_GRAD_OP that is FSDP's _HYBRID_SHARD_ZERO2, with
   // HYBRID_SHARD the parameters are sharded at rest too, and FULL_SHARD is the

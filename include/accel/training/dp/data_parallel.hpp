@@ -2,11 +2,7 @@
 #pragma once
 
 #include "accel/distributed/operations.hpp"
-#include "accel/training/dp/buckets.hpp"
-#include "accel/training/dp/reducer.hpp"
-#include "accel/training/dp/sharded_state_dict.hpp"
-#include "accel/training/dp/shards.hpp"
-#include "accel/training/dp/units.hpp"
+#include "accel/training/dp/strategies.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -58,8 +54,10 @@ ACCEL_NAMESPACE_BEGIN
 // summon_full_params() gathers everything for as long as it lives
 // (checkpoints, exports, inspection).
 //
-// The class owns the state (dp/state.hpp) and keeps the API; the work is
-// in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
+// The class owns the state (dp/state.hpp) and keeps the API. It chooses
+// the strategy once, in its constructor, and calls it for everything that
+// differs by mode (dp/strategy.hpp, defined in dp/strategies.hpp); the work
+// is in dp/reducer.hpp (the buckets), dp/shards.hpp (ZeRO-2) and
 // dp/unit_plan.hpp, dp/unit_params.hpp, dp/units.hpp (ZeRO-3), on that
 // state.
 //
@@ -92,43 +90,41 @@ class DataParallel {
       : module_(module), state_(std::make_shared<detail::dp::State>()) {
     state_->group = std::move(group);
     if (!state_->group) return;  // not distributed: plain local training
-    // The strategy, chosen here once (dp/state.hpp): sharded along a shard group of more than one rank.
+    // The strategy, chosen here once (the only test of the mode; dp/strategy.hpp):
+    // sharded along a shard group of more than one rank.
     if (shard && shard->getSize() > 1) {
-      detail::dp::Sharded z{.shard = std::move(shard)};
-      if (replicate && replicate->getSize() > 1) z.replicate = std::move(replicate);
-      state_->replicas = z.shard->getSize() * (z.replicate ? z.replicate->getSize() : 1);
-      state_->mode = std::move(z);
+      if (replicate && replicate->getSize() == 1) replicate.reset();
+      state_->replicas = shard->getSize() * (replicate ? replicate->getSize() : 1);
+      state_->mode = std::make_unique<detail::dp::Sharded>(std::move(shard), std::move(replicate));
     } else {
       state_->replicas = state_->group->getSize();
     }
-    detail::dp::Sharded* const z = sharding();
+    detail::dp::Strategy& mode = *state_->mode;
     state_->names = detail::ParameterNames(*module_);
     sync_module_states();
     std::vector<at::Tensor> params;
     for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     std::reverse(params.begin(), params.end());
-    const auto unit_of =
-        z ? detail::dp::assign_units(*state_, *module_, units, params) : std::vector<int64_t>(params.size(), -1);
+    const std::vector<int64_t> unit_of = mode.assign_units(*state_, *module_, units, params);
     const std::vector<int64_t> bucket_unit =
         detail::dp::lay_out(*state_, params, unit_of, {kFirstBucketBytes, bucket_bytes});
     accumulators_.resize(params.size());
-    if (!z) {
-      detail::dp::replicated(*state_).buckets.resize(state_->buckets.size());
-    } else {
-      detail::dp::make_shards(*state_);
-      detail::dp::make_units(*z, bucket_unit);
+    mode.lay_out(*state_, bucket_unit);
+    if (policy.active()) {
+      detail::dp::check_policy(policy);
+      mode.take_policy(*state_, policy);
     }
-    if (policy.active()) detail::dp::apply_policy(*state_, policy);
     if constexpr (detail::dp::refuses_at_rest<>)
       if (unit_count() > 0) detail::dp::name_at_rest(*state_, *module_);
     {
       const detail::dp::Locked held(*state_);
       for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::release(held, u);  // at rest: the shards only
     }
-    for (std::size_t u = 0; u < unit_count(); ++u) {
+    const std::vector<const torch::nn::Module*> unit_modules = mode.unit_modules();
+    for (std::size_t u = 0; u < unit_modules.size(); ++u) {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      detail::dp::unit_registry()[z->units.list[u].module] = {state_, u};
+      detail::dp::unit_registry()[unit_modules[u]] = {state_, u};
     }
     hook_accumulators();
   }
@@ -136,16 +132,16 @@ class DataParallel {
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
   ~DataParallel() {
-    if (const detail::dp::Sharded* z = sharding()) {
+    {
       std::lock_guard lock(detail::dp::unit_registry_mutex());
-      for (const auto& unit : z->units.list) detail::dp::unit_registry().erase(unit.module);
+      for (const auto* unit : state_->mode->unit_modules()) detail::dp::unit_registry().erase(unit);
     }
     const detail::dp::Locked held(*state_);
     state_->alive = false;  // the hooks outlive us inside the autograd graph: make them inert
     // A unit gathered now (a forward interrupted, summon_full_params alive) points into the pool, which
     // dies with the state: its parameters get memory of their own, as the model outlives us. Also after an
     // error (a failed gather, a peer gone): nothing here throws.
-    detail::dp::let_go_of_units(held);
+    state_->mode->let_go_of_units(held);
   }
 
   // Copies the parameters and buffers of the group's rank `src` to every
@@ -171,8 +167,7 @@ class DataParallel {
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
     }
-    if (detail::dp::Sharded* z = sharding())
-      for (auto& bucket : z->buckets) detail::dp::give_back(bucket);
+    state_->mode->arm(held);
   }
 
   // FSDP2's set_requires_gradient_sync (DDP's require_backward_grad_sync):
@@ -192,15 +187,14 @@ class DataParallel {
   // communicated; with `always`, it takes part regardless).
   bool finish(bool always = false) {
     const detail::dp::Locked held(*state_);
-    detail::dp::end_unit_pass(held);
+    state_->mode->end_unit_pass(held);
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
-    if (sharded()) detail::dp::finish_sharded(held);
-    else detail::dp::finish_unsharded(held);
+    state_->mode->finish(held);
     return true;
   }
 
@@ -209,27 +203,16 @@ class DataParallel {
   // gradients and no used-flags; its own gradients are left alone.
   void shadow_backward() {
     if (!state_->group) return;
-    detail::dp::shadow_backward(detail::dp::Locked(*state_));
+    const detail::dp::Locked held(*state_);
+    state_->mode->shadow_backward(held);
   }
 
   // DDP's register_comm_hook (see CommHook): once, as DDP allows, and not
   // between a backward and its finish(); not under sharding.
   void register_comm_hook(CommHook hook) {
     if (!hook) throw InvalidArgument("accel::DataParallel::register_comm_hook: an empty hook");
-    if (sharded())
-      throw InvalidArgument(
-          "accel::DataParallel::register_comm_hook: the buckets of a sharded model are "
-          "reduce-scattered, not all-reduced; communication hooks need NO_SHARD");
     const detail::dp::Locked held(*state_);
-    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
-    if (mode.hooked)
-      throw LogicError(
-          "accel::DataParallel::register_comm_hook: a communication hook is already registered (as "
-          "DDP, once per model)");
-    if (state_->armed)
-      throw LogicError("accel::DataParallel::register_comm_hook: inside a backward; register before training");
-    mode.hook = std::move(hook);
-    mode.hooked = true;
+    state_->mode->register_comm_hook(held, std::move(hook));
   }
   // DDP's gradient_as_bucket_view: each parameter's .grad becomes a view
   // into its (persistent) bucket, so the gradients are not copied into the
@@ -238,53 +221,32 @@ class DataParallel {
   // sets them to none): a gradient set to none is copied into its view at
   // the next sync, as DDP does. NO_SHARD only.
   void gradient_as_bucket_view(bool on) {
-    if (sharded()) {
-      if (!on) return;
-      throw InvalidArgument(
-          "accel::DataParallel::gradient_as_bucket_view: a sharded model's gradients are "
-          "reduce-scattered into its shards");
-    }
     const detail::dp::Locked held(*state_);
-    if (state_->armed) throw LogicError("accel::DataParallel::gradient_as_bucket_view: inside a backward");
-    detail::dp::Replicated& mode = detail::dp::replicated(*state_);
-    mode.bucket_view = on;
-    if (!on)
-      for (std::size_t b = 0; b < state_->buckets.size(); ++b) {  // the gradients become tensors of their own again
-        const at::Tensor& persistent = mode.buckets[b].persistent;
-        for (auto& p : state_->buckets[b].params)
-          if (p.grad().defined() && persistent.defined() && p.grad().is_alias_of(persistent))
-            p.mutable_grad() = p.grad().clone();
-      }
+    state_->mode->gradient_as_bucket_view(held, on);
   }
 
   // -- sharded (ZeRO-2 and ZeRO-3: see the top of this part) --
 
-  bool sharded() const { return sharding() != nullptr; }
-  const GroupPtr& shard_group() const {
-    static const GroupPtr none;
-    return sharded() ? sharding()->shard : none;
-  }
+  bool sharded() const { return state_->mode->shards(); }
+  // The group parameters are sharded along (null when not sharded).
+  const GroupPtr& shard_group() const { return state_->mode->shard_group(); }
   // The shard standing in for parameter p; undefined when p is not one of
   // this module's sharded parameters.
-  at::Tensor shard_of(const at::Tensor& p) const { return detail::dp::shard_of(*state_, p); }
+  at::Tensor shard_of(const at::Tensor& p) const { return state_->mode->shard_of(*state_, p); }
   // Puts the shards in place of this module's parameters in the optimizer's
   // groups (see detail::dp::shard_optimizer).
   void shard_optimizer(torch::optim::Optimizer& optimizer) {
-    if (sharded()) detail::dp::shard_optimizer(detail::dp::Locked(*state_), optimizer);
+    state_->mode->shard_optimizer(detail::dp::Locked(*state_), optimizer);
   }
   bool steps_with(const torch::optim::Optimizer& optimizer) const {
-    return sharded() && detail::dp::steps_with(detail::dp::Locked(*state_), optimizer);
+    return state_->mode->steps_with(detail::dp::Locked(*state_), optimizer);
   }
   // Before a backward: every shard checked against its parameter (an
   // optimizer stepped directly, not through prepare()'s handle, is an error).
-  void check_shards() {
-    if (sharded()) detail::dp::check_shards(detail::dp::Locked(*state_));
-  }
+  void check_shards() { state_->mode->check_shards(detail::dp::Locked(*state_)); }
   // After the optimizer stepped the shards: every parameter all-gathered
   // from them, and the parameters' gradients released.
-  void gather_shards() {
-    if (sharded()) detail::dp::gather_shards(detail::dp::Locked(*state_));
-  }
+  void gather_shards() { state_->mode->gather_shards(detail::dp::Locked(*state_)); }
   // The former name of gather_shards(), kept for the programs that call it
   // (it read like accel::gather, which gathers data from every rank).
   void gather() { gather_shards(); }
@@ -293,7 +255,11 @@ class DataParallel {
   // (every rank of the shard group calls it); optimizers that stepped the
   // shards step the parameters again, from a fresh state. Afterwards this
   // DataParallel does nothing; destroy it.
-  void release_module() { detail::dp::release_module(detail::dp::Locked(*state_)); }
+  void release_module() {
+    const detail::dp::Locked held(*state_);
+    state_->mode->release_module(held);
+    state_->alive = false;  // the hooks do nothing from now on
+  }
   // What checkpoints read and write of this model (detail::dp::ShardedStateDict:
   // this rank's pieces, written and loaded without gathering).
   detail::dp::ShardedStateDict sharded_state_dict() const { return detail::dp::ShardedStateDict(state_); }
@@ -306,26 +272,21 @@ class DataParallel {
   using FullParameters = detail::dp::FullParameters;
   [[nodiscard]] FullParameters summon_full_params(bool writeback = false) {
     if (unit_count() == 0) return FullParameters(nullptr, false);
-    const detail::dp::Locked held(*state_);
-    for (std::size_t u = 0; u < unit_count(); ++u) detail::dp::materialize(held, u, detail::dp::Use::full);
-    ++sharding()->units.held;
+    state_->mode->summon_units(detail::dp::Locked(*state_));
     return FullParameters(state_, writeback);
   }
   // Whole parameters one unit at a time (detail::dp::UnitByUnit: at most
   // one unit gathered while it lives; every rank of the shard group in the
   // same order).
-  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(state_); }
+  detail::dp::UnitByUnit unit_by_unit() { return detail::dp::UnitByUnit(unit_count() > 0 ? state_ : nullptr); }
   // FULL_SHARD: whether a unit's gather is issued while the unit before it
   // computes, in the forward and in the backward (AcceleratorConfig's
   // forward_prefetch and backward_prefetch).
   void set_prefetch(bool forward, bool backward) {
-    if (!sharded()) return;
-    const detail::dp::Locked held(*state_);
-    sharding()->units.prefetch_forward = forward;
-    sharding()->units.prefetch_backward = backward;
+    state_->mode->set_prefetch(detail::dp::Locked(*state_), forward, backward);
   }
   // Whether parameters are sharded at rest (FULL_SHARD), and in how many units.
-  std::size_t unit_count() const { return sharded() ? sharding()->units.list.size() : 0; }
+  std::size_t unit_count() const { return state_->mode->unit_count(); }
 
   // Sharded: the working buffers the engine keeps from step to step
   // (dp/buffers.hpp), in bytes, as torch.cuda.memory_reserved() counts what
@@ -373,9 +334,6 @@ class DataParallel {
         accumulators_[k] = std::move(accumulator);  // hooks live as long as their node
       }
   }
-
-  // The sharded strategy's state; null when replicated (NO_SHARD, or not distributed).
-  detail::dp::Sharded* sharding() const { return std::get_if<detail::dp::Sharded>(&state_->mode); }
 
   std::shared_ptr<torch::nn::Module> module_;
   std::shared_ptr<detail::dp::State> state_;

@@ -78,13 +78,12 @@ inline void issue_all_reduce(const Locked& held, std::size_t b) {
                            detail::error_text(e));
   }
 }
-// Issues bucket b's reduction, now that its gradients are ready: the one
-// place a backward branches on the strategy.
+// Issues bucket b's reduction, now that its gradients are ready: the
+// strategy's (issue_all_reduce above, or dp/scatter.hpp's issue_scatter).
 inline void issue_bucket(const Locked& held, std::size_t b) {
   State& state = held.state();
   at::NoGradGuard no_grad;
-  if (is_sharded(state)) issue_scatter(held, b);  // (dp/scatter.hpp)
-  else issue_all_reduce(held, b);
+  state.mode->issue(held, b);
   if (state.on_issued) state.on_issued(b);
 }
 

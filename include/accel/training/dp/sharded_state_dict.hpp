@@ -45,16 +45,9 @@ inline void reshard(const Locked& held) {
   }
 }
 
-// For sharded checkpoints (checkpoint/shards.hpp), which neither gather
-// nor load whole what a rank keeps in pieces. This rank's piece of
-// parameter p: elements [begin, begin + values.numel()) of p flattened,
-// `values` a flat view (a unit's parameter holds nothing at rest: its
-// shard's; any other's own chunk, which check_shards treats as the truth).
-// None when p is not sharded here.
-struct Piece {
-  at::Tensor values;
-  int64_t begin = 0;
-};
+// This rank's Piece of parameter p (dp/strategy.hpp): a unit's parameter
+// holds nothing at rest, so its shard's; any other's own chunk, which
+// check_shards treats as the truth. None when p is not sharded here.
 inline std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) {
   const Sharded& z = sharded(held.state());
   const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
@@ -110,30 +103,18 @@ class ShardedStateDict {
   explicit ShardedStateDict(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
   // This rank's piece of parameter p (see Piece); none: p is not sharded here.
-  std::optional<Piece> piece_of(const at::Tensor& p) const {
-    if (!is_sharded(*state_)) return std::nullopt;
-    return dp::piece_of(Locked(*state_), p);
-  }
-  bool writes_pieces() const {
-    if (!is_sharded(*state_)) return false;
-    const GroupPtr& replicate = sharded(*state_).replicate;
-    return !replicate || replicate->getRank() == 0;
-  }
+  std::optional<Piece> piece_of(const at::Tensor& p) const { return state_->mode->piece_of(Locked(*state_), p); }
+  bool writes_pieces() const { return state_->mode->writes_pieces(); }
   std::pair<int64_t, int64_t> load_range(const at::Tensor& p) const {
-    if (!is_sharded(*state_)) return {0, p.numel()};
-    return dp::load_range(Locked(*state_), p);
+    return state_->mode->load_range(Locked(*state_), p);
   }
   void load_values(const std::function<at::Tensor(const at::Tensor&)>& values) {
-    if (is_sharded(*state_)) dp::load_values(Locked(*state_), values);
+    state_->mode->load_values(Locked(*state_), values);
   }
   // Module::load into the parameters, then every shard taken again from
   // its parameter: open_for_load() before the load, reshard() after it.
-  void open_for_load() {
-    if (is_sharded(*state_)) dp::open_for_load(Locked(*state_));
-  }
-  void reshard() {
-    if (is_sharded(*state_)) dp::reshard(Locked(*state_));
-  }
+  void open_for_load() { state_->mode->open_for_load(Locked(*state_)); }
+  void reshard() { state_->mode->reshard(Locked(*state_)); }
 
  private:
   std::shared_ptr<State> state_;

@@ -20,7 +20,6 @@ namespace detail::dp {
 // The shard standing in for parameter p; undefined when p is not one of
 // this module's sharded parameters.
 inline at::Tensor shard_of(const State& s, const at::Tensor& p) {
-  if (!is_sharded(s)) return {};
   const Sharded& z = sharded(s);
   const auto found = z.shard_index.find(p.unsafeGetTensorImpl());
   return found == z.shard_index.end() ? at::Tensor() : z.buckets[found->second.first].shards[found->second.second];
@@ -179,33 +178,30 @@ void erase_state(StateMap& state, c10::TensorImpl* parameter) {
 // and every optimizer that stepped the shards given the parameters back in
 // their place, its state for the shards dropped (the optimizer starts
 // afresh: LibTorch's per-parameter state types are its own, so 1/S of each
-// cannot be put back together here). The hooks do nothing afterwards.
+// cannot be put back together here). DataParallel then makes its hooks inert.
 inline void release_module(const Locked& held) {
   State& s = held.state();
-  if (is_sharded(s)) {
-    Sharded& z = sharded(s);
-    end_unit_pass(held);
-    for (std::size_t u = 0; u < z.units.list.size(); ++u) {
-      materialize(held, u, Use::full);
-      own_storage(held, u);  // the module outlives the pool
-    }
-    ++z.units.held;  // (release() frees nothing while held)
-    // Each shard's parameter, to put back in its place.
-    std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
-    for (std::size_t b = 0; b < s.buckets.size(); ++b)
-      for (std::size_t i = 0; i < z.buckets[b].shards.size(); ++i)
-        parameter_of[z.buckets[b].shards[i].unsafeGetTensorImpl()] = &s.buckets[b].params[i];
-    for (torch::optim::Optimizer* optimizer : z.optimizers)
-      for (auto& group : optimizer->param_groups())
-        for (auto& p : group.params()) {
-          const auto found = parameter_of.find(p.unsafeGetTensorImpl());
-          if (found == parameter_of.end()) continue;
-          erase_state(optimizer->state(), p.unsafeGetTensorImpl());
-          p = *found->second;
-        }
-    z.optimizers.clear();
+  Sharded& z = sharded(s);
+  end_unit_pass(held);
+  for (std::size_t u = 0; u < z.units.list.size(); ++u) {
+    materialize(held, u, Use::full);
+    own_storage(held, u);  // the module outlives the pool
   }
-  s.alive = false;
+  ++z.units.held;  // (release() frees nothing while held)
+  // Each shard's parameter, to put back in its place.
+  std::unordered_map<const c10::TensorImpl*, const at::Tensor*> parameter_of;
+  for (std::size_t b = 0; b < s.buckets.size(); ++b)
+    for (std::size_t i = 0; i < z.buckets[b].shards.size(); ++i)
+      parameter_of[z.buckets[b].shards[i].unsafeGetTensorImpl()] = &s.buckets[b].params[i];
+  for (torch::optim::Optimizer* optimizer : z.optimizers)
+    for (auto& group : optimizer->param_groups())
+      for (auto& p : group.params()) {
+        const auto found = parameter_of.find(p.unsafeGetTensorImpl());
+        if (found == parameter_of.end()) continue;
+        erase_state(optimizer->state(), p.unsafeGetTensorImpl());
+        p = *found->second;
+      }
+  z.optimizers.clear();
 }
 
 // Cuts every parameter into its chunks and makes this rank's shards.

@@ -12,19 +12,17 @@
 #pragma once
 
 #include "accel/distributed/nested.hpp"
-#include "accel/training/dp/comm_hooks.hpp"
+#include "accel/training/dp/strategy.hpp"
 #include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/buffers.hpp"
-#include "accel/training/precision/policy.hpp"
 #include "accel/training/parameters.hpp"
-
-#include <variant>
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
 // DataParallel's state is one common layout of buckets (below) and the
-// strategy's own state, one of two types held in State::mode:
+// strategy's own state, held in State::mode by one of the two strategies
+// (dp/strategy.hpp's interface; their operations are in dp/strategies.hpp):
 //   Replicated (NO_SHARD): each bucket all-reduced, through a communication hook;
 //   Sharded (SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD): each parameter cut in
 //     chunks, each bucket reduce-scattered into this rank's shards; with
@@ -34,7 +32,8 @@ namespace detail::dp {
 // parameters are sharded exactly as SHARD_GRAD_OP's) plus Units, which
 // SHARD_GRAD_OP has none of; the units' code runs over the units' buckets
 // only, so it needs no test of the mode. The mode is chosen once, in
-// DataParallel's constructor, and read through replicated() / sharded().
+// DataParallel's constructor; the engine's functions of one strategy reach
+// its state through replicated() / sharded().
 
 // A bucket as every strategy lays it out: its parameters (one dtype and
 // device), the flags of which had a gradient, and its reduction in flight.
@@ -58,11 +57,22 @@ struct Bucket {
 struct ReplicatedBucket {
   at::Tensor flat{}, persistent{}, divisor{};
 };
-struct Replicated {
+struct Replicated final : Strategy {
   std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
   CommHook hook = comm_hooks::allreduce_hook();  // (see register_comm_hook)
   bool hooked = false;
   bool bucket_view = false;  // (see gradient_as_bucket_view)
+
+  std::vector<int64_t> assign_units(State& s, const torch::nn::Module& module,
+                                    const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                    const std::vector<at::Tensor>& params) override;
+  void lay_out(State& s, const std::vector<int64_t>& bucket_unit) override;
+  void take_policy(State& s, const MixedPrecisionPolicy& policy) override;
+  void issue(const Locked& held, std::size_t b) override;
+  void finish(const Locked& held) override;
+  void shadow_backward(const Locked& held) override;
+  void register_comm_hook(const Locked& held, CommHook hook) override;
+  void gradient_as_bucket_view(const Locked& held, bool on) override;
 };
 
 // Sharding's per bucket. A rank's segment holds its chunk of each
@@ -128,7 +138,10 @@ struct Units {
   std::optional<c10::ScalarType> param_dtype{}, output_dtype{};
   bool cast_inputs = true;
 };
-struct Sharded {
+struct Sharded final : Strategy {
+  Sharded(GroupPtr shard_group, GroupPtr replicate_group)
+      : shard(std::move(shard_group)), replicate(std::move(replicate_group)) {}
+
   GroupPtr shard{}, replicate{};         // sharded along shard, averaged along replicate too (HSDP)
   std::vector<ShardedBucket> buckets{};  // (State::buckets' order)
   // Where each parameter's shard is, and the optimizers stepping them.
@@ -136,6 +149,38 @@ struct Sharded {
   std::vector<torch::optim::Optimizer*> optimizers{};
   std::optional<c10::ScalarType> reduce_dtype{};  // a MixedPrecisionPolicy's: the dtype gradients reduce in
   Units units{};                                  // none under SHARD_GRAD_OP
+
+  bool shards() const override { return true; }
+  const GroupPtr& shard_group() const override { return shard; }
+  std::vector<int64_t> assign_units(State& s, const torch::nn::Module& module,
+                                    const std::vector<std::shared_ptr<torch::nn::Module>>& units,
+                                    const std::vector<at::Tensor>& params) override;
+  void lay_out(State& s, const std::vector<int64_t>& bucket_unit) override;
+  void take_policy(State& s, const MixedPrecisionPolicy& policy) override;
+  std::size_t unit_count() const override;
+  std::vector<const torch::nn::Module*> unit_modules() const override;
+  void arm(const Locked& held) override;
+  void issue(const Locked& held, std::size_t b) override;
+  void finish(const Locked& held) override;
+  void end_unit_pass(const Locked& held) override;
+  void shadow_backward(const Locked& held) override;
+  void register_comm_hook(const Locked& held, CommHook hook) override;
+  void gradient_as_bucket_view(const Locked& held, bool on) override;
+  at::Tensor shard_of(const State& s, const at::Tensor& p) const override;
+  void shard_optimizer(const Locked& held, torch::optim::Optimizer& optimizer) override;
+  bool steps_with(const Locked& held, const torch::optim::Optimizer& optimizer) const override;
+  void check_shards(const Locked& held) override;
+  void gather_shards(const Locked& held) override;
+  void release_module(const Locked& held) override;
+  void summon_units(const Locked& held) override;
+  void set_prefetch(const Locked& held, bool forward, bool backward) override;
+  void let_go_of_units(const Locked& held) noexcept override;
+  std::optional<Piece> piece_of(const Locked& held, const at::Tensor& p) const override;
+  bool writes_pieces() const override;
+  std::pair<int64_t, int64_t> load_range(const Locked& held, const at::Tensor& p) const override;
+  void load_values(const Locked& held, const std::function<at::Tensor(const at::Tensor&)>& values) override;
+  void open_for_load(const Locked& held) override;
+  void reshard(const Locked& held) override;
 };
 
 // Every parameter of the bucket had a gradient here since the last sync:
@@ -181,15 +226,21 @@ struct State {
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
-  std::variant<Replicated, Sharded> mode;
+  // The strategy and its state (Replicated when not distributed).
+  std::unique_ptr<Strategy> mode = std::make_unique<Replicated>();
 };
-// The strategy's state (see the top): replicated() under NO_SHARD (and
-// when not distributed), sharded() otherwise; is_sharded() says which.
-inline bool is_sharded(const State& s) { return std::holds_alternative<Sharded>(s.mode); }
-inline Sharded& sharded(State& s) { return std::get<Sharded>(s.mode); }
-inline const Sharded& sharded(const State& s) { return std::get<Sharded>(s.mode); }
-inline Replicated& replicated(State& s) { return std::get<Replicated>(s.mode); }
-inline const Replicated& replicated(const State& s) { return std::get<Replicated>(s.mode); }
+// The strategy's state, for the engine's functions of that strategy (each
+// is called only through it: a wrong one is a bug of ours, said so).
+inline Sharded& sharded(State& s) {
+  if (!s.mode->shards()) throw LogicError("accel::DataParallel: a sharded operation on a model that is not sharded");
+  return static_cast<Sharded&>(*s.mode);
+}
+inline const Sharded& sharded(const State& s) { return sharded(const_cast<State&>(s)); }
+inline Replicated& replicated(State& s) {
+  if (s.mode->shards()) throw LogicError("accel::DataParallel: a NO_SHARD operation on a sharded model");
+  return static_cast<Replicated&>(*s.mode);
+}
+inline const Replicated& replicated(const State& s) { return replicated(const_cast<State&>(s)); }
 // Unit u's part of bucket b (b is one of the unit's buckets).
 inline const UnitBucket& unit_bucket(const Units& units, int64_t u, std::size_t b) {
   for (const auto& ub : units.list[static_cast<std::size_t>(u)].buckets)

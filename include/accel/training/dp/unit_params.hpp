@@ -275,7 +275,6 @@ inline void own_storage(const Locked& held, std::size_t u) {
 // rest: its parameters then point at nothing, never at a freed buffer.
 inline void let_go_of_units(const Locked& held) noexcept {
   State& s = held.state();
-  if (!is_sharded(s)) return;
   Units& units = sharded(s).units;
   for (std::size_t u = 0; u < units.list.size(); ++u) {
     try {
@@ -292,7 +291,6 @@ inline void let_go_of_units(const Locked& held) noexcept {
 // the next forward records the order anew. Nothing without units.
 inline void end_unit_pass(const Locked& held) {
   State& s = held.state();
-  if (!is_sharded(s)) return;
   Units& units = sharded(s).units;
   if (units.list.empty()) return;
   for (Unit& unit : units.list)

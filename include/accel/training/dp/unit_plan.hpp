@@ -131,15 +131,6 @@ inline void make_units(Sharded& z, const std::vector<int64_t>& bucket_unit) {
 // whole while the model runs, in its own dtype, and computes in it (a unit's
 // output_dtype hands such modules the activations in theirs).
 inline void apply_policy(State& s, const MixedPrecisionPolicy& policy) {
-  for (const auto& dtype : {policy.param_dtype, policy.reduce_dtype, policy.output_dtype})
-    if (dtype && !c10::isFloatingType(*dtype))
-      throw InvalidArgument(
-          std::string("accel::DataParallel: a MixedPrecisionPolicy's dtypes are floating-point; got ") +
-          c10::toString(*dtype));
-  if (!is_sharded(s))
-    throw InvalidArgument(
-        "accel::DataParallel: a MixedPrecisionPolicy is for sharded training (FULL_SHARD or HYBRID_SHARD); "
-        "this model is not sharded (use mixed_precision = \"bf16\", autocast)");
   Sharded& z = sharded(s);
   z.reduce_dtype = policy.reduce_dtype ? policy.reduce_dtype : policy.param_dtype;  // (FSDP2's default)
   z.units.param_dtype = policy.param_dtype;

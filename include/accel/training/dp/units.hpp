@@ -60,7 +60,8 @@ class FullParameters {
 // half done) are released first.
 class UnitByUnit {
  public:
-  explicit UnitByUnit(std::shared_ptr<State> state) : state_(is_sharded(*state) ? std::move(state) : nullptr) {
+  // state: a fully sharded model's (one with units); null otherwise.
+  explicit UnitByUnit(std::shared_ptr<State> state) : state_(std::move(state)) {
     if (!state_) return;
     const Locked held(*state_);
     if (sharded(*state_).units.held == 0) end_unit_pass(held);
