@@ -291,7 +291,7 @@ ACCEL_NAMESPACE_BEGIN
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
 enum class ReduceOp { SUM, MEAN, MAX, MIN };
-enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP };
+enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP, TP };
 
 namespace detail {
 template <class E>
@@ -309,7 +309,7 @@ struct enum_names<ReduceOp> {
 template <>
 struct enum_names<Dim> {
   static constexpr std::string_view type = "Dim";
-  static constexpr std::array<std::string_view, 4> names{"mp_replicate", "mp_shard", "dp", "cp"};
+  static constexpr std::array<std::string_view, 5> names{"mp_replicate", "mp_shard", "dp", "cp", "tp"};
 };
 template <class E>
 concept AccelEnum = requires { enum_names<E>::names; };
@@ -565,7 +565,7 @@ ACCEL_NAMESPACE_END
 // == accel/core/strategy.hpp ==================================================
 // accel/core/strategy.hpp: DistributedConfig and DistributedStrategy: the parallel sizes, validated.
 //
-// The four parallelism sizes, validated against the world size.
+// The parallelism sizes, validated against the world size.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -582,6 +582,9 @@ struct DistributedConfig {
   std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
   std::optional<int> dp_size{};        // default: world / cp_size
   int cp_size = 1;
+  // Tensor parallelism: the innermost dimension of both meshes (peers hold
+  // pieces of the same layers and read the same batch; adjacent ranks).
+  int tp_size = 1;
   std::chrono::seconds timeout{0};     // of the store and every group; 0: default_timeout()
   std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
@@ -601,11 +604,14 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
   auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
   return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
             << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size) << ", cp_size=" << c.cp_size
+            << (c.tp_size != 1 ? ", tp_size=" + std::to_string(c.tp_size) : std::string())
             << ", timeout=" << (c.timeout.count() ? std::to_string(c.timeout.count()) + "s" : std::string("default"))
             << (c.device ? ", device=" + std::string(to_string(*c.device)) : std::string()) << ")";
 }
 
-// The four mesh sizes, validated against the world size on construction.
+// The mesh sizes, validated against the world size on construction: the
+// model mesh (mp_replicate, mp_shard, tp) and the data mesh (dp, cp, tp)
+// each multiply to the world; tp, the innermost, is the same in both.
 class DistributedStrategy {
  public:
   // Validates against WORLD_SIZE; when not distributed every size is 1.
@@ -620,8 +626,12 @@ class DistributedStrategy {
   int mp_shard_size() const { return mp_shard_; }
   int dp_size() const { return dp_; }
   int cp_size() const { return cp_; }
+  int tp_size() const { return tp_; }
   int world_size() const { return world_; }
 
+  // The meshes without tp (their shapes when tp is 1): the data-parallel
+  // dimensions. The meshes themselves (DistributedInterface::model_mesh(),
+  // data_mesh()) add tp as their last dimension when it is above 1.
   std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
   std::array<std::string_view, 2> model_mesh_dim_names() const {
     return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
@@ -642,6 +652,7 @@ class DistributedStrategy {
       throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " + std::to_string(world));
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
+    positive("tp_size", c.tp_size);
     if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
     if (c.dp_size) positive("dp_size", *c.dp_size);
     if (!distributed) {  // a single process: every dimension has size 1
@@ -649,38 +660,48 @@ class DistributedStrategy {
       return;
     }
     world_ = world;
+    if (world % c.tp_size != 0)
+      throw InvalidArgument("accel::DistributedStrategy: world_size " + std::to_string(world) +
+                            " is not divisible by tp_size " + std::to_string(c.tp_size));
+    tp_ = c.tp_size;
     std::tie(mp_replicate_, mp_shard_) =
-        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
-    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
+        split(world, tp_, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, tp_, c.cp_size, c.dp_size, "cp_size", "dp_size");
   }
 
-  // (given, other): other defaults to world / given; their product is world.
-  static std::pair<int, int> split(int world, int given, std::optional<int> other, const char* given_name,
+  // (given, other): other defaults to world / tp / given; given * other *
+  // tp is world. The messages name tp only when it is above 1.
+  static std::pair<int, int> split(int world, int tp, int given, std::optional<int> other, const char* given_name,
                                    const char* other_name) {
+    const int rest = world / tp;
     std::ostringstream message;
     message << "accel::DistributedStrategy: ";
     if (!other) {
-      if (world % given != 0) {
-        message << "world_size " << world << " is not divisible by " << given_name << " " << given;
+      if (rest % given != 0) {
+        message << "world_size " << world;
+        if (tp > 1) message << " / tp_size " << tp << " = " << rest;
+        message << " is not divisible by " << given_name << " " << given;
         throw InvalidArgument(message.str());
       }
-      return {given, world / given};
+      return {given, rest / given};
     }
-    if (static_cast<long long>(given) * *other != world) {
-      message << given_name << " * " << other_name << " must equal world_size, got " << given << " * " << *other
-              << " != " << world;
+    if (static_cast<long long>(given) * *other != rest) {
+      message << given_name << " * " << other_name << (tp > 1 ? " * tp_size" : "") << " must equal world_size, got "
+              << given << " * " << *other;
+      if (tp > 1) message << " * " << tp;
+      message << " != " << world;
       throw InvalidArgument(message.str());
     }
     return {given, *other};
   }
 
-  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, tp_ = 1, world_ = 1;
 };
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
   return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
             << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size() << ", cp_size=" << s.cp_size()
-            << ")";
+            << (s.tp_size() > 1 ? ", tp_size=" + std::to_string(s.tp_size()) : std::string()) << ")";
 }
 
 ACCEL_NAMESPACE_END
@@ -4142,9 +4163,15 @@ struct MeshRoot {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   std::vector<int> shape;
   std::vector<std::string> names;
-  std::vector<int> coordinate;                                     // this rank's
+  std::vector<int> coordinate;  // this rank's
+  // Root dimensions of size 1 kept out of view: not in the mesh of every
+  // dimension, nor in its groups' names (tp in the model and data meshes
+  // when it is 1, so that they print and name their groups as without it).
+  // slice() still finds them.
+  std::vector<int> hidden;
   std::map<std::string, std::vector<int>, std::less<>> flattened;  // name -> root dims
   std::map<std::vector<int>, GroupPtr> groups;                     // root dims -> group (null: not distributed)
+  std::vector<std::vector<int>> shared;  // root dims whose group another root made and registered (share())
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
   std::string prefix;                     // this mesh's keys in the store
@@ -4160,7 +4187,8 @@ struct MeshRoot {
   MeshRoot& operator=(const MeshRoot&) = delete;
   ~MeshRoot() {
     for (const auto& entry : groups)
-      if (entry.second) unregister_group(entry.second);
+      if (entry.second && std::find(shared.begin(), shared.end(), entry.first) == shared.end())
+        unregister_group(entry.second);
   }
 
   // Global ranks along `dims` (ascending root dimensions) through this rank,
@@ -4202,8 +4230,11 @@ struct MeshRoot {
   // What making that group takes.
   GroupRequest request(const std::vector<int>& dims, const std::string& name) const {
     std::string fixed;
+    const auto among = [](const std::vector<int>& list, std::size_t d) {
+      return std::find(list.begin(), list.end(), static_cast<int>(d)) != list.end();
+    };
     for (std::size_t d = 0; d < shape.size(); ++d)
-      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end())
+      if (!among(dims, d) && !among(hidden, d))
         fixed += (fixed.empty() ? "" : ",") + names[d] + "=" + std::to_string(coordinate[d]);
     auto [members, index] = line(dims);
     GroupRequest asked;
@@ -4214,15 +4245,23 @@ struct MeshRoot {
     asked.dims = dims;
     return asked;
   }
-  // Every root dimension's group, to be made at once (make_groups).
+  // Every root dimension's group and every flattened dimension's known
+  // already, to be made at once (make_groups).
   std::vector<GroupRequest> requests() const {
     std::vector<GroupRequest> all;
     for (std::size_t d = 0; d < shape.size(); ++d) all.push_back(request({static_cast<int>(d)}, names[d]));
+    for (const auto& [name, dims] : flattened) all.push_back(request(dims, name));
     return all;
   }
   const GroupPtr& adopt(const GroupRequest& asked, MadeGroup made) {
     register_group(made.group, asked.name, made.store);
     return groups.emplace(asked.dims, std::move(made.group)).first->second;
+  }
+  // A group another root made and registered (the tp group both meshes
+  // share): this root uses it and leaves its registration to the other.
+  const GroupPtr& share(const GroupRequest& asked, const GroupPtr& group) {
+    shared.push_back(asked.dims);
+    return groups.emplace(asked.dims, group).first->second;
   }
 };
 // "init_device_mesh((2, 2), (dp, cp))", for errors and debug mode.
@@ -4329,7 +4368,9 @@ class DeviceMesh {
 
   static std::vector<Dimension> every_dimension(const detail::MeshRoot& layout) {
     std::vector<Dimension> dims;
-    for (std::size_t d = 0; d < layout.names.size(); ++d) dims.push_back({layout.names[d], {static_cast<int>(d)}});
+    for (std::size_t d = 0; d < layout.names.size(); ++d)
+      if (std::find(layout.hidden.begin(), layout.hidden.end(), static_cast<int>(d)) == layout.hidden.end())
+        dims.push_back({layout.names[d], {static_cast<int>(d)}});
     return dims;
   }
 
@@ -4339,6 +4380,8 @@ class DeviceMesh {
       Dimension dim{std::string(name), {}};
       for (const Dimension& own : dims_)
         if (own.name == name) dim.root_dims = own.root_dims;
+      for (int d : root_->hidden)  // kept out of view, yet a dimension of the root
+        if (root_->names[static_cast<std::size_t>(d)] == name) dim.root_dims = {d};
       if (dim.root_dims.empty()) {
         auto flat = root_->flattened.find(name);
         if (flat == root_->flattened.end())
@@ -4440,13 +4483,28 @@ class World {
     return root;
   }
 
-  // This rank's group along every dimension of the roots, and the world
-  // group first when asked: all made at once (detail::make_groups).
+  // This rank's group along every dimension of the roots (and every
+  // dimension flattened in them already), and the world group first when
+  // asked: all made at once (detail::make_groups). A dimension of the same
+  // name over the same ranks in two roots (tp, innermost in both the model
+  // and the data mesh) is one group, made once and shared.
   void make_groups(const std::vector<MeshRoot*>& roots, bool with_world) {
-    std::vector<GroupRequest> requests;
+    struct Asked {
+      MeshRoot* root;
+      GroupRequest request;
+      std::optional<std::size_t> same_as;  // an earlier entry of `asked` with the same group
+    };
+    std::vector<Asked> asked;
+    std::vector<GroupRequest> requests;  // what is made: the world first, then the entries without same_as
     if (with_world) requests.push_back({"world", prefix_ + "world", rank_, size_, {}});
-    for (const MeshRoot* root : roots)
-      for (GroupRequest& asked : root->requests()) requests.push_back(std::move(asked));
+    std::map<std::pair<std::string, std::vector<int>>, std::size_t> seen;  // (dimension name, ranks) -> entry
+    for (MeshRoot* root : roots)
+      for (GroupRequest& request : root->requests()) {
+        const std::string dim_name = request.name.substr(0, request.name.find('{'));
+        auto [it, first] = seen.emplace(std::pair{dim_name, root->line(request.dims).first}, asked.size());
+        if (first) requests.push_back(request);
+        asked.push_back({root, std::move(request), first ? std::nullopt : std::optional(it->second)});
+      }
     const std::string key = next_made_key();
     std::vector<MadeGroup> made;
     try {
@@ -4463,8 +4521,12 @@ class World {
       register_group(group_, "world", made[i].store, /*is_world=*/true);
       ++i;
     }
-    for (MeshRoot* root : roots)
-      for (std::size_t d = 0; d < root->shape.size(); ++d, ++i) root->adopt(requests[i], std::move(made[i]));
+    std::vector<GroupPtr> groups;  // of each entry of `asked`
+    for (Asked& entry : asked) {
+      const GroupRequest& request = entry.request;
+      if (entry.same_as) groups.push_back(entry.root->share(request, groups[*entry.same_as]));
+      else groups.push_back(entry.root->adopt(request, std::move(made[i++])));
+    }
     wait_for_groups_made(*store_, key, rank_, size_, timeout_);
   }
 
@@ -4653,7 +4715,11 @@ class DistributedInterface {
     if (!distributed_) return nullptr;
     return &dim_meshes_[static_cast<std::size_t>(*dim)];
   }
-  // The whole 2-D model mesh (mp_replicate, mp_shard) or data mesh (dp, cp).
+  // The whole model mesh (mp_replicate, mp_shard) or data mesh (dp, cp),
+  // each with tp as a third, innermost dimension when tp_size is above 1
+  // (the tp group is the same in both). At tp 1 they are 2-D, and
+  // get_device_mesh(Dim::TP) is a mesh of one rank (collectives on it are
+  // the identity).
   const DeviceMesh* model_mesh() const { return distributed_ ? &*model_mesh_ : nullptr; }
   const DeviceMesh* data_mesh() const { return distributed_ ? &*data_mesh_ : nullptr; }
 
@@ -4754,11 +4820,25 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       world_.connect(address, backend, debug);
+      // tp, innermost in both meshes, is kept out of view at size 1 (the
+      // meshes print and name their groups as without it); the tp group is
+      // made once and shared by both (World::make_groups). At tp above 1,
+      // the data-parallel ranks of one tp coordinate (the data mesh's dp and
+      // cp, flattened as "dp_cp", torchtitan's name) get their group too:
+      // what the world is to a model without tensor parallelism.
+      const int tp = strategy_.tp_size();
       const auto seed = [&](auto shape, auto names, const char* key) {
-        return world_.new_root({shape.begin(), shape.end()}, {names.begin(), names.end()}, key);
+        std::vector<int> sizes{shape.begin(), shape.end()};
+        std::vector<std::string> dim_names{names.begin(), names.end()};
+        sizes.push_back(tp);
+        dim_names.emplace_back(to_string(Dim::TP));
+        auto root = world_.new_root(sizes, dim_names, key);
+        if (tp == 1) root->hidden.push_back(2);
+        return root;
       };
       auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
       auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
+      if (tp > 1) data->flattened.emplace("dp_cp", std::vector<int>{0, 1});
       world_.make_groups({model.get(), data.get()}, /*with_world=*/true);
       model_mesh_ = DeviceMesh(std::move(model));
       data_mesh_ = DeviceMesh(std::move(data));
@@ -4771,7 +4851,7 @@ class DistributedInterface {
                              std::to_string(world_size_) + " (" + backend +
                              " process groups) failed: " + detail::error_text(e));
     }
-    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP})
+    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP, Dim::TP})
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
   }
 
@@ -7074,6 +7154,54 @@ struct enum_names<DDPCommunicationHookType> {
 };
 }  // namespace detail
 
+// Accelerate's ParallelismConfig: the sizes of DistributedConfig in
+// Accelerate's terms, its mesh (dp_replicate, dp_shard, cp, tp). The
+// Accelerator maps it field by field when it starts (ParallelismConfig::
+// distributed_config): mp_replicate = dp_replicate; mp_shard = dp_shard * cp
+// (Accelerate's FSDP shards over dp_shard and cp flattened, "dp_shard_cp");
+// dp = dp_replicate * dp_shard; cp and tp as they are. The layouts are the
+// same groups as Accelerate's (docs/differences.md). dp_shard_size unset:
+// what the world leaves, world / (dp_replicate * cp * tp).
+struct ParallelismConfig {
+  int dp_replicate_size = 1;
+  std::optional<int> dp_shard_size{};
+  int tp_size = 1;
+  int cp_size = 1;
+  bool operator==(const ParallelismConfig&) const = default;
+
+  // The same sizes as a DistributedConfig (timeout and device left at their
+  // defaults), checked against `world` (the number of processes) with
+  // Accelerate's messages.
+  DistributedConfig distributed_config(int world) const {
+    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
+                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
+                                                 {"tp_size", tp_size},
+                                                 {"cp_size", cp_size}};
+    for (const auto& [name, size] : sizes)
+      if (size < 1)
+        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
+                              std::to_string(size));
+    const int64_t rest = int64_t{dp_replicate_size} * tp_size * cp_size;
+    int64_t shard = dp_shard_size.value_or(0);
+    if (!dp_shard_size && world % rest != 0)
+      throw InvalidArgument("accel::ParallelismConfig: dp_replicate_size * tp_size * cp_size (" + std::to_string(rest) +
+                            ") does not divide num_processes (" + std::to_string(world) +
+                            "), so no dp_shard_size fits; please adjust dp_replicate_size/tp_size/cp_size");
+    if (!dp_shard_size) shard = world / rest;
+    if (rest * shard != world)
+      throw InvalidArgument("accel::ParallelismConfig: total_size (" + std::to_string(rest * shard) +
+                            ") does not match num_processes (" + std::to_string(world) +
+                            "). Please adjust dp_replicate_size/dp_shard_size/tp_size/cp_size.");
+    DistributedConfig out;
+    out.mp_replicate_size = dp_replicate_size;
+    out.mp_shard_size = static_cast<int>(shard) * cp_size;
+    out.dp_size = dp_replicate_size * static_cast<int>(shard);
+    out.cp_size = cp_size;
+    out.tp_size = tp_size;
+    return out;
+  }
+};
+
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
@@ -7109,6 +7237,9 @@ struct AcceleratorConfig {
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   DistributedConfig distributed{};
+  // Accelerate's spelling of distributed's sizes (ParallelismConfig above);
+  // given, distributed's sizes must be left at their defaults.
+  std::optional<ParallelismConfig> parallelism_config{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
   // "csv" or "all" (files under project_config's logging_dir; accelerator/trackers.hpp).
@@ -14696,8 +14827,17 @@ class AcceleratorSetup {
                               std::string(to_string(*config.distributed.device)));
       config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
     }
+    if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
+    // A model prepared as it is would be whole on every tp rank: each pair
+    // of tp peers would train the same replica on the same batch and write
+    // the same checkpoint pieces. Refused until the tensor-parallel layers
+    // that split it exist; the tp dimension itself is DistributedInterface's.
+    if (strategy.tp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
+                            ": the Accelerator does not train tensor-parallel models yet (no accel::tp layers in "
+                            "this version); the tp dimension's meshes and groups are DistributedInterface's");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -14721,6 +14861,29 @@ class AcceleratorSetup {
             DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
     return config;
+  }
+  // distributed with the sizes parallelism_config gives (its timeout and
+  // device kept). In one process every size is 1 whatever is given, as for
+  // DistributedConfig's own sizes (a program runs unchanged as one process).
+  static DistributedConfig from_parallelism_config(const AcceleratorConfig& config) {
+    DistributedConfig sizes = config.distributed;
+    sizes.timeout = {};
+    sizes.device.reset();
+    if (sizes != DistributedConfig{})
+      throw InvalidArgument(
+          "accel::Accelerator: parallelism_config and distributed's sizes both given; give the sizes once (distributed "
+          "keeps its timeout and device)");
+    const ParallelismConfig& p = *config.parallelism_config;
+    DistributedConfig out;
+    if (is_distributed()) {
+      out = p.distributed_config(accel::get_world_size());
+    } else {  // one process: the sizes are checked for sign only (a world they fit), and every size is 1
+      const int64_t total = int64_t{p.dp_replicate_size} * p.dp_shard_size.value_or(1) * p.tp_size * p.cp_size;
+      (void)p.distributed_config(static_cast<int>(std::clamp<int64_t>(total, 1, 1 << 30)));
+    }
+    out.timeout = config.distributed.timeout;
+    out.device = config.distributed.device;
+    return out;
   }
   // Whether the strategy has something to shard along (else it is NO_SHARD).
   static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
@@ -14811,12 +14974,21 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP
+  // (the Accelerator refuses tp_size above 1 until tensor-parallel layers
+  // exist); there is no pipeline parallelism here (0, as Accelerate for a
+  // dimension not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;
   int pipeline_parallel_rank() const;
+  // Accelerate's state (PartialState): the facts of this process that every
+  // Accelerator in it shares: the distributed interface (rank, world size,
+  // device, meshes).
+  const DistributedInterface& state() const;
+  // Accelerate's fp8_backend: the FP8 backend in use; none here
+  // (mixed_precision takes no "fp8"), so nullopt, Accelerate's None.
+  std::optional<std::string> fp8_backend() const;
   // Accelerate's verify_device_map: whether the model is spread over devices
   // by a device map (big-model inference). accel.hpp places whole models: false.
   template <class ModuleHolder>
@@ -15153,8 +15325,10 @@ inline bool Accelerator::is_fsdp2() const {
 inline bool Accelerator::should_save_model() const { return true; }
 inline int Accelerator::data_parallel_rank() const { return setup_.world().get_rank(Dim::DP); }
 inline int Accelerator::context_parallel_rank() const { return setup_.world().get_rank(Dim::CP); }
-inline int Accelerator::tensor_parallel_rank() const { return 0; }
+inline int Accelerator::tensor_parallel_rank() const { return setup_.world().get_rank(Dim::TP); }
 inline int Accelerator::pipeline_parallel_rank() const { return 0; }
+inline const DistributedInterface& Accelerator::state() const { return setup_.world(); }
+inline std::optional<std::string> Accelerator::fp8_backend() const { return std::nullopt; }
 template <class ModuleHolder>
 bool Accelerator::verify_device_map(const ModuleHolder&) const {
   return false;

@@ -107,6 +107,7 @@ TEST_SUITE("single") {
     CHECK(accel::to_string(ReduceOp::MEAN) == "mean");
     CHECK(accel::to_string(Dim::MP_REPLICATE) == "mp_replicate");
     CHECK(accel::from_string<Dim>("cp") == Dim::CP);
+    CHECK(accel::from_string<Dim>("tp") == Dim::TP);
     CHECK(accel::from_string<ReduceOp>("max") == ReduceOp::MAX);
     CHECK(accel::from_string<accel::DeviceType>("npu") == accel::DeviceType::NPU);
     std::ostringstream os;
@@ -114,7 +115,7 @@ TEST_SUITE("single") {
     CHECK(os.str() == "mp_shard min meta");
     CHECK_THROWS_WITH_AS(accel::from_string<Dim>("DP"),
                          "accel::from_string<Dim>: unknown value 'DP' (expected one of: "
-                         "mp_replicate, mp_shard, dp, cp)",
+                         "mp_replicate, mp_shard, dp, cp, tp)",
                          std::invalid_argument);
     CHECK_THROWS_AS(accel::from_string<ReduceOp>("avg"), std::invalid_argument);
   }
@@ -209,7 +210,7 @@ TEST_SUITE("single") {
       }
       return "nothing thrown";
     };
-    CHECK(kind_of([] { accel::from_string<accel::Dim>("tp"); }).find("unknown value 'tp'") != std::string::npos);
+    CHECK(kind_of([] { accel::from_string<accel::Dim>("pp"); }).find("unknown value 'pp'") != std::string::npos);
     CHECK(kind_of([] {
             accel::operate_tensorlike([](at::Tensor& t) { return t; }, ~uint64_t{0});
           }).find("does not fit") != std::string::npos);
@@ -283,6 +284,11 @@ TEST_SUITE("single") {
   TEST_CASE("strategy: defaults and validation messages") {
     using accel::DistributedConfig;
     using accel::DistributedStrategy;
+    const auto to_text = [](const auto& value) {
+      std::ostringstream os;
+      os << value;
+      return os.str();
+    };
     DistributedStrategy s8(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2}, 8);
     CHECK((s8.model_mesh_shape() == std::array{2, 4}));
     CHECK((s8.data_mesh_shape() == std::array{4, 2}));
@@ -309,10 +315,33 @@ TEST_SUITE("single") {
     CHECK(fails({}, 0) == "accel::DistributedStrategy: world_size must be positive, got 0");
     CHECK_THROWS_AS(DistributedStrategy(DistributedConfig{.mp_replicate_size = 3}, 4), std::invalid_argument);
 
+    // tp: innermost in both meshes, so each of them multiplies to world / tp.
+    DistributedStrategy t8(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2, .tp_size = 2}, 8);
+    CHECK(t8.tp_size() == 2);
+    CHECK((t8.model_mesh_shape() == std::array{2, 2}));  // the meshes without tp
+    CHECK((t8.data_mesh_shape() == std::array{2, 2}));
+    CHECK(to_text(t8) == "DistributedStrategy(mp_replicate_size=2, mp_shard_size=2, dp_size=2, cp_size=2, tp_size=2)");
+    CHECK(to_text(s8) == "DistributedStrategy(mp_replicate_size=2, mp_shard_size=4, dp_size=4, cp_size=2)");
+    CHECK(DistributedStrategy(DistributedConfig{.tp_size = 4}, 4).mp_shard_size() == 1);
+    CHECK(fails({.tp_size = 3}, 4) == "accel::DistributedStrategy: world_size 4 is not divisible by tp_size 3");
+    CHECK(fails({.tp_size = 0}, 4) == "accel::DistributedStrategy: tp_size must be positive, got 0");
+    CHECK(fails({.mp_replicate_size = 4, .tp_size = 2}, 4) ==
+          "accel::DistributedStrategy: world_size 4 / tp_size 2 = 2 is not divisible by mp_replicate_size 4");
+    CHECK(fails({.mp_replicate_size = 2, .mp_shard_size = 2, .tp_size = 2}, 4) ==
+          "accel::DistributedStrategy: mp_replicate_size * mp_shard_size * tp_size must equal world_size, "
+          "got 2 * 2 * 2 != 4");
+    CHECK(fails({.dp_size = 3, .tp_size = 2}, 8) ==
+          "accel::DistributedStrategy: cp_size * dp_size * tp_size must equal world_size, got 1 * 3 * 2 != 8");
+    CHECK(to_text(DistributedConfig{.tp_size = 2}) ==
+          "DistributedConfig(mp_replicate_size=1, mp_shard_size=auto, dp_size=auto, cp_size=1, tp_size=2, "
+          "timeout=default)");
+    CHECK(to_text(DistributedConfig{}).find("tp_size") == std::string::npos);  // unchanged at tp 1
+
     EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}};
     DistributedStrategy single(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2});
     CHECK((single.model_mesh_shape() == std::array{1, 1}));  // not distributed: every size is 1
     CHECK((single.data_mesh_shape() == std::array{1, 1}));
+    CHECK(DistributedStrategy(DistributedConfig{.tp_size = 2}).tp_size() == 1);
     CHECK_THROWS_AS(DistributedStrategy(DistributedConfig{.cp_size = 0}), std::invalid_argument);
   }
 
@@ -855,7 +884,8 @@ TEST_SUITE("ranks") {
   TEST_CASE("per-rank group count is constant: the world and one per mesh dimension") {
     const int before = accel::detail::groups_created().load();
     auto& d = fresh();
-    CHECK(accel::detail::groups_created().load() - before == 5);
+    // The world, mp_replicate, mp_shard, dp, cp, and tp (one group both meshes share; of this rank alone at tp 1).
+    CHECK(accel::detail::groups_created().load() - before == 6);
     CHECK(d.get_world_size(Dim::DP) == d.get_world_size());
     CHECK(d.get_world_size(Dim::CP) == 1);
     CHECK(d.get_world_size(Dim::MP_REPLICATE) == 1);
@@ -945,7 +975,7 @@ TEST_SUITE("ranks") {
     for (const auto& e : errors) CHECK(e == "");
     REQUIRE(seen[0] != nullptr);
     for (auto* p : seen) CHECK(p == seen[0]);
-    CHECK(accel::detail::groups_created().load() - before == 5);
+    CHECK(accel::detail::groups_created().load() - before == 6);  // the world and one per dimension (tp's too)
     const int P = seen[0]->get_world_size();
     CHECK(seen[0]->all_reduce(1, ReduceOp::SUM, std::nullopt) == P);
   }
@@ -1385,6 +1415,72 @@ TEST_SUITE("mesh4") {
     accel::DistributedInterface::instance().destroy();
   }
 
+  TEST_CASE("tp: the innermost dimension of both meshes, one group shared by them; out of view at tp 1") {
+    REQUIRE(accel::get_world_size() == 4);
+    struct Case {
+      int mp_replicate, cp, tp;
+    };
+    for (Case c : {Case{1, 1, 2}, Case{2, 2, 2}, Case{1, 1, 4}}) {
+      CAPTURE(c.mp_replicate * 100 + c.cp * 10 + c.tp);
+      const int rest = 4 / c.tp, mp_shard = rest / c.mp_replicate, dp = rest / c.cp;
+      auto& d = fresh({.mp_replicate_size = c.mp_replicate, .cp_size = c.cp, .tp_size = c.tp});
+      const int rank = d.get_rank();
+      CHECK(d.strategy().tp_size() == c.tp);
+      CHECK((d.model_mesh()->shape() == std::vector<int>{c.mp_replicate, mp_shard, c.tp}));
+      CHECK((d.model_mesh()->dim_names() == std::vector<std::string>{"mp_replicate", "mp_shard", "tp"}));
+      CHECK((d.data_mesh()->shape() == std::vector<int>{dp, c.cp, c.tp}));
+      CHECK((d.data_mesh()->dim_names() == std::vector<std::string>{"dp", "cp", "tp"}));
+      // Every dimension's group against arange(4).reshape(shape), by brute force.
+      const std::vector<int> model{c.mp_replicate, mp_shard, c.tp}, data{dp, c.cp, c.tp};
+      const std::pair<Dim, std::pair<const std::vector<int>*, int>> dims[] = {{Dim::MP_REPLICATE, {&model, 0}},
+                                                                              {Dim::MP_SHARD, {&model, 1}},
+                                                                              {Dim::DP, {&data, 0}},
+                                                                              {Dim::CP, {&data, 1}},
+                                                                              {Dim::TP, {&model, 2}}};
+      for (const auto& entry : dims) {
+        const Dim dim = entry.first;
+        CAPTURE(accel::to_string(dim));
+        const auto members = brute_force_group(*entry.second.first, rank, {entry.second.second});
+        CHECK(d.get_device_mesh(dim)->ranks() == members);
+        CHECK(d.get_world_size(dim) == static_cast<int>(members.size()));
+        CHECK(d.get_rank(dim) == static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin()));
+        auto gathered = d.all_gather(static_cast<int64_t>(rank), dim);
+        CHECK(std::vector<int>(gathered.begin(), gathered.end()) == members);
+      }
+      CHECK(d.get_rank(Dim::TP) == rank % c.tp);  // adjacent ranks
+      // One tp group, whichever mesh it is reached through.
+      CHECK(d.get_group(Dim::TP).get() == d.model_mesh()->get_group("tp").get());
+      CHECK(d.get_group(Dim::TP).get() == d.data_mesh()->get_group("tp").get());
+      CHECK(accel::detail::describe(*d.get_group(Dim::TP)).find("group 'tp{mp_replicate=") != std::string::npos);
+      // The data-parallel ranks of this tp coordinate: dp and cp flattened.
+      const auto dp_cp = brute_force_group(data, rank, {0, 1});
+      CHECK(d.data_mesh()->slice("dp_cp").ranks() == dp_cp);
+      CHECK(accel::all_gather(rank, d.data_mesh()->slice("dp_cp").get_group()) == dp_cp);
+      std::ostringstream printed;
+      printed << d;
+      CHECK(printed.str().find("tp_size=" + std::to_string(c.tp) + ")") != std::string::npos);
+      CHECK(printed.str().find("dims=(mp_replicate,mp_shard,tp)") != std::string::npos);
+    }
+    // tp 1: the meshes print and name their groups as before tp existed; Dim::TP is this rank alone.
+    auto& d = fresh({.mp_replicate_size = 2});
+    const int rank = d.get_rank();
+    std::ostringstream printed;
+    printed << d;
+    CHECK(printed.str().find("tp") == std::string::npos);
+    CHECK(d.model_mesh()->ndim() == 2);
+    CHECK(d.data_mesh()->ndim() == 2);
+    CHECK(accel::detail::describe(*d.get_group(Dim::MP_SHARD)) ==
+          "group 'mp_shard{mp_replicate=" + std::to_string(rank / 2) + "}' (gloo, rank " + std::to_string(rank % 2) +
+              " of 2)");
+    CHECK(d.get_world_size(Dim::TP) == 1);
+    CHECK(d.get_rank(Dim::TP) == 0);
+    CHECK(d.get_device_mesh(Dim::TP)->ranks() == std::vector<int>{rank});
+    CHECK(d.get_group(Dim::TP)->getSize() == 1);  // never null: a null group is the world
+    CHECK(d.all_reduce(static_cast<int64_t>(rank), ReduceOp::SUM, Dim::TP) == rank);
+    CHECK(d.get_group(Dim::TP).get() == d.data_mesh()->slice("tp").get_group().get());
+    d.destroy();
+  }
+
   TEST_CASE("init_device_mesh: Accelerate's 4-d layouts and flattened dimensions, every group by brute force") {
     auto& d = world();
     const int rank = d.get_rank();
@@ -1525,8 +1621,28 @@ TEST_SUITE("torchrun") {
         }
       }
     }
+    // tp above 1, innermost in both meshes (mesh_groups.py writes the same lines).
+    for (int tp = 2; tp <= P; ++tp) {
+      if (P % tp) continue;
+      for (int mp_replicate = 1; mp_replicate <= P / tp; ++mp_replicate) {
+        if ((P / tp) % mp_replicate) continue;
+        for (int cp = 1; cp <= P / tp; ++cp) {
+          if ((P / tp) % cp) continue;
+          auto& d = fresh({.mp_replicate_size = mp_replicate, .cp_size = cp, .tp_size = tp});
+          for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::TP, Dim::DP, Dim::CP, Dim::TP}) {
+            const auto& members = d.get_device_mesh(dim)->ranks();
+            ours << "tp " << mp_replicate << ' ' << P / tp / mp_replicate << ' ' << P / tp / cp << ' ' << cp << ' '
+                 << tp << ' ' << dim << ':';
+            for (int m : members) ours << ' ' << m;
+            ours << '\n';
+            auto gathered = d.all_gather(static_cast<int64_t>(rank), dim);
+            CHECK(std::vector<int>(gathered.begin(), gathered.end()) == members);
+          }
+        }
+      }
+    }
     // Accelerate's 4-d layouts and flattened dimensions (mesh_groups.py writes the same lines).
-    auto& d = accel::DistributedInterface::instance();
+    auto& d = fresh({});
     for (const std::vector<int>& shape : P == 4 ? accelerate_layouts() : std::vector<std::vector<int>>{}) {
       accel::DeviceMesh mesh = accel::init_device_mesh(shape, {"dp_replicate", "dp_shard", "cp", "tp"});
       flatten_as_accelerate(mesh);

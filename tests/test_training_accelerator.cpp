@@ -583,10 +583,25 @@ TEST_SUITE("single") {
     CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("mixed_precision 'fp8'"), std::invalid_argument);
     bad.mixed_precision = "fp16";
     CHECK_THROWS_WITH_AS(accel::Accelerator{bad}, doctest::Contains("needs CUDA"), std::invalid_argument);
+    // Accelerate's ParallelismConfig: its sizes checked with Accelerate's messages, and given once.
+    bad = config();
+    bad.parallelism_config = accel::ParallelismConfig{.dp_shard_size = 0};
+    CHECK_THROWS_WITH_AS(accel::Accelerator{bad},
+                         "accel::ParallelismConfig: dp_shard_size must be at least 1, but got 0",
+                         accel::InvalidArgument);
+    bad.parallelism_config = accel::ParallelismConfig{.tp_size = 2};
+    bad.distributed.cp_size = 2;
+    CHECK_THROWS_WITH_AS(
+        accel::Accelerator{bad},
+        doctest::Contains("parallelism_config and distributed's sizes both given; give the sizes once"),
+        accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
     auto bf16 = config();
     bf16.mixed_precision = "bf16";
     accel::Accelerator accelerator(bf16);
+    CHECK(&accelerator.state() == &accel::DistributedInterface::instance());  // PartialState: the process's facts
+    CHECK(accelerator.state().get_world_size() == accelerator.num_processes());
+    CHECK_FALSE(accelerator.fp8_backend().has_value());  // no FP8 backend: Accelerate's None
     {
       auto autocast = accelerator.autocast();
       at::Tensor out = at::matmul(at::ones({2, 2}), at::ones({2, 2}));
@@ -594,5 +609,34 @@ TEST_SUITE("single") {
     }
     CHECK((at::matmul(at::ones({2, 2}), at::ones({2, 2})).scalar_type() == at::kFloat));
     world().destroy();
+  }
+
+  TEST_CASE("ParallelismConfig: Accelerate's sizes mapped field by field onto the model and data meshes") {
+    // (dp_replicate, dp_shard, cp, tp) = (2, 2, 2, 2) on 16 processes: FSDP shards over dp_shard x cp.
+    const accel::DistributedConfig all =
+        accel::ParallelismConfig{.dp_replicate_size = 2, .dp_shard_size = 2, .tp_size = 2, .cp_size = 2}
+            .distributed_config(16);
+    CHECK(all.mp_replicate_size == 2);
+    CHECK(all.mp_shard_size == 4);
+    CHECK(all.dp_size == 4);
+    CHECK(all.cp_size == 2);
+    CHECK(all.tp_size == 2);
+    const accel::DistributedStrategy mesh(all, 16);  // a valid strategy: each mesh multiplies to 16
+    CHECK((mesh.model_mesh_shape() == std::array{2, 4}));
+    CHECK((mesh.data_mesh_shape() == std::array{4, 2}));
+    // The default: everything along dp_shard, as DistributedConfig's default puts it along mp_shard and dp.
+    const accel::DistributedConfig plain = accel::ParallelismConfig{}.distributed_config(8);
+    CHECK(accel::DistributedStrategy(plain, 8) == accel::DistributedStrategy(accel::DistributedConfig{}, 8));
+    CHECK(accel::ParallelismConfig{.tp_size = 2}.distributed_config(8).dp_size == 4);
+    CHECK_THROWS_WITH_AS(accel::ParallelismConfig{.dp_shard_size = 2}.distributed_config(6),
+                         "accel::ParallelismConfig: total_size (2) does not match num_processes (6). Please adjust "
+                         "dp_replicate_size/dp_shard_size/tp_size/cp_size.",
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accel::ParallelismConfig{.tp_size = 4}.distributed_config(6),
+                         "accel::ParallelismConfig: dp_replicate_size * tp_size * cp_size (4) does not divide "
+                         "num_processes (6), so no dp_shard_size fits; please adjust dp_replicate_size/tp_size/cp_size",
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accel::ParallelismConfig{.cp_size = -1}.distributed_config(4),
+                         "accel::ParallelismConfig: cp_size must be at least 1, but got -1", accel::InvalidArgument);
   }
 }

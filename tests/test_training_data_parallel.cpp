@@ -137,6 +137,26 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
+    // tp above 1 without tensor-parallel layers: each tp pair would train one replica twice; refused.
+    accel::AcceleratorConfig t = config();
+    t.distributed.tp_size = P;
+    const std::string refused =
+        "tp_size " + std::to_string(P) + ": the Accelerator does not train tensor-parallel models yet";
+    CHECK_THROWS_WITH_AS(accel::Accelerator{t}, doctest::Contains(refused.c_str()), accel::InvalidArgument);
+    t = config();
+    t.parallelism_config = accel::ParallelismConfig{.tp_size = P};  // Accelerate's spelling of the same
+    CHECK_THROWS_WITH_AS(accel::Accelerator{t}, doctest::Contains(refused.c_str()), accel::InvalidArgument);
+    CHECK_FALSE(accel::DistributedInterface::is_initialized());
+    // Accelerate's pure replication (dp_replicate = every process): the model mesh replicates, the data splits.
+    t.parallelism_config = accel::ParallelismConfig{.dp_replicate_size = P};
+    {
+      accel::Accelerator replicated(t);
+      CHECK(accel::DistributedInterface::instance().strategy().mp_replicate_size() == P);
+      CHECK(accel::DistributedInterface::instance().strategy().mp_shard_size() == 1);
+      CHECK(accel::DistributedInterface::instance().strategy().dp_size() == P);
+      CHECK(replicated.tensor_parallel_rank() == 0);
+    }
+    release_world();
   }
 
   // torch's powerSGD_hook: one step against the algorithm written out (rank-2 compression of a 12 x 16 weight,

@@ -1191,6 +1191,37 @@ TORCH_MODULE(Pieces);
 }  // namespace
 
 TEST_SUITE("mesh4") {
+  TEST_CASE("ParallelismConfig: Accelerate's sizes give the groups of Accelerate's mesh, through both meshes") {
+    REQUIRE(accel::get_world_size() == 4);
+    const std::vector<std::vector<int>> layouts{{2, 2, 1, 1}, {1, 2, 2, 1}, {2, 1, 2, 1},
+                                                {1, 1, 2, 2}, {2, 1, 1, 2}, {1, 4, 1, 1}};
+    for (const std::vector<int>& shape : layouts) {  // (dp_replicate, dp_shard, cp, tp)
+      CAPTURE(shape[0] * 1000 + shape[1] * 100 + shape[2] * 10 + shape[3]);
+      // Accelerate's mesh, as its ParallelismConfig builds it (init_device_mesh's groups are checked
+      // against Python's under torchrun): FSDP shards over dp_shard_cp, replicates over dp_replicate,
+      // splits the data over dp and averages the loss over dp_cp.
+      fresh();
+      const accel::DeviceMesh mesh = accel::init_device_mesh(shape, {"dp_replicate", "dp_shard", "cp", "tp"});
+      mesh.slice("dp_replicate", "dp_shard").flatten("dp");
+      mesh.slice("dp_shard", "cp").flatten("dp_shard_cp");
+      mesh.slice("dp_replicate", "dp_shard", "cp").flatten("dp_cp");
+      const accel::ParallelismConfig p{
+          .dp_replicate_size = shape[0], .dp_shard_size = shape[1], .tp_size = shape[3], .cp_size = shape[2]};
+      auto& d = fresh(p.distributed_config(4));
+      const std::pair<Dim, const char*> same[] = {{Dim::MP_REPLICATE, "dp_replicate"},
+                                                  {Dim::MP_SHARD, "dp_shard_cp"},
+                                                  {Dim::DP, "dp"},
+                                                  {Dim::CP, "cp"},
+                                                  {Dim::TP, "tp"}};
+      for (const auto& entry : same) CHECK(d.get_device_mesh(entry.first)->ranks() == mesh.slice(entry.second).ranks());
+      if (shape[3] > 1) CHECK(d.data_mesh()->slice("dp_cp").ranks() == mesh.slice("dp_cp").ranks());
+    }
+    // Unset dp_shard_size: what the world leaves.
+    const accel::DistributedConfig left = accel::ParallelismConfig{.dp_replicate_size = 2}.distributed_config(4);
+    CHECK((left.mp_replicate_size == 2 && left.mp_shard_size == 2 && left.dp_size == 4 && left.cp_size == 1));
+    release_world();
+  }
+
   // Four processes as a (shard 2, tp 2) mesh, tp innermost: each parameter is
   // a tensor-parallel piece, sharded further over the shard group (FSDP over
   // TP). Two micro-batches per step, the first with gradient sync off

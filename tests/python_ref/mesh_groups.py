@@ -6,7 +6,8 @@
 #
 #   <mp_replicate> <mp_shard> <dp> <cp> <dim>: <ranks...>
 #
-# then, at world size 4, Accelerate's 4-d meshes with their flattened
+# then the same with each tp size above 1 as the meshes' innermost dimension
+# ("tp <mp_replicate> <mp_shard> <dp> <cp> <tp> <dim>: <ranks...>"), then, at world size 4, Accelerate's 4-d meshes with their flattened
 # dimensions (see below).
 #
 # Run on 4 ranks with torchrun's environment (run_torchrun.sh uses accel_launch).
@@ -31,6 +32,20 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as out:
                 for name in names:
                     ranks = dist.get_process_group_ranks(mesh[name].get_group())
                     print(mp_replicate, mp_shard, dp, cp, f"{name}:", *ranks, file=out)
+    # With tensor parallelism, innermost in both meshes (torchtitan's order):
+    # the model mesh (mp_replicate, mp_shard, tp) and the data mesh (dp, cp, tp).
+    for tp in divisors[1:]:
+        rest = [d for d in divisors if (world // tp) % d == 0]
+        for mp_replicate in rest:
+            for cp in rest:
+                mp_shard, dp = world // tp // mp_replicate, world // tp // cp
+                model = init_device_mesh("cpu", (mp_replicate, mp_shard, tp),
+                                         mesh_dim_names=("mp_replicate", "mp_shard", "tp"))
+                data = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+                for mesh, names in ((model, ("mp_replicate", "mp_shard", "tp")), (data, ("dp", "cp", "tp"))):
+                    for name in names:
+                        ranks = dist.get_process_group_ranks(mesh[name].get_group())
+                        print("tp", mp_replicate, mp_shard, dp, cp, tp, f"{name}:", *ranks, file=out)
     # Accelerate's (dp_replicate, dp_shard, cp, tp) meshes and the dimensions its
     # ParallelismConfig flattens; each line: the sub-mesh's ranks and this
     # rank's coordinate in it.

@@ -1,6 +1,6 @@
 // accel/core/strategy.hpp: DistributedConfig and DistributedStrategy: the parallel sizes, validated.
 //
-// The four parallelism sizes, validated against the world size.
+// The parallelism sizes, validated against the world size.
 #pragma once
 
 #include "accel/core/environment.hpp"
@@ -20,6 +20,9 @@ struct DistributedConfig {
   std::optional<int> mp_shard_size{};  // default: world / mp_replicate_size
   std::optional<int> dp_size{};        // default: world / cp_size
   int cp_size = 1;
+  // Tensor parallelism: the innermost dimension of both meshes (peers hold
+  // pieces of the same layers and read the same batch; adjacent ranks).
+  int tp_size = 1;
   std::chrono::seconds timeout{0};     // of the store and every group; 0: default_timeout()
   std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
@@ -39,11 +42,14 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
   auto opt = [](const std::optional<int>& v) { return v ? std::to_string(*v) : std::string("auto"); };
   return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
             << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size) << ", cp_size=" << c.cp_size
+            << (c.tp_size != 1 ? ", tp_size=" + std::to_string(c.tp_size) : std::string())
             << ", timeout=" << (c.timeout.count() ? std::to_string(c.timeout.count()) + "s" : std::string("default"))
             << (c.device ? ", device=" + std::string(to_string(*c.device)) : std::string()) << ")";
 }
 
-// The four mesh sizes, validated against the world size on construction.
+// The mesh sizes, validated against the world size on construction: the
+// model mesh (mp_replicate, mp_shard, tp) and the data mesh (dp, cp, tp)
+// each multiply to the world; tp, the innermost, is the same in both.
 class DistributedStrategy {
  public:
   // Validates against WORLD_SIZE; when not distributed every size is 1.
@@ -58,8 +64,12 @@ class DistributedStrategy {
   int mp_shard_size() const { return mp_shard_; }
   int dp_size() const { return dp_; }
   int cp_size() const { return cp_; }
+  int tp_size() const { return tp_; }
   int world_size() const { return world_; }
 
+  // The meshes without tp (their shapes when tp is 1): the data-parallel
+  // dimensions. The meshes themselves (DistributedInterface::model_mesh(),
+  // data_mesh()) add tp as their last dimension when it is above 1.
   std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
   std::array<std::string_view, 2> model_mesh_dim_names() const {
     return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
@@ -80,6 +90,7 @@ class DistributedStrategy {
       throw InvalidArgument("accel::DistributedStrategy: world_size must be positive, got " + std::to_string(world));
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
+    positive("tp_size", c.tp_size);
     if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
     if (c.dp_size) positive("dp_size", *c.dp_size);
     if (!distributed) {  // a single process: every dimension has size 1
@@ -87,38 +98,48 @@ class DistributedStrategy {
       return;
     }
     world_ = world;
+    if (world % c.tp_size != 0)
+      throw InvalidArgument("accel::DistributedStrategy: world_size " + std::to_string(world) +
+                            " is not divisible by tp_size " + std::to_string(c.tp_size));
+    tp_ = c.tp_size;
     std::tie(mp_replicate_, mp_shard_) =
-        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
-    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
+        split(world, tp_, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, tp_, c.cp_size, c.dp_size, "cp_size", "dp_size");
   }
 
-  // (given, other): other defaults to world / given; their product is world.
-  static std::pair<int, int> split(int world, int given, std::optional<int> other, const char* given_name,
+  // (given, other): other defaults to world / tp / given; given * other *
+  // tp is world. The messages name tp only when it is above 1.
+  static std::pair<int, int> split(int world, int tp, int given, std::optional<int> other, const char* given_name,
                                    const char* other_name) {
+    const int rest = world / tp;
     std::ostringstream message;
     message << "accel::DistributedStrategy: ";
     if (!other) {
-      if (world % given != 0) {
-        message << "world_size " << world << " is not divisible by " << given_name << " " << given;
+      if (rest % given != 0) {
+        message << "world_size " << world;
+        if (tp > 1) message << " / tp_size " << tp << " = " << rest;
+        message << " is not divisible by " << given_name << " " << given;
         throw InvalidArgument(message.str());
       }
-      return {given, world / given};
+      return {given, rest / given};
     }
-    if (static_cast<long long>(given) * *other != world) {
-      message << given_name << " * " << other_name << " must equal world_size, got " << given << " * " << *other
-              << " != " << world;
+    if (static_cast<long long>(given) * *other != rest) {
+      message << given_name << " * " << other_name << (tp > 1 ? " * tp_size" : "") << " must equal world_size, got "
+              << given << " * " << *other;
+      if (tp > 1) message << " * " << tp;
+      message << " != " << world;
       throw InvalidArgument(message.str());
     }
     return {given, *other};
   }
 
-  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, world_ = 1;
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, tp_ = 1, world_ = 1;
 };
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
   return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
             << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size() << ", cp_size=" << s.cp_size()
-            << ")";
+            << (s.tp_size() > 1 ? ", tp_size=" + std::to_string(s.tp_size()) : std::string()) << ")";
 }
 
 ACCEL_NAMESPACE_END

@@ -21,9 +21,15 @@ struct MeshRoot {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   std::vector<int> shape;
   std::vector<std::string> names;
-  std::vector<int> coordinate;                                     // this rank's
+  std::vector<int> coordinate;  // this rank's
+  // Root dimensions of size 1 kept out of view: not in the mesh of every
+  // dimension, nor in its groups' names (tp in the model and data meshes
+  // when it is 1, so that they print and name their groups as without it).
+  // slice() still finds them.
+  std::vector<int> hidden;
   std::map<std::string, std::vector<int>, std::less<>> flattened;  // name -> root dims
   std::map<std::vector<int>, GroupPtr> groups;                     // root dims -> group (null: not distributed)
+  std::vector<std::vector<int>> shared;  // root dims whose group another root made and registered (share())
   std::string backend;
   c10::intrusive_ptr<c10d::Store> store;  // null when not distributed
   std::string prefix;                     // this mesh's keys in the store
@@ -39,7 +45,8 @@ struct MeshRoot {
   MeshRoot& operator=(const MeshRoot&) = delete;
   ~MeshRoot() {
     for (const auto& entry : groups)
-      if (entry.second) unregister_group(entry.second);
+      if (entry.second && std::find(shared.begin(), shared.end(), entry.first) == shared.end())
+        unregister_group(entry.second);
   }
 
   // Global ranks along `dims` (ascending root dimensions) through this rank,
@@ -81,8 +88,11 @@ struct MeshRoot {
   // What making that group takes.
   GroupRequest request(const std::vector<int>& dims, const std::string& name) const {
     std::string fixed;
+    const auto among = [](const std::vector<int>& list, std::size_t d) {
+      return std::find(list.begin(), list.end(), static_cast<int>(d)) != list.end();
+    };
     for (std::size_t d = 0; d < shape.size(); ++d)
-      if (std::find(dims.begin(), dims.end(), static_cast<int>(d)) == dims.end())
+      if (!among(dims, d) && !among(hidden, d))
         fixed += (fixed.empty() ? "" : ",") + names[d] + "=" + std::to_string(coordinate[d]);
     auto [members, index] = line(dims);
     GroupRequest asked;
@@ -93,15 +103,23 @@ struct MeshRoot {
     asked.dims = dims;
     return asked;
   }
-  // Every root dimension's group, to be made at once (make_groups).
+  // Every root dimension's group and every flattened dimension's known
+  // already, to be made at once (make_groups).
   std::vector<GroupRequest> requests() const {
     std::vector<GroupRequest> all;
     for (std::size_t d = 0; d < shape.size(); ++d) all.push_back(request({static_cast<int>(d)}, names[d]));
+    for (const auto& [name, dims] : flattened) all.push_back(request(dims, name));
     return all;
   }
   const GroupPtr& adopt(const GroupRequest& asked, MadeGroup made) {
     register_group(made.group, asked.name, made.store);
     return groups.emplace(asked.dims, std::move(made.group)).first->second;
+  }
+  // A group another root made and registered (the tp group both meshes
+  // share): this root uses it and leaves its registration to the other.
+  const GroupPtr& share(const GroupRequest& asked, const GroupPtr& group) {
+    shared.push_back(asked.dims);
+    return groups.emplace(asked.dims, group).first->second;
   }
 };
 // "init_device_mesh((2, 2), (dp, cp))", for errors and debug mode.
@@ -208,7 +226,9 @@ class DeviceMesh {
 
   static std::vector<Dimension> every_dimension(const detail::MeshRoot& layout) {
     std::vector<Dimension> dims;
-    for (std::size_t d = 0; d < layout.names.size(); ++d) dims.push_back({layout.names[d], {static_cast<int>(d)}});
+    for (std::size_t d = 0; d < layout.names.size(); ++d)
+      if (std::find(layout.hidden.begin(), layout.hidden.end(), static_cast<int>(d)) == layout.hidden.end())
+        dims.push_back({layout.names[d], {static_cast<int>(d)}});
     return dims;
   }
 
@@ -218,6 +238,8 @@ class DeviceMesh {
       Dimension dim{std::string(name), {}};
       for (const Dimension& own : dims_)
         if (own.name == name) dim.root_dims = own.root_dims;
+      for (int d : root_->hidden)  // kept out of view, yet a dimension of the root
+        if (root_->names[static_cast<std::size_t>(d)] == name) dim.root_dims = {d};
       if (dim.root_dims.empty()) {
         auto flat = root_->flattened.find(name);
         if (flat == root_->flattened.end())

@@ -54,13 +54,28 @@ class World {
     return root;
   }
 
-  // This rank's group along every dimension of the roots, and the world
-  // group first when asked: all made at once (detail::make_groups).
+  // This rank's group along every dimension of the roots (and every
+  // dimension flattened in them already), and the world group first when
+  // asked: all made at once (detail::make_groups). A dimension of the same
+  // name over the same ranks in two roots (tp, innermost in both the model
+  // and the data mesh) is one group, made once and shared.
   void make_groups(const std::vector<MeshRoot*>& roots, bool with_world) {
-    std::vector<GroupRequest> requests;
+    struct Asked {
+      MeshRoot* root;
+      GroupRequest request;
+      std::optional<std::size_t> same_as;  // an earlier entry of `asked` with the same group
+    };
+    std::vector<Asked> asked;
+    std::vector<GroupRequest> requests;  // what is made: the world first, then the entries without same_as
     if (with_world) requests.push_back({"world", prefix_ + "world", rank_, size_, {}});
-    for (const MeshRoot* root : roots)
-      for (GroupRequest& asked : root->requests()) requests.push_back(std::move(asked));
+    std::map<std::pair<std::string, std::vector<int>>, std::size_t> seen;  // (dimension name, ranks) -> entry
+    for (MeshRoot* root : roots)
+      for (GroupRequest& request : root->requests()) {
+        const std::string dim_name = request.name.substr(0, request.name.find('{'));
+        auto [it, first] = seen.emplace(std::pair{dim_name, root->line(request.dims).first}, asked.size());
+        if (first) requests.push_back(request);
+        asked.push_back({root, std::move(request), first ? std::nullopt : std::optional(it->second)});
+      }
     const std::string key = next_made_key();
     std::vector<MadeGroup> made;
     try {
@@ -77,8 +92,12 @@ class World {
       register_group(group_, "world", made[i].store, /*is_world=*/true);
       ++i;
     }
-    for (MeshRoot* root : roots)
-      for (std::size_t d = 0; d < root->shape.size(); ++d, ++i) root->adopt(requests[i], std::move(made[i]));
+    std::vector<GroupPtr> groups;  // of each entry of `asked`
+    for (Asked& entry : asked) {
+      const GroupRequest& request = entry.request;
+      if (entry.same_as) groups.push_back(entry.root->share(request, groups[*entry.same_as]));
+      else groups.push_back(entry.root->adopt(request, std::move(made[i++])));
+    }
     wait_for_groups_made(*store_, key, rank_, size_, timeout_);
   }
 

@@ -65,6 +65,54 @@ struct enum_names<DDPCommunicationHookType> {
 };
 }  // namespace detail
 
+// Accelerate's ParallelismConfig: the sizes of DistributedConfig in
+// Accelerate's terms, its mesh (dp_replicate, dp_shard, cp, tp). The
+// Accelerator maps it field by field when it starts (ParallelismConfig::
+// distributed_config): mp_replicate = dp_replicate; mp_shard = dp_shard * cp
+// (Accelerate's FSDP shards over dp_shard and cp flattened, "dp_shard_cp");
+// dp = dp_replicate * dp_shard; cp and tp as they are. The layouts are the
+// same groups as Accelerate's (docs/differences.md). dp_shard_size unset:
+// what the world leaves, world / (dp_replicate * cp * tp).
+struct ParallelismConfig {
+  int dp_replicate_size = 1;
+  std::optional<int> dp_shard_size{};
+  int tp_size = 1;
+  int cp_size = 1;
+  bool operator==(const ParallelismConfig&) const = default;
+
+  // The same sizes as a DistributedConfig (timeout and device left at their
+  // defaults), checked against `world` (the number of processes) with
+  // Accelerate's messages.
+  DistributedConfig distributed_config(int world) const {
+    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
+                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
+                                                 {"tp_size", tp_size},
+                                                 {"cp_size", cp_size}};
+    for (const auto& [name, size] : sizes)
+      if (size < 1)
+        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
+                              std::to_string(size));
+    const int64_t rest = int64_t{dp_replicate_size} * tp_size * cp_size;
+    int64_t shard = dp_shard_size.value_or(0);
+    if (!dp_shard_size && world % rest != 0)
+      throw InvalidArgument("accel::ParallelismConfig: dp_replicate_size * tp_size * cp_size (" + std::to_string(rest) +
+                            ") does not divide num_processes (" + std::to_string(world) +
+                            "), so no dp_shard_size fits; please adjust dp_replicate_size/tp_size/cp_size");
+    if (!dp_shard_size) shard = world / rest;
+    if (rest * shard != world)
+      throw InvalidArgument("accel::ParallelismConfig: total_size (" + std::to_string(rest * shard) +
+                            ") does not match num_processes (" + std::to_string(world) +
+                            "). Please adjust dp_replicate_size/dp_shard_size/tp_size/cp_size.");
+    DistributedConfig out;
+    out.mp_replicate_size = dp_replicate_size;
+    out.mp_shard_size = static_cast<int>(shard) * cp_size;
+    out.dp_size = dp_replicate_size * static_cast<int>(shard);
+    out.cp_size = cp_size;
+    out.tp_size = tp_size;
+    return out;
+  }
+};
+
 struct AcceleratorConfig {
   int gradient_accumulation_steps = 1;
   std::string mixed_precision = "no";  // "no", "bf16", or "fp16" (CUDA only, with loss scaling: grad_scaler)
@@ -100,6 +148,9 @@ struct AcceleratorConfig {
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   DistributedConfig distributed{};
+  // Accelerate's spelling of distributed's sizes (ParallelismConfig above);
+  // given, distributed's sizes must be left at their defaults.
+  std::optional<ParallelismConfig> parallelism_config{};
   ProjectConfiguration project_config{};
   // Accelerate's log_with: the trackers Accelerator::log writes to, "jsonl",
   // "csv" or "all" (files under project_config's logging_dir; accelerator/trackers.hpp).

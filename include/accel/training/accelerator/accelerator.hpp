@@ -72,12 +72,21 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP; there is no tensor or
-  // pipeline parallelism here (0, as Accelerate for a dimension not enabled).
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP
+  // (the Accelerator refuses tp_size above 1 until tensor-parallel layers
+  // exist); there is no pipeline parallelism here (0, as Accelerate for a
+  // dimension not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;
   int pipeline_parallel_rank() const;
+  // Accelerate's state (PartialState): the facts of this process that every
+  // Accelerator in it shares: the distributed interface (rank, world size,
+  // device, meshes).
+  const DistributedInterface& state() const;
+  // Accelerate's fp8_backend: the FP8 backend in use; none here
+  // (mixed_precision takes no "fp8"), so nullopt, Accelerate's None.
+  std::optional<std::string> fp8_backend() const;
   // Accelerate's verify_device_map: whether the model is spread over devices
   // by a device map (big-model inference). accel.hpp places whole models: false.
   template <class ModuleHolder>

@@ -91,8 +91,17 @@ class AcceleratorSetup {
                               std::string(to_string(*config.distributed.device)));
       config.distributed.device = DeviceType::CPU;  // the interface's device and backend (gloo)
     }
+    if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
+    // A model prepared as it is would be whole on every tp rank: each pair
+    // of tp peers would train the same replica on the same batch and write
+    // the same checkpoint pieces. Refused until the tensor-parallel layers
+    // that split it exist; the tp dimension itself is DistributedInterface's.
+    if (strategy.tp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
+                            ": the Accelerator does not train tensor-parallel models yet (no accel::tp layers in "
+                            "this version); the tp dimension's meshes and groups are DistributedInterface's");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -116,6 +125,29 @@ class AcceleratorSetup {
             DeviceType::CUDA)
       throw InvalidArgument("accel::Accelerator: mixed_precision 'fp16' needs CUDA; use 'bf16' on the CPU");
     return config;
+  }
+  // distributed with the sizes parallelism_config gives (its timeout and
+  // device kept). In one process every size is 1 whatever is given, as for
+  // DistributedConfig's own sizes (a program runs unchanged as one process).
+  static DistributedConfig from_parallelism_config(const AcceleratorConfig& config) {
+    DistributedConfig sizes = config.distributed;
+    sizes.timeout = {};
+    sizes.device.reset();
+    if (sizes != DistributedConfig{})
+      throw InvalidArgument(
+          "accel::Accelerator: parallelism_config and distributed's sizes both given; give the sizes once (distributed "
+          "keeps its timeout and device)");
+    const ParallelismConfig& p = *config.parallelism_config;
+    DistributedConfig out;
+    if (is_distributed()) {
+      out = p.distributed_config(accel::get_world_size());
+    } else {  // one process: the sizes are checked for sign only (a world they fit), and every size is 1
+      const int64_t total = int64_t{p.dp_replicate_size} * p.dp_shard_size.value_or(1) * p.tp_size * p.cp_size;
+      (void)p.distributed_config(static_cast<int>(std::clamp<int64_t>(total, 1, 1 << 30)));
+    }
+    out.timeout = config.distributed.timeout;
+    out.device = config.distributed.device;
+    return out;
   }
   // Whether the strategy has something to shard along (else it is NO_SHARD).
   static bool shards(ShardingStrategy s, const DistributedStrategy& mesh, bool distributed) {
