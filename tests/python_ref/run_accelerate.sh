@@ -29,12 +29,26 @@ export OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1
 # casts to fp16 for the device (its tests/test_cpu.py runs these scripts only
 # where no GPU is). So no GPU is shown to either side.
 export CUDA_VISIBLE_DEVICES=
-for script in test_script test_ops test_sync; do
-  echo "== Accelerate's $script on 2 CPU processes"
+# A script whose process group never formed (Gloo's connectFullMesh
+# "Connection closed by peer", seen once in CI while another suite ran beside
+# it; no accel.hpp code runs in these scripts) is run once more, its first
+# output kept in the log; any other failure, or a second one, fails the test.
+run_script() {
   (cd "$out" && timeout 300 python3 -c "
 from accelerate import debug_launcher
-from accelerate.test_utils.scripts import $script
-debug_launcher($script.main, num_processes=2)")
+from accelerate.test_utils.scripts import $1
+debug_launcher($1.main, num_processes=2)")
+}
+for script in test_script test_ops test_sync; do
+  echo "== Accelerate's $script on 2 CPU processes"
+  if ! first=$(run_script "$script" 2>&1); then
+    echo "$first"
+    grep -q "connectFullMesh failed" <<<"$first" || exit 1
+    echo "== Accelerate's $script: its process group did not form (above); once more"
+    run_script "$script"
+  else
+    echo "$first"
+  fi
 done
 echo "== prepared loaders: Accelerate's against accel.hpp's"
 "$launch" --timeout 240 2 python3 "$here/accelerate_ref.py" "$out"
