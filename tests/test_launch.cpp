@@ -511,18 +511,22 @@ TEST_SUITE("hung_peer") {
         "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms for recv "
         "operation to complete");
     const std::runtime_error closed("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [127.0.0.1]:41234");
+    // Ordered through the side store: first the others report before rank 0's
+    // roll call starts, then they report once it is starting (within its grace).
     for (const bool lost_first : {true, false}) {
       CAPTURE(lost_first);
-      const std::string round = lost_first ? "lost_first" : "timeout_first";
-      side.add(round, 1);  // the ranks that are not hung start the round together
-      while (side.add(round, 0) < P - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      const std::string round = lost_first ? "lost_first/" : "timeout_first/";
       if (r == 0) {
-        if (lost_first) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (lost_first)
+          for (int other = 1; other < P - 1; ++other)
+            side.wait({round + std::to_string(other)}, std::chrono::seconds(60));
+        else
+          side.set(round + "started", std::vector<uint8_t>{1});
         const std::string error = accel::detail::explain_failure("all_reduce", *world, timeout);
         CHECK(error.find("(roll call: rank " + std::to_string(P - 1) + " of the group did not reach this timeout") !=
               std::string::npos);
       } else {
-        if (!lost_first) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        if (!lost_first) side.wait({round + "started"}, std::chrono::seconds(60));
         const auto start = std::chrono::steady_clock::now();
         const std::string error = accel::detail::explain_failure("all_reduce", *world, closed);
         CHECK(error == "accel::all_reduce failed on group 'world' (gloo, rank " + std::to_string(r) + " of " +
@@ -530,6 +534,7 @@ TEST_SUITE("hung_peer") {
                            " (a peer closed the connection: it exited or failed, or it timed out first, and then "
                            "its own error names the ranks it waited for)");
         CHECK(seconds_since(start) < 1.5);  // reported without waiting for the others
+        if (lost_first) side.set(round + std::to_string(r), std::vector<uint8_t>{1});
       }
     }
     if (side.add("done", 1) == P - 1) side.set("released", std::vector<uint8_t>{1});
