@@ -7173,14 +7173,7 @@ struct ParallelismConfig {
   // defaults), checked against `world` (the number of processes) with
   // Accelerate's messages.
   DistributedConfig distributed_config(int world) const {
-    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
-                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
-                                                 {"tp_size", tp_size},
-                                                 {"cp_size", cp_size}};
-    for (const auto& [name, size] : sizes)
-      if (size < 1)
-        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
-                              std::to_string(size));
+    check_signs();
     const int64_t rest = int64_t{dp_replicate_size} * tp_size * cp_size;
     int64_t shard = dp_shard_size.value_or(0);
     if (!dp_shard_size && world % rest != 0)
@@ -7199,6 +7192,17 @@ struct ParallelismConfig {
     out.cp_size = cp_size;
     out.tp_size = tp_size;
     return out;
+  }
+  // Each size at least 1 (Accelerate's message), whatever the world.
+  void check_signs() const {
+    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
+                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
+                                                 {"tp_size", tp_size},
+                                                 {"cp_size", cp_size}};
+    for (const auto& [name, size] : sizes)
+      if (size < 1)
+        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
+                              std::to_string(size));
   }
 };
 
@@ -14874,13 +14878,8 @@ class AcceleratorSetup {
           "accel::Accelerator: parallelism_config and distributed's sizes both given; give the sizes once (distributed "
           "keeps its timeout and device)");
     const ParallelismConfig& p = *config.parallelism_config;
-    DistributedConfig out;
-    if (is_distributed()) {
-      out = p.distributed_config(accel::get_world_size());
-    } else {  // one process: the sizes are checked for sign only (a world they fit), and every size is 1
-      const int64_t total = int64_t{p.dp_replicate_size} * p.dp_shard_size.value_or(1) * p.tp_size * p.cp_size;
-      (void)p.distributed_config(static_cast<int>(std::clamp<int64_t>(total, 1, 1 << 30)));
-    }
+    p.check_signs();  // (one process: every size is 1, the defaults)
+    DistributedConfig out = is_distributed() ? p.distributed_config(accel::get_world_size()) : DistributedConfig{};
     out.timeout = config.distributed.timeout;
     out.device = config.distributed.device;
     return out;

@@ -84,14 +84,7 @@ struct ParallelismConfig {
   // defaults), checked against `world` (the number of processes) with
   // Accelerate's messages.
   DistributedConfig distributed_config(int world) const {
-    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
-                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
-                                                 {"tp_size", tp_size},
-                                                 {"cp_size", cp_size}};
-    for (const auto& [name, size] : sizes)
-      if (size < 1)
-        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
-                              std::to_string(size));
+    check_signs();
     const int64_t rest = int64_t{dp_replicate_size} * tp_size * cp_size;
     int64_t shard = dp_shard_size.value_or(0);
     if (!dp_shard_size && world % rest != 0)
@@ -110,6 +103,17 @@ struct ParallelismConfig {
     out.cp_size = cp_size;
     out.tp_size = tp_size;
     return out;
+  }
+  // Each size at least 1 (Accelerate's message), whatever the world.
+  void check_signs() const {
+    const std::pair<const char*, int> sizes[] = {{"dp_replicate_size", dp_replicate_size},
+                                                 {"dp_shard_size", dp_shard_size.value_or(1)},
+                                                 {"tp_size", tp_size},
+                                                 {"cp_size", cp_size}};
+    for (const auto& [name, size] : sizes)
+      if (size < 1)
+        throw InvalidArgument(std::string("accel::ParallelismConfig: ") + name + " must be at least 1, but got " +
+                              std::to_string(size));
   }
 };
 

@@ -138,13 +138,8 @@ class AcceleratorSetup {
           "accel::Accelerator: parallelism_config and distributed's sizes both given; give the sizes once (distributed "
           "keeps its timeout and device)");
     const ParallelismConfig& p = *config.parallelism_config;
-    DistributedConfig out;
-    if (is_distributed()) {
-      out = p.distributed_config(accel::get_world_size());
-    } else {  // one process: the sizes are checked for sign only (a world they fit), and every size is 1
-      const int64_t total = int64_t{p.dp_replicate_size} * p.dp_shard_size.value_or(1) * p.tp_size * p.cp_size;
-      (void)p.distributed_config(static_cast<int>(std::clamp<int64_t>(total, 1, 1 << 30)));
-    }
+    p.check_signs();  // (one process: every size is 1, the defaults)
+    DistributedConfig out = is_distributed() ? p.distributed_config(accel::get_world_size()) : DistributedConfig{};
     out.timeout = config.distributed.timeout;
     out.device = config.distributed.device;
     return out;
