@@ -54,6 +54,12 @@
 //     accel/training/torch_nn.hpp                        the LibTorch headers the training helpers need (<torch/torch.h>)
 //     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
 //     accel/training/parallel/autograd.hpp               autograd-aware collectives (accel::autograd)
+//     accel/training/tp/regions.hpp                      Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region
+//     accel/training/tp/layer.hpp                        what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients
+//     accel/training/tp/linear.hpp                       Megatron-core's ColumnParallelLinear and RowParallelLinear as torch::nn modules
+//     accel/training/tp/embedding.hpp                    Megatron-core's VocabParallelEmbedding as a torch::nn module
+//     accel/training/tp/cross_entropy.hpp                vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy)
+//     accel/training/tp/sequence_parallel.hpp            all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -6197,6 +6203,686 @@ inline at::Tensor all_to_all(const at::Tensor& x, std::vector<int64_t> output_sp
   return detail::AllToAllFunction::apply(x, std::move(output_split_sizes), std::move(input_split_sizes), g);
 }
 }  // namespace autograd
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/regions.hpp ============================================
+// accel/training/tp/regions.hpp: Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region.
+//
+// A tensor-parallel layer holds a piece of a weight; what enters and leaves
+// it is replicated, split along the last (hidden) dimension, or, under
+// sequence parallelism, split along the sequence dimension. Each mapping is
+// an autograd function whose backward is the adjoint of its forward:
+//   copy_to_parallel_region            forward: identity    backward: all-reduce
+//   reduce_from_parallel_region        forward: all-reduce  backward: identity
+//   scatter_to_parallel_region         forward: this rank's piece of the last dimension
+//                                      backward: all-gather along it
+//   gather_from_parallel_region        forward: all-gather along the last dimension
+//                                      backward: this rank's piece
+//   scatter_to_sequence_parallel_region        forward: this rank's piece of `dim`
+//                                              backward: all-gather along it
+//   gather_from_sequence_parallel_region       forward: all-gather along `dim`
+//                                              backward: reduce-scatter along it
+//   reduce_scatter_to_sequence_parallel_region forward: reduce-scatter along `dim`
+//                                              backward: all-gather along it
+// Why not accel::autograd's collectives: their all_reduce also all-reduces
+// the gradient, right for outputs each rank uses differently, but a
+// replicated region's gradient is already whole on every rank, and
+// all-reducing it again multiplies it by the group's size.
+//
+// The group: the one given, else the process's tp group
+// (DistributedInterface's Dim::TP). On a group of one every mapping is the
+// identity and issues nothing.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// The tensor-parallel group of a layer or a mapping: `group` when given, else
+// the live interface's Dim::TP group (null in one process: the identity).
+// A launched process without an interface has no tp group to take: taking
+// the world instead would split the model over data-parallel peers.
+inline GroupPtr group_or_default(const GroupPtr& group, const char* who) {
+  if (group) return group;
+  if (DistributedInterface::is_initialized()) return DistributedInterface::instance().get_group(Dim::TP);
+  if (!is_distributed()) return {};
+  throw LogicError(std::string("accel::tp::") + who +
+                   ": no group given and no DistributedInterface to take Dim::TP's from; create it first "
+                   "(accel::DistributedInterface::instance({.tp_size = N}), or an Accelerator), or pass the group");
+}
+inline int size_of(const GroupPtr& group) { return group ? group->getSize() : 1; }
+inline int rank_in(const GroupPtr& group) { return group ? group->getRank() : 0; }
+
+inline int64_t wrap_dim(const at::Tensor& x, int64_t dim, const char* who) {
+  const int64_t rank = x.dim();
+  if (dim < -rank || dim >= rank)
+    throw InvalidArgument(std::string("accel::tp::") + who + ": dim " + std::to_string(dim) + " is out of range for " +
+                          describe_tensor(x));
+  return dim < 0 ? dim + rank : dim;
+}
+inline void check_splits(const at::Tensor& x, int64_t dim, int parts, const char* who) {
+  if (x.size(dim) % parts != 0)
+    throw InvalidArgument(std::string("accel::tp::") + who + ": dim " + std::to_string(dim) + " of " +
+                          describe_tensor(x) + " does not split into " + std::to_string(parts) +
+                          " equal pieces (the tensor-parallel group's size)");
+}
+
+// This rank's piece of `dim` (a copy: the piece outlives the whole).
+inline at::Tensor piece_of(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  const int64_t length = x.size(dim) / size_of(group);
+  return x.narrow(dim, rank_in(group) * length, length).contiguous();
+}
+// The pieces of every rank, concatenated along `dim` in rank order.
+inline at::Tensor gather_along(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  const at::Tensor stacked = accel::all_gather(x.contiguous(), group);  // (group size, *x's shape)
+  return stacked.movedim(0, dim).flatten(dim, dim + 1);
+}
+// `dim` split into the group's pieces, piece r summed over the group and returned on rank r.
+inline at::Tensor reduce_scatter_along(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  const int parts = size_of(group);
+  const at::Tensor rows = x.unflatten(dim, {parts, x.size(dim) / parts}).movedim(dim, 0).contiguous();
+  return accel::reduce_scatter(rows, ReduceOp::SUM, group).squeeze(0);
+}
+inline at::Tensor sum_over(const at::Tensor& x, const GroupPtr& group) {
+  return accel::all_reduce(x.clone(at::MemoryFormat::Contiguous), ReduceOp::SUM, group);
+}
+
+enum class Move : int64_t { identity, all_reduce, piece, gather, reduce_scatter };
+
+inline at::Tensor apply_move(Move move, const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+  switch (move) {
+    case Move::identity: return x;
+    case Move::all_reduce: return sum_over(x, group);
+    case Move::piece: return piece_of(x, dim, group);
+    case Move::gather: return gather_along(x, dim, group);
+    case Move::reduce_scatter: return reduce_scatter_along(x, dim, group);
+  }
+  return x;
+}
+
+// One autograd function for every mapping: `forward` moves the values,
+// `backward` the gradient (its adjoint), both along `dim`.
+struct RegionFunction : torch::autograd::Function<RegionFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t forward_move,
+                            int64_t backward_move, int64_t dim, GroupPtr group) {
+    save_group(ctx, group);
+    ctx->saved_data["move"] = backward_move;
+    ctx->saved_data["dim"] = dim;
+    return apply_move(static_cast<Move>(forward_move), x, dim, group);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto move = static_cast<Move>(ctx->saved_data["move"].toInt());
+    return {apply_move(move, grads[0], ctx->saved_data["dim"].toInt(), saved_group(ctx)), {}, {}, {}, {}};
+  }
+};
+
+// `forward` then, in backward, `backward`, along `dim`; the identity (no
+// collective, no autograd node) on a group of one.
+inline at::Tensor map_region(const at::Tensor& x, Move forward, Move backward, int64_t dim, const GroupPtr& group,
+                             const char* who) {
+  const GroupPtr g = group_or_default(group, who);
+  const int parts = size_of(g);
+  dim = wrap_dim(x, dim, who);
+  if (forward == Move::piece || forward == Move::reduce_scatter) check_splits(x, dim, parts, who);
+  if (parts == 1) return x;
+  return RegionFunction::apply(x, static_cast<int64_t>(forward), static_cast<int64_t>(backward), dim, g);
+}
+}  // namespace detail::tp
+
+namespace tp {
+inline at::Tensor copy_to_parallel_region(const at::Tensor& x, const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::identity, detail::tp::Move::all_reduce, -1, group,
+                                "copy_to_parallel_region");
+}
+inline at::Tensor reduce_from_parallel_region(const at::Tensor& x, const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::all_reduce, detail::tp::Move::identity, -1, group,
+                                "reduce_from_parallel_region");
+}
+inline at::Tensor scatter_to_parallel_region(const at::Tensor& x, const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::piece, detail::tp::Move::gather, -1, group,
+                                "scatter_to_parallel_region");
+}
+inline at::Tensor gather_from_parallel_region(const at::Tensor& x, const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::gather, detail::tp::Move::piece, -1, group,
+                                "gather_from_parallel_region");
+}
+inline at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x, int64_t dim = 1,
+                                                      const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::piece, detail::tp::Move::gather, dim, group,
+                                "scatter_to_sequence_parallel_region");
+}
+inline at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, int64_t dim = 1,
+                                                       const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::gather, detail::tp::Move::reduce_scatter, dim, group,
+                                "gather_from_sequence_parallel_region");
+}
+inline at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, int64_t dim = 1,
+                                                             const GroupPtr& group = {}) {
+  return detail::tp::map_region(x, detail::tp::Move::reduce_scatter, detail::tp::Move::gather, dim, group,
+                                "reduce_scatter_to_sequence_parallel_region");
+}
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/layer.hpp ==============================================
+// accel/training/tp/layer.hpp: what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// The base of accel::tp's layers (beside torch::nn::Module): the group the
+// layer's weight is split over, this rank's place in it, and the parameters
+// whose gradient leaves a backward as this rank's part of a sum over the
+// group (under sequence parallelism, a replicated bias sees only this rank's
+// tokens); tp::all_reduce_sequence_parallel_gradients finds them here.
+class ParallelLayer {
+ public:
+  virtual ~ParallelLayer() = default;
+  virtual std::vector<at::Tensor> partial_parameters() const { return {}; }
+  const GroupPtr& group() const { return group_; }
+  int tp_size() const { return size_of(group_); }
+  int tp_rank() const { return rank_in(group_); }
+
+ protected:
+  ParallelLayer(const GroupPtr& group, const char* who) : group_(group_or_default(group, who)) {}
+
+  // `whole` split into tp_size() equal pieces along `dim`: a clear error
+  // naming the layer where it does not split.
+  int64_t piece_length(int64_t whole, const char* what, const char* who) const {
+    if (whole <= 0 || whole % tp_size() != 0)
+      throw InvalidArgument(std::string("accel::tp::") + who + ": " + what + " " + std::to_string(whole) +
+                            " does not split into " + std::to_string(tp_size()) +
+                            " equal pieces (the tensor-parallel group's size)");
+    return whole / tp_size();
+  }
+  // Copies this rank's piece (along `dim`) of a whole tensor into `mine`.
+  void load_piece(at::Tensor& mine, const at::Tensor& whole, int64_t dim, c10::IntArrayRef whole_sizes,
+                  const char* what, const char* who) const {
+    if (!whole.defined() || whole.sizes() != whole_sizes)
+      throw InvalidArgument(std::string("accel::tp::") + who + "::load_full: the whole " + what + " must have shape " +
+                            c10::str(whole_sizes) + ", got " +
+                            (whole.defined() ? describe_tensor(whole) : std::string("an undefined tensor")));
+    const at::NoGradGuard no_grad;
+    const int64_t length = mine.size(dim);
+    mine.copy_(whole.narrow(dim, tp_rank() * length, length));
+  }
+  // A whole tensor made as `init` fills it, on every rank the same given the
+  // same random state, then this rank's piece along `dim`: a layer starts
+  // with the values its one-process counterpart (torch::nn::Linear,
+  // Embedding) would have drawn. Costs one whole tensor for a moment.
+  at::Tensor initial_piece(c10::IntArrayRef whole_sizes, int64_t dim,
+                           const std::function<void(at::Tensor&)>& init) const {
+    at::Tensor whole = torch::empty(whole_sizes);
+    init(whole);
+    const int64_t length = whole.size(dim) / tp_size();
+    return whole.narrow(dim, tp_rank() * length, length).clone();
+  }
+
+ private:
+  GroupPtr group_;
+};
+}  // namespace detail::tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/linear.hpp =============================================
+// accel/training/tp/linear.hpp: Megatron-core's ColumnParallelLinear and RowParallelLinear as torch::nn modules.
+//
+// A Linear's weight [out, in] split over the tensor-parallel group:
+//   ColumnParallelLinear  rows (out) split: each rank computes its piece of
+//                         the output's last dimension from the whole input.
+//   RowParallelLinear     columns (in) split: each rank multiplies its piece
+//                         of the input's last dimension, and the partial
+//                         products are summed over the group.
+// Column then Row (an MLP's up and down projection, attention's q/k/v and
+// output) needs one all-reduce forward and one backward for the pair.
+// With sequence_parallel, activations outside the pair are split along the
+// sequence dimension (`sequence_dim`, 1 for [batch, sequence, hidden] as
+// torchtitan's Shard(1); Megatron's [sequence, batch, hidden] is 0): the
+// Column layer all-gathers them and the Row layer reduce-scatters its sum,
+// the same bytes as the all-reduce, and norms and dropout between pairs
+// run on 1/tp of the tokens.
+//
+// A new layer draws the whole weight as torch::nn::Linear does (Kaiming
+// uniform, the bias uniform in +-1/sqrt(in)) and keeps its piece: on every
+// rank with the same random state, the pieces of the Linear a single process
+// would have made. load_full(weight, bias) loads the pieces of given whole
+// tensors instead.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// torch::nn::Linear's initial values, drawn whole.
+inline void init_linear_weight(at::Tensor& weight) { torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0)); }
+inline std::function<void(at::Tensor&)> init_linear_bias(int64_t in_features) {
+  return [in_features](at::Tensor& bias) {
+    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
+    torch::nn::init::uniform_(bias, -bound, bound);
+  };
+}
+}  // namespace detail::tp
+
+namespace tp {
+struct ColumnParallelLinearOptions {
+  ColumnParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);  // the whole layer's; each rank holds out_features / tp
+  TORCH_ARG(bool, bias) = true;
+  // All-gather the output's pieces (a whole, replicated output) instead of
+  // returning this rank's piece of the last dimension.
+  TORCH_ARG(bool, gather_output) = false;
+  // The input is split along sequence_dim (and all-gathered here).
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(int64_t, sequence_dim) = 1;
+  TORCH_ARG(GroupPtr, group) = {};  // null: the process's Dim::TP group
+};
+
+class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::ParallelLayer {
+ public:
+  ColumnParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : ColumnParallelLinearImpl(ColumnParallelLinearOptions(in_features, out_features)) {}
+  explicit ColumnParallelLinearImpl(const ColumnParallelLinearOptions& options)
+      : ParallelLayer(options.group(), "ColumnParallelLinear"), options(options) {
+    if (options.gather_output() && options.sequence_parallel())
+      throw InvalidArgument(
+          "accel::tp::ColumnParallelLinear: gather_output and sequence_parallel exclude each other (a "
+          "sequence-parallel region ends at a RowParallelLinear, which reduce-scatters along the sequence)");
+    piece_length(options.out_features(), "out_features", "ColumnParallelLinear");
+    weight = register_parameter(
+        "weight", initial_piece({options.out_features(), options.in_features()}, 0, detail::tp::init_linear_weight));
+    if (options.bias())
+      bias = register_parameter(
+          "bias", initial_piece({options.out_features()}, 0, detail::tp::init_linear_bias(options.in_features())));
+  }
+
+  // input [..., in_features] (under sequence_parallel, this rank's piece of
+  // sequence_dim) -> [..., out_features / tp], or [..., out_features] with
+  // gather_output.
+  at::Tensor forward(const at::Tensor& input) {
+    const at::Tensor whole_input =
+        options.sequence_parallel() ? tp::gather_from_sequence_parallel_region(input, options.sequence_dim(), group())
+                                    : tp::copy_to_parallel_region(input, group());
+    const at::Tensor mine = torch::nn::functional::linear(whole_input, weight, bias);
+    return options.gather_output() ? tp::gather_from_parallel_region(mine, group()) : mine;
+  }
+
+  // Loads this rank's rows of a whole weight [out_features, in_features] and
+  // bias [out_features] (an undefined bias leaves the layer's as it is).
+  void load_full(const at::Tensor& whole_weight, const at::Tensor& whole_bias = {}) {
+    load_piece(weight, whole_weight, 0, {options.out_features(), options.in_features()}, "weight",
+               "ColumnParallelLinear");
+    if (whole_bias.defined()) {
+      if (!bias.defined())
+        throw InvalidArgument("accel::tp::ColumnParallelLinear::load_full: a bias was given to a layer without one");
+      load_piece(bias, whole_bias, 0, {options.out_features()}, "bias", "ColumnParallelLinear");
+    }
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "accel::tp::ColumnParallelLinear(in_features=" << options.in_features()
+           << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
+           << ", tp=" << tp_size() << ")";
+  }
+
+  ColumnParallelLinearOptions options;
+  at::Tensor weight;  // [out_features / tp, in_features]: rows tp_rank() * out / tp onwards
+  at::Tensor bias;    // [out_features / tp], or undefined
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+struct RowParallelLinearOptions {
+  RowParallelLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);  // the whole layer's; each rank holds in_features / tp
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;  // whole on every rank, added after the sum
+  // The input is already this rank's piece of the last dimension (a
+  // ColumnParallelLinear's output); false: the whole input, split here.
+  TORCH_ARG(bool, input_is_parallel) = true;
+  // Reduce-scatter the output along sequence_dim instead of all-reducing it.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(int64_t, sequence_dim) = 1;
+  TORCH_ARG(GroupPtr, group) = {};  // null: the process's Dim::TP group
+};
+
+class RowParallelLinearImpl : public torch::nn::Module, public detail::tp::ParallelLayer {
+ public:
+  RowParallelLinearImpl(int64_t in_features, int64_t out_features)
+      : RowParallelLinearImpl(RowParallelLinearOptions(in_features, out_features)) {}
+  explicit RowParallelLinearImpl(const RowParallelLinearOptions& options)
+      : ParallelLayer(options.group(), "RowParallelLinear"), options(options) {
+    if (options.sequence_parallel() && !options.input_is_parallel())
+      throw InvalidArgument(
+          "accel::tp::RowParallelLinear: sequence_parallel needs input_is_parallel (the input is a "
+          "ColumnParallelLinear's piece of the last dimension)");
+    piece_length(options.in_features(), "in_features", "RowParallelLinear");
+    weight = register_parameter(
+        "weight", initial_piece({options.out_features(), options.in_features()}, 1, detail::tp::init_linear_weight));
+    if (options.bias()) {
+      // Whole on every rank: drawn as the whole layer's, so every rank draws the same.
+      at::Tensor whole = torch::empty({options.out_features()});
+      detail::tp::init_linear_bias(options.in_features())(whole);
+      bias = register_parameter("bias", whole);
+    }
+  }
+
+  // input [..., in_features / tp] (input_is_parallel) or [..., in_features]
+  // -> [..., out_features], summed over the group; under sequence_parallel,
+  // this rank's piece of sequence_dim.
+  at::Tensor forward(const at::Tensor& input) {
+    const at::Tensor mine = options.input_is_parallel() ? input : tp::scatter_to_parallel_region(input, group());
+    const at::Tensor partial = torch::nn::functional::linear(mine, weight);
+    at::Tensor output = options.sequence_parallel()
+                            ? tp::reduce_scatter_to_sequence_parallel_region(partial, options.sequence_dim(), group())
+                            : tp::reduce_from_parallel_region(partial, group());
+    return bias.defined() ? output + bias : output;
+  }
+
+  // Loads this rank's columns of a whole weight [out_features, in_features]
+  // and the whole bias [out_features] (undefined: left as it is).
+  void load_full(const at::Tensor& whole_weight, const at::Tensor& whole_bias = {}) {
+    load_piece(weight, whole_weight, 1, {options.out_features(), options.in_features()}, "weight", "RowParallelLinear");
+    if (whole_bias.defined()) {
+      if (!bias.defined())
+        throw InvalidArgument("accel::tp::RowParallelLinear::load_full: a bias was given to a layer without one");
+      if (whole_bias.sizes() != bias.sizes())
+        throw InvalidArgument("accel::tp::RowParallelLinear::load_full: the bias must have shape " +
+                              c10::str(bias.sizes()) + ", got " + detail::describe_tensor(whole_bias));
+      const at::NoGradGuard no_grad;
+      bias.copy_(whole_bias);
+    }
+  }
+
+  // Under sequence parallelism the bias is added to this rank's tokens only.
+  std::vector<at::Tensor> partial_parameters() const override {
+    if (options.sequence_parallel() && bias.defined()) return {bias};
+    return {};
+  }
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "accel::tp::RowParallelLinear(in_features=" << options.in_features()
+           << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
+           << ", tp=" << tp_size() << ")";
+  }
+
+  RowParallelLinearOptions options;
+  at::Tensor weight;  // [out_features, in_features / tp]: columns tp_rank() * in / tp onwards
+  at::Tensor bias;    // [out_features], whole, or undefined
+};
+TORCH_MODULE(RowParallelLinear);
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/embedding.hpp ==========================================
+// accel/training/tp/embedding.hpp: Megatron-core's VocabParallelEmbedding as a torch::nn module.
+//
+// The table [num_embeddings, embedding_dim] split by rows (the vocabulary)
+// over the tensor-parallel group: each rank looks up the tokens in its rows,
+// writes zeros for the others, and the pieces are summed over the group
+// (all-reduce; under sequence_parallel a reduce-scatter along sequence_dim,
+// torchtitan's rowwise embedding with a Shard(1) output). The vocabulary
+// must split evenly (pad it, as Megatron does, where it does not).
+// A new layer draws the whole table as torch::nn::Embedding does (N(0, 1))
+// and keeps its rows; load_full loads the rows of a given whole table. Its
+// weight has the shape of a ColumnParallelLinear head's over the same
+// vocabulary, so the two can share one tensor (tied embeddings).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace tp {
+struct VocabParallelEmbeddingOptions {
+  VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
+      : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim) {}
+  TORCH_ARG(int64_t, num_embeddings);  // the whole vocabulary; each rank holds num_embeddings / tp rows
+  TORCH_ARG(int64_t, embedding_dim);
+  // Reduce-scatter the output along sequence_dim instead of all-reducing it.
+  TORCH_ARG(bool, sequence_parallel) = false;
+  TORCH_ARG(int64_t, sequence_dim) = 1;
+  TORCH_ARG(GroupPtr, group) = {};  // null: the process's Dim::TP group
+};
+
+class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::ParallelLayer {
+ public:
+  VocabParallelEmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
+      : VocabParallelEmbeddingImpl(VocabParallelEmbeddingOptions(num_embeddings, embedding_dim)) {}
+  explicit VocabParallelEmbeddingImpl(const VocabParallelEmbeddingOptions& options)
+      : ParallelLayer(options.group(), "VocabParallelEmbedding"), options(options) {
+    const int64_t rows = piece_length(options.num_embeddings(), "num_embeddings", "VocabParallelEmbedding");
+    vocab_start_ = tp_rank() * rows;
+    weight = register_parameter("weight", initial_piece({options.num_embeddings(), options.embedding_dim()}, 0,
+                                                        [](at::Tensor& t) { torch::nn::init::normal_(t); }));
+  }
+
+  // token ids [...] (integers in [0, num_embeddings); whole on every rank)
+  // -> [..., embedding_dim], summed over the group; under sequence_parallel,
+  // this rank's piece of sequence_dim.
+  at::Tensor forward(const at::Tensor& ids) {
+    if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
+      throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must be integers, got " +
+                            detail::describe_tensor(ids));
+    check_ids(ids);
+    const at::Tensor outside = ids.lt(vocab_start_).logical_or(ids.ge(vocab_start_ + weight.size(0)));
+    const at::Tensor local = (ids - vocab_start_).masked_fill(outside, 0);
+    const at::Tensor mine = torch::nn::functional::embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0);
+    return options.sequence_parallel()
+               ? tp::reduce_scatter_to_sequence_parallel_region(mine, options.sequence_dim(), group())
+               : tp::reduce_from_parallel_region(mine, group());
+  }
+
+  // Loads this rank's rows of a whole table [num_embeddings, embedding_dim].
+  void load_full(const at::Tensor& whole_weight) {
+    load_piece(weight, whole_weight, 0, {options.num_embeddings(), options.embedding_dim()}, "weight",
+               "VocabParallelEmbedding");
+  }
+  int64_t vocab_start() const { return vocab_start_; }  // the first row this rank holds
+
+  void pretty_print(std::ostream& stream) const override {
+    stream << "accel::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
+           << ", embedding_dim=" << options.embedding_dim() << ", tp=" << tp_size() << ")";
+  }
+
+  VocabParallelEmbeddingOptions options;
+  at::Tensor weight;  // [num_embeddings / tp, embedding_dim]
+
+ private:
+  // An id outside the vocabulary would look up nothing on every rank and
+  // give a row of zeros: torch::nn::Embedding's error instead. The ids are
+  // whole on every rank, so the check needs no collective; on a GPU it is
+  // asynchronous (a device-side assertion, no wait for the values).
+  void check_ids(const at::Tensor& ids) const {
+    if (ids.numel() == 0) return;
+    const at::Tensor inside = ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all();
+    if (ids.is_cpu()) {
+      if (!inside.item<bool>())
+        throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
+                              std::to_string(options.num_embeddings()) + "), got ids from " +
+                              std::to_string(ids.min().item<int64_t>()) + " to " +
+                              std::to_string(ids.max().item<int64_t>()));
+    } else {
+      at::_assert_async(inside);
+    }
+  }
+  int64_t vocab_start_ = 0;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/cross_entropy.hpp ======================================
+// accel/training/tp/cross_entropy.hpp: vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy).
+//
+// The cross-entropy loss of logits split along the vocabulary (a
+// ColumnParallelLinear head without gather_output) without gathering them:
+// each rank holds [tokens, vocabulary / tp]; the loss needs per token only
+// the largest logit, the sum of the exponentials and the target's logit,
+// three numbers that cross the group (one all-reduce MAX, and one SUM of the
+// other two together) instead of tokens x vocabulary. The backward is local:
+// softmax minus the target's one-hot, on this rank's columns.
+// Reduction as torch's cross_entropy's default: the mean over the tokens
+// whose target is not ignore_index (NaN when every one is, as torch's).
+// Half and bfloat16 logits are computed in float32: the loss is float32,
+// their gradient in their dtype.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  // logits [tokens, vocabulary / tp], target [tokens] -> each token's loss [tokens]
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& target,
+                            GroupPtr group) {
+    const bool reduced = logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16;
+    const at::Tensor x = reduced ? logits.to(at::kFloat) : logits;
+    const int64_t columns = x.size(-1);
+    const int64_t start = rank_in(group) * columns;
+    const bool shared = size_of(group) > 1;
+
+    at::Tensor largest = std::get<0>(x.max(-1));
+    if (shared) accel::all_reduce(largest, ReduceOp::MAX, group);
+    const at::Tensor shifted = x - largest.unsqueeze(-1);
+    const at::Tensor inside = target.ge(start).logical_and(target.lt(start + columns));
+    const at::Tensor column = (target - start).masked_fill(inside.logical_not(), 0);
+    const at::Tensor exps = shifted.exp();
+    // One all-reduce for the two sums: [tokens, 2] = (sum of exp, target's shifted logit).
+    at::Tensor sums = at::stack(
+        {exps.sum(-1), shifted.gather(-1, column.unsqueeze(-1)).squeeze(-1).masked_fill(inside.logical_not(), 0)}, -1);
+    if (shared) accel::all_reduce(sums, ReduceOp::SUM, group);
+    const at::Tensor sum_exp = sums.select(-1, 0);
+    const at::Tensor loss = sum_exp.log() - sums.select(-1, 1);
+
+    ctx->save_for_backward({exps.div_(sum_exp.unsqueeze(-1)), column, inside});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0].clone();  // softmax over the whole vocabulary, this rank's columns
+    grad.scatter_add_(-1, saved[1].unsqueeze(-1), saved[2].to(grad.scalar_type()).neg().unsqueeze(-1));
+    grad.mul_(grads[0].unsqueeze(-1));
+    return {grad.to(static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt())), {}, {}};
+  }
+};
+}  // namespace detail::tp
+
+namespace tp {
+// local_logits [..., vocabulary / tp]: this rank's columns (rank r holds
+// r * vocabulary / tp onwards, as ColumnParallelLinear splits them);
+// target [...] with the whole vocabulary's ids, the same on every rank.
+inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target,
+                                               int64_t ignore_index = -100, const GroupPtr& group = {}) {
+  constexpr const char* who = "vocab_parallel_cross_entropy";
+  const GroupPtr g = detail::tp::group_or_default(group, who);
+  if (local_logits.dim() < 1 || target.sizes() != local_logits.sizes().slice(0, local_logits.dim() - 1))
+    throw InvalidArgument(std::string("accel::tp::") + who +
+                          ": target must have the logits' shape without its last "
+                          "(vocabulary) dimension; got logits " +
+                          detail::describe_tensor(local_logits) + " and target " + detail::describe_tensor(target));
+  if (!at::isIntegralType(target.scalar_type(), /*includeBool=*/false))
+    throw InvalidArgument(std::string("accel::tp::") + who + ": target must hold integer ids, got " +
+                          detail::describe_tensor(target));
+  const at::Tensor logits = local_logits.reshape({-1, local_logits.size(-1)});
+  const at::Tensor ids = target.reshape({-1}).to(at::kLong);
+  // A target outside the vocabulary would match no rank's column: torch's error instead (asynchronous on a GPU).
+  const int64_t vocabulary = logits.size(-1) * detail::tp::size_of(g);
+  if (ids.numel() > 0) {
+    const at::Tensor valid = ids.eq(ignore_index).logical_or(ids.ge(0).logical_and(ids.lt(vocabulary))).all();
+    if (!ids.is_cpu()) at::_assert_async(valid);
+    else if (!valid.item<bool>())
+      throw InvalidArgument(std::string("accel::tp::") + who + ": target ids must lie in [0, " +
+                            std::to_string(vocabulary) + ") (the vocabulary: " + std::to_string(logits.size(-1)) +
+                            " columns x tp " + std::to_string(detail::tp::size_of(g)) + ") or equal ignore_index " +
+                            std::to_string(ignore_index));
+  }
+  const at::Tensor losses = detail::tp::VocabParallelCrossEntropy::apply(logits, ids, g);
+  const at::Tensor kept = ids.ne(ignore_index).to(losses.scalar_type());
+  return (losses * kept).sum() / kept.sum();
+}
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/sequence_parallel.hpp ==================================
+// accel/training/tp/sequence_parallel.hpp: all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective.
+//
+// Under sequence parallelism a parameter that is whole on every rank but
+// meets only this rank's tokens (a norm's weight and bias, a
+// RowParallelLinear's bias) ends the backward with this rank's part of its
+// gradient; the whole gradient is the sum over the tensor-parallel group.
+// Megatron sums them after the backward (finalize_model_grads); torch's
+// DTensor keeps them Partial and all-reduces each one (15 all-reduces for a
+// 2-layer Llama's norms). Here: one all-reduce per group and dtype, of every
+// such gradient packed together, called once before the optimizer step (and
+// after the last backward of an accumulation: a sum is linear, so summing
+// the accumulated gradient once is the same as summing each).
+// The accel::tp layers name their own partial parameters; a norm's, which
+// no accel::tp layer owns, the caller lists.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace tp {
+// Sums over their group the gradients of: the partial parameters of every
+// accel::tp layer in `model` (itself included), and
+// `sequence_parallel_parameters` (each once; a norm's weight and bias, over
+// `group`, null: the process's Dim::TP group). Parameters without a gradient
+// are skipped: every rank of a tensor-parallel group runs the same layers
+// on the same batch, so they are the same on every rank. Returns the number
+// of all-reduces issued. List a norm only where it runs on sequence-split
+// activations: on whole (replicated) ones its gradient is already whole on
+// every rank, and summing it would multiply it by tp.
+inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
+                                                  const std::vector<at::Tensor>& sequence_parallel_parameters = {},
+                                                  const GroupPtr& group = {}) {
+  // The gradients summed together: one pack per (group, dtype, device), in
+  // the order of their first gradient (the same on every rank: a map keyed
+  // by the group's address could order them differently on each rank, and
+  // their all-reduces would then wait on each other).
+  struct Pack {
+    GroupPtr group;
+    at::ScalarType dtype;
+    c10::Device device;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Pack> packs;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  const auto add = [&](const at::Tensor& parameter, const GroupPtr& over) {
+    if (!seen.insert(parameter.unsafeGetTensorImpl()).second || detail::tp::size_of(over) == 1) return;
+    const at::Tensor& grad = parameter.grad();
+    if (!grad.defined()) return;
+    auto pack = std::find_if(packs.begin(), packs.end(), [&](const Pack& p) {
+      return p.group == over && p.dtype == grad.scalar_type() && p.device == grad.device();
+    });
+    if (pack == packs.end()) pack = packs.insert(packs.end(), Pack{over, grad.scalar_type(), grad.device(), {}});
+    pack->grads.push_back(grad);
+  };
+  const auto visit = [&](const torch::nn::Module& module) {
+    if (const auto* layer = dynamic_cast<const detail::tp::ParallelLayer*>(&module))
+      for (const auto& p : layer->partial_parameters()) add(p, layer->group());
+  };
+  visit(model);
+  for (const auto& child : model.modules(/*include_self=*/false)) visit(*child);
+  if (!sequence_parallel_parameters.empty()) {
+    const GroupPtr over = detail::tp::group_or_default(group, "all_reduce_sequence_parallel_gradients");
+    for (const auto& p : sequence_parallel_parameters) add(p, over);
+  }
+  const at::NoGradGuard no_grad;
+  for (auto& pack : packs) {
+    std::vector<at::Tensor> flat;
+    for (const auto& g : pack.grads) flat.push_back(g.reshape({-1}));
+    at::Tensor packed = at::cat(flat);
+    accel::all_reduce(packed, ReduceOp::SUM, pack.group);
+    int64_t offset = 0;
+    for (auto& g : pack.grads) {
+      g.copy_(packed.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+  }
+  return static_cast<int>(packs.size());
+}
+}  // namespace tp
 
 ACCEL_NAMESPACE_END
 

@@ -23,6 +23,14 @@
 // autograd-aware collectives (tensor and context parallelism)
 #include "accel/training/parallel/autograd.hpp"
 
+// tensor parallelism: Megatron's region mappings and layers, the vocabulary-parallel loss
+#include "accel/training/tp/regions.hpp"
+#include "accel/training/tp/layer.hpp"
+#include "accel/training/tp/linear.hpp"
+#include "accel/training/tp/embedding.hpp"
+#include "accel/training/tp/cross_entropy.hpp"
+#include "accel/training/tp/sequence_parallel.hpp"
+
 // precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy
 #include "accel/training/precision/autocast.hpp"
 #include "accel/training/precision/grad_scaler.hpp"

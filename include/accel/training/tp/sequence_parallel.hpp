@@ -1,0 +1,82 @@
+// accel/training/tp/sequence_parallel.hpp: all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective.
+//
+// Under sequence parallelism a parameter that is whole on every rank but
+// meets only this rank's tokens (a norm's weight and bias, a
+// RowParallelLinear's bias) ends the backward with this rank's part of its
+// gradient; the whole gradient is the sum over the tensor-parallel group.
+// Megatron sums them after the backward (finalize_model_grads); torch's
+// DTensor keeps them Partial and all-reduces each one (15 all-reduces for a
+// 2-layer Llama's norms). Here: one all-reduce per group and dtype, of every
+// such gradient packed together, called once before the optimizer step (and
+// after the last backward of an accumulation: a sum is linear, so summing
+// the accumulated gradient once is the same as summing each).
+// The accel::tp layers name their own partial parameters; a norm's, which
+// no accel::tp layer owns, the caller lists.
+#pragma once
+
+#include "accel/training/tp/layer.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace tp {
+// Sums over their group the gradients of: the partial parameters of every
+// accel::tp layer in `model` (itself included), and
+// `sequence_parallel_parameters` (each once; a norm's weight and bias, over
+// `group`, null: the process's Dim::TP group). Parameters without a gradient
+// are skipped: every rank of a tensor-parallel group runs the same layers
+// on the same batch, so they are the same on every rank. Returns the number
+// of all-reduces issued. List a norm only where it runs on sequence-split
+// activations: on whole (replicated) ones its gradient is already whole on
+// every rank, and summing it would multiply it by tp.
+inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
+                                                  const std::vector<at::Tensor>& sequence_parallel_parameters = {},
+                                                  const GroupPtr& group = {}) {
+  // The gradients summed together: one pack per (group, dtype, device), in
+  // the order of their first gradient (the same on every rank: a map keyed
+  // by the group's address could order them differently on each rank, and
+  // their all-reduces would then wait on each other).
+  struct Pack {
+    GroupPtr group;
+    at::ScalarType dtype;
+    c10::Device device;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Pack> packs;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  const auto add = [&](const at::Tensor& parameter, const GroupPtr& over) {
+    if (!seen.insert(parameter.unsafeGetTensorImpl()).second || detail::tp::size_of(over) == 1) return;
+    const at::Tensor& grad = parameter.grad();
+    if (!grad.defined()) return;
+    auto pack = std::find_if(packs.begin(), packs.end(), [&](const Pack& p) {
+      return p.group == over && p.dtype == grad.scalar_type() && p.device == grad.device();
+    });
+    if (pack == packs.end()) pack = packs.insert(packs.end(), Pack{over, grad.scalar_type(), grad.device(), {}});
+    pack->grads.push_back(grad);
+  };
+  const auto visit = [&](const torch::nn::Module& module) {
+    if (const auto* layer = dynamic_cast<const detail::tp::ParallelLayer*>(&module))
+      for (const auto& p : layer->partial_parameters()) add(p, layer->group());
+  };
+  visit(model);
+  for (const auto& child : model.modules(/*include_self=*/false)) visit(*child);
+  if (!sequence_parallel_parameters.empty()) {
+    const GroupPtr over = detail::tp::group_or_default(group, "all_reduce_sequence_parallel_gradients");
+    for (const auto& p : sequence_parallel_parameters) add(p, over);
+  }
+  const at::NoGradGuard no_grad;
+  for (auto& pack : packs) {
+    std::vector<at::Tensor> flat;
+    for (const auto& g : pack.grads) flat.push_back(g.reshape({-1}));
+    at::Tensor packed = at::cat(flat);
+    accel::all_reduce(packed, ReduceOp::SUM, pack.group);
+    int64_t offset = 0;
+    for (auto& g : pack.grads) {
+      g.copy_(packed.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+  }
+  return static_cast<int>(packs.size());
+}
+}  // namespace tp
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,285 @@
+// Training tests, tensor parallelism (accel::tp): Megatron's layers and the vocabulary-parallel loss against one
+// process computing the whole model, with and without sequence parallelism, on every world size (tp = the world).
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
+// precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+
+namespace {
+constexpr int64_t kVocab = 48, kHidden = 10, kFfn = 36, kBatch = 3, kSeq = 12, kBlocks = 2;
+
+// The whole model, in one process: a tied embedding and head, identical pre-norm MLP blocks with residuals, a
+// final norm; torch::nn's own layers and loss.
+struct WholeBlockImpl : torch::nn::Module {
+  WholeBlockImpl() {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    up = register_module("up", torch::nn::Linear(kHidden, kFfn));
+    down = register_module("down", torch::nn::Linear(kFfn, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& h) { return h + down(torch::gelu(up(norm(h)))); }
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(WholeBlock);
+
+struct WholeModelImpl : torch::nn::Module {
+  WholeModelImpl() {
+    embed = register_module("embed", torch::nn::Embedding(kVocab, kHidden));
+    for (int64_t i = 0; i < kBlocks; ++i) blocks.push_back(register_module("block" + std::to_string(i), WholeBlock()));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  }
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& targets) {
+    at::Tensor h = embed(ids);
+    for (auto& block : blocks) h = block(h);
+    const at::Tensor logits = torch::nn::functional::linear(norm(h), embed->weight);  // the tied head
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape({-1}));
+  }
+  torch::nn::Embedding embed{nullptr};
+  std::vector<WholeBlock> blocks;
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(WholeModel);
+
+// The same model over the tensor-parallel group: the embedding's rows and the up projection's rows split, the down
+// projection's columns; the head shares the embedding's piece; norms whole (under sequence parallelism, on this
+// rank's tokens).
+struct TpBlockImpl : torch::nn::Module {
+  explicit TpBlockImpl(bool sp) {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    up = register_module("up", accel::tp::ColumnParallelLinear(
+                                   accel::tp::ColumnParallelLinearOptions(kHidden, kFfn).sequence_parallel(sp)));
+    down = register_module("down", accel::tp::RowParallelLinear(
+                                       accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(sp)));
+  }
+  at::Tensor forward(const at::Tensor& h) { return h + down(torch::gelu(up(norm(h)))); }
+  torch::nn::LayerNorm norm{nullptr};
+  accel::tp::ColumnParallelLinear up{nullptr};
+  accel::tp::RowParallelLinear down{nullptr};
+};
+TORCH_MODULE(TpBlock);
+
+struct TpModelImpl : torch::nn::Module {
+  explicit TpModelImpl(bool sp) : sp(sp) {
+    embed = register_module("embed", accel::tp::VocabParallelEmbedding(
+                                         accel::tp::VocabParallelEmbeddingOptions(kVocab, kHidden).sequence_parallel(sp)));
+    for (int64_t i = 0; i < kBlocks; ++i) blocks.push_back(register_module("block" + std::to_string(i), TpBlock(sp)));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+  }
+  // The tied head as Megatron's output layer computes it: a column-parallel product with the embedding's rows
+  // (this rank's vocabulary), its input gathered along the sequence under sequence parallelism.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& targets) {
+    at::Tensor h = embed(ids);
+    for (auto& block : blocks) h = block(h);
+    h = norm(h);
+    h = sp ? accel::tp::gather_from_sequence_parallel_region(h) : accel::tp::copy_to_parallel_region(h);
+    return accel::tp::vocab_parallel_cross_entropy(torch::nn::functional::linear(h, embed->weight), targets);
+  }
+  // The norms' weights and biases: whole on every rank, partial gradients under sequence parallelism.
+  std::vector<at::Tensor> norm_parameters() {
+    std::vector<at::Tensor> out = norm->parameters();
+    for (auto& block : blocks)
+      for (const auto& p : block->norm->parameters()) out.push_back(p);
+    return out;
+  }
+  accel::tp::VocabParallelEmbedding embed{nullptr};
+  std::vector<TpBlock> blocks;
+  torch::nn::LayerNorm norm{nullptr};
+  bool sp;
+};
+TORCH_MODULE(TpModel);
+
+// The piece of a whole parameter a rank holds under the name `name` (TpModel's split), for comparison.
+at::Tensor piece(const std::string& name, const at::Tensor& whole, int P, int r) {
+  const auto split = [&](int64_t dim) { return whole.chunk(P, dim)[r]; };
+  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return split(0);
+  if (name.ends_with("down.weight")) return split(1);
+  return whole;
+}
+
+// Whole parameters (the one-process model's) loaded into the tensor-parallel model through load_full.
+void load_whole(TpModel& tp, WholeModel& whole) {
+  tp->embed->load_full(whole->embed->weight);
+  for (int64_t i = 0; i < kBlocks; ++i) {
+    tp->blocks[i]->up->load_full(whole->blocks[i]->up->weight, whole->blocks[i]->up->bias);
+    tp->blocks[i]->down->load_full(whole->blocks[i]->down->weight, whole->blocks[i]->down->bias);
+    const at::NoGradGuard no_grad;
+    tp->blocks[i]->norm->weight.copy_(whole->blocks[i]->norm->weight);
+    tp->blocks[i]->norm->bias.copy_(whole->blocks[i]->norm->bias);
+  }
+  const at::NoGradGuard no_grad;
+  tp->norm->weight.copy_(whole->norm->weight);
+  tp->norm->bias.copy_(whole->norm->bias);
+}
+
+std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
+  return out;
+}
+}  // namespace
+
+TEST_SUITE("ranks") {
+  TEST_CASE("tensor parallelism: Megatron's layers train as one process does, with and without sequence parallelism") {
+    const int P = accel::get_world_size();
+    fresh({.tp_size = P});
+    const int r = accel::DistributedInterface::instance().get_rank(accel::Dim::TP);
+    for (const bool sp : {false, true}) {
+      CAPTURE(sp);
+      torch::manual_seed(7);
+      WholeModel whole;
+      whole->to(at::kDouble);
+      TpModel tp(sp);
+      tp->to(at::kDouble);
+      load_whole(tp, whole);
+      torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      torch::optim::AdamW tp_opt(tp->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      const auto whole_params = by_name(*whole);
+      const auto tp_params = by_name(*tp);
+      CHECK(tp_params.size() == whole_params.size());  // the tied head is one tensor in both
+      for (int step = 0; step < 4; ++step) {
+        CAPTURE(step);
+        const at::Tensor ids = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);  // the same on every rank
+        at::Tensor targets = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);
+        targets.index_put_({0, torch::indexing::Slice(0, 3)}, -100);  // ignored, as torch's default ignore_index
+        const at::Tensor whole_loss = whole->forward(ids, targets);
+        const at::Tensor tp_loss = tp->forward(ids, targets);
+        CHECK(tp_loss.item<double>() == doctest::Approx(whole_loss.item<double>()).epsilon(1e-12));
+        whole_opt.zero_grad();
+        tp_opt.zero_grad();
+        whole_loss.backward();
+        tp_loss.backward();
+        // Only under sequence parallelism are the norms' gradients partial (without it each rank's is whole, and
+        // summing would multiply it by tp); the row layers' biases the layers name themselves.
+        const int issued = accel::tp::all_reduce_sequence_parallel_gradients(
+            *tp, sp ? tp->norm_parameters() : std::vector<at::Tensor>{});
+        CHECK(issued == (sp && P > 1 ? 1 : 0));  // every partial gradient in one all-reduce
+        for (const auto& [name, p] : tp_params) {
+          CAPTURE(name);
+          const at::Tensor expected = piece(name, whole_params.at(name).grad(), P, r);
+          REQUIRE(p.grad().sizes() == expected.sizes());
+          CHECK(at::allclose(p.grad(), expected, 1e-11, 1e-13));
+        }
+        whole_opt.step();
+        tp_opt.step();
+      }
+      for (const auto& [name, p] : tp_params) {
+        CAPTURE(name);
+        CHECK(at::allclose(p, piece(name, whole_params.at(name), P, r), 1e-10, 1e-12));
+      }
+    }
+    release_world();
+  }
+
+  TEST_CASE("tensor parallelism: gather_output and a whole input to the row layer; new layers hold the pieces of "
+            "torch::nn's") {
+    const int P = accel::get_world_size();
+    fresh({.tp_size = P});
+    const int r = accel::DistributedInterface::instance().get_rank(accel::Dim::TP);
+    // New layers: with the same random state, the pieces of the layer torch::nn would have drawn.
+    torch::manual_seed(11);
+    torch::nn::Linear up_whole(kHidden, kFfn), down_whole(kFfn, kHidden);
+    torch::nn::Embedding embed_whole(kVocab, kHidden);
+    torch::manual_seed(11);
+    accel::tp::ColumnParallelLinear up(accel::tp::ColumnParallelLinearOptions(kHidden, kFfn).gather_output(true));
+    accel::tp::RowParallelLinear down(accel::tp::RowParallelLinearOptions(kFfn, kHidden).input_is_parallel(false));
+    accel::tp::VocabParallelEmbedding embed(kVocab, kHidden);
+    CHECK(at::equal(up->weight, up_whole->weight.chunk(P, 0)[r]));
+    CHECK(at::equal(up->bias, up_whole->bias.chunk(P, 0)[r]));
+    CHECK(at::equal(down->weight, down_whole->weight.chunk(P, 1)[r]));
+    CHECK(at::equal(down->bias, down_whole->bias));
+    CHECK(at::equal(embed->weight, embed_whole->weight.chunk(P, 0)[r]));
+    CHECK(embed->vocab_start() == r * kVocab / P);
+    // Column with gather_output (all-gather forward, piece backward) into Row splitting a whole input.
+    for (auto* m : std::initializer_list<torch::nn::Module*>{up.get(), down.get(), up_whole.get(), down_whole.get()})
+      m->to(at::kDouble);
+    const at::Tensor x = torch::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    const at::Tensor x_tp = x.clone().requires_grad_(true), x_whole = x.clone().requires_grad_(true);
+    const at::Tensor y_tp = down(torch::tanh(up(x_tp)));
+    const at::Tensor y_whole = down_whole(torch::tanh(up_whole(x_whole)));
+    CHECK(at::allclose(y_tp, y_whole, 1e-12, 1e-14));
+    const at::Tensor w = torch::randn({kBatch, kSeq, kHidden}, at::kDouble);  // the same loss on every rank
+    (y_tp * w).sum().backward();
+    (y_whole * w).sum().backward();
+    CHECK(at::allclose(x_tp.grad(), x_whole.grad(), 1e-12, 1e-14));
+    CHECK(at::allclose(up->weight.grad(), up_whole->weight.grad().chunk(P, 0)[r], 1e-12, 1e-14));
+    CHECK(at::allclose(down->weight.grad(), down_whole->weight.grad().chunk(P, 1)[r], 1e-12, 1e-14));
+    CHECK(at::allclose(down->bias.grad(), down_whole->bias.grad(), 1e-12, 1e-14));
+    release_world();
+  }
+
+  TEST_CASE("tensor parallelism: the vocabulary-parallel loss equals torch's cross_entropy, bfloat16 included") {
+    const int P = accel::get_world_size();
+    fresh({.tp_size = P});
+    const int r = accel::DistributedInterface::instance().get_rank(accel::Dim::TP);
+    torch::manual_seed(3);
+    const at::Tensor logits = torch::randn({2, 5, kVocab}, at::kDouble) * 4;
+    at::Tensor targets = torch::randint(kVocab, {2, 5}, at::kLong);
+    targets.index_put_({1, 2}, -1);
+    for (const auto dtype : {at::kDouble, at::kBFloat16}) {
+      CAPTURE(dtype);
+      const at::Tensor whole = logits.to(dtype).clone().requires_grad_(true);
+      const at::Tensor mine = logits.to(dtype).chunk(P, -1)[r].clone().requires_grad_(true);
+      const at::Tensor expected =
+          torch::nn::functional::cross_entropy(whole.to(at::kDouble).reshape({-1, kVocab}), targets.reshape({-1}),
+                                               torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-1));
+      const at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(mine, targets, -1);
+      const double tolerance = dtype == at::kDouble ? 1e-13 : 1e-6;  // bfloat16's logits computed in float32
+      CHECK(loss.item<double>() == doctest::Approx(expected.item<double>()).epsilon(tolerance));
+      expected.backward();
+      loss.backward();
+      CHECK((mine.grad().scalar_type() == dtype));
+      CHECK(at::allclose(mine.grad().to(at::kDouble), whole.grad().to(at::kDouble).chunk(P, -1)[r],
+                         dtype == at::kDouble ? 1e-12 : 1e-2, dtype == at::kDouble ? 1e-14 : 1e-4));
+    }
+    // Every target ignored: NaN, as torch's.
+    CHECK(std::isnan(accel::tp::vocab_parallel_cross_entropy(logits.chunk(P, -1)[r], at::full({2, 5}, -100, at::kLong))
+                         .item<double>()));
+    release_world();
+  }
+
+  TEST_CASE("tensor parallelism: what does not split, or does not fit, is refused with the numbers") {
+    const int P = accel::get_world_size();
+    fresh({.tp_size = P});
+    using accel::tp::ColumnParallelLinearOptions;
+    using accel::tp::RowParallelLinearOptions;
+    if (P > 1) {
+      const std::string uneven = "accel::tp::ColumnParallelLinear: out_features " + std::to_string(4 * P + 1) +
+                                 " does not split into " + std::to_string(P) +
+                                 " equal pieces (the tensor-parallel group's size)";
+      CHECK_THROWS_WITH_AS(accel::tp::ColumnParallelLinear(4, 4 * P + 1), uneven.c_str(), std::invalid_argument);
+      CHECK_THROWS_WITH_AS(accel::tp::RowParallelLinear(4 * P + 1, 4), doctest::Contains("in_features"),
+                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(accel::tp::VocabParallelEmbedding(4 * P + 1, 4), doctest::Contains("num_embeddings"),
+                           std::invalid_argument);
+      CHECK_THROWS_WITH_AS(accel::tp::scatter_to_sequence_parallel_region(torch::zeros({2, 4 * P + 1})),
+                           doctest::Contains("does not split into"), std::invalid_argument);
+    }
+    CHECK_THROWS_WITH_AS(accel::tp::ColumnParallelLinear(
+                             ColumnParallelLinearOptions(4, 4 * P).gather_output(true).sequence_parallel(true)),
+                         doctest::Contains("gather_output and sequence_parallel exclude each other"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(accel::tp::RowParallelLinear(
+                             RowParallelLinearOptions(4 * P, 4).input_is_parallel(false).sequence_parallel(true)),
+                         doctest::Contains("sequence_parallel needs input_is_parallel"), std::invalid_argument);
+    accel::tp::ColumnParallelLinear layer(4, 4 * P);
+    const std::string wrong_shape = "accel::tp::ColumnParallelLinear::load_full: the whole weight must have shape [" +
+                                    std::to_string(4 * P) + ", 4], got Float[" + std::to_string(4 * P) + ", 5] cpu";
+    CHECK_THROWS_WITH_AS(layer->load_full(torch::zeros({4 * P, 5})), wrong_shape.c_str(), std::invalid_argument);
+    accel::tp::VocabParallelEmbedding embed(4 * P, 3);
+    const std::string outside = "accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
+                                std::to_string(4 * P) + "), got ids from 0 to " + std::to_string(4 * P);
+    CHECK_THROWS_WITH_AS(embed(torch::tensor({0L, 4L * P}, at::kLong)), outside.c_str(), std::invalid_argument);
+    const at::Tensor logits = torch::zeros({3, 4});
+    CHECK_THROWS_WITH_AS(accel::tp::vocab_parallel_cross_entropy(logits, torch::zeros({4}, at::kLong)),
+                         doctest::Contains("target must have the logits' shape without its last"),
+                         std::invalid_argument);
+    const std::string target_outside = "target ids must lie in [0, " + std::to_string(4 * P) + ")";
+    CHECK_THROWS_WITH_AS(accel::tp::vocab_parallel_cross_entropy(logits, torch::full({3}, 4 * P, at::kLong)),
+                         doctest::Contains(target_outside.c_str()), std::invalid_argument);
+    release_world();
+    // Launched, with no interface to take the tp group from: not the world (that would split the model over
+    // data-parallel peers).
+    CHECK_THROWS_WITH_AS(accel::tp::ColumnParallelLinear(4, 4),
+                         doctest::Contains("no group given and no DistributedInterface"), std::logic_error);
+  }
+}
