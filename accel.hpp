@@ -6092,6 +6092,10 @@ ACCEL_NAMESPACE_END
 // torch's reuse of the forward op for it is wrong, so they are refused.
 // Forward results are new tensors (the input is left alone). Every rank must
 // run the backward too, in the same order, as with DDP.
+// The backward sums what each rank's loss asks of a value: right where each
+// rank's loss is its own (context parallelism's tokens). Where the ranks of
+// a group compute one loss together on the same batch (tensor parallelism),
+// accel::tp's region mappings are the ones to use (tp/regions.hpp says why).
 
 ACCEL_NAMESPACE_BEGIN
 

@@ -4,6 +4,7 @@
 // precompiled); the suites keep their names across files.
 
 #include "training_fixtures.hpp"
+#include <sstream>
 
 namespace {
 constexpr int64_t kVocab = 48, kHidden = 10, kFfn = 36, kBatch = 3, kSeq = 12, kBlocks = 2;
@@ -25,17 +26,19 @@ TORCH_MODULE(WholeBlock);
 struct WholeModelImpl : torch::nn::Module {
   WholeModelImpl() {
     embed = register_module("embed", torch::nn::Embedding(kVocab, kHidden));
-    for (int64_t i = 0; i < kBlocks; ++i) blocks.push_back(register_module("block" + std::to_string(i), WholeBlock()));
+    for (int64_t i = 0; i < kBlocks; ++i) blocks->push_back(WholeBlock());
+    register_module("blocks", blocks);
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
   }
+  WholeBlockImpl& block(int64_t i) { return *blocks[i]->as<WholeBlockImpl>(); }
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& targets) {
     at::Tensor h = embed(ids);
-    for (auto& block : blocks) h = block(h);
+    for (int64_t i = 0; i < kBlocks; ++i) h = block(i).forward(h);
     const at::Tensor logits = torch::nn::functional::linear(norm(h), embed->weight);  // the tied head
     return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), targets.reshape({-1}));
   }
   torch::nn::Embedding embed{nullptr};
-  std::vector<WholeBlock> blocks;
+  torch::nn::ModuleList blocks;
   torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(WholeModel);
@@ -62,14 +65,16 @@ struct TpModelImpl : torch::nn::Module {
   explicit TpModelImpl(bool sp) : sp(sp) {
     embed = register_module("embed", accel::tp::VocabParallelEmbedding(
                                          accel::tp::VocabParallelEmbeddingOptions(kVocab, kHidden).sequence_parallel(sp)));
-    for (int64_t i = 0; i < kBlocks; ++i) blocks.push_back(register_module("block" + std::to_string(i), TpBlock(sp)));
+    for (int64_t i = 0; i < kBlocks; ++i) blocks->push_back(TpBlock(sp));
+    register_module("blocks", blocks);
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
   }
+  TpBlockImpl& block(int64_t i) { return *blocks[i]->as<TpBlockImpl>(); }
   // The tied head as Megatron's output layer computes it: a column-parallel product with the embedding's rows
   // (this rank's vocabulary), its input gathered along the sequence under sequence parallelism.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& targets) {
     at::Tensor h = embed(ids);
-    for (auto& block : blocks) h = block(h);
+    for (int64_t i = 0; i < kBlocks; ++i) h = block(i).forward(h);
     h = norm(h);
     h = sp ? accel::tp::gather_from_sequence_parallel_region(h) : accel::tp::copy_to_parallel_region(h);
     return accel::tp::vocab_parallel_cross_entropy(torch::nn::functional::linear(h, embed->weight), targets);
@@ -77,34 +82,38 @@ struct TpModelImpl : torch::nn::Module {
   // The norms' weights and biases: whole on every rank, partial gradients under sequence parallelism.
   std::vector<at::Tensor> norm_parameters() {
     std::vector<at::Tensor> out = norm->parameters();
-    for (auto& block : blocks)
-      for (const auto& p : block->norm->parameters()) out.push_back(p);
+    for (int64_t i = 0; i < kBlocks; ++i)
+      for (const auto& p : block(i).norm->parameters()) out.push_back(p);
     return out;
   }
   accel::tp::VocabParallelEmbedding embed{nullptr};
-  std::vector<TpBlock> blocks;
+  torch::nn::ModuleList blocks;
   torch::nn::LayerNorm norm{nullptr};
   bool sp;
 };
 TORCH_MODULE(TpModel);
 
-// The piece of a whole parameter a rank holds under the name `name` (TpModel's split), for comparison.
+// The dimension TpModel splits a parameter along (none: whole on every rank).
+std::optional<int64_t> split_dim(const std::string& name) {
+  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return 0;
+  if (name.ends_with("down.weight")) return 1;
+  return std::nullopt;
+}
+// The piece of a whole parameter a rank holds under the name `name`, for comparison.
 at::Tensor piece(const std::string& name, const at::Tensor& whole, int P, int r) {
-  const auto split = [&](int64_t dim) { return whole.chunk(P, dim)[r]; };
-  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return split(0);
-  if (name.ends_with("down.weight")) return split(1);
-  return whole;
+  const auto dim = split_dim(name);
+  return dim ? whole.chunk(P, *dim)[r] : whole;
 }
 
 // Whole parameters (the one-process model's) loaded into the tensor-parallel model through load_full.
 void load_whole(TpModel& tp, WholeModel& whole) {
   tp->embed->load_full(whole->embed->weight);
   for (int64_t i = 0; i < kBlocks; ++i) {
-    tp->blocks[i]->up->load_full(whole->blocks[i]->up->weight, whole->blocks[i]->up->bias);
-    tp->blocks[i]->down->load_full(whole->blocks[i]->down->weight, whole->blocks[i]->down->bias);
+    tp->block(i).up->load_full(whole->block(i).up->weight, whole->block(i).up->bias);
+    tp->block(i).down->load_full(whole->block(i).down->weight, whole->block(i).down->bias);
     const at::NoGradGuard no_grad;
-    tp->blocks[i]->norm->weight.copy_(whole->blocks[i]->norm->weight);
-    tp->blocks[i]->norm->bias.copy_(whole->blocks[i]->norm->bias);
+    tp->block(i).norm->weight.copy_(whole->block(i).norm->weight);
+    tp->block(i).norm->bias.copy_(whole->block(i).norm->bias);
   }
   const at::NoGradGuard no_grad;
   tp->norm->weight.copy_(whole->norm->weight);
@@ -281,5 +290,85 @@ TEST_SUITE("ranks") {
     // data-parallel peers).
     CHECK_THROWS_WITH_AS(accel::tp::ColumnParallelLinear(4, 4),
                          doctest::Contains("no group given and no DistributedInterface"), std::logic_error);
+  }
+}
+
+// Run by tests/python_ref/run_tp.sh (CTest python_tp_*) around tests/python_ref/tp_ref.py, which trains the same
+// model with Python's DTensor tensor parallelism (parallelize_module with torchtitan's styles, loss_parallel):
+// skipped otherwise. The same start (DIR/init.safetensors, whole tensors under Python's names), the same batches
+// (DIR/batches.safetensors: ids and targets, [steps, batch, sequence]), AdamW with the same settings; each step's
+// loss and the trained whole parameters go to DIR/cpp_MODE_WORLD.safetensors, and the collectives the first step
+// issues on the tp group (its sequence number) to DIR/cpp_MODE_WORLD_counts.safetensors, for tp_ref.py to compare.
+// MODE: tp, or tp_sp (sequence parallelism).
+namespace {
+void train_tp_as_python(const std::string& dir, const std::string& mode) {
+  CAPTURE(mode);
+  REQUIRE((mode == "tp" || mode == "tp_sp"));
+  const bool sp = mode == "tp_sp";
+  const int P = accel::get_world_size();
+  auto& d = fresh({.tp_size = P});
+  const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+  TpModel tp(sp);
+  tp->to(at::kDouble);
+  std::map<std::string, at::Tensor> start, batches;
+  for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
+  for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
+  tp->embed->load_full(start.at("embed.weight"));
+  for (int64_t i = 0; i < kBlocks; ++i) {
+    const std::string b = "blocks." + std::to_string(i) + ".";
+    tp->block(i).up->load_full(start.at(b + "up.weight"), start.at(b + "up.bias"));
+    tp->block(i).down->load_full(start.at(b + "down.weight"), start.at(b + "down.bias"));
+  }
+  {
+    const at::NoGradGuard no_grad;
+    for (const auto& named : tp->named_parameters())
+      if (!split_dim(named.key()) && !named.key().ends_with("down.bias"))
+        named.value().copy_(start.at(named.key()));
+  }
+  torch::optim::AdamW optimizer(tp->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  std::vector<double> losses;
+  int64_t first_step_collectives = 0;
+  for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {
+    if (step == 0) start_sequence(group);
+    const int64_t before = group->getSequenceNumberForGroup();
+    const at::Tensor loss = tp->forward(batches.at("ids")[step], batches.at("targets")[step]);
+    loss.backward();
+    accel::tp::all_reduce_sequence_parallel_gradients(*tp, sp ? tp->norm_parameters() : std::vector<at::Tensor>{});
+    optimizer.step();
+    optimizer.zero_grad();
+    if (step == 0) first_step_collectives = static_cast<int64_t>(group->getSequenceNumberForGroup()) - before;
+    losses.push_back(loss.item<double>());
+  }
+  // The whole parameters: each piece gathered along its split.
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& named : tp->named_parameters()) {
+    const at::Tensor p = named.value().detach();
+    const auto dim = split_dim(named.key());
+    out.emplace_back(named.key(), dim ? at::cat(accel::all_gather(p.contiguous(), group).unbind(0), *dim) : p.clone());
+  }
+  out.emplace_back("losses", at::tensor(losses, at::TensorOptions(at::kDouble)));
+  const std::string base = dir + "/cpp_" + mode + "_" + std::to_string(P);
+  if (d.get_rank() == 0) {
+    accel::detail::write_safetensors(base + ".safetensors", out);
+    accel::detail::write_safetensors(base + "_counts.safetensors",
+                                     {{"collectives", at::tensor({first_step_collectives}, at::kLong)}});
+    std::printf("accel.hpp %s on %d: one step's collectives on the tp group: %lld\n", mode.c_str(), P,
+                static_cast<long long>(first_step_collectives));
+  }
+  d.barrier();
+  release_world();
+}
+}  // namespace
+
+TEST_SUITE("python_tp" * doctest::skip()) {
+  TEST_CASE("train: Python's start and batches in each mode of ACCEL_TP_MODES") {
+    const char* dir = std::getenv("ACCEL_TP_DIR");
+    const char* modes = std::getenv("ACCEL_TP_MODES");
+    REQUIRE(dir != nullptr);
+    REQUIRE(modes != nullptr);
+    std::istringstream names(modes);
+    int trained = 0;
+    for (std::string mode; names >> mode; ++trained) train_tp_as_python(dir, mode);
+    REQUIRE(trained > 0);
   }
 }

@@ -1,0 +1,218 @@
+"""Python's DTensor tensor parallelism as the reference for accel::tp's Megatron layers
+(CTest python_tp_*, tests/python_ref/run_tp.sh).
+
+    python3 tp_ref.py data DIR                 one process: the start and the batches
+    python3 tp_ref.py train DIR MODE...        every rank (accel_launch N): Python trains each MODE
+    python3 tp_ref.py compare DIR WORLD MODE...  one process: Python's, accel.hpp's and one process's
+
+The model (tests/test_training_tp.cpp's, name for name): a token embedding whose weight
+the head shares (tied), BLOCKS identical pre-norm MLP blocks with residuals (LayerNorm,
+Linear H -> F, exact GELU, Linear F -> H), a final LayerNorm; the loss is cross entropy
+over the vocabulary with torch's default ignore_index (-100) on some targets. float64.
+
+MODE, both with tp = the world, parallelize_module with torchtitan's styles:
+  tp     embedding RowwiseParallel (Replicate output), up ColwiseParallel, down
+         RowwiseParallel, head ColwiseParallel(Shard(-1), use_local_output=False) under
+         loss_parallel; norms whole (no sequence parallelism)
+  tp_sp  the same with sequence parallelism: the embedding's and the downs' outputs
+         Shard(1), the ups' and the head's inputs Shard(1), every norm SequenceParallel
+
+Both sides start from DIR/init.safetensors, run STEPS AdamW steps on DIR/batches.safetensors
+(ids and targets, [steps, batch, sequence], the same on every rank) and write each step's
+loss and the trained whole parameters: Python DIR/py_MODE_WORLD.safetensors, accel.hpp
+DIR/cpp_MODE_WORLD.safetensors. Each also writes the collectives one step issues (forward,
+backward and the optimizer step): Python's counted by CommDebugMode, by kind; accel.hpp's
+by the tp group's sequence number (every kind together). compare checks both against one
+process training the whole model, each other, and that accel.hpp issues at most what
+Python does.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from leave import leave_without_teardown
+
+VOCAB, HIDDEN, FFN, BATCH, SEQ, BLOCKS, STEPS = 48, 10, 36, 3, 12, 2, 4
+LR, WEIGHT_DECAY = 1e-2, 0.1
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.up = torch.nn.Linear(HIDDEN, FFN)
+        self.down = torch.nn.Linear(FFN, HIDDEN)
+
+    def forward(self, h):
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def fresh_model(root):
+    model = Model().double()
+    start = load_file(os.path.join(root, "init.safetensors"))
+    missing, unexpected = model.load_state_dict(start, strict=False)
+    assert missing == ["head.weight"] and not unexpected, (missing, unexpected)  # head.weight: the tie
+    return model
+
+
+def optimizer_for(parameters):
+    return torch.optim.AdamW(parameters, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def make_data(root):
+    torch.manual_seed(0)
+    model = Model().double()
+    with torch.no_grad():  # LayerNorm's start is ones and zeros: moved off them, so a wrong norm gradient shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "head.weight"},
+              os.path.join(root, "init.safetensors"))
+    ids = torch.randint(VOCAB, (STEPS, BATCH, SEQ))
+    targets = torch.randint(VOCAB, (STEPS, BATCH, SEQ))
+    targets[:, 0, :3] = -100
+    save_file({"ids": ids, "targets": targets}, os.path.join(root, "batches.safetensors"))
+
+
+def parallelize(model, mode, mesh):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    sp = mode == "tp_sp"
+    sequence = Shard(1) if sp else Replicate()
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+        "head": ColwiseParallel(input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(BLOCKS):
+        plan[f"blocks.{i}.up"] = ColwiseParallel(input_layouts=sequence)
+        plan[f"blocks.{i}.down"] = RowwiseParallel(output_layouts=sequence)
+        if sp:
+            plan[f"blocks.{i}.norm"] = SequenceParallel()
+    if sp:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, plan)
+    model.head.weight = model.embed.weight  # tied again: both Shard(0) over the vocabulary
+    return model
+
+
+def run_steps(model, batches, parallel, counts=None):
+    """STEPS AdamW steps; each step's loss. parallel: the loss under loss_parallel (logits split along the
+    vocabulary; its backward must run inside it too). counts: filled with the first step's collectives."""
+    import contextlib
+    from torch.distributed.tensor.parallel import loss_parallel
+    optimizer = optimizer_for(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        def one_step():
+            with loss_parallel() if parallel else contextlib.nullcontext():
+                logits = model(batches["ids"][step])
+                loss = F.cross_entropy(logits.flatten(0, 1), batches["targets"][step].flatten(0, 1))
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss.detach()
+        if counts is not None and step == 0:
+            from torch.distributed.tensor.debug import CommDebugMode
+            comm = CommDebugMode()
+            with comm:
+                loss = one_step()
+            for op, n in comm.get_comm_counts().items():
+                counts[str(op).split(".")[-1]] = n
+        else:
+            loss = one_step()
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    return losses
+
+
+def train(root, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = parallelize(fresh_model(root), mode, mesh)
+    counts = {}
+    losses = run_steps(model, load_file(os.path.join(root, "batches.safetensors")), True, counts)
+    # (without sequence parallelism the norms are not parallelized: plain tensors)
+    whole = {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+             for name, p in model.named_parameters()}
+    if dist.get_rank() == 0:
+        out = {name: t.contiguous() for name, t in whole.items() if name != "head.weight"}
+        out["losses"] = torch.tensor(losses, dtype=torch.float64)
+        save_file(out, os.path.join(root, f"py_{mode}_{world}.safetensors"))
+        kinds = sorted(counts)
+        print(f"Python {mode} on {world}: one step's collectives (CommDebugMode): " +
+              ", ".join(f"{k} {counts[k]}" for k in kinds) + f"; {sum(counts.values())} in all")
+        save_file({"collectives": torch.tensor([sum(counts.values())])},
+                  os.path.join(root, f"py_{mode}_{world}_counts.safetensors"))
+
+
+def compare(root, mode, world):
+    reference = fresh_model(root)
+    one = run_steps(reference, load_file(os.path.join(root, "batches.safetensors")), False)
+    ours = load_file(os.path.join(root, f"cpp_{mode}_{world}.safetensors"))
+    python = load_file(os.path.join(root, f"py_{mode}_{world}.safetensors"))
+    for side, got in (("Python", python), ("accel.hpp", ours)):
+        losses = got["losses"].tolist()
+        assert len(losses) == STEPS, f"{side}: {len(losses)} losses"
+        for step, (a, b) in enumerate(zip(losses, one)):
+            assert abs(a - b) <= 1e-12 * abs(b), f"{side} step {step}: loss {a!r}, one process {b!r}"
+        for name, p in reference.named_parameters():
+            if name == "head.weight":
+                continue
+            worst = (got[name] - p.detach()).abs().max().item()
+            assert worst <= 1e-10, f"{side} {name}: differs from one process by {worst:.3e}"
+    for name in python:
+        worst = (ours[name] - python[name]).abs().max().item()
+        assert worst <= 1e-10, f"{name}: accel.hpp and Python differ by {worst:.3e}"
+    ours_n = int(load_file(os.path.join(root, f"cpp_{mode}_{world}_counts.safetensors"))["collectives"])
+    python_n = int(load_file(os.path.join(root, f"py_{mode}_{world}_counts.safetensors"))["collectives"])
+    print(f"{mode} on {world}: losses and parameters after {STEPS} AdamW steps equal one process's (1e-12 and "
+          f"1e-10) on both sides; collectives per step: accel.hpp {ours_n}, Python {python_n}")
+    assert ours_n <= python_n, f"accel.hpp issues {ours_n} collectives per step, Python {python_n}"
+
+
+def main():
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "data":
+        make_data(root)
+    elif command == "train":
+        dist.init_process_group("gloo")
+        for mode in sys.argv[3:]:
+            train(root, mode)
+        leave_without_teardown()
+    elif command == "compare":
+        failed = []
+        for mode in sys.argv[4:]:
+            try:
+                compare(root, mode, int(sys.argv[3]))
+            except AssertionError as e:
+                print(f"FAILED {mode}: {e}")
+                failed.append(mode)
+        if failed:
+            sys.exit(f"tp_ref: {', '.join(failed)} differ")
+    else:
+        sys.exit(f"tp_ref: unknown command {command}")
+
+
+if __name__ == "__main__":
+    main()
