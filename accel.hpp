@@ -59,6 +59,7 @@
 //     accel/training/tp/linear.hpp                       Megatron-core's ColumnParallelLinear and RowParallelLinear as torch::nn modules
 //     accel/training/tp/embedding.hpp                    Megatron-core's VocabParallelEmbedding as a torch::nn module
 //     accel/training/tp/cross_entropy.hpp                vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy)
+//     accel/training/tp/dropout.hpp                      tp::dropout, one random mask for the whole activation whichever piece a rank holds
 //     accel/training/tp/sequence_parallel.hpp            all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
@@ -6524,6 +6525,19 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     }
   }
 
+  // Makes `shared` this layer's weight, registered under the same name:
+  // a head tied to a VocabParallelEmbedding over the same vocabulary (one
+  // tensor, the same rows on each rank: Megatron's shared embedding).
+  // torch::nn::Module cannot re-register a parameter from outside.
+  void tie_weight(const at::Tensor& shared) {
+    if (!shared.defined() || shared.sizes() != weight.sizes())
+      throw InvalidArgument("accel::tp::ColumnParallelLinear::tie_weight: the weight must have this rank's shape " +
+                            c10::str(weight.sizes()) + ", got " +
+                            (shared.defined() ? detail::describe_tensor(shared) : std::string("an undefined tensor")));
+    parameters_["weight"] = shared;
+    weight = shared;
+  }
+
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::ColumnParallelLinear(in_features=" << options.in_features()
            << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
@@ -6804,6 +6818,52 @@ inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, c
   const at::Tensor losses = detail::tp::VocabParallelCrossEntropy::apply(logits, ids, g);
   const at::Tensor kept = ids.ne(ignore_index).to(losses.scalar_type());
   return (losses * kept).sum() / kept.sum();
+}
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/dropout.hpp ============================================
+// accel/training/tp/dropout.hpp: tp::dropout, one random mask for the whole activation whichever piece a rank holds.
+//
+// Dropout inside a tensor-parallel model must draw, for each element of the
+// whole activation, one decision that every rank agrees on: where the
+// activation is replicated, the same mask on every rank (else the replicas
+// drift apart); where it is split (a column layer's output, or under
+// sequence parallelism the tokens between layers), each rank the mask of its
+// own piece, and the pieces together the mask of the whole. torch's DTensor
+// does this with OffsetBasedRNGTracker (each shard's offset into one shared
+// random stream); Megatron with a second, per-rank stream (its masks then
+// differ from one process's). Here each rank draws the whole activation's
+// mask from the default generator, the same on every rank of the group
+// (seed them alike: accel::set_seed(seed)), and keeps its piece: on the CPU
+// the values are those of torch::dropout in one process on the whole
+// activation, and every generator advances as that one would. Costs a whole
+// mask for a moment (tp times the piece).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace tp {
+// x: the whole activation (sharded_dim empty), or this rank's piece of
+// dimension *sharded_dim of it (pieces in rank order, as the layers split).
+// p: the probability of an element being zeroed; the rest are scaled by
+// 1 / (1 - p), as torch::dropout.
+inline at::Tensor dropout(const at::Tensor& x, double p, bool training, std::optional<int64_t> sharded_dim = {},
+                          const GroupPtr& group = {}) {
+  if (p < 0 || p > 1) throw InvalidArgument("accel::tp::dropout: p must lie in [0, 1], got " + std::to_string(p));
+  const GroupPtr g = detail::tp::group_or_default(group, "dropout");
+  const int parts = detail::tp::size_of(g);
+  if (!training || p == 0 || p == 1 || !sharded_dim || parts == 1 || x.numel() == 0)
+    return torch::dropout(x, p, training);
+  // torch::dropout's own steps on the CPU (ATen's _dropout_impl: a Bernoulli
+  // noise tensor of the input's shape, divided by 1 - p, multiplied in), on
+  // the whole shape, of which this rank keeps its piece.
+  const int64_t dim = detail::tp::wrap_dim(x, *sharded_dim, "dropout");
+  std::vector<int64_t> whole(x.sizes().begin(), x.sizes().end());
+  whole[dim] *= parts;
+  at::Tensor noise = at::empty(whole, x.options()).bernoulli_(1 - p);
+  noise = noise.narrow(dim, detail::tp::rank_in(g) * x.size(dim), x.size(dim)).contiguous();
+  return x * noise.div_(1 - p);
 }
 }  // namespace tp
 
@@ -15524,14 +15584,17 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // A model prepared as it is would be whole on every tp rank: each pair
-    // of tp peers would train the same replica on the same batch and write
-    // the same checkpoint pieces. Refused until the tensor-parallel layers
-    // that split it exist; the tp dimension itself is DistributedInterface's.
+    // DataParallel averages over the data mesh or the world, and clipping,
+    // checkpoints and save_model see each process's parameters as whole:
+    // over tp pieces each would be wrong without an error (pieces averaged
+    // with other pieces, a norm of one piece, rank 0's pieces saved as the
+    // model). Refused until they learn the pieces; accel::tp's layers run on
+    // DistributedInterface's tp group without the Accelerator.
     if (strategy.tp_size() > 1)
       throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
-                            ": the Accelerator does not train tensor-parallel models yet (no accel::tp layers in "
-                            "this version); the tp dimension's meshes and groups are DistributedInterface's");
+                            ": the Accelerator does not prepare tensor-parallel models yet (its averaging, "
+                            "sharding, clipping and checkpoints would treat tp pieces as whole tensors); train "
+                            "accel::tp's layers on DistributedInterface::instance({.tp_size = N})'s groups");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +

@@ -137,11 +137,11 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
-    // tp above 1 without tensor-parallel layers: each tp pair would train one replica twice; refused.
+    // tp above 1: the Accelerator's averaging, clipping and checkpoints do not know tp pieces yet; refused.
     accel::AcceleratorConfig t = config();
     t.distributed.tp_size = P;
     const std::string refused =
-        "tp_size " + std::to_string(P) + ": the Accelerator does not train tensor-parallel models yet";
+        "tp_size " + std::to_string(P) + ": the Accelerator does not prepare tensor-parallel models yet";
     CHECK_THROWS_WITH_AS(accel::Accelerator{t}, doctest::Contains(refused.c_str()), accel::InvalidArgument);
     t = config();
     t.parallelism_config = accel::ParallelismConfig{.tp_size = P};  // Accelerate's spelling of the same

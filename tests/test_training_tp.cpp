@@ -62,22 +62,22 @@ struct TpBlockImpl : torch::nn::Module {
 TORCH_MODULE(TpBlock);
 
 struct TpModelImpl : torch::nn::Module {
-  explicit TpModelImpl(bool sp) : sp(sp) {
+  explicit TpModelImpl(bool sp) {
     embed = register_module("embed", accel::tp::VocabParallelEmbedding(
                                          accel::tp::VocabParallelEmbeddingOptions(kVocab, kHidden).sequence_parallel(sp)));
     for (int64_t i = 0; i < kBlocks; ++i) blocks->push_back(TpBlock(sp));
     register_module("blocks", blocks);
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    head = register_module("head", accel::tp::ColumnParallelLinear(
+                                       accel::tp::ColumnParallelLinearOptions(kHidden, kVocab).bias(false).sequence_parallel(sp)));
+    head->tie_weight(embed->weight);  // one tensor: the embedding's rows are the head's
   }
   TpBlockImpl& block(int64_t i) { return *blocks[i]->as<TpBlockImpl>(); }
-  // The tied head as Megatron's output layer computes it: a column-parallel product with the embedding's rows
-  // (this rank's vocabulary), its input gathered along the sequence under sequence parallelism.
+  // The head's logits are this rank's columns of the vocabulary, as the loss takes them.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& targets) {
     at::Tensor h = embed(ids);
     for (int64_t i = 0; i < kBlocks; ++i) h = block(i).forward(h);
-    h = norm(h);
-    h = sp ? accel::tp::gather_from_sequence_parallel_region(h) : accel::tp::copy_to_parallel_region(h);
-    return accel::tp::vocab_parallel_cross_entropy(torch::nn::functional::linear(h, embed->weight), targets);
+    return accel::tp::vocab_parallel_cross_entropy(head(norm(h)), targets);
   }
   // The norms' weights and biases: whole on every rank, partial gradients under sequence parallelism.
   std::vector<at::Tensor> norm_parameters() {
@@ -89,13 +89,14 @@ struct TpModelImpl : torch::nn::Module {
   accel::tp::VocabParallelEmbedding embed{nullptr};
   torch::nn::ModuleList blocks;
   torch::nn::LayerNorm norm{nullptr};
-  bool sp;
+  accel::tp::ColumnParallelLinear head{nullptr};
 };
 TORCH_MODULE(TpModel);
 
 // The dimension TpModel splits a parameter along (none: whole on every rank).
 std::optional<int64_t> split_dim(const std::string& name) {
-  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return 0;
+  if (name == "embed.weight" || name == "head.weight" || name.ends_with("up.weight") || name.ends_with("up.bias"))
+    return 0;
   if (name.ends_with("down.weight")) return 1;
   return std::nullopt;
 }
@@ -120,9 +121,12 @@ void load_whole(TpModel& tp, WholeModel& whole) {
   tp->norm->bias.copy_(whole->norm->bias);
 }
 
+// The parameters by name; the tied head's weight (LibTorch lists a tensor under each of its names) left to the
+// embedding's, as the one-process model has it once.
 std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
   std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters()) out[p.key()] = p.value();
+  for (const auto& p : m.named_parameters())
+    if (p.key() != "head.weight") out[p.key()] = p.value();
   return out;
 }
 }  // namespace
@@ -141,10 +145,14 @@ TEST_SUITE("ranks") {
       tp->to(at::kDouble);
       load_whole(tp, whole);
       torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      torch::optim::AdamW tp_opt(tp->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      // (LibTorch's parameters() lists the tied weight under both names: stepped twice, it would train wrongly)
+      torch::optim::AdamW tp_opt(accel::detail::unique_tensors(tp->parameters()),
+                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
       const auto whole_params = by_name(*whole);
       const auto tp_params = by_name(*tp);
-      CHECK(tp_params.size() == whole_params.size());  // the tied head is one tensor in both
+      CHECK(tp_params.size() == whole_params.size());
+      CHECK(tp->head->weight.is_same(tp->embed->weight));  // tied: one tensor
+      CHECK(tp->named_parameters().contains("head.weight"));
       for (int step = 0; step < 4; ++step) {
         CAPTURE(step);
         const at::Tensor ids = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);  // the same on every rank
@@ -246,6 +254,40 @@ TEST_SUITE("ranks") {
     release_world();
   }
 
+  TEST_CASE("tensor parallelism: dropout draws one mask for the whole activation, one process's, whichever piece a "
+            "rank holds") {
+    const int P = accel::get_world_size();
+    auto& d = fresh({.tp_size = P});
+    const int r = d.get_rank(accel::Dim::TP);
+    const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+    torch::manual_seed(5);
+    const at::Tensor x = torch::randn({kBatch, kSeq, kFfn});  // the same on every rank
+    for (const int64_t dim : {1, -1}) {  // the sequence (sequence parallelism), the hidden pieces (a column layer's)
+      CAPTURE(dim);
+      torch::manual_seed(21);
+      const at::Tensor expected = torch::dropout(x, 0.3, true);
+      const at::Tensor expected_next = torch::rand({4});
+      torch::manual_seed(21);
+      const at::Tensor piece_in = x.chunk(P, dim)[r].clone().requires_grad_(true);
+      const at::Tensor mine = accel::tp::dropout(piece_in, 0.3, true, dim);
+      CHECK(at::equal(mine, expected.chunk(P, dim)[r]));  // bit for bit one process's piece
+      CHECK(at::equal(torch::rand({4}), expected_next));   // and the generator moved as one process's did
+      mine.sum().backward();  // the gradient: the kept elements' scale, zero elsewhere
+      CHECK(at::equal(piece_in.grad(), (expected.chunk(P, dim)[r] != 0).to(at::kFloat) / 0.7f));
+    }
+    // Replicated: torch::dropout's mask, the same on every rank.
+    torch::manual_seed(21);
+    const at::Tensor replicated = accel::tp::dropout(x, 0.3, true);
+    torch::manual_seed(21);
+    CHECK(at::equal(replicated, torch::dropout(x, 0.3, true)));
+    const at::Tensor all = accel::all_gather(replicated, group);
+    for (int k = 0; k < P; ++k) CHECK(at::equal(all[k], replicated));
+    CHECK(at::equal(accel::tp::dropout(x, 0.3, false, 1), x));  // evaluation: the identity
+    CHECK_THROWS_WITH_AS(accel::tp::dropout(x, 1.5, true), "accel::tp::dropout: p must lie in [0, 1], got 1.500000",
+                         std::invalid_argument);
+    release_world();
+  }
+
   TEST_CASE("tensor parallelism: what does not split, or does not fit, is refused with the numbers") {
     const int P = accel::get_world_size();
     fresh({.tp_size = P});
@@ -325,7 +367,8 @@ void train_tp_as_python(const std::string& dir, const std::string& mode) {
       if (!split_dim(named.key()) && !named.key().ends_with("down.bias"))
         named.value().copy_(start.at(named.key()));
   }
-  torch::optim::AdamW optimizer(tp->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::AdamW optimizer(accel::detail::unique_tensors(tp->parameters()),
+                                torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   std::vector<double> losses;
   int64_t first_step_collectives = 0;
   for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {

@@ -29,6 +29,7 @@
 #include "accel/training/tp/linear.hpp"
 #include "accel/training/tp/embedding.hpp"
 #include "accel/training/tp/cross_entropy.hpp"
+#include "accel/training/tp/dropout.hpp"
 #include "accel/training/tp/sequence_parallel.hpp"
 
 // precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy

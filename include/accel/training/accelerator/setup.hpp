@@ -94,14 +94,17 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // A model prepared as it is would be whole on every tp rank: each pair
-    // of tp peers would train the same replica on the same batch and write
-    // the same checkpoint pieces. Refused until the tensor-parallel layers
-    // that split it exist; the tp dimension itself is DistributedInterface's.
+    // DataParallel averages over the data mesh or the world, and clipping,
+    // checkpoints and save_model see each process's parameters as whole:
+    // over tp pieces each would be wrong without an error (pieces averaged
+    // with other pieces, a norm of one piece, rank 0's pieces saved as the
+    // model). Refused until they learn the pieces; accel::tp's layers run on
+    // DistributedInterface's tp group without the Accelerator.
     if (strategy.tp_size() > 1)
       throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
-                            ": the Accelerator does not train tensor-parallel models yet (no accel::tp layers in "
-                            "this version); the tp dimension's meshes and groups are DistributedInterface's");
+                            ": the Accelerator does not prepare tensor-parallel models yet (its averaging, "
+                            "sharding, clipping and checkpoints would treat tp pieces as whole tensors); train "
+                            "accel::tp's layers on DistributedInterface::instance({.tp_size = N})'s groups");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +

@@ -94,6 +94,19 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     }
   }
 
+  // Makes `shared` this layer's weight, registered under the same name:
+  // a head tied to a VocabParallelEmbedding over the same vocabulary (one
+  // tensor, the same rows on each rank: Megatron's shared embedding).
+  // torch::nn::Module cannot re-register a parameter from outside.
+  void tie_weight(const at::Tensor& shared) {
+    if (!shared.defined() || shared.sizes() != weight.sizes())
+      throw InvalidArgument("accel::tp::ColumnParallelLinear::tie_weight: the weight must have this rank's shape " +
+                            c10::str(weight.sizes()) + ", got " +
+                            (shared.defined() ? detail::describe_tensor(shared) : std::string("an undefined tensor")));
+    parameters_["weight"] = shared;
+    weight = shared;
+  }
+
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::ColumnParallelLinear(in_features=" << options.in_features()
            << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
