@@ -6385,6 +6385,10 @@ class ParallelLayer {
  public:
   virtual ~ParallelLayer() = default;
   virtual std::vector<at::Tensor> partial_parameters() const { return {}; }
+  // The parameters that are this rank's piece of a larger tensor (the rest
+  // of the layer's are whole on every rank): what a gradient norm sums over
+  // the group.
+  virtual std::vector<at::Tensor> split_parameters() const = 0;
   const GroupPtr& group() const { return group_; }
   int tp_size() const { return size_of(group_); }
   int tp_rank() const { return rank_in(group_); }
@@ -6427,6 +6431,29 @@ class ParallelLayer {
  private:
   GroupPtr group_;
 };
+
+// The accel::tp layers in `module` (itself included) split over a group of
+// more than one rank, by qualified name ("" for `module` itself).
+inline std::vector<std::pair<std::string, const ParallelLayer*>> split_layers(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, const ParallelLayer*>> out;
+  if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module); layer && layer->tp_size() > 1)
+    out.emplace_back("", layer);
+  for (const auto& named : module.named_modules("", /*include_self=*/false))
+    if (const auto* layer = dynamic_cast<const ParallelLayer*>(named.value().get()); layer && layer->tp_size() > 1)
+      out.emplace_back(named.key(), layer);
+  return out;
+}
+// Refuses a module holding split accel::tp layers where `what` would take
+// each process's parameters for whole ones (writing rank 0's pieces as the
+// model, or loading whole tensors into pieces): the error names one layer.
+inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
+  const auto layers = split_layers(module);
+  if (layers.empty()) return;
+  throw InvalidArgument(what + ": the model holds accel::tp layers split over " +
+                        std::to_string(layers.front().second->tp_size()) + " ranks ('" + layers.front().first +
+                        "' and " + std::to_string(layers.size() - 1) +
+                        " more); their pieces are not gathered or scattered by it yet");
+}
 }  // namespace detail::tp
 
 ACCEL_NAMESPACE_END
@@ -6538,6 +6565,11 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     weight = shared;
   }
 
+  std::vector<at::Tensor> split_parameters() const override {
+    if (bias.defined()) return {weight, bias};
+    return {weight};
+  }
+
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::ColumnParallelLinear(in_features=" << options.in_features()
            << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
@@ -6613,6 +6645,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public detail::tp::Paral
     }
   }
 
+  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
   // Under sequence parallelism the bias is added to this rank's tokens only.
   std::vector<at::Tensor> partial_parameters() const override {
     if (options.sequence_parallel() && bias.defined()) return {bias};
@@ -6696,6 +6729,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
                "VocabParallelEmbedding");
   }
   int64_t vocab_start() const { return vocab_start_; }  // the first row this rank holds
+  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
 
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
@@ -12708,6 +12742,27 @@ struct PreparedSet {
       if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
     }
   }
+  // The gradients of `parameters`: a tensor-parallel piece's (an accel::tp
+  // layer's split parameter, into `pieces`), the others' (into `whole`);
+  // parameters without one are left out. Returns the pieces' group, null
+  // where no prepared model holds a split layer.
+  GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
+                                 std::vector<at::Tensor>& whole) const {
+    std::unordered_set<const c10::TensorImpl*> split;
+    GroupPtr group;
+    for (const auto& m : models)
+      for (const auto& [name, layer] : tp::split_layers(*m.module)) {
+        if (group && layer->group() != group)
+          throw InvalidArgument("accel::Accelerator: the accel::tp layer '" + name +
+                                "' is split over another group than the model's other tp layers");
+        group = layer->group();
+        for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
+      }
+    if (!group) return group;
+    for (const auto& p : parameters)
+      if (p.grad().defined()) (split.count(p.unsafeGetTensorImpl()) ? pieces : whole).push_back(p.grad());
+    return group;
+  }
 };
 
 // An optimizer's groups with each parameter once, for prepare(optimizer):
@@ -12742,13 +12797,22 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // gradients, so the norm computed here is the global one, identical on
 // every rank. Under sharding a sharded parameter's gradient is its shard's:
 // the norm adds up every rank's shards (one all_reduce), and the shards are
-// scaled.
+// scaled; beside tensor parallelism the same for the tp pieces over the tp
+// group.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
-  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  // Pieces of larger tensors (shards along mp_shard, or tensor-parallel
+  // pieces along tp: not both, the Accelerator refuses sharding beside tp)
+  // count over their group; the other gradients once.
   std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
+  GroupPtr over;
+  if (!set.sharded->empty()) {
+    set.split_sharded(parameters, shards, whole);
+    over = set.sharded->front()->shard_group();
+  } else if (!(over = set.split_tensor_parallel(parameters, shards, whole))) {
+    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  }
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
@@ -12760,8 +12824,7 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
     const at::Tensor all = at::stack(norms);
     return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
   };
-  const double from_shards =
-      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
+  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, over);
   const double from_whole = part(whole);
   const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
@@ -15082,6 +15145,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
                          const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  // (the same layers on every process: all refuse, before any collective)
+  tp::refuse_split_layers(module, "accel::save_model");
   const WeightFiles plan = plan_weight_files(module, options);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
@@ -15557,11 +15622,15 @@ class AcceleratorSetup {
   }
 
  private:
-  // Gradients are averaged over the whole data mesh (dp x cp), which spans
-  // the world: context-parallel peers see different parts of the same
-  // sequences and must stay identical (LLaMA-Factory's trainers do so).
+  // Gradients are averaged over the whole data mesh (dp x cp): context-
+  // parallel peers see different parts of the same sequences and must stay
+  // identical (LLaMA-Factory's trainers do so). Without tp that spans the
+  // world; with it, the ranks of one tp coordinate (dp_cp), which hold the
+  // same pieces of the model.
   GroupPtr gradient_group() const {
-    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
+    const DistributedStrategy& s = interface_->strategy();
+    if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
+    return s.cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
   }
   static AcceleratorConfig checked(AcceleratorConfig config) {
     if (config.gradient_accumulation_steps < 1)
@@ -15584,17 +15653,17 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // DataParallel averages over the data mesh or the world, and clipping,
-    // checkpoints and save_model see each process's parameters as whole:
-    // over tp pieces each would be wrong without an error (pieces averaged
-    // with other pieces, a norm of one piece, rank 0's pieces saved as the
-    // model). Refused until they learn the pieces; accel::tp's layers run on
-    // DistributedInterface's tp group without the Accelerator.
-    if (strategy.tp_size() > 1)
-      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
-                            ": the Accelerator does not prepare tensor-parallel models yet (its averaging, "
-                            "sharding, clipping and checkpoints would treat tp pieces as whole tensors); train "
-                            "accel::tp's layers on DistributedInterface::instance({.tp_size = N})'s groups");
+    // With tensor parallelism (tp_size above 1) NO_SHARD averages over the
+    // ranks that hold the same pieces (dp_cp), and clipping sums the pieces'
+    // norms over tp. The sharding engine would cut tp pieces as whole
+    // parameters and gather them across tp peers: refused until FSDP + TP
+    // is built (checkpoints refuse tp on their own, at their call).
+    if (strategy.tp_size() > 1 && shards(config.sharding_strategy, strategy, is_distributed()))
+      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) + " with " +
+                            std::string(to_string(config.sharding_strategy)) + " over mp_shard_size " +
+                            std::to_string(strategy.mp_shard_size()) +
+                            ": sharding tensor-parallel pieces (FSDP + TP) is not built yet; use NO_SHARD "
+                            "(data parallelism over dp x cp beside tp)");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -16023,6 +16092,7 @@ class Accelerator {
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models);
   detail::CheckpointContext checkpoint_context() const;
+  void refuse_tensor_parallel_checkpoint(const char* call) const;
 
   // The checked configuration, the world and the device.
   detail::AcceleratorSetup setup_;
@@ -16048,9 +16118,13 @@ ACCEL_NAMESPACE_BEGIN
 
 inline Accelerator::Accelerator(AcceleratorConfig config)
     : setup_(std::move(config)), log_(setup_.config(), is_main_process()) {
+  // Whether a gradient overflowed is agreed over the world where processes
+  // hold different gradients (shards, or tensor-parallel pieces): else one
+  // would skip a step its peers take.
+  const bool pieces = setup_.sharded() || setup_.world().strategy().tp_size() > 1;
   if (mixed_precision() == "fp16" && setup_.config().grad_scaler.enabled)
     prepared_.scaler = std::make_shared<GradScaler>(setup_.config().grad_scaler, device(),
-                                                    setup_.sharded() ? setup_.world().world_group() : GroupPtr{});
+                                                    pieces ? setup_.world().world_group() : GroupPtr{});
 }
 
 inline c10::Device Accelerator::device() const { return setup_.device(); }
@@ -16303,6 +16377,10 @@ template <class Body, class... ModuleHolders>
 void Accelerator::join_uneven_inputs(Body&& body, ModuleHolders&... models) {
   static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
   if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+  if (const int tp = setup_.world().strategy().tp_size(); tp > 1)
+    throw InvalidArgument("accel::Accelerator::join_uneven_inputs: tp_size " + std::to_string(tp) +
+                          ": a joined process would leave its tensor-parallel peers waiting in the model's own "
+                          "collectives; use even batches");
   if (!prepared_.sharded->empty())
     throw InvalidArgument(
         "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "
@@ -16444,12 +16522,14 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
+  refuse_tensor_parallel_checkpoint("save_state");
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
+  refuse_tensor_parallel_checkpoint("load_state");
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -16476,6 +16556,15 @@ void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const 
     const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
     accel::load_model(model, dir, options);
   });
+}
+
+// A checkpoint writes and reads each model as whole tensors, or as a
+// sharded model's pieces along mp_shard: tp pieces would be written as
+// rank 0's and read into every rank whole. Refused on every process alike.
+inline void Accelerator::refuse_tensor_parallel_checkpoint(const char* call) const {
+  if (const int tp = setup_.world().strategy().tp_size(); tp > 1)
+    throw InvalidArgument(std::string("accel::Accelerator::") + call + ": tp_size " + std::to_string(tp) +
+                          ": checkpoints of tensor-parallel pieces are not written or read yet");
 }
 
 inline detail::CheckpointContext Accelerator::checkpoint_context() const {

@@ -369,6 +369,7 @@ class Accelerator {
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models);
   detail::CheckpointContext checkpoint_context() const;
+  void refuse_tensor_parallel_checkpoint(const char* call) const;
 
   // The checked configuration, the world and the device.
   detail::AcceleratorSetup setup_;

@@ -7,9 +7,13 @@ ACCEL_NAMESPACE_BEGIN
 
 inline Accelerator::Accelerator(AcceleratorConfig config)
     : setup_(std::move(config)), log_(setup_.config(), is_main_process()) {
+  // Whether a gradient overflowed is agreed over the world where processes
+  // hold different gradients (shards, or tensor-parallel pieces): else one
+  // would skip a step its peers take.
+  const bool pieces = setup_.sharded() || setup_.world().strategy().tp_size() > 1;
   if (mixed_precision() == "fp16" && setup_.config().grad_scaler.enabled)
     prepared_.scaler = std::make_shared<GradScaler>(setup_.config().grad_scaler, device(),
-                                                    setup_.sharded() ? setup_.world().world_group() : GroupPtr{});
+                                                    pieces ? setup_.world().world_group() : GroupPtr{});
 }
 
 inline c10::Device Accelerator::device() const { return setup_.device(); }

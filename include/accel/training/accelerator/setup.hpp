@@ -67,11 +67,15 @@ class AcceleratorSetup {
   }
 
  private:
-  // Gradients are averaged over the whole data mesh (dp x cp), which spans
-  // the world: context-parallel peers see different parts of the same
-  // sequences and must stay identical (LLaMA-Factory's trainers do so).
+  // Gradients are averaged over the whole data mesh (dp x cp): context-
+  // parallel peers see different parts of the same sequences and must stay
+  // identical (LLaMA-Factory's trainers do so). Without tp that spans the
+  // world; with it, the ranks of one tp coordinate (dp_cp), which hold the
+  // same pieces of the model.
   GroupPtr gradient_group() const {
-    return interface_->strategy().cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
+    const DistributedStrategy& s = interface_->strategy();
+    if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
+    return s.cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
   }
   static AcceleratorConfig checked(AcceleratorConfig config) {
     if (config.gradient_accumulation_steps < 1)
@@ -94,17 +98,17 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // DataParallel averages over the data mesh or the world, and clipping,
-    // checkpoints and save_model see each process's parameters as whole:
-    // over tp pieces each would be wrong without an error (pieces averaged
-    // with other pieces, a norm of one piece, rank 0's pieces saved as the
-    // model). Refused until they learn the pieces; accel::tp's layers run on
-    // DistributedInterface's tp group without the Accelerator.
-    if (strategy.tp_size() > 1)
-      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) +
-                            ": the Accelerator does not prepare tensor-parallel models yet (its averaging, "
-                            "sharding, clipping and checkpoints would treat tp pieces as whole tensors); train "
-                            "accel::tp's layers on DistributedInterface::instance({.tp_size = N})'s groups");
+    // With tensor parallelism (tp_size above 1) NO_SHARD averages over the
+    // ranks that hold the same pieces (dp_cp), and clipping sums the pieces'
+    // norms over tp. The sharding engine would cut tp pieces as whole
+    // parameters and gather them across tp peers: refused until FSDP + TP
+    // is built (checkpoints refuse tp on their own, at their call).
+    if (strategy.tp_size() > 1 && shards(config.sharding_strategy, strategy, is_distributed()))
+      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) + " with " +
+                            std::string(to_string(config.sharding_strategy)) + " over mp_shard_size " +
+                            std::to_string(strategy.mp_shard_size()) +
+                            ": sharding tensor-parallel pieces (FSDP + TP) is not built yet; use NO_SHARD "
+                            "(data parallelism over dp x cp beside tp)");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +

@@ -66,6 +66,10 @@ template <class Body, class... ModuleHolders>
 void Accelerator::join_uneven_inputs(Body&& body, ModuleHolders&... models) {
   static_assert(sizeof...(ModuleHolders) > 0, "accel::Accelerator::join_uneven_inputs: name the prepared models");
   if (join_) throw LogicError("accel::Accelerator::join_uneven_inputs: already inside one");
+  if (const int tp = setup_.world().strategy().tp_size(); tp > 1)
+    throw InvalidArgument("accel::Accelerator::join_uneven_inputs: tp_size " + std::to_string(tp) +
+                          ": a joined process would leave its tensor-parallel peers waiting in the model's own "
+                          "collectives; use even batches");
   if (!prepared_.sharded->empty())
     throw InvalidArgument(
         "accel::Accelerator::join_uneven_inputs: not under sharding yet (a joined process would "

@@ -9,6 +9,7 @@
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/precision/grad_scaler.hpp"
 #include "accel/training/data/loader_state.hpp"
+#include "accel/training/tp/layer.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -74,6 +75,27 @@ struct PreparedSet {
       if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
     }
   }
+  // The gradients of `parameters`: a tensor-parallel piece's (an accel::tp
+  // layer's split parameter, into `pieces`), the others' (into `whole`);
+  // parameters without one are left out. Returns the pieces' group, null
+  // where no prepared model holds a split layer.
+  GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
+                                 std::vector<at::Tensor>& whole) const {
+    std::unordered_set<const c10::TensorImpl*> split;
+    GroupPtr group;
+    for (const auto& m : models)
+      for (const auto& [name, layer] : tp::split_layers(*m.module)) {
+        if (group && layer->group() != group)
+          throw InvalidArgument("accel::Accelerator: the accel::tp layer '" + name +
+                                "' is split over another group than the model's other tp layers");
+        group = layer->group();
+        for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
+      }
+    if (!group) return group;
+    for (const auto& p : parameters)
+      if (p.grad().defined()) (split.count(p.unsafeGetTensorImpl()) ? pieces : whole).push_back(p.grad());
+    return group;
+  }
 };
 
 // An optimizer's groups with each parameter once, for prepare(optimizer):
@@ -108,13 +130,22 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // gradients, so the norm computed here is the global one, identical on
 // every rank. Under sharding a sharded parameter's gradient is its shard's:
 // the norm adds up every rank's shards (one all_reduce), and the shards are
-// scaled.
+// scaled; beside tensor parallelism the same for the tp pieces over the tp
+// group.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
-  if (set.sharded->empty()) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  // Pieces of larger tensors (shards along mp_shard, or tensor-parallel
+  // pieces along tp: not both, the Accelerator refuses sharding beside tp)
+  // count over their group; the other gradients once.
   std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
+  GroupPtr over;
+  if (!set.sharded->empty()) {
+    set.split_sharded(parameters, shards, whole);
+    over = set.sharded->front()->shard_group();
+  } else if (!(over = set.split_tensor_parallel(parameters, shards, whole))) {
+    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  }
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
@@ -126,8 +157,7 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
     const at::Tensor all = at::stack(norms);
     return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
   };
-  const double from_shards =
-      accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, set.sharded->front()->shard_group());
+  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, over);
   const double from_whole = part(whole);
   const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);

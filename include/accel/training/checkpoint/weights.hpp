@@ -7,6 +7,7 @@
 
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/io/safetensors.hpp"
+#include "accel/training/tp/layer.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -158,6 +159,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
                          const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
+  // (the same layers on every process: all refuse, before any collective)
+  tp::refuse_split_layers(module, "accel::save_model");
   const WeightFiles plan = plan_weight_files(module, options);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;

@@ -15,6 +15,10 @@ class ParallelLayer {
  public:
   virtual ~ParallelLayer() = default;
   virtual std::vector<at::Tensor> partial_parameters() const { return {}; }
+  // The parameters that are this rank's piece of a larger tensor (the rest
+  // of the layer's are whole on every rank): what a gradient norm sums over
+  // the group.
+  virtual std::vector<at::Tensor> split_parameters() const = 0;
   const GroupPtr& group() const { return group_; }
   int tp_size() const { return size_of(group_); }
   int tp_rank() const { return rank_in(group_); }
@@ -57,6 +61,29 @@ class ParallelLayer {
  private:
   GroupPtr group_;
 };
+
+// The accel::tp layers in `module` (itself included) split over a group of
+// more than one rank, by qualified name ("" for `module` itself).
+inline std::vector<std::pair<std::string, const ParallelLayer*>> split_layers(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, const ParallelLayer*>> out;
+  if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module); layer && layer->tp_size() > 1)
+    out.emplace_back("", layer);
+  for (const auto& named : module.named_modules("", /*include_self=*/false))
+    if (const auto* layer = dynamic_cast<const ParallelLayer*>(named.value().get()); layer && layer->tp_size() > 1)
+      out.emplace_back(named.key(), layer);
+  return out;
+}
+// Refuses a module holding split accel::tp layers where `what` would take
+// each process's parameters for whole ones (writing rank 0's pieces as the
+// model, or loading whole tensors into pieces): the error names one layer.
+inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
+  const auto layers = split_layers(module);
+  if (layers.empty()) return;
+  throw InvalidArgument(what + ": the model holds accel::tp layers split over " +
+                        std::to_string(layers.front().second->tp_size()) + " ranks ('" + layers.front().first +
+                        "' and " + std::to_string(layers.size() - 1) +
+                        " more); their pieces are not gathered or scattered by it yet");
+}
 }  // namespace detail::tp
 
 ACCEL_NAMESPACE_END

@@ -107,6 +107,11 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     weight = shared;
   }
 
+  std::vector<at::Tensor> split_parameters() const override {
+    if (bias.defined()) return {weight, bias};
+    return {weight};
+  }
+
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::ColumnParallelLinear(in_features=" << options.in_features()
            << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha << options.bias()
@@ -182,6 +187,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public detail::tp::Paral
     }
   }
 
+  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
   // Under sequence parallelism the bias is added to this rank's tokens only.
   std::vector<at::Tensor> partial_parameters() const override {
     if (options.sequence_parallel() && bias.defined()) return {bias};
