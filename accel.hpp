@@ -6327,8 +6327,11 @@ inline at::Tensor map_region(const at::Tensor& x, Move forward, Move backward, i
                              const char* who) {
   const GroupPtr g = group_or_default(group, who);
   const int parts = size_of(g);
-  dim = wrap_dim(x, dim, who);
-  if (forward == Move::piece || forward == Move::reduce_scatter) check_splits(x, dim, parts, who);
+  // (copy_to and reduce_from move whole tensors, a 0-d loss included: no dimension to check)
+  if (forward != Move::identity && forward != Move::all_reduce) {
+    dim = wrap_dim(x, dim, who);
+    if (forward != Move::gather) check_splits(x, dim, parts, who);
+  }
   if (parts == 1) return x;
   return RegionFunction::apply(x, static_cast<int64_t>(forward), static_cast<int64_t>(backward), dim, g);
 }
@@ -6442,6 +6445,28 @@ inline std::vector<std::pair<std::string, const ParallelLayer*>> split_layers(co
     if (const auto* layer = dynamic_cast<const ParallelLayer*>(named.value().get()); layer && layer->tp_size() > 1)
       out.emplace_back(named.key(), layer);
   return out;
+}
+// Copies tp rank 0's values of the tensors of `module` that no accel::tp
+// layer splits (norms, a row layer's bias, buffers: whole on every rank) to
+// the other ranks of its tp group, in one broadcast. Data parallelism
+// starts each dp_cp group from its own first rank; without this, ranks of
+// one tp group could start with different copies of a tensor that must be
+// the same on all of them, and stay so. Nothing without split layers.
+inline void broadcast_whole_tensors(const torch::nn::Module& module) {
+  const auto layers = split_layers(module);
+  if (layers.empty()) return;
+  std::unordered_set<const c10::TensorImpl*> split;
+  for (const auto& [name, layer] : layers)
+    for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> whole;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto keep = [&](const at::Tensor& t) {
+    if (t.defined() && !split.count(t.unsafeGetTensorImpl()) && seen.insert(t.unsafeGetTensorImpl()).second)
+      whole.push_back(t);
+  };
+  for (const auto& p : module.parameters()) keep(p);
+  for (const auto& b : module.buffers()) keep(b);
+  if (!whole.empty()) accel::broadcast(std::move(whole), 0, layers.front().second->group());
 }
 // Refuses a module holding split accel::tp layers where `what` would take
 // each process's parameters for whole ones (writing rank 0's pieces as the
@@ -12422,7 +12447,12 @@ inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> saf
 inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                       const std::vector<std::pair<std::string, std::string>>& metadata) {
   std::string header = R"({"__metadata__":{"format":"pt")";
-  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
+  for (const auto& [key, text] : metadata) {  // (appended piece by piece: GCC 12's -Wrestrict misfires on "," + ...)
+    header += ',';
+    header += json_quote(key);
+    header += ':';
+    header += json_quote(text);
+  }
   header += "}";
   uint64_t offset = 0;
   for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
@@ -12439,8 +12469,9 @@ inline std::string safetensors_header(const std::vector<std::pair<std::string, a
       shape += std::to_string(d);
     }
     const uint64_t bytes = tensor.numel() * tensor.element_size();
-    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
-              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    header += ',';  // (then the rest: GCC 12's -Wrestrict misfires on "," + ...)
+    header += json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + ',' + std::to_string(offset + bytes) + "]}";
     offset += bytes;
   }
   header += "}";
@@ -16184,6 +16215,7 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
   prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module)});
+  detail::tp::broadcast_whole_tensors(*module);  // (beside tp: the whole tensors agree across each tp group)
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);

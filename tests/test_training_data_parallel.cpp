@@ -137,16 +137,18 @@ TEST_SUITE("ranks") {
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("comm_hook is about the all-reduce of NO_SHARD"),
                          accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());
-    // tp above 1: the Accelerator's averaging, clipping and checkpoints do not know tp pieces yet; refused.
+    // tp = every process through Accelerate's spelling: one data-parallel rank, the tp rank the process's
+    // (training beside tp: test_training_tp.cpp).
     accel::AcceleratorConfig t = config();
-    t.distributed.tp_size = P;
-    const std::string refused =
-        "tp_size " + std::to_string(P) + ": the Accelerator does not prepare tensor-parallel models yet";
-    CHECK_THROWS_WITH_AS(accel::Accelerator{t}, doctest::Contains(refused.c_str()), accel::InvalidArgument);
-    t = config();
-    t.parallelism_config = accel::ParallelismConfig{.tp_size = P};  // Accelerate's spelling of the same
-    CHECK_THROWS_WITH_AS(accel::Accelerator{t}, doctest::Contains(refused.c_str()), accel::InvalidArgument);
-    CHECK_FALSE(accel::DistributedInterface::is_initialized());
+    t.parallelism_config = accel::ParallelismConfig{.tp_size = P};
+    {
+      accel::Accelerator tensor_parallel(t);
+      CHECK(accel::DistributedInterface::instance().strategy().tp_size() == P);
+      CHECK(accel::DistributedInterface::instance().strategy().dp_size() == 1);
+      CHECK(tensor_parallel.tensor_parallel_rank() == accel::get_rank());
+      CHECK(tensor_parallel.data_parallel_rank() == 0);
+    }
+    release_world();
     // Accelerate's pure replication (dp_replicate = every process): the model mesh replicates, the data splits.
     t.parallelism_config = accel::ParallelismConfig{.dp_replicate_size = P};
     {

@@ -1,5 +1,6 @@
-// Training tests, tensor parallelism (accel::tp): Megatron's layers and the vocabulary-parallel loss against one
-// process computing the whole model, with and without sequence parallelism, on every world size (tp = the world).
+// Training tests, tensor parallelism (accel::tp): Megatron's layers, the vocabulary-parallel loss and dropout
+// against one process computing the whole model, with and without sequence parallelism, on every world size
+// (tp = the world); the Accelerator beside tp (dp x tp); and, under python_tp, against Python's DTensor.
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
@@ -310,7 +311,12 @@ TEST_SUITE("ranks") {
       load_whole(model, whole);
       torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
       torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      {  // tp ranks that start with different copies of a whole tensor: prepare gives them tp rank 0's
+        const at::NoGradGuard no_grad;
+        model->norm->weight.add_(r);
+      }
       auto prepared = accelerator.prepare(model, adamw);  // (prepare gives the optimizer the tied weight once)
+      CHECK(at::equal(model->norm->weight, whole->norm->weight));
       accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
       const auto whole_params = by_name(*whole);
       const auto tp_params = by_name(*model);

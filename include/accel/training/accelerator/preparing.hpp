@@ -17,6 +17,7 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
   prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module)});
+  detail::tp::broadcast_whole_tensors(*module);  // (beside tp: the whole tensors agree across each tp group)
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);

@@ -38,7 +38,12 @@ inline constexpr std::array<std::pair<at::ScalarType, std::string_view>, 10> saf
 inline std::string safetensors_header(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                       const std::vector<std::pair<std::string, std::string>>& metadata) {
   std::string header = R"({"__metadata__":{"format":"pt")";
-  for (const auto& [key, text] : metadata) header += "," + json_quote(key) + ":" + json_quote(text);
+  for (const auto& [key, text] : metadata) {  // (appended piece by piece: GCC 12's -Wrestrict misfires on "," + ...)
+    header += ',';
+    header += json_quote(key);
+    header += ':';
+    header += json_quote(text);
+  }
   header += "}";
   uint64_t offset = 0;
   for (const auto& named : tensors) {  // (not a structured binding: clang 14 cannot capture one)
@@ -55,8 +60,9 @@ inline std::string safetensors_header(const std::vector<std::pair<std::string, a
       shape += std::to_string(d);
     }
     const uint64_t bytes = tensor.numel() * tensor.element_size();
-    header += "," + json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
-              R"(],"data_offsets":[)" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    header += ',';  // (then the rest: GCC 12's -Wrestrict misfires on "," + ...)
+    header += json_quote(name) + R"(:{"dtype":")" + std::string(dtype->second) + R"(","shape":[)" + shape +
+              R"(],"data_offsets":[)" + std::to_string(offset) + ',' + std::to_string(offset + bytes) + "]}";
     offset += bytes;
   }
   header += "}";

@@ -1,6 +1,7 @@
 // accel/training/tp/layer.hpp: what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients.
 #pragma once
 
+#include "accel/distributed/operations.hpp"
 #include "accel/training/tp/regions.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -72,6 +73,28 @@ inline std::vector<std::pair<std::string, const ParallelLayer*>> split_layers(co
     if (const auto* layer = dynamic_cast<const ParallelLayer*>(named.value().get()); layer && layer->tp_size() > 1)
       out.emplace_back(named.key(), layer);
   return out;
+}
+// Copies tp rank 0's values of the tensors of `module` that no accel::tp
+// layer splits (norms, a row layer's bias, buffers: whole on every rank) to
+// the other ranks of its tp group, in one broadcast. Data parallelism
+// starts each dp_cp group from its own first rank; without this, ranks of
+// one tp group could start with different copies of a tensor that must be
+// the same on all of them, and stay so. Nothing without split layers.
+inline void broadcast_whole_tensors(const torch::nn::Module& module) {
+  const auto layers = split_layers(module);
+  if (layers.empty()) return;
+  std::unordered_set<const c10::TensorImpl*> split;
+  for (const auto& [name, layer] : layers)
+    for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> whole;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto keep = [&](const at::Tensor& t) {
+    if (t.defined() && !split.count(t.unsafeGetTensorImpl()) && seen.insert(t.unsafeGetTensorImpl()).second)
+      whole.push_back(t);
+  };
+  for (const auto& p : module.parameters()) keep(p);
+  for (const auto& b : module.buffers()) keep(b);
+  if (!whole.empty()) accel::broadcast(std::move(whole), 0, layers.front().second->group());
 }
 // Refuses a module holding split accel::tp layers where `what` would take
 // each process's parameters for whole ones (writing rank 0's pieces as the

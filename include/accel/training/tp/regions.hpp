@@ -117,8 +117,11 @@ inline at::Tensor map_region(const at::Tensor& x, Move forward, Move backward, i
                              const char* who) {
   const GroupPtr g = group_or_default(group, who);
   const int parts = size_of(g);
-  dim = wrap_dim(x, dim, who);
-  if (forward == Move::piece || forward == Move::reduce_scatter) check_splits(x, dim, parts, who);
+  // (copy_to and reduce_from move whole tensors, a 0-d loss included: no dimension to check)
+  if (forward != Move::identity && forward != Move::all_reduce) {
+    dim = wrap_dim(x, dim, who);
+    if (forward != Move::gather) check_splits(x, dim, parts, who);
+  }
   if (parts == 1) return x;
   return RegionFunction::apply(x, static_cast<int64_t>(forward), static_cast<int64_t>(backward), dim, g);
 }
