@@ -6271,6 +6271,15 @@ inline void check_splits(const at::Tensor& x, int64_t dim, int parts, const char
                           " equal pieces (the tensor-parallel group's size)");
 }
 
+// Token ids or targets that must lie in range: `valid`, a 0-d bool tensor on
+// their device, must be true. On the CPU a clear error (`message` builds
+// it); on a GPU a device-side assertion, so the check does not wait for the
+// values (torch's own embedding and loss assert the same way there).
+inline void require_valid_ids(const at::Tensor& valid, const std::function<std::string()>& message) {
+  if (!valid.is_cpu()) at::_assert_async(valid);
+  else if (!valid.item<bool>()) throw InvalidArgument(message());
+}
+
 // This rank's piece of `dim` (a copy: the piece outlives the whole).
 inline at::Tensor piece_of(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   const int64_t length = x.size(dim) / size_of(group);
@@ -6435,48 +6444,59 @@ class ParallelLayer {
   GroupPtr group_;
 };
 
-// The accel::tp layers in `module` (itself included) split over a group of
-// more than one rank, by qualified name ("" for `module` itself).
-inline std::vector<std::pair<std::string, const ParallelLayer*>> split_layers(const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, const ParallelLayer*>> out;
-  if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module); layer && layer->tp_size() > 1)
-    out.emplace_back("", layer);
-  for (const auto& named : module.named_modules("", /*include_self=*/false))
-    if (const auto* layer = dynamic_cast<const ParallelLayer*>(named.value().get()); layer && layer->tp_size() > 1)
-      out.emplace_back(named.key(), layer);
-  return out;
+// What of a module the accel::tp layers split over a group of more than one
+// rank: the group, the split parameters (each a piece of a larger tensor;
+// everything else of the module is whole on every rank), and the layers by
+// qualified name ("" for the module itself), for errors. Empty (no group)
+// without such layers. Layers split over different groups are an error.
+struct SplitTensors {
+  GroupPtr group;
+  std::unordered_set<const c10::TensorImpl*> parameters;
+  std::vector<std::string> layers;
+  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
+};
+inline SplitTensors split_tensors(const torch::nn::Module& module) {
+  SplitTensors split;
+  const auto visit = [&](const std::string& name, const torch::nn::Module& m) {
+    const auto* layer = dynamic_cast<const ParallelLayer*>(&m);
+    if (!layer || layer->tp_size() == 1) return;
+    if (split.group && layer->group() != split.group)
+      throw InvalidArgument("accel::tp: the layer '" + name + "' is split over another group than '" +
+                            split.layers.front() + "'");
+    split.group = layer->group();
+    split.layers.push_back(name);
+    for (const auto& p : layer->split_parameters()) split.parameters.insert(p.unsafeGetTensorImpl());
+  };
+  visit("", module);
+  for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
+  return split;
 }
-// Copies tp rank 0's values of the tensors of `module` that no accel::tp
-// layer splits (norms, a row layer's bias, buffers: whole on every rank) to
-// the other ranks of its tp group, in one broadcast. Data parallelism
-// starts each dp_cp group from its own first rank; without this, ranks of
-// one tp group could start with different copies of a tensor that must be
-// the same on all of them, and stay so. Nothing without split layers.
-inline void broadcast_whole_tensors(const torch::nn::Module& module) {
-  const auto layers = split_layers(module);
-  if (layers.empty()) return;
-  std::unordered_set<const c10::TensorImpl*> split;
-  for (const auto& [name, layer] : layers)
-    for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
+// Copies tp rank 0's values of the tensors of `module` that `split` does not
+// hold (norms, a row layer's bias, buffers: whole on every rank) to the other
+// ranks of its tp group, in one broadcast. Data parallelism starts each
+// dp_cp group from its own first rank; without this, ranks of one tp group
+// could start with different copies of a tensor that must be the same on all
+// of them, and stay so. Nothing without split layers.
+inline void broadcast_whole_tensors(const torch::nn::Module& module, const SplitTensors& split) {
+  if (!split.group) return;
   std::vector<at::Tensor> whole;
   std::unordered_set<const c10::TensorImpl*> seen;
   auto keep = [&](const at::Tensor& t) {
-    if (t.defined() && !split.count(t.unsafeGetTensorImpl()) && seen.insert(t.unsafeGetTensorImpl()).second)
-      whole.push_back(t);
+    if (t.defined() && !split.contains(t) && seen.insert(t.unsafeGetTensorImpl()).second) whole.push_back(t);
   };
   for (const auto& p : module.parameters()) keep(p);
   for (const auto& b : module.buffers()) keep(b);
-  if (!whole.empty()) accel::broadcast(std::move(whole), 0, layers.front().second->group());
+  if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
 }
 // Refuses a module holding split accel::tp layers where `what` would take
 // each process's parameters for whole ones (writing rank 0's pieces as the
 // model, or loading whole tensors into pieces): the error names one layer.
 inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
-  const auto layers = split_layers(module);
-  if (layers.empty()) return;
+  const SplitTensors split = split_tensors(module);
+  if (!split.group) return;
   throw InvalidArgument(what + ": the model holds accel::tp layers split over " +
-                        std::to_string(layers.front().second->tp_size()) + " ranks ('" + layers.front().first +
-                        "' and " + std::to_string(layers.size() - 1) +
+                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
+                        std::to_string(split.layers.size() - 1) +
                         " more); their pieces are not gathered or scattered by it yet");
 }
 }  // namespace detail::tp
@@ -6771,16 +6791,11 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   // asynchronous (a device-side assertion, no wait for the values).
   void check_ids(const at::Tensor& ids) const {
     if (ids.numel() == 0) return;
-    const at::Tensor inside = ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all();
-    if (ids.is_cpu()) {
-      if (!inside.item<bool>())
-        throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
-                              std::to_string(options.num_embeddings()) + "), got ids from " +
-                              std::to_string(ids.min().item<int64_t>()) + " to " +
-                              std::to_string(ids.max().item<int64_t>()));
-    } else {
-      at::_assert_async(inside);
-    }
+    detail::tp::require_valid_ids(ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all(), [&] {
+      return "accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
+             std::to_string(options.num_embeddings()) + "), got ids from " + std::to_string(ids.min().item<int64_t>()) +
+             " to " + std::to_string(ids.max().item<int64_t>());
+    });
   }
   int64_t vocab_start_ = 0;
 };
@@ -6865,15 +6880,13 @@ inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, c
   const at::Tensor ids = target.reshape({-1}).to(at::kLong);
   // A target outside the vocabulary would match no rank's column: torch's error instead (asynchronous on a GPU).
   const int64_t vocabulary = logits.size(-1) * detail::tp::size_of(g);
-  if (ids.numel() > 0) {
-    const at::Tensor valid = ids.eq(ignore_index).logical_or(ids.ge(0).logical_and(ids.lt(vocabulary))).all();
-    if (!ids.is_cpu()) at::_assert_async(valid);
-    else if (!valid.item<bool>())
-      throw InvalidArgument(std::string("accel::tp::") + who + ": target ids must lie in [0, " +
-                            std::to_string(vocabulary) + ") (the vocabulary: " + std::to_string(logits.size(-1)) +
-                            " columns x tp " + std::to_string(detail::tp::size_of(g)) + ") or equal ignore_index " +
-                            std::to_string(ignore_index));
-  }
+  if (ids.numel() > 0)
+    detail::tp::require_valid_ids(
+        ids.eq(ignore_index).logical_or(ids.ge(0).logical_and(ids.lt(vocabulary))).all(), [&] {
+          return std::string("accel::tp::") + who + ": target ids must lie in [0, " + std::to_string(vocabulary) +
+                 ") (the vocabulary: " + std::to_string(logits.size(-1)) + " columns x tp " +
+                 std::to_string(detail::tp::size_of(g)) + ") or equal ignore_index " + std::to_string(ignore_index);
+        });
   const at::Tensor losses = detail::tp::VocabParallelCrossEntropy::apply(logits, ids, g);
   const at::Tensor kept = ids.ne(ignore_index).to(losses.scalar_type());
   return (losses * kept).sum() / kept.sum();
@@ -12715,6 +12728,7 @@ namespace detail {
 struct PreparedModel {
   std::shared_ptr<torch::nn::Module> module;
   std::unique_ptr<DataParallel> data_parallel;  // (its requires_gradient_sync: whether backward() reduces)
+  tp::SplitTensors split{};                     // its tensor-parallel pieces, found once at prepare
 };
 
 // A prepared scheduler in checkpoints: its step count, and its own
@@ -12779,20 +12793,23 @@ struct PreparedSet {
   // where no prepared model holds a split layer.
   GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
                                  std::vector<at::Tensor>& whole) const {
-    std::unordered_set<const c10::TensorImpl*> split;
-    GroupPtr group;
-    for (const auto& m : models)
-      for (const auto& [name, layer] : tp::split_layers(*m.module)) {
-        if (group && layer->group() != group)
-          throw InvalidArgument("accel::Accelerator: the accel::tp layer '" + name +
-                                "' is split over another group than the model's other tp layers");
-        group = layer->group();
-        for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
-      }
-    if (!group) return group;
-    for (const auto& p : parameters)
-      if (p.grad().defined()) (split.count(p.unsafeGetTensorImpl()) ? pieces : whole).push_back(p.grad());
-    return group;
+    const PreparedModel* split = nullptr;
+    for (const auto& m : models) {
+      if (!m.split.group) continue;
+      if (split && m.split.group != split->split.group)
+        throw InvalidArgument(
+            "accel::Accelerator: the prepared models' accel::tp layers are split over different "
+            "groups ('" +
+            split->split.layers.front() + "' and '" + m.split.layers.front() + "')");
+      split = &m;
+    }
+    if (!split) return {};
+    for (const auto& p : parameters) {
+      if (!p.grad().defined()) continue;
+      const bool piece = std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
+      (piece ? pieces : whole).push_back(p.grad());
+    }
+    return split->split.group;
   }
 };
 
@@ -16214,8 +16231,10 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
-  prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module)});
-  detail::tp::broadcast_whole_tensors(*module);  // (beside tp: the whole tensors agree across each tp group)
+  prepared_.models.push_back(
+      detail::PreparedModel{module, setup_.data_parallel_for(module), detail::tp::split_tensors(*module)});
+  // (beside tp: the whole tensors agree across each tp group)
+  detail::tp::broadcast_whole_tensors(*module, prepared_.models.back().split);
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);

@@ -16,8 +16,10 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
-  prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module)});
-  detail::tp::broadcast_whole_tensors(*module);  // (beside tp: the whole tensors agree across each tp group)
+  prepared_.models.push_back(
+      detail::PreparedModel{module, setup_.data_parallel_for(module), detail::tp::split_tensors(*module)});
+  // (beside tp: the whole tensors agree across each tp group)
+  detail::tp::broadcast_whole_tensors(*module, prepared_.models.back().split);
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);

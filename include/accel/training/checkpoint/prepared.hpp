@@ -17,6 +17,7 @@ namespace detail {
 struct PreparedModel {
   std::shared_ptr<torch::nn::Module> module;
   std::unique_ptr<DataParallel> data_parallel;  // (its requires_gradient_sync: whether backward() reduces)
+  tp::SplitTensors split{};                     // its tensor-parallel pieces, found once at prepare
 };
 
 // A prepared scheduler in checkpoints: its step count, and its own
@@ -81,20 +82,23 @@ struct PreparedSet {
   // where no prepared model holds a split layer.
   GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
                                  std::vector<at::Tensor>& whole) const {
-    std::unordered_set<const c10::TensorImpl*> split;
-    GroupPtr group;
-    for (const auto& m : models)
-      for (const auto& [name, layer] : tp::split_layers(*m.module)) {
-        if (group && layer->group() != group)
-          throw InvalidArgument("accel::Accelerator: the accel::tp layer '" + name +
-                                "' is split over another group than the model's other tp layers");
-        group = layer->group();
-        for (const auto& p : layer->split_parameters()) split.insert(p.unsafeGetTensorImpl());
-      }
-    if (!group) return group;
-    for (const auto& p : parameters)
-      if (p.grad().defined()) (split.count(p.unsafeGetTensorImpl()) ? pieces : whole).push_back(p.grad());
-    return group;
+    const PreparedModel* split = nullptr;
+    for (const auto& m : models) {
+      if (!m.split.group) continue;
+      if (split && m.split.group != split->split.group)
+        throw InvalidArgument(
+            "accel::Accelerator: the prepared models' accel::tp layers are split over different "
+            "groups ('" +
+            split->split.layers.front() + "' and '" + m.split.layers.front() + "')");
+      split = &m;
+    }
+    if (!split) return {};
+    for (const auto& p : parameters) {
+      if (!p.grad().defined()) continue;
+      const bool piece = std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
+      (piece ? pieces : whole).push_back(p.grad());
+    }
+    return split->split.group;
   }
 };
 

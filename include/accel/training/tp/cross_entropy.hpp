@@ -76,15 +76,13 @@ inline at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, c
   const at::Tensor ids = target.reshape({-1}).to(at::kLong);
   // A target outside the vocabulary would match no rank's column: torch's error instead (asynchronous on a GPU).
   const int64_t vocabulary = logits.size(-1) * detail::tp::size_of(g);
-  if (ids.numel() > 0) {
-    const at::Tensor valid = ids.eq(ignore_index).logical_or(ids.ge(0).logical_and(ids.lt(vocabulary))).all();
-    if (!ids.is_cpu()) at::_assert_async(valid);
-    else if (!valid.item<bool>())
-      throw InvalidArgument(std::string("accel::tp::") + who + ": target ids must lie in [0, " +
-                            std::to_string(vocabulary) + ") (the vocabulary: " + std::to_string(logits.size(-1)) +
-                            " columns x tp " + std::to_string(detail::tp::size_of(g)) + ") or equal ignore_index " +
-                            std::to_string(ignore_index));
-  }
+  if (ids.numel() > 0)
+    detail::tp::require_valid_ids(
+        ids.eq(ignore_index).logical_or(ids.ge(0).logical_and(ids.lt(vocabulary))).all(), [&] {
+          return std::string("accel::tp::") + who + ": target ids must lie in [0, " + std::to_string(vocabulary) +
+                 ") (the vocabulary: " + std::to_string(logits.size(-1)) + " columns x tp " +
+                 std::to_string(detail::tp::size_of(g)) + ") or equal ignore_index " + std::to_string(ignore_index);
+        });
   const at::Tensor losses = detail::tp::VocabParallelCrossEntropy::apply(logits, ids, g);
   const at::Tensor kept = ids.ne(ignore_index).to(losses.scalar_type());
   return (losses * kept).sum() / kept.sum();

@@ -79,16 +79,11 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   // asynchronous (a device-side assertion, no wait for the values).
   void check_ids(const at::Tensor& ids) const {
     if (ids.numel() == 0) return;
-    const at::Tensor inside = ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all();
-    if (ids.is_cpu()) {
-      if (!inside.item<bool>())
-        throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
-                              std::to_string(options.num_embeddings()) + "), got ids from " +
-                              std::to_string(ids.min().item<int64_t>()) + " to " +
-                              std::to_string(ids.max().item<int64_t>()));
-    } else {
-      at::_assert_async(inside);
-    }
+    detail::tp::require_valid_ids(ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all(), [&] {
+      return "accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
+             std::to_string(options.num_embeddings()) + "), got ids from " + std::to_string(ids.min().item<int64_t>()) +
+             " to " + std::to_string(ids.max().item<int64_t>());
+    });
   }
   int64_t vocab_start_ = 0;
 };

@@ -61,6 +61,15 @@ inline void check_splits(const at::Tensor& x, int64_t dim, int parts, const char
                           " equal pieces (the tensor-parallel group's size)");
 }
 
+// Token ids or targets that must lie in range: `valid`, a 0-d bool tensor on
+// their device, must be true. On the CPU a clear error (`message` builds
+// it); on a GPU a device-side assertion, so the check does not wait for the
+// values (torch's own embedding and loss assert the same way there).
+inline void require_valid_ids(const at::Tensor& valid, const std::function<std::string()>& message) {
+  if (!valid.is_cpu()) at::_assert_async(valid);
+  else if (!valid.item<bool>()) throw InvalidArgument(message());
+}
+
 // This rank's piece of `dim` (a copy: the piece outlives the whole).
 inline at::Tensor piece_of(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
   const int64_t length = x.size(dim) / size_of(group);
