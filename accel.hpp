@@ -60,7 +60,12 @@
 //     accel/training/tp/embedding.hpp                    Megatron-core's VocabParallelEmbedding as a torch::nn module
 //     accel/training/tp/cross_entropy.hpp                vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy)
 //     accel/training/tp/dropout.hpp                      tp::dropout, one random mask for the whole activation whichever piece a rank holds
+//     accel/training/tp/styles.hpp                       torch's parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput) and the layouts they name, as plain values for a plan
+//     accel/training/tp/registry.hpp                     the modules a plan styled (tp::parallelize_module), found by address when they run, and the watch that refuses a styled module called around its style
+//     accel/training/tp/pieces.hpp                       what of a module is split over a tensor-parallel group (by accel::tp's layers or by a plan), and what whole-model operations do with it
 //     accel/training/tp/sequence_parallel.hpp            all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
+//     accel/training/tp/styled_forward.hpp               a styled module run with its parallel style: its inputs moved to the layouts it needs, its pieces computed, its output moved to the layout the plan says
+//     accel/training/tp/plan.hpp                         tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -86,7 +91,7 @@
 //     accel/training/dp/sharded_state_dict.hpp           what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
 //     accel/training/dp/strategies.hpp                   the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it
 //     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
-//     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered
+//     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
 //     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
 //     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
 //     accel/training/io/checked_file.hpp                 files written with every error checked: CheckedFile, atomic writes, archives
@@ -6443,62 +6448,6 @@ class ParallelLayer {
  private:
   GroupPtr group_;
 };
-
-// What of a module the accel::tp layers split over a group of more than one
-// rank: the group, the split parameters (each a piece of a larger tensor;
-// everything else of the module is whole on every rank), and the layers by
-// qualified name ("" for the module itself), for errors. Empty (no group)
-// without such layers. Layers split over different groups are an error.
-struct SplitTensors {
-  GroupPtr group;
-  std::unordered_set<const c10::TensorImpl*> parameters;
-  std::vector<std::string> layers;
-  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
-};
-inline SplitTensors split_tensors(const torch::nn::Module& module) {
-  SplitTensors split;
-  const auto visit = [&](const std::string& name, const torch::nn::Module& m) {
-    const auto* layer = dynamic_cast<const ParallelLayer*>(&m);
-    if (!layer || layer->tp_size() == 1) return;
-    if (split.group && layer->group() != split.group)
-      throw InvalidArgument("accel::tp: the layer '" + name + "' is split over another group than '" +
-                            split.layers.front() + "'");
-    split.group = layer->group();
-    split.layers.push_back(name);
-    for (const auto& p : layer->split_parameters()) split.parameters.insert(p.unsafeGetTensorImpl());
-  };
-  visit("", module);
-  for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
-  return split;
-}
-// Copies tp rank 0's values of the tensors of `module` that `split` does not
-// hold (norms, a row layer's bias, buffers: whole on every rank) to the other
-// ranks of its tp group, in one broadcast. Data parallelism starts each
-// dp_cp group from its own first rank; without this, ranks of one tp group
-// could start with different copies of a tensor that must be the same on all
-// of them, and stay so. Nothing without split layers.
-inline void broadcast_whole_tensors(const torch::nn::Module& module, const SplitTensors& split) {
-  if (!split.group) return;
-  std::vector<at::Tensor> whole;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  auto keep = [&](const at::Tensor& t) {
-    if (t.defined() && !split.contains(t) && seen.insert(t.unsafeGetTensorImpl()).second) whole.push_back(t);
-  };
-  for (const auto& p : module.parameters()) keep(p);
-  for (const auto& b : module.buffers()) keep(b);
-  if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
-}
-// Refuses a module holding split accel::tp layers where `what` would take
-// each process's parameters for whole ones (writing rank 0's pieces as the
-// model, or loading whole tensors into pieces): the error names one layer.
-inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
-  const SplitTensors split = split_tensors(module);
-  if (!split.group) return;
-  throw InvalidArgument(what + ": the model holds accel::tp layers split over " +
-                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
-                        std::to_string(split.layers.size() - 1) +
-                        " more); their pieces are not gathered or scattered by it yet");
-}
 }  // namespace detail::tp
 
 ACCEL_NAMESPACE_END
@@ -6728,6 +6677,36 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
+namespace detail::tp {
+// This rank's part of looking up `ids` in a table split by rows: the rows
+// of the ids in [vocab_start, vocab_start + rows of `piece`), zeros for the
+// rest (the group's sum is the whole lookup). An id outside the vocabulary
+// would look up nothing on every rank and give a row of zeros:
+// torch::nn::Embedding's error instead. The ids are whole on every rank, so
+// the check needs no collective; on a GPU it is asynchronous (a device-side
+// assertion, no wait for the values). `padding_idx` (whole-table numbering)
+// gets no gradient, as torch::nn::Embedding's.
+inline at::Tensor vocab_piece_lookup(const at::Tensor& ids, const at::Tensor& piece, int64_t vocab_start,
+                                     int64_t num_embeddings, std::optional<int64_t> padding_idx, const char* who) {
+  if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
+    throw InvalidArgument(std::string("accel::tp::") + who + ": token ids must be integers, got " +
+                          describe_tensor(ids));
+  if (ids.numel() > 0)
+    require_valid_ids(ids.ge(0).logical_and(ids.lt(num_embeddings)).all(), [&] {
+      return std::string("accel::tp::") + who + ": token ids must lie in [0, " + std::to_string(num_embeddings) +
+             "), got ids from " + std::to_string(ids.min().item<int64_t>()) + " to " +
+             std::to_string(ids.max().item<int64_t>());
+    });
+  const int64_t rows = piece.size(0);
+  const at::Tensor outside = ids.lt(vocab_start).logical_or(ids.ge(vocab_start + rows));
+  const at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
+  auto options = torch::nn::functional::EmbeddingFuncOptions();
+  if (padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows)
+    options.padding_idx(*padding_idx - vocab_start);
+  return torch::nn::functional::embedding(local, piece, options).masked_fill(outside.unsqueeze(-1), 0);
+}
+}  // namespace detail::tp
+
 namespace tp {
 struct VocabParallelEmbeddingOptions {
   VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
@@ -6756,13 +6735,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   // -> [..., embedding_dim], summed over the group; under sequence_parallel,
   // this rank's piece of sequence_dim.
   at::Tensor forward(const at::Tensor& ids) {
-    if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
-      throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must be integers, got " +
-                            detail::describe_tensor(ids));
-    check_ids(ids);
-    const at::Tensor outside = ids.lt(vocab_start_).logical_or(ids.ge(vocab_start_ + weight.size(0)));
-    const at::Tensor local = (ids - vocab_start_).masked_fill(outside, 0);
-    const at::Tensor mine = torch::nn::functional::embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0);
+    const at::Tensor mine = detail::tp::vocab_piece_lookup(ids, weight, vocab_start_, options.num_embeddings(),
+                                                           std::nullopt, "VocabParallelEmbedding");
     return options.sequence_parallel()
                ? tp::reduce_scatter_to_sequence_parallel_region(mine, options.sequence_dim(), group())
                : tp::reduce_from_parallel_region(mine, group());
@@ -6785,18 +6759,6 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   at::Tensor weight;  // [num_embeddings / tp, embedding_dim]
 
  private:
-  // An id outside the vocabulary would look up nothing on every rank and
-  // give a row of zeros: torch::nn::Embedding's error instead. The ids are
-  // whole on every rank, so the check needs no collective; on a GPU it is
-  // asynchronous (a device-side assertion, no wait for the values).
-  void check_ids(const at::Tensor& ids) const {
-    if (ids.numel() == 0) return;
-    detail::tp::require_valid_ids(ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all(), [&] {
-      return "accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
-             std::to_string(options.num_embeddings()) + "), got ids from " + std::to_string(ids.min().item<int64_t>()) +
-             " to " + std::to_string(ids.max().item<int64_t>());
-    });
-  }
   int64_t vocab_start_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);
@@ -6941,6 +6903,297 @@ inline at::Tensor dropout(const at::Tensor& x, double p, bool training, std::opt
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/tp/styles.hpp =============================================
+// accel/training/tp/styles.hpp: torch's parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput) and the layouts they name, as plain values for a plan.
+//
+// A plan (tp::parallelize_module) maps submodule names to styles. The fields
+// and defaults are torch.distributed.tensor.parallel's:
+//   ColwiseParallel{.input_layouts = Replicate(), .output_layouts = Shard(-1)}
+//   RowwiseParallel{.input_layouts = Shard(-1), .output_layouts = Replicate()}
+//   SequenceParallel{.sequence_dim = 1}
+//   PrepareModuleInput{.input_layouts = {...}, .desired_input_layouts = {...}}
+// A layout says how an activation lies over the tensor-parallel group:
+// whole on every rank (Replicate) or split into equal pieces along a
+// dimension (Shard). LibTorch has no DTensor, so every style hands on this
+// rank's local tensor (torch's use_local_output=True); the next style's
+// input_layouts says what that tensor is.
+
+#include <variant>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace tp {
+// Whole on every rank of the group.
+struct Replicate {
+  bool operator==(const Replicate&) const = default;
+};
+// This rank's equal piece along `dim` (negative: from the end).
+struct Shard {
+  int64_t dim = 0;
+  bool operator==(const Shard&) const = default;
+};
+using Layout = std::variant<Replicate, Shard>;
+
+// A Linear's weight rows (out_features) split, its bias too: the output is
+// this rank's piece of the last dimension. An Embedding's columns
+// (embedding_dim) split. The input is all-gathered first where it is
+// sharded (input_layouts = Shard(1): sequence parallelism's all-gather);
+// output_layouts = Replicate() all-gathers the output's pieces.
+struct ColwiseParallel {
+  Layout input_layouts = Replicate{};
+  Layout output_layouts = Shard{-1};
+};
+// A Linear's weight columns (in_features) split, its bias whole and added
+// after the sum: the input is this rank's piece of the last dimension, the
+// partial products summed over the group (output_layouts = Shard(1):
+// reduce-scattered along the sequence instead). An Embedding's rows (the
+// vocabulary) split: each rank looks up its rows and the pieces are summed.
+struct RowwiseParallel {
+  Layout input_layouts = Shard{-1};
+  Layout output_layouts = Replicate{};
+};
+// A module whose parameters stay whole (a norm, dropout) run on this rank's
+// piece of the sequence: its parameters' gradients leave the backward
+// partial, and tp::all_reduce_sequence_parallel_gradients sums them.
+struct SequenceParallel {
+  int64_t sequence_dim = 1;
+};
+// The module's positional tensor inputs moved from input_layouts[i] to
+// desired_input_layouts[i] before its forward (an empty entry: left as it
+// is): attention's input all-gathered along the sequence, torchtitan's
+// PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)).
+struct PrepareModuleInput {
+  std::vector<std::optional<Layout>> input_layouts;
+  std::vector<std::optional<Layout>> desired_input_layouts;
+};
+using ParallelStyle = std::variant<ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput>;
+}  // namespace tp
+
+namespace detail::tp {
+inline std::string describe(const accel::tp::Layout& layout) {
+  if (const auto* shard = std::get_if<accel::tp::Shard>(&layout)) return "Shard(" + std::to_string(shard->dim) + ")";
+  return "Replicate()";
+}
+inline const char* style_name(const accel::tp::ParallelStyle& style) {
+  static constexpr const char* names[] = {"ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                                          "PrepareModuleInput"};
+  return names[style.index()];
+}
+// The dimension a layout splits, wrapped for a tensor of `rank` dimensions (none: Replicate).
+inline std::optional<int64_t> shard_dim(const accel::tp::Layout& layout, int64_t rank) {
+  const auto* shard = std::get_if<accel::tp::Shard>(&layout);
+  if (!shard) return std::nullopt;
+  return shard->dim < 0 ? shard->dim + rank : shard->dim;
+}
+}  // namespace detail::tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/registry.hpp ===========================================
+// accel/training/tp/registry.hpp: the modules a plan styled (tp::parallelize_module), found by address when they run, and the watch that refuses a styled module called around its style.
+//
+// torch applies a style through forward hooks; LibTorch modules have none,
+// so a styled module runs through accel::unit_forward, which finds its
+// style here (tp/styled_forward.hpp). The registry keeps each styled module
+// by address with a weak reference: a module that has gone is never found,
+// even when a new one takes its address.
+
+#include <mutex>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// A module called directly (up->forward(x), up(x)) skips its style: a
+// column layer's input gradient would stay this rank's part, a row layer's
+// output would miss the sum. LibTorch gives no hook on the call, so the
+// watch notices in the backward, where it matters for training: a styled
+// call marks the module's split parameters on its output's gradient, which
+// autograd computes before the gradient reaches the parameters; the
+// parameters' own hooks then find a mark, or refuse the gradient.
+class CallWatch {
+ public:
+  void watch(const at::Tensor& parameter, std::string who) {
+    const std::lock_guard lock(mutex_);
+    owners_.emplace(parameter.unsafeGetTensorImpl(), std::move(who));
+  }
+  void mark(const std::vector<at::Tensor>& parameters) {
+    const std::lock_guard lock(mutex_);
+    for (const auto& p : parameters) ++marks_[p.unsafeGetTensorImpl()];
+  }
+  // Called with each gradient of a watched parameter: true when a styled
+  // call produced it (the marks of this backward are used up).
+  void take(const c10::TensorImpl* parameter) {
+    const std::lock_guard lock(mutex_);
+    int64_t& marks = marks_[parameter];
+    if (marks > 0) {
+      marks = 0;
+      return;
+    }
+    throw LogicError("accel::tp: " + owners_[parameter] +
+                     " was called directly (module->forward(x) or module(x)), around its parallel style: its "
+                     "gradient would be wrong. Call it as accel::unit_forward(module, x): LibTorch modules have no "
+                     "forward hooks to apply the style");
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, std::string> owners_;
+  std::unordered_map<const c10::TensorImpl*, int64_t> marks_;
+};
+
+enum class ModuleKind { linear, embedding, other };
+
+// A module a plan styled, over a group of more than one rank.
+struct Styled {
+  std::string name;  // its qualified name in the model the plan was applied to
+  accel::tp::ParallelStyle style;
+  ModuleKind kind = ModuleKind::other;
+  GroupPtr group;
+  std::weak_ptr<const torch::nn::Module> module;
+  std::shared_ptr<CallWatch> watch;
+  int64_t whole_features = 0;  // a Linear's whole in_features, an Embedding's whole num_embeddings
+  int64_t vocab_start = 0;     // a rowwise Embedding: the first row this rank holds
+
+  std::string who() const { return "'" + name + "' (" + style_name(style) + ")"; }
+  bool colwise() const { return std::holds_alternative<accel::tp::ColwiseParallel>(style); }
+  bool rowwise() const { return std::holds_alternative<accel::tp::RowwiseParallel>(style); }
+};
+
+class StyledRegistry {
+ public:
+  static StyledRegistry& instance() {
+    static StyledRegistry registry;
+    return registry;
+  }
+  void add(const torch::nn::Module* module, std::shared_ptr<const Styled> styled) {
+    const std::lock_guard lock(mutex_);
+    std::erase_if(styled_, [](const auto& entry) { return entry.second->module.expired(); });
+    styled_[module] = std::move(styled);
+  }
+  // The style of `module`, or null.
+  std::shared_ptr<const Styled> find(const torch::nn::Module* module) const {
+    const std::lock_guard lock(mutex_);
+    const auto found = styled_.find(module);
+    if (found == styled_.end()) return nullptr;
+    const auto alive = found->second->module.lock();
+    return alive.get() == module ? found->second : nullptr;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<const torch::nn::Module*, std::shared_ptr<const Styled>> styled_;
+};
+
+// The tensors a styled module holds split (pieces of a larger tensor) and
+// those whose gradient it leaves partial; read from the module itself, so
+// a weight tied elsewhere is the one its forward uses.
+inline std::vector<at::Tensor> styled_split_parameters(const Styled& s, const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {
+    if (!s.colwise() && !s.rowwise()) return out;
+    out.push_back(linear->weight);
+    if (s.colwise() && linear->bias.defined()) out.push_back(linear->bias);
+  } else if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module)) {
+    if (s.colwise() || s.rowwise()) out.push_back(embedding->weight);
+  }
+  return out;
+}
+inline std::vector<at::Tensor> styled_partial_parameters(const Styled& s, const torch::nn::Module& module) {
+  if (std::holds_alternative<accel::tp::SequenceParallel>(s.style)) return module.parameters();
+  const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module);
+  const auto* row = std::get_if<accel::tp::RowwiseParallel>(&s.style);
+  // A row layer's bias added to this rank's piece of the sequence only.
+  if (linear && row && linear->bias.defined() && std::holds_alternative<accel::tp::Shard>(row->output_layouts))
+    return {linear->bias};
+  return {};
+}
+}  // namespace detail::tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/pieces.hpp =============================================
+// accel/training/tp/pieces.hpp: what of a module is split over a tensor-parallel group (by accel::tp's layers or by a plan), and what whole-model operations do with it.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// What one module holds split over its group, and which of its parameters'
+// gradients leave a backward partial (this rank's part of a sum over the
+// group): an accel::tp layer says so itself, a module a plan styled through
+// the registry. None for a module of neither kind.
+struct Pieces {
+  GroupPtr group;
+  std::vector<at::Tensor> split, partial;
+};
+inline std::optional<Pieces> pieces_of(const torch::nn::Module& module) {
+  if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module)) {
+    if (layer->tp_size() == 1) return std::nullopt;
+    return Pieces{layer->group(), layer->split_parameters(), layer->partial_parameters()};
+  }
+  if (const auto styled = StyledRegistry::instance().find(&module))
+    return Pieces{styled->group, styled_split_parameters(*styled, module), styled_partial_parameters(*styled, module)};
+  return std::nullopt;
+}
+
+// What of a module is split over a group of more than one rank (by
+// accel::tp's layers or a plan): the group, the split parameters (each a piece of a larger tensor;
+// everything else of the module is whole on every rank), and the layers by
+// qualified name ("" for the module itself), for errors. Empty (no group)
+// without such layers. Layers split over different groups are an error.
+struct SplitTensors {
+  GroupPtr group;
+  std::unordered_set<const c10::TensorImpl*> parameters;
+  std::vector<std::string> layers;
+  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
+};
+inline SplitTensors split_tensors(const torch::nn::Module& module) {
+  SplitTensors split;
+  const auto visit = [&](const std::string& name, const torch::nn::Module& m) {
+    const auto pieces = pieces_of(m);
+    if (!pieces || pieces->split.empty()) return;
+    if (split.group && pieces->group != split.group)
+      throw InvalidArgument("accel::tp: the layer '" + name + "' is split over another group than '" +
+                            split.layers.front() + "'");
+    split.group = pieces->group;
+    split.layers.push_back(name);
+    for (const auto& p : pieces->split) split.parameters.insert(p.unsafeGetTensorImpl());
+  };
+  visit("", module);
+  for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
+  return split;
+}
+// Copies tp rank 0's values of the tensors of `module` that `split` does not
+// hold (norms, a row layer's bias, buffers: whole on every rank) to the other
+// ranks of its tp group, in one broadcast. Data parallelism starts each
+// dp_cp group from its own first rank; without this, ranks of one tp group
+// could start with different copies of a tensor that must be the same on all
+// of them, and stay so. Nothing without split layers.
+inline void broadcast_whole_tensors(const torch::nn::Module& module, const SplitTensors& split) {
+  if (!split.group) return;
+  std::vector<at::Tensor> whole;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto keep = [&](const at::Tensor& t) {
+    if (t.defined() && !split.contains(t) && seen.insert(t.unsafeGetTensorImpl()).second) whole.push_back(t);
+  };
+  for (const auto& p : module.parameters()) keep(p);
+  for (const auto& b : module.buffers()) keep(b);
+  if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
+}
+// Refuses a module holding split layers where `what` would take
+// each process's parameters for whole ones (writing rank 0's pieces as the
+// model, or loading whole tensors into pieces): the error names one layer.
+inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
+  const SplitTensors split = split_tensors(module);
+  if (!split.group) return;
+  throw InvalidArgument(what + ": the model holds tensor-parallel layers split over " +
+                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
+                        std::to_string(split.layers.size() - 1) +
+                        " more); their pieces are not gathered or scattered by it yet");
+}
+}  // namespace detail::tp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/tp/sequence_parallel.hpp ==================================
 // accel/training/tp/sequence_parallel.hpp: all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective.
 //
@@ -6954,14 +7207,15 @@ ACCEL_NAMESPACE_END
 // such gradient packed together, called once before the optimizer step (and
 // after the last backward of an accumulation: a sum is linear, so summing
 // the accumulated gradient once is the same as summing each).
-// The accel::tp layers name their own partial parameters; a norm's, which
-// no accel::tp layer owns, the caller lists.
+// The accel::tp layers name their own partial parameters, and a plan its
+// SequenceParallel modules' and its row layers' (tp::parallelize_module); a
+// norm no plan styled, the caller lists.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace tp {
 // Sums over their group the gradients of: the partial parameters of every
-// accel::tp layer in `model` (itself included), and
+// accel::tp layer and styled module in `model` (itself included), and
 // `sequence_parallel_parameters` (each once; a norm's weight and bias, over
 // `group`, null: the process's Dim::TP group). Parameters without a gradient
 // are skipped: every rank of a tensor-parallel group runs the same layers
@@ -6995,8 +7249,8 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     pack->grads.push_back(grad);
   };
   const auto visit = [&](const torch::nn::Module& module) {
-    if (const auto* layer = dynamic_cast<const detail::tp::ParallelLayer*>(&module))
-      for (const auto& p : layer->partial_parameters()) add(p, layer->group());
+    if (const auto pieces = detail::tp::pieces_of(module))
+      for (const auto& p : pieces->partial) add(p, pieces->group);
   };
   visit(model);
   for (const auto& child : model.modules(/*include_self=*/false)) visit(*child);
@@ -7017,6 +7271,449 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     }
   }
   return static_cast<int>(packs.size());
+}
+}  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/styled_forward.hpp =====================================
+// accel/training/tp/styled_forward.hpp: a styled module run with its parallel style: its inputs moved to the layouts it needs, its pieces computed, its output moved to the layout the plan says.
+//
+// accel::unit_forward calls detail::tp::styled_forward for every module; a
+// module no plan styled is simply called. Where torch's DTensor knows each
+// activation's layout, here the plan's input_layouts say it, and every style
+// hands on this rank's local tensor.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// PrepareModuleInput's all-gather of a sequence-split input. Its gradient
+// depends on who reads the gathered tensor, as a DTensor's redistribution
+// does: a column layer (whose input gradient is this rank's part of a sum)
+// needs the parts reduce-scattered, any other reader (whose gradient is
+// whole on every rank) needs only this rank's piece of its gradient. So the
+// gather has two outputs with the same values: the one the module gets, and
+// a twin that column layers take instead when they are given the first
+// (SequenceGatherTwins). The backward sums both kinds right: attention's
+// q, k and v projections cost one reduce-scatter together, and a reader the
+// plan does not know of is still correct.
+struct TwinGatherFunction : torch::autograd::Function<TwinGatherFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t dim,
+                                                GroupPtr group) {
+    ctx->set_materialize_grads(false);
+    save_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    at::Tensor whole = gather_along(x, dim, group);
+    at::Tensor twin = whole.alias();
+    return {whole, twin};
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const int64_t dim = ctx->saved_data["dim"].toInt();
+    const GroupPtr group = saved_group(ctx);
+    at::Tensor grad;
+    if (grads[0].defined()) grad = piece_of(grads[0], dim, group);  // whole readers: this rank's piece
+    if (grads[1].defined()) {                                       // column layers: their parts summed
+      at::Tensor summed = reduce_scatter_along(grads[1], dim, group);
+      grad = grad.defined() ? grad + summed : summed;
+    }
+    return {grad, {}, {}};
+  }
+};
+
+// The gathered tensors whose twin a column layer takes, by the gathered
+// tensor's address (checked alive: a freed tensor's address can be reused).
+// An entry lives until the next gather after its tensor has gone.
+class SequenceGatherTwins {
+ public:
+  static SequenceGatherTwins& instance() {
+    static SequenceGatherTwins twins;
+    return twins;
+  }
+  at::Tensor gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
+    auto outputs = TwinGatherFunction::apply(x, dim, group);
+    const std::lock_guard lock(mutex_);
+    std::erase_if(twins_, [](const auto& entry) { return entry.second.first.expired(); });
+    if (outputs[1].requires_grad())
+      twins_.insert_or_assign(
+          outputs[0].unsafeGetTensorImpl(),
+          std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(outputs[0].getIntrusivePtr()), outputs[1]});
+    return outputs[0];
+  }
+  // The twin of `x` when it is such a gathered tensor, else undefined.
+  at::Tensor twin_of(const at::Tensor& x) const {
+    const std::lock_guard lock(mutex_);
+    const auto found = twins_.find(x.unsafeGetTensorImpl());
+    if (found == twins_.end() || found->second.first.lock().get() != x.unsafeGetTensorImpl()) return {};
+    return found->second.second;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::Tensor>> twins_;
+};
+
+// An activation moved from one layout to another (PrepareModuleInput):
+// all-gathered (with twins), split, or left; between two Shard dimensions
+// (an all-to-all) refused.
+inline at::Tensor move_layout(const Styled& s, std::size_t input, const at::Tensor& x, const accel::tp::Layout& from,
+                              const accel::tp::Layout& to) {
+  const auto from_dim = shard_dim(from, x.dim()), to_dim = shard_dim(to, x.dim());
+  if (from_dim == to_dim) return x;
+  const std::string which = s.who() + "'s input " + std::to_string(input);
+  if (from_dim && to_dim)
+    throw InvalidArgument("accel::tp: " + which + ": moving from " + describe(from) + " to " + describe(to) +
+                          " (an all-to-all) is not supported");
+  if (from_dim) {
+    if (*from_dim < 0 || *from_dim >= x.dim())
+      throw InvalidArgument("accel::tp: " + which + ": " + describe(from) + " is out of range for " +
+                            describe_tensor(x));
+    return SequenceGatherTwins::instance().gather(x, *from_dim, s.group);
+  }
+  return accel::tp::scatter_to_sequence_parallel_region(x, *to_dim, s.group);
+}
+
+// Token ids given split (input_layouts Shard(d)) are gathered: ids carry no gradient.
+inline at::Tensor whole_ids(const Styled& s, const at::Tensor& ids, const accel::tp::Layout& layout) {
+  const auto dim = shard_dim(layout, ids.dim());
+  return dim ? gather_along(ids, *dim, s.group) : ids;
+}
+
+// A column layer's input made whole: gathered along the sequence (the
+// backward reduce-scatters this rank's part of the gradient), the twin of
+// a gathered tensor, or the whole input itself (the backward all-reduces).
+inline at::Tensor column_input(const Styled& s, const at::Tensor& x, const accel::tp::Layout& layout) {
+  if (const auto dim = shard_dim(layout, x.dim()))
+    return accel::tp::gather_from_sequence_parallel_region(x, *dim, s.group);
+  if (at::Tensor twin = SequenceGatherTwins::instance().twin_of(x); twin.defined()) return twin;
+  return accel::tp::copy_to_parallel_region(x, s.group);
+}
+
+inline void check_last_is_sharded(const Styled& s, const accel::tp::Layout& layout, const at::Tensor& x,
+                                  const char* what) {
+  if (const auto dim = shard_dim(layout, x.dim()); dim && *dim != x.dim() - 1)
+    throw InvalidArgument("accel::tp: " + s.who() + ": its " + what + " " + describe(layout) +
+                          " must split the last dimension (Shard(-1)) or be Replicate(), for " + describe_tensor(x));
+}
+
+// A styled Linear: F::linear on this rank's pieces with the collectives around it.
+inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& linear, const at::Tensor& x) {
+  const int64_t in_piece = linear.weight.size(1);
+  if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
+    at::Tensor whole = column_input(s, x, col->input_layouts);
+    if (whole.dim() == 0 || whole.size(-1) != in_piece)
+      throw InvalidArgument("accel::tp: " + s.who() + " takes inputs of " + std::to_string(in_piece) +
+                            " features in the last dimension, got " + describe_tensor(whole));
+    at::Tensor mine = torch::nn::functional::linear(whole, linear.weight, linear.bias);
+    check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
+    if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
+      return accel::tp::gather_from_parallel_region(mine, s.group);
+    return mine;
+  }
+  const auto& row = std::get<accel::tp::RowwiseParallel>(s.style);
+  if (x.dim() > 0) check_last_is_sharded(s, row.input_layouts, x, "input_layouts");
+  at::Tensor mine = std::holds_alternative<accel::tp::Replicate>(row.input_layouts)
+                        ? accel::tp::scatter_to_parallel_region(x, s.group)
+                        : x;
+  if (mine.dim() == 0 || mine.size(-1) != in_piece) {
+    const bool whole = x.dim() > 0 && x.size(-1) == s.whole_features;
+    throw InvalidArgument(
+        "accel::tp: " + s.who() + " takes this rank's piece of the last dimension (" + std::to_string(in_piece) +
+        " of " + std::to_string(s.whole_features) + " features), got " + describe_tensor(x) +
+        (whole ? ": a whole input; where the plan gives it whole, say input_layouts = Replicate()" : std::string()));
+  }
+  at::Tensor partial = torch::nn::functional::linear(mine, linear.weight);
+  at::Tensor out = [&] {
+    if (const auto dim = shard_dim(row.output_layouts, partial.dim()))
+      return accel::tp::reduce_scatter_to_sequence_parallel_region(partial, *dim, s.group);
+    return accel::tp::reduce_from_parallel_region(partial, s.group);
+  }();
+  return linear.bias.defined() ? out + linear.bias : out;
+}
+
+// A styled Embedding: columns (ColwiseParallel) or rows (RowwiseParallel) of the table.
+inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids) {
+  if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
+    auto options = torch::nn::functional::EmbeddingFuncOptions()
+                       .padding_idx(embedding.options.padding_idx())
+                       .scale_grad_by_freq(embedding.options.scale_grad_by_freq())
+                       .sparse(embedding.options.sparse());
+    at::Tensor mine =
+        torch::nn::functional::embedding(whole_ids(s, ids, col->input_layouts), embedding.weight, options);
+    if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
+      return accel::tp::gather_from_parallel_region(mine, s.group);
+    check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
+    return mine;
+  }
+  const auto& row = std::get<accel::tp::RowwiseParallel>(s.style);
+  const auto& padding = embedding.options.padding_idx();  // (c10::optional on LibTorch 1.13)
+  at::Tensor mine =
+      vocab_piece_lookup(whole_ids(s, ids, row.input_layouts), embedding.weight, s.vocab_start, s.whole_features,
+                         padding ? std::optional<int64_t>(*padding) : std::nullopt, "RowwiseParallel");
+  if (const auto dim = shard_dim(row.output_layouts, mine.dim()))
+    return accel::tp::reduce_scatter_to_sequence_parallel_region(mine, *dim, s.group);
+  return accel::tp::reduce_from_parallel_region(mine, s.group);
+}
+
+// A column or row style's forward, marked for the CallWatch.
+inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module& module, const at::Tensor& x) {
+  at::Tensor out;
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) out = styled_linear(s, *linear, x);
+  else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x);
+  if (out.requires_grad() && at::GradMode::is_enabled()) {
+    std::vector<at::Tensor> split = styled_split_parameters(s, module);
+    std::erase_if(split, [](const at::Tensor& p) { return !p.requires_grad(); });
+    if (!split.empty())
+      out.register_hook([watch = s.watch, split = std::move(split)](const at::Tensor& grad) {
+        watch->mark(split);
+        return grad;
+      });
+  }
+  return out;
+}
+
+// `fn(args...)` (the module's forward, or its FULL_SHARD unit's) with the
+// style of `module` applied, if a plan gave it one.
+template <class Fn, class... Args>
+auto styled_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
+  using Out = decltype(std::forward<Fn>(fn)(std::forward<Args>(args)...));
+  const std::shared_ptr<const Styled> styled = StyledRegistry::instance().find(&module);
+  if (!styled || std::holds_alternative<accel::tp::SequenceParallel>(styled->style))
+    return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+  if (const auto* prepare = std::get_if<accel::tp::PrepareModuleInput>(&styled->style)) {
+    const auto enter = [&]<std::size_t I, class A>(A&& a) -> decltype(auto) {
+      if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+        if (I < prepare->input_layouts.size() && prepare->input_layouts[I] && prepare->desired_input_layouts[I])
+          return move_layout(*styled, I, a, *prepare->input_layouts[I], *prepare->desired_input_layouts[I]);
+        return at::Tensor(a);
+      } else {
+        return std::forward<A>(a);
+      }
+    };
+    return [&]<std::size_t... I>(std::index_sequence<I...>) -> Out {
+      return std::forward<Fn>(fn)(enter.template operator()<I>(std::forward<Args>(args))...);
+    }(std::index_sequence_for<Args...>{});
+  }
+  // Column and row styles apply to a Linear or an Embedding (parallelize_module checked): one tensor in, one out.
+  if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
+                std::is_same_v<Out, at::Tensor>) {
+    return styled_pieces_forward(*styled, module, args...);
+  } else {
+    throw LogicError("accel::tp: " + styled->who() + " takes one tensor and returns one");
+  }
+}
+}  // namespace detail::tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/tp/plan.hpp ===============================================
+// accel/training/tp/plan.hpp: tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks.
+//
+//     accel::tp::parallelize_module(*model, {
+//         {"embed", accel::tp::RowwiseParallel{.input_layouts = accel::tp::Replicate{},
+//                                              .output_layouts = accel::tp::Shard{1}}},
+//         {"layers.*.attention_norm", accel::tp::SequenceParallel{}},
+//         {"layers.*.attention", accel::tp::PrepareModuleInput{{accel::tp::Shard{1}}, {accel::tp::Replicate{}}}},
+//         {"layers.*.attention.wq", accel::tp::ColwiseParallel{}},
+//         {"layers.*.attention.wo", accel::tp::RowwiseParallel{.output_layouts = accel::tp::Shard{1}}},
+//     });
+//
+// Each key names submodules as torch's do (dotted names; `*` within a part
+// matches any characters of that part); each matched module takes its style:
+// a column or row style narrows a torch::nn::Linear's or Embedding's
+// parameters to this rank's piece, in place (the same tensors, so tied
+// weights stay tied: narrow them the same way), and a SequenceParallel
+// module's parameters are listed for the partial-gradient sum. The model's
+// forward then calls each styled module through accel::unit_forward (the
+// call FULL_SHARD's units already take), which applies its style.
+// Everything is checked before anything changes; every mistake is an
+// InvalidArgument naming the plan's key or the module.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::tp {
+// torch's plan keys: the same number of dotted parts, each matched with `*`
+// standing for any characters.
+inline bool part_matches(std::string_view pattern, std::string_view part) {
+  if (pattern.empty()) return part.empty();
+  if (pattern.front() == '*')
+    for (std::size_t skip = 0; skip <= part.size(); ++skip)
+      if (part_matches(pattern.substr(1), part.substr(skip))) return true;
+  return !part.empty() && pattern.front() == part.front() && pattern.front() != '*' &&
+         part_matches(pattern.substr(1), part.substr(1));
+}
+inline bool name_matches(const std::string& pattern, const std::string& name) {
+  const auto split = [](const std::string& s) {
+    std::vector<std::string_view> parts;
+    std::size_t from = 0;
+    for (std::size_t dot; (dot = s.find('.', from)) != std::string::npos; from = dot + 1)
+      parts.emplace_back(s.data() + from, dot - from);
+    parts.emplace_back(s.data() + from, s.size() - from);
+    return parts;
+  };
+  const auto p = split(pattern), n = split(name);
+  if (p.size() != n.size()) return false;
+  for (std::size_t i = 0; i < p.size(); ++i)
+    if (!part_matches(p[i], n[i])) return false;
+  return true;
+}
+
+// One matched module and its style, checked; the tensors it narrows with their dimensions.
+struct PlannedModule {
+  std::string key, name;
+  std::shared_ptr<torch::nn::Module> module;
+  accel::tp::ParallelStyle style;
+  ModuleKind kind = ModuleKind::other;
+  std::vector<std::pair<at::Tensor, int64_t>> narrowed;
+  int64_t whole_features = 0;
+};
+
+inline void check_plan_entry(PlannedModule& m, int parts) {
+  const std::string who =
+      "accel::tp::parallelize_module: '" + m.name + "' (" + style_name(m.style) + ", key '" + m.key + "')";
+  if (dynamic_cast<const ParallelLayer*>(m.module.get()))
+    throw InvalidArgument(who + " is an accel::tp layer, already split over its group");
+  if (StyledRegistry::instance().find(m.module.get()))
+    throw InvalidArgument(who + " already has a parallel style (parallelize_module was applied to it before)");
+  if (const auto* prepare = std::get_if<accel::tp::PrepareModuleInput>(&m.style)) {
+    if (prepare->input_layouts.size() != prepare->desired_input_layouts.size())
+      throw InvalidArgument(who + ": input_layouts has " + std::to_string(prepare->input_layouts.size()) +
+                            " entries and desired_input_layouts " +
+                            std::to_string(prepare->desired_input_layouts.size()) + "; give both for each input");
+    return;
+  }
+  if (std::holds_alternative<accel::tp::SequenceParallel>(m.style)) return;
+  const bool col = std::holds_alternative<accel::tp::ColwiseParallel>(m.style);
+  // The layout fields a column or row style can meet: the sequence split, or the last dimension.
+  const auto& layouts = col ? std::pair{std::get<accel::tp::ColwiseParallel>(m.style).input_layouts,
+                                        std::get<accel::tp::ColwiseParallel>(m.style).output_layouts}
+                            : std::pair{std::get<accel::tp::RowwiseParallel>(m.style).input_layouts,
+                                        std::get<accel::tp::RowwiseParallel>(m.style).output_layouts};
+  const accel::tp::Layout& last = col ? layouts.second : layouts.first;  // Colwise's output, Rowwise's input
+  if (const auto* shard = std::get_if<accel::tp::Shard>(&last); shard && shard->dim != -1)
+    throw InvalidArgument(who + ": its " + (col ? "output_layouts " : "input_layouts ") + describe(last) +
+                          " must be Shard(-1) (the last dimension, split by the layer) or Replicate()");
+  const auto piece = [&](int64_t whole, const char* what) {
+    if (whole % parts != 0)
+      throw InvalidArgument(who + ": " + what + " " + std::to_string(whole) + " does not split into " +
+                            std::to_string(parts) + " equal pieces (the tensor-parallel group's size)");
+  };
+  if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(m.module.get())) {
+    m.kind = ModuleKind::linear;
+    const int64_t out = linear->weight.size(0), in = linear->weight.size(1);
+    m.whole_features = in;
+    if (col) {
+      piece(out, "out_features");
+      m.narrowed.emplace_back(linear->weight, 0);
+      if (linear->bias.defined()) m.narrowed.emplace_back(linear->bias, 0);
+    } else {
+      piece(in, "in_features");
+      m.narrowed.emplace_back(linear->weight, 1);
+    }
+  } else if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(m.module.get())) {
+    m.kind = ModuleKind::embedding;
+    if (embedding->options.max_norm())
+      throw InvalidArgument(who + ": max_norm renormalizes whole rows in place; a split table cannot");
+    m.whole_features = embedding->weight.size(0);
+    if (col) {
+      piece(embedding->weight.size(1), "embedding_dim");
+      m.narrowed.emplace_back(embedding->weight, 1);
+    } else {
+      if (embedding->options.scale_grad_by_freq())
+        throw InvalidArgument(who + ": scale_grad_by_freq counts the ids a rank's rows do not hold");
+      piece(embedding->weight.size(0), "num_embeddings");
+      m.narrowed.emplace_back(embedding->weight, 0);
+    }
+  } else {
+    throw InvalidArgument(who + " applies to a torch::nn::Linear or Embedding; this module is " + m.module->name());
+  }
+  // A graph that already reads a tensor to be narrowed (a forward's output kept from before the plan) holds
+  // the tensor's gradient slot with its whole shape: its backward would fail, or a later one would.
+  for (const auto& [tensor, dim] : m.narrowed)
+    if (torch::autograd::impl::try_get_grad_accumulator(tensor))
+      throw InvalidArgument(who +
+                            ": an autograd graph made before the plan still reads its weight (an output of "
+                            "the model kept from an earlier forward); apply the plan before running the model, "
+                            "or let those tensors go first");
+}
+}  // namespace detail::tp
+
+namespace tp {
+// Applies `plan` to `model` over `group` (null: the process's Dim::TP
+// group): see this part's opening comment. Call it before making the
+// optimizer (the narrowed parameters change shape), and with the same
+// random state on every rank of the group where the layers' initial values
+// matter (each keeps its piece of the same whole tensor). On a group of one
+// the plan is checked and nothing else changes.
+inline void parallelize_module(torch::nn::Module& model, const std::map<std::string, ParallelStyle>& plan,
+                               const GroupPtr& group = {}) {
+  const GroupPtr g = detail::tp::group_or_default(group, "parallelize_module");
+  const int parts = detail::tp::size_of(g), rank = detail::tp::rank_in(g);
+  const auto named = model.named_modules("", /*include_self=*/false);
+  std::vector<detail::tp::PlannedModule> planned;
+  std::unordered_map<const torch::nn::Module*, std::string> styled_by;  // module -> the key that styled it
+  for (const auto& [key, style] : plan) {
+    bool matched = false;
+    for (const auto& item : named) {
+      if (!detail::tp::name_matches(key, item.key())) continue;
+      matched = true;
+      const auto [at, fresh] = styled_by.emplace(item.value().get(), key);
+      if (!fresh)
+        throw InvalidArgument("accel::tp::parallelize_module: '" + item.key() + "' is matched by the keys '" +
+                              at->second + "' and '" + key + "'; give each module one style");
+      planned.push_back({key, item.key(), item.value(), style, detail::tp::ModuleKind::other, {}, 0});
+    }
+    if (!matched) {
+      std::string names;
+      for (std::size_t i = 0; i < named.size() && i < 8; ++i) names += (i ? ", '" : "'") + named[i].key() + "'";
+      throw InvalidArgument("accel::tp::parallelize_module: the plan's key '" + key +
+                            "' matches no submodule of the model (" +
+                            (named.is_empty() ? std::string("it has none")
+                                              : "its submodules: " + names + (named.size() > 8 ? ", ..." : "")) +
+                            ")");
+    }
+  }
+  for (auto& m : planned) detail::tp::check_plan_entry(m, parts);
+  // A tensor two styles narrow (a tied embedding and head) must be split the same way by both.
+  std::unordered_map<const c10::TensorImpl*, std::pair<int64_t, std::string>> split_dim_of;
+  for (const auto& m : planned)
+    for (const auto& [tensor, dim] : m.narrowed) {
+      const auto [at, fresh] = split_dim_of.emplace(tensor.unsafeGetTensorImpl(), std::pair{dim, m.name});
+      if (!fresh && at->second.first != dim)
+        throw InvalidArgument("accel::tp::parallelize_module: '" + m.name + "' and '" + at->second.second +
+                              "' share a weight and split it along different dimensions (" + std::to_string(dim) +
+                              " and " + std::to_string(at->second.first) + ")");
+    }
+  if (parts == 1) return;
+
+  const auto watch = std::make_shared<detail::tp::CallWatch>();
+  std::unordered_set<const c10::TensorImpl*> narrowed, watched;
+  for (auto& m : planned) {
+    {
+      const at::NoGradGuard no_grad;
+      for (auto& [tensor, dim] : m.narrowed) {
+        if (!narrowed.insert(tensor.unsafeGetTensorImpl()).second) continue;  // tied: narrowed once
+        const int64_t length = tensor.size(dim) / parts;
+        tensor.set_data(tensor.detach().narrow(dim, rank * length, length).clone());
+      }
+    }
+    auto styled = std::make_shared<detail::tp::Styled>();
+    styled->name = m.name;
+    styled->style = m.style;
+    styled->kind = m.kind;
+    styled->group = g;
+    styled->module = m.module;
+    styled->watch = watch;
+    styled->whole_features = m.whole_features;
+    if (m.kind == detail::tp::ModuleKind::embedding && std::holds_alternative<RowwiseParallel>(m.style))
+      styled->vocab_start = rank * (m.whole_features / parts);
+    for (auto p : detail::tp::styled_split_parameters(*styled, *m.module)) {
+      if (!p.requires_grad() || !watched.insert(p.unsafeGetTensorImpl()).second) continue;  // (tied: once)
+      watch->watch(p, styled->who());
+      p.register_hook([watch, impl = p.unsafeGetTensorImpl()](const at::Tensor&) { watch->take(impl); });
+    }
+    detail::tp::StyledRegistry::instance().add(m.module.get(), std::move(styled));
+  }
 }
 }  // namespace tp
 
@@ -11848,23 +12545,30 @@ class DataParallel {
 ACCEL_NAMESPACE_END
 
 // == accel/training/dp/unit_forward.hpp =======================================
-// accel/training/dp/unit_forward.hpp: accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered.
+// accel/training/dp/unit_forward.hpp: accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style.
 
 ACCEL_NAMESPACE_BEGIN
 
-// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
-// a model's forward a unit is called as
+// The call that stands for a forward hook. LibTorch modules have none, so
+// in a model's forward a module that FULL_SHARD makes a unit, or that a
+// tensor-parallel plan styles (tp::parallelize_module), is called as
 //     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
 // which gathers the unit's parameters from their shards, runs its forward
-// and frees them (see DataParallel). The same code runs under every
-// strategy: a module that is no unit is simply called. On a Sequential that
-// is not a unit itself, each child is called in turn, through
+// and frees them (see DataParallel), and applies the module's parallel
+// style around it (tp/styled_forward.hpp). The same code runs under every
+// strategy and plan: any other module is simply called. On a Sequential
+// that is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
   requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
   return DataParallel::unit_call(
-      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
+      unit.ptr().get(),
+      [&unit](auto&&... a) {
+        return detail::tp::styled_forward(
+            *unit.ptr(), [&unit](auto&&... b) { return unit->forward(std::forward<decltype(b)>(b)...); },
+            std::forward<decltype(a)>(a)...);
+      },
       std::forward<Args>(args)...);
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
@@ -11872,7 +12576,13 @@ inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) 
     return DataParallel::unit_call(
         sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
   for (auto& child : *sequential)
-    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
+    x = DataParallel::unit_call(
+        child.ptr().get(),
+        [&child](const at::Tensor& in) {
+          return detail::tp::styled_forward(
+              *child.ptr(), [&child](const at::Tensor& i) { return child.forward(i); }, in);
+        },
+        x);
   return x;
 }
 

@@ -52,8 +52,8 @@ struct TpBlockImpl : torch::nn::Module {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
     up = register_module("up", accel::tp::ColumnParallelLinear(
                                    accel::tp::ColumnParallelLinearOptions(kHidden, kFfn).sequence_parallel(sp)));
-    down = register_module("down", accel::tp::RowParallelLinear(
-                                       accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(sp)));
+    down = register_module(
+        "down", accel::tp::RowParallelLinear(accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(sp)));
   }
   at::Tensor forward(const at::Tensor& h) { return h + down(torch::gelu(up(norm(h)))); }
   torch::nn::LayerNorm norm{nullptr};
@@ -64,13 +64,15 @@ TORCH_MODULE(TpBlock);
 
 struct TpModelImpl : torch::nn::Module {
   explicit TpModelImpl(bool sp) {
-    embed = register_module("embed", accel::tp::VocabParallelEmbedding(
-                                         accel::tp::VocabParallelEmbeddingOptions(kVocab, kHidden).sequence_parallel(sp)));
+    embed =
+        register_module("embed", accel::tp::VocabParallelEmbedding(
+                                     accel::tp::VocabParallelEmbeddingOptions(kVocab, kHidden).sequence_parallel(sp)));
     for (int64_t i = 0; i < kBlocks; ++i) blocks->push_back(TpBlock(sp));
     register_module("blocks", blocks);
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
-    head = register_module("head", accel::tp::ColumnParallelLinear(
-                                       accel::tp::ColumnParallelLinearOptions(kHidden, kVocab).bias(false).sequence_parallel(sp)));
+    head = register_module(
+        "head", accel::tp::ColumnParallelLinear(
+                    accel::tp::ColumnParallelLinearOptions(kHidden, kVocab).bias(false).sequence_parallel(sp)));
     head->tie_weight(embed->weight);  // one tensor: the embedding's rows are the head's
   }
   TpBlockImpl& block(int64_t i) { return *blocks[i]->as<TpBlockImpl>(); }
@@ -188,8 +190,9 @@ TEST_SUITE("ranks") {
     release_world();
   }
 
-  TEST_CASE("tensor parallelism: gather_output and a whole input to the row layer; new layers hold the pieces of "
-            "torch::nn's") {
+  TEST_CASE(
+      "tensor parallelism: gather_output and a whole input to the row layer; new layers hold the pieces of "
+      "torch::nn's") {
     const int P = accel::get_world_size();
     fresh({.tp_size = P});
     const int r = accel::DistributedInterface::instance().get_rank(accel::Dim::TP);
@@ -255,8 +258,9 @@ TEST_SUITE("ranks") {
     release_world();
   }
 
-  TEST_CASE("tensor parallelism: dropout draws one mask for the whole activation, one process's, whichever piece a "
-            "rank holds") {
+  TEST_CASE(
+      "tensor parallelism: dropout draws one mask for the whole activation, one process's, whichever piece a "
+      "rank holds") {
     const int P = accel::get_world_size();
     auto& d = fresh({.tp_size = P});
     const int r = d.get_rank(accel::Dim::TP);
@@ -272,8 +276,8 @@ TEST_SUITE("ranks") {
       const at::Tensor piece_in = x.chunk(P, dim)[r].clone().requires_grad_(true);
       const at::Tensor mine = accel::tp::dropout(piece_in, 0.3, true, dim);
       CHECK(at::equal(mine, expected.chunk(P, dim)[r]));  // bit for bit one process's piece
-      CHECK(at::equal(torch::rand({4}), expected_next));   // and the generator moved as one process's did
-      mine.sum().backward();  // the gradient: the kept elements' scale, zero elsewhere
+      CHECK(at::equal(torch::rand({4}), expected_next));  // and the generator moved as one process's did
+      mine.sum().backward();                              // the gradient: the kept elements' scale, zero elsewhere
       CHECK(at::equal(piece_in.grad(), (expected.chunk(P, dim)[r] != 0).to(at::kFloat) / 0.7f));
     }
     // Replicated: torch::dropout's mask, the same on every rank.
@@ -289,8 +293,9 @@ TEST_SUITE("ranks") {
     release_world();
   }
 
-  TEST_CASE("tensor parallelism: the Accelerator trains tp layers beside data parallelism as one process does "
-            "(accumulation, clipping; sequence parallelism too)") {
+  TEST_CASE(
+      "tensor parallelism: the Accelerator trains tp layers beside data parallelism as one process does "
+      "(accumulation, clipping; sequence parallelism too)") {
     const int P = accel::get_world_size();
     const int tp = P % 2 == 0 ? 2 : P, dp = P / tp;  // (2, 1), (2, 2) at 2 and 4 processes; tp = P at 1 and 3
     for (const bool sp : {false, true}) {
@@ -328,7 +333,8 @@ TEST_SUITE("ranks") {
         targets.index_put_({0, torch::indexing::Slice(0, 3)}, -100);
         // One process: the mean of the data ranks' losses, over the accumulation's micro-batches.
         at::Tensor reference = at::zeros({}, at::kDouble);
-        for (int k = 0; k < dp; ++k) reference = reference + whole->forward(ids.narrow(0, 2 * k, 2), targets.narrow(0, 2 * k, 2));
+        for (int k = 0; k < dp; ++k)
+          reference = reference + whole->forward(ids.narrow(0, 2 * k, 2), targets.narrow(0, 2 * k, 2));
         (reference / dp / 2).backward();
         auto guard = accelerator.accumulate(model);
         const at::Tensor loss = model->forward(ids.narrow(0, 2 * data_rank, 2), targets.narrow(0, 2 * data_rank, 2));
@@ -356,7 +362,7 @@ TEST_SUITE("ranks") {
                                     ": checkpoints of tensor-parallel pieces are not written or read yet";
         CHECK_THROWS_WITH_AS(accelerator.save_state(std::filesystem::temp_directory_path() / "accel_tp_never"),
                              not_yet.c_str(), std::invalid_argument);
-        const std::string not_gathered = "accel::save_model: the model holds accel::tp layers split over " +
+        const std::string not_gathered = "accel::save_model: the model holds tensor-parallel layers split over " +
                                          std::to_string(tp) +
                                          " ranks ('embed' and 5 more); their pieces are not gathered or scattered "
                                          "by it yet";
@@ -457,8 +463,7 @@ void train_tp_as_python(const std::string& dir, const std::string& mode) {
   {
     const at::NoGradGuard no_grad;
     for (const auto& named : tp->named_parameters())
-      if (!split_dim(named.key()) && !named.key().ends_with("down.bias"))
-        named.value().copy_(start.at(named.key()));
+      if (!split_dim(named.key()) && !named.key().ends_with("down.bias")) named.value().copy_(start.at(named.key()));
   }
   torch::optim::AdamW optimizer(accel::detail::unique_tensors(tp->parameters()),
                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -503,8 +508,9 @@ TEST_SUITE("python_tp" * doctest::skip()) {
     REQUIRE(dir != nullptr);
     REQUIRE(modes != nullptr);
     std::istringstream names(modes);
-    int trained = 0;
-    for (std::string mode; names >> mode; ++trained) train_tp_as_python(dir, mode);
-    REQUIRE(trained > 0);
+    int named = 0;
+    for (std::string mode; names >> mode; ++named)  // (plan_ modes: test_training_tp_plan.cpp's)
+      if (!mode.starts_with("plan_")) train_tp_as_python(dir, mode);
+    REQUIRE(named > 0);
   }
 }

@@ -30,7 +30,12 @@
 #include "accel/training/tp/embedding.hpp"
 #include "accel/training/tp/cross_entropy.hpp"
 #include "accel/training/tp/dropout.hpp"
+#include "accel/training/tp/styles.hpp"
+#include "accel/training/tp/registry.hpp"
+#include "accel/training/tp/pieces.hpp"
 #include "accel/training/tp/sequence_parallel.hpp"
+#include "accel/training/tp/styled_forward.hpp"
+#include "accel/training/tp/plan.hpp"
 
 // precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy
 #include "accel/training/precision/autocast.hpp"

@@ -17,6 +17,10 @@ MODE, both with tp = the world, parallelize_module with torchtitan's styles:
   tp_sp  the same with sequence parallelism: the embedding's and the downs' outputs
          Shard(1), the ups' and the head's inputs Shard(1), every norm SequenceParallel
 
+  plan_tp, plan_tp_sp  accel.hpp's side only: the same plan applied to a plain C++ model
+         through accel::tp::parallelize_module (tests/test_training_tp_plan.cpp), compared
+         with Python's tp and tp_sp (Python has one way; it trains those)
+
 Both sides start from DIR/init.safetensors, run STEPS AdamW steps on DIR/batches.safetensors
 (ids and targets, [steps, batch, sequence], the same on every rank) and write each step's
 loss and the trained whole parameters: Python DIR/py_MODE_WORLD.safetensors, accel.hpp
@@ -166,11 +170,16 @@ def train(root, mode):
                   os.path.join(root, f"py_{mode}_{world}_counts.safetensors"))
 
 
+def python_mode(mode):
+    """The Python run a mode is compared with: plan_tp is Python's tp, plan_tp_sp its tp_sp."""
+    return mode.removeprefix("plan_")
+
+
 def compare(root, mode, world):
     reference = fresh_model(root)
     one = run_steps(reference, load_file(os.path.join(root, "batches.safetensors")), False)
     ours = load_file(os.path.join(root, f"cpp_{mode}_{world}.safetensors"))
-    python = load_file(os.path.join(root, f"py_{mode}_{world}.safetensors"))
+    python = load_file(os.path.join(root, f"py_{python_mode(mode)}_{world}.safetensors"))
     for side, got in (("Python", python), ("accel.hpp", ours)):
         losses = got["losses"].tolist()
         assert len(losses) == STEPS, f"{side}: {len(losses)} losses"
@@ -185,7 +194,7 @@ def compare(root, mode, world):
         worst = (ours[name] - python[name]).abs().max().item()
         assert worst <= 1e-10, f"{name}: accel.hpp and Python differ by {worst:.3e}"
     ours_n = int(load_file(os.path.join(root, f"cpp_{mode}_{world}_counts.safetensors"))["collectives"])
-    python_n = int(load_file(os.path.join(root, f"py_{mode}_{world}_counts.safetensors"))["collectives"])
+    python_n = int(load_file(os.path.join(root, f"py_{python_mode(mode)}_{world}_counts.safetensors"))["collectives"])
     print(f"{mode} on {world}: losses and parameters after {STEPS} AdamW steps equal one process's (1e-12 and "
           f"1e-10) on both sides; collectives per step: accel.hpp {ours_n}, Python {python_n}")
     assert ours_n <= python_n, f"accel.hpp issues {ours_n} collectives per step, Python {python_n}"
@@ -197,7 +206,7 @@ def main():
         make_data(root)
     elif command == "train":
         dist.init_process_group("gloo")
-        for mode in sys.argv[3:]:
+        for mode in dict.fromkeys(python_mode(m) for m in sys.argv[3:]):  # each Python run once, in order
             train(root, mode)
         leave_without_teardown()
     elif command == "compare":

@@ -9,7 +9,7 @@
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/precision/grad_scaler.hpp"
 #include "accel/training/data/loader_state.hpp"
-#include "accel/training/tp/layer.hpp"
+#include "accel/training/tp/pieces.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

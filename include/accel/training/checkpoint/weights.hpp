@@ -7,7 +7,7 @@
 
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/io/safetensors.hpp"
-#include "accel/training/tp/layer.hpp"
+#include "accel/training/tp/pieces.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 

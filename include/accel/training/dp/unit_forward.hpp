@@ -1,23 +1,31 @@
-// accel/training/dp/unit_forward.hpp: accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered.
+// accel/training/dp/unit_forward.hpp: accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style.
 #pragma once
 
 #include "accel/training/dp/data_parallel.hpp"
+#include "accel/training/tp/styled_forward.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
-// FULL_SHARD's unit boundary. LibTorch modules have no forward hooks, so in
-// a model's forward a unit is called as
+// The call that stands for a forward hook. LibTorch modules have none, so
+// in a model's forward a module that FULL_SHARD makes a unit, or that a
+// tensor-parallel plan styles (tp::parallelize_module), is called as
 //     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
 // which gathers the unit's parameters from their shards, runs its forward
-// and frees them (see DataParallel). The same code runs under every
-// strategy: a module that is no unit is simply called. On a Sequential that
-// is not a unit itself, each child is called in turn, through
+// and frees them (see DataParallel), and applies the module's parallel
+// style around it (tp/styled_forward.hpp). The same code runs under every
+// strategy and plan: any other module is simply called. On a Sequential
+// that is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
   requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
   return DataParallel::unit_call(
-      unit.ptr().get(), [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); },
+      unit.ptr().get(),
+      [&unit](auto&&... a) {
+        return detail::tp::styled_forward(
+            *unit.ptr(), [&unit](auto&&... b) { return unit->forward(std::forward<decltype(b)>(b)...); },
+            std::forward<decltype(a)>(a)...);
+      },
       std::forward<Args>(args)...);
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
@@ -25,7 +33,13 @@ inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) 
     return DataParallel::unit_call(
         sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
   for (auto& child : *sequential)
-    x = DataParallel::unit_call(child.ptr().get(), [&child](const at::Tensor& in) { return child.forward(in); }, x);
+    x = DataParallel::unit_call(
+        child.ptr().get(),
+        [&child](const at::Tensor& in) {
+          return detail::tp::styled_forward(
+              *child.ptr(), [&child](const at::Tensor& i) { return child.forward(i); }, in);
+        },
+        x);
   return x;
 }
 

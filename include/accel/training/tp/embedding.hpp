@@ -16,6 +16,36 @@
 
 ACCEL_NAMESPACE_BEGIN
 
+namespace detail::tp {
+// This rank's part of looking up `ids` in a table split by rows: the rows
+// of the ids in [vocab_start, vocab_start + rows of `piece`), zeros for the
+// rest (the group's sum is the whole lookup). An id outside the vocabulary
+// would look up nothing on every rank and give a row of zeros:
+// torch::nn::Embedding's error instead. The ids are whole on every rank, so
+// the check needs no collective; on a GPU it is asynchronous (a device-side
+// assertion, no wait for the values). `padding_idx` (whole-table numbering)
+// gets no gradient, as torch::nn::Embedding's.
+inline at::Tensor vocab_piece_lookup(const at::Tensor& ids, const at::Tensor& piece, int64_t vocab_start,
+                                     int64_t num_embeddings, std::optional<int64_t> padding_idx, const char* who) {
+  if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
+    throw InvalidArgument(std::string("accel::tp::") + who + ": token ids must be integers, got " +
+                          describe_tensor(ids));
+  if (ids.numel() > 0)
+    require_valid_ids(ids.ge(0).logical_and(ids.lt(num_embeddings)).all(), [&] {
+      return std::string("accel::tp::") + who + ": token ids must lie in [0, " + std::to_string(num_embeddings) +
+             "), got ids from " + std::to_string(ids.min().item<int64_t>()) + " to " +
+             std::to_string(ids.max().item<int64_t>());
+    });
+  const int64_t rows = piece.size(0);
+  const at::Tensor outside = ids.lt(vocab_start).logical_or(ids.ge(vocab_start + rows));
+  const at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
+  auto options = torch::nn::functional::EmbeddingFuncOptions();
+  if (padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows)
+    options.padding_idx(*padding_idx - vocab_start);
+  return torch::nn::functional::embedding(local, piece, options).masked_fill(outside.unsqueeze(-1), 0);
+}
+}  // namespace detail::tp
+
 namespace tp {
 struct VocabParallelEmbeddingOptions {
   VocabParallelEmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
@@ -44,13 +74,8 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   // -> [..., embedding_dim], summed over the group; under sequence_parallel,
   // this rank's piece of sequence_dim.
   at::Tensor forward(const at::Tensor& ids) {
-    if (!at::isIntegralType(ids.scalar_type(), /*includeBool=*/false))
-      throw InvalidArgument("accel::tp::VocabParallelEmbedding: token ids must be integers, got " +
-                            detail::describe_tensor(ids));
-    check_ids(ids);
-    const at::Tensor outside = ids.lt(vocab_start_).logical_or(ids.ge(vocab_start_ + weight.size(0)));
-    const at::Tensor local = (ids - vocab_start_).masked_fill(outside, 0);
-    const at::Tensor mine = torch::nn::functional::embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0);
+    const at::Tensor mine = detail::tp::vocab_piece_lookup(ids, weight, vocab_start_, options.num_embeddings(),
+                                                           std::nullopt, "VocabParallelEmbedding");
     return options.sequence_parallel()
                ? tp::reduce_scatter_to_sequence_parallel_region(mine, options.sequence_dim(), group())
                : tp::reduce_from_parallel_region(mine, group());
@@ -73,18 +98,6 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
   at::Tensor weight;  // [num_embeddings / tp, embedding_dim]
 
  private:
-  // An id outside the vocabulary would look up nothing on every rank and
-  // give a row of zeros: torch::nn::Embedding's error instead. The ids are
-  // whole on every rank, so the check needs no collective; on a GPU it is
-  // asynchronous (a device-side assertion, no wait for the values).
-  void check_ids(const at::Tensor& ids) const {
-    if (ids.numel() == 0) return;
-    detail::tp::require_valid_ids(ids.ge(0).logical_and(ids.lt(options.num_embeddings())).all(), [&] {
-      return "accel::tp::VocabParallelEmbedding: token ids must lie in [0, " +
-             std::to_string(options.num_embeddings()) + "), got ids from " + std::to_string(ids.min().item<int64_t>()) +
-             " to " + std::to_string(ids.max().item<int64_t>());
-    });
-  }
   int64_t vocab_start_ = 0;
 };
 TORCH_MODULE(VocabParallelEmbedding);

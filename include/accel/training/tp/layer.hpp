@@ -62,62 +62,6 @@ class ParallelLayer {
  private:
   GroupPtr group_;
 };
-
-// What of a module the accel::tp layers split over a group of more than one
-// rank: the group, the split parameters (each a piece of a larger tensor;
-// everything else of the module is whole on every rank), and the layers by
-// qualified name ("" for the module itself), for errors. Empty (no group)
-// without such layers. Layers split over different groups are an error.
-struct SplitTensors {
-  GroupPtr group;
-  std::unordered_set<const c10::TensorImpl*> parameters;
-  std::vector<std::string> layers;
-  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
-};
-inline SplitTensors split_tensors(const torch::nn::Module& module) {
-  SplitTensors split;
-  const auto visit = [&](const std::string& name, const torch::nn::Module& m) {
-    const auto* layer = dynamic_cast<const ParallelLayer*>(&m);
-    if (!layer || layer->tp_size() == 1) return;
-    if (split.group && layer->group() != split.group)
-      throw InvalidArgument("accel::tp: the layer '" + name + "' is split over another group than '" +
-                            split.layers.front() + "'");
-    split.group = layer->group();
-    split.layers.push_back(name);
-    for (const auto& p : layer->split_parameters()) split.parameters.insert(p.unsafeGetTensorImpl());
-  };
-  visit("", module);
-  for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
-  return split;
-}
-// Copies tp rank 0's values of the tensors of `module` that `split` does not
-// hold (norms, a row layer's bias, buffers: whole on every rank) to the other
-// ranks of its tp group, in one broadcast. Data parallelism starts each
-// dp_cp group from its own first rank; without this, ranks of one tp group
-// could start with different copies of a tensor that must be the same on all
-// of them, and stay so. Nothing without split layers.
-inline void broadcast_whole_tensors(const torch::nn::Module& module, const SplitTensors& split) {
-  if (!split.group) return;
-  std::vector<at::Tensor> whole;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  auto keep = [&](const at::Tensor& t) {
-    if (t.defined() && !split.contains(t) && seen.insert(t.unsafeGetTensorImpl()).second) whole.push_back(t);
-  };
-  for (const auto& p : module.parameters()) keep(p);
-  for (const auto& b : module.buffers()) keep(b);
-  if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
-}
-// Refuses a module holding split accel::tp layers where `what` would take
-// each process's parameters for whole ones (writing rank 0's pieces as the
-// model, or loading whole tensors into pieces): the error names one layer.
-inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
-  const SplitTensors split = split_tensors(module);
-  if (!split.group) return;
-  throw InvalidArgument(what + ": the model holds accel::tp layers split over " +
-                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
-                        std::to_string(split.layers.size() - 1) +
-                        " more); their pieces are not gathered or scattered by it yet");
-}
 }  // namespace detail::tp
 
 ACCEL_NAMESPACE_END

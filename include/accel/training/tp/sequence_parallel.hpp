@@ -10,17 +10,18 @@
 // such gradient packed together, called once before the optimizer step (and
 // after the last backward of an accumulation: a sum is linear, so summing
 // the accumulated gradient once is the same as summing each).
-// The accel::tp layers name their own partial parameters; a norm's, which
-// no accel::tp layer owns, the caller lists.
+// The accel::tp layers name their own partial parameters, and a plan its
+// SequenceParallel modules' and its row layers' (tp::parallelize_module); a
+// norm no plan styled, the caller lists.
 #pragma once
 
-#include "accel/training/tp/layer.hpp"
+#include "accel/training/tp/pieces.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace tp {
 // Sums over their group the gradients of: the partial parameters of every
-// accel::tp layer in `model` (itself included), and
+// accel::tp layer and styled module in `model` (itself included), and
 // `sequence_parallel_parameters` (each once; a norm's weight and bias, over
 // `group`, null: the process's Dim::TP group). Parameters without a gradient
 // are skipped: every rank of a tensor-parallel group runs the same layers
@@ -54,8 +55,8 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     pack->grads.push_back(grad);
   };
   const auto visit = [&](const torch::nn::Module& module) {
-    if (const auto* layer = dynamic_cast<const detail::tp::ParallelLayer*>(&module))
-      for (const auto& p : layer->partial_parameters()) add(p, layer->group());
+    if (const auto pieces = detail::tp::pieces_of(module))
+      for (const auto& p : pieces->partial) add(p, pieces->group);
   };
   visit(model);
   for (const auto& child : model.modules(/*include_self=*/false)) visit(*child);

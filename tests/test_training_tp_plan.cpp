@@ -1,0 +1,379 @@
+// Training tests, tensor parallelism by plan (accel::tp::parallelize_module): a plain torch::nn model (tied
+// embedding and head, identical pre-norm MLP blocks, a final norm) styled with torchtitan's plan, against the same
+// model in one process, with and without sequence parallelism, at every world size (tp = the world); an
+// attention-like block under PrepareModuleInput whose gathered input also has a reader outside the plan; every
+// plan mistake refused; and, under python_tp, against Python's DTensor with the same plan.
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
+// precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+#include <sstream>
+
+namespace tp_plan_test {
+constexpr int64_t kVocab = 48, kHidden = 10, kFfn = 36, kBatch = 3, kSeq = 12, kBlocks = 2;
+
+// tests/python_ref/tp_ref.py's model, name for name, written as a plain model: every module a plan may style is
+// called through accel::unit_forward (in one process, or unstyled, the module itself).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    up = register_module("up", torch::nn::Linear(kHidden, kFfn));
+    down = register_module("down", torch::nn::Linear(kFfn, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& h) {
+    return h + accel::unit_forward(down, torch::gelu(accel::unit_forward(up, accel::unit_forward(norm, h))));
+  }
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct ModelImpl : torch::nn::Module {
+  ModelImpl() {
+    embed = register_module("embed", torch::nn::Embedding(kVocab, kHidden));
+    for (int64_t i = 0; i < kBlocks; ++i) blocks->push_back(Block());
+    register_module("blocks", blocks);
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(kHidden, kVocab).bias(false)));
+    // Tied as LibTorch users tie: the head's forward reads the embedding's tensor (LibTorch cannot re-register a
+    // parameter; the head's own registered "weight" is left unused, without a gradient).
+    head->weight = embed->weight;
+  }
+  // The logits: under a plan with a column head, this rank's columns of the vocabulary.
+  at::Tensor forward(const at::Tensor& ids) {
+    at::Tensor h = accel::unit_forward(embed, ids);
+    for (const auto& block : *blocks) h = block->as<BlockImpl>()->forward(h);
+    return accel::unit_forward(head, accel::unit_forward(norm, h));
+  }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Model);
+
+// tp_ref.py's plan (torchtitan's styles): without sequence parallelism the activations between blocks are whole;
+// with it they are split along the sequence (Shard(1)) and the norms run on this rank's tokens.
+std::map<std::string, accel::tp::ParallelStyle> plan(bool sp) {
+  using namespace accel::tp;
+  const Layout sequence = sp ? Layout{Shard{1}} : Layout{Replicate{}};
+  std::map<std::string, ParallelStyle> out = {
+      {"embed", RowwiseParallel{.input_layouts = Replicate{}, .output_layouts = sequence}},
+      {"blocks.*.up", ColwiseParallel{.input_layouts = sequence}},
+      {"blocks.*.down", RowwiseParallel{.output_layouts = sequence}},
+      {"head", ColwiseParallel{.input_layouts = sequence, .output_layouts = Shard{-1}}},
+  };
+  if (sp) {
+    out["blocks.*.norm"] = SequenceParallel{};
+    out["norm"] = SequenceParallel{};
+  }
+  return out;
+}
+
+// The dimension the plan splits a parameter along (none: whole on every rank).
+std::optional<int64_t> split_dim(const std::string& name) {
+  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return 0;
+  if (name.ends_with("down.weight")) return 1;
+  return std::nullopt;
+}
+at::Tensor piece(const std::string& name, const at::Tensor& whole, int P, int r) {
+  const auto dim = split_dim(name);
+  return dim ? whole.chunk(P, *dim)[r] : whole;
+}
+// The trained parameters by name, without the head's unused registered weight.
+std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m.named_parameters())
+    if (p.key() != "head.weight") out[p.key()] = p.value();
+  return out;
+}
+Model fresh_model(uint64_t seed) {
+  torch::manual_seed(seed);
+  Model model;
+  model->to(at::kDouble);
+  const at::NoGradGuard no_grad;  // LayerNorm's start is ones and zeros: moved off them, so a wrong gradient shows
+  for (const auto& p : model->named_parameters())
+    if (p.key().find("norm") != std::string::npos) p.value().add_(torch::randn_like(p.value()) * 0.1);
+  return model;
+}
+
+// An attention-like block: PrepareModuleInput gathers its sequence-split input; two column layers read it (their
+// input gradients are this rank's parts: one reduce-scatter for both), and a plain Linear outside the plan reads it
+// too (its gradient is whole on every rank: only this rank's piece is kept); a row layer reduce-scatters the result.
+struct MixerImpl : torch::nn::Module {
+  MixerImpl() {
+    a = register_module("a", torch::nn::Linear(kHidden, kFfn));
+    b = register_module("b", torch::nn::Linear(kHidden, kFfn));
+    out = register_module("out", torch::nn::Linear(kFfn, kHidden));
+    gate = register_module("gate", torch::nn::Linear(kHidden, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& x) {  // x: whole along the sequence (the plan gathered it)
+    const at::Tensor mixed =
+        accel::unit_forward(out, torch::gelu(accel::unit_forward(a, x)) * accel::unit_forward(b, x));
+    // (the gate's whole output, cut to this rank's tokens as the row layer's is; in one process the identity)
+    const at::Tensor gated = torch::tanh(gate(x));
+    return mixed + (group ? accel::tp::scatter_to_sequence_parallel_region(gated, 1, group) : gated);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, out{nullptr}, gate{nullptr};
+  accel::GroupPtr group;  // the tp group; null in the one-process reference, whose scatter is then the identity
+};
+TORCH_MODULE(Mixer);
+
+struct MixerModelImpl : torch::nn::Module {
+  MixerModelImpl() {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kHidden})));
+    mixer = register_module("mixer", Mixer());
+  }
+  at::Tensor forward(const at::Tensor& h) { return h + accel::unit_forward(mixer, accel::unit_forward(norm, h)); }
+  torch::nn::LayerNorm norm{nullptr};
+  Mixer mixer{nullptr};
+};
+TORCH_MODULE(MixerModel);
+
+TEST_SUITE("ranks") {
+  TEST_CASE(
+      "tensor parallelism by plan: parallelize_module trains a plain model as one process does, with and "
+      "without sequence parallelism") {
+    const int P = accel::get_world_size();
+    auto& d = fresh({.tp_size = P});
+    const int r = d.get_rank(accel::Dim::TP);
+    for (const bool sp : {false, true}) {
+      CAPTURE(sp);
+      Model whole = fresh_model(7), model = fresh_model(7);
+      accel::tp::parallelize_module(*model, plan(sp));
+      CHECK(model->head->weight.is_same(model->embed->weight));  // still tied: narrowed once, in place
+      CHECK(model->embed->weight.sizes() == c10::IntArrayRef({kVocab / P, kHidden}));
+      const auto split = accel::detail::tp::split_tensors(*model);
+      CHECK(split.layers.size() == (P > 1 ? 2 * kBlocks + 2 : 0));  // what the Accelerator and save_model see
+      torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      const auto whole_params = by_name(*whole);
+      const auto params = by_name(*model);
+      for (int step = 0; step < 4; ++step) {
+        CAPTURE(step);
+        const at::Tensor ids = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);  // the same on every rank
+        at::Tensor targets = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);
+        targets.index_put_({0, torch::indexing::Slice(0, 3)}, -100);
+        const at::Tensor whole_loss =
+            torch::nn::functional::cross_entropy(whole->forward(ids).reshape({-1, kVocab}), targets.reshape({-1}));
+        const at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(model->forward(ids), targets);
+        CHECK(loss.item<double>() == doctest::Approx(whole_loss.item<double>()).epsilon(1e-12));
+        whole_opt.zero_grad();
+        opt.zero_grad();
+        whole_loss.backward();
+        loss.backward();
+        // The plan knows its SequenceParallel norms and row layers: nothing to list.
+        CHECK(accel::tp::all_reduce_sequence_parallel_gradients(*model) == (sp && P > 1 ? 1 : 0));
+        for (const auto& [name, p] : params) {
+          CAPTURE(name);
+          const at::Tensor expected = piece(name, whole_params.at(name).grad(), P, r);
+          REQUIRE(p.grad().sizes() == expected.sizes());
+          CHECK(at::allclose(p.grad(), expected, 1e-11, 1e-13));
+        }
+        whole_opt.step();
+        opt.step();
+      }
+      for (const auto& [name, p] : params) {
+        CAPTURE(name);
+        CHECK(at::allclose(p, piece(name, whole_params.at(name), P, r), 1e-10, 1e-12));
+      }
+    }
+    release_world();
+  }
+
+  TEST_CASE(
+      "tensor parallelism by plan: PrepareModuleInput's gathered input read by column layers and by a module "
+      "outside the plan; one reduce-scatter for the column layers") {
+    using namespace accel::tp;
+    const int P = accel::get_world_size();
+    auto& d = fresh({.tp_size = P});
+    const int r = d.get_rank(accel::Dim::TP);
+    const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+    torch::manual_seed(3);
+    MixerModel whole;
+    whole->to(at::kDouble);
+    torch::manual_seed(3);
+    MixerModel model;
+    model->to(at::kDouble);
+    model->mixer->group = group;
+    parallelize_module(*model, {{"norm", SequenceParallel{}},
+                                {"mixer", PrepareModuleInput{{Shard{1}}, {Replicate{}}}},
+                                {"mixer.a", ColwiseParallel{}},
+                                {"mixer.b", ColwiseParallel{}},
+                                {"mixer.out", RowwiseParallel{.output_layouts = Shard{1}}}});
+    const at::Tensor x = torch::randn({kBatch, kSeq, kHidden}, at::kDouble);  // the same on every rank
+    const at::Tensor w = torch::randn({kBatch, kSeq, kHidden}, at::kDouble);
+    const at::Tensor x_whole = x.clone().requires_grad_(true);
+    const at::Tensor x_mine = x.chunk(P, 1)[r].clone().requires_grad_(true);  // the sequence split
+    const at::Tensor y_whole = whole->forward(x_whole);
+    start_sequence(group);
+    const uint64_t before = group->getSequenceNumberForGroup();
+    const at::Tensor y = model->forward(x_mine);
+    CHECK(at::allclose(y, y_whole.chunk(P, 1)[r], 1e-12, 1e-14));
+    (y_whole * w).sum().backward();
+    (y * w.chunk(P, 1)[r]).sum().backward();
+    accel::tp::all_reduce_sequence_parallel_gradients(*model);
+    if (P > 1)  // forward: the gather, the row layer's reduce-scatter; backward: one reduce-scatter (a and b
+                // together; the gate's piece costs nothing), the row layer's all-gather, the scatter's all-gather;
+                // the norm's partial gradients: one all-reduce
+      CHECK(group->getSequenceNumberForGroup() - before == 6);
+    CHECK(at::allclose(x_mine.grad(), x_whole.grad().chunk(P, 1)[r], 1e-12, 1e-14));
+    const auto expected = by_name(*whole);
+    for (const auto& [name, p] : by_name(*model)) {
+      CAPTURE(name);
+      const int64_t dim = name == "mixer.out.weight" ? 1 : 0;
+      const bool split = name.starts_with("mixer.a") || name.starts_with("mixer.b") || name == "mixer.out.weight";
+      const at::Tensor g = expected.at(name).grad();
+      CHECK(at::allclose(p.grad(), split ? g.chunk(P, dim)[r] : g, 1e-12, 1e-14));
+    }
+    release_world();
+  }
+
+  TEST_CASE("tensor parallelism by plan: every plan mistake is refused before anything changes, naming the module") {
+    using namespace accel::tp;
+    const int P = accel::get_world_size();
+    fresh({.tp_size = P});
+    Model model = fresh_model(1);
+    const at::Tensor before = model->embed->weight.detach().clone();
+    if (P > 1) {  // a graph made before the plan, still alive, reads the weights the plan would narrow
+      const at::Tensor kept = model->forward(torch::zeros({1, 2}, at::kLong));
+      CHECK_THROWS_WITH_AS(parallelize_module(*model, plan(false)),
+                           doctest::Contains("an autograd graph made before the plan still reads its weight"),
+                           std::invalid_argument);
+    }
+    CHECK_THROWS_WITH_AS(parallelize_module(*model, {{"blocks.*.upp", ColwiseParallel{}}}),
+                         doctest::Contains("the plan's key 'blocks.*.upp' matches no submodule of the model (its "
+                                           "submodules: 'embed', 'blocks', 'blocks.0'"),
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(
+        parallelize_module(*model, {{"blocks.*.up", ColwiseParallel{}}, {"blocks.0.*", RowwiseParallel{}}}),
+        "accel::tp::parallelize_module: 'blocks.0.up' is matched by the keys 'blocks.*.up' and "
+        "'blocks.0.*'; give each module one style",
+        std::invalid_argument);
+    CHECK_THROWS_WITH_AS(parallelize_module(*model, {{"norm", ColwiseParallel{}}}),
+                         "accel::tp::parallelize_module: 'norm' (ColwiseParallel, key 'norm') applies to a "
+                         "torch::nn::Linear or Embedding; this module is torch::nn::LayerNormImpl",
+                         std::invalid_argument);
+    CHECK_THROWS_WITH_AS(parallelize_module(*model, {{"head", ColwiseParallel{.output_layouts = Shard{1}}}}),
+                         doctest::Contains("its output_layouts Shard(1) must be Shard(-1)"), std::invalid_argument);
+    {
+      torch::nn::Embedding embed(4 * P, 4 * P);
+      torch::nn::Linear head(4 * P, 4 * P);
+      head->weight = embed->weight;  // tied: rows split for the embedding, columns for a row-style head
+      torch::nn::Sequential tied(embed, head);
+      CHECK_THROWS_WITH_AS(
+          parallelize_module(*tied, {{"0", RowwiseParallel{.input_layouts = Replicate{}}}, {"1", RowwiseParallel{}}}),
+          "accel::tp::parallelize_module: '1' and '0' share a weight and split it along different "
+          "dimensions (1 and 0)",
+          std::invalid_argument);
+    }
+    CHECK_THROWS_WITH_AS(parallelize_module(*model, {{"blocks.0", PrepareModuleInput{{Shard{1}}, {}}}}),
+                         doctest::Contains("input_layouts has 1 entries and desired_input_layouts 0"),
+                         std::invalid_argument);
+    if (P > 1) {
+      torch::nn::Linear odd(kHidden, 4 * P + 1);
+      torch::nn::Sequential holder(odd);
+      const std::string uneven = "accel::tp::parallelize_module: '0' (ColwiseParallel, key '0'): out_features " +
+                                 std::to_string(4 * P + 1) + " does not split into " + std::to_string(P) +
+                                 " equal pieces (the tensor-parallel group's size)";
+      CHECK_THROWS_WITH_AS(parallelize_module(*holder, {{"0", ColwiseParallel{}}}), uneven.c_str(),
+                           std::invalid_argument);
+    }
+    CHECK(at::equal(model->embed->weight, before));  // nothing narrowed by a refused plan
+    parallelize_module(*model, plan(false));
+    if (P > 1) {
+      CHECK_THROWS_WITH_AS(parallelize_module(*model, {{"blocks.0.up", ColwiseParallel{}}}),
+                           doctest::Contains("'blocks.0.up' (ColwiseParallel, key 'blocks.0.up') already has a "
+                                             "parallel style"),
+                           std::invalid_argument);
+      // A row layer the plan says gets this rank's piece, given the whole input.
+      const at::Tensor whole_input = torch::zeros({2, kFfn}, at::kDouble);
+      CHECK_THROWS_WITH_AS(accel::unit_forward(model->blocks[0]->as<BlockImpl>()->down, whole_input),
+                           doctest::Contains("a whole input; where the plan gives it whole, say input_layouts = "
+                                             "Replicate()"),
+                           std::invalid_argument);
+      // A styled module called directly: its gradient refused in the backward, with its name.
+      const at::Tensor ids = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);
+      auto& block = *model->blocks[0]->as<BlockImpl>();
+      const at::Tensor h = accel::unit_forward(model->embed, ids);
+      const at::Tensor direct = block.down(torch::gelu(block.up(block.norm(h))));  // around the styles
+      CHECK_THROWS_WITH_AS(direct.sum().backward(),
+                           doctest::Contains("was called directly (module->forward(x) or module(x))"),
+                           std::logic_error);
+      model->zero_grad();
+      // Through unit_forward the same backward passes the watch.
+      const at::Tensor styled = block.forward(accel::unit_forward(model->embed, ids));
+      CHECK_NOTHROW(styled.sum().backward());
+    }
+    release_world();
+  }
+}
+
+}  // namespace tp_plan_test
+
+// Run by tests/python_ref/run_tp.sh (CTest python_tp_*) beside test_training_tp.cpp's Megatron layers: the same
+// start, batches and AdamW as tests/python_ref/tp_ref.py, with the same plan as Python's (modes plan_tp and
+// plan_tp_sp, compared with Python's tp and tp_sp); the files as train_tp_as_python writes them.
+namespace tp_plan_test {
+void train_plan_as_python(const std::string& dir, const std::string& mode) {
+  CAPTURE(mode);
+  REQUIRE((mode == "plan_tp" || mode == "plan_tp_sp"));
+  const bool sp = mode == "plan_tp_sp";
+  const int P = accel::get_world_size();
+  auto& d = fresh({.tp_size = P});
+  const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+  Model model = fresh_model(0);
+  std::map<std::string, at::Tensor> start, batches;
+  for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
+  for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
+  {
+    const at::NoGradGuard no_grad;
+    for (const auto& [name, p] : by_name(*model)) p.copy_(start.at(name));
+  }
+  accel::tp::parallelize_module(*model, plan(sp));
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  std::vector<double> losses;
+  int64_t first_step_collectives = 0;
+  for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {
+    if (step == 0) start_sequence(group);
+    const int64_t before = group->getSequenceNumberForGroup();
+    const at::Tensor loss =
+        accel::tp::vocab_parallel_cross_entropy(model->forward(batches.at("ids")[step]), batches.at("targets")[step]);
+    loss.backward();
+    accel::tp::all_reduce_sequence_parallel_gradients(*model);
+    optimizer.step();
+    optimizer.zero_grad();
+    if (step == 0) first_step_collectives = static_cast<int64_t>(group->getSequenceNumberForGroup()) - before;
+    losses.push_back(loss.item<double>());
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, p] : by_name(*model)) {
+    const auto dim = split_dim(name);
+    out.emplace_back(
+        name, dim ? at::cat(accel::all_gather(p.detach().contiguous(), group).unbind(0), *dim) : p.detach().clone());
+  }
+  out.emplace_back("losses", at::tensor(losses, at::TensorOptions(at::kDouble)));
+  const std::string base = dir + "/cpp_" + mode + "_" + std::to_string(P);
+  if (d.get_rank() == 0) {
+    accel::detail::write_safetensors(base + ".safetensors", out);
+    accel::detail::write_safetensors(base + "_counts.safetensors",
+                                     {{"collectives", at::tensor({first_step_collectives}, at::kLong)}});
+    std::printf("accel.hpp %s on %d: one step's collectives on the tp group: %lld\n", mode.c_str(), P,
+                static_cast<long long>(first_step_collectives));
+  }
+  d.barrier();
+  release_world();
+}
+}  // namespace tp_plan_test
+
+TEST_SUITE("python_tp" * doctest::skip()) {
+  TEST_CASE("train by plan: Python's start and batches in each plan_ mode of ACCEL_TP_MODES") {
+    const char* dir = std::getenv("ACCEL_TP_DIR");
+    const char* modes = std::getenv("ACCEL_TP_MODES");
+    REQUIRE(dir != nullptr);
+    REQUIRE(modes != nullptr);
+    std::istringstream names(modes);
+    for (std::string mode; names >> mode;)
+      if (mode.starts_with("plan_")) tp_plan_test::train_plan_as_python(dir, mode);
+  }
+}
