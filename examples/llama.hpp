@@ -10,6 +10,11 @@
 // all_to_all (each rank then holds every position of H/cp heads), runs as
 // usual on the whole sequence, and exchanges back. accel::autograd's
 // all_to_all carries the gradients back the same way.
+//
+// Tensor parallelism by torchtitan's plan (tp_plan below, applied with
+// accel::tp::parallelize_module): every module the plan styles is called
+// through accel::unit_forward, which applies its style (and, under
+// FULL_SHARD, gathers a unit's parameters); unplanned, it is the module.
 #pragma once
 
 #define ACCEL_TRAINING
@@ -127,11 +132,13 @@ struct AttentionImpl : torch::nn::Module {
         k_proj(register_module("k_proj", linear(c.hidden_size, kv_heads * head_dim))),
         v_proj(register_module("v_proj", linear(c.hidden_size, kv_heads * head_dim))),
         o_proj(register_module("o_proj", linear(heads * head_dim, c.hidden_size))) {}
-  // x: [B, T/cp, hidden] (this rank's slice); cos, sin: [T, head_dim] for the whole sequence.
+  // x: [B, T/cp, hidden] (this rank's slice); cos, sin: [T, head_dim] for the whole sequence. Under the tp
+  // plan the projections hold heads / tp of the heads (q_proj's rows split by head): -1 below counts them.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const accel::GroupPtr& cp) {
     const int64_t B = x.size(0), Tl = x.size(1);
-    at::Tensor q = q_proj(x).view({B, Tl, heads, head_dim}), k = k_proj(x).view({B, Tl, kv_heads, head_dim}),
-               v = v_proj(x).view({B, Tl, kv_heads, head_dim});
+    at::Tensor q = accel::unit_forward(q_proj, x).view({B, Tl, -1, head_dim}),
+               k = accel::unit_forward(k_proj, x).view({B, Tl, -1, head_dim}),
+               v = accel::unit_forward(v_proj, x).view({B, Tl, -1, head_dim});
     if (cp) q = to_heads(q, cp), k = to_heads(k, cp), v = to_heads(v, cp);
     const int64_t T = q.size(1), h = q.size(2), hk = k.size(2);
     q = rotate(q, cos, sin);  // [B, h, T, d]
@@ -145,8 +152,8 @@ struct AttentionImpl : torch::nn::Module {
     scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
     const at::Tensor weights = torch::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
     at::Tensor out = torch::matmul(weights, v).transpose(1, 2);  // [B, T, h, d]
-    if (cp) out = to_sequence(out.contiguous(), cp);             // [B, T/cp, heads, d]
-    return o_proj(out.reshape({B, Tl, heads * head_dim}));
+    if (cp) out = to_sequence(out.contiguous(), cp);             // [B, T/cp, heads (/ tp), d]
+    return accel::unit_forward(o_proj, out.reshape({B, Tl, -1}));
   }
   int64_t heads, kv_heads, head_dim;
   torch::nn::Linear q_proj, k_proj, v_proj, o_proj;
@@ -158,7 +165,10 @@ struct MlpImpl : torch::nn::Module {
       : gate_proj(register_module("gate_proj", linear(c.hidden_size, c.intermediate_size))),
         up_proj(register_module("up_proj", linear(c.hidden_size, c.intermediate_size))),
         down_proj(register_module("down_proj", linear(c.intermediate_size, c.hidden_size))) {}
-  at::Tensor forward(const at::Tensor& x) { return down_proj(torch::silu(gate_proj(x)) * up_proj(x)); }
+  at::Tensor forward(const at::Tensor& x) {
+    return accel::unit_forward(down_proj,
+                               torch::silu(accel::unit_forward(gate_proj, x)) * accel::unit_forward(up_proj, x));
+  }
   torch::nn::Linear gate_proj, up_proj, down_proj;
 };
 TORCH_MODULE(Mlp);
@@ -170,8 +180,8 @@ struct DecoderLayerImpl : torch::nn::Module {
         input_layernorm(register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))),
         post_attention_layernorm(register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps))) {}
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, accel::GroupPtr cp) {
-    const at::Tensor h = x + self_attn(input_layernorm(x), cos, sin, cp);
-    return h + mlp(post_attention_layernorm(h));
+    const at::Tensor h = x + accel::unit_forward(self_attn, accel::unit_forward(input_layernorm, x), cos, sin, cp);
+    return h + accel::unit_forward(mlp, accel::unit_forward(post_attention_layernorm, h));
   }
   Attention self_attn;
   Mlp mlp;
@@ -230,6 +240,36 @@ struct LlamaImpl : torch::nn::Module {  // HF's LlamaForCausalLM
   torch::nn::Linear lm_head;
 };
 TORCH_MODULE(Llama);
+
+// Tensor parallelism: torchtitan's plan for Llama (parallelize_llama) under
+// Hugging Face's names, sequence parallelism included. The residual stream
+// between blocks is split along the sequence (Shard(1)), the norms run on
+// this rank's tokens; attention and the MLP all-gather their input
+// (PrepareModuleInput), q/k/v and gate/up split by rows (heads, features),
+// o and down by columns with a reduce-scatter back to the sequence split;
+// the embedding's rows (the vocabulary) split, the head's rows too: its
+// logits are this rank's columns of the vocabulary, for
+// accel::tp::vocab_parallel_cross_entropy (torch's loss_parallel).
+inline std::map<std::string, accel::tp::ParallelStyle> tp_plan() {
+  using namespace accel::tp;
+  return {
+      {"model.embed_tokens", RowwiseParallel{.input_layouts = Replicate{}, .output_layouts = Shard{1}}},
+      {"model.layers.*.input_layernorm", SequenceParallel{}},
+      {"model.layers.*.self_attn", PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt},
+                                                      {Replicate{}, std::nullopt, std::nullopt}}},
+      {"model.layers.*.self_attn.q_proj", ColwiseParallel{}},
+      {"model.layers.*.self_attn.k_proj", ColwiseParallel{}},
+      {"model.layers.*.self_attn.v_proj", ColwiseParallel{}},
+      {"model.layers.*.self_attn.o_proj", RowwiseParallel{.output_layouts = Shard{1}}},
+      {"model.layers.*.post_attention_layernorm", SequenceParallel{}},
+      {"model.layers.*.mlp", PrepareModuleInput{{Shard{1}}, {Replicate{}}}},
+      {"model.layers.*.mlp.gate_proj", ColwiseParallel{}},
+      {"model.layers.*.mlp.up_proj", ColwiseParallel{}},
+      {"model.layers.*.mlp.down_proj", RowwiseParallel{.output_layouts = Shard{1}}},
+      {"model.norm", SequenceParallel{}},
+      {"lm_head", ColwiseParallel{.input_layouts = Shard{1}, .output_layouts = Shard{-1}}},
+  };
+}
 
 // FULL_SHARD's units (auto_wrap_policy): each decoder layer, the embedding,
 // the final norm and the head.

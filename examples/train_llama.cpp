@@ -15,7 +15,9 @@
 //         --batch (sequences per micro-step, all processes together) --accumulate --steps
 //         --lr --warmup --clip --seed --corpus (a file or directory; default /usr/share/common-licenses)
 //         meshes --mp-replicate --mp-shard --dp --cp (default: everything along mp_shard and dp)
-//         --sharding no_shard|shard_grad_op|full_shard (default full_shard) --mixed-precision no|bf16
+//         --tp N (tensor parallelism, torchtitan's plan with sequence parallelism: llama::tp_plan)
+//         --sharding no_shard|shard_grad_op|full_shard (default full_shard; no_shard with --tp)
+//         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
 //         --dir DIR (checkpoints and logs; default train_llama_run) --save-every N --resume --stop-after N
 //         --export DIR --import DIR --logits FILE (write the logits of a fixed input and stop)
@@ -32,8 +34,8 @@ struct Options {
   llama::Config model;
   int64_t seq = 128, batch = 16, accumulate = 1, steps = 400, warmup = 20, save_every = 0, stop_after = -1, seed = 0;
   double lr = 3e-3, clip = 1.0;
-  int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1;
-  accel::ShardingStrategy sharding = accel::ShardingStrategy::FULL_SHARD;
+  int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1, tp = 1;
+  std::optional<accel::ShardingStrategy> sharding;  // default: FULL_SHARD, or NO_SHARD beside --tp
   std::string mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run", export_dir,
               import_dir, logits;
   bool recompute = false, resume = false;
@@ -67,6 +69,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--mp-shard") o.mp_shard = static_cast<int>(integer());
     else if (arg == "--dp") o.dp = static_cast<int>(integer());
     else if (arg == "--cp") o.cp = static_cast<int>(integer());
+    else if (arg == "--tp") o.tp = static_cast<int>(integer());
     else if (arg == "--sharding") {
       std::string name = value();  // full_shard -> FULL_SHARD, FSDP's spelling
       std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
@@ -151,14 +154,24 @@ void check(const Options& o, int world) {
     fail("--heads " + std::to_string(m.num_attention_heads) + " is not a multiple of --kv-heads " +
          std::to_string(m.num_key_value_heads));
   if (m.head_dim() % 2 != 0) fail("the head size (--hidden / --heads) must be even for rotary embeddings");
-  if (m.num_attention_heads % o.cp != 0 || m.num_key_value_heads % o.cp != 0)
-    fail("Ulysses splits the heads over --cp " + std::to_string(o.cp) + ": --heads " +
+  if (o.tp < 1 || o.cp < 1) fail("--tp and --cp must be at least 1");
+  const int heads_split = o.tp * o.cp;  // tp splits the heads, then Ulysses splits tp's share over cp
+  if (m.num_attention_heads % heads_split != 0 || m.num_key_value_heads % heads_split != 0)
+    fail((o.tp > 1 ? "--tp " + std::to_string(o.tp) + (o.cp > 1 ? " x --cp " : "") : std::string("Ulysses over --cp ")) +
+         (o.cp > 1 ? std::to_string(o.cp) : std::string()) + " splits the heads: --heads " +
          std::to_string(m.num_attention_heads) + " and --kv-heads " + std::to_string(m.num_key_value_heads) +
-         " must both be multiples of it");
+         " must both be multiples of " + std::to_string(heads_split));
   if (o.seq % o.cp != 0)
     fail("--seq " + std::to_string(o.seq) + " is not a multiple of --cp " + std::to_string(o.cp) +
          " (each cp rank holds an equal slice of every sequence)");
-  const int dp = o.dp ? o.dp : world / o.cp;
+  if ((o.seq / o.cp) % o.tp != 0)
+    fail("--seq " + std::to_string(o.seq) + " / --cp " + std::to_string(o.cp) + " is not a multiple of --tp " +
+         std::to_string(o.tp) + " (sequence parallelism splits each rank's slice over tp)");
+  if (o.tp > 1 && (o.save_every > 0 || o.stop_after >= 0 || o.resume || !o.export_dir.empty()))
+    fail("--tp " + std::to_string(o.tp) +
+         ": checkpoints and exports of tensor-parallel pieces are not written yet (--save-every, --stop-after, "
+         "--resume, --export)");
+  const int dp = o.dp ? o.dp : world / (o.cp * o.tp);
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
   if (o.steps < 1 || o.warmup < 1 || o.accumulate < 1) fail("--steps, --warmup and --accumulate must be at least 1");
@@ -208,11 +221,13 @@ int train(Options o) {
   accel::AcceleratorConfig config;
   config.gradient_accumulation_steps = static_cast<int>(o.accumulate);
   config.mixed_precision = o.mixed_precision;
-  config.sharding_strategy = o.sharding;
+  config.sharding_strategy = o.sharding.value_or(o.tp > 1 ? accel::ShardingStrategy::NO_SHARD
+                                                           : accel::ShardingStrategy::FULL_SHARD);
   config.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return llama::is_unit(name); };
   config.distributed.mp_replicate_size = o.mp_replicate;
   if (o.mp_shard) config.distributed.mp_shard_size = o.mp_shard;  // (unset: world / mp_replicate)
   config.distributed.cp_size = o.cp;
+  config.distributed.tp_size = o.tp;
   if (o.dp) config.distributed.dp_size = o.dp;  // (unset: world / cp)
   config.project_config.project_dir = o.dir;
   config.log_with = {"csv", "jsonl"};
@@ -223,10 +238,12 @@ int train(Options o) {
 
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();  // (whole: prepare shards them)
+  // Each rank keeps its pieces of the same whole model (the same seed everywhere), before the optimizer sees them.
+  if (o.tp > 1) accel::tp::parallelize_module(*model, llama::tp_plan());
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.1).betas({0.9, 0.95}));
   auto prepared = accelerator.prepare(model, adamw);
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
-  const int dp = accelerator.num_processes() / o.cp;
+  const int dp = accelerator.num_processes() / (o.cp * o.tp);  // (tp peers read the same sequences)
   auto loader =
       accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
                                       {.batch_size = static_cast<size_t>(o.batch / dp),
@@ -245,7 +262,7 @@ int train(Options o) {
   const accel::DistributedStrategy& mesh = accel::DistributedInterface::instance().strategy();
   accel::print("train_llama:", accelerator.num_processes(), "process(es),",
                accel::to_string(accelerator.sharding_strategy()), "on the model mesh", mesh.mp_replicate_size(), "x",
-               mesh.mp_shard_size(), "- data mesh dp", mesh.dp_size(), "x cp", mesh.cp_size(), "-",
+               mesh.mp_shard_size(), "- data mesh dp", mesh.dp_size(), "x cp", mesh.cp_size(), "- tp", mesh.tp_size(), "-",
                o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters, "parameters - seq",
                o.seq);
   const bool tty = isatty(STDOUT_FILENO);
@@ -267,13 +284,16 @@ int train(Options o) {
       {
         auto autocast = accelerator.autocast();
         const at::Tensor logits = model->forward(ids, cp, o.recompute);
-        loss = torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat),
-                                                    labels.reshape({-1}));
+        // Under tp the logits are this rank's columns of the vocabulary (the loss computed without gathering them).
+        loss = o.tp > 1 ? accel::tp::vocab_parallel_cross_entropy(logits, labels)
+                        : torch::nn::functional::cross_entropy(
+                              logits.reshape({-1, o.model.vocab_size}).to(at::kFloat), labels.reshape({-1}));
       }
       accelerator.backward(loss);
       step_loss += loss.detach();
       ++micro_steps;
       if (!accelerator.sync_gradients()) continue;
+      if (o.tp > 1) accel::tp::all_reduce_sequence_parallel_gradients(*model);  // the norms' partial gradients
       for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
       if (o.clip > 0) accelerator.clip_grad_norm_(model->parameters(), o.clip);
       optimizer.step();
