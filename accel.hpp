@@ -7304,7 +7304,9 @@ struct TwinGatherFunction : torch::autograd::Function<TwinGatherFunction> {
     save_group(ctx, group);
     ctx->saved_data["dim"] = dim;
     at::Tensor whole = gather_along(x, dim, group);
-    at::Tensor twin = whole.alias();
+    // The twin shares the storage but is no view of `whole` (a view would hold `whole` alive, and the
+    // registry, which keeps the twin while `whole` lives, would then keep both, and their graph, forever).
+    at::Tensor twin = whole.detach();
     return {whole, twin};
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -7339,6 +7341,12 @@ class SequenceGatherTwins {
           outputs[0].unsafeGetTensorImpl(),
           std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(outputs[0].getIntrusivePtr()), outputs[1]});
     return outputs[0];
+  }
+  // How many gathered tensors are alive (their twins kept): after a backward, none should be.
+  std::size_t live() const {
+    const std::lock_guard lock(mutex_);
+    return static_cast<std::size_t>(
+        std::count_if(twins_.begin(), twins_.end(), [](const auto& entry) { return !entry.second.first.expired(); }));
   }
   // The twin of `x` when it is such a gathered tensor, else undefined.
   at::Tensor twin_of(const at::Tensor& x) const {

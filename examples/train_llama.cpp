@@ -239,7 +239,12 @@ int train(Options o) {
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();  // (whole: prepare shards them)
   // Each rank keeps its pieces of the same whole model (the same seed everywhere), before the optimizer sees them.
-  if (o.tp > 1) accel::tp::parallelize_module(*model, llama::tp_plan());
+  if (o.tp > 1) {
+    accel::tp::parallelize_module(*model, llama::tp_plan());
+    int64_t mine = 0;  // (AdamW's state follows: two tensors of each parameter's shape)
+    for (const auto& p : model->parameters()) mine += p.numel();
+    accel::print("train_llama: tp", o.tp, "-", mine, "of the", parameters, "parameters on each process");
+  }
   torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(o.lr).weight_decay(0.1).betas({0.9, 0.95}));
   auto prepared = accelerator.prepare(model, adamw);
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);

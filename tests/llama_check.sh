@@ -4,7 +4,8 @@
 #     (dp 1, cp 4) (FULL_SHARD along 4), and with tensor parallelism (torchtitan's plan, sequence parallelism
 #     included, beside NO_SHARD): tp 2 x dp 2 with activation checkpointing, tp 4, tp 2 x cp 2 (Ulysses on tp's
 #     heads), the loss of every step equals one process's on the same global batches (within LOSS_TOLERANCE,
-#     relative: the same sums in another order);
+#     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
+#     the norms are whole);
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients);
 #  3. bad configurations stop before any step, with their reason;
@@ -37,6 +38,13 @@ print(f"llama_check: {sys.argv[4]} against one process over {len(one)} steps: la
 assert len(one) == len(other) == 6 and worst <= tolerance, (one, other)
 PY
 done
+# Tensor parallelism's memory: each process holds 1/tp of the parameters (and of AdamW's state), but the norms.
+python3 - "$dir/tp4.log" <<'PY'
+import re, sys
+mine, whole = map(int, re.search(r"tp 4 - (\d+) of the (\d+) parameters", open(sys.argv[1]).read()).groups())
+print(f"llama_check: tp 4 holds {mine} of {whole} parameters per process ({mine / whole:.4f}; 1/4 = 0.25)")
+assert whole / 4 <= mine <= whole / 4 * 1.05, (mine, whole)
+PY
 
 # 2. Stopped mid-epoch and resumed (an epoch is about 760 steps here), HSDP with cp, and with checkpointing.
 hsdp=(--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2 --steps 8)

@@ -213,6 +213,8 @@ TEST_SUITE("ranks") {
     (y_whole * w).sum().backward();
     (y * w.chunk(P, 1)[r]).sum().backward();
     accel::tp::all_reduce_sequence_parallel_gradients(*model);
+    // The gathered input is freed with the graph that read it (the twin kept for column layers holds none of it).
+    CHECK(accel::detail::tp::SequenceGatherTwins::instance().live() == 0);
     if (P > 1)  // forward: the gather, the row layer's reduce-scatter; backward: one reduce-scatter (a and b
                 // together; the gate's piece costs nothing), the row layer's all-gather, the scatter's all-gather;
                 // the norm's partial gradients: one all-reduce

@@ -1,8 +1,11 @@
 """Python's side of run_llama_bench.sh: the LLaMA of examples/llama.hpp in PyTorch, trained with FSDP2's
 fully_shard on the same model mesh (HSDP on a 2-D one) and the same Ulysses context parallelism on cp
-(torch.distributed.nn.functional.all_to_all_single), AdamW, fp32, Gloo, one thread per process.
+(torch.distributed.nn.functional.all_to_all_single), AdamW, fp32, Gloo, one thread per process; or, with TP
+above 1, with DTensor tensor parallelism over every process: torchtitan's plan (llama::tp_plan's, sequence
+parallelism included) and loss_parallel, no sharding.
 
-    torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS   (dp = world / cp, mp_shard = world / mp_replicate)
+    torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS [TP]
+    (dp = world / cp, mp_shard = world / mp_replicate; with TP > 1: TP = world, MP_REPLICATE and CP 1)
 
 Prints "bench: T tokens/s over steps a-b; peak RSS M MiB" (the largest VmHWM over the processes) on rank 0.
 """
@@ -16,7 +19,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single  # autograd-aware (deprecated in 2.x for _functional_collectives)
 
-LAYERS, HIDDEN, HEADS, KV_HEADS, INTERMEDIATE, SEQ, BATCH, VOCAB = 4, 128, 4, 2, 352, 128, 16, 256
+LAYERS, HIDDEN, INTERMEDIATE, SEQ, BATCH, VOCAB = 4, 128, 352, 128, 16, 256
+# train_llama's 4 heads sharing 2 key/value heads; run_llama_bench.sh's tp set takes 8 and 4 (tp 4 splits them).
+HEADS, KV_HEADS = int(os.environ.get("BENCH_LLAMA_HEADS", "4")), int(os.environ.get("BENCH_LLAMA_KV_HEADS", "2"))
 
 
 def ulysses(x, cp, to_heads):
@@ -49,21 +54,18 @@ def rotate(x, cos, sin):
     return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
 
 
-class Layer(torch.nn.Module):
+class Attention(torch.nn.Module):
     def __init__(self):
         super().__init__()
         d = HIDDEN // HEADS
         self.q, self.k = torch.nn.Linear(HIDDEN, HEADS * d, bias=False), torch.nn.Linear(HIDDEN, KV_HEADS * d, bias=False)
         self.v, self.o = torch.nn.Linear(HIDDEN, KV_HEADS * d, bias=False), torch.nn.Linear(HEADS * d, HIDDEN, bias=False)
-        self.gate, self.up = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False), torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.down = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
-        self.norm1, self.norm2 = RMSNorm(), RMSNorm()
 
-    def forward(self, x, cos, sin, cp):
-        B, Tl, _ = x.shape
+    def forward(self, h, cos, sin, cp):
+        B, Tl, _ = h.shape
         d = HIDDEN // HEADS
-        h = self.norm1(x)
-        q, k, v = self.q(h).view(B, Tl, HEADS, d), self.k(h).view(B, Tl, KV_HEADS, d), self.v(h).view(B, Tl, KV_HEADS, d)
+        # (-1: under tp the projections hold their share of the heads)
+        q, k, v = self.q(h).view(B, Tl, -1, d), self.k(h).view(B, Tl, -1, d), self.v(h).view(B, Tl, -1, d)
         if cp is not None:
             q, k, v = (ulysses(t, cp, True) for t in (q, k, v))
         T, hq, hk = q.shape[1], q.shape[2], k.shape[2]
@@ -74,8 +76,28 @@ class Layer(torch.nn.Module):
         out = (torch.softmax(scores.float(), -1).to(q.dtype) @ v).transpose(1, 2)
         if cp is not None:
             out = ulysses(out.contiguous(), cp, False)
-        x = x + self.o(out.reshape(B, Tl, HEADS * d))
-        return x + self.down(F.silu(self.gate(self.norm2(x))) * self.up(self.norm2(x)))
+        return self.o(out.reshape(B, Tl, -1))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False), torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.down = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+
+    def forward(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = Attention(), Mlp()
+        self.norm1, self.norm2 = RMSNorm(), RMSNorm()
+
+    def forward(self, x, cos, sin, cp):
+        x = x + self.attn(self.norm1(x), cos, sin, cp)
+        return x + self.mlp(self.norm2(x))
 
 
 class Llama(torch.nn.Module):
@@ -105,8 +127,33 @@ def peak_rss_mib():
     return 0.0
 
 
+def tensor_parallel(model, world):
+    """torchtitan's plan for Llama (examples/llama.hpp's llama::tp_plan, this model's names) on a tp mesh of the
+    world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(LAYERS):
+        plan.update({f"layers.{i}.norm1": SequenceParallel(), f"layers.{i}.norm2": SequenceParallel(),
+                     f"layers.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                            desired_input_layouts=(Replicate(), None, None, None)),
+                     f"layers.{i}.attn.q": ColwiseParallel(), f"layers.{i}.attn.k": ColwiseParallel(),
+                     f"layers.{i}.attn.v": ColwiseParallel(),
+                     f"layers.{i}.attn.o": RowwiseParallel(output_layouts=Shard(1)),
+                     f"layers.{i}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                     f"layers.{i}.mlp.gate": ColwiseParallel(), f"layers.{i}.mlp.up": ColwiseParallel(),
+                     f"layers.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1))})
+    return parallelize_module(model, mesh, plan)
+
+
 def main():
     replicate, cp_size, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1
@@ -116,7 +163,10 @@ def main():
     torch.manual_seed(0)
     model = Llama()
     cp, dp_rank, dp = None, 0, world // cp_size
-    if distributed:
+    if tp > 1:
+        assert tp == world and replicate == 1 and cp_size == 1, "bench_llama.py: TP takes the whole world"
+        model, dp = tensor_parallel(model, world), 1
+    elif distributed:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         data_mesh = init_device_mesh("cpu", (dp, cp_size), mesh_dim_names=("dp", "cp"))
@@ -140,8 +190,14 @@ def main():
         ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)[dp_rank * per_dp:(dp_rank + 1) * per_dp]
         x = ids[:, cp_rank * slice_len:(cp_rank + 1) * slice_len]
         y = ids[:, 1 + cp_rank * slice_len:1 + (cp_rank + 1) * slice_len]
-        loss = F.cross_entropy(model(x, cp).reshape(-1, VOCAB).float(), y.reshape(-1))
-        loss.backward()
+        if tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():  # (the logits split over the vocabulary; the backward inside it too)
+                loss = F.cross_entropy(model(x, cp).flatten(0, 1), y.flatten(0, 1))
+                loss.backward()
+        else:
+            loss = F.cross_entropy(model(x, cp).reshape(-1, VOCAB).float(), y.reshape(-1))
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()

@@ -6,23 +6,34 @@
 # process, rounds interleaved (C++ then Python, config by config), medians. Sizes: train_llama's defaults (4
 # layers, hidden 128, 4 heads sharing 2 key/value heads, seq 128, 16 sequences per step). Never part of the test
 # command. Writes llama.csv and llama.md to ACCEL_BENCH_OUT (default tests/bench/results/pip).
+# The set `tp` instead: tensor parallelism at tp 2 and 4 (train_llama --tp, NO_SHARD beside it) against Python's
+# DTensor with the same plan (torchtitan's, sequence parallelism, loss_parallel), into llama_tp.{csv,md}; the
+# model with 8 heads sharing 4 key/value heads on both sides (tp 4 splits them), otherwise the same.
 #
-#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)]
+#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp]
 set -euo pipefail
 rounds=${1:-3}
 steps=${2:-20}
+set=${3:-fsdp}
 top=$(cd "$(dirname "$0")/../.." && pwd)
 build=${ACCEL_BUILD_DIR:-$top/build/pip}
 out=${ACCEL_BENCH_OUT:-$top/tests/bench/results/pip}
 mkdir -p "$out"
 export PATH="$top/build/pip-venv/bin:$PATH" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONWARNINGS=ignore
 cmake --build "$build" --target train_llama accel_launch -j2 > /dev/null
-csv=$out/llama.csv
+base=llama && python_side=python_fsdp2
+heads=()
+if [[ $set == tp ]]; then
+  base=llama_tp && python_side=python_dtensor_tp && heads=(--heads 8 --kv-heads 4)
+  export BENCH_LLAMA_HEADS=8 BENCH_LLAMA_KV_HEADS=4
+fi
+csv=$out/$base.csv
 echo "round,world,mesh,side,tokens_per_s,peak_rss_mib" > "$csv"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-# name world mp_replicate dp cp
-configs=("one 1 1 1 1" "dp2 2 1 2 1" "cp2 2 1 1 2" "dp4 4 1 4 1" "dp2_cp2 4 1 2 2" "hsdp_dp4 4 2 4 1")
+# name world mp_replicate dp cp tp
+configs=("one 1 1 1 1 1" "dp2 2 1 2 1 1" "cp2 2 1 1 2 1" "dp4 4 1 4 1 1" "dp2_cp2 4 1 2 2 1" "hsdp_dp4 4 2 4 1 1")
+[[ $set == tp ]] && configs=("tp2 2 1 1 1 2" "tp4 4 1 1 1 4")
 record() {  # round world mesh side log
   local line
   line=$(grep -E "tokens/s over steps" "$5" | tail -1)
@@ -34,24 +45,26 @@ record() {  # round world mesh side log
 }
 for ((round = 1; round <= rounds; ++round)); do
   for config in "${configs[@]}"; do
-    read -r name world replicate dp cp <<< "$config"
+    read -r name world replicate dp cp tp <<< "$config"
     rm -rf "$scratch/run"
     "$build/tests/accel_launch" --timeout 300 "$world" "$build/examples/train_llama" --steps "$steps" \
-      --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --dir "$scratch/run" > "$scratch/cpp.log" 2>&1
+      --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --tp "$tp" "${heads[@]}" --dir "$scratch/run" \
+      > "$scratch/cpp.log" 2>&1
     record "$round" "$world" "$name" accel "$scratch/cpp.log"
     "$build/tests/accel_launch" --timeout 300 "$world" python3 "$top/tests/bench/bench_llama.py" "$replicate" "$cp" \
-      "$steps" > "$scratch/py.log" 2>&1
-    record "$round" "$world" "$name" python_fsdp2 "$scratch/py.log"
+      "$steps" "$tp" > "$scratch/py.log" 2>&1
+    record "$round" "$world" "$name" "$python_side" "$scratch/py.log"
   done
 done
-python3 - "$csv" "$out/llama.md" "$rounds" "$steps" <<'PY'
+python3 - "$csv" "$out/$base.md" "$rounds" "$steps" "$python_side" <<'PY'
 import collections, csv, os, statistics, sys
 import torch
 rows = collections.defaultdict(list)
 for r in csv.DictReader(open(sys.argv[1])):
     rows[(r["mesh"], int(r["world"]), r["side"])].append((float(r["tokens_per_s"]), float(r["peak_rss_mib"])))
 names = {"one": "one process", "dp2": "dp 2", "cp2": "cp 2 (Ulysses)", "dp4": "dp 4", "dp2_cp2": "dp 2 x cp 2",
-         "hsdp_dp4": "HSDP (2, 2), dp 4"}
+         "hsdp_dp4": "HSDP (2, 2), dp 4", "tp2": "tp 2", "tp4": "tp 4"}
+side = sys.argv[5]
 lines = [f"examples/train_llama against the same model in Python torch {torch.__version__} with FSDP2 (fully_shard per "
          f"layer, embedding, norm and head; the same model mesh) and the same Ulysses exchanges; {os.cpu_count()} cores, "
          f"one thread per process, AdamW, fp32; tokens/s over steps 6-{sys.argv[4]}, medians of {sys.argv[3]} "
@@ -59,8 +72,16 @@ lines = [f"examples/train_llama against the same model in Python torch {torch.__
          "torch's Python modules).", "",
          "| processes | mesh (sharded along the model mesh: FULL_SHARD) | accel tokens/s | Python FSDP2 tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
          "|---:|---|---:|---:|---:|---:|---:|"]
-for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4)]:
-    a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, "python_fsdp2"), [])
+if side == "python_dtensor_tp":
+    lines = [f"examples/train_llama --tp against the same model in Python torch {torch.__version__} with DTensor tensor "
+             "parallelism (parallelize_module with torchtitan's plan, sequence parallelism, loss_parallel; no sharding on "
+             f"either side), 8 heads sharing 4 key/value heads; {os.cpu_count()} cores, one thread per process, AdamW, fp32; tokens/s over steps "
+             f"6-{sys.argv[4]}, medians of {sys.argv[3]} interleaved rounds; peak RSS = the largest VmHWM over the "
+             "processes.", "",
+             "| processes | mesh | accel tokens/s | Python DTensor TP tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4), ("tp2", 2), ("tp4", 4)]:
+    a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, side), [])
     if not a or not p:
         continue
     at, pt = statistics.median(x[0] for x in a), statistics.median(x[0] for x in p)
