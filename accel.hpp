@@ -7213,14 +7213,48 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
+namespace detail::tp {
+// The gradients summed last, each with its version after the sum: a second
+// call before the gradient changes (the Accelerator's backward summed it, and
+// the user's loop asks again) leaves it alone instead of multiplying it by
+// tp. A gradient written since (a new backward, zero_grad) is summed again.
+class SummedGradients {
+ public:
+  static SummedGradients& instance() {
+    static SummedGradients summed;
+    return summed;
+  }
+  bool unchanged_since_summed(const at::Tensor& grad) const {
+    const std::lock_guard lock(mutex_);
+    const auto found = summed_.find(grad.unsafeGetTensorImpl());
+    return found != summed_.end() && found->second.first.lock().get() == grad.unsafeGetTensorImpl() &&
+           found->second.second == grad._version();
+  }
+  void record(const at::Tensor& grad) {
+    const std::lock_guard lock(mutex_);
+    std::erase_if(summed_, [](const auto& entry) { return entry.second.first.expired(); });
+    summed_.insert_or_assign(grad.unsafeGetTensorImpl(),
+                             std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(grad.getIntrusivePtr()),
+                                       static_cast<int64_t>(grad._version())});
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> summed_;
+};
+}  // namespace detail::tp
+
 namespace tp {
 // Sums over their group the gradients of: the partial parameters of every
 // accel::tp layer and styled module in `model` (itself included), and
 // `sequence_parallel_parameters` (each once; a norm's weight and bias, over
 // `group`, null: the process's Dim::TP group). Parameters without a gradient
-// are skipped: every rank of a tensor-parallel group runs the same layers
-// on the same batch, so they are the same on every rank. Returns the number
-// of all-reduces issued. List a norm only where it runs on sequence-split
+// are skipped (every rank of a tensor-parallel group runs the same layers on
+// the same batch, so the same ones everywhere), and so are gradients this
+// function summed that nothing has written since: calling it twice sums
+// once. Returns the number of all-reduces issued. The Accelerator calls it
+// in backward on the steps that sync, for every prepared model with
+// tensor-parallel pieces. List a norm only where it runs on sequence-split
 // activations: on whole (replicated) ones its gradient is already whole on
 // every rank, and summing it would multiply it by tp.
 inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
@@ -7241,7 +7275,7 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
   const auto add = [&](const at::Tensor& parameter, const GroupPtr& over) {
     if (!seen.insert(parameter.unsafeGetTensorImpl()).second || detail::tp::size_of(over) == 1) return;
     const at::Tensor& grad = parameter.grad();
-    if (!grad.defined()) return;
+    if (!grad.defined() || detail::tp::SummedGradients::instance().unchanged_since_summed(grad)) return;
     auto pack = std::find_if(packs.begin(), packs.end(), [&](const Pack& p) {
       return p.group == over && p.dtype == grad.scalar_type() && p.device == grad.device();
     });
@@ -7267,6 +7301,7 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     int64_t offset = 0;
     for (auto& g : pack.grads) {
       g.copy_(packed.narrow(0, offset, g.numel()).view_as(g));
+      detail::tp::SummedGradients::instance().record(g);
       offset += g.numel();
     }
   }
@@ -7635,14 +7670,15 @@ inline void check_plan_entry(PlannedModule& m, int parts) {
   } else {
     throw InvalidArgument(who + " applies to a torch::nn::Linear or Embedding; this module is " + m.module->name());
   }
-  // A graph that already reads a tensor to be narrowed (a forward's output kept from before the plan) holds
-  // the tensor's gradient slot with its whole shape: its backward would fail, or a later one would.
+  // Whatever already holds a tensor's gradient slot holds it with the whole shape: a graph kept from an
+  // earlier forward (its backward would fail), a data-parallel wrapper (its buckets and its view of which
+  // tensors are split would be wrong: Accelerator::prepare or DataParallel made before the plan).
   for (const auto& [tensor, dim] : m.narrowed)
     if (torch::autograd::impl::try_get_grad_accumulator(tensor))
       throw InvalidArgument(who +
-                            ": an autograd graph made before the plan still reads its weight (an output of "
-                            "the model kept from an earlier forward); apply the plan before running the model, "
-                            "or let those tensors go first");
+                            ": its weight's gradient is already wired: an autograd graph of an earlier "
+                            "forward still alive, or a data-parallel wrapper (Accelerator::prepare, "
+                            "DataParallel) made before the plan; apply the plan first");
 }
 }  // namespace detail::tp
 
@@ -17095,6 +17131,11 @@ inline void Accelerator::backward(const at::Tensor& loss) {
     for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
     scaled.backward();
     for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    // Sequence parallelism's partial gradients (those accel::tp layers and a plan know of) summed over tp, on
+    // the steps that sync: the accumulated parts once (summing on the others would count earlier parts again).
+    if (sync_gradients())
+      for (auto& m : prepared_.models)
+        if (m.split.group) tp::all_reduce_sequence_parallel_gradients(*m.module);
   };
   if (join_) step();  // (a joined process stands in for it without calling it)
   else detail::every_process_calls("accel::Accelerator::backward", step);

@@ -298,7 +298,6 @@ int train(Options o) {
       step_loss += loss.detach();
       ++micro_steps;
       if (!accelerator.sync_gradients()) continue;
-      if (o.tp > 1) accel::tp::all_reduce_sequence_parallel_gradients(*model);  // the norms' partial gradients
       for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
       if (o.clip > 0) accelerator.clip_grad_norm_(model->parameters(), o.clip);
       optimizer.step();

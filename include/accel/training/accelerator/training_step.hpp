@@ -2,6 +2,7 @@
 #pragma once
 
 #include "accel/training/accelerator/accelerator.hpp"
+#include "accel/training/tp/sequence_parallel.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -15,6 +16,11 @@ inline void Accelerator::backward(const at::Tensor& loss) {
     for (auto& m : prepared_.models) m.data_parallel->prepare_for_backward();  // (a model not syncing now: nothing)
     scaled.backward();
     for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
+    // Sequence parallelism's partial gradients (those accel::tp layers and a plan know of) summed over tp, on
+    // the steps that sync: the accumulated parts once (summing on the others would count earlier parts again).
+    if (sync_gradients())
+      for (auto& m : prepared_.models)
+        if (m.split.group) tp::all_reduce_sequence_parallel_gradients(*m.module);
   };
   if (join_) step();  // (a joined process stands in for it without calling it)
   else detail::every_process_calls("accel::Accelerator::backward", step);

@@ -121,14 +121,15 @@ inline void check_plan_entry(PlannedModule& m, int parts) {
   } else {
     throw InvalidArgument(who + " applies to a torch::nn::Linear or Embedding; this module is " + m.module->name());
   }
-  // A graph that already reads a tensor to be narrowed (a forward's output kept from before the plan) holds
-  // the tensor's gradient slot with its whole shape: its backward would fail, or a later one would.
+  // Whatever already holds a tensor's gradient slot holds it with the whole shape: a graph kept from an
+  // earlier forward (its backward would fail), a data-parallel wrapper (its buckets and its view of which
+  // tensors are split would be wrong: Accelerator::prepare or DataParallel made before the plan).
   for (const auto& [tensor, dim] : m.narrowed)
     if (torch::autograd::impl::try_get_grad_accumulator(tensor))
       throw InvalidArgument(who +
-                            ": an autograd graph made before the plan still reads its weight (an output of "
-                            "the model kept from an earlier forward); apply the plan before running the model, "
-                            "or let those tensors go first");
+                            ": its weight's gradient is already wired: an autograd graph of an earlier "
+                            "forward still alive, or a data-parallel wrapper (Accelerator::prepare, "
+                            "DataParallel) made before the plan; apply the plan first");
 }
 }  // namespace detail::tp
 
