@@ -7041,13 +7041,10 @@ class CallWatch {
   std::unordered_map<const c10::TensorImpl*, int64_t> marks_;
 };
 
-enum class ModuleKind { linear, embedding, other };
-
 // A module a plan styled, over a group of more than one rank.
 struct Styled {
   std::string name;  // its qualified name in the model the plan was applied to
   accel::tp::ParallelStyle style;
-  ModuleKind kind = ModuleKind::other;
   GroupPtr group;
   std::weak_ptr<const torch::nn::Module> module;
   std::shared_ptr<CallWatch> watch;
@@ -7601,6 +7598,8 @@ inline bool name_matches(const std::string& pattern, const std::string& name) {
   return true;
 }
 
+enum class ModuleKind { linear, embedding, other };
+
 // One matched module and its style, checked; the tensors it narrows with their dimensions.
 struct PlannedModule {
   std::string key, name;
@@ -7744,7 +7743,6 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
     auto styled = std::make_shared<detail::tp::Styled>();
     styled->name = m.name;
     styled->style = m.style;
-    styled->kind = m.kind;
     styled->group = g;
     styled->module = m.module;
     styled->watch = watch;

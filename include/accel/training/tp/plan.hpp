@@ -52,6 +52,8 @@ inline bool name_matches(const std::string& pattern, const std::string& name) {
   return true;
 }
 
+enum class ModuleKind { linear, embedding, other };
+
 // One matched module and its style, checked; the tensors it narrows with their dimensions.
 struct PlannedModule {
   std::string key, name;
@@ -195,7 +197,6 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
     auto styled = std::make_shared<detail::tp::Styled>();
     styled->name = m.name;
     styled->style = m.style;
-    styled->kind = m.kind;
     styled->group = g;
     styled->module = m.module;
     styled->watch = watch;

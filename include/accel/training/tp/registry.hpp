@@ -53,13 +53,10 @@ class CallWatch {
   std::unordered_map<const c10::TensorImpl*, int64_t> marks_;
 };
 
-enum class ModuleKind { linear, embedding, other };
-
 // A module a plan styled, over a group of more than one rank.
 struct Styled {
   std::string name;  // its qualified name in the model the plan was applied to
   accel::tp::ParallelStyle style;
-  ModuleKind kind = ModuleKind::other;
   GroupPtr group;
   std::weak_ptr<const torch::nn::Module> module;
   std::shared_ptr<CallWatch> watch;
