@@ -6700,10 +6700,10 @@ inline at::Tensor vocab_piece_lookup(const at::Tensor& ids, const at::Tensor& pi
   const int64_t rows = piece.size(0);
   const at::Tensor outside = ids.lt(vocab_start).logical_or(ids.ge(vocab_start + rows));
   const at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
-  auto options = torch::nn::functional::EmbeddingFuncOptions();
-  if (padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows)
-    options.padding_idx(*padding_idx - vocab_start);
-  return torch::nn::functional::embedding(local, piece, options).masked_fill(outside.unsqueeze(-1), 0);
+  const bool pads_here = padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows;
+  // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on EmbeddingFuncOptions' copies)
+  return torch::embedding(piece, local, pads_here ? *padding_idx - vocab_start : -1)
+      .masked_fill(outside.unsqueeze(-1), 0);
 }
 }  // namespace detail::tp
 
@@ -7474,12 +7474,10 @@ inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& li
 // A styled Embedding: columns (ColwiseParallel) or rows (RowwiseParallel) of the table.
 inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids) {
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
-    auto options = torch::nn::functional::EmbeddingFuncOptions()
-                       .padding_idx(embedding.options.padding_idx())
-                       .scale_grad_by_freq(embedding.options.scale_grad_by_freq())
-                       .sparse(embedding.options.sparse());
-    at::Tensor mine =
-        torch::nn::functional::embedding(whole_ids(s, ids, col->input_layouts), embedding.weight, options);
+    // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on a chained EmbeddingFuncOptions)
+    const auto& padding = embedding.options.padding_idx();
+    at::Tensor mine = torch::embedding(embedding.weight, whole_ids(s, ids, col->input_layouts), padding ? *padding : -1,
+                                       embedding.options.scale_grad_by_freq(), embedding.options.sparse());
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");

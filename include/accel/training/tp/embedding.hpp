@@ -39,10 +39,10 @@ inline at::Tensor vocab_piece_lookup(const at::Tensor& ids, const at::Tensor& pi
   const int64_t rows = piece.size(0);
   const at::Tensor outside = ids.lt(vocab_start).logical_or(ids.ge(vocab_start + rows));
   const at::Tensor local = (ids - vocab_start).masked_fill(outside, 0);
-  auto options = torch::nn::functional::EmbeddingFuncOptions();
-  if (padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows)
-    options.padding_idx(*padding_idx - vocab_start);
-  return torch::nn::functional::embedding(local, piece, options).masked_fill(outside.unsqueeze(-1), 0);
+  const bool pads_here = padding_idx && *padding_idx >= vocab_start && *padding_idx < vocab_start + rows;
+  // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on EmbeddingFuncOptions' copies)
+  return torch::embedding(piece, local, pads_here ? *padding_idx - vocab_start : -1)
+      .masked_fill(outside.unsqueeze(-1), 0);
 }
 }  // namespace detail::tp
 

@@ -167,12 +167,10 @@ inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& li
 // A styled Embedding: columns (ColwiseParallel) or rows (RowwiseParallel) of the table.
 inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids) {
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
-    auto options = torch::nn::functional::EmbeddingFuncOptions()
-                       .padding_idx(embedding.options.padding_idx())
-                       .scale_grad_by_freq(embedding.options.scale_grad_by_freq())
-                       .sparse(embedding.options.sparse());
-    at::Tensor mine =
-        torch::nn::functional::embedding(whole_ids(s, ids, col->input_layouts), embedding.weight, options);
+    // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on a chained EmbeddingFuncOptions)
+    const auto& padding = embedding.options.padding_idx();
+    at::Tensor mine = torch::embedding(embedding.weight, whole_ids(s, ids, col->input_layouts), padding ? *padding : -1,
+                                       embedding.options.scale_grad_by_freq(), embedding.options.sparse());
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
