@@ -32,8 +32,8 @@ class CallWatch {
     const std::lock_guard lock(mutex_);
     for (const auto& p : parameters) ++marks_[p.unsafeGetTensorImpl()];
   }
-  // Called with each gradient of a watched parameter: true when a styled
-  // call produced it (the marks of this backward are used up).
+  // Called with each gradient of a watched parameter: passes when a styled
+  // call produced it (the marks of this backward are used up), else throws.
   void take(const c10::TensorImpl* parameter) {
     const std::lock_guard lock(mutex_);
     int64_t& marks = marks_[parameter];
