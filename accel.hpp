@@ -53,6 +53,7 @@
 //   training:
 //     accel/training/torch_nn.hpp                        the LibTorch headers the training helpers need (<torch/torch.h>)
 //     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
+//     accel/training/weak_keyed_map.hpp                  a map keyed by a tensor's or module's address that forgets an entry once its object has gone
 //     accel/training/parallel/autograd.hpp               autograd-aware collectives (accel::autograd)
 //     accel/training/tp/regions.hpp                      Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region
 //     accel/training/tp/layer.hpp                        what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients
@@ -6082,6 +6083,70 @@ class ParameterNames {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/weak_keyed_map.hpp ========================================
+// accel/training/weak_keyed_map.hpp: a map keyed by a tensor's or module's address that forgets an entry once its object has gone.
+//
+// Some facts about a tensor or module live beside it rather than in it (the
+// style a plan gave a module, the twin of a gathered activation, the version
+// of a gradient already summed): LibTorch has no slot to hang them on. They
+// are kept by address with a weak reference, so an entry whose object has
+// gone is never found, even when a new object takes its address, and is
+// dropped at the next insertion. Safe to use from several threads.
+
+#include <mutex>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Weak is c10::weak_intrusive_ptr<c10::TensorImpl> (TensorKeyedMap) or
+// std::weak_ptr<const torch::nn::Module> (ModuleKeyedMap).
+template <class Weak, class Value>
+class WeakKeyedMap {
+ public:
+  // Keeps `value` for `object`, replacing what was kept for it.
+  void insert(Weak object, Value value) {
+    const auto alive = object.lock();
+    if (!alive) return;
+    const std::lock_guard lock(mutex_);
+    std::erase_if(entries_, [](const auto& entry) { return entry.second.object.expired(); });
+    entries_.insert_or_assign(static_cast<const void*>(alive.get()), Entry{std::move(object), std::move(value)});
+  }
+  // What is kept for the live object at `address`, if anything.
+  std::optional<Value> find(const void* address) const {
+    const std::lock_guard lock(mutex_);
+    const auto found = entries_.find(address);
+    if (found == entries_.end() || static_cast<const void*>(found->second.object.lock().get()) != address)
+      return std::nullopt;
+    return found->second.value;
+  }
+  // How many entries' objects are alive.
+  std::size_t live() const {
+    const std::lock_guard lock(mutex_);
+    return static_cast<std::size_t>(std::count_if(entries_.begin(), entries_.end(),
+                                                  [](const auto& entry) { return !entry.second.object.expired(); }));
+  }
+
+ private:
+  struct Entry {
+    Weak object;
+    Value value;
+  };
+  mutable std::mutex mutex_;
+  std::unordered_map<const void*, Entry> entries_;
+};
+
+template <class Value>
+using TensorKeyedMap = WeakKeyedMap<c10::weak_intrusive_ptr<c10::TensorImpl>, Value>;
+template <class Value>
+using ModuleKeyedMap = WeakKeyedMap<std::weak_ptr<const torch::nn::Module>, Value>;
+
+inline c10::weak_intrusive_ptr<c10::TensorImpl> weak_tensor(const at::Tensor& tensor) {
+  return c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr());
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/parallel/autograd.hpp =====================================
 // accel/training/parallel/autograd.hpp: autograd-aware collectives (accel::autograd).
 //
@@ -6995,8 +7060,7 @@ ACCEL_NAMESPACE_END
 // torch applies a style through forward hooks; LibTorch modules have none,
 // so a styled module runs through accel::unit_forward, which finds its
 // style here (tp/styled_forward.hpp). The registry keeps each styled module
-// by address with a weak reference: a module that has gone is never found,
-// even when a new one takes its address.
+// by address with a weak reference (detail::ModuleKeyedMap).
 
 #include <mutex>
 
@@ -7056,29 +7120,22 @@ struct Styled {
   bool rowwise() const { return std::holds_alternative<accel::tp::RowwiseParallel>(style); }
 };
 
+// The styled modules, by address (ModuleKeyedMap: a module that has gone is
+// never found, even when a new one takes its address).
 class StyledRegistry {
  public:
   static StyledRegistry& instance() {
     static StyledRegistry registry;
     return registry;
   }
-  void add(const torch::nn::Module* module, std::shared_ptr<const Styled> styled) {
-    const std::lock_guard lock(mutex_);
-    std::erase_if(styled_, [](const auto& entry) { return entry.second->module.expired(); });
-    styled_[module] = std::move(styled);
-  }
+  void add(std::shared_ptr<const Styled> styled) { styled_.insert(styled->module, styled); }
   // The style of `module`, or null.
   std::shared_ptr<const Styled> find(const torch::nn::Module* module) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = styled_.find(module);
-    if (found == styled_.end()) return nullptr;
-    const auto alive = found->second->module.lock();
-    return alive.get() == module ? found->second : nullptr;
+    return styled_.find(module).value_or(nullptr);
   }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<const Styled>> styled_;
+  ModuleKeyedMap<std::shared_ptr<const Styled>> styled_;
 };
 
 // The tensors a styled module holds split (pieces of a larger tensor) and
@@ -7222,22 +7279,14 @@ class SummedGradients {
     return summed;
   }
   bool unchanged_since_summed(const at::Tensor& grad) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = summed_.find(grad.unsafeGetTensorImpl());
-    return found != summed_.end() && found->second.first.lock().get() == grad.unsafeGetTensorImpl() &&
-           found->second.second == grad._version();
+    return summed_.find(grad.unsafeGetTensorImpl()) == static_cast<int64_t>(grad._version());
   }
   void record(const at::Tensor& grad) {
-    const std::lock_guard lock(mutex_);
-    std::erase_if(summed_, [](const auto& entry) { return entry.second.first.expired(); });
-    summed_.insert_or_assign(grad.unsafeGetTensorImpl(),
-                             std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(grad.getIntrusivePtr()),
-                                       static_cast<int64_t>(grad._version())});
+    summed_.insert(detail::weak_tensor(grad), static_cast<int64_t>(grad._version()));
   }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> summed_;
+  TensorKeyedMap<int64_t> summed_;  // each gradient's version after the sum
 };
 }  // namespace detail::tp
 
@@ -7356,7 +7405,7 @@ struct TwinGatherFunction : torch::autograd::Function<TwinGatherFunction> {
 };
 
 // The gathered tensors whose twin a column layer takes, by the gathered
-// tensor's address (checked alive: a freed tensor's address can be reused).
+// tensor's address (TensorKeyedMap: a freed tensor's address can be reused).
 // An entry lives until the next gather after its tensor has gone.
 class SequenceGatherTwins {
  public:
@@ -7366,31 +7415,16 @@ class SequenceGatherTwins {
   }
   at::Tensor gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
     auto outputs = TwinGatherFunction::apply(x, dim, group);
-    const std::lock_guard lock(mutex_);
-    std::erase_if(twins_, [](const auto& entry) { return entry.second.first.expired(); });
-    if (outputs[1].requires_grad())
-      twins_.insert_or_assign(
-          outputs[0].unsafeGetTensorImpl(),
-          std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(outputs[0].getIntrusivePtr()), outputs[1]});
+    if (outputs[1].requires_grad()) twins_.insert(detail::weak_tensor(outputs[0]), outputs[1]);
     return outputs[0];
   }
   // How many gathered tensors are alive (their twins kept): after a backward, none should be.
-  std::size_t live() const {
-    const std::lock_guard lock(mutex_);
-    return static_cast<std::size_t>(
-        std::count_if(twins_.begin(), twins_.end(), [](const auto& entry) { return !entry.second.first.expired(); }));
-  }
+  std::size_t live() const { return twins_.live(); }
   // The twin of `x` when it is such a gathered tensor, else undefined.
-  at::Tensor twin_of(const at::Tensor& x) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = twins_.find(x.unsafeGetTensorImpl());
-    if (found == twins_.end() || found->second.first.lock().get() != x.unsafeGetTensorImpl()) return {};
-    return found->second.second;
-  }
+  at::Tensor twin_of(const at::Tensor& x) const { return twins_.find(x.unsafeGetTensorImpl()).value_or(at::Tensor()); }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::Tensor>> twins_;
+  TensorKeyedMap<at::Tensor> twins_;
 };
 
 // An activation moved from one layout to another (PrepareModuleInput):
@@ -7624,12 +7658,9 @@ inline void check_plan_entry(PlannedModule& m, int parts) {
   }
   if (std::holds_alternative<accel::tp::SequenceParallel>(m.style)) return;
   const bool col = std::holds_alternative<accel::tp::ColwiseParallel>(m.style);
-  // The layout fields a column or row style can meet: the sequence split, or the last dimension.
-  const auto& layouts = col ? std::pair{std::get<accel::tp::ColwiseParallel>(m.style).input_layouts,
-                                        std::get<accel::tp::ColwiseParallel>(m.style).output_layouts}
-                            : std::pair{std::get<accel::tp::RowwiseParallel>(m.style).input_layouts,
-                                        std::get<accel::tp::RowwiseParallel>(m.style).output_layouts};
-  const accel::tp::Layout& last = col ? layouts.second : layouts.first;  // Colwise's output, Rowwise's input
+  // The layout that meets the split dimension: Colwise's output, Rowwise's input.
+  const accel::tp::Layout& last = col ? std::get<accel::tp::ColwiseParallel>(m.style).output_layouts
+                                      : std::get<accel::tp::RowwiseParallel>(m.style).input_layouts;
   if (const auto* shard = std::get_if<accel::tp::Shard>(&last); shard && shard->dim != -1)
     throw InvalidArgument(who + ": its " + (col ? "output_layouts " : "input_layouts ") + describe(last) +
                           " must be Shard(-1) (the last dimension, split by the layer) or Replicate()");
@@ -7752,7 +7783,7 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
       watch->watch(p, styled->who());
       p.register_hook([watch, impl = p.unsafeGetTensorImpl()](const at::Tensor&) { watch->take(impl); });
     }
-    detail::tp::StyledRegistry::instance().add(m.module.get(), std::move(styled));
+    detail::tp::StyledRegistry::instance().add(std::move(styled));
   }
 }
 }  // namespace tp

@@ -4,11 +4,11 @@
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
-#include "training_fixtures.hpp"
+#include "tp_fixtures.hpp"
 #include <sstream>
 
 namespace {
-constexpr int64_t kVocab = 48, kHidden = 10, kFfn = 36, kBatch = 3, kSeq = 12, kBlocks = 2;
+using namespace tp_fixtures;
 
 // The whole model, in one process: a tied embedding and head, identical pre-norm MLP blocks with residuals, a
 // final norm; torch::nn's own layers and loss.
@@ -96,19 +96,6 @@ struct TpModelImpl : torch::nn::Module {
 };
 TORCH_MODULE(TpModel);
 
-// The dimension TpModel splits a parameter along (none: whole on every rank).
-std::optional<int64_t> split_dim(const std::string& name) {
-  if (name == "embed.weight" || name == "head.weight" || name.ends_with("up.weight") || name.ends_with("up.bias"))
-    return 0;
-  if (name.ends_with("down.weight")) return 1;
-  return std::nullopt;
-}
-// The piece of a whole parameter a rank holds under the name `name`, for comparison.
-at::Tensor piece(const std::string& name, const at::Tensor& whole, int P, int r) {
-  const auto dim = split_dim(name);
-  return dim ? whole.chunk(P, *dim)[r] : whole;
-}
-
 // Whole parameters (the one-process model's) loaded into the tensor-parallel model through load_full.
 void load_whole(TpModel& tp, WholeModel& whole) {
   tp->embed->load_full(whole->embed->weight);
@@ -124,14 +111,6 @@ void load_whole(TpModel& tp, WholeModel& whole) {
   tp->norm->bias.copy_(whole->norm->bias);
 }
 
-// The parameters by name; the tied head's weight (LibTorch lists a tensor under each of its names) left to the
-// embedding's, as the one-process model has it once.
-std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters())
-    if (p.key() != "head.weight") out[p.key()] = p.value();
-  return out;
-}
 }  // namespace
 
 TEST_SUITE("ranks") {
@@ -434,68 +413,39 @@ TEST_SUITE("ranks") {
   }
 }
 
-// Run by tests/python_ref/run_tp.sh (CTest python_tp_*) around tests/python_ref/tp_ref.py, which trains the same
-// model with Python's DTensor tensor parallelism (parallelize_module with torchtitan's styles, loss_parallel):
-// skipped otherwise. The same start (DIR/init.safetensors, whole tensors under Python's names), the same batches
-// (DIR/batches.safetensors: ids and targets, [steps, batch, sequence]), AdamW with the same settings; each step's
-// loss and the trained whole parameters go to DIR/cpp_MODE_WORLD.safetensors, and the collectives the first step
-// issues on the tp group (its sequence number) to DIR/cpp_MODE_WORLD_counts.safetensors, for tp_ref.py to compare.
-// MODE: tp, or tp_sp (sequence parallelism).
+// Against tests/python_ref/tp_ref.py (tp_fixtures::PythonRun), which trains the same model with Python's DTensor
+// tensor parallelism (parallelize_module with torchtitan's styles, loss_parallel). MODE: tp, or tp_sp (sequence
+// parallelism).
 namespace {
 void train_tp_as_python(const std::string& dir, const std::string& mode) {
   CAPTURE(mode);
   REQUIRE((mode == "tp" || mode == "tp_sp"));
   const bool sp = mode == "tp_sp";
-  const int P = accel::get_world_size();
-  auto& d = fresh({.tp_size = P});
+  auto& d = fresh({.tp_size = accel::get_world_size()});
   const accel::GroupPtr group = d.get_group(accel::Dim::TP);
   TpModel tp(sp);
   tp->to(at::kDouble);
-  std::map<std::string, at::Tensor> start, batches;
-  for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
-  for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
-  tp->embed->load_full(start.at("embed.weight"));
+  PythonRun run(dir);
+  tp->embed->load_full(run.start.at("embed.weight"));
   for (int64_t i = 0; i < kBlocks; ++i) {
     const std::string b = "blocks." + std::to_string(i) + ".";
-    tp->block(i).up->load_full(start.at(b + "up.weight"), start.at(b + "up.bias"));
-    tp->block(i).down->load_full(start.at(b + "down.weight"), start.at(b + "down.bias"));
+    tp->block(i).up->load_full(run.start.at(b + "up.weight"), run.start.at(b + "up.bias"));
+    tp->block(i).down->load_full(run.start.at(b + "down.weight"), run.start.at(b + "down.bias"));
   }
   {
     const at::NoGradGuard no_grad;
-    for (const auto& named : tp->named_parameters())
-      if (!split_dim(named.key()) && !named.key().ends_with("down.bias")) named.value().copy_(start.at(named.key()));
+    for (const auto& [name, p] : by_name(*tp))
+      if (!split_dim(name) && !name.ends_with("down.bias")) p.copy_(run.start.at(name));
   }
   torch::optim::AdamW optimizer(accel::detail::unique_tensors(tp->parameters()),
                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  std::vector<double> losses;
-  int64_t first_step_collectives = 0;
-  for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {
-    if (step == 0) start_sequence(group);
-    const int64_t before = group->getSequenceNumberForGroup();
-    const at::Tensor loss = tp->forward(batches.at("ids")[step], batches.at("targets")[step]);
+  run.train(optimizer, group, [&](const at::Tensor& ids, const at::Tensor& targets) {
+    at::Tensor loss = tp->forward(ids, targets);
     loss.backward();
     accel::tp::all_reduce_sequence_parallel_gradients(*tp, sp ? tp->norm_parameters() : std::vector<at::Tensor>{});
-    optimizer.step();
-    optimizer.zero_grad();
-    if (step == 0) first_step_collectives = static_cast<int64_t>(group->getSequenceNumberForGroup()) - before;
-    losses.push_back(loss.item<double>());
-  }
-  // The whole parameters: each piece gathered along its split.
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& named : tp->named_parameters()) {
-    const at::Tensor p = named.value().detach();
-    const auto dim = split_dim(named.key());
-    out.emplace_back(named.key(), dim ? at::cat(accel::all_gather(p.contiguous(), group).unbind(0), *dim) : p.clone());
-  }
-  out.emplace_back("losses", at::tensor(losses, at::TensorOptions(at::kDouble)));
-  const std::string base = dir + "/cpp_" + mode + "_" + std::to_string(P);
-  if (d.get_rank() == 0) {
-    accel::detail::write_safetensors(base + ".safetensors", out);
-    accel::detail::write_safetensors(base + "_counts.safetensors",
-                                     {{"collectives", at::tensor({first_step_collectives}, at::kLong)}});
-    std::printf("accel.hpp %s on %d: one step's collectives on the tp group: %lld\n", mode.c_str(), P,
-                static_cast<long long>(first_step_collectives));
-  }
+    return loss;
+  });
+  run.write(mode, *tp, group);
   d.barrier();
   release_world();
 }

@@ -6,11 +6,11 @@
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
-#include "training_fixtures.hpp"
+#include "tp_fixtures.hpp"
 #include <sstream>
 
 namespace tp_plan_test {
-constexpr int64_t kVocab = 48, kHidden = 10, kFfn = 36, kBatch = 3, kSeq = 12, kBlocks = 2;
+using namespace tp_fixtures;
 
 // tests/python_ref/tp_ref.py's model, name for name, written as a plain model: every module a plan may style is
 // called through accel::unit_forward (in one process, or unstyled, the module itself).
@@ -70,23 +70,6 @@ std::map<std::string, accel::tp::ParallelStyle> plan(bool sp) {
   return out;
 }
 
-// The dimension the plan splits a parameter along (none: whole on every rank).
-std::optional<int64_t> split_dim(const std::string& name) {
-  if (name == "embed.weight" || name.ends_with("up.weight") || name.ends_with("up.bias")) return 0;
-  if (name.ends_with("down.weight")) return 1;
-  return std::nullopt;
-}
-at::Tensor piece(const std::string& name, const at::Tensor& whole, int P, int r) {
-  const auto dim = split_dim(name);
-  return dim ? whole.chunk(P, *dim)[r] : whole;
-}
-// The trained parameters by name, without the head's unused registered weight.
-std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& p : m.named_parameters())
-    if (p.key() != "head.weight") out[p.key()] = p.value();
-  return out;
-}
 Model fresh_model(uint64_t seed) {
   torch::manual_seed(seed);
   Model model;
@@ -129,6 +112,20 @@ struct MixerModelImpl : torch::nn::Module {
   Mixer mixer{nullptr};
 };
 TORCH_MODULE(MixerModel);
+
+// An embedding split by columns (each rank holds every token's slice of the features, Megatron's other embedding),
+// with a padding row, read by a projection: a row layer taking the embedding's Shard(-1) output, or, with the
+// embedding's output gathered (Replicate), a plain Linear outside the plan.
+struct ColumnEmbedImpl : torch::nn::Module {
+  ColumnEmbedImpl() {
+    embed = register_module("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(kVocab, kFfn).padding_idx(0)));
+    proj = register_module("proj", torch::nn::Linear(kFfn, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& ids) { return accel::unit_forward(proj, accel::unit_forward(embed, ids)); }
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::Linear proj{nullptr};
+};
+TORCH_MODULE(ColumnEmbed);
 
 TEST_SUITE("ranks") {
   TEST_CASE(
@@ -294,6 +291,44 @@ TEST_SUITE("ranks") {
     release_world();
   }
 
+  TEST_CASE(
+      "tensor parallelism by plan: a column-split embedding (padding row kept) feeds a row layer, or gathered, a "
+      "plain Linear, as one process computes") {
+    using namespace accel::tp;
+    const int P = accel::get_world_size();
+    auto& d = fresh({.tp_size = P});
+    const int r = d.get_rank(accel::Dim::TP);
+    for (const bool row : {true, false}) {
+      CAPTURE(row);
+      torch::manual_seed(11);
+      ColumnEmbed whole;
+      torch::manual_seed(11);
+      ColumnEmbed model;
+      whole->to(at::kDouble);
+      model->to(at::kDouble);
+      std::map<std::string, ParallelStyle> styles = {{"embed", ColwiseParallel{.output_layouts = Replicate{}}}};
+      if (row) styles = {{"embed", ColwiseParallel{}}, {"proj", RowwiseParallel{}}};
+      parallelize_module(*model, styles);
+      CHECK(model->embed->weight.sizes() == c10::IntArrayRef({kVocab, kFfn / P}));
+      at::Tensor ids = torch::randint(kVocab, {kBatch, kSeq}, at::kLong);  // the same on every rank
+      ids.index_put_({0, torch::indexing::Slice(0, 2)}, 0);                // the padding row, read
+      const at::Tensor w = torch::randn({kBatch, kSeq, kHidden}, at::kDouble);
+      const at::Tensor y_whole = whole->forward(ids), y = model->forward(ids);
+      CHECK(at::allclose(y, y_whole, 1e-12, 1e-14));  // whole on every rank, either way
+      (y_whole * w).sum().backward();
+      (y * w).sum().backward();
+      CHECK(model->embed->weight.grad()[0].abs().max().item<double>() == 0.0);  // padding_idx: no gradient
+      const auto expected = by_name(*whole);
+      for (const auto& [name, p] : by_name(*model)) {
+        CAPTURE(name);
+        const bool split = name == "embed.weight" || (row && name == "proj.weight");
+        const at::Tensor g = expected.at(name).grad();
+        CHECK(at::allclose(p.grad(), split ? g.chunk(P, 1)[r] : g, 1e-12, 1e-14));
+      }
+    }
+    release_world();
+  }
+
   TEST_CASE("tensor parallelism by plan: every plan mistake is refused before anything changes, naming the module") {
     using namespace accel::tp;
     const int P = accel::get_world_size();
@@ -377,56 +412,29 @@ TEST_SUITE("ranks") {
 
 }  // namespace tp_plan_test
 
-// Run by tests/python_ref/run_tp.sh (CTest python_tp_*) beside test_training_tp.cpp's Megatron layers: the same
-// start, batches and AdamW as tests/python_ref/tp_ref.py, with the same plan as Python's (modes plan_tp and
-// plan_tp_sp, compared with Python's tp and tp_sp); the files as train_tp_as_python writes them.
+// Against tests/python_ref/tp_ref.py (tp_fixtures::PythonRun) beside test_training_tp.cpp's Megatron layers, with
+// the same plan as Python's (modes plan_tp and plan_tp_sp, compared with Python's tp and tp_sp).
 namespace tp_plan_test {
 void train_plan_as_python(const std::string& dir, const std::string& mode) {
   CAPTURE(mode);
   REQUIRE((mode == "plan_tp" || mode == "plan_tp_sp"));
-  const bool sp = mode == "plan_tp_sp";
-  const int P = accel::get_world_size();
-  auto& d = fresh({.tp_size = P});
+  auto& d = fresh({.tp_size = accel::get_world_size()});
   const accel::GroupPtr group = d.get_group(accel::Dim::TP);
   Model model = fresh_model(0);
-  std::map<std::string, at::Tensor> start, batches;
-  for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
-  for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
+  PythonRun run(dir);
   {
     const at::NoGradGuard no_grad;
-    for (const auto& [name, p] : by_name(*model)) p.copy_(start.at(name));
+    for (const auto& [name, p] : by_name(*model)) p.copy_(run.start.at(name));
   }
-  accel::tp::parallelize_module(*model, plan(sp));
+  accel::tp::parallelize_module(*model, plan(mode == "plan_tp_sp"));
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  std::vector<double> losses;
-  int64_t first_step_collectives = 0;
-  for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {
-    if (step == 0) start_sequence(group);
-    const int64_t before = group->getSequenceNumberForGroup();
-    const at::Tensor loss =
-        accel::tp::vocab_parallel_cross_entropy(model->forward(batches.at("ids")[step]), batches.at("targets")[step]);
+  run.train(optimizer, group, [&](const at::Tensor& ids, const at::Tensor& targets) {
+    at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(model->forward(ids), targets);
     loss.backward();
     accel::tp::all_reduce_sequence_parallel_gradients(*model);
-    optimizer.step();
-    optimizer.zero_grad();
-    if (step == 0) first_step_collectives = static_cast<int64_t>(group->getSequenceNumberForGroup()) - before;
-    losses.push_back(loss.item<double>());
-  }
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& [name, p] : by_name(*model)) {
-    const auto dim = split_dim(name);
-    out.emplace_back(
-        name, dim ? at::cat(accel::all_gather(p.detach().contiguous(), group).unbind(0), *dim) : p.detach().clone());
-  }
-  out.emplace_back("losses", at::tensor(losses, at::TensorOptions(at::kDouble)));
-  const std::string base = dir + "/cpp_" + mode + "_" + std::to_string(P);
-  if (d.get_rank() == 0) {
-    accel::detail::write_safetensors(base + ".safetensors", out);
-    accel::detail::write_safetensors(base + "_counts.safetensors",
-                                     {{"collectives", at::tensor({first_step_collectives}, at::kLong)}});
-    std::printf("accel.hpp %s on %d: one step's collectives on the tp group: %lld\n", mode.c_str(), P,
-                static_cast<long long>(first_step_collectives));
-  }
+    return loss;
+  });
+  run.write(mode, *model, group);
   d.barrier();
   release_world();
 }

@@ -14,11 +14,13 @@
 #ifndef ACCEL_HPP_TRAINING
 #define ACCEL_HPP_TRAINING
 
-// the tier's base: LibTorch, a module's parameters, the Accelerator's configuration, activation checkpointing
+// the tier's base: LibTorch, a module's parameters, the Accelerator's configuration, activation checkpointing,
+// facts kept beside tensors and modules
 #include "accel/training/torch_nn.hpp"
 #include "accel/training/parameters.hpp"
 #include "accel/training/accelerator_config.hpp"
 #include "accel/training/recompute.hpp"
+#include "accel/training/weak_keyed_map.hpp"
 
 // autograd-aware collectives (tensor and context parallelism)
 #include "accel/training/parallel/autograd.hpp"

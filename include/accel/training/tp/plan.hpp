@@ -80,12 +80,9 @@ inline void check_plan_entry(PlannedModule& m, int parts) {
   }
   if (std::holds_alternative<accel::tp::SequenceParallel>(m.style)) return;
   const bool col = std::holds_alternative<accel::tp::ColwiseParallel>(m.style);
-  // The layout fields a column or row style can meet: the sequence split, or the last dimension.
-  const auto& layouts = col ? std::pair{std::get<accel::tp::ColwiseParallel>(m.style).input_layouts,
-                                        std::get<accel::tp::ColwiseParallel>(m.style).output_layouts}
-                            : std::pair{std::get<accel::tp::RowwiseParallel>(m.style).input_layouts,
-                                        std::get<accel::tp::RowwiseParallel>(m.style).output_layouts};
-  const accel::tp::Layout& last = col ? layouts.second : layouts.first;  // Colwise's output, Rowwise's input
+  // The layout that meets the split dimension: Colwise's output, Rowwise's input.
+  const accel::tp::Layout& last = col ? std::get<accel::tp::ColwiseParallel>(m.style).output_layouts
+                                      : std::get<accel::tp::RowwiseParallel>(m.style).input_layouts;
   if (const auto* shard = std::get_if<accel::tp::Shard>(&last); shard && shard->dim != -1)
     throw InvalidArgument(who + ": its " + (col ? "output_layouts " : "input_layouts ") + describe(last) +
                           " must be Shard(-1) (the last dimension, split by the layer) or Replicate()");
@@ -208,7 +205,7 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
       watch->watch(p, styled->who());
       p.register_hook([watch, impl = p.unsafeGetTensorImpl()](const at::Tensor&) { watch->take(impl); });
     }
-    detail::tp::StyledRegistry::instance().add(m.module.get(), std::move(styled));
+    detail::tp::StyledRegistry::instance().add(std::move(styled));
   }
 }
 }  // namespace tp

@@ -3,12 +3,12 @@
 // torch applies a style through forward hooks; LibTorch modules have none,
 // so a styled module runs through accel::unit_forward, which finds its
 // style here (tp/styled_forward.hpp). The registry keeps each styled module
-// by address with a weak reference: a module that has gone is never found,
-// even when a new one takes its address.
+// by address with a weak reference (detail::ModuleKeyedMap).
 #pragma once
 
 #include "accel/training/tp/regions.hpp"
 #include "accel/training/tp/styles.hpp"
+#include "accel/training/weak_keyed_map.hpp"
 
 #include <mutex>
 
@@ -68,29 +68,22 @@ struct Styled {
   bool rowwise() const { return std::holds_alternative<accel::tp::RowwiseParallel>(style); }
 };
 
+// The styled modules, by address (ModuleKeyedMap: a module that has gone is
+// never found, even when a new one takes its address).
 class StyledRegistry {
  public:
   static StyledRegistry& instance() {
     static StyledRegistry registry;
     return registry;
   }
-  void add(const torch::nn::Module* module, std::shared_ptr<const Styled> styled) {
-    const std::lock_guard lock(mutex_);
-    std::erase_if(styled_, [](const auto& entry) { return entry.second->module.expired(); });
-    styled_[module] = std::move(styled);
-  }
+  void add(std::shared_ptr<const Styled> styled) { styled_.insert(styled->module, styled); }
   // The style of `module`, or null.
   std::shared_ptr<const Styled> find(const torch::nn::Module* module) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = styled_.find(module);
-    if (found == styled_.end()) return nullptr;
-    const auto alive = found->second->module.lock();
-    return alive.get() == module ? found->second : nullptr;
+    return styled_.find(module).value_or(nullptr);
   }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, std::shared_ptr<const Styled>> styled_;
+  ModuleKeyedMap<std::shared_ptr<const Styled>> styled_;
 };
 
 // The tensors a styled module holds split (pieces of a larger tensor) and

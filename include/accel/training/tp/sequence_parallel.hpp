@@ -31,22 +31,14 @@ class SummedGradients {
     return summed;
   }
   bool unchanged_since_summed(const at::Tensor& grad) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = summed_.find(grad.unsafeGetTensorImpl());
-    return found != summed_.end() && found->second.first.lock().get() == grad.unsafeGetTensorImpl() &&
-           found->second.second == grad._version();
+    return summed_.find(grad.unsafeGetTensorImpl()) == static_cast<int64_t>(grad._version());
   }
   void record(const at::Tensor& grad) {
-    const std::lock_guard lock(mutex_);
-    std::erase_if(summed_, [](const auto& entry) { return entry.second.first.expired(); });
-    summed_.insert_or_assign(grad.unsafeGetTensorImpl(),
-                             std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(grad.getIntrusivePtr()),
-                                       static_cast<int64_t>(grad._version())});
+    summed_.insert(detail::weak_tensor(grad), static_cast<int64_t>(grad._version()));
   }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, int64_t>> summed_;
+  TensorKeyedMap<int64_t> summed_;  // each gradient's version after the sum
 };
 }  // namespace detail::tp
 

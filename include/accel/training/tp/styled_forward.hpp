@@ -49,7 +49,7 @@ struct TwinGatherFunction : torch::autograd::Function<TwinGatherFunction> {
 };
 
 // The gathered tensors whose twin a column layer takes, by the gathered
-// tensor's address (checked alive: a freed tensor's address can be reused).
+// tensor's address (TensorKeyedMap: a freed tensor's address can be reused).
 // An entry lives until the next gather after its tensor has gone.
 class SequenceGatherTwins {
  public:
@@ -59,31 +59,16 @@ class SequenceGatherTwins {
   }
   at::Tensor gather(const at::Tensor& x, int64_t dim, const GroupPtr& group) {
     auto outputs = TwinGatherFunction::apply(x, dim, group);
-    const std::lock_guard lock(mutex_);
-    std::erase_if(twins_, [](const auto& entry) { return entry.second.first.expired(); });
-    if (outputs[1].requires_grad())
-      twins_.insert_or_assign(
-          outputs[0].unsafeGetTensorImpl(),
-          std::pair{c10::weak_intrusive_ptr<c10::TensorImpl>(outputs[0].getIntrusivePtr()), outputs[1]});
+    if (outputs[1].requires_grad()) twins_.insert(detail::weak_tensor(outputs[0]), outputs[1]);
     return outputs[0];
   }
   // How many gathered tensors are alive (their twins kept): after a backward, none should be.
-  std::size_t live() const {
-    const std::lock_guard lock(mutex_);
-    return static_cast<std::size_t>(
-        std::count_if(twins_.begin(), twins_.end(), [](const auto& entry) { return !entry.second.first.expired(); }));
-  }
+  std::size_t live() const { return twins_.live(); }
   // The twin of `x` when it is such a gathered tensor, else undefined.
-  at::Tensor twin_of(const at::Tensor& x) const {
-    const std::lock_guard lock(mutex_);
-    const auto found = twins_.find(x.unsafeGetTensorImpl());
-    if (found == twins_.end() || found->second.first.lock().get() != x.unsafeGetTensorImpl()) return {};
-    return found->second.second;
-  }
+  at::Tensor twin_of(const at::Tensor& x) const { return twins_.find(x.unsafeGetTensorImpl()).value_or(at::Tensor()); }
 
  private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, at::Tensor>> twins_;
+  TensorKeyedMap<at::Tensor> twins_;
 };
 
 // An activation moved from one layout to another (PrepareModuleInput):
