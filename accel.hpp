@@ -52,8 +52,8 @@
 //     accel/distributed/reproducibility.hpp              set_seed and synchronize_rng_states
 //   training:
 //     accel/training/torch_nn.hpp                        the LibTorch headers the training helpers need (<torch/torch.h>)
-//     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
 //     accel/training/weak_keyed_map.hpp                  a map keyed by a tensor's or module's address that forgets an entry once its object has gone
+//     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
 //     accel/training/parallel/autograd.hpp               autograd-aware collectives (accel::autograd)
 //     accel/training/tp/regions.hpp                      Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region
 //     accel/training/tp/layer.hpp                        what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients
@@ -6026,63 +6026,6 @@ concept module_holder = requires(M& m) { m.ptr(); };
 }  // namespace detail
 ACCEL_NAMESPACE_END
 
-// == accel/training/parameters.hpp ============================================
-// accel/training/parameters.hpp: a module's parameters as Python counts them: each tensor once, known by all its names.
-//
-// LibTorch's Module::parameters() lists a tensor registered in two modules
-// (tied weights: GPT-2's token embedding and head) twice, where Python's
-// parameters() removes the repeats. Stepped, reduced or counted twice, such
-// a weight trains wrongly without a word, so the training helpers take each
-// tensor once, by identity (its TensorImpl), in the order of its first
-// appearance; and an error about a parameter names it by every name it has.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// `tensors` with each tensor once (by identity, in first-appearance order).
-inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> out;
-  std::unordered_set<const c10::TensorImpl*> seen;
-  out.reserve(tensors.size());
-  for (const auto& t : tensors)
-    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
-  return out;
-}
-
-// Each parameter of `module` by its qualified names (state_dict's:
-// "transformer.wte.weight"), all of them for a tied one, in order.
-class ParameterNames {
- public:
-  ParameterNames() = default;
-  explicit ParameterNames(const torch::nn::Module& module) {
-    for (const auto& named : module.named_parameters())
-      names_[named.value().unsafeGetTensorImpl()].push_back(named.key());
-  }
-  // "'transformer.wte.weight'", or for a tied one
-  // "'transformer.wte.weight' (tied: also 'lm_head.weight')"; a tensor
-  // that is no parameter of the module by its shape.
-  std::string describe(const at::Tensor& p) const {
-    const auto found = names_.find(p.unsafeGetTensorImpl());
-    if (found == names_.end() || found->second.empty()) return "of shape " + c10::str(p.sizes());
-    std::string text = "'" + found->second.front() + "'";
-    for (std::size_t i = 1; i < found->second.size(); ++i)
-      text += (i == 1 ? " (tied: also '" : ", '") + found->second[i] + "'";
-    if (found->second.size() > 1) text += ")";
-    return text;
-  }
-  // The first name (empty for a tensor that is no parameter of the module).
-  std::string first(const at::Tensor& p) const {
-    const auto found = names_.find(p.unsafeGetTensorImpl());
-    return found == names_.end() || found->second.empty() ? std::string() : found->second.front();
-  }
-
- private:
-  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_;
-};
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
 // == accel/training/weak_keyed_map.hpp ========================================
 // accel/training/weak_keyed_map.hpp: a map keyed by a tensor's or module's address that forgets an entry once its object has gone.
 //
@@ -6143,6 +6086,93 @@ using ModuleKeyedMap = WeakKeyedMap<std::weak_ptr<const torch::nn::Module>, Valu
 inline c10::weak_intrusive_ptr<c10::TensorImpl> weak_tensor(const at::Tensor& tensor) {
   return c10::weak_intrusive_ptr<c10::TensorImpl>(tensor.getIntrusivePtr());
 }
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/parameters.hpp ============================================
+// accel/training/parameters.hpp: a module's parameters as Python counts them: each tensor once, known by all its names.
+//
+// LibTorch's Module::parameters() lists a tensor registered in two modules
+// (tied weights: GPT-2's token embedding and head) twice, where Python's
+// parameters() removes the repeats. Stepped, reduced or counted twice, such
+// a weight trains wrongly without a word, so the training helpers take each
+// tensor once, by identity (its TensorImpl), in the order of its first
+// appearance; and an error about a parameter names it by every name it has.
+// Under sharding a parameter has a stand-in, the tensor an optimizer steps
+// in its place (StandIns).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// `tensors` with each tensor once (by identity, in first-appearance order).
+inline std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors)
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  return out;
+}
+
+// Each parameter of `module` by its qualified names (state_dict's:
+// "transformer.wte.weight"), all of them for a tied one, in order.
+class ParameterNames {
+ public:
+  ParameterNames() = default;
+  explicit ParameterNames(const torch::nn::Module& module) {
+    for (const auto& named : module.named_parameters())
+      names_[named.value().unsafeGetTensorImpl()].push_back(named.key());
+  }
+  // "'transformer.wte.weight'", or for a tied one
+  // "'transformer.wte.weight' (tied: also 'lm_head.weight')"; a tensor
+  // that is no parameter of the module by its shape.
+  std::string describe(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    if (found == names_.end() || found->second.empty()) return "of shape " + c10::str(p.sizes());
+    std::string text = "'" + found->second.front() + "'";
+    for (std::size_t i = 1; i < found->second.size(); ++i)
+      text += (i == 1 ? " (tied: also '" : ", '") + found->second[i] + "'";
+    if (found->second.size() > 1) text += ")";
+    return text;
+  }
+  // The first name (empty for a tensor that is no parameter of the module).
+  std::string first(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    return found == names_.end() || found->second.empty() ? std::string() : found->second.front();
+  }
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_;
+};
+
+// The tensor standing in for a parameter: a sharded wrapper's shard of it
+// (ZeRO-2/3, dp/shards.hpp), which the optimizer steps instead, and whose
+// gradient, after the data-parallel reduction, is this rank's chunk of the
+// parameter's averaged gradient. Registered here by the wrapper, so that
+// what works on reduced gradients without knowing the wrapper (tensor
+// parallelism's partial sums, tp/sequence_parallel.hpp) finds them; kept
+// weakly (a stand-in that has gone is not found).
+class StandIns {
+ public:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  static StandIns& instance() {
+    static StandIns stand_ins;
+    return stand_ins;
+  }
+  void add(const at::Tensor& parameter, const at::Tensor& stand_in) {
+    stand_ins_.insert(weak_tensor(parameter), Weak(stand_in.getIntrusivePtr()));
+  }
+  // The tensor standing in for `parameter`, else `parameter` itself.
+  at::Tensor of(const at::Tensor& parameter) const {
+    if (const auto found = stand_ins_.find(parameter.unsafeGetTensorImpl()))
+      if (auto alive = found->lock(); alive.defined()) return at::Tensor(std::move(alive));
+    return parameter;
+  }
+
+ private:
+  TensorKeyedMap<Weak> stand_ins_;
+};
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -7272,6 +7302,10 @@ namespace detail::tp {
 // call before the gradient changes (the Accelerator's backward summed it, and
 // the user's loop asks again) leaves it alone instead of multiplying it by
 // tp. A gradient written since (a new backward, zero_grad) is summed again.
+// Gradients that are views of one buffer (a sharded wrapper's shards') share
+// one version counter, so writing one moves the version of all: each call
+// records the versions of everything it summed or found summed at its end,
+// after its own writes.
 class SummedGradients {
  public:
   static SummedGradients& instance() {
@@ -7302,7 +7336,10 @@ namespace tp {
 // in backward on the steps that sync, for every prepared model with
 // tensor-parallel pieces. List a norm only where it runs on sequence-split
 // activations: on whole (replicated) ones its gradient is already whole on
-// every rank, and summing it would multiply it by tp.
+// every rank, and summing it would multiply it by tp. Under sharding
+// (SHARD_GRAD_OP, FULL_SHARD: FSDP + TP) the gradient summed is the
+// shard's, which the optimizer steps: call it after the data-parallel
+// reduction (Accelerator::backward, DataParallel::finish).
 inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
                                                   const std::vector<at::Tensor>& sequence_parallel_parameters = {},
                                                   const GroupPtr& group = {}) {
@@ -7317,11 +7354,19 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     std::vector<at::Tensor> grads;
   };
   std::vector<Pack> packs;
+  std::vector<at::Tensor> summed_before;  // found summed by an earlier call, not written since
   std::unordered_set<const c10::TensorImpl*> seen;
   const auto add = [&](const at::Tensor& parameter, const GroupPtr& over) {
     if (!seen.insert(parameter.unsafeGetTensorImpl()).second || detail::tp::size_of(over) == 1) return;
-    const at::Tensor& grad = parameter.grad();
-    if (!grad.defined() || detail::tp::SummedGradients::instance().unchanged_since_summed(grad)) return;
+    // (under sharding the gradient the optimizer steps is the shard's: the same chunk of the same tensor on
+    // every rank of the tp group, their pieces having the same shapes, and the sum over tp of the averaged
+    // chunks is the averaged chunk of the sum)
+    const at::Tensor grad = detail::StandIns::instance().of(parameter).grad();
+    if (!grad.defined()) return;
+    if (detail::tp::SummedGradients::instance().unchanged_since_summed(grad)) {
+      summed_before.push_back(grad);
+      return;
+    }
     auto pack = std::find_if(packs.begin(), packs.end(), [&](const Pack& p) {
       return p.group == over && p.dtype == grad.scalar_type() && p.device == grad.device();
     });
@@ -7347,10 +7392,12 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     int64_t offset = 0;
     for (auto& g : pack.grads) {
       g.copy_(packed.narrow(0, offset, g.numel()).view_as(g));
-      detail::tp::SummedGradients::instance().record(g);
       offset += g.numel();
     }
   }
+  for (const auto& pack : packs)
+    for (const auto& g : pack.grads) detail::tp::SummedGradients::instance().record(g);
+  for (const auto& g : summed_before) detail::tp::SummedGradients::instance().record(g);
   return static_cast<int>(packs.size());
 }
 }  // namespace tp
@@ -7470,15 +7517,24 @@ inline void check_last_is_sharded(const Styled& s, const accel::tp::Layout& layo
                           " must split the last dimension (Shard(-1)) or be Replicate(), for " + describe_tensor(x));
 }
 
+// Where a styled module's own tensors are read: `in_unit(compute, x)` runs
+// compute(x) inside the module's FULL_SHARD unit (its parameters gathered;
+// plainly compute(x) when it is none). What moves the input to the layout
+// the pieces need runs before, outside it, on the tensor the caller gave
+// (the twin of a gathered input is found by that tensor).
+using InUnit = std::function<at::Tensor(const std::function<at::Tensor(const at::Tensor&)>&, const at::Tensor&)>;
+
 // A styled Linear: F::linear on this rank's pieces with the collectives around it.
-inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& linear, const at::Tensor& x) {
+inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& linear, const at::Tensor& x,
+                                const InUnit& in_unit) {
   const int64_t in_piece = linear.weight.size(1);
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
     at::Tensor whole = column_input(s, x, col->input_layouts);
     if (whole.dim() == 0 || whole.size(-1) != in_piece)
       throw InvalidArgument("accel::tp: " + s.who() + " takes inputs of " + std::to_string(in_piece) +
                             " features in the last dimension, got " + describe_tensor(whole));
-    at::Tensor mine = torch::nn::functional::linear(whole, linear.weight, linear.bias);
+    at::Tensor mine = in_unit(
+        [&](const at::Tensor& in) { return torch::nn::functional::linear(in, linear.weight, linear.bias); }, whole);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
@@ -7496,42 +7552,56 @@ inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& li
         " of " + std::to_string(s.whole_features) + " features), got " + describe_tensor(x) +
         (whole ? ": a whole input; where the plan gives it whole, say input_layouts = Replicate()" : std::string()));
   }
-  at::Tensor partial = torch::nn::functional::linear(mine, linear.weight);
-  at::Tensor out = [&] {
-    if (const auto dim = shard_dim(row.output_layouts, partial.dim()))
-      return accel::tp::reduce_scatter_to_sequence_parallel_region(partial, *dim, s.group);
-    return accel::tp::reduce_from_parallel_region(partial, s.group);
-  }();
-  return linear.bias.defined() ? out + linear.bias : out;
+  // (the sum inside the unit too: the bias, a tensor of the unit, is added after it)
+  return in_unit(
+      [&](const at::Tensor& in) {
+        const at::Tensor partial = torch::nn::functional::linear(in, linear.weight);
+        at::Tensor out = [&] {
+          if (const auto dim = shard_dim(row.output_layouts, partial.dim()))
+            return accel::tp::reduce_scatter_to_sequence_parallel_region(partial, *dim, s.group);
+          return accel::tp::reduce_from_parallel_region(partial, s.group);
+        }();
+        return linear.bias.defined() ? out + linear.bias : out;
+      },
+      mine);
 }
 
 // A styled Embedding: columns (ColwiseParallel) or rows (RowwiseParallel) of the table.
-inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids) {
+inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids,
+                                   const InUnit& in_unit) {
+  const auto& padding = embedding.options.padding_idx();  // (c10::optional on LibTorch 1.13)
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
     // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on a chained EmbeddingFuncOptions)
-    const auto& padding = embedding.options.padding_idx();
-    at::Tensor mine = torch::embedding(embedding.weight, whole_ids(s, ids, col->input_layouts), padding ? *padding : -1,
-                                       embedding.options.scale_grad_by_freq(), embedding.options.sparse());
+    at::Tensor mine = in_unit(
+        [&](const at::Tensor& whole) {
+          return torch::embedding(embedding.weight, whole, padding ? *padding : -1,
+                                  embedding.options.scale_grad_by_freq(), embedding.options.sparse());
+        },
+        whole_ids(s, ids, col->input_layouts));
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
     return mine;
   }
   const auto& row = std::get<accel::tp::RowwiseParallel>(s.style);
-  const auto& padding = embedding.options.padding_idx();  // (c10::optional on LibTorch 1.13)
-  at::Tensor mine =
-      vocab_piece_lookup(whole_ids(s, ids, row.input_layouts), embedding.weight, s.vocab_start, s.whole_features,
-                         padding ? std::optional<int64_t>(*padding) : std::nullopt, "RowwiseParallel");
+  at::Tensor mine = in_unit(
+      [&](const at::Tensor& whole) {
+        return vocab_piece_lookup(whole, embedding.weight, s.vocab_start, s.whole_features,
+                                  padding ? std::optional<int64_t>(*padding) : std::nullopt, "RowwiseParallel");
+      },
+      whole_ids(s, ids, row.input_layouts));
   if (const auto dim = shard_dim(row.output_layouts, mine.dim()))
     return accel::tp::reduce_scatter_to_sequence_parallel_region(mine, *dim, s.group);
   return accel::tp::reduce_from_parallel_region(mine, s.group);
 }
 
 // A column or row style's forward, marked for the CallWatch.
-inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module& module, const at::Tensor& x) {
+inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module& module, const at::Tensor& x,
+                                        const InUnit& in_unit) {
   at::Tensor out;
-  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) out = styled_linear(s, *linear, x);
-  else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x);
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module))
+    out = styled_linear(s, *linear, x, in_unit);
+  else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x, in_unit);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
     std::vector<at::Tensor> split = styled_split_parameters(s, module);
     std::erase_if(split, [](const at::Tensor& p) { return !p.requires_grad(); });
@@ -7544,14 +7614,18 @@ inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module
   return out;
 }
 
-// `fn(args...)` (the module's forward, or its FULL_SHARD unit's) with the
-// style of `module` applied, if a plan gave it one.
-template <class Fn, class... Args>
-auto styled_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
-  using Out = decltype(std::forward<Fn>(fn)(std::forward<Args>(args)...));
+// The module's forward with its style applied, if a plan gave it one.
+// `unit(fn, args...)` runs fn(args...) inside the module's FULL_SHARD unit
+// (plainly when it is none); `forward(args...)` is the module's forward.
+// An unstyled module, a SequenceParallel one (its style is in the layouts
+// around it) and PrepareModuleInput's (its inputs moved first) run their
+// forward in the unit; a column or row style computes its pieces in it.
+template <class Unit, class Forward, class... Args>
+auto styled_forward(const torch::nn::Module& module, Unit&& unit, Forward&& forward, Args&&... args) {
+  using Out = decltype(unit(forward, std::forward<Args>(args)...));
   const std::shared_ptr<const Styled> styled = StyledRegistry::instance().find(&module);
   if (!styled || std::holds_alternative<accel::tp::SequenceParallel>(styled->style))
-    return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+    return unit(forward, std::forward<Args>(args)...);
   if (const auto* prepare = std::get_if<accel::tp::PrepareModuleInput>(&styled->style)) {
     const auto enter = [&]<std::size_t I, class A>(A&& a) -> decltype(auto) {
       if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
@@ -7563,13 +7637,16 @@ auto styled_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
       }
     };
     return [&]<std::size_t... I>(std::index_sequence<I...>) -> Out {
-      return std::forward<Fn>(fn)(enter.template operator()<I>(std::forward<Args>(args))...);
+      return unit(forward, enter.template operator()<I>(std::forward<Args>(args))...);
     }(std::index_sequence_for<Args...>{});
   }
   // Column and row styles apply to a Linear or an Embedding (parallelize_module checked): one tensor in, one out.
   if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
                 std::is_same_v<Out, at::Tensor>) {
-    return styled_pieces_forward(*styled, module, args...);
+    const InUnit in_unit = [&unit](const std::function<at::Tensor(const at::Tensor&)>& compute, const at::Tensor& x) {
+      return unit(compute, x);
+    };
+    return styled_pieces_forward(*styled, module, args..., in_unit);
   } else {
     throw LogicError("accel::tp: " + styled->who() + " takes one tensor and returns one");
   }
@@ -12010,6 +12087,7 @@ inline void make_shards(State& s) {
       bucket.in_optimizer.push_back(0);
       bucket.sums.push_back(shard.sum());
       z.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+      StandIns::instance().add(p, shard);
     }
     bucket.segment = at + static_cast<int64_t>(params.size());
     bucket.used_anywhere = at::empty({static_cast<int64_t>(params.size())}, at::TensorOptions(c10::kBool));
@@ -12626,34 +12704,33 @@ ACCEL_NAMESPACE_BEGIN
 //     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
 // which gathers the unit's parameters from their shards, runs its forward
 // and frees them (see DataParallel), and applies the module's parallel
-// style around it (tp/styled_forward.hpp). The same code runs under every
+// style (tp/styled_forward.hpp): its input moved to the layout the style
+// needs before the unit, the pieces computed inside it (FSDP + TP: a
+// styled Linear may be a unit of its own). The same code runs under every
 // strategy and plan: any other module is simply called. On a Sequential
 // that is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
   requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
-  return DataParallel::unit_call(
-      unit.ptr().get(),
-      [&unit](auto&&... a) {
-        return detail::tp::styled_forward(
-            *unit.ptr(), [&unit](auto&&... b) { return unit->forward(std::forward<decltype(b)>(b)...); },
-            std::forward<decltype(a)>(a)...);
+  const torch::nn::Module* module = unit.ptr().get();
+  return detail::tp::styled_forward(
+      *unit.ptr(),
+      [module](auto&& fn, auto&&... a) {
+        return DataParallel::unit_call(module, std::forward<decltype(fn)>(fn), std::forward<decltype(a)>(a)...);
       },
-      std::forward<Args>(args)...);
+      [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); }, std::forward<Args>(args)...);
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
   if (DataParallel::is_unit(sequential.ptr().get()))
     return DataParallel::unit_call(
         sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
-  for (auto& child : *sequential)
-    x = DataParallel::unit_call(
-        child.ptr().get(),
-        [&child](const at::Tensor& in) {
-          return detail::tp::styled_forward(
-              *child.ptr(), [&child](const at::Tensor& i) { return child.forward(i); }, in);
-        },
-        x);
+  for (auto& child : *sequential) {
+    const torch::nn::Module* module = child.ptr().get();
+    x = detail::tp::styled_forward(
+        *child.ptr(), [module](auto&& fn, const at::Tensor& in) { return DataParallel::unit_call(module, fn, in); },
+        [&child](const at::Tensor& in) { return child.forward(in); }, x);
+  }
   return x;
 }
 
@@ -13556,24 +13633,18 @@ struct PreparedSet {
       if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
     return out;
   }
-  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
-  // the others' own (into `whole`); parameters without one are left out.
-  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
-                     std::vector<at::Tensor>& whole) const {
-    for (const auto& p : parameters) {
-      at::Tensor shard;
-      for (const DataParallel* dp : *sharded)
-        if ((shard = dp->shard_of(p)).defined()) break;
-      const at::Tensor& holder = shard.defined() ? shard : p;
-      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
-    }
-  }
-  // The gradients of `parameters`: a tensor-parallel piece's (an accel::tp
-  // layer's split parameter, into `pieces`), the others' (into `whole`);
-  // parameters without one are left out. Returns the pieces' group, null
-  // where no prepared model holds a split layer.
-  GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
-                                 std::vector<at::Tensor>& whole) const {
+  // The gradients of `parameters` by what each is a piece of: a sharded
+  // parameter's gradient is its shard's (a chunk along the shard group), a
+  // tensor-parallel piece's (an accel::tp layer's or a plan's split
+  // parameter) a piece along the tp group, and under FSDP + TP both.
+  // Parameters without a gradient are left out.
+  struct Gradients {
+    std::vector<at::Tensor> sharded_pieces, sharded, pieces, whole;
+    GroupPtr shard_group, tp_group;  // null where nothing is sharded, or split
+  };
+  Gradients gradients_of(const std::vector<at::Tensor>& parameters) const {
+    Gradients out;
+    if (!sharded->empty()) out.shard_group = sharded->front()->shard_group();
     const PreparedModel* split = nullptr;
     for (const auto& m : models) {
       if (!m.split.group) continue;
@@ -13584,13 +13655,18 @@ struct PreparedSet {
             split->split.layers.front() + "' and '" + m.split.layers.front() + "')");
       split = &m;
     }
-    if (!split) return {};
+    if (split) out.tp_group = split->split.group;
     for (const auto& p : parameters) {
-      if (!p.grad().defined()) continue;
-      const bool piece = std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
-      (piece ? pieces : whole).push_back(p.grad());
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& grad = (shard.defined() ? shard : p).grad();
+      if (!grad.defined()) continue;
+      const bool piece =
+          split && std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
+      (shard.defined() ? (piece ? out.sharded_pieces : out.sharded) : (piece ? out.pieces : out.whole)).push_back(grad);
     }
-    return split->split.group;
+    return out;
   }
 };
 
@@ -13624,53 +13700,49 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
 // models. After the all-reduce every rank holds the same averaged
 // gradients, so the norm computed here is the global one, identical on
-// every rank. Under sharding a sharded parameter's gradient is its shard's:
-// the norm adds up every rank's shards (one all_reduce), and the shards are
-// scaled; beside tensor parallelism the same for the tp pieces over the tp
-// group.
+// every rank. A gradient that is a piece of a larger one counts over the
+// ranks holding the other pieces: a shard's over the shard group, a
+// tensor-parallel piece's over the tp group, a shard of a tp piece (FSDP +
+// TP) over both; every other gradient once. Then every gradient is scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
-  // Pieces of larger tensors (shards along mp_shard, or tensor-parallel
-  // pieces along tp: not both, the Accelerator refuses sharding beside tp)
-  // count over their group; the other gradients once.
-  std::vector<at::Tensor> shards, whole;
-  GroupPtr over;
-  if (!set.sharded->empty()) {
-    set.split_sharded(parameters, shards, whole);
-    over = set.sharded->front()->shard_group();
-  } else if (!(over = set.split_tensor_parallel(parameters, shards, whole))) {
-    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
-  }
+  PreparedSet::Gradients g = set.gradients_of(parameters);
+  if (!g.shard_group && !g.tp_group) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
-  // read back once (on a GPU each read makes the host wait for the device).
+  const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the groups;
+  // read back once per group (on a GPU each read makes the host wait for the device).
   auto part = [&](const std::vector<at::Tensor>& grads) {
-    if (grads.empty()) return 0.0;
+    if (grads.empty()) return at::zeros({}, at::kDouble);
     std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
+    for (const auto& grad : grads) norms.push_back(grad.norm(norm_type).to(at::kDouble));
     const at::Tensor all = at::stack(norms);
-    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
+    return (inf ? all.max() : all.pow(norm_type).sum()).cpu();
   };
-  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, over);
-  const double from_whole = part(whole);
-  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const auto combine = [&](double a, double b) { return inf ? std::max(a, b) : a + b; };
+  // Over the shard group: the shards of pieces, and the shards of whole tensors; then over tp: the pieces.
+  at::Tensor sharded = at::stack({part(g.sharded_pieces), part(g.sharded)});
+  if (g.shard_group) sharded = accel::all_reduce(sharded, op, g.shard_group);
+  const double from_sharded_pieces = sharded[0].item<double>(), from_sharded = sharded[1].item<double>();
+  double from_pieces = combine(from_sharded_pieces, part(g.pieces).item<double>());
+  if (g.tp_group) from_pieces = accel::all_reduce(from_pieces, op, g.tp_group);
+  const double total = combine(combine(from_pieces, from_sharded), part(g.whole).item<double>());
+  const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
-  if (coefficient < 1) {
-    for (auto& g : shards) g.mul_(coefficient);
-    for (auto& g : whole) g.mul_(coefficient);
-  }
+  if (coefficient < 1)
+    for (const auto* grads : {&g.sharded_pieces, &g.sharded, &g.pieces, &g.whole})
+      for (const auto& grad : *grads) grad.mul_(coefficient);
   return norm;
 }
 inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
-  std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
+  const PreparedSet::Gradients g = set.gradients_of(parameters);  // (element by element: pieces as any gradient)
   at::NoGradGuard no_grad;
-  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
-  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+  for (const auto* grads : {&g.sharded_pieces, &g.sharded, &g.pieces, &g.whole})
+    for (const auto& grad : *grads) grad.clamp_(-clip_value, clip_value);
 }
 
 // RAII: restores the models' gradient sync (DataParallel's
@@ -16443,9 +16515,11 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
+    // (the parameters broadcast over the ranks holding the same pieces: beside tp, dp_cp)
     auto dp = std::make_unique<DataParallel>(
-        module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
-        interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
+        module, interface_->strategy().tp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
+        interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE), units,
+        config_.mixed_precision_policy);
     dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
     return dp;
   }
@@ -16455,7 +16529,10 @@ class AcceleratorSetup {
   // parallel peers see different parts of the same sequences and must stay
   // identical (LLaMA-Factory's trainers do so). Without tp that spans the
   // world; with it, the ranks of one tp coordinate (dp_cp), which hold the
-  // same pieces of the model.
+  // same pieces of the model. (Sharded, the same ranks: the model mesh's
+  // mp_replicate x mp_shard at one tp coordinate, tp being innermost in
+  // both meshes.) With tensor parallelism clipping sums the pieces' norms
+  // over tp as well.
   GroupPtr gradient_group() const {
     const DistributedStrategy& s = interface_->strategy();
     if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
@@ -16482,17 +16559,6 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // With tensor parallelism (tp_size above 1) NO_SHARD averages over the
-    // ranks that hold the same pieces (dp_cp), and clipping sums the pieces'
-    // norms over tp. The sharding engine would cut tp pieces as whole
-    // parameters and gather them across tp peers: refused until FSDP + TP
-    // is built (checkpoints refuse tp on their own, at their call).
-    if (strategy.tp_size() > 1 && shards(config.sharding_strategy, strategy, is_distributed()))
-      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) + " with " +
-                            std::string(to_string(config.sharding_strategy)) + " over mp_shard_size " +
-                            std::to_string(strategy.mp_shard_size()) +
-                            ": sharding tensor-parallel pieces (FSDP + TP) is not built yet; use NO_SHARD "
-                            "(data parallelism over dp x cp beside tp)");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -16624,9 +16690,8 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP
-  // (the Accelerator refuses tp_size above 1 until tensor-parallel layers
-  // exist); there is no pipeline parallelism here (0, as Accelerate for a
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP;
+  // there is no pipeline parallelism here (0, as Accelerate for a
   // dimension not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
@@ -17012,10 +17077,11 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
-  prepared_.models.push_back(
-      detail::PreparedModel{module, setup_.data_parallel_for(module), detail::tp::split_tensors(*module)});
-  // (beside tp: the whole tensors agree across each tp group)
-  detail::tp::broadcast_whole_tensors(*module, prepared_.models.back().split);
+  // Beside tp the whole tensors first agree across each tp group (before a FULL_SHARD wrapper takes the
+  // parameters' memory); the wrapper then starts every dp_cp group from its first rank.
+  detail::tp::SplitTensors split = detail::tp::split_tensors(*module);
+  detail::tp::broadcast_whole_tensors(*module, split);
+  prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module), std::move(split)});
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);
@@ -17160,6 +17226,7 @@ inline void Accelerator::backward(const at::Tensor& loss) {
     for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
     // Sequence parallelism's partial gradients (those accel::tp layers and a plan know of) summed over tp, on
     // the steps that sync: the accumulated parts once (summing on the others would count earlier parts again).
+    // (under sharding, the shards' gradients: FSDP + TP)
     if (sync_gradients())
       for (auto& m : prepared_.models)
         if (m.split.group) tp::all_reduce_sequence_parallel_gradients(*m.module);

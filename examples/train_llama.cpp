@@ -1,6 +1,7 @@
 // Trains a small LLaMA (llama.hpp) on bytes, on both meshes: sharded along
 // the model mesh (FULL_SHARD; HSDP when mp_replicate > 1), data parallel
-// along dp and Ulysses context parallelism along cp; gradient accumulation,
+// along dp, Ulysses context parallelism along cp and tensor parallelism
+// along tp (the pieces sharded along mp_shard: FSDP + TP); gradient accumulation,
 // clipping, bf16 autocast, AdamW with warmup and cosine decay, activation
 // checkpointing, checkpoints resumed mid-epoch, a progress line and a loss
 // log (metrics.csv, metrics.jsonl). The model is written and read in Hugging
@@ -15,8 +16,9 @@
 //         --batch (sequences per micro-step, all processes together) --accumulate --steps
 //         --lr --warmup --clip --seed --corpus (a file or directory; default /usr/share/common-licenses)
 //         meshes --mp-replicate --mp-shard --dp --cp (default: everything along mp_shard and dp)
-//         --tp N (tensor parallelism, torchtitan's plan with sequence parallelism: llama::tp_plan)
-//         --sharding no_shard|shard_grad_op|full_shard (default full_shard; no_shard with --tp)
+//         --tp N (tensor parallelism, torchtitan's plan with sequence parallelism: llama::tp_plan; the model
+//         mesh's mp_shard shards the pieces: FSDP + TP)
+//         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
 //         --dir DIR (checkpoints and logs; default train_llama_run) --save-every N --resume --stop-after N
@@ -35,7 +37,7 @@ struct Options {
   int64_t seq = 128, batch = 16, accumulate = 1, steps = 400, warmup = 20, save_every = 0, stop_after = -1, seed = 0;
   double lr = 3e-3, clip = 1.0;
   int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1, tp = 1;
-  std::optional<accel::ShardingStrategy> sharding;  // default: FULL_SHARD, or NO_SHARD beside --tp
+  accel::ShardingStrategy sharding = accel::ShardingStrategy::FULL_SHARD;
   std::string mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run", export_dir,
               import_dir, logits;
   bool recompute = false, resume = false;
@@ -221,8 +223,7 @@ int train(Options o) {
   accel::AcceleratorConfig config;
   config.gradient_accumulation_steps = static_cast<int>(o.accumulate);
   config.mixed_precision = o.mixed_precision;
-  config.sharding_strategy = o.sharding.value_or(o.tp > 1 ? accel::ShardingStrategy::NO_SHARD
-                                                           : accel::ShardingStrategy::FULL_SHARD);
+  config.sharding_strategy = o.sharding;
   config.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) { return llama::is_unit(name); };
   config.distributed.mp_replicate_size = o.mp_replicate;
   if (o.mp_shard) config.distributed.mp_shard_size = o.mp_shard;  // (unset: world / mp_replicate)

@@ -2,8 +2,9 @@
 # examples/train_llama, small enough to run in seconds (fp32):
 #  1. on 4 processes with the model mesh (2, 2) (HSDP) and the data mesh (dp 2, cp 2), with (dp 4), with
 #     (dp 1, cp 4) (FULL_SHARD along 4), and with tensor parallelism (torchtitan's plan, sequence parallelism
-#     included, beside NO_SHARD): tp 2 x dp 2 with activation checkpointing, tp 4, tp 2 x cp 2 (Ulysses on tp's
-#     heads), the loss of every step equals one process's on the same global batches (within LOSS_TOLERANCE,
+#     included): tp 2 x dp 2 under FULL_SHARD along mp_shard 2 (FSDP + TP) with activation checkpointing, and
+#     under NO_SHARD, tp 4, tp 2 x cp 2 (Ulysses on tp's heads, FSDP + TP), the loss of every step equals one
+#     process's on the same global batches (within LOSS_TOLERANCE,
 #     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
@@ -24,9 +25,9 @@ run() { local world=$1; shift; "$launch" --timeout 240 "$world" "$train" "${size
 # 1. Meshes against one process.
 run 1 --steps 6 --dir "$dir/one" > "$dir/one.log"
 declare -A meshes=([hsdp_dp2_cp2]="--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2" [dp4]="--dp 4"
-                   [dp1_cp4]="--dp 1 --cp 4" [tp2_dp2_recompute]="--tp 2 --dp 2 --recompute" [tp4]="--tp 4"
-                   [tp2_cp2]="--tp 2 --cp 2")
-for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp4 tp2_cp2; do
+                   [dp1_cp4]="--dp 1 --cp 4" [tp2_dp2_recompute]="--tp 2 --dp 2 --recompute"
+                   [tp2_dp2_no_shard]="--tp 2 --dp 2 --sharding no_shard" [tp4]="--tp 4" [tp2_cp2]="--tp 2 --cp 2")
+for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2; do
   # shellcheck disable=SC2086
   run 4 --steps 6 --dir "$dir/$name" ${meshes[$name]} | tee "$dir/$name.log"
   python3 - "$dir/one/logs/metrics.csv" "$dir/$name/logs/metrics.csv" "$LOSS_TOLERANCE" "$name" <<'PY'
@@ -73,8 +74,6 @@ refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multip
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
 refused "checkpoints and exports of tensor-parallel pieces are not written yet" \
   run 4 --steps 2 --dir "$dir/bad" --tp 2 --save-every 1
-refused "sharding tensor-parallel pieces (FSDP + TP) is not built yet" \
-  run 4 --steps 2 --dir "$dir/bad" --tp 2 --sharding full_shard
 
 # 4. transformers.
 if ! python3 -c 'import transformers' 2>/dev/null; then

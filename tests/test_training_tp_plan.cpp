@@ -179,65 +179,81 @@ TEST_SUITE("ranks") {
   }
 
   TEST_CASE(
-      "tensor parallelism by plan: the Accelerator trains a planned model beside data parallelism as one "
-      "process does, the partial gradients summed in its backward (accumulation, clipping)") {
+      "tensor parallelism by plan: the Accelerator trains a planned model beside data parallelism, replicated or "
+      "sharded (FSDP + TP), as one process does, the partial gradients summed in its backward (accumulation, "
+      "clipping)") {
+    using accel::ShardingStrategy;
     const int P = accel::get_world_size();
     const int tp = P % 2 == 0 ? 2 : P, dp = P / tp;
-    for (const bool sp : {false, true}) {
-      CAPTURE(sp);
-      accel::AcceleratorConfig c = config(/*accumulation=*/2);
-      c.distributed.tp_size = tp;
-      release_world();
-      accel::Accelerator accelerator(c);
-      const int r = accelerator.tensor_parallel_rank(), data_rank = accelerator.data_parallel_rank();
-      Model whole = fresh_model(5), model = fresh_model(5);
-      if (tp > 1) {  // prepared before the plan: refused (the wrapper took the whole tensors)
-        Model early = fresh_model(5);
-        accelerator.prepare(early);
-        CHECK_THROWS_WITH_AS(accel::tp::parallelize_module(*early, plan(sp)),
-                             doctest::Contains("a data-parallel wrapper (Accelerator::prepare, DataParallel) made "
-                                               "before the plan; apply the plan first"),
-                             std::invalid_argument);
-      }
-      accel::tp::parallelize_module(*model, plan(sp));
-      torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-      auto prepared = accelerator.prepare(model, adamw);
-      accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
-      const auto whole_params = by_name(*whole);
-      const auto params = by_name(*model);
-      for (int64_t micro = 0; micro < 4; ++micro) {  // two optimizer steps of two micro-batches
-        CAPTURE(micro);
-        const at::Tensor ids = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);  // the same on every rank
-        const at::Tensor targets = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);
-        at::Tensor reference = at::zeros({}, at::kDouble);
-        for (int k = 0; k < dp; ++k)
-          reference = reference + torch::nn::functional::cross_entropy(
-                                      whole->forward(ids.narrow(0, 2 * k, 2)).reshape({-1, kVocab}),
-                                      targets.narrow(0, 2 * k, 2).reshape({-1}));
-        (reference / dp / 2).backward();
-        auto guard = accelerator.accumulate(model);
-        accelerator.backward(accel::tp::vocab_parallel_cross_entropy(model->forward(ids.narrow(0, 2 * data_rank, 2)),
-                                                                     targets.narrow(0, 2 * data_rank, 2)));
-        if (!accelerator.sync_gradients()) continue;
-        // (nothing to call for sequence parallelism: backward summed the norms' parts; a second sum is none)
-        CHECK(accel::tp::all_reduce_sequence_parallel_gradients(*model) == 0);
-        const double expected_norm = torch::nn::utils::clip_grad_norm_(whole->parameters(), 0.5);
-        CHECK(accelerator.clip_grad_norm_(model->parameters(), 0.5) == doctest::Approx(expected_norm).epsilon(1e-12));
+    for (const auto strategy :
+         {ShardingStrategy::NO_SHARD, ShardingStrategy::SHARD_GRAD_OP, ShardingStrategy::FULL_SHARD})
+      for (const bool sp : {false, true}) {
+        const std::string mode(accel::to_string(strategy));
+        CAPTURE(mode);
+        CAPTURE(sp);
+        accel::AcceleratorConfig c = config(/*accumulation=*/2);
+        c.distributed.tp_size = tp;
+        c.sharding_strategy = strategy;
+        // FULL_SHARD's units: the column and row layers themselves (their style's collectives around the unit,
+        // their pieces computed in it); the tied embedding and head, and the norms, sharded as under ZeRO-2.
+        c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+          return name.ends_with(".up") || name.ends_with(".down");
+        };
+        release_world();
+        accel::Accelerator accelerator(c);
+        const int r = accelerator.tensor_parallel_rank(), data_rank = accelerator.data_parallel_rank();
+        Model whole = fresh_model(5), model = fresh_model(5);
+        if (tp > 1 && strategy == ShardingStrategy::NO_SHARD) {  // prepared before the plan: refused
+          Model early = fresh_model(5);
+          accelerator.prepare(early);
+          CHECK_THROWS_WITH_AS(accel::tp::parallelize_module(*early, plan(sp)),
+                               doctest::Contains("a data-parallel wrapper (Accelerator::prepare, DataParallel) made "
+                                                 "before the plan; apply the plan first"),
+                               std::invalid_argument);
+        }
+        accel::tp::parallelize_module(*model, plan(sp));
+        torch::optim::AdamW whole_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+        torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+        auto prepared = accelerator.prepare(model, adamw);
+        accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+        accel::DataParallel& wrapper = *accelerator.data_parallel(model);
+        CHECK(accelerator.is_fsdp2() == (strategy == ShardingStrategy::FULL_SHARD && dp > 1));
+        const auto whole_params = by_name(*whole);
+        const auto params = by_name(*model);
+        for (int64_t micro = 0; micro < 4; ++micro) {  // two optimizer steps of two micro-batches
+          CAPTURE(micro);
+          const at::Tensor ids = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);  // the same on every rank
+          const at::Tensor targets = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);
+          at::Tensor reference = at::zeros({}, at::kDouble);
+          for (int k = 0; k < dp; ++k)
+            reference = reference + torch::nn::functional::cross_entropy(
+                                        whole->forward(ids.narrow(0, 2 * k, 2)).reshape({-1, kVocab}),
+                                        targets.narrow(0, 2 * k, 2).reshape({-1}));
+          (reference / dp / 2).backward();
+          auto guard = accelerator.accumulate(model);
+          accelerator.backward(accel::tp::vocab_parallel_cross_entropy(model->forward(ids.narrow(0, 2 * data_rank, 2)),
+                                                                       targets.narrow(0, 2 * data_rank, 2)));
+          if (!accelerator.sync_gradients()) continue;
+          // (nothing to call for sequence parallelism: backward summed the norms' parts; a second sum is none)
+          CHECK(accel::tp::all_reduce_sequence_parallel_gradients(*model) == 0);
+          const double expected_norm = torch::nn::utils::clip_grad_norm_(whole->parameters(), 0.5);
+          CHECK(accelerator.clip_grad_norm_(model->parameters(), 0.5) == doctest::Approx(expected_norm).epsilon(1e-12));
+          for (const auto& [name, p] : params) {
+            CAPTURE(name);
+            const auto [got, want] = stepped_gradient(wrapper, p, piece(name, whole_params.at(name).grad(), tp, r));
+            CHECK(at::allclose(got, want, 1e-11, 1e-13));
+          }
+          optimizer.step();
+          optimizer.zero_grad();
+          whole_opt.step();
+          whole_opt.zero_grad();
+        }
+        const auto full = wrapper.summon_full_params();  // (FULL_SHARD: the units' parameters rest without memory)
         for (const auto& [name, p] : params) {
           CAPTURE(name);
-          CHECK(at::allclose(p.grad(), piece(name, whole_params.at(name).grad(), tp, r), 1e-11, 1e-13));
+          CHECK(at::allclose(p, piece(name, whole_params.at(name), tp, r), 1e-10, 1e-12));
         }
-        optimizer.step();
-        optimizer.zero_grad();
-        whole_opt.step();
-        whole_opt.zero_grad();
       }
-      for (const auto& [name, p] : params) {
-        CAPTURE(name);
-        CHECK(at::allclose(p, piece(name, whole_params.at(name), tp, r), 1e-10, 1e-12));
-      }
-    }
     release_world();
   }
 

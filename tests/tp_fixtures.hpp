@@ -35,6 +35,19 @@ inline std::map<std::string, at::Tensor> by_name(torch::nn::Module& m) {
   return out;
 }
 
+// The gradient the optimizer steps for parameter p of `wrapper`'s model, and what it should be, given the piece's
+// whole expected gradient: under sharding the shard's, this rank's chunk of it (the chunk layout: ceil(n / S)
+// elements each, the last short); else p's own, all of it.
+inline std::pair<at::Tensor, at::Tensor> stepped_gradient(const accel::DataParallel& wrapper, const at::Tensor& p,
+                                                          const at::Tensor& expected) {
+  const at::Tensor shard = wrapper.shard_of(p);
+  if (!shard.defined()) return {p.grad(), expected};
+  const int64_t S = wrapper.shard_group()->getSize(), s = wrapper.shard_group()->getRank();
+  const int64_t n = expected.numel(), chunk = (n + S - 1) / S;
+  const int64_t begin = std::min(s * chunk, n), length = std::min(chunk, n - begin);
+  return {shard.grad().narrow(0, 0, length), expected.reshape({-1}).narrow(0, begin, length)};
+}
+
 // A run against tests/python_ref/tp_ref.py (CTest python_tp_*, through tests/python_ref/run_tp.sh): the same start
 // (DIR/init.safetensors, whole tensors under Python's names), the same batches (DIR/batches.safetensors: ids and
 // targets, [steps, batch, sequence]), AdamW with the same settings. Each step's loss and the trained whole

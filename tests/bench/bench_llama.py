@@ -1,11 +1,13 @@
 """Python's side of run_llama_bench.sh: the LLaMA of examples/llama.hpp in PyTorch, trained with FSDP2's
 fully_shard on the same model mesh (HSDP on a 2-D one) and the same Ulysses context parallelism on cp
 (torch.distributed.nn.functional.all_to_all_single), AdamW, fp32, Gloo, one thread per process; or, with TP
-above 1, with DTensor tensor parallelism over every process: torchtitan's plan (llama::tp_plan's, sequence
-parallelism included) and loss_parallel, no sharding.
+above 1, with DTensor tensor parallelism: torchtitan's plan (llama::tp_plan's, sequence parallelism included)
+and loss_parallel, over every process (no sharding), or, with TP below the world, on the inner dimension of a
+(shard, tp) mesh with FSDP2's fully_shard along the outer one (torchtitan's FSDP + TP).
 
     torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS [TP]
-    (dp = world / cp, mp_shard = world / mp_replicate; with TP > 1: TP = world, MP_REPLICATE and CP 1)
+    (dp = world / cp, mp_shard = world / mp_replicate; with TP > 1: MP_REPLICATE and CP 1, dp = mp_shard =
+    world / TP)
 
 Prints "bench: T tokens/s over steps a-b; peak RSS M MiB" (the largest VmHWM over the processes) on rank 0.
 """
@@ -127,14 +129,11 @@ def peak_rss_mib():
     return 0.0
 
 
-def tensor_parallel(model, world):
-    """torchtitan's plan for Llama (examples/llama.hpp's llama::tp_plan, this model's names) on a tp mesh of the
-    world."""
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel(model, mesh):
+    """torchtitan's plan for Llama (examples/llama.hpp's llama::tp_plan, this model's names) on a tp mesh."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
@@ -164,8 +163,21 @@ def main():
     model = Llama()
     cp, dp_rank, dp = None, 0, world // cp_size
     if tp > 1:
-        assert tp == world and replicate == 1 and cp_size == 1, "bench_llama.py: TP takes the whole world"
-        model, dp = tensor_parallel(model, world), 1
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        assert world % tp == 0 and replicate == 1 and cp_size == 1, "bench_llama.py: TP with sharding only"
+        dp = world // tp
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("shard", "tp"))
+        model = tensor_parallel(model, mesh["tp"])
+        if dp > 1:  # FSDP + TP: the pieces sharded along the outer dimension, the units as accel's
+            dp_rank = mesh.get_local_rank("shard")
+            for unit in [model.embed, *model.layers, model.norm, model.head]:
+                fully_shard(unit, mesh=mesh["shard"])
+            fully_shard(model, mesh=mesh["shard"])
+            for module in model.modules():  # (pytorch#162338, as below)
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+                    module.set_gradient_divide_factor(float(dp))
     elif distributed:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

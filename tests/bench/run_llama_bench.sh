@@ -6,9 +6,11 @@
 # process, rounds interleaved (C++ then Python, config by config), medians. Sizes: train_llama's defaults (4
 # layers, hidden 128, 4 heads sharing 2 key/value heads, seq 128, 16 sequences per step). Never part of the test
 # command. Writes llama.csv and llama.md to ACCEL_BENCH_OUT (default tests/bench/results/pip).
-# The set `tp` instead: tensor parallelism at tp 2 and 4 (train_llama --tp, NO_SHARD beside it) against Python's
-# DTensor with the same plan (torchtitan's, sequence parallelism, loss_parallel), into llama_tp.{csv,md}; the
-# model with 8 heads sharing 4 key/value heads on both sides (tp 4 splits them), otherwise the same.
+# The set `tp` instead: tensor parallelism at tp 2 and 4 over the whole world (train_llama --tp), and tp 2 on 4
+# processes with the pieces sharded along mp_shard 2 (FULL_SHARD: FSDP + TP), against Python's DTensor with the
+# same plan (torchtitan's, sequence parallelism, loss_parallel; FSDP2's fully_shard along the same dimension),
+# into llama_tp.{csv,md}; the model with 8 heads sharing 4 key/value heads on both sides (tp 4 splits them),
+# otherwise the same.
 #
 #     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp]
 set -euo pipefail
@@ -33,7 +35,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 # name world mp_replicate dp cp tp
 configs=("one 1 1 1 1 1" "dp2 2 1 2 1 1" "cp2 2 1 1 2 1" "dp4 4 1 4 1 1" "dp2_cp2 4 1 2 2 1" "hsdp_dp4 4 2 4 1 1")
-[[ $set == tp ]] && configs=("tp2 2 1 1 1 2" "tp4 4 1 1 1 4")
+[[ $set == tp ]] && configs=("tp2 2 1 1 1 2" "tp4 4 1 1 1 4" "fsdp2_tp2 4 1 2 1 2")
 record() {  # round world mesh side log
   local line
   line=$(grep -E "tokens/s over steps" "$5" | tail -1)
@@ -63,7 +65,8 @@ rows = collections.defaultdict(list)
 for r in csv.DictReader(open(sys.argv[1])):
     rows[(r["mesh"], int(r["world"]), r["side"])].append((float(r["tokens_per_s"]), float(r["peak_rss_mib"])))
 names = {"one": "one process", "dp2": "dp 2", "cp2": "cp 2 (Ulysses)", "dp4": "dp 4", "dp2_cp2": "dp 2 x cp 2",
-         "hsdp_dp4": "HSDP (2, 2), dp 4", "tp2": "tp 2", "tp4": "tp 4"}
+         "hsdp_dp4": "HSDP (2, 2), dp 4", "tp2": "tp 2", "tp4": "tp 4",
+         "fsdp2_tp2": "mp_shard 2 x tp 2 (FSDP + TP)"}
 side = sys.argv[5]
 lines = [f"examples/train_llama against the same model in Python torch {torch.__version__} with FSDP2 (fully_shard per "
          f"layer, embedding, norm and head; the same model mesh) and the same Ulysses exchanges; {os.cpu_count()} cores, "
@@ -74,13 +77,15 @@ lines = [f"examples/train_llama against the same model in Python torch {torch.__
          "|---:|---|---:|---:|---:|---:|---:|"]
 if side == "python_dtensor_tp":
     lines = [f"examples/train_llama --tp against the same model in Python torch {torch.__version__} with DTensor tensor "
-             "parallelism (parallelize_module with torchtitan's plan, sequence parallelism, loss_parallel; no sharding on "
-             f"either side), 8 heads sharing 4 key/value heads; {os.cpu_count()} cores, one thread per process, AdamW, fp32; tokens/s over steps "
+             "parallelism (parallelize_module with torchtitan's plan, sequence parallelism, loss_parallel; no sharding "
+             "beside tp over the whole world; FSDP2's fully_shard per layer, embedding, norm and head along mp_shard "
+             f"beside tp 2 on 4, accel's FULL_SHARD with the same units), 8 heads sharing 4 key/value heads; {os.cpu_count()} cores, one thread per process, AdamW, fp32; tokens/s over steps "
              f"6-{sys.argv[4]}, medians of {sys.argv[3]} interleaved rounds; peak RSS = the largest VmHWM over the "
              "processes.", "",
              "| processes | mesh | accel tokens/s | Python DTensor TP tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
              "|---:|---|---:|---:|---:|---:|---:|"]
-for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4), ("tp2", 2), ("tp4", 4)]:
+for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4), ("tp2", 2), ("tp4", 4),
+                    ("fsdp2_tp2", 4)]:
     a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, side), [])
     if not a or not p:
         continue

@@ -6,9 +6,11 @@
 // a weight trains wrongly without a word, so the training helpers take each
 // tensor once, by identity (its TensorImpl), in the order of its first
 // appearance; and an error about a parameter names it by every name it has.
+// Under sharding a parameter has a stand-in, the tensor an optimizer steps
+// in its place (StandIns).
 #pragma once
 
-#include "accel/training/torch_nn.hpp"
+#include "accel/training/weak_keyed_map.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -52,6 +54,34 @@ class ParameterNames {
 
  private:
   std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_;
+};
+
+// The tensor standing in for a parameter: a sharded wrapper's shard of it
+// (ZeRO-2/3, dp/shards.hpp), which the optimizer steps instead, and whose
+// gradient, after the data-parallel reduction, is this rank's chunk of the
+// parameter's averaged gradient. Registered here by the wrapper, so that
+// what works on reduced gradients without knowing the wrapper (tensor
+// parallelism's partial sums, tp/sequence_parallel.hpp) finds them; kept
+// weakly (a stand-in that has gone is not found).
+class StandIns {
+ public:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  static StandIns& instance() {
+    static StandIns stand_ins;
+    return stand_ins;
+  }
+  void add(const at::Tensor& parameter, const at::Tensor& stand_in) {
+    stand_ins_.insert(weak_tensor(parameter), Weak(stand_in.getIntrusivePtr()));
+  }
+  // The tensor standing in for `parameter`, else `parameter` itself.
+  at::Tensor of(const at::Tensor& parameter) const {
+    if (const auto found = stand_ins_.find(parameter.unsafeGetTensorImpl()))
+      if (auto alive = found->lock(); alive.defined()) return at::Tensor(std::move(alive));
+    return parameter;
+  }
+
+ private:
+  TensorKeyedMap<Weak> stand_ins_;
 };
 }  // namespace detail
 

@@ -72,9 +72,8 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP
-  // (the Accelerator refuses tp_size above 1 until tensor-parallel layers
-  // exist); there is no pipeline parallelism here (0, as Accelerate for a
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP;
+  // there is no pipeline parallelism here (0, as Accelerate for a
   // dimension not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;

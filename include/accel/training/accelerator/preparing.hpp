@@ -16,10 +16,11 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
   model->to(device());
-  prepared_.models.push_back(
-      detail::PreparedModel{module, setup_.data_parallel_for(module), detail::tp::split_tensors(*module)});
-  // (beside tp: the whole tensors agree across each tp group)
-  detail::tp::broadcast_whole_tensors(*module, prepared_.models.back().split);
+  // Beside tp the whole tensors first agree across each tp group (before a FULL_SHARD wrapper takes the
+  // parameters' memory); the wrapper then starts every dp_cp group from its first rank.
+  detail::tp::SplitTensors split = detail::tp::split_tensors(*module);
+  detail::tp::broadcast_whole_tensors(*module, split);
+  prepared_.models.push_back(detail::PreparedModel{module, setup_.data_parallel_for(module), std::move(split)});
   if (setup_.sharded()) {
     prepared_.sharded->push_back(prepared_.models.back().data_parallel.get());
     for (auto* optimizer : prepared_.optimizers) prepared_.sharded->back()->shard_optimizer(*optimizer);

@@ -59,9 +59,11 @@ class AcceleratorSetup {
             (config_.auto_wrap_policy ? "auto_wrap_policy chose none" : "no submodule holds parameters of its own") +
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
+    // (the parameters broadcast over the ranks holding the same pieces: beside tp, dp_cp)
     auto dp = std::make_unique<DataParallel>(
-        module, interface_->world_group(), bucket_bytes, interface_->get_group(Dim::MP_SHARD),
-        interface_->get_group(Dim::MP_REPLICATE), units, config_.mixed_precision_policy);
+        module, interface_->strategy().tp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
+        interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE), units,
+        config_.mixed_precision_policy);
     dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
     return dp;
   }
@@ -71,7 +73,10 @@ class AcceleratorSetup {
   // parallel peers see different parts of the same sequences and must stay
   // identical (LLaMA-Factory's trainers do so). Without tp that spans the
   // world; with it, the ranks of one tp coordinate (dp_cp), which hold the
-  // same pieces of the model.
+  // same pieces of the model. (Sharded, the same ranks: the model mesh's
+  // mp_replicate x mp_shard at one tp coordinate, tp being innermost in
+  // both meshes.) With tensor parallelism clipping sums the pieces' norms
+  // over tp as well.
   GroupPtr gradient_group() const {
     const DistributedStrategy& s = interface_->strategy();
     if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
@@ -98,17 +103,6 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // With tensor parallelism (tp_size above 1) NO_SHARD averages over the
-    // ranks that hold the same pieces (dp_cp), and clipping sums the pieces'
-    // norms over tp. The sharding engine would cut tp pieces as whole
-    // parameters and gather them across tp peers: refused until FSDP + TP
-    // is built (checkpoints refuse tp on their own, at their call).
-    if (strategy.tp_size() > 1 && shards(config.sharding_strategy, strategy, is_distributed()))
-      throw InvalidArgument("accel::Accelerator: tp_size " + std::to_string(strategy.tp_size()) + " with " +
-                            std::string(to_string(config.sharding_strategy)) + " over mp_shard_size " +
-                            std::to_string(strategy.mp_shard_size()) +
-                            ": sharding tensor-parallel pieces (FSDP + TP) is not built yet; use NO_SHARD "
-                            "(data parallelism over dp x cp beside tp)");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +

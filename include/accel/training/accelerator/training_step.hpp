@@ -18,6 +18,7 @@ inline void Accelerator::backward(const at::Tensor& loss) {
     for (auto& m : prepared_.models) m.data_parallel->finish(/*always=*/join_ && join_->includes(&m));
     // Sequence parallelism's partial gradients (those accel::tp layers and a plan know of) summed over tp, on
     // the steps that sync: the accumulated parts once (summing on the others would count earlier parts again).
+    // (under sharding, the shards' gradients: FSDP + TP)
     if (sync_gradients())
       for (auto& m : prepared_.models)
         if (m.split.group) tp::all_reduce_sequence_parallel_gradients(*m.module);

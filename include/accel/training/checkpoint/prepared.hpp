@@ -64,24 +64,18 @@ struct PreparedSet {
       if (!module || m.module.get() == module) out.push_back(m.data_parallel->summon_full_params(writeback));
     return out;
   }
-  // The gradients of `parameters`: a sharded one's shard's (into `shards`),
-  // the others' own (into `whole`); parameters without one are left out.
-  void split_sharded(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& shards,
-                     std::vector<at::Tensor>& whole) const {
-    for (const auto& p : parameters) {
-      at::Tensor shard;
-      for (const DataParallel* dp : *sharded)
-        if ((shard = dp->shard_of(p)).defined()) break;
-      const at::Tensor& holder = shard.defined() ? shard : p;
-      if (holder.grad().defined()) (shard.defined() ? shards : whole).push_back(holder.grad());
-    }
-  }
-  // The gradients of `parameters`: a tensor-parallel piece's (an accel::tp
-  // layer's split parameter, into `pieces`), the others' (into `whole`);
-  // parameters without one are left out. Returns the pieces' group, null
-  // where no prepared model holds a split layer.
-  GroupPtr split_tensor_parallel(const std::vector<at::Tensor>& parameters, std::vector<at::Tensor>& pieces,
-                                 std::vector<at::Tensor>& whole) const {
+  // The gradients of `parameters` by what each is a piece of: a sharded
+  // parameter's gradient is its shard's (a chunk along the shard group), a
+  // tensor-parallel piece's (an accel::tp layer's or a plan's split
+  // parameter) a piece along the tp group, and under FSDP + TP both.
+  // Parameters without a gradient are left out.
+  struct Gradients {
+    std::vector<at::Tensor> sharded_pieces, sharded, pieces, whole;
+    GroupPtr shard_group, tp_group;  // null where nothing is sharded, or split
+  };
+  Gradients gradients_of(const std::vector<at::Tensor>& parameters) const {
+    Gradients out;
+    if (!sharded->empty()) out.shard_group = sharded->front()->shard_group();
     const PreparedModel* split = nullptr;
     for (const auto& m : models) {
       if (!m.split.group) continue;
@@ -92,13 +86,18 @@ struct PreparedSet {
             split->split.layers.front() + "' and '" + m.split.layers.front() + "')");
       split = &m;
     }
-    if (!split) return {};
+    if (split) out.tp_group = split->split.group;
     for (const auto& p : parameters) {
-      if (!p.grad().defined()) continue;
-      const bool piece = std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
-      (piece ? pieces : whole).push_back(p.grad());
+      at::Tensor shard;
+      for (const DataParallel* dp : *sharded)
+        if ((shard = dp->shard_of(p)).defined()) break;
+      const at::Tensor& grad = (shard.defined() ? shard : p).grad();
+      if (!grad.defined()) continue;
+      const bool piece =
+          split && std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
+      (shard.defined() ? (piece ? out.sharded_pieces : out.sharded) : (piece ? out.pieces : out.whole)).push_back(grad);
     }
-    return split->split.group;
+    return out;
   }
 };
 
@@ -132,53 +131,49 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // Accelerator::clip_grad_norm_ and clip_grad_value_: torch's on unsharded
 // models. After the all-reduce every rank holds the same averaged
 // gradients, so the norm computed here is the global one, identical on
-// every rank. Under sharding a sharded parameter's gradient is its shard's:
-// the norm adds up every rank's shards (one all_reduce), and the shards are
-// scaled; beside tensor parallelism the same for the tp pieces over the tp
-// group.
+// every rank. A gradient that is a piece of a larger one counts over the
+// ranks holding the other pieces: a shard's over the shard group, a
+// tensor-parallel piece's over the tp group, a shard of a tp piece (FSDP +
+// TP) over both; every other gradient once. Then every gradient is scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
-  // Pieces of larger tensors (shards along mp_shard, or tensor-parallel
-  // pieces along tp: not both, the Accelerator refuses sharding beside tp)
-  // count over their group; the other gradients once.
-  std::vector<at::Tensor> shards, whole;
-  GroupPtr over;
-  if (!set.sharded->empty()) {
-    set.split_sharded(parameters, shards, whole);
-    over = set.sharded->front()->shard_group();
-  } else if (!(over = set.split_tensor_parallel(parameters, shards, whole))) {
-    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
-  }
+  PreparedSet::Gradients g = set.gradients_of(parameters);
+  if (!g.shard_group && !g.tp_group) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the shard group;
-  // read back once (on a GPU each read makes the host wait for the device).
+  const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the groups;
+  // read back once per group (on a GPU each read makes the host wait for the device).
   auto part = [&](const std::vector<at::Tensor>& grads) {
-    if (grads.empty()) return 0.0;
+    if (grads.empty()) return at::zeros({}, at::kDouble);
     std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble));
+    for (const auto& grad : grads) norms.push_back(grad.norm(norm_type).to(at::kDouble));
     const at::Tensor all = at::stack(norms);
-    return (inf ? all.max() : all.pow(norm_type).sum()).item<double>();
+    return (inf ? all.max() : all.pow(norm_type).sum()).cpu();
   };
-  const double from_shards = accel::all_reduce(part(shards), inf ? ReduceOp::MAX : ReduceOp::SUM, over);
-  const double from_whole = part(whole);
-  const double norm = inf ? std::max(from_shards, from_whole) : std::pow(from_shards + from_whole, 1.0 / norm_type);
+  const auto combine = [&](double a, double b) { return inf ? std::max(a, b) : a + b; };
+  // Over the shard group: the shards of pieces, and the shards of whole tensors; then over tp: the pieces.
+  at::Tensor sharded = at::stack({part(g.sharded_pieces), part(g.sharded)});
+  if (g.shard_group) sharded = accel::all_reduce(sharded, op, g.shard_group);
+  const double from_sharded_pieces = sharded[0].item<double>(), from_sharded = sharded[1].item<double>();
+  double from_pieces = combine(from_sharded_pieces, part(g.pieces).item<double>());
+  if (g.tp_group) from_pieces = accel::all_reduce(from_pieces, op, g.tp_group);
+  const double total = combine(combine(from_pieces, from_sharded), part(g.whole).item<double>());
+  const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
-  if (coefficient < 1) {
-    for (auto& g : shards) g.mul_(coefficient);
-    for (auto& g : whole) g.mul_(coefficient);
-  }
+  if (coefficient < 1)
+    for (const auto* grads : {&g.sharded_pieces, &g.sharded, &g.pieces, &g.whole})
+      for (const auto& grad : *grads) grad.mul_(coefficient);
   return norm;
 }
 inline void clip_grad_value(const PreparedSet& set, const std::vector<at::Tensor>& listed, double clip_value) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);
   if (set.sharded->empty()) return torch::nn::utils::clip_grad_value_(parameters, clip_value);
-  std::vector<at::Tensor> shards, whole;
-  set.split_sharded(parameters, shards, whole);
+  const PreparedSet::Gradients g = set.gradients_of(parameters);  // (element by element: pieces as any gradient)
   at::NoGradGuard no_grad;
-  for (auto& g : shards) g.clamp_(-clip_value, clip_value);
-  for (auto& g : whole) g.clamp_(-clip_value, clip_value);
+  for (const auto* grads : {&g.sharded_pieces, &g.sharded, &g.pieces, &g.whole})
+    for (const auto& grad : *grads) grad.clamp_(-clip_value, clip_value);
 }
 
 // RAII: restores the models' gradient sync (DataParallel's

@@ -232,6 +232,7 @@ inline void make_shards(State& s) {
       bucket.in_optimizer.push_back(0);
       bucket.sums.push_back(shard.sum());
       z.shard_index.emplace(p.unsafeGetTensorImpl(), std::make_pair(b, i));
+      StandIns::instance().add(p, shard);
     }
     bucket.segment = at + static_cast<int64_t>(params.size());
     bucket.used_anywhere = at::empty({static_cast<int64_t>(params.size())}, at::TensorOptions(c10::kBool));

@@ -12,34 +12,33 @@ ACCEL_NAMESPACE_BEGIN
 //     x = accel::unit_forward(fc1, x);        // instead of fc1->forward(x)
 // which gathers the unit's parameters from their shards, runs its forward
 // and frees them (see DataParallel), and applies the module's parallel
-// style around it (tp/styled_forward.hpp). The same code runs under every
+// style (tp/styled_forward.hpp): its input moved to the layout the style
+// needs before the unit, the pieces computed inside it (FSDP + TP: a
+// styled Linear may be a unit of its own). The same code runs under every
 // strategy and plan: any other module is simply called. On a Sequential
 // that is not a unit itself, each child is called in turn, through
 // unit_forward. A unit's forward returns one tensor.
 template <class ModuleHolder, class... Args>
   requires detail::module_holder<ModuleHolder>
 auto unit_forward(ModuleHolder& unit, Args&&... args) {
-  return DataParallel::unit_call(
-      unit.ptr().get(),
-      [&unit](auto&&... a) {
-        return detail::tp::styled_forward(
-            *unit.ptr(), [&unit](auto&&... b) { return unit->forward(std::forward<decltype(b)>(b)...); },
-            std::forward<decltype(a)>(a)...);
+  const torch::nn::Module* module = unit.ptr().get();
+  return detail::tp::styled_forward(
+      *unit.ptr(),
+      [module](auto&& fn, auto&&... a) {
+        return DataParallel::unit_call(module, std::forward<decltype(fn)>(fn), std::forward<decltype(a)>(a)...);
       },
-      std::forward<Args>(args)...);
+      [&unit](auto&&... a) { return unit->forward(std::forward<decltype(a)>(a)...); }, std::forward<Args>(args)...);
 }
 inline at::Tensor unit_forward(torch::nn::Sequential& sequential, at::Tensor x) {
   if (DataParallel::is_unit(sequential.ptr().get()))
     return DataParallel::unit_call(
         sequential.ptr().get(), [&sequential](const at::Tensor& in) { return sequential->forward(in); }, x);
-  for (auto& child : *sequential)
-    x = DataParallel::unit_call(
-        child.ptr().get(),
-        [&child](const at::Tensor& in) {
-          return detail::tp::styled_forward(
-              *child.ptr(), [&child](const at::Tensor& i) { return child.forward(i); }, in);
-        },
-        x);
+  for (auto& child : *sequential) {
+    const torch::nn::Module* module = child.ptr().get();
+    x = detail::tp::styled_forward(
+        *child.ptr(), [module](auto&& fn, const at::Tensor& in) { return DataParallel::unit_call(module, fn, in); },
+        [&child](const at::Tensor& in) { return child.forward(in); }, x);
+  }
   return x;
 }
 

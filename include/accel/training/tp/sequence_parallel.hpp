@@ -24,6 +24,10 @@ namespace detail::tp {
 // call before the gradient changes (the Accelerator's backward summed it, and
 // the user's loop asks again) leaves it alone instead of multiplying it by
 // tp. A gradient written since (a new backward, zero_grad) is summed again.
+// Gradients that are views of one buffer (a sharded wrapper's shards') share
+// one version counter, so writing one moves the version of all: each call
+// records the versions of everything it summed or found summed at its end,
+// after its own writes.
 class SummedGradients {
  public:
   static SummedGradients& instance() {
@@ -54,7 +58,10 @@ namespace tp {
 // in backward on the steps that sync, for every prepared model with
 // tensor-parallel pieces. List a norm only where it runs on sequence-split
 // activations: on whole (replicated) ones its gradient is already whole on
-// every rank, and summing it would multiply it by tp.
+// every rank, and summing it would multiply it by tp. Under sharding
+// (SHARD_GRAD_OP, FULL_SHARD: FSDP + TP) the gradient summed is the
+// shard's, which the optimizer steps: call it after the data-parallel
+// reduction (Accelerator::backward, DataParallel::finish).
 inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
                                                   const std::vector<at::Tensor>& sequence_parallel_parameters = {},
                                                   const GroupPtr& group = {}) {
@@ -69,11 +76,19 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     std::vector<at::Tensor> grads;
   };
   std::vector<Pack> packs;
+  std::vector<at::Tensor> summed_before;  // found summed by an earlier call, not written since
   std::unordered_set<const c10::TensorImpl*> seen;
   const auto add = [&](const at::Tensor& parameter, const GroupPtr& over) {
     if (!seen.insert(parameter.unsafeGetTensorImpl()).second || detail::tp::size_of(over) == 1) return;
-    const at::Tensor& grad = parameter.grad();
-    if (!grad.defined() || detail::tp::SummedGradients::instance().unchanged_since_summed(grad)) return;
+    // (under sharding the gradient the optimizer steps is the shard's: the same chunk of the same tensor on
+    // every rank of the tp group, their pieces having the same shapes, and the sum over tp of the averaged
+    // chunks is the averaged chunk of the sum)
+    const at::Tensor grad = detail::StandIns::instance().of(parameter).grad();
+    if (!grad.defined()) return;
+    if (detail::tp::SummedGradients::instance().unchanged_since_summed(grad)) {
+      summed_before.push_back(grad);
+      return;
+    }
     auto pack = std::find_if(packs.begin(), packs.end(), [&](const Pack& p) {
       return p.group == over && p.dtype == grad.scalar_type() && p.device == grad.device();
     });
@@ -99,10 +114,12 @@ inline int all_reduce_sequence_parallel_gradients(torch::nn::Module& model,
     int64_t offset = 0;
     for (auto& g : pack.grads) {
       g.copy_(packed.narrow(0, offset, g.numel()).view_as(g));
-      detail::tp::SummedGradients::instance().record(g);
       offset += g.numel();
     }
   }
+  for (const auto& pack : packs)
+    for (const auto& g : pack.grads) detail::tp::SummedGradients::instance().record(g);
+  for (const auto& g : summed_before) detail::tp::SummedGradients::instance().record(g);
   return static_cast<int>(packs.size());
 }
 }  // namespace tp

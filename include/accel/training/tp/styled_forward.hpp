@@ -114,15 +114,24 @@ inline void check_last_is_sharded(const Styled& s, const accel::tp::Layout& layo
                           " must split the last dimension (Shard(-1)) or be Replicate(), for " + describe_tensor(x));
 }
 
+// Where a styled module's own tensors are read: `in_unit(compute, x)` runs
+// compute(x) inside the module's FULL_SHARD unit (its parameters gathered;
+// plainly compute(x) when it is none). What moves the input to the layout
+// the pieces need runs before, outside it, on the tensor the caller gave
+// (the twin of a gathered input is found by that tensor).
+using InUnit = std::function<at::Tensor(const std::function<at::Tensor(const at::Tensor&)>&, const at::Tensor&)>;
+
 // A styled Linear: F::linear on this rank's pieces with the collectives around it.
-inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& linear, const at::Tensor& x) {
+inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& linear, const at::Tensor& x,
+                                const InUnit& in_unit) {
   const int64_t in_piece = linear.weight.size(1);
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
     at::Tensor whole = column_input(s, x, col->input_layouts);
     if (whole.dim() == 0 || whole.size(-1) != in_piece)
       throw InvalidArgument("accel::tp: " + s.who() + " takes inputs of " + std::to_string(in_piece) +
                             " features in the last dimension, got " + describe_tensor(whole));
-    at::Tensor mine = torch::nn::functional::linear(whole, linear.weight, linear.bias);
+    at::Tensor mine = in_unit(
+        [&](const at::Tensor& in) { return torch::nn::functional::linear(in, linear.weight, linear.bias); }, whole);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
@@ -140,42 +149,56 @@ inline at::Tensor styled_linear(const Styled& s, const torch::nn::LinearImpl& li
         " of " + std::to_string(s.whole_features) + " features), got " + describe_tensor(x) +
         (whole ? ": a whole input; where the plan gives it whole, say input_layouts = Replicate()" : std::string()));
   }
-  at::Tensor partial = torch::nn::functional::linear(mine, linear.weight);
-  at::Tensor out = [&] {
-    if (const auto dim = shard_dim(row.output_layouts, partial.dim()))
-      return accel::tp::reduce_scatter_to_sequence_parallel_region(partial, *dim, s.group);
-    return accel::tp::reduce_from_parallel_region(partial, s.group);
-  }();
-  return linear.bias.defined() ? out + linear.bias : out;
+  // (the sum inside the unit too: the bias, a tensor of the unit, is added after it)
+  return in_unit(
+      [&](const at::Tensor& in) {
+        const at::Tensor partial = torch::nn::functional::linear(in, linear.weight);
+        at::Tensor out = [&] {
+          if (const auto dim = shard_dim(row.output_layouts, partial.dim()))
+            return accel::tp::reduce_scatter_to_sequence_parallel_region(partial, *dim, s.group);
+          return accel::tp::reduce_from_parallel_region(partial, s.group);
+        }();
+        return linear.bias.defined() ? out + linear.bias : out;
+      },
+      mine);
 }
 
 // A styled Embedding: columns (ColwiseParallel) or rows (RowwiseParallel) of the table.
-inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids) {
+inline at::Tensor styled_embedding(const Styled& s, const torch::nn::EmbeddingImpl& embedding, const at::Tensor& ids,
+                                   const InUnit& in_unit) {
+  const auto& padding = embedding.options.padding_idx();  // (c10::optional on LibTorch 1.13)
   if (const auto* col = std::get_if<accel::tp::ColwiseParallel>(&s.style)) {
     // (torch::embedding itself: GCC 14's -Wmaybe-uninitialized misfires on a chained EmbeddingFuncOptions)
-    const auto& padding = embedding.options.padding_idx();
-    at::Tensor mine = torch::embedding(embedding.weight, whole_ids(s, ids, col->input_layouts), padding ? *padding : -1,
-                                       embedding.options.scale_grad_by_freq(), embedding.options.sparse());
+    at::Tensor mine = in_unit(
+        [&](const at::Tensor& whole) {
+          return torch::embedding(embedding.weight, whole, padding ? *padding : -1,
+                                  embedding.options.scale_grad_by_freq(), embedding.options.sparse());
+        },
+        whole_ids(s, ids, col->input_layouts));
     if (std::holds_alternative<accel::tp::Replicate>(col->output_layouts))
       return accel::tp::gather_from_parallel_region(mine, s.group);
     check_last_is_sharded(s, col->output_layouts, mine, "output_layouts");
     return mine;
   }
   const auto& row = std::get<accel::tp::RowwiseParallel>(s.style);
-  const auto& padding = embedding.options.padding_idx();  // (c10::optional on LibTorch 1.13)
-  at::Tensor mine =
-      vocab_piece_lookup(whole_ids(s, ids, row.input_layouts), embedding.weight, s.vocab_start, s.whole_features,
-                         padding ? std::optional<int64_t>(*padding) : std::nullopt, "RowwiseParallel");
+  at::Tensor mine = in_unit(
+      [&](const at::Tensor& whole) {
+        return vocab_piece_lookup(whole, embedding.weight, s.vocab_start, s.whole_features,
+                                  padding ? std::optional<int64_t>(*padding) : std::nullopt, "RowwiseParallel");
+      },
+      whole_ids(s, ids, row.input_layouts));
   if (const auto dim = shard_dim(row.output_layouts, mine.dim()))
     return accel::tp::reduce_scatter_to_sequence_parallel_region(mine, *dim, s.group);
   return accel::tp::reduce_from_parallel_region(mine, s.group);
 }
 
 // A column or row style's forward, marked for the CallWatch.
-inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module& module, const at::Tensor& x) {
+inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module& module, const at::Tensor& x,
+                                        const InUnit& in_unit) {
   at::Tensor out;
-  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) out = styled_linear(s, *linear, x);
-  else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x);
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module))
+    out = styled_linear(s, *linear, x, in_unit);
+  else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x, in_unit);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
     std::vector<at::Tensor> split = styled_split_parameters(s, module);
     std::erase_if(split, [](const at::Tensor& p) { return !p.requires_grad(); });
@@ -188,14 +211,18 @@ inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module
   return out;
 }
 
-// `fn(args...)` (the module's forward, or its FULL_SHARD unit's) with the
-// style of `module` applied, if a plan gave it one.
-template <class Fn, class... Args>
-auto styled_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
-  using Out = decltype(std::forward<Fn>(fn)(std::forward<Args>(args)...));
+// The module's forward with its style applied, if a plan gave it one.
+// `unit(fn, args...)` runs fn(args...) inside the module's FULL_SHARD unit
+// (plainly when it is none); `forward(args...)` is the module's forward.
+// An unstyled module, a SequenceParallel one (its style is in the layouts
+// around it) and PrepareModuleInput's (its inputs moved first) run their
+// forward in the unit; a column or row style computes its pieces in it.
+template <class Unit, class Forward, class... Args>
+auto styled_forward(const torch::nn::Module& module, Unit&& unit, Forward&& forward, Args&&... args) {
+  using Out = decltype(unit(forward, std::forward<Args>(args)...));
   const std::shared_ptr<const Styled> styled = StyledRegistry::instance().find(&module);
   if (!styled || std::holds_alternative<accel::tp::SequenceParallel>(styled->style))
-    return std::forward<Fn>(fn)(std::forward<Args>(args)...);
+    return unit(forward, std::forward<Args>(args)...);
   if (const auto* prepare = std::get_if<accel::tp::PrepareModuleInput>(&styled->style)) {
     const auto enter = [&]<std::size_t I, class A>(A&& a) -> decltype(auto) {
       if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
@@ -207,13 +234,16 @@ auto styled_forward(const torch::nn::Module& module, Fn&& fn, Args&&... args) {
       }
     };
     return [&]<std::size_t... I>(std::index_sequence<I...>) -> Out {
-      return std::forward<Fn>(fn)(enter.template operator()<I>(std::forward<Args>(args))...);
+      return unit(forward, enter.template operator()<I>(std::forward<Args>(args))...);
     }(std::index_sequence_for<Args...>{});
   }
   // Column and row styles apply to a Linear or an Embedding (parallelize_module checked): one tensor in, one out.
   if constexpr (sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, at::Tensor> && ...) &&
                 std::is_same_v<Out, at::Tensor>) {
-    return styled_pieces_forward(*styled, module, args...);
+    const InUnit in_unit = [&unit](const std::function<at::Tensor(const at::Tensor&)>& compute, const at::Tensor& x) {
+      return unit(compute, x);
+    };
+    return styled_pieces_forward(*styled, module, args..., in_unit);
   } else {
     throw LogicError("accel::tp: " + styled->who() + " takes one tensor and returns one");
   }
