@@ -13712,8 +13712,8 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the groups;
-  // read back once per group (on a GPU each read makes the host wait for the device).
+  // The p-th powers of the norms (or the largest element for inf), summed here, then over the groups: four
+  // small reads (on a GPU each makes the host wait for the device), two scalar all-reduces at most.
   auto part = [&](const std::vector<at::Tensor>& grads) {
     if (grads.empty()) return at::zeros({}, at::kDouble);
     std::vector<at::Tensor> norms;

@@ -429,29 +429,64 @@ TEST_SUITE("ranks") {
 }  // namespace tp_plan_test
 
 // Against tests/python_ref/tp_ref.py (tp_fixtures::PythonRun) beside test_training_tp.cpp's Megatron layers, with
-// the same plan as Python's (modes plan_tp and plan_tp_sp, compared with Python's tp and tp_sp).
+// the same plan as Python's: modes plan_tp and plan_tp_sp (tp = the world), compared with Python's tp and tp_sp;
+// plan_fsdp_tp_sp (tp 2, the pieces sharded along mp_shard = world / 2 by the Accelerator's FULL_SHARD; each dp rank trains its part of every batch), compared with Python's fsdp_tp_sp (FSDP2 + DTensor).
 namespace tp_plan_test {
 void train_plan_as_python(const std::string& dir, const std::string& mode) {
   CAPTURE(mode);
-  REQUIRE((mode == "plan_tp" || mode == "plan_tp_sp"));
-  auto& d = fresh({.tp_size = accel::get_world_size()});
-  const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+  REQUIRE((mode == "plan_tp" || mode == "plan_tp_sp" || mode == "plan_fsdp_tp_sp"));
+  const bool fsdp = mode == "plan_fsdp_tp_sp";
   Model model = fresh_model(0);
   PythonRun run(dir);
   {
     const at::NoGradGuard no_grad;
     for (const auto& [name, p] : by_name(*model)) p.copy_(run.start.at(name));
   }
-  accel::tp::parallelize_module(*model, plan(mode == "plan_tp_sp"));
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  run.train(optimizer, group, [&](const at::Tensor& ids, const at::Tensor& targets) {
-    at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(model->forward(ids), targets);
-    loss.backward();
-    accel::tp::all_reduce_sequence_parallel_gradients(*model);
-    return loss;
-  });
-  run.write(mode, *model, group);
-  d.barrier();
+  if (!fsdp) {
+    auto& d = fresh({.tp_size = accel::get_world_size()});
+    const accel::GroupPtr group = d.get_group(accel::Dim::TP);
+    accel::tp::parallelize_module(*model, plan(mode == "plan_tp_sp"));
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    run.train(optimizer, group, [&](const at::Tensor& ids, const at::Tensor& targets) {
+      at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(model->forward(ids), targets);
+      loss.backward();
+      accel::tp::all_reduce_sequence_parallel_gradients(*model);
+      return loss;
+    });
+    run.write(mode, *model, group);
+    d.barrier();
+    release_world();
+    return;
+  }
+  REQUIRE(accel::get_world_size() % 2 == 0);
+  accel::AcceleratorConfig c = config();
+  c.distributed.tp_size = 2;
+  c.sharding_strategy = accel::ShardingStrategy::FULL_SHARD;
+  // (the blocks' norm, up and down as units: this model calls its blocks directly, their modules through
+  // accel::unit_forward; Python's units are the blocks, the same numbers in another grouping)
+  c.auto_wrap_policy = [](const std::string& name, const torch::nn::Module&) {
+    return name.starts_with("blocks.") && name.find('.', 7) != std::string::npos;
+  };
+  release_world();
+  {
+    accel::Accelerator accelerator(c);
+    auto& d = accel::DistributedInterface::instance();
+    const accel::GroupPtr group = d.get_group(accel::Dim::TP), dp_group = d.get_group(accel::Dim::DP);
+    const int dp = d.get_world_size(accel::Dim::DP), data_rank = accelerator.data_parallel_rank();
+    accel::tp::parallelize_module(*model, plan(true));
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    auto prepared = accelerator.prepare(model, adamw);
+    REQUIRE(accelerator.is_fsdp2());
+    run.train(std::get<1>(prepared), group, [&](const at::Tensor& ids, const at::Tensor& targets) {
+      const at::Tensor loss = accel::tp::vocab_parallel_cross_entropy(model->forward(ids.chunk(dp)[data_rank]),
+                                                                      targets.chunk(dp)[data_rank]);
+      accelerator.backward(loss);
+      return accel::all_reduce(loss.detach().clone(), accel::ReduceOp::MEAN, dp_group);  // the mean over dp
+    });
+    const auto full = accelerator.data_parallel(model)->summon_full_params();
+    run.write(mode, *model, group);
+    d.barrier();
+  }
   release_world();
 }
 }  // namespace tp_plan_test

@@ -61,9 +61,10 @@ struct PythonRun {
     for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
   }
   // Every batch through `loss_and_backward(ids, targets)` (the forward, backward and any gradient sums; returns
-  // the loss), then the optimizer's step: the losses, and the first step's collectives on `group`.
-  template <class Step>
-  void train(torch::optim::Optimizer& optimizer, const accel::GroupPtr& group, Step loss_and_backward) {
+  // the loss), then the optimizer's step (a torch::optim::Optimizer, or the Accelerator's AcceleratedOptimizer):
+  // the losses, and the first step's collectives on `group`.
+  template <class Optimizer, class Step>
+  void train(Optimizer& optimizer, const accel::GroupPtr& group, Step loss_and_backward) {
     for (int64_t step = 0; step < batches.at("ids").size(0); ++step) {
       if (step == 0) start_sequence(group);
       const int64_t before = group->getSequenceNumberForGroup();

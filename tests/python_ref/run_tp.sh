@@ -10,7 +10,7 @@
 # trixie's 2.6 was not checked).
 #
 #     run_tp.sh ACCEL_LAUNCH TEST_BINARY WORLD MODE...
-#     MODE: tp | tp_sp | plan_tp | plan_tp_sp  (tp_ref.py says what each is)
+#     MODE: tp | tp_sp | plan_tp | plan_tp_sp | plan_fsdp_tp_sp  (tp_ref.py says what each is)
 set -euo pipefail
 usage="usage: run_tp.sh ACCEL_LAUNCH TEST_BINARY WORLD MODE..."
 launch=${1:?$usage}

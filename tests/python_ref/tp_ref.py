@@ -17,9 +17,14 @@ MODE, both with tp = the world, parallelize_module with torchtitan's styles:
   tp_sp  the same with sequence parallelism: the embedding's and the downs' outputs
          Shard(1), the ups' and the head's inputs Shard(1), every norm SequenceParallel
 
-  plan_tp, plan_tp_sp  accel.hpp's side only: the same plan applied to a plain C++ model
-         through accel::tp::parallelize_module (tests/test_training_tp_plan.cpp), compared
-         with Python's tp and tp_sp (Python has one way; it trains those)
+  fsdp_tp_sp  tp_sp on the inner dimension of a (dp, tp 2) mesh, FSDP2's fully_shard
+         (each block, then the root) along dp: torchtitan's FSDP + TP; each dp rank trains
+         its half of every batch, the loss recorded is the mean over dp (on 4 processes)
+
+  plan_tp, plan_tp_sp, plan_fsdp_tp_sp  accel.hpp's side only: the same plan applied to a
+         plain C++ model through accel::tp::parallelize_module (tests/test_training_tp_plan.cpp;
+         the last under the Accelerator's FULL_SHARD along mp_shard, the blocks' layers its units),
+         compared with Python's tp, tp_sp and fsdp_tp_sp (Python has one way; it trains those)
 
 Both sides start from DIR/init.safetensors, run STEPS AdamW steps on DIR/batches.safetensors
 (ids and targets, [steps, batch, sequence], the same on every rank) and write each step's
@@ -27,8 +32,9 @@ loss and the trained whole parameters: Python DIR/py_MODE_WORLD.safetensors, acc
 DIR/cpp_MODE_WORLD.safetensors. Each also writes the collectives one step issues (forward,
 backward and the optimizer step): Python's counted by CommDebugMode, by kind; accel.hpp's
 by the tp group's sequence number (every kind together). compare checks both against one
-process training the whole model, each other, and that accel.hpp issues at most what
-Python does.
+process training the whole model (under dp, the mean of the halves' losses), each other,
+and that accel.hpp issues at most what Python does (not under FSDP: Python's count takes in
+FSDP2's gathers and reduce-scatters on dp, accel.hpp's the tp group's alone).
 """
 import os
 import sys
@@ -40,7 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from leave import leave_without_teardown
 
-VOCAB, HIDDEN, FFN, BATCH, SEQ, BLOCKS, STEPS = 48, 10, 36, 3, 12, 2, 4
+VOCAB, HIDDEN, FFN, BATCH, SEQ, BLOCKS, STEPS = 48, 10, 36, 4, 12, 2, 4
 LR, WEIGHT_DECAY = 1e-2, 0.1
 
 
@@ -102,7 +108,7 @@ def parallelize(model, mode, mesh):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
-    sp = mode == "tp_sp"
+    sp = mode.endswith("tp_sp")
     sequence = Shard(1) if sp else Replicate()
     plan = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
@@ -120,9 +126,11 @@ def parallelize(model, mode, mesh):
     return model
 
 
-def run_steps(model, batches, parallel, counts=None):
+def run_steps(model, batches, parallel, counts=None, dp=1, dp_rank=None, dp_group=None):
     """STEPS AdamW steps; each step's loss. parallel: the loss under loss_parallel (logits split along the
-    vocabulary; its backward must run inside it too). counts: filled with the first step's collectives."""
+    vocabulary; its backward must run inside it too). counts: filled with the first step's collectives.
+    dp > 1: the batch cut in dp parts, the loss the mean of theirs: this rank's part (dp_rank, the mean taken
+    over dp_group for the record), or in one process (dp_rank None) all of them."""
     import contextlib
     from torch.distributed.tensor.parallel import loss_parallel
     optimizer = optimizer_for(model.parameters())
@@ -130,12 +138,19 @@ def run_steps(model, batches, parallel, counts=None):
     for step in range(STEPS):
         def one_step():
             with loss_parallel() if parallel else contextlib.nullcontext():
-                logits = model(batches["ids"][step])
-                loss = F.cross_entropy(logits.flatten(0, 1), batches["targets"][step].flatten(0, 1))
+                ids, targets = batches["ids"][step].chunk(dp), batches["targets"][step].chunk(dp)
+                parts = range(dp) if dp_rank is None else [dp_rank]
+                loss = sum(F.cross_entropy(model(ids[k]).flatten(0, 1), targets[k].flatten(0, 1)) for k in parts)
+                loss = loss / len(parts)
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            return loss.detach()
+            loss = loss.detach()
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            if dp_group is not None:
+                dist.all_reduce(loss, group=dp_group)
+                loss = loss / dp
+            return loss
         if counts is not None and step == 0:
             from torch.distributed.tensor.debug import CommDebugMode
             comm = CommDebugMode()
@@ -145,17 +160,27 @@ def run_steps(model, batches, parallel, counts=None):
                 counts[str(op).split(".")[-1]] = n
         else:
             loss = one_step()
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+        losses.append(float(loss))
     return losses
 
 
 def train(root, mode):
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model = parallelize(fresh_model(root), mode, mesh)
-    counts = {}
-    losses = run_steps(model, load_file(os.path.join(root, "batches.safetensors")), True, counts)
+    counts, batches = {}, load_file(os.path.join(root, "batches.safetensors"))
+    if mode.startswith("fsdp_"):
+        from torch.distributed.fsdp import fully_shard
+        dp = world // 2
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+        model = parallelize(fresh_model(root), mode, mesh["tp"])
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        losses = run_steps(model, batches, True, counts, dp, mesh.get_local_rank("dp"), mesh["dp"].get_group())
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        model = parallelize(fresh_model(root), mode, mesh)
+        losses = run_steps(model, batches, True, counts)
     # (without sequence parallelism the norms are not parallelized: plain tensors)
     whole = {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
              for name, p in model.named_parameters()}
@@ -177,7 +202,8 @@ def python_mode(mode):
 
 def compare(root, mode, world):
     reference = fresh_model(root)
-    one = run_steps(reference, load_file(os.path.join(root, "batches.safetensors")), False)
+    fsdp = mode.startswith("plan_fsdp_")
+    one = run_steps(reference, load_file(os.path.join(root, "batches.safetensors")), False, dp=world // 2 if fsdp else 1)
     ours = load_file(os.path.join(root, f"cpp_{mode}_{world}.safetensors"))
     python = load_file(os.path.join(root, f"py_{python_mode(mode)}_{world}.safetensors"))
     for side, got in (("Python", python), ("accel.hpp", ours)):
@@ -196,8 +222,9 @@ def compare(root, mode, world):
     ours_n = int(load_file(os.path.join(root, f"cpp_{mode}_{world}_counts.safetensors"))["collectives"])
     python_n = int(load_file(os.path.join(root, f"py_{python_mode(mode)}_{world}_counts.safetensors"))["collectives"])
     print(f"{mode} on {world}: losses and parameters after {STEPS} AdamW steps equal one process's (1e-12 and "
-          f"1e-10) on both sides; collectives per step: accel.hpp {ours_n}, Python {python_n}")
-    assert ours_n <= python_n, f"accel.hpp issues {ours_n} collectives per step, Python {python_n}"
+          f"1e-10) on both sides; collectives per step: accel.hpp {ours_n}" + (" on the tp group" if fsdp else "") +
+          f", Python {python_n}" + (" (FSDP2's on dp included: not compared)" if fsdp else ""))
+    assert fsdp or ours_n <= python_n, f"accel.hpp issues {ours_n} collectives per step, Python {python_n}"
 
 
 def main():
