@@ -6488,6 +6488,14 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::tp {
+// A parameter that is this rank's piece of a larger tensor, and the
+// dimension the whole was split along (equal pieces over the group, in
+// rank order).
+struct SplitParameter {
+  at::Tensor tensor;
+  int64_t dim = 0;
+};
+
 // The base of accel::tp's layers (beside torch::nn::Module): the group the
 // layer's weight is split over, this rank's place in it, and the parameters
 // whose gradient leaves a backward as this rank's part of a sum over the
@@ -6498,9 +6506,9 @@ class ParallelLayer {
   virtual ~ParallelLayer() = default;
   virtual std::vector<at::Tensor> partial_parameters() const { return {}; }
   // The parameters that are this rank's piece of a larger tensor (the rest
-  // of the layer's are whole on every rank): what a gradient norm sums over
-  // the group.
-  virtual std::vector<at::Tensor> split_parameters() const = 0;
+  // of the layer's are whole on every rank), with their dimension: what a
+  // gradient norm sums over the group, and save_model gathers along it.
+  virtual std::vector<SplitParameter> split_parameters() const = 0;
   const GroupPtr& group() const { return group_; }
   int tp_size() const { return size_of(group_); }
   int tp_rank() const { return rank_in(group_); }
@@ -6654,9 +6662,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     weight = shared;
   }
 
-  std::vector<at::Tensor> split_parameters() const override {
-    if (bias.defined()) return {weight, bias};
-    return {weight};
+  std::vector<detail::tp::SplitParameter> split_parameters() const override {
+    if (bias.defined()) return {{weight, 0}, {bias, 0}};
+    return {{weight, 0}};
   }
 
   void pretty_print(std::ostream& stream) const override {
@@ -6734,7 +6742,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public detail::tp::Paral
     }
   }
 
-  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<detail::tp::SplitParameter> split_parameters() const override { return {{weight, 1}}; }
   // Under sequence parallelism the bias is added to this rank's tokens only.
   std::vector<at::Tensor> partial_parameters() const override {
     if (options.sequence_parallel() && bias.defined()) return {bias};
@@ -6843,7 +6851,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
                "VocabParallelEmbedding");
   }
   int64_t vocab_start() const { return vocab_start_; }  // the first row this rank holds
-  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<detail::tp::SplitParameter> split_parameters() const override { return {{weight, 0}}; }
 
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()
@@ -7171,14 +7179,14 @@ class StyledRegistry {
 // The tensors a styled module holds split (pieces of a larger tensor) and
 // those whose gradient it leaves partial; read from the module itself, so
 // a weight tied elsewhere is the one its forward uses.
-inline std::vector<at::Tensor> styled_split_parameters(const Styled& s, const torch::nn::Module& module) {
-  std::vector<at::Tensor> out;
-  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {
-    if (!s.colwise() && !s.rowwise()) return out;
-    out.push_back(linear->weight);
-    if (s.colwise() && linear->bias.defined()) out.push_back(linear->bias);
+inline std::vector<SplitParameter> styled_split_parameters(const Styled& s, const torch::nn::Module& module) {
+  std::vector<SplitParameter> out;
+  if (!s.colwise() && !s.rowwise()) return out;
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {  // [out, in]: rows or columns
+    out.push_back({linear->weight, s.colwise() ? 0 : 1});
+    if (s.colwise() && linear->bias.defined()) out.push_back({linear->bias, 0});
   } else if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module)) {
-    if (s.colwise() || s.rowwise()) out.push_back(embedding->weight);
+    out.push_back({embedding->weight, s.colwise() ? 1 : 0});  // [vocabulary, features]
   }
   return out;
 }
@@ -7207,7 +7215,8 @@ namespace detail::tp {
 // the registry. None for a module of neither kind.
 struct Pieces {
   GroupPtr group;
-  std::vector<at::Tensor> split, partial;
+  std::vector<SplitParameter> split;
+  std::vector<at::Tensor> partial;
 };
 inline std::optional<Pieces> pieces_of(const torch::nn::Module& module) {
   if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module)) {
@@ -7220,15 +7229,41 @@ inline std::optional<Pieces> pieces_of(const torch::nn::Module& module) {
 }
 
 // What of a module is split over a group of more than one rank (by
-// accel::tp's layers or a plan): the group, the split parameters (each a piece of a larger tensor;
+// accel::tp's layers or a plan): the group, the split parameters with the
+// dimension each was split along (each a piece of a larger tensor;
 // everything else of the module is whole on every rank), and the layers by
 // qualified name ("" for the module itself), for errors. Empty (no group)
 // without such layers. Layers split over different groups are an error.
 struct SplitTensors {
   GroupPtr group;
-  std::unordered_set<const c10::TensorImpl*> parameters;
+  std::unordered_map<const c10::TensorImpl*, int64_t> dims;
   std::vector<std::string> layers;
-  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
+  bool contains(const at::Tensor& t) const { return dims.count(t.unsafeGetTensorImpl()) > 0; }
+  std::optional<int64_t> dim_of(const at::Tensor& t) const {
+    const auto found = dims.find(t.unsafeGetTensorImpl());
+    return found == dims.end() ? std::nullopt : std::optional<int64_t>(found->second);
+  }
+  // The whole tensor's shape, of a piece `t` (t's own where it is whole).
+  std::vector<int64_t> whole_sizes(const at::Tensor& t) const {
+    std::vector<int64_t> sizes = t.sizes().vec();
+    if (const auto dim = dim_of(t)) sizes[*dim] *= size_of(group);
+    return sizes;
+  }
+  // This rank's piece of `whole` where `t` is a piece (whole itself where t is whole).
+  at::Tensor piece(const at::Tensor& t, const at::Tensor& whole) const {
+    const auto dim = dim_of(t);
+    if (!dim) return whole;
+    const int64_t length = t.size(*dim);
+    return whole.narrow(*dim, rank_in(group) * length, length);
+  }
+  // The whole tensor of which `values` are this rank's piece of `t`, gathered
+  // from the group's pieces (`values` where t is whole): a collective on the
+  // group where t is a piece.
+  at::Tensor whole(const at::Tensor& t, const at::Tensor& values) const {
+    const auto dim = dim_of(t);
+    if (!dim) return values;
+    return at::cat(accel::all_gather(values.detach().contiguous(), group).unbind(0), *dim);
+  }
 };
 inline SplitTensors split_tensors(const torch::nn::Module& module) {
   SplitTensors split;
@@ -7240,7 +7275,7 @@ inline SplitTensors split_tensors(const torch::nn::Module& module) {
                             split.layers.front() + "'");
     split.group = pieces->group;
     split.layers.push_back(name);
-    for (const auto& p : pieces->split) split.parameters.insert(p.unsafeGetTensorImpl());
+    for (const auto& [p, dim] : pieces->split) split.dims.emplace(p.unsafeGetTensorImpl(), dim);
   };
   visit("", module);
   for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
@@ -7262,17 +7297,6 @@ inline void broadcast_whole_tensors(const torch::nn::Module& module, const Split
   for (const auto& p : module.parameters()) keep(p);
   for (const auto& b : module.buffers()) keep(b);
   if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
-}
-// Refuses a module holding split layers where `what` would take
-// each process's parameters for whole ones (writing rank 0's pieces as the
-// model, or loading whole tensors into pieces): the error names one layer.
-inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
-  const SplitTensors split = split_tensors(module);
-  if (!split.group) return;
-  throw InvalidArgument(what + ": the model holds tensor-parallel layers split over " +
-                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
-                        std::to_string(split.layers.size() - 1) +
-                        " more); their pieces are not gathered or scattered by it yet");
 }
 }  // namespace detail::tp
 
@@ -7603,8 +7627,9 @@ inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module
     out = styled_linear(s, *linear, x, in_unit);
   else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x, in_unit);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
-    std::vector<at::Tensor> split = styled_split_parameters(s, module);
-    std::erase_if(split, [](const at::Tensor& p) { return !p.requires_grad(); });
+    std::vector<at::Tensor> split;
+    for (const auto& piece : styled_split_parameters(s, module))
+      if (piece.tensor.requires_grad()) split.push_back(piece.tensor);
     if (!split.empty())
       out.register_hook([watch = s.watch, split = std::move(split)](const at::Tensor& grad) {
         watch->mark(split);
@@ -7855,7 +7880,7 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
     styled->whole_features = m.whole_features;
     if (m.kind == detail::tp::ModuleKind::embedding && std::holds_alternative<RowwiseParallel>(m.style))
       styled->vocab_start = rank * (m.whole_features / parts);
-    for (auto p : detail::tp::styled_split_parameters(*styled, *m.module)) {
+    for (auto [p, dim] : detail::tp::styled_split_parameters(*styled, *m.module)) {
       if (!p.requires_grad() || !watched.insert(p.unsafeGetTensorImpl()).second) continue;  // (tied: once)
       watch->watch(p, styled->who());
       p.register_hook([watch, impl = p.unsafeGetTensorImpl()](const at::Tensor&) { watch->take(impl); });
@@ -15928,28 +15953,32 @@ struct LoadModelOptions {
 };
 
 namespace detail {
-// A tensor with `t`'s dtype and shape and no storage (the device "meta").
-inline at::Tensor meta_like(const at::Tensor& t) {
-  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+// A tensor with `t`'s dtype and shape (or `sizes`) and no storage (the device "meta").
+inline at::Tensor meta_like(const at::Tensor& t, c10::IntArrayRef sizes) {
+  return at::empty(sizes, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
 }
+inline at::Tensor meta_like(const at::Tensor& t) { return meta_like(t, t.sizes()); }
 
 // What save_model writes for each of the model's state_dict entries: the
 // file's name and a meta tensor of the file's dtype and shape, with the
-// model's entry the values come from.
+// model's entry the values come from. A tensor-parallel piece (`split`) is
+// written whole: the file's shape is the whole tensor's.
 struct PlannedTensor {
   NamedTensor file;
   NamedTensor model;
 };
-inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter) {
+inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter,
+                                                  const tp::SplitTensors& split) {
   std::vector<PlannedTensor> out;
   std::map<std::string, std::string> from;  // a file name -> the model's name it came from
   for (auto& named : state_dict(module)) {
+    const at::Tensor meta = meta_like(named.second, split.whole_sizes(named.second));
     std::optional<NamedTensor> file;
     if (!adapter.to_file) {
-      file = NamedTensor(named.first, meta_like(named.second));
+      file = NamedTensor(named.first, meta);
     } else {
       try {
-        file = adapter.to_file(named.first, meta_like(named.second));
+        file = adapter.to_file(named.first, meta);
       } catch (const std::exception& e) {
         throw InvalidArgument("accel::save_model: the adapter's to_file failed for '" + named.first +
                               "' on a meta tensor (it is called on one first, to learn the file's names, dtypes and "
@@ -15978,10 +16007,11 @@ struct WeightFiles {
   std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
   uint64_t total = 0;
 };
-inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options) {
+inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options,
+                                     const tp::SplitTensors& split) {
   WeightFiles plan;
   uint64_t in_file = 0;
-  for (auto& planned : planned_tensors(module, options.adapter)) {
+  for (auto& planned : planned_tensors(module, options.adapter, split)) {
     const at::Tensor& t = planned.file.second;
     const uint64_t bytes = t.numel() * t.element_size();
     if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
@@ -16036,19 +16066,21 @@ inline void finish_weights_dir(const std::filesystem::path& path, const WeightFi
   fsync_path(path);
 }
 
-// save_model's work on `module`'s state_dict. whole(t) gives a tensor's
-// values when its turn comes (an Accelerator's FULL_SHARD model gathers
-// them unit by unit there, a collective); every process calls it for every
-// tensor in the same order, the main process writes, and an error there
-// (a full disk) still lets the others finish their calls before every
+// save_model's work on `module`'s state_dict. local(t) gives a tensor's
+// values on this process when its turn comes (an Accelerator's FULL_SHARD
+// model gathers them unit by unit there, a collective); a tensor-parallel
+// piece is then gathered whole over its group (accel::tp layers, a plan:
+// Hugging Face's layout has whole tensors). Every process calls both for
+// every tensor in the same order, the main process writes, and an error
+// there (a full disk) still lets the others finish their calls before every
 // process throws it.
 inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
-                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
+                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& local) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  // (the same layers on every process: all refuse, before any collective)
-  tp::refuse_split_layers(module, "accel::save_model");
-  const WeightFiles plan = plan_weight_files(module, options);
+  const tp::SplitTensors split = tp::split_tensors(module);
+  const auto whole = [&](const at::Tensor& t) { return split.whole(t, local(t)); };
+  const WeightFiles plan = plan_weight_files(module, options, split);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
@@ -16214,25 +16246,31 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 // and checked before anything is copied: each of the model's parameters
 // and buffers must be there with its dtype and shape (a tied one under one
 // of its names at least), and nothing else; otherwise every process
-// throws, naming the file and the tensors. A sharded model:
-// Accelerator::load_model.
+// throws, naming the file and the tensors. A tensor-parallel piece
+// (accel::tp layers, a plan) takes its piece of the whole tensor the file
+// holds. A sharded model: Accelerator::load_model.
 template <class ModuleHolder>
 void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
   const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
   std::vector<NamedTensor> expected;
   std::map<std::string, at::Tensor> loaded;
+  detail::tp::SplitTensors split;
   const std::string error = detail::error_of([&] {
     std::string where;
     loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
     expected = detail::entries_to_fill(*model.ptr(), loaded, where);
+    split = detail::tp::split_tensors(*model.ptr());
+    std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
+    for (const auto& [name, tensor] : expected)
+      whole.emplace_back(name, detail::meta_like(tensor, split.whole_sizes(tensor)));
     std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
     for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
-    if (const std::string why = detail::misfit(expected, held); !why.empty())
+    if (const std::string why = detail::misfit(whole, held); !why.empty())
       throw RuntimeError(where + " does not fit the model:" + why);
   });
   detail::fail_together(error, "accel::load_model");
   torch::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+  for (const auto& [name, tensor] : expected) tensor.copy_(split.piece(tensor, loaded.at(name)));
 }
 
 ACCEL_NAMESPACE_END

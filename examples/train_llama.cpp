@@ -159,20 +159,21 @@ void check(const Options& o, int world) {
   if (o.tp < 1 || o.cp < 1) fail("--tp and --cp must be at least 1");
   const int heads_split = o.tp * o.cp;  // tp splits the heads, then Ulysses splits tp's share over cp
   if (m.num_attention_heads % heads_split != 0 || m.num_key_value_heads % heads_split != 0)
-    fail((o.tp > 1 ? "--tp " + std::to_string(o.tp) + (o.cp > 1 ? " x --cp " : "") : std::string("Ulysses over --cp ")) +
-         (o.cp > 1 ? std::to_string(o.cp) : std::string()) + " splits the heads: --heads " +
-         std::to_string(m.num_attention_heads) + " and --kv-heads " + std::to_string(m.num_key_value_heads) +
-         " must both be multiples of " + std::to_string(heads_split));
+    fail(
+        (o.tp > 1 ? "--tp " + std::to_string(o.tp) + (o.cp > 1 ? " x --cp " : "") : std::string("Ulysses over --cp ")) +
+        (o.cp > 1 ? std::to_string(o.cp) : std::string()) + " splits the heads: --heads " +
+        std::to_string(m.num_attention_heads) + " and --kv-heads " + std::to_string(m.num_key_value_heads) +
+        " must both be multiples of " + std::to_string(heads_split));
   if (o.seq % o.cp != 0)
     fail("--seq " + std::to_string(o.seq) + " is not a multiple of --cp " + std::to_string(o.cp) +
          " (each cp rank holds an equal slice of every sequence)");
   if ((o.seq / o.cp) % o.tp != 0)
     fail("--seq " + std::to_string(o.seq) + " / --cp " + std::to_string(o.cp) + " is not a multiple of --tp " +
          std::to_string(o.tp) + " (sequence parallelism splits each rank's slice over tp)");
-  if (o.tp > 1 && (o.save_every > 0 || o.stop_after >= 0 || o.resume || !o.export_dir.empty()))
+  if (o.tp > 1 && (o.save_every > 0 || o.stop_after >= 0 || o.resume))
     fail("--tp " + std::to_string(o.tp) +
-         ": checkpoints and exports of tensor-parallel pieces are not written yet (--save-every, --stop-after, "
-         "--resume, --export)");
+         ": checkpoints of tensor-parallel pieces are not written yet (--save-every, --stop-after, --resume; "
+         "--export writes the whole model)");
   const int dp = o.dp ? o.dp : world / (o.cp * o.tp);
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
@@ -268,9 +269,9 @@ int train(Options o) {
   const accel::DistributedStrategy& mesh = accel::DistributedInterface::instance().strategy();
   accel::print("train_llama:", accelerator.num_processes(), "process(es),",
                accel::to_string(accelerator.sharding_strategy()), "on the model mesh", mesh.mp_replicate_size(), "x",
-               mesh.mp_shard_size(), "- data mesh dp", mesh.dp_size(), "x cp", mesh.cp_size(), "- tp", mesh.tp_size(), "-",
-               o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters, "parameters - seq",
-               o.seq);
+               mesh.mp_shard_size(), "- data mesh dp", mesh.dp_size(), "x cp", mesh.cp_size(), "- tp", mesh.tp_size(),
+               "-", o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters,
+               "parameters - seq", o.seq);
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
   const int64_t first = step.value, slice = o.seq / o.cp;
@@ -292,8 +293,8 @@ int train(Options o) {
         const at::Tensor logits = model->forward(ids, cp, o.recompute);
         // Under tp the logits are this rank's columns of the vocabulary (the loss computed without gathering them).
         loss = o.tp > 1 ? accel::tp::vocab_parallel_cross_entropy(logits, labels)
-                        : torch::nn::functional::cross_entropy(
-                              logits.reshape({-1, o.model.vocab_size}).to(at::kFloat), labels.reshape({-1}));
+                        : torch::nn::functional::cross_entropy(logits.reshape({-1, o.model.vocab_size}).to(at::kFloat),
+                                                               labels.reshape({-1}));
       }
       accelerator.backward(loss);
       step_loss += loss.detach();

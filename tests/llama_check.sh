@@ -7,11 +7,13 @@
 #     process's on the same global batches (within LOSS_TOLERANCE,
 #     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
+#     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients);
 #  3. bad configurations stop before any step, with their reason;
-#  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported model and gives the C++
-#     model's logits, and a model initialised by transformers, imported into C++, gives transformers' logits.
+#  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported models (HSDP's, and
+#     FSDP + TP's) and gives the C++ model's logits, and a model initialised by transformers, imported into C++,
+#     gives transformers' logits.
 #     Skipped, saying so, where Python has no transformers.
 #     bash tests/llama_check.sh ACCEL_LAUNCH TRAIN_LLAMA DIR
 set -euo pipefail
@@ -23,9 +25,9 @@ sizes=(--layers 2 --hidden 64 --heads 8 --kv-heads 4 --intermediate 160 --seq 32
 run() { local world=$1; shift; "$launch" --timeout 240 "$world" "$train" "${sizes[@]}" "$@"; }
 
 # 1. Meshes against one process.
-run 1 --steps 6 --dir "$dir/one" > "$dir/one.log"
+run 1 --steps 6 --dir "$dir/one" --export "$dir/one/model" > "$dir/one.log"
 declare -A meshes=([hsdp_dp2_cp2]="--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2" [dp4]="--dp 4"
-                   [dp1_cp4]="--dp 1 --cp 4" [tp2_dp2_recompute]="--tp 2 --dp 2 --recompute"
+                   [dp1_cp4]="--dp 1 --cp 4" [tp2_dp2_recompute]="--tp 2 --dp 2 --recompute --export $dir/tp2_dp2_recompute/model"
                    [tp2_dp2_no_shard]="--tp 2 --dp 2 --sharding no_shard" [tp4]="--tp 4" [tp2_cp2]="--tp 2 --cp 2")
 for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2; do
   # shellcheck disable=SC2086
@@ -39,6 +41,30 @@ print(f"llama_check: {sys.argv[4]} against one process over {len(one)} steps: la
 assert len(one) == len(other) == 6 and worst <= tolerance, (one, other)
 PY
 done
+# FSDP + TP's export: whole tensors under Hugging Face's names, each piece gathered: one process's weights (the same
+# sums in another order). Read without torch (the 1.13 leg's Python may have none): safetensors is a JSON header.
+python3 - "$dir/one/model/model.safetensors" "$dir/tp2_dp2_recompute/model/model.safetensors" <<'PY'
+import array, json, struct, sys
+def read(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", (name, t["dtype"])
+        out[name] = (t["shape"], array.array("f", body[t["data_offsets"][0]:t["data_offsets"][1]]))
+    return out
+one, tp = read(sys.argv[1]), read(sys.argv[2])
+assert one.keys() == tp.keys(), sorted(set(one) ^ set(tp))
+worst = 0.0
+for name, (shape, values) in one.items():
+    assert tp[name][0] == shape, (name, tp[name][0], shape)
+    worst = max(worst, max(abs(a - b) for a, b in zip(values, tp[name][1])))
+print(f"llama_check: tp 2 x mp_shard 2's export equals one process's weights ({len(one)} tensors): largest difference {worst:.3g}")
+assert worst <= 1e-4, worst
+PY
 # Tensor parallelism's memory: each process holds 1/tp of the parameters (and of AdamW's state), but the norms.
 python3 - "$dir/tp4.log" <<'PY'
 import re, sys
@@ -72,7 +98,7 @@ refused "is not a multiple of --cp 4" run 4 --steps 2 --dir "$dir/bad" --dp 1 --
 refused "mp_replicate_size" run 4 --steps 2 --dir "$dir/bad" --mp-replicate 3
 refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multiples of 4" \
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
-refused "checkpoints and exports of tensor-parallel pieces are not written yet" \
+refused "checkpoints of tensor-parallel pieces are not written yet" \
   run 4 --steps 2 --dir "$dir/bad" --tp 2 --save-every 1
 
 # 4. transformers.
@@ -82,6 +108,9 @@ if ! python3 -c 'import transformers' 2>/dev/null; then
 fi
 "$train" --seq 32 --import "$dir/straight/model" --logits "$dir/straight/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/straight/model" 32 "$dir/straight/logits.bin"
+# (and FSDP + TP's export: whole tensors transformers loads)
+"$train" --seq 32 --import "$dir/tp2_dp2_recompute/model" --logits "$dir/tp2_dp2_recompute/logits.bin"
+python3 "$here/python_ref/llama_check.py" compare "$dir/tp2_dp2_recompute/model" 32 "$dir/tp2_dp2_recompute/logits.bin"
 python3 "$here/python_ref/llama_check.py" make "$dir/python" 32
 "$train" --seq 32 --import "$dir/python" --logits "$dir/python/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/python" 32 "$dir/python/logits.bin"

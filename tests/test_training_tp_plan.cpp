@@ -248,11 +248,34 @@ TEST_SUITE("ranks") {
           whole_opt.step();
           whole_opt.zero_grad();
         }
-        const auto full = wrapper.summon_full_params();  // (FULL_SHARD: the units' parameters rest without memory)
-        for (const auto& [name, p] : params) {
-          CAPTURE(name);
-          CHECK(at::allclose(p, piece(name, whole_params.at(name), tp, r), 1e-10, 1e-12));
+        {
+          const auto full = wrapper.summon_full_params();  // (FULL_SHARD: the units' parameters rest without memory)
+          for (const auto& [name, p] : params) {
+            CAPTURE(name);
+            CHECK(at::allclose(p, piece(name, whole_params.at(name), tp, r), 1e-10, 1e-12));
+          }
         }
+        // save_model writes whole tensors under the plain names (each piece gathered along its split: Hugging
+        // Face's layout); load_model gives a planned model this rank's piece of each.
+        namespace fs = std::filesystem;
+        const fs::path dir = shared_temp_path(accelerator, "accel_tp_export_");
+        accelerator.save_model(model, dir.string());
+        std::map<std::string, at::Tensor> file;
+        for (auto& named : accel::detail::read_safetensors(dir / "model.safetensors")) file.insert(named);
+        for (const auto& [name, p] : whole_params) {
+          CAPTURE(name);
+          REQUIRE(file.count(name) == 1);
+          CHECK(at::allclose(file.at(name), p, 1e-10, 1e-12));
+        }
+        Model loaded = fresh_model(6);
+        accel::tp::parallelize_module(*loaded, plan(sp));
+        accel::load_model(loaded, dir.string());
+        for (const auto& [name, p] : by_name(*loaded)) {
+          CAPTURE(name);
+          CHECK(at::equal(p, piece(name, file.at(name), tp, r)));
+        }
+        accelerator.wait_for_everyone();
+        if (accelerator.is_main_process()) fs::remove_all(dir);
       }
     release_world();
   }

@@ -41,28 +41,32 @@ struct LoadModelOptions {
 };
 
 namespace detail {
-// A tensor with `t`'s dtype and shape and no storage (the device "meta").
-inline at::Tensor meta_like(const at::Tensor& t) {
-  return at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+// A tensor with `t`'s dtype and shape (or `sizes`) and no storage (the device "meta").
+inline at::Tensor meta_like(const at::Tensor& t, c10::IntArrayRef sizes) {
+  return at::empty(sizes, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
 }
+inline at::Tensor meta_like(const at::Tensor& t) { return meta_like(t, t.sizes()); }
 
 // What save_model writes for each of the model's state_dict entries: the
 // file's name and a meta tensor of the file's dtype and shape, with the
-// model's entry the values come from.
+// model's entry the values come from. A tensor-parallel piece (`split`) is
+// written whole: the file's shape is the whole tensor's.
 struct PlannedTensor {
   NamedTensor file;
   NamedTensor model;
 };
-inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter) {
+inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& module, const StateDictAdapter& adapter,
+                                                  const tp::SplitTensors& split) {
   std::vector<PlannedTensor> out;
   std::map<std::string, std::string> from;  // a file name -> the model's name it came from
   for (auto& named : state_dict(module)) {
+    const at::Tensor meta = meta_like(named.second, split.whole_sizes(named.second));
     std::optional<NamedTensor> file;
     if (!adapter.to_file) {
-      file = NamedTensor(named.first, meta_like(named.second));
+      file = NamedTensor(named.first, meta);
     } else {
       try {
-        file = adapter.to_file(named.first, meta_like(named.second));
+        file = adapter.to_file(named.first, meta);
       } catch (const std::exception& e) {
         throw InvalidArgument("accel::save_model: the adapter's to_file failed for '" + named.first +
                               "' on a meta tensor (it is called on one first, to learn the file's names, dtypes and "
@@ -91,10 +95,11 @@ struct WeightFiles {
   std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
   uint64_t total = 0;
 };
-inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options) {
+inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options,
+                                     const tp::SplitTensors& split) {
   WeightFiles plan;
   uint64_t in_file = 0;
-  for (auto& planned : planned_tensors(module, options.adapter)) {
+  for (auto& planned : planned_tensors(module, options.adapter, split)) {
     const at::Tensor& t = planned.file.second;
     const uint64_t bytes = t.numel() * t.element_size();
     if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
@@ -149,19 +154,21 @@ inline void finish_weights_dir(const std::filesystem::path& path, const WeightFi
   fsync_path(path);
 }
 
-// save_model's work on `module`'s state_dict. whole(t) gives a tensor's
-// values when its turn comes (an Accelerator's FULL_SHARD model gathers
-// them unit by unit there, a collective); every process calls it for every
-// tensor in the same order, the main process writes, and an error there
-// (a full disk) still lets the others finish their calls before every
+// save_model's work on `module`'s state_dict. local(t) gives a tensor's
+// values on this process when its turn comes (an Accelerator's FULL_SHARD
+// model gathers them unit by unit there, a collective); a tensor-parallel
+// piece is then gathered whole over its group (accel::tp layers, a plan:
+// Hugging Face's layout has whole tensors). Every process calls both for
+// every tensor in the same order, the main process writes, and an error
+// there (a full disk) still lets the others finish their calls before every
 // process throws it.
 inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
-                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& whole) {
+                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& local) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  // (the same layers on every process: all refuse, before any collective)
-  tp::refuse_split_layers(module, "accel::save_model");
-  const WeightFiles plan = plan_weight_files(module, options);
+  const tp::SplitTensors split = tp::split_tensors(module);
+  const auto whole = [&](const at::Tensor& t) { return split.whole(t, local(t)); };
+  const WeightFiles plan = plan_weight_files(module, options, split);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
@@ -327,25 +334,31 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 // and checked before anything is copied: each of the model's parameters
 // and buffers must be there with its dtype and shape (a tied one under one
 // of its names at least), and nothing else; otherwise every process
-// throws, naming the file and the tensors. A sharded model:
-// Accelerator::load_model.
+// throws, naming the file and the tensors. A tensor-parallel piece
+// (accel::tp layers, a plan) takes its piece of the whole tensor the file
+// holds. A sharded model: Accelerator::load_model.
 template <class ModuleHolder>
 void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
   const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
   std::vector<NamedTensor> expected;
   std::map<std::string, at::Tensor> loaded;
+  detail::tp::SplitTensors split;
   const std::string error = detail::error_of([&] {
     std::string where;
     loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
     expected = detail::entries_to_fill(*model.ptr(), loaded, where);
+    split = detail::tp::split_tensors(*model.ptr());
+    std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
+    for (const auto& [name, tensor] : expected)
+      whole.emplace_back(name, detail::meta_like(tensor, split.whole_sizes(tensor)));
     std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
     for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
-    if (const std::string why = detail::misfit(expected, held); !why.empty())
+    if (const std::string why = detail::misfit(whole, held); !why.empty())
       throw RuntimeError(where + " does not fit the model:" + why);
   });
   detail::fail_together(error, "accel::load_model");
   torch::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : expected) tensor.copy_(loaded.at(name));
+  for (const auto& [name, tensor] : expected) tensor.copy_(split.piece(tensor, loaded.at(name)));
 }
 
 ACCEL_NAMESPACE_END

@@ -87,7 +87,7 @@ class VocabParallelEmbeddingImpl : public torch::nn::Module, public detail::tp::
                "VocabParallelEmbedding");
   }
   int64_t vocab_start() const { return vocab_start_; }  // the first row this rank holds
-  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<detail::tp::SplitParameter> split_parameters() const override { return {{weight, 0}}; }
 
   void pretty_print(std::ostream& stream) const override {
     stream << "accel::tp::VocabParallelEmbedding(num_embeddings=" << options.num_embeddings()

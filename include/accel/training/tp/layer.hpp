@@ -7,6 +7,14 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::tp {
+// A parameter that is this rank's piece of a larger tensor, and the
+// dimension the whole was split along (equal pieces over the group, in
+// rank order).
+struct SplitParameter {
+  at::Tensor tensor;
+  int64_t dim = 0;
+};
+
 // The base of accel::tp's layers (beside torch::nn::Module): the group the
 // layer's weight is split over, this rank's place in it, and the parameters
 // whose gradient leaves a backward as this rank's part of a sum over the
@@ -17,9 +25,9 @@ class ParallelLayer {
   virtual ~ParallelLayer() = default;
   virtual std::vector<at::Tensor> partial_parameters() const { return {}; }
   // The parameters that are this rank's piece of a larger tensor (the rest
-  // of the layer's are whole on every rank): what a gradient norm sums over
-  // the group.
-  virtual std::vector<at::Tensor> split_parameters() const = 0;
+  // of the layer's are whole on every rank), with their dimension: what a
+  // gradient norm sums over the group, and save_model gathers along it.
+  virtual std::vector<SplitParameter> split_parameters() const = 0;
   const GroupPtr& group() const { return group_; }
   int tp_size() const { return size_of(group_); }
   int tp_rank() const { return rank_in(group_); }

@@ -107,9 +107,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module, public detail::tp::Pa
     weight = shared;
   }
 
-  std::vector<at::Tensor> split_parameters() const override {
-    if (bias.defined()) return {weight, bias};
-    return {weight};
+  std::vector<detail::tp::SplitParameter> split_parameters() const override {
+    if (bias.defined()) return {{weight, 0}, {bias, 0}};
+    return {{weight, 0}};
   }
 
   void pretty_print(std::ostream& stream) const override {
@@ -187,7 +187,7 @@ class RowParallelLinearImpl : public torch::nn::Module, public detail::tp::Paral
     }
   }
 
-  std::vector<at::Tensor> split_parameters() const override { return {weight}; }
+  std::vector<detail::tp::SplitParameter> split_parameters() const override { return {{weight, 1}}; }
   // Under sequence parallelism the bias is added to this rank's tokens only.
   std::vector<at::Tensor> partial_parameters() const override {
     if (options.sequence_parallel() && bias.defined()) return {bias};

@@ -13,7 +13,8 @@ namespace detail::tp {
 // the registry. None for a module of neither kind.
 struct Pieces {
   GroupPtr group;
-  std::vector<at::Tensor> split, partial;
+  std::vector<SplitParameter> split;
+  std::vector<at::Tensor> partial;
 };
 inline std::optional<Pieces> pieces_of(const torch::nn::Module& module) {
   if (const auto* layer = dynamic_cast<const ParallelLayer*>(&module)) {
@@ -26,15 +27,41 @@ inline std::optional<Pieces> pieces_of(const torch::nn::Module& module) {
 }
 
 // What of a module is split over a group of more than one rank (by
-// accel::tp's layers or a plan): the group, the split parameters (each a piece of a larger tensor;
+// accel::tp's layers or a plan): the group, the split parameters with the
+// dimension each was split along (each a piece of a larger tensor;
 // everything else of the module is whole on every rank), and the layers by
 // qualified name ("" for the module itself), for errors. Empty (no group)
 // without such layers. Layers split over different groups are an error.
 struct SplitTensors {
   GroupPtr group;
-  std::unordered_set<const c10::TensorImpl*> parameters;
+  std::unordered_map<const c10::TensorImpl*, int64_t> dims;
   std::vector<std::string> layers;
-  bool contains(const at::Tensor& t) const { return parameters.count(t.unsafeGetTensorImpl()) > 0; }
+  bool contains(const at::Tensor& t) const { return dims.count(t.unsafeGetTensorImpl()) > 0; }
+  std::optional<int64_t> dim_of(const at::Tensor& t) const {
+    const auto found = dims.find(t.unsafeGetTensorImpl());
+    return found == dims.end() ? std::nullopt : std::optional<int64_t>(found->second);
+  }
+  // The whole tensor's shape, of a piece `t` (t's own where it is whole).
+  std::vector<int64_t> whole_sizes(const at::Tensor& t) const {
+    std::vector<int64_t> sizes = t.sizes().vec();
+    if (const auto dim = dim_of(t)) sizes[*dim] *= size_of(group);
+    return sizes;
+  }
+  // This rank's piece of `whole` where `t` is a piece (whole itself where t is whole).
+  at::Tensor piece(const at::Tensor& t, const at::Tensor& whole) const {
+    const auto dim = dim_of(t);
+    if (!dim) return whole;
+    const int64_t length = t.size(*dim);
+    return whole.narrow(*dim, rank_in(group) * length, length);
+  }
+  // The whole tensor of which `values` are this rank's piece of `t`, gathered
+  // from the group's pieces (`values` where t is whole): a collective on the
+  // group where t is a piece.
+  at::Tensor whole(const at::Tensor& t, const at::Tensor& values) const {
+    const auto dim = dim_of(t);
+    if (!dim) return values;
+    return at::cat(accel::all_gather(values.detach().contiguous(), group).unbind(0), *dim);
+  }
 };
 inline SplitTensors split_tensors(const torch::nn::Module& module) {
   SplitTensors split;
@@ -46,7 +73,7 @@ inline SplitTensors split_tensors(const torch::nn::Module& module) {
                             split.layers.front() + "'");
     split.group = pieces->group;
     split.layers.push_back(name);
-    for (const auto& p : pieces->split) split.parameters.insert(p.unsafeGetTensorImpl());
+    for (const auto& [p, dim] : pieces->split) split.dims.emplace(p.unsafeGetTensorImpl(), dim);
   };
   visit("", module);
   for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
@@ -68,17 +95,6 @@ inline void broadcast_whole_tensors(const torch::nn::Module& module, const Split
   for (const auto& p : module.parameters()) keep(p);
   for (const auto& b : module.buffers()) keep(b);
   if (!whole.empty()) accel::broadcast(std::move(whole), 0, split.group);
-}
-// Refuses a module holding split layers where `what` would take
-// each process's parameters for whole ones (writing rank 0's pieces as the
-// model, or loading whole tensors into pieces): the error names one layer.
-inline void refuse_split_layers(const torch::nn::Module& module, const std::string& what) {
-  const SplitTensors split = split_tensors(module);
-  if (!split.group) return;
-  throw InvalidArgument(what + ": the model holds tensor-parallel layers split over " +
-                        std::to_string(split.group->getSize()) + " ranks ('" + split.layers.front() + "' and " +
-                        std::to_string(split.layers.size() - 1) +
-                        " more); their pieces are not gathered or scattered by it yet");
 }
 }  // namespace detail::tp
 

@@ -200,7 +200,7 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
     styled->whole_features = m.whole_features;
     if (m.kind == detail::tp::ModuleKind::embedding && std::holds_alternative<RowwiseParallel>(m.style))
       styled->vocab_start = rank * (m.whole_features / parts);
-    for (auto p : detail::tp::styled_split_parameters(*styled, *m.module)) {
+    for (auto [p, dim] : detail::tp::styled_split_parameters(*styled, *m.module)) {
       if (!p.requires_grad() || !watched.insert(p.unsafeGetTensorImpl()).second) continue;  // (tied: once)
       watch->watch(p, styled->who());
       p.register_hook([watch, impl = p.unsafeGetTensorImpl()](const at::Tensor&) { watch->take(impl); });

@@ -6,7 +6,7 @@
 // by address with a weak reference (detail::ModuleKeyedMap).
 #pragma once
 
-#include "accel/training/tp/regions.hpp"
+#include "accel/training/tp/layer.hpp"
 #include "accel/training/tp/styles.hpp"
 #include "accel/training/weak_keyed_map.hpp"
 
@@ -89,14 +89,14 @@ class StyledRegistry {
 // The tensors a styled module holds split (pieces of a larger tensor) and
 // those whose gradient it leaves partial; read from the module itself, so
 // a weight tied elsewhere is the one its forward uses.
-inline std::vector<at::Tensor> styled_split_parameters(const Styled& s, const torch::nn::Module& module) {
-  std::vector<at::Tensor> out;
-  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {
-    if (!s.colwise() && !s.rowwise()) return out;
-    out.push_back(linear->weight);
-    if (s.colwise() && linear->bias.defined()) out.push_back(linear->bias);
+inline std::vector<SplitParameter> styled_split_parameters(const Styled& s, const torch::nn::Module& module) {
+  std::vector<SplitParameter> out;
+  if (!s.colwise() && !s.rowwise()) return out;
+  if (const auto* linear = dynamic_cast<const torch::nn::LinearImpl*>(&module)) {  // [out, in]: rows or columns
+    out.push_back({linear->weight, s.colwise() ? 0 : 1});
+    if (s.colwise() && linear->bias.defined()) out.push_back({linear->bias, 0});
   } else if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(&module)) {
-    if (s.colwise() || s.rowwise()) out.push_back(embedding->weight);
+    out.push_back({embedding->weight, s.colwise() ? 1 : 0});  // [vocabulary, features]
   }
   return out;
 }

@@ -200,8 +200,9 @@ inline at::Tensor styled_pieces_forward(const Styled& s, const torch::nn::Module
     out = styled_linear(s, *linear, x, in_unit);
   else out = styled_embedding(s, dynamic_cast<const torch::nn::EmbeddingImpl&>(module), x, in_unit);
   if (out.requires_grad() && at::GradMode::is_enabled()) {
-    std::vector<at::Tensor> split = styled_split_parameters(s, module);
-    std::erase_if(split, [](const at::Tensor& p) { return !p.requires_grad(); });
+    std::vector<at::Tensor> split;
+    for (const auto& piece : styled_split_parameters(s, module))
+      if (piece.tensor.requires_grad()) split.push_back(piece.tensor);
     if (!split.empty())
       out.register_hook([watch = s.watch, split = std::move(split)](const at::Tensor& grad) {
         watch->mark(split);
