@@ -15,6 +15,7 @@
 // norm no plan styled, the caller lists.
 #pragma once
 
+#include "accel/training/parameters.hpp"
 #include "accel/training/tp/pieces.hpp"
 
 ACCEL_NAMESPACE_BEGIN
