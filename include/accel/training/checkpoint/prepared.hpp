@@ -10,6 +10,7 @@
 #include "accel/training/precision/grad_scaler.hpp"
 #include "accel/training/data/loader_state.hpp"
 #include "accel/training/tp/pieces.hpp"
+#include "accel/training/parameters.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -88,14 +89,13 @@ struct PreparedSet {
     }
     if (split) out.tp_group = split->split.group;
     for (const auto& p : parameters) {
-      at::Tensor shard;
-      for (const DataParallel* dp : *sharded)
-        if ((shard = dp->shard_of(p)).defined()) break;
-      const at::Tensor& grad = (shard.defined() ? shard : p).grad();
+      const at::Tensor stand_in = StandIns::instance().of(p);  // (a sharded wrapper's shard of p, else p)
+      const bool shard = !stand_in.is_same(p);
+      const at::Tensor& grad = stand_in.grad();
       if (!grad.defined()) continue;
       const bool piece =
           split && std::any_of(models.begin(), models.end(), [&](const auto& m) { return m.split.contains(p); });
-      (shard.defined() ? (piece ? out.sharded_pieces : out.sharded) : (piece ? out.pieces : out.whole)).push_back(grad);
+      (shard ? (piece ? out.sharded_pieces : out.sharded) : (piece ? out.pieces : out.whole)).push_back(grad);
     }
     return out;
   }
@@ -143,23 +143,32 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
-  // The p-th powers of the norms (or the largest element for inf), summed here, then over the groups: four
-  // small reads (on a GPU each makes the host wait for the device), two scalar all-reduces at most.
+  // The p-th powers of the norms (or the largest element for inf) of each kind, summed here in one stacked
+  // tensor read once (on a GPU each read makes the host wait for the device), then over the groups: two
+  // scalar all-reduces at most.
+  at::TensorOptions options = at::TensorOptions(at::kDouble);
+  for (const auto* grads : {&g.sharded_pieces, &g.sharded, &g.pieces, &g.whole})
+    if (!grads->empty()) {
+      options = options.device(grads->front().device());
+      break;
+    }
   auto part = [&](const std::vector<at::Tensor>& grads) {
-    if (grads.empty()) return at::zeros({}, at::kDouble);
+    if (grads.empty()) return at::zeros({}, options);
     std::vector<at::Tensor> norms;
-    for (const auto& grad : grads) norms.push_back(grad.norm(norm_type).to(at::kDouble));
+    for (const auto& grad : grads) norms.push_back(grad.norm(norm_type).to(options));
     const at::Tensor all = at::stack(norms);
-    return (inf ? all.max() : all.pow(norm_type).sum()).cpu();
+    return inf ? all.max() : all.pow(norm_type).sum();
   };
+  const at::Tensor parts = at::stack({part(g.sharded_pieces), part(g.sharded), part(g.pieces), part(g.whole)}).cpu();
   const auto combine = [&](double a, double b) { return inf ? std::max(a, b) : a + b; };
   // Over the shard group: the shards of pieces, and the shards of whole tensors; then over tp: the pieces.
-  at::Tensor sharded = at::stack({part(g.sharded_pieces), part(g.sharded)});
+  at::Tensor sharded = parts.slice(0, 0, 2).clone();
   if (g.shard_group) sharded = accel::all_reduce(sharded, op, g.shard_group);
-  const double from_sharded_pieces = sharded[0].item<double>(), from_sharded = sharded[1].item<double>();
-  double from_pieces = combine(from_sharded_pieces, part(g.pieces).item<double>());
+  const auto summed = sharded.accessor<double, 1>();
+  const auto local = parts.accessor<double, 1>();
+  double from_pieces = combine(summed[0], local[2]);
   if (g.tp_group) from_pieces = accel::all_reduce(from_pieces, op, g.tp_group);
-  const double total = combine(combine(from_pieces, from_sharded), part(g.whole).item<double>());
+  const double total = combine(combine(from_pieces, summed[1]), local[3]);
   const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1)
