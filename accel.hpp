@@ -104,9 +104,9 @@
 //     accel/training/checkpoint/files.hpp                a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares
 //     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
 //     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
+//     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
 //     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
 //     accel/training/checkpoint/sharded_weights.hpp      a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
-//     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
 //     accel/training/checkpoint/item.hpp                 what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
 //     accel/training/checkpoint/model_items.hpp          the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
 //     accel/training/checkpoint/state_items.hpp          the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
@@ -13934,6 +13934,7 @@ struct CheckpointManifest {
   int64_t objects = 0;
   int64_t schedulers = 0;
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
+  int64_t tp = 1;      // the tensor-parallel size (one optimizer file per process when more than 1)
   std::string id{};    // 32 hexadecimal digits, this save's own
   std::map<std::string, FileDigest> files{};  // every file of the checkpoint but the manifest
 };
@@ -13944,7 +13945,9 @@ inline std::string manifest_text(const CheckpointManifest& m) {
   std::ostringstream out;
   out << checkpoint_format << "\nserial " << m.serial << "\nprocesses " << m.processes << "\nmodels " << m.models
       << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
-      << m.schedulers << "\nshards " << m.shards << "\nid " << m.id << "\n";
+      << m.schedulers << "\nshards " << m.shards << "\n";
+  if (m.tp > 1) out << "tp " << m.tp << "\n";  // (absent at 1: the manifests of runs without tp stay as they were)
+  out << "id " << m.id << "\n";
   for (const auto& [name, digest] : m.files)
     out << "file " << name << ' ' << digest.bytes << ' ' << hex64(digest.xxh64) << '\n';
   std::string text = std::move(out).str();
@@ -13995,7 +13998,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     else if (key == "loaders") m.loaders = value;
     else if (key == "objects") m.objects = value;
     else if (key == "schedulers") m.schedulers = value;
-    else if (key == "shards") m.shards = value;  // other keys: a newer writer's, ignored
+    else if (key == "shards") m.shards = value;
+    else if (key == "tp") m.tp = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }
@@ -14693,6 +14697,44 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint/context.hpp ====================================
+// accel/training/checkpoint/context.hpp: where this process stands, as a checkpoint records and checks it, and which files are its own.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Where this process stands, as the checkpoint records and checks it.
+struct CheckpointContext {
+  int process_index = 0;
+  int num_processes = 1;
+  int64_t shards = 1;  // ways the optimizer state is sharded (1: not sharded)
+  int64_t tp = 1;      // the tensor-parallel size (above 1: each process's optimizers step their own pieces)
+  c10::Device device{c10::kCPU};
+};
+
+// Whether each process writes its own optimizer state: under sharding (its
+// shards) and under tensor parallelism (its pieces); else process 0 writes
+// the whole state, the same on every process.
+inline bool optimizers_per_process(const PreparedSet& set, const CheckpointContext& ctx) {
+  return !set.sharded->empty() || ctx.tp > 1;
+}
+// Optimizer i's checkpoint file: this process's own, or the whole one.
+inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
+  return file_names::optimizer(i, optimizers_per_process(set, ctx) ? ctx.process_index : -1);
+}
+
+// Whether model i is saved in pieces, every process its own
+// (checkpoint/shards.hpp), rather than whole in model.pt by process 0:
+// a sharded model, and one holding tensor-parallel pieces.
+inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
+  const PreparedModel& m = set.models[i];
+  return (m.data_parallel && m.data_parallel->sharded()) || m.split.group;
+}
+
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint/shards.hpp =====================================
 // accel/training/checkpoint/shards.hpp: a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back).
 //
@@ -14701,6 +14743,10 @@ ACCEL_NAMESPACE_END
 // [k*c, (k+1)*c) of every parameter flattened (c = ceil(n/S);
 // dp/shards.hpp) and writes them; under HSDP the first replica writes.
 // Process 0 writes what is not sharded (buffers, frozen parameters) whole.
+// Under tensor parallelism a process holds pieces of the split parameters
+// (tp rank t: the t-th slice along the split dimension) and writes its
+// piece, or its shard of it, placed in the whole tensor: tensor-parallel
+// pieces are not gathered either.
 // Beside them go the optimizers' state for those pieces where Python's
 // optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
 // SGD's momentum buffer: python_state), under Python's names. The files are
@@ -14811,14 +14857,19 @@ inline bool in_namespace(const std::string& name, const std::string& prefix) {
 class PieceFiles {
  public:
   // Elements [begin, begin + values.numel()) of a tensor of `shape`,
-  // flattened (`values`: a flat view).
-  void add_piece(const std::string& name, at::IntArrayRef shape, const at::Tensor& values, int64_t begin) {
+  // flattened (`values`: a flat view); that tensor is itself the box at
+  // `origin` of the whole (a tensor-parallel piece), or the whole (`origin`
+  // empty).
+  void add_piece(const std::string& name, at::IntArrayRef shape, const at::Tensor& values, int64_t begin,
+                 const std::vector<int64_t>& origin = {}) {
     std::size_t j = 0;
-    for (const TensorBox& box : boxes_of_range(shape, begin, begin + values.numel()))
+    for (TensorBox box : boxes_of_range(shape, begin, begin + values.numel())) {
+      for (std::size_t d = 0; d < origin.size(); ++d) box.offsets[d] += origin[d];
       add(j++, name, values.narrow(0, box.begin - begin, box.numel()).view(box.sizes), box.offsets);
+    }
   }
-  void add_whole(const std::string& name, const at::Tensor& tensor) {
-    add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
+  void add_whole(const std::string& name, const at::Tensor& tensor, const std::vector<int64_t>& origin = {}) {
+    add(0, name, tensor, origin.empty() ? std::vector<int64_t>(tensor.dim(), 0) : origin);
   }
   // Into dir, with the checkpoint's id; each file and its digest into `log`.
   void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
@@ -14879,36 +14930,63 @@ inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimize
   return found == state.end() ? nullptr : found->second.get();
 }
 
-// Writes this process's pieces into dir (see the top): of every sharded
-// model, and of its optimizers' state where Python's optimizer of the same
-// kind has it (python_state); each file into `log`.
+// Where the tensor a process holds sits in the whole: a tensor-parallel
+// piece split along `dim` at this rank's place, else at the origin (empty:
+// the tensor is whole).
+inline std::vector<int64_t> place_in_whole(const tp::SplitTensors& split, const at::Tensor& tensor) {
+  const auto dim = split.dim_of(tensor);
+  if (!dim) return {};
+  std::vector<int64_t> origin(static_cast<std::size_t>(tensor.dim()), 0);
+  origin[static_cast<std::size_t>(*dim)] = tp::rank_in(split.group) * tensor.size(*dim);
+  return origin;
+}
+
+// Writes this process's pieces into dir (see the top): of every model saved
+// in pieces, and of its optimizers' state where Python's optimizer of the
+// same kind has it (python_state); each file into `log`. Each tensor is
+// written once in all: a shard of a piece by its shard group's first
+// replica, a shard of a whole tensor by that replica at tp rank 0 (every tp
+// rank holds the same shards of it); a tensor-parallel piece that is not
+// sharded by the first process of its data-parallel group (its replicas
+// hold the same); the rest whole, by process 0.
 inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
   PieceFiles files;
-  // Each sharded parameter's shard (what the optimizers step), to its name, shape and piece.
+  // What each tensor an optimizer steps (a shard, else the parameter) is of the whole: its name, the shape of
+  // what this process holds of it, that tensor's place in the whole, and which of its flattened elements.
   struct Place {
     std::string name;
-    at::Tensor parameter;
-    std::optional<dp::Piece> piece;
-    bool writes;
+    std::vector<int64_t> shape, origin;  // (origin empty: the tensor is whole)
+    int64_t begin = 0, length = 0;
+    bool writes = false;
   };
   std::unordered_map<const c10::TensorImpl*, Place> places;
   for (std::size_t i = 0; i < set.models.size(); ++i) {
-    const DataParallel* dp = set.models[i].data_parallel.get();
-    if (!dp || !dp->sharded()) continue;
-    const bool writes = dp->sharded_state_dict().writes_pieces();
-    for (const auto& [name, tensor] : state_dict(*set.models[i].module)) {
+    if (!saved_in_pieces(set, i)) continue;
+    const PreparedModel& m = set.models[i];
+    const DataParallel* dp = m.data_parallel.get();
+    const bool sharded = dp && dp->sharded();
+    const bool writes_shards = sharded && dp->sharded_state_dict().writes_pieces();
+    const bool first_replica = !dp || !dp->group() || dp->group()->getRank() == 0;
+    const bool first_tp = tp::rank_in(m.split.group) == 0;  // (the shards of whole tensors: alike over tp)
+    for (const auto& [name, tensor] : state_dict(*m.module)) {
       if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
-      auto piece = dp->sharded_state_dict().piece_of(tensor);
-      const at::Tensor shard = dp->shard_of(tensor);
-      if (!piece) {
-        if (process == 0) files.add_whole(model_prefix(i) + name, tensor);
+      const std::vector<int64_t> origin = place_in_whole(m.split, tensor);
+      auto piece = sharded ? dp->sharded_state_dict().piece_of(tensor) : std::nullopt;
+      Place place{name, tensor.sizes().vec(), origin, 0, tensor.numel(), false};
+      if (piece) {
+        place.writes = writes_shards && (!origin.empty() || first_tp);
+        place.begin = piece->begin;
+        place.length = piece->values.numel();
+        if (place.writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin, origin);
+        places[dp->shard_of(tensor).unsafeGetTensorImpl()] = std::move(place);
         continue;
       }
-      if (writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
-      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), writes};
+      place.writes = origin.empty() ? process == 0 : first_replica;
+      if (place.writes) files.add_whole(model_prefix(i) + name, tensor, origin);
+      places[tensor.unsafeGetTensorImpl()] = std::move(place);
     }
   }
   for (std::size_t k = 0; k < set.optimizers.size(); ++k)
@@ -14917,13 +14995,15 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
         const auto found = places.find(p.unsafeGetTensorImpl());
         if (found == places.end() || !found->second.writes) continue;
         const Place& place = found->second;
-        const int64_t length = place.piece->values.numel();
+        const bool holds_first =
+            place.begin == 0 && std::all_of(place.origin.begin(), place.origin.end(), [](int64_t o) { return o == 0; });
         for (const auto& [key, value] : python_state(state_for(*set.optimizers[k], p))) {
           const std::string name = optimizer_prefix(k) + place.name + "." + key;
           if (value.dim() == 0) {
-            if (place.piece->begin == 0) files.add_whole(name, value);  // (once: by the process of the first piece)
+            if (holds_first) files.add_whole(name, value);  // (once: by the process of the whole's first element)
           } else {
-            files.add_piece(name, place.parameter.sizes(), value.narrow(0, 0, length), place.piece->begin);
+            files.add_piece(name, place.shape, value.reshape({-1}).narrow(0, 0, place.length), place.begin,
+                            place.origin);
           }
         }
       }
@@ -14981,12 +15061,19 @@ class ShardedWeights {
       throw RuntimeError(dir_.string() + ": its pieces do not fit the model:" + why);
   }
 
-  // Elements [begin, begin + length) of tensor `name` flattened, on the CPU.
-  at::Tensor read(const std::string& name, int64_t begin, int64_t length) const {
+  // Whether the files hold tensor `name` (model or optimizer state).
+  bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Elements [begin, begin + length) of tensor `name` flattened, on the
+  // CPU; or, given `origin`, of the box of `sizes` there in it (a
+  // tensor-parallel piece).
+  at::Tensor read(const std::string& name, int64_t begin, int64_t length, const std::vector<int64_t>& sizes = {},
+                  const std::vector<int64_t>& origin = {}) const {
     const Whole& whole = tensors_.at(name);
     at::Tensor out = at::empty({length}, at::TensorOptions(whole.dtype));
-    for (const TensorBox& want : boxes_of_range(whole.shape, begin, begin + length)) {
+    for (TensorBox want : boxes_of_range(origin.empty() ? whole.shape : sizes, begin, begin + length)) {
       at::Tensor into = out.narrow(0, want.begin - begin, want.numel()).view(want.sizes);
+      for (std::size_t d = 0; d < origin.size(); ++d) want.offsets[d] += origin[d];
       for (const Saved& saved : whole.boxes) {
         // The overlap, and the span of the saved box's bytes that holds it.
         std::vector<int64_t> low(want.sizes.size()), size(want.sizes.size()), stride(want.sizes.size());
@@ -15106,18 +15193,26 @@ class ShardedWeights {
 };
 
 // A model saved in pieces, for load_state's read step: the files checked
-// against the model (its names under `prefix`), and what this process keeps
-// of each parameter and buffer read (dp's load_range under sharding, else
-// everything whole).
+// against the model (its names under `prefix`; a tensor-parallel piece
+// against its whole shape), and what this process keeps of each parameter
+// and buffer read (dp's load_range under sharding, else everything this
+// process holds: a tensor-parallel piece's box of the whole, or the whole).
 inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
-                                                           const ShardedWeights& weights, const std::string& prefix) {
-  const auto expected = state_dict(module);
+                                                           const tp::SplitTensors& split, const ShardedWeights& weights,
+                                                           const std::string& prefix) {
+  const auto held = state_dict(module);
+  std::vector<std::pair<std::string, at::Tensor>> expected;  // (the whole shapes, of no memory)
+  for (const auto& [name, tensor] : held)
+    expected.emplace_back(name, split.contains(tensor)
+                                    ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
+                                    : tensor);
   weights.check_fits(expected, prefix);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, tensor] : expected) {
+  for (const auto& [name, tensor] : held) {
     const auto [begin, length] =
         dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
-    out[name] = weights.read(prefix + name, begin, length).to(tensor.device());
+    out[name] = weights.read(prefix + name, begin, length, tensor.sizes().vec(), place_in_whole(split, tensor))
+                    .to(tensor.device());
   }
   return out;
 }
@@ -15137,35 +15232,6 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
   if (sharded)
     dp->sharded_state_dict().load_values([&](const at::Tensor& p) { return *by_tensor.at(p.unsafeGetTensorImpl()); });
 }
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint/context.hpp ====================================
-// accel/training/checkpoint/context.hpp: where this process stands, as a checkpoint records and checks it, and which files are its own.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// Where this process stands, as the checkpoint records and checks it.
-struct CheckpointContext {
-  int process_index = 0;
-  int num_processes = 1;
-  int64_t shards = 1;  // ways the optimizer state is sharded (1: not sharded)
-  c10::Device device{c10::kCPU};
-};
-
-// Optimizer i's checkpoint file: this process's own under sharding, else the whole one.
-inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
-  return file_names::optimizer(i, set.sharded->empty() ? -1 : ctx.process_index);
-}
-
-// Whether model i is saved in pieces, every process its own
-// (checkpoint/shards.hpp), rather than whole in model.pt by process 0.
-inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
-  return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
-}
-
 }  // namespace detail
 
 ACCEL_NAMESPACE_END
@@ -15319,8 +15385,8 @@ class ModelItem final : public CheckpointItem {
       archive_ = in.read(file_names::model(i_));
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
-      pieces_ =
-          read_model_pieces(*model_.module, model_.data_parallel.get(), in.pieces(whole.string()), model_prefix(i_));
+      pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
+                                  model_prefix(i_));
     }
   }
   void commit() override {
@@ -15340,7 +15406,8 @@ class ModelItem final : public CheckpointItem {
   std::map<std::string, at::Tensor> pieces_;                 // else what this process keeps of each piece
 };
 
-// The sharded models' pieces and their optimizers' state, as Python's DCP
+// The pieces of the models saved in pieces (sharded, or holding
+// tensor-parallel pieces) and their optimizers' state, as Python's DCP
 // reads them (checkpoint/shards.hpp): every process writes its own. C++
 // reads them back through ModelItem (the models) and OptimizerItem (its
 // own archives, which hold the optimizer state too).
@@ -15348,7 +15415,8 @@ class ShardedPiecesItem final : public CheckpointItem {
  public:
   explicit ShardedPiecesItem(PreparedSet& set) : set_(set) {}
   void write_own(const ItemWriter& out) override {
-    if (!set_.sharded->empty()) write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
+    for (std::size_t i = 0; i < set_.models.size(); ++i)
+      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
   }
 
  private:
@@ -15364,27 +15432,40 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// Prepared optimizer i: written whole by process 0, or under sharding each
-// process its own state; read as saved where this run shards it the same
-// way (or keeps it whole), else cut again from the saved pieces, piece k in
-// process k's file (checkpoint/reshard.hpp). It can refuse as it loads, and
-// is put back if any process refuses anything.
+// Prepared optimizer i: written whole by process 0, or under sharding or
+// tensor parallelism each process its own state; read as saved where this
+// run shards it the same way (or keeps it whole), else cut again from the
+// saved pieces, piece k in process k's file (checkpoint/reshard.hpp). The
+// state of tensor-parallel pieces loads in the layout that saved it only:
+// another is refused, naming both (the cut along mp_shard assumes whole
+// parameters; the Python-named boxes in the piece files would carry it to
+// any layout, for Adam, AdamW and SGD). It can refuse as it loads, and is
+// put back if any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
   OptimizerItem(PreparedSet& set, const CheckpointContext& ctx, std::size_t i)
       : set_(set), optimizer_(*set.optimizers[i]), i_(i), name_(optimizer_file(set, ctx, i)) {}
 
   void write_own(const ItemWriter& out) override {
-    if (!set_.sharded->empty()) save(out);
+    if (optimizers_per_process(set_, out.ctx)) save(out);
   }
   void write_shared(const ItemWriter& out) override {
-    if (set_.sharded->empty()) save(out);
+    if (!optimizers_per_process(set_, out.ctx)) save(out);
   }
   void read(ItemReader& in) override {
     const SavedLayout& saved = in.saved;
     file_ = (in.dir / name_).string();
-    const bool as_saved =
-        saved.shards == in.ctx.shards && (saved.shards == 1 || saved.processes == in.ctx.num_processes);
+    const bool same_processes = saved.processes == in.ctx.num_processes;
+    if ((saved.manifest.tp > 1 || in.ctx.tp > 1) &&
+        !(saved.manifest.tp == in.ctx.tp && saved.shards == in.ctx.shards && same_processes))
+      throw RuntimeError(file_ + ": the optimizer state of tensor-parallel pieces loads in the layout that saved it (" +
+                         std::to_string(saved.processes) + " processes, tp " + std::to_string(saved.manifest.tp) +
+                         ", " + std::to_string(saved.shards) + " shard(s)); this run has " +
+                         std::to_string(in.ctx.num_processes) + " processes, tp " + std::to_string(in.ctx.tp) + ", " +
+                         std::to_string(in.ctx.shards) +
+                         " shard(s). Resume in the saving layout; the model alone moves to any layout as whole tensors "
+                         "(save_model, then load_model)");
+    const bool as_saved = saved.shards == in.ctx.shards && (saved.shards == 1 || same_processes);
     archive_ = as_saved ? in.read(name_) : resharded_optimizer(set_, i_, saved.shards, in.ctx.device, [&](int64_t k) {
       const std::string name = file_names::optimizer(i_, saved.shards == 1 ? -1 : static_cast<int>(k));
       return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
@@ -15698,7 +15779,8 @@ inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointC
           .loaders = static_cast<int64_t>(set.loaders.size()),
           .objects = static_cast<int64_t>(set.objects.size()),
           .schedulers = static_cast<int64_t>(set.schedulers.size()),
-          .shards = ctx.shards};
+          .shards = ctx.shards,
+          .tp = ctx.tp};
 }
 // Every process's files and digests, into the manifest process 0 writes
 // (a collective: every process calls it with its own log).
@@ -15783,6 +15865,9 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
     throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
+  if (manifest->tp < 1 || manifest->processes % manifest->tp != 0)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and tp " + std::to_string(manifest->tp));
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
@@ -17003,7 +17088,8 @@ class Accelerator {
   // every file is read and checked first (parameter and buffer names, shapes
   // and dtypes against the models), on every process; another number of
   // processes or another sharding strategy is fine (checkpoint/world.hpp,
-  // checkpoint/reshard.hpp); on any error
+  // checkpoint/reshard.hpp), but for tensor-parallel pieces, whose
+  // optimizer state loads in the saving layout only; on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest
@@ -17032,7 +17118,6 @@ class Accelerator {
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models);
   detail::CheckpointContext checkpoint_context() const;
-  void refuse_tensor_parallel_checkpoint(const char* call) const;
 
   // The checked configuration, the world and the device.
   detail::AcceleratorSetup setup_;
@@ -17472,14 +17557,12 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
-  refuse_tensor_parallel_checkpoint("save_state");
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
-  refuse_tensor_parallel_checkpoint("load_state");
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -17508,19 +17591,11 @@ void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const 
   });
 }
 
-// A checkpoint writes and reads each model as whole tensors, or as a
-// sharded model's pieces along mp_shard: tp pieces would be written as
-// rank 0's and read into every rank whole. Refused on every process alike.
-inline void Accelerator::refuse_tensor_parallel_checkpoint(const char* call) const {
-  if (const int tp = setup_.world().strategy().tp_size(); tp > 1)
-    throw InvalidArgument(std::string("accel::Accelerator::") + call + ": tp_size " + std::to_string(tp) +
-                          ": checkpoints of tensor-parallel pieces are not written or read yet");
-}
-
 inline detail::CheckpointContext Accelerator::checkpoint_context() const {
   return {.process_index = process_index(),
           .num_processes = num_processes(),
           .shards = prepared_.sharded->empty() ? 1 : setup_.world().get_world_size(Dim::MP_SHARD),
+          .tp = setup_.world().strategy().tp_size(),
           .device = device()};
 }
 

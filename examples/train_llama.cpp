@@ -170,10 +170,6 @@ void check(const Options& o, int world) {
   if ((o.seq / o.cp) % o.tp != 0)
     fail("--seq " + std::to_string(o.seq) + " / --cp " + std::to_string(o.cp) + " is not a multiple of --tp " +
          std::to_string(o.tp) + " (sequence parallelism splits each rank's slice over tp)");
-  if (o.tp > 1 && (o.save_every > 0 || o.stop_after >= 0 || o.resume))
-    fail("--tp " + std::to_string(o.tp) +
-         ": checkpoints of tensor-parallel pieces are not written yet (--save-every, --stop-after, --resume; "
-         "--export writes the whole model)");
   const int dp = o.dp ? o.dp : world / (o.cp * o.tp);
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));

@@ -350,8 +350,7 @@ TEST_SUITE("ranks") {
           CHECK(at::allclose(p, piece(name, whole_params.at(name), tp, r), 1e-10, 1e-12));
         }
         if (tp > 1 && strategy == accel::ShardingStrategy::NO_SHARD) {
-          // save_model gathers the layers' pieces (the tied head's under its name too); checkpoints do not know
-          // tp pieces yet: refused on every rank, before anything is written.
+          // save_model gathers the layers' pieces (the tied head's under its name too).
           namespace fs = std::filesystem;
           const fs::path dir = shared_temp_path(accelerator, "accel_tp_layers_export_");
           accelerator.save_model(model, dir.string());
@@ -364,11 +363,23 @@ TEST_SUITE("ranks") {
           CHECK(at::equal(file.at("head.weight"), file.at("embed.weight")));
           accelerator.wait_for_everyone();
           if (accelerator.is_main_process()) fs::remove_all(dir);
-          const std::string not_yet = "accel::Accelerator::save_state: tp_size " + std::to_string(tp) +
-                                      ": checkpoints of tensor-parallel pieces are not written or read yet";
-          CHECK_THROWS_WITH_AS(accelerator.save_state(fs::temp_directory_path() / "accel_tp_never"), not_yet.c_str(),
-                               std::invalid_argument);
-          CHECK_FALSE(fs::exists(fs::temp_directory_path() / "accel_tp_never"));
+          // save_state writes each rank's pieces of the layers placed in the whole tensors; load_state puts them
+          // back (test_training_tp_plan.cpp checks the files against one process, and a resumed step).
+          const fs::path checkpoint = shared_temp_path(accelerator, "accel_tp_layers_state_");
+          accelerator.save_state(checkpoint);
+          std::map<std::string, at::Tensor> saved;
+          {
+            const at::NoGradGuard no_grad;
+            for (const auto& [name, p] : tp_params) saved[name] = p.detach().clone();
+            for (const auto& [name, p] : tp_params) p.add_(1);
+          }
+          accelerator.load_state(checkpoint);
+          for (const auto& [name, p] : tp_params) {
+            CAPTURE(name);
+            CHECK(at::equal(p, saved.at(name)));
+          }
+          accelerator.wait_for_everyone();
+          if (accelerator.is_main_process()) fs::remove_all(checkpoint);
           CHECK_THROWS_WITH_AS(accelerator.join_uneven_inputs([] {}, model),
                                doctest::Contains("a joined process would leave its tensor-parallel peers waiting"),
                                std::invalid_argument);

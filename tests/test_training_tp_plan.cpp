@@ -127,6 +127,33 @@ struct ColumnEmbedImpl : torch::nn::Module {
 };
 TORCH_MODULE(ColumnEmbed);
 
+// A checkpoint's piece files read as Python's DCP reads them (every box placed by DCP_SHARDING_INFO, checked to tile
+// its tensor): the whole parameters and, given one, AdamW's state under Python's names, against one process's.
+void check_pieces_are_whole(const std::filesystem::path& dir, const std::map<std::string, at::Tensor>& whole,
+                            torch::optim::Optimizer* whole_optimizer = nullptr, const std::string& prefix = "") {
+  const auto manifest = accel::detail::read_manifest(dir);
+  REQUIRE(manifest);
+  accel::detail::CheckpointFiles files(dir, *manifest);
+  const accel::detail::ShardedWeights weights(dir, files);
+  int64_t states = 0;
+  for (const auto& [name, p] : whole) {
+    CAPTURE(name);
+    REQUIRE(weights.holds(prefix + name));
+    CHECK(at::allclose(weights.read(prefix + name, 0, p.numel()).view(p.sizes()), p, 1e-10, 1e-12));
+    if (!whole_optimizer) continue;
+    for (const auto& [key, value] : accel::detail::python_state(accel::detail::state_for(*whole_optimizer, p))) {
+      CAPTURE(key);
+      const std::string saved = "optimizer.state." + name + "." + key;
+      REQUIRE(weights.holds(saved));
+      CHECK(at::allclose(weights.read(saved, 0, value.numel()).view(value.sizes()), value, 1e-10, 1e-14));
+      ++states;
+    }
+  }
+  // (AdamW: exp_avg, exp_avg_sq and step for every parameter)
+  if (whole_optimizer) CHECK(states == 3 * static_cast<int64_t>(whole.size()));
+  files.wait();
+}
+
 TEST_SUITE("ranks") {
   TEST_CASE(
       "tensor parallelism by plan: parallelize_module trains a plain model as one process does, with and "
@@ -274,9 +301,103 @@ TEST_SUITE("ranks") {
           CAPTURE(name);
           CHECK(at::equal(p, piece(name, file.at(name), tp, r)));
         }
+        // save_state writes each rank's piece (or its shard of it) placed in the whole tensor, nothing gathered, as
+        // Python's DCP reads it; a step taken after it is taken again, bit for bit, after load_state.
+        const fs::path checkpoint = shared_temp_path(accelerator, "accel_tp_state_");
+        accelerator.save_state(checkpoint);
+        const bool second = tp > 1 && strategy == ShardingStrategy::NO_SHARD;  // (the model prepared early: first)
+        if (tp > 1 || wrapper.sharded())  // (else one process writes model.pt, whole)
+          check_pieces_are_whole(checkpoint, whole_params, &whole_opt, second ? "model_1." : "");
+        auto one_step = [&] {
+          for (int micro = 0; micro < 2; ++micro) {
+            const at::Tensor ids = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);  // (the RNG: restored too)
+            const at::Tensor targets = torch::randint(kVocab, {2 * dp, kSeq}, at::kLong);
+            auto guard = accelerator.accumulate(model);
+            accelerator.backward(accel::tp::vocab_parallel_cross_entropy(
+                model->forward(ids.narrow(0, 2 * data_rank, 2)), targets.narrow(0, 2 * data_rank, 2)));
+          }
+          REQUIRE(accelerator.sync_gradients());
+          optimizer.step();
+          optimizer.zero_grad();
+          const auto full = wrapper.summon_full_params();
+          std::map<std::string, at::Tensor> out;
+          for (const auto& [name, p] : params) out[name] = p.detach().clone();
+          return out;
+        };
+        const auto stepped = one_step();
+        accelerator.load_state(checkpoint);
+        const auto again = one_step();
+        for (const auto& [name, p] : stepped) {
+          CAPTURE(name);
+          CHECK(!at::equal(p, piece(name, whole_params.at(name), tp, r)));  // (the step moved it)
+          CHECK(at::equal(p, again.at(name)));
+        }
         accelerator.wait_for_everyone();
-        if (accelerator.is_main_process()) fs::remove_all(dir);
+        if (accelerator.is_main_process()) {
+          fs::remove_all(dir);
+          fs::remove_all(checkpoint);
+        }
       }
+    release_world();
+  }
+
+  TEST_CASE(
+      "tensor parallelism by plan: a checkpoint of pieces loads its model at another tp size; its optimizer state "
+      "is refused there, naming both layouts, with nothing changed") {
+    const int P = accel::get_world_size();
+    if (P % 2 != 0) return;
+    namespace fs = std::filesystem;
+    fs::path model_only, with_optimizer;
+    {  // saved at tp 2: the model alone, then with AdamW
+      accel::AcceleratorConfig c = config();
+      c.distributed.tp_size = 2;
+      release_world();
+      accel::Accelerator accelerator(c);
+      Model model = fresh_model(7);
+      accel::tp::parallelize_module(*model, plan(true));
+      accelerator.prepare(model);
+      model_only = shared_temp_path(accelerator, "accel_tp_model_");
+      accelerator.save_state(model_only);
+      check_pieces_are_whole(model_only, by_name(*fresh_model(7)));
+      torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      accelerator.prepare(adamw);
+      with_optimizer = shared_temp_path(accelerator, "accel_tp_optimizer_");
+      accelerator.save_state(with_optimizer);
+    }
+    accel::AcceleratorConfig c = config();  // loaded at tp 1 (2 processes) or 4
+    const int tp = c.distributed.tp_size = P == 2 ? 1 : 4;
+    release_world();
+    accel::Accelerator accelerator(c);
+    const int r = accelerator.tensor_parallel_rank();
+    Model model = fresh_model(8);
+    if (tp > 1) accel::tp::parallelize_module(*model, plan(true));
+    accelerator.prepare(model);
+    accelerator.load_state(model_only);
+    const auto whole = by_name(*fresh_model(7));
+    for (const auto& [name, p] : by_name(*model)) {
+      CAPTURE(name);
+      CHECK(at::equal(p, piece(name, whole.at(name), tp, r)));
+    }
+    torch::optim::AdamW adamw(model->parameters(), torch::optim::AdamWOptions(1e-2));
+    accelerator.prepare(adamw);
+    {
+      const at::NoGradGuard no_grad;
+      for (const auto& p : model->parameters()) p.add_(1);
+    }
+    std::map<std::string, at::Tensor> kept;
+    for (const auto& [name, p] : by_name(*model)) kept[name] = p.detach().clone();
+    const std::string refusal = "the optimizer state of tensor-parallel pieces loads in the layout that saved it (" +
+                                std::to_string(P) + " processes, tp 2, 1 shard(s)); this run has " + std::to_string(P) +
+                                " processes, tp " + std::to_string(tp) + ", 1 shard(s)";
+    CHECK_THROWS_WITH_AS(accelerator.load_state(with_optimizer), doctest::Contains(refusal.c_str()),
+                         std::runtime_error);
+    for (const auto& [name, p] : by_name(*model)) {
+      CAPTURE(name);
+      CHECK(at::equal(p, kept.at(name)));
+    }
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process())
+      for (const auto& dir : {model_only, with_optimizer}) fs::remove_all(dir);
     release_world();
   }
 
@@ -506,6 +627,8 @@ void train_plan_as_python(const std::string& dir, const std::string& mode) {
       accelerator.backward(loss);
       return accel::all_reduce(loss.detach().clone(), accel::ReduceOp::MEAN, dp_group);  // the mean over dp
     });
+    // Each process's shards of its pieces, for Python's DCP to load into its own placement (tp_ref.py dcp).
+    accelerator.save_state(dir + "/cpp_" + mode + "_" + std::to_string(accel::get_world_size()) + "_checkpoint");
     const auto full = accelerator.data_parallel(model)->summon_full_params();
     run.write(mode, *model, group);
     d.barrier();

@@ -5,7 +5,9 @@
 # tests/python_ref/tp_ref.py makes the data, trains Python on WORLD ranks in
 # every MODE, then the test binary trains in every MODE (suite python_tp) and
 # tp_ref.py compares each with one process training the whole model, and the
-# collectives one step issues (accel.hpp's at most Python's). Skipped (77)
+# collectives one step issues (accel.hpp's at most Python's); with
+# plan_fsdp_tp_sp, Python's DCP then loads accel.hpp's checkpoint of that run
+# into its own FSDP2 + TP DTensors (tp_ref.py dcp). Skipped (77)
 # where Python's torch is older than 2.7 (bookworm's 1.13 has no DTensor;
 # trixie's 2.6 was not checked).
 #
@@ -34,3 +36,6 @@ echo "== accel.hpp (${modes[*]}) on $world processes"
 ACCEL_TP_DIR=$out ACCEL_TP_MODES="${modes[*]}" "$launch" --timeout 240 "$world" "$binary" --no-skip \
   -ts=python_tp --abort-after=1 --no-intro=true
 python3 "$here/tp_ref.py" compare "$out" "$world" "${modes[@]}"
+if [[ " ${modes[*]} " == *" plan_fsdp_tp_sp "* ]]; then
+  "$launch" --timeout 240 "$world" python3 "$here/tp_ref.py" dcp "$out" plan_fsdp_tp_sp
+fi

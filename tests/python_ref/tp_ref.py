@@ -4,6 +4,7 @@
     python3 tp_ref.py data DIR                 one process: the start and the batches
     python3 tp_ref.py train DIR MODE...        every rank (accel_launch N): Python trains each MODE
     python3 tp_ref.py compare DIR WORLD MODE...  one process: Python's, accel.hpp's and one process's
+    python3 tp_ref.py dcp DIR MODE...          every rank: Python's DCP loads accel.hpp's checkpoints
 
 The model (tests/test_training_tp.cpp's, name for name): a token embedding whose weight
 the head shares (tied), BLOCKS identical pre-norm MLP blocks with residuals (LayerNorm,
@@ -35,6 +36,13 @@ by the tp group's sequence number (every kind together). compare checks both aga
 process training the whole model (under dp, the mean of the halves' losses), each other,
 and that accel.hpp issues at most what Python does (not under FSDP: Python's count takes in
 FSDP2's gathers and reduce-scatters on dp, accel.hpp's the tp group's alone).
+
+Under plan_fsdp_tp_sp accel.hpp also saves its state after training (save_state: each process
+its shards of its tensor-parallel pieces, placed in the whole tensors, DIR/cpp_MODE_WORLD_checkpoint),
+and dcp loads it with torch.distributed.checkpoint's HuggingFaceStorageReader into Python's
+fsdp_tp_sp model (2-D DTensors: another placement) and AdamW: every parameter equal to accel.hpp's
+trained one exactly, AdamW's state within 1e-9 of Python's own after the same steps
+(DIR/py_MODE_WORLD_optimizer.safetensors).
 """
 import os
 import sys
@@ -126,16 +134,16 @@ def parallelize(model, mode, mesh):
     return model
 
 
-def run_steps(model, batches, parallel, counts=None, dp=1, dp_rank=None, dp_group=None):
+def run_steps(model, batches, parallel, counts=None, dp=1, dp_rank=None, dp_group=None, optimizer=None, steps=STEPS):
     """STEPS AdamW steps; each step's loss. parallel: the loss under loss_parallel (logits split along the
     vocabulary; its backward must run inside it too). counts: filled with the first step's collectives.
     dp > 1: the batch cut in dp parts, the loss the mean of theirs: this rank's part (dp_rank, the mean taken
     over dp_group for the record), or in one process (dp_rank None) all of them."""
     import contextlib
     from torch.distributed.tensor.parallel import loss_parallel
-    optimizer = optimizer_for(model.parameters())
+    optimizer = optimizer or optimizer_for(model.parameters())
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         def one_step():
             with loss_parallel() if parallel else contextlib.nullcontext():
                 ids, targets = batches["ids"][step].chunk(dp), batches["targets"][step].chunk(dp)
@@ -164,19 +172,35 @@ def run_steps(model, batches, parallel, counts=None, dp=1, dp_rank=None, dp_grou
     return losses
 
 
+def fsdp_tp_model(root, mode):
+    """The fsdp_tp_sp model: tp_sp's plan on the inner dimension of a (dp, tp 2) mesh, fully_shard along dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize(fresh_model(root), mode, mesh["tp"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+
+
 def train(root, mode):
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
     counts, batches = {}, load_file(os.path.join(root, "batches.safetensors"))
     if mode.startswith("fsdp_"):
-        from torch.distributed.fsdp import fully_shard
-        dp = world // 2
-        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
-        model = parallelize(fresh_model(root), mode, mesh["tp"])
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        losses = run_steps(model, batches, True, counts, dp, mesh.get_local_rank("dp"), mesh["dp"].get_group())
+        model, mesh = fsdp_tp_model(root, mode)
+        optimizer = optimizer_for(model.parameters())
+        losses = run_steps(model, batches, True, counts, world // 2, mesh.get_local_rank("dp"), mesh["dp"].get_group(),
+                           optimizer)
+        state = {f"optimizer.state.{name}.{key}": full(value).contiguous()
+                 for name, p in model.named_parameters() for key, value in optimizer.state[p].items()}
+        if dist.get_rank() == 0:
+            save_file(state, os.path.join(root, f"py_{mode}_{world}_optimizer.safetensors"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         model = parallelize(fresh_model(root), mode, mesh)
@@ -227,6 +251,44 @@ def compare(root, mode, world):
     assert fsdp or ours_n <= python_n, f"accel.hpp issues {ours_n} collectives per step, Python {python_n}"
 
 
+def dcp_load(root, mode):
+    """accel.hpp's checkpoint of MODE (saved with FULL_SHARD along mp_shard 2 and tp 2) loaded by DCP into
+    Python's fsdp_tp_sp model and AdamW (their state made by one step, as get_optimizer_state_dict needs)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    world = dist.get_world_size()
+    checkpoint = os.path.join(root, f"cpp_{mode}_{world}_checkpoint")
+    model, mesh = fsdp_tp_model(root, python_mode(mode))
+    optimizer = optimizer_for(model.parameters())
+    batches = load_file(os.path.join(root, "batches.safetensors"))
+    run_steps(model, batches, True, None, world // 2, mesh.get_local_rank("dp"), mesh["dp"].get_group(), optimizer,
+              steps=1)  # (one step: moves every weight off the saved values too)
+    # (head.weight is the embedding's tensor here; the C++ model's own registered head.weight is unused)
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(checkpoint))
+    optim = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+    dcp.load({"optimizer": optim}, storage_reader=HuggingFaceStorageReader(checkpoint))
+    set_optimizer_state_dict(model, optimizer, {"state": optim["state"],
+                                                "param_groups": get_optimizer_state_dict(model, optimizer)["param_groups"]})
+    ours = load_file(os.path.join(root, f"cpp_{mode}_{world}.safetensors"))
+    python = load_file(os.path.join(root, f"py_{python_mode(mode)}_{world}_optimizer.safetensors"))
+    checked = 0
+    for name, p in model.named_parameters():
+        if not torch.equal(full(p), ours[name]):
+            raise SystemExit(f"{name}: DCP loaded {full(p)}, accel.hpp trained {ours[name]}")
+        for key, value in optimizer.state[p].items():
+            want = python[f"optimizer.state.{name}.{key}"]
+            worst = (full(value) - want).abs().max().item()
+            if worst > 1e-9:
+                raise SystemExit(f"{name} {key}: DCP loaded accel.hpp's, {worst:.3e} from Python's own")
+            checked += 1
+    if dist.get_rank() == 0:
+        print(f"{mode} on {world}: DCP loaded accel.hpp's checkpoint into Python's FSDP2 + TP DTensors: "
+              f"{len(ours) - 1} parameters equal to accel.hpp's, {checked} tensors of AdamW's state within 1e-9 "
+              "of Python's own")
+
+
 def main():
     command, root = sys.argv[1], sys.argv[2]
     if command == "data":
@@ -235,6 +297,12 @@ def main():
         dist.init_process_group("gloo")
         for mode in dict.fromkeys(python_mode(m) for m in sys.argv[3:]):  # each Python run once, in order
             train(root, mode)
+        leave_without_teardown()
+    elif command == "dcp":
+        dist.init_process_group("gloo")
+        for mode in sys.argv[3:]:
+            if os.path.isdir(os.path.join(root, f"cpp_{mode}_{dist.get_world_size()}_checkpoint")):
+                dcp_load(root, mode)
         leave_without_teardown()
     elif command == "compare":
         failed = []

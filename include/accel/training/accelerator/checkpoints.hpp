@@ -11,14 +11,12 @@
 ACCEL_NAMESPACE_BEGIN
 
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
-  refuse_tensor_parallel_checkpoint("save_state");
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
-  refuse_tensor_parallel_checkpoint("load_state");
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -47,19 +45,11 @@ void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const 
   });
 }
 
-// A checkpoint writes and reads each model as whole tensors, or as a
-// sharded model's pieces along mp_shard: tp pieces would be written as
-// rank 0's and read into every rank whole. Refused on every process alike.
-inline void Accelerator::refuse_tensor_parallel_checkpoint(const char* call) const {
-  if (const int tp = setup_.world().strategy().tp_size(); tp > 1)
-    throw InvalidArgument(std::string("accel::Accelerator::") + call + ": tp_size " + std::to_string(tp) +
-                          ": checkpoints of tensor-parallel pieces are not written or read yet");
-}
-
 inline detail::CheckpointContext Accelerator::checkpoint_context() const {
   return {.process_index = process_index(),
           .num_processes = num_processes(),
           .shards = prepared_.sharded->empty() ? 1 : setup_.world().get_world_size(Dim::MP_SHARD),
+          .tp = setup_.world().strategy().tp_size(),
           .device = device()};
 }
 

@@ -12,18 +12,27 @@ struct CheckpointContext {
   int process_index = 0;
   int num_processes = 1;
   int64_t shards = 1;  // ways the optimizer state is sharded (1: not sharded)
+  int64_t tp = 1;      // the tensor-parallel size (above 1: each process's optimizers step their own pieces)
   c10::Device device{c10::kCPU};
 };
 
-// Optimizer i's checkpoint file: this process's own under sharding, else the whole one.
+// Whether each process writes its own optimizer state: under sharding (its
+// shards) and under tensor parallelism (its pieces); else process 0 writes
+// the whole state, the same on every process.
+inline bool optimizers_per_process(const PreparedSet& set, const CheckpointContext& ctx) {
+  return !set.sharded->empty() || ctx.tp > 1;
+}
+// Optimizer i's checkpoint file: this process's own, or the whole one.
 inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
-  return file_names::optimizer(i, set.sharded->empty() ? -1 : ctx.process_index);
+  return file_names::optimizer(i, optimizers_per_process(set, ctx) ? ctx.process_index : -1);
 }
 
 // Whether model i is saved in pieces, every process its own
-// (checkpoint/shards.hpp), rather than whole in model.pt by process 0.
+// (checkpoint/shards.hpp), rather than whole in model.pt by process 0:
+// a sharded model, and one holding tensor-parallel pieces.
 inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
-  return set.models[i].data_parallel && set.models[i].data_parallel->sharded();
+  const PreparedModel& m = set.models[i];
+  return (m.data_parallel && m.data_parallel->sharded()) || m.split.group;
 }
 
 }  // namespace detail

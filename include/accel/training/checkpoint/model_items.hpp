@@ -27,8 +27,8 @@ class ModelItem final : public CheckpointItem {
       archive_ = in.read(file_names::model(i_));
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
-      pieces_ =
-          read_model_pieces(*model_.module, model_.data_parallel.get(), in.pieces(whole.string()), model_prefix(i_));
+      pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
+                                  model_prefix(i_));
     }
   }
   void commit() override {
@@ -48,7 +48,8 @@ class ModelItem final : public CheckpointItem {
   std::map<std::string, at::Tensor> pieces_;                 // else what this process keeps of each piece
 };
 
-// The sharded models' pieces and their optimizers' state, as Python's DCP
+// The pieces of the models saved in pieces (sharded, or holding
+// tensor-parallel pieces) and their optimizers' state, as Python's DCP
 // reads them (checkpoint/shards.hpp): every process writes its own. C++
 // reads them back through ModelItem (the models) and OptimizerItem (its
 // own archives, which hold the optimizer state too).
@@ -56,7 +57,8 @@ class ShardedPiecesItem final : public CheckpointItem {
  public:
   explicit ShardedPiecesItem(PreparedSet& set) : set_(set) {}
   void write_own(const ItemWriter& out) override {
-    if (!set_.sharded->empty()) write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
+    for (std::size_t i = 0; i < set_.models.size(); ++i)
+      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
   }
 
  private:

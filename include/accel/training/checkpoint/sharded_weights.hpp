@@ -47,12 +47,19 @@ class ShardedWeights {
       throw RuntimeError(dir_.string() + ": its pieces do not fit the model:" + why);
   }
 
-  // Elements [begin, begin + length) of tensor `name` flattened, on the CPU.
-  at::Tensor read(const std::string& name, int64_t begin, int64_t length) const {
+  // Whether the files hold tensor `name` (model or optimizer state).
+  bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Elements [begin, begin + length) of tensor `name` flattened, on the
+  // CPU; or, given `origin`, of the box of `sizes` there in it (a
+  // tensor-parallel piece).
+  at::Tensor read(const std::string& name, int64_t begin, int64_t length, const std::vector<int64_t>& sizes = {},
+                  const std::vector<int64_t>& origin = {}) const {
     const Whole& whole = tensors_.at(name);
     at::Tensor out = at::empty({length}, at::TensorOptions(whole.dtype));
-    for (const TensorBox& want : boxes_of_range(whole.shape, begin, begin + length)) {
+    for (TensorBox want : boxes_of_range(origin.empty() ? whole.shape : sizes, begin, begin + length)) {
       at::Tensor into = out.narrow(0, want.begin - begin, want.numel()).view(want.sizes);
+      for (std::size_t d = 0; d < origin.size(); ++d) want.offsets[d] += origin[d];
       for (const Saved& saved : whole.boxes) {
         // The overlap, and the span of the saved box's bytes that holds it.
         std::vector<int64_t> low(want.sizes.size()), size(want.sizes.size()), stride(want.sizes.size());
@@ -172,18 +179,26 @@ class ShardedWeights {
 };
 
 // A model saved in pieces, for load_state's read step: the files checked
-// against the model (its names under `prefix`), and what this process keeps
-// of each parameter and buffer read (dp's load_range under sharding, else
-// everything whole).
+// against the model (its names under `prefix`; a tensor-parallel piece
+// against its whole shape), and what this process keeps of each parameter
+// and buffer read (dp's load_range under sharding, else everything this
+// process holds: a tensor-parallel piece's box of the whole, or the whole).
 inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
-                                                           const ShardedWeights& weights, const std::string& prefix) {
-  const auto expected = state_dict(module);
+                                                           const tp::SplitTensors& split, const ShardedWeights& weights,
+                                                           const std::string& prefix) {
+  const auto held = state_dict(module);
+  std::vector<std::pair<std::string, at::Tensor>> expected;  // (the whole shapes, of no memory)
+  for (const auto& [name, tensor] : held)
+    expected.emplace_back(name, split.contains(tensor)
+                                    ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
+                                    : tensor);
   weights.check_fits(expected, prefix);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, tensor] : expected) {
+  for (const auto& [name, tensor] : held) {
     const auto [begin, length] =
         dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
-    out[name] = weights.read(prefix + name, begin, length).to(tensor.device());
+    out[name] = weights.read(prefix + name, begin, length, tensor.sizes().vec(), place_in_whole(split, tensor))
+                    .to(tensor.device());
   }
   return out;
 }

@@ -5,6 +5,10 @@
 // [k*c, (k+1)*c) of every parameter flattened (c = ceil(n/S);
 // dp/shards.hpp) and writes them; under HSDP the first replica writes.
 // Process 0 writes what is not sharded (buffers, frozen parameters) whole.
+// Under tensor parallelism a process holds pieces of the split parameters
+// (tp rank t: the t-th slice along the split dimension) and writes its
+// piece, or its shard of it, placed in the whole tensor: tensor-parallel
+// pieces are not gathered either.
 // Beside them go the optimizers' state for those pieces where Python's
 // optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
 // SGD's momentum buffer: python_state), under Python's names. The files are
@@ -35,6 +39,7 @@
 
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/checkpoint/prepared.hpp"
+#include "accel/training/checkpoint/context.hpp"
 #include "accel/training/io/safetensors.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -120,14 +125,19 @@ inline bool in_namespace(const std::string& name, const std::string& prefix) {
 class PieceFiles {
  public:
   // Elements [begin, begin + values.numel()) of a tensor of `shape`,
-  // flattened (`values`: a flat view).
-  void add_piece(const std::string& name, at::IntArrayRef shape, const at::Tensor& values, int64_t begin) {
+  // flattened (`values`: a flat view); that tensor is itself the box at
+  // `origin` of the whole (a tensor-parallel piece), or the whole (`origin`
+  // empty).
+  void add_piece(const std::string& name, at::IntArrayRef shape, const at::Tensor& values, int64_t begin,
+                 const std::vector<int64_t>& origin = {}) {
     std::size_t j = 0;
-    for (const TensorBox& box : boxes_of_range(shape, begin, begin + values.numel()))
+    for (TensorBox box : boxes_of_range(shape, begin, begin + values.numel())) {
+      for (std::size_t d = 0; d < origin.size(); ++d) box.offsets[d] += origin[d];
       add(j++, name, values.narrow(0, box.begin - begin, box.numel()).view(box.sizes), box.offsets);
+    }
   }
-  void add_whole(const std::string& name, const at::Tensor& tensor) {
-    add(0, name, tensor, std::vector<int64_t>(tensor.dim(), 0));
+  void add_whole(const std::string& name, const at::Tensor& tensor, const std::vector<int64_t>& origin = {}) {
+    add(0, name, tensor, origin.empty() ? std::vector<int64_t>(tensor.dim(), 0) : origin);
   }
   // Into dir, with the checkpoint's id; each file and its digest into `log`.
   void write(const fs::path& dir, int process, const std::string& id, FileLog& log) const {
@@ -188,36 +198,63 @@ inline const torch::optim::OptimizerParamState* state_for(torch::optim::Optimize
   return found == state.end() ? nullptr : found->second.get();
 }
 
-// Writes this process's pieces into dir (see the top): of every sharded
-// model, and of its optimizers' state where Python's optimizer of the same
-// kind has it (python_state); each file into `log`.
+// Where the tensor a process holds sits in the whole: a tensor-parallel
+// piece split along `dim` at this rank's place, else at the origin (empty:
+// the tensor is whole).
+inline std::vector<int64_t> place_in_whole(const tp::SplitTensors& split, const at::Tensor& tensor) {
+  const auto dim = split.dim_of(tensor);
+  if (!dim) return {};
+  std::vector<int64_t> origin(static_cast<std::size_t>(tensor.dim()), 0);
+  origin[static_cast<std::size_t>(*dim)] = tp::rank_in(split.group) * tensor.size(*dim);
+  return origin;
+}
+
+// Writes this process's pieces into dir (see the top): of every model saved
+// in pieces, and of its optimizers' state where Python's optimizer of the
+// same kind has it (python_state); each file into `log`. Each tensor is
+// written once in all: a shard of a piece by its shard group's first
+// replica, a shard of a whole tensor by that replica at tp rank 0 (every tp
+// rank holds the same shards of it); a tensor-parallel piece that is not
+// sharded by the first process of its data-parallel group (its replicas
+// hold the same); the rest whole, by process 0.
 inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
   PieceFiles files;
-  // Each sharded parameter's shard (what the optimizers step), to its name, shape and piece.
+  // What each tensor an optimizer steps (a shard, else the parameter) is of the whole: its name, the shape of
+  // what this process holds of it, that tensor's place in the whole, and which of its flattened elements.
   struct Place {
     std::string name;
-    at::Tensor parameter;
-    std::optional<dp::Piece> piece;
-    bool writes;
+    std::vector<int64_t> shape, origin;  // (origin empty: the tensor is whole)
+    int64_t begin = 0, length = 0;
+    bool writes = false;
   };
   std::unordered_map<const c10::TensorImpl*, Place> places;
   for (std::size_t i = 0; i < set.models.size(); ++i) {
-    const DataParallel* dp = set.models[i].data_parallel.get();
-    if (!dp || !dp->sharded()) continue;
-    const bool writes = dp->sharded_state_dict().writes_pieces();
-    for (const auto& [name, tensor] : state_dict(*set.models[i].module)) {
+    if (!saved_in_pieces(set, i)) continue;
+    const PreparedModel& m = set.models[i];
+    const DataParallel* dp = m.data_parallel.get();
+    const bool sharded = dp && dp->sharded();
+    const bool writes_shards = sharded && dp->sharded_state_dict().writes_pieces();
+    const bool first_replica = !dp || !dp->group() || dp->group()->getRank() == 0;
+    const bool first_tp = tp::rank_in(m.split.group) == 0;  // (the shards of whole tensors: alike over tp)
+    for (const auto& [name, tensor] : state_dict(*m.module)) {
       if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
-      auto piece = dp->sharded_state_dict().piece_of(tensor);
-      const at::Tensor shard = dp->shard_of(tensor);
-      if (!piece) {
-        if (process == 0) files.add_whole(model_prefix(i) + name, tensor);
+      const std::vector<int64_t> origin = place_in_whole(m.split, tensor);
+      auto piece = sharded ? dp->sharded_state_dict().piece_of(tensor) : std::nullopt;
+      Place place{name, tensor.sizes().vec(), origin, 0, tensor.numel(), false};
+      if (piece) {
+        place.writes = writes_shards && (!origin.empty() || first_tp);
+        place.begin = piece->begin;
+        place.length = piece->values.numel();
+        if (place.writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin, origin);
+        places[dp->shard_of(tensor).unsafeGetTensorImpl()] = std::move(place);
         continue;
       }
-      if (writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin);
-      places[shard.unsafeGetTensorImpl()] = {name, tensor, std::move(piece), writes};
+      place.writes = origin.empty() ? process == 0 : first_replica;
+      if (place.writes) files.add_whole(model_prefix(i) + name, tensor, origin);
+      places[tensor.unsafeGetTensorImpl()] = std::move(place);
     }
   }
   for (std::size_t k = 0; k < set.optimizers.size(); ++k)
@@ -226,13 +263,15 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
         const auto found = places.find(p.unsafeGetTensorImpl());
         if (found == places.end() || !found->second.writes) continue;
         const Place& place = found->second;
-        const int64_t length = place.piece->values.numel();
+        const bool holds_first =
+            place.begin == 0 && std::all_of(place.origin.begin(), place.origin.end(), [](int64_t o) { return o == 0; });
         for (const auto& [key, value] : python_state(state_for(*set.optimizers[k], p))) {
           const std::string name = optimizer_prefix(k) + place.name + "." + key;
           if (value.dim() == 0) {
-            if (place.piece->begin == 0) files.add_whole(name, value);  // (once: by the process of the first piece)
+            if (holds_first) files.add_whole(name, value);  // (once: by the process of the whole's first element)
           } else {
-            files.add_piece(name, place.parameter.sizes(), value.narrow(0, 0, length), place.piece->begin);
+            files.add_piece(name, place.shape, value.reshape({-1}).narrow(0, 0, place.length), place.begin,
+                            place.origin);
           }
         }
       }

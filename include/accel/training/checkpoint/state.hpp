@@ -51,7 +51,8 @@ inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointC
           .loaders = static_cast<int64_t>(set.loaders.size()),
           .objects = static_cast<int64_t>(set.objects.size()),
           .schedulers = static_cast<int64_t>(set.schedulers.size()),
-          .shards = ctx.shards};
+          .shards = ctx.shards,
+          .tp = ctx.tp};
 }
 // Every process's files and digests, into the manifest process 0 writes
 // (a collective: every process calls it with its own log).
@@ -136,6 +137,9 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
     throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
+  if (manifest->tp < 1 || manifest->processes % manifest->tp != 0)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and tp " + std::to_string(manifest->tp));
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 

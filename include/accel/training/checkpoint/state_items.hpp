@@ -8,27 +8,40 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// Prepared optimizer i: written whole by process 0, or under sharding each
-// process its own state; read as saved where this run shards it the same
-// way (or keeps it whole), else cut again from the saved pieces, piece k in
-// process k's file (checkpoint/reshard.hpp). It can refuse as it loads, and
-// is put back if any process refuses anything.
+// Prepared optimizer i: written whole by process 0, or under sharding or
+// tensor parallelism each process its own state; read as saved where this
+// run shards it the same way (or keeps it whole), else cut again from the
+// saved pieces, piece k in process k's file (checkpoint/reshard.hpp). The
+// state of tensor-parallel pieces loads in the layout that saved it only:
+// another is refused, naming both (the cut along mp_shard assumes whole
+// parameters; the Python-named boxes in the piece files would carry it to
+// any layout, for Adam, AdamW and SGD). It can refuse as it loads, and is
+// put back if any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
   OptimizerItem(PreparedSet& set, const CheckpointContext& ctx, std::size_t i)
       : set_(set), optimizer_(*set.optimizers[i]), i_(i), name_(optimizer_file(set, ctx, i)) {}
 
   void write_own(const ItemWriter& out) override {
-    if (!set_.sharded->empty()) save(out);
+    if (optimizers_per_process(set_, out.ctx)) save(out);
   }
   void write_shared(const ItemWriter& out) override {
-    if (set_.sharded->empty()) save(out);
+    if (!optimizers_per_process(set_, out.ctx)) save(out);
   }
   void read(ItemReader& in) override {
     const SavedLayout& saved = in.saved;
     file_ = (in.dir / name_).string();
-    const bool as_saved =
-        saved.shards == in.ctx.shards && (saved.shards == 1 || saved.processes == in.ctx.num_processes);
+    const bool same_processes = saved.processes == in.ctx.num_processes;
+    if ((saved.manifest.tp > 1 || in.ctx.tp > 1) &&
+        !(saved.manifest.tp == in.ctx.tp && saved.shards == in.ctx.shards && same_processes))
+      throw RuntimeError(file_ + ": the optimizer state of tensor-parallel pieces loads in the layout that saved it (" +
+                         std::to_string(saved.processes) + " processes, tp " + std::to_string(saved.manifest.tp) +
+                         ", " + std::to_string(saved.shards) + " shard(s)); this run has " +
+                         std::to_string(in.ctx.num_processes) + " processes, tp " + std::to_string(in.ctx.tp) + ", " +
+                         std::to_string(in.ctx.shards) +
+                         " shard(s). Resume in the saving layout; the model alone moves to any layout as whole tensors "
+                         "(save_model, then load_model)");
+    const bool as_saved = saved.shards == in.ctx.shards && (saved.shards == 1 || same_processes);
     archive_ = as_saved ? in.read(name_) : resharded_optimizer(set_, i_, saved.shards, in.ctx.device, [&](int64_t k) {
       const std::string name = file_names::optimizer(i_, saved.shards == 1 ? -1 : static_cast<int>(k));
       return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
