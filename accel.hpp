@@ -103,10 +103,11 @@
 //     accel/training/checkpoint/manifest.hpp             a checkpoint's manifest (every file with its size and XXH64, the checkpoint's id) and the checks a load makes against it
 //     accel/training/checkpoint/files.hpp                a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares
 //     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
-//     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
 //     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
 //     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
 //     accel/training/checkpoint/sharded_weights.hpp      a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
+//     accel/training/checkpoint/optimizer_slots.hpp      what each position of an optimizer's parameter list is in this run (a shard, a tensor-parallel piece, its names), and its state read from the piece files across tensor-parallel layouts
+//     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
 //     accel/training/checkpoint/item.hpp                 what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
 //     accel/training/checkpoint/model_items.hpp          the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
 //     accel/training/checkpoint/state_items.hpp          the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
@@ -6135,6 +6136,11 @@ class ParameterNames {
       text += (i == 1 ? " (tied: also '" : ", '") + found->second[i] + "'";
     if (found->second.size() > 1) text += ")";
     return text;
+  }
+  // Every name (none for a tensor that is no parameter of the module).
+  std::vector<std::string> all(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    return found == names_.end() ? std::vector<std::string>{} : found->second;
   }
   // The first name (empty for a tensor that is no parameter of the module).
   std::string first(const at::Tensor& p) const {
@@ -14446,257 +14452,6 @@ inline ResumedBatches resumed_batches(std::size_t index, size_t batches, int64_t
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/checkpoint/reshard.hpp ====================================
-// accel/training/checkpoint/reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
-//
-// Under sharding each process saves its own optimizer state
-// (optimizer_rank<k>.pt): for every sharded parameter of n elements, piece
-// k of its flattened values, ceil(n / S) elements (S: the shard group's
-// size; the last piece padded with zeros), as DataParallel shards it. With
-// the model mesh row-major (mp_replicate, mp_shard), process k holds piece
-// k mod S, so processes 0 .. S-1 hold every piece once. A run that shards
-// another way (another S, another number of processes, NO_SHARD or one
-// process, whose optimizer.pt is whole) needs other pieces: this part
-// builds this process's from the saved ones, reading only the first file
-// and those whose pieces overlap its own, and gives it to Optimizer::load as the archive it
-// would have saved (torch/optim/serialize.h's layout).
-//
-// The rule for a tensor of a parameter's state (Adam's exp_avg, SGD's
-// momentum_buffer, ...): one of the saved piece's size is a piece, one of
-// the parameter's shape is whole; anything else (a step count, a scalar)
-// is the same on every process and is taken from the first file as saved.
-// Where this run does not shard a parameter, its state comes back whole, in
-// the parameter's shape.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// A position of an optimizer's parameter list (group after group), as this
-// run holds it: the whole parameter and, where sharded, which piece of how
-// many elements this process keeps (piece -1: whole).
-struct OptimizerSlot {
-  at::Tensor whole;
-  int64_t piece = -1, length = 0;
-  // The elements [begin, end) of the flattened parameter this process keeps.
-  int64_t begin() const { return piece < 0 ? 0 : std::min(whole.numel(), piece * length); }
-  int64_t end() const { return piece < 0 ? whole.numel() : std::min(whole.numel(), begin() + length); }
-};
-
-inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
-  std::map<const c10::TensorImpl*, OptimizerSlot> sharded;  // a shard -> its parameter and piece
-  for (const auto& m : set.models)
-    if (m.data_parallel && m.data_parallel->sharded())
-      for (const auto& p : m.module->parameters()) {
-        const at::Tensor shard = m.data_parallel->shard_of(p);
-        if (shard.defined())
-          sharded[shard.unsafeGetTensorImpl()] = {p, m.data_parallel->shard_group()->getRank(), shard.numel()};
-      }
-  std::vector<OptimizerSlot> slots;
-  for (const auto& group : optimizer.param_groups())
-    for (const auto& p : group.params()) {
-      const auto found = sharded.find(p.unsafeGetTensorImpl());
-      slots.push_back(found != sharded.end() ? found->second : OptimizerSlot{p, -1, p.numel()});
-    }
-  return slots;
-}
-
-// A checkpoint file read as an archive (checked and parsed by the caller),
-// with its path for errors.
-struct OpenedArchive {
-  std::string file;
-  torch::serialize::InputArchive archive;
-};
-
-// One saved optimizer file, read: its archive, and for each position its
-// state's archive (none where the parameter had no state yet).
-struct SavedOptimizer {
-  std::string file;
-  torch::serialize::InputArchive archive;
-  std::vector<std::optional<torch::serialize::InputArchive>> states;
-};
-
-inline SavedOptimizer read_saved_optimizer(OpenedArchive opened, std::size_t slots) {
-  SavedOptimizer saved{.file = std::move(opened.file), .archive = std::move(opened.archive), .states = {}};
-  try {
-    torch::serialize::InputArchive state, groups;
-    saved.archive.read("state", state);
-    saved.archive.read("param_groups", groups);
-    at::Tensor count;
-    groups.read("param_groups/size", count);
-    for (int64_t g = 0; g < count.item<int64_t>(); ++g) {
-      torch::serialize::InputArchive group;
-      groups.read("param_groups/" + std::to_string(g), group);
-      at::Tensor size;
-      group.read("params/size", size);
-      for (int64_t j = 0; j < size.item<int64_t>(); ++j) {
-        c10::IValue key;
-        group.read("params/" + std::to_string(j), key);
-        torch::serialize::InputArchive own;
-        saved.states.push_back(state.try_read(key.toStringRef(), own) ? std::optional(std::move(own)) : std::nullopt);
-      }
-    }
-  } catch (const std::exception& e) {
-    throw RuntimeError("cannot read " + saved.file + " as an optimizer's state: " + error_text(e));
-  }
-  if (saved.states.size() != slots)
-    throw RuntimeError(saved.file + " holds the state of " + std::to_string(saved.states.size()) +
-                       " parameters; this run's optimizer has " + std::to_string(slots));
-  return saved;
-}
-
-// Elements [begin, end) of a parameter's flattened values into `out` (from
-// its offset 0), out of the saved pieces (each `stride` elements: piece k
-// starts at k * stride; undefined: not read, as not overlapping) or one
-// whole tensor (stride n).
-inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, int64_t begin, int64_t end,
-                       at::Tensor& out) {
-  for (std::size_t k = 0; k < pieces.size(); ++k) {
-    if (!pieces[k].defined()) continue;
-    const int64_t from = std::max(begin, static_cast<int64_t>(k) * stride),
-                  to = std::min(end, (static_cast<int64_t>(k) + 1) * stride);
-    if (from < to)
-      out.narrow(0, from - begin, to - from)
-          .copy_(pieces[k].reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
-  }
-}
-
-// The saved pieces this process needs: those overlapping its own, and the
-// first (the layout, step counts).
-inline std::set<int64_t> pieces_needed(const std::vector<OptimizerSlot>& slots, int64_t saved_shards) {
-  std::set<int64_t> needed{0};
-  for (const auto& slot : slots) {
-    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
-    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
-      needed.insert(k);
-  }
-  return needed;
-}
-
-using SavedFiles = std::vector<std::optional<SavedOptimizer>>;  // (by saved piece; empty: not needed)
-
-// The state of parameter `position` as this process keeps it, into `own`:
-// each field the size of the whole parameter, or of a saved piece, cut to
-// this process's range out of the saved files that hold it; any other field
-// (a step count) as the first file has it.
-inline void reshard_state(SavedFiles& files, std::size_t position, const OptimizerSlot& slot, int64_t saved_shards,
-                          torch::serialize::OutputArchive& own) {
-  SavedOptimizer& first = *files[0];
-  const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
-  torch::serialize::InputArchive& saved_state = *first.states[position];
-  for (const std::string& field : saved_state.keys()) {
-    c10::IValue value;
-    saved_state.read(field, value);
-    const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
-    const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
-    const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
-    if (!whole && !piece) {  // the same on every process: as saved
-      own.write(field, value);
-      continue;
-    }
-    std::vector<at::Tensor> sources(piece ? files.size() : 1);
-    for (std::size_t k = 0; k < sources.size(); ++k) {
-      if (!files[k]) continue;
-      c10::IValue other;
-      if (k == 0) other = value;
-      else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
-               !other.isTensor() || other.toTensor().numel() != stride)
-        throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
-                           " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
-      sources[k] = other.toTensor();
-    }
-    at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
-    copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
-    own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
-  }
-}
-
-// Parameter group g as the first file has it (its keys name the states,
-// written into `state`), its options through the optimizer's own options
-// type (what they are is the optimizer's business). `position` counts the
-// parameters of the groups before it.
-inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& optimizer, std::size_t g,
-                                                     torch::serialize::InputArchive& saved_groups, SavedFiles& files,
-                                                     const std::vector<OptimizerSlot>& slots, int64_t saved_shards,
-                                                     std::size_t& position, torch::serialize::OutputArchive& state) {
-  const SavedOptimizer& first = *files[0];
-  torch::serialize::InputArchive saved_group, saved_options;
-  saved_groups.read("param_groups/" + std::to_string(g), saved_group);
-  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
-  at::Tensor size;
-  saved_group.read("params/size", size);
-  if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
-    throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
-                       std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
-                       std::to_string(optimizer.param_groups()[g].params().size()));
-  group.write("params/size", size);
-  for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
-    c10::IValue key;
-    saved_group.read("params/" + std::to_string(j), key);
-    group.write("params/" + std::to_string(j), key);
-    if (!first.states[position]) continue;  // no state yet (never stepped)
-    torch::serialize::OutputArchive own(state.compilation_unit());
-    reshard_state(files, position, slots[position], saved_shards, own);
-    state.write(key.toStringRef(), own);
-  }
-  saved_group.read("options", saved_options);
-  const auto& current = optimizer.param_groups()[g];
-  std::unique_ptr<torch::optim::OptimizerOptions> copy =
-      (current.has_options() ? current.options() : optimizer.defaults()).clone();
-  copy->serialize(saved_options);
-  copy->serialize(options);
-  group.write("options", options);
-  return group;
-}
-
-// The saved state of optimizer `index` as this process's optimizer takes it
-// (an archive for Optimizer::load and load_group_options). `saved_shards`:
-// how many pieces the saving run cut each parameter into (1: whole, in
-// `open(0)`); `open(k)`: the file of the process that held piece k.
-inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
-    const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
-    const std::function<OpenedArchive(int64_t)>& open) {
-  torch::optim::Optimizer& optimizer = *set.optimizers[index];
-  const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
-  SavedFiles files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : pieces_needed(slots, saved_shards))
-    files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
-  SavedOptimizer& first = *files[0];
-
-  torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
-  c10::IValue version;
-  first.archive.read("pytorch_version", version);
-  out.write("pytorch_version", version);
-  torch::serialize::InputArchive saved_groups;
-  first.archive.read("param_groups", saved_groups);
-  at::Tensor group_count;
-  saved_groups.read("param_groups/size", group_count);
-  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
-    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
-                       " parameter groups; this run's optimizer has " +
-                       std::to_string(optimizer.param_groups().size()));
-  groups.write("param_groups/size", group_count);
-  std::size_t position = 0;
-  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-    torch::serialize::OutputArchive group =
-        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state);
-    groups.write("param_groups/" + std::to_string(g), group);
-  }
-  if (position != slots.size())
-    throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
-                       " parameters; this run's optimizer has " + std::to_string(slots.size()));
-  out.write("state", state);
-  out.write("param_groups", groups);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  const std::string held = std::move(bytes).str();
-  auto archive = std::make_unique<torch::serialize::InputArchive>();
-  archive->load_from(held.data(), held.size(), device);
-  return archive;
-}
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
 // == accel/training/checkpoint/context.hpp ====================================
 // accel/training/checkpoint/context.hpp: where this process stands, as a checkpoint records and checks it, and which files are its own.
 
@@ -15236,6 +14991,334 @@ inline void commit_model_pieces(const torch::nn::Module& module, DataParallel* d
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint/optimizer_slots.hpp ============================
+// accel/training/checkpoint/optimizer_slots.hpp: what each position of an optimizer's parameter list is in this run (a shard, a tensor-parallel piece, its names), and its state read from the piece files across tensor-parallel layouts.
+//
+// Loading an optimizer's state saved in another layout
+// (checkpoint/reshard.hpp) cuts each tensor of the state to what this
+// process keeps of the parameter at that position: OptimizerSlot says
+// what that is. Across tensor-parallel layouts the tensors come from the
+// piece files, where the saving processes placed them in the whole tensors
+// under Python's names (checkpoint/shards.hpp): PlacedState reads them.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A position of an optimizer's parameter list (group after group), as this
+// run holds it: the parameter (whole, or this process's tensor-parallel
+// piece of it) and, where sharded, which piece of how many elements this
+// process keeps of that (piece -1: all of it); its names in its model, and
+// a tensor-parallel piece's place in the whole tensor (empty: whole).
+struct OptimizerSlot {
+  at::Tensor whole;
+  int64_t piece = -1, length = 0;
+  std::vector<std::string> names{};
+  std::vector<int64_t> origin{};
+  // The elements [begin, end) of the flattened parameter this process keeps.
+  int64_t begin() const { return piece < 0 ? 0 : std::min(whole.numel(), piece * length); }
+  int64_t end() const { return piece < 0 ? whole.numel() : std::min(whole.numel(), begin() + length); }
+};
+
+inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
+  std::map<const c10::TensorImpl*, OptimizerSlot> known;  // by what the optimizer steps: a shard, or the parameter
+  for (const auto& m : set.models) {
+    const ParameterNames names(*m.module);
+    const bool sharded = m.data_parallel && m.data_parallel->sharded();
+    for (const auto& p : m.module->parameters()) {
+      OptimizerSlot slot{p, -1, p.numel(), names.all(p), place_in_whole(m.split, p)};
+      const at::Tensor shard = sharded ? m.data_parallel->shard_of(p) : at::Tensor();
+      if (!shard.defined()) {
+        known.emplace(p.unsafeGetTensorImpl(), std::move(slot));
+        continue;
+      }
+      slot.piece = m.data_parallel->shard_group()->getRank();
+      slot.length = shard.numel();
+      known[shard.unsafeGetTensorImpl()] = std::move(slot);
+    }
+  }
+  std::vector<OptimizerSlot> slots;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params()) {
+      const auto found = known.find(p.unsafeGetTensorImpl());
+      slots.push_back(found != known.end() ? found->second : OptimizerSlot{p, -1, p.numel()});
+    }
+  return slots;
+}
+
+// Where a load across tensor-parallel layouts reads optimizer `index`'s
+// tensor state (see the top): the piece files (null: the checkpoint has
+// none).
+struct PlacedState {
+  const ShardedWeights* pieces = nullptr;
+  std::size_t index = 0;
+
+  // Field `field` of the slot's parameter as this process keeps it (like
+  // `first`, the first file's: its dtype and device), or an error naming
+  // `file` where the piece files do not hold it.
+  at::Tensor cut(const OptimizerSlot& slot, const std::string& field, const at::Tensor& first,
+                 const std::string& file) const {
+    const int64_t begin = slot.begin(), length = slot.end() - slot.begin();
+    at::Tensor values;
+    for (const std::string& name : slot.names)
+      if (const std::string saved = optimizer_prefix(index) + name + "." + field; pieces && pieces->holds(saved)) {
+        values = pieces->read(saved, begin, length, slot.whole.sizes().vec(), slot.origin).to(first.options());
+        break;
+      }
+    if (!values.defined())
+      throw RuntimeError(
+          file + ": the optimizer's " + field + " of " +
+          (slot.names.empty() ? "parameter of shape " + c10::str(slot.whole.sizes()) : "'" + slot.names.front() + "'") +
+          " cannot move to another tensor-parallel layout: the piece files do not place it in the "
+          "whole tensor (they do for Adam, AdamW and SGD); resume in the saving layout");
+    if (slot.piece < 0) return values.view(slot.whole.sizes());
+    at::Tensor padded = at::zeros({slot.length}, first.options());  // (a shard: the last one padded, as saved)
+    padded.narrow(0, 0, length).copy_(values);
+    return padded;
+  }
+};
+
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/reshard.hpp ====================================
+// accel/training/checkpoint/reshard.hpp: an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD).
+//
+// Under sharding each process saves its own optimizer state
+// (optimizer_rank<k>.pt): for every sharded parameter of n elements, piece
+// k of its flattened values, ceil(n / S) elements (S: the shard group's
+// size; the last piece padded with zeros), as DataParallel shards it. With
+// the model mesh row-major (mp_replicate, mp_shard), process k holds piece
+// k mod S, so processes 0 .. S-1 hold every piece once. A run that shards
+// another way (another S, another number of processes, NO_SHARD or one
+// process, whose optimizer.pt is whole) needs other pieces: this part
+// builds this process's from the saved ones, reading only the first file
+// and those whose pieces overlap its own, and gives it to Optimizer::load as the archive it
+// would have saved (torch/optim/serialize.h's layout).
+//
+// The rule for a tensor of a parameter's state (Adam's exp_avg, SGD's
+// momentum_buffer, ...): one of the saved piece's size is a piece, one of
+// the parameter's shape is whole; anything else (a step count, a scalar)
+// is the same on every process and is taken from the first file as saved.
+// Where this run does not shard a parameter, its state comes back whole, in
+// the parameter's shape.
+//
+// Across tensor-parallel layouts (another tp, or tp on one side only) a
+// process's optimizer file holds the state of its own pieces, which this
+// cut cannot place; there each tensor of the state comes instead from the
+// piece files, where every process wrote it placed in the whole tensor
+// under Python's names (Adam's, AdamW's and SGD's: checkpoint/shards.hpp):
+// this process reads its box of the whole (a tensor-parallel piece, or the
+// whole) and of that its range. The rest (step counts, the groups' options)
+// comes from the first file as saved.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// A checkpoint file read as an archive (checked and parsed by the caller),
+// with its path for errors.
+struct OpenedArchive {
+  std::string file;
+  torch::serialize::InputArchive archive;
+};
+
+// One saved optimizer file, read: its archive, and for each position its
+// state's archive (none where the parameter had no state yet).
+struct SavedOptimizer {
+  std::string file;
+  torch::serialize::InputArchive archive;
+  std::vector<std::optional<torch::serialize::InputArchive>> states;
+};
+
+inline SavedOptimizer read_saved_optimizer(OpenedArchive opened, std::size_t slots) {
+  SavedOptimizer saved{.file = std::move(opened.file), .archive = std::move(opened.archive), .states = {}};
+  try {
+    torch::serialize::InputArchive state, groups;
+    saved.archive.read("state", state);
+    saved.archive.read("param_groups", groups);
+    at::Tensor count;
+    groups.read("param_groups/size", count);
+    for (int64_t g = 0; g < count.item<int64_t>(); ++g) {
+      torch::serialize::InputArchive group;
+      groups.read("param_groups/" + std::to_string(g), group);
+      at::Tensor size;
+      group.read("params/size", size);
+      for (int64_t j = 0; j < size.item<int64_t>(); ++j) {
+        c10::IValue key;
+        group.read("params/" + std::to_string(j), key);
+        torch::serialize::InputArchive own;
+        saved.states.push_back(state.try_read(key.toStringRef(), own) ? std::optional(std::move(own)) : std::nullopt);
+      }
+    }
+  } catch (const std::exception& e) {
+    throw RuntimeError("cannot read " + saved.file + " as an optimizer's state: " + error_text(e));
+  }
+  if (saved.states.size() != slots)
+    throw RuntimeError(saved.file + " holds the state of " + std::to_string(saved.states.size()) +
+                       " parameters; this run's optimizer has " + std::to_string(slots));
+  return saved;
+}
+
+// Elements [begin, end) of a parameter's flattened values into `out` (from
+// its offset 0), out of the saved pieces (each `stride` elements: piece k
+// starts at k * stride; undefined: not read, as not overlapping) or one
+// whole tensor (stride n).
+inline void copy_range(const std::vector<at::Tensor>& pieces, int64_t stride, int64_t begin, int64_t end,
+                       at::Tensor& out) {
+  for (std::size_t k = 0; k < pieces.size(); ++k) {
+    if (!pieces[k].defined()) continue;
+    const int64_t from = std::max(begin, static_cast<int64_t>(k) * stride),
+                  to = std::min(end, (static_cast<int64_t>(k) + 1) * stride);
+    if (from < to)
+      out.narrow(0, from - begin, to - from)
+          .copy_(pieces[k].reshape({-1}).narrow(0, from - static_cast<int64_t>(k) * stride, to - from));
+  }
+}
+
+// The saved pieces this process needs: those overlapping its own, and the
+// first (the layout, step counts).
+inline std::set<int64_t> pieces_needed(const std::vector<OptimizerSlot>& slots, int64_t saved_shards) {
+  std::set<int64_t> needed{0};
+  for (const auto& slot : slots) {
+    const int64_t stride = (slot.whole.numel() + saved_shards - 1) / saved_shards;
+    for (int64_t k = stride ? slot.begin() / stride : 0; stride && k * stride < slot.end() && k < saved_shards; ++k)
+      needed.insert(k);
+  }
+  return needed;
+}
+
+using SavedFiles = std::vector<std::optional<SavedOptimizer>>;  // (by saved piece; empty: not needed)
+
+// The state of parameter `position` as this process keeps it, into `own`:
+// each field the size of the whole parameter, or of a saved piece, cut to
+// this process's range out of the saved files that hold it; any other field
+// (a step count) as the first file has it.
+inline void reshard_state(SavedFiles& files, std::size_t position, const OptimizerSlot& slot, int64_t saved_shards,
+                          torch::serialize::OutputArchive& own, const PlacedState* placed) {
+  SavedOptimizer& first = *files[0];
+  const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
+  torch::serialize::InputArchive& saved_state = *first.states[position];
+  for (const std::string& field : saved_state.keys()) {
+    c10::IValue value;
+    saved_state.read(field, value);
+    const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+    if (placed && t.defined() && t.dim() > 0) {  // (across tensor-parallel layouts: placed in the whole)
+      own.write(field, placed->cut(slot, field, t, first.file));
+      continue;
+    }
+    const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
+    const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
+    if (!whole && !piece) {  // the same on every process: as saved
+      own.write(field, value);
+      continue;
+    }
+    std::vector<at::Tensor> sources(piece ? files.size() : 1);
+    for (std::size_t k = 0; k < sources.size(); ++k) {
+      if (!files[k]) continue;
+      c10::IValue other;
+      if (k == 0) other = value;
+      else if (!files[k]->states[position] || !files[k]->states[position]->try_read(field, other) ||
+               !other.isTensor() || other.toTensor().numel() != stride)
+        throw RuntimeError(files[k]->file + " has no " + field + " of " + std::to_string(stride) +
+                           " elements for parameter " + std::to_string(position) + " (as " + first.file + " has)");
+      sources[k] = other.toTensor();
+    }
+    at::Tensor mine = at::zeros({slot.piece < 0 ? n : slot.length}, t.options());
+    copy_range(sources, piece ? stride : n, slot.begin(), slot.end(), mine);
+    own.write(field, slot.piece < 0 ? mine.view(slot.whole.sizes()) : mine);
+  }
+}
+
+// Parameter group g as the first file has it (its keys name the states,
+// written into `state`), its options through the optimizer's own options
+// type (what they are is the optimizer's business). `position` counts the
+// parameters of the groups before it.
+inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& optimizer, std::size_t g,
+                                                     torch::serialize::InputArchive& saved_groups, SavedFiles& files,
+                                                     const std::vector<OptimizerSlot>& slots, int64_t saved_shards,
+                                                     std::size_t& position, torch::serialize::OutputArchive& state,
+                                                     const PlacedState* placed) {
+  const SavedOptimizer& first = *files[0];
+  torch::serialize::InputArchive saved_group, saved_options;
+  saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
+  at::Tensor size;
+  saved_group.read("params/size", size);
+  if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
+    throw RuntimeError(first.file + ": parameter group " + std::to_string(g) + " holds " +
+                       std::to_string(size.item<int64_t>()) + " parameters; this run's has " +
+                       std::to_string(optimizer.param_groups()[g].params().size()));
+  group.write("params/size", size);
+  for (int64_t j = 0; j < size.item<int64_t>(); ++j, ++position) {
+    c10::IValue key;
+    saved_group.read("params/" + std::to_string(j), key);
+    group.write("params/" + std::to_string(j), key);
+    if (!first.states[position]) continue;  // no state yet (never stepped)
+    torch::serialize::OutputArchive own(state.compilation_unit());
+    reshard_state(files, position, slots[position], saved_shards, own, placed);
+    state.write(key.toStringRef(), own);
+  }
+  saved_group.read("options", saved_options);
+  const auto& current = optimizer.param_groups()[g];
+  std::unique_ptr<torch::optim::OptimizerOptions> copy =
+      (current.has_options() ? current.options() : optimizer.defaults()).clone();
+  copy->serialize(saved_options);
+  copy->serialize(options);
+  group.write("options", options);
+  return group;
+}
+
+// The saved state of optimizer `index` as this process's optimizer takes it
+// (an archive for Optimizer::load and load_group_options). `saved_shards`:
+// how many pieces the saving run cut each parameter into (1: whole, in
+// `open(0)`); `open(k)`: the file of the process that held piece k. With
+// `placed` (across tensor-parallel layouts) only the first file is read,
+// the tensors of the state from the piece files.
+inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
+    const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
+    const std::function<OpenedArchive(int64_t)>& open, const PlacedState* placed = nullptr) {
+  torch::optim::Optimizer& optimizer = *set.optimizers[index];
+  const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
+  SavedFiles files(static_cast<std::size_t>(saved_shards));
+  for (const int64_t k : placed ? std::set<int64_t>{0} : pieces_needed(slots, saved_shards))
+    files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
+  SavedOptimizer& first = *files[0];
+
+  torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
+  c10::IValue version;
+  first.archive.read("pytorch_version", version);
+  out.write("pytorch_version", version);
+  torch::serialize::InputArchive saved_groups;
+  first.archive.read("param_groups", saved_groups);
+  at::Tensor group_count;
+  saved_groups.read("param_groups/size", group_count);
+  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
+    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
+                       " parameter groups; this run's optimizer has " +
+                       std::to_string(optimizer.param_groups().size()));
+  groups.write("param_groups/size", group_count);
+  std::size_t position = 0;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    torch::serialize::OutputArchive group =
+        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state, placed);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  if (position != slots.size())
+    throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
+                       " parameters; this run's optimizer has " + std::to_string(slots.size()));
+  out.write("state", state);
+  out.write("param_groups", groups);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string held = std::move(bytes).str();
+  auto archive = std::make_unique<torch::serialize::InputArchive>();
+  archive->load_from(held.data(), held.size(), device);
+  return archive;
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint/item.hpp =======================================
 // accel/training/checkpoint/item.hpp: what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it.
 //
@@ -15314,15 +15397,20 @@ class ItemReader {
   }
   // The sharded models' pieces (*.safetensors), indexed once for every model read from them.
   const ShardedWeights& pieces(const std::string& missing_whole) {
+    if (const ShardedWeights* found = pieces_if_any()) return *found;
+    throw RuntimeError("missing " + missing_whole + " (and no sharded model's pieces, *.safetensors, beside it)");
+  }
+  // ... or none where the checkpoint has no piece files.
+  const ShardedWeights* pieces_if_any() {
     namespace fs = std::filesystem;
     if (!pieces_) {
       const auto found = fs::directory_iterator(dir);
       if (std::none_of(fs::begin(found), fs::end(found),
                        [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-        throw RuntimeError("missing " + missing_whole + " (and no sharded model's pieces, *.safetensors, beside it)");
+        return nullptr;
       pieces_.emplace(dir, files_);
     }
-    return *pieces_;
+    return &*pieces_;
   }
 
  private:
@@ -15435,12 +15523,10 @@ namespace detail {
 // Prepared optimizer i: written whole by process 0, or under sharding or
 // tensor parallelism each process its own state; read as saved where this
 // run shards it the same way (or keeps it whole), else cut again from the
-// saved pieces, piece k in process k's file (checkpoint/reshard.hpp). The
-// state of tensor-parallel pieces loads in the layout that saved it only:
-// another is refused, naming both (the cut along mp_shard assumes whole
-// parameters; the Python-named boxes in the piece files would carry it to
-// any layout, for Adam, AdamW and SGD). It can refuse as it loads, and is
-// put back if any process refuses anything.
+// saved pieces, piece k in process k's file; across tensor-parallel
+// layouts from the state the piece files place in the whole tensors
+// (checkpoint/reshard.hpp). It can refuse as it loads, and is put back if
+// any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
   OptimizerItem(PreparedSet& set, const CheckpointContext& ctx, std::size_t i)
@@ -15456,20 +15542,22 @@ class OptimizerItem final : public CheckpointItem {
     const SavedLayout& saved = in.saved;
     file_ = (in.dir / name_).string();
     const bool same_processes = saved.processes == in.ctx.num_processes;
-    if ((saved.manifest.tp > 1 || in.ctx.tp > 1) &&
-        !(saved.manifest.tp == in.ctx.tp && saved.shards == in.ctx.shards && same_processes))
-      throw RuntimeError(file_ + ": the optimizer state of tensor-parallel pieces loads in the layout that saved it (" +
-                         std::to_string(saved.processes) + " processes, tp " + std::to_string(saved.manifest.tp) +
-                         ", " + std::to_string(saved.shards) + " shard(s)); this run has " +
-                         std::to_string(in.ctx.num_processes) + " processes, tp " + std::to_string(in.ctx.tp) + ", " +
-                         std::to_string(in.ctx.shards) +
-                         " shard(s). Resume in the saving layout; the model alone moves to any layout as whole tensors "
-                         "(save_model, then load_model)");
-    const bool as_saved = saved.shards == in.ctx.shards && (saved.shards == 1 || same_processes);
-    archive_ = as_saved ? in.read(name_) : resharded_optimizer(set_, i_, saved.shards, in.ctx.device, [&](int64_t k) {
-      const std::string name = file_names::optimizer(i_, saved.shards == 1 ? -1 : static_cast<int>(k));
-      return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
-    });
+    const bool tp = saved.manifest.tp > 1 || in.ctx.tp > 1;
+    const bool as_saved = saved.shards == in.ctx.shards && saved.manifest.tp == in.ctx.tp &&
+                          ((saved.shards == 1 && !tp) || same_processes);
+    if (as_saved) {
+      archive_ = in.read(name_);
+      return;
+    }
+    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1;  // (the saving run's files)
+    const PlacedState placed{tp ? in.pieces_if_any() : nullptr, i_};
+    archive_ = resharded_optimizer(
+        set_, i_, tp ? 1 : saved.shards, in.ctx.device,
+        [&](int64_t k) {
+          const std::string name = file_names::optimizer(i_, per_process ? static_cast<int>(k) : -1);
+          return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
+        },
+        tp ? &placed : nullptr);
   }
   void keep() override { snapshot_ = optimizer_snapshot(optimizer_); }
   void apply() override {
@@ -17088,8 +17176,8 @@ class Accelerator {
   // every file is read and checked first (parameter and buffer names, shapes
   // and dtypes against the models), on every process; another number of
   // processes or another sharding strategy is fine (checkpoint/world.hpp,
-  // checkpoint/reshard.hpp), but for tensor-parallel pieces, whose
-  // optimizer state loads in the saving layout only; on any error
+  // checkpoint/reshard.hpp; across tensor-parallel layouts the optimizer
+  // state of Adam, AdamW and SGD only); on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest

@@ -84,6 +84,7 @@
 #include "accel/training/checkpoint/manifest.hpp"
 #include "accel/training/checkpoint/files.hpp"
 #include "accel/training/checkpoint/world.hpp"
+#include "accel/training/checkpoint/optimizer_slots.hpp"
 #include "accel/training/checkpoint/reshard.hpp"
 #include "accel/training/checkpoint/shards.hpp"
 #include "accel/training/checkpoint/sharded_weights.hpp"

@@ -46,6 +46,11 @@ class ParameterNames {
     if (found->second.size() > 1) text += ")";
     return text;
   }
+  // Every name (none for a tensor that is no parameter of the module).
+  std::vector<std::string> all(const at::Tensor& p) const {
+    const auto found = names_.find(p.unsafeGetTensorImpl());
+    return found == names_.end() ? std::vector<std::string>{} : found->second;
+  }
   // The first name (empty for a tensor that is no parameter of the module).
   std::string first(const at::Tensor& p) const {
     const auto found = names_.find(p.unsafeGetTensorImpl());

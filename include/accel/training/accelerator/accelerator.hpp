@@ -339,8 +339,8 @@ class Accelerator {
   // every file is read and checked first (parameter and buffer names, shapes
   // and dtypes against the models), on every process; another number of
   // processes or another sharding strategy is fine (checkpoint/world.hpp,
-  // checkpoint/reshard.hpp), but for tensor-parallel pieces, whose
-  // optimizer state loads in the saving layout only; on any error
+  // checkpoint/reshard.hpp; across tensor-parallel layouts the optimizer
+  // state of Adam, AdamW and SGD only); on any error
   // nothing is modified anywhere and every process throws, naming the file.
   // With project_config.automatic_checkpoint_naming, no path loads the
   // newest numbered checkpoint, and any load sets iteration past the newest

@@ -80,15 +80,20 @@ class ItemReader {
   }
   // The sharded models' pieces (*.safetensors), indexed once for every model read from them.
   const ShardedWeights& pieces(const std::string& missing_whole) {
+    if (const ShardedWeights* found = pieces_if_any()) return *found;
+    throw RuntimeError("missing " + missing_whole + " (and no sharded model's pieces, *.safetensors, beside it)");
+  }
+  // ... or none where the checkpoint has no piece files.
+  const ShardedWeights* pieces_if_any() {
     namespace fs = std::filesystem;
     if (!pieces_) {
       const auto found = fs::directory_iterator(dir);
       if (std::none_of(fs::begin(found), fs::end(found),
                        [](const auto& entry) { return entry.path().extension() == ".safetensors"; }))
-        throw RuntimeError("missing " + missing_whole + " (and no sharded model's pieces, *.safetensors, beside it)");
+        return nullptr;
       pieces_.emplace(dir, files_);
     }
-    return *pieces_;
+    return &*pieces_;
   }
 
  private:

@@ -18,43 +18,23 @@
 // is the same on every process and is taken from the first file as saved.
 // Where this run does not shard a parameter, its state comes back whole, in
 // the parameter's shape.
+//
+// Across tensor-parallel layouts (another tp, or tp on one side only) a
+// process's optimizer file holds the state of its own pieces, which this
+// cut cannot place; there each tensor of the state comes instead from the
+// piece files, where every process wrote it placed in the whole tensor
+// under Python's names (Adam's, AdamW's and SGD's: checkpoint/shards.hpp):
+// this process reads its box of the whole (a tensor-parallel piece, or the
+// whole) and of that its range. The rest (step counts, the groups' options)
+// comes from the first file as saved.
 #pragma once
 
 #include "accel/training/checkpoint/files.hpp"
-#include "accel/training/checkpoint/prepared.hpp"
+#include "accel/training/checkpoint/optimizer_slots.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
-// A position of an optimizer's parameter list (group after group), as this
-// run holds it: the whole parameter and, where sharded, which piece of how
-// many elements this process keeps (piece -1: whole).
-struct OptimizerSlot {
-  at::Tensor whole;
-  int64_t piece = -1, length = 0;
-  // The elements [begin, end) of the flattened parameter this process keeps.
-  int64_t begin() const { return piece < 0 ? 0 : std::min(whole.numel(), piece * length); }
-  int64_t end() const { return piece < 0 ? whole.numel() : std::min(whole.numel(), begin() + length); }
-};
-
-inline std::vector<OptimizerSlot> optimizer_slots(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
-  std::map<const c10::TensorImpl*, OptimizerSlot> sharded;  // a shard -> its parameter and piece
-  for (const auto& m : set.models)
-    if (m.data_parallel && m.data_parallel->sharded())
-      for (const auto& p : m.module->parameters()) {
-        const at::Tensor shard = m.data_parallel->shard_of(p);
-        if (shard.defined())
-          sharded[shard.unsafeGetTensorImpl()] = {p, m.data_parallel->shard_group()->getRank(), shard.numel()};
-      }
-  std::vector<OptimizerSlot> slots;
-  for (const auto& group : optimizer.param_groups())
-    for (const auto& p : group.params()) {
-      const auto found = sharded.find(p.unsafeGetTensorImpl());
-      slots.push_back(found != sharded.end() ? found->second : OptimizerSlot{p, -1, p.numel()});
-    }
-  return slots;
-}
-
 // A checkpoint file read as an archive (checked and parsed by the caller),
 // with its path for errors.
 struct OpenedArchive {
@@ -134,7 +114,7 @@ using SavedFiles = std::vector<std::optional<SavedOptimizer>>;  // (by saved pie
 // this process's range out of the saved files that hold it; any other field
 // (a step count) as the first file has it.
 inline void reshard_state(SavedFiles& files, std::size_t position, const OptimizerSlot& slot, int64_t saved_shards,
-                          torch::serialize::OutputArchive& own) {
+                          torch::serialize::OutputArchive& own, const PlacedState* placed) {
   SavedOptimizer& first = *files[0];
   const int64_t n = slot.whole.numel(), stride = (n + saved_shards - 1) / saved_shards;
   torch::serialize::InputArchive& saved_state = *first.states[position];
@@ -142,6 +122,10 @@ inline void reshard_state(SavedFiles& files, std::size_t position, const Optimiz
     c10::IValue value;
     saved_state.read(field, value);
     const at::Tensor t = value.isTensor() ? value.toTensor() : at::Tensor();
+    if (placed && t.defined() && t.dim() > 0) {  // (across tensor-parallel layouts: placed in the whole)
+      own.write(field, placed->cut(slot, field, t, first.file));
+      continue;
+    }
     const bool whole = t.defined() && t.sizes() == slot.whole.sizes();
     const bool piece = t.defined() && saved_shards > 1 && t.dim() == 1 && t.numel() == stride && !whole;
     if (!whole && !piece) {  // the same on every process: as saved
@@ -172,7 +156,8 @@ inline void reshard_state(SavedFiles& files, std::size_t position, const Optimiz
 inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& optimizer, std::size_t g,
                                                      torch::serialize::InputArchive& saved_groups, SavedFiles& files,
                                                      const std::vector<OptimizerSlot>& slots, int64_t saved_shards,
-                                                     std::size_t& position, torch::serialize::OutputArchive& state) {
+                                                     std::size_t& position, torch::serialize::OutputArchive& state,
+                                                     const PlacedState* placed) {
   const SavedOptimizer& first = *files[0];
   torch::serialize::InputArchive saved_group, saved_options;
   saved_groups.read("param_groups/" + std::to_string(g), saved_group);
@@ -190,7 +175,7 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
     group.write("params/" + std::to_string(j), key);
     if (!first.states[position]) continue;  // no state yet (never stepped)
     torch::serialize::OutputArchive own(state.compilation_unit());
-    reshard_state(files, position, slots[position], saved_shards, own);
+    reshard_state(files, position, slots[position], saved_shards, own, placed);
     state.write(key.toStringRef(), own);
   }
   saved_group.read("options", saved_options);
@@ -206,14 +191,16 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
 // The saved state of optimizer `index` as this process's optimizer takes it
 // (an archive for Optimizer::load and load_group_options). `saved_shards`:
 // how many pieces the saving run cut each parameter into (1: whole, in
-// `open(0)`); `open(k)`: the file of the process that held piece k.
+// `open(0)`); `open(k)`: the file of the process that held piece k. With
+// `placed` (across tensor-parallel layouts) only the first file is read,
+// the tensors of the state from the piece files.
 inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
     const PreparedSet& set, std::size_t index, int64_t saved_shards, c10::Device device,
-    const std::function<OpenedArchive(int64_t)>& open) {
+    const std::function<OpenedArchive(int64_t)>& open, const PlacedState* placed = nullptr) {
   torch::optim::Optimizer& optimizer = *set.optimizers[index];
   const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
   SavedFiles files(static_cast<std::size_t>(saved_shards));
-  for (const int64_t k : pieces_needed(slots, saved_shards))
+  for (const int64_t k : placed ? std::set<int64_t>{0} : pieces_needed(slots, saved_shards))
     files[static_cast<std::size_t>(k)] = read_saved_optimizer(open(k), slots.size());
   SavedOptimizer& first = *files[0];
 
@@ -233,7 +220,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   std::size_t position = 0;
   for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
     torch::serialize::OutputArchive group =
-        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state);
+        reshard_group(optimizer, g, saved_groups, files, slots, saved_shards, position, state, placed);
     groups.write("param_groups/" + std::to_string(g), group);
   }
   if (position != slots.size())

@@ -11,12 +11,10 @@ namespace detail {
 // Prepared optimizer i: written whole by process 0, or under sharding or
 // tensor parallelism each process its own state; read as saved where this
 // run shards it the same way (or keeps it whole), else cut again from the
-// saved pieces, piece k in process k's file (checkpoint/reshard.hpp). The
-// state of tensor-parallel pieces loads in the layout that saved it only:
-// another is refused, naming both (the cut along mp_shard assumes whole
-// parameters; the Python-named boxes in the piece files would carry it to
-// any layout, for Adam, AdamW and SGD). It can refuse as it loads, and is
-// put back if any process refuses anything.
+// saved pieces, piece k in process k's file; across tensor-parallel
+// layouts from the state the piece files place in the whole tensors
+// (checkpoint/reshard.hpp). It can refuse as it loads, and is put back if
+// any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
   OptimizerItem(PreparedSet& set, const CheckpointContext& ctx, std::size_t i)
@@ -32,20 +30,22 @@ class OptimizerItem final : public CheckpointItem {
     const SavedLayout& saved = in.saved;
     file_ = (in.dir / name_).string();
     const bool same_processes = saved.processes == in.ctx.num_processes;
-    if ((saved.manifest.tp > 1 || in.ctx.tp > 1) &&
-        !(saved.manifest.tp == in.ctx.tp && saved.shards == in.ctx.shards && same_processes))
-      throw RuntimeError(file_ + ": the optimizer state of tensor-parallel pieces loads in the layout that saved it (" +
-                         std::to_string(saved.processes) + " processes, tp " + std::to_string(saved.manifest.tp) +
-                         ", " + std::to_string(saved.shards) + " shard(s)); this run has " +
-                         std::to_string(in.ctx.num_processes) + " processes, tp " + std::to_string(in.ctx.tp) + ", " +
-                         std::to_string(in.ctx.shards) +
-                         " shard(s). Resume in the saving layout; the model alone moves to any layout as whole tensors "
-                         "(save_model, then load_model)");
-    const bool as_saved = saved.shards == in.ctx.shards && (saved.shards == 1 || same_processes);
-    archive_ = as_saved ? in.read(name_) : resharded_optimizer(set_, i_, saved.shards, in.ctx.device, [&](int64_t k) {
-      const std::string name = file_names::optimizer(i_, saved.shards == 1 ? -1 : static_cast<int>(k));
-      return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
-    });
+    const bool tp = saved.manifest.tp > 1 || in.ctx.tp > 1;
+    const bool as_saved = saved.shards == in.ctx.shards && saved.manifest.tp == in.ctx.tp &&
+                          ((saved.shards == 1 && !tp) || same_processes);
+    if (as_saved) {
+      archive_ = in.read(name_);
+      return;
+    }
+    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1;  // (the saving run's files)
+    const PlacedState placed{tp ? in.pieces_if_any() : nullptr, i_};
+    archive_ = resharded_optimizer(
+        set_, i_, tp ? 1 : saved.shards, in.ctx.device,
+        [&](int64_t k) {
+          const std::string name = file_names::optimizer(i_, per_process ? static_cast<int>(k) : -1);
+          return OpenedArchive{(in.dir / name).string(), std::move(*in.read(name))};
+        },
+        tp ? &placed : nullptr);
   }
   void keep() override { snapshot_ = optimizer_snapshot(optimizer_); }
   void apply() override {
