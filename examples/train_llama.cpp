@@ -17,7 +17,7 @@
 //         --lr --warmup --clip --seed --corpus (a file or directory; default /usr/share/common-licenses)
 //         meshes --mp-replicate --mp-shard --dp --cp (default: everything along mp_shard and dp)
 //         --tp N (tensor parallelism, torchtitan's plan with sequence parallelism: llama::tp_plan; the model
-//         mesh's mp_shard shards the pieces: FSDP + TP)
+//         mesh's mp_shard shards the pieces: FSDP + TP; prints the collectives a step issues on the tp group)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -211,8 +211,8 @@ int train(Options o) {
   check(o, world);
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   llama::Llama model(o.model);
-  if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);  // HF's names are this model's names
-  if (!o.logits.empty()) {
+  if (!o.logits.empty()) {  // (one process: no Accelerator)
+    if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);
     write_logits(o, model);
     return 0;
   }
@@ -230,6 +230,8 @@ int train(Options o) {
   config.project_config.project_dir = o.dir;
   config.log_with = {"csv", "jsonl"};
   accel::Accelerator accelerator(config);  // (a mesh that does not fit the world is its error)
+  // Every process reads the whole model (HF's names are this model's names), before tp cuts it and prepare shards it.
+  if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);
   const accel::GroupPtr cp =
       o.cp > 1 ? accel::DistributedInterface::instance().get_group(accel::Dim::CP) : accel::GroupPtr();
   const int cp_rank = accelerator.context_parallel_rank();
@@ -277,9 +279,15 @@ int train(Options o) {
   int64_t steps_run = 0, micro_steps = 0;
   at::Tensor step_loss = at::zeros({});
   double last_loss = 0;
+  // Under tp, the collectives the run's second step issues on the tp group (forward, backward, clipping and the
+  // optimizer step; the first step is left out, it may set things up): what tensor parallelism costs per step.
+  const accel::GroupPtr tp_group =
+      o.tp > 1 ? accel::DistributedInterface::instance().get_group(accel::Dim::TP) : accel::GroupPtr();
+  int64_t tp_sequence = -1;
   while (step.value < o.steps) {
     for (auto& batch : loader) {
       auto sync = accelerator.accumulate(model);
+      if (tp_group && micro_steps == 0 && step.value == first + 1) tp_sequence = tp_group->getSequenceNumberForGroup();
       // This rank's slice of every sequence (cp), of this dp rank's sequences (the loader).
       const at::Tensor ids = batch.data.narrow(1, cp_rank * slice, slice).to(accelerator.device());
       const at::Tensor labels = batch.target.narrow(1, cp_rank * slice, slice).to(accelerator.device());
@@ -300,6 +308,9 @@ int train(Options o) {
       if (o.clip > 0) accelerator.clip_grad_norm_(model->parameters(), o.clip);
       optimizer.step();
       optimizer.zero_grad();
+      if (tp_sequence >= 0 && step.value == first + 1)
+        accel::print("train_llama: step", step.value + 1, "issued", tp_group->getSequenceNumberForGroup() - tp_sequence,
+                     "collectives on the tp group (forward, backward, clipping, optimizer step)");
       ++step.value;
       // The mean over every token of the step's micro-batches, on every process.
       last_loss = accelerator.reduce(step_loss / micro_steps, "mean").item<double>();

@@ -19,17 +19,22 @@ def fixed_input(seq):
     return torch.tensor([[SENTENCE[i % len(SENTENCE)] for i in range(seq)]], dtype=torch.long)
 
 
+def make(directory, seq):
+    """A randomly initialised LlamaForCausalLM (llama_check.sh's sizes) saved to directory."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq,
+                                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    print(f"llama_check: a LlamaForCausalLM initialised by transformers {transformers.__version__} in {directory}")
+
+
 def main():
     mode, directory, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "make":
-        torch.manual_seed(1)
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq,
-                                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
-        model = transformers.LlamaForCausalLM(config)
-        model.save_pretrained(directory)
-        print(f"llama_check: a LlamaForCausalLM initialised by transformers {transformers.__version__} in {directory}")
+        make(directory, seq)
         return
     model = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                           dtype=torch.float32)
