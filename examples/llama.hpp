@@ -123,6 +123,36 @@ inline at::Tensor to_sequence(const at::Tensor& x, const accel::GroupPtr& cp) {
   return out.permute({1, 2, 0, 3});
 }
 
+// Rotary angles' cos and sin for positions [first, first + count): [count, head_dim].
+inline std::pair<at::Tensor, at::Tensor> rotary(const Config& c, int64_t first, int64_t count, at::Device device) {
+  const int64_t d = c.head_dim();
+  const at::Tensor inv_freq = 1.0 / torch::pow(c.rope_theta, torch::arange(0, d, 2, torch::dtype(torch::kFloat)) / d);
+  const at::Tensor freqs = torch::outer(torch::arange(first, first + count, torch::dtype(torch::kFloat)), inv_freq);
+  const at::Tensor angles = torch::cat({freqs, freqs}, -1).to(device);
+  return {angles.cos(), angles.sin()};
+}
+
+// Causal grouped-query attention: q [B, h, T, d] for the positions after the `past` ones, k and v [B, hk, past +
+// T, d] for every position so far; each key/value head serves h / hk query heads (HF's repeat_kv). [B, T, h, d].
+inline at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, int64_t past) {
+  const int64_t h = q.size(1), hk = k.size(1), T = q.size(2);
+  k = k.repeat_interleave(h / hk, 1);
+  v = v.repeat_interleave(h / hk, 1);
+  at::Tensor scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(q.size(3)));
+  const at::Tensor future = torch::ones({T, k.size(2)}, torch::dtype(torch::kBool).device(q.device())).triu(past + 1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  const at::Tensor weights = torch::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
+  return torch::matmul(weights, v).transpose(1, 2);
+}
+
+// Greedy decoding's key/value cache: per layer, the rotated keys and the values of every position so far
+// ([B, hk, positions, d]; undefined before the first call).
+struct KVCache {
+  explicit KVCache(int64_t layers) : keys(layers), values(layers) {}
+  int64_t length() const { return keys.empty() || !keys[0].defined() ? 0 : keys[0].size(2); }
+  std::vector<at::Tensor> keys, values;
+};
+
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const Config& c)
       : heads(c.num_attention_heads),
@@ -140,20 +170,21 @@ struct AttentionImpl : torch::nn::Module {
                k = accel::unit_forward(k_proj, x).view({B, Tl, -1, head_dim}),
                v = accel::unit_forward(v_proj, x).view({B, Tl, -1, head_dim});
     if (cp) q = to_heads(q, cp), k = to_heads(k, cp), v = to_heads(v, cp);
-    const int64_t T = q.size(1), h = q.size(2), hk = k.size(2);
-    q = rotate(q, cos, sin);  // [B, h, T, d]
-    k = rotate(k, cos, sin);
-    v = v.transpose(1, 2);
-    // Grouped-query attention: each key/value head serves h / hk query heads (HF's repeat_kv).
-    k = k.repeat_interleave(h / hk, 1);
-    v = v.repeat_interleave(h / hk, 1);
-    at::Tensor scores = torch::matmul(q, k.transpose(2, 3)) / std::sqrt(static_cast<double>(head_dim));
-    const at::Tensor future = torch::ones({T, T}, torch::dtype(torch::kBool).device(x.device())).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-    const at::Tensor weights = torch::softmax(scores.to(at::kFloat), -1).to(q.scalar_type());
-    at::Tensor out = torch::matmul(weights, v).transpose(1, 2);  // [B, T, h, d]
-    if (cp) out = to_sequence(out.contiguous(), cp);             // [B, T/cp, heads (/ tp), d]
+    at::Tensor out = attend(rotate(q, cos, sin), rotate(k, cos, sin), v.transpose(1, 2), 0);  // [B, T, h, d]
+    if (cp) out = to_sequence(out.contiguous(), cp);  // [B, T/cp, heads (/ tp), d]
     return accel::unit_forward(o_proj, out.reshape({B, Tl, -1}));
+  }
+  // Decoding (one process, the whole model): x [B, T, hidden] the positions after the cached ones (cos, sin
+  // theirs); their keys and values join the cache.
+  at::Tensor decode(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                    at::Tensor& values) {
+    const int64_t B = x.size(0), T = x.size(1), past = keys.defined() ? keys.size(2) : 0;
+    const at::Tensor k = rotate(k_proj(x).view({B, T, kv_heads, head_dim}), cos, sin),
+                     v = v_proj(x).view({B, T, kv_heads, head_dim}).transpose(1, 2);
+    keys = past ? torch::cat({keys, k}, 2) : k;
+    values = past ? torch::cat({values, v}, 2) : v;
+    const at::Tensor q = rotate(q_proj(x).view({B, T, heads, head_dim}), cos, sin);
+    return o_proj(attend(q, keys, values, past).reshape({B, T, -1}));
   }
   int64_t heads, kv_heads, head_dim;
   torch::nn::Linear q_proj, k_proj, v_proj, o_proj;
@@ -182,6 +213,11 @@ struct DecoderLayerImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, accel::GroupPtr cp) {
     const at::Tensor h = x + accel::unit_forward(self_attn, accel::unit_forward(input_layernorm, x), cos, sin, cp);
     return h + accel::unit_forward(mlp, accel::unit_forward(post_attention_layernorm, h));
+  }
+  at::Tensor decode(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
+                    at::Tensor& values) {
+    const at::Tensor h = x + self_attn->decode(input_layernorm(x), cos, sin, keys, values);
+    return h + mlp(post_attention_layernorm(h));
   }
   Attention self_attn;
   Mlp mlp;
@@ -218,13 +254,10 @@ struct LlamaImpl : torch::nn::Module {  // HF's LlamaForCausalLM
   // accel::unit_forward (FULL_SHARD's units) and, with `recompute`, each
   // layer through accel::checkpoint.
   at::Tensor forward(const at::Tensor& ids, const accel::GroupPtr& cp = {}, bool recompute = false) {
-    const int64_t P = cp ? cp->getSize() : 1, T = ids.size(1) * P, d = config.head_dim();
+    const int64_t P = cp ? cp->getSize() : 1;
     // Rotary angles for every position of the whole sequence (positions are global: rank r's slice starts at r*T/P).
-    const at::Tensor inv_freq =
-        1.0 / torch::pow(config.rope_theta, torch::arange(0, d, 2, torch::dtype(torch::kFloat)) / d);
-    const at::Tensor freqs = torch::outer(torch::arange(T, torch::dtype(torch::kFloat)), inv_freq);
-    const at::Tensor angles = torch::cat({freqs, freqs}, -1).to(ids.device());
-    const at::Tensor cos = angles.cos(), sin = angles.sin();
+    const auto [cos_all, sin_all] = rotary(config, 0, ids.size(1) * P, ids.device());
+    const at::Tensor cos = cos_all, sin = sin_all;  // (plain names: a lambda below captures them)
     at::Tensor h = accel::unit_forward(model->embed_tokens, ids);
     for (const auto& layer : *model->layers) {
       DecoderLayer block(std::dynamic_pointer_cast<DecoderLayerImpl>(layer));
@@ -234,6 +267,25 @@ struct LlamaImpl : torch::nn::Module {  // HF's LlamaForCausalLM
       h = recompute ? accel::checkpoint(run, h) : run(h);
     }
     return accel::unit_forward(lm_head, accel::unit_forward(model->norm, h));
+  }
+  // Greedy decoding (one process, the model neither prepared nor parallelized): the `count` tokens that follow
+  // `prompt` ([1, P]), each the most likely after the ones before; the prompt's keys and values computed once,
+  // then one position per step against the cache (transformers' generate(do_sample=False)).
+  std::vector<int64_t> generate(const at::Tensor& prompt, int64_t count) {
+    torch::NoGradGuard no_grad;
+    KVCache cache(config.num_hidden_layers);
+    std::vector<int64_t> out;
+    at::Tensor next = prompt;
+    while (static_cast<int64_t>(out.size()) < count) {
+      const auto [cos, sin] = rotary(config, cache.length(), next.size(1), next.device());
+      at::Tensor h = model->embed_tokens(next);
+      for (size_t i = 0; i < model->layers->size(); ++i)
+        h = model->layers[i]->as<DecoderLayerImpl>()->decode(h, cos, sin, cache.keys[i], cache.values[i]);
+      const at::Tensor logits = lm_head(model->norm(h.narrow(1, -1, 1)));  // the last position's
+      out.push_back(logits.argmax(-1).item<int64_t>());
+      next = torch::full({1, 1}, out.back(), torch::dtype(torch::kLong).device(prompt.device()));
+    }
+    return out;
   }
   Config config;
   Body model;
@@ -255,8 +307,8 @@ inline std::map<std::string, accel::tp::ParallelStyle> tp_plan() {
   return {
       {"model.embed_tokens", RowwiseParallel{.input_layouts = Replicate{}, .output_layouts = Shard{1}}},
       {"model.layers.*.input_layernorm", SequenceParallel{}},
-      {"model.layers.*.self_attn", PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt},
-                                                      {Replicate{}, std::nullopt, std::nullopt}}},
+      {"model.layers.*.self_attn",
+       PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt}, {Replicate{}, std::nullopt, std::nullopt}}},
       {"model.layers.*.self_attn.q_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.k_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.v_proj", ColwiseParallel{}},

@@ -23,6 +23,8 @@
 //         --recompute (activation checkpointing per decoder layer)
 //         --dir DIR (checkpoints and logs; default train_llama_run) --save-every N --resume --stop-after N
 //         --export DIR --import DIR --logits FILE (write the logits of a fixed input and stop)
+//         --generate PROMPT (greedy decoding with a key/value cache: print what follows PROMPT, its bytes the
+//         tokens, and stop) --max-new-tokens N (default 32)
 #include "llama.hpp"
 
 #include <chrono>
@@ -39,7 +41,8 @@ struct Options {
   int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1, tp = 1;
   accel::ShardingStrategy sharding = accel::ShardingStrategy::FULL_SHARD;
   std::string mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run", export_dir,
-              import_dir, logits;
+              import_dir, logits, generate;
+  int64_t max_new_tokens = 32;
   bool recompute = false, resume = false;
 };
 
@@ -85,6 +88,10 @@ Options parse(int argc, char** argv) {
     else if (arg == "--export") o.export_dir = value();
     else if (arg == "--import") o.import_dir = value();
     else if (arg == "--logits") o.logits = value();
+    else if (arg == "--generate") {
+      o.generate = value();
+      if (o.generate.empty()) throw std::invalid_argument("--generate needs a prompt (its bytes are the tokens)");
+    } else if (arg == "--max-new-tokens") o.max_new_tokens = integer();
     else throw std::invalid_argument("unknown flag " + arg);
   }
   o.model.max_position_embeddings = std::max(o.model.max_position_embeddings, o.seq);
@@ -199,6 +206,24 @@ void write_logits(const Options& o, llama::Llama& model) {
               static_cast<long long>(o.model.vocab_size), o.logits.c_str());
 }
 
+// Greedy decoding from o.generate's bytes: the continuation as text (bytes outside printable ASCII as \xNN) and
+// as token ids.
+void write_generated(const Options& o, llama::Llama& model) {
+  if (o.max_new_tokens < 1) throw std::invalid_argument("train_llama: --max-new-tokens must be at least 1");
+  std::vector<int64_t> prompt;
+  for (const char c : o.generate) prompt.push_back(static_cast<unsigned char>(c));
+  model->eval();
+  const std::vector<int64_t> ids = model->generate(torch::tensor(prompt).view({1, -1}), o.max_new_tokens);
+  std::string text, numbers;
+  for (const int64_t id : ids) {
+    char escaped[8];
+    std::snprintf(escaped, sizeof escaped, "\\x%02x", static_cast<unsigned>(id));
+    text += id >= 32 && id < 127 && id != '\\' ? std::string(1, static_cast<char>(id)) : std::string(escaped);
+    numbers += (numbers.empty() ? "" : " ") + std::to_string(id);
+  }
+  std::printf("train_llama: %s|%s\ntrain_llama: generated ids %s\n", o.generate.c_str(), text.c_str(), numbers.c_str());
+}
+
 int train(Options o) {
   const int world = accel::get_world_size();  // (the launch environment; 1 without a launcher)
   if (!o.import_dir.empty()) {
@@ -211,9 +236,10 @@ int train(Options o) {
   check(o, world);
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   llama::Llama model(o.model);
-  if (!o.logits.empty()) {  // (one process: no Accelerator)
+  if (!o.logits.empty() || !o.generate.empty()) {  // (one process: no Accelerator)
     if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);
-    write_logits(o, model);
+    if (!o.logits.empty()) write_logits(o, model);
+    if (!o.generate.empty()) write_generated(o, model);
     return 0;
   }
 

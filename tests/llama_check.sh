@@ -14,7 +14,8 @@
 #  3. bad configurations stop before any step, with their reason;
 #  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported models (HSDP's, and
 #     FSDP + TP's) and gives the C++ model's logits, and a model initialised by transformers, imported into C++,
-#     gives transformers' logits.
+#     gives transformers' logits, and greedy decoding of 32 tokens (--generate, a key/value cache) gives the tokens
+#     transformers' generate(do_sample=False) gives.
 #     Skipped, saying so, where Python has no transformers.
 #     bash tests/llama_check.sh ACCEL_LAUNCH TRAIN_LLAMA DIR
 set -euo pipefail
@@ -128,5 +129,10 @@ python3 "$here/python_ref/llama_check.py" compare "$dir/straight/model" 32 "$dir
 "$train" --seq 32 --import "$dir/tp2_dp2_recompute/model" --logits "$dir/tp2_dp2_recompute/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/tp2_dp2_recompute/model" 32 "$dir/tp2_dp2_recompute/logits.bin"
 python3 "$here/python_ref/llama_check.py" make "$dir/python" 32
+# (and greedy decoding from it: transformers' tokens. Its random weights give varied tokens, so every step of the
+# cache counts; 8 steps of training here give spaces only. The smallest margin between the best two logits is
+# printed: 1e-3 here, against differences of about 1e-7 between the two libraries' logits.)
+"$train" --import "$dir/python" --generate "The quick brown " --max-new-tokens 32 | tee "$dir/generated.log"
+python3 "$here/python_ref/llama_check.py" generate "$dir/python" "The quick brown " 32 "$dir/generated.log"
 "$train" --seq 32 --import "$dir/python" --logits "$dir/python/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/python" 32 "$dir/python/logits.bin"

@@ -4,6 +4,9 @@
     llama_check.py compare DIR SEQ LOGITS
                                     the model in DIR (written by C++ or by `make`) loaded by transformers; its
                                     logits on train_llama's fixed input must equal LOGITS (float32, [1, SEQ, V])
+    llama_check.py generate DIR PROMPT N LOG
+                                    transformers' greedy generate(do_sample=False) of N tokens after PROMPT's bytes
+                                    with the model in DIR must give the ids train_llama --generate printed in LOG
 """
 import sys
 
@@ -31,8 +34,30 @@ def make(directory, seq):
     print(f"llama_check: a LlamaForCausalLM initialised by transformers {transformers.__version__} in {directory}")
 
 
+def generate(directory, prompt, count, log):
+    model = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                          dtype=torch.float32).eval()
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=count, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    expected = out.sequences[0, ids.shape[1]:].tolist()
+    # The smallest gap between the chosen token's score and the next best: how close a step came to a tie.
+    margin = min(float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores)
+    got = [int(v) for line in open(log) if "generated ids" in line for v in line.split("generated ids")[1].split()]
+    print(f"llama_check: transformers' greedy generate of {count} tokens after {prompt!r}: "
+          f"{bytes(expected)!r}; C++ {'the same' if got == expected else bytes(got)!r} "
+          f"(smallest margin between the best two logits {margin:.3g})")
+    if got != expected:
+        sys.exit(1)
+
+
 def main():
-    mode, directory, seq = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    mode, directory = sys.argv[1], sys.argv[2]
+    if mode == "generate":
+        generate(directory, sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        return
+    seq = int(sys.argv[3])
     if mode == "make":
         make(directory, seq)
         return
