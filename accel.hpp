@@ -14786,6 +14786,21 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
+// Whether dir holds safetensors files and each places its tensors with
+// DCP_SHARDING_INFO: pieces, as accel's sharded checkpoints and Python's
+// dcp.save through HuggingFaceStorageWriter write them.
+inline bool holds_dcp_pieces(const fs::path& dir) {
+  bool any = false;
+  if (!fs::is_directory(dir)) return false;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    if (!in || !read_safetensors_header(in, entry.path()).metadata.count("DCP_SHARDING_INFO")) return false;
+    any = true;
+  }
+  return any;
+}
+
 // A sharded model's files in a checkpoint, read and checked (see checkpoint/shards.hpp's top):
 // those its manifest lists (`checked`), each checked against its digest
 // before its data is read; without records (a checkpoint of the first
@@ -14818,6 +14833,16 @@ class ShardedWeights {
 
   // Whether the files hold tensor `name` (model or optimizer state).
   bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Every tensor whole, on the CPU, by name.
+  std::map<std::string, at::Tensor> read_all() const {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& [name, whole] : tensors_) {
+      const int64_t n = std::accumulate(whole.shape.begin(), whole.shape.end(), int64_t{1}, std::multiplies<>());
+      out.emplace(name, read(name, 0, n).view(whole.shape));
+    }
+    return out;
+  }
 
   // Elements [begin, begin + length) of tensor `name` flattened, on the
   // CPU; or, given `origin`, of the box of `sizes` there in it (a
@@ -15937,6 +15962,12 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
+  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && holds_dcp_pieces(dir))
+    throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
+                       file_names::manifest +
+                       ": not a save_state checkpoint. Its weights load with load_model "
+                       "(Accelerator::load_model for a prepared model); the optimizer's state that writer stores "
+                       "Python's own reader does not read back (torch 2.15), so it has none for us either");
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");
@@ -16320,9 +16351,24 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
 }
 
 namespace detail {
+// The whole tensors of a directory Python's dcp.save wrote through
+// HuggingFaceStorageWriter without consolidating: each rank's pieces in a
+// safetensors file of its own (shard-<rank>-model-<k>-of-<n>.safetensors),
+// each piece placed in its whole tensor by the header's DCP_SHARDING_INFO,
+// and no model.safetensors or index. Read as accel's own sharded
+// checkpoints are (ShardedWeights: the pieces must tile every tensor);
+// nullopt where the directory has no safetensors files or one lacks
+// DCP_SHARDING_INFO (then it is not such a directory).
+inline std::optional<std::map<std::string, at::Tensor>> read_dcp_pieces(const std::filesystem::path& dir) {
+  if (!holds_dcp_pieces(dir)) return std::nullopt;
+  CheckpointFiles unchecked(dir, CheckpointManifest{.format = 1});  // (Python records no digests)
+  return ShardedWeights(dir, unchecked).read_all();
+}
+
 // Every tensor of a safetensors model directory (one file, or shards and an
-// index, as save_model and Hugging Face write it), by name; `where` gets
-// the file that names them, for errors.
+// index, as save_model and Hugging Face write it; or the pieces of Python's
+// dcp.save, read_dcp_pieces), by name; `where` gets the file that names
+// them, for errors.
 inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
   namespace fs = std::filesystem;
   std::map<std::string, at::Tensor> loaded;
@@ -16340,6 +16386,14 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
   const fs::path index_file = path / file_names::weights_index;
   where = (path / file_names::weights).string();
   if (!fs::exists(index_file)) {
+    if (!fs::exists(path / file_names::weights))
+      if (auto pieces = read_dcp_pieces(path)) {
+        // (their whole shapes are where the pieces reach: a rank's file missing can leave a tensor short)
+        where = path.string() +
+                " (the pieces Python's dcp.save wrote; a tensor smaller there than in the model may "
+                "be a file missing)";
+        return std::move(*pieces);
+      }
     take(path / file_names::weights, nullptr);
     return loaded;
   }
@@ -16421,8 +16475,9 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 }  // namespace detail
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
-// save_pretrained / save_model, sharded or not) into the model, on every
-// process. options.adapter's from_file renames and transforms the file's
+// save_pretrained / save_model, sharded or not; dcp.save through
+// HuggingFaceStorageWriter, consolidated or not, by any number of
+// processes) into the model, on every process. options.adapter's from_file renames and transforms the file's
 // tensors first (the inverse of save_model's to_file). Everything is read
 // and checked before anything is copied: each of the model's parameters
 // and buffers must be there with its dtype and shape (a tied one under one

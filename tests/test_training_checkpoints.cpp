@@ -213,12 +213,15 @@ TEST_SUITE("ranks") {
         flip_bit(d / target, pieces ? size - 3 : size / 2);
       });
       CHECK(what.find("accel::Accelerator::load_state: ") == 0);
-      CHECK(what.find(dir.string() + "_0/" + target + " is damaged or is not this checkpoint's: ") != std::string::npos);
-      // The same file of the run's other checkpoint.
-      what = refused([&](const fs::path& d) { fs::copy_file(fs::path(other) / target, d / target, fs::copy_options::overwrite_existing); });
-      CHECK(what.find(dir.string() + "_1/" + target +
-                      (pieces ? " is a piece of another checkpoint (its id " : " is damaged or is not this checkpoint's")) !=
+      CHECK(what.find(dir.string() + "_0/" + target + " is damaged or is not this checkpoint's: ") !=
             std::string::npos);
+      // The same file of the run's other checkpoint.
+      what = refused([&](const fs::path& d) {
+        fs::copy_file(fs::path(other) / target, d / target, fs::copy_options::overwrite_existing);
+      });
+      CHECK(what.find(dir.string() + "_1/" + target +
+                      (pieces ? " is a piece of another checkpoint (its id "
+                              : " is damaged or is not this checkpoint's")) != std::string::npos);
       // A bit of the manifest: no complete checkpoint (its own hash).
       what = refused([&](const fs::path& d) { flip_bit(d / "accel_checkpoint.txt", 30); });
       CHECK(what.find("no complete checkpoint: " + dir.string() + "_2/accel_checkpoint.txt") != std::string::npos);
@@ -674,7 +677,8 @@ TEST_SUITE("single") {
       CHECK(accel::detail::xxh64(text.data(), text.size()) == expected);
       for (std::size_t piece = 1; piece <= 40; ++piece) {
         accel::detail::Xxh64 h;
-        for (std::size_t at = 0; at < text.size(); at += piece) h.update(text.data() + at, std::min(piece, text.size() - at));
+        for (std::size_t at = 0; at < text.size(); at += piece)
+          h.update(text.data() + at, std::min(piece, text.size() - at));
         CHECK(h.digest() == expected);
       }
     }
@@ -850,7 +854,8 @@ TEST_SUITE("single") {
     using accel::detail::boxes_of_range;
     auto describe = [](const std::vector<accel::detail::TensorBox>& boxes) {
       std::string out;
-      for (const auto& b : boxes) out += c10::str(at::IntArrayRef(b.offsets), at::IntArrayRef(b.sizes), "@", b.begin, " ");
+      for (const auto& b : boxes)
+        out += c10::str(at::IntArrayRef(b.offsets), at::IntArrayRef(b.sizes), "@", b.begin, " ");
       return out;
     };
     // A partial first row, the whole rows, a partial last row (2d-1 boxes at most), each a contiguous run.
@@ -879,9 +884,9 @@ TEST_SUITE("single") {
           tensors.emplace_back("b", bias);
           info += ",\"b\":{\"saved_offsets\":[0]}";
         }
-        accel::detail::write_safetensors(dir / ("rank-" + std::to_string(process) + "-part-" + std::to_string(j++) +
-                                                ".safetensors"),
-                                         tensors, {{"DCP_SHARDING_INFO", info + "}"}});
+        accel::detail::write_safetensors(
+            dir / ("rank-" + std::to_string(process) + "-part-" + std::to_string(j++) + ".safetensors"), tensors,
+            {{"DCP_SHARDING_INFO", info + "}"}});
       }
     };
     for (int k = 0; k < 3; ++k) write_piece(k, 12 * k, std::min<int64_t>(12 * (k + 1), 35));
@@ -900,8 +905,9 @@ TEST_SUITE("single") {
       }
       return std::string();
     };
-    CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3})}}); })
-              .find("b is Double[3] there, Float[3] in the model") != std::string::npos);
+    CHECK(refused([&] {
+            weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3})}});
+          }).find("b is Double[3] there, Float[3] in the model") != std::string::npos);
     CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}}); }).find("not in the model: b") !=
           std::string::npos);
     fs::remove(dir / "rank-1-part-1.safetensors");
@@ -968,6 +974,41 @@ TEST_SUITE("single") {
     Net from_shards = seeded_net(5);
     accelerator.load_model(from_shards, (base / "net").string());
     CHECK(same_state(*saved, *from_shards));
+    {  // Python's dcp.save through HuggingFaceStorageWriter, not consolidated: each rank's pieces in a file of its
+       // own, placed by DCP_SHARDING_INFO, no model.safetensors or index (written here as torch 2.15 writes them:
+       // the first rows of each tensor in one file, the rest in the other; a scalar in the first)
+      fs::create_directories(base / "dcp");
+      for (int rank = 0; rank < 2; ++rank) {
+        std::vector<std::pair<std::string, at::Tensor>> pieces;
+        std::string places;
+        for (const auto& [name, t] : accel::detail::state_dict(*saved)) {
+          if (t.dim() == 0 && rank == 1) continue;
+          const int64_t half = t.dim() == 0 ? 0 : t.size(0) / 2, first = rank == 0 ? 0 : half;
+          const at::Tensor piece = t.dim() == 0 ? t : t.narrow(0, first, rank == 0 ? half : t.size(0) - half);
+          pieces.emplace_back(name, piece.contiguous());
+          std::string offsets = t.dim() == 0 ? "" : std::to_string(first);
+          for (int64_t d = 1; d < t.dim(); ++d) offsets += ", 0";
+          places += (places.empty() ? "" : ", ") + ("\"" + name + "\": {\"saved_offsets\": [" + offsets + "]}");
+        }
+        accel::detail::write_safetensors(
+            base / "dcp" / ("shard-0000" + std::to_string(rank + 1) + "-model-00001-of-00001.safetensors"), pieces,
+            {{"DCP_VERSION", "1.0"}, {"format", "pt"}, {"DCP_SHARDING_INFO", "{" + places + "}"}});
+      }
+      Net from_pieces = seeded_net(7);
+      accelerator.load_model(from_pieces, (base / "dcp").string());
+      CHECK(same_state(*saved, *from_pieces));
+      // load_state says what the directory is and what reads it
+      CHECK_THROWS_WITH_AS(accelerator.load_state((base / "dcp").string()),
+                           doctest::Contains("holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no "
+                                             "accel_checkpoint.txt: not a save_state checkpoint. Its weights load "
+                                             "with load_model"),
+                           accel::RuntimeError);
+      fs::remove(base / "dcp" / "shard-00002-model-00001-of-00001.safetensors");  // a rank's file missing
+      Net short_of_one = seeded_net(7);
+      const std::string what = what_of([&] { accelerator.load_model(short_of_one, (base / "dcp").string()); });
+      CHECK(what.find("may be a file missing) does not fit the model: body.0.weight is Float[4, 4] there, "
+                      "Float[8, 4] in the model") != std::string::npos);
+    }
     accelerator.save_model(saved, (base / "net").string());  // one file again: the shards and index go
     std::size_t files = 0;
     for ([[maybe_unused]] const auto& entry : fs::directory_iterator(base / "net")) ++files;
@@ -1110,13 +1151,13 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       accel::DataParallel* dp = accelerator.data_parallel(model);
       for (const auto& [name, p] : accel::detail::state_dict(*model)) {
         const at::Tensor shard = dp->shard_of(p);
-        const auto* state = dynamic_cast<const torch::optim::AdamParamState*>(
-            accel::detail::state_for(*optimizer, shard));
+        const auto* state =
+            dynamic_cast<const torch::optim::AdamParamState*>(accel::detail::state_for(*optimizer, shard));
         REQUIRE(state != nullptr);
         for (const auto& [key, value] : {std::pair{"exp_avg", state->exp_avg()}, {"exp_avg_sq", state->exp_avg_sq()}})
-          out.emplace_back("optimizer.state." + name + "." + key,
-                           accel::all_gather(value, dp->shard_group()).reshape({-1}).narrow(0, 0, p.numel()).view(
-                               p.sizes()));
+          out.emplace_back(
+              "optimizer.state." + name + "." + key,
+              accel::all_gather(value, dp->shard_group()).reshape({-1}).narrow(0, 0, p.numel()).view(p.sizes()));
         out.emplace_back("optimizer.state." + name + ".step",
                          at::scalar_tensor(static_cast<double>(state->step()), at::kFloat));
       }
@@ -1172,7 +1213,8 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
         accelerator.save_model(run.model, (dir / "whole").string());  // (gathered: for Python's DCP to match)
         if (accelerator.data_parallel(run.model)->sharded()) {
           const auto state = run.whole_optimizer_state();
-          if (accelerator.is_main_process()) accel::detail::write_safetensors(dir / "whole" / "optimizer.safetensors", state);
+          if (accelerator.is_main_process())
+            accel::detail::write_safetensors(dir / "whole" / "optimizer.safetensors", state);
         }
         expect["params"] = run.parameters().clone();
         expect["rng"] = accel::all_gather(torch::rand({4}));  // each process's next draw

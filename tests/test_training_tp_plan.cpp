@@ -678,8 +678,37 @@ void train_plan_as_python(const std::string& dir, const std::string& mode) {
     });
     // Each process's shards of its pieces, for Python's DCP to load into its own placement (tp_ref.py dcp).
     accelerator.save_state(dir + "/cpp_" + mode + "_" + std::to_string(accel::get_world_size()) + "_checkpoint");
-    const auto full = accelerator.data_parallel(model)->summon_full_params();
-    run.write(mode, *model, group);
+    {
+      const auto full = accelerator.data_parallel(model)->summon_full_params();
+      run.write(mode, *model, group);
+    }
+    // Python's own checkpoint of its run (dcp.save through HuggingFaceStorageWriter: each rank's pieces of its
+    // 2-D DTensors, no index; and consolidated): load_model reads it into this layout, and both into a whole model
+    // on every process, Python's trained parameters exactly; load_state refuses it, saying what it is.
+    const std::string world = std::to_string(accel::get_world_size()),
+                      python_dcp = dir + "/py_fsdp_tp_sp_" + world + "_dcp";
+    std::map<std::string, at::Tensor> python;
+    for (auto& named : accel::detail::read_safetensors(dir + "/py_fsdp_tp_sp_" + world + ".safetensors"))
+      python.insert(named);
+    accelerator.load_model(model, python_dcp);
+    {
+      const auto full = accelerator.data_parallel(model)->summon_full_params();
+      for (const auto& [name, p] : by_name(*model)) {
+        CAPTURE(name);
+        CHECK(at::equal(whole_of(name, p, group), python.at(name)));
+      }
+    }
+    for (const std::string& saved : {python_dcp, python_dcp + "_consolidated"}) {  // (one file and an index)
+      Model whole = fresh_model(1);
+      accel::load_model(whole, saved);
+      for (const auto& [name, p] : by_name(*whole)) {
+        CAPTURE(saved);
+        CAPTURE(name);
+        CHECK(at::equal(p, python.at(name)));
+      }
+    }
+    CHECK_THROWS_WITH_AS(accelerator.load_state(python_dcp), doctest::Contains("holds the pieces of Python's dcp.save"),
+                         std::runtime_error);
     d.barrier();
   }
   release_world();

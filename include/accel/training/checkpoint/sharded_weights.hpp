@@ -17,6 +17,21 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail {
+// Whether dir holds safetensors files and each places its tensors with
+// DCP_SHARDING_INFO: pieces, as accel's sharded checkpoints and Python's
+// dcp.save through HuggingFaceStorageWriter write them.
+inline bool holds_dcp_pieces(const fs::path& dir) {
+  bool any = false;
+  if (!fs::is_directory(dir)) return false;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    if (!in || !read_safetensors_header(in, entry.path()).metadata.count("DCP_SHARDING_INFO")) return false;
+    any = true;
+  }
+  return any;
+}
+
 // A sharded model's files in a checkpoint, read and checked (see checkpoint/shards.hpp's top):
 // those its manifest lists (`checked`), each checked against its digest
 // before its data is read; without records (a checkpoint of the first
@@ -49,6 +64,16 @@ class ShardedWeights {
 
   // Whether the files hold tensor `name` (model or optimizer state).
   bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Every tensor whole, on the CPU, by name.
+  std::map<std::string, at::Tensor> read_all() const {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& [name, whole] : tensors_) {
+      const int64_t n = std::accumulate(whole.shape.begin(), whole.shape.end(), int64_t{1}, std::multiplies<>());
+      out.emplace(name, read(name, 0, n).view(whole.shape));
+    }
+    return out;
+  }
 
   // Elements [begin, begin + length) of tensor `name` flattened, on the
   // CPU; or, given `origin`, of the box of `sizes` there in it (a

@@ -121,6 +121,12 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
+  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && holds_dcp_pieces(dir))
+    throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
+                       file_names::manifest +
+                       ": not a save_state checkpoint. Its weights load with load_model "
+                       "(Accelerator::load_model for a prepared model); the optimizer's state that writer stores "
+                       "Python's own reader does not read back (torch 2.15), so it has none for us either");
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");

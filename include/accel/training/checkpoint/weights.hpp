@@ -6,6 +6,7 @@
 #pragma once
 
 #include "accel/training/checkpoint/files.hpp"
+#include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/io/safetensors.hpp"
 #include "accel/training/tp/pieces.hpp"
 
@@ -227,9 +228,24 @@ void save_model(ModuleHolder& model, const std::string& dir, uint64_t max_shard_
 }
 
 namespace detail {
+// The whole tensors of a directory Python's dcp.save wrote through
+// HuggingFaceStorageWriter without consolidating: each rank's pieces in a
+// safetensors file of its own (shard-<rank>-model-<k>-of-<n>.safetensors),
+// each piece placed in its whole tensor by the header's DCP_SHARDING_INFO,
+// and no model.safetensors or index. Read as accel's own sharded
+// checkpoints are (ShardedWeights: the pieces must tile every tensor);
+// nullopt where the directory has no safetensors files or one lacks
+// DCP_SHARDING_INFO (then it is not such a directory).
+inline std::optional<std::map<std::string, at::Tensor>> read_dcp_pieces(const std::filesystem::path& dir) {
+  if (!holds_dcp_pieces(dir)) return std::nullopt;
+  CheckpointFiles unchecked(dir, CheckpointManifest{.format = 1});  // (Python records no digests)
+  return ShardedWeights(dir, unchecked).read_all();
+}
+
 // Every tensor of a safetensors model directory (one file, or shards and an
-// index, as save_model and Hugging Face write it), by name; `where` gets
-// the file that names them, for errors.
+// index, as save_model and Hugging Face write it; or the pieces of Python's
+// dcp.save, read_dcp_pieces), by name; `where` gets the file that names
+// them, for errors.
 inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
   namespace fs = std::filesystem;
   std::map<std::string, at::Tensor> loaded;
@@ -247,6 +263,14 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
   const fs::path index_file = path / file_names::weights_index;
   where = (path / file_names::weights).string();
   if (!fs::exists(index_file)) {
+    if (!fs::exists(path / file_names::weights))
+      if (auto pieces = read_dcp_pieces(path)) {
+        // (their whole shapes are where the pieces reach: a rank's file missing can leave a tensor short)
+        where = path.string() +
+                " (the pieces Python's dcp.save wrote; a tensor smaller there than in the model may "
+                "be a file missing)";
+        return std::move(*pieces);
+      }
     take(path / file_names::weights, nullptr);
     return loaded;
   }
@@ -328,8 +352,9 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 }  // namespace detail
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
-// save_pretrained / save_model, sharded or not) into the model, on every
-// process. options.adapter's from_file renames and transforms the file's
+// save_pretrained / save_model, sharded or not; dcp.save through
+// HuggingFaceStorageWriter, consolidated or not, by any number of
+// processes) into the model, on every process. options.adapter's from_file renames and transforms the file's
 // tensors first (the inverse of save_model's to_file). Everything is read
 // and checked before anything is copied: each of the model's parameters
 // and buffers must be there with its dtype and shape (a tied one under one
