@@ -16477,12 +16477,12 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 // Reads weights written by save_model or by Python (safetensors' save_file,
 // save_pretrained / save_model, sharded or not; dcp.save through
 // HuggingFaceStorageWriter, consolidated or not, by any number of
-// processes) into the model, on every process. options.adapter's from_file renames and transforms the file's
-// tensors first (the inverse of save_model's to_file). Everything is read
-// and checked before anything is copied: each of the model's parameters
-// and buffers must be there with its dtype and shape (a tied one under one
-// of its names at least), and nothing else; otherwise every process
-// throws, naming the file and the tensors. A tensor-parallel piece
+// processes) into the model, on every process. options.adapter's from_file
+// renames and transforms the file's tensors first (the inverse of
+// save_model's to_file). Everything is read and checked before anything is
+// copied: each of the model's parameters and buffers must be there with its
+// dtype and shape (a tied one under one of its names at least), and nothing
+// else; otherwise every process throws, naming the file and the tensors. A tensor-parallel piece
 // (accel::tp layers, a plan) takes its piece of the whole tensor the file
 // holds. A sharded model: Accelerator::load_model.
 template <class ModuleHolder>
