@@ -3,8 +3,8 @@
 #  1. on 4 processes with the model mesh (2, 2) (HSDP) and the data mesh (dp 2, cp 2), with (dp 4), with
 #     (dp 1, cp 4) (FULL_SHARD along 4), and with tensor parallelism (torchtitan's plan, sequence parallelism
 #     included): tp 2 x dp 2 under FULL_SHARD along mp_shard 2 (FSDP + TP) with activation checkpointing, and
-#     under NO_SHARD, tp 4, tp 2 x cp 2 (Ulysses on tp's heads, FSDP + TP), the loss of every step equals one
-#     process's on the same global batches (within LOSS_TOLERANCE,
+#     under NO_SHARD, tp 4, tp 2 x cp 2 (Ulysses on tp's heads, FSDP + TP), and on 8 processes HSDP (2, 2) beside
+#     tp 2 (tensor-parallel pieces sharded along mp_shard, replicated along mp_replicate), the loss of every step equals one process's on the same global batches (within LOSS_TOLERANCE,
 #     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
@@ -28,12 +28,14 @@ run() { local world=$1; shift; "$launch" --timeout 240 "$world" "$train" "${size
 
 # 1. Meshes against one process.
 run 1 --steps 6 --dir "$dir/one" --export "$dir/one/model" > "$dir/one.log"
-declare -A meshes=([hsdp_dp2_cp2]="--mp-replicate 2 --mp-shard 2 --dp 2 --cp 2" [dp4]="--dp 4"
-                   [dp1_cp4]="--dp 1 --cp 4" [tp2_dp2_recompute]="--tp 2 --dp 2 --recompute --export $dir/tp2_dp2_recompute/model"
-                   [tp2_dp2_no_shard]="--tp 2 --dp 2 --sharding no_shard" [tp4]="--tp 4" [tp2_cp2]="--tp 2 --cp 2")
-for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2; do
+# (the number of processes, then the flags)
+declare -A meshes=([hsdp_dp2_cp2]="4 --mp-replicate 2 --mp-shard 2 --dp 2 --cp 2" [dp4]="4 --dp 4"
+                   [dp1_cp4]="4 --dp 1 --cp 4" [tp2_dp2_recompute]="4 --tp 2 --dp 2 --recompute --export $dir/tp2_dp2_recompute/model"
+                   [tp2_dp2_no_shard]="4 --tp 2 --dp 2 --sharding no_shard" [tp4]="4 --tp 4" [tp2_cp2]="4 --tp 2 --cp 2"
+                   [hsdp_tp2_8]="8 --mp-replicate 2 --mp-shard 2 --tp 2")
+for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2 hsdp_tp2_8; do
   # shellcheck disable=SC2086
-  run 4 --steps 6 --dir "$dir/$name" ${meshes[$name]} | tee "$dir/$name.log"
+  run ${meshes[$name]} --steps 6 --dir "$dir/$name" | tee "$dir/$name.log"
   python3 - "$dir/one/logs/metrics.csv" "$dir/$name/logs/metrics.csv" "$LOSS_TOLERANCE" "$name" <<'PY'
 import csv, sys
 one, other = ([float(r["loss"]) for r in csv.DictReader(open(p))] for p in sys.argv[1:3])
