@@ -218,7 +218,7 @@ void write_generated(const Options& o, llama::Llama& model) {
   for (const int64_t id : ids) {
     char escaped[8];
     std::snprintf(escaped, sizeof escaped, "\\x%02x", static_cast<unsigned>(id));
-    text += id >= 32 && id < 127 && id != '\\' ? std::string(1, static_cast<char>(id)) : std::string(escaped);
+    text += (id >= 32 && id < 127 && id != '\\') ? std::string(1, static_cast<char>(id)) : std::string(escaped);
     numbers += (numbers.empty() ? "" : " ") + std::to_string(id);
   }
   std::printf("train_llama: %s|%s\ntrain_llama: generated ids %s\n", o.generate.c_str(), text.c_str(), numbers.c_str());

@@ -238,7 +238,9 @@ namespace detail {
 // DCP_SHARDING_INFO (then it is not such a directory).
 inline std::optional<std::map<std::string, at::Tensor>> read_dcp_pieces(const std::filesystem::path& dir) {
   if (!holds_dcp_pieces(dir)) return std::nullopt;
-  CheckpointFiles unchecked(dir, CheckpointManifest{.format = 1});  // (Python records no digests)
+  CheckpointManifest unrecorded;  // (Python records no digests: the files are read unchecked)
+  unrecorded.format = 1;
+  CheckpointFiles unchecked(dir, unrecorded);
   return ShardedWeights(dir, unchecked).read_all();
 }
 
