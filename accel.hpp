@@ -14788,14 +14788,19 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 // Whether dir holds safetensors files and each places its tensors with
 // DCP_SHARDING_INFO: pieces, as accel's sharded checkpoints and Python's
-// dcp.save through HuggingFaceStorageWriter write them.
-inline bool holds_dcp_pieces(const fs::path& dir) {
+// dcp.save through HuggingFaceStorageWriter write them; with python_only,
+// none of them accel's (which carry the checkpoint's id). A file that is
+// not safetensors throws, naming it.
+inline bool holds_dcp_pieces(const fs::path& dir, bool python_only = false) {
   bool any = false;
   if (!fs::is_directory(dir)) return false;
   for (const auto& entry : fs::directory_iterator(dir)) {
     if (entry.path().extension() != ".safetensors") continue;
     std::ifstream in(entry.path(), std::ios::binary);
-    if (!in || !read_safetensors_header(in, entry.path()).metadata.count("DCP_SHARDING_INFO")) return false;
+    if (!in) return false;
+    const auto metadata = read_safetensors_header(in, entry.path()).metadata;
+    if (!metadata.count("DCP_SHARDING_INFO") || (python_only && metadata.count(PieceFiles::kCheckpointIdKey)))
+      return false;
     any = true;
   }
   return any;
@@ -15962,7 +15967,14 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
-  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && holds_dcp_pieces(dir))
+  const auto from_python = [&] {
+    try {
+      return holds_dcp_pieces(dir, /*python_only=*/true);
+    } catch (const std::exception&) {  // (a file that is not safetensors: the plain error below)
+      return false;
+    }
+  };
+  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && from_python())
     throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
                        file_names::manifest +
                        ": not a save_state checkpoint. Its weights load with load_model "

@@ -121,7 +121,14 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
-  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && holds_dcp_pieces(dir))
+  const auto from_python = [&] {
+    try {
+      return holds_dcp_pieces(dir, /*python_only=*/true);
+    } catch (const std::exception&) {  // (a file that is not safetensors: the plain error below)
+      return false;
+    }
+  };
+  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && from_python())
     throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
                        file_names::manifest +
                        ": not a save_state checkpoint. Its weights load with load_model "
