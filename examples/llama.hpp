@@ -307,8 +307,8 @@ inline std::map<std::string, accel::tp::ParallelStyle> tp_plan() {
   return {
       {"model.embed_tokens", RowwiseParallel{.input_layouts = Replicate{}, .output_layouts = Shard{1}}},
       {"model.layers.*.input_layernorm", SequenceParallel{}},
-      {"model.layers.*.self_attn",
-       PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt}, {Replicate{}, std::nullopt, std::nullopt}}},
+      {"model.layers.*.self_attn", PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt},
+                                                      {Replicate{}, std::nullopt, std::nullopt}}},
       {"model.layers.*.self_attn.q_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.k_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.v_proj", ColwiseParallel{}},

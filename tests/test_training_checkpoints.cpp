@@ -213,15 +213,12 @@ TEST_SUITE("ranks") {
         flip_bit(d / target, pieces ? size - 3 : size / 2);
       });
       CHECK(what.find("accel::Accelerator::load_state: ") == 0);
-      CHECK(what.find(dir.string() + "_0/" + target + " is damaged or is not this checkpoint's: ") !=
-            std::string::npos);
+      CHECK(what.find(dir.string() + "_0/" + target + " is damaged or is not this checkpoint's: ") != std::string::npos);
       // The same file of the run's other checkpoint.
-      what = refused([&](const fs::path& d) {
-        fs::copy_file(fs::path(other) / target, d / target, fs::copy_options::overwrite_existing);
-      });
+      what = refused([&](const fs::path& d) { fs::copy_file(fs::path(other) / target, d / target, fs::copy_options::overwrite_existing); });
       CHECK(what.find(dir.string() + "_1/" + target +
-                      (pieces ? " is a piece of another checkpoint (its id "
-                              : " is damaged or is not this checkpoint's")) != std::string::npos);
+                      (pieces ? " is a piece of another checkpoint (its id " : " is damaged or is not this checkpoint's")) !=
+            std::string::npos);
       // A bit of the manifest: no complete checkpoint (its own hash).
       what = refused([&](const fs::path& d) { flip_bit(d / "accel_checkpoint.txt", 30); });
       CHECK(what.find("no complete checkpoint: " + dir.string() + "_2/accel_checkpoint.txt") != std::string::npos);
@@ -677,8 +674,7 @@ TEST_SUITE("single") {
       CHECK(accel::detail::xxh64(text.data(), text.size()) == expected);
       for (std::size_t piece = 1; piece <= 40; ++piece) {
         accel::detail::Xxh64 h;
-        for (std::size_t at = 0; at < text.size(); at += piece)
-          h.update(text.data() + at, std::min(piece, text.size() - at));
+        for (std::size_t at = 0; at < text.size(); at += piece) h.update(text.data() + at, std::min(piece, text.size() - at));
         CHECK(h.digest() == expected);
       }
     }
@@ -854,8 +850,7 @@ TEST_SUITE("single") {
     using accel::detail::boxes_of_range;
     auto describe = [](const std::vector<accel::detail::TensorBox>& boxes) {
       std::string out;
-      for (const auto& b : boxes)
-        out += c10::str(at::IntArrayRef(b.offsets), at::IntArrayRef(b.sizes), "@", b.begin, " ");
+      for (const auto& b : boxes) out += c10::str(at::IntArrayRef(b.offsets), at::IntArrayRef(b.sizes), "@", b.begin, " ");
       return out;
     };
     // A partial first row, the whole rows, a partial last row (2d-1 boxes at most), each a contiguous run.
@@ -884,9 +879,9 @@ TEST_SUITE("single") {
           tensors.emplace_back("b", bias);
           info += ",\"b\":{\"saved_offsets\":[0]}";
         }
-        accel::detail::write_safetensors(
-            dir / ("rank-" + std::to_string(process) + "-part-" + std::to_string(j++) + ".safetensors"), tensors,
-            {{"DCP_SHARDING_INFO", info + "}"}});
+        accel::detail::write_safetensors(dir / ("rank-" + std::to_string(process) + "-part-" + std::to_string(j++) +
+                                                ".safetensors"),
+                                         tensors, {{"DCP_SHARDING_INFO", info + "}"}});
       }
     };
     for (int k = 0; k < 3; ++k) write_piece(k, 12 * k, std::min<int64_t>(12 * (k + 1), 35));
@@ -905,9 +900,8 @@ TEST_SUITE("single") {
       }
       return std::string();
     };
-    CHECK(refused([&] {
-            weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3})}});
-          }).find("b is Double[3] there, Float[3] in the model") != std::string::npos);
+    CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}, {"b", at::empty({3})}}); })
+              .find("b is Double[3] there, Float[3] in the model") != std::string::npos);
     CHECK(refused([&] { weights.check_fits({{"w", at::empty({7, 5})}}); }).find("not in the model: b") !=
           std::string::npos);
     fs::remove(dir / "rank-1-part-1.safetensors");
@@ -1151,13 +1145,13 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
       accel::DataParallel* dp = accelerator.data_parallel(model);
       for (const auto& [name, p] : accel::detail::state_dict(*model)) {
         const at::Tensor shard = dp->shard_of(p);
-        const auto* state =
-            dynamic_cast<const torch::optim::AdamParamState*>(accel::detail::state_for(*optimizer, shard));
+        const auto* state = dynamic_cast<const torch::optim::AdamParamState*>(
+            accel::detail::state_for(*optimizer, shard));
         REQUIRE(state != nullptr);
         for (const auto& [key, value] : {std::pair{"exp_avg", state->exp_avg()}, {"exp_avg_sq", state->exp_avg_sq()}})
-          out.emplace_back(
-              "optimizer.state." + name + "." + key,
-              accel::all_gather(value, dp->shard_group()).reshape({-1}).narrow(0, 0, p.numel()).view(p.sizes()));
+          out.emplace_back("optimizer.state." + name + "." + key,
+                           accel::all_gather(value, dp->shard_group()).reshape({-1}).narrow(0, 0, p.numel()).view(
+                               p.sizes()));
         out.emplace_back("optimizer.state." + name + ".step",
                          at::scalar_tensor(static_cast<double>(state->step()), at::kFloat));
       }
@@ -1213,8 +1207,7 @@ TEST_SUITE("checkpoint_resize" * doctest::skip()) {
         accelerator.save_model(run.model, (dir / "whole").string());  // (gathered: for Python's DCP to match)
         if (accelerator.data_parallel(run.model)->sharded()) {
           const auto state = run.whole_optimizer_state();
-          if (accelerator.is_main_process())
-            accel::detail::write_safetensors(dir / "whole" / "optimizer.safetensors", state);
+          if (accelerator.is_main_process()) accel::detail::write_safetensors(dir / "whole" / "optimizer.safetensors", state);
         }
         expect["params"] = run.parameters().clone();
         expect["rng"] = accel::all_gather(torch::rand({4}));  // each process's next draw
