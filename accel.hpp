@@ -111,6 +111,7 @@
 //     accel/training/checkpoint/item.hpp                 what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
 //     accel/training/checkpoint/model_items.hpp          the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
 //     accel/training/checkpoint/state_items.hpp          the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
+//     accel/training/checkpoint/from_python.hpp          load_state of a checkpoint Python's dcp.save wrote through HuggingFaceStorageWriter: the models, and the optimizers' state under Python's names
 //     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them
 //     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
 //     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
@@ -14591,20 +14592,24 @@ inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" +
 inline std::string optimizer_prefix(std::size_t i) {
   return (i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i)) + ".state.";
 }
+// Whether a name starting with `stem` goes on with digits and a dot (model_1., optimizer_2.).
+inline bool numbered(const std::string& name, const char* stem) {
+  if (!name.starts_with(stem)) return false;
+  const std::size_t digits = std::strlen(stem), dot = name.find('.', digits);
+  return dot != std::string::npos && dot > digits &&
+         std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits),
+                     name.begin() + static_cast<std::ptrdiff_t>(dot), [](char c) { return c >= '0' && c <= '9'; });
+}
+// Whether a saved name is an optimizer's state (optimizer_prefix's names).
+inline bool optimizer_state_name(const std::string& name) {
+  return name.starts_with("optimizer.state.") ||
+         (numbered(name, "optimizer_") && name.find(".state.") == name.find('.'));
+}
 // Whether a saved name is in the namespace of `prefix` (model 0's: every
 // name not in another's).
 inline bool in_namespace(const std::string& name, const std::string& prefix) {
   if (!prefix.empty()) return name.starts_with(prefix);
-  if (name.starts_with("optimizer.state.")) return false;
-  for (const char* other : {"model_", "optimizer_"}) {
-    if (!name.starts_with(other)) continue;
-    const std::size_t digits = std::strlen(other), dot = name.find('.', digits);
-    if (dot != std::string::npos && dot > digits &&
-        std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits), name.begin() + static_cast<std::ptrdiff_t>(dot),
-                    [](char c) { return c >= '0' && c <= '9'; }))
-      return false;
-  }
-  return true;
+  return !name.starts_with("optimizer.state.") && !numbered(name, "model_") && !numbered(name, "optimizer_");
 }
 
 // What one process writes: box j of each of its pieces goes into its file
@@ -14788,10 +14793,9 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 // Whether dir holds safetensors files and each places its tensors with
 // DCP_SHARDING_INFO: pieces, as accel's sharded checkpoints and Python's
-// dcp.save through HuggingFaceStorageWriter write them; with python_only,
-// none of them accel's (which carry the checkpoint's id). A file that is
-// not safetensors throws, naming it.
-inline bool holds_dcp_pieces(const fs::path& dir, bool python_only = false) {
+// dcp.save through HuggingFaceStorageWriter write them. A file that is not
+// safetensors throws, naming it.
+inline bool holds_dcp_pieces(const fs::path& dir) {
   bool any = false;
   if (!fs::is_directory(dir)) return false;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -14799,8 +14803,7 @@ inline bool holds_dcp_pieces(const fs::path& dir, bool python_only = false) {
     std::ifstream in(entry.path(), std::ios::binary);
     if (!in) return false;
     const auto metadata = read_safetensors_header(in, entry.path()).metadata;
-    if (!metadata.count("DCP_SHARDING_INFO") || (python_only && metadata.count(PieceFiles::kCheckpointIdKey)))
-      return false;
+    if (!metadata.count("DCP_SHARDING_INFO")) return false;
     any = true;
   }
   return any;
@@ -14838,6 +14841,13 @@ class ShardedWeights {
 
   // Whether the files hold tensor `name` (model or optimizer state).
   bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Every tensor's name, in order.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& named : tensors_) out.push_back(named.first);
+    return out;
+  }
 
   // Every tensor whole, on the CPU, by name.
   std::map<std::string, at::Tensor> read_all() const {
@@ -15082,6 +15092,10 @@ struct PlacedState {
   const ShardedWeights* pieces = nullptr;
   std::size_t index = 0;
 
+  // The saved name of field `field` of the parameter named `parameter`.
+  std::string name(const std::string& parameter, const std::string& field) const {
+    return optimizer_prefix(index) + parameter + "." + field;
+  }
   // Field `field` of the slot's parameter as this process keeps it (like
   // `first`, the first file's: its dtype and device), or an error naming
   // `file` where the piece files do not hold it.
@@ -15089,8 +15103,8 @@ struct PlacedState {
                  const std::string& file) const {
     const int64_t begin = slot.begin(), length = slot.end() - slot.begin();
     at::Tensor values;
-    for (const std::string& name : slot.names)
-      if (const std::string saved = optimizer_prefix(index) + name + "." + field; pieces && pieces->holds(saved)) {
+    for (const std::string& parameter : slot.names)
+      if (const std::string saved = name(parameter, field); pieces && pieces->holds(saved)) {
         values = pieces->read(saved, begin, length, slot.whole.sizes().vec(), slot.origin).to(first.options());
         break;
       }
@@ -15847,6 +15861,266 @@ inline void RandomStatesItem::commit() {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/checkpoint/from_python.hpp ================================
+// accel/training/checkpoint/from_python.hpp: load_state of a checkpoint Python's dcp.save wrote through HuggingFaceStorageWriter: the models, and the optimizers' state under Python's names.
+//
+// A run started in Python (FSDP2, DTensor tensor parallelism, at any
+// number of processes) goes on in C++ from what Python saves with
+//
+//     dcp.save({**get_model_state_dict(model),
+//               "optimizer": {"state": get_optimizer_state_dict(model, optimizer)["state"]}},
+//              storage_writer=HuggingFaceStorageWriter(DIR, save_distributed=True))
+//
+// consolidated or not (but torch 2.15's consolidation writes every 0-d
+// tensor as zero, Adam's step counts among them: a step of 0 is refused,
+// naming the pieces it consolidated). DCP flattens those names as our own
+// piece files name their tensors (checkpoint/shards.hpp): the model's
+// under its state_dict names, then "optimizer.state.<parameter>.<field>" in
+// Python's fields (Adam's and AdamW's exp_avg, exp_avg_sq, max_exp_avg_sq
+// and step; SGD's momentum_buffer). So the files are read through the same
+// ShardedWeights, each tensor cut to what this process keeps (its shard,
+// its tensor-parallel piece), into LibTorch's state types.
+//
+// What such a directory cannot hold is not loaded: HuggingFaceStorageWriter
+// stores tensors only (anything else, such as the optimizer's param_groups,
+// it pickles into a file it still names .safetensors, which Python's own
+// reader cannot read back either: torch 2.15), so the optimizers' options
+// (learning rate, ...) stay this run's, and the schedulers, the loaders'
+// places, registered objects, the loss scaler and the RNG states are not
+// in it: they stay as they are, and process 0 warns, naming them.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Whether dir is a checkpoint written outside accel.hpp: no manifest, and
+// safetensors files none of which is accel's (Python's dcp.save, or a
+// model's weights as Hugging Face and save_model write them). A file named
+// .safetensors that is a zip archive throws: what the writer pickles.
+inline bool written_outside_accel(const fs::path& dir) {
+  if (!fs::is_directory(dir) || fs::exists(dir / file_names::manifest)) return false;
+  bool any = false;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    std::ifstream in(entry.path(), std::ios::binary);
+    char magic[4] = {};
+    if (!in.read(magic, 4)) return false;
+    if (std::string_view(magic, 4) == std::string_view("PK\x03\x04", 4))
+      throw RuntimeError(entry.path().string() +
+                         " is a zip archive (torch.save's), not safetensors: Python's HuggingFaceStorageWriter "
+                         "pickles what is not a tensor (an optimizer's param_groups, ...) into such a file, which "
+                         "neither Python's reader nor accel.hpp reads back. Save the tensors alone: "
+                         "{\"optimizer\": {\"state\": get_optimizer_state_dict(model, optimizer)[\"state\"]}}");
+    in.seekg(0);
+    try {
+      if (read_safetensors_header(in, entry.path()).metadata.count(PieceFiles::kCheckpointIdKey)) return false;
+    } catch (const std::exception&) {  // (damaged: the plain error of a missing manifest)
+      return false;
+    }
+    any = true;
+  }
+  return any;
+}
+
+// What a load from such a directory reads it as: no digests recorded (the
+// files are read unchecked), this run's layout.
+inline SavedLayout outside_layout(const CheckpointContext& ctx) {
+  CheckpointManifest unrecorded;
+  unrecorded.format = 1;
+  unrecorded.processes = ctx.num_processes;
+  return {ctx.num_processes, 1, unrecorded};
+}
+
+// The per-parameter state Python's optimizer of the same kind keeps, read
+// into LibTorch's: one state per tensor the optimizer steps (none where the
+// files hold no state of that parameter: Python's optimizer had not stepped
+// it), each tensor cut to what this process keeps.
+class PythonOptimizerState {
+ public:
+  using States = std::vector<std::pair<c10::TensorImpl*, std::unique_ptr<torch::optim::OptimizerParamState>>>;
+
+  PythonOptimizerState(const PreparedSet& set, std::size_t index, const ShardedWeights& pieces, std::string dir)
+      : optimizer_(*set.optimizers[index]), pieces_(pieces), placed_{&pieces, index}, dir_(std::move(dir)) {
+    const std::string prefix = optimizer_prefix(index);
+    for (const std::string& name : pieces.names())
+      if (name.starts_with(prefix)) unread_.insert(name);
+    if (unread_.empty())
+      throw RuntimeError(dir_ + " holds no state of optimizer " + std::to_string(index) + " (no tensor under " +
+                         prefix +
+                         "): a model's weights alone, which load_model loads (Accelerator::load_model for a "
+                         "prepared model); to go on with Python's optimizer, save " +
+                         "get_optimizer_state_dict(model, optimizer)[\"state\"] under \"" +
+                         prefix.substr(0, prefix.size() - 7) + "\" beside the model");
+    const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer_);
+    std::size_t position = 0;
+    for (const auto& group : optimizer_.param_groups())
+      for (const auto& p : group.params()) {
+        auto state = read(slots[position++], p, group);
+        if (state) states_.emplace_back(p.unsafeGetTensorImpl(), std::move(state));
+      }
+    if (!unread_.empty())
+      throw RuntimeError(dir_ + " holds " + *unread_.begin() + ", which this run's optimizer (" + kind() +
+                         ") does not keep for any of its parameters: saved from another kind of optimizer, or "
+                         "another model?");
+  }
+
+  // The states, taken once (they move into the optimizer).
+  States take() { return std::move(states_); }
+
+ private:
+  std::unique_ptr<torch::optim::OptimizerParamState> read(const OptimizerSlot& slot, const at::Tensor& p,
+                                                          const torch::optim::OptimizerParamGroup& group) {
+    const auto& options = group.has_options() ? group.options() : optimizer_.defaults();
+    if (dynamic_cast<torch::optim::Adam*>(&optimizer_))
+      return adam_like<torch::optim::AdamParamState>(slot, p,
+                                                     static_cast<const torch::optim::AdamOptions&>(options).amsgrad());
+    if (dynamic_cast<torch::optim::AdamW*>(&optimizer_))
+      return adam_like<torch::optim::AdamWParamState>(
+          slot, p, static_cast<const torch::optim::AdamWOptions&>(options).amsgrad());
+    if (dynamic_cast<torch::optim::SGD*>(&optimizer_)) {
+      const std::optional<std::string> buffer = saved(slot, "momentum_buffer");
+      if (!buffer) return nullptr;  // (Python's SGD without momentum keeps none)
+      auto state = std::make_unique<torch::optim::SGDParamState>();
+      state->momentum_buffer(cut(slot, "momentum_buffer", p));
+      return state;
+    }
+    throw RuntimeError(dir_ +
+                       ": load_state reads the state of Adam, AdamW and SGD from Python's checkpoints (the "
+                       "fields Python's optimizers of those kinds keep); this run's optimizer is " +
+                       kind());
+  }
+
+  template <class State>
+  std::unique_ptr<torch::optim::OptimizerParamState> adam_like(const OptimizerSlot& slot, const at::Tensor& p,
+                                                               bool amsgrad) {
+    std::vector<const char*> fields{"step", "exp_avg", "exp_avg_sq"};
+    if (amsgrad) fields.push_back("max_exp_avg_sq");
+    std::size_t found = 0;
+    for (const char* field : fields) found += saved(slot, field).has_value();
+    if (found == 0) return nullptr;  // never stepped
+    for (const char* field : fields)
+      if (!saved(slot, field))
+        throw RuntimeError(
+            dir_ + " holds part of the state of '" + slot.names.front() + "' and not its " + field +
+            (std::string_view(field) == "max_exp_avg_sq" ? " (this run's optimizer has amsgrad on)" : ""));
+    const std::string step = *saved(slot, "step");
+    const double count = pieces_.read(step, 0, 1).item<double>();
+    if (count < 0 || count != std::floor(count))
+      throw RuntimeError(dir_ + ": " + step + " is " + std::to_string(count) + ", not a count of steps");
+    if (count == 0)  // (Python makes the state as it takes the first step: 1 at least)
+      throw RuntimeError(dir_ + ": " + step +
+                         " is 0 beside its moments: torch's consolidation (HuggingFaceStorageWriter's "
+                         "enable_consolidation, torch 2.15) writes every 0-d tensor as zero. Load the pieces it "
+                         "consolidated instead (" +
+                         dir_ + "/sharded where the save gave no consolidation_output_path)");
+    auto state = std::make_unique<State>();
+    state->step(static_cast<int64_t>(count));
+    state->exp_avg(cut(slot, "exp_avg", p));
+    state->exp_avg_sq(cut(slot, "exp_avg_sq", p));
+    if (amsgrad) state->max_exp_avg_sq(cut(slot, "max_exp_avg_sq", p));
+    return state;
+  }
+
+  // The saved name of the slot's field (under any of its parameter's names),
+  // marked read; none if the files lack it.
+  std::optional<std::string> saved(const OptimizerSlot& slot, const std::string& field) {
+    for (const std::string& name : slot.names)
+      if (const std::string full = placed_.name(name, field); pieces_.holds(full)) {
+        unread_.erase(full);
+        return full;
+      }
+    return std::nullopt;
+  }
+  at::Tensor cut(const OptimizerSlot& slot, const std::string& field, const at::Tensor& stepped) const {
+    return placed_.cut(slot, field, stepped, dir_);
+  }
+  std::string kind() const { return c10::demangle(typeid(optimizer_).name()); }
+
+  torch::optim::Optimizer& optimizer_;
+  const ShardedWeights& pieces_;
+  PlacedState placed_;
+  std::string dir_;
+  std::set<std::string> unread_;  // the files' names of this optimizer not yet read
+  States states_;
+};
+
+// Prepared optimizer i, from a directory Python's dcp.save wrote: read and
+// checked in the read phase, put in place at commit (which cannot fail).
+class PythonOptimizerItem final : public CheckpointItem {
+ public:
+  PythonOptimizerItem(PreparedSet& set, std::size_t i) : set_(set), i_(i) {}
+  void read(ItemReader& in) override {
+    states_ = PythonOptimizerState(set_, i_, in.pieces(in.dir.string()), in.dir.string()).take();
+  }
+  void commit() override {
+    auto& state = set_.optimizers[i_]->state();
+    state.clear();  // (a parameter without saved state has none, as in Python's)
+    for (auto& [parameter, saved] : states_) state[dp::state_key(state, parameter)] = std::move(saved);
+    states_.clear();
+  }
+
+ private:
+  PreparedSet& set_;
+  std::size_t i_;
+  PythonOptimizerState::States states_;
+};
+
+// Every tensor of such a directory is taken by something this run
+// prepared (a model, by its namespace; an optimizer, by its index), or the
+// load is refused: nothing in it is left out without a word.
+class PythonNamesItem final : public CheckpointItem {
+ public:
+  explicit PythonNamesItem(const PreparedSet& set) : set_(set) {}
+  void read(ItemReader& in) override {
+    for (const std::string& name : in.pieces(in.dir.string()).names()) {
+      bool taken = false;
+      if (optimizer_state_name(name))
+        for (std::size_t i = 0; i < set_.optimizers.size() && !taken; ++i)
+          taken = name.starts_with(optimizer_prefix(i));
+      else
+        for (std::size_t i = 0; i < set_.models.size() && !taken; ++i) taken = in_namespace(name, model_prefix(i));
+      if (!taken)
+        throw RuntimeError(in.dir.string() + " holds " + name + ", which nothing this run prepared takes (" +
+                           std::to_string(set_.models.size()) + " model(s), " + std::to_string(set_.optimizers.size()) +
+                           " optimizer(s))");
+    }
+  }
+
+ private:
+  const PreparedSet& set_;
+};
+
+// The items of a load from such a directory: the models and optimizers.
+inline CheckpointItems python_checkpoint_items(PreparedSet& set) {
+  CheckpointItems items;
+  items.push_back(std::make_unique<PythonNamesItem>(set));
+  for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
+  for (std::size_t i = 0; i < set.optimizers.size(); ++i)
+    items.push_back(std::make_unique<PythonOptimizerItem>(set, i));
+  return items;
+}
+
+// What such a load leaves as it was (see the top), for process 0's warning.
+inline std::string left_by_python_checkpoint(const PreparedSet& set, const fs::path& dir) {
+  std::vector<std::string> left;
+  auto count = [&](std::size_t n, const char* what) {
+    if (n) left.push_back(std::to_string(n) + " " + what);
+  };
+  count(set.schedulers.size(), "scheduler(s)");
+  count(set.loaders.size(), "data loader(s)' place");
+  count(set.objects.size(), "registered object(s)");
+  if (set.scaler) left.push_back("the loss scaler");
+  left.push_back("the RNG states");
+  std::string list;
+  for (std::size_t k = 0; k < left.size(); ++k) list += (k == 0 ? "" : k + 1 == left.size() ? " and " : ", ") + left[k];
+  return "accel::Accelerator::load_state: " + dir.string() +
+         " is Python's dcp.save checkpoint: the model(s) and the optimizer(s)' state loaded; its files hold tensors "
+         "only, so the optimizers' options (learning rate, ...) are this run's, and " +
+         list + " stay as they were" + (set.schedulers.empty() ? "" : " (step a scheduler to Python's step yourself)");
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/checkpoint/state.hpp ======================================
 // accel/training/checkpoint/state.hpp: save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them.
 //
@@ -15967,19 +16241,6 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
-  const auto from_python = [&] {
-    try {
-      return holds_dcp_pieces(dir, /*python_only=*/true);
-    } catch (const std::exception&) {  // (a file that is not safetensors: the plain error below)
-      return false;
-    }
-  };
-  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && from_python())
-    throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
-                       file_names::manifest +
-                       ": not a save_state checkpoint. Its weights load with load_model "
-                       "(Accelerator::load_model for a prepared model); the optimizer's state that writer stores "
-                       "Python's own reader does not read back (torch 2.15), so it has none for us either");
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");
@@ -16002,23 +16263,34 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
-// 1. Recovers a half-done save of dir, then every item reads and checks
-// its files against the prepared set; nothing changes. Each file is checked
-// against its digest in the background; a failed check is the error, before
-// any other (a damaged file's parse may fail first). Returns the warnings
-// to give once the load is committed.
-inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
-                                                const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  {
-    std::string error;
-    if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
-    fail_together(error, "accel::Accelerator::load_state");
-  }
+// Recovers a half-done save of dir; then whether dir is a checkpoint
+// Python's dcp.save wrote (checkpoint/from_python.hpp), as process 0 sees
+// it.
+inline bool recover_or_find_python(const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  int64_t python = 0;
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      recover_checkpoint(dir);
+      python = written_outside_accel(dir);
+    });
+  fail_together(error, "accel::Accelerator::load_state");
   if (!std::filesystem::is_directory(dir))
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+  return accel::broadcast(python, 0) != 0;
+}
+
+// 1. Every item reads and checks its files against the prepared set;
+// nothing changes. Each file is checked against its digest in the
+// background; a failed check is the error, before any other (a damaged
+// file's parse may fail first). Returns the warnings to give once the load
+// is committed.
+inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
+                                                const CheckpointContext& ctx, const std::filesystem::path& dir,
+                                                bool python) {
   std::vector<std::string> warnings;
   const std::string error = error_of([&] {
-    const SavedLayout saved = check_manifest(dir, set);
+    const SavedLayout saved = python ? outside_layout(ctx) : check_manifest(dir, set);
     CheckpointFiles files(dir, saved.manifest);
     ItemReader reader(ctx, dir, saved, files);
     try {
@@ -16037,10 +16309,12 @@ inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, co
 // 2. The items that can refuse as they load apply (each first keeps what
 // it would put back), and every item is put back on every process if any
 // one refuses. 3. Then every item commits. Returns the saved accumulation
-// step.
+// step (0 from Python's checkpoint, which has none).
 inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  const CheckpointItems items = checkpoint_items(set, ctx);
-  const std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir);
+  const bool python = recover_or_find_python(ctx, dir);
+  const CheckpointItems items = python ? python_checkpoint_items(set) : checkpoint_items(set, ctx);
+  std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir, python);
+  if (python) warnings.push_back(left_by_python_checkpoint(set, dir));
   const std::string error = error_of([&] {
     for (const auto& item : items) item->keep();
     for (const auto& item : items) item->apply();
@@ -16054,7 +16328,7 @@ inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, c
   for (const auto& item : items) item->commit();
   if (ctx.process_index == 0)
     for (const auto& warning : warnings) TORCH_WARN(warning);
-  return random_states_of(items).step();
+  return python ? 0 : random_states_of(items).step();
 }
 
 // Accelerator::save_state: into `path`, or with automatic_checkpoint_naming
@@ -16383,7 +16657,7 @@ inline std::optional<std::map<std::string, at::Tensor>> read_dcp_pieces(const st
 // index, as save_model and Hugging Face write it; or the pieces of Python's
 // dcp.save, read_dcp_pieces), by name; `where` gets the file that names
 // them, for errors.
-inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+inline std::map<std::string, at::Tensor> read_all_weights(const std::filesystem::path& path, std::string& where) {
   namespace fs = std::filesystem;
   std::map<std::string, at::Tensor> loaded;
   auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
@@ -16431,6 +16705,13 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
   for (const auto& entry : weight_map)
     if (!loaded.count(entry.first))
       throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+  return loaded;
+}
+// ... but an optimizer's state (which Python's dcp.save keeps beside the
+// model, under optimizer.state.: checkpoint/from_python.hpp): the model's.
+inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+  std::map<std::string, at::Tensor> loaded = read_all_weights(path, where);
+  std::erase_if(loaded, [](const auto& named) { return optimizer_state_name(named.first); });
   return loaded;
 }
 

@@ -650,6 +650,184 @@ TEST_SUITE("ranks") {
       CHECK(none == "accel::Accelerator::load_state: no checkpoint under " + (project / "checkpoints").string());
     }
   }
+  // A run Python started goes on here: Python's dcp.save (HuggingFaceStorageWriter) of a model and its AdamW state
+  // ({**model_state_dict, "optimizer": {"state": ...}}), written as torch 2.15 writes them: FSDP2's pieces, each
+  // tensor's rows cut in two (torch.chunk's 4 + 3 of 7) into two ranks' files placed by DCP_SHARDING_INFO, the
+  // 0-d steps in the second; or consolidated into one file (as a torch would whose consolidation kept 0-d tensors:
+  // torch 2.15's writes them as zero, which is refused). load_state takes either under NO_SHARD and FULL_SHARD
+  // at every number of processes: the weights exact, and the next step as one process's going on with the same
+  // state (which a fresh AdamW's first step is far from); under FULL_SHARD the state read back through
+  // save_state's own pieces equals what was written. tp_ref.py checks Python's own files (FSDP2 + DTensor, pip).
+  TEST_CASE("checkpoints: load_state goes on from Python's dcp.save (the model and AdamW's state)") {
+    namespace fs = std::filesystem;
+    const auto data = dataset(8, 4);
+    const at::Tensor& x = data.first;
+    const at::Tensor& y = data.second;
+    auto adamw = [](const std::vector<at::Tensor>& parameters) {
+      return torch::optim::AdamW(parameters, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    };
+    torch::manual_seed(11);
+    Mlp reference(4, 7, 2);
+    torch::optim::AdamW reference_optimizer = adamw(reference->parameters());
+    auto reference_step = [&](torch::optim::Optimizer& optimizer) {
+      optimizer.zero_grad();
+      torch::mse_loss(reference(x), y).backward();
+      optimizer.step();
+    };
+    reference_step(reference_optimizer);
+    reference_step(reference_optimizer);
+    // Python's names: the model's state_dict, then optimizer.state.<parameter>.<field>.
+    std::vector<std::pair<std::string, at::Tensor>> saved;
+    for (const auto& [name, t] : accel::detail::state_dict(*reference)) saved.emplace_back(name, t.detach().clone());
+    for (const auto& p : reference->named_parameters()) {
+      auto& states = reference_optimizer.state();
+      auto& state = static_cast<torch::optim::AdamWParamState&>(
+          *states.at(accel::detail::dp::state_key(states, p.value().unsafeGetTensorImpl())));
+      const std::string prefix = "optimizer.state." + p.key() + ".";
+      saved.emplace_back(prefix + "exp_avg", state.exp_avg().clone());
+      saved.emplace_back(prefix + "exp_avg_sq", state.exp_avg_sq().clone());
+      saved.emplace_back(prefix + "step", at::scalar_tensor(static_cast<double>(state.step()), at::kFloat));
+    }
+    // One process's next step from there, and a fresh AdamW's (which the loaded state must not give).
+    const at::Tensor at_save = flat_parameters(*reference).clone();
+    reference_step(reference_optimizer);
+    const at::Tensor going_on = flat_parameters(*reference).clone();
+    {
+      const at::NoGradGuard no_grad;
+      for (const auto& p : reference->named_parameters())
+        for (const auto& [name, t] : saved)
+          if (name == p.key()) p.value().copy_(t);
+    }
+    CHECK(at::equal(flat_parameters(*reference), at_save));
+    torch::optim::AdamW fresh = adamw(reference->parameters());
+    reference_step(fresh);
+    const at::Tensor from_fresh = flat_parameters(*reference).clone();
+    CHECK((going_on - from_fresh).abs().max().item<double>() > 1e-4);
+
+    std::optional<accel::Accelerator> writer(std::in_place, config());
+    const fs::path base = shared_temp_path(*writer, "accel_from_python_");
+    auto write_dirs = [&](const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& stem,
+                          bool with_consolidated = true) {
+      fs::create_directories(base / stem);
+      for (int rank = 0; rank < 2; ++rank) {
+        std::vector<std::pair<std::string, at::Tensor>> pieces;
+        std::string places;
+        for (const auto& [name, t] : tensors) {
+          if (t.dim() == 0 && rank == 0) continue;  // (the steps: in the second file)
+          const int64_t first_rows = t.dim() == 0 ? 0 : (t.size(0) + 1) / 2, from = rank == 0 ? 0 : first_rows;
+          const at::Tensor piece =
+              t.dim() == 0 ? t : t.narrow(0, from, rank == 0 ? first_rows : t.size(0) - first_rows);
+          pieces.emplace_back(name, piece.contiguous());
+          std::string offsets = t.dim() == 0 ? "" : std::to_string(from);
+          for (int64_t d = 1; d < t.dim(); ++d) offsets += ",0";
+          if (!places.empty()) places += ',';  // (piece by piece: GCC 12's -Wrestrict misfires on "" + ...)
+          places += "\"" + name + "\":{\"saved_offsets\":[" + offsets + "]}";
+        }
+        accel::detail::write_safetensors(
+            base / stem / ("shard-0000" + std::to_string(rank + 1) + "-model-00001-of-00001.safetensors"), pieces,
+            {{"DCP_VERSION", "1.0"}, {"format", "pt"}, {"DCP_SHARDING_INFO", "{" + places + "}"}});
+      }
+      if (!with_consolidated) return;
+      fs::create_directories(base / (stem + "_consolidated"));  // (one file, and an index naming every tensor)
+      accel::detail::write_safetensors(base / (stem + "_consolidated") / "model-00001-of-00001.safetensors", tensors,
+                                       {});
+      std::string index = R"({"metadata": {}, "weight_map": {)";
+      for (std::size_t k = 0; k < tensors.size(); ++k) {
+        if (k) index += ", ";
+        index += "\"" + tensors[k].first + R"(": "model-00001-of-00001.safetensors")";
+      }
+      std::ofstream(base / (stem + "_consolidated") / "model.safetensors.index.json") << index << "}}";
+    };
+    if (writer->is_main_process()) {
+      write_dirs(saved, "dcp");
+      std::vector<std::pair<std::string, at::Tensor>> weights, partial = saved, foreign = saved;
+      for (const auto& named : saved)
+        if (!named.first.starts_with("optimizer.")) weights.push_back(named);
+      write_dirs(weights, "weights", false);
+      std::erase_if(partial, [](const auto& named) { return named.first == "optimizer.state.body.2.bias.step"; });
+      write_dirs(partial, "partial", false);
+      foreign.emplace_back("optimizer.state.body.0.weight.momentum_buffer", at::zeros({7, 4}));
+      write_dirs(foreign, "foreign", false);
+      // torch 2.15's consolidation writes every 0-d tensor as zero (the steps)
+      fs::create_directories(base / "zero_steps");
+      std::vector<std::pair<std::string, at::Tensor>> zero_steps = saved;
+      for (auto& [name, t] : zero_steps)
+        if (t.dim() == 0) t = at::zeros_like(t);
+      accel::detail::write_safetensors(base / "zero_steps" / "model-00001-of-00001.safetensors", zero_steps, {});
+      write_dirs(saved, "pickled", false);  // a param_groups file as the writer pickles it
+      std::ofstream(base / "pickled" / "shard-00003-model-00001-of-00001.safetensors", std::ios::binary)
+          << std::string("PK\x03\x04\x00\x00\x08\x08", 8);
+    }
+    writer->wait_for_everyone();
+    const bool main = writer->is_main_process();
+    writer.reset();
+
+    for (const auto strategy : {accel::ShardingStrategy::NO_SHARD, accel::ShardingStrategy::FULL_SHARD}) {
+      CAPTURE(accel::to_string(strategy));
+      accel::AcceleratorConfig c = config();
+      c.sharding_strategy = strategy;
+      accel::Accelerator accelerator(c);
+      const bool pieces = strategy == accel::ShardingStrategy::FULL_SHARD && accelerator.num_processes() > 1;
+      torch::manual_seed(12);
+      Mlp model(4, 7, 2);
+      torch::optim::AdamW optimizer = adamw(model->parameters());
+      auto prepared = accelerator.prepare(model, optimizer);
+      auto step = [&] {
+        std::get<1>(prepared).zero_grad();
+        accelerator.backward(torch::mse_loss(model(x), y));
+        std::get<1>(prepared).step();
+      };
+      auto parameters = [&] {
+        const auto whole = accelerator.data_parallel(model)->summon_full_params();
+        return flat_parameters(*model).clone();
+      };
+      step();  // (a state of its own, which the load replaces)
+      for (const char* refused : {"weights", "partial", "foreign", "zero_steps", "pickled"}) {
+        CAPTURE(refused);
+        const at::Tensor before = parameters();
+        const std::string what = what_of([&] { accelerator.load_state(base / refused); });
+        CHECK(at::equal(before, parameters()));
+        const std::string dir = (base / refused).string();
+        const std::string expected =
+            std::string(refused) == "weights"
+                ? dir + " holds no state of optimizer 0 (no tensor under optimizer.state.): a model's weights alone, "
+                        "which load_model loads"
+            : std::string(refused) == "partial"
+                ? dir + " holds part of the state of 'body.2.bias' and not its step"
+            : std::string(refused) == "foreign"
+                ? dir + " holds optimizer.state.body.0.weight.momentum_buffer, which this run's optimizer "
+                        "(torch::optim::AdamW) does not keep for any of its parameters"
+            : std::string(refused) == "zero_steps"
+                ? dir + ": optimizer.state.body.0.weight.step is 0 beside its moments: torch's consolidation"
+                : dir + "/shard-00003-model-00001-of-00001.safetensors is a zip archive (torch.save's), not "
+                        "safetensors: Python's HuggingFaceStorageWriter pickles";
+        CHECK_MESSAGE(what.find(expected) != std::string::npos, what);
+      }
+      for (const char* stem : {"dcp", "dcp_consolidated"}) {
+        CAPTURE(stem);
+        accelerator.load_model(model, (base / stem).string());  // (the weights alone: the optimizer's state left)
+        CHECK(at::equal(parameters(), at_save));
+        step();
+        accelerator.load_state(base / stem);
+        CHECK(at::equal(parameters(), at_save));
+        if (pieces) {  // the state as this run's own pieces place it: what was written
+          const fs::path again = base / (std::string(stem) + "_again");
+          accelerator.save_state(again);
+          const auto read = accel::detail::read_dcp_pieces(again);
+          REQUIRE(read.has_value());
+          for (const auto& [name, t] : saved) {
+            CAPTURE(name);
+            CHECK(at::equal(read->at(name), t));
+          }
+        }
+        step();
+        const at::Tensor next = parameters();
+        CHECK((next - going_on).abs().max().item<double>() <= 1e-6);
+      }
+      accelerator.wait_for_everyone();
+    }
+    if (main) fs::remove_all(base);
+  }
   TEST_CASE("checkpoints cleanup") { release_world(); }
 }
 
@@ -991,11 +1169,11 @@ TEST_SUITE("single") {
       Net from_pieces = seeded_net(7);
       accelerator.load_model(from_pieces, (base / "dcp").string());
       CHECK(same_state(*saved, *from_pieces));
-      // load_state says what the directory is and what reads it
+      // load_state takes it (the ranks suite goes on from such a directory), but refuses what nothing prepared
+      // here takes
       CHECK_THROWS_WITH_AS(accelerator.load_state((base / "dcp").string()),
-                           doctest::Contains("holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no "
-                                             "accel_checkpoint.txt: not a save_state checkpoint. Its weights load "
-                                             "with load_model"),
+                           doctest::Contains("/dcp holds body.0.bias, which nothing this run prepared takes (0 "
+                                             "model(s), 0 optimizer(s))"),
                            accel::RuntimeError);
       fs::remove(base / "dcp" / "shard-00002-model-00001-of-00001.safetensors");  // a rank's file missing
       Net short_of_one = seeded_net(7);

@@ -92,6 +92,7 @@
 #include "accel/training/checkpoint/item.hpp"
 #include "accel/training/checkpoint/model_items.hpp"
 #include "accel/training/checkpoint/state_items.hpp"
+#include "accel/training/checkpoint/from_python.hpp"
 #include "accel/training/checkpoint/state.hpp"
 #include "accel/training/checkpoint/weights.hpp"
 

@@ -37,10 +37,11 @@ process training the whole model (under dp, the mean of the halves' losses), eac
 and that accel.hpp issues at most what Python does (not under FSDP: Python's count takes in
 FSDP2's gathers and reduce-scatters on dp, accel.hpp's the tp group's alone).
 
-Under fsdp_tp_sp Python also saves its trained model with dcp.save through HuggingFaceStorageWriter (each rank
-its pieces: DIR/py_MODE_WORLD_dcp; and consolidated into one file and an index: _dcp_consolidated), which
-accel.hpp's plan_fsdp_tp_sp reads back with load_model, into its own layout and into a whole model: Python's trained
-parameters exactly.
+Under fsdp_tp_sp Python also saves its trained model and AdamW's state with dcp.save through
+HuggingFaceStorageWriter (each rank its pieces: DIR/py_MODE_WORLD_dcp; and consolidated into one file and an
+index: _dcp_consolidated), which accel.hpp's plan_fsdp_tp_sp reads back with load_model, into its own layout and
+into a whole model, and with load_state into its own layout: Python's trained parameters and AdamW's state
+exactly.
 Under plan_fsdp_tp_sp accel.hpp also saves its state after training (save_state: each process
 its shards of its tensor-parallel pieces, placed in the whole tensors, DIR/cpp_MODE_WORLD_checkpoint),
 and dcp loads it with torch.distributed.checkpoint's HuggingFaceStorageReader into Python's
@@ -205,13 +206,16 @@ def train(root, mode):
                  for name, p in model.named_parameters() for key, value in optimizer.state[p].items()}
         if dist.get_rank() == 0:
             save_file(state, os.path.join(root, f"py_{mode}_{world}_optimizer.safetensors"))
-        # Python's own checkpoint of the trained model, each rank its pieces of the 2-D DTensors, for accel.hpp's
-        # load_model to read (test_training_tp_plan.cpp)
+        # Python's own checkpoint of the trained model and its AdamW state, each rank its pieces of the 2-D
+        # DTensors, for accel.hpp's load_model and load_state to read (test_training_tp_plan.cpp); the optimizer's
+        # tensors alone (the writer pickles anything else into a file its own reader cannot read back)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         # (the tied head's weight as a copy of its own: safetensors stores no tensor twice, and the C++ model, tied
         # as LibTorch ties, keeps a registered head.weight of its own that a load must fill)
         state = {k: v.clone() if k == "head.weight" else v for k, v in model.state_dict().items()}
+        state["optimizer"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
         for name, consolidated in (("dcp", False), ("dcp_consolidated", True)):
             dcp.save(state, storage_writer=HuggingFaceStorageWriter(
                 os.path.join(root, f"py_{mode}_{world}_{name}"), save_distributed=True,

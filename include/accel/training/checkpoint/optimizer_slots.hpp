@@ -62,6 +62,10 @@ struct PlacedState {
   const ShardedWeights* pieces = nullptr;
   std::size_t index = 0;
 
+  // The saved name of field `field` of the parameter named `parameter`.
+  std::string name(const std::string& parameter, const std::string& field) const {
+    return optimizer_prefix(index) + parameter + "." + field;
+  }
   // Field `field` of the slot's parameter as this process keeps it (like
   // `first`, the first file's: its dtype and device), or an error naming
   // `file` where the piece files do not hold it.
@@ -69,8 +73,8 @@ struct PlacedState {
                  const std::string& file) const {
     const int64_t begin = slot.begin(), length = slot.end() - slot.begin();
     at::Tensor values;
-    for (const std::string& name : slot.names)
-      if (const std::string saved = optimizer_prefix(index) + name + "." + field; pieces && pieces->holds(saved)) {
+    for (const std::string& parameter : slot.names)
+      if (const std::string saved = name(parameter, field); pieces && pieces->holds(saved)) {
         values = pieces->read(saved, begin, length, slot.whole.sizes().vec(), slot.origin).to(first.options());
         break;
       }

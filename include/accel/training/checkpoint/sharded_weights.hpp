@@ -19,10 +19,9 @@ ACCEL_NAMESPACE_BEGIN
 namespace detail {
 // Whether dir holds safetensors files and each places its tensors with
 // DCP_SHARDING_INFO: pieces, as accel's sharded checkpoints and Python's
-// dcp.save through HuggingFaceStorageWriter write them; with python_only,
-// none of them accel's (which carry the checkpoint's id). A file that is
-// not safetensors throws, naming it.
-inline bool holds_dcp_pieces(const fs::path& dir, bool python_only = false) {
+// dcp.save through HuggingFaceStorageWriter write them. A file that is not
+// safetensors throws, naming it.
+inline bool holds_dcp_pieces(const fs::path& dir) {
   bool any = false;
   if (!fs::is_directory(dir)) return false;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -30,8 +29,7 @@ inline bool holds_dcp_pieces(const fs::path& dir, bool python_only = false) {
     std::ifstream in(entry.path(), std::ios::binary);
     if (!in) return false;
     const auto metadata = read_safetensors_header(in, entry.path()).metadata;
-    if (!metadata.count("DCP_SHARDING_INFO") || (python_only && metadata.count(PieceFiles::kCheckpointIdKey)))
-      return false;
+    if (!metadata.count("DCP_SHARDING_INFO")) return false;
     any = true;
   }
   return any;
@@ -69,6 +67,13 @@ class ShardedWeights {
 
   // Whether the files hold tensor `name` (model or optimizer state).
   bool holds(const std::string& name) const { return tensors_.count(name) > 0; }
+
+  // Every tensor's name, in order.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& named : tensors_) out.push_back(named.first);
+    return out;
+  }
 
   // Every tensor whole, on the CPU, by name.
   std::map<std::string, at::Tensor> read_all() const {

@@ -104,20 +104,24 @@ inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" +
 inline std::string optimizer_prefix(std::size_t i) {
   return (i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i)) + ".state.";
 }
+// Whether a name starting with `stem` goes on with digits and a dot (model_1., optimizer_2.).
+inline bool numbered(const std::string& name, const char* stem) {
+  if (!name.starts_with(stem)) return false;
+  const std::size_t digits = std::strlen(stem), dot = name.find('.', digits);
+  return dot != std::string::npos && dot > digits &&
+         std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits),
+                     name.begin() + static_cast<std::ptrdiff_t>(dot), [](char c) { return c >= '0' && c <= '9'; });
+}
+// Whether a saved name is an optimizer's state (optimizer_prefix's names).
+inline bool optimizer_state_name(const std::string& name) {
+  return name.starts_with("optimizer.state.") ||
+         (numbered(name, "optimizer_") && name.find(".state.") == name.find('.'));
+}
 // Whether a saved name is in the namespace of `prefix` (model 0's: every
 // name not in another's).
 inline bool in_namespace(const std::string& name, const std::string& prefix) {
   if (!prefix.empty()) return name.starts_with(prefix);
-  if (name.starts_with("optimizer.state.")) return false;
-  for (const char* other : {"model_", "optimizer_"}) {
-    if (!name.starts_with(other)) continue;
-    const std::size_t digits = std::strlen(other), dot = name.find('.', digits);
-    if (dot != std::string::npos && dot > digits &&
-        std::all_of(name.begin() + static_cast<std::ptrdiff_t>(digits), name.begin() + static_cast<std::ptrdiff_t>(dot),
-                    [](char c) { return c >= '0' && c <= '9'; }))
-      return false;
-  }
-  return true;
+  return !name.starts_with("optimizer.state.") && !numbered(name, "model_") && !numbered(name, "optimizer_");
 }
 
 // What one process writes: box j of each of its pieces goes into its file

@@ -13,6 +13,7 @@
 // process, naming the file.
 #pragma once
 
+#include "accel/training/checkpoint/from_python.hpp"
 #include "accel/training/checkpoint/model_items.hpp"
 #include "accel/training/checkpoint/state_items.hpp"
 
@@ -121,19 +122,6 @@ inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int
 // loaders and registered objects. Returns the saving run's layout.
 inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
   const auto manifest = read_manifest(dir);
-  const auto from_python = [&] {
-    try {
-      return holds_dcp_pieces(dir, /*python_only=*/true);
-    } catch (const std::exception&) {  // (a file that is not safetensors: the plain error below)
-      return false;
-    }
-  };
-  if (!manifest && !std::filesystem::exists(dir / file_names::manifest) && from_python())
-    throw RuntimeError(dir.string() + " holds the pieces of Python's dcp.save (HuggingFaceStorageWriter) and no " +
-                       file_names::manifest +
-                       ": not a save_state checkpoint. Its weights load with load_model "
-                       "(Accelerator::load_model for a prepared model); the optimizer's state that writer stores "
-                       "Python's own reader does not read back (torch 2.15), so it has none for us either");
   if (!manifest)
     throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
                        ", which save_state writes last, is missing, cut short or damaged");
@@ -156,23 +144,34 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
   return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
 }
 
-// 1. Recovers a half-done save of dir, then every item reads and checks
-// its files against the prepared set; nothing changes. Each file is checked
-// against its digest in the background; a failed check is the error, before
-// any other (a damaged file's parse may fail first). Returns the warnings
-// to give once the load is committed.
-inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
-                                                const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  {
-    std::string error;
-    if (ctx.process_index == 0) error = error_of([&] { recover_checkpoint(dir); });
-    fail_together(error, "accel::Accelerator::load_state");
-  }
+// Recovers a half-done save of dir; then whether dir is a checkpoint
+// Python's dcp.save wrote (checkpoint/from_python.hpp), as process 0 sees
+// it.
+inline bool recover_or_find_python(const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  int64_t python = 0;
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      recover_checkpoint(dir);
+      python = written_outside_accel(dir);
+    });
+  fail_together(error, "accel::Accelerator::load_state");
   if (!std::filesystem::is_directory(dir))
     throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+  return accel::broadcast(python, 0) != 0;
+}
+
+// 1. Every item reads and checks its files against the prepared set;
+// nothing changes. Each file is checked against its digest in the
+// background; a failed check is the error, before any other (a damaged
+// file's parse may fail first). Returns the warnings to give once the load
+// is committed.
+inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
+                                                const CheckpointContext& ctx, const std::filesystem::path& dir,
+                                                bool python) {
   std::vector<std::string> warnings;
   const std::string error = error_of([&] {
-    const SavedLayout saved = check_manifest(dir, set);
+    const SavedLayout saved = python ? outside_layout(ctx) : check_manifest(dir, set);
     CheckpointFiles files(dir, saved.manifest);
     ItemReader reader(ctx, dir, saved, files);
     try {
@@ -191,10 +190,12 @@ inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, co
 // 2. The items that can refuse as they load apply (each first keeps what
 // it would put back), and every item is put back on every process if any
 // one refuses. 3. Then every item commits. Returns the saved accumulation
-// step.
+// step (0 from Python's checkpoint, which has none).
 inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  const CheckpointItems items = checkpoint_items(set, ctx);
-  const std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir);
+  const bool python = recover_or_find_python(ctx, dir);
+  const CheckpointItems items = python ? python_checkpoint_items(set) : checkpoint_items(set, ctx);
+  std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir, python);
+  if (python) warnings.push_back(left_by_python_checkpoint(set, dir));
   const std::string error = error_of([&] {
     for (const auto& item : items) item->keep();
     for (const auto& item : items) item->apply();
@@ -208,7 +209,7 @@ inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, c
   for (const auto& item : items) item->commit();
   if (ctx.process_index == 0)
     for (const auto& warning : warnings) TORCH_WARN(warning);
-  return random_states_of(items).step();
+  return python ? 0 : random_states_of(items).step();
 }
 
 // Accelerator::save_state: into `path`, or with automatic_checkpoint_naming

@@ -248,7 +248,7 @@ inline std::optional<std::map<std::string, at::Tensor>> read_dcp_pieces(const st
 // index, as save_model and Hugging Face write it; or the pieces of Python's
 // dcp.save, read_dcp_pieces), by name; `where` gets the file that names
 // them, for errors.
-inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+inline std::map<std::string, at::Tensor> read_all_weights(const std::filesystem::path& path, std::string& where) {
   namespace fs = std::filesystem;
   std::map<std::string, at::Tensor> loaded;
   auto take = [&](const fs::path& file, const std::map<std::string, std::string>* weight_map) {
@@ -296,6 +296,13 @@ inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem:
   for (const auto& entry : weight_map)
     if (!loaded.count(entry.first))
       throw RuntimeError(where + " places " + entry.first + " in " + entry.second + ", which lacks it");
+  return loaded;
+}
+// ... but an optimizer's state (which Python's dcp.save keeps beside the
+// model, under optimizer.state.: checkpoint/from_python.hpp): the model's.
+inline std::map<std::string, at::Tensor> read_weights_dir(const std::filesystem::path& path, std::string& where) {
+  std::map<std::string, at::Tensor> loaded = read_all_weights(path, where);
+  std::erase_if(loaded, [](const auto& named) { return optimizer_state_name(named.first); });
   return loaded;
 }
 
