@@ -79,6 +79,7 @@
 //     accel/training/dp/comm_hooks.hpp                   communication hooks: GradBucket, CommHook, PowerSGD
 //     accel/training/dp/buckets.hpp                      which gradients share a bucket (DDP's assignment, with FSDP units)
 //     accel/training/dp/buffers.hpp                      the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
+//     accel/training/dp/timeline.hpp                     when each gradient bucket of the last synced backward was ready, issued, waited for and landed
 //     accel/training/dp/strategy.hpp                     Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode
 //     accel/training/dp/state.hpp                        DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks
 //     accel/training/dp/chunks.hpp                       the chunk layout sharding cuts every parameter into: S equal chunks, the last padded
@@ -10149,6 +10150,62 @@ using Lease = BufferPool::Lease;
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/dp/timeline.hpp ===========================================
+// accel/training/dp/timeline.hpp: when each gradient bucket of the last synced backward was ready, issued, waited for and landed.
+//
+// Whether communication hides behind compute is a question of times: a
+// bucket's reduction can only overlap the backward if it is issued well
+// before the backward ends and lands before anyone waits for it. The
+// engine stamps four moments per bucket in every synced backward (a clock
+// read each, nothing else), and DataParallel::bucket_timeline() returns
+// those of the last one, for benchmarks and profiling
+// (tests/bench/bench_sharding.cpp plots them: docs/benchmarks.md).
+
+#include <chrono>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::dp {
+// One bucket's moments, in ms since the backward was armed
+// (DataParallel::prepare_for_backward, just before autograd starts):
+//   ready:   its last gradient arrived;
+//   issued:  its reduction was handed to the backend (every bucket before
+//            it too: ranks issue in the same order);
+//   waiting: the engine began to wait for it (in finish(), or under
+//            sharding when one more bucket in flight would be too many);
+//   landed:  that wait returned: the reduction was complete, at the latest
+//            then (where waiting and landed are equal it had landed before
+//            anyone waited: the communication was hidden).
+// A bucket not reduced in that backward (no_sync) keeps negative times.
+struct BucketTimes {
+  double ready = -1, issued = -1, waiting = -1, landed = -1;
+  int64_t bytes = 0;  // what it reduces: its gradients and used-flags
+};
+struct BackwardTimeline {
+  std::vector<BucketTimes> buckets;
+  double finish_began = -1, finished = -1;  // DataParallel::finish(): called, returned
+};
+
+// The stamps, kept in the State: the clock's zero and the times so far.
+struct TimelineClock {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point armed{};
+  BackwardTimeline times{};
+  void arm(std::size_t buckets) {
+    armed = Clock::now();
+    times.buckets.assign(buckets, BucketTimes{});
+    times.finish_began = times.finished = -1;
+  }
+  double now() const { return std::chrono::duration<double, std::milli>(Clock::now() - armed).count(); }
+  // (a bucket index past what arm() laid out: a backward that was never armed, not recorded)
+  void stamp(std::size_t b, double BucketTimes::* moment) {
+    if (b < times.buckets.size()) times.buckets[b].*moment = now();
+  }
+};
+}  // namespace detail::dp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/dp/strategy.hpp ===========================================
 // accel/training/dp/strategy.hpp: Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode.
 //
@@ -10483,6 +10540,7 @@ struct State {
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
+  TimelineClock timeline;  // the last synced backward's moments per bucket (dp/timeline.hpp)
   // The strategy and its state (Replicated when not distributed).
   std::unique_ptr<Strategy> mode = std::make_unique<Replicated>();
 };
@@ -10580,6 +10638,17 @@ inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
 inline bool large_pieces(const ShardedBucket& bucket, int64_t element_size) {
   return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.shards.size());
 }
+// How far a fully sharded model's collectives run ahead of its compute
+// where units are small: the reduce-scatters in flight together
+// (dp/scatter.hpp's room_in_flight) and the units gathered ahead of the one
+// computing (dp/units.hpp's prefetch_ahead) hold at most this many bytes,
+// beyond the one that is always allowed. A large unit (at least this size)
+// thus keeps one of each, as FSDP2 does; small units, whose collectives
+// each cost a round trip to every peer whatever their size, do not wait
+// for one another. 4 MiB: measured with run_llama_bench.sh's `small` set
+// (units of about 200 KiB) and run_sharding_bench.sh (16 MiB units, which
+// it leaves as they were); docs/benchmarks.md has the figures.
+inline constexpr int64_t kAheadBytes = int64_t{4} << 20;
 // The dtype bucket b's gradients are reduce-scattered in.
 inline c10::ScalarType reduce_dtype(const State& s, std::size_t b) {
   return sharded(s).reduce_dtype.value_or(s.buckets[b].dtype);
@@ -10655,27 +10724,34 @@ ACCEL_NAMESPACE_END
 // too. issue_scatter starts it as soon as the bucket is complete;
 // land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers are leases from the state's pool (dp/buffers.hpp) and
-// at most scatters_in_flight() buckets are in flight: issuing one more
-// lands the oldest first, so the pool holds one or two buckets' buffers,
-// never the whole model's. A bucket
+// few buckets are in flight (room_in_flight): issuing one more lands the
+// oldest first, so the pool holds one or two large buckets' buffers, or
+// small ones' up to a few MiB, never the whole model's. A bucket
 // of large parameters on Gloo skips the laying out: its reduce-scatter runs
 // point to point from the gradients themselves (start_direct_scatter).
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-// How many buckets' reduce-scatters may be in flight at once. Each holds
-// its gradients (whole until reduced) and what it receives: about twice
-// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
-// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
-// outstanding; the bucket issued next lands it. Measured on the sharding
-// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
-// processes), one instead of two: the same FULL_SHARD step time, its peak
-// 32 MiB lower (a unit's gradient and receive buffer). Without units
-// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
-// bucket's messages also overlap the next layer's backward: one measured
-// up to 6 % slower there.
-inline std::size_t scatters_in_flight(const Sharded& z) { return z.units.list.empty() ? 2 : 1; }
+// Whether one more bucket (`bytes`) may join the `count` reduce-scatters
+// in flight (holding `in_flight` bytes of gradients) without landing the
+// oldest first. Each holds its gradients (whole until reduced) and what it
+// receives: about twice the bucket's size. Without units (SHARD_GRAD_OP,
+// whose whole parameters stay resident anyway) two, so a bucket's
+// messages also overlap the next layer's backward: one measured up to 6 %
+// slower there. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
+// chosen to save memory) as many as together hold at most kAheadBytes
+// (dp/state.hpp), and at least one: a large unit's bucket lands the one
+// before it, as FSDP2 keeps one reduce-scatter outstanding (measured on
+// the sharding benchmark, tests/bench/run_sharding_bench.sh, 16 MiB units
+// at 2 and 4 processes: the same step time as two, the peak 32 MiB lower);
+// small units' buckets stay in flight together instead of each waiting for
+// the one before, which made every small unit's backward wait for a round
+// trip to every peer (the small LLaMA of run_llama_bench.sh's `small` set).
+inline bool room_in_flight(const Sharded& z, std::size_t count, int64_t in_flight, int64_t bytes) {
+  if (z.units.list.empty()) return count < 2;
+  return count == 0 || in_flight + bytes <= kAheadBytes;
+}
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
@@ -10708,8 +10784,10 @@ inline void land_scatter(const Locked& held, std::size_t b) {
   ShardedBucket& bucket = z.buckets[b];
   at::Tensor reduced;
   try {
+    s.timeline.stamp(b, &BucketTimes::waiting);
     reduced = layout.work.wait();  // (owned_grads, or the pooled buffer it folded into)
     if (z.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, z.replicate).wait();
+    s.timeline.stamp(b, &BucketTimes::landed);
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
                            detail::error_text(e));
@@ -10801,17 +10879,23 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, std::size_t b, cons
 
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
-// first landing the oldest bucket in flight when scatters_in_flight() are.
+// first landing the oldest buckets in flight while room_in_flight says no.
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
   Sharded& z = sharded(s);
-  std::size_t in_flight = 0;
-  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(z); ++e)
+  std::size_t count = 0;
+  int64_t in_flight = 0;
+  for (std::size_t e = 0; e < b; ++e)
+    if (s.buckets[e].work.valid()) {
+      ++count;
+      in_flight += s.buckets[e].packing.bytes();
+    }
+  for (std::size_t e = 0; e < b && !room_in_flight(z, count, in_flight, s.buckets[b].packing.bytes()); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(held, e);
-      --in_flight;
+      --count;
+      in_flight -= s.buckets[e].packing.bytes();
     }
   Bucket& layout = s.buckets[b];
   ShardedBucket& bucket = z.buckets[b];
@@ -10950,6 +11034,7 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
   State& state = held.state();
   at::NoGradGuard no_grad;
   state.mode->issue(held, b);
+  state.timeline.stamp(b, &BucketTimes::issued);
   if (state.on_issued) state.on_issued(b);
 }
 
@@ -10963,7 +11048,9 @@ inline void finish_unsharded(const Locked& held) {
     Bucket& bucket = state.buckets[b];
     ReplicatedBucket& reduced = mode.buckets[b];
     try {
+      state.timeline.stamp(b, &BucketTimes::waiting);
       reduced.flat = bucket.work.wait();
+      state.timeline.stamp(b, &BucketTimes::landed);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
                              detail::error_text(e));
@@ -11027,9 +11114,11 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
     if (!s.armed || bucket.seen[index_]) return outputs;
     bucket.seen[index_] = 1;
     ++s.fired;
-    if (++bucket.ready == bucket.params.size())
+    if (++bucket.ready == bucket.params.size()) {
+      s.timeline.stamp(bucket_, &BucketTimes::ready);
       while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
         issue_bucket(held, s.next++);
+    }
     return outputs;
   }
   std::shared_ptr<State> state_;
@@ -11620,14 +11709,52 @@ inline bool& recomputing() {
   return on;
 }
 
+// Prefetching: the units in [from, to) (the ones after this in the last
+// forward, or before it in this one for the backward) gathered ahead, at
+// least the first, and more while those gathered ahead hold less than
+// kAheadBytes (dp/state.hpp: small units do not wait for each other's
+// gathers; a large one keeps one prefetch, as FSDP2's). The same on every
+// rank: it reads only the order and the units' sizes.
+template <class It>
+inline void prefetch_ahead(const Locked& held, It from, It to) {
+  const State& s = held.state();
+  int64_t ahead = 0;
+  for (It it = from; it != to && ahead < kAheadBytes; ++it) {
+    fetch(held, *it, Use::compute);
+    for (const UnitBucket& ub : sharded(s).units.list[*it].buckets) ahead += s.buckets[ub.bucket].packing.bytes();
+  }
+}
+
 // A unit's forward begins: the forward's order recorded (the first unit of
 // a forward starts a new one; the last guides prefetching), the unit's
-// parameters gathered, and the unit after it in the last forward
-// prefetched. Returns the dtype its floating-point inputs are cast to (a
+// parameters gathered, and the units after it in the last forward
+// prefetched (prefetch_ahead). Returns the dtype its floating-point inputs are cast to (a
 // policy's cast_forward_inputs) and the one its output is (output_dtype).
 struct UnitDtypes {
   std::optional<c10::ScalarType> inputs, output;
+  bool keep = false;  // the parameters stay gathered after the forward (keeps_for_backward)
 };
+// Whether unit u keeps its parameters gathered from its forward to its
+// backward instead of being gathered again: where it and the units after
+// it in the last forward (whose backwards come before its own) together
+// hold at most kAheadBytes (dp/state.hpp). The last units of a forward are
+// the first of the backward, so regathering them right after freeing them
+// only costs a collective per unit (FSDP2 likewise keeps the root's
+// parameters after the forward); small units are latency-bound, and a
+// model's last few MiB are cheap to hold. Only where a backward follows
+// (grad mode on), never while a recomputation runs, and the same on every
+// rank (the order and the sizes).
+inline bool keeps_for_backward(const Locked& held, std::size_t u) {
+  const State& s = held.state();
+  const Units& units = sharded(s).units;
+  if (!at::GradMode::is_enabled() || recomputing()) return false;
+  const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+  if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
+  int64_t bytes = 0;
+  for (auto it = at; it != units.last_order.end(); ++it)
+    for (const UnitBucket& ub : units.list[*it].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  return bytes <= kAheadBytes;
+}
 inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
   Units& units = sharded(held.state()).units;
   if (units.new_pass) {
@@ -11638,9 +11765,9 @@ inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
   if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
   materialize(held, u, Use::compute);
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
-  if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
-    fetch(held, *(at + 1), Use::compute);
-  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype};
+  if (units.prefetch_forward && !recomputing() && at != units.last_order.end())
+    prefetch_ahead(held, at + 1, units.last_order.end());
+  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype, keeps_for_backward(held, u)};
 }
 // One tensor input of unit u, cast where the policy says, and, where it
 // needs a gradient, a node of our own whose gradient means the unit's
@@ -11659,7 +11786,7 @@ inline at::Tensor unit_input(const at::Tensor& a, std::optional<c10::ScalarType>
   return in;
 }
 // Before unit u's backward (a hook on its output): its parameters gathered
-// again, and the unit before it in this forward prefetched.
+// again, and the units before it in this forward prefetched (prefetch_ahead).
 inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& weak, std::size_t u) {
   out.register_hook([weak, u](const at::Tensor&) {
     if (const auto s = weak.lock()) {
@@ -11668,8 +11795,8 @@ inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& 
       materialize(held, u, Use::compute);
       const Units& units = sharded(*s).units;
       const auto at = std::find(units.order.begin(), units.order.end(), u);
-      if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
-        fetch(held, *(at - 1), Use::compute);
+      if (units.prefetch_backward && at != units.order.end())
+        prefetch_ahead(held, std::make_reverse_iterator(at), units.order.rend());
     }
   });
 }
@@ -11692,7 +11819,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
       const Locked held(state);
       release(held, unit);
     }
-  } release_after{*state, u, !recomputing()};
+  } release_after{*state, u, !recomputing() && !dtypes.keep};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return unit_input(a, dtypes.inputs, weak, u);
@@ -12542,7 +12669,10 @@ class DataParallel {
     state_->armed = true;
     state_->next = 0;
     state_->fired = 0;
-    for (auto& bucket : state_->buckets) {
+    state_->timeline.arm(state_->buckets.size());
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
+      auto& bucket = state_->buckets[b];
+      state_->timeline.times.buckets[b].bytes = bucket.packing.bytes();
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
@@ -12571,10 +12701,12 @@ class DataParallel {
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
+    state_->timeline.times.finish_began = state_->timeline.now();
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
     state_->mode->finish(held);
+    state_->timeline.times.finished = state_->timeline.now();
     return true;
   }
 
@@ -12697,6 +12829,14 @@ class DataParallel {
   void on_bucket_issued(std::function<void(std::size_t bucket)> callback) {
     const detail::dp::Locked held(*state_);
     state_->on_issued = std::move(callback);
+  }
+  // When each bucket of the last synced backward was ready, issued, waited
+  // for and landed, and when finish() ran (ms since prepare_for_backward;
+  // detail::dp::BucketTimes says what each moment is): whether the
+  // communication hid behind the backward, for benchmarks and profiling.
+  detail::dp::BackwardTimeline bucket_timeline() const {
+    const detail::dp::Locked held(*state_);
+    return state_->timeline.times;
   }
 
  private:

@@ -420,6 +420,29 @@ TEST_SUITE("ranks") {
     CHECK(identical_across_ranks(*model, dp->group()));
     at::Tensor grads = accel::all_gather(model->parameters()[0].grad().reshape({-1}), dp->group());
     CHECK(at::equal(grads[0], grads[grads.size(0) - 1]));  // averaged: the same everywhere
+    // The bucket timeline of that backward: every bucket ready, issued, waited for and landed in that order,
+    // issued in bucket order, the waits inside finish(); the first issued before the input's gradient.
+    const accel::detail::dp::BackwardTimeline timeline = dp->bucket_timeline();
+    REQUIRE(timeline.buckets.size() == dp->bucket_count());
+    CHECK(timeline.finish_began >= 0);
+    CHECK(timeline.finished >= timeline.finish_began);
+    int64_t bytes = 0;
+    for (std::size_t b = 0; b < timeline.buckets.size(); ++b) {
+      const auto& t = timeline.buckets[b];
+      CAPTURE(b);
+      CHECK(t.ready >= 0);
+      CHECK(t.issued >= t.ready);
+      CHECK(t.waiting >= std::max(t.issued, timeline.finish_began));
+      CHECK(t.landed >= t.waiting);
+      CHECK(t.landed <= timeline.finished);
+      if (b > 0) CHECK(t.issued >= timeline.buckets[b - 1].issued);
+      bytes += t.bytes;
+    }
+    int64_t gradient_bytes = 0;  // (plus one used-flag per parameter in each bucket)
+    for (const auto& p : model->parameters()) gradient_bytes += p.numel() * 4;
+    CHECK(bytes >= gradient_bytes);
+    CHECK(bytes <= gradient_bytes + 4 * static_cast<int64_t>(model->parameters().size()));
+    CHECK(timeline.buckets.front().issued < timeline.finish_began);  // (during the backward)
   }
 
   TEST_CASE("unused parameters: untouched when no rank used them (as DDP), averaged when some rank did") {

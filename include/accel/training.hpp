@@ -57,6 +57,7 @@
 #include "accel/training/dp/comm_hooks.hpp"
 #include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/buffers.hpp"
+#include "accel/training/dp/timeline.hpp"
 #include "accel/training/dp/strategy.hpp"
 #include "accel/training/dp/state.hpp"
 #include "accel/training/dp/chunks.hpp"

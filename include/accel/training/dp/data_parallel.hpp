@@ -162,7 +162,10 @@ class DataParallel {
     state_->armed = true;
     state_->next = 0;
     state_->fired = 0;
-    for (auto& bucket : state_->buckets) {
+    state_->timeline.arm(state_->buckets.size());
+    for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
+      auto& bucket = state_->buckets[b];
+      state_->timeline.times.buckets[b].bytes = bucket.packing.bytes();
       bucket.ready = 0;
       std::fill(bucket.seen.begin(), bucket.seen.end(), 0);
       bucket.work = {};  // (a Work left from a backward that never finished is waited for)
@@ -191,10 +194,12 @@ class DataParallel {
     if (!state_->armed) return false;
     state_->armed = false;
     if (state_->fired == 0 && !always) return false;
+    state_->timeline.times.finish_began = state_->timeline.now();
     for (std::size_t b = state_->next; b < state_->buckets.size(); ++b) detail::dp::issue_bucket(held, b);
     state_->next = state_->buckets.size();
     at::NoGradGuard no_grad;
     state_->mode->finish(held);
+    state_->timeline.times.finished = state_->timeline.now();
     return true;
   }
 
@@ -317,6 +322,14 @@ class DataParallel {
   void on_bucket_issued(std::function<void(std::size_t bucket)> callback) {
     const detail::dp::Locked held(*state_);
     state_->on_issued = std::move(callback);
+  }
+  // When each bucket of the last synced backward was ready, issued, waited
+  // for and landed, and when finish() ran (ms since prepare_for_backward;
+  // detail::dp::BucketTimes says what each moment is): whether the
+  // communication hid behind the backward, for benchmarks and profiling.
+  detail::dp::BackwardTimeline bucket_timeline() const {
+    const detail::dp::Locked held(*state_);
+    return state_->timeline.times;
   }
 
  private:

@@ -84,6 +84,7 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
   State& state = held.state();
   at::NoGradGuard no_grad;
   state.mode->issue(held, b);
+  state.timeline.stamp(b, &BucketTimes::issued);
   if (state.on_issued) state.on_issued(b);
 }
 
@@ -97,7 +98,9 @@ inline void finish_unsharded(const Locked& held) {
     Bucket& bucket = state.buckets[b];
     ReplicatedBucket& reduced = mode.buckets[b];
     try {
+      state.timeline.stamp(b, &BucketTimes::waiting);
       reduced.flat = bucket.work.wait();
+      state.timeline.stamp(b, &BucketTimes::landed);
     } catch (const DistributedError& e) {
       throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
                              detail::error_text(e));
@@ -161,9 +164,11 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
     if (!s.armed || bucket.seen[index_]) return outputs;
     bucket.seen[index_] = 1;
     ++s.fired;
-    if (++bucket.ready == bucket.params.size())
+    if (++bucket.ready == bucket.params.size()) {
+      s.timeline.stamp(bucket_, &BucketTimes::ready);
       while (s.next < s.buckets.size() && s.buckets[s.next].ready == s.buckets[s.next].params.size())
         issue_bucket(held, s.next++);
+    }
     return outputs;
   }
   std::shared_ptr<State> state_;

@@ -7,9 +7,9 @@
 // too. issue_scatter starts it as soon as the bucket is complete;
 // land_scatter waits for it and gives the averaged chunks to the shards'
 // gradients. The buffers are leases from the state's pool (dp/buffers.hpp) and
-// at most scatters_in_flight() buckets are in flight: issuing one more
-// lands the oldest first, so the pool holds one or two buckets' buffers,
-// never the whole model's. A bucket
+// few buckets are in flight (room_in_flight): issuing one more lands the
+// oldest first, so the pool holds one or two large buckets' buffers, or
+// small ones' up to a few MiB, never the whole model's. A bucket
 // of large parameters on Gloo skips the laying out: its reduce-scatter runs
 // point to point from the gradients themselves (start_direct_scatter).
 #pragma once
@@ -21,18 +21,25 @@
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
-// How many buckets' reduce-scatters may be in flight at once. Each holds
-// its gradients (whole until reduced) and what it receives: about twice
-// the bucket's size. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
-// chosen to save memory) one, as FSDP2 keeps one reduce-scatter
-// outstanding; the bucket issued next lands it. Measured on the sharding
-// benchmark (tests/bench/run_sharding_bench.sh: 16 MiB units, 2 and 4
-// processes), one instead of two: the same FULL_SHARD step time, its peak
-// 32 MiB lower (a unit's gradient and receive buffer). Without units
-// (SHARD_GRAD_OP, whose whole parameters stay resident anyway) two, so a
-// bucket's messages also overlap the next layer's backward: one measured
-// up to 6 % slower there.
-inline std::size_t scatters_in_flight(const Sharded& z) { return z.units.list.empty() ? 2 : 1; }
+// Whether one more bucket (`bytes`) may join the `count` reduce-scatters
+// in flight (holding `in_flight` bytes of gradients) without landing the
+// oldest first. Each holds its gradients (whole until reduced) and what it
+// receives: about twice the bucket's size. Without units (SHARD_GRAD_OP,
+// whose whole parameters stay resident anyway) two, so a bucket's
+// messages also overlap the next layer's backward: one measured up to 6 %
+// slower there. With fully sharded units (FULL_SHARD, HYBRID_SHARD:
+// chosen to save memory) as many as together hold at most kAheadBytes
+// (dp/state.hpp), and at least one: a large unit's bucket lands the one
+// before it, as FSDP2 keeps one reduce-scatter outstanding (measured on
+// the sharding benchmark, tests/bench/run_sharding_bench.sh, 16 MiB units
+// at 2 and 4 processes: the same step time as two, the peak 32 MiB lower);
+// small units' buckets stay in flight together instead of each waiting for
+// the one before, which made every small unit's backward wait for a round
+// trip to every peer (the small LLaMA of run_llama_bench.sh's `small` set).
+inline bool room_in_flight(const Sharded& z, std::size_t count, int64_t in_flight, int64_t bytes) {
+  if (z.units.list.empty()) return count < 2;
+  return count == 0 || in_flight + bytes <= kAheadBytes;
+}
 
 // A bucket's pooled buffers given back (after its reduce-scatter landed, or
 // was waited for and dropped).
@@ -65,8 +72,10 @@ inline void land_scatter(const Locked& held, std::size_t b) {
   ShardedBucket& bucket = z.buckets[b];
   at::Tensor reduced;
   try {
+    s.timeline.stamp(b, &BucketTimes::waiting);
     reduced = layout.work.wait();  // (owned_grads, or the pooled buffer it folded into)
     if (z.replicate) reduced = all_reduce_async(reduced, ReduceOp::SUM, z.replicate).wait();
+    s.timeline.stamp(b, &BucketTimes::landed);
   } catch (const DistributedError& e) {
     throw DistributedError(std::string("accel::DataParallel: a gradient bucket's reduction failed: ") +
                            detail::error_text(e));
@@ -158,17 +167,23 @@ inline Work<at::Tensor> start_direct_scatter(const State& s, std::size_t b, cons
 
 // Lays bucket b's gradients out rank after rank (pre-divided by the number
 // of replicas, as DDP does) and starts its reduce-scatter without waiting,
-// first landing the oldest bucket in flight when scatters_in_flight() are.
+// first landing the oldest buckets in flight while room_in_flight says no.
 // Large buckets on Gloo go point to point instead (start_direct_scatter).
 inline void issue_scatter(const Locked& held, std::size_t b) {
   State& s = held.state();
   Sharded& z = sharded(s);
-  std::size_t in_flight = 0;
-  for (std::size_t e = 0; e < b; ++e) in_flight += s.buckets[e].work.valid() ? 1 : 0;
-  for (std::size_t e = 0; e < b && in_flight >= scatters_in_flight(z); ++e)
+  std::size_t count = 0;
+  int64_t in_flight = 0;
+  for (std::size_t e = 0; e < b; ++e)
+    if (s.buckets[e].work.valid()) {
+      ++count;
+      in_flight += s.buckets[e].packing.bytes();
+    }
+  for (std::size_t e = 0; e < b && !room_in_flight(z, count, in_flight, s.buckets[b].packing.bytes()); ++e)
     if (s.buckets[e].work.valid()) {
       land_scatter(held, e);
-      --in_flight;
+      --count;
+      in_flight -= s.buckets[e].packing.bytes();
     }
   Bucket& layout = s.buckets[b];
   ShardedBucket& bucket = z.buckets[b];

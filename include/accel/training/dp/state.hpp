@@ -15,6 +15,7 @@
 #include "accel/training/dp/strategy.hpp"
 #include "accel/training/dp/buckets.hpp"
 #include "accel/training/dp/buffers.hpp"
+#include "accel/training/dp/timeline.hpp"
 #include "accel/training/parameters.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -226,6 +227,7 @@ struct State {
   std::size_t fired = 0;  // parameters whose gradient arrived in the armed backward
   bool armed = false, alive = true;
   std::function<void(std::size_t)> on_issued;
+  TimelineClock timeline;  // the last synced backward's moments per bucket (dp/timeline.hpp)
   // The strategy and its state (Replicated when not distributed).
   std::unique_ptr<Strategy> mode = std::make_unique<Replicated>();
 };
@@ -323,6 +325,17 @@ inline constexpr int64_t kPieceBytes = int64_t{256} << 10;
 inline bool large_pieces(const ShardedBucket& bucket, int64_t element_size) {
   return bucket.owned.numel() * element_size >= kPieceBytes * static_cast<int64_t>(bucket.shards.size());
 }
+// How far a fully sharded model's collectives run ahead of its compute
+// where units are small: the reduce-scatters in flight together
+// (dp/scatter.hpp's room_in_flight) and the units gathered ahead of the one
+// computing (dp/units.hpp's prefetch_ahead) hold at most this many bytes,
+// beyond the one that is always allowed. A large unit (at least this size)
+// thus keeps one of each, as FSDP2 does; small units, whose collectives
+// each cost a round trip to every peer whatever their size, do not wait
+// for one another. 4 MiB: measured with run_llama_bench.sh's `small` set
+// (units of about 200 KiB) and run_sharding_bench.sh (16 MiB units, which
+// it leaves as they were); docs/benchmarks.md has the figures.
+inline constexpr int64_t kAheadBytes = int64_t{4} << 20;
 // The dtype bucket b's gradients are reduce-scattered in.
 inline c10::ScalarType reduce_dtype(const State& s, std::size_t b) {
   return sharded(s).reduce_dtype.value_or(s.buckets[b].dtype);

@@ -103,14 +103,52 @@ inline bool& recomputing() {
   return on;
 }
 
+// Prefetching: the units in [from, to) (the ones after this in the last
+// forward, or before it in this one for the backward) gathered ahead, at
+// least the first, and more while those gathered ahead hold less than
+// kAheadBytes (dp/state.hpp: small units do not wait for each other's
+// gathers; a large one keeps one prefetch, as FSDP2's). The same on every
+// rank: it reads only the order and the units' sizes.
+template <class It>
+inline void prefetch_ahead(const Locked& held, It from, It to) {
+  const State& s = held.state();
+  int64_t ahead = 0;
+  for (It it = from; it != to && ahead < kAheadBytes; ++it) {
+    fetch(held, *it, Use::compute);
+    for (const UnitBucket& ub : sharded(s).units.list[*it].buckets) ahead += s.buckets[ub.bucket].packing.bytes();
+  }
+}
+
 // A unit's forward begins: the forward's order recorded (the first unit of
 // a forward starts a new one; the last guides prefetching), the unit's
-// parameters gathered, and the unit after it in the last forward
-// prefetched. Returns the dtype its floating-point inputs are cast to (a
+// parameters gathered, and the units after it in the last forward
+// prefetched (prefetch_ahead). Returns the dtype its floating-point inputs are cast to (a
 // policy's cast_forward_inputs) and the one its output is (output_dtype).
 struct UnitDtypes {
   std::optional<c10::ScalarType> inputs, output;
+  bool keep = false;  // the parameters stay gathered after the forward (keeps_for_backward)
 };
+// Whether unit u keeps its parameters gathered from its forward to its
+// backward instead of being gathered again: where it and the units after
+// it in the last forward (whose backwards come before its own) together
+// hold at most kAheadBytes (dp/state.hpp). The last units of a forward are
+// the first of the backward, so regathering them right after freeing them
+// only costs a collective per unit (FSDP2 likewise keeps the root's
+// parameters after the forward); small units are latency-bound, and a
+// model's last few MiB are cheap to hold. Only where a backward follows
+// (grad mode on), never while a recomputation runs, and the same on every
+// rank (the order and the sizes).
+inline bool keeps_for_backward(const Locked& held, std::size_t u) {
+  const State& s = held.state();
+  const Units& units = sharded(s).units;
+  if (!at::GradMode::is_enabled() || recomputing()) return false;
+  const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
+  if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
+  int64_t bytes = 0;
+  for (auto it = at; it != units.last_order.end(); ++it)
+    for (const UnitBucket& ub : units.list[*it].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  return bytes <= kAheadBytes;
+}
 inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
   Units& units = sharded(held.state()).units;
   if (units.new_pass) {
@@ -121,9 +159,9 @@ inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
   if (std::find(units.order.begin(), units.order.end(), u) == units.order.end()) units.order.push_back(u);
   materialize(held, u, Use::compute);
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
-  if (units.prefetch_forward && !recomputing() && at != units.last_order.end() && at + 1 != units.last_order.end())
-    fetch(held, *(at + 1), Use::compute);
-  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype};
+  if (units.prefetch_forward && !recomputing() && at != units.last_order.end())
+    prefetch_ahead(held, at + 1, units.last_order.end());
+  return {units.cast_inputs ? computes_in(held, u) : std::nullopt, units.output_dtype, keeps_for_backward(held, u)};
 }
 // One tensor input of unit u, cast where the policy says, and, where it
 // needs a gradient, a node of our own whose gradient means the unit's
@@ -142,7 +180,7 @@ inline at::Tensor unit_input(const at::Tensor& a, std::optional<c10::ScalarType>
   return in;
 }
 // Before unit u's backward (a hook on its output): its parameters gathered
-// again, and the unit before it in this forward prefetched.
+// again, and the units before it in this forward prefetched (prefetch_ahead).
 inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& weak, std::size_t u) {
   out.register_hook([weak, u](const at::Tensor&) {
     if (const auto s = weak.lock()) {
@@ -151,8 +189,8 @@ inline void gather_before_backward(at::Tensor& out, const std::weak_ptr<State>& 
       materialize(held, u, Use::compute);
       const Units& units = sharded(*s).units;
       const auto at = std::find(units.order.begin(), units.order.end(), u);
-      if (units.prefetch_backward && at != units.order.end() && at != units.order.begin())
-        fetch(held, *(at - 1), Use::compute);
+      if (units.prefetch_backward && at != units.order.end())
+        prefetch_ahead(held, std::make_reverse_iterator(at), units.order.rend());
     }
   });
 }
@@ -175,7 +213,7 @@ inline auto unit_call(const torch::nn::Module* module, Fn&& fn, Args&&... args) 
       const Locked held(state);
       release(held, unit);
     }
-  } release_after{*state, u, !recomputing()};
+  } release_after{*state, u, !recomputing() && !dtypes.keep};
   const std::weak_ptr<State> weak = state;
   auto enter = [&]<class A>(A&& a) -> decltype(auto) {
     if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) return unit_input(a, dtypes.inputs, weak, u);
