@@ -95,12 +95,16 @@ TEST_SUITE("ranks") {
         }
         if (shards) {  // collectives per step on the shard group: nothing gathered twice
           // ZeRO-2: a reduce-scatter and an all-gather per bucket (one here), the norm's all-reduce.
-          // FULL_SHARD: per unit and micro-step an all-gather for forward and one for backward, and per unit
-          // a reduce-scatter; the norm's all-reduce. (An all-gather point to point: see above.)
+          // FULL_SHARD: per unit and micro-step an all-gather for forward, and per unit a reduce-scatter;
+          // the norm's all-reduce. These units are small (kAheadBytes, dp/state.hpp), so each keeps its
+          // parameters from its forward to its backward, except in the very first forward, which has no
+          // order of units yet to judge by: its units are gathered again for their backward. (An all-gather
+          // point to point: see above.)
           const bool direct = shards->getBackendName() == "gloo" && accelerator.device().is_cpu();
           const int64_t per_gather = direct ? 2 * (shards->getSize() - 1) * numbered_per_message : 1;
           const int64_t collectives = shards->getSequenceNumberForGroup() - sequence;
-          CHECK(collectives == (full ? 3 * 2 * micro : 1) * per_gather + (full ? 3 : 1) + 1);
+          const int64_t unit_gathers = micro + (step == 0 ? 1 : 0);
+          CHECK(collectives == (full ? 3 * unit_gathers : 1) * per_gather + (full ? 3 : 1) + 1);
         }
         local_optimizer->zero_grad();
         torch::mse_loss(local(x), y).backward();
@@ -235,13 +239,15 @@ TEST_SUITE("ranks") {
       // ZeRO-2: buckets in reverse order of parameters() (the gain, a block's own parameter, comes first
       // there), the first closed once it reaches 1 MiB, as DDP's: the head's bias and weight and the
       // linear's bias and weight directly; the gain alone in a second bucket, through rows. FULL_SHARD:
-      // the block (weight, bias, gain) directly, gathered twice; the head through rows, gathered twice.
+      // the block (weight, bias, gain) directly, gathered twice; the head through rows, gathered twice in
+      // the first step and once after: the last unit of the forward and small (kAheadBytes, dp/state.hpp),
+      // it keeps its parameters for its backward once the engine knows the order of the units.
       CHECK(accelerator.data_parallel(model)->bucket_count() == 2u);
       const int64_t direct = full ? 2 * messages(2, 1) + scattered(2, 1) : messages(3, 1) + scattered(3, 1);
-      const int64_t rows = full ? 2 * 2 * (S - 1) : 2 * (S - 1);
-      const int64_t per_step = (direct + rows) * numbered + 1;
       auto generator = at::detail::createCPUGenerator(13);
       for (int step = 0; step < 3; ++step) {
+        const int64_t rows = full ? (step == 0 ? 2 : 1) * 2 * (S - 1) : 2 * (S - 1);
+        const int64_t per_step = (direct + rows) * numbered + 1;
         const at::Tensor x = at::randn({2 * P, 1023}, generator), y = at::randn({2 * P, 1}, generator);
         const int64_t sequence = shards->getSequenceNumberForGroup();
         prepared.zero_grad();
