@@ -21,7 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single  # autograd-aware (deprecated in 2.x for _functional_collectives)
 
-LAYERS, HIDDEN, INTERMEDIATE, SEQ, BATCH, VOCAB = 4, 128, 352, 128, 16, 256
+LAYERS, SEQ, BATCH, VOCAB = 4, 128, 16, 256
+# train_llama's --hidden 128 --intermediate 352; BENCH_LLAMA_HIDDEN / _INTERMEDIATE give run_llama_bench.sh's small set.
+HIDDEN, INTERMEDIATE = int(os.environ.get("BENCH_LLAMA_HIDDEN", "128")), int(os.environ.get("BENCH_LLAMA_INTERMEDIATE", "352"))
 # train_llama's 4 heads sharing 2 key/value heads; run_llama_bench.sh's tp set takes 8 and 4 (tp 4 splits them).
 HEADS, KV_HEADS = int(os.environ.get("BENCH_LLAMA_HEADS", "4")), int(os.environ.get("BENCH_LLAMA_KV_HEADS", "2"))
 

@@ -24,7 +24,13 @@
 // a (2, world / 2) model mesh (HSDP: units sharded along the second
 // dimension, replicated along the first; an even world of 4 or more).
 //
-//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16|hybrid_shard>[_fused] <trials> <steps>
+// forward_ms, backward_ms (with finish(): the wait for the reduction),
+// optimizer_ms: the step's phases, medians. Every process prints the last
+// step's bucket timeline (TIMELINE lines, see print_timeline). With
+// "collectives" after <steps>: then the step's collectives alone (see
+// time_collectives_alone).
+//
+//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16|hybrid_shard>[_fused] <trials> <steps> [collectives]
 //     bench_sharding <variant> <trials> checkpoint
 //
 // checkpoint: instead of the step figures, save_state and load_state of the
@@ -40,6 +46,8 @@
 #include "../counting_allocator.hpp"
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -63,11 +71,131 @@ double resident_mb(const std::string& field = "VmRSS") {
   return std::nan("");
 }
 void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }  // VmHWM starts again from VmRSS
+
 // CPU time of every thread of this process so far, ms (Python's time.process_time()).
 double process_cpu_ms() {
   timespec now{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &now);
   return static_cast<double>(now.tv_sec) * 1e3 + static_cast<double>(now.tv_nsec) / 1e6;
+}
+// The last step's bucket timeline (DataParallel::bucket_timeline), on every
+// process, as lines
+//     TIMELINE,<world>,<variant>,<rank>,<bucket>,<bytes>,<ready>,<issued>,<waiting>,<landed>,<forward_ms>,<backward_ms>,<finish_began>
+// in ms since the backward was armed; the forward ran the <forward_ms> before
+// that, and the backward (with finish) took <backward_ms>. tests/bench/plot_timeline.sh
+// draws them. Printed in rank order (one process at a time, a barrier between).
+void print_timeline(accel::Accelerator& accelerator, const accel::detail::dp::BackwardTimeline& timeline,
+                    const std::array<double, 3>& phases, const std::string& variant) {
+  for (int rank = 0; rank < accelerator.num_processes(); ++rank) {
+    if (rank == accelerator.process_index()) {
+      for (std::size_t b = 0; b < timeline.buckets.size(); ++b) {
+        const auto& t = timeline.buckets[b];
+        std::printf("TIMELINE,%d,%s,%d,%zu,%lld,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f,%.3f\n", accelerator.num_processes(),
+                    variant.c_str(), rank, b, static_cast<long long>(t.bytes), t.ready, t.issued, t.waiting, t.landed,
+                    phases[0], phases[1], timeline.finish_began);
+      }
+      std::fflush(stdout);
+    }
+    accelerator.wait_for_everyone();
+  }
+}
+
+// The step's collectives alone, with no compute: the same buckets (their
+// sizes from the last step's timeline), each issued as the step issues it,
+// all waited for at the end; wall and CPU time per process per step
+// (medians of `trials` rounds of `steps`):
+//   NO_SHARD: each bucket all-reduced by Gloo (what the step runs), and, to
+//     measure whether the engine's point-to-point exchange would be faster,
+//     as a reduce-scatter then an all-gather point to point (half the
+//     bucket each way to each peer: the same bytes as a ring);
+//   FULL_SHARD and HYBRID_SHARD: each unit's bucket gathered twice (forward,
+//     backward) and reduce-scattered, point to point as the engine runs them
+//     (the replicate group's all-reduce of HSDP left out); SHARD_GRAD_OP
+//     each bucket reduce-scattered and gathered once.
+// Lines: CSV,sharding_collectives_ms / sharding_collectives_cpu_ms,<world>,<variant>[_p2p],...
+void time_collectives_alone(accel::Accelerator& accelerator, const accel::DataParallel& dp, const std::string& variant,
+                            int trials, int steps) {
+  namespace ad = accel::detail;
+  const accel::GroupPtr group = dp.sharded() ? dp.shard_group() : dp.group();
+  c10d::ProcessGroup& g = *group;
+  const int S = g.getSize(), me = g.getRank();
+  std::vector<at::Tensor> buffers, rows;
+  for (const auto& t : dp.bucket_timeline().buckets) {
+    const int64_t n = (t.bytes / 4 + S - 1) / S * S;  // (float32, whole chunks)
+    buffers.push_back(at::randn({n}));
+    rows.push_back(at::empty({S, n / S}));
+  }
+  // One bucket point to point: phase 1 sends each peer its chunk (reduce-scatter) or this rank's chunk to every
+  // peer (all-gather). A distinct tag per bucket and phase: nothing else runs on these ranks meanwhile.
+  auto exchange = [&](std::size_t k, bool scatter) {
+    const int64_t c = rows[k].size(1);
+    return ad::start_exchange_pieces(
+        g, 1, [&](int to, std::size_t) { return buffers[k].narrow(0, (scatter ? to : me) * c, c); },
+        [&](int from, std::size_t) { return scatter ? rows[k][from] : buffers[k].narrow(0, from * c, c); },
+        1000 + 2 * static_cast<int>(k) + (scatter ? 0 : 1), scatter ? ad::kDirectScatter : ad::kDirectGather);
+  };
+  auto fold = [&](std::size_t k) {
+    const int64_t c = rows[k].size(1);
+    rows[k][me].copy_(buffers[k].narrow(0, me * c, c));
+    at::Tensor mine = buffers[k].narrow(0, me * c, c);
+    at::sum_out(mine, rows[k], {0});
+  };
+  using Waits = std::vector<std::function<void()>>;
+  auto keep = [](Waits& waits, auto pending) {
+    auto held = std::make_shared<decltype(pending)>(std::move(pending));
+    waits.push_back([held] { held->wait(); });
+  };
+  auto one_step = [&](bool p2p) {
+    Waits waits;
+    if (!dp.sharded() && !p2p) {
+      for (auto& b : buffers) keep(waits, accel::all_reduce_async(b, accel::ReduceOp::SUM, group));
+    } else if (!dp.sharded()) {  // reduce-scatter all, then each folded and all-gathered
+      for (std::size_t k = 0; k < buffers.size(); ++k) keep(waits, exchange(k, true));
+      Waits gathers;
+      for (std::size_t k = 0; k < buffers.size(); ++k) {
+        waits[k]();
+        fold(k);
+        keep(gathers, exchange(k, false));
+      }
+      waits = std::move(gathers);
+    } else {
+      const int gathers = dp.unit_count() > 0 ? 2 : 1;
+      for (int pass = 0; pass < gathers; ++pass)  // (forward, then backward: each unit gathered as it runs)
+        for (std::size_t k = 0; k < buffers.size(); ++k) exchange(k, false).wait();
+      for (std::size_t k = 0; k < buffers.size(); ++k) {
+        keep(waits, exchange(k, true));
+        if (k > 0) waits[k - 1]();
+        if (k > 0) fold(k - 1);
+      }
+      waits.back()();
+      fold(buffers.size() - 1);
+      waits.clear();
+    }
+    for (auto& wait : waits) wait();
+  };
+  for (const bool p2p : {false, true}) {
+    if (p2p && dp.sharded()) continue;  // (the sharded step is point to point already)
+    one_step(p2p);  // warm-up
+    std::vector<double> wall, cpu;
+    for (int t = 0; t < trials; ++t) {
+      accelerator.wait_for_everyone();
+      const double cpu_start = process_cpu_ms();
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) one_step(p2p);
+      wall.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+                     steps);
+      cpu.push_back((process_cpu_ms() - cpu_start) / steps);
+    }
+    std::sort(wall.begin(), wall.end());
+    std::sort(cpu.begin(), cpu.end());
+    const double w = accel::all_reduce(wall[wall.size() / 2], accel::ReduceOp::MAX),
+                 c = accel::all_reduce(cpu[cpu.size() / 2], accel::ReduceOp::SUM) / accelerator.num_processes();
+    if (accelerator.is_main_process())
+      for (const auto& [figure, value] : {std::pair{"collectives_ms", w}, std::pair{"collectives_cpu_ms", c}})
+        std::printf("CSV,sharding_%s,%d,%s%s,0,%.6g,ms\n", figure, accelerator.num_processes(), variant.c_str(),
+                    p2p ? "_p2p" : "", value);
+    std::fflush(stdout);
+  }
 }
 }  // namespace
 
@@ -77,6 +205,7 @@ int main(int argc, char** argv) {
   const std::string strategy = fused ? variant_name.substr(0, variant_name.size() - 6) : variant_name;
   const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
   const bool checkpoint = argc > 3 && std::string(argv[3]) == "checkpoint";
+  const bool collectives_alone = argc > 4 && std::string(argv[4]) == "collectives";
   const int steps = argc > 3 && !checkpoint ? std::stoi(argv[3]) : 5;
   accel_test::CountingAllocator& counting = accel_test::CountingAllocator::instance();  // counts to the end
   counting.install();
@@ -112,12 +241,23 @@ int main(int argc, char** argv) {
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
   const at::Tensor x = at::randn({kBatch, kWidth}, generator).to(device),
                    y = at::randn({kBatch, kWidth}, generator).to(device);
+  // Each step's phases (ms): forward, backward (with the reduction's wait, finish()), optimizer step.
+  std::vector<std::array<double, 3>> phases;
   auto step = [&] {
+    using Clock = std::chrono::steady_clock;
     optimizer.zero_grad(/*set_to_none=*/true);
-    accelerator.backward(torch::mse_loss(accel::unit_forward(model, x).to(at::kFloat), y));  // (bf16 out: fp32 loss)
+    const auto t0 = Clock::now();
+    const at::Tensor loss = torch::mse_loss(accel::unit_forward(model, x).to(at::kFloat), y);  // (bf16 out: fp32 loss)
+    const auto t1 = Clock::now();
+    accelerator.backward(loss);
+    const auto t2 = Clock::now();
     optimizer.step();
+    const auto t3 = Clock::now();
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    phases.push_back({ms(t0, t1), ms(t1, t2), ms(t2, t3)});
   };
   for (int i = 0; i < 2; ++i) step();  // warm-up: optimizer state exists
+
   if (checkpoint) {
     namespace fs = std::filesystem;
     const char* base = std::getenv("ACCEL_BENCH_CHECKPOINT_DIR");
@@ -181,6 +321,7 @@ int main(int argc, char** argv) {
   const double rss_between = resident_mb();
   if (!device.is_cuda()) reset_peak_resident();
   std::vector<double> times;
+  phases.clear();
   counting.reset_peak();
   const double cpu_start = process_cpu_ms();
   for (int t = 0; t < trials; ++t) {
@@ -218,6 +359,16 @@ int main(int argc, char** argv) {
     report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB");
   }
   report("step_ms", times[times.size() / 2], "ms");
+  for (std::size_t k = 0; k < 3; ++k) {  // the phases' medians (the slowest process's)
+    std::vector<double> phase;
+    for (const auto& p : phases) phase.push_back(p[k]);
+    std::sort(phase.begin(), phase.end());
+    report(k == 0 ? "forward_ms" : k == 1 ? "backward_ms" : "optimizer_ms", phase[phase.size() / 2], "ms");
+  }
+  if (const accel::DataParallel* dp = accelerator.data_parallel(model); dp && dp->distributed()) {
+    print_timeline(accelerator, dp->bucket_timeline(), phases.back(), variant);
+    if (collectives_alone) time_collectives_alone(accelerator, *dp, variant, trials, steps);
+  }
   report("cpu_ms", cpu_per_step, "ms", accel::ReduceOp::SUM);  // all processes together
   std::fflush(stdout);
   accel::DistributedInterface::instance().destroy();

@@ -19,7 +19,11 @@ GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. no_shard_fused
 and zero_fused: the same with Adam(fused=True), as bench_sharding.cpp's
 accel::FusedAdam variants. Run under tests/launch.cpp.
 
-    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16|fsdp2_hybrid_shard>[_fused] <trials> <steps>
+forward_ms, backward_ms and optimizer_ms are the step's phases (medians).
+With "collectives" after <steps> (no_shard): DDP's all-reduces alone, as
+bench_sharding.cpp's collectives mode (collectives_ms, collectives_cpu_ms).
+
+    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16|fsdp2_hybrid_shard>[_fused] <trials> <steps> [collectives]
 """
 
 import os
@@ -47,6 +51,30 @@ def resident_mb(field="VmRSS"):
 def reset_peak_resident():
     with open("/proc/self/clear_refs", "w") as f:  # "5": the peak (VmHWM) starts again from VmRSS
         f.write("5")
+
+
+def collectives_alone(ddp, trials, steps, report):
+    """DDP's all-reduces alone, with no compute: its buckets' sizes (DDP's logging data), each all-reduced by
+    Gloo, issued in order and waited for at the end; wall (the slowest process) and CPU time per process per
+    step, medians of the trials: bench_sharding.cpp's collectives mode."""
+    sizes = [int(b) for b in str(ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(",") if b.strip()]
+    buffers = [torch.randn(max(1, b // 4)) for b in sizes]  # (bytes of float32 gradients)
+
+    def one_step():
+        for work in [dist.all_reduce(b, async_op=True) for b in buffers]:
+            work.wait()
+
+    one_step()
+    wall, cpu = [], []
+    for _ in range(trials):
+        dist.barrier()
+        cpu_start, start = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            one_step()
+        wall.append((time.perf_counter() - start) / steps * 1e3)
+        cpu.append((time.process_time() - cpu_start) / steps * 1e3)
+    report("collectives_ms", statistics.median(wall), "ms")
+    report("collectives_cpu_ms", statistics.median(cpu) / dist.get_world_size(), "ms", dist.ReduceOp.SUM)
 
 
 def main():
@@ -97,10 +125,17 @@ def main():
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     x, y = torch.randn(BATCH, WIDTH, generator=g).to(device), torch.randn(BATCH, WIDTH, generator=g).to(device)
 
+    phases = []  # per step: forward, backward (with DDP's wait for its all-reduces), optimizer step; ms
+
     def step():
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(ddp(x), y).backward()
+        t0 = time.perf_counter()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         optimizer.step()
+        phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
 
     for _ in range(2):
         step()
@@ -115,6 +150,7 @@ def main():
     if not cuda:
         reset_peak_resident()
     times = []
+    phases.clear()
     cpu_start = time.process_time()  # every thread of this process: bench_sharding.cpp's cpu_ms
     for _ in range(trials):
         dist.barrier()
@@ -140,6 +176,10 @@ def main():
         report("rss_between_mb", rss_between - rss_before, "MiB")
         report("rss_peak_mb", resident_mb("VmHWM") - rss_before, "MiB")
     report("step_ms", statistics.median(times), "ms")
+    for k, name in enumerate(("forward_ms", "backward_ms", "optimizer_ms")):
+        report(name, statistics.median(p[k] for p in phases), "ms")
+    if kind == "no_shard" and not cuda and len(sys.argv) > 4 and sys.argv[4] == "collectives":
+        collectives_alone(ddp, trials, steps, report)
     report("cpu_ms", cpu_per_step, "ms", dist.ReduceOp.SUM)  # all processes together
     # Every figure is out. No teardown: torch 1.13's can deadlock when a DDP model goes (seen at 4 processes: the
     # main thread in ~Reducer -> ~ProcessGroupGloo waiting for the group's mutex while its worker thread, holding

@@ -2,7 +2,8 @@
 # the launcher they share.
 #   bench_prepare CSV_NAME "PACKAGES" TARGET...   installs PACKAGES (and what the
 #       build needs), builds TARGET... and accel_launch, starts $out/CSV_NAME
-#   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines;
+#   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines
+#       (and every rank's TIMELINE lines to $timeline_csv, NAME_timeline.csv);
 #       a run that exits non-zero (a reference that fails, a rank that dies)
 #       is reported, then and again at the end, and the benchmark goes on;
 #       ACCEL_BENCH_TIMEOUT (seconds, default 900) ends a run that stops
@@ -40,13 +41,18 @@ bench_prepare() {
   mkdir -p "$out"
   csv=$out/$name
   echo "part,world,variant,size,value,unit" >"$csv"
+  timeline_csv=$out/${name%.csv}_timeline.csv  # (TIMELINE lines, every rank's: bench_sharding.cpp's)
+  echo "world,variant,rank,bucket,bytes,ready,issued,waiting,landed,forward_ms,backward_ms,finish_began" >"$timeline_csv"
 }
 
 # Keep rank 0's CSV lines; show progress on stderr.
 failed_runs=()
 run() {
   echo "== $*" >&2
-  if ! "$launch" --timeout "${ACCEL_BENCH_TIMEOUT:-900}" "$@" | sed -n 's/^\[rank 0\] CSV,//p' | tee -a "$csv" >&2; then
+  if ! "$launch" --timeout "${ACCEL_BENCH_TIMEOUT:-900}" "$@" |
+    awk -v timeline="$timeline_csv" '
+      /^\[rank [0-9]+\] TIMELINE,/ { sub(/^\[rank [0-9]+\] TIMELINE,/, ""); print >> timeline; next }
+      /^\[rank 0\] CSV,/ { sub(/^\[rank 0\] CSV,/, ""); print; fflush() }' | tee -a "$csv" >&2; then
     echo "!! exited non-zero (its rows so far are kept; going on): $*" >&2
     failed_runs+=("$*")
   fi

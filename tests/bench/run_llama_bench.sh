@@ -11,8 +11,10 @@
 # same plan (torchtitan's, sequence parallelism, loss_parallel; FSDP2's fully_shard along the same dimension),
 # into llama_tp.{csv,md}; the model with 8 heads sharing 4 key/value heads on both sides (tp 4 splits them),
 # otherwise the same.
+# The set `small`: small units, latency-bound (hidden 64, intermediate 176: seven FULL_SHARD units of about 50K
+# parameters) at dp 4: accel's FULL_SHARD and NO_SHARD against FSDP2, into llama_small.{csv,md}.
 #
-#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp]
+#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp | small]
 set -euo pipefail
 rounds=${1:-3}
 steps=${2:-20}
@@ -25,6 +27,10 @@ export PATH="$top/build/pip-venv/bin:$PATH" OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 
 cmake --build "$build" --target train_llama accel_launch -j2 > /dev/null
 base=llama && python_side=python_fsdp2
 heads=()
+if [[ $set == small ]]; then
+  base=llama_small && heads=(--hidden 64 --intermediate 176)
+  export BENCH_LLAMA_HIDDEN=64 BENCH_LLAMA_INTERMEDIATE=176
+fi
 if [[ $set == tp ]]; then
   base=llama_tp && python_side=python_dtensor_tp && heads=(--heads 8 --kv-heads 4)
   export BENCH_LLAMA_HEADS=8 BENCH_LLAMA_KV_HEADS=4
@@ -36,6 +42,7 @@ trap 'rm -rf "$scratch"' EXIT
 # name world mp_replicate dp cp tp
 configs=("one 1 1 1 1 1" "dp2 2 1 2 1 1" "cp2 2 1 1 2 1" "dp4 4 1 4 1 1" "dp2_cp2 4 1 2 2 1" "hsdp_dp4 4 2 4 1 1")
 [[ $set == tp ]] && configs=("tp2 2 1 1 1 2" "tp4 4 1 1 1 4" "fsdp2_tp2 4 1 2 1 2")
+[[ $set == small ]] && configs=("small_dp4 4 1 4 1 1")
 record() {  # round world mesh side log
   local line
   line=$(grep -E "tokens/s over steps" "$5" | tail -1)
@@ -53,12 +60,18 @@ for ((round = 1; round <= rounds; ++round)); do
       --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --tp "$tp" "${heads[@]}" --dir "$scratch/run" \
       > "$scratch/cpp.log" 2>&1
     record "$round" "$world" "$name" accel "$scratch/cpp.log"
+    if [[ $set == small ]]; then  # (the same, not sharded: what small units cost against NO_SHARD)
+      rm -rf "$scratch/run"
+      "$build/tests/accel_launch" --timeout 300 "$world" "$build/examples/train_llama" --steps "$steps" \
+        --dp "$dp" --sharding no_shard "${heads[@]}" --dir "$scratch/run" > "$scratch/cpp.log" 2>&1
+      record "$round" "$world" "$name" accel_no_shard "$scratch/cpp.log"
+    fi
     "$build/tests/accel_launch" --timeout 300 "$world" python3 "$top/tests/bench/bench_llama.py" "$replicate" "$cp" \
       "$steps" "$tp" > "$scratch/py.log" 2>&1
     record "$round" "$world" "$name" "$python_side" "$scratch/py.log"
   done
 done
-python3 - "$csv" "$out/$base.md" "$rounds" "$steps" "$python_side" <<'PY'
+python3 - "$csv" "$out/$base.md" "$rounds" "$steps" "$python_side" "$base" <<'PY'
 import collections, csv, os, statistics, sys
 import torch
 rows = collections.defaultdict(list)
@@ -67,7 +80,7 @@ for r in csv.DictReader(open(sys.argv[1])):
 names = {"one": "one process", "dp2": "dp 2", "cp2": "cp 2 (Ulysses)", "dp4": "dp 4", "dp2_cp2": "dp 2 x cp 2",
          "hsdp_dp4": "HSDP (2, 2), dp 4", "tp2": "tp 2", "tp4": "tp 4",
          "fsdp2_tp2": "mp_shard 2 x tp 2 (FSDP + TP)"}
-side = sys.argv[5]
+side, base = sys.argv[5], sys.argv[6]
 lines = [f"examples/train_llama against the same model in Python torch {torch.__version__} with FSDP2 (fully_shard per "
          f"layer, embedding, norm and head; the same model mesh) and the same Ulysses exchanges; {os.cpu_count()} cores, "
          f"one thread per process, AdamW, fp32; tokens/s over steps 6-{sys.argv[4]}, medians of {sys.argv[3]} "
@@ -84,6 +97,17 @@ if side == "python_dtensor_tp":
              "processes.", "",
              "| processes | mesh | accel tokens/s | Python DTensor TP tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
              "|---:|---|---:|---:|---:|---:|---:|"]
+if base == "llama_small":
+    lines = [f"examples/train_llama with small units (hidden 64, intermediate 176, 4 layers: seven FULL_SHARD units of "
+             f"about 50K parameters) at dp 4, FULL_SHARD and NO_SHARD, against the same model in Python torch "
+             f"{torch.__version__} with FSDP2 (fully_shard per layer, embedding, norm and head); {os.cpu_count()} cores, "
+             f"one thread per process, AdamW, fp32; tokens/s over steps 6-{sys.argv[4]}, medians of {sys.argv[3]} "
+             "interleaved rounds.", "",
+             "| processes | accel FULL_SHARD tokens/s | accel NO_SHARD tokens/s | Python FSDP2 tokens/s | FULL_SHARD / FSDP2 | FULL_SHARD / NO_SHARD |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    f, n, p = (statistics.median(x[0] for x in rows.get(("small_dp4", 4, k), [(float("nan"), 0)]))
+               for k in ("accel", "accel_no_shard", side))
+    lines.append(f"| 4 | {f:.0f} | {n:.0f} | {p:.0f} | {f / p:.2f} | {f / n:.2f} |")
 for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4), ("tp2", 2), ("tp4", 4),
                     ("fsdp2_tp2", 4)]:
     a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, side), [])

@@ -8,8 +8,12 @@
 # MixedPrecisionPolicy too (and, on the pip leg, Python's FSDP2 under the same), HYBRID_SHARD on a
 # (2, 2) mesh at 4 processes (on the pip leg against FSDP2's HSDP); from torch 2.4 on, with
 # accel::FusedAdam and Python's Adam(fused=True) as well. Writes sharding.csv and
-# sharding.md to ACCEL_BENCH_OUT (default tests/bench/results). Never part of
-# the test command.
+# sharding.md to ACCEL_BENCH_OUT (default tests/bench/results), with the step's
+# parts (forward, backward, optimizer), the step's collectives alone (wall and
+# CPU; NO_SHARD's also as reduce-scatter + all-gather point to point), the
+# one-process step, and each step's bucket timeline (sharding_timeline.csv;
+# bucket_timeline.png where gnuplot is installed). Never part of the test
+# command.
 #
 # ACCEL_BENCH_LEG=pip: the pip leg's LibTorch and Python instead (common.sh),
 # with Python's FSDP2 (`fully_shard`, ZeRO-2 and ZeRO-3) beside DDP and
@@ -34,17 +38,31 @@ if "$python" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.sp
 fi
 bench_prepare sharding.csv python3-torch accel_bench_sharding
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-for world in 2 4; do
+# The step's collectives alone too (no_shard, full_shard and Python's DDP): "collectives" after the steps.
+alone() { [[ $1 == no_shard || $1 == full_shard ]] && echo collectives; }
+for world in 1 2 4; do
   for ((round = 1; round <= rounds; ++round)); do
+    if [[ $world == 1 ]]; then  # one process, no communication: the step's compute alone
+      run 1 "$build/tests/accel_bench_sharding" no_shard 3 "$steps"
+      continue
+    fi
     # (HSDP on a (2, world / 2) mesh: at 4 processes only; at 2 it would shard nothing)
     for variant in "${accel_variants[@]}"; do
-      [[ $variant == *hybrid* && $world == 2 ]] || run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps"
+      # shellcheck disable=SC2046  # (nothing, or the one word)
+      [[ $variant == *hybrid* && $world == 2 ]] ||
+        run $world "$build/tests/accel_bench_sharding" $variant 3 "$steps" $(alone $variant)
     done
     for variant in "${python_variants[@]}"; do
-      [[ $variant == *hybrid* && $world == 2 ]] || run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps"
+      # shellcheck disable=SC2046
+      [[ $variant == *hybrid* && $world == 2 ]] ||
+        run $world "$python" "$root/tests/bench/bench_sharding.py" $variant 3 "$steps" $(alone $variant)
     done
   done
 done
+# The bucket timeline of one step at 2 processes (the last round's), where gnuplot is installed.
+if command -v gnuplot > /dev/null; then
+  bash "$root/tests/bench/plot_timeline.sh" "$timeline_csv" "$out/bucket_timeline.png" 2 "no_shard full_shard"
+fi
 "$python" - "$csv" "$out/sharding.md" <<'PY'
 import collections, csv, os, statistics, sys
 rows = collections.defaultdict(list)
@@ -80,6 +98,30 @@ for world in sorted({w for _, w, _ in rows}):
                      f"{cell('optimizer_mb', world, key)} | {cell('between_steps_mb', world, key)} | {cell('buffers_mb', world, key)} | "
                      f"{cell('peak_mb', world, key)} | {cell('rss_between_mb', world, key)} | {cell('rss_peak_mb', world, key)} | "
                      f"{cell('step_ms', world, key, '{:.0f}')} | {cell('cpu_ms', world, key, '{:.0f}')} |")
+# Where the step's time goes: its phases, and the collectives alone (the same buckets, no compute: wall, and CPU
+# per process); at 2 processes (one core each) against the one-process step: the step beyond it should be at
+# most the collectives' CPU time (which competes with compute for the cores) plus 10 % of the one-process step.
+one = cell("step_ms", 1, "no_shard")
+lines += ["", "The step's parts (ms, medians; the slowest process's): forward, backward with the wait for the reduction, "
+          "optimizer step; the step's collectives alone on the same buckets with no compute (wall; CPU per process: "
+          "every thread's); and, at 2 processes, the step beyond the one-process step (" + one + " ms) against the "
+          "collectives' CPU time plus 10 % of the one-process step.", "",
+          "| processes | variant | step | forward | backward | optimizer | collectives alone | their CPU per process | step - one process | bound |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+for world in sorted({w for _, w, _ in rows if w > 1}):
+    for key, name in variants:
+        if ("forward_ms", world, key) not in rows:
+            continue
+        beyond = bound = "-"
+        if world == 2 and one != "-" and ("collectives_cpu_ms", world, key) in rows:
+            step, cpu = float(cell("step_ms", world, key)), float(cell("collectives_cpu_ms", world, key))
+            beyond, bound = f"{step - float(one):.0f}", f"{cpu + 0.1 * float(one):.0f}"
+        lines.append(f"| {world} | {name} | {cell('step_ms', world, key, '{:.0f}')} | {cell('forward_ms', world, key, '{:.0f}')} | "
+                     f"{cell('backward_ms', world, key, '{:.0f}')} | {cell('optimizer_ms', world, key, '{:.0f}')} | "
+                     f"{cell('collectives_ms', world, key, '{:.0f}')} | {cell('collectives_cpu_ms', world, key, '{:.0f}')} | {beyond} | {bound} |")
+        if ("collectives_ms", world, key + "_p2p") in rows:
+            lines.append(f"| {world} | {name}: its all-reduces as reduce-scatter + all-gather point to point | | | | | "
+                         f"{cell('collectives_ms', world, key + '_p2p', '{:.0f}')} | {cell('collectives_cpu_ms', world, key + '_p2p', '{:.0f}')} | | |")
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
