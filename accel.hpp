@@ -8936,8 +8936,10 @@ struct AcceleratorConfig {
   // early, while the unit before it computes: in the forward the unit that
   // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
   // one unit ahead as well), in the backward the unit before (FSDP's
-  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
-  // one unit's parameters at a time, not two).
+  // BACKWARD_PRE); small units further ahead, up to 4 MiB of them, and with
+  // backward_prefetch the last 4 MiB of units of a forward stay gathered
+  // for their backward (dp/state.hpp's kAheadBytes). Off: each unit is
+  // gathered when it runs (less memory: one unit's parameters at a time).
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   DistributedConfig distributed{};
@@ -11742,12 +11744,13 @@ struct UnitDtypes {
 // only costs a collective per unit (FSDP2 likewise keeps the root's
 // parameters after the forward); small units are latency-bound, and a
 // model's last few MiB are cheap to hold. Only where a backward follows
-// (grad mode on), never while a recomputation runs, and the same on every
-// rank (the order and the sizes).
+// (grad mode on), never while a recomputation runs, nor with
+// backward_prefetch off (which asks for one unit's parameters at a time),
+// and the same on every rank (the order and the sizes).
 inline bool keeps_for_backward(const Locked& held, std::size_t u) {
   const State& s = held.state();
   const Units& units = sharded(s).units;
-  if (!at::GradMode::is_enabled() || recomputing()) return false;
+  if (!at::GradMode::is_enabled() || recomputing() || !units.prefetch_backward) return false;
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
   if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
   int64_t bytes = 0;

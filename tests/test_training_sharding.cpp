@@ -196,10 +196,15 @@ TEST_SUITE("ranks") {
     return copy;
   }
   TEST_CASE("sharding: large parameters are gathered straight into their storage, small ones through rows") {
-    for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
-      CAPTURE(accel::to_string(strategy));
+    // SHARD_GRAD_OP; FULL_SHARD; FULL_SHARD with backward_prefetch off (then no unit keeps its parameters
+    // from its forward to its backward: each is gathered twice every step).
+    for (const int variant : {0, 1, 2}) {
+      const auto strategy = variant == 0 ? accel::ShardingStrategy::SHARD_GRAD_OP : accel::ShardingStrategy::FULL_SHARD;
+      const bool keeps = variant == 1;
+      CAPTURE(variant);
       accel::AcceleratorConfig c = config();
       c.sharding_strategy = strategy;
+      c.backward_prefetch = variant != 2;
       c.auto_wrap_policy = big_units;
       accel::Accelerator accelerator(c);
       const int P = accelerator.num_processes(), r = accelerator.process_index();
@@ -241,12 +246,13 @@ TEST_SUITE("ranks") {
       // linear's bias and weight directly; the gain alone in a second bucket, through rows. FULL_SHARD:
       // the block (weight, bias, gain) directly, gathered twice; the head through rows, gathered twice in
       // the first step and once after: the last unit of the forward and small (kAheadBytes, dp/state.hpp),
-      // it keeps its parameters for its backward once the engine knows the order of the units.
+      // it keeps its parameters for its backward once the engine knows the order of the units (with
+      // backward_prefetch on).
       CHECK(accelerator.data_parallel(model)->bucket_count() == 2u);
       const int64_t direct = full ? 2 * messages(2, 1) + scattered(2, 1) : messages(3, 1) + scattered(3, 1);
       auto generator = at::detail::createCPUGenerator(13);
       for (int step = 0; step < 3; ++step) {
-        const int64_t rows = full ? (step == 0 ? 2 : 1) * 2 * (S - 1) : 2 * (S - 1);
+        const int64_t rows = full ? (step > 0 && keeps ? 1 : 2) * 2 * (S - 1) : 2 * (S - 1);
         const int64_t per_step = (direct + rows) * numbered + 1;
         const at::Tensor x = at::randn({2 * P, 1023}, generator), y = at::randn({2 * P, 1}, generator);
         const int64_t sequence = shards->getSequenceNumberForGroup();

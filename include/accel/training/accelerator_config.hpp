@@ -147,8 +147,10 @@ struct AcceleratorConfig {
   // early, while the unit before it computes: in the forward the unit that
   // came next in the last forward (FSDP's forward_prefetch; FSDP2 prefetches
   // one unit ahead as well), in the backward the unit before (FSDP's
-  // BACKWARD_PRE). Off: each unit is gathered when it runs (less memory:
-  // one unit's parameters at a time, not two).
+  // BACKWARD_PRE); small units further ahead, up to 4 MiB of them, and with
+  // backward_prefetch the last 4 MiB of units of a forward stay gathered
+  // for their backward (dp/state.hpp's kAheadBytes). Off: each unit is
+  // gathered when it runs (less memory: one unit's parameters at a time).
   bool forward_prefetch = true;
   bool backward_prefetch = true;
   DistributedConfig distributed{};

@@ -136,12 +136,13 @@ struct UnitDtypes {
 // only costs a collective per unit (FSDP2 likewise keeps the root's
 // parameters after the forward); small units are latency-bound, and a
 // model's last few MiB are cheap to hold. Only where a backward follows
-// (grad mode on), never while a recomputation runs, and the same on every
-// rank (the order and the sizes).
+// (grad mode on), never while a recomputation runs, nor with
+// backward_prefetch off (which asks for one unit's parameters at a time),
+// and the same on every rank (the order and the sizes).
 inline bool keeps_for_backward(const Locked& held, std::size_t u) {
   const State& s = held.state();
   const Units& units = sharded(s).units;
-  if (!at::GradMode::is_enabled() || recomputing()) return false;
+  if (!at::GradMode::is_enabled() || recomputing() || !units.prefetch_backward) return false;
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
   if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
   int64_t bytes = 0;
