@@ -108,7 +108,7 @@ lines += ["", "The step's parts (ms, medians; the slowest process's): forward, b
           "collectives' CPU time plus 10 % of the one-process step.", "",
           "| processes | variant | step | forward | backward | optimizer | collectives alone | their CPU per process | step - one process | bound |",
           "|---|---|---|---|---|---|---|---|---|---|"]
-for world in sorted({w for _, w, _ in rows if w > 1}):
+for world in sorted({w for _, w, _ in rows}):
     for key, name in variants:
         if ("forward_ms", world, key) not in rows:
             continue
