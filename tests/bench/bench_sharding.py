@@ -54,10 +54,13 @@ def reset_peak_resident():
 
 
 def collectives_alone(ddp, trials, steps, report):
-    """DDP's all-reduces alone, with no compute: its buckets' sizes (DDP's logging data), each all-reduced by
+    """DDP's all-reduces alone, with no compute: its buckets' sizes (DDP's logging data: the buckets it rebuilt
+    after the first step, the same 16, 32 and 16 MiB as accel's; at construction it logs one), each all-reduced by
     Gloo, issued in order and waited for at the end; wall (the slowest process) and CPU time per process per
     step, medians of the trials: bench_sharding.cpp's collectives mode."""
-    sizes = [int(b) for b in str(ddp._get_ddp_logging_data().get("bucket_sizes", "")).split(",") if b.strip()]
+    logged = ddp._get_ddp_logging_data()  # (the buckets as rebuilt after the first step, where torch logs them)
+    sizes = [int(b) for b in str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", "")).split(",")
+             if b.strip()]
     buffers = [torch.randn(max(1, b // 4)) for b in sizes]  # (bytes of float32 gradients)
 
     def one_step():
