@@ -26,7 +26,9 @@ namespace detail::dp {
 //   landed:  that wait returned: the reduction was complete, at the latest
 //            then (where waiting and landed are equal it had landed before
 //            anyone waited: the communication was hidden).
-// A bucket not reduced in that backward (no_sync) keeps negative times.
+// A moment that did not happen stays -1: `ready` of a bucket that finish()
+// issued because some gradient never arrived (a parameter no loss used).
+// A backward under no_sync arms nothing and leaves the last synced one's.
 struct BucketTimes {
   double ready = -1, issued = -1, waiting = -1, landed = -1;
   int64_t bytes = 0;  // what it reduces: its gradients and used-flags
