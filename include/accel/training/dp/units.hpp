@@ -103,6 +103,13 @@ inline bool& recomputing() {
   return on;
 }
 
+// The bytes unit u's buckets hold, gathered (what running ahead counts).
+inline int64_t unit_bytes(const State& s, std::size_t u) {
+  int64_t bytes = 0;
+  for (const UnitBucket& ub : sharded(s).units.list[u].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  return bytes;
+}
+
 // Prefetching: the units in [from, to) (the ones after this in the last
 // forward, or before it in this one for the backward) gathered ahead, at
 // least the first, and more while those gathered ahead hold less than
@@ -115,7 +122,7 @@ inline void prefetch_ahead(const Locked& held, It from, It to) {
   int64_t ahead = 0;
   for (It it = from; it != to && ahead < kAheadBytes; ++it) {
     fetch(held, *it, Use::compute);
-    for (const UnitBucket& ub : sharded(s).units.list[*it].buckets) ahead += s.buckets[ub.bucket].packing.bytes();
+    ahead += unit_bytes(s, *it);
   }
 }
 
@@ -146,8 +153,7 @@ inline bool keeps_for_backward(const Locked& held, std::size_t u) {
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
   if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
   int64_t bytes = 0;
-  for (auto it = at; it != units.last_order.end(); ++it)
-    for (const UnitBucket& ub : units.list[*it].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  for (auto it = at; it != units.last_order.end(); ++it) bytes += unit_bytes(s, *it);
   return bytes <= kAheadBytes;
 }
 inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
