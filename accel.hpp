@@ -307,7 +307,7 @@ ACCEL_NAMESPACE_BEGIN
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
 enum class ReduceOp { SUM, MEAN, MAX, MIN };
-enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP, TP };
+enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP, TP, PP };
 
 namespace detail {
 template <class E>
@@ -325,7 +325,7 @@ struct enum_names<ReduceOp> {
 template <>
 struct enum_names<Dim> {
   static constexpr std::string_view type = "Dim";
-  static constexpr std::array<std::string_view, 5> names{"mp_replicate", "mp_shard", "dp", "cp", "tp"};
+  static constexpr std::array<std::string_view, 6> names{"mp_replicate", "mp_shard", "dp", "cp", "tp", "pp"};
 };
 template <class E>
 concept AccelEnum = requires { enum_names<E>::names; };
@@ -601,6 +601,10 @@ struct DistributedConfig {
   // Tensor parallelism: the innermost dimension of both meshes (peers hold
   // pieces of the same layers and read the same batch; adjacent ranks).
   int tp_size = 1;
+  // Pipeline parallelism: the outermost dimension of both meshes (each pp
+  // coordinate holds one stage's layers; the fewest, largest messages go
+  // between them, so the slowest links).
+  int pp_size = 1;
   std::chrono::seconds timeout{0};     // of the store and every group; 0: default_timeout()
   std::optional<DeviceType> device{};  // the accelerator to use; unset: ACCEL_DEVICE, else the best available
   bool operator==(const DistributedConfig&) const = default;
@@ -621,13 +625,15 @@ inline std::ostream& operator<<(std::ostream& os, const DistributedConfig& c) {
   return os << "DistributedConfig(mp_replicate_size=" << c.mp_replicate_size
             << ", mp_shard_size=" << opt(c.mp_shard_size) << ", dp_size=" << opt(c.dp_size) << ", cp_size=" << c.cp_size
             << (c.tp_size != 1 ? ", tp_size=" + std::to_string(c.tp_size) : std::string())
+            << (c.pp_size != 1 ? ", pp_size=" + std::to_string(c.pp_size) : std::string())
             << ", timeout=" << (c.timeout.count() ? std::to_string(c.timeout.count()) + "s" : std::string("default"))
             << (c.device ? ", device=" + std::string(to_string(*c.device)) : std::string()) << ")";
 }
 
 // The mesh sizes, validated against the world size on construction: the
-// model mesh (mp_replicate, mp_shard, tp) and the data mesh (dp, cp, tp)
-// each multiply to the world; tp, the innermost, is the same in both.
+// model mesh (pp, mp_replicate, mp_shard, tp) and the data mesh (pp, dp, cp,
+// tp) each multiply to the world; pp, the outermost, and tp, the innermost,
+// are the same in both.
 class DistributedStrategy {
  public:
   // Validates against WORLD_SIZE; when not distributed every size is 1.
@@ -643,11 +649,13 @@ class DistributedStrategy {
   int dp_size() const { return dp_; }
   int cp_size() const { return cp_; }
   int tp_size() const { return tp_; }
+  int pp_size() const { return pp_; }
   int world_size() const { return world_; }
 
-  // The meshes without tp (their shapes when tp is 1): the data-parallel
-  // dimensions. The meshes themselves (DistributedInterface::model_mesh(),
-  // data_mesh()) add tp as their last dimension when it is above 1.
+  // The meshes without pp and tp (their shapes when both are 1): the
+  // data-parallel dimensions. The meshes themselves
+  // (DistributedInterface::model_mesh(), data_mesh()) add pp as their first
+  // dimension and tp as their last when above 1.
   std::array<int, 2> model_mesh_shape() const { return {mp_replicate_, mp_shard_}; }
   std::array<std::string_view, 2> model_mesh_dim_names() const {
     return {to_string(Dim::MP_REPLICATE), to_string(Dim::MP_SHARD)};
@@ -669,6 +677,7 @@ class DistributedStrategy {
     positive("mp_replicate_size", c.mp_replicate_size);
     positive("cp_size", c.cp_size);
     positive("tp_size", c.tp_size);
+    positive("pp_size", c.pp_size);
     if (c.mp_shard_size) positive("mp_shard_size", *c.mp_shard_size);
     if (c.dp_size) positive("dp_size", *c.dp_size);
     if (!distributed) {  // a single process: every dimension has size 1
@@ -680,44 +689,57 @@ class DistributedStrategy {
       throw InvalidArgument("accel::DistributedStrategy: world_size " + std::to_string(world) +
                             " is not divisible by tp_size " + std::to_string(c.tp_size));
     tp_ = c.tp_size;
+    if ((world / tp_) % c.pp_size != 0)
+      throw InvalidArgument(
+          "accel::DistributedStrategy: world_size " + std::to_string(world) +
+          (tp_ > 1 ? " / tp_size " + std::to_string(tp_) + " = " + std::to_string(world / tp_) : std::string()) +
+          " is not divisible by pp_size " + std::to_string(c.pp_size));
+    pp_ = c.pp_size;
     std::tie(mp_replicate_, mp_shard_) =
-        split(world, tp_, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
-    std::tie(cp_, dp_) = split(world, tp_, c.cp_size, c.dp_size, "cp_size", "dp_size");
+        split(world, c.mp_replicate_size, c.mp_shard_size, "mp_replicate_size", "mp_shard_size");
+    std::tie(cp_, dp_) = split(world, c.cp_size, c.dp_size, "cp_size", "dp_size");
   }
 
-  // (given, other): other defaults to world / tp / given; given * other *
-  // tp is world. The messages name tp only when it is above 1.
-  static std::pair<int, int> split(int world, int tp, int given, std::optional<int> other, const char* given_name,
-                                   const char* other_name) {
-    const int rest = world / tp;
+  // (given, other): other defaults to world / (tp * pp) / given; given *
+  // other * tp * pp is world. The messages name tp and pp only when above 1.
+  std::pair<int, int> split(int world, int given, std::optional<int> other, const char* given_name,
+                            const char* other_name) const {
+    const int rest = world / tp_ / pp_;
+    std::string outer_names, outer_sizes;  // " * tp_size * pp_size", " * 2 * 2" (those above 1)
+    for (const auto& [name, size] : {std::pair{"tp_size", tp_}, std::pair{"pp_size", pp_}})
+      if (size > 1) {
+        outer_names += std::string(" * ") + name;
+        outer_sizes += " * " + std::to_string(size);
+      }
     std::ostringstream message;
     message << "accel::DistributedStrategy: ";
     if (!other) {
       if (rest % given != 0) {
         message << "world_size " << world;
-        if (tp > 1) message << " / tp_size " << tp << " = " << rest;
+        if (tp_ > 1) message << " / tp_size " << tp_;
+        if (pp_ > 1) message << " / pp_size " << pp_;
+        if (rest != world) message << " = " << rest;
         message << " is not divisible by " << given_name << " " << given;
         throw InvalidArgument(message.str());
       }
       return {given, rest / given};
     }
     if (static_cast<long long>(given) * *other != rest) {
-      message << given_name << " * " << other_name << (tp > 1 ? " * tp_size" : "") << " must equal world_size, got "
-              << given << " * " << *other;
-      if (tp > 1) message << " * " << tp;
-      message << " != " << world;
+      message << given_name << " * " << other_name << outer_names << " must equal world_size, got " << given << " * "
+              << *other << outer_sizes << " != " << world;
       throw InvalidArgument(message.str());
     }
     return {given, *other};
   }
 
-  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, tp_ = 1, world_ = 1;
+  int mp_replicate_ = 1, mp_shard_ = 1, dp_ = 1, cp_ = 1, tp_ = 1, pp_ = 1, world_ = 1;
 };
 
 inline std::ostream& operator<<(std::ostream& os, const DistributedStrategy& s) {
   return os << "DistributedStrategy(mp_replicate_size=" << s.mp_replicate_size()
             << ", mp_shard_size=" << s.mp_shard_size() << ", dp_size=" << s.dp_size() << ", cp_size=" << s.cp_size()
-            << (s.tp_size() > 1 ? ", tp_size=" + std::to_string(s.tp_size()) : std::string()) << ")";
+            << (s.tp_size() > 1 ? ", tp_size=" + std::to_string(s.tp_size()) : std::string())
+            << (s.pp_size() > 1 ? ", pp_size=" + std::to_string(s.pp_size()) : std::string()) << ")";
 }
 
 ACCEL_NAMESPACE_END
@@ -4732,10 +4754,11 @@ class DistributedInterface {
     return &dim_meshes_[static_cast<std::size_t>(*dim)];
   }
   // The whole model mesh (mp_replicate, mp_shard) or data mesh (dp, cp),
-  // each with tp as a third, innermost dimension when tp_size is above 1
-  // (the tp group is the same in both). At tp 1 they are 2-D, and
-  // get_device_mesh(Dim::TP) is a mesh of one rank (collectives on it are
-  // the identity).
+  // each with tp as an innermost dimension when tp_size is above 1 and pp
+  // as an outermost one when pp_size is (the tp group and the pp group are
+  // the same in both). At tp 1 and pp 1 they are 2-D, and
+  // get_device_mesh(Dim::TP) or (Dim::PP) is a mesh of one rank
+  // (collectives on it are the identity).
   const DeviceMesh* model_mesh() const { return distributed_ ? &*model_mesh_ : nullptr; }
   const DeviceMesh* data_mesh() const { return distributed_ ? &*data_mesh_ : nullptr; }
 
@@ -4836,25 +4859,29 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       world_.connect(address, backend, debug);
-      // tp, innermost in both meshes, is kept out of view at size 1 (the
-      // meshes print and name their groups as without it); the tp group is
-      // made once and shared by both (World::make_groups). At tp above 1,
-      // the data-parallel ranks of one tp coordinate (the data mesh's dp and
-      // cp, flattened as "dp_cp", torchtitan's name) get their group too:
-      // what the world is to a model without tensor parallelism.
-      const int tp = strategy_.tp_size();
+      // pp, outermost in both meshes, and tp, innermost, are kept out of
+      // view at size 1 (the meshes print and name their groups as without
+      // them); each one's group is made once and shared by both meshes
+      // (World::make_groups). With either above 1, the data-parallel ranks
+      // of one (pp, tp) coordinate (the data mesh's dp and cp, flattened as
+      // "dp_cp", torchtitan's name) get their group too: what the world is
+      // to a model without tensor or pipeline parallelism.
+      const int tp = strategy_.tp_size(), pp = strategy_.pp_size();
       const auto seed = [&](auto shape, auto names, const char* key) {
-        std::vector<int> sizes{shape.begin(), shape.end()};
-        std::vector<std::string> dim_names{names.begin(), names.end()};
+        std::vector<int> sizes{pp};
+        std::vector<std::string> dim_names{std::string(to_string(Dim::PP))};
+        sizes.insert(sizes.end(), shape.begin(), shape.end());
+        dim_names.insert(dim_names.end(), names.begin(), names.end());
         sizes.push_back(tp);
         dim_names.emplace_back(to_string(Dim::TP));
         auto root = world_.new_root(sizes, dim_names, key);
-        if (tp == 1) root->hidden.push_back(2);
+        if (pp == 1) root->hidden.push_back(0);
+        if (tp == 1) root->hidden.push_back(3);
         return root;
       };
       auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
       auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
-      if (tp > 1) data->flattened.emplace("dp_cp", std::vector<int>{0, 1});
+      if (tp > 1 || pp > 1) data->flattened.emplace("dp_cp", std::vector<int>{1, 2});
       world_.make_groups({model.get(), data.get()}, /*with_world=*/true);
       model_mesh_ = DeviceMesh(std::move(model));
       data_mesh_ = DeviceMesh(std::move(data));
@@ -4867,7 +4894,7 @@ class DistributedInterface {
                              std::to_string(world_size_) + " (" + backend +
                              " process groups) failed: " + detail::error_text(e));
     }
-    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP, Dim::TP})
+    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP, Dim::TP, Dim::PP})  // (Dim's order)
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
   }
 
@@ -11713,6 +11740,13 @@ inline bool& recomputing() {
   return on;
 }
 
+// The bytes unit u's buckets hold, gathered (what running ahead counts).
+inline int64_t unit_bytes(const State& s, std::size_t u) {
+  int64_t bytes = 0;
+  for (const UnitBucket& ub : sharded(s).units.list[u].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  return bytes;
+}
+
 // Prefetching: the units in [from, to) (the ones after this in the last
 // forward, or before it in this one for the backward) gathered ahead, at
 // least the first, and more while those gathered ahead hold less than
@@ -11725,7 +11759,7 @@ inline void prefetch_ahead(const Locked& held, It from, It to) {
   int64_t ahead = 0;
   for (It it = from; it != to && ahead < kAheadBytes; ++it) {
     fetch(held, *it, Use::compute);
-    for (const UnitBucket& ub : sharded(s).units.list[*it].buckets) ahead += s.buckets[ub.bucket].packing.bytes();
+    ahead += unit_bytes(s, *it);
   }
 }
 
@@ -11756,8 +11790,7 @@ inline bool keeps_for_backward(const Locked& held, std::size_t u) {
   const auto at = std::find(units.last_order.begin(), units.last_order.end(), u);
   if (at == units.last_order.end()) return false;  // (the first forward: no order yet)
   int64_t bytes = 0;
-  for (auto it = at; it != units.last_order.end(); ++it)
-    for (const UnitBucket& ub : units.list[*it].buckets) bytes += s.buckets[ub.bucket].packing.bytes();
+  for (auto it = at; it != units.last_order.end(); ++it) bytes += unit_bytes(s, *it);
   return bytes <= kAheadBytes;
 }
 inline UnitDtypes begin_unit_forward(const Locked& held, std::size_t u) {
@@ -17246,10 +17279,10 @@ class AcceleratorSetup {
   // same pieces of the model. (Sharded, the same ranks: the model mesh's
   // mp_replicate x mp_shard at one tp coordinate, tp being innermost in
   // both meshes.) With tensor parallelism clipping sums the pieces' norms
-  // over tp as well.
+  // over tp as well. (pp, outermost, likewise: a stage's ranks, dp_cp.)
   GroupPtr gradient_group() const {
     const DistributedStrategy& s = interface_->strategy();
-    if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
+    if (s.tp_size() > 1 || s.pp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
     return s.cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
   }
   static AcceleratorConfig checked(AcceleratorConfig config) {
@@ -17273,6 +17306,14 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
+    // The pp dimension and its groups exist (DistributedInterface, Dim::PP),
+    // the pipeline stages and schedules that would train over it not yet: a
+    // model prepared here would be trained whole on every stage's ranks.
+    if (strategy.pp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
+                            ": pipeline stages and schedules are not in accel.hpp yet, so the Accelerator would "
+                            "train the whole model on every stage; use pp_size 1 (the pp groups exist: "
+                            "DistributedInterface::get_group(Dim::PP))");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -17404,9 +17445,10 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP;
-  // there is no pipeline parallelism here (0, as Accelerate for a
-  // dimension not enabled).
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP,
+  // pipeline along Dim::PP (0 for a dimension of size 1, as Accelerate for
+  // one not enabled; the Accelerator refuses pp_size above 1 until pipeline
+  // stages exist).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;
@@ -17760,7 +17802,7 @@ inline bool Accelerator::should_save_model() const { return true; }
 inline int Accelerator::data_parallel_rank() const { return setup_.world().get_rank(Dim::DP); }
 inline int Accelerator::context_parallel_rank() const { return setup_.world().get_rank(Dim::CP); }
 inline int Accelerator::tensor_parallel_rank() const { return setup_.world().get_rank(Dim::TP); }
-inline int Accelerator::pipeline_parallel_rank() const { return 0; }
+inline int Accelerator::pipeline_parallel_rank() const { return setup_.world().get_rank(Dim::PP); }
 inline const DistributedInterface& Accelerator::state() const { return setup_.world(); }
 inline std::optional<std::string> Accelerator::fp8_backend() const { return std::nullopt; }
 template <class ModuleHolder>

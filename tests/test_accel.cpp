@@ -108,6 +108,7 @@ TEST_SUITE("single") {
     CHECK(accel::to_string(Dim::MP_REPLICATE) == "mp_replicate");
     CHECK(accel::from_string<Dim>("cp") == Dim::CP);
     CHECK(accel::from_string<Dim>("tp") == Dim::TP);
+    CHECK(accel::from_string<Dim>("pp") == Dim::PP);
     CHECK(accel::from_string<ReduceOp>("max") == ReduceOp::MAX);
     CHECK(accel::from_string<accel::DeviceType>("npu") == accel::DeviceType::NPU);
     std::ostringstream os;
@@ -115,7 +116,7 @@ TEST_SUITE("single") {
     CHECK(os.str() == "mp_shard min meta");
     CHECK_THROWS_WITH_AS(accel::from_string<Dim>("DP"),
                          "accel::from_string<Dim>: unknown value 'DP' (expected one of: "
-                         "mp_replicate, mp_shard, dp, cp, tp)",
+                         "mp_replicate, mp_shard, dp, cp, tp, pp)",
                          std::invalid_argument);
     CHECK_THROWS_AS(accel::from_string<ReduceOp>("avg"), std::invalid_argument);
   }
@@ -210,7 +211,7 @@ TEST_SUITE("single") {
       }
       return "nothing thrown";
     };
-    CHECK(kind_of([] { accel::from_string<accel::Dim>("pp"); }).find("unknown value 'pp'") != std::string::npos);
+    CHECK(kind_of([] { accel::from_string<accel::Dim>("ep"); }).find("unknown value 'ep'") != std::string::npos);
     CHECK(kind_of([] {
             accel::operate_tensorlike([](at::Tensor& t) { return t; }, ~uint64_t{0});
           }).find("does not fit") != std::string::npos);
@@ -337,11 +338,41 @@ TEST_SUITE("single") {
           "timeout=default)");
     CHECK(to_text(DistributedConfig{}).find("tp_size") == std::string::npos);  // unchanged at tp 1
 
+    // pp: outermost in both meshes, so each of them multiplies to world / (tp * pp).
+    DistributedStrategy p16(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2, .tp_size = 2, .pp_size = 2}, 16);
+    CHECK(p16.pp_size() == 2);
+    CHECK((p16.model_mesh_shape() == std::array{2, 2}));  // the meshes without pp and tp
+    CHECK((p16.data_mesh_shape() == std::array{2, 2}));
+    CHECK(to_text(p16) ==
+          "DistributedStrategy(mp_replicate_size=2, mp_shard_size=2, dp_size=2, cp_size=2, tp_size=2, pp_size=2)");
+    CHECK(to_text(DistributedStrategy(DistributedConfig{.pp_size = 2}, 4)) ==
+          "DistributedStrategy(mp_replicate_size=1, mp_shard_size=2, dp_size=2, cp_size=1, pp_size=2)");
+    CHECK(DistributedStrategy(DistributedConfig{.pp_size = 4}, 4).dp_size() == 1);
+    CHECK(fails({.pp_size = 3}, 4) == "accel::DistributedStrategy: world_size 4 is not divisible by pp_size 3");
+    CHECK(fails({.tp_size = 2, .pp_size = 4}, 4) ==
+          "accel::DistributedStrategy: world_size 4 / tp_size 2 = 2 is not divisible by pp_size 4");
+    CHECK(fails({.pp_size = 0}, 4) == "accel::DistributedStrategy: pp_size must be positive, got 0");
+    CHECK(fails({.mp_replicate_size = 4, .pp_size = 2}, 4) ==
+          "accel::DistributedStrategy: world_size 4 / pp_size 2 = 2 is not divisible by mp_replicate_size 4");
+    CHECK(fails({.cp_size = 2, .tp_size = 2, .pp_size = 2}, 4) ==
+          "accel::DistributedStrategy: world_size 4 / tp_size 2 / pp_size 2 = 1 is not divisible by cp_size 2");
+    CHECK(fails({.mp_replicate_size = 2, .mp_shard_size = 2, .pp_size = 2}, 4) ==
+          "accel::DistributedStrategy: mp_replicate_size * mp_shard_size * pp_size must equal world_size, "
+          "got 2 * 2 * 2 != 4");
+    CHECK(fails({.dp_size = 3, .tp_size = 2, .pp_size = 2}, 8) ==
+          "accel::DistributedStrategy: cp_size * dp_size * tp_size * pp_size must equal world_size, "
+          "got 1 * 3 * 2 * 2 != 8");
+    CHECK(to_text(DistributedConfig{.pp_size = 2}) ==
+          "DistributedConfig(mp_replicate_size=1, mp_shard_size=auto, dp_size=auto, cp_size=1, pp_size=2, "
+          "timeout=default)");
+    CHECK(to_text(DistributedConfig{}).find("pp_size") == std::string::npos);  // unchanged at pp 1
+
     EnvGuard env{{"RANK", nullptr}, {"WORLD_SIZE", nullptr}};
     DistributedStrategy single(DistributedConfig{.mp_replicate_size = 2, .cp_size = 2});
     CHECK((single.model_mesh_shape() == std::array{1, 1}));  // not distributed: every size is 1
     CHECK((single.data_mesh_shape() == std::array{1, 1}));
     CHECK(DistributedStrategy(DistributedConfig{.tp_size = 2}).tp_size() == 1);
+    CHECK(DistributedStrategy(DistributedConfig{.pp_size = 2}).pp_size() == 1);
     CHECK_THROWS_AS(DistributedStrategy(DistributedConfig{.cp_size = 0}), std::invalid_argument);
   }
 
@@ -884,8 +915,9 @@ TEST_SUITE("ranks") {
   TEST_CASE("per-rank group count is constant: the world and one per mesh dimension") {
     const int before = accel::detail::groups_created().load();
     auto& d = fresh();
-    // The world, mp_replicate, mp_shard, dp, cp, and tp (one group both meshes share; of this rank alone at tp 1).
-    CHECK(accel::detail::groups_created().load() - before == 6);
+    // The world, mp_replicate, mp_shard, dp, cp, tp and pp (each one group both meshes share; of this rank alone
+    // at size 1).
+    CHECK(accel::detail::groups_created().load() - before == 7);
     CHECK(d.get_world_size(Dim::DP) == d.get_world_size());
     CHECK(d.get_world_size(Dim::CP) == 1);
     CHECK(d.get_world_size(Dim::MP_REPLICATE) == 1);
@@ -975,7 +1007,7 @@ TEST_SUITE("ranks") {
     for (const auto& e : errors) CHECK(e == "");
     REQUIRE(seen[0] != nullptr);
     for (auto* p : seen) CHECK(p == seen[0]);
-    CHECK(accel::detail::groups_created().load() - before == 6);  // the world and one per dimension (tp's too)
+    CHECK(accel::detail::groups_created().load() - before == 7);  // the world and one per dimension (tp's and pp's too)
     const int P = seen[0]->get_world_size();
     CHECK(seen[0]->all_reduce(1, ReduceOp::SUM, std::nullopt) == P);
   }
@@ -1478,7 +1510,64 @@ TEST_SUITE("mesh4") {
     CHECK(d.get_group(Dim::TP)->getSize() == 1);  // never null: a null group is the world
     CHECK(d.all_reduce(static_cast<int64_t>(rank), ReduceOp::SUM, Dim::TP) == rank);
     CHECK(d.get_group(Dim::TP).get() == d.data_mesh()->slice("tp").get_group().get());
+    // pp 1 likewise: out of view, Dim::PP this rank alone.
+    CHECK(printed.str().find("pp") == std::string::npos);
+    CHECK(d.get_world_size(Dim::PP) == 1);
+    CHECK(d.get_rank(Dim::PP) == 0);
+    CHECK(d.get_group(Dim::PP)->getSize() == 1);
+    CHECK(d.get_group(Dim::PP).get() == d.model_mesh()->slice("pp").get_group().get());
     d.destroy();
+  }
+
+  TEST_CASE("pp: the outermost dimension of both meshes, one group shared by them; beside tp and cp") {
+    REQUIRE(accel::get_world_size() == 4);
+    struct Case {
+      int mp_replicate, cp, tp, pp;
+    };
+    for (Case c : {Case{1, 1, 1, 2}, Case{1, 1, 1, 4}, Case{1, 1, 2, 2}, Case{2, 1, 1, 2}, Case{1, 2, 1, 2}}) {
+      CAPTURE(c.mp_replicate * 1000 + c.cp * 100 + c.tp * 10 + c.pp);
+      const int rest = 4 / c.tp / c.pp, mp_shard = rest / c.mp_replicate, dp = rest / c.cp;
+      auto& d = fresh({.mp_replicate_size = c.mp_replicate, .cp_size = c.cp, .tp_size = c.tp, .pp_size = c.pp});
+      const int rank = d.get_rank();
+      CHECK(d.strategy().pp_size() == c.pp);
+      // The meshes as Python's init_device_mesh((pp, ..., tp)) would hold them (tp out of view at 1).
+      std::vector<int> model{c.pp, c.mp_replicate, mp_shard}, data{c.pp, dp, c.cp};
+      std::vector<std::string> model_names{"pp", "mp_replicate", "mp_shard"}, data_names{"pp", "dp", "cp"};
+      if (c.tp > 1) {
+        model.push_back(c.tp), data.push_back(c.tp);
+        model_names.emplace_back("tp"), data_names.emplace_back("tp");
+      }
+      CHECK(d.model_mesh()->shape() == model);
+      CHECK(d.model_mesh()->dim_names() == model_names);
+      CHECK(d.data_mesh()->shape() == data);
+      CHECK(d.data_mesh()->dim_names() == data_names);
+      // Every dimension's group against arange(4).reshape(shape), by brute force.
+      const std::pair<Dim, std::pair<const std::vector<int>*, int>> dims[] = {
+          {Dim::PP, {&model, 0}}, {Dim::MP_REPLICATE, {&model, 1}}, {Dim::MP_SHARD, {&model, 2}},
+          {Dim::DP, {&data, 1}},  {Dim::CP, {&data, 2}}};
+      for (const auto& entry : dims) {
+        CAPTURE(accel::to_string(entry.first));
+        const auto members = brute_force_group(*entry.second.first, rank, {entry.second.second});
+        CHECK(d.get_device_mesh(entry.first)->ranks() == members);
+        CHECK(d.get_rank(entry.first) == static_cast<int>(std::find(members.begin(), members.end(), rank) -
+                                                          members.begin()));
+        CHECK(accel::all_gather(rank, d.get_group(entry.first)) == members);
+      }
+      CHECK(d.get_rank(Dim::PP) == rank / (4 / c.pp));  // the outermost: stages of adjacent blocks of ranks
+      CHECK(d.get_rank(Dim::TP) == rank % c.tp);
+      // One pp group, whichever mesh it is reached through.
+      CHECK(d.get_group(Dim::PP).get() == d.model_mesh()->get_group("pp").get());
+      CHECK(d.get_group(Dim::PP).get() == d.data_mesh()->get_group("pp").get());
+      // The data-parallel ranks of this (pp, tp) coordinate: dp and cp flattened.
+      const auto dp_cp = brute_force_group(data, rank, {1, 2});
+      CHECK(d.data_mesh()->slice("dp_cp").ranks() == dp_cp);
+      CHECK(accel::all_gather(rank, d.data_mesh()->slice("dp_cp").get_group()) == dp_cp);
+      std::ostringstream printed;
+      printed << d;
+      CHECK(printed.str().find("pp_size=" + std::to_string(c.pp) + ")") != std::string::npos);
+      CHECK(printed.str().find("dims=(pp,mp_replicate,mp_shard") != std::string::npos);
+    }
+    accel::DistributedInterface::instance().destroy();
   }
 
   TEST_CASE("init_device_mesh: Accelerate's 4-d layouts and flattened dimensions, every group by brute force") {
@@ -1637,6 +1726,29 @@ TEST_SUITE("torchrun") {
             ours << '\n';
             auto gathered = d.all_gather(static_cast<int64_t>(rank), dim);
             CHECK(std::vector<int>(gathered.begin(), gathered.end()) == members);
+          }
+        }
+      }
+    }
+    // pp above 1, outermost in both meshes (mesh_groups.py writes the same lines).
+    for (int pp = 2; pp <= P; ++pp) {
+      if (P % pp) continue;
+      for (int tp = 1; tp <= P / pp; ++tp) {
+        if ((P / pp) % tp) continue;
+        const int rest = P / pp / tp;
+        for (int mp_replicate = 1; mp_replicate <= rest; ++mp_replicate) {
+          if (rest % mp_replicate) continue;
+          for (int cp = 1; cp <= rest; ++cp) {
+            if (rest % cp) continue;
+            auto& d = fresh({.mp_replicate_size = mp_replicate, .cp_size = cp, .tp_size = tp, .pp_size = pp});
+            for (Dim dim : {Dim::PP, Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::TP, Dim::DP, Dim::CP}) {
+              const auto& members = d.get_device_mesh(dim)->ranks();
+              ours << "pp " << pp << ' ' << mp_replicate << ' ' << rest / mp_replicate << ' ' << rest / cp << ' '
+                   << cp << ' ' << tp << ' ' << dim << ':';
+              for (int m : members) ours << ' ' << m;
+              ours << '\n';
+              CHECK(accel::all_gather(rank, d.get_group(dim)) == members);
+            }
           }
         }
       }

@@ -83,6 +83,14 @@ TEST_SUITE("ranks") {
       CHECK(accelerator.data_parallel_rank() == r / 2);
       CHECK(accelerator.context_parallel_rank() == r % 2);
     }
+    if (P % 2 == 0) {  // pp above 1: the groups exist, the stages not yet; refused before the rendezvous
+      release_world();
+      auto c = config();
+      c.distributed.pp_size = 2;
+      CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("pp_size 2: pipeline stages and schedules"),
+                           accel::InvalidArgument);
+      CHECK_FALSE(accel::DistributedInterface::is_initialized());
+    }
     for (const auto strategy : {accel::ShardingStrategy::SHARD_GRAD_OP, accel::ShardingStrategy::FULL_SHARD}) {
       release_world();
       auto c = config();

@@ -1,8 +1,9 @@
 // libFuzzer: DistributedStrategy validation over arbitrary sizes. The input
-// is read as int32 values: world, mp_replicate, mp_shard, dp, cp, and a byte
-// of flags saying which optional sizes are given. An accepted strategy must
-// tile the world in both meshes; a rejected one must say why with
-// std::invalid_argument.
+// is read as int32 values: world, mp_replicate, mp_shard, dp, cp, a byte of
+// flags saying which optional sizes are given, then tp and pp as signed
+// bytes (1 when the input ends before them). An accepted strategy must tile
+// the world in both meshes, tp and pp included; a rejected one must say why
+// with std::invalid_argument.
 #include "accel.hpp"
 
 #include <cstdlib>
@@ -18,12 +19,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (flags & 1) config.mp_shard_size = v[2];
   if (flags & 2) config.dp_size = v[3];
   config.cp_size = v[4];
+  config.tp_size = size > sizeof v + 1 ? static_cast<int8_t>(data[sizeof v + 1]) : 1;
+  config.pp_size = size > sizeof v + 2 ? static_cast<int8_t>(data[sizeof v + 2]) : 1;
   try {
     accel::DistributedStrategy s(config, v[0]);
     auto [rep, shard] = s.model_mesh_shape();
     auto [dp, cp] = s.data_mesh_shape();
     if (rep < 1 || shard < 1 || dp < 1 || cp < 1) std::abort();
-    if (static_cast<int64_t>(rep) * shard != v[0] || static_cast<int64_t>(dp) * cp != v[0]) std::abort();
+    if (s.tp_size() != config.tp_size || s.pp_size() != config.pp_size) std::abort();
+    const int64_t outer = static_cast<int64_t>(s.tp_size()) * s.pp_size();
+    if (static_cast<int64_t>(rep) * shard * outer != v[0] || static_cast<int64_t>(dp) * cp * outer != v[0])
+      std::abort();
     if (rep != v[1] || cp != v[4]) std::abort();
     if ((flags & 1) && shard != v[2]) std::abort();
     if ((flags & 2) && dp != v[3]) std::abort();

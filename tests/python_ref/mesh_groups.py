@@ -7,7 +7,9 @@
 #   <mp_replicate> <mp_shard> <dp> <cp> <dim>: <ranks...>
 #
 # then the same with each tp size above 1 as the meshes' innermost dimension
-# ("tp <mp_replicate> <mp_shard> <dp> <cp> <tp> <dim>: <ranks...>"), then, at world size 4, Accelerate's 4-d meshes with their flattened
+# ("tp <mp_replicate> <mp_shard> <dp> <cp> <tp> <dim>: <ranks...>"), then each
+# pp size above 1 as their outermost ("pp <pp> <mp_replicate> <mp_shard> <dp>
+# <cp> <tp> <dim>: <ranks...>"), then, at world size 4, Accelerate's 4-d meshes with their flattened
 # dimensions (see below).
 #
 # Run on 4 ranks with torchrun's environment (run_torchrun.sh uses accel_launch).
@@ -46,6 +48,21 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.txt"), "w") as out:
                     for name in names:
                         ranks = dist.get_process_group_ranks(mesh[name].get_group())
                         print("tp", mp_replicate, mp_shard, dp, cp, tp, f"{name}:", *ranks, file=out)
+    # With pipeline parallelism too, outermost in both meshes (torchtitan's order):
+    # the model mesh (pp, mp_replicate, mp_shard, tp), the data mesh (pp, dp, cp, tp).
+    for pp in divisors[1:]:
+        for tp in [d for d in divisors if (world // pp) % d == 0]:
+            rest = [d for d in divisors if (world // pp // tp) % d == 0]
+            for mp_replicate in rest:
+                for cp in rest:
+                    mp_shard, dp = world // pp // tp // mp_replicate, world // pp // tp // cp
+                    model = init_device_mesh("cpu", (pp, mp_replicate, mp_shard, tp),
+                                             mesh_dim_names=("pp", "mp_replicate", "mp_shard", "tp"))
+                    data = init_device_mesh("cpu", (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+                    for mesh, names in ((model, ("pp", "mp_replicate", "mp_shard", "tp")), (data, ("dp", "cp"))):
+                        for name in names:
+                            ranks = dist.get_process_group_ranks(mesh[name].get_group())
+                            print("pp", pp, mp_replicate, mp_shard, dp, cp, tp, f"{name}:", *ranks, file=out)
     # Accelerate's (dp_replicate, dp_shard, cp, tp) meshes and the dimensions its
     # ParallelismConfig flattens; each line: the sub-mesh's ranks and this
     # rank's coordinate in it.

@@ -7,7 +7,7 @@ ACCEL_NAMESPACE_BEGIN
 
 enum class DeviceType { CPU, CUDA, META, MPS, NPU, XPU };
 enum class ReduceOp { SUM, MEAN, MAX, MIN };
-enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP, TP };
+enum class Dim { MP_REPLICATE, MP_SHARD, DP, CP, TP, PP };
 
 namespace detail {
 template <class E>
@@ -25,7 +25,7 @@ struct enum_names<ReduceOp> {
 template <>
 struct enum_names<Dim> {
   static constexpr std::string_view type = "Dim";
-  static constexpr std::array<std::string_view, 5> names{"mp_replicate", "mp_shard", "dp", "cp", "tp"};
+  static constexpr std::array<std::string_view, 6> names{"mp_replicate", "mp_shard", "dp", "cp", "tp", "pp"};
 };
 template <class E>
 concept AccelEnum = requires { enum_names<E>::names; };

@@ -53,10 +53,11 @@ class DistributedInterface {
     return &dim_meshes_[static_cast<std::size_t>(*dim)];
   }
   // The whole model mesh (mp_replicate, mp_shard) or data mesh (dp, cp),
-  // each with tp as a third, innermost dimension when tp_size is above 1
-  // (the tp group is the same in both). At tp 1 they are 2-D, and
-  // get_device_mesh(Dim::TP) is a mesh of one rank (collectives on it are
-  // the identity).
+  // each with tp as an innermost dimension when tp_size is above 1 and pp
+  // as an outermost one when pp_size is (the tp group and the pp group are
+  // the same in both). At tp 1 and pp 1 they are 2-D, and
+  // get_device_mesh(Dim::TP) or (Dim::PP) is a mesh of one rank
+  // (collectives on it are the identity).
   const DeviceMesh* model_mesh() const { return distributed_ ? &*model_mesh_ : nullptr; }
   const DeviceMesh* data_mesh() const { return distributed_ ? &*data_mesh_ : nullptr; }
 
@@ -157,25 +158,29 @@ class DistributedInterface {
     const detail::StoreAddress address = detail::store_address();  // malformed: InvalidArgument, here
     try {
       world_.connect(address, backend, debug);
-      // tp, innermost in both meshes, is kept out of view at size 1 (the
-      // meshes print and name their groups as without it); the tp group is
-      // made once and shared by both (World::make_groups). At tp above 1,
-      // the data-parallel ranks of one tp coordinate (the data mesh's dp and
-      // cp, flattened as "dp_cp", torchtitan's name) get their group too:
-      // what the world is to a model without tensor parallelism.
-      const int tp = strategy_.tp_size();
+      // pp, outermost in both meshes, and tp, innermost, are kept out of
+      // view at size 1 (the meshes print and name their groups as without
+      // them); each one's group is made once and shared by both meshes
+      // (World::make_groups). With either above 1, the data-parallel ranks
+      // of one (pp, tp) coordinate (the data mesh's dp and cp, flattened as
+      // "dp_cp", torchtitan's name) get their group too: what the world is
+      // to a model without tensor or pipeline parallelism.
+      const int tp = strategy_.tp_size(), pp = strategy_.pp_size();
       const auto seed = [&](auto shape, auto names, const char* key) {
-        std::vector<int> sizes{shape.begin(), shape.end()};
-        std::vector<std::string> dim_names{names.begin(), names.end()};
+        std::vector<int> sizes{pp};
+        std::vector<std::string> dim_names{std::string(to_string(Dim::PP))};
+        sizes.insert(sizes.end(), shape.begin(), shape.end());
+        dim_names.insert(dim_names.end(), names.begin(), names.end());
         sizes.push_back(tp);
         dim_names.emplace_back(to_string(Dim::TP));
         auto root = world_.new_root(sizes, dim_names, key);
-        if (tp == 1) root->hidden.push_back(2);
+        if (pp == 1) root->hidden.push_back(0);
+        if (tp == 1) root->hidden.push_back(3);
         return root;
       };
       auto model = seed(strategy_.model_mesh_shape(), strategy_.model_mesh_dim_names(), "model/");
       auto data = seed(strategy_.data_mesh_shape(), strategy_.data_mesh_dim_names(), "data/");
-      if (tp > 1) data->flattened.emplace("dp_cp", std::vector<int>{0, 1});
+      if (tp > 1 || pp > 1) data->flattened.emplace("dp_cp", std::vector<int>{1, 2});
       world_.make_groups({model.get(), data.get()}, /*with_world=*/true);
       model_mesh_ = DeviceMesh(std::move(model));
       data_mesh_ = DeviceMesh(std::move(data));
@@ -188,7 +193,7 @@ class DistributedInterface {
                              std::to_string(world_size_) + " (" + backend +
                              " process groups) failed: " + detail::error_text(e));
     }
-    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP, Dim::TP})
+    for (Dim dim : {Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::DP, Dim::CP, Dim::TP, Dim::PP})  // (Dim's order)
       dim_meshes_.push_back(((dim == Dim::DP || dim == Dim::CP) ? *data_mesh_ : *model_mesh_).slice(to_string(dim)));
   }
 

@@ -72,9 +72,10 @@ class Accelerator {
   // save_model (a collective; the main process writes).
   bool should_save_model() const;
   // This process's rank along each kind of parallelism, as Accelerate names
-  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP;
-  // there is no pipeline parallelism here (0, as Accelerate for a
-  // dimension not enabled).
+  // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP,
+  // pipeline along Dim::PP (0 for a dimension of size 1, as Accelerate for
+  // one not enabled; the Accelerator refuses pp_size above 1 until pipeline
+  // stages exist).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;

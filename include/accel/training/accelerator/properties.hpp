@@ -41,7 +41,7 @@ inline bool Accelerator::should_save_model() const { return true; }
 inline int Accelerator::data_parallel_rank() const { return setup_.world().get_rank(Dim::DP); }
 inline int Accelerator::context_parallel_rank() const { return setup_.world().get_rank(Dim::CP); }
 inline int Accelerator::tensor_parallel_rank() const { return setup_.world().get_rank(Dim::TP); }
-inline int Accelerator::pipeline_parallel_rank() const { return 0; }
+inline int Accelerator::pipeline_parallel_rank() const { return setup_.world().get_rank(Dim::PP); }
 inline const DistributedInterface& Accelerator::state() const { return setup_.world(); }
 inline std::optional<std::string> Accelerator::fp8_backend() const { return std::nullopt; }
 template <class ModuleHolder>

@@ -76,10 +76,10 @@ class AcceleratorSetup {
   // same pieces of the model. (Sharded, the same ranks: the model mesh's
   // mp_replicate x mp_shard at one tp coordinate, tp being innermost in
   // both meshes.) With tensor parallelism clipping sums the pieces' norms
-  // over tp as well.
+  // over tp as well. (pp, outermost, likewise: a stage's ranks, dp_cp.)
   GroupPtr gradient_group() const {
     const DistributedStrategy& s = interface_->strategy();
-    if (s.tp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
+    if (s.tp_size() > 1 || s.pp_size() > 1) return interface_->data_mesh()->slice("dp_cp").get_group();
     return s.cp_size() > 1 ? interface_->world_group() : interface_->get_group(Dim::DP);
   }
   static AcceleratorConfig checked(AcceleratorConfig config) {
@@ -103,6 +103,14 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
+    // The pp dimension and its groups exist (DistributedInterface, Dim::PP),
+    // the pipeline stages and schedules that would train over it not yet: a
+    // model prepared here would be trained whole on every stage's ranks.
+    if (strategy.pp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
+                            ": pipeline stages and schedules are not in accel.hpp yet, so the Accelerator would "
+                            "train the whole model on every stage; use pp_size 1 (the pp groups exist: "
+                            "DistributedInterface::get_group(Dim::PP))");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
