@@ -23,6 +23,14 @@
 // torch::optim::Adam (LibTorch 2.4 or newer). hybrid_shard: HYBRID_SHARD on
 // a (2, world / 2) model mesh (HSDP: units sharded along the second
 // dimension, replicated along the first; an even world of 4 or more).
+// A variant starting with gpt_ (gpt_no_shard, gpt_full_shard) trains a
+// small GPT-2-shaped decoder instead (tests/gpt_model.hpp: 4 blocks, hidden
+// 64, 4 heads, a vocabulary of 512, its head tied to the token embedding;
+// 8 sequences of 64 tokens per process, next-token cross entropy), a
+// FULL_SHARD unit per block (about 50K parameters each) and the root holding
+// the embeddings, the final norm and the tie: where each unit's collectives
+// are latency, not bandwidth (bench_sharding.py's gpt_ variants: DDP and
+// FSDP2 on the same model).
 //
 // forward_ms, backward_ms (with finish(): the wait for the reduction),
 // optimizer_ms: the step's phases, medians. Every process prints the last
@@ -30,7 +38,7 @@
 // "collectives" after <steps>: then the step's collectives alone (see
 // time_collectives_alone).
 //
-//     bench_sharding <no_shard|shard_grad_op|full_shard|full_shard_bf16|hybrid_shard>[_fused] <trials> <steps> [collectives]
+//     bench_sharding [gpt_]<no_shard|shard_grad_op|full_shard|full_shard_bf16|hybrid_shard>[_fused] <trials> <steps> [collectives]
 //     bench_sharding <variant> <trials> checkpoint
 //
 // checkpoint: instead of the step figures, save_state and load_state of the
@@ -44,6 +52,7 @@
 #include "accel.hpp"
 
 #include "../counting_allocator.hpp"
+#include "../gpt_model.hpp"
 
 #include <algorithm>
 #include <array>
@@ -59,6 +68,9 @@
 
 namespace {
 constexpr int64_t kWidth = 2048, kLayers = 4, kBatch = 16;
+// The gpt_ variants' model and batch (bench_sharding.py's GPT_*).
+constexpr training_fixtures::GptOptions kGpt{.vocab = 512, .positions = 64, .width = 64, .heads = 4, .layers = 4};
+constexpr int64_t kGptBatch = 8, kGptTime = 64;
 
 int64_t bytes_of(const at::Tensor& t) { return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0; }
 
@@ -201,8 +213,8 @@ void time_collectives_alone(accel::Accelerator& accelerator, const accel::DataPa
 
 int main(int argc, char** argv) {
   const std::string variant_name = argc > 1 ? argv[1] : "shard_grad_op";
-  const bool fused = variant_name.ends_with("_fused");
-  const std::string strategy = fused ? variant_name.substr(0, variant_name.size() - 6) : variant_name;
+  const bool fused = variant_name.ends_with("_fused"), gpt = variant_name.starts_with("gpt_");
+  const std::string strategy = variant_name.substr(gpt ? 4 : 0, variant_name.size() - (gpt ? 4 : 0) - (fused ? 6 : 0));
   const int trials = argc > 2 ? std::stoi(argv[2]) : 3;
   const bool checkpoint = argc > 3 && std::string(argv[3]) == "checkpoint";
   const bool collectives_alone = argc > 4 && std::string(argv[4]) == "collectives";
@@ -218,36 +230,54 @@ int main(int argc, char** argv) {
                                                                 : accel::ShardingStrategy::NO_SHARD;
   if (bf16) config.mixed_precision_policy = {.param_dtype = at::kBFloat16, .reduce_dtype = at::kFloat};
   if (strategy == "hybrid_shard") config.distributed.mp_replicate_size = 2;  // bench_sharding.py's (2, world / 2) mesh
+  if (gpt) config.auto_wrap_policy = training_fixtures::gpt_blocks;  // a unit per block, the tie at the root
   accel::Accelerator accelerator(config);
   const double rss_before = resident_mb();  // (LibTorch and the process group: what no variant changes)
   torch::manual_seed(0);
-  torch::nn::Sequential model;
-  for (int64_t i = 0; i < kLayers; ++i) {
-    model->push_back(torch::nn::Linear(kWidth, kWidth));
-    model->push_back(torch::nn::ReLU());
+  torch::nn::Sequential mlp{nullptr};
+  training_fixtures::Gpt decoder{nullptr};
+  if (gpt) {
+    decoder = training_fixtures::Gpt(kGpt);
+  } else {
+    mlp = torch::nn::Sequential();
+    for (int64_t i = 0; i < kLayers; ++i) {
+      mlp->push_back(torch::nn::Linear(kWidth, kWidth));
+      mlp->push_back(torch::nn::ReLU());
+    }
   }
+  torch::nn::Module& model = gpt ? static_cast<torch::nn::Module&>(*decoder) : *mlp;
   std::unique_ptr<torch::optim::Optimizer> adam;
-  if (fused) adam = std::make_unique<accel::FusedAdam>(model->parameters(), torch::optim::AdamOptions(1e-4));
-  else adam = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4));
-  auto prepared = accelerator.prepare(model, *adam);
-  accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
+  if (fused) adam = std::make_unique<accel::FusedAdam>(model.parameters(), torch::optim::AdamOptions(1e-4));
+  else adam = std::make_unique<torch::optim::Adam>(model.parameters(), torch::optim::AdamOptions(1e-4));
+  if (gpt) accelerator.prepare(decoder);
+  else accelerator.prepare(mlp);
+  accel::AcceleratedOptimizer optimizer = accelerator.prepare(*adam);
+  std::vector<at::Tensor> tensors;  // each parameter once (LibTorch lists a tied tensor once per name)
+  for (const auto& p : model.parameters())
+    if (std::none_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) { return t.is_same(p); }))
+      tensors.push_back(p);
   int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
+  for (const auto& p : tensors) params += p.numel();
   const at::Device device = accelerator.device();
   const std::string variant =  // "_cuda_gloo": Gloo on CUDA tensors (ACCEL_BACKEND=gloo, processes sharing one GPU)
       variant_name + (!device.is_cuda()                                             ? ""
                       : accel::DistributedInterface::instance().backend() == "gloo" ? "_cuda_gloo"
                                                                                     : "_cuda");
   auto generator = at::detail::createCPUGenerator(1 + accelerator.process_index());
-  const at::Tensor x = at::randn({kBatch, kWidth}, generator).to(device),
-                   y = at::randn({kBatch, kWidth}, generator).to(device);
+  const at::Tensor x = gpt ? at::Tensor() : at::randn({kBatch, kWidth}, generator).to(device),
+                   y = gpt ? at::Tensor() : at::randn({kBatch, kWidth}, generator).to(device),
+                   tokens = gpt ? at::randint(kGpt.vocab, {kGptBatch, kGptTime}, generator).to(device) : at::Tensor();
+  auto forward_loss = [&] {
+    if (gpt) return training_fixtures::next_token_loss(decoder(tokens), tokens);
+    return torch::mse_loss(accel::unit_forward(mlp, x).to(at::kFloat), y);  // (bf16 out: fp32 loss)
+  };
   // Each step's phases (ms): forward, backward (with the reduction's wait, finish()), optimizer step.
   std::vector<std::array<double, 3>> phases;
   auto step = [&] {
     using Clock = std::chrono::steady_clock;
     optimizer.zero_grad(/*set_to_none=*/true);
     const auto t0 = Clock::now();
-    const at::Tensor loss = torch::mse_loss(accel::unit_forward(model, x).to(at::kFloat), y);  // (bf16 out: fp32 loss)
+    const at::Tensor loss = forward_loss();
     const auto t1 = Clock::now();
     accelerator.backward(loss);
     const auto t2 = Clock::now();
@@ -295,7 +325,7 @@ int main(int argc, char** argv) {
 
   // Held by tensors, between two steps.
   int64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;
-  for (const auto& p : model->parameters()) {
+  for (const auto& p : tensors) {
     bool holds = false;  // none at rest under FULL_SHARD, where newer LibTorch keeps the
     try {                // storage's size but refuses even to show its data pointer
       holds = p.storage().data() != nullptr;
@@ -316,7 +346,7 @@ int main(int argc, char** argv) {
   }
   const int64_t between_steps = counting.live();
   // Of those, the sharding engine's working buffers, kept for the next step (DataParallel::buffer_bytes).
-  const int64_t buffers = accelerator.data_parallel(model) ? accelerator.data_parallel(model)->buffer_bytes() : 0;
+  const int64_t buffers = accelerator.data_parallel() ? accelerator.data_parallel()->buffer_bytes() : 0;
 
   const double rss_between = resident_mb();
   if (!device.is_cuda()) reset_peak_resident();
@@ -365,7 +395,7 @@ int main(int argc, char** argv) {
     std::sort(phase.begin(), phase.end());
     report(k == 0 ? "forward_ms" : k == 1 ? "backward_ms" : "optimizer_ms", phase[phase.size() / 2], "ms");
   }
-  if (const accel::DataParallel* dp = accelerator.data_parallel(model); dp && dp->distributed()) {
+  if (const accel::DataParallel* dp = accelerator.data_parallel(); dp && dp->distributed()) {
     print_timeline(accelerator, dp->bucket_timeline(), phases.back(), variant);
     if (collectives_alone) time_collectives_alone(accelerator, *dp, variant, trials, steps);
   }

@@ -19,11 +19,17 @@ GPU (the variant ends in _cuda), as bench_sharding.cpp on a GPU. no_shard_fused
 and zero_fused: the same with Adam(fused=True), as bench_sharding.cpp's
 accel::FusedAdam variants. Run under tests/launch.cpp.
 
+A variant starting with gpt_ (gpt_no_shard, gpt_fsdp2_full_shard) trains
+bench_sharding.cpp's small GPT-2-shaped decoder instead (tests/python_ref/
+fsdp2_ref.py's Gpt, the same model as tests/gpt_model.hpp's: 4 blocks, hidden
+64, its head tied to the token embedding, 8 sequences of 64 tokens per
+process): under DDP, or FSDP2 with `fully_shard` per block and on the root.
+
 forward_ms, backward_ms and optimizer_ms are the step's phases (medians).
 With "collectives" after <steps> (no_shard): DDP's all-reduces alone, as
 bench_sharding.cpp's collectives mode (collectives_ms, collectives_cpu_ms).
 
-    bench_sharding.py <no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16|fsdp2_hybrid_shard>[_fused] <trials> <steps> [collectives]
+    bench_sharding.py [gpt_]<no_shard|zero|fsdp2_full_shard|fsdp2_shard_grad_op|fsdp2_full_shard_bf16|fsdp2_hybrid_shard>[_fused] <trials> <steps> [collectives]
 """
 
 import os
@@ -38,6 +44,9 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 WIDTH, LAYERS, BATCH = 2048, 4, 16
+# The gpt_ variants: bench_sharding.cpp's kGpt, kGptBatch and kGptTime.
+GPT = dict(vocab=512, positions=64, width=64, heads=4, layers=4)
+GPT_BATCH, GPT_TIME = 8, 64
 
 
 def resident_mb(field="VmRSS"):
@@ -83,7 +92,8 @@ def collectives_alone(ddp, trials, steps, report):
 def main():
     variant = sys.argv[1] if len(sys.argv) > 1 else "zero"
     fused = variant.endswith("_fused")  # Adam(fused=True): torch's fused kernel (on the CPU from torch 2.4)
-    kind = variant.removesuffix("_fused")
+    gpt = variant.startswith("gpt_")
+    kind = variant.removesuffix("_fused").removeprefix("gpt_")
     trials = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
     cuda = os.environ.get("ACCEL_BENCH_DEVICE") == "cuda"
@@ -96,11 +106,16 @@ def main():
     suffix = ("_cuda" if cuda else "") + ("_gloo" if cuda and backend == "gloo" else "")
     rss_before = resident_mb()  # (the interpreter, torch and the process group: what no variant changes)
     torch.manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    model = nn.Sequential(*layers).to(device)
-    if variant.startswith("fsdp2_"):
+    if gpt:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python_ref"))
+        from fsdp2_ref import Gpt, next_token_loss
+        model = Gpt(tied=True, **GPT).to(device)
+    else:
+        layers = []
+        for _ in range(LAYERS):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+        model = nn.Sequential(*layers).to(device)
+    if kind.startswith("fsdp2_"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         world = dist.get_world_size()
@@ -111,8 +126,9 @@ def main():
         if kind == "fsdp2_full_shard_bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                           output_dtype=torch.float32)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
+        # A unit per Linear, or per block of the decoder (its root holding the embeddings and the tie)
+        for layer in (model.transformer.h if gpt else model):
+            if gpt or isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         ddp = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         for module in ddp.modules():
@@ -124,16 +140,24 @@ def main():
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4, fused=fused)
     else:
         optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-4, fused=fused)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())  # (parameters() lists a tied tensor once)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
-    x, y = torch.randn(BATCH, WIDTH, generator=g).to(device), torch.randn(BATCH, WIDTH, generator=g).to(device)
+    if gpt:
+        tokens = torch.randint(GPT["vocab"], (GPT_BATCH, GPT_TIME), generator=g).to(device)
+    else:
+        x, y = torch.randn(BATCH, WIDTH, generator=g).to(device), torch.randn(BATCH, WIDTH, generator=g).to(device)
+
+    def forward_loss():
+        if gpt:
+            return next_token_loss(ddp(tokens), tokens)
+        return nn.functional.mse_loss(ddp(x), y)
 
     phases = []  # per step: forward, backward (with DDP's wait for its all-reduces), optimizer step; ms
 
     def step():
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        loss = nn.functional.mse_loss(ddp(x), y)
+        loss = forward_loss()
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()

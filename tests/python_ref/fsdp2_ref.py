@@ -18,7 +18,7 @@ MODE names accel.hpp's ShardingStrategy and, for Python:
   full_shard_bf16  full_shard with MixedPrecisionPolicy(param_dtype=bfloat16,
                  reduce_dtype=float32, output_dtype=float32): units gathered and
                  computed in bf16, fp32 masters (accel.hpp: mixed_precision_policy)
-  gpt_full_shard_bf16  a GPT-2-shaped decoder (tests/training_fixtures.hpp's Gpt:
+  gpt_full_shard_bf16  a GPT-2-shaped decoder (tests/gpt_model.hpp's Gpt:
                  3 identical blocks, untied), every layer with parameters its own
                  unit, bf16 as above: units of the same size, one after another
   gpt_tied_full_shard_bf16  the same decoder with its head tied to the token
@@ -60,7 +60,7 @@ STEPS, GLOBAL_BATCH, LR = 6, 16, 1e-2
 SGD_LR, SGD_MOMENTUM = 0.05, 0.9
 
 
-# The gpt_ modes: training_fixtures.hpp's GptOptions, and SGD as the C++ side's.
+# The gpt_ modes: gpt_model.hpp's GptOptions, and SGD as the C++ side's.
 GPT_VOCAB, GPT_POSITIONS, GPT_WIDTH, GPT_HEADS, GPT_LAYERS, GPT_TIME = 64, 16, 32, 2, 3, 12
 GPT_LR = 0.5
 
@@ -86,10 +86,11 @@ class Net(torch.nn.Module):
 
 
 class GptBlock(torch.nn.Module):
-    # training_fixtures.hpp's GptBlock, op for op
-    def __init__(self):
+    # gpt_model.hpp's GptBlock, op for op
+    def __init__(self, width=GPT_WIDTH, heads=GPT_HEADS):
         super().__init__()
-        C = GPT_WIDTH
+        C = width
+        self.heads = heads
         self.ln_1 = torch.nn.LayerNorm(C, eps=1e-5)
         self.attn = torch.nn.Module()
         self.attn.c_attn = torch.nn.Linear(C, 3 * C)
@@ -101,7 +102,7 @@ class GptBlock(torch.nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        H = GPT_HEADS
+        H = self.heads
         D = C // H
         qkv = self.attn.c_attn(self.ln_1(x))
         q, k, v = (qkv.narrow(2, i * C, C).view(B, T, H, D).transpose(1, 2) for i in range(3))
@@ -122,15 +123,17 @@ class GptHead(torch.nn.Module):
 
 
 class Gpt(torch.nn.Module):
-    # training_fixtures.hpp's Gpt: the same names (transformer.wte.weight, ..., lm_head.weight)
-    def __init__(self, tied):
+    # gpt_model.hpp's Gpt: the same names (transformer.wte.weight, ..., lm_head.weight), its GptOptions' sizes
+    # (bench_sharding.py's gpt variants take others)
+    def __init__(self, tied, vocab=GPT_VOCAB, positions=GPT_POSITIONS, width=GPT_WIDTH, heads=GPT_HEADS,
+                 layers=GPT_LAYERS):
         super().__init__()
         self.transformer = torch.nn.Module()
-        self.transformer.wte = torch.nn.Embedding(GPT_VOCAB, GPT_WIDTH)
-        self.transformer.wpe = torch.nn.Embedding(GPT_POSITIONS, GPT_WIDTH)
-        self.transformer.h = torch.nn.ModuleList(GptBlock() for _ in range(GPT_LAYERS))
-        self.transformer.ln_f = torch.nn.LayerNorm(GPT_WIDTH, eps=1e-5)
-        weight = self.transformer.wte.weight if tied else torch.nn.Parameter(torch.empty(GPT_VOCAB, GPT_WIDTH))
+        self.transformer.wte = torch.nn.Embedding(vocab, width)
+        self.transformer.wpe = torch.nn.Embedding(positions, width)
+        self.transformer.h = torch.nn.ModuleList(GptBlock(width, heads) for _ in range(layers))
+        self.transformer.ln_f = torch.nn.LayerNorm(width, eps=1e-5)
+        weight = self.transformer.wte.weight if tied else torch.nn.Parameter(torch.empty(vocab, width))
         self.lm_head = GptHead(weight)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -212,7 +215,7 @@ def run_steps(model, optimizer, batches, rows, mode=""):
 
 
 def shard_gpt(net, mode, mesh, average_as_is):
-    """FSDP2 over training_fixtures.hpp's Gpt as accel.hpp's FULL_SHARD runs it in `mode`."""
+    """FSDP2 over gpt_model.hpp's Gpt as accel.hpp's FULL_SHARD runs it in `mode`."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp import MixedPrecisionPolicy
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
