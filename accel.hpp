@@ -38,6 +38,7 @@
 //     accel/distributed/work.hpp                         accel::Work: an operation in flight, what the _async forms return
 //     accel/distributed/collectives.hpp                  all_reduce, broadcast, all_gather and their _async forms
 //     accel/distributed/all_to_all.hpp                   all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
+//     accel/distributed/direct_all_reduce.hpp            a Gloo group's all-reduce point to point, for small tensors: a reduce-scatter then an all-gather, each one round of messages
 //     accel/distributed/exchange.hpp                     reduce_to, gather_to, scatter, send/recv, barriers
 //     accel/distributed/backends.hpp                     one c10d process group made on either LibTorch generation, over a store
 //     accel/distributed/rendezvous.hpp                   rendezvous: the store ranks meet on, and agreeing on the world
@@ -2131,6 +2132,8 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
 // count pieces received into into(from, i). Both sides must agree on each
 // piece's length (an empty one is neither sent nor received).
 inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+// ... and under the all-reduce of small tensors (distributed/direct_all_reduce.hpp).
+inline constexpr const char* kDirectAllReduce = "all_reduce (point to point)";
 // The messages of an exchange not waited for yet. await_all() waits for
 // them in order and throws the first failure; whatever it left (after a
 // failure, or when the exchange's own last message failed first and its
@@ -2507,14 +2510,15 @@ class WorkCore {
  public:
   WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
-    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, pieces.hpp)
+    // Gloo's send and recv (also those of a direct all-gather, reduce-scatter or all-reduce, pieces.hpp)
     // report completion only from inside wait() (their isCompleted() stays
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
     // someone asks without waiting.
     const std::string_view name = op;
     watched_ = work_ && group_->getBackendName() == "gloo" &&
-               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter);
+               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter ||
+                name == kDirectAllReduce);
   }
   WorkCore(const WorkCore&) = delete;
   WorkCore& operator=(const WorkCore&) = delete;
@@ -3325,6 +3329,64 @@ inline at::Tensor all_to_all_single(const at::Tensor& output, const at::Tensor& 
   return all_to_all_single_async(output, input, std::move(output_split_sizes), std::move(input_split_sizes), group)
       .wait();
 }
+
+ACCEL_NAMESPACE_END
+
+// == accel/distributed/direct_all_reduce.hpp ==================================
+// accel/distributed/direct_all_reduce.hpp: a Gloo group's all-reduce point to point, for small tensors: a reduce-scatter then an all-gather, each one round of messages.
+//
+// Gloo's allreduce of a CPU tensor runs a ring: 2 (size - 1) steps, each
+// waiting for a message from the rank before. For a large tensor the bytes
+// are the cost and the ring moves the fewest; for a small one each step's
+// latency is, and 6 steps at 4 ranks cost more than moving the bytes. Here
+// the same bytes move in two rounds, every peer at once: a reduce-scatter
+// (rank r receives chunk r of every rank's tensor and folds it) and an
+// all-gather of the folded chunks. Each chunk is summed once, by the rank
+// that owns it, in rank order (fold_rows_into), so every rank ends with the
+// same bits; at 2 ranks the same bits as Gloo's (one addition, which
+// commutes). The data-parallel engine takes it for its small buckets
+// (dp/reducer.hpp says where the sizes cross over, measured).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The sum of `flat` (a contiguous 1-d CPU tensor, the same length on every
+// rank) over a Gloo group, in place, in two phases. The first, the
+// reduce-scatter, is issued here: chunk r (ceil(numel / size) elements,
+// the last ones shorter or empty) goes to rank r, and this rank's chunk of
+// every peer lands in its row of `rows` (size x ceil(numel / size), the
+// caller's, reused across calls). Its Pending's wait() folds this rank's
+// chunk into `flat` and issues the second phase, the all-gather, whose
+// Pending it returns: that one's wait() gives `flat`, summed. Two phases
+// so that a caller with several tensors in flight issues every second phase
+// before waiting for any. `tag` as start_exchange_pieces' (every rank must
+// issue the same exchanges in the same order under it).
+inline auto start_all_reduce_direct(c10d::ProcessGroup& group, const at::Tensor& flat, const at::Tensor& rows,
+                                    int tag) {
+  const int size = group.getSize(), me = group.getRank();
+  const int64_t n = flat.numel(), c = (n + size - 1) / size;
+  auto chunk = [flat, n, c](int r) {
+    const int64_t begin = std::min(r * c, n);
+    return flat.narrow(0, begin, std::min(c, n - begin));
+  };
+  const int64_t mine = chunk(me).numel();
+  auto scatter = start_exchange_pieces(
+      group, 1, [&](int to, std::size_t) { return chunk(to); },
+      [&](int from, std::size_t) { return rows[from].narrow(0, 0, mine); }, tag, kDirectAllReduce);
+  return then(std::move(scatter), [g = &group, flat, rows, chunk, me, mine, tag] {
+    at::Tensor own = chunk(me);
+    if (mine > 0) {
+      at::NoGradGuard no_grad;
+      rows[me].narrow(0, 0, mine).copy_(own);
+      fold_rows_into(rows.narrow(1, 0, mine), own, ReduceOp::SUM);
+    }
+    return then(start_exchange_pieces(
+                    *g, 1, [&](int, std::size_t) { return own; }, [&](int from, std::size_t) { return chunk(from); },
+                    tag, kDirectAllReduce),
+                [flat] { return flat; });
+  });
+}
+}  // namespace detail
 
 ACCEL_NAMESPACE_END
 
@@ -10399,8 +10461,13 @@ struct Bucket {
 // the communication hook returned), the buffer kept across steps (under
 // gradient_as_bucket_view the gradients' storage too), and without a
 // registered hook the group's size, the gradients' divisor (dp/reducer.hpp).
+// A small bucket all-reduced point to point (dp/reducer.hpp's
+// all_reduces_directly) has its reduce-scatter in `scattering` until
+// finish issues the all-gather (then Bucket::work), and the peers' chunks
+// land in `rows`, kept across steps as `persistent` is.
 struct ReplicatedBucket {
-  at::Tensor flat{}, persistent{}, divisor{};
+  at::Tensor flat{}, persistent{}, divisor{}, rows{};
+  Work<Work<at::Tensor>> scattering{};
 };
 struct Replicated final : Strategy {
   std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
@@ -10990,12 +11057,64 @@ ACCEL_NAMESPACE_END
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through a registered communication hook, or the
 // default's division made by the flattening copy) or, sharded, its
-// reduce-scatter (dp/scatter.hpp), without waiting. finish_unsharded waits for the
-// all-reduces and writes the averaged gradients back.
+// reduce-scatter (dp/scatter.hpp), without waiting; without a hook, a
+// small bucket on Gloo is all-reduced point to point instead
+// (all_reduces_directly). finish_unsharded waits for the all-reduces and
+// writes the averaged gradients back.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
+// Whether bucket b's default all-reduce runs point to point
+// (distributed/direct_all_reduce.hpp: a reduce-scatter and an all-gather,
+// one round of messages each) rather than as Gloo's ring, whose 2 (P - 1)
+// steps each wait for the rank before: for a small bucket those waits are
+// the cost. Measured on 2 cores, torch 2.15, one thread per rank
+// (run_all_reduce_paths_bench.sh; docs/benchmarks.md, part 8), both paths
+// alone from 4 KiB to 16 MiB: point to point is 1.3-1.9x faster up to
+// 256 KiB at 2 ranks, 1.53x alone and 0.84x with four in flight at
+// 512 KiB, 0.72x from 1 MiB on; at 4 ranks 1.1-1.9x up to 2 MiB (four in
+// flight), 0.89x from 4 MiB on. In a step, the GPT benchmark's one 0.9 MiB
+// bucket (run_sharding_bench.sh's gpt set) point to point took a NO_SHARD
+// step from 56.4 to 54.2 ms at 4 processes and left it as it was at 2
+// (24.9 against 24.8; medians of 3 rounds). Hence up to 512 KiB per peer,
+// at most 2 MiB (beyond 4 ranks an extrapolation: the ring's steps grow
+// with the ranks, its bytes do not). Every rank takes the same path: the
+// choice rests on the backend, the device, the group's size and the
+// bucket's, never on this rank's gradients.
+inline constexpr int64_t kDirectAllReducePeerBytes = int64_t{512} << 10;
+inline constexpr int64_t kDirectAllReduceMaxBytes = int64_t{2} << 20;
+inline bool all_reduces_directly(const State& state, std::size_t b) {
+  const int64_t peers = state.group->getSize() - 1;
+  const Bucket& bucket = state.buckets[b];
+  return peers > 0 && !replicated(state).hooked && state.group->getBackendName() == "gloo" && bucket.device.is_cpu() &&
+         bucket.packing.bytes() <= std::min(kDirectAllReducePeerBytes * peers, kDirectAllReduceMaxBytes);
+}
+// Starts the default all-reduce (a sum) of bucket b's `flat`: Gloo's into
+// Bucket::work, or point to point's first phase into `scattering`
+// (issue_second_phases issues the second).
+inline void start_default_all_reduce(State& state, std::size_t b, const at::Tensor& flat) {
+  ReplicatedBucket& reduced = replicated(state).buckets[b];
+  if (!all_reduces_directly(state, b)) {
+    state.buckets[b].work = all_reduce_async(flat, ReduceOp::SUM, state.group);
+    return;
+  }
+  const int64_t P = state.group->getSize(), columns = (flat.numel() + P - 1) / P;
+  if (!reduced.rows.defined() || reduced.rows.scalar_type() != flat.scalar_type() || reduced.rows.size(1) != columns)
+    reduced.rows = at::empty({P, columns}, flat.options());
+  reduced.scattering =
+      Work<Work<at::Tensor>>(detail::then(detail::start_all_reduce_direct(*state.group, flat, reduced.rows, kGatherTag),
+                                          [](auto gather) { return Work<at::Tensor>(std::move(gather)); }));
+}
+// Every bucket's second phase issued, in bucket order on every rank, before
+// any bucket is waited for: its all-gather becomes Bucket::work.
+inline void issue_second_phases(State& state) {
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+    ReplicatedBucket& reduced = replicated(state).buckets[b];
+    if (reduced.scattering.valid()) state.buckets[b].work = reduced.scattering.wait();
+  }
+}
+
 // Bucket b's all-reduce (NO_SHARD): its gradients and used-flags
 // flattened (pre-divided by the group size, as DDP does) and the
 // all-reduce issued without waiting.
@@ -11049,7 +11168,7 @@ inline void issue_all_reduce(const Locked& held, std::size_t b) {
   try {
     if (by_default) {
       if (!divide_in_copy) reduced.flat.div_(reduced.divisor);  // (the views: divided where they lie)
-      bucket.work = all_reduce_async(reduced.flat, ReduceOp::SUM, state.group);
+      start_default_all_reduce(state, b, reduced.flat);
     } else {
       GradBucket hooked = grad_bucket(held, b, reduced.flat);
       bucket.work = mode.hook(state.group, hooked);
@@ -11075,6 +11194,12 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
 inline void finish_unsharded(const Locked& held) {
   State& state = held.state();
   Replicated& mode = replicated(state);
+  try {
+    issue_second_phases(state);
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                           detail::error_text(e));
+  }
   for (std::size_t b = 0; b < state.buckets.size(); ++b) {
     Bucket& bucket = state.buckets[b];
     ReplicatedBucket& reduced = mode.buckets[b];
@@ -11113,22 +11238,28 @@ inline void finish_unsharded(const Locked& held) {
 }
 
 // DataParallel::shadow_backward's collectives: every bucket's all-reduce,
-// in order, through the hook, with zero gradients and no used-flags.
+// in order, with zero gradients and no used-flags, on the path the others'
+// take (the hook's, or the default's: Gloo's or point to point, phase by
+// phase).
 inline void shadow_backward(const Locked& held) {
   State& state = held.state();
-  std::vector<Work<at::Tensor>> works;
-  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
-    const Bucket& bucket = state.buckets[b];
-    GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-    works.push_back(replicated(state).hook(state.group, zeros));
-  }
-  for (auto& work : works) {
-    try {
-      work.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                             detail::error_text(e));
+  Replicated& mode = replicated(state);
+  try {
+    for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+      Bucket& bucket = state.buckets[b];
+      const at::Tensor zeros = bucket.packing.buffer(bucket.params.front().options()).zero_();
+      if (!mode.hooked) {
+        start_default_all_reduce(state, b, zeros);  // (zeros need no division)
+      } else {
+        GradBucket hooked = grad_bucket(held, b, zeros);
+        bucket.work = mode.hook(state.group, hooked);
+      }
     }
+    issue_second_phases(state);
+    for (auto& bucket : state.buckets) bucket.work.wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                           detail::error_text(e));
   }
 }
 

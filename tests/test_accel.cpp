@@ -692,6 +692,44 @@ TEST_SUITE("ranks") {
     }
   }
 
+  // distributed/direct_all_reduce.hpp, which the data-parallel engine runs for its small buckets: the sum Gloo's
+  // all_reduce gives (the same bits at 2 ranks, where each element is one addition, and for integers; within
+  // rounding beyond), the same bits on every rank, for lengths that do not split evenly (shorter than the
+  // group, empty chunks) and with two in flight, both first phases issued before either second.
+  TEST_CASE("the all-reduce point to point: Gloo's sums, the same bits on every rank, uneven lengths, two in flight") {
+    auto& d = world();
+    const int P = d.get_world_size(), r = d.get_rank();
+    c10d::ProcessGroup& g = *d.world_group();
+    const int tag = 0x7a11;
+    for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{P + 1}, int64_t{7 * P + 3}, int64_t{4099}}) {
+      for (const auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kBFloat16}) {
+        CAPTURE(n);
+        CAPTURE(dtype);
+        const double tolerance = dtype == at::kBFloat16 ? 2e-2 : dtype == at::kFloat ? 1e-5 : 1e-12;
+        auto generator = at::detail::createCPUGenerator(100 + r);
+        const at::Tensor a = dtype == at::kLong ? at::randint(-1000, 1000, {n}, generator, at::kLong)
+                                                : at::randn({n}, generator, at::kDouble).to(dtype),
+                         b = a.flip(0).mul(3);
+        const int64_t columns = (n + P - 1) / P;
+        at::Tensor da = a.clone(), db = b.clone();
+        const at::Tensor rows_a = at::empty({P, columns}, a.options()), rows_b = at::empty({P, columns}, a.options());
+        auto first_a = accel::detail::start_all_reduce_direct(g, da, rows_a, tag);
+        auto first_b = accel::detail::start_all_reduce_direct(g, db, rows_b, tag);
+        auto second_a = first_a.wait();
+        auto second_b = first_b.wait();
+        const at::Tensor sum_a = second_a.wait(), sum_b = second_b.wait();
+        CHECK(sum_a.data_ptr() == da.data_ptr());  // in place
+        for (const auto& [direct, input] : {std::pair{sum_a, a}, std::pair{sum_b, b}}) {
+          const at::Tensor gloo = accel::all_reduce(input.clone(), ReduceOp::SUM);
+          if (dtype == at::kLong || (P <= 2 && dtype != at::kBFloat16)) CHECK(at::equal(direct, gloo));
+          else CHECK(at::allclose(direct.to(at::kDouble), gloo.to(at::kDouble), tolerance, tolerance));
+          const at::Tensor everywhere = accel::all_gather(direct);
+          for (int k = 1; k < P; ++k) CHECK(at::equal(everywhere[k], everywhere[0]));
+        }
+      }
+    }
+  }
+
   TEST_CASE("reduce_scatter, all_to_all, reduce_to, gather_to, scatter, send/recv, monitored_barrier: arange values") {
     auto& d = world();
     const int P = d.get_world_size(), r = d.get_rank();

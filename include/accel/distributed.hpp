@@ -30,6 +30,7 @@
 #include "accel/distributed/work.hpp"
 #include "accel/distributed/collectives.hpp"
 #include "accel/distributed/all_to_all.hpp"
+#include "accel/distributed/direct_all_reduce.hpp"
 #include "accel/distributed/exchange.hpp"
 #include "accel/distributed/backends.hpp"
 #include "accel/distributed/rendezvous.hpp"

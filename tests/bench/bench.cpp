@@ -4,7 +4,7 @@
 // Timings are medians over interleaved trials (A, B, A, B, ...), so both
 // variants see the same machine noise. tests/bench/run_bench.sh drives it.
 //
-//   bench overhead | bandwidth | batching | mesh | alloc | collectives | gpu_all_reduce
+//   bench overhead | bandwidth | batching | mesh | alloc | collectives | all_reduce_paths | gpu_all_reduce
 //         | callgrind <calls> [all_reduce|all_to_all]
 
 #include "accel.hpp"
@@ -256,6 +256,49 @@ void collectives() {
   }
 }
 
+// Where the data-parallel engine's small buckets cross over from Gloo's
+// allreduce (a ring: 2 (P - 1) steps) to the all-reduce point to point
+// (distributed/direct_all_reduce.hpp: a reduce-scatter and an all-gather,
+// one round of messages each): both on the same float32 tensors, from
+// 4 KiB to 16 MiB per rank, one at a time and four in flight (as a step's
+// buckets are: every first phase issued, then every second, then waited).
+// One intra-op thread per rank, as the sharding benchmark runs.
+void all_reduce_paths() {
+  namespace ad = accel::detail;
+  at::set_num_threads(1);
+  auto g = accel::DistributedInterface::instance().world_group();
+  const int P = g->getSize();
+  for (long long bytes = 4LL << 10; bytes <= (16LL << 20); bytes *= 2) {
+    const long long n = bytes / 4;
+    const int reps = static_cast<int>(std::clamp<long long>((64LL << 20) / bytes / 4, 2, 200)), trials = 9;
+    for (int in_flight : {1, 4}) {
+      std::vector<at::Tensor> ts, rows;
+      for (int k = 0; k < in_flight; ++k) {
+        ts.push_back(at::ones({n}));
+        rows.push_back(at::empty({P, (n + P - 1) / P}));
+      }
+      auto gloo = [&] {
+        std::vector<accel::Work<at::Tensor>> works;
+        for (auto& t : ts) works.push_back(accel::all_reduce_async(t, ReduceOp::SUM, g));
+        for (auto& w : works) w.wait();
+      };
+      auto direct = [&] {
+        using Phase1 = decltype(ad::start_all_reduce_direct(*g, ts[0], rows[0], 0));
+        using Phase2 = decltype(std::declval<Phase1&>().wait());
+        std::vector<Phase1> scatters;
+        std::vector<Phase2> gathers;
+        for (int k = 0; k < in_flight; ++k) scatters.push_back(ad::start_all_reduce_direct(*g, ts[k], rows[k], 77));
+        for (auto& s : scatters) gathers.push_back(s.wait());
+        for (auto& s : gathers) (void)s.wait();
+      };
+      auto m = interleaved({gloo, direct}, trials, reps);
+      const std::string suffix = in_flight == 1 ? "" : "_x" + std::to_string(in_flight);
+      csv("all_reduce_paths", "gloo_allreduce" + suffix, bytes, m[0] * 1e6, "us");
+      csv("all_reduce_paths", "point_to_point" + suffix, bytes, m[1] * 1e6, "us");
+    }
+  }
+}
+
 // What overlap buys: an all_reduce and an independent matrix multiply, one
 // after the other (blocking) or with the all_reduce in flight during the
 // multiply (accel's all_reduce_async, and raw c10d's Work as the reference).
@@ -431,11 +474,12 @@ int main(int argc, char** argv) {
   else if (part == "collectives") collectives();
   else if (part == "gpu_all_reduce") gpu_all_reduce();
   else if (part == "overlap") overlap();
+  else if (part == "all_reduce_paths") all_reduce_paths();
   else if (part == "callgrind" && argc > 2) callgrind(std::atoi(argv[2]), argc > 3 ? argv[3] : "all_reduce");
   else {
     std::fprintf(stderr,
-                 "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|overlap|gpu_all_reduce|callgrind "
-                 "<calls> [all_reduce|all_to_all]\n");
+                 "usage: bench overhead|bandwidth|batching|mesh|alloc|collectives|all_reduce_paths|overlap|"
+                 "gpu_all_reduce|callgrind <calls> [all_reduce|all_to_all]\n");
     return 2;
   }
   accel::DistributedInterface::instance().destroy();

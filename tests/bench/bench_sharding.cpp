@@ -116,10 +116,11 @@ void print_timeline(accel::Accelerator& accelerator, const accel::detail::dp::Ba
 // sizes from the last step's timeline), each issued as the step issues it,
 // all waited for at the end; wall and CPU time per process per step
 // (medians of `trials` rounds of `steps`):
-//   NO_SHARD: each bucket all-reduced by Gloo (what the step runs), and, to
-//     measure whether the engine's point-to-point exchange would be faster,
-//     as a reduce-scatter then an all-gather point to point (half the
-//     bucket each way to each peer: the same bytes as a ring);
+//   NO_SHARD: each bucket all-reduced by Gloo (what the step runs for
+//     buckets above dp/reducer.hpp's all_reduces_directly sizes), and each
+//     point to point (what it runs below them: a reduce-scatter then an
+//     all-gather, distributed/direct_all_reduce.hpp; the same bytes as a
+//     ring), whatever their sizes;
 //   FULL_SHARD and HYBRID_SHARD: each unit's bucket gathered twice (forward,
 //     backward) and reduce-scattered, point to point as the engine runs them
 //     (the replicate group's all-reduce of HSDP left out); SHARD_GRAD_OP
@@ -161,15 +162,12 @@ void time_collectives_alone(accel::Accelerator& accelerator, const accel::DataPa
     Waits waits;
     if (!dp.sharded() && !p2p) {
       for (auto& b : buffers) keep(waits, accel::all_reduce_async(b, accel::ReduceOp::SUM, group));
-    } else if (!dp.sharded()) {  // reduce-scatter all, then each folded and all-gathered
-      for (std::size_t k = 0; k < buffers.size(); ++k) keep(waits, exchange(k, true));
-      Waits gathers;
-      for (std::size_t k = 0; k < buffers.size(); ++k) {
-        waits[k]();
-        fold(k);
-        keep(gathers, exchange(k, false));
-      }
-      waits = std::move(gathers);
+    } else if (!dp.sharded()) {  // every first phase issued, then every second (as the step's finish does)
+      using First = decltype(ad::start_all_reduce_direct(g, buffers[0], rows[0], 0));
+      std::vector<First> firsts;
+      for (std::size_t k = 0; k < buffers.size(); ++k)
+        firsts.push_back(ad::start_all_reduce_direct(g, buffers[k], rows[k], 1000));
+      for (auto& first : firsts) keep(waits, first.wait());
     } else {
       const int gathers = dp.unit_count() > 0 ? 2 : 1;
       for (int pass = 0; pass < gathers; ++pass)  // (forward, then backward: each unit gathered as it runs)

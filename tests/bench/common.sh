@@ -3,7 +3,8 @@
 #   bench_prepare CSV_NAME "PACKAGES" TARGET...   installs PACKAGES (and what the
 #       build needs), builds TARGET... and accel_launch, starts $out/CSV_NAME
 #   run NPROCS PROGRAM [ARGS...]   runs NPROCS ranks, appends rank 0's CSV lines
-#       (and every rank's TIMELINE lines to $timeline_csv, NAME_timeline.csv);
+#       (and every rank's TIMELINE lines to $timeline_csv, NAME_timeline.csv,
+#       removed at the end if none came);
 #       a run that exits non-zero (a reference that fails, a rank that dies)
 #       is reported, then and again at the end, and the benchmark goes on;
 #       ACCEL_BENCH_TIMEOUT (seconds, default 900) ends a run that stops
@@ -62,4 +63,8 @@ report_failed_runs() {
   echo "!! ${#failed_runs[@]} run(s) exited non-zero; their figures are missing or partial:" >&2
   printf '!!   %s\n' "${failed_runs[@]}" >&2
 }
-trap report_failed_runs EXIT
+# A benchmark whose runs printed no TIMELINE line leaves no timeline file.
+drop_empty_timeline() {
+  if [[ -n ${timeline_csv:-} && -f $timeline_csv && $(wc -l <"$timeline_csv") -le 1 ]]; then rm -f "$timeline_csv"; fi
+}
+trap 'report_failed_runs; drop_empty_timeline' EXIT

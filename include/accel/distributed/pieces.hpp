@@ -33,6 +33,8 @@ inline bool direct_gather_fits(const c10d::ProcessGroup& group, const at::Tensor
 // count pieces received into into(from, i). Both sides must agree on each
 // piece's length (an empty one is neither sent nor received).
 inline constexpr const char* kDirectScatter = "reduce_scatter (point to point)";
+// ... and under the all-reduce of small tensors (distributed/direct_all_reduce.hpp).
+inline constexpr const char* kDirectAllReduce = "all_reduce (point to point)";
 // The messages of an exchange not waited for yet. await_all() waits for
 // them in order and throws the first failure; whatever it left (after a
 // failure, or when the exchange's own last message failed first and its

@@ -17,14 +17,15 @@ class WorkCore {
  public:
   WorkCore(c10d::ProcessGroup* group, const char* op, c10::intrusive_ptr<c10d::Work> work)
       : group_(group ? GroupPtr::unsafe_reclaim_from_nonowning(group) : GroupPtr()), op_(op), work_(std::move(work)) {
-    // Gloo's send and recv (also those of a direct all-gather or reduce-scatter, pieces.hpp)
+    // Gloo's send and recv (also those of a direct all-gather, reduce-scatter or all-reduce, pieces.hpp)
     // report completion only from inside wait() (their isCompleted() stays
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
     // someone asks without waiting.
     const std::string_view name = op;
     watched_ = work_ && group_->getBackendName() == "gloo" &&
-               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter);
+               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter ||
+                name == kDirectAllReduce);
   }
   WorkCore(const WorkCore&) = delete;
   WorkCore& operator=(const WorkCore&) = delete;

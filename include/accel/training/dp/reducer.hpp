@@ -5,16 +5,69 @@
 // that every rank issues the same sequence) issue_bucket flattens it and
 // starts its all-reduce (through a registered communication hook, or the
 // default's division made by the flattening copy) or, sharded, its
-// reduce-scatter (dp/scatter.hpp), without waiting. finish_unsharded waits for the
-// all-reduces and writes the averaged gradients back.
+// reduce-scatter (dp/scatter.hpp), without waiting; without a hook, a
+// small bucket on Gloo is all-reduced point to point instead
+// (all_reduces_directly). finish_unsharded waits for the all-reduces and
+// writes the averaged gradients back.
 #pragma once
 
+#include "accel/distributed/direct_all_reduce.hpp"
 #include "accel/distributed/exchange.hpp"
 #include "accel/training/dp/scatter.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::dp {
+// Whether bucket b's default all-reduce runs point to point
+// (distributed/direct_all_reduce.hpp: a reduce-scatter and an all-gather,
+// one round of messages each) rather than as Gloo's ring, whose 2 (P - 1)
+// steps each wait for the rank before: for a small bucket those waits are
+// the cost. Measured on 2 cores, torch 2.15, one thread per rank
+// (run_all_reduce_paths_bench.sh; docs/benchmarks.md, part 8), both paths
+// alone from 4 KiB to 16 MiB: point to point is 1.3-1.9x faster up to
+// 256 KiB at 2 ranks, 1.53x alone and 0.84x with four in flight at
+// 512 KiB, 0.72x from 1 MiB on; at 4 ranks 1.1-1.9x up to 2 MiB (four in
+// flight), 0.89x from 4 MiB on. In a step, the GPT benchmark's one 0.9 MiB
+// bucket (run_sharding_bench.sh's gpt set) point to point took a NO_SHARD
+// step from 56.4 to 54.2 ms at 4 processes and left it as it was at 2
+// (24.9 against 24.8; medians of 3 rounds). Hence up to 512 KiB per peer,
+// at most 2 MiB (beyond 4 ranks an extrapolation: the ring's steps grow
+// with the ranks, its bytes do not). Every rank takes the same path: the
+// choice rests on the backend, the device, the group's size and the
+// bucket's, never on this rank's gradients.
+inline constexpr int64_t kDirectAllReducePeerBytes = int64_t{512} << 10;
+inline constexpr int64_t kDirectAllReduceMaxBytes = int64_t{2} << 20;
+inline bool all_reduces_directly(const State& state, std::size_t b) {
+  const int64_t peers = state.group->getSize() - 1;
+  const Bucket& bucket = state.buckets[b];
+  return peers > 0 && !replicated(state).hooked && state.group->getBackendName() == "gloo" && bucket.device.is_cpu() &&
+         bucket.packing.bytes() <= std::min(kDirectAllReducePeerBytes * peers, kDirectAllReduceMaxBytes);
+}
+// Starts the default all-reduce (a sum) of bucket b's `flat`: Gloo's into
+// Bucket::work, or point to point's first phase into `scattering`
+// (issue_second_phases issues the second).
+inline void start_default_all_reduce(State& state, std::size_t b, const at::Tensor& flat) {
+  ReplicatedBucket& reduced = replicated(state).buckets[b];
+  if (!all_reduces_directly(state, b)) {
+    state.buckets[b].work = all_reduce_async(flat, ReduceOp::SUM, state.group);
+    return;
+  }
+  const int64_t P = state.group->getSize(), columns = (flat.numel() + P - 1) / P;
+  if (!reduced.rows.defined() || reduced.rows.scalar_type() != flat.scalar_type() || reduced.rows.size(1) != columns)
+    reduced.rows = at::empty({P, columns}, flat.options());
+  reduced.scattering =
+      Work<Work<at::Tensor>>(detail::then(detail::start_all_reduce_direct(*state.group, flat, reduced.rows, kGatherTag),
+                                          [](auto gather) { return Work<at::Tensor>(std::move(gather)); }));
+}
+// Every bucket's second phase issued, in bucket order on every rank, before
+// any bucket is waited for: its all-gather becomes Bucket::work.
+inline void issue_second_phases(State& state) {
+  for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+    ReplicatedBucket& reduced = replicated(state).buckets[b];
+    if (reduced.scattering.valid()) state.buckets[b].work = reduced.scattering.wait();
+  }
+}
+
 // Bucket b's all-reduce (NO_SHARD): its gradients and used-flags
 // flattened (pre-divided by the group size, as DDP does) and the
 // all-reduce issued without waiting.
@@ -68,7 +121,7 @@ inline void issue_all_reduce(const Locked& held, std::size_t b) {
   try {
     if (by_default) {
       if (!divide_in_copy) reduced.flat.div_(reduced.divisor);  // (the views: divided where they lie)
-      bucket.work = all_reduce_async(reduced.flat, ReduceOp::SUM, state.group);
+      start_default_all_reduce(state, b, reduced.flat);
     } else {
       GradBucket hooked = grad_bucket(held, b, reduced.flat);
       bucket.work = mode.hook(state.group, hooked);
@@ -94,6 +147,12 @@ inline void issue_bucket(const Locked& held, std::size_t b) {
 inline void finish_unsharded(const Locked& held) {
   State& state = held.state();
   Replicated& mode = replicated(state);
+  try {
+    issue_second_phases(state);
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a gradient bucket's all_reduce failed: ") +
+                           detail::error_text(e));
+  }
   for (std::size_t b = 0; b < state.buckets.size(); ++b) {
     Bucket& bucket = state.buckets[b];
     ReplicatedBucket& reduced = mode.buckets[b];
@@ -132,22 +191,28 @@ inline void finish_unsharded(const Locked& held) {
 }
 
 // DataParallel::shadow_backward's collectives: every bucket's all-reduce,
-// in order, through the hook, with zero gradients and no used-flags.
+// in order, with zero gradients and no used-flags, on the path the others'
+// take (the hook's, or the default's: Gloo's or point to point, phase by
+// phase).
 inline void shadow_backward(const Locked& held) {
   State& state = held.state();
-  std::vector<Work<at::Tensor>> works;
-  for (std::size_t b = 0; b < state.buckets.size(); ++b) {  // through the hook: the same collective as the others'
-    const Bucket& bucket = state.buckets[b];
-    GradBucket zeros = grad_bucket(held, b, bucket.packing.buffer(bucket.params.front().options()).zero_());
-    works.push_back(replicated(state).hook(state.group, zeros));
-  }
-  for (auto& work : works) {
-    try {
-      work.wait();
-    } catch (const DistributedError& e) {
-      throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
-                             detail::error_text(e));
+  Replicated& mode = replicated(state);
+  try {
+    for (std::size_t b = 0; b < state.buckets.size(); ++b) {
+      Bucket& bucket = state.buckets[b];
+      const at::Tensor zeros = bucket.packing.buffer(bucket.params.front().options()).zero_();
+      if (!mode.hooked) {
+        start_default_all_reduce(state, b, zeros);  // (zeros need no division)
+      } else {
+        GradBucket hooked = grad_bucket(held, b, zeros);
+        bucket.work = mode.hook(state.group, hooked);
+      }
     }
+    issue_second_phases(state);
+    for (auto& bucket : state.buckets) bucket.work.wait();
+  } catch (const DistributedError& e) {
+    throw DistributedError(std::string("accel::DataParallel: a joined rank's gradient all_reduce failed: ") +
+                           detail::error_text(e));
   }
 }
 

@@ -55,8 +55,13 @@ struct Bucket {
 // the communication hook returned), the buffer kept across steps (under
 // gradient_as_bucket_view the gradients' storage too), and without a
 // registered hook the group's size, the gradients' divisor (dp/reducer.hpp).
+// A small bucket all-reduced point to point (dp/reducer.hpp's
+// all_reduces_directly) has its reduce-scatter in `scattering` until
+// finish issues the all-gather (then Bucket::work), and the peers' chunks
+// land in `rows`, kept across steps as `persistent` is.
 struct ReplicatedBucket {
-  at::Tensor flat{}, persistent{}, divisor{};
+  at::Tensor flat{}, persistent{}, divisor{}, rows{};
+  Work<Work<at::Tensor>> scattering{};
 };
 struct Replicated final : Strategy {
   std::vector<ReplicatedBucket> buckets{};       // (State::buckets' order)
