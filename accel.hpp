@@ -22,6 +22,8 @@
 //     accel/core/environment.hpp                         reading torchrun's and the MPI/Slurm launchers' environment
 //     accel/core/strategy.hpp                            DistributedConfig and DistributedStrategy: the parallel sizes, validated
 //     accel/core/launcher.hpp                            the local launcher: spawn and launch_processes (Linux)
+//     accel/core/pipeline_actions.hpp                    a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
+//     accel/core/pipeline_orders.hpp                     the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B), and the rules every order must keep
 //   distributed:
 //     accel/distributed/torch.hpp                        feature detection and the LibTorch headers the collectives need
 //     accel/distributed/devices.hpp                      devices: which accelerator a process uses, binding and synchronising it
@@ -1041,6 +1043,427 @@ int spawn(int nprocs, F&& fn, const LaunchOptions& options = {}) {
   return launch_processes(nprocs, argv, options, {{"ACCEL_SPAWNED_RANK", "1"}});
 }
 #endif  // __linux__
+
+ACCEL_NAMESPACE_END
+
+// == accel/core/pipeline_actions.hpp ==========================================
+// accel/core/pipeline_actions.hpp: a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank.
+//
+// A pipeline schedule is, per pipeline rank, a list of actions in time
+// order: "stage 2 runs the forward of micro-batch 0" is written 2F0, and an
+// empty slot (a step where the rank waits for its neighbours) is nothing.
+// torch keeps schedules in this form (its _Action, _ComputationType,
+// _load_csv and _dump_csv), and so do we, so that a schedule written for
+// one runs on the other and the two can be compared line by line. These
+// are the forms only; the schedules that make them are
+// core/pipeline_orders.hpp.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+// torch's _ComputationType, with its text. F, I, W and B are computation
+// (forward; backward split into the input's gradient and the weights';
+// the whole backward), the others what a schedule lowered for running adds:
+// parameters gathered and freed (FSDP), activations and their gradients sent
+// and received, the data-parallel reduction of the gradients.
+enum class ComputationType {
+  FORWARD,
+  BACKWARD_INPUT,
+  BACKWARD_WEIGHT,
+  UNSHARD,
+  RESHARD,
+  SEND_F,
+  RECV_F,
+  SEND_B,
+  RECV_B,
+  WAIT_SEND_F,
+  WAIT_SEND_B,
+  FULL_BACKWARD,
+  OVERLAP_F_B,
+  REDUCE_GRAD,
+  WAIT_REDUCE_GRAD,
+};
+inline constexpr std::array<std::pair<ComputationType, std::string_view>, 15> kComputationTypeText{{
+    {ComputationType::FORWARD, "F"},
+    {ComputationType::BACKWARD_INPUT, "I"},
+    {ComputationType::BACKWARD_WEIGHT, "W"},
+    {ComputationType::UNSHARD, "UNSHARD"},
+    {ComputationType::RESHARD, "RESHARD"},
+    {ComputationType::SEND_F, "SEND_F"},
+    {ComputationType::RECV_F, "RECV_F"},
+    {ComputationType::SEND_B, "SEND_B"},
+    {ComputationType::RECV_B, "RECV_B"},
+    {ComputationType::WAIT_SEND_F, "WAIT_SEND_F"},
+    {ComputationType::WAIT_SEND_B, "WAIT_SEND_B"},
+    {ComputationType::FULL_BACKWARD, "B"},
+    {ComputationType::OVERLAP_F_B, "OVERLAP_F_B"},
+    {ComputationType::REDUCE_GRAD, "REDUCE_GRAD"},
+    {ComputationType::WAIT_REDUCE_GRAD, "WAIT_REDUCE_GRAD"},
+}};
+inline std::string_view to_string(ComputationType type) {
+  for (const auto& [t, text] : kComputationTypeText)
+    if (t == type) return text;
+  throw InvalidArgument("accel::pp: no such computation type");
+}
+
+// One action: the stage it runs on (a global stage index), what it does, and
+// the micro-batch (none for the actions of a whole step: UNSHARD, RESHARD,
+// REDUCE_GRAD, WAIT_REDUCE_GRAD).
+struct Action {
+  int stage_index = 0;
+  ComputationType computation_type = ComputationType::FORWARD;
+  std::optional<int> microbatch_index{};
+  friend bool operator==(const Action&, const Action&) = default;
+};
+inline std::string to_string(const Action& a) {
+  std::string text = std::to_string(a.stage_index) + std::string(to_string(a.computation_type));
+  if (a.microbatch_index) text += std::to_string(*a.microbatch_index);
+  return text;
+}
+inline std::string to_string(const std::optional<Action>& a) { return a ? to_string(*a) : std::string(); }
+
+// An action's text back (torch's _Action.from_str): stage digits, a type,
+// micro-batch digits or none; surrounding blanks ignored, an empty text is
+// an empty slot. Where torch's regular expression matches a prefix and
+// drops the rest ("0F0x" reads as 0F0), the whole text must be an action
+// here: a typo in a hand-written schedule is an error, not a different
+// schedule. OVERLAP_F_B's compound form ("(0F1;1B0)OVERLAP_F_B", DualPipeV's)
+// is refused by name: no schedule of ours makes or runs it yet.
+inline std::optional<Action> parse_action(std::string_view text) {
+  auto blank = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
+  while (!text.empty() && blank(text.front())) text.remove_prefix(1);
+  while (!text.empty() && blank(text.back())) text.remove_suffix(1);
+  if (text.empty()) return std::nullopt;
+  auto refuse = [&](const std::string& why) -> std::optional<Action> {
+    throw InvalidArgument("accel::pp: the action \"" + std::string(text) + "\" " + why +
+                          " (an action is [stage][type][micro-batch], as torch writes them: 2F0, 1UNSHARD, 3SEND_F1)");
+  };
+  if (text.front() == '(')
+    return refuse("is a compound OVERLAP_F_B action (DualPipeV's), which accel.hpp does not run");
+  auto digits = [](std::string_view s) {
+    std::size_t n = 0;
+    while (n < s.size() && s[n] >= '0' && s[n] <= '9') ++n;
+    return n;
+  };
+  const std::size_t stage_digits = digits(text);
+  if (stage_digits == 0) return refuse("does not start with a stage index");
+  std::string_view rest = text.substr(stage_digits);
+  const std::size_t type_length = rest.find_last_not_of("0123456789") + 1;  // (npos + 1: no type, 0)
+  const std::string_view type_text = rest.substr(0, type_length), microbatch_text = rest.substr(type_length);
+  const auto type = std::find_if(kComputationTypeText.begin(), kComputationTypeText.end(),
+                                 [&](const auto& entry) { return entry.second == type_text; });
+  if (type == kComputationTypeText.end())
+    return refuse(
+        "has no computation type of torch's (F, I, W, B, UNSHARD, RESHARD, SEND_F, RECV_F, SEND_B, RECV_B, "
+        "WAIT_SEND_F, WAIT_SEND_B, REDUCE_GRAD, WAIT_REDUCE_GRAD)");
+  auto number = [&](std::string_view s) {
+    int value = 0;
+    const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), value);
+    if (error != std::errc() || end != s.data() + s.size()) refuse("has a number out of range");
+    return value;
+  };
+  Action action{number(text.substr(0, stage_digits)), type->first, std::nullopt};
+  if (!microbatch_text.empty()) action.microbatch_index = number(microbatch_text);
+  return action;
+}
+
+// A schedule: per pipeline rank (0, 1, ...) its actions in time order, an
+// empty slot where it waits.
+using PipelineOrder = std::vector<std::vector<std::optional<Action>>>;
+
+// torch's CSV of a schedule (_dump_csv, Python's csv writer): a row per
+// rank, its actions' texts separated by commas, an empty field for an empty
+// slot, each row ended by "\r\n". Written here byte for byte as torch
+// writes it; read with "\n" or "\r\n" ends (no field holds a comma or a
+// quote, so none is quoted).
+inline void write_csv(std::ostream& out, const PipelineOrder& order) {
+  for (const auto& row : order) {
+    for (std::size_t i = 0; i < row.size(); ++i) out << (i ? "," : "") << to_string(row[i]);
+    out << "\r\n";
+  }
+}
+inline PipelineOrder read_csv(std::istream& in) {
+  PipelineOrder order;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::vector<std::optional<Action>> row;
+    if (!line.empty()) {  // (an empty line: a rank with no actions, as Python's csv writer writes one)
+      std::size_t begin = 0;
+      for (;;) {
+        const std::size_t comma = line.find(',', begin);
+        const std::string_view field = std::string_view(line).substr(begin, comma - begin);
+        if (field.find('"') != std::string_view::npos)
+          throw InvalidArgument("accel::pp: row " + std::to_string(order.size()) +
+                                " of the schedule's CSV quotes a field (\"" + std::string(field) +
+                                "\"); no action's text needs quotes");
+        row.push_back(parse_action(field));
+        if (comma == std::string::npos) break;
+        begin = comma + 1;
+      }
+    }
+    order.push_back(std::move(row));
+  }
+  return order;
+}
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/core/pipeline_orders.hpp ===========================================
+// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B), and the rules every order must keep.
+//
+// A compute-only order says, per pipeline rank and time step, which stage
+// runs the forward (F) or backward (B) of which micro-batch, an empty slot
+// where the rank waits for a neighbour: one time step per action, the same
+// model torch's schedules are written in (pipeline_order). Stages are
+// spread over the ranks in a loop: with p ranks and v stages per rank, rank
+// r holds stages r, r + p, ..., r + (v - 1) p. Each function here is the
+// order torch.distributed.pipelining makes for the same arguments
+// (torch 2.15's schedules.py), checked against it (tests: "pipeline
+// orders"); the communication a running schedule adds (sends, receives, the
+// gradients' reduction) is not part of it.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+inline void check_order_sizes(std::string_view schedule, int ranks, int stages_per_rank, int microbatches) {
+  if (ranks < 1 || stages_per_rank < 1 || microbatches < 1)
+    throw InvalidArgument("accel::pp::" + std::string(schedule) + ": " + std::to_string(ranks) + " ranks, " +
+                          std::to_string(stages_per_rank) + " stages per rank and " + std::to_string(microbatches) +
+                          " micro-batches: each must be at least 1");
+}
+inline Action forward(int stage, int microbatch) { return {stage, ComputationType::FORWARD, microbatch}; }
+inline Action backward(int stage, int microbatch) { return {stage, ComputationType::FULL_BACKWARD, microbatch}; }
+inline void wait_steps(std::vector<std::optional<Action>>& row, int steps) {
+  row.insert(row.end(), static_cast<std::size_t>(std::max(steps, 0)), std::nullopt);
+}
+
+// GPipe: every forward, then every backward. Rank r starts r steps late; its
+// first backward waits 3 (p - 1 - r) steps, for the backward to come back
+// from the last rank (torch's ScheduleGPipe._get_pipeline_order, before it
+// drops the empty slots and adds the reduction).
+inline PipelineOrder gpipe_order(int ranks, int microbatches) {
+  check_order_sizes("ScheduleGPipe", ranks, 1, microbatches);
+  PipelineOrder order(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& row = order[static_cast<std::size_t>(r)];
+    wait_steps(row, r);
+    for (int mb = 0; mb < microbatches; ++mb) row.push_back(forward(r, mb));
+    wait_steps(row, 3 * (ranks - 1 - r));
+    for (int mb = 0; mb < microbatches; ++mb) row.push_back(backward(r, mb));
+  }
+  return order;
+}
+
+// Places each rank's actions (in their order, without empty slots) at the
+// earliest steps the rules below (order_error) allow: each action one step
+// after the one before it on its rank and after what it needs from the
+// neighbouring stages (the forward before, the backward after). An action
+// that never can run (the ranks wait on each other) is an error naming it.
+inline PipelineOrder aligned(const PipelineOrder& sequences, int stages_per_rank, int microbatches) {
+  const int ranks = static_cast<int>(sequences.size()), stages = ranks * stages_per_rank;
+  std::map<std::tuple<int, int, char>, int> done;  // (stage, micro-batch, F / B / W) -> step
+  auto ran = [&](int stage, int mb, char kind, int before) {
+    const auto it = done.find({stage, mb, kind});
+    return it != done.end() && it->second < before;
+  };
+  PipelineOrder order(sequences.size());
+  std::vector<std::size_t> next(sequences.size(), 0);
+  std::size_t left = 0;
+  for (const auto& row : sequences)
+    left +=
+        static_cast<std::size_t>(std::count_if(row.begin(), row.end(), [](const auto& a) { return a.has_value(); }));
+  for (int step = 0; left > 0; ++step) {
+    bool moved = false;
+    for (int r = 0; r < ranks; ++r) {
+      auto& row = sequences[static_cast<std::size_t>(r)];
+      std::size_t& k = next[static_cast<std::size_t>(r)];
+      while (k < row.size() && !row[k]) ++k;
+      if (k == row.size()) continue;
+      const Action& a = *row[k];
+      const int stage = a.stage_index, mb = a.microbatch_index.value_or(0);
+      // F needs the stage before's F; B and I (the input's gradient, 'B' below) this stage's F and the stage
+      // after's B or I; W this stage's I.
+      const char kind = a.computation_type == ComputationType::FORWARD           ? 'F'
+                        : a.computation_type == ComputationType::BACKWARD_WEIGHT ? 'W'
+                                                                                 : 'B';
+      const bool ready = kind == 'F' ? (stage == 0 || ran(stage - 1, mb, 'F', step))
+                         : kind == 'W'
+                             ? ran(stage, mb, 'B', step)
+                             : ran(stage, mb, 'F', step) && (stage + 1 == stages || ran(stage + 1, mb, 'B', step));
+      auto& out = order[static_cast<std::size_t>(r)];
+      if (!ready) {
+        out.push_back(std::nullopt);
+        continue;
+      }
+      out.push_back(a);
+      done[{stage, mb, kind}] = step;
+      ++k;
+      --left;
+      moved = true;
+    }
+    if (!moved) {
+      std::string waiting;
+      for (int r = 0; r < ranks; ++r)
+        if (next[static_cast<std::size_t>(r)] < sequences[static_cast<std::size_t>(r)].size()) {
+          if (!waiting.empty()) waiting += ", ";
+          waiting += "rank " + std::to_string(r) + " at " +
+                     to_string(sequences[static_cast<std::size_t>(r)][next[static_cast<std::size_t>(r)]]);
+        }
+      throw InvalidArgument("accel::pp: the schedule cannot go on (" + std::to_string(microbatches) +
+                            " micro-batches): every rank waits for another: " + waiting);
+    }
+  }
+  for (auto& row : order)  // (the steps after a rank's last action)
+    while (!row.empty() && !row.back()) row.pop_back();
+  return order;
+}
+
+// 1F1B: p - 1 - r forwards to fill the pipeline, then one forward and one
+// backward in turn, then the backwards left (torch's Schedule1F1B), each at
+// the earliest step it can run (aligned). torch's own order of it
+// (_get_pipeline_order, which only its tools read) differs in two ways: it
+// names the last rank's forwards 1..m where its step runs 0..m-1, and its
+// empty slots put some forwards at the step of the stage before them; here
+// the micro-batches are those the step runs and every step is one it can
+// run (docs/differences.md).
+inline PipelineOrder one_f_one_b_order(int ranks, int microbatches) {
+  check_order_sizes("Schedule1F1B", ranks, 1, microbatches);
+  if (microbatches < ranks)
+    throw InvalidArgument("accel::pp::Schedule1F1B: " + std::to_string(microbatches) + " micro-batches for " +
+                          std::to_string(ranks) +
+                          " stages: 1F1B needs at least one micro-batch per stage (as torch's)");
+  PipelineOrder sequences(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& row = sequences[static_cast<std::size_t>(r)];
+    const int warmup = ranks - 1 - r;
+    for (int mb = 0; mb < warmup; ++mb) row.push_back(forward(r, mb));
+    int next_backward = 0;
+    for (int mb = warmup; mb < microbatches; ++mb) {
+      row.push_back(forward(r, mb));
+      row.push_back(backward(r, next_backward++));
+    }
+    while (next_backward < microbatches) row.push_back(backward(r, next_backward++));
+  }
+  return aligned(sequences, 1, microbatches);
+}
+
+// Looped BFS (breadth first, arXiv 2211.05953): each rank runs every
+// micro-batch's forward on its first stage, then on its next, ...; then the
+// backwards, last stage first and last micro-batch first (torch's
+// ScheduleLoopedBFS._calculate_single_rank_operations).
+inline PipelineOrder looped_bfs_order(int ranks, int stages_per_rank, int microbatches) {
+  check_order_sizes("ScheduleLoopedBFS", ranks, stages_per_rank, microbatches);
+  PipelineOrder order(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& row = order[static_cast<std::size_t>(r)];
+    wait_steps(row, r);
+    for (int local = 0; local < stages_per_rank; ++local)
+      for (int mb = 0; mb < microbatches; ++mb) row.push_back(forward(r + local * ranks, mb));
+    wait_steps(row, 2 * (ranks - 1 - r));
+    for (int local = stages_per_rank - 1; local >= 0; --local)
+      for (int mb = microbatches - 1; mb >= 0; --mb) row.push_back(backward(r + local * ranks, mb));
+  }
+  return order;
+}
+
+// Interleaved 1F1B (Megatron's virtual pipeline): micro-batches go round in
+// rounds of m / max(1, m / p); a rank warms up with (v - 1) rounds'
+// forwards plus 2 (p - 1 - r), then alternates forward and backward over
+// its stages round by round, then runs the backwards left, each after an
+// empty slot (torch's ScheduleInterleaved1F1B and _get_1f1b_rank_ops).
+inline PipelineOrder interleaved_1f1b_order(int ranks, int stages_per_rank, int microbatches) {
+  check_order_sizes("ScheduleInterleaved1F1B", ranks, stages_per_rank, microbatches);
+  const int rounds = std::max(1, microbatches / ranks), per_round = microbatches / rounds;
+  if (microbatches % rounds != 0)
+    throw InvalidArgument("accel::pp::ScheduleInterleaved1F1B: " + std::to_string(microbatches) +
+                          " micro-batches are not a multiple of the number of rounds, " + std::to_string(rounds) +
+                          " (max(1, micro-batches / " + std::to_string(ranks) + " ranks)), as torch requires");
+  const int v = stages_per_rank, ops = v * microbatches;
+  PipelineOrder order(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& row = order[static_cast<std::size_t>(r)];
+    const int warmup = std::min((v - 1) * per_round + 2 * (ranks - 1 - r), ops);
+    auto forward_stage = [&](int step) { return (step / per_round) % v * ranks + r; };
+    auto backward_stage = [&](int step) { return (v - 1 - ((step - warmup) / per_round) % v) * ranks + r; };
+    std::map<int, int> forwards, backwards;  // per stage: the next micro-batch
+    wait_steps(row, r);
+    for (int step = 0; step < ops + warmup; ++step) {
+      // (warmup forwards, then ops - warmup steps of a forward and a backward, then warmup backwards)
+      if (step < warmup) {
+        const int stage = forward_stage(step);
+        row.push_back(forward(stage, forwards[stage]++));
+        if (step == warmup - 1) wait_steps(row, v * ranks + 2 * (ranks - 1 - r) - (warmup + r));
+      } else if (step < ops) {
+        const int f = forward_stage(step), b = backward_stage(step);
+        row.push_back(forward(f, forwards[f]++));
+        row.push_back(backward(b, backwards[b]++));
+      } else {
+        const int b = backward_stage(step);
+        row.push_back(std::nullopt);
+        row.push_back(backward(b, backwards[b]++));
+      }
+    }
+  }
+  return order;
+}
+
+// The rules every compute-only order keeps, returned as the first one
+// broken, or nothing (what torch's _validate_schedule checks, and that it
+// can run): every stage of the `ranks x stages_per_rank` lives on its rank
+// (stage % ranks); each stage runs each micro-batch's forward once and its
+// backward once (B, or I then W), the forward first; and the ranks' lists,
+// run in order with what each action needs from the neighbouring stages
+// (aligned), never all wait on each other. Not checked: the empty slots'
+// timing, which is only a picture (torch's own orders put some actions at
+// the step of what they need when micro-batches are fewer than ranks).
+inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches) {
+  const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
+  enum Kind { F, B, I, W, kinds };
+  std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
+  auto slot = [&](int stage, int mb, Kind k) -> int& {
+    return at[static_cast<std::size_t>((stage * microbatches + mb) * kinds + k)];
+  };
+  for (int r = 0; r < ranks; ++r)
+    for (std::size_t t = 0; t < order[static_cast<std::size_t>(r)].size(); ++t) {
+      const std::optional<Action>& a = order[static_cast<std::size_t>(r)][t];
+      if (!a) continue;
+      const std::string where = "rank " + std::to_string(r) + ", step " + std::to_string(t) + ": " + to_string(*a);
+      if (a->stage_index < 0 || a->stage_index >= stages || a->stage_index % ranks != r)
+        return where + ": stage " + std::to_string(a->stage_index) + " is not one of this rank's";
+      Kind k;
+      switch (a->computation_type) {
+        case ComputationType::FORWARD: k = F; break;
+        case ComputationType::FULL_BACKWARD: k = B; break;
+        case ComputationType::BACKWARD_INPUT: k = I; break;
+        case ComputationType::BACKWARD_WEIGHT: k = W; break;
+        default: return where + ": not a computation (a compute-only order has F, B, I and W)";
+      }
+      if (!a->microbatch_index || *a->microbatch_index < 0 || *a->microbatch_index >= microbatches)
+        return where + ": no micro-batch of the " + std::to_string(microbatches);
+      int& seen = slot(a->stage_index, *a->microbatch_index, k);
+      if (seen >= 0) return where + ": runs twice (first at step " + std::to_string(seen) + ")";
+      seen = static_cast<int>(t);
+    }
+  for (int s = 0; s < stages; ++s)
+    for (int mb = 0; mb < microbatches; ++mb) {
+      const std::string what = "stage " + std::to_string(s) + ", micro-batch " + std::to_string(mb);
+      const int f = slot(s, mb, F), b = slot(s, mb, B), i = slot(s, mb, I), w = slot(s, mb, W);
+      if (f < 0) return what + ": no forward";
+      if ((b >= 0) == (i >= 0)) return what + (b >= 0 ? ": both B and I" : ": no backward (B, or I and W)");
+      if ((i >= 0) != (w >= 0)) return what + (i >= 0 ? ": I without W" : ": W without I");
+      if ((b >= 0 ? b : i) <= f) return what + ": backward before its forward";
+      if (w >= 0 && w <= i) return what + ": W before I";
+    }
+  try {
+    (void)aligned(order, stages_per_rank, microbatches);
+  } catch (const InvalidArgument& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
+}  // namespace detail::pp
 
 ACCEL_NAMESPACE_END
 

@@ -29,6 +29,8 @@
 #include <poll.h>
 #include <sys/stat.h>
 
+#include <regex>
+
 // == Every public template, explicitly instantiated for every TensorLike ====
 
 // A function object for operate_tensorlike. Not in an anonymous namespace:
@@ -1814,5 +1816,173 @@ TEST_SUITE("torchrun") {
     }
     CHECK(ours.str() == python);
     d.destroy();
+  }
+}
+
+// == pipeline schedules' orders (core/pipeline_actions.hpp, core/pipeline_orders.hpp) ==
+
+namespace {
+namespace pp = accel::detail::pp;
+std::string csv_of(const pp::PipelineOrder& order) {
+  std::ostringstream out;
+  pp::write_csv(out, order);
+  return out.str();
+}
+// Each rank's actions without the empty slots, as text.
+std::vector<std::string> sequences_of(const pp::PipelineOrder& order) {
+  std::vector<std::string> rows;
+  for (const auto& row : order) {
+    std::string text;
+    for (const auto& a : row) {
+      if (!a) continue;
+      if (!text.empty()) text += ",";
+      text += pp::to_string(*a);
+    }
+    rows.push_back(text);
+  }
+  return rows;
+}
+}  // namespace
+
+TEST_SUITE("single") {
+  TEST_CASE("pipeline actions: torch's text both ways, every computation type, and what is refused") {
+    for (const auto& [type, text] : pp::kComputationTypeText) {
+      if (type == pp::ComputationType::OVERLAP_F_B) continue;  // (only in its compound form)
+      const pp::Action a{3, type, 7}, whole_step{2, type, std::nullopt};
+      CHECK(pp::to_string(a) == "3" + std::string(text) + "7");
+      CHECK(pp::parse_action(pp::to_string(a)) == a);
+      CHECK(pp::parse_action(pp::to_string(whole_step)) == whole_step);
+    }
+    CHECK(pp::parse_action(" 12SEND_F30\r") == pp::Action{12, pp::ComputationType::SEND_F, 30});
+    CHECK(pp::parse_action("1UNSHARD") == pp::Action{1, pp::ComputationType::UNSHARD, std::nullopt});
+    CHECK_FALSE(pp::parse_action("  ").has_value());  // an empty slot
+    for (const char* bad : {"F0", "0X1", "0F0x", "0f0", "0SEND_X1", "99999999999F0", "0F99999999999"})
+      CHECK_THROWS_WITH_AS(pp::parse_action(bad), doctest::Contains("[stage][type][micro-batch]"),
+                           accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(pp::parse_action("(0F1;1B0)OVERLAP_F_B"), doctest::Contains("DualPipeV"),
+                         accel::InvalidArgument);
+    // torch's CSV: a row per rank, "" for an empty slot, "\r\n" ends (Python's csv writer); read back the same.
+    const std::string text = "0F0,,0B0\r\n,1F0,1B0\r\n";
+    std::istringstream in(text);
+    const pp::PipelineOrder order = pp::read_csv(in);
+    REQUIRE(order.size() == 2);
+    CHECK_FALSE(order[0][1].has_value());
+    CHECK(order[1][2] == pp::Action{1, pp::ComputationType::FULL_BACKWARD, 0});
+    CHECK(csv_of(order) == text);
+    std::istringstream unix_ends("0F0,0B0\n1F0\n");
+    CHECK(csv_of(pp::read_csv(unix_ends)) == "0F0,0B0\r\n1F0\r\n");
+    std::istringstream quoted("0F0,\"0B0\"\n");
+    CHECK_THROWS_WITH_AS(pp::read_csv(quoted), doctest::Contains("quotes a field"), accel::InvalidArgument);
+  }
+
+  // Expected values from torch 2.15's schedules.py for the same arguments (its _dump_csv for the looped
+  // schedules; for GPipe and 1F1B its pipeline_order's forwards and backwards, the last rank's forwards
+  // numbered as its step runs them). tests/python_ref/pp_orders.py checks 256 cases live on the pip leg.
+  TEST_CASE("pipeline orders: torch's for the same arguments; every one keeps the rules; torch's refusals") {
+    CHECK(csv_of(pp::interleaved_1f1b_order(4, 2, 8)) ==
+          "0F0,0F1,0F2,0F3,4F0,4F1,4F2,4F3,0F4,0F5,,,,,0F6,4B0,0F7,4B1,4F4,4B2,4F5,4B3,4F6,0B0,4F7,0B1,,0B2,,0B3,,4B4,,"
+          "4B5,,4B6,,4B7,,0B4,,0B5,,0B6,,0B7\r\n"
+          ",1F0,1F1,1F2,1F3,5F0,5F1,5F2,5F3,,,,1F4,5B0,1F5,5B1,1F6,5B2,1F7,5B3,5F4,1B0,5F5,1B1,5F6,1B2,5F7,1B3,,5B4,,"
+          "5B5,,5B6,,5B7,,1B4,,1B5,,1B6,,1B7\r\n"
+          ",,2F0,2F1,2F2,2F3,6F0,6F1,,,6F2,6B0,6F3,6B1,2F4,6B2,2F5,6B3,2F6,2B0,2F7,2B1,6F4,2B2,6F5,2B3,6F6,6B4,6F7,6B5,,"
+          "6B6,,6B7,,2B4,,2B5,,2B6,,2B7\r\n"
+          ",,,3F0,3F1,3F2,3F3,,7F0,7B0,7F1,7B1,7F2,7B2,7F3,7B3,3F4,3B0,3F5,3B1,3F6,3B2,3F7,3B3,7F4,7B4,7F5,7B5,7F6,7B6,"
+          "7F7,7B7,,3B4,,3B5,,3B6,,3B7\r\n");
+    CHECK(csv_of(pp::looped_bfs_order(2, 2, 4)) ==
+          "0F0,0F1,0F2,0F3,2F0,2F1,2F2,2F3,,,2B3,2B2,2B1,2B0,0B3,0B2,0B1,0B0\r\n"
+          ",1F0,1F1,1F2,1F3,3F0,3F1,3F2,3F3,3B3,3B2,3B1,3B0,1B3,1B2,1B1,1B0\r\n");
+    CHECK(sequences_of(pp::gpipe_order(2, 4)) ==
+          std::vector<std::string>{"0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3", "1F0,1F1,1F2,1F3,1B0,1B1,1B2,1B3"});
+    CHECK(sequences_of(pp::one_f_one_b_order(4, 8)) ==
+          std::vector<std::string>{"0F0,0F1,0F2,0F3,0B0,0F4,0B1,0F5,0B2,0F6,0B3,0F7,0B4,0B5,0B6,0B7",
+                                   "1F0,1F1,1F2,1B0,1F3,1B1,1F4,1B2,1F5,1B3,1F6,1B4,1F7,1B5,1B6,1B7",
+                                   "2F0,2F1,2B0,2F2,2B1,2F3,2B2,2F4,2B3,2F5,2B4,2F6,2B5,2F7,2B6,2B7",
+                                   "3F0,3B0,3F1,3B1,3F2,3B2,3F3,3B3,3F4,3B4,3F5,3B5,3F6,3B6,3F7,3B7"});
+    // 1F1B at its earliest steps: a backward as soon as the stage after has run it.
+    CHECK(csv_of(pp::one_f_one_b_order(2, 4)) == "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n");
+    for (int ranks = 1; ranks <= 4; ++ranks)
+      for (int local = 1; local <= 3; ++local)
+        for (int m = ranks; m <= 16; ++m) {
+          CAPTURE(ranks);
+          CAPTURE(local);
+          CAPTURE(m);
+          if (local == 1) {
+            CHECK_FALSE(pp::order_error(pp::gpipe_order(ranks, m), 1, m));
+            CHECK_FALSE(pp::order_error(pp::one_f_one_b_order(ranks, m), 1, m));
+          }
+          CHECK_FALSE(pp::order_error(pp::looped_bfs_order(ranks, local, m), local, m));
+          if (m % std::max(1, m / ranks) == 0)
+            CHECK_FALSE(pp::order_error(pp::interleaved_1f1b_order(ranks, local, m), local, m));
+        }
+    CHECK_THROWS_WITH_AS(pp::one_f_one_b_order(4, 3), doctest::Contains("at least one micro-batch per stage"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(pp::interleaved_1f1b_order(2, 2, 5), doctest::Contains("multiple of the number of rounds, 2"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(pp::gpipe_order(0, 4), doctest::Contains("each must be at least 1"), accel::InvalidArgument);
+  }
+
+  TEST_CASE("pipeline orders: the rules, each broken once, named") {
+    auto error_of = [](const std::string& text, int local, int m) {
+      std::istringstream in(text);
+      return doctest::String(pp::order_error(pp::read_csv(in), local, m).value_or("").c_str());
+    };
+    CHECK(error_of("0F0,0B0\n1F0,1B0\n", 1, 1) == "");
+    CHECK(error_of("0F0,0B0\n0F0,1B0\n", 1, 1) == doctest::Contains("rank 1, step 0: 0F0: stage 0 is not one of this rank's"));
+    CHECK(error_of("0F0,0B0\n1F0,1B0,1F0\n", 1, 1) == doctest::Contains("runs twice"));
+    CHECK(error_of("0F0,0B0\n1F0,1B1\n", 1, 1) == doctest::Contains("no micro-batch of the 1"));
+    CHECK(error_of("0F0,0B0\n1F0\n", 1, 1) == doctest::Contains("stage 1, micro-batch 0: no backward"));
+    CHECK(error_of("0B0,0F0\n1F0,1B0\n", 1, 1) == doctest::Contains("backward before its forward"));
+    CHECK(error_of("0F0,0I0,0W0,0B0\n1F0,1B0\n", 1, 1) == doctest::Contains("both B and I"));
+    CHECK(error_of("0F0,0I0\n1F0,1B0\n", 1, 1) == doctest::Contains("I without W"));
+    CHECK(error_of("0F0,0UNSHARD\n1F0,1B0\n", 1, 1) == doctest::Contains("not a computation"));
+    // Each rank's list in a valid order, but run together every rank waits: stage 1 runs its forwards in the
+    // order 1, 0 while stage 0 sends 0 first and then waits for 0's backward.
+    CHECK(error_of("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", 1, 2) ==
+          doctest::Contains("cannot go on (2 micro-batches): every rank waits for another: rank 0 at 0B0, rank 1 at 1F1"));
+    CHECK(error_of("0F0,0I0,0W0\n1F0,1I0,1W0\n", 1, 1) == "");  // zero bubble's split backward
+  }
+}
+
+// tests/python_ref/pp_orders.py's cases (the files it wrote to ACCEL_PP_DIR): ours written beside torch's
+// (ours_CASE.csv, or ours_CASE.err where a schedule refuses the case), each of ours keeping the rules; torch's
+// read and written back byte for byte, and (but 1F1B's, whose last rank it numbers from 1) keeping them too.
+TEST_SUITE("python_pp" * doctest::skip()) {
+  TEST_CASE("pipeline orders against torch's, live") {
+    const char* dir = std::getenv("ACCEL_PP_DIR");
+    REQUIRE_MESSAGE(dir, "set ACCEL_PP_DIR (tests/python_ref/run_pp_orders.sh does)");
+    int cases = 0;
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string file = entry.path().filename().string();
+      if (!file.starts_with("torch_")) continue;
+      const std::string c = entry.path().stem().string().substr(6);
+      CAPTURE(c);
+      std::istringstream fields(std::regex_replace(c, std::regex("_(\\d+)_(\\d+)_(\\d+)$"), " $1 $2 $3"));
+      std::string name;
+      int ranks = 0, local = 0, m = 0;
+      const bool parsed = static_cast<bool>(fields >> name >> ranks >> local >> m);
+      REQUIRE(parsed);
+      ++cases;
+      const std::filesystem::path ours = entry.path().parent_path() / ("ours_" + c);
+      try {
+        const pp::PipelineOrder order = name == "gpipe"              ? pp::gpipe_order(ranks, m)
+                                        : name == "1f1b"             ? pp::one_f_one_b_order(ranks, m)
+                                        : name == "looped_bfs"       ? pp::looped_bfs_order(ranks, local, m)
+                                        : name == "interleaved_1f1b" ? pp::interleaved_1f1b_order(ranks, local, m)
+                                                                     : throw std::logic_error("no schedule " + name);
+        CHECK(pp::order_error(order, local, m) == std::nullopt);
+        std::ofstream(ours.string() + ".csv", std::ios::binary) << csv_of(order);
+      } catch (const accel::InvalidArgument& e) {
+        std::ofstream(ours.string() + ".err") << e.what();
+      }
+      if (entry.path().extension() != ".csv") continue;
+      std::ifstream in(entry.path(), std::ios::binary);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      std::istringstream again(text);
+      const pp::PipelineOrder theirs = pp::read_csv(again);
+      CHECK(csv_of(theirs) == text);
+      if (name != "1f1b") CHECK(pp::order_error(theirs, local, m) == std::nullopt);
+    }
+    MESSAGE(cases << " cases of torch's");
+    CHECK(cases > 0);
   }
 }

@@ -19,5 +19,7 @@
 #include "accel/core/environment.hpp"
 #include "accel/core/strategy.hpp"
 #include "accel/core/launcher.hpp"
+#include "accel/core/pipeline_actions.hpp"
+#include "accel/core/pipeline_orders.hpp"
 
 #endif  // ACCEL_HPP
