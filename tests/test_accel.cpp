@@ -1877,7 +1877,7 @@ TEST_SUITE("single") {
 
   // Expected values from torch 2.15's schedules.py for the same arguments (its _dump_csv for the looped
   // schedules; for GPipe and 1F1B its pipeline_order's forwards and backwards, the last rank's forwards
-  // numbered as its step runs them). tests/python_ref/pp_orders.py checks 256 cases live on the pip leg.
+  // numbered as its step runs them). tests/python_ref/pp_orders.py checks 384 cases live on the pip leg.
   TEST_CASE("pipeline orders: torch's for the same arguments; every one keeps the rules; torch's refusals") {
     CHECK(csv_of(pp::interleaved_1f1b_order(4, 2, 8)) ==
           "0F0,0F1,0F2,0F3,4F0,4F1,4F2,4F3,0F4,0F5,,,,,0F6,4B0,0F7,4B1,4F4,4B2,4F5,4B3,4F6,0B0,4F7,0B1,,0B2,,0B3,,4B4,,"
@@ -1898,6 +1898,12 @@ TEST_SUITE("single") {
                                    "1F0,1F1,1F2,1B0,1F3,1B1,1F4,1B2,1F5,1B3,1F6,1B4,1F7,1B5,1B6,1B7",
                                    "2F0,2F1,2B0,2F2,2B1,2F3,2B2,2F4,2B3,2F5,2B4,2F6,2B5,2F7,2B6,2B7",
                                    "3F0,3B0,3F1,3B1,3F2,3B2,3F3,3B3,3F4,3B4,3F5,3B5,3F6,3B6,3F7,3B7"});
+    CHECK(csv_of(pp::interleaved_zero_bubble_order(2, 2, 4)) ==
+          "0F0,0F1,2F0,,2F1,2I0,2W0,0F2,2I1,2W1,0F3,0I0,0W0,2F2,0I1,0W1,2F3,2I2,2W2,2I3,2W3,0I2,0W2,0I3,0W3\r\n"
+          ",1F0,1F1,3F0,3I0,3F1,3I1,3W0,1F2,1I0,3W1,1F3,1I1,1W0,3F2,3I2,1W1,3F3,3I3,3W2,1I2,3W3,1I3,1W2,1W3\r\n");
+    CHECK(csv_of(pp::zbv_zero_bubble_order(2, 4)) ==
+          "0F0,0F1,0F2,3F0,3I0,3W0,3F1,3I1,3W1,0F3,0I0,0W0,3F2,3I2,3W2,0I1,0W1,3F3,3I3,3W3,0I2,0W2,0I3,0W3\r\n"
+          ",1F0,2F0,1F1,2F1,2I0,2W0,1F2,1I0,1W0,2F2,2I1,2W1,1F3,1I1,1W1,2F3,2I2,2W2,1I2,2I3,1I3,1W2,2W3,1W3\r\n");
     // 1F1B at its earliest steps: a backward as soon as the stage after has run it.
     CHECK(csv_of(pp::one_f_one_b_order(2, 4)) == "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n");
     for (int ranks = 1; ranks <= 4; ++ranks)
@@ -1910,9 +1916,12 @@ TEST_SUITE("single") {
             CHECK_FALSE(pp::order_error(pp::gpipe_order(ranks, m), 1, m));
             CHECK_FALSE(pp::order_error(pp::one_f_one_b_order(ranks, m), 1, m));
           }
+          if (local == 2) CHECK_FALSE(pp::order_error(pp::zbv_zero_bubble_order(ranks, m), 2, m, pp::StageStyle::v));
           CHECK_FALSE(pp::order_error(pp::looped_bfs_order(ranks, local, m), local, m));
-          if (m % std::max(1, m / ranks) == 0)
+          if (m % std::max(1, m / ranks) == 0) {
             CHECK_FALSE(pp::order_error(pp::interleaved_1f1b_order(ranks, local, m), local, m));
+            CHECK_FALSE(pp::order_error(pp::interleaved_zero_bubble_order(ranks, local, m), local, m));
+          }
         }
     CHECK_THROWS_WITH_AS(pp::one_f_one_b_order(4, 3), doctest::Contains("at least one micro-batch per stage"),
                          accel::InvalidArgument);
@@ -1963,13 +1972,17 @@ TEST_SUITE("python_pp" * doctest::skip()) {
       REQUIRE(parsed);
       ++cases;
       const std::filesystem::path ours = entry.path().parent_path() / ("ours_" + c);
+      const pp::StageStyle style = name == "zbv" ? pp::StageStyle::v : pp::StageStyle::loop;
       try {
-        const pp::PipelineOrder order = name == "gpipe"              ? pp::gpipe_order(ranks, m)
-                                        : name == "1f1b"             ? pp::one_f_one_b_order(ranks, m)
-                                        : name == "looped_bfs"       ? pp::looped_bfs_order(ranks, local, m)
-                                        : name == "interleaved_1f1b" ? pp::interleaved_1f1b_order(ranks, local, m)
-                                                                     : throw std::logic_error("no schedule " + name);
-        CHECK(pp::order_error(order, local, m) == std::nullopt);
+        const pp::PipelineOrder order =
+            name == "gpipe"                     ? pp::gpipe_order(ranks, m)
+            : name == "1f1b"                    ? pp::one_f_one_b_order(ranks, m)
+            : name == "looped_bfs"              ? pp::looped_bfs_order(ranks, local, m)
+            : name == "interleaved_1f1b"        ? pp::interleaved_1f1b_order(ranks, local, m)
+            : name == "interleaved_zero_bubble" ? pp::interleaved_zero_bubble_order(ranks, local, m)
+            : name == "zbv"                     ? pp::zbv_zero_bubble_order(ranks, m)
+                                                : throw std::logic_error("no schedule " + name);
+        CHECK(pp::order_error(order, local, m, style) == std::nullopt);
         std::ofstream(ours.string() + ".csv", std::ios::binary) << csv_of(order);
       } catch (const accel::InvalidArgument& e) {
         std::ofstream(ours.string() + ".err") << e.what();
@@ -1980,7 +1993,7 @@ TEST_SUITE("python_pp" * doctest::skip()) {
       std::istringstream again(text);
       const pp::PipelineOrder theirs = pp::read_csv(again);
       CHECK(csv_of(theirs) == text);
-      if (name != "1f1b") CHECK(pp::order_error(theirs, local, m) == std::nullopt);
+      if (name != "1f1b") CHECK(pp::order_error(theirs, local, m, style) == std::nullopt);
     }
     MESSAGE(cases << " cases of torch's");
     CHECK(cases > 0);

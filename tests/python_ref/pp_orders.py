@@ -5,13 +5,14 @@
     python3 pp_orders.py compare DIR   ours (DIR/ours_CASE.csv or .err, written by the test binary's
                                        python_pp suite) against torch's, case by case
 
-A case is SCHEDULE_RANKS_STAGESPERRANK_MICROBATCHES over the grid below. The schedules are made on stages
-that stand in for real ones (the order needs only their indices and the group's size: no process group,
-no model), as torch's own test_schedule.py does with its mock stages. Interleaved 1F1B and Looped BFS
-dump their order with torch's _dump_csv(format="compute_only"): ours must be the same bytes. GPipe and
-1F1B have no _dump_csv; their pipeline_order (what torch's tools draw) is compared as each rank's
-sequence of forwards and backwards, without torch's empty slots and gradient reduction, and with its
-1F1B naming the last rank's forwards 1..m where its step runs 0..m-1 (docs/differences.md).
+A case is SCHEDULE_RANKS_STAGESPERRANK_MICROBATCHES over the grid below (ZBV: 2 stages per rank). The
+schedules are made on stages that stand in for real ones (the order needs only their indices and the
+group's size: no process group, no model), as torch's own test_schedule.py does with its mock stages.
+Interleaved 1F1B, Looped BFS and the zero-bubble schedules dump their order with torch's
+_dump_csv(format="compute_only"): ours must be the same bytes. GPipe and 1F1B have no _dump_csv; their
+pipeline_order (what torch's tools draw) is compared as each rank's sequence of forwards and backwards,
+without torch's empty slots and gradient reduction, and with its 1F1B naming the last rank's forwards
+1..m where its step runs 0..m-1 (docs/differences.md).
 """
 import csv
 import pathlib
@@ -22,14 +23,15 @@ from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
-             "interleaved_1f1b": S.ScheduleInterleaved1F1B}
+             "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+             "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}
 SINGLE = ("gpipe", "1f1b")
 
 
 def cases():
     for name in SCHEDULES:
         for ranks in (1, 2, 3, 4):
-            for local in ((1,) if name in SINGLE else (1, 2, 3)):
+            for local in ((1,) if name in SINGLE else (2,) if name == "zbv" else (1, 2, 3)):
                 for microbatches in (1, 2, 3, 4, 6, 8, 12, 16):
                     yield f"{name}_{ranks}_{local}_{microbatches}", name, ranks, local, microbatches
 
@@ -55,7 +57,9 @@ class StandIn(_PipelineStageBase):
 
 
 def torch_schedule(name, ranks, local, microbatches):
-    stages = [StandIn(ranks * i, ranks * local, ranks) for i in range(local)]
+    # (rank 0's stages: in a loop, 0, p, 2p, ...; ZBV's V, 0 and 2p - 1)
+    indices = [0, 2 * ranks - 1] if name == "zbv" else [ranks * i for i in range(local)]
+    stages = [StandIn(i, ranks * local, ranks) for i in indices]
     if name in SINGLE:
         return SCHEDULES[name](stages[0], microbatches)
     return SCHEDULES[name](stages, microbatches)

@@ -1,15 +1,16 @@
-// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B), and the rules every order must keep.
+// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two), and the rules every order must keep.
 //
 // A compute-only order says, per pipeline rank and time step, which stage
-// runs the forward (F) or backward (B) of which micro-batch, an empty slot
-// where the rank waits for a neighbour: one time step per action, the same
-// model torch's schedules are written in (pipeline_order). Stages are
-// spread over the ranks in a loop: with p ranks and v stages per rank, rank
-// r holds stages r, r + p, ..., r + (v - 1) p. Each function here is the
-// order torch.distributed.pipelining makes for the same arguments
-// (torch 2.15's schedules.py), checked against it (tests: "pipeline
-// orders"); the communication a running schedule adds (sends, receives, the
-// gradients' reduction) is not part of it.
+// runs the forward (F) or backward (B; zero bubble: I then W) of which
+// micro-batch, an empty slot where the rank waits for a neighbour: one time
+// step per action, the model torch's schedules are written in
+// (pipeline_order). Stages are spread over the ranks in a loop: with p ranks
+// and v stages per rank, rank r holds stages r, r + p, ..., r + (v - 1) p
+// (ZBV's V: r and 2p - 1 - r). Each function here makes the order
+// torch.distributed.pipelining makes for the same arguments (torch 2.15's
+// schedules.py; tests: "pipeline orders", and python_pp_orders live); the
+// communication a running schedule adds (sends, receives, the gradients'
+// reduction) is not part of it.
 #pragma once
 
 #include "accel/core/pipeline_actions.hpp"
@@ -158,57 +159,193 @@ inline PipelineOrder looped_bfs_order(int ranks, int stages_per_rank, int microb
   return order;
 }
 
-// Interleaved 1F1B (Megatron's virtual pipeline): micro-batches go round in
-// rounds of m / max(1, m / p); a rank warms up with (v - 1) rounds'
-// forwards plus 2 (p - 1 - r), then alternates forward and backward over
-// its stages round by round, then runs the backwards left, each after an
-// empty slot (torch's ScheduleInterleaved1F1B and _get_1f1b_rank_ops).
-inline PipelineOrder interleaved_1f1b_order(int ranks, int stages_per_rank, int microbatches) {
-  check_order_sizes("ScheduleInterleaved1F1B", ranks, stages_per_rank, microbatches);
-  const int rounds = std::max(1, microbatches / ranks), per_round = microbatches / rounds;
+// The micro-batches' rounds of the interleaved schedules: m / max(1, m / p)
+// micro-batches each, m a multiple of their number (torch's rule).
+inline int microbatches_per_round(std::string_view schedule, int ranks, int microbatches) {
+  const int rounds = std::max(1, microbatches / ranks);
   if (microbatches % rounds != 0)
-    throw InvalidArgument("accel::pp::ScheduleInterleaved1F1B: " + std::to_string(microbatches) +
+    throw InvalidArgument("accel::pp::" + std::string(schedule) + ": " + std::to_string(microbatches) +
                           " micro-batches are not a multiple of the number of rounds, " + std::to_string(rounds) +
                           " (max(1, micro-batches / " + std::to_string(ranks) + " ranks)), as torch requires");
-  const int v = stages_per_rank, ops = v * microbatches;
-  PipelineOrder order(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    auto& row = order[static_cast<std::size_t>(r)];
-    const int warmup = std::min((v - 1) * per_round + 2 * (ranks - 1 - r), ops);
-    auto forward_stage = [&](int step) { return (step / per_round) % v * ranks + r; };
-    auto backward_stage = [&](int step) { return (v - 1 - ((step - warmup) / per_round) % v) * ranks + r; };
-    std::map<int, int> forwards, backwards;  // per stage: the next micro-batch
-    wait_steps(row, r);
-    for (int step = 0; step < ops + warmup; ++step) {
-      // (warmup forwards, then ops - warmup steps of a forward and a backward, then warmup backwards)
-      if (step < warmup) {
-        const int stage = forward_stage(step);
-        row.push_back(forward(stage, forwards[stage]++));
-        if (step == warmup - 1) wait_steps(row, v * ranks + 2 * (ranks - 1 - r) - (warmup + r));
-      } else if (step < ops) {
-        const int f = forward_stage(step), b = backward_stage(step);
-        row.push_back(forward(f, forwards[f]++));
-        row.push_back(backward(b, backwards[b]++));
-      } else {
-        const int b = backward_stage(step);
-        row.push_back(std::nullopt);
-        row.push_back(backward(b, backwards[b]++));
-      }
+  return microbatches / rounds;
+}
+
+// One rank's list of an interleaved schedule (torch's _get_1f1b_rank_ops):
+// `warmup` forwards, round by round over the rank's stages, then a forward
+// and a backward in turn, then the backwards left, the backwards going over
+// the stages in reverse. Interleaved 1F1B waits for the first backward after
+// the warm-up and before each backward of the cool-down; zero bubble splits
+// each backward into I and, from the (`first_weights` + 1)-th backward on,
+// the W of the oldest backward whose weights are pending, and the W left at
+// the end, with no waits of its own (_add_bubbles adds them).
+inline std::vector<std::optional<Action>> interleaved_rank_ops(int ranks, int v, int per_round, int microbatches, int r,
+                                                               int warmup, bool zero_bubble, int first_weights) {
+  const int ops = v * microbatches;
+  auto forward_stage = [&](int step) { return (step / per_round) % v * ranks + r; };
+  auto backward_stage = [&](int step) { return (v - 1 - ((step - warmup) / per_round) % v) * ranks + r; };
+  const ComputationType backward_type = zero_bubble ? ComputationType::BACKWARD_INPUT : ComputationType::FULL_BACKWARD;
+  std::map<int, int> forwards, backwards, weights;  // per stage: the next micro-batch
+  std::vector<int> backward_steps;                  // the steps whose backward ran, in order
+  std::size_t weighed = 0;
+  std::vector<std::optional<Action>> row;
+  auto weight = [&] {
+    const int stage = backward_stage(backward_steps[weighed++]);
+    row.push_back(Action{stage, ComputationType::BACKWARD_WEIGHT, weights[stage]++});
+  };
+  wait_steps(row, r);
+  for (int step = 0; step < ops + warmup; ++step) {
+    // (warmup forwards, then ops - warmup steps of a forward and a backward, then warmup backwards)
+    if (step < warmup) {
+      const int stage = forward_stage(step);
+      row.push_back(forward(stage, forwards[stage]++));
+      if (step == warmup - 1)
+        wait_steps(row, zero_bubble ? ranks - r - 1 : v * ranks + 2 * (ranks - 1 - r) - (warmup + r));
+      continue;
     }
+    if (step < ops) {
+      const int f = forward_stage(step);
+      row.push_back(forward(f, forwards[f]++));
+    } else if (!zero_bubble) {
+      row.push_back(std::nullopt);
+    }
+    const int b = backward_stage(step);
+    row.push_back(Action{b, backward_type, backwards[b]++});
+    backward_steps.push_back(step);
+    if (zero_bubble && step - warmup >= first_weights) weight();
+  }
+  while (zero_bubble && weighed < backward_steps.size()) weight();
+  return row;
+}
+
+// Interleaved 1F1B (Megatron's virtual pipeline): a rank warms up with
+// (v - 1) rounds' forwards plus 2 (p - 1 - r), at most v m (torch's
+// ScheduleInterleaved1F1B).
+inline PipelineOrder interleaved_1f1b_order(int ranks, int stages_per_rank, int microbatches) {
+  check_order_sizes("ScheduleInterleaved1F1B", ranks, stages_per_rank, microbatches);
+  const int per_round = microbatches_per_round("ScheduleInterleaved1F1B", ranks, microbatches);
+  PipelineOrder order;
+  for (int r = 0; r < ranks; ++r) {
+    const int warmup =
+        std::min((stages_per_rank - 1) * per_round + 2 * (ranks - 1 - r), stages_per_rank * microbatches);
+    order.push_back(interleaved_rank_ops(ranks, stages_per_rank, per_round, microbatches, r, warmup, false, 0));
   }
   return order;
+}
+
+// Zero bubble interleaved (arXiv 2401.10241): as Interleaved 1F1B with a
+// warm-up of (v - 1) rounds plus p - 1 - r and the backward split, rank r
+// deferring its first r backwards' weights; then each rank's slots walked in
+// step with the others', an empty slot put before a forward whose stage
+// before has not run it yet (torch's ScheduleInterleavedZeroBubble and its
+// _add_bubbles_to_actions, which waits for nothing else: an I may run at the
+// step of the stage after's).
+inline PipelineOrder interleaved_zero_bubble_order(int ranks, int stages_per_rank, int microbatches) {
+  check_order_sizes("ScheduleInterleavedZeroBubble", ranks, stages_per_rank, microbatches);
+  const int per_round = microbatches_per_round("ScheduleInterleavedZeroBubble", ranks, microbatches);
+  PipelineOrder lists;
+  for (int r = 0; r < ranks; ++r) {
+    const int warmup = std::min((stages_per_rank - 1) * per_round + (ranks - 1 - r), stages_per_rank * microbatches);
+    lists.push_back(interleaved_rank_ops(ranks, stages_per_rank, per_round, microbatches, r, warmup, true, r));
+  }
+  // (stage, micro-batch) whose forward ran at an earlier step
+  std::vector<char> forwarded(static_cast<std::size_t>(ranks * stages_per_rank * microbatches), 0);
+  auto ran = [&](int stage, int mb) -> char& { return forwarded[static_cast<std::size_t>(stage * microbatches + mb)]; };
+  PipelineOrder order(lists.size());
+  std::vector<std::size_t> next(lists.size(), 0);
+  for (bool going = true; going;) {
+    going = false;
+    std::vector<std::pair<int, int>> now;
+    for (std::size_t r = 0; r < lists.size(); ++r) {
+      if (next[r] == lists[r].size()) continue;
+      going = true;
+      const std::optional<Action>& a = lists[r][next[r]];
+      const bool waits = a && a->computation_type == ComputationType::FORWARD && a->stage_index > 0 &&
+                         !ran(a->stage_index - 1, *a->microbatch_index);
+      if (waits) {
+        order[r].push_back(std::nullopt);
+        continue;
+      }
+      order[r].push_back(a);
+      if (a && a->computation_type == ComputationType::FORWARD) now.emplace_back(a->stage_index, *a->microbatch_index);
+      ++next[r];
+    }
+    for (const auto& [stage, mb] : now) ran(stage, mb) = 1;
+  }
+  return order;
+}
+
+// ZBV zero bubble (arXiv 2401.10241's V schedule): two stages per rank in a
+// V, rank r holding stages r and 2p - 1 - r, the backward split into I and W
+// (torch's ScheduleZBVZeroBubble: its phases run as if there were at least
+// 2p - 1 micro-batches, the actions of those past m left as empty slots).
+inline PipelineOrder zbv_zero_bubble_order(int ranks, int microbatches) {
+  check_order_sizes("ScheduleZBVZeroBubble", ranks, 2, microbatches);
+  const int planned = std::max(2 * ranks - 1, microbatches), last_stage = 2 * ranks - 1;
+  PipelineOrder order;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::optional<Action>> row;
+    wait_steps(row, r);
+    const int first = r, second = last_stage - r;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    auto add = [&](int stage, ComputationType type, int mb) {
+      row.push_back(mb < microbatches ? std::optional<Action>(Action{stage, type, mb}) : std::nullopt);
+    };
+    using enum ComputationType;
+    for (int i = 0; i < 2 * (ranks - r) - 1; ++i) add(first, FORWARD, f0++);
+    for (int i = 0; i < r; ++i) {
+      add(second, FORWARD, f1++);
+      add(first, FORWARD, f0++);
+    }
+    for (int i = 0; i < ranks - r; ++i) {
+      add(second, FORWARD, f1++);
+      add(second, BACKWARD_INPUT, b1);
+      add(second, BACKWARD_WEIGHT, b1++);
+    }
+    while (f1 < f0 || f0 < planned) {
+      if (f0 < planned) add(first, FORWARD, f0++);
+      add(first, BACKWARD_INPUT, b0);
+      add(first, BACKWARD_WEIGHT, b0++);
+      add(second, FORWARD, f1++);
+      add(second, BACKWARD_INPUT, b1);
+      add(second, BACKWARD_WEIGHT, b1++);
+    }
+    int w0 = b0, w1 = b1;
+    for (int i = 0; i < r; ++i) {
+      add(first, BACKWARD_INPUT, b0++);
+      add(second, BACKWARD_INPUT, b1++);
+    }
+    for (int i = 0; i < ranks - r; ++i) {
+      add(first, BACKWARD_INPUT, b0++);
+      add(first, BACKWARD_WEIGHT, w0++);
+    }
+    while (w1 < b1) add(second, BACKWARD_WEIGHT, w1++);
+    while (w0 < b0) add(first, BACKWARD_WEIGHT, w0++);
+    order.push_back(std::move(row));
+  }
+  return order;
+}
+
+// Which rank holds a stage: in a loop (stage s on rank s mod p: every
+// schedule but ZBV) or in a V (stages 0..p-1 on ranks 0..p-1, then p..2p-1
+// back on ranks p-1..0, and so on), as torch's
+// generate_stage_to_rank_mapping.
+enum class StageStyle { loop, v };
+inline int stage_rank(int stage, int ranks, StageStyle style) {
+  const int at = stage % ranks;
+  return style == StageStyle::loop || (stage / ranks) % 2 == 0 ? at : ranks - 1 - at;
 }
 
 // The rules every compute-only order keeps, returned as the first one
 // broken, or nothing (what torch's _validate_schedule checks, and that it
 // can run): every stage of the `ranks x stages_per_rank` lives on its rank
-// (stage % ranks); each stage runs each micro-batch's forward once and its
+// (stage_rank); each stage runs each micro-batch's forward once and its
 // backward once (B, or I then W), the forward first; and the ranks' lists,
 // run in order with what each action needs from the neighbouring stages
 // (aligned), never all wait on each other. Not checked: the empty slots'
 // timing, which is only a picture (torch's own orders put some actions at
 // the step of what they need when micro-batches are fewer than ranks).
-inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches) {
+inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches,
+                                              StageStyle style = StageStyle::loop) {
   const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
   enum Kind { F, B, I, W, kinds };
   std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
@@ -220,7 +357,7 @@ inline std::optional<std::string> order_error(const PipelineOrder& order, int st
       const std::optional<Action>& a = order[static_cast<std::size_t>(r)][t];
       if (!a) continue;
       const std::string where = "rank " + std::to_string(r) + ", step " + std::to_string(t) + ": " + to_string(*a);
-      if (a->stage_index < 0 || a->stage_index >= stages || a->stage_index % ranks != r)
+      if (a->stage_index < 0 || a->stage_index >= stages || stage_rank(a->stage_index, ranks, style) != r)
         return where + ": stage " + std::to_string(a->stage_index) + " is not one of this rank's";
       Kind k;
       switch (a->computation_type) {
