@@ -23,7 +23,8 @@
 //     accel/core/strategy.hpp                            DistributedConfig and DistributedStrategy: the parallel sizes, validated
 //     accel/core/launcher.hpp                            the local launcher: spawn and launch_processes (Linux)
 //     accel/core/pipeline_actions.hpp                    a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
-//     accel/core/pipeline_orders.hpp                     the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two), and the rules every order must keep
+//     accel/core/pipeline_rules.hpp                      the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run
+//     accel/core/pipeline_orders.hpp                     the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two)
 //   distributed:
 //     accel/distributed/torch.hpp                        feature detection and the LibTorch headers the collectives need
 //     accel/distributed/devices.hpp                      devices: which accelerator a process uses, binding and synchronising it
@@ -1210,51 +1211,29 @@ inline PipelineOrder read_csv(std::istream& in) {
 
 ACCEL_NAMESPACE_END
 
-// == accel/core/pipeline_orders.hpp ===========================================
-// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two), and the rules every order must keep.
+// == accel/core/pipeline_rules.hpp ============================================
+// accel/core/pipeline_rules.hpp: the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run.
 //
-// A compute-only order says, per pipeline rank and time step, which stage
-// runs the forward (F) or backward (B; zero bubble: I then W) of which
-// micro-batch, an empty slot where the rank waits for a neighbour: one time
-// step per action, the model torch's schedules are written in
-// (pipeline_order). Stages are spread over the ranks in a loop: with p ranks
-// and v stages per rank, rank r holds stages r, r + p, ..., r + (v - 1) p
-// (ZBV's V: r and 2p - 1 - r). Each function here makes the order
-// torch.distributed.pipelining makes for the same arguments (torch 2.15's
-// schedules.py; tests: "pipeline orders", and python_pp_orders live); the
-// communication a running schedule adds (sends, receives, the gradients'
-// reduction) is not part of it.
+// A schedule's order (core/pipeline_actions.hpp) is right when every
+// stage runs each micro-batch's forward and backward once, in that order,
+// on the rank that holds it, and when the ranks' lists, each run in order,
+// never all wait on each other: a forward needs the stage before's forward
+// of its micro-batch (its activation is sent on), a backward the stage
+// after's backward (its gradient is sent back). order_error checks an
+// order (one of core/pipeline_orders.hpp's, or a user's from a CSV);
+// aligned places lists at the earliest steps they can run.
 
 ACCEL_NAMESPACE_BEGIN
 
 namespace detail::pp {
-inline void check_order_sizes(std::string_view schedule, int ranks, int stages_per_rank, int microbatches) {
-  if (ranks < 1 || stages_per_rank < 1 || microbatches < 1)
-    throw InvalidArgument("accel::pp::" + std::string(schedule) + ": " + std::to_string(ranks) + " ranks, " +
-                          std::to_string(stages_per_rank) + " stages per rank and " + std::to_string(microbatches) +
-                          " micro-batches: each must be at least 1");
-}
-inline Action forward(int stage, int microbatch) { return {stage, ComputationType::FORWARD, microbatch}; }
-inline Action backward(int stage, int microbatch) { return {stage, ComputationType::FULL_BACKWARD, microbatch}; }
-inline void wait_steps(std::vector<std::optional<Action>>& row, int steps) {
-  row.insert(row.end(), static_cast<std::size_t>(std::max(steps, 0)), std::nullopt);
-}
-
-// GPipe: every forward, then every backward. Rank r starts r steps late; its
-// first backward waits 3 (p - 1 - r) steps, for the backward to come back
-// from the last rank (torch's ScheduleGPipe._get_pipeline_order, before it
-// drops the empty slots and adds the reduction).
-inline PipelineOrder gpipe_order(int ranks, int microbatches) {
-  check_order_sizes("ScheduleGPipe", ranks, 1, microbatches);
-  PipelineOrder order(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    auto& row = order[static_cast<std::size_t>(r)];
-    wait_steps(row, r);
-    for (int mb = 0; mb < microbatches; ++mb) row.push_back(forward(r, mb));
-    wait_steps(row, 3 * (ranks - 1 - r));
-    for (int mb = 0; mb < microbatches; ++mb) row.push_back(backward(r, mb));
-  }
-  return order;
+// Which rank holds a stage: in a loop (stage s on rank s mod p: every
+// schedule but ZBV) or in a V (stages 0..p-1 on ranks 0..p-1, then p..2p-1
+// back on ranks p-1..0, and so on), as torch's
+// generate_stage_to_rank_mapping.
+enum class StageStyle { loop, v };
+inline int stage_rank(int stage, int ranks, StageStyle style) {
+  const int at = stage % ranks;
+  return style == StageStyle::loop || (stage / ranks) % 2 == 0 ? at : ranks - 1 - at;
 }
 
 // Places each rank's actions (in their order, without empty slots) at the
@@ -1318,6 +1297,113 @@ inline PipelineOrder aligned(const PipelineOrder& sequences, int stages_per_rank
   }
   for (auto& row : order)  // (the steps after a rank's last action)
     while (!row.empty() && !row.back()) row.pop_back();
+  return order;
+}
+
+// The rules every compute-only order keeps, returned as the first one
+// broken, or nothing (what torch's _validate_schedule checks, and that it
+// can run): every stage of the `ranks x stages_per_rank` lives on its rank
+// (stage_rank); each stage runs each micro-batch's forward once and its
+// backward once (B, or I then W), the forward first; and the ranks' lists,
+// run in order with what each action needs from the neighbouring stages
+// (aligned), never all wait on each other. Not checked: the empty slots'
+// timing, which is only a picture (torch's own orders put some actions at
+// the step of what they need when micro-batches are fewer than ranks).
+inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches,
+                                              StageStyle style = StageStyle::loop) {
+  const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
+  enum Kind { F, B, I, W, kinds };
+  std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
+  auto slot = [&](int stage, int mb, Kind k) -> int& {
+    return at[static_cast<std::size_t>((stage * microbatches + mb) * kinds + k)];
+  };
+  for (int r = 0; r < ranks; ++r)
+    for (std::size_t t = 0; t < order[static_cast<std::size_t>(r)].size(); ++t) {
+      const std::optional<Action>& a = order[static_cast<std::size_t>(r)][t];
+      if (!a) continue;
+      const std::string where = "rank " + std::to_string(r) + ", step " + std::to_string(t) + ": " + to_string(*a);
+      if (a->stage_index < 0 || a->stage_index >= stages || stage_rank(a->stage_index, ranks, style) != r)
+        return where + ": stage " + std::to_string(a->stage_index) + " is not one of this rank's";
+      Kind k;
+      switch (a->computation_type) {
+        case ComputationType::FORWARD: k = F; break;
+        case ComputationType::FULL_BACKWARD: k = B; break;
+        case ComputationType::BACKWARD_INPUT: k = I; break;
+        case ComputationType::BACKWARD_WEIGHT: k = W; break;
+        default: return where + ": not a computation (a compute-only order has F, B, I and W)";
+      }
+      if (!a->microbatch_index || *a->microbatch_index < 0 || *a->microbatch_index >= microbatches)
+        return where + ": no micro-batch of the " + std::to_string(microbatches);
+      int& seen = slot(a->stage_index, *a->microbatch_index, k);
+      if (seen >= 0) return where + ": runs twice (first at step " + std::to_string(seen) + ")";
+      seen = static_cast<int>(t);
+    }
+  for (int s = 0; s < stages; ++s)
+    for (int mb = 0; mb < microbatches; ++mb) {
+      const std::string what = "stage " + std::to_string(s) + ", micro-batch " + std::to_string(mb);
+      const int f = slot(s, mb, F), b = slot(s, mb, B), i = slot(s, mb, I), w = slot(s, mb, W);
+      if (f < 0) return what + ": no forward";
+      if ((b >= 0) == (i >= 0)) return what + (b >= 0 ? ": both B and I" : ": no backward (B, or I and W)");
+      if ((i >= 0) != (w >= 0)) return what + (i >= 0 ? ": I without W" : ": W without I");
+      if ((b >= 0 ? b : i) <= f) return what + ": backward before its forward";
+      if (w >= 0 && w <= i) return what + ": W before I";
+    }
+  try {
+    (void)aligned(order, stages_per_rank, microbatches);
+  } catch (const InvalidArgument& e) {
+    return std::string(e.what());
+  }
+  return std::nullopt;
+}
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/core/pipeline_orders.hpp ===========================================
+// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two).
+//
+// A compute-only order says, per pipeline rank and time step, which stage
+// runs the forward (F) or backward (B; zero bubble: I then W) of which
+// micro-batch, an empty slot where the rank waits for a neighbour: one time
+// step per action, the model torch's schedules are written in
+// (pipeline_order). Stages are spread over the ranks in a loop: with p ranks
+// and v stages per rank, rank r holds stages r, r + p, ..., r + (v - 1) p
+// (ZBV's V: r and 2p - 1 - r). Each function here makes the order
+// torch.distributed.pipelining makes for the same arguments (torch 2.15's
+// schedules.py; tests: "pipeline orders", and python_pp_orders live); the
+// communication a running schedule adds (sends, receives, the gradients'
+// reduction) is not part of it. The rules every order keeps are
+// core/pipeline_rules.hpp's.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+inline void check_order_sizes(std::string_view schedule, int ranks, int stages_per_rank, int microbatches) {
+  if (ranks < 1 || stages_per_rank < 1 || microbatches < 1)
+    throw InvalidArgument("accel::pp::" + std::string(schedule) + ": " + std::to_string(ranks) + " ranks, " +
+                          std::to_string(stages_per_rank) + " stages per rank and " + std::to_string(microbatches) +
+                          " micro-batches: each must be at least 1");
+}
+inline Action forward(int stage, int microbatch) { return {stage, ComputationType::FORWARD, microbatch}; }
+inline Action backward(int stage, int microbatch) { return {stage, ComputationType::FULL_BACKWARD, microbatch}; }
+inline void wait_steps(std::vector<std::optional<Action>>& row, int steps) {
+  row.insert(row.end(), static_cast<std::size_t>(std::max(steps, 0)), std::nullopt);
+}
+
+// GPipe: every forward, then every backward. Rank r starts r steps late; its
+// first backward waits 3 (p - 1 - r) steps, for the backward to come back
+// from the last rank (torch's ScheduleGPipe._get_pipeline_order, before it
+// drops the empty slots and adds the reduction).
+inline PipelineOrder gpipe_order(int ranks, int microbatches) {
+  check_order_sizes("ScheduleGPipe", ranks, 1, microbatches);
+  PipelineOrder order(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& row = order[static_cast<std::size_t>(r)];
+    wait_steps(row, r);
+    for (int mb = 0; mb < microbatches; ++mb) row.push_back(forward(r, mb));
+    wait_steps(row, 3 * (ranks - 1 - r));
+    for (int mb = 0; mb < microbatches; ++mb) row.push_back(backward(r, mb));
+  }
   return order;
 }
 
@@ -1535,71 +1621,6 @@ inline PipelineOrder zbv_zero_bubble_order(int ranks, int microbatches) {
   return order;
 }
 
-// Which rank holds a stage: in a loop (stage s on rank s mod p: every
-// schedule but ZBV) or in a V (stages 0..p-1 on ranks 0..p-1, then p..2p-1
-// back on ranks p-1..0, and so on), as torch's
-// generate_stage_to_rank_mapping.
-enum class StageStyle { loop, v };
-inline int stage_rank(int stage, int ranks, StageStyle style) {
-  const int at = stage % ranks;
-  return style == StageStyle::loop || (stage / ranks) % 2 == 0 ? at : ranks - 1 - at;
-}
-
-// The rules every compute-only order keeps, returned as the first one
-// broken, or nothing (what torch's _validate_schedule checks, and that it
-// can run): every stage of the `ranks x stages_per_rank` lives on its rank
-// (stage_rank); each stage runs each micro-batch's forward once and its
-// backward once (B, or I then W), the forward first; and the ranks' lists,
-// run in order with what each action needs from the neighbouring stages
-// (aligned), never all wait on each other. Not checked: the empty slots'
-// timing, which is only a picture (torch's own orders put some actions at
-// the step of what they need when micro-batches are fewer than ranks).
-inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches,
-                                              StageStyle style = StageStyle::loop) {
-  const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
-  enum Kind { F, B, I, W, kinds };
-  std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
-  auto slot = [&](int stage, int mb, Kind k) -> int& {
-    return at[static_cast<std::size_t>((stage * microbatches + mb) * kinds + k)];
-  };
-  for (int r = 0; r < ranks; ++r)
-    for (std::size_t t = 0; t < order[static_cast<std::size_t>(r)].size(); ++t) {
-      const std::optional<Action>& a = order[static_cast<std::size_t>(r)][t];
-      if (!a) continue;
-      const std::string where = "rank " + std::to_string(r) + ", step " + std::to_string(t) + ": " + to_string(*a);
-      if (a->stage_index < 0 || a->stage_index >= stages || stage_rank(a->stage_index, ranks, style) != r)
-        return where + ": stage " + std::to_string(a->stage_index) + " is not one of this rank's";
-      Kind k;
-      switch (a->computation_type) {
-        case ComputationType::FORWARD: k = F; break;
-        case ComputationType::FULL_BACKWARD: k = B; break;
-        case ComputationType::BACKWARD_INPUT: k = I; break;
-        case ComputationType::BACKWARD_WEIGHT: k = W; break;
-        default: return where + ": not a computation (a compute-only order has F, B, I and W)";
-      }
-      if (!a->microbatch_index || *a->microbatch_index < 0 || *a->microbatch_index >= microbatches)
-        return where + ": no micro-batch of the " + std::to_string(microbatches);
-      int& seen = slot(a->stage_index, *a->microbatch_index, k);
-      if (seen >= 0) return where + ": runs twice (first at step " + std::to_string(seen) + ")";
-      seen = static_cast<int>(t);
-    }
-  for (int s = 0; s < stages; ++s)
-    for (int mb = 0; mb < microbatches; ++mb) {
-      const std::string what = "stage " + std::to_string(s) + ", micro-batch " + std::to_string(mb);
-      const int f = slot(s, mb, F), b = slot(s, mb, B), i = slot(s, mb, I), w = slot(s, mb, W);
-      if (f < 0) return what + ": no forward";
-      if ((b >= 0) == (i >= 0)) return what + (b >= 0 ? ": both B and I" : ": no backward (B, or I and W)");
-      if ((i >= 0) != (w >= 0)) return what + (i >= 0 ? ": I without W" : ": W without I");
-      if ((b >= 0 ? b : i) <= f) return what + ": backward before its forward";
-      if (w >= 0 && w <= i) return what + ": W before I";
-    }
-  try {
-    (void)aligned(order, stages_per_rank, microbatches);
-  } catch (const InvalidArgument& e) {
-    return std::string(e.what());
-  }
-  return std::nullopt;
-}
 }  // namespace detail::pp
 
 ACCEL_NAMESPACE_END

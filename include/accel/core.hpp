@@ -20,6 +20,7 @@
 #include "accel/core/strategy.hpp"
 #include "accel/core/launcher.hpp"
 #include "accel/core/pipeline_actions.hpp"
+#include "accel/core/pipeline_rules.hpp"
 #include "accel/core/pipeline_orders.hpp"
 
 #endif  // ACCEL_HPP
