@@ -25,6 +25,7 @@
 //     accel/core/pipeline_actions.hpp                    a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
 //     accel/core/pipeline_rules.hpp                      the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run
 //     accel/core/pipeline_orders.hpp                     the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two)
+//     accel/core/pipeline_lowering.hpp                   a compute-only pipeline order lowered for running: each rank's sends and receives of activations and gradients put in its list, as torch's _add_send_recv puts them
 //   distributed:
 //     accel/distributed/torch.hpp                        feature detection and the LibTorch headers the collectives need
 //     accel/distributed/devices.hpp                      devices: which accelerator a process uses, binding and synchronising it
@@ -71,6 +72,11 @@
 //     accel/training/tp/sequence_parallel.hpp            all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
 //     accel/training/tp/styled_forward.hpp               a styled module run with its parallel style: its inputs moved to the layouts it needs, its pieces computed, its output moved to the layout the plan says
 //     accel/training/tp/plan.hpp                         tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
+//     accel/training/pp/microbatches.hpp                 a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together
+//     accel/training/pp/messages.hpp                     the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step
+//     accel/training/pp/stage.hpp                        accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
+//     accel/training/pp/runtime.hpp                      one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
+//     accel/training/pp/schedules.hpp                    torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -206,6 +212,7 @@
 #include <optional>
 #include <ostream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -1621,6 +1628,117 @@ inline PipelineOrder zbv_zero_bubble_order(int ranks, int microbatches) {
   return order;
 }
 
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/core/pipeline_lowering.hpp =========================================
+// accel/core/pipeline_lowering.hpp: a compute-only pipeline order lowered for running: each rank's sends and receives of activations and gradients put in its list, as torch's _add_send_recv puts them.
+//
+// A compute-only order (core/pipeline_orders.hpp) says what each rank
+// computes; running it needs the messages between ranks too. After a
+// forward whose next stage lives on another rank, that rank sends the
+// activation on (SEND_F) and the next stage's rank posts its receive
+// (RECV_F); after a backward (B or I) whose stage before lives elsewhere, the
+// input's gradient goes back (SEND_B, RECV_B). A receive is put in the
+// receiver's list when its sender's computation is, never earlier, and a
+// computation that needs a receive waits in its list until that receive is
+// in it: so on every pair of ranks the sends and receives appear in the
+// same order on both sides, and no rank waits on a message nobody is yet
+// to send. Adjacent stages on one rank (ZBV's V) pass their tensors without
+// a message. This is torch 2.15's _add_send_recv, step for step (tests:
+// "pipeline lowering", and python_pp_orders against torch's live); the
+// gather and free of sharded parameters and the gradients' reduction that
+// torch also adds are the runtime's business here (training/pp/), not
+// actions.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+// Per rank, its actions in the order it runs them: computations, sends and
+// receives, no empty slots.
+using LoweredOrder = std::vector<std::vector<Action>>;
+
+inline LoweredOrder add_send_recv(const PipelineOrder& compute, int stages_per_rank, StageStyle style) {
+  const int ranks = static_cast<int>(compute.size()), stages = ranks * stages_per_rank;
+  auto rank_of = [&](int stage) { return stage_rank(stage, ranks, style); };
+  using T = ComputationType;
+  // Whether an action sends to another rank: a forward to the next stage, a
+  // backward (B or I: the input's gradient) to the stage before.
+  auto has_comms = [&](const Action& a) {
+    if (a.computation_type == T::FORWARD)
+      return a.stage_index != stages - 1 && rank_of(a.stage_index + 1) != rank_of(a.stage_index);
+    if (a.computation_type == T::FULL_BACKWARD || a.computation_type == T::BACKWARD_INPUT)
+      return a.stage_index != 0 && rank_of(a.stage_index - 1) != rank_of(a.stage_index);
+    return false;
+  };
+  LoweredOrder lowered(static_cast<std::size_t>(ranks));
+  // What each rank's list holds so far, as (stage, type, micro-batch) keys.
+  std::vector<std::set<std::tuple<int, T, int>>> done(static_cast<std::size_t>(ranks));
+  auto key = [](int stage, T type, int mb) { return std::tuple{stage, type, mb}; };
+  auto append = [&](int rank, const Action& a) {
+    lowered[static_cast<std::size_t>(rank)].push_back(a);
+    done[static_cast<std::size_t>(rank)].insert(
+        key(a.stage_index, a.computation_type, a.microbatch_index.value_or(-1)));
+  };
+  // A computation can join its rank's list once what it consumes from another
+  // stage is there: its receive, or (the neighbouring stage on this rank)
+  // that stage's computation.
+  auto ready = [&](const std::optional<Action>& a, int rank) {
+    if (!a) return true;
+    const auto& seen = done[static_cast<std::size_t>(rank)];
+    const int s = a->stage_index, mb = a->microbatch_index.value_or(-1);
+    if (a->computation_type == T::FORWARD && s != 0)
+      return seen.contains(key(s, T::RECV_F, mb)) || seen.contains(key(s - 1, T::FORWARD, mb));
+    if ((a->computation_type == T::BACKWARD_INPUT || a->computation_type == T::FULL_BACKWARD) && s != stages - 1)
+      return seen.contains(key(s, T::RECV_B, mb)) || seen.contains(key(s + 1, T::BACKWARD_INPUT, mb)) ||
+             seen.contains(key(s + 1, T::FULL_BACKWARD, mb));
+    return true;
+  };
+  std::vector<std::size_t> next(static_cast<std::size_t>(ranks), 0);
+  for (;;) {
+    bool left = false, progress = false;
+    for (int r = 0; r < ranks; ++r) {  // (in rank order, as torch's sweep)
+      const auto& row = compute[static_cast<std::size_t>(r)];
+      std::size_t& at = next[static_cast<std::size_t>(r)];
+      if (at == row.size()) continue;
+      left = true;
+      const std::optional<Action>& a = row[at];
+      if (!ready(a, r)) continue;
+      if (a) {
+        append(r, *a);
+        if (has_comms(*a)) {
+          const bool fwd = a->computation_type == T::FORWARD;
+          const int to = fwd ? a->stage_index + 1 : a->stage_index - 1;
+          append(r, {a->stage_index, fwd ? T::SEND_F : T::SEND_B, a->microbatch_index});
+          append(rank_of(to), {to, fwd ? T::RECV_F : T::RECV_B, a->microbatch_index});
+        }
+      }
+      ++at;
+      progress = true;
+    }
+    if (!left) return lowered;
+    if (!progress) {
+      std::string waiting;
+      for (int r = 0; r < ranks; ++r)
+        if (next[static_cast<std::size_t>(r)] < compute[static_cast<std::size_t>(r)].size())
+          waiting += (waiting.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " at " +
+                     to_string(compute[static_cast<std::size_t>(r)][next[static_cast<std::size_t>(r)]]);
+      throw InvalidArgument(
+          "accel::pp: the order cannot be lowered to sends and receives: every rank waits for a "
+          "message no rank is yet to send (" +
+          waiting + ")");
+    }
+  }
+}
+
+// torch's CSV of a lowered order (_dump_csv(format="compute_comms")): the
+// same form as a compute-only one, without empty slots.
+inline PipelineOrder as_order(const LoweredOrder& lowered) {
+  PipelineOrder order;
+  for (const auto& row : lowered) order.emplace_back(row.begin(), row.end());
+  return order;
+}
 }  // namespace detail::pp
 
 ACCEL_NAMESPACE_END
@@ -8567,6 +8685,738 @@ inline void parallelize_module(torch::nn::Module& model, const std::map<std::str
   }
 }
 }  // namespace tp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/microbatches.hpp =======================================
+// accel/training/pp/microbatches.hpp: a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together.
+//
+// torch's schedules cut step()'s inputs and target with
+// split_args_kwargs_into_chunks (torch.tensor_split along dimension 0) and
+// merge the last stage's outputs with torch.cat. torch.tensor_split accepts
+// a batch that does not divide evenly and makes micro-batches of two sizes;
+// here that is an error naming the numbers, before anything is sent: every
+// micro-batch of a step has one shape, so a stage's activation can be
+// received into a buffer sized once per step (training/pp/messages.hpp),
+// and the loss of each micro-batch weighs the same in the step's mean
+// (docs/differences.md).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+inline std::vector<at::Tensor> split_microbatches(const at::Tensor& batch, int microbatches, const char* what) {
+  if (!batch.defined())
+    throw InvalidArgument(std::string("accel::pp: step() needs the ") + what +
+                          " here (this rank holds the pipeline's " +
+                          (std::string_view(what) == "inputs" ? "first" : "last") + " stage)");
+  if (batch.dim() == 0 || batch.size(0) % microbatches != 0 || batch.size(0) == 0)
+    throw InvalidArgument(std::string("accel::pp: the ") + what + "' batch of " +
+                          (batch.dim() == 0 ? std::string("a 0-dimensional tensor") : std::to_string(batch.size(0))) +
+                          " rows does not cut into " + std::to_string(microbatches) +
+                          " micro-batches of equal size (dimension 0 must be a positive multiple of " +
+                          std::to_string(microbatches) + ")");
+  return batch.chunk(microbatches, 0);
+}
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/messages.hpp ===========================================
+// accel/training/pp/messages.hpp: the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step.
+//
+// A stage's activation goes to the next stage's rank, and its input's
+// gradient back to the stage before's, point to point on the pipeline
+// group (torch's PipelineStage does the same with isend/irecv). A receive
+// needs a buffer of the right shape before the message arrives; torch infers
+// the shapes once by running the stages on meta tensors. Here the sender
+// tells them instead: with a stage's first activation of each step goes a
+// header (its shape and dtype), so a receiver learns its input's shape from
+// the data, whatever the batch this step, without running anything twice.
+// Every micro-batch of a step has that shape (training/pp/microbatches.hpp;
+// the sender checks each of its outputs against it). A gradient has the
+// shape of the receiving stage's own output, known from its forward.
+//
+// The receives are posted in the order the lowered schedule lists them
+// (core/pipeline_lowering.hpp), which is the order the senders send them:
+// messages between two ranks then match in order whatever the backend (NCCL
+// ignores tags). A receive whose shape is not known yet (its header has not
+// arrived) holds the ones after it back; they are posted when a
+// computation needs one of them, after waiting for the headers before it,
+// which their senders sent earlier in the schedule, so the wait ends. Gloo's
+// messages carry tags too, one per message, so a mistake shows as a wrong
+// match nowhere.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+inline constexpr const char* kPipelineSend = "pipeline send (point to point)";
+inline constexpr const char* kPipelineReceive = "pipeline receive (point to point)";
+
+// What a message holds: its shape and dtype, sent ahead of a stage's first
+// activation of a step as kHeaderLength int64s (the number of dimensions,
+// the sizes, the dtype).
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  friend bool operator==(const TensorMeta&, const TensorMeta&) = default;
+};
+inline TensorMeta meta_of(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type()}; }
+inline std::string to_string(const TensorMeta& m) {
+  std::string text = std::string(c10::toString(m.dtype)) + "[";
+  for (std::size_t i = 0; i < m.sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(m.sizes[i]);
+  return text + "]";
+}
+inline constexpr int64_t kHeaderLength = 16;
+inline at::Tensor header_of(const TensorMeta& m, c10::Device device) {
+  if (static_cast<int64_t>(m.sizes.size()) > kHeaderLength - 2)
+    throw InvalidArgument("accel::pp: a stage's output has " + std::to_string(m.sizes.size()) +
+                          " dimensions; what passes between stages may have at most " +
+                          std::to_string(kHeaderLength - 2));
+  std::vector<int64_t> fields(kHeaderLength, 0);
+  fields[0] = static_cast<int64_t>(m.sizes.size());
+  std::copy(m.sizes.begin(), m.sizes.end(), fields.begin() + 1);
+  fields[static_cast<std::size_t>(kHeaderLength - 1)] = static_cast<int64_t>(m.dtype);
+  return at::tensor(fields, at::kLong).to(device);
+}
+inline TensorMeta meta_of_header(const at::Tensor& header) {
+  const at::Tensor h = header.cpu();
+  const int64_t* f = h.data_ptr<int64_t>();
+  return {std::vector<int64_t>(f + 1, f + 1 + f[0]), static_cast<at::ScalarType>(f[kHeaderLength - 1])};
+}
+
+// A message's tag on a Gloo group: one per (kind, receiving stage, micro-batch).
+enum class Message { activation, gradient, header };
+inline int tag_of(Message kind, int receiving_stage, int microbatch, int num_stages) {
+  return ((microbatch * num_stages + receiving_stage) * 3 + static_cast<int>(kind)) + 1;
+}
+
+// One step's messages on this rank.
+class Mailbox {
+ public:
+  Mailbox(c10d::ProcessGroup& group, c10::Device device, int num_stages)
+      : group_(group), device_(device), num_stages_(num_stages) {}
+  Mailbox(const Mailbox&) = delete;
+  Mailbox& operator=(const Mailbox&) = delete;
+  // A failed step leaves messages in flight: each is waited for (errors
+  // ignored: the step has reported its own) before their buffers go.
+  ~Mailbox() {
+    for (auto* list : {&sends_, &receives_})
+      for (auto& e : *list)
+        if (e.work) try {
+            e.work->wait();
+          } catch (const std::exception&) {
+          }
+  }
+
+  void send(Message kind, const at::Tensor& t, int to, int receiving_stage, int microbatch) {
+    Entry e{kind, receiving_stage, microbatch, to, t.contiguous(), {}, {}};
+    std::vector<at::Tensor> tensors{e.tensor};
+    const int tag = tag_of(kind, receiving_stage, microbatch, num_stages_);
+    e.work = issue(kPipelineSend, group_, [&] { return group_.send(tensors, to, tag); });
+    sends_.push_back(std::move(e));
+  }
+  // The receives, listed in schedule order: a stage's header, an activation
+  // (its shape from the stage's header this step), a gradient (its shape
+  // given).
+  void receive_header(int stage, int from) { enqueue({Message::header, stage, 0, from, {}, {}, TensorMeta{}}); }
+  void receive_activation(int stage, int microbatch, int from) {
+    enqueue({Message::activation, stage, microbatch, from, {}, {}, std::nullopt});
+  }
+  void receive_gradient(int stage, int microbatch, int from, const TensorMeta& meta) {
+    enqueue({Message::gradient, stage, microbatch, from, {}, {}, meta});
+  }
+  // What a stage received this step, waited for (each message taken once).
+  at::Tensor take(Message kind, int stage, int microbatch) {
+    for (std::size_t i = 0; i < receives_.size(); ++i) {
+      if (receives_[i].kind != kind || receives_[i].stage != stage || receives_[i].microbatch != microbatch ||
+          receives_[i].taken)
+        continue;
+      while (next_ <= i) post_next(/*waiting=*/true);
+      Entry& e = receives_[i];
+      await(kPipelineReceive, group_, *std::exchange(e.work, {}));
+      e.taken = true;
+      return std::move(e.tensor);
+    }
+    throw LogicError("accel::pp: stage " + std::to_string(stage) + " takes a message for micro-batch " +
+                     std::to_string(microbatch) + " it never listed");
+  }
+  // The shape a stage's input has this step, once its header came.
+  std::optional<TensorMeta> input_meta(int stage) const {
+    const auto it = input_meta_.find(stage);
+    return it == input_meta_.end() ? std::nullopt : std::optional<TensorMeta>(it->second);
+  }
+  // Every send landed (the step's last act).
+  void finish() {
+    for (auto& e : sends_) await(kPipelineSend, group_, *std::exchange(e.work, {}));
+    sends_.clear();
+  }
+
+ private:
+  struct Entry {
+    Message kind;
+    int stage, microbatch, peer;
+    at::Tensor tensor;
+    c10::intrusive_ptr<c10d::Work> work;
+    std::optional<TensorMeta> meta;  // an activation's: from its stage's header
+    bool taken = false;
+  };
+  void enqueue(Entry e) {
+    receives_.push_back(std::move(e));
+    while (next_ < receives_.size() && post_next(/*waiting=*/false)) {
+    }
+  }
+  // Posts the first receive not posted yet; an activation's shape from its
+  // stage's header, waited for only when `waiting`. Whether it posted.
+  bool post_next(bool waiting) {
+    Entry* e = &receives_[next_];
+    if (!e->meta) e->meta = input_meta(e->stage);
+    if (!e->meta) {
+      if (!waiting) return false;
+      const int stage = e->stage;
+      input_meta_[stage] = meta_of_header(take(Message::header, stage, 0));  // (posts what is before it)
+      e = &receives_[next_];
+      e->meta = input_meta_[stage];
+    }
+    const bool header = e->kind == Message::header;
+    e->tensor = at::empty(header ? std::vector<int64_t>{kHeaderLength} : e->meta->sizes,
+                          at::TensorOptions(header ? at::kLong : e->meta->dtype).device(device_));
+    std::vector<at::Tensor> tensors{e->tensor};
+    const int tag = tag_of(e->kind, e->stage, e->microbatch, num_stages_);
+    e->work = issue(kPipelineReceive, group_, [&] { return group_.recv(tensors, e->peer, tag); });
+    ++next_;
+    return true;
+  }
+
+  c10d::ProcessGroup& group_;
+  c10::Device device_;
+  int num_stages_;
+  std::vector<Entry> sends_;
+  std::vector<Entry> receives_;  // every receive of the step, in schedule order
+  std::size_t next_ = 0;         // the first not posted yet
+  std::map<int, TensorMeta> input_meta_;
+};
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/stage.hpp ==============================================
+// accel/training/pp/stage.hpp: accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'.
+//
+// torch.distributed.pipelining's PipelineStage(submodule, stage_index,
+// num_stages, device, group): a schedule (training/pp/schedules.hpp) runs
+// it, micro-batch by micro-batch, and moves what passes between stages. One
+// tensor passes from a stage to the next (hidden states; the first stage
+// takes the batch's inputs, the last one's output goes to the loss), as in
+// torchtitan's models. A stage keeps, per micro-batch in flight, its input
+// (a leaf that collects the gradient sent back) and its output with the
+// autograd graph, until that micro-batch's backward.
+//
+// The zero-bubble schedules split a backward in two: I computes only the
+// input's gradient (sent back at once, so the stage before can go on) and
+// keeps the graph; W, later, the weights' gradients (torch's
+// stage_backward_input and stage_backward_weight). W runs the graph again
+// from the output with the parameters as its only inputs, so the
+// activations' gradients are computed twice; torch keeps them from I
+// instead. The gradients are the same; the cost is W's.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+class PipelineStage {
+ public:
+  // The computation: this stage's input to its output.
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+
+  // A module with a forward of one tensor (torch::nn::Sequential, a
+  // TORCH_MODULE of one's own).
+  template <class M>
+  PipelineStage(torch::nn::ModuleHolder<M> module, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : PipelineStage(
+            module.ptr(), [m = module.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, stage_index,
+            num_stages, device, std::move(group)) {}
+  // Any module, with the call that runs it. `group`: the pipeline group
+  // (null: the DistributedInterface's Dim::PP group; none in one process).
+  PipelineStage(std::shared_ptr<torch::nn::Module> module, Forward forward, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : module_(std::move(module)),
+        forward_(std::move(forward)),
+        stage_index_(stage_index),
+        num_stages_(num_stages),
+        device_(device),
+        group_(std::move(group)) {
+    if (!module_ || !forward_) throw InvalidArgument("accel::pp::PipelineStage: no module or no forward");
+    if (num_stages < 1 || stage_index < 0 || stage_index >= num_stages)
+      throw InvalidArgument("accel::pp::PipelineStage: stage_index " + std::to_string(stage_index) +
+                            " is not one of num_stages " + std::to_string(num_stages) + " (0.." +
+                            std::to_string(num_stages - 1) + ")");
+    // The pipeline group: `group`, else the live interface's Dim::PP group (as
+    // tp's layers take Dim::TP's). torch's default is the world group, which is
+    // the pp group only when pp is the whole world.
+    if (!group_ && DistributedInterface::is_initialized()) group_ = DistributedInterface::instance().get_group(Dim::PP);
+    if (!group_ && is_distributed())
+      throw LogicError(
+          "accel::pp::PipelineStage: no group given and no DistributedInterface to take Dim::PP's "
+          "from; create it first (accel::DistributedInterface::instance({.pp_size = N}), or pass the "
+          "group)");
+  }
+
+  int stage_index() const { return stage_index_; }
+  int num_stages() const { return num_stages_; }
+  bool is_first() const { return stage_index_ == 0; }
+  bool is_last() const { return stage_index_ == num_stages_ - 1; }
+  torch::nn::Module& submodule() const { return *module_; }  // torch's submod
+  c10::Device device() const { return device_; }
+  // The pipeline group (null: one process, every stage here).
+  c10d::ProcessGroup* group() const { return group_.get(); }
+
+  // --- what a schedule calls, one micro-batch at a time (torch's
+  // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
+
+  // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
+  // first stage; the activation received, or handed over by the stage before
+  // on this rank); returns the output.
+  at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
+    Chunk& c = fresh_chunk(mb);
+    c.input = input.to(device_);
+    if (!is_first()) {
+      if (!c10::isFloatingType(c.input.scalar_type()))
+        throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + " receives a " +
+                              std::string(c10::toString(c.input.scalar_type())) +
+                              " tensor; what passes between stages must be floating point (its gradient goes back)");
+      c.input = c.input.detach().requires_grad_(true);
+    }
+    c.output = forward_(c.input);
+    if (!c.output.defined())
+      throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
+    return c.output;
+  }
+  // The backward of micro-batch `mb` from `loss` (the last stage) or from the
+  // gradient of the output (`grad_output`, the others). Whole (B: every
+  // gradient, the graph freed) or its first half (I: only the input's, the
+  // graph kept for backward_weight_one_chunk). Returns the input's gradient
+  // to send back (undefined on the first stage).
+  at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
+    Chunk& c = chunk(mb, "backward");
+    c.root = is_last() ? loss : c.output;
+    c.grad_output = is_last() ? at::Tensor() : grad_output;
+    if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
+    const at::Tensor input = c.input;
+    at::Tensor input_grad;
+    if (full) {
+      torch::autograd::backward({c.root}, grads(c));
+      if (!is_first()) input_grad = input.grad();
+      chunks_.erase(mb);
+    } else if (!is_first()) {
+      input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
+                                         /*create_graph=*/false, /*allow_unused=*/true)[0];
+      c.input = at::Tensor();
+    }
+    // (an input the output does not depend on: its gradient is zeros, still sent)
+    if (!is_first() && !input_grad.defined()) input_grad = at::zeros_like(input);
+    return input_grad;
+  }
+  // W: the weights' gradients of a micro-batch whose I has run.
+  void backward_weight_one_chunk(int mb) {
+    Chunk& c = chunk(mb, "weight backward");
+    std::vector<at::Tensor> params;
+    for (const auto& p : module_->parameters())
+      if (p.requires_grad()) params.push_back(p);
+    if (!params.empty())
+      torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
+    chunks_.erase(mb);
+  }
+  // Divides the gradients by `factor` (the schedule's scale_grads: the
+  // micro-batches' mean, not their sum).
+  void scale_grads(double factor) {
+    at::NoGradGuard no_grad;
+    for (auto& p : module_->parameters())
+      if (p.grad().defined()) p.mutable_grad().div_(factor);
+  }
+  // Drops every micro-batch kept (after a step, or a failed one).
+  void clear() { chunks_.clear(); }
+  std::size_t microbatches_in_flight() const { return chunks_.size(); }
+
+ private:
+  struct Chunk {
+    at::Tensor input, output, root, grad_output;
+  };
+  Chunk& fresh_chunk(int mb) {
+    auto [it, added] = chunks_.try_emplace(mb);
+    if (!added)
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s forward twice");
+    return it->second;
+  }
+  Chunk& chunk(int mb, const char* what) {
+    const auto it = chunks_.find(mb);
+    if (it == chunks_.end())
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s " + what + " before its forward");
+    return it->second;
+  }
+  std::vector<at::Tensor> grads(const Chunk& c) const {
+    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Forward forward_;
+  int stage_index_, num_stages_;
+  c10::Device device_;
+  GroupPtr group_;
+  std::map<int, Chunk> chunks_;
+};
+}  // namespace pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/runtime.hpp ============================================
+// accel/training/pp/runtime.hpp: one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages.
+//
+// A schedule (training/pp/schedules.hpp) gives each rank its list: the
+// compute-only order lowered with its sends and receives
+// (core/pipeline_lowering.hpp), torch's _PipelineScheduleRuntime's input.
+// Run in order, a receive is posted when listed and waited for by the
+// computation that needs it; a send is issued when listed and waited for at
+// the step's end (torch's runtime waits for its sends later too), so a rank
+// never waits on a send while its peer waits on it. Adjacent stages on this
+// rank (ZBV's V) hand their tensors over directly. The last stage computes
+// each micro-batch's loss right after its forward, keeps it for the
+// backward, and the step returns the losses and the outputs.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+// A schedule's loss: the last stage's output of a micro-batch and that
+// micro-batch's target, to a scalar.
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+}  // namespace pp
+
+namespace detail::pp {
+// What a step runs on this rank.
+struct RankPlan {
+  std::map<int, accel::pp::PipelineStage*> stages;  // this rank's, by stage index
+  std::vector<Action> actions;                      // its lowered list
+  std::function<int(int)> rank_of;                  // the rank holding a stage
+  int rank = 0, num_stages = 1;
+};
+struct StepResult {
+  std::vector<at::Tensor> outputs, losses;  // the last stage's, per micro-batch (else empty)
+};
+
+class StepRun {
+ public:
+  StepRun(const RankPlan& plan, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+          const accel::pp::LossFn& loss_fn, int microbatches)
+      : plan_(plan), inputs_(std::move(inputs)), targets_(std::move(targets)), loss_fn_(loss_fn) {
+    result_.outputs.resize(static_cast<std::size_t>(microbatches));
+    result_.losses.resize(static_cast<std::size_t>(microbatches));
+    auto* any = plan.stages.begin()->second;
+    if (any->group()) mailbox_.emplace(*any->group(), any->device(), plan.num_stages);
+  }
+
+  StepResult run() {
+    for (const Action& a : plan_.actions) {
+      const int s = a.stage_index, mb = a.microbatch_index.value_or(0);
+      switch (a.computation_type) {
+        case ComputationType::FORWARD: forward(s, mb); break;
+        case ComputationType::FULL_BACKWARD: backward(s, mb, true); break;
+        case ComputationType::BACKWARD_INPUT: backward(s, mb, false); break;
+        case ComputationType::BACKWARD_WEIGHT: stage(s).backward_weight_one_chunk(mb); break;
+        case ComputationType::SEND_F: send_activation(s, mb); break;
+        case ComputationType::RECV_F: receive_activation(s, mb); break;
+        case ComputationType::SEND_B:
+          box().send(Message::gradient, take(sent_grads_, s, mb), plan_.rank_of(s - 1), s - 1, mb);
+          break;
+        case ComputationType::RECV_B: box().receive_gradient(s, mb, plan_.rank_of(s + 1), output_meta_.at(s)); break;
+        default: throw LogicError("accel::pp: the runtime has no action " + to_string(a));
+      }
+    }
+    if (mailbox_) mailbox_->finish();
+    return std::move(result_);
+  }
+
+ private:
+  accel::pp::PipelineStage& stage(int s) { return *plan_.stages.at(s); }
+  bool here(int s) const { return plan_.stages.contains(s); }
+  Mailbox& box() { return *mailbox_; }
+  static at::Tensor take(std::map<std::pair<int, int>, at::Tensor>& kept, int s, int mb) {
+    auto node = kept.extract({s, mb});
+    if (node.empty())
+      throw LogicError("accel::pp: stage " + std::to_string(s) + " has nothing for micro-batch " + std::to_string(mb));
+    return std::move(node.mapped());
+  }
+
+  void forward(int s, int mb) {
+    accel::pp::PipelineStage& st = stage(s);
+    const at::Tensor input = st.is_first() ? inputs_.at(static_cast<std::size_t>(mb))
+                             : here(s - 1) ? take(handed_inputs_, s, mb)
+                                           : box().take(Message::activation, s, mb);
+    const at::Tensor output = st.forward_one_chunk(mb, input);
+    if (st.is_last()) {
+      result_.outputs[static_cast<std::size_t>(mb)] = output.detach();
+      result_.losses[static_cast<std::size_t>(mb)] = loss_fn_(output, targets_.at(static_cast<std::size_t>(mb)));
+      return;
+    }
+    check_output_shape(s, mb, output);
+    if (here(s + 1)) handed_inputs_[{s + 1, mb}] = output.detach();
+    else sent_outputs_[{s, mb}] = output.detach();
+  }
+  // Every output of a stage in a step has the shape of its first: the next
+  // stage receives them into buffers of that shape.
+  void check_output_shape(int s, int mb, const at::Tensor& output) {
+    const TensorMeta meta = meta_of(output);
+    const auto [it, first] = output_meta_.try_emplace(s, meta);
+    if (!first && it->second != meta)
+      throw InvalidArgument("accel::pp: stage " + std::to_string(s) + "'s output for micro-batch " +
+                            std::to_string(mb) + " is " + to_string(meta) + ", its first this step " +
+                            to_string(it->second) + ": every micro-batch of a step must give one shape");
+  }
+  void send_activation(int s, int mb) {
+    const int to = plan_.rank_of(s + 1);
+    if (headers_sent_.insert(s).second)
+      box().send(Message::header, header_of(output_meta_.at(s), stage(s).device()), to, s + 1, 0);
+    box().send(Message::activation, take(sent_outputs_, s, mb), to, s + 1, mb);
+  }
+  void receive_activation(int s, int mb) {
+    if (headers_listed_.insert(s).second) box().receive_header(s, plan_.rank_of(s - 1));
+    box().receive_activation(s, mb, plan_.rank_of(s - 1));
+  }
+  void backward(int s, int mb, bool full) {
+    accel::pp::PipelineStage& st = stage(s);
+    const at::Tensor grad_output = st.is_last()  ? at::Tensor()
+                                   : here(s + 1) ? take(handed_grads_, s, mb)
+                                                 : box().take(Message::gradient, s, mb);
+    const at::Tensor loss = st.is_last() ? result_.losses[static_cast<std::size_t>(mb)] : at::Tensor();
+    const at::Tensor input_grad = st.backward_one_chunk(mb, loss, grad_output, full);
+    if (st.is_first()) return;
+    (here(s - 1) ? handed_grads_[{s - 1, mb}] : sent_grads_[{s, mb}]) = input_grad;
+  }
+
+  const RankPlan& plan_;
+  std::vector<at::Tensor> inputs_, targets_;
+  const accel::pp::LossFn& loss_fn_;
+  std::optional<Mailbox> mailbox_;  // (none without a group: every stage here)
+  StepResult result_;
+  std::map<int, TensorMeta> output_meta_;  // each stage's outputs' shape this step
+  std::set<int> headers_sent_, headers_listed_;
+  // Activations and gradients between a computation and its send, or handed
+  // to the adjacent stage on this rank; by (stage, micro-batch).
+  std::map<std::pair<int, int>, at::Tensor> sent_outputs_, sent_grads_, handed_inputs_, handed_grads_;
+};
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/schedules.hpp ==========================================
+// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
+//
+// Each rank of the pipeline group makes the same schedule over its own
+// stages (one for GPipe and 1F1B, several for the others) and calls step()
+// with the whole batch: the first stage's rank passes the inputs, the last
+// stage's the target (and gets the merged output and, through `losses`,
+// each micro-batch's loss); a rank with neither passes nothing. The batch
+// is cut into n_microbatches along dimension 0; every stage runs each
+// micro-batch's forward and backward in the schedule's order, the
+// gradients adding up in the parameters' .grad over the micro-batches and,
+// with scale_grads (torch's default), divided by their number at the end:
+// the gradient of the micro-batches' mean loss, what one process gets for
+// the whole batch with a loss that averages over it.
+//
+// The order is made once, from the arguments alone (core/pipeline_orders.hpp),
+// checked (core/pipeline_rules.hpp) and lowered with its messages
+// (core/pipeline_lowering.hpp); load_csv replaces it with a user's, in
+// torch's compute-only CSV, checked by the same rules; dump_csv writes it.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+// What every schedule shares (torch's _PipelineSchedule).
+class PipelineSchedule {
+ public:
+  virtual ~PipelineSchedule() = default;
+  PipelineSchedule(const PipelineSchedule&) = delete;
+  PipelineSchedule& operator=(const PipelineSchedule&) = delete;
+
+  // One step: every micro-batch's forward and backward. `inputs` on the
+  // first stage's rank, `target` on the last's; returns the last stage's
+  // outputs merged along dimension 0 there (undefined elsewhere) and fills
+  // `losses` (when given) with each micro-batch's loss, detached.
+  at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& target = {},
+                  std::vector<at::Tensor>* losses = nullptr) {
+    std::vector<at::Tensor> input_mbs, target_mbs;
+    if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
+    if (plan_.stages.contains(plan_.num_stages - 1))
+      target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    detail::pp::StepResult result;
+    try {
+      result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
+    } catch (...) {
+      for (auto& [index, stage] : plan_.stages) stage->clear();
+      throw;
+    }
+    if (scale_grads_)
+      for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
+    if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
+    if (losses) {
+      losses->clear();
+      for (const auto& loss : result.losses) losses->push_back(loss.detach());
+    }
+    return at::cat(result.outputs, 0);
+  }
+
+  int n_microbatches() const { return n_microbatches_; }
+  // The compute-only order, a row per rank (torch's pipeline_order).
+  const detail::pp::PipelineOrder& pipeline_order() const { return order_; }
+  // torch's _dump_csv(format="compute_only") and _load_csv: the order as a
+  // CSV row per rank; a loaded one must keep the rules for this schedule's
+  // stages and micro-batches (every rank loads the same file).
+  void dump_csv(const std::string& path) const {
+    std::ofstream out(path, std::ios::binary);
+    detail::pp::write_csv(out, order_);
+    if (!out.flush()) throw RuntimeError("accel::pp::" + name_ + "::dump_csv: cannot write " + path);
+  }
+  void load_csv(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InvalidArgument("accel::pp::" + name_ + "::load_csv: cannot read " + path);
+    set_order(detail::pp::read_csv(in), path);
+  }
+
+ protected:
+  PipelineSchedule(std::string name, std::vector<PipelineStage*> stages, int n_microbatches, LossFn loss_fn,
+                   bool scale_grads, detail::pp::StageStyle style)
+      : name_(std::move(name)),
+        n_microbatches_(n_microbatches),
+        loss_fn_(std::move(loss_fn)),
+        scale_grads_(scale_grads),
+        style_(style) {
+    const std::string who = "accel::pp::" + name_ + ": ";
+    if (stages.empty()) throw InvalidArgument(who + "no stage");
+    const PipelineStage& first = *stages.front();
+    ranks_ = first.group() ? first.group()->getSize() : 1;
+    plan_.rank = first.group() ? first.group()->getRank() : 0;
+    plan_.num_stages = first.num_stages();
+    stages_per_rank_ = static_cast<int>(stages.size());
+    if (n_microbatches < 1)
+      throw InvalidArgument(who + "n_microbatches " + std::to_string(n_microbatches) + " (at least 1)");
+    for (PipelineStage* s : stages)
+      if (s->num_stages() != plan_.num_stages || s->group() != first.group() || s->device() != first.device())
+        throw InvalidArgument(who + "stages " + std::to_string(first.stage_index()) + " and " +
+                              std::to_string(s->stage_index()) +
+                              " differ in num_stages, group or device; a rank's stages share all three");
+    if (plan_.num_stages != ranks_ * stages_per_rank_)
+      throw InvalidArgument(who + std::to_string(plan_.num_stages) + " stages over a pipeline group of " +
+                            std::to_string(ranks_) + " ranks with " + std::to_string(stages_per_rank_) +
+                            " stage(s) on each: num_stages must be " + std::to_string(ranks_ * stages_per_rank_));
+    for (PipelineStage* s : stages) {
+      const int holder = detail::pp::stage_rank(s->stage_index(), ranks_, style_);
+      if (holder != plan_.rank)
+        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " belongs on rank " +
+                              std::to_string(holder) + " of the pipeline group (" +
+                              (style_ == detail::pp::StageStyle::v ? "a V" : "a loop") + " of " +
+                              std::to_string(plan_.num_stages) + " stages over " + std::to_string(ranks_) +
+                              " ranks), not on rank " + std::to_string(plan_.rank));
+      if (!plan_.stages.emplace(s->stage_index(), s).second)
+        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " given twice");
+    }
+    if (plan_.stages.contains(plan_.num_stages - 1) && !loss_fn_)
+      throw InvalidArgument(who +
+                            "this rank holds the last stage and no loss_fn was given (step() trains: "
+                            "its backward starts from each micro-batch's loss)");
+    plan_.rank_of = [ranks = ranks_, style](int stage) { return detail::pp::stage_rank(stage, ranks, style); };
+  }
+  // The order made, checked and lowered (`source`: where it came from, for errors).
+  void set_order(detail::pp::PipelineOrder order, const std::string& source = {}) {
+    const std::string who = "accel::pp::" + name_ + ": ";
+    if (static_cast<int>(order.size()) != ranks_)
+      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") + "has " +
+                            std::to_string(order.size()) + " rows; the pipeline group has " + std::to_string(ranks_) +
+                            " ranks (a row per rank)");
+    if (auto error = detail::pp::order_error(order, stages_per_rank_, n_microbatches_, style_))
+      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") +
+                            "breaks a rule: " + *error);
+    plan_.actions = detail::pp::add_send_recv(order, stages_per_rank_, style_)[static_cast<std::size_t>(plan_.rank)];
+    order_ = std::move(order);
+  }
+  static std::vector<PipelineStage*> pointers(const std::vector<std::reference_wrapper<PipelineStage>>& stages) {
+    std::vector<PipelineStage*> out;
+    for (auto& s : stages) out.push_back(&s.get());
+    return out;
+  }
+  int ranks() const { return ranks_; }
+  int stages_per_rank() const { return stages_per_rank_; }
+
+ private:
+  std::string name_;
+  int n_microbatches_;
+  LossFn loss_fn_;
+  bool scale_grads_;
+  detail::pp::StageStyle style_;
+  int ranks_ = 1, stages_per_rank_ = 1;
+  detail::pp::RankPlan plan_;
+  detail::pp::PipelineOrder order_;
+};
+
+// One stage per rank (torch's PipelineScheduleSingle family).
+class ScheduleGPipe : public PipelineSchedule {
+ public:
+  ScheduleGPipe(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleGPipe", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::gpipe_order(ranks(), n_microbatches));
+  }
+};
+class Schedule1F1B : public PipelineSchedule {
+ public:
+  Schedule1F1B(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("Schedule1F1B", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::one_f_one_b_order(ranks(), n_microbatches));
+  }
+};
+
+// Several stages per rank, in a loop (torch's PipelineScheduleMulti family).
+class ScheduleLoopedBFS : public PipelineSchedule {
+ public:
+  ScheduleLoopedBFS(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches, LossFn loss_fn = {},
+                    bool scale_grads = true)
+      : PipelineSchedule("ScheduleLoopedBFS", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::looped_bfs_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+class ScheduleInterleaved1F1B : public PipelineSchedule {
+ public:
+  ScheduleInterleaved1F1B(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                          LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleInterleaved1F1B", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::interleaved_1f1b_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+class ScheduleInterleavedZeroBubble : public PipelineSchedule {
+ public:
+  ScheduleInterleavedZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                                LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleInterleavedZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn),
+                         scale_grads, detail::pp::StageStyle::loop) {
+    set_order(detail::pp::interleaved_zero_bubble_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+// Two stages per rank in a V: rank r holds stages r and 2p - 1 - r.
+class ScheduleZBVZeroBubble : public PipelineSchedule {
+ public:
+  ScheduleZBVZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                        LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleZBVZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::v) {
+    if (stages_per_rank() != 2)
+      throw InvalidArgument("accel::pp::ScheduleZBVZeroBubble: " + std::to_string(stages_per_rank()) +
+                            " stages on this rank; ZBV runs two per rank (stages r and 2p - 1 - r)");
+    set_order(detail::pp::zbv_zero_bubble_order(ranks(), n_microbatches));
+  }
+};
+}  // namespace pp
 
 ACCEL_NAMESPACE_END
 

@@ -1952,6 +1952,32 @@ TEST_SUITE("single") {
   }
 }
 
+TEST_SUITE("single") {
+  // Expected values: torch 2.15's _add_send_recv of the same compute-only orders (python_pp_orders compares
+  // every case's lowering live on the pip leg).
+  TEST_CASE("pipeline lowering: the sends and receives torch puts in each rank's list") {
+    CHECK(csv_of(pp::as_order(pp::add_send_recv(pp::one_f_one_b_order(2, 4), 1, pp::StageStyle::loop))) ==
+          "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0F2,0SEND_F2,0RECV_B1,0B1,0F3,0SEND_F3,0RECV_B2,0B2,0RECV_B3,0B3\r\n"
+          "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0,1F1,1RECV_F2,1B1,1SEND_B1,1F2,1RECV_F3,1B2,1SEND_B2,1F3,1B3,"
+          "1SEND_B3\r\n");
+    // ZBV: stages 1 and 2 share rank 1 and stages 0 and 3 rank 0, so 1F0 hands 2F0 its activation without a
+    // message, and 3I0 sends its gradient to rank 1's stage 2.
+    CHECK(csv_of(pp::as_order(pp::add_send_recv(pp::zbv_zero_bubble_order(2, 4), 2, pp::StageStyle::v))) ==
+          "0F0,0SEND_F0,0F1,0SEND_F1,0F2,0SEND_F2,3RECV_F0,3F0,3I0,3SEND_B0,3RECV_F1,3W0,3F1,3I1,3SEND_B1,3W1,"
+          "0RECV_B0,0F3,0SEND_F3,0I0,3RECV_F2,0W0,3F2,3I2,3SEND_B2,3W2,0RECV_B1,0I1,0W1,3RECV_F3,3F3,3I3,3SEND_B3,"
+          "3W3,0RECV_B2,0I2,0W2,0RECV_B3,0I3,0W3\r\n"
+          "1RECV_F0,1RECV_F1,1F0,1RECV_F2,2F0,2SEND_F0,1F1,2RECV_B0,2F1,2SEND_F1,2I0,2W0,2RECV_B1,1F2,1I0,1SEND_B0,"
+          "1RECV_F3,1W0,2F2,2SEND_F2,2I1,2W1,2RECV_B2,1F3,1I1,1SEND_B1,1W1,2F3,2SEND_F3,2I2,2RECV_B3,2W2,1I2,"
+          "1SEND_B2,2I3,1I3,1SEND_B3,1W2,2W3,1W3\r\n");
+    // An order whose ranks wait on each other (stage 1 runs micro-batch 1 first) cannot be lowered.
+    std::istringstream crossed("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n");
+    CHECK_THROWS_WITH_AS(pp::add_send_recv(pp::read_csv(crossed), 1, pp::StageStyle::loop),
+                         doctest::Contains("cannot be lowered to sends and receives: every rank waits for a message "
+                                           "no rank is yet to send (rank 0 at 0B0, rank 1 at 1F1)"),
+                         accel::InvalidArgument);
+  }
+}
+
 // tests/python_ref/pp_orders.py's cases (the files it wrote to ACCEL_PP_DIR): ours written beside torch's
 // (ours_CASE.csv, or ours_CASE.err where a schedule refuses the case), each of ours keeping the rules; torch's
 // read and written back byte for byte, and (but 1F1B's, whose last rank it numbers from 1) keeping them too.
@@ -1984,6 +2010,8 @@ TEST_SUITE("python_pp" * doctest::skip()) {
                                                 : throw std::logic_error("no schedule " + name);
         CHECK(pp::order_error(order, local, m, style) == std::nullopt);
         std::ofstream(ours.string() + ".csv", std::ios::binary) << csv_of(order);
+        std::ofstream(entry.path().parent_path() / ("lowered_ours_" + c + ".csv"), std::ios::binary)
+            << csv_of(pp::as_order(pp::add_send_recv(order, local, style)));
       } catch (const accel::InvalidArgument& e) {
         std::ofstream(ours.string() + ".err") << e.what();
       }

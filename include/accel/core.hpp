@@ -22,5 +22,6 @@
 #include "accel/core/pipeline_actions.hpp"
 #include "accel/core/pipeline_rules.hpp"
 #include "accel/core/pipeline_orders.hpp"
+#include "accel/core/pipeline_lowering.hpp"
 
 #endif  // ACCEL_HPP

@@ -38,6 +38,11 @@
 #include "accel/training/tp/sequence_parallel.hpp"
 #include "accel/training/tp/styled_forward.hpp"
 #include "accel/training/tp/plan.hpp"
+#include "accel/training/pp/microbatches.hpp"
+#include "accel/training/pp/messages.hpp"
+#include "accel/training/pp/stage.hpp"
+#include "accel/training/pp/runtime.hpp"
+#include "accel/training/pp/schedules.hpp"
 
 // precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy
 #include "accel/training/precision/autocast.hpp"

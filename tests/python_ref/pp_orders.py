@@ -13,13 +13,19 @@ _dump_csv(format="compute_only"): ours must be the same bytes. GPipe and 1F1B ha
 pipeline_order (what torch's tools draw) is compared as each rank's sequence of forwards and backwards,
 without torch's empty slots and gradient reduction, and with its 1F1B naming the last rank's forwards
 1..m where its step runs 0..m-1 (docs/differences.md).
+
+Each of our orders is also lowered for running (core/pipeline_lowering.hpp: the sends and receives put in
+each rank's list, DIR/lowered_ours_CASE.csv) and compared byte for byte with torch's _add_send_recv applied
+to the same compute-only order (read back with torch's _Action.from_str).
 """
 import csv
+import io
 import pathlib
 import sys
 
 import torch
 from torch.distributed.pipelining import schedules as S
+from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
@@ -94,8 +100,21 @@ def dump(out):
             schedule._dump_csv(str(out / f"torch_{case}.csv"), format="compute_only")
 
 
+def torch_lowered(ours, name, ranks, local):
+    """torch's _add_send_recv of our compute-only order, as torch's CSV writer writes it."""
+    with open(ours, newline="") as f:
+        order = {rank: [S._Action.from_str(s) for s in row] for rank, row in enumerate(csv.reader(f))}
+    mapping = generate_stage_to_rank_mapping(ranks, ranks * local, style="v" if name == "zbv" else "loop")
+    lowered = S._add_send_recv(order, stage_to_rank=lambda s: mapping[s], num_stages=ranks * local)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    for rank in range(ranks):
+        writer.writerow(lowered.get(rank, []))
+    return text.getvalue().encode()
+
+
 def compare(out):
-    failed = checked = 0
+    failed = checked = lowered = 0
     for case, name, ranks, local, microbatches in cases():
         theirs_err, ours_err = out / f"torch_{case}.err", out / f"ours_{case}.err"
         theirs, ours = out / f"torch_{case}.csv", out / f"ours_{case}.csv"
@@ -115,7 +134,12 @@ def compare(out):
         if not same:
             failed += 1
             print(f"FAIL {case}:\n  torch:     {theirs.read_text()!r}\n  accel.hpp: {ours.read_text()!r}")
-    print(f"pp_orders: {checked} cases against torch {torch.__version__}, {failed} differ")
+        mine, expected = (out / f"lowered_ours_{case}.csv").read_bytes(), torch_lowered(ours, name, ranks, local)
+        lowered += 1
+        if mine != expected:
+            failed += 1
+            print(f"FAIL {case} lowered:\n  torch:     {expected!r}\n  accel.hpp: {mine!r}")
+    print(f"pp_orders: {checked} cases against torch {torch.__version__} ({lowered} lowered too), {failed} differ")
     return 1 if failed else 0
 
 

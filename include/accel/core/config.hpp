@@ -67,6 +67,7 @@
 #include <optional>
 #include <ostream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>

@@ -1,0 +1,172 @@
+// accel/training/pp/stage.hpp: accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'.
+//
+// torch.distributed.pipelining's PipelineStage(submodule, stage_index,
+// num_stages, device, group): a schedule (training/pp/schedules.hpp) runs
+// it, micro-batch by micro-batch, and moves what passes between stages. One
+// tensor passes from a stage to the next (hidden states; the first stage
+// takes the batch's inputs, the last one's output goes to the loss), as in
+// torchtitan's models. A stage keeps, per micro-batch in flight, its input
+// (a leaf that collects the gradient sent back) and its output with the
+// autograd graph, until that micro-batch's backward.
+//
+// The zero-bubble schedules split a backward in two: I computes only the
+// input's gradient (sent back at once, so the stage before can go on) and
+// keeps the graph; W, later, the weights' gradients (torch's
+// stage_backward_input and stage_backward_weight). W runs the graph again
+// from the output with the parameters as its only inputs, so the
+// activations' gradients are computed twice; torch keeps them from I
+// instead. The gradients are the same; the cost is W's.
+#pragma once
+
+#include "accel/training/pp/messages.hpp"
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+class PipelineStage {
+ public:
+  // The computation: this stage's input to its output.
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+
+  // A module with a forward of one tensor (torch::nn::Sequential, a
+  // TORCH_MODULE of one's own).
+  template <class M>
+  PipelineStage(torch::nn::ModuleHolder<M> module, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : PipelineStage(
+            module.ptr(), [m = module.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, stage_index,
+            num_stages, device, std::move(group)) {}
+  // Any module, with the call that runs it. `group`: the pipeline group
+  // (null: the DistributedInterface's Dim::PP group; none in one process).
+  PipelineStage(std::shared_ptr<torch::nn::Module> module, Forward forward, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : module_(std::move(module)),
+        forward_(std::move(forward)),
+        stage_index_(stage_index),
+        num_stages_(num_stages),
+        device_(device),
+        group_(std::move(group)) {
+    if (!module_ || !forward_) throw InvalidArgument("accel::pp::PipelineStage: no module or no forward");
+    if (num_stages < 1 || stage_index < 0 || stage_index >= num_stages)
+      throw InvalidArgument("accel::pp::PipelineStage: stage_index " + std::to_string(stage_index) +
+                            " is not one of num_stages " + std::to_string(num_stages) + " (0.." +
+                            std::to_string(num_stages - 1) + ")");
+    // The pipeline group: `group`, else the live interface's Dim::PP group (as
+    // tp's layers take Dim::TP's). torch's default is the world group, which is
+    // the pp group only when pp is the whole world.
+    if (!group_ && DistributedInterface::is_initialized()) group_ = DistributedInterface::instance().get_group(Dim::PP);
+    if (!group_ && is_distributed())
+      throw LogicError(
+          "accel::pp::PipelineStage: no group given and no DistributedInterface to take Dim::PP's "
+          "from; create it first (accel::DistributedInterface::instance({.pp_size = N}), or pass the "
+          "group)");
+  }
+
+  int stage_index() const { return stage_index_; }
+  int num_stages() const { return num_stages_; }
+  bool is_first() const { return stage_index_ == 0; }
+  bool is_last() const { return stage_index_ == num_stages_ - 1; }
+  torch::nn::Module& submodule() const { return *module_; }  // torch's submod
+  c10::Device device() const { return device_; }
+  // The pipeline group (null: one process, every stage here).
+  c10d::ProcessGroup* group() const { return group_.get(); }
+
+  // --- what a schedule calls, one micro-batch at a time (torch's
+  // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
+
+  // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
+  // first stage; the activation received, or handed over by the stage before
+  // on this rank); returns the output.
+  at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
+    Chunk& c = fresh_chunk(mb);
+    c.input = input.to(device_);
+    if (!is_first()) {
+      if (!c10::isFloatingType(c.input.scalar_type()))
+        throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + " receives a " +
+                              std::string(c10::toString(c.input.scalar_type())) +
+                              " tensor; what passes between stages must be floating point (its gradient goes back)");
+      c.input = c.input.detach().requires_grad_(true);
+    }
+    c.output = forward_(c.input);
+    if (!c.output.defined())
+      throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
+    return c.output;
+  }
+  // The backward of micro-batch `mb` from `loss` (the last stage) or from the
+  // gradient of the output (`grad_output`, the others). Whole (B: every
+  // gradient, the graph freed) or its first half (I: only the input's, the
+  // graph kept for backward_weight_one_chunk). Returns the input's gradient
+  // to send back (undefined on the first stage).
+  at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
+    Chunk& c = chunk(mb, "backward");
+    c.root = is_last() ? loss : c.output;
+    c.grad_output = is_last() ? at::Tensor() : grad_output;
+    if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
+    const at::Tensor input = c.input;
+    at::Tensor input_grad;
+    if (full) {
+      torch::autograd::backward({c.root}, grads(c));
+      if (!is_first()) input_grad = input.grad();
+      chunks_.erase(mb);
+    } else if (!is_first()) {
+      input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
+                                         /*create_graph=*/false, /*allow_unused=*/true)[0];
+      c.input = at::Tensor();
+    }
+    // (an input the output does not depend on: its gradient is zeros, still sent)
+    if (!is_first() && !input_grad.defined()) input_grad = at::zeros_like(input);
+    return input_grad;
+  }
+  // W: the weights' gradients of a micro-batch whose I has run.
+  void backward_weight_one_chunk(int mb) {
+    Chunk& c = chunk(mb, "weight backward");
+    std::vector<at::Tensor> params;
+    for (const auto& p : module_->parameters())
+      if (p.requires_grad()) params.push_back(p);
+    if (!params.empty())
+      torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
+    chunks_.erase(mb);
+  }
+  // Divides the gradients by `factor` (the schedule's scale_grads: the
+  // micro-batches' mean, not their sum).
+  void scale_grads(double factor) {
+    at::NoGradGuard no_grad;
+    for (auto& p : module_->parameters())
+      if (p.grad().defined()) p.mutable_grad().div_(factor);
+  }
+  // Drops every micro-batch kept (after a step, or a failed one).
+  void clear() { chunks_.clear(); }
+  std::size_t microbatches_in_flight() const { return chunks_.size(); }
+
+ private:
+  struct Chunk {
+    at::Tensor input, output, root, grad_output;
+  };
+  Chunk& fresh_chunk(int mb) {
+    auto [it, added] = chunks_.try_emplace(mb);
+    if (!added)
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s forward twice");
+    return it->second;
+  }
+  Chunk& chunk(int mb, const char* what) {
+    const auto it = chunks_.find(mb);
+    if (it == chunks_.end())
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s " + what + " before its forward");
+    return it->second;
+  }
+  std::vector<at::Tensor> grads(const Chunk& c) const {
+    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Forward forward_;
+  int stage_index_, num_stages_;
+  c10::Device device_;
+  GroupPtr group_;
+  std::map<int, Chunk> chunks_;
+};
+}  // namespace pp
+
+ACCEL_NAMESPACE_END

@@ -1,0 +1,228 @@
+"""Python's torch.distributed.pipelining as the reference for accel::pp's schedules
+(CTest python_pp_*, tests/python_ref/run_pp.sh).
+
+    python3 pp_ref.py data DIR                      one process: the start and the batches
+    python3 pp_ref.py train DIR SCHEDULE...         every rank (accel_launch P): Python trains each SCHEDULE
+    python3 pp_ref.py compare DIR P SCHEDULE...     one process: Python's, accel.hpp's and one process's
+
+The model (tests/test_training_pp.cpp's PythonRun, name for name): an input projection
+`inp` (Linear IN -> H), BLOCKS identical residual blocks `blocks.i` (x + tanh(Linear H -> H)),
+a head `head` (Linear H -> OUT); the loss is the mean squared error. float64. On P ranks
+with V stages per rank (1 for gpipe and 1f1b, 2 for the others; zbv's in a V) the blocks
+are cut into P * V stages of BLOCKS / (P * V) blocks each, the first stage starting with
+`inp`, the last ending with `head` (torchtitan's pipeline_llama cuts a model so).
+
+Both sides start from DIR/init.safetensors, run STEPS AdamW steps on DIR/batches.safetensors
+(x [steps, batch, IN], y [steps, batch, OUT]) with MICROBATCHES micro-batches per step
+(torch's default scale_grads: the gradient of the micro-batches' mean loss), and write their
+stages' trained parameters under the whole model's names and, on the last stage's rank, each
+micro-batch's loss of each step ([steps, micro-batches]): Python DIR/py_SCHEDULE_P_RANK.safetensors,
+accel.hpp DIR/cpp_SCHEDULE_P_RANK.safetensors. compare checks each against one process training
+the whole model on the whole batches (the micro-batches' losses: its output's pieces), and the
+two against each other: losses and parameters within 1e-10 (relative and absolute).
+"""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from leave import leave_without_teardown
+
+IN, H, OUT, BLOCKS, BATCH, STEPS = 6, 16, 4, 8, 16, 5
+SINGLE = ("gpipe", "1f1b")
+TOLERANCE = 1e-10
+
+
+def microbatches(world):
+    return 2 * world
+
+
+def stages_per_rank(schedule):
+    return 1 if schedule in SINGLE else 2
+
+
+def stage_indices(schedule, world, rank):
+    if stages_per_rank(schedule) == 1:
+        return [rank]
+    return [rank, 2 * world - 1 - rank] if schedule == "zbv" else [rank, rank + world]
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def stage_layers(k, stages):
+    """Stage k's layers of `stages`, by the whole model's names, in order."""
+    per = BLOCKS // stages
+    names = ["inp"] if k == 0 else []
+    names += [f"blocks.{i}" for i in range(k * per, (k + 1) * per)]
+    return names + (["head"] if k == stages - 1 else [])
+
+
+def make_layer(name):
+    if name == "inp":
+        return nn.Linear(IN, H)
+    return nn.Linear(H, OUT) if name == "head" else Residual()
+
+
+class Stage(nn.Module):
+    """A stage: its layers in order, each keeping the whole model's name."""
+
+    def __init__(self, names, start):
+        super().__init__()
+        self.names = names
+        self.layers = nn.ModuleDict({n.replace(".", "_"): make_layer(n).double() for n in names})
+        for n in names:
+            for p_name, p in self.layers[n.replace(".", "_")].named_parameters():
+                p.data.copy_(start[f"{n}.{p_name}"])
+
+    def forward(self, x):
+        for n in self.names:
+            x = self.layers[n.replace(".", "_")](x)
+        return x
+
+    def by_whole_name(self):
+        return {f"{n}.{p_name}": p.detach().clone() for n in self.names
+                for p_name, p in self.layers[n.replace(".", "_")].named_parameters()}
+
+
+def optimizer_for(parameters):
+    return torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.1)
+
+
+def make_data(root):
+    torch.manual_seed(23)
+    start = {}
+    for name in ["inp"] + [f"blocks.{i}" for i in range(BLOCKS)] + ["head"]:
+        for p_name, p in make_layer(name).double().named_parameters():
+            start[f"{name}.{p_name}"] = p.detach().contiguous()
+    save_file(start, f"{root}/init.safetensors")
+    save_file({"x": torch.randn(STEPS, BATCH, IN, dtype=torch.float64),
+               "y": torch.randn(STEPS, BATCH, OUT, dtype=torch.float64)}, f"{root}/batches.safetensors")
+
+
+def train(root, schedule_name):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as S
+    world, rank = dist.get_world_size(), dist.get_rank()
+    start, batches = load_file(f"{root}/init.safetensors"), load_file(f"{root}/batches.safetensors")
+    total = world * stages_per_rank(schedule_name)
+    indices = stage_indices(schedule_name, world, rank)
+    modules = [Stage(stage_layers(k, total), start) for k in indices]
+    stages = [PipelineStage(m, k, total, torch.device("cpu")) for m, k in zip(modules, indices)]
+    classes = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
+               "interleaved_1f1b": S.ScheduleInterleaved1F1B,
+               "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}
+    cls = classes[schedule_name]
+    mse = lambda output, target: F.mse_loss(output, target)
+    schedule = cls(stages[0] if schedule_name in SINGLE else stages, microbatches(world), loss_fn=mse)
+    optimizer = optimizer_for([p for m in modules for p in m.parameters()])
+    first, last = 0 in indices, total - 1 in indices
+    step_losses = []
+    for step in range(STEPS):
+        losses = []
+        args = (batches["x"][step],) if first else ()
+        schedule.step(*args, target=batches["y"][step] if last else None, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        if last:
+            step_losses.append(torch.stack([l.detach() for l in losses]))
+    out = {}
+    for m in modules:
+        out.update(m.by_whole_name())
+    if last:
+        out["losses"] = torch.stack(step_losses).contiguous()
+    save_file(out, f"{root}/py_{schedule_name}_{world}_{rank}.safetensors")
+
+
+def one_process(root, world):
+    """The whole model on the whole batches: each step's micro-batch losses, the trained parameters."""
+    start, batches = load_file(f"{root}/init.safetensors"), load_file(f"{root}/batches.safetensors")
+    model = Stage(stage_layers(0, 1), start)
+    optimizer = optimizer_for(model.parameters())
+    step_losses = []
+    for step in range(STEPS):
+        output = model(batches["x"][step])
+        loss = F.mse_loss(output, batches["y"][step])
+        pieces = zip(output.detach().chunk(microbatches(world)), batches["y"][step].chunk(microbatches(world)))
+        step_losses.append(torch.stack([F.mse_loss(o, t) for o, t in pieces]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.by_whole_name(), torch.stack(step_losses)
+
+
+def gathered(root, side, schedule, world):
+    params, losses = {}, None
+    for rank in range(world):
+        for name, t in load_file(f"{root}/{side}_{schedule}_{world}_{rank}.safetensors").items():
+            if name == "losses":
+                losses = t
+            else:
+                params[name] = t
+    return params, losses
+
+
+def compare(root, world, schedules):
+    reference_params, reference_losses = one_process(root, world)
+    failed = 0
+
+    def check(what, pairs):
+        """Every (name, ours, theirs) within TOLERANCE; one line with the largest relative difference."""
+        nonlocal failed
+        worst, bad = 0.0, []
+        for name, a, b in pairs:
+            if a is None or b is None or a.shape != b.shape:
+                bad.append(f"{name} (missing or of another shape)")
+                continue
+            worst = max(worst, ((a - b).abs() / (b.abs() + TOLERANCE)).max().item())
+            if not torch.allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE):
+                bad.append(name)
+        failed += bool(bad)
+        print(f"{'FAIL' if bad else 'ok  '} {what}: largest relative difference {worst:.2e}"
+              + (f"; beyond {TOLERANCE}: {', '.join(bad)}" if bad else ""))
+
+    for schedule in schedules:
+        py = gathered(root, "py", schedule, world)
+        cpp = gathered(root, "cpp", schedule, world)
+        for side, (params, losses) in (("Python", py), ("accel.hpp", cpp)):
+            if sorted(params) != sorted(reference_params):
+                failed += 1
+                print(f"FAIL {schedule}: {side}'s parameters are {sorted(params)}")
+                continue
+            check(f"{schedule} at {world}, {side} against one process: every micro-batch's loss",
+                  [("losses", losses, reference_losses)])
+            check(f"{schedule} at {world}, {side} against one process: every parameter after {STEPS} steps",
+                  [(n, params[n], reference_params[n]) for n in reference_params])
+        check(f"{schedule} at {world}, accel.hpp against Python: losses and parameters",
+              [("losses", cpp[1], py[1])] + [(n, cpp[0].get(n), py[0].get(n)) for n in reference_params])
+    print(f"pp_ref: {len(schedules)} schedules at {world} processes against torch {torch.__version__}, {failed} failed")
+    return 1 if failed else 0
+
+
+def main():
+    command, root = sys.argv[1], sys.argv[2]
+    if command == "data":
+        make_data(root)
+    elif command == "train":
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+        for schedule in sys.argv[3:]:
+            train(root, schedule)
+        leave_without_teardown()
+    elif command == "compare":
+        sys.exit(compare(root, int(sys.argv[3]), sys.argv[4:]))
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+// Training tests, pipeline parallelism (accel::pp): every schedule's step against one process running the whole
+// model on the whole batch (each micro-batch's loss, every stage's gradients, in float64), on every world size
+// (pp = the world); the stages' shapes told per step; and what is refused, with the numbers.
+// One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
+// precompiled); the suites keep their names across files.
+
+#include "training_fixtures.hpp"
+
+#include <regex>
+
+namespace {
+constexpr int64_t kIn = 5, kHidden = 8, kOut = 3;
+
+// A residual block, as a transformer's: x + tanh(W x + b). The blocks are identical in shape.
+struct ResidualImpl : torch::nn::Module {
+  explicit ResidualImpl(int64_t width = kHidden) { lin = register_module("lin", torch::nn::Linear(width, width)); }
+  at::Tensor forward(const at::Tensor& x) { return x + torch::tanh(lin(x)); }
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Residual);
+
+// The whole model cut into `stages` stages of uneven depth (stage k has k % 2 + 1 blocks): the first starts with
+// an input projection, the last ends with a head. Made from one seed, so every rank and the one-process
+// reference hold the same weights.
+std::vector<torch::nn::Sequential> stage_modules(int stages) {
+  torch::manual_seed(11);
+  std::vector<torch::nn::Sequential> out;
+  for (int k = 0; k < stages; ++k) {
+    torch::nn::Sequential seq;
+    if (k == 0) seq->push_back(torch::nn::Linear(kIn, kHidden));
+    for (int b = 0; b <= k % 2; ++b) seq->push_back(Residual());
+    if (k == stages - 1) seq->push_back(torch::nn::Linear(kHidden, kOut));
+    seq->to(at::kDouble);
+    out.push_back(seq);
+  }
+  return out;
+}
+at::Tensor mse(const at::Tensor& output, const at::Tensor& target) {
+  return torch::nn::functional::mse_loss(output, target);
+}
+
+// The schedules by name, over this rank's stages (one, or two: a loop's r and r + p, a V's r and 2p - 1 - r).
+const std::vector<std::string> kSchedules{"gpipe", "1f1b", "looped_bfs", "interleaved_1f1b",
+                                          "interleaved_zero_bubble", "zbv"};
+int stages_per_rank(const std::string& name) { return name == "gpipe" || name == "1f1b" ? 1 : 2; }
+std::vector<int> stage_indices(const std::string& name, int P, int r) {
+  if (stages_per_rank(name) == 1) return {r};
+  if (name == "zbv") return {r, 2 * P - 1 - r};
+  return {r, r + P};
+}
+std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
+                                                           std::vector<accel::pp::PipelineStage>& stages, int m) {
+  namespace pp = accel::pp;
+  std::vector<std::reference_wrapper<pp::PipelineStage>> refs(stages.begin(), stages.end());
+  if (name == "gpipe") return std::make_unique<pp::ScheduleGPipe>(stages[0], m, mse);
+  if (name == "1f1b") return std::make_unique<pp::Schedule1F1B>(stages[0], m, mse);
+  if (name == "looped_bfs") return std::make_unique<pp::ScheduleLoopedBFS>(refs, m, mse);
+  if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, mse);
+  if (name == "interleaved_zero_bubble") return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, mse);
+  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse);
+}
+}  // namespace
+
+TEST_SUITE("ranks") {
+  TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
+    const int P = accel::get_world_size();
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    const int r = world.get_rank(Dim::PP);
+    const accel::GroupPtr group = world.get_group(Dim::PP);
+    for (const std::string& name : kSchedules) {
+      const int S = P * stages_per_rank(name);
+      for (const int m : {P, 2 * P, 4}) {
+        if (m < P && name == "1f1b") continue;  // (torch's rule: at least a micro-batch per stage)
+        if ((name == "interleaved_1f1b" || name == "interleaved_zero_bubble") && m % std::max(1, m / P) != 0) continue;
+        CAPTURE(name);
+        CAPTURE(m);
+        // The pipeline: this rank's stages of the model. The reference: the whole model, here too.
+        std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
+        std::vector<accel::pp::PipelineStage> stages;
+        for (const int k : stage_indices(name, P, r))
+          stages.emplace_back(mine[static_cast<std::size_t>(k)], k, S, c10::Device(c10::kCPU), group);
+        const auto schedule = make_schedule(name, stages, m);
+        const std::vector<int> indices = stage_indices(name, P, r);
+        const bool first_here = std::ranges::count(indices, 0) == 1, last_here = std::ranges::count(indices, S - 1) == 1;
+        for (int step = 0; step < 2; ++step) {
+          CAPTURE(step);
+          const int64_t batch = m * (step + 1);  // (another batch size each step: shapes told per step)
+          torch::manual_seed(100 + step);
+          const at::Tensor x = torch::randn({batch, kIn}, at::kDouble), y = torch::randn({batch, kOut}, at::kDouble);
+          for (auto& seq : mine) seq->zero_grad();
+          for (auto& seq : whole) seq->zero_grad();
+          std::vector<at::Tensor> losses;
+          const at::Tensor out = schedule->step(first_here ? x : at::Tensor(), last_here ? y : at::Tensor(), &losses);
+          // One process: the whole batch through every stage, the loss averaging over it.
+          at::Tensor h = x;
+          for (auto& seq : whole) h = seq->forward(h);
+          mse(h, y).backward();
+          if (last_here) {
+            REQUIRE(out.defined());
+            CHECK(at::allclose(out, h.detach(), 1e-12, 1e-14));
+            REQUIRE(losses.size() == static_cast<std::size_t>(m));
+            const auto pieces = h.detach().chunk(m, 0), targets = y.chunk(m, 0);
+            for (int i = 0; i < m; ++i)
+              CHECK(losses[static_cast<std::size_t>(i)].item<double>() ==
+                    doctest::Approx(mse(pieces[static_cast<std::size_t>(i)], targets[static_cast<std::size_t>(i)]).item<double>())
+                        .epsilon(1e-12));
+          } else {
+            CHECK_FALSE(out.defined());
+            CHECK(losses.empty());
+          }
+          for (const int k : indices) {
+            CAPTURE(k);
+            const auto got = mine[static_cast<std::size_t>(k)]->parameters();
+            const auto expected = whole[static_cast<std::size_t>(k)]->parameters();
+            REQUIRE(got.size() == expected.size());
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              REQUIRE(got[i].grad().defined());
+              CHECK(at::allclose(got[i].grad(), expected[i].grad(), 1e-10, 1e-12));
+            }
+          }
+          for (const auto& stage : stages) CHECK(stage.microbatches_in_flight() == 0);
+        }
+      }
+    }
+    release_world();
+  }
+
+  TEST_CASE("pipeline schedules: what does not fit is refused before a step, with the numbers") {
+    const int P = accel::get_world_size();
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    const int r = world.get_rank(Dim::PP);
+    const accel::GroupPtr group = world.get_group(Dim::PP);
+    namespace pp = accel::pp;
+    auto modules = stage_modules(2 * P);
+    // A stage on another rank's place: stage r + 1 (mod P) here.
+    pp::PipelineStage misplaced(modules[static_cast<std::size_t>((r + 1) % P)], (r + 1) % P, P,
+                                c10::Device(c10::kCPU), group);
+    if (P > 1)
+      CHECK_THROWS_WITH_AS(pp::ScheduleGPipe(misplaced, 4, mse),
+                           doctest::Contains(("stage " + std::to_string((r + 1) % P) + " belongs on rank " +
+                                              std::to_string((r + 1) % P) + " of the pipeline group")
+                                                 .c_str()),
+                           accel::InvalidArgument);
+    pp::PipelineStage own(modules[static_cast<std::size_t>(r)], r, P, c10::Device(c10::kCPU), group);
+    pp::PipelineStage other(modules[static_cast<std::size_t>(r + P)], r + P, 2 * P, c10::Device(c10::kCPU), group);
+    CHECK_THROWS_WITH_AS(pp::ScheduleInterleaved1F1B({own, other}, 4, mse),
+                         doctest::Contains("differ in num_stages, group or device"), accel::InvalidArgument);
+    // 2P stages with one per rank; 1F1B with fewer micro-batches than stages; ZBV with one stage per rank.
+    pp::PipelineStage of_more(modules[static_cast<std::size_t>(r)], r, 2 * P, c10::Device(c10::kCPU), group);
+    CHECK_THROWS_WITH_AS(pp::ScheduleGPipe(of_more, 4, mse),
+                         doctest::Contains((std::to_string(2 * P) + " stages over a pipeline group of " +
+                                            std::to_string(P) + " ranks with 1 stage(s) on each")
+                                               .c_str()),
+                         accel::InvalidArgument);
+    if (P > 1)
+      CHECK_THROWS_WITH_AS(pp::Schedule1F1B(own, P - 1, mse), doctest::Contains("at least one micro-batch per stage"),
+                           accel::InvalidArgument);
+    if (r == P - 1)
+      CHECK_THROWS_WITH_AS(pp::ScheduleGPipe(own, 4), doctest::Contains("no loss_fn was given"),
+                           accel::InvalidArgument);
+    pp::PipelineStage v_first(modules[static_cast<std::size_t>(r)], r, 2 * P, c10::Device(c10::kCPU), group);
+    pp::PipelineStage v_second(modules[static_cast<std::size_t>(2 * P - 1 - r)], 2 * P - 1 - r, 2 * P,
+                               c10::Device(c10::kCPU), group);
+    if ((2 * P - 1 - r) % P != r)  // (in a loop, stage 2P - 1 - r is rank (P - 1 - r)'s: at 3 ranks rank 1 has both)
+      CHECK_THROWS_WITH_AS(pp::ScheduleInterleaved1F1B({v_first, v_second}, 4, mse),
+                           doctest::Contains("belongs on rank"), accel::InvalidArgument);
+    pp::ScheduleZBVZeroBubble zbv({v_first, v_second}, 4, mse);
+    // A custom order: ours written and read back runs; one that breaks a rule is refused, naming it.
+    const std::string dir = std::filesystem::temp_directory_path() / ("accel_pp_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir);
+    zbv.dump_csv(dir + "/zbv.csv");
+    zbv.load_csv(dir + "/zbv.csv");
+    std::ofstream(dir + "/short.csv") << "0F0\n";
+    CHECK_THROWS_WITH_AS(zbv.load_csv(dir + "/short.csv"),
+                         doctest::Contains(P == 1 ? "breaks a rule" : "has 1 rows; the pipeline group has"),
+                         accel::InvalidArgument);
+    std::filesystem::remove_all(dir);
+    // A batch that does not cut into equal micro-batches, on the first stage's rank (before anything is sent:
+    // alone in a one-rank world, where no peer waits).
+    if (P == 1) {
+      pp::ScheduleGPipe gpipe(own, 4, mse);
+      CHECK_THROWS_WITH_AS(gpipe.step(torch::randn({6, kIn}, at::kDouble), torch::randn({6, kOut}, at::kDouble)),
+                           doctest::Contains("the inputs' batch of 6 rows does not cut into 4 micro-batches"),
+                           accel::InvalidArgument);
+    }
+    release_world();
+  }
+}
+
+namespace {
+// tests/python_ref/pp_ref.py's model and run (its docstring says what both sides do): a stage's layers in order,
+// each under the whole model's name ("blocks.3" registered as "blocks_3": LibTorch's names have no dots).
+constexpr int64_t kPyIn = 6, kPyHidden = 16, kPyOut = 4, kPyBlocks = 8;
+struct PyStageImpl : torch::nn::Module {
+  PyStageImpl(int k, int stages, const std::map<std::string, at::Tensor>& start) {
+    const int64_t per = kPyBlocks / stages;
+    if (k == 0) names.push_back("inp");
+    for (int64_t i = k * per; i < (k + 1) * per; ++i) names.push_back("blocks." + std::to_string(i));
+    if (k == stages - 1) names.push_back("head");
+    for (const auto& name : names) {
+      const std::string local = std::regex_replace(name, std::regex("\\."), "_");
+      std::shared_ptr<torch::nn::Module> layer;
+      if (name == "inp") layer = torch::nn::Linear(kPyIn, kPyHidden).ptr();
+      else if (name == "head") layer = torch::nn::Linear(kPyHidden, kPyOut).ptr();
+      else layer = Residual(kPyHidden).ptr();
+      layers.push_back(register_module(local, layer));
+    }
+    to(at::kDouble);
+    at::NoGradGuard no_grad;
+    for (auto& [name, p] : by_whole_name()) p.copy_(start.at(name));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& layer : layers) {
+      if (auto* linear = layer->as<torch::nn::LinearImpl>()) x = linear->forward(x);
+      else x = layer->as<ResidualImpl>()->forward(x);
+    }
+    return x;
+  }
+  std::map<std::string, at::Tensor> by_whole_name() {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& p : named_parameters()) {
+      const std::string key = p.key();
+      const std::size_t dot = key.find('.');
+      out[std::regex_replace(key.substr(0, dot), std::regex("^blocks_"), "blocks.") + key.substr(dot)] = p.value();
+    }
+    return out;
+  }
+  std::vector<std::string> names;
+  std::vector<std::shared_ptr<torch::nn::Module>> layers;
+};
+TORCH_MODULE(PyStage);
+
+void train_pp_as_python(const std::string& dir, const std::string& name) {
+  const int P = accel::get_world_size(), r = accel::get_rank();
+  std::map<std::string, at::Tensor> start, batches;
+  for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
+  for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
+  const int S = P * stages_per_rank(name), m = 2 * P;
+  const std::vector<int> indices = stage_indices(name, P, r);
+  const accel::GroupPtr group = accel::DistributedInterface::instance().get_group(Dim::PP);
+  std::vector<PyStage> modules;
+  std::vector<accel::pp::PipelineStage> stages;
+  std::vector<at::Tensor> params;
+  for (const int k : indices) {
+    modules.emplace_back(k, S, start);
+    stages.emplace_back(modules.back(), k, S, c10::Device(c10::kCPU), group);
+    for (const auto& p : modules.back()->parameters()) params.push_back(p);
+  }
+  const auto schedule = make_schedule(name, stages, m);
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  const bool first = std::ranges::count(indices, 0) == 1, last = std::ranges::count(indices, S - 1) == 1;
+  std::vector<at::Tensor> step_losses;
+  for (int64_t step = 0; step < batches.at("x").size(0); ++step) {
+    std::vector<at::Tensor> losses;
+    schedule->step(first ? batches.at("x")[step] : at::Tensor(), last ? batches.at("y")[step] : at::Tensor(), &losses);
+    optimizer.step();
+    optimizer.zero_grad();
+    if (last) step_losses.push_back(at::stack(losses));
+  }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (auto& module : modules)
+    for (const auto& [whole_name, p] : module->by_whole_name()) out.emplace_back(whole_name, p.detach().contiguous());
+  if (last) out.emplace_back("losses", at::stack(step_losses).contiguous());
+  accel::detail::write_safetensors(
+      dir + "/cpp_" + name + "_" + std::to_string(P) + "_" + std::to_string(r) + ".safetensors", out);
+}
+}  // namespace
+
+// tests/python_ref/run_pp.sh: each schedule of ACCEL_PP_SCHEDULES trained from pp_ref.py's start on its batches.
+TEST_SUITE("python_pp_train" * doctest::skip()) {
+  TEST_CASE("train: Python's start and batches with each schedule of ACCEL_PP_SCHEDULES") {
+    const char* dir = std::getenv("ACCEL_PP_DIR");
+    const char* schedules = std::getenv("ACCEL_PP_SCHEDULES");
+    REQUIRE(dir != nullptr);
+    REQUIRE(schedules != nullptr);
+    fresh({.pp_size = accel::get_world_size()});
+    std::istringstream names(schedules);
+    int named = 0;
+    for (std::string name; names >> name; ++named) train_pp_as_python(dir, name);
+    REQUIRE(named > 0);
+    release_world();
+  }
+}
