@@ -4480,6 +4480,23 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 #endif
 }
 
+// A Gloo group's timeout (its options'), for waits that must end by it:
+// c10d waits for a Gloo point-to-point message without one unless given
+// one, so a receive from a live peer that never sends would wait forever.
+// None for another backend (NCCL's watchdog bounds its waits).
+inline std::optional<std::chrono::milliseconds> gloo_timeout([[maybe_unused]] c10d::ProcessGroup& group) {
+#if ACCEL_HAS_GLOO
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+  if (group.getBackendName() != "gloo") return std::nullopt;
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.getBackend(c10::DeviceType::CPU).get());
+#else
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&group);
+#endif
+  if (gloo) return std::chrono::duration_cast<std::chrono::milliseconds>(gloo->getOptions()->timeout);
+#endif
+  return std::nullopt;
+}
+
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout) {
   if (backend == "gloo") {
@@ -8790,22 +8807,34 @@ inline int tag_of(Message kind, int receiving_stage, int microbatch, int num_sta
   return ((microbatch * num_stages + receiving_stage) * 3 + static_cast<int>(kind)) + 1;
 }
 
+// Messages of failed steps, never waited for (~Mailbox says why); never
+// freed either, not even at exit, where a Work's destructor could wait.
+inline void abandon(c10::intrusive_ptr<c10d::Work> work) {
+  static auto* mutex = new std::mutex;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>;
+  const std::lock_guard<std::mutex> lock(*mutex);
+  kept->push_back(std::move(work));
+}
+
 // One step's messages on this rank.
 class Mailbox {
  public:
   Mailbox(c10d::ProcessGroup& group, c10::Device device, int num_stages)
-      : group_(group), device_(device), num_stages_(num_stages) {}
+      : group_(group), device_(device), num_stages_(num_stages), timeout_(gloo_timeout(group)) {}
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
-  // A failed step leaves messages in flight: each is waited for (errors
-  // ignored: the step has reported its own) before their buffers go.
+  // A failed step leaves messages in flight: a receive its peer will never
+  // send (the peer failed too, or waits on this rank), sends nobody receives.
+  // Waiting for each would take the group's timeout per message, so they are
+  // abandoned (training/pp's failed steps only): their Work, which holds the
+  // tensor the message reads or fills, is kept for the rest of the process,
+  // so a message that lands late writes into memory still owned by nobody
+  // else. The group is not usable for pipeline messages after that; the
+  // error the step throws says which message failed.
   ~Mailbox() {
     for (auto* list : {&sends_, &receives_})
       for (auto& e : *list)
-        if (e.work) try {
-            e.work->wait();
-          } catch (const std::exception&) {
-          }
+        if (e.work && !e.work->isCompleted()) abandon(std::move(e.work));
   }
 
   void send(Message kind, const at::Tensor& t, int to, int receiving_stage, int microbatch) {
@@ -8833,7 +8862,8 @@ class Mailbox {
         continue;
       while (next_ <= i) post_next(/*waiting=*/true);
       Entry& e = receives_[i];
-      await(kPipelineReceive, group_, *std::exchange(e.work, {}));
+      wait(kPipelineReceive, *e.work);  // (a failed one stays: ~Mailbox abandons it)
+      e.work.reset();
       e.taken = true;
       return std::move(e.tensor);
     }
@@ -8847,7 +8877,10 @@ class Mailbox {
   }
   // Every send landed (the step's last act).
   void finish() {
-    for (auto& e : sends_) await(kPipelineSend, group_, *std::exchange(e.work, {}));
+    for (auto& e : sends_) {
+      wait(kPipelineSend, *e.work);
+      e.work.reset();
+    }
     sends_.clear();
   }
 
@@ -8887,9 +8920,22 @@ class Mailbox {
     return true;
   }
 
+  // A message waited for, by the group's timeout on Gloo (a peer that failed
+  // and lives on never sends; one that died fails the wait at once).
+  void wait(const char* op, c10d::Work& work) {
+    bool done = false;
+    try {
+      done = timeout_ ? work.wait(*timeout_) : work.wait();
+    } catch (const std::exception& e) {
+      throw failure(op, group_, e);
+    }
+    if (!done) throw failure(op, group_, std::runtime_error("the message was aborted"));
+  }
+
   c10d::ProcessGroup& group_;
   c10::Device device_;
   int num_stages_;
+  std::optional<std::chrono::milliseconds> timeout_;
   std::vector<Entry> sends_;
   std::vector<Entry> receives_;  // every receive of the step, in schedule order
   std::size_t next_ = 0;         // the first not posted yet
@@ -8978,6 +9024,7 @@ class PipelineStage {
   // on this rank); returns the output.
   at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
     Chunk& c = fresh_chunk(mb);
+    peak_ = std::max(peak_, chunks_.size());
     c.input = input.to(device_);
     if (!is_first()) {
       if (!c10::isFloatingType(c.input.scalar_type()))
@@ -9035,7 +9082,12 @@ class PipelineStage {
   }
   // Drops every micro-batch kept (after a step, or a failed one).
   void clear() { chunks_.clear(); }
+  // The micro-batches whose activations the stage holds now, and the most it
+  // held at once in the last step (what a schedule costs in memory: GPipe all
+  // m, 1F1B at most the stages from this one to the last).
   std::size_t microbatches_in_flight() const { return chunks_.size(); }
+  std::size_t peak_microbatches_in_flight() const { return peak_; }
+  void reset_peak() { peak_ = chunks_.size(); }
 
  private:
   struct Chunk {
@@ -9065,6 +9117,7 @@ class PipelineStage {
   c10::Device device_;
   GroupPtr group_;
   std::map<int, Chunk> chunks_;
+  std::size_t peak_ = 0;
 };
 }  // namespace pp
 
@@ -9102,6 +9155,7 @@ struct RankPlan {
 };
 struct StepResult {
   std::vector<at::Tensor> outputs, losses;  // the last stage's, per micro-batch (else empty)
+  double compute_seconds = 0;               // in F, B, I and W (the rest of the step: waiting, messages)
 };
 
 class StepRun {
@@ -9122,7 +9176,7 @@ class StepRun {
         case ComputationType::FORWARD: forward(s, mb); break;
         case ComputationType::FULL_BACKWARD: backward(s, mb, true); break;
         case ComputationType::BACKWARD_INPUT: backward(s, mb, false); break;
-        case ComputationType::BACKWARD_WEIGHT: stage(s).backward_weight_one_chunk(mb); break;
+        case ComputationType::BACKWARD_WEIGHT: timed([&] { stage(s).backward_weight_one_chunk(mb); }); break;
         case ComputationType::SEND_F: send_activation(s, mb); break;
         case ComputationType::RECV_F: receive_activation(s, mb); break;
         case ComputationType::SEND_B:
@@ -9137,6 +9191,16 @@ class StepRun {
   }
 
  private:
+  // A stage's computation, its time counted (not the waits for its messages, before it).
+  template <class Fn>
+  auto timed(Fn&& fn) -> decltype(fn()) {
+    struct Count {
+      double& total;
+      std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+      ~Count() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
+    } count{result_.compute_seconds};
+    return fn();
+  }
   accel::pp::PipelineStage& stage(int s) { return *plan_.stages.at(s); }
   bool here(int s) const { return plan_.stages.contains(s); }
   Mailbox& box() { return *mailbox_; }
@@ -9152,10 +9216,15 @@ class StepRun {
     const at::Tensor input = st.is_first() ? inputs_.at(static_cast<std::size_t>(mb))
                              : here(s - 1) ? take(handed_inputs_, s, mb)
                                            : box().take(Message::activation, s, mb);
-    const at::Tensor output = st.forward_one_chunk(mb, input);
+    const at::Tensor output = timed([&] { return st.forward_one_chunk(mb, input); });
     if (st.is_last()) {
       result_.outputs[static_cast<std::size_t>(mb)] = output.detach();
-      result_.losses[static_cast<std::size_t>(mb)] = loss_fn_(output, targets_.at(static_cast<std::size_t>(mb)));
+      const at::Tensor loss = timed([&] { return loss_fn_(output, targets_.at(static_cast<std::size_t>(mb))); });
+      if (!loss.defined() || loss.numel() != 1)
+        throw InvalidArgument("accel::pp: loss_fn returned " +
+                              (loss.defined() ? to_string(meta_of(loss)) : std::string("no tensor")) +
+                              " for micro-batch " + std::to_string(mb) + "; a loss is one number");
+      result_.losses[static_cast<std::size_t>(mb)] = loss;
       return;
     }
     check_output_shape(s, mb, output);
@@ -9188,7 +9257,7 @@ class StepRun {
                                    : here(s + 1) ? take(handed_grads_, s, mb)
                                                  : box().take(Message::gradient, s, mb);
     const at::Tensor loss = st.is_last() ? result_.losses[static_cast<std::size_t>(mb)] : at::Tensor();
-    const at::Tensor input_grad = st.backward_one_chunk(mb, loss, grad_output, full);
+    const at::Tensor input_grad = timed([&] { return st.backward_one_chunk(mb, loss, grad_output, full); });
     if (st.is_first()) return;
     (here(s - 1) ? handed_grads_[{s - 1, mb}] : sent_grads_[{s, mb}]) = input_grad;
   }
@@ -9248,6 +9317,7 @@ class PipelineSchedule {
     if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
     if (plan_.stages.contains(plan_.num_stages - 1))
       target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    for (auto& [index, stage] : plan_.stages) stage->reset_peak();
     detail::pp::StepResult result;
     try {
       result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
@@ -9255,6 +9325,7 @@ class PipelineSchedule {
       for (auto& [index, stage] : plan_.stages) stage->clear();
       throw;
     }
+    compute_seconds_ = result.compute_seconds;
     if (scale_grads_)
       for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
     if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
@@ -9266,6 +9337,10 @@ class PipelineSchedule {
   }
 
   int n_microbatches() const { return n_microbatches_; }
+  // The time this rank spent in its stages' forwards, backwards and losses
+  // in the last step; the rest of the step it waited (the bubble) or moved
+  // messages.
+  double compute_seconds() const { return compute_seconds_; }
   // The compute-only order, a row per rank (torch's pipeline_order).
   const detail::pp::PipelineOrder& pipeline_order() const { return order_; }
   // torch's _dump_csv(format="compute_only") and _load_csv: the order as a
@@ -9355,6 +9430,7 @@ class PipelineSchedule {
   int ranks_ = 1, stages_per_rank_ = 1;
   detail::pp::RankPlan plan_;
   detail::pp::PipelineOrder order_;
+  double compute_seconds_ = 0;
 };
 
 // One stage per rank (torch's PipelineScheduleSingle family).

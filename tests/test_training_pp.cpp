@@ -118,7 +118,14 @@ TEST_SUITE("ranks") {
               CHECK(at::allclose(got[i].grad(), expected[i].grad(), 1e-10, 1e-12));
             }
           }
-          for (const auto& stage : stages) CHECK(stage.microbatches_in_flight() == 0);
+          CHECK(schedule->compute_seconds() > 0);
+          for (const auto& stage : stages) {
+            CHECK(stage.microbatches_in_flight() == 0);
+            // The activations a stage held at once: GPipe every micro-batch's, 1F1B the stages' from it to the last.
+            const std::size_t peak = stage.peak_microbatches_in_flight();
+            if (name == "gpipe") CHECK(peak == static_cast<std::size_t>(m));
+            if (name == "1f1b") CHECK(peak == static_cast<std::size_t>(std::min(m, P - r)));
+          }
         }
       }
     }
@@ -181,6 +188,11 @@ TEST_SUITE("ranks") {
       pp::ScheduleGPipe gpipe(own, 4, mse);
       CHECK_THROWS_WITH_AS(gpipe.step(torch::randn({6, kIn}, at::kDouble), torch::randn({6, kOut}, at::kDouble)),
                            doctest::Contains("the inputs' batch of 6 rows does not cut into 4 micro-batches"),
+                           accel::InvalidArgument);
+      pp::PipelineStage whole(stage_modules(1)[0], 0, 1, c10::Device(c10::kCPU), group);
+      pp::ScheduleGPipe unreduced(whole, 2, [](const at::Tensor& out, const at::Tensor& target) { return out - target; });
+      CHECK_THROWS_WITH_AS(unreduced.step(torch::randn({4, kIn}, at::kDouble), torch::randn({4, kOut}, at::kDouble)),
+                           doctest::Contains("loss_fn returned Double[2, 3] for micro-batch 0; a loss is one number"),
                            accel::InvalidArgument);
     }
     release_world();
@@ -279,5 +291,76 @@ TEST_SUITE("python_pp_train" * doctest::skip()) {
     for (std::string name; names >> name; ++named) train_pp_as_python(dir, name);
     REQUIRE(named > 0);
     release_world();
+  }
+}
+
+// A rank of the pipeline that vanishes mid-step (the last stage's, at its second micro-batch's forward): every
+// other rank's step throws a DistributedError naming the pipeline's message and the group, at once (a dead peer's
+// connection closes; the group's timeout, 10 s here, is not what ends it), one after the other down the pipeline.
+TEST_SUITE("pp_peer_gone") {
+  // A stage that throws, its process going on (the user catches the error): its rank gets its own error at once,
+  // the messages in flight abandoned, not waited for; the others' steps end by the group's timeout (3 s here),
+  // each with a DistributedError, after one wait each, not one per message in flight.
+  TEST_CASE("a stage that throws: its rank gets its own error, every other rank a DistributedError by the timeout") {
+    const int P = accel::get_world_size();
+    if (P == 1) return;
+    release_world();  // (not fresh(): the tests' own timeout is 60 s)
+    accel::DistributedInterface& world =
+        accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = P, .timeout = std::chrono::seconds(3)});
+    const int r = world.get_rank(Dim::PP);
+    auto modules = stage_modules(P);
+    int forwards = 0;
+    auto seq = modules[static_cast<std::size_t>(r)];
+    accel::pp::PipelineStage stage(
+        seq.ptr(),
+        [&](const at::Tensor& x) {
+          if (r == P - 1 && ++forwards == 2) throw std::runtime_error("the user's stage failed");
+          return seq->forward(x);
+        },
+        r, P);
+    accel::pp::ScheduleGPipe schedule(stage, 4, mse);
+    const at::Tensor x = torch::randn({8, kIn}, at::kDouble), y = torch::randn({8, kOut}, at::kDouble);
+    const auto began = std::chrono::steady_clock::now();
+    if (r == P - 1) {
+      CHECK_THROWS_WITH_AS(schedule.step(x, y), "the user's stage failed", std::runtime_error);
+      std::this_thread::sleep_for(std::chrono::seconds(6));  // alive while the others time out
+    } else {
+      try {
+        schedule.step(x, y);
+        FAIL("the step returned");
+      } catch (const accel::DistributedError& e) {
+        MESSAGE(std::string(e.what()));
+        CHECK(std::string(e.what()).find("(point to point) failed on group") != std::string::npos);
+      }
+    }
+    CHECK(stage.microbatches_in_flight() == 0);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    MESSAGE("rank " << r << " threw after " << seconds << " s");
+  }
+
+  TEST_CASE("a stage's rank that vanishes mid-step makes every other rank's step throw, naming the message") {
+    const int P = accel::get_world_size();
+    release_world();
+    accel::DistributedInterface& world =
+        accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = P, .timeout = std::chrono::seconds(10)});
+    const int r = world.get_rank(Dim::PP);
+    auto modules = stage_modules(P);
+    int forwards = 0;
+    auto seq = modules[static_cast<std::size_t>(r)];
+    accel::pp::PipelineStage stage(
+        seq.ptr(),
+        [&](const at::Tensor& x) {
+          if (r == P - 1 && ++forwards == 2) std::_Exit(0);  // gone without a word
+          return seq->forward(x);
+        },
+        r, P);
+    accel::pp::Schedule1F1B schedule(stage, 4, mse);
+    const at::Tensor x = torch::randn({8, kIn}, at::kDouble), y = torch::randn({8, kOut}, at::kDouble);
+    const auto began = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(schedule.step(x, y), doctest::Contains("(point to point) failed on group"),
+                         accel::DistributedError);
+    CHECK(stage.microbatches_in_flight() == 0);  // (the step's micro-batches let go)
+    MESSAGE("rank " << r << " threw after "
+                    << std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() << " s");
   }
 }

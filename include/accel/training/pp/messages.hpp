@@ -70,22 +70,34 @@ inline int tag_of(Message kind, int receiving_stage, int microbatch, int num_sta
   return ((microbatch * num_stages + receiving_stage) * 3 + static_cast<int>(kind)) + 1;
 }
 
+// Messages of failed steps, never waited for (~Mailbox says why); never
+// freed either, not even at exit, where a Work's destructor could wait.
+inline void abandon(c10::intrusive_ptr<c10d::Work> work) {
+  static auto* mutex = new std::mutex;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>;
+  const std::lock_guard<std::mutex> lock(*mutex);
+  kept->push_back(std::move(work));
+}
+
 // One step's messages on this rank.
 class Mailbox {
  public:
   Mailbox(c10d::ProcessGroup& group, c10::Device device, int num_stages)
-      : group_(group), device_(device), num_stages_(num_stages) {}
+      : group_(group), device_(device), num_stages_(num_stages), timeout_(gloo_timeout(group)) {}
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
-  // A failed step leaves messages in flight: each is waited for (errors
-  // ignored: the step has reported its own) before their buffers go.
+  // A failed step leaves messages in flight: a receive its peer will never
+  // send (the peer failed too, or waits on this rank), sends nobody receives.
+  // Waiting for each would take the group's timeout per message, so they are
+  // abandoned (training/pp's failed steps only): their Work, which holds the
+  // tensor the message reads or fills, is kept for the rest of the process,
+  // so a message that lands late writes into memory still owned by nobody
+  // else. The group is not usable for pipeline messages after that; the
+  // error the step throws says which message failed.
   ~Mailbox() {
     for (auto* list : {&sends_, &receives_})
       for (auto& e : *list)
-        if (e.work) try {
-            e.work->wait();
-          } catch (const std::exception&) {
-          }
+        if (e.work && !e.work->isCompleted()) abandon(std::move(e.work));
   }
 
   void send(Message kind, const at::Tensor& t, int to, int receiving_stage, int microbatch) {
@@ -113,7 +125,8 @@ class Mailbox {
         continue;
       while (next_ <= i) post_next(/*waiting=*/true);
       Entry& e = receives_[i];
-      await(kPipelineReceive, group_, *std::exchange(e.work, {}));
+      wait(kPipelineReceive, *e.work);  // (a failed one stays: ~Mailbox abandons it)
+      e.work.reset();
       e.taken = true;
       return std::move(e.tensor);
     }
@@ -127,7 +140,10 @@ class Mailbox {
   }
   // Every send landed (the step's last act).
   void finish() {
-    for (auto& e : sends_) await(kPipelineSend, group_, *std::exchange(e.work, {}));
+    for (auto& e : sends_) {
+      wait(kPipelineSend, *e.work);
+      e.work.reset();
+    }
     sends_.clear();
   }
 
@@ -167,9 +183,22 @@ class Mailbox {
     return true;
   }
 
+  // A message waited for, by the group's timeout on Gloo (a peer that failed
+  // and lives on never sends; one that died fails the wait at once).
+  void wait(const char* op, c10d::Work& work) {
+    bool done = false;
+    try {
+      done = timeout_ ? work.wait(*timeout_) : work.wait();
+    } catch (const std::exception& e) {
+      throw failure(op, group_, e);
+    }
+    if (!done) throw failure(op, group_, std::runtime_error("the message was aborted"));
+  }
+
   c10d::ProcessGroup& group_;
   c10::Device device_;
   int num_stages_;
+  std::optional<std::chrono::milliseconds> timeout_;
   std::vector<Entry> sends_;
   std::vector<Entry> receives_;  // every receive of the step, in schedule order
   std::size_t next_ = 0;         // the first not posted yet

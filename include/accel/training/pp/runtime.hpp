@@ -34,6 +34,7 @@ struct RankPlan {
 };
 struct StepResult {
   std::vector<at::Tensor> outputs, losses;  // the last stage's, per micro-batch (else empty)
+  double compute_seconds = 0;               // in F, B, I and W (the rest of the step: waiting, messages)
 };
 
 class StepRun {
@@ -54,7 +55,7 @@ class StepRun {
         case ComputationType::FORWARD: forward(s, mb); break;
         case ComputationType::FULL_BACKWARD: backward(s, mb, true); break;
         case ComputationType::BACKWARD_INPUT: backward(s, mb, false); break;
-        case ComputationType::BACKWARD_WEIGHT: stage(s).backward_weight_one_chunk(mb); break;
+        case ComputationType::BACKWARD_WEIGHT: timed([&] { stage(s).backward_weight_one_chunk(mb); }); break;
         case ComputationType::SEND_F: send_activation(s, mb); break;
         case ComputationType::RECV_F: receive_activation(s, mb); break;
         case ComputationType::SEND_B:
@@ -69,6 +70,16 @@ class StepRun {
   }
 
  private:
+  // A stage's computation, its time counted (not the waits for its messages, before it).
+  template <class Fn>
+  auto timed(Fn&& fn) -> decltype(fn()) {
+    struct Count {
+      double& total;
+      std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+      ~Count() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
+    } count{result_.compute_seconds};
+    return fn();
+  }
   accel::pp::PipelineStage& stage(int s) { return *plan_.stages.at(s); }
   bool here(int s) const { return plan_.stages.contains(s); }
   Mailbox& box() { return *mailbox_; }
@@ -84,10 +95,15 @@ class StepRun {
     const at::Tensor input = st.is_first() ? inputs_.at(static_cast<std::size_t>(mb))
                              : here(s - 1) ? take(handed_inputs_, s, mb)
                                            : box().take(Message::activation, s, mb);
-    const at::Tensor output = st.forward_one_chunk(mb, input);
+    const at::Tensor output = timed([&] { return st.forward_one_chunk(mb, input); });
     if (st.is_last()) {
       result_.outputs[static_cast<std::size_t>(mb)] = output.detach();
-      result_.losses[static_cast<std::size_t>(mb)] = loss_fn_(output, targets_.at(static_cast<std::size_t>(mb)));
+      const at::Tensor loss = timed([&] { return loss_fn_(output, targets_.at(static_cast<std::size_t>(mb))); });
+      if (!loss.defined() || loss.numel() != 1)
+        throw InvalidArgument("accel::pp: loss_fn returned " +
+                              (loss.defined() ? to_string(meta_of(loss)) : std::string("no tensor")) +
+                              " for micro-batch " + std::to_string(mb) + "; a loss is one number");
+      result_.losses[static_cast<std::size_t>(mb)] = loss;
       return;
     }
     check_output_shape(s, mb, output);
@@ -120,7 +136,7 @@ class StepRun {
                                    : here(s + 1) ? take(handed_grads_, s, mb)
                                                  : box().take(Message::gradient, s, mb);
     const at::Tensor loss = st.is_last() ? result_.losses[static_cast<std::size_t>(mb)] : at::Tensor();
-    const at::Tensor input_grad = st.backward_one_chunk(mb, loss, grad_output, full);
+    const at::Tensor input_grad = timed([&] { return st.backward_one_chunk(mb, loss, grad_output, full); });
     if (st.is_first()) return;
     (here(s - 1) ? handed_grads_[{s - 1, mb}] : sent_grads_[{s, mb}]) = input_grad;
   }

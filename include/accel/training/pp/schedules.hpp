@@ -41,6 +41,7 @@ class PipelineSchedule {
     if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
     if (plan_.stages.contains(plan_.num_stages - 1))
       target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    for (auto& [index, stage] : plan_.stages) stage->reset_peak();
     detail::pp::StepResult result;
     try {
       result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
@@ -48,6 +49,7 @@ class PipelineSchedule {
       for (auto& [index, stage] : plan_.stages) stage->clear();
       throw;
     }
+    compute_seconds_ = result.compute_seconds;
     if (scale_grads_)
       for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
     if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
@@ -59,6 +61,10 @@ class PipelineSchedule {
   }
 
   int n_microbatches() const { return n_microbatches_; }
+  // The time this rank spent in its stages' forwards, backwards and losses
+  // in the last step; the rest of the step it waited (the bubble) or moved
+  // messages.
+  double compute_seconds() const { return compute_seconds_; }
   // The compute-only order, a row per rank (torch's pipeline_order).
   const detail::pp::PipelineOrder& pipeline_order() const { return order_; }
   // torch's _dump_csv(format="compute_only") and _load_csv: the order as a
@@ -148,6 +154,7 @@ class PipelineSchedule {
   int ranks_ = 1, stages_per_rank_ = 1;
   detail::pp::RankPlan plan_;
   detail::pp::PipelineOrder order_;
+  double compute_seconds_ = 0;
 };
 
 // One stage per rank (torch's PipelineScheduleSingle family).

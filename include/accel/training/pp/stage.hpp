@@ -79,6 +79,7 @@ class PipelineStage {
   // on this rank); returns the output.
   at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
     Chunk& c = fresh_chunk(mb);
+    peak_ = std::max(peak_, chunks_.size());
     c.input = input.to(device_);
     if (!is_first()) {
       if (!c10::isFloatingType(c.input.scalar_type()))
@@ -136,7 +137,12 @@ class PipelineStage {
   }
   // Drops every micro-batch kept (after a step, or a failed one).
   void clear() { chunks_.clear(); }
+  // The micro-batches whose activations the stage holds now, and the most it
+  // held at once in the last step (what a schedule costs in memory: GPipe all
+  // m, 1F1B at most the stages from this one to the last).
   std::size_t microbatches_in_flight() const { return chunks_.size(); }
+  std::size_t peak_microbatches_in_flight() const { return peak_; }
+  void reset_peak() { peak_ = chunks_.size(); }
 
  private:
   struct Chunk {
@@ -166,6 +172,7 @@ class PipelineStage {
   c10::Device device_;
   GroupPtr group_;
   std::map<int, Chunk> chunks_;
+  std::size_t peak_ = 0;
 };
 }  // namespace pp
 
