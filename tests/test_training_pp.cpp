@@ -294,73 +294,78 @@ TEST_SUITE("python_pp_train" * doctest::skip()) {
   }
 }
 
-// A rank of the pipeline that vanishes mid-step (the last stage's, at its second micro-batch's forward): every
-// other rank's step throws a DistributedError naming the pipeline's message and the group, at once (a dead peer's
-// connection closes; the group's timeout, 10 s here, is not what ends it), one after the other down the pipeline.
+namespace {
+// This rank's stage of a pipeline over the whole world (a fresh interface whose groups time out after `timeout`:
+// not fresh(), whose tests' timeout is 60 s), its forward running `fault` on the last rank at its second
+// micro-batch; every rank's step over a batch of 8 in 4 micro-batches, and the seconds it took to end.
+struct FaultyPipeline {
+  FaultyPipeline(std::chrono::seconds timeout, std::function<void()> fault) {
+    release_world();
+    const int P = accel::get_world_size();
+    r = accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = P, .timeout = timeout})
+            .get_rank(Dim::PP);
+    last = r == P - 1;
+    seq = stage_modules(P)[static_cast<std::size_t>(r)];
+    stage = std::make_unique<accel::pp::PipelineStage>(
+        seq.ptr(),
+        [this, fault = std::move(fault)](const at::Tensor& x) {
+          if (last && ++forwards == 2) fault();
+          return seq->forward(x);
+        },
+        r, P);
+  }
+  template <class Schedule>
+  void step() {
+    Schedule schedule(*stage, 4, mse);
+    began = std::chrono::steady_clock::now();
+    schedule.step(torch::randn({8, kIn}, at::kDouble), torch::randn({8, kOut}, at::kDouble));
+  }
+  // The others' error: a DistributedError naming the pipeline's message and the group.
+  template <class Schedule>
+  void step_fails_for_the_others() {
+    try {
+      step<Schedule>();
+      FAIL("the step returned");
+    } catch (const accel::DistributedError& e) {
+      MESSAGE(std::string(e.what()));
+      CHECK(std::string(e.what()).find("(point to point) failed on group") != std::string::npos);
+    }
+    CHECK(stage->microbatches_in_flight() == 0);  // (the step's micro-batches let go)
+    MESSAGE("rank " << r << " threw after " << seconds() << " s");
+  }
+  double seconds() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
+
+  int r = 0, forwards = 0;
+  bool last = false;
+  torch::nn::Sequential seq{nullptr};
+  std::unique_ptr<accel::pp::PipelineStage> stage;
+  std::chrono::steady_clock::time_point began;
+};
+}  // namespace
+
+// A pipeline rank that fails mid-step (the last stage's, at its second micro-batch's forward): every other rank's
+// step throws a DistributedError naming the pipeline's message and the group, in bounded time, one after the
+// other down the pipeline.
 TEST_SUITE("pp_peer_gone") {
   // A stage that throws, its process going on (the user catches the error): its rank gets its own error at once,
   // the messages in flight abandoned, not waited for; the others' steps end by the group's timeout (3 s here),
-  // each with a DistributedError, after one wait each, not one per message in flight.
+  // after one wait each, not one per message in flight, the roll call naming the rank that did not answer.
   TEST_CASE("a stage that throws: its rank gets its own error, every other rank a DistributedError by the timeout") {
-    const int P = accel::get_world_size();
-    if (P == 1) return;
-    release_world();  // (not fresh(): the tests' own timeout is 60 s)
-    accel::DistributedInterface& world =
-        accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = P, .timeout = std::chrono::seconds(3)});
-    const int r = world.get_rank(Dim::PP);
-    auto modules = stage_modules(P);
-    int forwards = 0;
-    auto seq = modules[static_cast<std::size_t>(r)];
-    accel::pp::PipelineStage stage(
-        seq.ptr(),
-        [&](const at::Tensor& x) {
-          if (r == P - 1 && ++forwards == 2) throw std::runtime_error("the user's stage failed");
-          return seq->forward(x);
-        },
-        r, P);
-    accel::pp::ScheduleGPipe schedule(stage, 4, mse);
-    const at::Tensor x = torch::randn({8, kIn}, at::kDouble), y = torch::randn({8, kOut}, at::kDouble);
-    const auto began = std::chrono::steady_clock::now();
-    if (r == P - 1) {
-      CHECK_THROWS_WITH_AS(schedule.step(x, y), "the user's stage failed", std::runtime_error);
+    if (accel::get_world_size() == 1) return;
+    FaultyPipeline pipeline(std::chrono::seconds(3), [] { throw std::runtime_error("the user's stage failed"); });
+    if (pipeline.last) {
+      CHECK_THROWS_WITH_AS(pipeline.step<accel::pp::ScheduleGPipe>(), "the user's stage failed", std::runtime_error);
+      CHECK(pipeline.stage->microbatches_in_flight() == 0);
       std::this_thread::sleep_for(std::chrono::seconds(6));  // alive while the others time out
     } else {
-      try {
-        schedule.step(x, y);
-        FAIL("the step returned");
-      } catch (const accel::DistributedError& e) {
-        MESSAGE(std::string(e.what()));
-        CHECK(std::string(e.what()).find("(point to point) failed on group") != std::string::npos);
-      }
+      pipeline.step_fails_for_the_others<accel::pp::ScheduleGPipe>();
     }
-    CHECK(stage.microbatches_in_flight() == 0);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-    MESSAGE("rank " << r << " threw after " << seconds << " s");
   }
 
+  // A rank that vanishes: the others' errors come at once (a dead peer's connection closes; the timeout, 10 s
+  // here, is not what ends them).
   TEST_CASE("a stage's rank that vanishes mid-step makes every other rank's step throw, naming the message") {
-    const int P = accel::get_world_size();
-    release_world();
-    accel::DistributedInterface& world =
-        accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = P, .timeout = std::chrono::seconds(10)});
-    const int r = world.get_rank(Dim::PP);
-    auto modules = stage_modules(P);
-    int forwards = 0;
-    auto seq = modules[static_cast<std::size_t>(r)];
-    accel::pp::PipelineStage stage(
-        seq.ptr(),
-        [&](const at::Tensor& x) {
-          if (r == P - 1 && ++forwards == 2) std::_Exit(0);  // gone without a word
-          return seq->forward(x);
-        },
-        r, P);
-    accel::pp::Schedule1F1B schedule(stage, 4, mse);
-    const at::Tensor x = torch::randn({8, kIn}, at::kDouble), y = torch::randn({8, kOut}, at::kDouble);
-    const auto began = std::chrono::steady_clock::now();
-    CHECK_THROWS_WITH_AS(schedule.step(x, y), doctest::Contains("(point to point) failed on group"),
-                         accel::DistributedError);
-    CHECK(stage.microbatches_in_flight() == 0);  // (the step's micro-batches let go)
-    MESSAGE("rank " << r << " threw after "
-                    << std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() << " s");
+    FaultyPipeline pipeline(std::chrono::seconds(10), [] { std::_Exit(0); });  // gone without a word
+    pipeline.step_fails_for_the_others<accel::pp::Schedule1F1B>();
   }
 }
