@@ -20,7 +20,8 @@ struct ResidualImpl : torch::nn::Module {
 TORCH_MODULE(Residual);
 
 // The whole model cut into `stages` stages of uneven depth (stage k has k % 2 + 1 blocks): the first starts with
-// an input projection, the last ends with a head. Made from one seed, so every rank and the one-process
+// an input projection, the last ends with a head; each stage's first block's weight is tied (registered again on
+// the stage: LibTorch then lists it twice, and it must be divided and stepped once). Made from one seed, so every rank and the one-process
 // reference hold the same weights.
 std::vector<torch::nn::Sequential> stage_modules(int stages) {
   torch::manual_seed(11);
@@ -30,6 +31,8 @@ std::vector<torch::nn::Sequential> stage_modules(int stages) {
     if (k == 0) seq->push_back(torch::nn::Linear(kIn, kHidden));
     for (int b = 0; b <= k % 2; ++b) seq->push_back(Residual());
     if (k == stages - 1) seq->push_back(torch::nn::Linear(kHidden, kOut));
+    // A tied weight: the first block's weight also the stage's own parameter, listed under both names.
+    seq->register_parameter("tied", seq->ptr(k == 0 ? 1 : 0)->as<ResidualImpl>()->lin->weight);
     seq->to(at::kDouble);
     out.push_back(seq);
   }

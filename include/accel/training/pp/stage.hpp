@@ -121,8 +121,8 @@ class PipelineStage {
   // W: the weights' gradients of a micro-batch whose I has run.
   void backward_weight_one_chunk(int mb) {
     Chunk& c = chunk(mb, "weight backward");
-    std::vector<at::Tensor> params;
-    for (const auto& p : module_->parameters())
+    std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
     if (!params.empty())
       torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
@@ -132,7 +132,7 @@ class PipelineStage {
   // micro-batches' mean, not their sum).
   void scale_grads(double factor) {
     at::NoGradGuard no_grad;
-    for (auto& p : module_->parameters())
+    for (auto& p : detail::unique_tensors(module_->parameters()))  // (a tied tensor divided once)
       if (p.grad().defined()) p.mutable_grad().div_(factor);
   }
   // Drops every micro-batch kept (after a step, or a failed one).
