@@ -23,6 +23,7 @@
 // match nowhere.
 #pragma once
 
+#include "accel/distributed/backends.hpp"
 #include "accel/distributed/exchange.hpp"
 #include "accel/training/torch_nn.hpp"
 

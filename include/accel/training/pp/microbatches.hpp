@@ -11,6 +11,7 @@
 // (docs/differences.md).
 #pragma once
 
+#include "accel/core/errors.hpp"
 #include "accel/training/torch_nn.hpp"
 
 ACCEL_NAMESPACE_BEGIN

@@ -19,6 +19,8 @@
 #pragma once
 
 #include "accel/training/pp/messages.hpp"
+#include "accel/distributed/interface.hpp"
+#include "accel/training/parameters.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
