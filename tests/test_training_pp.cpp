@@ -8,7 +8,9 @@
 
 #include <regex>
 
-namespace {
+// Named, not anonymous: the training tests are one translation unit, where an anonymous namespace's names
+// (kHidden) would meet the other files' (tp_fixtures::kHidden, brought in by using-directives).
+namespace pp_test {
 constexpr int64_t kIn = 5, kHidden = 8, kOut = 3;
 
 // A residual block, as a transformer's: x + tanh(W x + b). The blocks are identical in shape.
@@ -62,7 +64,6 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
   if (name == "interleaved_zero_bubble") return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, mse);
   return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse);
 }
-}  // namespace
 
 TEST_SUITE("ranks") {
   TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
@@ -202,7 +203,6 @@ TEST_SUITE("ranks") {
   }
 }
 
-namespace {
 // tests/python_ref/pp_ref.py's model and run (its docstring says what both sides do): a stage's layers in order,
 // each under the whole model's name ("blocks.3" registered as "blocks_3": LibTorch's names have no dots).
 constexpr int64_t kPyIn = 6, kPyHidden = 16, kPyOut = 4, kPyBlocks = 8;
@@ -279,7 +279,6 @@ void train_pp_as_python(const std::string& dir, const std::string& name) {
   accel::detail::write_safetensors(
       dir + "/cpp_" + name + "_" + std::to_string(P) + "_" + std::to_string(r) + ".safetensors", out);
 }
-}  // namespace
 
 // tests/python_ref/run_pp.sh: each schedule of ACCEL_PP_SCHEDULES trained from pp_ref.py's start on its batches.
 TEST_SUITE("python_pp_train" * doctest::skip()) {
@@ -297,7 +296,6 @@ TEST_SUITE("python_pp_train" * doctest::skip()) {
   }
 }
 
-namespace {
 // This rank's stage of a pipeline over the whole world (a fresh interface whose groups time out after `timeout`:
 // not fresh(), whose tests' timeout is 60 s), its forward running `fault` on the last rank at its second
 // micro-batch; every rank's step over a batch of 8 in 4 micro-batches, and the seconds it took to end.
@@ -344,7 +342,6 @@ struct FaultyPipeline {
   std::unique_ptr<accel::pp::PipelineStage> stage;
   std::chrono::steady_clock::time_point began;
 };
-}  // namespace
 
 // A pipeline rank that fails mid-step (the last stage's, at its second micro-batch's forward): every other rank's
 // step throws a DistributedError naming the pipeline's message and the group, in bounded time, one after the
@@ -372,3 +369,4 @@ TEST_SUITE("pp_peer_gone") {
     pipeline.step_fails_for_the_others<accel::pp::Schedule1F1B>();
   }
 }
+}  // namespace pp_test
