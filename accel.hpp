@@ -74,9 +74,6 @@
 //     accel/training/tp/plan.hpp                         tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
 //     accel/training/pp/microbatches.hpp                 a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together
 //     accel/training/pp/messages.hpp                     the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step
-//     accel/training/pp/stage.hpp                        accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
-//     accel/training/pp/runtime.hpp                      one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
-//     accel/training/pp/schedules.hpp                    torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -103,6 +100,9 @@
 //     accel/training/dp/sharded_state_dict.hpp           what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
 //     accel/training/dp/strategies.hpp                   the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it
 //     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
+//     accel/training/pp/stage.hpp                        accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
+//     accel/training/pp/runtime.hpp                      one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
+//     accel/training/pp/schedules.hpp                    torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
 //     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
 //     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
 //     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
@@ -8945,557 +8945,6 @@ class Mailbox {
 
 ACCEL_NAMESPACE_END
 
-// == accel/training/pp/stage.hpp ==============================================
-// accel/training/pp/stage.hpp: accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'.
-//
-// torch.distributed.pipelining's PipelineStage(submodule, stage_index,
-// num_stages, device, group): a schedule (training/pp/schedules.hpp) runs
-// it, micro-batch by micro-batch, and moves what passes between stages. One
-// tensor passes from a stage to the next (hidden states; the first stage
-// takes the batch's inputs, the last one's output goes to the loss), as in
-// torchtitan's models. A stage keeps, per micro-batch in flight, its input
-// (a leaf that collects the gradient sent back) and its output with the
-// autograd graph, until that micro-batch's backward.
-//
-// The zero-bubble schedules split a backward in two: I computes only the
-// input's gradient (sent back at once, so the stage before can go on) and
-// keeps the graph; W, later, the weights' gradients (torch's
-// stage_backward_input and stage_backward_weight). W runs the graph again
-// from the output with the parameters as its only inputs, so the
-// activations' gradients are computed twice; torch keeps them from I
-// instead. The gradients are the same; the cost is W's.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace pp {
-class PipelineStage {
- public:
-  // The computation: this stage's input to its output.
-  using Forward = std::function<at::Tensor(const at::Tensor&)>;
-
-  // A module with a forward of one tensor (torch::nn::Sequential, a
-  // TORCH_MODULE of one's own).
-  template <class M>
-  PipelineStage(torch::nn::ModuleHolder<M> module, int stage_index, int num_stages,
-                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
-      : PipelineStage(
-            module.ptr(), [m = module.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, stage_index,
-            num_stages, device, std::move(group)) {}
-  // Any module, with the call that runs it. `group`: the pipeline group
-  // (null: the DistributedInterface's Dim::PP group; none in one process).
-  PipelineStage(std::shared_ptr<torch::nn::Module> module, Forward forward, int stage_index, int num_stages,
-                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
-      : module_(std::move(module)),
-        forward_(std::move(forward)),
-        stage_index_(stage_index),
-        num_stages_(num_stages),
-        device_(device),
-        group_(std::move(group)) {
-    if (!module_ || !forward_) throw InvalidArgument("accel::pp::PipelineStage: no module or no forward");
-    if (num_stages < 1 || stage_index < 0 || stage_index >= num_stages)
-      throw InvalidArgument("accel::pp::PipelineStage: stage_index " + std::to_string(stage_index) +
-                            " is not one of num_stages " + std::to_string(num_stages) + " (0.." +
-                            std::to_string(num_stages - 1) + ")");
-    // The pipeline group: `group`, else the live interface's Dim::PP group (as
-    // tp's layers take Dim::TP's). torch's default is the world group, which is
-    // the pp group only when pp is the whole world.
-    if (!group_ && DistributedInterface::is_initialized()) group_ = DistributedInterface::instance().get_group(Dim::PP);
-    if (!group_ && is_distributed())
-      throw LogicError(
-          "accel::pp::PipelineStage: no group given and no DistributedInterface to take Dim::PP's "
-          "from; create it first (accel::DistributedInterface::instance({.pp_size = N}), or pass the "
-          "group)");
-  }
-
-  int stage_index() const { return stage_index_; }
-  int num_stages() const { return num_stages_; }
-  bool is_first() const { return stage_index_ == 0; }
-  bool is_last() const { return stage_index_ == num_stages_ - 1; }
-  torch::nn::Module& submodule() const { return *module_; }  // torch's submod
-  c10::Device device() const { return device_; }
-  // The pipeline group (null: one process, every stage here).
-  c10d::ProcessGroup* group() const { return group_.get(); }
-
-  // --- what a schedule calls, one micro-batch at a time (torch's
-  // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
-
-  // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
-  // first stage; the activation received, or handed over by the stage before
-  // on this rank); returns the output.
-  at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
-    Chunk& c = fresh_chunk(mb);
-    peak_ = std::max(peak_, chunks_.size());
-    c.input = input.to(device_);
-    if (!is_first()) {
-      if (!c10::isFloatingType(c.input.scalar_type()))
-        throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + " receives a " +
-                              std::string(c10::toString(c.input.scalar_type())) +
-                              " tensor; what passes between stages must be floating point (its gradient goes back)");
-      c.input = c.input.detach().requires_grad_(true);
-    }
-    c.output = forward_(c.input);
-    if (!c.output.defined())
-      throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
-    return c.output;
-  }
-  // The backward of micro-batch `mb` from `loss` (the last stage) or from the
-  // gradient of the output (`grad_output`, the others). Whole (B: every
-  // gradient, the graph freed) or its first half (I: only the input's, the
-  // graph kept for backward_weight_one_chunk). Returns the input's gradient
-  // to send back (undefined on the first stage).
-  at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
-    Chunk& c = chunk(mb, "backward");
-    c.root = is_last() ? loss : c.output;
-    c.grad_output = is_last() ? at::Tensor() : grad_output;
-    if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
-    const at::Tensor input = c.input;
-    at::Tensor input_grad;
-    if (full) {
-      torch::autograd::backward({c.root}, grads(c));
-      if (!is_first()) input_grad = input.grad();
-      chunks_.erase(mb);
-    } else if (!is_first()) {
-      input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
-                                         /*create_graph=*/false, /*allow_unused=*/true)[0];
-      c.input = at::Tensor();
-    }
-    // (an input the output does not depend on: its gradient is zeros, still sent)
-    if (!is_first() && !input_grad.defined()) input_grad = at::zeros_like(input);
-    return input_grad;
-  }
-  // W: the weights' gradients of a micro-batch whose I has run.
-  void backward_weight_one_chunk(int mb) {
-    Chunk& c = chunk(mb, "weight backward");
-    std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
-    for (const auto& p : detail::unique_tensors(module_->parameters()))
-      if (p.requires_grad()) params.push_back(p);
-    if (!params.empty())
-      torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
-    chunks_.erase(mb);
-  }
-  // Divides the gradients by `factor` (the schedule's scale_grads: the
-  // micro-batches' mean, not their sum).
-  void scale_grads(double factor) {
-    at::NoGradGuard no_grad;
-    for (auto& p : detail::unique_tensors(module_->parameters()))  // (a tied tensor divided once)
-      if (p.grad().defined()) p.mutable_grad().div_(factor);
-  }
-  // Drops every micro-batch kept (after a step, or a failed one).
-  void clear() { chunks_.clear(); }
-  // The micro-batches whose activations the stage holds now, and the most it
-  // held at once in the last step (what a schedule costs in memory: GPipe all
-  // m, 1F1B at most the stages from this one to the last).
-  std::size_t microbatches_in_flight() const { return chunks_.size(); }
-  std::size_t peak_microbatches_in_flight() const { return peak_; }
-  void reset_peak() { peak_ = chunks_.size(); }
-
- private:
-  struct Chunk {
-    at::Tensor input, output, root, grad_output;
-  };
-  Chunk& fresh_chunk(int mb) {
-    auto [it, added] = chunks_.try_emplace(mb);
-    if (!added)
-      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
-                       "'s forward twice");
-    return it->second;
-  }
-  Chunk& chunk(int mb, const char* what) {
-    const auto it = chunks_.find(mb);
-    if (it == chunks_.end())
-      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
-                       "'s " + what + " before its forward");
-    return it->second;
-  }
-  std::vector<at::Tensor> grads(const Chunk& c) const {
-    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
-  }
-
-  std::shared_ptr<torch::nn::Module> module_;
-  Forward forward_;
-  int stage_index_, num_stages_;
-  c10::Device device_;
-  GroupPtr group_;
-  std::map<int, Chunk> chunks_;
-  std::size_t peak_ = 0;
-};
-}  // namespace pp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/pp/runtime.hpp ============================================
-// accel/training/pp/runtime.hpp: one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages.
-//
-// A schedule (training/pp/schedules.hpp) gives each rank its list: the
-// compute-only order lowered with its sends and receives
-// (core/pipeline_lowering.hpp), torch's _PipelineScheduleRuntime's input.
-// Run in order, a receive is posted when listed and waited for by the
-// computation that needs it; a send is issued when listed and waited for at
-// the step's end (torch's runtime waits for its sends later too), so a rank
-// never waits on a send while its peer waits on it. Adjacent stages on this
-// rank (ZBV's V) hand their tensors over directly. The last stage computes
-// each micro-batch's loss right after its forward, keeps it for the
-// backward, and the step returns the losses and the outputs.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace pp {
-// A schedule's loss: the last stage's output of a micro-batch and that
-// micro-batch's target, to a scalar.
-using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
-}  // namespace pp
-
-namespace detail::pp {
-// What a step runs on this rank.
-struct RankPlan {
-  std::map<int, accel::pp::PipelineStage*> stages;  // this rank's, by stage index
-  std::vector<Action> actions;                      // its lowered list
-  std::function<int(int)> rank_of;                  // the rank holding a stage
-  int rank = 0, num_stages = 1;
-};
-struct StepResult {
-  std::vector<at::Tensor> outputs, losses;  // the last stage's, per micro-batch (else empty)
-  double compute_seconds = 0;               // in F, B, I and W (the rest of the step: waiting, messages)
-};
-
-class StepRun {
- public:
-  StepRun(const RankPlan& plan, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
-          const accel::pp::LossFn& loss_fn, int microbatches)
-      : plan_(plan), inputs_(std::move(inputs)), targets_(std::move(targets)), loss_fn_(loss_fn) {
-    result_.outputs.resize(static_cast<std::size_t>(microbatches));
-    result_.losses.resize(static_cast<std::size_t>(microbatches));
-    auto* any = plan.stages.begin()->second;
-    if (any->group()) mailbox_.emplace(*any->group(), any->device(), plan.num_stages);
-  }
-
-  StepResult run() {
-    for (const Action& a : plan_.actions) {
-      const int s = a.stage_index, mb = a.microbatch_index.value_or(0);
-      switch (a.computation_type) {
-        case ComputationType::FORWARD: forward(s, mb); break;
-        case ComputationType::FULL_BACKWARD: backward(s, mb, true); break;
-        case ComputationType::BACKWARD_INPUT: backward(s, mb, false); break;
-        case ComputationType::BACKWARD_WEIGHT: timed([&] { stage(s).backward_weight_one_chunk(mb); }); break;
-        case ComputationType::SEND_F: send_activation(s, mb); break;
-        case ComputationType::RECV_F: receive_activation(s, mb); break;
-        case ComputationType::SEND_B:
-          box().send(Message::gradient, take(sent_grads_, s, mb), plan_.rank_of(s - 1), s - 1, mb);
-          break;
-        case ComputationType::RECV_B: box().receive_gradient(s, mb, plan_.rank_of(s + 1), output_meta_.at(s)); break;
-        default: throw LogicError("accel::pp: the runtime has no action " + to_string(a));
-      }
-    }
-    if (mailbox_) mailbox_->finish();
-    return std::move(result_);
-  }
-
- private:
-  // A stage's computation, its time counted (not the waits for its messages, before it).
-  template <class Fn>
-  auto timed(Fn&& fn) -> decltype(fn()) {
-    struct Count {
-      double& total;
-      std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
-      ~Count() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
-    } count{result_.compute_seconds};
-    return fn();
-  }
-  accel::pp::PipelineStage& stage(int s) { return *plan_.stages.at(s); }
-  bool here(int s) const { return plan_.stages.contains(s); }
-  Mailbox& box() { return *mailbox_; }
-  static at::Tensor take(std::map<std::pair<int, int>, at::Tensor>& kept, int s, int mb) {
-    auto node = kept.extract({s, mb});
-    if (node.empty())
-      throw LogicError("accel::pp: stage " + std::to_string(s) + " has nothing for micro-batch " + std::to_string(mb));
-    return std::move(node.mapped());
-  }
-
-  void forward(int s, int mb) {
-    accel::pp::PipelineStage& st = stage(s);
-    const at::Tensor input = st.is_first() ? inputs_.at(static_cast<std::size_t>(mb))
-                             : here(s - 1) ? take(handed_inputs_, s, mb)
-                                           : box().take(Message::activation, s, mb);
-    const at::Tensor output = timed([&] { return st.forward_one_chunk(mb, input); });
-    if (st.is_last()) {
-      result_.outputs[static_cast<std::size_t>(mb)] = output.detach();
-      const at::Tensor loss = timed([&] { return loss_fn_(output, targets_.at(static_cast<std::size_t>(mb))); });
-      if (!loss.defined() || loss.numel() != 1)
-        throw InvalidArgument("accel::pp: loss_fn returned " +
-                              (loss.defined() ? to_string(meta_of(loss)) : std::string("no tensor")) +
-                              " for micro-batch " + std::to_string(mb) + "; a loss is one number");
-      result_.losses[static_cast<std::size_t>(mb)] = loss;
-      return;
-    }
-    check_output_shape(s, mb, output);
-    if (here(s + 1)) handed_inputs_[{s + 1, mb}] = output.detach();
-    else sent_outputs_[{s, mb}] = output.detach();
-  }
-  // Every output of a stage in a step has the shape of its first: the next
-  // stage receives them into buffers of that shape.
-  void check_output_shape(int s, int mb, const at::Tensor& output) {
-    const TensorMeta meta = meta_of(output);
-    const auto [it, first] = output_meta_.try_emplace(s, meta);
-    if (!first && it->second != meta)
-      throw InvalidArgument("accel::pp: stage " + std::to_string(s) + "'s output for micro-batch " +
-                            std::to_string(mb) + " is " + to_string(meta) + ", its first this step " +
-                            to_string(it->second) + ": every micro-batch of a step must give one shape");
-  }
-  void send_activation(int s, int mb) {
-    const int to = plan_.rank_of(s + 1);
-    if (headers_sent_.insert(s).second)
-      box().send(Message::header, header_of(output_meta_.at(s), stage(s).device()), to, s + 1, 0);
-    box().send(Message::activation, take(sent_outputs_, s, mb), to, s + 1, mb);
-  }
-  void receive_activation(int s, int mb) {
-    if (headers_listed_.insert(s).second) box().receive_header(s, plan_.rank_of(s - 1));
-    box().receive_activation(s, mb, plan_.rank_of(s - 1));
-  }
-  void backward(int s, int mb, bool full) {
-    accel::pp::PipelineStage& st = stage(s);
-    const at::Tensor grad_output = st.is_last()  ? at::Tensor()
-                                   : here(s + 1) ? take(handed_grads_, s, mb)
-                                                 : box().take(Message::gradient, s, mb);
-    const at::Tensor loss = st.is_last() ? result_.losses[static_cast<std::size_t>(mb)] : at::Tensor();
-    const at::Tensor input_grad = timed([&] { return st.backward_one_chunk(mb, loss, grad_output, full); });
-    if (st.is_first()) return;
-    (here(s - 1) ? handed_grads_[{s - 1, mb}] : sent_grads_[{s, mb}]) = input_grad;
-  }
-
-  const RankPlan& plan_;
-  std::vector<at::Tensor> inputs_, targets_;
-  const accel::pp::LossFn& loss_fn_;
-  std::optional<Mailbox> mailbox_;  // (none without a group: every stage here)
-  StepResult result_;
-  std::map<int, TensorMeta> output_meta_;  // each stage's outputs' shape this step
-  std::set<int> headers_sent_, headers_listed_;
-  // Activations and gradients between a computation and its send, or handed
-  // to the adjacent stage on this rank; by (stage, micro-batch).
-  std::map<std::pair<int, int>, at::Tensor> sent_outputs_, sent_grads_, handed_inputs_, handed_grads_;
-};
-}  // namespace detail::pp
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/pp/schedules.hpp ==========================================
-// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
-//
-// Each rank of the pipeline group makes the same schedule over its own
-// stages (one for GPipe and 1F1B, several for the others) and calls step()
-// with the whole batch: the first stage's rank passes the inputs, the last
-// stage's the target (and gets the merged output and, through `losses`,
-// each micro-batch's loss); a rank with neither passes nothing. The batch
-// is cut into n_microbatches along dimension 0; every stage runs each
-// micro-batch's forward and backward in the schedule's order, the
-// gradients adding up in the parameters' .grad over the micro-batches and,
-// with scale_grads (torch's default), divided by their number at the end:
-// the gradient of the micro-batches' mean loss, what one process gets for
-// the whole batch with a loss that averages over it.
-//
-// The order is made once, from the arguments alone (core/pipeline_orders.hpp),
-// checked (core/pipeline_rules.hpp) and lowered with its messages
-// (core/pipeline_lowering.hpp); load_csv replaces it with a user's, in
-// torch's compute-only CSV, checked by the same rules; dump_csv writes it.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace pp {
-// What every schedule shares (torch's _PipelineSchedule).
-class PipelineSchedule {
- public:
-  virtual ~PipelineSchedule() = default;
-  PipelineSchedule(const PipelineSchedule&) = delete;
-  PipelineSchedule& operator=(const PipelineSchedule&) = delete;
-
-  // One step: every micro-batch's forward and backward. `inputs` on the
-  // first stage's rank, `target` on the last's; returns the last stage's
-  // outputs merged along dimension 0 there (undefined elsewhere) and fills
-  // `losses` (when given) with each micro-batch's loss, detached.
-  at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& target = {},
-                  std::vector<at::Tensor>* losses = nullptr) {
-    std::vector<at::Tensor> input_mbs, target_mbs;
-    if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
-    if (plan_.stages.contains(plan_.num_stages - 1))
-      target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
-    for (auto& [index, stage] : plan_.stages) stage->reset_peak();
-    detail::pp::StepResult result;
-    try {
-      result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
-    } catch (...) {
-      for (auto& [index, stage] : plan_.stages) stage->clear();
-      throw;
-    }
-    compute_seconds_ = result.compute_seconds;
-    if (scale_grads_)
-      for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
-    if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
-    if (losses) {
-      losses->clear();
-      for (const auto& loss : result.losses) losses->push_back(loss.detach());
-    }
-    return at::cat(result.outputs, 0);
-  }
-
-  int n_microbatches() const { return n_microbatches_; }
-  // The time this rank spent in its stages' forwards, backwards and losses
-  // in the last step; the rest of the step it waited (the bubble) or moved
-  // messages.
-  double compute_seconds() const { return compute_seconds_; }
-  // The compute-only order, a row per rank (torch's pipeline_order).
-  const detail::pp::PipelineOrder& pipeline_order() const { return order_; }
-  // torch's _dump_csv(format="compute_only") and _load_csv: the order as a
-  // CSV row per rank; a loaded one must keep the rules for this schedule's
-  // stages and micro-batches (every rank loads the same file).
-  void dump_csv(const std::string& path) const {
-    std::ofstream out(path, std::ios::binary);
-    detail::pp::write_csv(out, order_);
-    if (!out.flush()) throw RuntimeError("accel::pp::" + name_ + "::dump_csv: cannot write " + path);
-  }
-  void load_csv(const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw InvalidArgument("accel::pp::" + name_ + "::load_csv: cannot read " + path);
-    set_order(detail::pp::read_csv(in), path);
-  }
-
- protected:
-  PipelineSchedule(std::string name, std::vector<PipelineStage*> stages, int n_microbatches, LossFn loss_fn,
-                   bool scale_grads, detail::pp::StageStyle style)
-      : name_(std::move(name)),
-        n_microbatches_(n_microbatches),
-        loss_fn_(std::move(loss_fn)),
-        scale_grads_(scale_grads),
-        style_(style) {
-    const std::string who = "accel::pp::" + name_ + ": ";
-    if (stages.empty()) throw InvalidArgument(who + "no stage");
-    const PipelineStage& first = *stages.front();
-    ranks_ = first.group() ? first.group()->getSize() : 1;
-    plan_.rank = first.group() ? first.group()->getRank() : 0;
-    plan_.num_stages = first.num_stages();
-    stages_per_rank_ = static_cast<int>(stages.size());
-    if (n_microbatches < 1)
-      throw InvalidArgument(who + "n_microbatches " + std::to_string(n_microbatches) + " (at least 1)");
-    for (PipelineStage* s : stages)
-      if (s->num_stages() != plan_.num_stages || s->group() != first.group() || s->device() != first.device())
-        throw InvalidArgument(who + "stages " + std::to_string(first.stage_index()) + " and " +
-                              std::to_string(s->stage_index()) +
-                              " differ in num_stages, group or device; a rank's stages share all three");
-    if (plan_.num_stages != ranks_ * stages_per_rank_)
-      throw InvalidArgument(who + std::to_string(plan_.num_stages) + " stages over a pipeline group of " +
-                            std::to_string(ranks_) + " ranks with " + std::to_string(stages_per_rank_) +
-                            " stage(s) on each: num_stages must be " + std::to_string(ranks_ * stages_per_rank_));
-    for (PipelineStage* s : stages) {
-      const int holder = detail::pp::stage_rank(s->stage_index(), ranks_, style_);
-      if (holder != plan_.rank)
-        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " belongs on rank " +
-                              std::to_string(holder) + " of the pipeline group (" +
-                              (style_ == detail::pp::StageStyle::v ? "a V" : "a loop") + " of " +
-                              std::to_string(plan_.num_stages) + " stages over " + std::to_string(ranks_) +
-                              " ranks), not on rank " + std::to_string(plan_.rank));
-      if (!plan_.stages.emplace(s->stage_index(), s).second)
-        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " given twice");
-    }
-    if (plan_.stages.contains(plan_.num_stages - 1) && !loss_fn_)
-      throw InvalidArgument(who +
-                            "this rank holds the last stage and no loss_fn was given (step() trains: "
-                            "its backward starts from each micro-batch's loss)");
-    plan_.rank_of = [ranks = ranks_, style](int stage) { return detail::pp::stage_rank(stage, ranks, style); };
-  }
-  // The order made, checked and lowered (`source`: where it came from, for errors).
-  void set_order(detail::pp::PipelineOrder order, const std::string& source = {}) {
-    const std::string who = "accel::pp::" + name_ + ": ";
-    if (static_cast<int>(order.size()) != ranks_)
-      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") + "has " +
-                            std::to_string(order.size()) + " rows; the pipeline group has " + std::to_string(ranks_) +
-                            " ranks (a row per rank)");
-    if (auto error = detail::pp::order_error(order, stages_per_rank_, n_microbatches_, style_))
-      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") +
-                            "breaks a rule: " + *error);
-    plan_.actions = detail::pp::add_send_recv(order, stages_per_rank_, style_)[static_cast<std::size_t>(plan_.rank)];
-    order_ = std::move(order);
-  }
-  static std::vector<PipelineStage*> pointers(const std::vector<std::reference_wrapper<PipelineStage>>& stages) {
-    std::vector<PipelineStage*> out;
-    for (auto& s : stages) out.push_back(&s.get());
-    return out;
-  }
-  int ranks() const { return ranks_; }
-  int stages_per_rank() const { return stages_per_rank_; }
-
- private:
-  std::string name_;
-  int n_microbatches_;
-  LossFn loss_fn_;
-  bool scale_grads_;
-  detail::pp::StageStyle style_;
-  int ranks_ = 1, stages_per_rank_ = 1;
-  detail::pp::RankPlan plan_;
-  detail::pp::PipelineOrder order_;
-  double compute_seconds_ = 0;
-};
-
-// One stage per rank (torch's PipelineScheduleSingle family).
-class ScheduleGPipe : public PipelineSchedule {
- public:
-  ScheduleGPipe(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
-      : PipelineSchedule("ScheduleGPipe", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
-                         detail::pp::StageStyle::loop) {
-    set_order(detail::pp::gpipe_order(ranks(), n_microbatches));
-  }
-};
-class Schedule1F1B : public PipelineSchedule {
- public:
-  Schedule1F1B(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
-      : PipelineSchedule("Schedule1F1B", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
-                         detail::pp::StageStyle::loop) {
-    set_order(detail::pp::one_f_one_b_order(ranks(), n_microbatches));
-  }
-};
-
-// Several stages per rank, in a loop (torch's PipelineScheduleMulti family).
-class ScheduleLoopedBFS : public PipelineSchedule {
- public:
-  ScheduleLoopedBFS(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches, LossFn loss_fn = {},
-                    bool scale_grads = true)
-      : PipelineSchedule("ScheduleLoopedBFS", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
-                         detail::pp::StageStyle::loop) {
-    set_order(detail::pp::looped_bfs_order(ranks(), stages_per_rank(), n_microbatches));
-  }
-};
-class ScheduleInterleaved1F1B : public PipelineSchedule {
- public:
-  ScheduleInterleaved1F1B(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
-                          LossFn loss_fn = {}, bool scale_grads = true)
-      : PipelineSchedule("ScheduleInterleaved1F1B", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
-                         detail::pp::StageStyle::loop) {
-    set_order(detail::pp::interleaved_1f1b_order(ranks(), stages_per_rank(), n_microbatches));
-  }
-};
-class ScheduleInterleavedZeroBubble : public PipelineSchedule {
- public:
-  ScheduleInterleavedZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
-                                LossFn loss_fn = {}, bool scale_grads = true)
-      : PipelineSchedule("ScheduleInterleavedZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn),
-                         scale_grads, detail::pp::StageStyle::loop) {
-    set_order(detail::pp::interleaved_zero_bubble_order(ranks(), stages_per_rank(), n_microbatches));
-  }
-};
-// Two stages per rank in a V: rank r holds stages r and 2p - 1 - r.
-class ScheduleZBVZeroBubble : public PipelineSchedule {
- public:
-  ScheduleZBVZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
-                        LossFn loss_fn = {}, bool scale_grads = true)
-      : PipelineSchedule("ScheduleZBVZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
-                         detail::pp::StageStyle::v) {
-    if (stages_per_rank() != 2)
-      throw InvalidArgument("accel::pp::ScheduleZBVZeroBubble: " + std::to_string(stages_per_rank()) +
-                            " stages on this rank; ZBV runs two per rank (stages r and 2p - 1 - r)");
-    set_order(detail::pp::zbv_zero_bubble_order(ranks(), n_microbatches));
-  }
-};
-}  // namespace pp
-
-ACCEL_NAMESPACE_END
-
 // == accel/training/precision/autocast.hpp ====================================
 // accel/training/precision/autocast.hpp: AutocastGuard: LibTorch's autocast on for a scope, in the configured precision.
 //
@@ -14498,6 +13947,8 @@ class DataParallel {
   }
 
   bool distributed() const { return state_->group != nullptr; }
+  // The module this DataParallel keeps in sync.
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   std::size_t bucket_count() const { return state_->buckets.size(); }
   const GroupPtr& group() const { return state_->group; }
   // Called (on the autograd thread, under a lock) as each bucket's
@@ -14538,6 +13989,632 @@ class DataParallel {
   std::vector<NodePtr> accumulators_;
   bool requires_sync_ = true;
 };
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/stage.hpp ==============================================
+// accel/training/pp/stage.hpp: accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'.
+//
+// torch.distributed.pipelining's PipelineStage(submodule, stage_index,
+// num_stages, device, group): a schedule (training/pp/schedules.hpp) runs
+// it, micro-batch by micro-batch, and moves what passes between stages. One
+// tensor passes from a stage to the next (hidden states; the first stage
+// takes the batch's inputs, the last one's output goes to the loss), as in
+// torchtitan's models. A stage keeps, per micro-batch in flight, its input
+// (a leaf that collects the gradient sent back) and its output with the
+// autograd graph, until that micro-batch's backward.
+//
+// The zero-bubble schedules split a backward in two: I computes only the
+// input's gradient (sent back at once, so the stage before can go on) and
+// keeps the graph; W, later, the weights' gradients (torch's
+// stage_backward_input and stage_backward_weight). W runs the graph again
+// from the output with the parameters as its only inputs, so the
+// activations' gradients are computed twice; torch keeps them from I
+// instead. The gradients are the same; the cost is W's.
+//
+// Data parallelism composes as torch's does when the submodule is wrapped in
+// DDP or FSDP: given the stage module's DataParallel (set_data_parallel), the
+// micro-batches' gradients add up locally (no sync) and the last backward of
+// the step that makes weight gradients (B, or W under zero bubble) reduces
+// their sum over the data-parallel group once: all-reduced, or
+// reduce-scattered into the shards (ZeRO-2/3), where scale_grads then divides
+// them. A fully sharded (ZeRO-3) unit is gathered again for each
+// micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
+// a stage holds at rest only its shards, whatever the micro-batches in flight.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+class PipelineStage {
+ public:
+  // The computation: this stage's input to its output.
+  using Forward = std::function<at::Tensor(const at::Tensor&)>;
+
+  // A module with a forward of one tensor (torch::nn::Sequential, a
+  // TORCH_MODULE of one's own).
+  template <class M>
+  PipelineStage(torch::nn::ModuleHolder<M> module, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : PipelineStage(
+            module.ptr(), [m = module.ptr()](const at::Tensor& x) -> at::Tensor { return m->forward(x); }, stage_index,
+            num_stages, device, std::move(group)) {}
+  // Any module, with the call that runs it. `group`: the pipeline group
+  // (null: the DistributedInterface's Dim::PP group; none in one process).
+  PipelineStage(std::shared_ptr<torch::nn::Module> module, Forward forward, int stage_index, int num_stages,
+                c10::Device device = c10::Device(c10::kCPU), GroupPtr group = {})
+      : module_(std::move(module)),
+        forward_(std::move(forward)),
+        stage_index_(stage_index),
+        num_stages_(num_stages),
+        device_(device),
+        group_(std::move(group)) {
+    if (!module_ || !forward_) throw InvalidArgument("accel::pp::PipelineStage: no module or no forward");
+    if (num_stages < 1 || stage_index < 0 || stage_index >= num_stages)
+      throw InvalidArgument("accel::pp::PipelineStage: stage_index " + std::to_string(stage_index) +
+                            " is not one of num_stages " + std::to_string(num_stages) + " (0.." +
+                            std::to_string(num_stages - 1) + ")");
+    // The pipeline group: `group`, else the live interface's Dim::PP group (as
+    // tp's layers take Dim::TP's). torch's default is the world group, which is
+    // the pp group only when pp is the whole world.
+    if (!group_ && DistributedInterface::is_initialized()) group_ = DistributedInterface::instance().get_group(Dim::PP);
+    if (!group_ && is_distributed())
+      throw LogicError(
+          "accel::pp::PipelineStage: no group given and no DistributedInterface to take Dim::PP's "
+          "from; create it first (accel::DistributedInterface::instance({.pp_size = N}), or pass the "
+          "group)");
+  }
+
+  int stage_index() const { return stage_index_; }
+  int num_stages() const { return num_stages_; }
+  bool is_first() const { return stage_index_ == 0; }
+  bool is_last() const { return stage_index_ == num_stages_ - 1; }
+  torch::nn::Module& submodule() const { return *module_; }  // torch's submod
+  c10::Device device() const { return device_; }
+  // The pipeline group (null: one process, every stage here).
+  c10d::ProcessGroup* group() const { return group_.get(); }
+
+  // The stage's data parallelism: `dp` keeps this stage's module in sync over
+  // its data-parallel (or shard) group, and the stage drives its reduction,
+  // once per step (see the top). `dp` must outlive the stage's schedule; with
+  // it sharded, step the optimizer on the shards (dp.shard_optimizer) and
+  // gather them after (dp.gather_shards), as without a pipeline. A step run
+  // with dp.set_requires_gradient_sync(false) reduces nothing (gradient
+  // accumulation over steps).
+  void set_data_parallel(DataParallel& dp) {
+    if (dp.module() != module_)
+      throw InvalidArgument("accel::pp::PipelineStage::set_data_parallel: stage " + std::to_string(stage_index_) +
+                            " was given the DataParallel of another module; give the one made for this stage's "
+                            "submodule");
+    dp_ = &dp;
+  }
+  DataParallel* data_parallel() const { return dp_; }
+
+  // --- a step's bounds (the schedule calls them around its actions) ---
+
+  // A step of `microbatches` begins: gradient sync off until the last
+  // weight backward; the peak of micro-batches held counts anew.
+  void begin_step(int microbatches) {
+    peak_ = chunks_.size();
+    step_microbatches_ = microbatches;
+    weight_passes_ = 0;
+    synced_ = false;
+    if (!dp_) return;
+    wants_sync_ = dp_->requires_gradient_sync();
+    dp_->set_requires_gradient_sync(false);
+  }
+  // The step ended (or failed): the caller's gradient sync setting back.
+  void end_step() {
+    if (dp_) dp_->set_requires_gradient_sync(wants_sync_);
+  }
+
+  // --- what a schedule calls, one micro-batch at a time (torch's
+  // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
+
+  // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
+  // first stage; the activation received, or handed over by the stage before
+  // on this rank); returns the output.
+  at::Tensor forward_one_chunk(int mb, const at::Tensor& input) {
+    Chunk& c = fresh_chunk(mb);
+    peak_ = std::max(peak_, chunks_.size());
+    c.input = input.to(device_);
+    if (!is_first()) {
+      if (!c10::isFloatingType(c.input.scalar_type()))
+        throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + " receives a " +
+                              std::string(c10::toString(c.input.scalar_type())) +
+                              " tensor; what passes between stages must be floating point (its gradient goes back)");
+      c.input = c.input.detach().requires_grad_(true);
+    }
+    c.output = forward_(c.input);
+    if (!c.output.defined())
+      throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
+    return c.output;
+  }
+  // The backward of micro-batch `mb` from `loss` (the last stage) or from the
+  // gradient of the output (`grad_output`, the others). Whole (B: every
+  // gradient, the graph freed) or its first half (I: only the input's, the
+  // graph kept for backward_weight_one_chunk). Returns the input's gradient
+  // to send back (undefined on the first stage).
+  at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
+    Chunk& c = chunk(mb, "backward");
+    c.root = is_last() ? loss : c.output;
+    c.grad_output = is_last() ? at::Tensor() : grad_output;
+    if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
+    const at::Tensor input = c.input;
+    at::Tensor input_grad;
+    if (full) {
+      weight_pass([&] { torch::autograd::backward({c.root}, grads(c)); });
+      if (!is_first()) input_grad = input.grad();
+      chunks_.erase(mb);
+    } else if (!is_first()) {
+      input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
+                                         /*create_graph=*/false, /*allow_unused=*/true)[0];
+      c.input = at::Tensor();
+    }
+    // (an input the output does not depend on: its gradient is zeros, still sent)
+    if (!is_first() && !input_grad.defined()) input_grad = at::zeros_like(input);
+    return input_grad;
+  }
+  // W: the weights' gradients of a micro-batch whose I has run.
+  void backward_weight_one_chunk(int mb) {
+    Chunk& c = chunk(mb, "weight backward");
+    std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
+      if (p.requires_grad()) params.push_back(p);
+    weight_pass([&] {
+      if (!params.empty())
+        torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
+    });
+    chunks_.erase(mb);
+  }
+  // Divides the gradients by `factor` (the schedule's scale_grads: the
+  // micro-batches' mean, not their sum): the parameters', or, after a step
+  // that reduced into shards, the shards' (where the gradients are then).
+  void scale_grads(double factor) {
+    at::NoGradGuard no_grad;
+    const bool in_shards = synced_ && dp_->sharded();
+    for (auto& p : detail::unique_tensors(module_->parameters())) {  // (a tied tensor divided once)
+      at::Tensor shard = in_shards ? dp_->shard_of(p) : at::Tensor();
+      at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) holder.mutable_grad().div_(factor);
+    }
+  }
+  // Drops every micro-batch kept (after a step, or a failed one).
+  void clear() { chunks_.clear(); }
+  // The micro-batches whose activations the stage holds now, and the most it
+  // held at once in the last step (what a schedule costs in memory: GPipe all
+  // m, 1F1B at most the stages from this one to the last).
+  std::size_t microbatches_in_flight() const { return chunks_.size(); }
+  std::size_t peak_microbatches_in_flight() const { return peak_; }
+
+ private:
+  // A backward that adds to the weights' gradients (B, or W): under data
+  // parallelism the step's last one reduces them (if the caller's setting
+  // syncs), the others accumulate locally.
+  template <class Fn>
+  void weight_pass(Fn&& fn) {
+    if (!dp_) return fn();
+    const bool reduce = ++weight_passes_ == step_microbatches_ && wants_sync_;
+    dp_->set_requires_gradient_sync(reduce);
+    if (dp_->sharded()) dp_->check_shards();
+    dp_->prepare_for_backward();  // (nothing while sync is off)
+    fn();
+    dp_->finish();  // (the reduction, or, without sync, only the end of the units' pass)
+    dp_->set_requires_gradient_sync(false);
+    synced_ = synced_ || reduce;
+  }
+
+  struct Chunk {
+    at::Tensor input, output, root, grad_output;
+  };
+  Chunk& fresh_chunk(int mb) {
+    auto [it, added] = chunks_.try_emplace(mb);
+    if (!added)
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s forward twice");
+    return it->second;
+  }
+  Chunk& chunk(int mb, const char* what) {
+    const auto it = chunks_.find(mb);
+    if (it == chunks_.end())
+      throw LogicError("accel::pp: stage " + std::to_string(stage_index_) + " runs micro-batch " + std::to_string(mb) +
+                       "'s " + what + " before its forward");
+    return it->second;
+  }
+  std::vector<at::Tensor> grads(const Chunk& c) const {
+    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Forward forward_;
+  int stage_index_, num_stages_;
+  c10::Device device_;
+  GroupPtr group_;
+  std::map<int, Chunk> chunks_;
+  std::size_t peak_ = 0;
+  DataParallel* dp_ = nullptr;
+  // This step's: its micro-batches, the weight backwards run, whether the
+  // gradients were reduced; the caller's gradient sync setting.
+  int step_microbatches_ = 0, weight_passes_ = 0;
+  bool synced_ = false, wants_sync_ = true;
+};
+}  // namespace pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/runtime.hpp ============================================
+// accel/training/pp/runtime.hpp: one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages.
+//
+// A schedule (training/pp/schedules.hpp) gives each rank its list: the
+// compute-only order lowered with its sends and receives
+// (core/pipeline_lowering.hpp), torch's _PipelineScheduleRuntime's input.
+// Run in order, a receive is posted when listed and waited for by the
+// computation that needs it; a send is issued when listed and waited for at
+// the step's end (torch's runtime waits for its sends later too), so a rank
+// never waits on a send while its peer waits on it. Adjacent stages on this
+// rank (ZBV's V) hand their tensors over directly. The last stage computes
+// each micro-batch's loss right after its forward, keeps it for the
+// backward, and the step returns the losses and the outputs.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+// A schedule's loss: the last stage's output of a micro-batch and that
+// micro-batch's target, to a scalar.
+using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+}  // namespace pp
+
+namespace detail::pp {
+// What a step runs on this rank.
+struct RankPlan {
+  std::map<int, accel::pp::PipelineStage*> stages;  // this rank's, by stage index
+  std::vector<Action> actions;                      // its lowered list
+  std::function<int(int)> rank_of;                  // the rank holding a stage
+  int rank = 0, num_stages = 1;
+};
+struct StepResult {
+  std::vector<at::Tensor> outputs, losses;  // the last stage's, per micro-batch (else empty)
+  double compute_seconds = 0;               // in F, B, I and W (the rest of the step: waiting, messages)
+};
+
+class StepRun {
+ public:
+  StepRun(const RankPlan& plan, std::vector<at::Tensor> inputs, std::vector<at::Tensor> targets,
+          const accel::pp::LossFn& loss_fn, int microbatches)
+      : plan_(plan), inputs_(std::move(inputs)), targets_(std::move(targets)), loss_fn_(loss_fn) {
+    result_.outputs.resize(static_cast<std::size_t>(microbatches));
+    result_.losses.resize(static_cast<std::size_t>(microbatches));
+    auto* any = plan.stages.begin()->second;
+    if (any->group()) mailbox_.emplace(*any->group(), any->device(), plan.num_stages);
+  }
+
+  StepResult run() {
+    for (const Action& a : plan_.actions) {
+      const int s = a.stage_index, mb = a.microbatch_index.value_or(0);
+      switch (a.computation_type) {
+        case ComputationType::FORWARD: forward(s, mb); break;
+        case ComputationType::FULL_BACKWARD: backward(s, mb, true); break;
+        case ComputationType::BACKWARD_INPUT: backward(s, mb, false); break;
+        case ComputationType::BACKWARD_WEIGHT: timed([&] { stage(s).backward_weight_one_chunk(mb); }); break;
+        case ComputationType::SEND_F: send_activation(s, mb); break;
+        case ComputationType::RECV_F: receive_activation(s, mb); break;
+        case ComputationType::SEND_B:
+          box().send(Message::gradient, take(sent_grads_, s, mb), plan_.rank_of(s - 1), s - 1, mb);
+          break;
+        case ComputationType::RECV_B: box().receive_gradient(s, mb, plan_.rank_of(s + 1), output_meta_.at(s)); break;
+        default: throw LogicError("accel::pp: the runtime has no action " + to_string(a));
+      }
+    }
+    if (mailbox_) mailbox_->finish();
+    return std::move(result_);
+  }
+
+ private:
+  // A stage's computation, its time counted (not the waits for its messages, before it).
+  template <class Fn>
+  auto timed(Fn&& fn) -> decltype(fn()) {
+    struct Count {
+      double& total;
+      std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+      ~Count() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
+    } count{result_.compute_seconds};
+    return fn();
+  }
+  accel::pp::PipelineStage& stage(int s) { return *plan_.stages.at(s); }
+  bool here(int s) const { return plan_.stages.contains(s); }
+  Mailbox& box() { return *mailbox_; }
+  static at::Tensor take(std::map<std::pair<int, int>, at::Tensor>& kept, int s, int mb) {
+    auto node = kept.extract({s, mb});
+    if (node.empty())
+      throw LogicError("accel::pp: stage " + std::to_string(s) + " has nothing for micro-batch " + std::to_string(mb));
+    return std::move(node.mapped());
+  }
+
+  void forward(int s, int mb) {
+    accel::pp::PipelineStage& st = stage(s);
+    const at::Tensor input = st.is_first() ? inputs_.at(static_cast<std::size_t>(mb))
+                             : here(s - 1) ? take(handed_inputs_, s, mb)
+                                           : box().take(Message::activation, s, mb);
+    const at::Tensor output = timed([&] { return st.forward_one_chunk(mb, input); });
+    if (st.is_last()) {
+      result_.outputs[static_cast<std::size_t>(mb)] = output.detach();
+      const at::Tensor loss = timed([&] { return loss_fn_(output, targets_.at(static_cast<std::size_t>(mb))); });
+      if (!loss.defined() || loss.numel() != 1)
+        throw InvalidArgument("accel::pp: loss_fn returned " +
+                              (loss.defined() ? to_string(meta_of(loss)) : std::string("no tensor")) +
+                              " for micro-batch " + std::to_string(mb) + "; a loss is one number");
+      result_.losses[static_cast<std::size_t>(mb)] = loss;
+      return;
+    }
+    check_output_shape(s, mb, output);
+    if (here(s + 1)) handed_inputs_[{s + 1, mb}] = output.detach();
+    else sent_outputs_[{s, mb}] = output.detach();
+  }
+  // Every output of a stage in a step has the shape of its first: the next
+  // stage receives them into buffers of that shape.
+  void check_output_shape(int s, int mb, const at::Tensor& output) {
+    const TensorMeta meta = meta_of(output);
+    const auto [it, first] = output_meta_.try_emplace(s, meta);
+    if (!first && it->second != meta)
+      throw InvalidArgument("accel::pp: stage " + std::to_string(s) + "'s output for micro-batch " +
+                            std::to_string(mb) + " is " + to_string(meta) + ", its first this step " +
+                            to_string(it->second) + ": every micro-batch of a step must give one shape");
+  }
+  void send_activation(int s, int mb) {
+    const int to = plan_.rank_of(s + 1);
+    if (headers_sent_.insert(s).second)
+      box().send(Message::header, header_of(output_meta_.at(s), stage(s).device()), to, s + 1, 0);
+    box().send(Message::activation, take(sent_outputs_, s, mb), to, s + 1, mb);
+  }
+  void receive_activation(int s, int mb) {
+    if (headers_listed_.insert(s).second) box().receive_header(s, plan_.rank_of(s - 1));
+    box().receive_activation(s, mb, plan_.rank_of(s - 1));
+  }
+  void backward(int s, int mb, bool full) {
+    accel::pp::PipelineStage& st = stage(s);
+    const at::Tensor grad_output = st.is_last()  ? at::Tensor()
+                                   : here(s + 1) ? take(handed_grads_, s, mb)
+                                                 : box().take(Message::gradient, s, mb);
+    const at::Tensor loss = st.is_last() ? result_.losses[static_cast<std::size_t>(mb)] : at::Tensor();
+    const at::Tensor input_grad = timed([&] { return st.backward_one_chunk(mb, loss, grad_output, full); });
+    if (st.is_first()) return;
+    (here(s - 1) ? handed_grads_[{s - 1, mb}] : sent_grads_[{s, mb}]) = input_grad;
+  }
+
+  const RankPlan& plan_;
+  std::vector<at::Tensor> inputs_, targets_;
+  const accel::pp::LossFn& loss_fn_;
+  std::optional<Mailbox> mailbox_;  // (none without a group: every stage here)
+  StepResult result_;
+  std::map<int, TensorMeta> output_meta_;  // each stage's outputs' shape this step
+  std::set<int> headers_sent_, headers_listed_;
+  // Activations and gradients between a computation and its send, or handed
+  // to the adjacent stage on this rank; by (stage, micro-batch).
+  std::map<std::pair<int, int>, at::Tensor> sent_outputs_, sent_grads_, handed_inputs_, handed_grads_;
+};
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/schedules.hpp ==========================================
+// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
+//
+// Each rank of the pipeline group makes the same schedule over its own
+// stages (one for GPipe and 1F1B, several for the others) and calls step()
+// with the whole batch: the first stage's rank passes the inputs, the last
+// stage's the target (and gets the merged output and, through `losses`,
+// each micro-batch's loss); a rank with neither passes nothing. The batch
+// is cut into n_microbatches along dimension 0; every stage runs each
+// micro-batch's forward and backward in the schedule's order, the
+// gradients adding up in the parameters' .grad over the micro-batches and,
+// with scale_grads (torch's default), divided by their number at the end:
+// the gradient of the micro-batches' mean loss, what one process gets for
+// the whole batch with a loss that averages over it.
+//
+// The order is made once, from the arguments alone (core/pipeline_orders.hpp),
+// checked (core/pipeline_rules.hpp) and lowered with its messages
+// (core/pipeline_lowering.hpp); load_csv replaces it with a user's, in
+// torch's compute-only CSV, checked by the same rules; dump_csv writes it.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace pp {
+// What every schedule shares (torch's _PipelineSchedule).
+class PipelineSchedule {
+ public:
+  virtual ~PipelineSchedule() = default;
+  PipelineSchedule(const PipelineSchedule&) = delete;
+  PipelineSchedule& operator=(const PipelineSchedule&) = delete;
+
+  // One step: every micro-batch's forward and backward. `inputs` on the
+  // first stage's rank, `target` on the last's; returns the last stage's
+  // outputs merged along dimension 0 there (undefined elsewhere) and fills
+  // `losses` (when given) with each micro-batch's loss, detached.
+  at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& target = {},
+                  std::vector<at::Tensor>* losses = nullptr) {
+    std::vector<at::Tensor> input_mbs, target_mbs;
+    if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
+    if (plan_.stages.contains(plan_.num_stages - 1))
+      target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
+    detail::pp::StepResult result;
+    try {
+      result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
+    } catch (...) {
+      for (auto& [index, stage] : plan_.stages) {
+        stage->clear();
+        stage->end_step();
+      }
+      throw;
+    }
+    for (auto& [index, stage] : plan_.stages) stage->end_step();
+    compute_seconds_ = result.compute_seconds;
+    if (scale_grads_)
+      for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
+    if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
+    if (losses) {
+      losses->clear();
+      for (const auto& loss : result.losses) losses->push_back(loss.detach());
+    }
+    return at::cat(result.outputs, 0);
+  }
+
+  int n_microbatches() const { return n_microbatches_; }
+  // The time this rank spent in its stages' forwards, backwards and losses
+  // in the last step; the rest of the step it waited (the bubble) or moved
+  // messages.
+  double compute_seconds() const { return compute_seconds_; }
+  // The compute-only order, a row per rank (torch's pipeline_order).
+  const detail::pp::PipelineOrder& pipeline_order() const { return order_; }
+  // torch's _dump_csv(format="compute_only") and _load_csv: the order as a
+  // CSV row per rank; a loaded one must keep the rules for this schedule's
+  // stages and micro-batches (every rank loads the same file).
+  void dump_csv(const std::string& path) const {
+    std::ofstream out(path, std::ios::binary);
+    detail::pp::write_csv(out, order_);
+    if (!out.flush()) throw RuntimeError("accel::pp::" + name_ + "::dump_csv: cannot write " + path);
+  }
+  void load_csv(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InvalidArgument("accel::pp::" + name_ + "::load_csv: cannot read " + path);
+    set_order(detail::pp::read_csv(in), path);
+  }
+
+ protected:
+  PipelineSchedule(std::string name, std::vector<PipelineStage*> stages, int n_microbatches, LossFn loss_fn,
+                   bool scale_grads, detail::pp::StageStyle style)
+      : name_(std::move(name)),
+        n_microbatches_(n_microbatches),
+        loss_fn_(std::move(loss_fn)),
+        scale_grads_(scale_grads),
+        style_(style) {
+    const std::string who = "accel::pp::" + name_ + ": ";
+    if (stages.empty()) throw InvalidArgument(who + "no stage");
+    const PipelineStage& first = *stages.front();
+    ranks_ = first.group() ? first.group()->getSize() : 1;
+    plan_.rank = first.group() ? first.group()->getRank() : 0;
+    plan_.num_stages = first.num_stages();
+    stages_per_rank_ = static_cast<int>(stages.size());
+    if (n_microbatches < 1)
+      throw InvalidArgument(who + "n_microbatches " + std::to_string(n_microbatches) + " (at least 1)");
+    for (PipelineStage* s : stages)
+      if (s->num_stages() != plan_.num_stages || s->group() != first.group() || s->device() != first.device())
+        throw InvalidArgument(who + "stages " + std::to_string(first.stage_index()) + " and " +
+                              std::to_string(s->stage_index()) +
+                              " differ in num_stages, group or device; a rank's stages share all three");
+    if (plan_.num_stages != ranks_ * stages_per_rank_)
+      throw InvalidArgument(who + std::to_string(plan_.num_stages) + " stages over a pipeline group of " +
+                            std::to_string(ranks_) + " ranks with " + std::to_string(stages_per_rank_) +
+                            " stage(s) on each: num_stages must be " + std::to_string(ranks_ * stages_per_rank_));
+    for (PipelineStage* s : stages) {
+      const int holder = detail::pp::stage_rank(s->stage_index(), ranks_, style_);
+      if (holder != plan_.rank)
+        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " belongs on rank " +
+                              std::to_string(holder) + " of the pipeline group (" +
+                              (style_ == detail::pp::StageStyle::v ? "a V" : "a loop") + " of " +
+                              std::to_string(plan_.num_stages) + " stages over " + std::to_string(ranks_) +
+                              " ranks), not on rank " + std::to_string(plan_.rank));
+      if (!plan_.stages.emplace(s->stage_index(), s).second)
+        throw InvalidArgument(who + "stage " + std::to_string(s->stage_index()) + " given twice");
+    }
+    if (plan_.stages.contains(plan_.num_stages - 1) && !loss_fn_)
+      throw InvalidArgument(who +
+                            "this rank holds the last stage and no loss_fn was given (step() trains: "
+                            "its backward starts from each micro-batch's loss)");
+    plan_.rank_of = [ranks = ranks_, style](int stage) { return detail::pp::stage_rank(stage, ranks, style); };
+  }
+  // The order made, checked and lowered (`source`: where it came from, for errors).
+  void set_order(detail::pp::PipelineOrder order, const std::string& source = {}) {
+    const std::string who = "accel::pp::" + name_ + ": ";
+    if (static_cast<int>(order.size()) != ranks_)
+      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") + "has " +
+                            std::to_string(order.size()) + " rows; the pipeline group has " + std::to_string(ranks_) +
+                            " ranks (a row per rank)");
+    if (auto error = detail::pp::order_error(order, stages_per_rank_, n_microbatches_, style_))
+      throw InvalidArgument(who + "the order " + (source.empty() ? "" : "in " + source + " ") +
+                            "breaks a rule: " + *error);
+    plan_.actions = detail::pp::add_send_recv(order, stages_per_rank_, style_)[static_cast<std::size_t>(plan_.rank)];
+    order_ = std::move(order);
+  }
+  static std::vector<PipelineStage*> pointers(const std::vector<std::reference_wrapper<PipelineStage>>& stages) {
+    std::vector<PipelineStage*> out;
+    for (auto& s : stages) out.push_back(&s.get());
+    return out;
+  }
+  int ranks() const { return ranks_; }
+  int stages_per_rank() const { return stages_per_rank_; }
+
+ private:
+  std::string name_;
+  int n_microbatches_;
+  LossFn loss_fn_;
+  bool scale_grads_;
+  detail::pp::StageStyle style_;
+  int ranks_ = 1, stages_per_rank_ = 1;
+  detail::pp::RankPlan plan_;
+  detail::pp::PipelineOrder order_;
+  double compute_seconds_ = 0;
+};
+
+// One stage per rank (torch's PipelineScheduleSingle family).
+class ScheduleGPipe : public PipelineSchedule {
+ public:
+  ScheduleGPipe(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleGPipe", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::gpipe_order(ranks(), n_microbatches));
+  }
+};
+class Schedule1F1B : public PipelineSchedule {
+ public:
+  Schedule1F1B(PipelineStage& stage, int n_microbatches, LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("Schedule1F1B", {&stage}, n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::one_f_one_b_order(ranks(), n_microbatches));
+  }
+};
+
+// Several stages per rank, in a loop (torch's PipelineScheduleMulti family).
+class ScheduleLoopedBFS : public PipelineSchedule {
+ public:
+  ScheduleLoopedBFS(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches, LossFn loss_fn = {},
+                    bool scale_grads = true)
+      : PipelineSchedule("ScheduleLoopedBFS", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::looped_bfs_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+class ScheduleInterleaved1F1B : public PipelineSchedule {
+ public:
+  ScheduleInterleaved1F1B(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                          LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleInterleaved1F1B", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::loop) {
+    set_order(detail::pp::interleaved_1f1b_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+class ScheduleInterleavedZeroBubble : public PipelineSchedule {
+ public:
+  ScheduleInterleavedZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                                LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleInterleavedZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn),
+                         scale_grads, detail::pp::StageStyle::loop) {
+    set_order(detail::pp::interleaved_zero_bubble_order(ranks(), stages_per_rank(), n_microbatches));
+  }
+};
+// Two stages per rank in a V: rank r holds stages r and 2p - 1 - r.
+class ScheduleZBVZeroBubble : public PipelineSchedule {
+ public:
+  ScheduleZBVZeroBubble(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches,
+                        LossFn loss_fn = {}, bool scale_grads = true)
+      : PipelineSchedule("ScheduleZBVZeroBubble", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::v) {
+    if (stages_per_rank() != 2)
+      throw InvalidArgument("accel::pp::ScheduleZBVZeroBubble: " + std::to_string(stages_per_rank()) +
+                            " stages on this rank; ZBV runs two per rank (stages r and 2p - 1 - r)");
+    set_order(detail::pp::zbv_zero_bubble_order(ranks(), n_microbatches));
+  }
+};
+}  // namespace pp
 
 ACCEL_NAMESPACE_END
 

@@ -45,8 +45,8 @@ at::Tensor mse(const at::Tensor& output, const at::Tensor& target) {
 }
 
 // The schedules by name, over this rank's stages (one, or two: a loop's r and r + p, a V's r and 2p - 1 - r).
-const std::vector<std::string> kSchedules{"gpipe", "1f1b", "looped_bfs", "interleaved_1f1b",
-                                          "interleaved_zero_bubble", "zbv"};
+const std::vector<std::string> kSchedules{"gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble",
+                                          "zbv"};
 int stages_per_rank(const std::string& name) { return name == "gpipe" || name == "1f1b" ? 1 : 2; }
 std::vector<int> stage_indices(const std::string& name, int P, int r) {
   if (stages_per_rank(name) == 1) return {r};
@@ -85,7 +85,8 @@ TEST_SUITE("ranks") {
           stages.emplace_back(mine[static_cast<std::size_t>(k)], k, S, c10::Device(c10::kCPU), group);
         const auto schedule = make_schedule(name, stages, m);
         const std::vector<int> indices = stage_indices(name, P, r);
-        const bool first_here = std::ranges::count(indices, 0) == 1, last_here = std::ranges::count(indices, S - 1) == 1;
+        const bool first_here = std::ranges::count(indices, 0) == 1,
+                   last_here = std::ranges::count(indices, S - 1) == 1;
         for (int step = 0; step < 2; ++step) {
           CAPTURE(step);
           const int64_t batch = m * (step + 1);  // (another batch size each step: shapes told per step)
@@ -106,7 +107,8 @@ TEST_SUITE("ranks") {
             const auto pieces = h.detach().chunk(m, 0), targets = y.chunk(m, 0);
             for (int i = 0; i < m; ++i)
               CHECK(losses[static_cast<std::size_t>(i)].item<double>() ==
-                    doctest::Approx(mse(pieces[static_cast<std::size_t>(i)], targets[static_cast<std::size_t>(i)]).item<double>())
+                    doctest::Approx(
+                        mse(pieces[static_cast<std::size_t>(i)], targets[static_cast<std::size_t>(i)]).item<double>())
                         .epsilon(1e-12));
           } else {
             CHECK_FALSE(out.defined());
@@ -144,8 +146,8 @@ TEST_SUITE("ranks") {
     namespace pp = accel::pp;
     auto modules = stage_modules(2 * P);
     // A stage on another rank's place: stage r + 1 (mod P) here.
-    pp::PipelineStage misplaced(modules[static_cast<std::size_t>((r + 1) % P)], (r + 1) % P, P,
-                                c10::Device(c10::kCPU), group);
+    pp::PipelineStage misplaced(modules[static_cast<std::size_t>((r + 1) % P)], (r + 1) % P, P, c10::Device(c10::kCPU),
+                                group);
     if (P > 1)
       CHECK_THROWS_WITH_AS(pp::ScheduleGPipe(misplaced, 4, mse),
                            doctest::Contains(("stage " + std::to_string((r + 1) % P) + " belongs on rank " +
@@ -153,6 +155,10 @@ TEST_SUITE("ranks") {
                                                  .c_str()),
                            accel::InvalidArgument);
     pp::PipelineStage own(modules[static_cast<std::size_t>(r)], r, P, c10::Device(c10::kCPU), group);
+    accel::DataParallel foreign(modules[static_cast<std::size_t>(2 * P - 1)].ptr(), accel::GroupPtr(),
+                                accel::DataParallel::kFirstBucketBytes);  // (no group: local, no collective)
+    CHECK_THROWS_WITH_AS(own.set_data_parallel(foreign), doctest::Contains("the DataParallel of another module"),
+                         accel::InvalidArgument);
     pp::PipelineStage other(modules[static_cast<std::size_t>(r + P)], r + P, 2 * P, c10::Device(c10::kCPU), group);
     CHECK_THROWS_WITH_AS(pp::ScheduleInterleaved1F1B({own, other}, 4, mse),
                          doctest::Contains("differ in num_stages, group or device"), accel::InvalidArgument);
@@ -194,10 +200,111 @@ TEST_SUITE("ranks") {
                            doctest::Contains("the inputs' batch of 6 rows does not cut into 4 micro-batches"),
                            accel::InvalidArgument);
       pp::PipelineStage whole(stage_modules(1)[0], 0, 1, c10::Device(c10::kCPU), group);
-      pp::ScheduleGPipe unreduced(whole, 2, [](const at::Tensor& out, const at::Tensor& target) { return out - target; });
+      pp::ScheduleGPipe unreduced(whole, 2,
+                                  [](const at::Tensor& out, const at::Tensor& target) { return out - target; });
       CHECK_THROWS_WITH_AS(unreduced.step(torch::randn({4, kIn}, at::kDouble), torch::randn({4, kOut}, at::kDouble)),
                            doctest::Contains("loss_fn returned Double[2, 3] for micro-batch 0; a loss is one number"),
                            accel::InvalidArgument);
+    }
+    release_world();
+  }
+
+  // pp 2 x dp (the rest of the world): each stage's module kept in sync by a DataParallel over the data-parallel
+  // ranks (all-reduced; ZeRO-2; ZeRO-3 with each block a unit), each replica stepping its own part of the batch.
+  // Against one process over the whole batch (losses, and the parameters after an SGD step), and the reduction
+  // issued once per step, whatever the micro-batches.
+  TEST_CASE("pipeline x data parallel: one reduction per step, every schedule, replicated and sharded") {
+    const int W = accel::get_world_size();
+    if (W % 2 != 0) {  // (pp 2 x dp W/2: at 2 and 4 ranks)
+      MESSAGE("pp 2 x dp needs an even world; this one has " << W << " ranks");
+      return;
+    }
+    const int P = 2, D = W / 2, m = 4;
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    const int r = world.get_rank(Dim::PP), d = world.get_rank(Dim::DP);
+    const accel::GroupPtr group = world.get_group(Dim::PP), dp_group = world.get_group(Dim::DP);
+    REQUIRE(dp_group->getSize() == D);
+    for (const std::string mode : {"replicate", "shard_grad_op", "full_shard"}) {
+      for (const std::string& name : kSchedules) {
+        CAPTURE(mode);
+        CAPTURE(name);
+        const int S = P * stages_per_rank(name);
+        const std::vector<int> indices = stage_indices(name, P, r);
+        std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
+        std::vector<std::unique_ptr<accel::DataParallel>> dps;
+        std::vector<accel::pp::PipelineStage> stages;
+        std::vector<at::Tensor> params;
+        for (const int k : indices) {
+          torch::nn::Sequential& seq = mine[static_cast<std::size_t>(k)];
+          std::vector<std::shared_ptr<torch::nn::Module>> units;
+          if (mode == "full_shard")
+            for (const auto& child : seq->children()) units.push_back(child);
+          dps.push_back(std::make_unique<accel::DataParallel>(
+              seq.ptr(), dp_group, accel::DataParallel::kFirstBucketBytes,
+              mode == "replicate" ? accel::GroupPtr() : world.get_group(Dim::MP_SHARD), accel::GroupPtr(), units));
+          stages.emplace_back(
+              seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S,
+              c10::Device(c10::kCPU), group);
+          stages.back().set_data_parallel(*dps.back());
+          for (const auto& p : accel::detail::unique_tensors(seq->parameters())) params.push_back(p);
+        }
+        torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
+        std::size_t issued = 0, buckets = 0;
+        for (const auto& dp : dps) {
+          if (dp->sharded()) dp->shard_optimizer(sgd);
+          dp->on_bucket_issued([&issued](std::size_t) { ++issued; });
+          buckets += dp->bucket_count();
+        }
+        std::vector<at::Tensor> whole_params;
+        for (auto& seq : whole)
+          for (const auto& p : accel::detail::unique_tensors(seq->parameters())) whole_params.push_back(p);
+        torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
+        const auto schedule = make_schedule(name, stages, m);
+        const bool first_here = std::ranges::count(indices, 0) == 1,
+                   last_here = std::ranges::count(indices, S - 1) == 1;
+        for (int step = 0; step < 2; ++step) {
+          CAPTURE(step);
+          const int64_t rows = m * (step + 1);  // (a replica's batch; another size each step)
+          torch::manual_seed(200 + step);
+          const at::Tensor x = torch::randn({D * rows, kIn}, at::kDouble),
+                           y = torch::randn({D * rows, kOut}, at::kDouble);
+          const at::Tensor my_x = x.narrow(0, d * rows, rows), my_y = y.narrow(0, d * rows, rows);
+          sgd.zero_grad();
+          reference.zero_grad();
+          issued = 0;
+          std::vector<at::Tensor> losses;
+          schedule->step(first_here ? my_x : at::Tensor(), last_here ? my_y : at::Tensor(), &losses);
+          CHECK(issued == buckets);  // every bucket once, not once per micro-batch
+          sgd.step();
+          for (const auto& dp : dps)
+            if (dp->sharded()) dp->gather_shards();
+          // One process: the whole batch of every replica through the whole model, the loss averaging over it.
+          at::Tensor h = x;
+          for (auto& seq : whole) h = seq->forward(h);
+          mse(h, y).backward();
+          reference.step();
+          if (last_here) {
+            REQUIRE(losses.size() == static_cast<std::size_t>(m));
+            const auto pieces = h.detach().narrow(0, d * rows, rows).chunk(m, 0), targets = my_y.chunk(m, 0);
+            for (int i = 0; i < m; ++i)
+              CHECK(losses[static_cast<std::size_t>(i)].item<double>() ==
+                    doctest::Approx(
+                        mse(pieces[static_cast<std::size_t>(i)], targets[static_cast<std::size_t>(i)]).item<double>())
+                        .epsilon(1e-12));
+          }
+          for (std::size_t j = 0; j < indices.size(); ++j) {
+            const auto k = static_cast<std::size_t>(indices[j]);
+            CAPTURE(k);
+            const auto full = dps[j]->summon_full_params();
+            const auto got = mine[k]->named_parameters(), expected = whole[k]->named_parameters();
+            REQUIRE(got.size() == expected.size());
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              CAPTURE(got[i].key());
+              CHECK(at::allclose(got[i].value(), expected[i].value(), 1e-10, 1e-12));
+            }
+          }
+        }
+      }
     }
     release_world();
   }
@@ -224,10 +331,16 @@ struct PyStageImpl : torch::nn::Module {
     at::NoGradGuard no_grad;
     for (auto& [name, p] : by_whole_name()) p.copy_(start.at(name));
   }
+  // Each layer through DataParallel::unit_call: a unit under FULL_SHARD (gathered for its forward), else a call.
   at::Tensor forward(at::Tensor x) {
     for (auto& layer : layers) {
-      if (auto* linear = layer->as<torch::nn::LinearImpl>()) x = linear->forward(x);
-      else x = layer->as<ResidualImpl>()->forward(x);
+      x = accel::DataParallel::unit_call(
+          layer.get(),
+          [&layer](const at::Tensor& in) {
+            if (auto* linear = layer->as<torch::nn::LinearImpl>()) return linear->forward(in);
+            return layer->as<ResidualImpl>()->forward(in);
+          },
+          x);
     }
     return x;
   }
@@ -245,39 +358,57 @@ struct PyStageImpl : torch::nn::Module {
 };
 TORCH_MODULE(PyStage);
 
-void train_pp_as_python(const std::string& dir, const std::string& name) {
-  const int P = accel::get_world_size(), r = accel::get_rank();
+// D > 1: pp_ref.py's (pp, dp_shard) mesh; each stage's module a DataParallel over Dim::MP_SHARD, FULL_SHARD with
+// each layer a unit (Python: fully_shard on each layer and the stage), each replica on its D-th of every batch.
+void train_pp_as_python(const std::string& dir, const std::string& name, int D) {
+  accel::DistributedInterface& world = accel::DistributedInterface::instance();
+  const int P = world.get_world_size(Dim::PP), r = world.get_rank(Dim::PP), d = world.get_rank(Dim::MP_SHARD);
+  REQUIRE(world.get_world_size(Dim::MP_SHARD) == D);
   std::map<std::string, at::Tensor> start, batches;
   for (auto& named : accel::detail::read_safetensors(dir + "/init.safetensors")) start.insert(named);
   for (auto& named : accel::detail::read_safetensors(dir + "/batches.safetensors")) batches.insert(named);
   const int S = P * stages_per_rank(name), m = 2 * P;
   const std::vector<int> indices = stage_indices(name, P, r);
-  const accel::GroupPtr group = accel::DistributedInterface::instance().get_group(Dim::PP);
   std::vector<PyStage> modules;
+  std::vector<std::unique_ptr<accel::DataParallel>> dps;
   std::vector<accel::pp::PipelineStage> stages;
   std::vector<at::Tensor> params;
   for (const int k : indices) {
     modules.emplace_back(k, S, start);
-    stages.emplace_back(modules.back(), k, S, c10::Device(c10::kCPU), group);
+    stages.emplace_back(modules.back(), k, S, c10::Device(c10::kCPU), world.get_group(Dim::PP));
     for (const auto& p : modules.back()->parameters()) params.push_back(p);
+    if (D == 1) continue;
+    dps.push_back(std::make_unique<accel::DataParallel>(
+        modules.back().ptr(), world.get_group(Dim::DP), accel::DataParallel::kFirstBucketBytes,
+        world.get_group(Dim::MP_SHARD), accel::GroupPtr(), modules.back()->layers));
+    stages.back().set_data_parallel(*dps.back());
   }
   const auto schedule = make_schedule(name, stages, m);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  for (const auto& dp : dps) dp->shard_optimizer(optimizer);
   const bool first = std::ranges::count(indices, 0) == 1, last = std::ranges::count(indices, S - 1) == 1;
+  const int64_t rows = batches.at("x").size(1) / D;  // (this replica's rows of each batch)
   std::vector<at::Tensor> step_losses;
   for (int64_t step = 0; step < batches.at("x").size(0); ++step) {
     std::vector<at::Tensor> losses;
-    schedule->step(first ? batches.at("x")[step] : at::Tensor(), last ? batches.at("y")[step] : at::Tensor(), &losses);
+    schedule->step(first ? batches.at("x")[step].narrow(0, d * rows, rows) : at::Tensor(),
+                   last ? batches.at("y")[step].narrow(0, d * rows, rows) : at::Tensor(), &losses);
     optimizer.step();
     optimizer.zero_grad();
+    for (const auto& dp : dps) dp->gather_shards();
     if (last) step_losses.push_back(at::stack(losses));
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
-  for (auto& module : modules)
-    for (const auto& [whole_name, p] : module->by_whole_name()) out.emplace_back(whole_name, p.detach().contiguous());
+  for (std::size_t j = 0; j < modules.size(); ++j) {
+    const auto full =
+        j < dps.size() ? dps[j]->summon_full_params() : accel::DataParallel::FullParameters(nullptr, false);
+    for (const auto& [whole_name, p] : modules[j]->by_whole_name())
+      out.emplace_back(whole_name, p.detach().clone().contiguous());
+  }
   if (last) out.emplace_back("losses", at::stack(step_losses).contiguous());
+  const std::string tag = D == 1 ? std::to_string(P) : std::to_string(P) + "x" + std::to_string(D);
   accel::detail::write_safetensors(
-      dir + "/cpp_" + name + "_" + std::to_string(P) + "_" + std::to_string(r) + ".safetensors", out);
+      dir + "/cpp_" + name + "_" + tag + "_" + std::to_string(world.get_rank()) + ".safetensors", out);
 }
 
 // tests/python_ref/run_pp.sh: each schedule of ACCEL_PP_SCHEDULES trained from pp_ref.py's start on its batches.
@@ -285,12 +416,14 @@ TEST_SUITE("python_pp_train" * doctest::skip()) {
   TEST_CASE("train: Python's start and batches with each schedule of ACCEL_PP_SCHEDULES") {
     const char* dir = std::getenv("ACCEL_PP_DIR");
     const char* schedules = std::getenv("ACCEL_PP_SCHEDULES");
+    const char* dp = std::getenv("ACCEL_PP_DP");
     REQUIRE(dir != nullptr);
     REQUIRE(schedules != nullptr);
-    fresh({.pp_size = accel::get_world_size()});
+    const int D = dp ? std::stoi(dp) : 1;
+    fresh({.pp_size = accel::get_world_size() / D});
     std::istringstream names(schedules);
     int named = 0;
-    for (std::string name; names >> name; ++named) train_pp_as_python(dir, name);
+    for (std::string name; names >> name; ++named) train_pp_as_python(dir, name, D);
     REQUIRE(named > 0);
     release_world();
   }

@@ -1,9 +1,13 @@
 """Python's torch.distributed.pipelining as the reference for accel::pp's schedules
 (CTest python_pp_*, tests/python_ref/run_pp.sh).
 
-    python3 pp_ref.py data DIR                      one process: the start and the batches
-    python3 pp_ref.py train DIR SCHEDULE...         every rank (accel_launch P): Python trains each SCHEDULE
-    python3 pp_ref.py compare DIR P SCHEDULE...     one process: Python's, accel.hpp's and one process's
+    python3 pp_ref.py data DIR                        one process: the start and the batches
+    python3 pp_ref.py train DIR DP SCHEDULE...        every rank (accel_launch P*DP): Python trains each SCHEDULE
+    python3 pp_ref.py compare DIR P DP SCHEDULE...    one process: Python's, accel.hpp's and one process's
+
+DP > 1: a (pp, dp_shard) mesh of P x DP ranks, each stage's layers and the stage fully sharded
+(FSDP2's fully_shard) over dp_shard, each data-parallel replica training on its DP-th of every
+batch (accel.hpp: a DataParallel per stage, FULL_SHARD with each layer a unit, over Dim::MP_SHARD).
 
 The model (tests/test_training_pp.cpp's PythonRun, name for name): an input projection
 `inp` (Linear IN -> H), BLOCKS identical residual blocks `blocks.i` (x + tanh(Linear H -> H)),
@@ -34,10 +38,21 @@ from leave import leave_without_teardown
 IN, H, OUT, BLOCKS, BATCH, STEPS = 6, 16, 4, 8, 16, 5
 SINGLE = ("gpipe", "1f1b")
 TOLERANCE = 1e-10
+# Where Python's own result is wrong, checked against one process on every run (the check fails the day it
+# agrees again, so the entry goes): torch 2.15's FSDP2 under the zero-bubble schedules (their backward split into
+# I and W), on CPU/Gloo: the first step's losses agree, the later ones differ by up to 68% (its weight gradients
+# are not those of one process; torch's zero-bubble runs W outside autograd.backward and calls FSDP's hooks itself:
+# pytorch#144530, #144535). accel.hpp is still checked against one process there, not against Python.
+PYTHON_WRONG_WITH_FSDP = ("interleaved_zero_bubble", "zbv")
 
 
-def microbatches(world):
-    return 2 * world
+def microbatches(pp):
+    """Per step and replica (the whole batch: DP times as many pieces)."""
+    return 2 * pp
+
+
+def tag(pp, dp):
+    return f"{pp}" if dp == 1 else f"{pp}x{dp}"
 
 
 def stages_per_rank(schedule):
@@ -109,28 +124,41 @@ def make_data(root):
                "y": torch.randn(STEPS, BATCH, OUT, dtype=torch.float64)}, f"{root}/batches.safetensors")
 
 
-def train(root, schedule_name):
+def train(root, dp, schedule_name):
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as S
     world, rank = dist.get_world_size(), dist.get_rank()
+    pp, group, pp_rank, replica = world // dp, None, rank, 0
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp_shard"))
+        group, pp_rank, replica = mesh["pp"].get_group(), mesh["pp"].get_local_rank(), mesh["dp_shard"].get_local_rank()
     start, batches = load_file(f"{root}/init.safetensors"), load_file(f"{root}/batches.safetensors")
-    total = world * stages_per_rank(schedule_name)
-    indices = stage_indices(schedule_name, world, rank)
+    total = pp * stages_per_rank(schedule_name)
+    indices = stage_indices(schedule_name, pp, pp_rank)
     modules = [Stage(stage_layers(k, total), start) for k in indices]
-    stages = [PipelineStage(m, k, total, torch.device("cpu")) for m, k in zip(modules, indices)]
+    if dp > 1:
+        for m in modules:
+            for layer in m.layers.values():
+                fully_shard(layer, mesh=mesh["dp_shard"])
+            fully_shard(m, mesh=mesh["dp_shard"])
+    stages = [PipelineStage(m, k, total, torch.device("cpu"), group=group) for m, k in zip(modules, indices)]
     classes = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
                "interleaved_1f1b": S.ScheduleInterleaved1F1B,
                "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}
     cls = classes[schedule_name]
     mse = lambda output, target: F.mse_loss(output, target)
-    schedule = cls(stages[0] if schedule_name in SINGLE else stages, microbatches(world), loss_fn=mse)
+    schedule = cls(stages[0] if schedule_name in SINGLE else stages, microbatches(pp), loss_fn=mse)
     optimizer = optimizer_for([p for m in modules for p in m.parameters()])
     first, last = 0 in indices, total - 1 in indices
     step_losses = []
+    rows = BATCH // dp  # (this replica's rows of each batch)
     for step in range(STEPS):
         losses = []
-        args = (batches["x"][step],) if first else ()
-        schedule.step(*args, target=batches["y"][step] if last else None, losses=losses)
+        args = (batches["x"][step][replica * rows:(replica + 1) * rows],) if first else ()
+        target = batches["y"][step][replica * rows:(replica + 1) * rows] if last else None
+        schedule.step(*args, target=target, losses=losses)
         optimizer.step()
         optimizer.zero_grad()
         if last:
@@ -140,10 +168,11 @@ def train(root, schedule_name):
         out.update(m.by_whole_name())
     if last:
         out["losses"] = torch.stack(step_losses).contiguous()
-    save_file(out, f"{root}/py_{schedule_name}_{world}_{rank}.safetensors")
+    out = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in out.items()}  # (FSDP2's DTensors)
+    save_file(out, f"{root}/py_{schedule_name}_{tag(pp, dp)}_{rank}.safetensors")
 
 
-def one_process(root, world):
+def one_process(root, pieces_per_step):
     """The whole model on the whole batches: each step's micro-batch losses, the trained parameters."""
     start, batches = load_file(f"{root}/init.safetensors"), load_file(f"{root}/batches.safetensors")
     model = Stage(stage_layers(0, 1), start)
@@ -152,7 +181,7 @@ def one_process(root, world):
     for step in range(STEPS):
         output = model(batches["x"][step])
         loss = F.mse_loss(output, batches["y"][step])
-        pieces = zip(output.detach().chunk(microbatches(world)), batches["y"][step].chunk(microbatches(world)))
+        pieces = zip(output.detach().chunk(pieces_per_step), batches["y"][step].chunk(pieces_per_step))
         step_losses.append(torch.stack([F.mse_loss(o, t) for o, t in pieces]))
         loss.backward()
         optimizer.step()
@@ -160,23 +189,26 @@ def one_process(root, world):
     return model.by_whole_name(), torch.stack(step_losses)
 
 
-def gathered(root, side, schedule, world):
-    params, losses = {}, None
-    for rank in range(world):
-        for name, t in load_file(f"{root}/{side}_{schedule}_{world}_{rank}.safetensors").items():
+def gathered(root, side, schedule, pp, dp):
+    """Every rank's parameters (a replica's equal the others': the first's are kept) and the last stage's
+    losses, the replicas' side by side in rank order (replica order: the mesh is (pp, dp))."""
+    params, losses = {}, []
+    for rank in range(pp * dp):
+        for name, t in load_file(f"{root}/{side}_{schedule}_{tag(pp, dp)}_{rank}.safetensors").items():
             if name == "losses":
-                losses = t
+                losses.append(t)
             else:
-                params[name] = t
-    return params, losses
+                params.setdefault(name, t)
+    return params, torch.cat(losses, dim=1) if losses else None
 
 
-def compare(root, world, schedules):
-    reference_params, reference_losses = one_process(root, world)
+def compare(root, pp, dp, schedules):
+    reference_params, reference_losses = one_process(root, dp * microbatches(pp))
     failed = 0
 
-    def check(what, pairs):
-        """Every (name, ours, theirs) within TOLERANCE; one line with the largest relative difference."""
+    def check(what, pairs, known_wrong=False):
+        """Every (name, ours, theirs) within TOLERANCE (known_wrong: not so); one line with the largest
+        relative difference."""
         nonlocal failed
         worst, bad = 0.0, []
         for name, a, b in pairs:
@@ -186,25 +218,36 @@ def compare(root, world, schedules):
             worst = max(worst, ((a - b).abs() / (b.abs() + TOLERANCE)).max().item())
             if not torch.allclose(a, b, rtol=TOLERANCE, atol=TOLERANCE):
                 bad.append(name)
+        if known_wrong:
+            failed += not bad
+            print(f"{'ok  ' if bad else 'FAIL'} {what}: known to differ (PYTHON_WRONG_WITH_FSDP), largest relative "
+                  f"difference {worst:.2e}" + ("" if bad else "; it agrees now: take it off the list"))
+            return
         failed += bool(bad)
         print(f"{'FAIL' if bad else 'ok  '} {what}: largest relative difference {worst:.2e}"
               + (f"; beyond {TOLERANCE}: {', '.join(bad)}" if bad else ""))
 
     for schedule in schedules:
-        py = gathered(root, "py", schedule, world)
-        cpp = gathered(root, "cpp", schedule, world)
+        py = gathered(root, "py", schedule, pp, dp)
+        cpp = gathered(root, "cpp", schedule, pp, dp)
+        at = f"pp {pp} x dp_shard {dp}" if dp > 1 else f"{pp}"
+        python_wrong = dp > 1 and schedule in PYTHON_WRONG_WITH_FSDP
         for side, (params, losses) in (("Python", py), ("accel.hpp", cpp)):
             if sorted(params) != sorted(reference_params):
                 failed += 1
                 print(f"FAIL {schedule}: {side}'s parameters are {sorted(params)}")
                 continue
-            check(f"{schedule} at {world}, {side} against one process: every micro-batch's loss",
-                  [("losses", losses, reference_losses)])
-            check(f"{schedule} at {world}, {side} against one process: every parameter after {STEPS} steps",
-                  [(n, params[n], reference_params[n]) for n in reference_params])
-        check(f"{schedule} at {world}, accel.hpp against Python: losses and parameters",
+            known_wrong = python_wrong and side == "Python"
+            check(f"{schedule} at {at}, {side} against one process: every micro-batch's loss",
+                  [("losses", losses, reference_losses)], known_wrong)
+            check(f"{schedule} at {at}, {side} against one process: every parameter after {STEPS} steps",
+                  [(n, params[n], reference_params[n]) for n in reference_params], known_wrong)
+        if python_wrong:
+            continue
+        check(f"{schedule} at {at}, accel.hpp against Python: losses and parameters",
               [("losses", cpp[1], py[1])] + [(n, cpp[0].get(n), py[0].get(n)) for n in reference_params])
-    print(f"pp_ref: {len(schedules)} schedules at {world} processes against torch {torch.__version__}, {failed} failed")
+    print(f"pp_ref: {len(schedules)} schedules at {tag(pp, dp)} processes against torch {torch.__version__}, "
+          f"{failed} failed")
     return 1 if failed else 0
 
 
@@ -215,11 +258,11 @@ def main():
     elif command == "train":
         dist.init_process_group("gloo")
         torch.set_num_threads(1)
-        for schedule in sys.argv[3:]:
-            train(root, schedule)
+        for schedule in sys.argv[4:]:
+            train(root, int(sys.argv[3]), schedule)
         leave_without_teardown()
     elif command == "compare":
-        sys.exit(compare(root, int(sys.argv[3]), sys.argv[4:]))
+        sys.exit(compare(root, int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]))
     else:
         sys.exit(__doc__)
 

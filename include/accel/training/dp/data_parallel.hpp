@@ -315,6 +315,8 @@ class DataParallel {
   }
 
   bool distributed() const { return state_->group != nullptr; }
+  // The module this DataParallel keeps in sync.
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   std::size_t bucket_count() const { return state_->buckets.size(); }
   const GroupPtr& group() const { return state_->group; }
   // Called (on the autograd thread, under a lock) as each bucket's

@@ -41,14 +41,18 @@ class PipelineSchedule {
     if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
     if (plan_.stages.contains(plan_.num_stages - 1))
       target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
-    for (auto& [index, stage] : plan_.stages) stage->reset_peak();
+    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
     detail::pp::StepResult result;
     try {
       result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
     } catch (...) {
-      for (auto& [index, stage] : plan_.stages) stage->clear();
+      for (auto& [index, stage] : plan_.stages) {
+        stage->clear();
+        stage->end_step();
+      }
       throw;
     }
+    for (auto& [index, stage] : plan_.stages) stage->end_step();
     compute_seconds_ = result.compute_seconds;
     if (scale_grads_)
       for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);

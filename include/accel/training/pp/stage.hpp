@@ -16,10 +16,21 @@
 // from the output with the parameters as its only inputs, so the
 // activations' gradients are computed twice; torch keeps them from I
 // instead. The gradients are the same; the cost is W's.
+//
+// Data parallelism composes as torch's does when the submodule is wrapped in
+// DDP or FSDP: given the stage module's DataParallel (set_data_parallel), the
+// micro-batches' gradients add up locally (no sync) and the last backward of
+// the step that makes weight gradients (B, or W under zero bubble) reduces
+// their sum over the data-parallel group once: all-reduced, or
+// reduce-scattered into the shards (ZeRO-2/3), where scale_grads then divides
+// them. A fully sharded (ZeRO-3) unit is gathered again for each
+// micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
+// a stage holds at rest only its shards, whatever the micro-batches in flight.
 #pragma once
 
 #include "accel/training/pp/messages.hpp"
 #include "accel/distributed/interface.hpp"
+#include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/parameters.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -73,6 +84,40 @@ class PipelineStage {
   // The pipeline group (null: one process, every stage here).
   c10d::ProcessGroup* group() const { return group_.get(); }
 
+  // The stage's data parallelism: `dp` keeps this stage's module in sync over
+  // its data-parallel (or shard) group, and the stage drives its reduction,
+  // once per step (see the top). `dp` must outlive the stage's schedule; with
+  // it sharded, step the optimizer on the shards (dp.shard_optimizer) and
+  // gather them after (dp.gather_shards), as without a pipeline. A step run
+  // with dp.set_requires_gradient_sync(false) reduces nothing (gradient
+  // accumulation over steps).
+  void set_data_parallel(DataParallel& dp) {
+    if (dp.module() != module_)
+      throw InvalidArgument("accel::pp::PipelineStage::set_data_parallel: stage " + std::to_string(stage_index_) +
+                            " was given the DataParallel of another module; give the one made for this stage's "
+                            "submodule");
+    dp_ = &dp;
+  }
+  DataParallel* data_parallel() const { return dp_; }
+
+  // --- a step's bounds (the schedule calls them around its actions) ---
+
+  // A step of `microbatches` begins: gradient sync off until the last
+  // weight backward; the peak of micro-batches held counts anew.
+  void begin_step(int microbatches) {
+    peak_ = chunks_.size();
+    step_microbatches_ = microbatches;
+    weight_passes_ = 0;
+    synced_ = false;
+    if (!dp_) return;
+    wants_sync_ = dp_->requires_gradient_sync();
+    dp_->set_requires_gradient_sync(false);
+  }
+  // The step ended (or failed): the caller's gradient sync setting back.
+  void end_step() {
+    if (dp_) dp_->set_requires_gradient_sync(wants_sync_);
+  }
+
   // --- what a schedule calls, one micro-batch at a time (torch's
   // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
 
@@ -108,7 +153,7 @@ class PipelineStage {
     const at::Tensor input = c.input;
     at::Tensor input_grad;
     if (full) {
-      torch::autograd::backward({c.root}, grads(c));
+      weight_pass([&] { torch::autograd::backward({c.root}, grads(c)); });
       if (!is_first()) input_grad = input.grad();
       chunks_.erase(mb);
     } else if (!is_first()) {
@@ -126,16 +171,23 @@ class PipelineStage {
     std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
     for (const auto& p : detail::unique_tensors(module_->parameters()))
       if (p.requires_grad()) params.push_back(p);
-    if (!params.empty())
-      torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
+    weight_pass([&] {
+      if (!params.empty())
+        torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
+    });
     chunks_.erase(mb);
   }
   // Divides the gradients by `factor` (the schedule's scale_grads: the
-  // micro-batches' mean, not their sum).
+  // micro-batches' mean, not their sum): the parameters', or, after a step
+  // that reduced into shards, the shards' (where the gradients are then).
   void scale_grads(double factor) {
     at::NoGradGuard no_grad;
-    for (auto& p : detail::unique_tensors(module_->parameters()))  // (a tied tensor divided once)
-      if (p.grad().defined()) p.mutable_grad().div_(factor);
+    const bool in_shards = synced_ && dp_->sharded();
+    for (auto& p : detail::unique_tensors(module_->parameters())) {  // (a tied tensor divided once)
+      at::Tensor shard = in_shards ? dp_->shard_of(p) : at::Tensor();
+      at::Tensor& holder = shard.defined() ? shard : p;
+      if (holder.grad().defined()) holder.mutable_grad().div_(factor);
+    }
   }
   // Drops every micro-batch kept (after a step, or a failed one).
   void clear() { chunks_.clear(); }
@@ -144,9 +196,24 @@ class PipelineStage {
   // m, 1F1B at most the stages from this one to the last).
   std::size_t microbatches_in_flight() const { return chunks_.size(); }
   std::size_t peak_microbatches_in_flight() const { return peak_; }
-  void reset_peak() { peak_ = chunks_.size(); }
 
  private:
+  // A backward that adds to the weights' gradients (B, or W): under data
+  // parallelism the step's last one reduces them (if the caller's setting
+  // syncs), the others accumulate locally.
+  template <class Fn>
+  void weight_pass(Fn&& fn) {
+    if (!dp_) return fn();
+    const bool reduce = ++weight_passes_ == step_microbatches_ && wants_sync_;
+    dp_->set_requires_gradient_sync(reduce);
+    if (dp_->sharded()) dp_->check_shards();
+    dp_->prepare_for_backward();  // (nothing while sync is off)
+    fn();
+    dp_->finish();  // (the reduction, or, without sync, only the end of the units' pass)
+    dp_->set_requires_gradient_sync(false);
+    synced_ = synced_ || reduce;
+  }
+
   struct Chunk {
     at::Tensor input, output, root, grad_output;
   };
@@ -175,6 +242,11 @@ class PipelineStage {
   GroupPtr group_;
   std::map<int, Chunk> chunks_;
   std::size_t peak_ = 0;
+  DataParallel* dp_ = nullptr;
+  // This step's: its micro-batches, the weight backwards run, whether the
+  // gradients were reduced; the caller's gradient sync setting.
+  int step_microbatches_ = 0, weight_passes_ = 0;
+  bool synced_ = false, wants_sync_ = true;
 };
 }  // namespace pp
 
