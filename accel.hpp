@@ -2335,9 +2335,40 @@ c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, 
     throw failure(op, group, e);
   }
 }
+// A Gloo group's timeout (its options'), for waits that must end by it:
+// c10d waits for a Gloo point-to-point message without one unless given
+// one, so a receive from a live peer that never sends would wait forever.
+// None for another backend (NCCL's watchdog bounds its waits).
+inline std::optional<std::chrono::milliseconds> gloo_timeout([[maybe_unused]] c10d::ProcessGroup& group) {
+#if ACCEL_HAS_GLOO
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+  if (group.getBackendName() != "gloo") return std::nullopt;
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.getBackend(c10::DeviceType::CPU).get());
+#else
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&group);
+#endif
+  if (gloo) return std::chrono::duration_cast<std::chrono::milliseconds>(gloo->getOptions()->timeout);
+#endif
+  return std::nullopt;
+}
+
+// Whether `op` is made of point-to-point messages: send, recv, and what
+// accel builds from them (named "... (point to point)": the direct
+// collectives of pieces.hpp, the pipeline's messages).
+inline bool point_to_point(std::string_view op) {
+  return op == "send" || op == "recv" || op.find("(point to point)") != std::string_view::npos;
+}
+// A wait for `work`, bounded where c10d would not bound it (a Gloo
+// point-to-point message: by the group's timeout); c10d's result (false:
+// the work was aborted).
+inline bool wait_bounded(const char* op, c10d::ProcessGroup& group, c10d::Work& work) {
+  const std::optional<std::chrono::milliseconds> timeout =
+      point_to_point(op) ? gloo_timeout(group) : std::optional<std::chrono::milliseconds>();
+  return timeout ? work.wait(*timeout) : work.wait();
+}
 inline void await(const char* op, c10d::ProcessGroup& group, c10d::Work& work) {
   try {
-    work.wait();
+    wait_bounded(op, group, work);
   } catch (const std::exception& e) {
     throw failure(op, group, e);
   }
@@ -2855,7 +2886,7 @@ class Outstanding {
   ~Outstanding() {
     for (; next_ < works_.size(); ++next_) {
       try {
-        works_[next_]->wait();
+        wait_bounded(op_, *group_, *works_[next_]);
       } catch (const std::exception&) {  // (the exchange has reported its failure, or is being dropped)
       }
     }
@@ -3214,10 +3245,7 @@ class WorkCore {
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
     // someone asks without waiting.
-    const std::string_view name = op;
-    watched_ = work_ && group_->getBackendName() == "gloo" &&
-               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter ||
-                name == kDirectAllReduce);
+    watched_ = work_ && group_->getBackendName() == "gloo" && point_to_point(op);
   }
   WorkCore(const WorkCore&) = delete;
   WorkCore& operator=(const WorkCore&) = delete;
@@ -3268,11 +3296,14 @@ class WorkCore {
 
  private:
   void watch() {
-    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, work_);
+    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, op_, group_, work_);
   }
   // A function, not a lambda, for the reason make_group_of (rendezvous.hpp)
   // gives: the thread's body is reached from every virtual call in a file.
-  static void wait_on(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
+  // (bounded by the group's timeout: a live peer that never sends ends it too)
+  static void wait_on(const char* op, GroupPtr group, c10::intrusive_ptr<c10d::Work> work) {
+    wait_bounded(op, *group, *work);
+  }
 
   GroupPtr group_;
   const char* op_;
@@ -4478,23 +4509,6 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
   (void)host;
   return std::nullopt;
 #endif
-}
-
-// A Gloo group's timeout (its options'), for waits that must end by it:
-// c10d waits for a Gloo point-to-point message without one unless given
-// one, so a receive from a live peer that never sends would wait forever.
-// None for another backend (NCCL's watchdog bounds its waits).
-inline std::optional<std::chrono::milliseconds> gloo_timeout([[maybe_unused]] c10d::ProcessGroup& group) {
-#if ACCEL_HAS_GLOO
-#if ACCEL_TORCH_AT_LEAST(2, 0)
-  if (group.getBackendName() != "gloo") return std::nullopt;
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.getBackend(c10::DeviceType::CPU).get());
-#else
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&group);
-#endif
-  if (gloo) return std::chrono::duration_cast<std::chrono::milliseconds>(gloo->getOptions()->timeout);
-#endif
-  return std::nullopt;
 }
 
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -8820,7 +8834,7 @@ inline void abandon(c10::intrusive_ptr<c10d::Work> work) {
 class Mailbox {
  public:
   Mailbox(c10d::ProcessGroup& group, c10::Device device, int num_stages)
-      : group_(group), device_(device), num_stages_(num_stages), timeout_(gloo_timeout(group)) {}
+      : group_(group), device_(device), num_stages_(num_stages) {}
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
   // A failed step leaves messages in flight: a receive its peer will never
@@ -8925,7 +8939,7 @@ class Mailbox {
   void wait(const char* op, c10d::Work& work) {
     bool done = false;
     try {
-      done = timeout_ ? work.wait(*timeout_) : work.wait();
+      done = wait_bounded(op, group_, work);
     } catch (const std::exception& e) {
       throw failure(op, group_, e);
     }
@@ -8935,7 +8949,6 @@ class Mailbox {
   c10d::ProcessGroup& group_;
   c10::Device device_;
   int num_stages_;
-  std::optional<std::chrono::milliseconds> timeout_;
   std::vector<Entry> sends_;
   std::vector<Entry> receives_;  // every receive of the step, in schedule order
   std::size_t next_ = 0;         // the first not posted yet

@@ -1582,15 +1582,17 @@ TEST_SUITE("mesh4") {
       CHECK(d.data_mesh()->shape() == data);
       CHECK(d.data_mesh()->dim_names() == data_names);
       // Every dimension's group against arange(4).reshape(shape), by brute force.
-      const std::pair<Dim, std::pair<const std::vector<int>*, int>> dims[] = {
-          {Dim::PP, {&model, 0}}, {Dim::MP_REPLICATE, {&model, 1}}, {Dim::MP_SHARD, {&model, 2}},
-          {Dim::DP, {&data, 1}},  {Dim::CP, {&data, 2}}};
+      const std::pair<Dim, std::pair<const std::vector<int>*, int>> dims[] = {{Dim::PP, {&model, 0}},
+                                                                              {Dim::MP_REPLICATE, {&model, 1}},
+                                                                              {Dim::MP_SHARD, {&model, 2}},
+                                                                              {Dim::DP, {&data, 1}},
+                                                                              {Dim::CP, {&data, 2}}};
       for (const auto& entry : dims) {
         CAPTURE(accel::to_string(entry.first));
         const auto members = brute_force_group(*entry.second.first, rank, {entry.second.second});
         CHECK(d.get_device_mesh(entry.first)->ranks() == members);
-        CHECK(d.get_rank(entry.first) == static_cast<int>(std::find(members.begin(), members.end(), rank) -
-                                                          members.begin()));
+        CHECK(d.get_rank(entry.first) ==
+              static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin()));
         CHECK(accel::all_gather(rank, d.get_group(entry.first)) == members);
       }
       CHECK(d.get_rank(Dim::PP) == rank / (4 / c.pp));  // the outermost: stages of adjacent blocks of ranks
@@ -1650,6 +1652,23 @@ TEST_SUITE("exit") {
 // == peer_gone: a rank that disappears ========================================
 
 TEST_SUITE("peer_gone") {
+  // c10d waits for a Gloo point-to-point message for ever unless given a timeout: each rank of a pair receives
+  // from the other, neither sends, both live on. (First: the next case's rank leaves the world.)
+  TEST_CASE("a receive from a live peer that never sends throws by the group's timeout, naming it and the group") {
+    release_world();
+    auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(2)});
+    const int P = d.get_world_size(), r = d.get_rank();
+    if (P % 2 == 0 || r + 1 < P) {  // (an odd world's last rank has no partner)
+      const auto start = std::chrono::steady_clock::now();
+      CHECK_THROWS_WITH_AS(accel::recv(at::zeros({4}), r ^ 1), doctest::Contains("accel::recv failed on group 'world'"),
+                           accel::DistributedError);
+      const double waited = seconds_since(start);
+      MESSAGE("recv threw after " << waited << " s");
+      CHECK(waited < 30);  // the 2 s timeout and the roll call, not for ever (the launcher's 60 s)
+    }
+    release_world();
+  }
+
   TEST_CASE("a rank that leaves makes the others' collective throw, naming it and the group") {
     auto& d = accel::DistributedInterface::instance(accel::DistributedConfig{.timeout = std::chrono::seconds(10)});
     d.barrier();
@@ -1783,8 +1802,8 @@ TEST_SUITE("torchrun") {
             auto& d = fresh({.mp_replicate_size = mp_replicate, .cp_size = cp, .tp_size = tp, .pp_size = pp});
             for (Dim dim : {Dim::PP, Dim::MP_REPLICATE, Dim::MP_SHARD, Dim::TP, Dim::DP, Dim::CP}) {
               const auto& members = d.get_device_mesh(dim)->ranks();
-              ours << "pp " << pp << ' ' << mp_replicate << ' ' << rest / mp_replicate << ' ' << rest / cp << ' '
-                   << cp << ' ' << tp << ' ' << dim << ':';
+              ours << "pp " << pp << ' ' << mp_replicate << ' ' << rest / mp_replicate << ' ' << rest / cp << ' ' << cp
+                   << ' ' << tp << ' ' << dim << ':';
               for (int m : members) ours << ' ' << m;
               ours << '\n';
               CHECK(accel::all_gather(rank, d.get_group(dim)) == members);
@@ -1879,15 +1898,16 @@ TEST_SUITE("single") {
   // schedules; for GPipe and 1F1B its pipeline_order's forwards and backwards, the last rank's forwards
   // numbered as its step runs them). tests/python_ref/pp_orders.py checks 384 cases live on the pip leg.
   TEST_CASE("pipeline orders: torch's for the same arguments; every one keeps the rules; torch's refusals") {
-    CHECK(csv_of(pp::interleaved_1f1b_order(4, 2, 8)) ==
-          "0F0,0F1,0F2,0F3,4F0,4F1,4F2,4F3,0F4,0F5,,,,,0F6,4B0,0F7,4B1,4F4,4B2,4F5,4B3,4F6,0B0,4F7,0B1,,0B2,,0B3,,4B4,,"
-          "4B5,,4B6,,4B7,,0B4,,0B5,,0B6,,0B7\r\n"
-          ",1F0,1F1,1F2,1F3,5F0,5F1,5F2,5F3,,,,1F4,5B0,1F5,5B1,1F6,5B2,1F7,5B3,5F4,1B0,5F5,1B1,5F6,1B2,5F7,1B3,,5B4,,"
-          "5B5,,5B6,,5B7,,1B4,,1B5,,1B6,,1B7\r\n"
-          ",,2F0,2F1,2F2,2F3,6F0,6F1,,,6F2,6B0,6F3,6B1,2F4,6B2,2F5,6B3,2F6,2B0,2F7,2B1,6F4,2B2,6F5,2B3,6F6,6B4,6F7,6B5,,"
-          "6B6,,6B7,,2B4,,2B5,,2B6,,2B7\r\n"
-          ",,,3F0,3F1,3F2,3F3,,7F0,7B0,7F1,7B1,7F2,7B2,7F3,7B3,3F4,3B0,3F5,3B1,3F6,3B2,3F7,3B3,7F4,7B4,7F5,7B5,7F6,7B6,"
-          "7F7,7B7,,3B4,,3B5,,3B6,,3B7\r\n");
+    CHECK(
+        csv_of(pp::interleaved_1f1b_order(4, 2, 8)) ==
+        "0F0,0F1,0F2,0F3,4F0,4F1,4F2,4F3,0F4,0F5,,,,,0F6,4B0,0F7,4B1,4F4,4B2,4F5,4B3,4F6,0B0,4F7,0B1,,0B2,,0B3,,4B4,,"
+        "4B5,,4B6,,4B7,,0B4,,0B5,,0B6,,0B7\r\n"
+        ",1F0,1F1,1F2,1F3,5F0,5F1,5F2,5F3,,,,1F4,5B0,1F5,5B1,1F6,5B2,1F7,5B3,5F4,1B0,5F5,1B1,5F6,1B2,5F7,1B3,,5B4,,"
+        "5B5,,5B6,,5B7,,1B4,,1B5,,1B6,,1B7\r\n"
+        ",,2F0,2F1,2F2,2F3,6F0,6F1,,,6F2,6B0,6F3,6B1,2F4,6B2,2F5,6B3,2F6,2B0,2F7,2B1,6F4,2B2,6F5,2B3,6F6,6B4,6F7,6B5,,"
+        "6B6,,6B7,,2B4,,2B5,,2B6,,2B7\r\n"
+        ",,,3F0,3F1,3F2,3F3,,7F0,7B0,7F1,7B1,7F2,7B2,7F3,7B3,3F4,3B0,3F5,3B1,3F6,3B2,3F7,3B3,7F4,7B4,7F5,7B5,7F6,7B6,"
+        "7F7,7B7,,3B4,,3B5,,3B6,,3B7\r\n");
     CHECK(csv_of(pp::looped_bfs_order(2, 2, 4)) ==
           "0F0,0F1,0F2,0F3,2F0,2F1,2F2,2F3,,,2B3,2B2,2B1,2B0,0B3,0B2,0B1,0B0\r\n"
           ",1F0,1F1,1F2,1F3,3F0,3F1,3F2,3F3,3B3,3B2,3B1,3B0,1B3,1B2,1B1,1B0\r\n");
@@ -1905,7 +1925,8 @@ TEST_SUITE("single") {
           "0F0,0F1,0F2,3F0,3I0,3W0,3F1,3I1,3W1,0F3,0I0,0W0,3F2,3I2,3W2,0I1,0W1,3F3,3I3,3W3,0I2,0W2,0I3,0W3\r\n"
           ",1F0,2F0,1F1,2F1,2I0,2W0,1F2,1I0,1W0,2F2,2I1,2W1,1F3,1I1,1W1,2F3,2I2,2W2,1I2,2I3,1I3,1W2,2W3,1W3\r\n");
     // 1F1B at its earliest steps: a backward as soon as the stage after has run it.
-    CHECK(csv_of(pp::one_f_one_b_order(2, 4)) == "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n");
+    CHECK(csv_of(pp::one_f_one_b_order(2, 4)) ==
+          "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n");
     for (int ranks = 1; ranks <= 4; ++ranks)
       for (int local = 1; local <= 3; ++local)
         for (int m = ranks; m <= 16; ++m) {
@@ -1936,7 +1957,8 @@ TEST_SUITE("single") {
       return doctest::String(pp::order_error(pp::read_csv(in), local, m).value_or("").c_str());
     };
     CHECK(error_of("0F0,0B0\n1F0,1B0\n", 1, 1) == "");
-    CHECK(error_of("0F0,0B0\n0F0,1B0\n", 1, 1) == doctest::Contains("rank 1, step 0: 0F0: stage 0 is not one of this rank's"));
+    CHECK(error_of("0F0,0B0\n0F0,1B0\n", 1, 1) ==
+          doctest::Contains("rank 1, step 0: 0F0: stage 0 is not one of this rank's"));
     CHECK(error_of("0F0,0B0\n1F0,1B0,1F0\n", 1, 1) == doctest::Contains("runs twice"));
     CHECK(error_of("0F0,0B0\n1F0,1B1\n", 1, 1) == doctest::Contains("no micro-batch of the 1"));
     CHECK(error_of("0F0,0B0\n1F0\n", 1, 1) == doctest::Contains("stage 1, micro-batch 0: no backward"));
@@ -1947,7 +1969,8 @@ TEST_SUITE("single") {
     // Each rank's list in a valid order, but run together every rank waits: stage 1 runs its forwards in the
     // order 1, 0 while stage 0 sends 0 first and then waits for 0's backward.
     CHECK(error_of("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", 1, 2) ==
-          doctest::Contains("cannot go on (2 micro-batches): every rank waits for another: rank 0 at 0B0, rank 1 at 1F1"));
+          doctest::Contains(
+              "cannot go on (2 micro-batches): every rank waits for another: rank 0 at 0B0, rank 1 at 1F1"));
     CHECK(error_of("0F0,0I0,0W0\n1F0,1I0,1W0\n", 1, 1) == "");  // zero bubble's split backward
   }
 }
@@ -2000,14 +2023,14 @@ TEST_SUITE("python_pp" * doctest::skip()) {
       const std::filesystem::path ours = entry.path().parent_path() / ("ours_" + c);
       const pp::StageStyle style = name == "zbv" ? pp::StageStyle::v : pp::StageStyle::loop;
       try {
-        const pp::PipelineOrder order =
-            name == "gpipe"                     ? pp::gpipe_order(ranks, m)
-            : name == "1f1b"                    ? pp::one_f_one_b_order(ranks, m)
-            : name == "looped_bfs"              ? pp::looped_bfs_order(ranks, local, m)
-            : name == "interleaved_1f1b"        ? pp::interleaved_1f1b_order(ranks, local, m)
-            : name == "interleaved_zero_bubble" ? pp::interleaved_zero_bubble_order(ranks, local, m)
-            : name == "zbv"                     ? pp::zbv_zero_bubble_order(ranks, m)
-                                                : throw std::logic_error("no schedule " + name);
+        const pp::PipelineOrder order = name == "gpipe"              ? pp::gpipe_order(ranks, m)
+                                        : name == "1f1b"             ? pp::one_f_one_b_order(ranks, m)
+                                        : name == "looped_bfs"       ? pp::looped_bfs_order(ranks, local, m)
+                                        : name == "interleaved_1f1b" ? pp::interleaved_1f1b_order(ranks, local, m)
+                                        : name == "interleaved_zero_bubble"
+                                            ? pp::interleaved_zero_bubble_order(ranks, local, m)
+                                        : name == "zbv" ? pp::zbv_zero_bubble_order(ranks, m)
+                                                        : throw std::logic_error("no schedule " + name);
         CHECK(pp::order_error(order, local, m, style) == std::nullopt);
         std::ofstream(ours.string() + ".csv", std::ios::binary) << csv_of(order);
         std::ofstream(entry.path().parent_path() / ("lowered_ours_" + c + ".csv"), std::ios::binary)

@@ -84,23 +84,6 @@ inline std::optional<std::string> local_address_towards(const std::string& host)
 #endif
 }
 
-// A Gloo group's timeout (its options'), for waits that must end by it:
-// c10d waits for a Gloo point-to-point message without one unless given
-// one, so a receive from a live peer that never sends would wait forever.
-// None for another backend (NCCL's watchdog bounds its waits).
-inline std::optional<std::chrono::milliseconds> gloo_timeout([[maybe_unused]] c10d::ProcessGroup& group) {
-#if ACCEL_HAS_GLOO
-#if ACCEL_TORCH_AT_LEAST(2, 0)
-  if (group.getBackendName() != "gloo") return std::nullopt;
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.getBackend(c10::DeviceType::CPU).get());
-#else
-  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&group);
-#endif
-  if (gloo) return std::chrono::duration_cast<std::chrono::milliseconds>(gloo->getOptions()->timeout);
-#endif
-  return std::nullopt;
-}
-
 inline GroupPtr make_group(const std::string& backend, const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                            std::chrono::milliseconds timeout) {
   if (backend == "gloo") {

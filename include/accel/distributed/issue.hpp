@@ -166,9 +166,40 @@ c10::intrusive_ptr<c10d::Work> issue(const char* op, c10d::ProcessGroup& group, 
     throw failure(op, group, e);
   }
 }
+// A Gloo group's timeout (its options'), for waits that must end by it:
+// c10d waits for a Gloo point-to-point message without one unless given
+// one, so a receive from a live peer that never sends would wait forever.
+// None for another backend (NCCL's watchdog bounds its waits).
+inline std::optional<std::chrono::milliseconds> gloo_timeout([[maybe_unused]] c10d::ProcessGroup& group) {
+#if ACCEL_HAS_GLOO
+#if ACCEL_TORCH_AT_LEAST(2, 0)
+  if (group.getBackendName() != "gloo") return std::nullopt;
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(group.getBackend(c10::DeviceType::CPU).get());
+#else
+  auto* gloo = dynamic_cast<c10d::ProcessGroupGloo*>(&group);
+#endif
+  if (gloo) return std::chrono::duration_cast<std::chrono::milliseconds>(gloo->getOptions()->timeout);
+#endif
+  return std::nullopt;
+}
+
+// Whether `op` is made of point-to-point messages: send, recv, and what
+// accel builds from them (named "... (point to point)": the direct
+// collectives of pieces.hpp, the pipeline's messages).
+inline bool point_to_point(std::string_view op) {
+  return op == "send" || op == "recv" || op.find("(point to point)") != std::string_view::npos;
+}
+// A wait for `work`, bounded where c10d would not bound it (a Gloo
+// point-to-point message: by the group's timeout); c10d's result (false:
+// the work was aborted).
+inline bool wait_bounded(const char* op, c10d::ProcessGroup& group, c10d::Work& work) {
+  const std::optional<std::chrono::milliseconds> timeout =
+      point_to_point(op) ? gloo_timeout(group) : std::optional<std::chrono::milliseconds>();
+  return timeout ? work.wait(*timeout) : work.wait();
+}
 inline void await(const char* op, c10d::ProcessGroup& group, c10d::Work& work) {
   try {
-    work.wait();
+    wait_bounded(op, group, work);
   } catch (const std::exception& e) {
     throw failure(op, group, e);
   }

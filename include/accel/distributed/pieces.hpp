@@ -57,7 +57,7 @@ class Outstanding {
   ~Outstanding() {
     for (; next_ < works_.size(); ++next_) {
       try {
-        works_[next_]->wait();
+        wait_bounded(op_, *group_, *works_[next_]);
       } catch (const std::exception&) {  // (the exchange has reported its failure, or is being dropped)
       }
     }

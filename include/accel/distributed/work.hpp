@@ -22,10 +22,7 @@ class WorkCore {
     // false until then, and a wait with a timeout that expires closes every
     // connection of the group): a thread of our own waits for them once
     // someone asks without waiting.
-    const std::string_view name = op;
-    watched_ = work_ && group_->getBackendName() == "gloo" &&
-               (name == "send" || name == "recv" || name == kDirectGather || name == kDirectScatter ||
-                name == kDirectAllReduce);
+    watched_ = work_ && group_->getBackendName() == "gloo" && point_to_point(op);
   }
   WorkCore(const WorkCore&) = delete;
   WorkCore& operator=(const WorkCore&) = delete;
@@ -76,11 +73,14 @@ class WorkCore {
 
  private:
   void watch() {
-    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, work_);
+    if (!watcher_.valid()) watcher_ = std::async(std::launch::async, &wait_on, op_, group_, work_);
   }
   // A function, not a lambda, for the reason make_group_of (rendezvous.hpp)
   // gives: the thread's body is reached from every virtual call in a file.
-  static void wait_on(c10::intrusive_ptr<c10d::Work> work) { work->wait(); }
+  // (bounded by the group's timeout: a live peer that never sends ends it too)
+  static void wait_on(const char* op, GroupPtr group, c10::intrusive_ptr<c10d::Work> work) {
+    wait_bounded(op, *group, *work);
+  }
 
   GroupPtr group_;
   const char* op_;

@@ -84,7 +84,7 @@ inline void abandon(c10::intrusive_ptr<c10d::Work> work) {
 class Mailbox {
  public:
   Mailbox(c10d::ProcessGroup& group, c10::Device device, int num_stages)
-      : group_(group), device_(device), num_stages_(num_stages), timeout_(gloo_timeout(group)) {}
+      : group_(group), device_(device), num_stages_(num_stages) {}
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
   // A failed step leaves messages in flight: a receive its peer will never
@@ -189,7 +189,7 @@ class Mailbox {
   void wait(const char* op, c10d::Work& work) {
     bool done = false;
     try {
-      done = timeout_ ? work.wait(*timeout_) : work.wait();
+      done = wait_bounded(op, group_, work);
     } catch (const std::exception& e) {
       throw failure(op, group_, e);
     }
@@ -199,7 +199,6 @@ class Mailbox {
   c10d::ProcessGroup& group_;
   c10::Device device_;
   int num_stages_;
-  std::optional<std::chrono::milliseconds> timeout_;
   std::vector<Entry> sends_;
   std::vector<Entry> receives_;  // every receive of the step, in schedule order
   std::size_t next_ = 0;         // the first not posted yet
