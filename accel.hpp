@@ -15556,6 +15556,7 @@ struct PreparedSet {
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
   std::vector<CheckpointedObject> objects;               // in the order registered
   std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
+  GroupPtr pipeline_group;                               // pp_size > 1: the stages' gradients make one model's
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)
@@ -15579,9 +15580,11 @@ struct PreparedSet {
   struct Gradients {
     std::vector<at::Tensor> sharded_pieces, sharded, pieces, whole;
     GroupPtr shard_group, tp_group;  // null where nothing is sharded, or split
+    GroupPtr pp_group;               // null without a pipeline
   };
   Gradients gradients_of(const std::vector<at::Tensor>& parameters) const {
     Gradients out;
+    out.pp_group = pipeline_group;
     if (!sharded->empty()) out.shard_group = sharded->front()->shard_group();
     const PreparedModel* split = nullptr;
     for (const auto& m : models) {
@@ -15640,12 +15643,16 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // every rank. A gradient that is a piece of a larger one counts over the
 // ranks holding the other pieces: a shard's over the shard group, a
 // tensor-parallel piece's over the tp group, a shard of a tp piece (FSDP +
-// TP) over both; every other gradient once. Then every gradient is scaled.
+// TP) over both; every other gradient once. With a pipeline, the sum (or
+// the largest) over the pp group as well: each rank passes its own stages'
+// parameters, and the norm is the whole model's. Then every gradient is
+// scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
   PreparedSet::Gradients g = set.gradients_of(parameters);
-  if (!g.shard_group && !g.tp_group) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  if (!g.shard_group && !g.tp_group && !g.pp_group)
+    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
@@ -15674,7 +15681,9 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   const auto local = parts.accessor<double, 1>();
   double from_pieces = combine(summed[0], local[2]);
   if (g.tp_group) from_pieces = accel::all_reduce(from_pieces, op, g.tp_group);
-  const double total = combine(combine(from_pieces, summed[1]), local[3]);
+  double total = combine(combine(from_pieces, summed[1]), local[3]);
+  // Over the pipeline: each rank's stages are part of one model (torchtitan clips so, over pp too).
+  if (g.pp_group) total = accel::all_reduce(total, op, g.pp_group);
   const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1)
@@ -18962,6 +18971,17 @@ class AcceleratorSetup {
   ProjectConfiguration& project() { return config_.project_config; }  // (its iteration counts the saves)
   const DistributedInterface& world() const { return *interface_; }
   c10::Device device() const { return device_; }
+  // What a pipeline (pp_size > 1) does not do yet, refused by name: `op`
+  // (checkpoints, Accelerator::backward), and what to do instead.
+  void refuse_under_pipeline(const std::string& op, const std::string& instead) const {
+    if (interface_->strategy().pp_size() > 1)
+      throw InvalidArgument("accel::Accelerator::" + op + ": not built for pp_size " +
+                            std::to_string(interface_->strategy().pp_size()) + " yet; " + instead);
+  }
+  // The pipeline group where there is one (pp_size > 1), else null.
+  GroupPtr pipeline_group() const {
+    return interface_->strategy().pp_size() > 1 ? interface_->get_group(Dim::PP) : GroupPtr();
+  }
   // Whether the configured strategy has something to shard along (else it is NO_SHARD).
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
 
@@ -18991,8 +19011,9 @@ class AcceleratorSetup {
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
     // (the parameters broadcast over the ranks holding the same pieces: beside tp, dp_cp)
+    const DistributedStrategy& s = interface_->strategy();
     auto dp = std::make_unique<DataParallel>(
-        module, interface_->strategy().tp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
+        module, s.tp_size() > 1 || s.pp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
         interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE), units,
         config_.mixed_precision_policy);
     dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
@@ -19034,14 +19055,21 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // The pp dimension and its groups exist (DistributedInterface, Dim::PP),
-    // the pipeline stages and schedules that would train over it not yet: a
-    // model prepared here would be trained whole on every stage's ranks.
-    if (strategy.pp_size() > 1)
+    // Pipeline parallelism: each rank prepares its stages' modules, which
+    // are kept in sync over the stage's data-parallel ranks (dp_cp, one pp
+    // coordinate) and driven by the schedule (pp::PipelineStage::
+    // set_data_parallel). Composed so far with data parallelism and
+    // sharding; what is not built yet is refused here or where it is called.
+    if (strategy.pp_size() > 1 && (strategy.tp_size() > 1 || strategy.cp_size() > 1))
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with " +
+                            (strategy.tp_size() > 1 ? "tp_size " + std::to_string(strategy.tp_size())
+                                                    : "cp_size " + std::to_string(strategy.cp_size())) +
+                            ": the pipeline composes with data parallelism and sharding so far; tensor and context "
+                            "parallelism inside its stages are not built yet");
+    if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
-                            ": pipeline stages and schedules are not in accel.hpp yet, so the Accelerator would "
-                            "train the whole model on every stage; use pp_size 1 (the pp groups exist: "
-                            "DistributedInterface::get_group(Dim::PP))");
+                            " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "
+                            "loss_fn, which is not built; use \"bf16\"");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +
@@ -19340,7 +19368,8 @@ class Accelerator {
   void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models);
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
-  // under sharding (detail::clip_grad_norm). Under fp16 the gradients are
+  // under sharding, and over every stage with a pipeline (each rank passes
+  // its stages' parameters; detail::clip_grad_norm). Under fp16 the gradients are
   // unscaled first (unscale_gradients), as Accelerate does: call them once
   // per optimizer step, on the steps that sync.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
@@ -19500,6 +19529,7 @@ inline Accelerator::Accelerator(AcceleratorConfig config)
   // hold different gradients (shards, or tensor-parallel pieces): else one
   // would skip a step its peers take.
   const bool pieces = setup_.sharded() || setup_.world().strategy().tp_size() > 1;
+  prepared_.pipeline_group = setup_.pipeline_group();  // (clipping's norm: over every stage)
   if (mixed_precision() == "fp16" && setup_.config().grad_scaler.enabled)
     prepared_.scaler = std::make_shared<GradScaler>(setup_.config().grad_scaler, device(),
                                                     pieces ? setup_.world().world_group() : GroupPtr{});
@@ -19699,6 +19729,10 @@ ACCEL_NAMESPACE_END
 ACCEL_NAMESPACE_BEGIN
 
 inline void Accelerator::backward(const at::Tensor& loss) {
+  setup_.refuse_under_pipeline("backward",
+                               "with a pipeline the schedule runs each micro-batch's backward (schedule.step), and a "
+                               "stage given its model's DataParallel (stage.set_data_parallel(*data_parallel(model))) "
+                               "reduces the gradients once per step");
   auto step = [&] {
     const int steps = gradient_accumulation_steps();
     at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;
@@ -19909,13 +19943,22 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
+// Each stage's module has its own names (a stage's "0.weight" is not the
+// whole model's), and every stage's ranks would write the same files: a
+// pipeline's checkpoints need the whole model's names first (issue 62).
+inline constexpr const char* kPipelineCheckpoints =
+    "each stage would write its own module's names into the same files; save each stage's parameters yourself "
+    "(accel::save_model on a one-stage-per-file path) until checkpoints take the whole model's names";
+
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
+  setup_.refuse_under_pipeline("save_state", kPipelineCheckpoints);
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
+  setup_.refuse_under_pipeline("load_state", kPipelineCheckpoints);
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -19923,6 +19966,7 @@ inline void Accelerator::load_state(const std::filesystem::path& path) {
 
 template <class ModuleHolder>
 void Accelerator::save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options) {
+  setup_.refuse_under_pipeline("save_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::save_model", [&] {
     const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
     DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
@@ -19938,6 +19982,7 @@ void Accelerator::save_model(ModuleHolder& model, const std::string& dir, uint64
 }
 template <class ModuleHolder>
 void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options) {
+  setup_.refuse_under_pipeline("load_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::load_model", [&] {
     const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
     accel::load_model(model, dir, options);

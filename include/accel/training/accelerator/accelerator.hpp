@@ -239,7 +239,8 @@ class Accelerator {
   void join_uneven_inputs(Body&& body, bool even_batches, ModuleHolders&... models);
 
   // torch's clip_grad_norm_ and clip_grad_value_, over every rank's shards
-  // under sharding (detail::clip_grad_norm). Under fp16 the gradients are
+  // under sharding, and over every stage with a pipeline (each rank passes
+  // its stages' parameters; detail::clip_grad_norm). Under fp16 the gradients are
   // unscaled first (unscale_gradients), as Accelerate does: call them once
   // per optimizer step, on the steps that sync.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);

@@ -11,6 +11,7 @@ inline Accelerator::Accelerator(AcceleratorConfig config)
   // hold different gradients (shards, or tensor-parallel pieces): else one
   // would skip a step its peers take.
   const bool pieces = setup_.sharded() || setup_.world().strategy().tp_size() > 1;
+  prepared_.pipeline_group = setup_.pipeline_group();  // (clipping's norm: over every stage)
   if (mixed_precision() == "fp16" && setup_.config().grad_scaler.enabled)
     prepared_.scaler = std::make_shared<GradScaler>(setup_.config().grad_scaler, device(),
                                                     pieces ? setup_.world().world_group() : GroupPtr{});

@@ -31,6 +31,17 @@ class AcceleratorSetup {
   ProjectConfiguration& project() { return config_.project_config; }  // (its iteration counts the saves)
   const DistributedInterface& world() const { return *interface_; }
   c10::Device device() const { return device_; }
+  // What a pipeline (pp_size > 1) does not do yet, refused by name: `op`
+  // (checkpoints, Accelerator::backward), and what to do instead.
+  void refuse_under_pipeline(const std::string& op, const std::string& instead) const {
+    if (interface_->strategy().pp_size() > 1)
+      throw InvalidArgument("accel::Accelerator::" + op + ": not built for pp_size " +
+                            std::to_string(interface_->strategy().pp_size()) + " yet; " + instead);
+  }
+  // The pipeline group where there is one (pp_size > 1), else null.
+  GroupPtr pipeline_group() const {
+    return interface_->strategy().pp_size() > 1 ? interface_->get_group(Dim::PP) : GroupPtr();
+  }
   // Whether the configured strategy has something to shard along (else it is NO_SHARD).
   bool sharded() const { return shards(config_.sharding_strategy, interface_->strategy(), interface_->distributed()); }
 
@@ -60,8 +71,9 @@ class AcceleratorSetup {
             "); use SHARD_GRAD_OP, or register the layers as submodules");
     }
     // (the parameters broadcast over the ranks holding the same pieces: beside tp, dp_cp)
+    const DistributedStrategy& s = interface_->strategy();
     auto dp = std::make_unique<DataParallel>(
-        module, interface_->strategy().tp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
+        module, s.tp_size() > 1 || s.pp_size() > 1 ? gradient_group() : interface_->world_group(), bucket_bytes,
         interface_->get_group(Dim::MP_SHARD), interface_->get_group(Dim::MP_REPLICATE), units,
         config_.mixed_precision_policy);
     dp->set_prefetch(config_.forward_prefetch, config_.backward_prefetch);
@@ -103,14 +115,21 @@ class AcceleratorSetup {
     if (config.parallelism_config) config.distributed = from_parallelism_config(config);
     // What instance() will choose, known without it: the mesh sizes and the device.
     const DistributedStrategy strategy(config.distributed);
-    // The pp dimension and its groups exist (DistributedInterface, Dim::PP),
-    // the pipeline stages and schedules that would train over it not yet: a
-    // model prepared here would be trained whole on every stage's ranks.
-    if (strategy.pp_size() > 1)
+    // Pipeline parallelism: each rank prepares its stages' modules, which
+    // are kept in sync over the stage's data-parallel ranks (dp_cp, one pp
+    // coordinate) and driven by the schedule (pp::PipelineStage::
+    // set_data_parallel). Composed so far with data parallelism and
+    // sharding; what is not built yet is refused here or where it is called.
+    if (strategy.pp_size() > 1 && (strategy.tp_size() > 1 || strategy.cp_size() > 1))
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with " +
+                            (strategy.tp_size() > 1 ? "tp_size " + std::to_string(strategy.tp_size())
+                                                    : "cp_size " + std::to_string(strategy.cp_size())) +
+                            ": the pipeline composes with data parallelism and sharding so far; tensor and context "
+                            "parallelism inside its stages are not built yet");
+    if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
-                            ": pipeline stages and schedules are not in accel.hpp yet, so the Accelerator would "
-                            "train the whole model on every stage; use pp_size 1 (the pp groups exist: "
-                            "DistributedInterface::get_group(Dim::PP))");
+                            " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "
+                            "loss_fn, which is not built; use \"bf16\"");
     if ((config.comm_hook != DDPCommunicationHookType::NO || config.gradient_as_bucket_view) &&
         shards(config.sharding_strategy, strategy, is_distributed()))
       throw InvalidArgument(std::string("accel::Accelerator: ") +

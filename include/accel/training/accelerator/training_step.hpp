@@ -7,6 +7,10 @@
 ACCEL_NAMESPACE_BEGIN
 
 inline void Accelerator::backward(const at::Tensor& loss) {
+  setup_.refuse_under_pipeline("backward",
+                               "with a pipeline the schedule runs each micro-batch's backward (schedule.step), and a "
+                               "stage given its model's DataParallel (stage.set_data_parallel(*data_parallel(model))) "
+                               "reduces the gradients once per step");
   auto step = [&] {
     const int steps = gradient_accumulation_steps();
     at::Tensor scaled = prepared_.scaler ? prepared_.scaler->scale(loss) : loss;

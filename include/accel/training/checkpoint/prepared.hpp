@@ -50,6 +50,7 @@ struct PreparedSet {
   std::vector<std::shared_ptr<LoaderPosition>> loaders;  // prepared loaders' places, in prepare order
   std::vector<CheckpointedObject> objects;               // in the order registered
   std::shared_ptr<GradScaler> scaler;                    // mixed_precision "fp16"'s (scaler.pt in checkpoints)
+  GroupPtr pipeline_group;                               // pp_size > 1: the stages' gradients make one model's
 
   PreparedModel* find(const torch::nn::Module* module) {
     for (auto& m : models)
@@ -73,9 +74,11 @@ struct PreparedSet {
   struct Gradients {
     std::vector<at::Tensor> sharded_pieces, sharded, pieces, whole;
     GroupPtr shard_group, tp_group;  // null where nothing is sharded, or split
+    GroupPtr pp_group;               // null without a pipeline
   };
   Gradients gradients_of(const std::vector<at::Tensor>& parameters) const {
     Gradients out;
+    out.pp_group = pipeline_group;
     if (!sharded->empty()) out.shard_group = sharded->front()->shard_group();
     const PreparedModel* split = nullptr;
     for (const auto& m : models) {
@@ -134,12 +137,16 @@ inline void take_parameters_once(torch::optim::Optimizer& optimizer, const Prepa
 // every rank. A gradient that is a piece of a larger one counts over the
 // ranks holding the other pieces: a shard's over the shard group, a
 // tensor-parallel piece's over the tp group, a shard of a tp piece (FSDP +
-// TP) over both; every other gradient once. Then every gradient is scaled.
+// TP) over both; every other gradient once. With a pipeline, the sum (or
+// the largest) over the pp group as well: each rank passes its own stages'
+// parameters, and the norm is the whole model's. Then every gradient is
+// scaled.
 inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tensor>& listed, double max_norm,
                              double norm_type) {
   const std::vector<at::Tensor> parameters = unique_tensors(listed);  // (a tied weight counts once, as in Python)
   PreparedSet::Gradients g = set.gradients_of(parameters);
-  if (!g.shard_group && !g.tp_group) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  if (!g.shard_group && !g.tp_group && !g.pp_group)
+    return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
   at::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   const ReduceOp op = inf ? ReduceOp::MAX : ReduceOp::SUM;
@@ -168,7 +175,9 @@ inline double clip_grad_norm(const PreparedSet& set, const std::vector<at::Tenso
   const auto local = parts.accessor<double, 1>();
   double from_pieces = combine(summed[0], local[2]);
   if (g.tp_group) from_pieces = accel::all_reduce(from_pieces, op, g.tp_group);
-  const double total = combine(combine(from_pieces, summed[1]), local[3]);
+  double total = combine(combine(from_pieces, summed[1]), local[3]);
+  // Over the pipeline: each rank's stages are part of one model (torchtitan clips so, over pp too).
+  if (g.pp_group) total = accel::all_reduce(total, op, g.pp_group);
   const double norm = inf ? total : std::pow(total, 1.0 / norm_type);
   const double coefficient = max_norm / (norm + 1e-6);
   if (coefficient < 1)
