@@ -293,6 +293,62 @@ struct LlamaImpl : torch::nn::Module {  // HF's LlamaForCausalLM
 };
 TORCH_MODULE(Llama);
 
+// Pipeline parallelism (train_llama --pp): stage k of `stages` cut from a
+// whole Llama as torchtitan's pipeline_llama cuts it: the decoder layers
+// split evenly (the first stages take one more where they do not divide),
+// the embedding on the first stage, the final norm and the head on the
+// last. The stage holds the whole model's modules (the same parameters)
+// under the whole model's names ("model.layers.5.mlp.up_proj.weight"), so
+// is_unit, the tp plan's patterns and Hugging Face's names apply unchanged.
+// Its forward takes token ids (the first stage) or hidden states, and gives
+// hidden states or (the last stage) logits.
+struct StageBodyImpl : torch::nn::Module {   // "model.": this stage's part of Body
+  using torch::nn::Module::register_module;  // (StageImpl registers the whole model's modules here)
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleDict layers;  // by the whole model's layer index
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(StageBody);
+
+struct StageImpl : torch::nn::Module {
+  StageImpl(const Llama& whole, int k, int stages) : config(whole->config) {
+    const int64_t L = config.num_hidden_layers, per = L / stages, extra = L % stages;
+    if (per == 0)
+      throw std::invalid_argument("llama::Stage: " + std::to_string(L) + " layers over " + std::to_string(stages) +
+                                  " stages leaves a stage without one; use at least as many layers as stages");
+    const int64_t from = k * per + std::min<int64_t>(k, extra), count = per + (k < extra ? 1 : 0);
+    model = register_module("model", StageBody());
+    if (k == 0) model->embed_tokens = model->register_module("embed_tokens", whole->model->embed_tokens);
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> mine;
+    for (int64_t i = from; i < from + count; ++i)
+      mine.emplace_back(std::to_string(i), whole->model->layers->ptr(static_cast<size_t>(i)));
+    model->layers->update(mine);
+    model->register_module("layers", model->layers);
+    if (k == stages - 1) {
+      model->norm = model->register_module("norm", whole->model->norm);
+      lm_head = register_module("lm_head", whole->lm_head);
+    }
+  }
+  // ids [B, T] or hidden states [B, T, H]; with `recompute`, each layer through accel::checkpoint.
+  at::Tensor forward(const at::Tensor& x, bool recompute = false) {
+    const auto [cos_all, sin_all] = rotary(config, 0, x.size(1), x.device());
+    const at::Tensor cos = cos_all, sin = sin_all;
+    at::Tensor h = model->embed_tokens.is_empty() ? x : accel::unit_forward(model->embed_tokens, x);
+    for (const auto& item : *model->layers) {
+      DecoderLayer block(std::dynamic_pointer_cast<DecoderLayerImpl>(item.value()));
+      auto run = [block, cos, sin](const at::Tensor& in) mutable {
+        return accel::unit_forward(block, in, cos, sin, accel::GroupPtr());
+      };
+      h = recompute ? accel::checkpoint(run, h) : run(h);
+    }
+    return lm_head.is_empty() ? h : accel::unit_forward(lm_head, accel::unit_forward(model->norm, h));
+  }
+  Config config;
+  StageBody model{nullptr};
+  torch::nn::Linear lm_head{nullptr};
+};
+TORCH_MODULE(Stage);
+
 // Tensor parallelism: torchtitan's plan for Llama (parallelize_llama) under
 // Hugging Face's names, sequence parallelism included. The residual stream
 // between blocks is split along the sequence (Shard(1)), the norms run on
@@ -307,8 +363,8 @@ inline std::map<std::string, accel::tp::ParallelStyle> tp_plan() {
   return {
       {"model.embed_tokens", RowwiseParallel{.input_layouts = Replicate{}, .output_layouts = Shard{1}}},
       {"model.layers.*.input_layernorm", SequenceParallel{}},
-      {"model.layers.*.self_attn", PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt},
-                                                      {Replicate{}, std::nullopt, std::nullopt}}},
+      {"model.layers.*.self_attn",
+       PrepareModuleInput{{Shard{1}, std::nullopt, std::nullopt}, {Replicate{}, std::nullopt, std::nullopt}}},
       {"model.layers.*.self_attn.q_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.k_proj", ColwiseParallel{}},
       {"model.layers.*.self_attn.v_proj", ColwiseParallel{}},

@@ -18,6 +18,11 @@
 //         meshes --mp-replicate --mp-shard --dp --cp (default: everything along mp_shard and dp)
 //         --tp N (tensor parallelism, torchtitan's plan with sequence parallelism: llama::tp_plan; the model
 //         mesh's mp_shard shards the pieces: FSDP + TP; prints the collectives a step issues on the tp group)
+//         --pp N --schedule NAME --microbatches M (pipeline parallelism: the layers split evenly into stages as
+//         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
+//         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
+//         replicated over its data-parallel ranks; M micro-batches per step, default pp; not yet with --tp,
+//         --cp, --accumulate, checkpoints, --export or --import)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -38,10 +43,10 @@ struct Options {
   llama::Config model;
   int64_t seq = 128, batch = 16, accumulate = 1, steps = 400, warmup = 20, save_every = 0, stop_after = -1, seed = 0;
   double lr = 3e-3, clip = 1.0;
-  int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1, tp = 1;
+  int spawn = 0, mp_replicate = 1, mp_shard = 0, dp = 0, cp = 1, tp = 1, pp = 1, microbatches = 0;
   accel::ShardingStrategy sharding = accel::ShardingStrategy::FULL_SHARD;
-  std::string mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run", export_dir,
-              import_dir, logits, generate;
+  std::string schedule = "1f1b", mixed_precision = "no", corpus = "/usr/share/common-licenses", dir = "train_llama_run",
+              export_dir, import_dir, logits, generate;
   int64_t max_new_tokens = 32;
   bool recompute = false, resume = false;
 };
@@ -75,6 +80,9 @@ Options parse(int argc, char** argv) {
     else if (arg == "--dp") o.dp = static_cast<int>(integer());
     else if (arg == "--cp") o.cp = static_cast<int>(integer());
     else if (arg == "--tp") o.tp = static_cast<int>(integer());
+    else if (arg == "--pp") o.pp = static_cast<int>(integer());
+    else if (arg == "--schedule") o.schedule = value();
+    else if (arg == "--microbatches") o.microbatches = static_cast<int>(integer());
     else if (arg == "--sharding") {
       std::string name = value();  // full_shard -> FULL_SHARD, FSDP's spelling
       std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
@@ -177,9 +185,34 @@ void check(const Options& o, int world) {
   if ((o.seq / o.cp) % o.tp != 0)
     fail("--seq " + std::to_string(o.seq) + " / --cp " + std::to_string(o.cp) + " is not a multiple of --tp " +
          std::to_string(o.tp) + " (sequence parallelism splits each rank's slice over tp)");
-  const int dp = o.dp ? o.dp : world / (o.cp * o.tp);
+  if (o.pp < 1) fail("--pp must be at least 1");
+  const int dp = o.dp ? o.dp : world / (o.cp * o.tp * o.pp);
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
+  if (o.pp > 1) {
+    if (o.tp > 1 || o.cp > 1 || o.accumulate > 1)
+      fail(
+          "--pp with --tp, --cp or --accumulate is not built yet (more "
+          "micro-batches per step: --microbatches)");
+    if (o.save_every || o.resume || o.stop_after >= 0 || !o.export_dir.empty() || !o.import_dir.empty())
+      fail(
+          "--pp with checkpoints, --export or --import is not built yet (stages save under the whole model's "
+          "names first)");
+    const std::vector<std::string> schedules{
+        "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"};
+    if (std::find(schedules.begin(), schedules.end(), o.schedule) == schedules.end())
+      fail("--schedule " + o.schedule +
+           " (expected gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zero_bubble or zbv)");
+    const int64_t stages = o.pp * (o.schedule == "gpipe" || o.schedule == "1f1b" ? 1 : 2);
+    if (m.num_hidden_layers < stages)
+      fail("--layers " + std::to_string(m.num_hidden_layers) + " over " + std::to_string(stages) +
+           " stages leaves a stage without a layer");
+    const int64_t microbatches = o.microbatches ? o.microbatches : o.pp;
+    if ((o.batch / dp) % microbatches != 0)
+      fail("--batch " + std::to_string(o.batch) + " gives each of the " + std::to_string(dp) + " data-parallel ranks " +
+           std::to_string(o.batch / dp) + " sequences, which do not cut into --microbatches " +
+           std::to_string(microbatches));
+  }
   if (o.steps < 1 || o.warmup < 1 || o.accumulate < 1) fail("--steps, --warmup and --accumulate must be at least 1");
 }
 
@@ -224,6 +257,119 @@ void write_generated(const Options& o, llama::Llama& model) {
   std::printf("train_llama: %s|%s\ntrain_llama: generated ids %s\n", o.generate.c_str(), text.c_str(), numbers.c_str());
 }
 
+// The progress line, every 10 steps and at the last.
+void print_progress(const Options& o, int64_t step, int64_t first, std::chrono::steady_clock::time_point start,
+                    double loss, bool tty) {
+  if (step % 10 != 0 && step != o.steps) return;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double per_step = seconds / static_cast<double>(step - first);
+  std::printf("%sstep %5lld/%lld  loss %.4f  %.0f tokens/s  ETA %.0f s%s", tty ? "\r" : "",
+              static_cast<long long>(step), static_cast<long long>(o.steps), loss,
+              static_cast<double>(o.batch * o.seq * o.accumulate) / per_step,
+              per_step * static_cast<double>(o.steps - step), tty ? "" : "\n");
+}
+
+// The schedule named by --schedule over this rank's stages.
+std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
+                                                           std::vector<accel::pp::PipelineStage>& stages, int m,
+                                                           accel::pp::LossFn loss) {
+  namespace pp = accel::pp;
+  std::vector<std::reference_wrapper<pp::PipelineStage>> refs(stages.begin(), stages.end());
+  if (name == "gpipe") return std::make_unique<pp::ScheduleGPipe>(stages[0], m, loss);
+  if (name == "1f1b") return std::make_unique<pp::Schedule1F1B>(stages[0], m, loss);
+  if (name == "looped_bfs") return std::make_unique<pp::ScheduleLoopedBFS>(refs, m, loss);
+  if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, loss);
+  if (name == "interleaved_zero_bubble") return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, loss);
+  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, loss);
+}
+
+// --pp: this rank's stages of the model (llama::Stage; two in a loop or a V for the schedules that take two),
+// each prepared (sharded or replicated over its data-parallel ranks) and given to the schedule, which runs every
+// micro-batch's forward and backward and reduces the gradients once per step; clipped over every stage, AdamW
+// stepped. The loss logged: the last stage's micro-batches' mean, averaged over the data-parallel ranks (each
+// holds the last stage once).
+int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Llama whole) {
+  config.distributed.pp_size = o.pp;
+  accel::Accelerator accelerator(config);
+  const int P = o.pp, r = accelerator.pipeline_parallel_rank();
+  const bool two_per_rank = o.schedule != "gpipe" && o.schedule != "1f1b";
+  const int S = P * (two_per_rank ? 2 : 1);
+  std::vector<int> indices{r};
+  if (two_per_rank) indices.push_back(o.schedule == "zbv" ? 2 * P - 1 - r : r + P);
+  int64_t parameters = 0;
+  for (const auto& p : whole->parameters()) parameters += p.numel();
+  std::vector<llama::Stage> modules;
+  for (const int k : indices) modules.emplace_back(whole, k, S);
+  whole = llama::Llama(nullptr);  // (the other ranks' layers go; this rank keeps its stages')
+  std::vector<accel::pp::PipelineStage> stages;
+  stages.reserve(modules.size());  // (a schedule holds references to its stages: they must not move)
+  std::vector<at::Tensor> params;
+  int64_t mine = 0;
+  for (std::size_t j = 0; j < modules.size(); ++j) {
+    llama::Stage& stage = accelerator.prepare_model(modules[j]);
+    stages.emplace_back(
+        stage.ptr(),
+        [stage, &accelerator, recompute = o.recompute](const at::Tensor& x) mutable {
+          auto autocast = accelerator.autocast();
+          return stage->forward(x, recompute);
+        },
+        indices[j], S, accelerator.device());
+    stages.back().set_data_parallel(*accelerator.data_parallel(stage));
+    for (const auto& p : stage->parameters()) params.push_back(p);
+  }
+  for (const auto& p : params) mine += p.numel();
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(o.lr).weight_decay(0.1).betas({0.9, 0.95}));
+  accel::AcceleratedOptimizer optimizer = accelerator.prepare_optimizer(adamw);
+  const int microbatches = o.microbatches ? o.microbatches : P;
+  const auto schedule = make_schedule(
+      o.schedule, stages, microbatches, [V = o.model.vocab_size](const at::Tensor& logits, const at::Tensor& labels) {
+        return torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat), labels.reshape({-1}));
+      });
+  const int dp = accel::DistributedInterface::instance().get_world_size(accel::Dim::DP);
+  auto loader =
+      accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
+                                      {.batch_size = static_cast<size_t>(o.batch / dp),
+                                       .shuffle = true,
+                                       .seed = static_cast<uint64_t>(o.seed),
+                                       .drop_last = true});
+  accelerator.init_trackers("logs", {{"layers", std::to_string(o.model.num_hidden_layers)},
+                                     {"hidden", std::to_string(o.model.hidden_size)},
+                                     {"seq", std::to_string(o.seq)},
+                                     {"batch", std::to_string(o.batch)},
+                                     {"lr", std::to_string(o.lr)}});
+  accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "-", o.schedule, "over",
+               S, "stages,", microbatches, "micro-batches per step,", accel::to_string(accelerator.sharding_strategy()),
+               "per stage -", o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters,
+               "parameters, rank 0's stages", mine, "- seq", o.seq);
+  const bool first_here = indices[0] == 0, last_here = std::count(indices.begin(), indices.end(), S - 1) == 1;
+  const bool tty = isatty(STDOUT_FILENO);
+  const auto start = std::chrono::steady_clock::now();
+  StepCount step;
+  double last_loss = 0;
+  while (step.value < o.steps) {
+    for (auto& batch : loader) {
+      for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
+      std::vector<at::Tensor> losses;
+      schedule->step(first_here ? batch.data : at::Tensor(), last_here ? batch.target : at::Tensor(), &losses);
+      if (o.clip > 0) accelerator.clip_grad_norm_(params, o.clip);
+      optimizer.step();
+      optimizer.zero_grad();
+      ++step.value;
+      const double local = last_here ? at::stack(losses).mean().item<double>() : 0.0;
+      last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / dp;
+      accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
+      if (accelerator.is_main_process()) print_progress(o, step.value, 0, start, last_loss, tty);
+      if (step.value >= o.steps) break;
+    }
+  }
+  if (accelerator.is_main_process() && tty) std::printf("\n");
+  accel::print("train_llama: final loss", last_loss, "after", step.value, "steps; log in",
+               accelerator.logging_dir().string() + "/metrics.csv");
+  accelerator.end_training();
+  accelerator.wait_for_everyone();
+  return 0;
+}
+
 int train(Options o) {
   const int world = accel::get_world_size();  // (the launch environment; 1 without a launcher)
   if (!o.import_dir.empty()) {
@@ -255,6 +401,7 @@ int train(Options o) {
   if (o.dp) config.distributed.dp_size = o.dp;  // (unset: world / cp)
   config.project_config.project_dir = o.dir;
   config.log_with = {"csv", "jsonl"};
+  if (o.pp > 1) return train_pipelined(o, config, model);
   accel::Accelerator accelerator(config);  // (a mesh that does not fit the world is its error)
   // Every process reads the whole model (HF's names are this model's names), before tp cuts it and prepare shards it.
   if (!o.import_dir.empty()) accel::load_model(model, o.import_dir);
@@ -342,13 +489,7 @@ int train(Options o) {
       last_loss = accelerator.reduce(step_loss / micro_steps, "mean").item<double>();
       step_loss = at::zeros({}), micro_steps = 0;
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
-      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const double per_step = seconds / static_cast<double>(step.value - first);
-      if (accelerator.is_main_process() && (step.value % 10 == 0 || step.value == o.steps))
-        std::printf("%sstep %5lld/%lld  loss %.4f  %.0f tokens/s  ETA %.0f s%s", tty ? "\r" : "",
-                    static_cast<long long>(step.value), static_cast<long long>(o.steps), last_loss,
-                    static_cast<double>(o.batch * o.seq * o.accumulate) / per_step,
-                    per_step * static_cast<double>(o.steps - step.value), tty ? "" : "\n");
+      if (accelerator.is_main_process()) print_progress(o, step.value, first, start, last_loss, tty);
       if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();
       if (o.save_every > 0 && step.value % o.save_every == 0) accelerator.save_state(o.dir + "/checkpoint");
       if (++steps_run == o.stop_after) {  // as if the run were killed here, after a checkpoint

@@ -8,6 +8,9 @@
 #     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
+#     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2): GPipe and 1F1B at 2 layers,
+#     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
+#     process of the same depth, the same way;
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
@@ -33,10 +36,8 @@ declare -A meshes=([hsdp_dp2_cp2]="4 --mp-replicate 2 --mp-shard 2 --dp 2 --cp 2
                    [dp1_cp4]="4 --dp 1 --cp 4" [tp2_dp2_recompute]="4 --tp 2 --dp 2 --recompute --export $dir/tp2_dp2_recompute/model"
                    [tp2_dp2_no_shard]="4 --tp 2 --dp 2 --sharding no_shard" [tp4]="4 --tp 4" [tp2_cp2]="4 --tp 2 --cp 2"
                    [hsdp_tp2_8]="8 --mp-replicate 2 --mp-shard 2 --tp 2")
-for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2 hsdp_tp2_8; do
-  # shellcheck disable=SC2086
-  run ${meshes[$name]} --steps 6 --dir "$dir/$name" | tee "$dir/$name.log"
-  python3 - "$dir/one/logs/metrics.csv" "$dir/$name/logs/metrics.csv" "$LOSS_TOLERANCE" "$name" <<'PY'
+same_losses() {  # REFERENCE NAME: NAME's 6 losses against REFERENCE's (one process)
+  python3 - "$dir/$1/logs/metrics.csv" "$dir/$2/logs/metrics.csv" "$LOSS_TOLERANCE" "$2" <<'PY'
 import csv, sys
 one, other = ([float(r["loss"]) for r in csv.DictReader(open(p))] for p in sys.argv[1:3])
 tolerance = float(sys.argv[3])
@@ -44,6 +45,23 @@ worst = max(abs(a - b) / abs(a) for a, b in zip(one, other))
 print(f"llama_check: {sys.argv[4]} against one process over {len(one)} steps: largest relative loss difference {worst:.3g}")
 assert len(one) == len(other) == 6 and worst <= tolerance, (one, other)
 PY
+}
+for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_cp2 hsdp_tp2_8; do
+  # shellcheck disable=SC2086
+  run ${meshes[$name]} --steps 6 --dir "$dir/$name" | tee "$dir/$name.log"
+  same_losses one "$name"
+done
+# Pipelines: pp 2 x dp 2 (a stage per rank at 2 layers; two per rank, 4 stages, at 4 layers).
+run 4 --pp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_1f1b" | tee "$dir/pp2_1f1b.log"
+same_losses one pp2_1f1b
+run 4 --pp 2 --schedule gpipe --microbatches 4 --sharding no_shard --recompute --steps 6 --dir "$dir/pp2_gpipe" \
+  > "$dir/pp2_gpipe.log"
+same_losses one pp2_gpipe
+run 1 --layers 4 --steps 6 --dir "$dir/one4" > "$dir/one4.log"
+for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
+  run 4 --layers 4 --pp 2 --schedule "$schedule" --microbatches 4 --steps 6 --dir "$dir/pp2_$schedule" \
+    > "$dir/pp2_$schedule.log"
+  same_losses one4 "pp2_$schedule"
 done
 # FSDP + TP's export: whole tensors under Hugging Face's names, each piece gathered: one process's weights (the same
 # sums in another order). Read without torch (the 1.13 leg's Python may have none): safetensors is a JSON header.
@@ -119,6 +137,10 @@ refused "is not a multiple of --cp 4" run 4 --steps 2 --dir "$dir/bad" --dp 1 --
 refused "mp_replicate_size" run 4 --steps 2 --dir "$dir/bad" --mp-replicate 3
 refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multiples of 4" \
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
+refused "--layers 2 over 4 stages leaves a stage without a layer" run 4 --steps 2 --dir "$dir/bad" --pp 2 --schedule zbv
+refused "do not cut into --microbatches 3" run 4 --steps 2 --dir "$dir/bad" --pp 2 --microbatches 3
+refused "--pp with checkpoints, --export or --import is not built yet" \
+  run 4 --steps 2 --dir "$dir/bad" --pp 2 --export "$dir/bad/model"
 
 # 4. transformers.
 if ! python3 -c 'import transformers' 2>/dev/null; then
