@@ -10,6 +10,10 @@ launch=$1 train=$2 world=$3 dir=$4 stop=$5
 shift 5
 flags=("$@")  # e.g. --sharding shard_grad_op, given to every run
 rm -rf "$dir" && mkdir -p "$dir"
+# One thread per process: bit for bit needs the same sums in the same order in every run, and a BLAS with
+# dynamic threading (the pip wheel's MKL) may take fewer threads when the machine is busy (CI runs suites side by
+# side): once, two identical uninterrupted runs differed at step 60 (loss 0.1007 against 0.1006).
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 run() { "$launch" --timeout 240 "$world" "$train" "${flags[@]}" "$@"; }
 checksum() { sed -n 's/^\[rank 0\] train_mlp: weights checksum \([0-9a-f]*\)$/\1/p' "$1"; }
 
