@@ -102,6 +102,7 @@
 //     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
 //     accel/training/pp/stage.hpp                        accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
 //     accel/training/pp/runtime.hpp                      one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
+//     accel/training/pp/shape_check.hpp                  a schedule's first step begins by running micro-batch 0 through every stage without autograd, so that stages that do not fit together are refused on every rank at once, naming the shapes, before anything trains
 //     accel/training/pp/schedules.hpp                    torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
 //     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
 //     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
@@ -6528,6 +6529,32 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
   return result;
 }
 
+namespace detail {
+// What `step` threw, as text; "" when it returned.
+template <class Step>
+std::string error_of(Step&& step) {
+  try {
+    step();
+    return {};
+  } catch (const std::exception& e) {
+    return error_text(e);
+  }
+}
+// Every rank of the group passes its error ("" if none); if any rank has one,
+// every rank throws the same Error listing them, by rank. A collective: it
+// also orders what comes before it on every rank before what comes after.
+template <class Error = RuntimeError>
+void fail_together(const std::string& error, std::string_view function, const GroupPtr& group = {}) {
+  const std::vector<std::string> errors = accel::gather_object(error, group);
+  std::string message;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      message +=
+          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+  if (!message.empty()) throw Error(std::string(function) + ": " + message);
+}
+}  // namespace detail
+
 // Replaces `objects` on every rank with rank `from_process`'s (a rank within
 // the group; the others' lists may have any length). One size broadcast,
 // one payload broadcast. Returns objects.
@@ -8108,6 +8135,15 @@ inline SplitTensors split_tensors(const torch::nn::Module& module) {
   for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
   return split;
 }
+// The first layer of `module` (by qualified name, "" for the module itself)
+// whose parameters end a backward partial (sequence parallelism's: a
+// RowParallelLinear's bias, a styled SequenceParallel module's), if any.
+inline std::optional<std::string> layer_with_partial_gradients(const torch::nn::Module& module) {
+  if (const auto pieces = pieces_of(module); pieces && !pieces->partial.empty()) return std::string();
+  for (const auto& named : module.named_modules("", /*include_self=*/false))
+    if (const auto pieces = pieces_of(*named.value()); pieces && !pieces->partial.empty()) return named.key();
+  return std::nullopt;
+}
 // Copies tp rank 0's values of the tensors of `module` that `split` does not
 // hold (norms, a row layer's bias, buffers: whole on every rank) to the other
 // ranks of its tp group, in one broadcast. Data parallelism starts each
@@ -8759,7 +8795,7 @@ ACCEL_NAMESPACE_END
 // gradient back to the stage before's, point to point on the pipeline
 // group (torch's PipelineStage does the same with isend/irecv). A receive
 // needs a buffer of the right shape before the message arrives; torch infers
-// the shapes once by running the stages on meta tensors. Here the sender
+// the shapes once, on its first step, by running the stages. Here the sender
 // tells them instead: with a stage's first activation of each step goes a
 // header (its shape and dtype), so a receiver learns its input's shape from
 // the data, whatever the batch this step, without running anything twice.
@@ -14123,6 +14159,32 @@ class PipelineStage {
   // --- what a schedule calls, one micro-batch at a time (torch's
   // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
 
+  // The stage's forward on `input` leaving no trace: no autograd, the
+  // buffers (a BatchNorm's running statistics) and the random generators
+  // (dropout) put back after, so the step that follows is what it would
+  // have been without it. A schedule's first step runs it once per stage
+  // (training/pp/shape_check.hpp) to refuse stages that do not fit.
+  at::Tensor probe_forward(const at::Tensor& input) {
+    at::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
+    for (const auto& b : module_->buffers()) buffers.emplace_back(b, b.clone());
+    detail::Recompute now;  // torch's fork_rng: the generators' states now, put back after
+    now.capture({input});
+    const auto put_back = [&] {
+      for (auto& [buffer, saved] : buffers) buffer.copy_(saved);
+    };
+    at::Tensor output;
+    try {
+      const detail::ReplayRandomness fork(now);
+      output = forward_(input.to(device_));
+    } catch (...) {
+      put_back();
+      throw;
+    }
+    put_back();
+    return output;
+  }
+
   // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
   // first stage; the activation received, or handed over by the stage before
   // on this rank); returns the output.
@@ -14408,6 +14470,122 @@ class StepRun {
 
 ACCEL_NAMESPACE_END
 
+// == accel/training/pp/shape_check.hpp ========================================
+// accel/training/pp/shape_check.hpp: a schedule's first step begins by running micro-batch 0 through every stage without autograd, so that stages that do not fit together are refused on every rank at once, naming the shapes, before anything trains.
+//
+// torch's PipelineStage infers what passes between stages the same way on
+// its first step: a forward through the stages in order, each passing its
+// output's shape on. The steps here need no inference (each step's first
+// activation carries its shape, training/pp/messages.hpp); the pass is there
+// for the errors. Without it, a stage whose forward cannot take the stage
+// before's output (or a loss that cannot take the last stage's output with
+// the target) fails on its own rank in the middle of a step, while its peers
+// wait for messages that never come, until the group's timeout (30 minutes
+// by default). With it, every rank of the pipeline throws the same
+// InvalidArgument at once, naming the stage and the shapes, and the group
+// stays usable: each rank passes a shape or a failure on, whatever happens,
+// so every message is received, and the ranks then agree
+// (detail::fail_together over the pipeline group). A batch that does not
+// cut into the micro-batches joins the same agreement on the first step.
+// The cost: one micro-batch's forward per stage, once.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+// What a rank sends on instead of a shape when its stage failed (or a stage
+// before it did): a header whose number of dimensions is -1.
+inline at::Tensor failed_header(c10::Device device) {
+  std::vector<int64_t> fields(kHeaderLength, 0);
+  fields[0] = -1;
+  return at::tensor(fields, at::kLong).to(device);
+}
+inline bool header_failed(const at::Tensor& header) { return header.cpu().data_ptr<int64_t>()[0] < 0; }
+
+// One stage's part: its forward on micro-batch 0's input (the first stage)
+// or on zeros of the shape the stage before gives (the others), and on the
+// last stage the loss of micro-batch 0. Returns the output's shape; throws
+// naming the shapes.
+inline TensorMeta probe_stage(accel::pp::PipelineStage& stage, const std::optional<TensorMeta>& in,
+                              const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                              const accel::pp::LossFn& loss_fn) {
+  const std::string name = "stage " + std::to_string(stage.stage_index());
+  const at::Tensor input =
+      stage.is_first() ? inputs.at(0) : at::zeros(in->sizes, at::TensorOptions(in->dtype).device(stage.device()));
+  const std::string given = stage.is_first()
+                                ? "micro-batch 0 of the inputs, " + to_string(meta_of(input))
+                                : "stage " + std::to_string(stage.stage_index() - 1) + "'s output, " + to_string(*in);
+  at::Tensor output;
+  try {
+    output = stage.probe_forward(input);
+  } catch (const std::exception& e) {
+    throw InvalidArgument(name + "'s forward cannot take " + given + ": " + error_text(e));
+  }
+  if (!output.defined()) throw InvalidArgument(name + "'s forward returned no tensor for " + given);
+  const TensorMeta out = meta_of(output);
+  if (!stage.is_last()) {
+    if (!c10::isFloatingType(out.dtype))
+      throw InvalidArgument(name + " gives a " + to_string(out) +
+                            " output; what passes between stages must be floating point (its gradient goes back)");
+    (void)header_of(out, c10::Device(c10::kCPU));  // (throws if it has too many dimensions to pass)
+    return out;
+  }
+  const at::Tensor& target = targets.at(0);
+  at::Tensor loss;
+  try {
+    at::NoGradGuard no_grad;
+    loss = loss_fn(output, target);
+  } catch (const std::exception& e) {
+    throw InvalidArgument("loss_fn cannot take the last stage's output, " + to_string(out) +
+                          ", with micro-batch 0 of the target, " + to_string(meta_of(target)) + ": " + error_text(e));
+  }
+  if (!loss.defined() || loss.numel() != 1)
+    throw InvalidArgument("loss_fn returned " + (loss.defined() ? to_string(meta_of(loss)) : std::string("no tensor")) +
+                          " for micro-batch 0; a loss is one number");
+  return out;
+}
+
+// The pass over this rank's stages, in order, and the agreement. `error`:
+// this rank's error so far (a batch that does not cut); then it runs
+// nothing, but still passes the failure on. `who` names the schedule.
+inline void check_stages_fit(const RankPlan& plan, const std::vector<at::Tensor>& inputs,
+                             const std::vector<at::Tensor>& targets, const accel::pp::LossFn& loss_fn,
+                             std::string error, const std::string& who) {
+  accel::pp::PipelineStage& any = *plan.stages.begin()->second;
+  std::optional<Mailbox> box;  // (none without a group: every stage here)
+  if (any.group()) box.emplace(*any.group(), any.device(), plan.num_stages);
+  std::optional<TensorMeta> handed;  // the output's shape of the stage before, on this rank (none: it failed)
+  for (auto& [s, stage] : plan.stages) {
+    std::optional<TensorMeta> in;
+    if (!stage->is_first()) {
+      if (plan.stages.contains(s - 1)) {
+        in = handed;
+      } else {
+        box->receive_header(s, plan.rank_of(s - 1));
+        const at::Tensor header = box->take(Message::header, s, 0);
+        if (!header_failed(header)) in = meta_of_header(header);
+      }
+    }
+    std::optional<TensorMeta> out;
+    if (error.empty() && (stage->is_first() || in))
+      error = error_of([&] { out = probe_stage(*stage, in, inputs, targets, loss_fn); });
+    if (stage->is_last()) continue;
+    if (plan.stages.contains(s + 1)) handed = out;
+    else
+      box->send(Message::header, out ? header_of(*out, any.device()) : failed_header(any.device()), plan.rank_of(s + 1),
+                s + 1, 0);
+  }
+  if (box) box->finish();
+  const std::string what = who + ": the stages were checked before the first step (micro-batch 0 through each)";
+  if (!any.group()) {
+    if (!error.empty()) throw InvalidArgument(what + ": " + error);
+    return;
+  }
+  fail_together<InvalidArgument>(error, what, c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(any.group()));
+}
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
 // == accel/training/pp/schedules.hpp ==========================================
 // accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
 //
@@ -14427,6 +14605,8 @@ ACCEL_NAMESPACE_END
 // checked (core/pipeline_rules.hpp) and lowered with its messages
 // (core/pipeline_lowering.hpp); load_csv replaces it with a user's, in
 // torch's compute-only CSV, checked by the same rules; dump_csv writes it.
+// The first step begins by checking that the stages fit together
+// (training/pp/shape_check.hpp).
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -14445,9 +14625,18 @@ class PipelineSchedule {
   at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& target = {},
                   std::vector<at::Tensor>* losses = nullptr) {
     std::vector<at::Tensor> input_mbs, target_mbs;
-    if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
-    if (plan_.stages.contains(plan_.num_stages - 1))
-      target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    const auto split = [&] {
+      if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
+      if (plan_.stages.contains(plan_.num_stages - 1))
+        target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    };
+    if (checked_) {
+      split();
+    } else {  // the first step: the stages checked together first (training/pp/shape_check.hpp)
+      detail::pp::check_stages_fit(plan_, input_mbs, target_mbs, loss_fn_, detail::error_of(split),
+                                   "accel::pp::" + name_);
+      checked_ = true;
+    }
     for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
     detail::pp::StepResult result;
     try {
@@ -14566,6 +14755,7 @@ class PipelineSchedule {
   detail::pp::RankPlan plan_;
   detail::pp::PipelineOrder order_;
   double compute_seconds_ = 0;
+  bool checked_ = false;  // whether a step checked the stages (once, as torch infers their shapes once)
 };
 
 // One stage per rank (torch's PipelineScheduleSingle family).
@@ -16192,30 +16382,6 @@ inline void rotate_checkpoints(const fs::path& root, int limit, int keep) {
     discard_checkpoint(others.begin()->second);
     others.erase(others.begin());
   }
-}
-
-// What `step` threw, as text; "" when it returned.
-template <class Step>
-std::string error_of(Step&& step) {
-  try {
-    step();
-    return {};
-  } catch (const std::exception& e) {
-    return error_text(e);
-  }
-}
-
-// Every rank passes its error ("" if none); if any rank has one, every rank
-// throws the same RuntimeError listing them. A collective: it also orders
-// what comes before it on every rank before what comes after.
-inline void fail_together(const std::string& error, std::string_view function) {
-  const std::vector<std::string> errors = accel::gather_object(error);
-  std::string message;
-  for (std::size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty())
-      message +=
-          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
-  if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
 }
 
 // A model's checkpoint archive against the model, before anything is loaded:
@@ -19058,14 +19224,15 @@ class AcceleratorSetup {
     // Pipeline parallelism: each rank prepares its stages' modules, which
     // are kept in sync over the stage's data-parallel ranks (dp_cp, one pp
     // coordinate) and driven by the schedule (pp::PipelineStage::
-    // set_data_parallel). Composed so far with data parallelism and
-    // sharding; what is not built yet is refused here or where it is called.
-    if (strategy.pp_size() > 1 && (strategy.tp_size() > 1 || strategy.cp_size() > 1))
-      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with " +
-                            (strategy.tp_size() > 1 ? "tp_size " + std::to_string(strategy.tp_size())
-                                                    : "cp_size " + std::to_string(strategy.cp_size())) +
-                            ": the pipeline composes with data parallelism and sharding so far; tensor and context "
-                            "parallelism inside its stages are not built yet");
+    // set_data_parallel); a stage's accel::tp layers split over its tp
+    // group as without a pipeline. Composed so far with data parallelism,
+    // sharding and tensor parallelism; what is not built yet is refused here
+    // or where it is called.
+    if (strategy.pp_size() > 1 && strategy.cp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with cp_size " +
+                            std::to_string(strategy.cp_size()) +
+                            ": the pipeline composes with data, sharded and tensor parallelism so far; context "
+                            "parallelism inside its stages is not built yet");
     if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
                             " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "
@@ -19590,6 +19757,11 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
+  if (const auto layer = detail::tp::layer_with_partial_gradients(*module))
+    setup_.refuse_under_pipeline(
+        "prepare", "the model's sequence-parallel accel::tp layer '" + *layer +
+                       "' leaves partial gradients, which backward sums over tp and a pipeline's schedule does not: "
+                       "make a stage's tp layers without sequence_parallel");
   model->to(device());
   // Beside tp the whole tensors first agree across each tp group (before a FULL_SHARD wrapper takes the
   // parameters' memory); the wrapper then starts every dp_cp group from its first rank.

@@ -65,6 +65,49 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
   return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse);
 }
 
+// pp x tp: Megatron's MLP block, x + down(tanh(up(x))), whole (Up, Down: Linear, the one-process reference) or
+// split over the tp group (ColumnParallelLinear, RowParallelLinear: whole activations in and out).
+constexpr int64_t kFfn = 12;
+template <class Up, class Down>
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    up = register_module("up", Up(kHidden, kFfn));
+    down = register_module("down", Down(kFfn, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(torch::tanh(up(x))); }
+  Up up{nullptr};
+  Down down{nullptr};
+};
+// The model of stage_modules with MLP blocks (stage k: k % 2 + 1 of them), no tied weight.
+template <class Up, class Down>
+std::vector<torch::nn::Sequential> mlp_stage_modules(int stages) {
+  torch::manual_seed(13);
+  std::vector<torch::nn::Sequential> out;
+  for (int k = 0; k < stages; ++k) {
+    torch::nn::Sequential seq;
+    if (k == 0) seq->push_back(torch::nn::Linear(kIn, kHidden));
+    for (int b = 0; b <= k % 2; ++b) seq->push_back(std::make_shared<MlpImpl<Up, Down>>());
+    if (k == stages - 1) seq->push_back(torch::nn::Linear(kHidden, kOut));
+    seq->to(at::kDouble);
+    out.push_back(seq);
+  }
+  return out;
+}
+const auto whole_mlp_stages = mlp_stage_modules<torch::nn::Linear, torch::nn::Linear>;
+const auto split_mlp_stages = mlp_stage_modules<accel::tp::ColumnParallelLinear, accel::tp::RowParallelLinear>;
+// Tp rank t's piece (of T) of a whole parameter or gradient of the MLP stages, by name.
+at::Tensor tp_piece(const std::string& name, const at::Tensor& whole, int T, int t) {
+  if (name.ends_with("up.weight") || name.ends_with("up.bias")) return whole.chunk(T, 0)[t];
+  if (name.ends_with("down.weight")) return whole.chunk(T, 1)[t];
+  return whole;  // (a row-parallel layer's bias, and the plain layers: whole on every tp rank)
+}
+// A split stage given the whole one's values.
+void load_pieces(torch::nn::Module& split, torch::nn::Module& whole, int T, int t) {
+  const at::NoGradGuard no_grad;
+  const auto from = whole.named_parameters();
+  for (auto& p : split.named_parameters()) p.value().copy_(tp_piece(p.key(), from[p.key()], T, t));
+}
+
 TEST_SUITE("ranks") {
   TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
     const int P = accel::get_world_size();
@@ -192,19 +235,137 @@ TEST_SUITE("ranks") {
                          doctest::Contains(P == 1 ? "breaks a rule" : "has 1 rows; the pipeline group has"),
                          accel::InvalidArgument);
     std::filesystem::remove_all(dir);
-    // A batch that does not cut into equal micro-batches, on the first stage's rank (before anything is sent:
-    // alone in a one-rank world, where no peer waits).
-    if (P == 1) {
-      pp::ScheduleGPipe gpipe(own, 4, mse);
-      CHECK_THROWS_WITH_AS(gpipe.step(torch::randn({6, kIn}, at::kDouble), torch::randn({6, kOut}, at::kDouble)),
-                           doctest::Contains("the inputs' batch of 6 rows does not cut into 4 micro-batches"),
-                           accel::InvalidArgument);
-      pp::PipelineStage whole(stage_modules(1)[0], 0, 1, c10::Device(c10::kCPU), group);
-      pp::ScheduleGPipe unreduced(whole, 2,
-                                  [](const at::Tensor& out, const at::Tensor& target) { return out - target; });
-      CHECK_THROWS_WITH_AS(unreduced.step(torch::randn({4, kIn}, at::kDouble), torch::randn({4, kOut}, at::kDouble)),
-                           doctest::Contains("loss_fn returned Double[2, 3] for micro-batch 0; a loss is one number"),
-                           accel::InvalidArgument);
+    release_world();
+  }
+
+  // A schedule's first step runs micro-batch 0 through every stage before anything trains
+  // (training/pp/shape_check.hpp): what does not fit throws the same InvalidArgument on every rank at once, naming
+  // the stage and the shapes, instead of one rank failing mid-step while the others wait for the group's timeout
+  // (60 s here: a DistributedError, not an InvalidArgument, would come then). Two stages per rank (a loop), so a
+  // one-rank world has a stage boundary too; the group stays usable after a refusal.
+  TEST_CASE("pipeline schedules: stages that do not fit are refused on every rank at the first step, naming shapes") {
+    const int P = accel::get_world_size(), S = 2 * P, m = 4;
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    const int r = world.get_rank(Dim::PP);
+    const accel::GroupPtr group = world.get_group(Dim::PP);
+    namespace pp = accel::pp;
+    const bool first_here = r == 0, last_here = r == P - 1;  // (a loop: stage 0 on rank 0, stage S - 1 on P - 1)
+    auto step = [&](std::vector<torch::nn::Sequential> modules, int64_t batch, int64_t target_width,
+                    pp::LossFn loss = mse) {
+      std::vector<pp::PipelineStage> stages;
+      for (const int k : {r, r + P})
+        stages.emplace_back(modules[static_cast<std::size_t>(k)], k, S, c10::Device(c10::kCPU), group);
+      pp::ScheduleLoopedBFS schedule({stages[0], stages[1]}, m, std::move(loss));
+      const at::Tensor x = torch::randn({batch, kIn}, at::kDouble),
+                       y = torch::randn({batch, target_width}, at::kDouble);
+      schedule.step(first_here ? x : at::Tensor(), last_here ? y : at::Tensor());
+    };
+    const std::string refused =
+        "accel::pp::ScheduleLoopedBFS: the stages were checked before the first step (micro-batch 0 through each)";
+    // Stage 1's blocks are 6 wide; stage 0 gives 8 columns.
+    auto narrow = stage_modules(S);
+    narrow[1] = torch::nn::Sequential(Residual(6));
+    narrow[1]->to(at::kDouble);
+    const std::string narrow_error =
+        refused + ": " + (P > 1 ? "rank 1: " : "") + "stage 1's forward cannot take stage 0's output, Double[2, 8]: ";
+    CHECK_THROWS_WITH_AS(step(narrow, 8, kOut), doctest::Contains(narrow_error.c_str()), accel::InvalidArgument);
+    // A target the loss cannot take with the last stage's output.
+    CHECK_THROWS_WITH_AS(step(stage_modules(S), 8, kOut + 1),
+                         doctest::Contains("loss_fn cannot take the last stage's output, Double[2, 3], with "
+                                           "micro-batch 0 of the target, Double[2, 4]: "),
+                         accel::InvalidArgument);
+    // A loss that is not one number; a batch that does not cut into equal micro-batches (refused on the first
+    // stage's rank, and through the check on every other).
+    CHECK_THROWS_WITH_AS(
+        step(stage_modules(S), 8, kOut, [](const at::Tensor& out, const at::Tensor& target) { return out - target; }),
+        doctest::Contains("loss_fn returned Double[2, 3] for micro-batch 0; a loss is one number"),
+        accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(step(stage_modules(S), 6, kOut),
+                         doctest::Contains("the inputs' batch of 6 rows does not cut into 4 micro-batches"),
+                         accel::InvalidArgument);
+    // Every message of the refused checks was received: the group still carries a step, which trains.
+    auto modules = stage_modules(S);
+    step(modules, 8, kOut);
+    CHECK(modules[static_cast<std::size_t>(r)]->parameters()[0].grad().defined());
+    release_world();
+  }
+
+  // The check's forward leaves no trace: the buffers (a BatchNorm's running statistics) and the random generator
+  // (dropout) are what they were, so a run with the check is the run without it.
+  TEST_CASE("pipeline schedules: the first step's check leaves buffers and random numbers as they were") {
+    torch::nn::Sequential seq(torch::nn::Linear(kIn, kHidden), torch::nn::BatchNorm1d(kHidden),
+                              torch::nn::Dropout(0.5));
+    const int P = accel::get_world_size();
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    accel::pp::PipelineStage stage(seq, world.get_rank(Dim::PP), P, c10::Device(c10::kCPU), world.get_group(Dim::PP));
+    const at::Tensor x = torch::randn({4, kIn});
+    std::vector<at::Tensor> buffers;
+    for (const auto& b : seq->buffers()) buffers.push_back(b.clone());
+    torch::manual_seed(5);
+    const at::Tensor expected = torch::rand({16});
+    torch::manual_seed(5);
+    const at::Tensor out = stage.probe_forward(x);
+    CHECK_FALSE(out.requires_grad());
+    CHECK(at::equal(torch::rand({16}), expected));
+    const auto after = seq->buffers();
+    REQUIRE(after.size() == buffers.size());
+    for (std::size_t i = 0; i < buffers.size(); ++i) CHECK(at::equal(after[i], buffers[i]));
+    seq->forward(x);  // (the check would fail without the restore: a training forward moves them)
+    CHECK_FALSE(at::equal(seq->buffers()[0], buffers[0]));
+    release_world();
+  }
+
+  // pp 2 x tp (the rest of the world): each stage's blocks split over its tp group as Megatron's (whole
+  // activations between the blocks and between the stages, the input's gradient summed over tp by the column
+  // layer's backward before it goes back), every schedule, against one process: each micro-batch's loss and every
+  // piece's gradient, in float64.
+  TEST_CASE("pipeline x tensor parallel: Megatron's blocks inside the stages, every schedule, as one process") {
+    const int W = accel::get_world_size();
+    if (W % 2 != 0) {
+      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
+      return;
+    }
+    const int P = 2, T = W / 2, m = 4;
+    accel::DistributedInterface& world = fresh({.tp_size = T, .pp_size = P});
+    const int r = world.get_rank(Dim::PP), t = world.get_rank(Dim::TP);
+    REQUIRE(world.get_group(Dim::TP)->getSize() == T);
+    for (const std::string& name : kSchedules) {
+      CAPTURE(name);
+      const int S = P * stages_per_rank(name);
+      const std::vector<int> indices = stage_indices(name, P, r);
+      std::vector<torch::nn::Sequential> whole = whole_mlp_stages(S), mine = split_mlp_stages(S);
+      std::vector<accel::pp::PipelineStage> stages;
+      for (const int k : indices) {
+        load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
+        stages.emplace_back(mine[static_cast<std::size_t>(k)], k, S, c10::Device(c10::kCPU), world.get_group(Dim::PP));
+      }
+      const auto schedule = make_schedule(name, stages, m);
+      const bool last_here = std::ranges::count(indices, S - 1) == 1;
+      torch::manual_seed(400);
+      const at::Tensor x = torch::randn({2 * m, kIn}, at::kDouble), y = torch::randn({2 * m, kOut}, at::kDouble);
+      std::vector<at::Tensor> losses;
+      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(), last_here ? y : at::Tensor(), &losses);
+      at::Tensor h = x;
+      for (auto& seq : whole) h = seq->forward(h);
+      mse(h, y).backward();
+      if (last_here) {
+        REQUIRE(losses.size() == static_cast<std::size_t>(m));
+        for (int i = 0; i < m; ++i)
+          CHECK(losses[static_cast<std::size_t>(i)].item<double>() ==
+                doctest::Approx(
+                    mse(h.detach().chunk(m, 0)[static_cast<std::size_t>(i)], y.chunk(m, 0)[static_cast<std::size_t>(i)])
+                        .item<double>())
+                    .epsilon(1e-12));
+      }
+      for (const int k : indices) {
+        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
+        for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
+          CAPTURE(k);
+          CAPTURE(p.key());
+          REQUIRE(p.value().grad().defined());
+          CHECK(at::allclose(p.value().grad(), tp_piece(p.key(), want[p.key()].grad(), T, t), 1e-10, 1e-12));
+        }
+      }
     }
     release_world();
   }
@@ -393,14 +554,91 @@ TEST_SUITE("ranks") {
     release_world();
     accel::AcceleratorConfig c = config();
     c.distributed.pp_size = 2;
-    c.distributed.tp_size = W / 2;
+    c.distributed.cp_size = W / 2;
     if (W >= 4)
-      CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("tensor and context parallelism inside its stages"),
+      CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("context parallelism inside its stages"),
                            accel::InvalidArgument);
-    c.distributed.tp_size = 1;
+    c.distributed.cp_size = 1;
     c.mixed_precision = "fp16";
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("use \"bf16\""), accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());  // (refused before the rendezvous)
+  }
+  // The same through the Accelerator (pp 2 x tp, each stage prepared): clip_grad_norm_ sums the pieces over tp and
+  // every stage over pp, and returns one process's norm; the clipped, stepped pieces are one process's.
+  TEST_CASE("pipeline x tensor parallel with the Accelerator: the norm over tp and pp, every schedule") {
+    const int W = accel::get_world_size();
+    if (W % 2 != 0) {
+      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
+      return;
+    }
+    const int P = 2, T = W / 2, m = 4;
+    const double max_norm = 0.05;
+    for (const std::string& name : kSchedules) {
+      CAPTURE(name);
+      release_world();
+      accel::AcceleratorConfig c = config();
+      c.distributed.pp_size = P;
+      c.distributed.tp_size = T;
+      accel::Accelerator accelerator(c);
+      const int r = accelerator.pipeline_parallel_rank(), t = accelerator.tensor_parallel_rank();
+      const int S = P * stages_per_rank(name);
+      const std::vector<int> indices = stage_indices(name, P, r);
+      std::vector<torch::nn::Sequential> whole = whole_mlp_stages(S), mine = split_mlp_stages(S);
+      std::vector<accel::pp::PipelineStage> stages;
+      std::vector<at::Tensor> params, whole_params;
+      for (const int k : indices) {
+        load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
+        torch::nn::Sequential& seq = accelerator.prepare_model(mine[static_cast<std::size_t>(k)]);
+        stages.emplace_back(
+            seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S);
+        stages.back().set_data_parallel(*accelerator.data_parallel(seq));
+        for (const auto& p : seq->parameters()) params.push_back(p);
+      }
+      for (auto& seq : whole)
+        for (const auto& p : seq->parameters()) whole_params.push_back(p);
+      torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
+      auto optimizer = accelerator.prepare_optimizer(sgd);
+      torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
+      const auto schedule = make_schedule(name, stages, m);
+      torch::manual_seed(500);
+      const at::Tensor x = torch::randn({2 * m, kIn}, at::kDouble), y = torch::randn({2 * m, kOut}, at::kDouble);
+      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
+                     std::ranges::count(indices, S - 1) ? y : at::Tensor());
+      const double norm = accelerator.clip_grad_norm_(params, max_norm);
+      optimizer.step();
+      at::Tensor h = x;
+      for (auto& seq : whole) h = seq->forward(h);
+      mse(h, y).backward();
+      const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
+      REQUIRE(expected > max_norm);
+      CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
+      reference.step();
+      for (const int k : indices) {
+        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
+        for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
+          CAPTURE(k);
+          CAPTURE(p.key());
+          CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
+        }
+      }
+    }
+    // Sequence parallelism's partial gradients are summed by Accelerator::backward, which a pipeline does not
+    // call: a stage with such a layer is refused by name (the stage test above is not sequence parallel).
+    release_world();
+    accel::Accelerator accelerator([&] {
+      accel::AcceleratorConfig c = config();
+      c.distributed.pp_size = P;
+      c.distributed.tp_size = T;
+      return c;
+    }());
+    torch::nn::Sequential sequence_parallel(
+        accel::tp::RowParallelLinear(accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(true)));
+    if (T > 1)  // (at tp 1 nothing is partial)
+      CHECK_THROWS_WITH_AS(accelerator.prepare_model(sequence_parallel),
+                           doctest::Contains("not built for pp_size 2 yet; the model's sequence-parallel accel::tp "
+                                             "layer '0' leaves partial gradients"),
+                           accel::InvalidArgument);
+    release_world();
   }
 }
 
@@ -537,7 +775,7 @@ struct FaultyPipeline {
     stage = std::make_unique<accel::pp::PipelineStage>(
         seq.ptr(),
         [this, fault = std::move(fault)](const at::Tensor& x) {
-          if (last && ++forwards == 2) fault();
+          if (last && ++forwards == 3) fault();  // (the first: the first step's check)
           return seq->forward(x);
         },
         r, P);

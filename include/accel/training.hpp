@@ -42,6 +42,7 @@
 #include "accel/training/pp/messages.hpp"
 #include "accel/training/pp/stage.hpp"
 #include "accel/training/pp/runtime.hpp"
+#include "accel/training/pp/shape_check.hpp"
 #include "accel/training/pp/schedules.hpp"
 
 // precision: autocast, the loss scaler, FSDP2's MixedPrecisionPolicy

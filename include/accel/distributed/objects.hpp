@@ -197,6 +197,32 @@ auto gather_object(const T& object, const GroupPtr& group = {}) {
   return result;
 }
 
+namespace detail {
+// What `step` threw, as text; "" when it returned.
+template <class Step>
+std::string error_of(Step&& step) {
+  try {
+    step();
+    return {};
+  } catch (const std::exception& e) {
+    return error_text(e);
+  }
+}
+// Every rank of the group passes its error ("" if none); if any rank has one,
+// every rank throws the same Error listing them, by rank. A collective: it
+// also orders what comes before it on every rank before what comes after.
+template <class Error = RuntimeError>
+void fail_together(const std::string& error, std::string_view function, const GroupPtr& group = {}) {
+  const std::vector<std::string> errors = accel::gather_object(error, group);
+  std::string message;
+  for (std::size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      message +=
+          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
+  if (!message.empty()) throw Error(std::string(function) + ": " + message);
+}
+}  // namespace detail
+
 // Replaces `objects` on every rank with rank `from_process`'s (a rank within
 // the group; the others' lists may have any length). One size broadcast,
 // one payload broadcast. Returns objects.

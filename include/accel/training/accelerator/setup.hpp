@@ -118,14 +118,15 @@ class AcceleratorSetup {
     // Pipeline parallelism: each rank prepares its stages' modules, which
     // are kept in sync over the stage's data-parallel ranks (dp_cp, one pp
     // coordinate) and driven by the schedule (pp::PipelineStage::
-    // set_data_parallel). Composed so far with data parallelism and
-    // sharding; what is not built yet is refused here or where it is called.
-    if (strategy.pp_size() > 1 && (strategy.tp_size() > 1 || strategy.cp_size() > 1))
-      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with " +
-                            (strategy.tp_size() > 1 ? "tp_size " + std::to_string(strategy.tp_size())
-                                                    : "cp_size " + std::to_string(strategy.cp_size())) +
-                            ": the pipeline composes with data parallelism and sharding so far; tensor and context "
-                            "parallelism inside its stages are not built yet");
+    // set_data_parallel); a stage's accel::tp layers split over its tp
+    // group as without a pipeline. Composed so far with data parallelism,
+    // sharding and tensor parallelism; what is not built yet is refused here
+    // or where it is called.
+    if (strategy.pp_size() > 1 && strategy.cp_size() > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with cp_size " +
+                            std::to_string(strategy.cp_size()) +
+                            ": the pipeline composes with data, sharded and tensor parallelism so far; context "
+                            "parallelism inside its stages is not built yet");
     if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
                             " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "

@@ -186,30 +186,6 @@ inline void rotate_checkpoints(const fs::path& root, int limit, int keep) {
   }
 }
 
-// What `step` threw, as text; "" when it returned.
-template <class Step>
-std::string error_of(Step&& step) {
-  try {
-    step();
-    return {};
-  } catch (const std::exception& e) {
-    return error_text(e);
-  }
-}
-
-// Every rank passes its error ("" if none); if any rank has one, every rank
-// throws the same RuntimeError listing them. A collective: it also orders
-// what comes before it on every rank before what comes after.
-inline void fail_together(const std::string& error, std::string_view function) {
-  const std::vector<std::string> errors = accel::gather_object(error);
-  std::string message;
-  for (std::size_t r = 0; r < errors.size(); ++r)
-    if (!errors[r].empty())
-      message +=
-          (message.empty() ? "" : "; ") + (errors.size() > 1 ? "rank " + std::to_string(r) + ": " : "") + errors[r];
-  if (!message.empty()) throw RuntimeError(std::string(function) + ": " + message);
-}
-
 // A model's checkpoint archive against the model, before anything is loaded:
 // every parameter and buffer Module::load will read is there with the
 // model's shape and dtype, and the archive holds nothing the model lacks.

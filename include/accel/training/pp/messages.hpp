@@ -4,7 +4,7 @@
 // gradient back to the stage before's, point to point on the pipeline
 // group (torch's PipelineStage does the same with isend/irecv). A receive
 // needs a buffer of the right shape before the message arrives; torch infers
-// the shapes once by running the stages on meta tensors. Here the sender
+// the shapes once, on its first step, by running the stages. Here the sender
 // tells them instead: with a stage's first activation of each step goes a
 // header (its shape and dtype), so a receiver learns its input's shape from
 // the data, whatever the batch this step, without running anything twice.

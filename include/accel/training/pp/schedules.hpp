@@ -16,10 +16,12 @@
 // checked (core/pipeline_rules.hpp) and lowered with its messages
 // (core/pipeline_lowering.hpp); load_csv replaces it with a user's, in
 // torch's compute-only CSV, checked by the same rules; dump_csv writes it.
+// The first step begins by checking that the stages fit together
+// (training/pp/shape_check.hpp).
 #pragma once
 
 #include "accel/core/pipeline_orders.hpp"
-#include "accel/training/pp/runtime.hpp"
+#include "accel/training/pp/shape_check.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -38,9 +40,18 @@ class PipelineSchedule {
   at::Tensor step(const at::Tensor& inputs = {}, const at::Tensor& target = {},
                   std::vector<at::Tensor>* losses = nullptr) {
     std::vector<at::Tensor> input_mbs, target_mbs;
-    if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
-    if (plan_.stages.contains(plan_.num_stages - 1))
-      target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    const auto split = [&] {
+      if (plan_.stages.contains(0)) input_mbs = detail::pp::split_microbatches(inputs, n_microbatches_, "inputs");
+      if (plan_.stages.contains(plan_.num_stages - 1))
+        target_mbs = detail::pp::split_microbatches(target, n_microbatches_, "target");
+    };
+    if (checked_) {
+      split();
+    } else {  // the first step: the stages checked together first (training/pp/shape_check.hpp)
+      detail::pp::check_stages_fit(plan_, input_mbs, target_mbs, loss_fn_, detail::error_of(split),
+                                   "accel::pp::" + name_);
+      checked_ = true;
+    }
     for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
     detail::pp::StepResult result;
     try {
@@ -159,6 +170,7 @@ class PipelineSchedule {
   detail::pp::RankPlan plan_;
   detail::pp::PipelineOrder order_;
   double compute_seconds_ = 0;
+  bool checked_ = false;  // whether a step checked the stages (once, as torch infers their shapes once)
 };
 
 // One stage per rank (torch's PipelineScheduleSingle family).

@@ -32,6 +32,7 @@
 #include "accel/distributed/interface.hpp"
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/parameters.hpp"
+#include "accel/training/recompute.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -120,6 +121,32 @@ class PipelineStage {
 
   // --- what a schedule calls, one micro-batch at a time (torch's
   // forward_one_chunk, backward_one_chunk, backward_weight_one_chunk) ---
+
+  // The stage's forward on `input` leaving no trace: no autograd, the
+  // buffers (a BatchNorm's running statistics) and the random generators
+  // (dropout) put back after, so the step that follows is what it would
+  // have been without it. A schedule's first step runs it once per stage
+  // (training/pp/shape_check.hpp) to refuse stages that do not fit.
+  at::Tensor probe_forward(const at::Tensor& input) {
+    at::NoGradGuard no_grad;
+    std::vector<std::pair<at::Tensor, at::Tensor>> buffers;
+    for (const auto& b : module_->buffers()) buffers.emplace_back(b, b.clone());
+    detail::Recompute now;  // torch's fork_rng: the generators' states now, put back after
+    now.capture({input});
+    const auto put_back = [&] {
+      for (auto& [buffer, saved] : buffers) buffer.copy_(saved);
+    };
+    at::Tensor output;
+    try {
+      const detail::ReplayRandomness fork(now);
+      output = forward_(input.to(device_));
+    } catch (...) {
+      put_back();
+      throw;
+    }
+    put_back();
+    return output;
+  }
 
   // Runs the forward of micro-batch `mb` on `input` (the batch's piece on the
   // first stage; the activation received, or handed over by the stage before
