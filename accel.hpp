@@ -14066,8 +14066,7 @@ ACCEL_NAMESPACE_END
 // micro-batches' gradients add up locally (no sync) and the last backward of
 // the step that makes weight gradients (B, or W under zero bubble) reduces
 // their sum over the data-parallel group once: all-reduced, or
-// reduce-scattered into the shards (ZeRO-2/3), where scale_grads then divides
-// them. A fully sharded (ZeRO-3) unit is gathered again for each
+// reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3) unit is gathered again for each
 // micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
 // a stage holds at rest only its shards, whatever the micro-batches in flight.
 
@@ -14141,10 +14140,13 @@ class PipelineStage {
   // --- a step's bounds (the schedule calls them around its actions) ---
 
   // A step of `microbatches` begins: gradient sync off until the last
-  // weight backward; the peak of micro-batches held counts anew.
-  void begin_step(int microbatches) {
+  // weight backward; the peak of micro-batches held counts anew. With
+  // `scale_grads`, the last stage's backward starts from each micro-batch's
+  // loss divided by their number (see grads()).
+  void begin_step(int microbatches, bool scale_grads = true) {
     peak_ = chunks_.size();
     step_microbatches_ = microbatches;
+    loss_scale_ = scale_grads ? 1.0 / microbatches : 1.0;
     weight_passes_ = 0;
     synced_ = false;
     if (!dp_) return;
@@ -14241,9 +14243,10 @@ class PipelineStage {
     });
     chunks_.erase(mb);
   }
-  // Divides the gradients by `factor` (the schedule's scale_grads: the
-  // micro-batches' mean, not their sum): the parameters', or, after a step
-  // that reduced into shards, the shards' (where the gradients are then).
+  // Divides the gradients by `factor` (torch's stage.scale_grads): the
+  // parameters', or, after a step that reduced into shards, the shards'
+  // (where the gradients are then). The schedules do not call it: under
+  // scale_grads they divide each micro-batch's loss instead (grads()).
   void scale_grads(double factor) {
     at::NoGradGuard no_grad;
     const bool in_shards = synced_ && dp_->sharded();
@@ -14295,8 +14298,16 @@ class PipelineStage {
                        "'s " + what + " before its forward");
     return it->second;
   }
+  // What a backward starts from: the gradient received for the output, or on
+  // the last stage the loss's, 1 / m under scale_grads. torch divides the
+  // gradients by m after the step instead; that also divides what an earlier
+  // step left in them (gradient accumulation over steps) and would make it
+  // wrong, so here each micro-batch's part is divided as it is made, as
+  // Accelerate divides a loss by the accumulation steps.
   std::vector<at::Tensor> grads(const Chunk& c) const {
-    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
+    if (c.grad_output.defined()) return {c.grad_output};
+    if (loss_scale_ == 1.0) return {};
+    return {at::full_like(c.root, loss_scale_)};
   }
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -14310,6 +14321,7 @@ class PipelineStage {
   // This step's: its micro-batches, the weight backwards run, whether the
   // gradients were reduced; the caller's gradient sync setting.
   int step_microbatches_ = 0, weight_passes_ = 0;
+  double loss_scale_ = 1.0;
   bool synced_ = false, wants_sync_ = true;
 };
 }  // namespace pp
@@ -14597,9 +14609,12 @@ ACCEL_NAMESPACE_END
 // is cut into n_microbatches along dimension 0; every stage runs each
 // micro-batch's forward and backward in the schedule's order, the
 // gradients adding up in the parameters' .grad over the micro-batches and,
-// with scale_grads (torch's default), divided by their number at the end:
-// the gradient of the micro-batches' mean loss, what one process gets for
-// the whole batch with a loss that averages over it.
+// with scale_grads (torch's default), each micro-batch's divided by their
+// number: the gradient of the micro-batches' mean loss, what one process
+// gets for the whole batch with a loss that averages over it. (torch
+// divides the sum after the step, which also divides what an earlier step
+// left in .grad; here a step adds its mean to it, so gradients accumulate
+// over steps as over backwards: PipelineStage::grads.)
 //
 // The order is made once, from the arguments alone (core/pipeline_orders.hpp),
 // checked (core/pipeline_rules.hpp) and lowered with its messages
@@ -14637,7 +14652,7 @@ class PipelineSchedule {
                                    "accel::pp::" + name_);
       checked_ = true;
     }
-    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
+    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_, scale_grads_);
     detail::pp::StepResult result;
     try {
       result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
@@ -14650,8 +14665,6 @@ class PipelineSchedule {
     }
     for (auto& [index, stage] : plan_.stages) stage->end_step();
     compute_seconds_ = result.compute_seconds;
-    if (scale_grads_)
-      for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
     if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
     if (losses) {
       losses->clear();
@@ -19233,6 +19246,12 @@ class AcceleratorSetup {
                             std::to_string(strategy.cp_size()) +
                             ": the pipeline composes with data, sharded and tensor parallelism so far; context "
                             "parallelism inside its stages is not built yet");
+    if (strategy.pp_size() > 1 && config.gradient_accumulation_steps > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
+                            " with gradient_accumulation_steps " + std::to_string(config.gradient_accumulation_steps) +
+                            ": backward divides the loss by the steps, and a pipeline's schedule runs the backward "
+                            "without it; give the schedule more micro-batches instead (they accumulate within its "
+                            "step)");
     if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
                             " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "

@@ -135,8 +135,10 @@ TEST_SUITE("ranks") {
           const int64_t batch = m * (step + 1);  // (another batch size each step: shapes told per step)
           torch::manual_seed(100 + step);
           const at::Tensor x = torch::randn({batch, kIn}, at::kDouble), y = torch::randn({batch, kOut}, at::kDouble);
-          for (auto& seq : mine) seq->zero_grad();
-          for (auto& seq : whole) seq->zero_grad();
+          if (step == 0) {  // (the second step's gradients add to the first's, as two backwards in one process)
+            for (auto& seq : mine) seq->zero_grad();
+            for (auto& seq : whole) seq->zero_grad();
+          }
           std::vector<at::Tensor> losses;
           const at::Tensor out = schedule->step(first_here ? x : at::Tensor(), last_here ? y : at::Tensor(), &losses);
           // One process: the whole batch through every stage, the loss averaging over it.
@@ -433,6 +435,20 @@ TEST_SUITE("ranks") {
           sgd.zero_grad();
           reference.zero_grad();
           issued = 0;
+          if (step == 1) {  // gradient accumulation over steps: first a step with sync off, on another batch
+            for (const auto& dp : dps) dp->set_requires_gradient_sync(false);
+            torch::manual_seed(250);
+            const at::Tensor xa = torch::randn({D * m, kIn}, at::kDouble),
+                             ya = torch::randn({D * m, kOut}, at::kDouble);
+            schedule->step(first_here ? xa.narrow(0, d * m, m) : at::Tensor(),
+                           last_here ? ya.narrow(0, d * m, m) : at::Tensor());
+            for (const auto& dp : dps) CHECK_FALSE(dp->requires_gradient_sync());  // (the caller's setting kept)
+            for (const auto& dp : dps) dp->set_requires_gradient_sync(true);
+            at::Tensor h = xa;
+            for (auto& seq : whole) h = seq->forward(h);
+            mse(h, ya).backward();
+            CHECK(issued == 0);
+          }
           std::vector<at::Tensor> losses;
           schedule->step(first_here ? my_x : at::Tensor(), last_here ? my_y : at::Tensor(), &losses);
           CHECK(issued == buckets);  // every bucket once, not once per micro-batch
@@ -559,6 +575,10 @@ TEST_SUITE("ranks") {
       CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("context parallelism inside its stages"),
                            accel::InvalidArgument);
     c.distributed.cp_size = 1;
+    c.gradient_accumulation_steps = 2;
+    CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("give the schedule more micro-batches instead"),
+                         accel::InvalidArgument);
+    c.gradient_accumulation_steps = 1;
     c.mixed_precision = "fp16";
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("use \"bf16\""), accel::InvalidArgument);
     CHECK_FALSE(accel::DistributedInterface::is_initialized());  // (refused before the rendezvous)

@@ -31,6 +31,7 @@ trap 'rm -rf "$out"' EXIT
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 export OMP_NUM_THREADS=1 PYTHONFAULTHANDLER=1
 python3 "$here/pp_ref.py" data "$out"
+if ((world == 2 && dp == 1)); then python3 "$here/pp_ref.py" accumulate "$out"; fi  # (once: it is one process's)
 "$launch" --timeout 240 "$world" python3 "$here/pp_ref.py" train "$out" "$dp" "${schedules[@]}"
 echo "== accel.hpp (${schedules[*]}) on $world processes, dp $dp"
 ACCEL_PP_DIR=$out ACCEL_PP_SCHEDULES="${schedules[*]}" ACCEL_PP_DP=$dp "$launch" --timeout 240 "$world" "$binary" --no-skip \

@@ -127,6 +127,12 @@ class AcceleratorSetup {
                             std::to_string(strategy.cp_size()) +
                             ": the pipeline composes with data, sharded and tensor parallelism so far; context "
                             "parallelism inside its stages is not built yet");
+    if (strategy.pp_size() > 1 && config.gradient_accumulation_steps > 1)
+      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
+                            " with gradient_accumulation_steps " + std::to_string(config.gradient_accumulation_steps) +
+                            ": backward divides the loss by the steps, and a pipeline's schedule runs the backward "
+                            "without it; give the schedule more micro-batches instead (they accumulate within its "
+                            "step)");
     if (strategy.pp_size() > 1 && config.mixed_precision == "fp16")
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
                             " with mixed_precision \"fp16\": the loss scale would have to go into the schedule's "

@@ -8,9 +8,12 @@
 // is cut into n_microbatches along dimension 0; every stage runs each
 // micro-batch's forward and backward in the schedule's order, the
 // gradients adding up in the parameters' .grad over the micro-batches and,
-// with scale_grads (torch's default), divided by their number at the end:
-// the gradient of the micro-batches' mean loss, what one process gets for
-// the whole batch with a loss that averages over it.
+// with scale_grads (torch's default), each micro-batch's divided by their
+// number: the gradient of the micro-batches' mean loss, what one process
+// gets for the whole batch with a loss that averages over it. (torch
+// divides the sum after the step, which also divides what an earlier step
+// left in .grad; here a step adds its mean to it, so gradients accumulate
+// over steps as over backwards: PipelineStage::grads.)
 //
 // The order is made once, from the arguments alone (core/pipeline_orders.hpp),
 // checked (core/pipeline_rules.hpp) and lowered with its messages
@@ -52,7 +55,7 @@ class PipelineSchedule {
                                    "accel::pp::" + name_);
       checked_ = true;
     }
-    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_);
+    for (auto& [index, stage] : plan_.stages) stage->begin_step(n_microbatches_, scale_grads_);
     detail::pp::StepResult result;
     try {
       result = detail::pp::StepRun(plan_, std::move(input_mbs), std::move(target_mbs), loss_fn_, n_microbatches_).run();
@@ -65,8 +68,6 @@ class PipelineSchedule {
     }
     for (auto& [index, stage] : plan_.stages) stage->end_step();
     compute_seconds_ = result.compute_seconds;
-    if (scale_grads_)
-      for (auto& [index, stage] : plan_.stages) stage->scale_grads(n_microbatches_);
     if (!plan_.stages.contains(plan_.num_stages - 1)) return {};
     if (losses) {
       losses->clear();

@@ -22,8 +22,7 @@
 // micro-batches' gradients add up locally (no sync) and the last backward of
 // the step that makes weight gradients (B, or W under zero bubble) reduces
 // their sum over the data-parallel group once: all-reduced, or
-// reduce-scattered into the shards (ZeRO-2/3), where scale_grads then divides
-// them. A fully sharded (ZeRO-3) unit is gathered again for each
+// reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3) unit is gathered again for each
 // micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
 // a stage holds at rest only its shards, whatever the micro-batches in flight.
 #pragma once
@@ -104,10 +103,13 @@ class PipelineStage {
   // --- a step's bounds (the schedule calls them around its actions) ---
 
   // A step of `microbatches` begins: gradient sync off until the last
-  // weight backward; the peak of micro-batches held counts anew.
-  void begin_step(int microbatches) {
+  // weight backward; the peak of micro-batches held counts anew. With
+  // `scale_grads`, the last stage's backward starts from each micro-batch's
+  // loss divided by their number (see grads()).
+  void begin_step(int microbatches, bool scale_grads = true) {
     peak_ = chunks_.size();
     step_microbatches_ = microbatches;
+    loss_scale_ = scale_grads ? 1.0 / microbatches : 1.0;
     weight_passes_ = 0;
     synced_ = false;
     if (!dp_) return;
@@ -204,9 +206,10 @@ class PipelineStage {
     });
     chunks_.erase(mb);
   }
-  // Divides the gradients by `factor` (the schedule's scale_grads: the
-  // micro-batches' mean, not their sum): the parameters', or, after a step
-  // that reduced into shards, the shards' (where the gradients are then).
+  // Divides the gradients by `factor` (torch's stage.scale_grads): the
+  // parameters', or, after a step that reduced into shards, the shards'
+  // (where the gradients are then). The schedules do not call it: under
+  // scale_grads they divide each micro-batch's loss instead (grads()).
   void scale_grads(double factor) {
     at::NoGradGuard no_grad;
     const bool in_shards = synced_ && dp_->sharded();
@@ -258,8 +261,16 @@ class PipelineStage {
                        "'s " + what + " before its forward");
     return it->second;
   }
+  // What a backward starts from: the gradient received for the output, or on
+  // the last stage the loss's, 1 / m under scale_grads. torch divides the
+  // gradients by m after the step instead; that also divides what an earlier
+  // step left in them (gradient accumulation over steps) and would make it
+  // wrong, so here each micro-batch's part is divided as it is made, as
+  // Accelerate divides a loss by the accumulation steps.
   std::vector<at::Tensor> grads(const Chunk& c) const {
-    return c.grad_output.defined() ? std::vector<at::Tensor>{c.grad_output} : std::vector<at::Tensor>{};
+    if (c.grad_output.defined()) return {c.grad_output};
+    if (loss_scale_ == 1.0) return {};
+    return {at::full_like(c.root, loss_scale_)};
   }
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -273,6 +284,7 @@ class PipelineStage {
   // This step's: its micro-batches, the weight backwards run, whether the
   // gradients were reduced; the caller's gradient sync setting.
   int step_microbatches_ = 0, weight_passes_ = 0;
+  double loss_scale_ = 1.0;
   bool synced_ = false, wants_sync_ = true;
 };
 }  // namespace pp
