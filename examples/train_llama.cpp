@@ -269,6 +269,24 @@ void print_progress(const Options& o, int64_t step, int64_t first, std::chrono::
               per_step * static_cast<double>(o.steps - step), tty ? "" : "\n");
 }
 
+// The corpus's windows, shuffled, each of the `replicas` data-parallel replicas reading --batch / replicas of them
+// per step.
+auto prepare_loader(accel::Accelerator& accelerator, const Options& o, int replicas) {
+  return accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
+                                         {.batch_size = static_cast<size_t>(o.batch / replicas),
+                                          .shuffle = true,
+                                          .seed = static_cast<uint64_t>(o.seed),
+                                          .drop_last = true});
+}
+// logs/metrics.csv and its run's settings.
+void start_logs(accel::Accelerator& accelerator, const Options& o) {
+  accelerator.init_trackers("logs", {{"layers", std::to_string(o.model.num_hidden_layers)},
+                                     {"hidden", std::to_string(o.model.hidden_size)},
+                                     {"seq", std::to_string(o.seq)},
+                                     {"batch", std::to_string(o.batch)},
+                                     {"lr", std::to_string(o.lr)}});
+}
+
 // The schedule named by --schedule over this rank's stages.
 std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
                                                            std::vector<accel::pp::PipelineStage>& stages, int m,
@@ -326,17 +344,8 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
         return torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat), labels.reshape({-1}));
       });
   const int dp = accel::DistributedInterface::instance().get_world_size(accel::Dim::DP);
-  auto loader =
-      accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
-                                      {.batch_size = static_cast<size_t>(o.batch / dp),
-                                       .shuffle = true,
-                                       .seed = static_cast<uint64_t>(o.seed),
-                                       .drop_last = true});
-  accelerator.init_trackers("logs", {{"layers", std::to_string(o.model.num_hidden_layers)},
-                                     {"hidden", std::to_string(o.model.hidden_size)},
-                                     {"seq", std::to_string(o.seq)},
-                                     {"batch", std::to_string(o.batch)},
-                                     {"lr", std::to_string(o.lr)}});
+  auto loader = prepare_loader(accelerator, o, dp);
+  start_logs(accelerator, o);
   accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "-", o.schedule, "over",
                S, "stages,", microbatches, "micro-batches per step,", accel::to_string(accelerator.sharding_strategy()),
                "per stage -", o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters,
@@ -422,20 +431,11 @@ int train(Options o) {
   auto prepared = accelerator.prepare(model, adamw);
   accel::AcceleratedOptimizer& optimizer = std::get<1>(prepared);
   const int dp = accelerator.num_processes() / (o.cp * o.tp);  // (tp peers read the same sequences)
-  auto loader =
-      accelerator.prepare_data_loader(Windows(read_corpus(o.corpus), o.seq).map(torch::data::transforms::Stack<>()),
-                                      {.batch_size = static_cast<size_t>(o.batch / dp),
-                                       .shuffle = true,
-                                       .seed = static_cast<uint64_t>(o.seed),
-                                       .drop_last = true});
+  auto loader = prepare_loader(accelerator, o, dp);
   StepCount step;
   accelerator.register_for_checkpointing(step);
   if (o.resume) accelerator.load_state(o.dir + "/checkpoint");
-  accelerator.init_trackers("logs", {{"layers", std::to_string(o.model.num_hidden_layers)},
-                                     {"hidden", std::to_string(o.model.hidden_size)},
-                                     {"seq", std::to_string(o.seq)},
-                                     {"batch", std::to_string(o.batch)},
-                                     {"lr", std::to_string(o.lr)}});
+  start_logs(accelerator, o);
 
   const accel::DistributedStrategy& mesh = accel::DistributedInterface::instance().strategy();
   accel::print("train_llama:", accelerator.num_processes(), "process(es),",

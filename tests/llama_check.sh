@@ -10,7 +10,7 @@
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
 #     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2): GPipe and 1F1B at 2 layers,
 #     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
-#     process of the same depth, the same way;
+#     process of the same depth, the same way; 1F1B under bf16 against one process under bf16 (within 2e-4);
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
@@ -36,8 +36,8 @@ declare -A meshes=([hsdp_dp2_cp2]="4 --mp-replicate 2 --mp-shard 2 --dp 2 --cp 2
                    [dp1_cp4]="4 --dp 1 --cp 4" [tp2_dp2_recompute]="4 --tp 2 --dp 2 --recompute --export $dir/tp2_dp2_recompute/model"
                    [tp2_dp2_no_shard]="4 --tp 2 --dp 2 --sharding no_shard" [tp4]="4 --tp 4" [tp2_cp2]="4 --tp 2 --cp 2"
                    [hsdp_tp2_8]="8 --mp-replicate 2 --mp-shard 2 --tp 2")
-same_losses() {  # REFERENCE NAME: NAME's 6 losses against REFERENCE's (one process)
-  python3 - "$dir/$1/logs/metrics.csv" "$dir/$2/logs/metrics.csv" "$LOSS_TOLERANCE" "$2" <<'PY'
+same_losses() {  # REFERENCE NAME [TOLERANCE]: NAME's 6 losses against REFERENCE's (one process)
+  python3 - "$dir/$1/logs/metrics.csv" "$dir/$2/logs/metrics.csv" "${3:-$LOSS_TOLERANCE}" "$2" <<'PY'
 import csv, sys
 one, other = ([float(r["loss"]) for r in csv.DictReader(open(p))] for p in sys.argv[1:3])
 tolerance = float(sys.argv[3])
@@ -63,6 +63,12 @@ for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
     > "$dir/pp2_$schedule.log"
   same_losses one4 "pp2_$schedule"
 done
+# bf16 autocast in each stage's forward: against one process under bf16 (the micro-batches' other matmul shapes
+# round otherwise; dp 4 under bf16 differs from one process by about as much, 4e-5).
+run 1 --mixed-precision bf16 --steps 6 --dir "$dir/one_bf16" > "$dir/one_bf16.log"
+run 4 --pp 2 --schedule 1f1b --microbatches 2 --mixed-precision bf16 --steps 6 --dir "$dir/pp2_bf16" \
+  > "$dir/pp2_bf16.log"
+same_losses one_bf16 pp2_bf16 2e-4
 # FSDP + TP's export: whole tensors under Hugging Face's names, each piece gathered: one process's weights (the same
 # sums in another order). Read without torch (the 1.13 leg's Python may have none): safetensors is a JSON header.
 python3 - "$dir/one/model/model.safetensors" "$dir/tp2_dp2_recompute/model/model.safetensors" <<'PY'
