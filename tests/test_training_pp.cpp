@@ -108,6 +108,27 @@ void load_pieces(torch::nn::Module& split, torch::nn::Module& whole, int T, int 
   for (auto& p : split.named_parameters()) p.value().copy_(tp_piece(p.key(), from[p.key()], T, t));
 }
 
+// Through the Accelerator: this rank's stage modules (by index) prepared and made stages, each driven by its
+// prepared DataParallel; returns their parameters, each tensor once (a tied one is listed twice by LibTorch).
+std::vector<at::Tensor> prepare_stages(accel::Accelerator& accelerator, std::vector<torch::nn::Sequential>& modules,
+                                       const std::vector<int>& indices, int S,
+                                       std::vector<accel::pp::PipelineStage>& stages) {
+  std::vector<at::Tensor> params;
+  for (const int k : indices) {
+    torch::nn::Sequential& seq = accelerator.prepare_model(modules[static_cast<std::size_t>(k)]);
+    stages.emplace_back(seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S);
+    stages.back().set_data_parallel(*accelerator.data_parallel(seq));
+    for (const auto& p : accel::detail::unique_tensors(seq->parameters())) params.push_back(p);
+  }
+  return params;
+}
+std::vector<at::Tensor> all_parameters(std::vector<torch::nn::Sequential>& modules) {
+  std::vector<at::Tensor> params;
+  for (auto& seq : modules)
+    for (const auto& p : accel::detail::unique_tensors(seq->parameters())) params.push_back(p);
+  return params;
+}
+
 TEST_SUITE("ranks") {
   TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
     const int P = accel::get_world_size();
@@ -513,16 +534,8 @@ TEST_SUITE("ranks") {
         const std::vector<int> indices = stage_indices(name, P, r);
         std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
         std::vector<accel::pp::PipelineStage> stages;
-        std::vector<at::Tensor> params, whole_params;
-        for (const int k : indices) {
-          torch::nn::Sequential& seq = accelerator.prepare_model(mine[static_cast<std::size_t>(k)]);
-          stages.emplace_back(
-              seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S);
-          stages.back().set_data_parallel(*accelerator.data_parallel(seq));
-          for (const auto& p : accel::detail::unique_tensors(seq->parameters())) params.push_back(p);
-        }
-        for (auto& seq : whole)
-          for (const auto& p : accel::detail::unique_tensors(seq->parameters())) whole_params.push_back(p);
+        const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
+                                      whole_params = all_parameters(whole);
         torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
         auto optimizer = accelerator.prepare_optimizer(sgd);
         torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
@@ -604,18 +617,11 @@ TEST_SUITE("ranks") {
       const int S = P * stages_per_rank(name);
       const std::vector<int> indices = stage_indices(name, P, r);
       std::vector<torch::nn::Sequential> whole = whole_mlp_stages(S), mine = split_mlp_stages(S);
-      std::vector<accel::pp::PipelineStage> stages;
-      std::vector<at::Tensor> params, whole_params;
-      for (const int k : indices) {
+      for (const int k : indices)
         load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
-        torch::nn::Sequential& seq = accelerator.prepare_model(mine[static_cast<std::size_t>(k)]);
-        stages.emplace_back(
-            seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S);
-        stages.back().set_data_parallel(*accelerator.data_parallel(seq));
-        for (const auto& p : seq->parameters()) params.push_back(p);
-      }
-      for (auto& seq : whole)
-        for (const auto& p : seq->parameters()) whole_params.push_back(p);
+      std::vector<accel::pp::PipelineStage> stages;
+      const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
+                                    whole_params = all_parameters(whole);
       torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
       auto optimizer = accelerator.prepare_optimizer(sgd);
       torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
