@@ -8135,15 +8135,6 @@ inline SplitTensors split_tensors(const torch::nn::Module& module) {
   for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
   return split;
 }
-// The first layer of `module` (by qualified name, "" for the module itself)
-// whose parameters end a backward partial (sequence parallelism's: a
-// RowParallelLinear's bias, a styled SequenceParallel module's), if any.
-inline std::optional<std::string> layer_with_partial_gradients(const torch::nn::Module& module) {
-  if (const auto pieces = pieces_of(module); pieces && !pieces->partial.empty()) return std::string();
-  for (const auto& named : module.named_modules("", /*include_self=*/false))
-    if (const auto pieces = pieces_of(*named.value()); pieces && !pieces->partial.empty()) return named.key();
-  return std::nullopt;
-}
 // Copies tp rank 0's values of the tensors of `module` that `split` does not
 // hold (norms, a row layer's bias, buffers: whole on every rank) to the other
 // ranks of its tp group, in one broadcast. Data parallelism starts each
@@ -14069,6 +14060,9 @@ ACCEL_NAMESPACE_END
 // reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3) unit is gathered again for each
 // micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
 // a stage holds at rest only its shards, whatever the micro-batches in flight.
+// The reducing backward also sums over tp the gradients sequence parallelism
+// leaves partial (tp::all_reduce_sequence_parallel_gradients); without a
+// DataParallel the caller sums them after the step.
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -14278,6 +14272,10 @@ class PipelineStage {
     fn();
     dp_->finish();  // (the reduction, or, without sync, only the end of the units' pass)
     dp_->set_requires_gradient_sync(false);
+    // Sequence parallelism's partial gradients (the stage's accel::tp layers
+    // name them) summed over tp once reduced, as Accelerator::backward does
+    // on the steps that sync (nothing without such layers).
+    if (reduce) tp::all_reduce_sequence_parallel_gradients(*module_);
     synced_ = synced_ || reduce;
   }
 
@@ -19776,11 +19774,6 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-  if (const auto layer = detail::tp::layer_with_partial_gradients(*module))
-    setup_.refuse_under_pipeline(
-        "prepare", "the model's sequence-parallel accel::tp layer '" + *layer +
-                       "' leaves partial gradients, which backward sums over tp and a pipeline's schedule does not: "
-                       "make a stage's tp layers without sequence_parallel");
   model->to(device());
   // Beside tp the whole tensors first agree across each tp group (before a FULL_SHARD wrapper takes the
   // parameters' memory); the wrapper then starts every dp_cp group from its first rank.

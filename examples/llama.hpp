@@ -329,9 +329,11 @@ struct StageImpl : torch::nn::Module {
       lm_head = register_module("lm_head", whole->lm_head);
     }
   }
-  // ids [B, T] or hidden states [B, T, H]; with `recompute`, each layer through accel::checkpoint.
+  // ids [B, T] or hidden states [B, T, H] (under tensor parallelism [B, T / sequence_shards, H]: this rank's
+  // tokens, sequence parallelism's split); with `recompute`, each layer through accel::checkpoint.
   at::Tensor forward(const at::Tensor& x, bool recompute = false) {
-    const auto [cos_all, sin_all] = rotary(config, 0, x.size(1), x.device());
+    const int64_t length = model->embed_tokens.is_empty() ? x.size(1) * sequence_shards : x.size(1);
+    const auto [cos_all, sin_all] = rotary(config, 0, length, x.device());
     const at::Tensor cos = cos_all, sin = sin_all;
     at::Tensor h = model->embed_tokens.is_empty() ? x : accel::unit_forward(model->embed_tokens, x);
     for (const auto& item : *model->layers) {
@@ -343,9 +345,21 @@ struct StageImpl : torch::nn::Module {
     }
     return lm_head.is_empty() ? h : accel::unit_forward(lm_head, accel::unit_forward(model->norm, h));
   }
+  // The tp plan's entries for the modules this stage holds (the embedding's on the first, the norm's and the
+  // head's on the last; every layer's pattern matches its layers).
+  std::map<std::string, accel::tp::ParallelStyle> tp_plan_of(
+      std::map<std::string, accel::tp::ParallelStyle> plan) const {
+    if (model->embed_tokens.is_empty()) plan.erase("model.embed_tokens");
+    if (lm_head.is_empty()) {
+      plan.erase("model.norm");
+      plan.erase("lm_head");
+    }
+    return plan;
+  }
   Config config;
   StageBody model{nullptr};
   torch::nn::Linear lm_head{nullptr};
+  int64_t sequence_shards = 1;  // the tp ranks a stage's hidden states are split over along the sequence
 };
 TORCH_MODULE(Stage);
 

@@ -21,8 +21,8 @@
 //         --pp N --schedule NAME --microbatches M (pipeline parallelism: the layers split evenly into stages as
 //         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
 //         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
-//         replicated over its data-parallel ranks; M micro-batches per step, default pp; not yet with --tp,
-//         --cp, --accumulate, checkpoints, --export or --import)
+//         replicated over its data-parallel ranks, with --tp split by the plan inside; M micro-batches per
+//         step, default pp; not yet with --cp, --accumulate, checkpoints, --export or --import)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -190,9 +190,9 @@ void check(const Options& o, int world) {
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
   if (o.pp > 1) {
-    if (o.tp > 1 || o.cp > 1 || o.accumulate > 1)
+    if (o.cp > 1 || o.accumulate > 1)
       fail(
-          "--pp with --tp, --cp or --accumulate is not built yet (more "
+          "--pp with --cp or --accumulate is not built yet (more "
           "micro-batches per step: --microbatches)");
     if (o.save_every || o.resume || o.stop_after >= 0 || !o.export_dir.empty() || !o.import_dir.empty())
       fail(
@@ -302,10 +302,11 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
 }
 
 // --pp: this rank's stages of the model (llama::Stage; two in a loop or a V for the schedules that take two),
-// each prepared (sharded or replicated over its data-parallel ranks) and given to the schedule, which runs every
-// micro-batch's forward and backward and reduces the gradients once per step; clipped over every stage, AdamW
-// stepped. The loss logged: the last stage's micro-batches' mean, averaged over the data-parallel ranks (each
-// holds the last stage once).
+// with --tp split by the plan (the hidden states between stages split along the sequence), each prepared
+// (sharded or replicated over its data-parallel ranks) and given to the schedule, which runs every micro-batch's
+// forward and backward and reduces the gradients once per step (sequence parallelism's partial ones summed over
+// tp then); clipped over every stage, AdamW stepped. The loss logged: the last stage's micro-batches' mean,
+// averaged over the ranks holding the last stage (each data-parallel rank's tp ranks).
 int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Llama whole) {
   config.distributed.pp_size = o.pp;
   accel::Accelerator accelerator(config);
@@ -319,6 +320,11 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   std::vector<llama::Stage> modules;
   for (const int k : indices) modules.emplace_back(whole, k, S);
   whole = llama::Llama(nullptr);  // (the other ranks' layers go; this rank keeps its stages')
+  if (o.tp > 1)  // (each rank keeps its pieces of its stages, the hidden states between them split along the sequence)
+    for (auto& stage : modules) {
+      accel::tp::parallelize_module(*stage, stage->tp_plan_of(llama::tp_plan()));
+      stage->sequence_shards = o.tp;
+    }
   std::vector<accel::pp::PipelineStage> stages;
   stages.reserve(modules.size());  // (a schedule holds references to its stages: they must not move)
   std::vector<at::Tensor> params;
@@ -340,16 +346,21 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   accel::AcceleratedOptimizer optimizer = accelerator.prepare_optimizer(adamw);
   const int microbatches = o.microbatches ? o.microbatches : P;
   const auto schedule = make_schedule(
-      o.schedule, stages, microbatches, [V = o.model.vocab_size](const at::Tensor& logits, const at::Tensor& labels) {
-        return torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat), labels.reshape({-1}));
+      o.schedule, stages, microbatches,
+      [V = o.model.vocab_size, tp = o.tp](const at::Tensor& logits, const at::Tensor& labels) {
+        // (under tp the logits are this rank's columns of the vocabulary)
+        return tp > 1
+                   ? accel::tp::vocab_parallel_cross_entropy(logits, labels)
+                   : torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat), labels.reshape({-1}));
       });
   const int dp = accel::DistributedInterface::instance().get_world_size(accel::Dim::DP);
   auto loader = prepare_loader(accelerator, o, dp);
   start_logs(accelerator, o);
-  accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "-", o.schedule, "over",
-               S, "stages,", microbatches, "micro-batches per step,", accel::to_string(accelerator.sharding_strategy()),
-               "per stage -", o.model.num_hidden_layers, "layers, hidden", o.model.hidden_size, "-", parameters,
-               "parameters, rank 0's stages", mine, "- seq", o.seq);
+  accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "x tp", o.tp, "-",
+               o.schedule, "over", S, "stages,", microbatches, "micro-batches per step,",
+               accel::to_string(accelerator.sharding_strategy()), "per stage -", o.model.num_hidden_layers,
+               "layers, hidden", o.model.hidden_size, "-", parameters, "parameters, rank 0's stages", mine, "- seq",
+               o.seq);
   const bool first_here = indices[0] == 0, last_here = std::count(indices.begin(), indices.end(), S - 1) == 1;
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
@@ -365,7 +376,7 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
       optimizer.zero_grad();
       ++step.value;
       const double local = last_here ? at::stack(losses).mean().item<double>() : 0.0;
-      last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / dp;
+      last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / (dp * o.tp);  // (each tp rank has it)
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
       if (accelerator.is_main_process()) print_progress(o, step.value, 0, start, last_loss, tty);
       if (step.value >= o.steps) break;

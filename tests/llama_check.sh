@@ -10,7 +10,8 @@
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
 #     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2): GPipe and 1F1B at 2 layers,
 #     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
-#     process of the same depth, the same way; 1F1B under bf16 against one process under bf16 (within 2e-4);
+#     process of the same depth, the same way, and pp 2 x tp 2 (1F1B at 2 layers, ZBV with activation
+#     checkpointing at 4); 1F1B under bf16 against one process under bf16 (within 2e-4);
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
@@ -63,6 +64,14 @@ for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
     > "$dir/pp2_$schedule.log"
   same_losses one4 "pp2_$schedule"
 done
+# pp 2 x tp 2: each stage split by the tp plan (sequence parallelism: the hidden states between stages split along
+# the sequence, the norms' partial gradients summed by the stage's step), 1F1B at 2 layers, ZBV with --recompute
+# at 4.
+run 4 --pp 2 --tp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_tp2" > "$dir/pp2_tp2.log"
+same_losses one pp2_tp2
+run 4 --layers 4 --pp 2 --tp 2 --schedule zbv --microbatches 4 --recompute --steps 6 --dir "$dir/pp2_tp2_zbv" \
+  > "$dir/pp2_tp2_zbv.log"
+same_losses one4 pp2_tp2_zbv
 # bf16 autocast in each stage's forward: against one process under bf16 (the micro-batches' other matmul shapes
 # round otherwise; dp 4 under bf16 differs from one process by about as much, 4e-5).
 run 1 --mixed-precision bf16 --steps 6 --dir "$dir/one_bf16" > "$dir/one_bf16.log"

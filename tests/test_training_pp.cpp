@@ -54,7 +54,8 @@ std::vector<int> stage_indices(const std::string& name, int P, int r) {
   return {r, r + P};
 }
 std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
-                                                           std::vector<accel::pp::PipelineStage>& stages, int m) {
+                                                           std::vector<accel::pp::PipelineStage>& stages, int m,
+                                                           const accel::pp::LossFn& mse = pp_test::mse) {
   namespace pp = accel::pp;
   std::vector<std::reference_wrapper<pp::PipelineStage>> refs(stages.begin(), stages.end());
   if (name == "gpipe") return std::make_unique<pp::ScheduleGPipe>(stages[0], m, mse);
@@ -95,9 +96,68 @@ std::vector<torch::nn::Sequential> mlp_stage_modules(int stages) {
 }
 const auto whole_mlp_stages = mlp_stage_modules<torch::nn::Linear, torch::nn::Linear>;
 const auto split_mlp_stages = mlp_stage_modules<accel::tp::ColumnParallelLinear, accel::tp::RowParallelLinear>;
+// Sequence parallelism inside the stages: the first stage scatters its projection's output along the sequence
+// (dimension 1), the blocks run on this rank's tokens (their column layers gather them, their row layers
+// reduce-scatter back: the row layers' biases end the backward partial), and the last stage's head, a column
+// layer, gathers them and gives this rank's columns of the output (the loss over them: split_columns_mse). The
+// whole model (the reference): the same names, plain layers, no scatter.
+constexpr int64_t kSeq = 4, kWideOut = 4;
+struct SequenceParallelMlpImpl : torch::nn::Module {
+  SequenceParallelMlpImpl() {
+    up = register_module("up", accel::tp::ColumnParallelLinear(
+                                   accel::tp::ColumnParallelLinearOptions(kHidden, kFfn).sequence_parallel(true)));
+    down = register_module("down", accel::tp::RowParallelLinear(
+                                       accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(true)));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(torch::tanh(up(x))); }
+  accel::tp::ColumnParallelLinear up{nullptr};
+  accel::tp::RowParallelLinear down{nullptr};
+};
+template <class Layer>
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(Layer layer) : head(register_module("head", std::move(layer))) {}
+  at::Tensor forward(const at::Tensor& x) { return head(x); }
+  Layer head;
+};
+std::vector<torch::nn::Sequential> sequence_parallel_stages(int stages, bool split) {
+  torch::manual_seed(17);
+  std::vector<torch::nn::Sequential> out;
+  for (int k = 0; k < stages; ++k) {
+    torch::nn::Sequential seq;
+    if (k == 0) {
+      seq->push_back(torch::nn::Linear(kIn, kHidden));
+      seq->push_back(torch::nn::Functional(
+          [split](const at::Tensor& x) { return split ? accel::tp::scatter_to_sequence_parallel_region(x, 1) : x; }));
+    }
+    for (int b = 0; b <= k % 2; ++b) {
+      if (split) seq->push_back(std::make_shared<SequenceParallelMlpImpl>());
+      else seq->push_back(std::make_shared<MlpImpl<torch::nn::Linear, torch::nn::Linear>>());
+    }
+    if (k == stages - 1) {
+      if (split)
+        seq->push_back(std::make_shared<HeadImpl<accel::tp::ColumnParallelLinear>>(accel::tp::ColumnParallelLinear(
+            accel::tp::ColumnParallelLinearOptions(kHidden, kWideOut).sequence_parallel(true))));
+      else seq->push_back(std::make_shared<HeadImpl<torch::nn::Linear>>(torch::nn::Linear(kHidden, kWideOut)));
+    }
+    seq->to(at::kDouble);
+    out.push_back(seq);
+  }
+  return out;
+}
+// The mean squared error over the whole output, from tp rank t's columns of it: each rank's sum of squares,
+// summed over tp (reduce_from_parallel_region: its backward hands each rank its own part).
+accel::pp::LossFn split_columns_mse(int T, int t) {
+  return [T, t](const at::Tensor& out, const at::Tensor& target) {
+    const at::Tensor local = (out - target.chunk(T, 2)[t]).pow(2).sum();
+    return accel::tp::reduce_from_parallel_region(local) / static_cast<double>(target.numel());
+  };
+}
+
 // Tp rank t's piece (of T) of a whole parameter or gradient of the MLP stages, by name.
 at::Tensor tp_piece(const std::string& name, const at::Tensor& whole, int T, int t) {
-  if (name.ends_with("up.weight") || name.ends_with("up.bias")) return whole.chunk(T, 0)[t];
+  if (name.ends_with("up.weight") || name.ends_with("up.bias") || name.ends_with("head.weight") ||
+      name.ends_with("head.bias"))
+    return whole.chunk(T, 0)[t];
   if (name.ends_with("down.weight")) return whole.chunk(T, 1)[t];
   return whole;  // (a row-parallel layer's bias, and the plain layers: whole on every tp rank)
 }
@@ -648,22 +708,66 @@ TEST_SUITE("ranks") {
         }
       }
     }
-    // Sequence parallelism's partial gradients are summed by Accelerator::backward, which a pipeline does not
-    // call: a stage with such a layer is refused by name (the stage test above is not sequence parallel).
     release_world();
-    accel::Accelerator accelerator([&] {
+  }
+  // Sequence parallelism inside the stages (pp 2 x tp, each stage prepared): a stage's step that reduces its
+  // gradients also sums the partial ones over tp (the row layers' biases), as Accelerator::backward does without
+  // a pipeline; the norm and the stepped pieces as one process's.
+  TEST_CASE("pipeline x sequence parallel with the Accelerator: the partial gradients summed, every schedule") {
+    const int W = accel::get_world_size();
+    if (W % 2 != 0) {
+      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
+      return;
+    }
+    const int P = 2, T = W / 2, m = 4;
+    const double max_norm = 0.05;
+    for (const std::string& name : kSchedules) {
+      CAPTURE(name);
+      release_world();
       accel::AcceleratorConfig c = config();
       c.distributed.pp_size = P;
       c.distributed.tp_size = T;
-      return c;
-    }());
-    torch::nn::Sequential sequence_parallel(
-        accel::tp::RowParallelLinear(accel::tp::RowParallelLinearOptions(kFfn, kHidden).sequence_parallel(true)));
-    if (T > 1)  // (at tp 1 nothing is partial)
-      CHECK_THROWS_WITH_AS(accelerator.prepare_model(sequence_parallel),
-                           doctest::Contains("not built for pp_size 2 yet; the model's sequence-parallel accel::tp "
-                                             "layer '0' leaves partial gradients"),
-                           accel::InvalidArgument);
+      accel::Accelerator accelerator(c);
+      const int r = accelerator.pipeline_parallel_rank(), t = accelerator.tensor_parallel_rank();
+      const int S = P * stages_per_rank(name);
+      const std::vector<int> indices = stage_indices(name, P, r);
+      std::vector<torch::nn::Sequential> whole = sequence_parallel_stages(S, false),
+                                         mine = sequence_parallel_stages(S, true);
+      for (const int k : indices)
+        load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
+      std::vector<accel::pp::PipelineStage> stages;
+      const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
+                                    whole_params = all_parameters(whole);
+      torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
+      auto optimizer = accelerator.prepare_optimizer(sgd);
+      torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
+      const auto schedule = make_schedule(name, stages, m, split_columns_mse(T, t));
+      torch::manual_seed(600);
+      const at::Tensor x = torch::randn({2 * m, kSeq, kIn}, at::kDouble),
+                       y = torch::randn({2 * m, kSeq, kWideOut}, at::kDouble);
+      std::vector<at::Tensor> losses;
+      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
+                     std::ranges::count(indices, S - 1) ? y : at::Tensor(), &losses);
+      const double norm = accelerator.clip_grad_norm_(params, max_norm);
+      optimizer.step();
+      at::Tensor h = x;
+      for (auto& seq : whole) h = seq->forward(h);
+      mse(h, y).backward();
+      if (!losses.empty())
+        CHECK(at::stack(losses).mean().item<double>() == doctest::Approx(mse(h, y).item<double>()).epsilon(1e-12));
+      const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
+      REQUIRE(expected > max_norm);
+      CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
+      reference.step();
+      for (const int k : indices) {
+        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
+        for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
+          CAPTURE(k);
+          CAPTURE(p.key());
+          CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
+        }
+      }
+    }
     release_world();
   }
 }

@@ -15,11 +15,6 @@ ModuleHolder& Accelerator::prepare(ModuleHolder& model) {
   auto module = std::static_pointer_cast<torch::nn::Module>(model.ptr());
   if (prepared_.find(module.get()))
     throw InvalidArgument("accel::Accelerator::prepare: this model is already prepared");
-  if (const auto layer = detail::tp::layer_with_partial_gradients(*module))
-    setup_.refuse_under_pipeline(
-        "prepare", "the model's sequence-parallel accel::tp layer '" + *layer +
-                       "' leaves partial gradients, which backward sums over tp and a pipeline's schedule does not: "
-                       "make a stage's tp layers without sequence_parallel");
   model->to(device());
   // Beside tp the whole tensors first agree across each tp group (before a FULL_SHARD wrapper takes the
   // parameters' memory); the wrapper then starts every dp_cp group from its first rank.

@@ -25,6 +25,9 @@
 // reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3) unit is gathered again for each
 // micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
 // a stage holds at rest only its shards, whatever the micro-batches in flight.
+// The reducing backward also sums over tp the gradients sequence parallelism
+// leaves partial (tp::all_reduce_sequence_parallel_gradients); without a
+// DataParallel the caller sums them after the step.
 #pragma once
 
 #include "accel/training/pp/messages.hpp"
@@ -32,6 +35,7 @@
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/parameters.hpp"
 #include "accel/training/recompute.hpp"
+#include "accel/training/tp/sequence_parallel.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
@@ -241,6 +245,10 @@ class PipelineStage {
     fn();
     dp_->finish();  // (the reduction, or, without sync, only the end of the units' pass)
     dp_->set_requires_gradient_sync(false);
+    // Sequence parallelism's partial gradients (the stage's accel::tp layers
+    // name them) summed over tp once reduced, as Accelerator::backward does
+    // on the steps that sync (nothing without such layers).
+    if (reduce) tp::all_reduce_sequence_parallel_gradients(*module_);
     synced_ = synced_ || reduce;
   }
 

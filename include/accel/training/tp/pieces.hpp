@@ -79,15 +79,6 @@ inline SplitTensors split_tensors(const torch::nn::Module& module) {
   for (const auto& named : module.named_modules("", /*include_self=*/false)) visit(named.key(), *named.value());
   return split;
 }
-// The first layer of `module` (by qualified name, "" for the module itself)
-// whose parameters end a backward partial (sequence parallelism's: a
-// RowParallelLinear's bias, a styled SequenceParallel module's), if any.
-inline std::optional<std::string> layer_with_partial_gradients(const torch::nn::Module& module) {
-  if (const auto pieces = pieces_of(module); pieces && !pieces->partial.empty()) return std::string();
-  for (const auto& named : module.named_modules("", /*include_self=*/false))
-    if (const auto pieces = pieces_of(*named.value()); pieces && !pieces->partial.empty()) return named.key();
-  return std::nullopt;
-}
 // Copies tp rank 0's values of the tensors of `module` that `split` does not
 // hold (norms, a row layer's bias, buffers: whole on every rank) to the other
 // ranks of its tp group, in one broadcast. Data parallelism starts each
