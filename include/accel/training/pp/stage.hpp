@@ -22,9 +22,10 @@
 // micro-batches' gradients add up locally (no sync) and the last backward of
 // the step that makes weight gradients (B, or W under zero bubble) reduces
 // their sum over the data-parallel group once: all-reduced, or
-// reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3) unit is gathered again for each
-// micro-batch's forward and backward, as FSDP2's reshard_after_forward does:
-// a stage holds at rest only its shards, whatever the micro-batches in flight.
+// reduce-scattered into the shards (ZeRO-2/3). A fully sharded (ZeRO-3)
+// unit is gathered again for each micro-batch's forward and backward, as
+// FSDP2's reshard_after_forward does: a stage holds at rest only its shards,
+// whatever the micro-batches in flight.
 // The reducing backward also sums over tp the gradients sequence parallelism
 // leaves partial (tp::all_reduce_sequence_parallel_gradients); without a
 // DataParallel the caller sums them after the step.
@@ -115,7 +116,6 @@ class PipelineStage {
     step_microbatches_ = microbatches;
     loss_scale_ = scale_grads ? 1.0 / microbatches : 1.0;
     weight_passes_ = 0;
-    synced_ = false;
     if (!dp_) return;
     wants_sync_ = dp_->requires_gradient_sync();
     dp_->set_requires_gradient_sync(false);
@@ -210,19 +210,6 @@ class PipelineStage {
     });
     chunks_.erase(mb);
   }
-  // Divides the gradients by `factor` (torch's stage.scale_grads): the
-  // parameters', or, after a step that reduced into shards, the shards'
-  // (where the gradients are then). The schedules do not call it: under
-  // scale_grads they divide each micro-batch's loss instead (grads()).
-  void scale_grads(double factor) {
-    at::NoGradGuard no_grad;
-    const bool in_shards = synced_ && dp_->sharded();
-    for (auto& p : detail::unique_tensors(module_->parameters())) {  // (a tied tensor divided once)
-      at::Tensor shard = in_shards ? dp_->shard_of(p) : at::Tensor();
-      at::Tensor& holder = shard.defined() ? shard : p;
-      if (holder.grad().defined()) holder.mutable_grad().div_(factor);
-    }
-  }
   // Drops every micro-batch kept (after a step, or a failed one).
   void clear() { chunks_.clear(); }
   // The micro-batches whose activations the stage holds now, and the most it
@@ -249,7 +236,6 @@ class PipelineStage {
     // name them) summed over tp once reduced, as Accelerator::backward does
     // on the steps that sync (nothing without such layers).
     if (reduce) tp::all_reduce_sequence_parallel_gradients(*module_);
-    synced_ = synced_ || reduce;
   }
 
   struct Chunk {
@@ -289,11 +275,11 @@ class PipelineStage {
   std::map<int, Chunk> chunks_;
   std::size_t peak_ = 0;
   DataParallel* dp_ = nullptr;
-  // This step's: its micro-batches, the weight backwards run, whether the
-  // gradients were reduced; the caller's gradient sync setting.
+  // This step's: its micro-batches, the weight backwards run, what the last
+  // stage's backward starts from; the caller's gradient sync setting.
   int step_microbatches_ = 0, weight_passes_ = 0;
   double loss_scale_ = 1.0;
-  bool synced_ = false, wants_sync_ = true;
+  bool wants_sync_ = true;
 };
 }  // namespace pp
 
