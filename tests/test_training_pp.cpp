@@ -1,6 +1,9 @@
 // Training tests, pipeline parallelism (accel::pp): every schedule's step against one process running the whole
 // model on the whole batch (each micro-batch's loss, every stage's gradients, in float64), on every world size
-// (pp = the world); the stages' shapes told per step; and what is refused, with the numbers.
+// (pp = the world); what is refused, with the numbers, before a step and at the first step; pp composed with tensor
+// and sequence parallelism, with data parallelism (replicated and sharded) and with the Accelerator (clipping over
+// the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); and a stage that throws or a rank that
+// vanishes (every rank an error in bounded time).
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
@@ -657,8 +660,10 @@ TEST_SUITE("ranks") {
     CHECK_FALSE(accel::DistributedInterface::is_initialized());  // (refused before the rendezvous)
   }
   // The same through the Accelerator (pp 2 x tp, each stage prepared): clip_grad_norm_ sums the pieces over tp and
-  // every stage over pp, and returns one process's norm; the clipped, stepped pieces are one process's.
-  TEST_CASE("pipeline x tensor parallel with the Accelerator: the norm over tp and pp, every schedule") {
+  // every stage over pp, and returns one process's norm; the clipped, stepped pieces are one process's. With
+  // sequence parallelism inside the stages, a stage's step that reduces its gradients also sums the partial ones
+  // over tp (the row layers' biases), as Accelerator::backward does without a pipeline.
+  TEST_CASE("pipeline x tensor and sequence parallel with the Accelerator: the norm over tp and pp, every schedule") {
     const int W = accel::get_world_size();
     if (W % 2 != 0) {
       MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
@@ -666,105 +671,60 @@ TEST_SUITE("ranks") {
     }
     const int P = 2, T = W / 2, m = 4;
     const double max_norm = 0.05;
-    for (const std::string& name : kSchedules) {
-      CAPTURE(name);
-      release_world();
-      accel::AcceleratorConfig c = config();
-      c.distributed.pp_size = P;
-      c.distributed.tp_size = T;
-      accel::Accelerator accelerator(c);
-      const int r = accelerator.pipeline_parallel_rank(), t = accelerator.tensor_parallel_rank();
-      const int S = P * stages_per_rank(name);
-      const std::vector<int> indices = stage_indices(name, P, r);
-      std::vector<torch::nn::Sequential> whole = whole_mlp_stages(S), mine = split_mlp_stages(S);
-      for (const int k : indices)
-        load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
-      std::vector<accel::pp::PipelineStage> stages;
-      const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
-                                    whole_params = all_parameters(whole);
-      torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
-      auto optimizer = accelerator.prepare_optimizer(sgd);
-      torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
-      const auto schedule = make_schedule(name, stages, m);
-      torch::manual_seed(500);
-      const at::Tensor x = torch::randn({2 * m, kIn}, at::kDouble), y = torch::randn({2 * m, kOut}, at::kDouble);
-      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
-                     std::ranges::count(indices, S - 1) ? y : at::Tensor());
-      const double norm = accelerator.clip_grad_norm_(params, max_norm);
-      optimizer.step();
-      at::Tensor h = x;
-      for (auto& seq : whole) h = seq->forward(h);
-      mse(h, y).backward();
-      const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
-      REQUIRE(expected > max_norm);
-      CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
-      reference.step();
-      for (const int k : indices) {
-        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
-        for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
-          CAPTURE(k);
-          CAPTURE(p.key());
-          CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
-        }
-      }
-    }
-    release_world();
-  }
-  // Sequence parallelism inside the stages (pp 2 x tp, each stage prepared): a stage's step that reduces its
-  // gradients also sums the partial ones over tp (the row layers' biases), as Accelerator::backward does without
-  // a pipeline; the norm and the stepped pieces as one process's.
-  TEST_CASE("pipeline x sequence parallel with the Accelerator: the partial gradients summed, every schedule") {
-    const int W = accel::get_world_size();
-    if (W % 2 != 0) {
-      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
-      return;
-    }
-    const int P = 2, T = W / 2, m = 4;
-    const double max_norm = 0.05;
-    for (const std::string& name : kSchedules) {
-      CAPTURE(name);
-      release_world();
-      accel::AcceleratorConfig c = config();
-      c.distributed.pp_size = P;
-      c.distributed.tp_size = T;
-      accel::Accelerator accelerator(c);
-      const int r = accelerator.pipeline_parallel_rank(), t = accelerator.tensor_parallel_rank();
-      const int S = P * stages_per_rank(name);
-      const std::vector<int> indices = stage_indices(name, P, r);
-      std::vector<torch::nn::Sequential> whole = sequence_parallel_stages(S, false),
-                                         mine = sequence_parallel_stages(S, true);
-      for (const int k : indices)
-        load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
-      std::vector<accel::pp::PipelineStage> stages;
-      const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
-                                    whole_params = all_parameters(whole);
-      torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
-      auto optimizer = accelerator.prepare_optimizer(sgd);
-      torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
-      const auto schedule = make_schedule(name, stages, m, split_columns_mse(T, t));
-      torch::manual_seed(600);
-      const at::Tensor x = torch::randn({2 * m, kSeq, kIn}, at::kDouble),
-                       y = torch::randn({2 * m, kSeq, kWideOut}, at::kDouble);
-      std::vector<at::Tensor> losses;
-      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
-                     std::ranges::count(indices, S - 1) ? y : at::Tensor(), &losses);
-      const double norm = accelerator.clip_grad_norm_(params, max_norm);
-      optimizer.step();
-      at::Tensor h = x;
-      for (auto& seq : whole) h = seq->forward(h);
-      mse(h, y).backward();
-      if (!losses.empty())
-        CHECK(at::stack(losses).mean().item<double>() == doctest::Approx(mse(h, y).item<double>()).epsilon(1e-12));
-      const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
-      REQUIRE(expected > max_norm);
-      CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
-      reference.step();
-      for (const int k : indices) {
-        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
-        for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
-          CAPTURE(k);
-          CAPTURE(p.key());
-          CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
+    for (const bool sequence_parallel : {false, true}) {
+      for (const std::string& name : kSchedules) {
+        CAPTURE(sequence_parallel);
+        CAPTURE(name);
+        release_world();
+        accel::AcceleratorConfig c = config();
+        c.distributed.pp_size = P;
+        c.distributed.tp_size = T;
+        accel::Accelerator accelerator(c);
+        const int r = accelerator.pipeline_parallel_rank(), t = accelerator.tensor_parallel_rank();
+        const int S = P * stages_per_rank(name);
+        const std::vector<int> indices = stage_indices(name, P, r);
+        std::vector<torch::nn::Sequential> whole = sequence_parallel ? sequence_parallel_stages(S, false)
+                                                                     : whole_mlp_stages(S),
+                                           mine = sequence_parallel ? sequence_parallel_stages(S, true)
+                                                                    : split_mlp_stages(S);
+        for (const int k : indices)
+          load_pieces(*mine[static_cast<std::size_t>(k)], *whole[static_cast<std::size_t>(k)], T, t);
+        std::vector<accel::pp::PipelineStage> stages;
+        const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
+                                      whole_params = all_parameters(whole);
+        torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
+        auto optimizer = accelerator.prepare_optimizer(sgd);
+        torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
+        // Sequence parallel: the head gives this rank's columns, the loss is over them.
+        const auto schedule = sequence_parallel ? make_schedule(name, stages, m, split_columns_mse(T, t))
+                                                : make_schedule(name, stages, m);
+        torch::manual_seed(sequence_parallel ? 600 : 500);
+        const at::Tensor x = sequence_parallel ? torch::randn({2 * m, kSeq, kIn}, at::kDouble)
+                                               : torch::randn({2 * m, kIn}, at::kDouble),
+                         y = sequence_parallel ? torch::randn({2 * m, kSeq, kWideOut}, at::kDouble)
+                                               : torch::randn({2 * m, kOut}, at::kDouble);
+        std::vector<at::Tensor> losses;
+        schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
+                       std::ranges::count(indices, S - 1) ? y : at::Tensor(), &losses);
+        const double norm = accelerator.clip_grad_norm_(params, max_norm);
+        optimizer.step();
+        at::Tensor h = x;
+        for (auto& seq : whole) h = seq->forward(h);
+        mse(h, y).backward();
+        CHECK(losses.size() == (std::ranges::count(indices, S - 1) ? std::size_t(m) : 0));
+        if (!losses.empty())
+          CHECK(at::stack(losses).mean().item<double>() == doctest::Approx(mse(h, y).item<double>()).epsilon(1e-12));
+        const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
+        REQUIRE(expected > max_norm);
+        CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
+        reference.step();
+        for (const int k : indices) {
+          const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
+          for (const auto& p : mine[static_cast<std::size_t>(k)]->named_parameters()) {
+            CAPTURE(k);
+            CAPTURE(p.key());
+            CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
+          }
         }
       }
     }
