@@ -126,6 +126,7 @@
 //     accel/training/checkpoint/from_python.hpp          load_state of a checkpoint Python's dcp.save wrote through HuggingFaceStorageWriter: the models, and the optimizers' state under Python's names
 //     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them
 //     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
+//     accel/training/checkpoint/pipeline_weights.hpp     a pipeline's stages as one model for save_model and load_model, gathered over the pipeline group
 //     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
 //     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets
 //     accel/training/accelerator/accelerator.hpp         the Accelerator, declared: every public method in one place, and the state it holds
@@ -12832,6 +12833,9 @@ class UnitByUnit {
   }
   UnitByUnit(const UnitByUnit&) = delete;
   UnitByUnit& operator=(const UnitByUnit&) = delete;
+  // (movable, so that each of a pipeline's stages on a process can hold one: checkpoint/pipeline_weights.hpp)
+  UnitByUnit(UnitByUnit&& other) noexcept
+      : state_(std::move(other.state_)), current_(std::exchange(other.current_, std::nullopt)) {}
   ~UnitByUnit() {
     if (!state_) return;
     const Locked held(*state_);
@@ -18574,29 +18578,58 @@ inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& modul
   return out;
 }
 
+// Where save_weights' tensors come from: each one's name, dtype and shape
+// in the file with the model's entry it comes from (in the order written),
+// and values(i), which gives the i-th's whole values on the writing
+// process: a collective, which every process calls for every i in order
+// (a sharded model gathers there, a tensor-parallel piece is gathered over
+// its group, a pipeline's stage sends it to the writer).
+struct WeightSource {
+  std::vector<PlannedTensor> planned;
+  std::function<at::Tensor(std::size_t i)> values;
+  std::vector<at::Tensor> value_metas;  // values(i)'s dtype and shape (meta tensors; the adapter's input)
+};
+// One module's tensors, in its state_dict's order. local(t) gives a
+// tensor's values on this process when its turn comes (an Accelerator's
+// FULL_SHARD model gathers them unit by unit there); a tensor-parallel
+// piece is then gathered whole over its group.
+inline WeightSource module_weights(const torch::nn::Module& module, const StateDictAdapter& adapter,
+                                   std::function<at::Tensor(const at::Tensor&)> local) {
+  auto split = std::make_shared<tp::SplitTensors>(tp::split_tensors(module));
+  WeightSource source{planned_tensors(module, adapter, *split), {}};
+  std::vector<at::Tensor> tensors;
+  for (const auto& planned : source.planned) {
+    tensors.push_back(planned.model.second);
+    source.value_metas.push_back(meta_like(planned.model.second, split->whole_sizes(planned.model.second)));
+  }
+  source.values = [split, local = std::move(local), tensors = std::move(tensors)](std::size_t i) {
+    return split->whole(tensors[i], local(tensors[i]));
+  };
+  return source;
+}
+
 // save_weights' files: the tensors of each (names, dtypes and shapes:
-// meta tensors), the model's entry each comes from (whose values whole()
-// gives), and their bytes in all. A file takes tensors until the next
-// would pass max_shard_bytes.
+// meta tensors), the index in the WeightSource each comes from, and their
+// bytes in all. A file takes tensors until the next would pass
+// max_shard_bytes.
 struct WeightFiles {
   std::vector<std::vector<NamedTensor>> files = std::vector<std::vector<NamedTensor>>(1);  // (one file, to start)
-  std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
+  std::vector<std::vector<std::size_t>> sources = std::vector<std::vector<std::size_t>>(1);
   uint64_t total = 0;
 };
-inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options,
-                                     const tp::SplitTensors& split) {
+inline WeightFiles plan_weight_files(const std::vector<PlannedTensor>& planned, uint64_t max_shard_bytes) {
   WeightFiles plan;
   uint64_t in_file = 0;
-  for (auto& planned : planned_tensors(module, options.adapter, split)) {
-    const at::Tensor& t = planned.file.second;
+  for (std::size_t i = 0; i < planned.size(); ++i) {
+    const at::Tensor& t = planned[i].file.second;
     const uint64_t bytes = t.numel() * t.element_size();
-    if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+    if (in_file > 0 && in_file + bytes > max_shard_bytes) {
       plan.files.emplace_back();
       plan.sources.emplace_back();
       in_file = 0;
     }
-    plan.files.back().push_back(std::move(planned.file));
-    plan.sources.back().push_back(std::move(planned.model));
+    plan.files.back().push_back(planned[i].file);
+    plan.sources.back().push_back(i);
     in_file += bytes;
     plan.total += bytes;
   }
@@ -18642,21 +18675,15 @@ inline void finish_weights_dir(const std::filesystem::path& path, const WeightFi
   fsync_path(path);
 }
 
-// save_model's work on `module`'s state_dict. local(t) gives a tensor's
-// values on this process when its turn comes (an Accelerator's FULL_SHARD
-// model gathers them unit by unit there, a collective); a tensor-parallel
-// piece is then gathered whole over its group (accel::tp layers, a plan:
-// Hugging Face's layout has whole tensors). Every process calls both for
-// every tensor in the same order, the main process writes, and an error
-// there (a full disk) still lets the others finish their calls before every
-// process throws it.
-inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
-                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& local) {
+// save_model's work: the source's tensors into Hugging Face's files. Every
+// process calls source.values for every tensor in the same order, the main
+// process writes, and an error there (a full disk) still lets the others
+// finish their calls before every process throws it.
+inline void save_weights(const WeightSource& source, const std::filesystem::path& path,
+                         const SaveModelOptions& options) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  const tp::SplitTensors split = tp::split_tensors(module);
-  const auto whole = [&](const at::Tensor& t) { return split.whole(t, local(t)); };
-  const WeightFiles plan = plan_weight_files(module, options, split);
+  const WeightFiles plan = plan_weight_files(source.planned, options.max_shard_bytes);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
@@ -18672,8 +18699,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
-      const auto& [source, tensor] = plan.sources[k][i];
-      return adapted_values(options, source, whole(tensor), plan.files[k][i]);
+      const std::size_t from = plan.sources[k][i];
+      return adapted_values(options, source.planned[from].model.first, source.values(from), plan.files[k][i]);
     };
     if (writes && error.empty())
       error = error_of([&] {
@@ -18681,9 +18708,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
         written.insert(name);
         for (const auto& named : plan.files[k]) weight_map[named.first] = name;
       });
-    // The other processes, and the main one after an error: the gathers only (whole() is a collective where
-    // the model is sharded; the adapter is the writer's).
-    for (; next < plan.files[k].size(); ++next) whole(plan.sources[k][next].second);
+    // The other processes, and the main one after an error: the collectives only (the adapter is the writer's).
+    for (; next < plan.files[k].size(); ++next) source.values(plan.sources[k][next]);
   }
   if (writes && error.empty()) error = error_of([&] { finish_weights_dir(path, plan, weight_map, written); });
   fail_together(error, "accel::save_model");
@@ -18705,8 +18731,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
 // DataParallel::summon_full_params() around this).
 template <class ModuleHolder>
 void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
-  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
-                       [](const at::Tensor& t) { return t; });
+  detail::save_weights(detail::module_weights(*model.ptr(), options.adapter, [](const at::Tensor& t) { return t; }),
+                       detail::checkpoint_path(dir, "save_model"), options);
 }
 // (the same, options.max_shard_bytes given alone)
 template <class ModuleHolder>
@@ -18845,6 +18871,54 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
     if (tied.count(t.unsafeGetTensorImpl()) && !filled.count(t.unsafeGetTensorImpl())) out.emplace_back(name, t);
   return out;
 }
+
+// What every stage of a pipeline holds (names, dtypes, whole shapes: meta
+// tensors), from this process's stages' (checkpoint/pipeline_weights.hpp):
+// a collective over the pipeline group. nullopt passed (this process
+// failed) or returned: some process failed, and says why itself.
+using EveryStage =
+    std::function<std::optional<std::vector<NamedTensor>>(const std::optional<std::vector<NamedTensor>>& mine)>;
+
+// load_model's work on `modules` (one model, or this process's stages of a
+// pipeline). The file must hold each module's entries and nothing else, or,
+// with every_stage, the entries of every stage on every process (it is
+// called once on every process, after an error here too, so that no process
+// is left waiting in it). A tensor-parallel piece's whole tensor is in the
+// file.
+inline void load_weights(const std::vector<torch::nn::Module*>& modules, const std::filesystem::path& path,
+                         const LoadModelOptions& options, const EveryStage& every_stage = {}) {
+  std::vector<std::pair<NamedTensor, const tp::SplitTensors*>> expected;  // (and the split each is a piece of)
+  std::vector<tp::SplitTensors> splits(modules.size());
+  std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
+  std::map<std::string, at::Tensor> loaded;
+  std::string where;
+  std::string error = error_of([&] {
+    loaded = adapted_from_file(read_weights_dir(path, where), options.adapter);
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      splits[m] = tp::split_tensors(*modules[m]);
+      for (auto& [name, tensor] : entries_to_fill(*modules[m], loaded, where)) {
+        whole.emplace_back(name, meta_like(tensor, splits[m].whole_sizes(tensor)));
+        expected.push_back({{std::move(name), tensor}, &splits[m]});
+      }
+    }
+  });
+  bool check = error.empty();
+  if (every_stage) {
+    const auto all = every_stage(check ? std::optional(whole) : std::nullopt);
+    check = check && all.has_value();  // (else a stage's process failed, and its error is the one given)
+    if (all) whole = *all;
+  }
+  if (check)
+    error = error_of([&] {
+      std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+      for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+      if (const std::string why = misfit(whole, held); !why.empty())
+        throw RuntimeError(where + " does not fit the model" + (every_stage ? "'s stages" : "") + ":" + why);
+    });
+  fail_together(error, "accel::load_model");
+  torch::NoGradGuard no_grad;
+  for (const auto& [entry, split] : expected) entry.second.copy_(split->piece(entry.second, loaded.at(entry.first)));
+}
 }  // namespace detail
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
@@ -18860,27 +18934,164 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 // holds. A sharded model: Accelerator::load_model.
 template <class ModuleHolder>
 void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
-  const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
-  std::vector<NamedTensor> expected;
-  std::map<std::string, at::Tensor> loaded;
-  detail::tp::SplitTensors split;
-  const std::string error = detail::error_of([&] {
-    std::string where;
-    loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
-    expected = detail::entries_to_fill(*model.ptr(), loaded, where);
-    split = detail::tp::split_tensors(*model.ptr());
-    std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
-    for (const auto& [name, tensor] : expected)
-      whole.emplace_back(name, detail::meta_like(tensor, split.whole_sizes(tensor)));
-    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
-    for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
-    if (const std::string why = detail::misfit(whole, held); !why.empty())
-      throw RuntimeError(where + " does not fit the model:" + why);
-  });
-  detail::fail_together(error, "accel::load_model");
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : expected) tensor.copy_(split.piece(tensor, loaded.at(name)));
+  detail::load_weights({model.ptr().get()}, detail::checkpoint_path(dir, "load_model"), options);
 }
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/pipeline_weights.hpp ===========================
+// accel/training/checkpoint/pipeline_weights.hpp: a pipeline's stages as one model for save_model and load_model, gathered over the pipeline group.
+//
+// Under pipeline parallelism each process holds some stages of one model.
+// A stage's module keeps the whole model's names for what it holds, as
+// torchtitan's stages do (llama::Stage registers "model.layers.5" on the
+// stage that holds layer 5), so the stages' state_dicts together are the
+// whole model's. save_model writes that one model: the main process writes
+// every tensor, each sent to it by a process of the stage that holds it;
+// load_model gives each stage its own tensors, after checking the file
+// against every stage's (what is missing, what no stage holds).
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// Planned tensors as text for gather_object, one per line: the file's name,
+// dtype and shape, then the model's name with the dtype and shape its
+// values travel in (tab-separated: a module's dotted names hold no tab or
+// newline). In the model's entry, a meta tensor of the values' dtype and
+// shape stands for the tensor.
+inline void meta_text(std::ostream& out, const at::Tensor& meta) {
+  out << static_cast<int>(meta.scalar_type()) << '\t';
+  for (const int64_t size : meta.sizes()) out << size << ',';
+}
+inline at::Tensor meta_of_text(std::istream& fields) {
+  std::string dtype, sizes;
+  std::getline(fields, dtype, '\t');
+  std::getline(fields, sizes, '\t');
+  std::vector<int64_t> shape;
+  std::istringstream dims(sizes);
+  for (std::string dim; std::getline(dims, dim, ',');) shape.push_back(std::stoll(dim));
+  return at::empty(shape, at::TensorOptions().dtype(static_cast<at::ScalarType>(std::stoi(dtype))).device(at::kMeta));
+}
+inline std::string planned_text(const std::vector<PlannedTensor>& planned) {
+  std::ostringstream out;
+  for (const auto& [file, model] : planned) {
+    out << file.first << '\t';
+    meta_text(out, file.second);
+    out << '\t' << model.first << '\t';
+    meta_text(out, model.second);
+    out << '\n';
+  }
+  return out.str();
+}
+inline std::vector<PlannedTensor> planned_of_text(const std::string& text) {
+  std::vector<PlannedTensor> out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line + '\t');
+    std::string name, model;
+    std::getline(fields, name, '\t');
+    const at::Tensor file = meta_of_text(fields);
+    std::getline(fields, model, '\t');
+    out.push_back({{name, file}, {model, meta_of_text(fields)}});
+  }
+  return out;
+}
+// Every process's planned tensors over the pipeline group, by its rank
+// there (a collective). A failed process sends "!": nullopt on every process.
+inline std::optional<std::vector<std::vector<PlannedTensor>>> every_stage_planned(
+    const std::optional<std::vector<PlannedTensor>>& mine, const GroupPtr& pipeline) {
+  const std::vector<std::string> texts = accel::gather_object(mine ? planned_text(*mine) : std::string("!"), pipeline);
+  std::vector<std::vector<PlannedTensor>> out;
+  for (const std::string& text : texts) {
+    if (text == "!") return std::nullopt;
+    out.push_back(planned_of_text(text));
+  }
+  return out;
+}
+
+// A stage on this process, for save_model: its module, and local(t), a
+// tensor's values here when its turn comes (a FULL_SHARD stage gathers its
+// units one by one there).
+struct StageWeights {
+  const torch::nn::Module* module;
+  std::function<at::Tensor(const at::Tensor&)> local;
+};
+// What save_weights writes for a pipeline: every stage's tensors, by the
+// pipeline rank that holds them, then in each stage's state_dict order;
+// values(i) is then a broadcast over the pipeline group from the holder. A
+// name held by two stages is refused on every process (which one would the
+// file keep?), as is an adapter's failure on any stage.
+inline WeightSource pipeline_weights(const std::vector<StageWeights>& stages, const StateDictAdapter& adapter,
+                                     const GroupPtr& pipeline, c10::Device device) {
+  std::vector<WeightSource> mine;
+  std::vector<PlannedTensor> planned, sent;  // (sent: the model's entry a meta tensor of the values that travel)
+  const std::string error = error_of([&] {
+    for (const auto& stage : stages) {
+      mine.push_back(module_weights(*stage.module, adapter, stage.local));
+      for (std::size_t j = 0; j < mine.back().planned.size(); ++j) {
+        const PlannedTensor& entry = mine.back().planned[j];
+        planned.push_back(entry);
+        sent.push_back({entry.file, {entry.model.first, mine.back().value_metas[j]}});
+      }
+    }
+  });
+  fail_together<InvalidArgument>(error, "accel::save_model");  // (over the world: every process saves)
+  const auto every = every_stage_planned(sent, pipeline);
+  c10d::ProcessGroup* group = resolve(pipeline, "accel::save_model");
+  const int here = group ? group->getRank() : 0;
+  // The whole model's tensors, and for each the pipeline rank that holds it and its place among that rank's.
+  WeightSource source;
+  std::vector<std::pair<int, std::size_t>> holder;
+  std::map<std::string, int> held_by;
+  std::string twice;
+  for (std::size_t r = 0; r < every->size(); ++r)
+    for (std::size_t i = 0; i < (*every)[r].size(); ++i) {
+      PlannedTensor entry = (*every)[r][i];
+      if (const auto [at, fresh] = held_by.emplace(entry.file.first, static_cast<int>(r)); !fresh && twice.empty())
+        twice = "'" + entry.file.first + "' is held by " +
+                (at->second == static_cast<int>(r)
+                     ? "two stages on pipeline rank " + std::to_string(r)
+                     : "the stages on pipeline ranks " + std::to_string(at->second) + " and " + std::to_string(r)) +
+                " (a weight tied across stages: give it to one stage, or leave one out through the adapter)";
+      source.value_metas.push_back(entry.model.second);
+      if (static_cast<int>(r) == here) entry = planned[i];  // (with the model's tensor)
+      source.planned.push_back(std::move(entry));
+      holder.emplace_back(static_cast<int>(r), i);
+    }
+  fail_together<InvalidArgument>(twice, "accel::save_model");
+  // this process's tensor i: stage s's tensor j
+  std::vector<std::pair<std::size_t, std::size_t>> local;
+  for (std::size_t s = 0; s < mine.size(); ++s)
+    for (std::size_t j = 0; j < mine[s].planned.size(); ++j) local.emplace_back(s, j);
+  source.values = [mine = std::move(mine), local = std::move(local), holder = std::move(holder), here, pipeline, device,
+                   metas = source.value_metas](std::size_t i) {
+    const auto [r, k] = holder[i];
+    const at::Tensor values =
+        r == here ? mine[local[k].first].values(local[k].second).contiguous()
+                  : at::empty(metas[i].sizes(), at::TensorOptions().dtype(metas[i].scalar_type()).device(device));
+    return accel::broadcast(values, r, pipeline);
+  };
+  return source;
+}
+
+// load_weights' check under a pipeline: every stage's entries, from every
+// process of the pipeline group (what load_weights checks the file against).
+inline EveryStage every_stage_entries(const GroupPtr& pipeline) {
+  return [pipeline](const std::optional<std::vector<NamedTensor>>& mine) -> std::optional<std::vector<NamedTensor>> {
+    std::optional<std::vector<PlannedTensor>> planned;
+    if (mine) {
+      planned.emplace();
+      for (const auto& entry : *mine) planned->push_back({entry, entry});
+    }
+    const auto every = every_stage_planned(planned, pipeline);
+    if (!every) return std::nullopt;
+    std::vector<NamedTensor> out;
+    for (const auto& stage : *every)
+      for (const auto& entry : stage) out.push_back(entry.file);
+    return out;
+  };
+}
+}  // namespace detail
 
 ACCEL_NAMESPACE_END
 
@@ -19653,7 +19864,12 @@ class Accelerator {
   // unit at a time as the files reach them (beside its shards no process
   // holds more than one unit's whole parameters and the rows its
   // all-gather lands in); load_model gathers them all for the call and
-  // writes them back into the shards.
+  // writes them back into the shards. Under a pipeline (pp_size > 1) both
+  // take the whole model: every stage prepared on every process, under the
+  // stages' own names, which must be the whole model's (as torchtitan's
+  // stages and llama::Stage keep them); `model` is any of this process's
+  // stages, and each call saves or loads them all (each tensor sent to the
+  // main process by a process of its stage; a name on two stages refused).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {});
   // (the same, options.max_shard_bytes given alone)
@@ -19670,6 +19886,7 @@ class Accelerator {
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models);
   detail::CheckpointContext checkpoint_context() const;
+  void pipeline_stages_of(const torch::nn::Module* model, const char* op);  // (checkpoints.hpp)
 
   // The checked configuration, the world and the device.
   detail::AcceleratorSetup setup_;
@@ -20113,12 +20330,14 @@ ACCEL_NAMESPACE_END
 
 ACCEL_NAMESPACE_BEGIN
 
-// Each stage's module has its own names (a stage's "0.weight" is not the
-// whole model's), and every stage's ranks would write the same files: a
-// pipeline's checkpoints need the whole model's names first (issue 62).
+// save_state and load_state write and read each prepared model as one
+// (model_<i>.pt, or its pieces): under a pipeline the stages of one model
+// are prepared on different processes, so they would need the whole
+// model's names across processes first (issue 62). save_model and
+// load_model take them (checkpoint/pipeline_weights.hpp).
 inline constexpr const char* kPipelineCheckpoints =
-    "each stage would write its own module's names into the same files; save each stage's parameters yourself "
-    "(accel::save_model on a one-stage-per-file path) until checkpoints take the whole model's names";
+    "the stages of one model are prepared on different processes; save the whole model with save_model (every "
+    "stage under its own names, which are the whole model's) and load it back with load_model";
 
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
   setup_.refuse_under_pipeline("save_state", kPipelineCheckpoints);
@@ -20136,14 +20355,25 @@ inline void Accelerator::load_state(const std::filesystem::path& path) {
 
 template <class ModuleHolder>
 void Accelerator::save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options) {
-  setup_.refuse_under_pipeline("save_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::save_model", [&] {
+    if (const GroupPtr pipeline = setup_.pipeline_group()) {
+      pipeline_stages_of(model.ptr().get(), "save_model");
+      std::deque<detail::dp::UnitByUnit> units;  // (one per stage: each gathers its own units, one at a time)
+      std::vector<detail::StageWeights> stages;
+      for (auto& m : prepared_.models) {
+        detail::dp::UnitByUnit& held = units.emplace_back(m.data_parallel->unit_by_unit());
+        stages.push_back({m.module.get(), [&held](const at::Tensor& t) { return held.whole(t); }});
+      }
+      return detail::save_weights(detail::pipeline_weights(stages, options.adapter, pipeline, device()),
+                                  detail::checkpoint_path(dir, "save_model"), options);
+    }
     const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
     DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
     if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
     auto units = dp->unit_by_unit();
-    detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
-                         [&](const at::Tensor& t) { return units.whole(t); });
+    detail::save_weights(
+        detail::module_weights(*model.ptr(), options.adapter, [&](const at::Tensor& t) { return units.whole(t); }),
+        detail::checkpoint_path(dir, "save_model"), options);
   });
 }
 template <class ModuleHolder>
@@ -20152,11 +20382,31 @@ void Accelerator::save_model(ModuleHolder& model, const std::string& dir, uint64
 }
 template <class ModuleHolder>
 void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options) {
-  setup_.refuse_under_pipeline("load_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::load_model", [&] {
+    if (const GroupPtr pipeline = setup_.pipeline_group()) {
+      pipeline_stages_of(model.ptr().get(), "load_model");
+      std::vector<torch::nn::Module*> stages;
+      for (auto& m : prepared_.models) stages.push_back(m.module.get());
+      const auto full = prepared_.full_parameters(nullptr, /*writeback=*/true);
+      return detail::load_weights(stages, detail::checkpoint_path(dir, "load_model"), options,
+                                  detail::every_stage_entries(pipeline));
+    }
     const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
     accel::load_model(model, dir, options);
   });
+}
+
+// Under a pipeline, save_model and load_model take the whole model: every
+// stage prepared on every process. `model` must be one of this process's
+// (a process that passes another model is refused on every process, before
+// any collective of the save).
+inline void Accelerator::pipeline_stages_of(const torch::nn::Module* model, const char* op) {
+  std::string error;
+  if (!prepared_.find(model))
+    error = "under pp_size " + std::to_string(setup_.world().strategy().pp_size()) + ", " + op +
+            " takes the whole model, every stage prepared on every process; pass one of this process's prepared "
+            "stages (this model was not prepared)";
+  detail::fail_together<InvalidArgument>(error, std::string("accel::Accelerator::") + op);
 }
 
 inline detail::CheckpointContext Accelerator::checkpoint_context() const {

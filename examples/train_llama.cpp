@@ -22,7 +22,7 @@
 //         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
 //         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
 //         replicated over its data-parallel ranks, with --tp split by the plan inside; M micro-batches per
-//         step, default pp; not yet with --cp, --accumulate, checkpoints, --export or --import)
+//         step, default pp; not yet with --cp, --accumulate or checkpoints)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -194,10 +194,10 @@ void check(const Options& o, int world) {
       fail(
           "--pp with --cp or --accumulate is not built yet (more "
           "micro-batches per step: --microbatches)");
-    if (o.save_every || o.resume || o.stop_after >= 0 || !o.export_dir.empty() || !o.import_dir.empty())
+    if (o.save_every || o.resume || o.stop_after >= 0)
       fail(
-          "--pp with checkpoints, --export or --import is not built yet (stages save under the whole model's "
-          "names first)");
+          "--pp with checkpoints (--save-every, --resume, --stop-after) is not built yet; --export and --import "
+          "take the whole model");
     const std::vector<std::string> schedules{
         "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"};
     if (std::find(schedules.begin(), schedules.end(), o.schedule) == schedules.end())
@@ -287,6 +287,15 @@ void start_logs(accel::Accelerator& accelerator, const Options& o) {
                                      {"lr", std::to_string(o.lr)}});
 }
 
+// --export: model.safetensors (or shards and an index) under HF's names, and config.json.
+template <class ModuleHolder>
+void export_model(accel::Accelerator& accelerator, ModuleHolder& model, const Options& o) {
+  accelerator.save_model(model, o.export_dir);
+  if (accelerator.is_main_process())
+    std::ofstream(std::filesystem::path(o.export_dir) / "config.json") << o.model.to_json();
+  accel::print("train_llama: model in", o.export_dir, "(transformers.LlamaForCausalLM.from_pretrained loads it)");
+}
+
 // The schedule named by --schedule over this rank's stages.
 std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
                                                            std::vector<accel::pp::PipelineStage>& stages, int m,
@@ -342,6 +351,8 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
     for (const auto& p : stage->parameters()) params.push_back(p);
   }
   for (const auto& p : params) mine += p.numel();
+  // --import: each stage reads its own tensors from the whole model's files (a stage keeps HF's names).
+  if (!o.import_dir.empty()) accelerator.load_model(modules.front(), o.import_dir);
   torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(o.lr).weight_decay(0.1).betas({0.9, 0.95}));
   accel::AcceleratedOptimizer optimizer = accelerator.prepare_optimizer(adamw);
   const int microbatches = o.microbatches ? o.microbatches : P;
@@ -385,6 +396,7 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   if (accelerator.is_main_process() && tty) std::printf("\n");
   accel::print("train_llama: final loss", last_loss, "after", step.value, "steps; log in",
                accelerator.logging_dir().string() + "/metrics.csv");
+  if (!o.export_dir.empty()) export_model(accelerator, modules.front(), o);  // (every stage's tensors: the whole model)
   accelerator.end_training();
   accelerator.wait_for_everyone();
   return 0;
@@ -524,12 +536,7 @@ int train(Options o) {
         "tokens/s over steps", timed_from + 1, "to", step.value, "- peak RSS", std::llround(peak),
         "MiB (the largest process)");
   }
-  if (!o.export_dir.empty()) {
-    accelerator.save_model(model, o.export_dir);  // model.safetensors (or shards and an index), HF's names
-    if (accelerator.is_main_process())
-      std::ofstream(std::filesystem::path(o.export_dir) / "config.json") << o.model.to_json();
-    accel::print("train_llama: model in", o.export_dir, "(transformers.LlamaForCausalLM.from_pretrained loads it)");
-  }
+  if (!o.export_dir.empty()) export_model(accelerator, model, o);
   accelerator.end_training();
   accelerator.wait_for_everyone();
   return 0;

@@ -11,15 +11,18 @@
 #     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2): GPipe and 1F1B at 2 layers,
 #     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
 #     process of the same depth, the same way, and pp 2 x tp 2 (1F1B at 2 layers, ZBV with activation
-#     checkpointing at 4); 1F1B under bf16 against one process under bf16 (within 2e-4);
+#     checkpointing at 4); 1F1B under bf16 against one process under bf16 (within 2e-4); the exports of
+#     1F1B (FULL_SHARD over dp 2) and of ZBV x tp 2 equal one process's weights (each tensor sent by its stage),
+#     and pp 2 x tp 2 started from one process's export (--import: each stage reads its own) trains as one process
+#     does from it;
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
 #  3. bad configurations stop before any step, with their reason;
-#  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported models (HSDP's, and
-#     FSDP + TP's) and gives the C++ model's logits, and a model initialised by transformers, imported into C++,
-#     gives transformers' logits, and greedy decoding of 32 tokens (--generate, a key/value cache) gives the tokens
-#     transformers' generate(do_sample=False) gives.
+#  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported models (HSDP's,
+#     FSDP + TP's, and pp 2 x tp 2's) and gives the C++ model's logits, and a model initialised by transformers,
+#     imported into C++, gives transformers' logits, and greedy decoding of 32 tokens (--generate, a key/value
+#     cache) gives the tokens transformers' generate(do_sample=False) gives.
 #     Skipped, saying so, where Python has no transformers.
 #     bash tests/llama_check.sh ACCEL_LAUNCH TRAIN_LLAMA DIR
 set -euo pipefail
@@ -53,12 +56,13 @@ for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_
   same_losses one "$name"
 done
 # Pipelines: pp 2 x dp 2 (a stage per rank at 2 layers; two per rank, 4 stages, at 4 layers).
-run 4 --pp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_1f1b" | tee "$dir/pp2_1f1b.log"
+run 4 --pp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_1f1b" --export "$dir/pp2_1f1b/model" \
+  | tee "$dir/pp2_1f1b.log"
 same_losses one pp2_1f1b
 run 4 --pp 2 --schedule gpipe --microbatches 4 --sharding no_shard --recompute --steps 6 --dir "$dir/pp2_gpipe" \
   > "$dir/pp2_gpipe.log"
 same_losses one pp2_gpipe
-run 1 --layers 4 --steps 6 --dir "$dir/one4" > "$dir/one4.log"
+run 1 --layers 4 --steps 6 --dir "$dir/one4" --export "$dir/one4/model" > "$dir/one4.log"
 for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
   run 4 --layers 4 --pp 2 --schedule "$schedule" --microbatches 4 --steps 6 --dir "$dir/pp2_$schedule" \
     > "$dir/pp2_$schedule.log"
@@ -70,7 +74,7 @@ done
 run 4 --pp 2 --tp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_tp2" > "$dir/pp2_tp2.log"
 same_losses one pp2_tp2
 run 4 --layers 4 --pp 2 --tp 2 --schedule zbv --microbatches 4 --recompute --steps 6 --dir "$dir/pp2_tp2_zbv" \
-  > "$dir/pp2_tp2_zbv.log"
+  --export "$dir/pp2_tp2_zbv/model" > "$dir/pp2_tp2_zbv.log"
 same_losses one4 pp2_tp2_zbv
 # bf16 autocast in each stage's forward: against one process under bf16 (the micro-batches' other matmul shapes
 # round otherwise; dp 4 under bf16 differs from one process by about as much, 4e-5).
@@ -78,9 +82,11 @@ run 1 --mixed-precision bf16 --steps 6 --dir "$dir/one_bf16" > "$dir/one_bf16.lo
 run 4 --pp 2 --schedule 1f1b --microbatches 2 --mixed-precision bf16 --steps 6 --dir "$dir/pp2_bf16" \
   > "$dir/pp2_bf16.log"
 same_losses one_bf16 pp2_bf16 2e-4
-# FSDP + TP's export: whole tensors under Hugging Face's names, each piece gathered: one process's weights (the same
-# sums in another order). Read without torch (the 1.13 leg's Python may have none): safetensors is a JSON header.
-python3 - "$dir/one/model/model.safetensors" "$dir/tp2_dp2_recompute/model/model.safetensors" <<'PY'
+# Exports: whole tensors under Hugging Face's names, each piece gathered (and under pp each tensor sent by its
+# stage): one process's weights (the same sums in another order). Read without torch (the 1.13 leg's Python may
+# have none): safetensors is a JSON header.
+same_weights() {  # REFERENCE NAME: NAME's export against REFERENCE's
+  python3 - "$dir/$1/model/model.safetensors" "$dir/$2/model/model.safetensors" "$2" <<'PY'
 import array, json, struct, sys
 def read(path):
     data = open(path, "rb").read()
@@ -93,15 +99,25 @@ def read(path):
         assert t["dtype"] == "F32", (name, t["dtype"])
         out[name] = (t["shape"], array.array("f", body[t["data_offsets"][0]:t["data_offsets"][1]]))
     return out
-one, tp = read(sys.argv[1]), read(sys.argv[2])
-assert one.keys() == tp.keys(), sorted(set(one) ^ set(tp))
+one, other = read(sys.argv[1]), read(sys.argv[2])
+assert one.keys() == other.keys(), sorted(set(one) ^ set(other))
 worst = 0.0
 for name, (shape, values) in one.items():
-    assert tp[name][0] == shape, (name, tp[name][0], shape)
-    worst = max(worst, max(abs(a - b) for a, b in zip(values, tp[name][1])))
-print(f"llama_check: tp 2 x mp_shard 2's export equals one process's weights ({len(one)} tensors): largest difference {worst:.3g}")
+    assert other[name][0] == shape, (name, other[name][0], shape)
+    worst = max(worst, max(abs(a - b) for a, b in zip(values, other[name][1])))
+print(f"llama_check: {sys.argv[3]}'s export equals one process's weights ({len(one)} tensors): largest difference {worst:.3g}")
 assert worst <= 1e-4, worst
 PY
+}
+same_weights one tp2_dp2_recompute
+same_weights one pp2_1f1b
+same_weights one4 pp2_tp2_zbv
+# --import under pp: each stage reads its own tensors from one process's export, and trains as one process does
+# from it.
+run 1 --steps 6 --import "$dir/one/model" --dir "$dir/one_imported" > "$dir/one_imported.log"
+run 4 --pp 2 --tp 2 --schedule 1f1b --microbatches 2 --steps 6 --import "$dir/one/model" --dir "$dir/pp2_imported" \
+  > "$dir/pp2_imported.log"
+same_losses one_imported pp2_imported
 # Tensor parallelism's memory: each process holds 1/tp of the parameters (and of AdamW's state), but the norms.
 python3 - "$dir/tp4.log" <<'PY'
 import re, sys
@@ -154,8 +170,8 @@ refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multip
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
 refused "--layers 2 over 4 stages leaves a stage without a layer" run 4 --steps 2 --dir "$dir/bad" --pp 2 --schedule zbv
 refused "do not cut into --microbatches 3" run 4 --steps 2 --dir "$dir/bad" --pp 2 --microbatches 3
-refused "--pp with checkpoints, --export or --import is not built yet" \
-  run 4 --steps 2 --dir "$dir/bad" --pp 2 --export "$dir/bad/model"
+refused "--pp with checkpoints (--save-every, --resume, --stop-after) is not built yet" \
+  run 4 --steps 2 --dir "$dir/bad" --pp 2 --resume
 
 # 4. transformers.
 if ! python3 -c 'import transformers' 2>/dev/null; then
@@ -167,6 +183,9 @@ python3 "$here/python_ref/llama_check.py" compare "$dir/straight/model" 32 "$dir
 # (and FSDP + TP's export: whole tensors transformers loads)
 "$train" --seq 32 --import "$dir/tp2_dp2_recompute/model" --logits "$dir/tp2_dp2_recompute/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/tp2_dp2_recompute/model" 32 "$dir/tp2_dp2_recompute/logits.bin"
+# (and a pipeline's export, pp 2 x tp 2 over four stages: the whole model transformers loads)
+"$train" --seq 32 --import "$dir/pp2_tp2_zbv/model" --logits "$dir/pp2_tp2_zbv/logits.bin"
+python3 "$here/python_ref/llama_check.py" compare "$dir/pp2_tp2_zbv/model" 32 "$dir/pp2_tp2_zbv/logits.bin"
 python3 "$here/python_ref/llama_check.py" make "$dir/python" 32
 # (and greedy decoding from it: transformers' tokens. Its random weights give varied tokens, so every step of the
 # cache counts; 8 steps of training here give spaces only. The smallest margin between the best two logits is

@@ -192,6 +192,42 @@ std::vector<at::Tensor> all_parameters(std::vector<torch::nn::Sequential>& modul
   return params;
 }
 
+// A model whose stages keep the whole model's names, as torchtitan's stages and llama::Stage do: "proj" on the
+// first stage, the blocks as "blocks.<index in the whole model>", "head" on the last. kNamedBlocks blocks split
+// as evenly as they go (at 2 stages 4 + 3, at 4 stages 2 + 2 + 2 + 1), so the whole model is the same at every
+// stage count; each tensor's values come from its own seed, so any stages and the whole model agree.
+constexpr int kNamedBlocks = 7;
+struct NamedStageImpl : torch::nn::Module {
+  // stages first..last of S in one module (0..S-1: the whole model)
+  NamedStageImpl(int first, int last, int S) {
+    const int per = kNamedBlocks / S, extra = kNamedBlocks % S;
+    const int from = first * per + std::min(first, extra), end = (last + 1) * per + std::min(last + 1, extra);
+    torch::manual_seed(40);
+    if (first == 0) proj = register_module("proj", torch::nn::Linear(kIn, kHidden));
+    std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> mine;
+    for (int i = from; i < end; ++i) {
+      torch::manual_seed(41 + i);
+      mine.emplace_back(std::to_string(i), Residual().ptr());
+    }
+    blocks->update(mine);
+    register_module("blocks", blocks);
+    torch::manual_seed(60);
+    if (last == S - 1) head = register_module("head", torch::nn::Linear(kHidden, kOut));
+    to(at::kDouble);
+  }
+  torch::nn::Linear proj{nullptr}, head{nullptr};
+  torch::nn::ModuleDict blocks;
+};
+TORCH_MODULE(NamedStage);
+// Stage k's values as this test sets them (each of its parameters plus 0.25 (k + 1): a value on the wrong stage's
+// rank, or under another stage's name, shows), by name.
+std::map<std::string, at::Tensor> named_stage_values(int k, int S) {
+  NamedStage stage(k, k, S);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : stage->named_parameters()) out[p.key()] = p.value().detach() + 0.25 * (k + 1);
+  return out;
+}
+
 TEST_SUITE("ranks") {
   TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
     const int P = accel::get_world_size();
@@ -639,8 +675,8 @@ TEST_SUITE("ranks") {
         CHECK_THROWS_WITH_AS(accelerator.backward(at::zeros({}, at::kDouble)),
                              doctest::Contains("not built for pp_size 2 yet; with a pipeline the schedule runs"),
                              accel::InvalidArgument);
-        CHECK_THROWS_WITH_AS(accelerator.save_state("unused"), doctest::Contains("each stage would write its own"),
-                             accel::InvalidArgument);
+        CHECK_THROWS_WITH_AS(accelerator.save_state("unused"),
+                             doctest::Contains("save the whole model with save_model"), accel::InvalidArgument);
       }
     }
     release_world();
@@ -728,6 +764,111 @@ TEST_SUITE("ranks") {
         }
       }
     }
+    release_world();
+  }
+  // save_model under a pipeline writes the whole model (every stage's tensors under the names it keeps, which are
+  // the whole model's), each tensor sent to the main process by a process of its stage; load_model gives each stage
+  // its own. Saved at one stage layout, read back by one process (the whole model) and by the other layout's
+  // stages; replicated and sharded (FULL_SHARD: gathered unit by unit).
+  TEST_CASE("pipeline with the Accelerator: save_model writes the whole model, load_model reads it at another pp") {
+    const int W = accel::get_world_size();
+    if (W % 2 != 0) {
+      MESSAGE("pp 2 x dp needs an even world; this one has " << W << " ranks");
+      return;
+    }
+    const int P = 2;
+    // This rank's stages of a layout prepared (one per rank for 1f1b, two for zbv), and their S.
+    auto prepare = [&](accel::Accelerator& accelerator, const std::string& name, std::vector<NamedStage>& out) {
+      const int S = P * stages_per_rank(name);
+      for (const int k : stage_indices(name, P, accelerator.pipeline_parallel_rank())) {
+        out.emplace_back(k, k, S);
+        accelerator.prepare_model(out.back());
+      }
+      return S;
+    };
+    for (const auto strategy : {accel::ShardingStrategy::NO_SHARD, accel::ShardingStrategy::FULL_SHARD}) {
+      for (const auto& [saved, loaded] : {std::pair<std::string, std::string>{"1f1b", "zbv"}, {"zbv", "1f1b"}}) {
+        CAPTURE(strategy);
+        CAPTURE(saved);
+        release_world();
+        accel::AcceleratorConfig c = config();
+        c.distributed.pp_size = P;
+        c.sharding_strategy = strategy;
+        std::filesystem::path dir;
+        std::map<std::string, at::Tensor> want;  // the whole model's values, as the stages were set
+        {
+          accel::Accelerator accelerator(c);
+          dir = shared_temp_path(accelerator, "accel_pp_save_model_");
+          std::vector<NamedStage> stages;
+          const int S = prepare(accelerator, saved, stages);
+          for (int k = 0; k < S; ++k) want.merge(named_stage_values(k, S));
+          for (auto& stage : stages) {
+            const auto full = accelerator.data_parallel(stage)->summon_full_params(/*writeback=*/true);
+            const at::NoGradGuard no_grad;
+            for (auto& p : stage->named_parameters()) p.value().copy_(want.at(p.key()));
+          }
+          accelerator.save_model(stages.back(), dir.string());
+          // One process's whole model reads every tensor under its name.
+          NamedStage whole(0, 0, 1);
+          accel::load_model(whole, dir.string());
+          const auto got = whole->named_parameters();
+          CHECK(got.size() == want.size());
+          for (const auto& p : got) {
+            CAPTURE(p.key());
+            CHECK(at::equal(p.value(), want.at(p.key())));
+          }
+        }
+        // The other layout's stages read their own tensors.
+        release_world();
+        accel::Accelerator accelerator(c);
+        std::vector<NamedStage> stages;
+        prepare(accelerator, loaded, stages);
+        accelerator.load_model(stages.front(), dir.string());
+        for (auto& stage : stages) {
+          const auto full = accelerator.data_parallel(stage)->summon_full_params();
+          for (const auto& p : stage->named_parameters()) {
+            CAPTURE(p.key());
+            CHECK(at::equal(p.value(), want.at(p.key())));
+          }
+        }
+        accelerator.wait_for_everyone();
+        if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+      }
+    }
+    // What does not fit is refused on every rank alike, before anything is written or loaded.
+    release_world();
+    accel::AcceleratorConfig c = config();
+    c.distributed.pp_size = P;
+    accel::Accelerator accelerator(c);
+    const int r = accelerator.pipeline_parallel_rank();
+    const std::filesystem::path dir = shared_temp_path(accelerator, "accel_pp_refused_");
+    NamedStage unprepared(r, r, P);
+    CHECK_THROWS_WITH_AS(accelerator.save_model(unprepared, dir.string()),
+                         doctest::Contains("pass one of this process's prepared stages"), accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(accelerator.load_model(unprepared, dir.string()),
+                         doctest::Contains("pass one of this process's prepared stages"), accel::InvalidArgument);
+    // A tensor no stage holds: each rank's stage takes its own tensors, and the file is checked against all of them.
+    NamedStage stage(r, r, P);
+    accelerator.prepare_model(stage);
+    {
+      NamedStage whole(0, 0, 1);
+      whole->register_parameter("extra", torch::zeros({2}, at::kDouble));
+      accel::save_model(whole, dir.string());
+    }
+    const std::string refused = what_of([&] { accelerator.load_model(stage, dir.string()); });
+    CHECK(refused.find("does not fit the model's stages: not in the model: extra.") != std::string::npos);
+    CHECK(refused.find("missing") == std::string::npos);
+    accelerator.wait_for_everyone();
+    if (accelerator.is_main_process()) std::filesystem::remove_all(dir);
+    // Stages that hold one name twice (every rank's holds the first stage's modules): the file could keep either.
+    release_world();
+    accel::Accelerator twice(c);
+    NamedStage first(0, 0, P);
+    twice.prepare_model(first);
+    CHECK_THROWS_WITH_AS(twice.save_model(first, (dir / "twice").string()),
+                         doctest::Contains("'proj.weight' is held by the stages on pipeline ranks 0 and 1"),
+                         accel::InvalidArgument);
+    CHECK_FALSE(std::filesystem::exists(dir));
     release_world();
   }
 }

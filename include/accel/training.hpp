@@ -102,6 +102,7 @@
 #include "accel/training/checkpoint/from_python.hpp"
 #include "accel/training/checkpoint/state.hpp"
 #include "accel/training/checkpoint/weights.hpp"
+#include "accel/training/checkpoint/pipeline_weights.hpp"
 
 // the Accelerator
 #include "accel/training/accelerator/trackers.hpp"

@@ -354,7 +354,12 @@ class Accelerator {
   // unit at a time as the files reach them (beside its shards no process
   // holds more than one unit's whole parameters and the rows its
   // all-gather lands in); load_model gathers them all for the call and
-  // writes them back into the shards.
+  // writes them back into the shards. Under a pipeline (pp_size > 1) both
+  // take the whole model: every stage prepared on every process, under the
+  // stages' own names, which must be the whole model's (as torchtitan's
+  // stages and llama::Stage keep them); `model` is any of this process's
+  // stages, and each call saves or loads them all (each tensor sent to the
+  // main process by a process of its stage; a name on two stages refused).
   template <class ModuleHolder>
   void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {});
   // (the same, options.max_shard_bytes given alone)
@@ -371,6 +376,7 @@ class Accelerator {
   template <class... ModuleHolders>
   SyncGuard with_sync(bool sync, ModuleHolders&... models);
   detail::CheckpointContext checkpoint_context() const;
+  void pipeline_stages_of(const torch::nn::Module* model, const char* op);  // (checkpoints.hpp)
 
   // The checked configuration, the world and the device.
   detail::AcceleratorSetup setup_;

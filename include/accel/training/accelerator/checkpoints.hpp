@@ -6,16 +6,19 @@
 #pragma once
 
 #include "accel/training/accelerator/accelerator.hpp"
+#include "accel/training/checkpoint/pipeline_weights.hpp"
 #include "accel/training/checkpoint/state.hpp"
 
 ACCEL_NAMESPACE_BEGIN
 
-// Each stage's module has its own names (a stage's "0.weight" is not the
-// whole model's), and every stage's ranks would write the same files: a
-// pipeline's checkpoints need the whole model's names first (issue 62).
+// save_state and load_state write and read each prepared model as one
+// (model_<i>.pt, or its pieces): under a pipeline the stages of one model
+// are prepared on different processes, so they would need the whole
+// model's names across processes first (issue 62). save_model and
+// load_model take them (checkpoint/pipeline_weights.hpp).
 inline constexpr const char* kPipelineCheckpoints =
-    "each stage would write its own module's names into the same files; save each stage's parameters yourself "
-    "(accel::save_model on a one-stage-per-file path) until checkpoints take the whole model's names";
+    "the stages of one model are prepared on different processes; save the whole model with save_model (every "
+    "stage under its own names, which are the whole model's) and load it back with load_model";
 
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
   setup_.refuse_under_pipeline("save_state", kPipelineCheckpoints);
@@ -33,14 +36,25 @@ inline void Accelerator::load_state(const std::filesystem::path& path) {
 
 template <class ModuleHolder>
 void Accelerator::save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options) {
-  setup_.refuse_under_pipeline("save_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::save_model", [&] {
+    if (const GroupPtr pipeline = setup_.pipeline_group()) {
+      pipeline_stages_of(model.ptr().get(), "save_model");
+      std::deque<detail::dp::UnitByUnit> units;  // (one per stage: each gathers its own units, one at a time)
+      std::vector<detail::StageWeights> stages;
+      for (auto& m : prepared_.models) {
+        detail::dp::UnitByUnit& held = units.emplace_back(m.data_parallel->unit_by_unit());
+        stages.push_back({m.module.get(), [&held](const at::Tensor& t) { return held.whole(t); }});
+      }
+      return detail::save_weights(detail::pipeline_weights(stages, options.adapter, pipeline, device()),
+                                  detail::checkpoint_path(dir, "save_model"), options);
+    }
     const detail::PreparedModel* prepared = prepared_.find(model.ptr().get());
     DataParallel* dp = prepared ? prepared->data_parallel.get() : nullptr;
     if (!dp || dp->unit_count() == 0) return accel::save_model(model, dir, options);
     auto units = dp->unit_by_unit();
-    detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
-                         [&](const at::Tensor& t) { return units.whole(t); });
+    detail::save_weights(
+        detail::module_weights(*model.ptr(), options.adapter, [&](const at::Tensor& t) { return units.whole(t); }),
+        detail::checkpoint_path(dir, "save_model"), options);
   });
 }
 template <class ModuleHolder>
@@ -49,11 +63,31 @@ void Accelerator::save_model(ModuleHolder& model, const std::string& dir, uint64
 }
 template <class ModuleHolder>
 void Accelerator::load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options) {
-  setup_.refuse_under_pipeline("load_model", kPipelineCheckpoints);
   detail::every_process_calls("accel::Accelerator::load_model", [&] {
+    if (const GroupPtr pipeline = setup_.pipeline_group()) {
+      pipeline_stages_of(model.ptr().get(), "load_model");
+      std::vector<torch::nn::Module*> stages;
+      for (auto& m : prepared_.models) stages.push_back(m.module.get());
+      const auto full = prepared_.full_parameters(nullptr, /*writeback=*/true);
+      return detail::load_weights(stages, detail::checkpoint_path(dir, "load_model"), options,
+                                  detail::every_stage_entries(pipeline));
+    }
     const auto full = prepared_.full_parameters(model.ptr().get(), /*writeback=*/true);
     accel::load_model(model, dir, options);
   });
+}
+
+// Under a pipeline, save_model and load_model take the whole model: every
+// stage prepared on every process. `model` must be one of this process's
+// (a process that passes another model is refused on every process, before
+// any collective of the save).
+inline void Accelerator::pipeline_stages_of(const torch::nn::Module* model, const char* op) {
+  std::string error;
+  if (!prepared_.find(model))
+    error = "under pp_size " + std::to_string(setup_.world().strategy().pp_size()) + ", " + op +
+            " takes the whole model, every stage prepared on every process; pass one of this process's prepared "
+            "stages (this model was not prepared)";
+  detail::fail_together<InvalidArgument>(error, std::string("accel::Accelerator::") + op);
 }
 
 inline detail::CheckpointContext Accelerator::checkpoint_context() const {

@@ -87,29 +87,58 @@ inline std::vector<PlannedTensor> planned_tensors(const torch::nn::Module& modul
   return out;
 }
 
+// Where save_weights' tensors come from: each one's name, dtype and shape
+// in the file with the model's entry it comes from (in the order written),
+// and values(i), which gives the i-th's whole values on the writing
+// process: a collective, which every process calls for every i in order
+// (a sharded model gathers there, a tensor-parallel piece is gathered over
+// its group, a pipeline's stage sends it to the writer).
+struct WeightSource {
+  std::vector<PlannedTensor> planned;
+  std::function<at::Tensor(std::size_t i)> values;
+  std::vector<at::Tensor> value_metas;  // values(i)'s dtype and shape (meta tensors; the adapter's input)
+};
+// One module's tensors, in its state_dict's order. local(t) gives a
+// tensor's values on this process when its turn comes (an Accelerator's
+// FULL_SHARD model gathers them unit by unit there); a tensor-parallel
+// piece is then gathered whole over its group.
+inline WeightSource module_weights(const torch::nn::Module& module, const StateDictAdapter& adapter,
+                                   std::function<at::Tensor(const at::Tensor&)> local) {
+  auto split = std::make_shared<tp::SplitTensors>(tp::split_tensors(module));
+  WeightSource source{planned_tensors(module, adapter, *split), {}};
+  std::vector<at::Tensor> tensors;
+  for (const auto& planned : source.planned) {
+    tensors.push_back(planned.model.second);
+    source.value_metas.push_back(meta_like(planned.model.second, split->whole_sizes(planned.model.second)));
+  }
+  source.values = [split, local = std::move(local), tensors = std::move(tensors)](std::size_t i) {
+    return split->whole(tensors[i], local(tensors[i]));
+  };
+  return source;
+}
+
 // save_weights' files: the tensors of each (names, dtypes and shapes:
-// meta tensors), the model's entry each comes from (whose values whole()
-// gives), and their bytes in all. A file takes tensors until the next
-// would pass max_shard_bytes.
+// meta tensors), the index in the WeightSource each comes from, and their
+// bytes in all. A file takes tensors until the next would pass
+// max_shard_bytes.
 struct WeightFiles {
   std::vector<std::vector<NamedTensor>> files = std::vector<std::vector<NamedTensor>>(1);  // (one file, to start)
-  std::vector<std::vector<NamedTensor>> sources = std::vector<std::vector<NamedTensor>>(1);
+  std::vector<std::vector<std::size_t>> sources = std::vector<std::vector<std::size_t>>(1);
   uint64_t total = 0;
 };
-inline WeightFiles plan_weight_files(const torch::nn::Module& module, const SaveModelOptions& options,
-                                     const tp::SplitTensors& split) {
+inline WeightFiles plan_weight_files(const std::vector<PlannedTensor>& planned, uint64_t max_shard_bytes) {
   WeightFiles plan;
   uint64_t in_file = 0;
-  for (auto& planned : planned_tensors(module, options.adapter, split)) {
-    const at::Tensor& t = planned.file.second;
+  for (std::size_t i = 0; i < planned.size(); ++i) {
+    const at::Tensor& t = planned[i].file.second;
     const uint64_t bytes = t.numel() * t.element_size();
-    if (in_file > 0 && in_file + bytes > options.max_shard_bytes) {
+    if (in_file > 0 && in_file + bytes > max_shard_bytes) {
       plan.files.emplace_back();
       plan.sources.emplace_back();
       in_file = 0;
     }
-    plan.files.back().push_back(std::move(planned.file));
-    plan.sources.back().push_back(std::move(planned.model));
+    plan.files.back().push_back(planned[i].file);
+    plan.sources.back().push_back(i);
     in_file += bytes;
     plan.total += bytes;
   }
@@ -155,21 +184,15 @@ inline void finish_weights_dir(const std::filesystem::path& path, const WeightFi
   fsync_path(path);
 }
 
-// save_model's work on `module`'s state_dict. local(t) gives a tensor's
-// values on this process when its turn comes (an Accelerator's FULL_SHARD
-// model gathers them unit by unit there, a collective); a tensor-parallel
-// piece is then gathered whole over its group (accel::tp layers, a plan:
-// Hugging Face's layout has whole tensors). Every process calls both for
-// every tensor in the same order, the main process writes, and an error
-// there (a full disk) still lets the others finish their calls before every
-// process throws it.
-inline void save_weights(const torch::nn::Module& module, const std::filesystem::path& path,
-                         const SaveModelOptions& options, const std::function<at::Tensor(const at::Tensor&)>& local) {
+// save_model's work: the source's tensors into Hugging Face's files. Every
+// process calls source.values for every tensor in the same order, the main
+// process writes, and an error there (a full disk) still lets the others
+// finish their calls before every process throws it.
+inline void save_weights(const WeightSource& source, const std::filesystem::path& path,
+                         const SaveModelOptions& options) {
   namespace fs = std::filesystem;
   if (options.max_shard_bytes == 0) throw InvalidArgument("accel::save_model: max_shard_bytes must be positive");
-  const tp::SplitTensors split = tp::split_tensors(module);
-  const auto whole = [&](const at::Tensor& t) { return split.whole(t, local(t)); };
-  const WeightFiles plan = plan_weight_files(module, options, split);
+  const WeightFiles plan = plan_weight_files(source.planned, options.max_shard_bytes);
   const std::size_t count = plan.files.size();
   const bool writes = accel::get_rank() == 0;
   std::string error;
@@ -185,8 +208,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
     std::size_t next = 0;  // the file's tensors whose values were asked for
     auto values = [&](std::size_t i) {
       next = i + 1;
-      const auto& [source, tensor] = plan.sources[k][i];
-      return adapted_values(options, source, whole(tensor), plan.files[k][i]);
+      const std::size_t from = plan.sources[k][i];
+      return adapted_values(options, source.planned[from].model.first, source.values(from), plan.files[k][i]);
     };
     if (writes && error.empty())
       error = error_of([&] {
@@ -194,9 +217,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
         written.insert(name);
         for (const auto& named : plan.files[k]) weight_map[named.first] = name;
       });
-    // The other processes, and the main one after an error: the gathers only (whole() is a collective where
-    // the model is sharded; the adapter is the writer's).
-    for (; next < plan.files[k].size(); ++next) whole(plan.sources[k][next].second);
+    // The other processes, and the main one after an error: the collectives only (the adapter is the writer's).
+    for (; next < plan.files[k].size(); ++next) source.values(plan.sources[k][next]);
   }
   if (writes && error.empty()) error = error_of([&] { finish_weights_dir(path, plan, weight_map, written); });
   fail_together(error, "accel::save_model");
@@ -218,8 +240,8 @@ inline void save_weights(const torch::nn::Module& module, const std::filesystem:
 // DataParallel::summon_full_params() around this).
 template <class ModuleHolder>
 void save_model(ModuleHolder& model, const std::string& dir, const SaveModelOptions& options = {}) {
-  detail::save_weights(*model.ptr(), detail::checkpoint_path(dir, "save_model"), options,
-                       [](const at::Tensor& t) { return t; });
+  detail::save_weights(detail::module_weights(*model.ptr(), options.adapter, [](const at::Tensor& t) { return t; }),
+                       detail::checkpoint_path(dir, "save_model"), options);
 }
 // (the same, options.max_shard_bytes given alone)
 template <class ModuleHolder>
@@ -358,6 +380,54 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
     if (tied.count(t.unsafeGetTensorImpl()) && !filled.count(t.unsafeGetTensorImpl())) out.emplace_back(name, t);
   return out;
 }
+
+// What every stage of a pipeline holds (names, dtypes, whole shapes: meta
+// tensors), from this process's stages' (checkpoint/pipeline_weights.hpp):
+// a collective over the pipeline group. nullopt passed (this process
+// failed) or returned: some process failed, and says why itself.
+using EveryStage =
+    std::function<std::optional<std::vector<NamedTensor>>(const std::optional<std::vector<NamedTensor>>& mine)>;
+
+// load_model's work on `modules` (one model, or this process's stages of a
+// pipeline). The file must hold each module's entries and nothing else, or,
+// with every_stage, the entries of every stage on every process (it is
+// called once on every process, after an error here too, so that no process
+// is left waiting in it). A tensor-parallel piece's whole tensor is in the
+// file.
+inline void load_weights(const std::vector<torch::nn::Module*>& modules, const std::filesystem::path& path,
+                         const LoadModelOptions& options, const EveryStage& every_stage = {}) {
+  std::vector<std::pair<NamedTensor, const tp::SplitTensors*>> expected;  // (and the split each is a piece of)
+  std::vector<tp::SplitTensors> splits(modules.size());
+  std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
+  std::map<std::string, at::Tensor> loaded;
+  std::string where;
+  std::string error = error_of([&] {
+    loaded = adapted_from_file(read_weights_dir(path, where), options.adapter);
+    for (std::size_t m = 0; m < modules.size(); ++m) {
+      splits[m] = tp::split_tensors(*modules[m]);
+      for (auto& [name, tensor] : entries_to_fill(*modules[m], loaded, where)) {
+        whole.emplace_back(name, meta_like(tensor, splits[m].whole_sizes(tensor)));
+        expected.push_back({{std::move(name), tensor}, &splits[m]});
+      }
+    }
+  });
+  bool check = error.empty();
+  if (every_stage) {
+    const auto all = every_stage(check ? std::optional(whole) : std::nullopt);
+    check = check && all.has_value();  // (else a stage's process failed, and its error is the one given)
+    if (all) whole = *all;
+  }
+  if (check)
+    error = error_of([&] {
+      std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
+      for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+      if (const std::string why = misfit(whole, held); !why.empty())
+        throw RuntimeError(where + " does not fit the model" + (every_stage ? "'s stages" : "") + ":" + why);
+    });
+  fail_together(error, "accel::load_model");
+  torch::NoGradGuard no_grad;
+  for (const auto& [entry, split] : expected) entry.second.copy_(split->piece(entry.second, loaded.at(entry.first)));
+}
 }  // namespace detail
 
 // Reads weights written by save_model or by Python (safetensors' save_file,
@@ -373,26 +443,7 @@ inline std::vector<NamedTensor> entries_to_fill(const torch::nn::Module& module,
 // holds. A sharded model: Accelerator::load_model.
 template <class ModuleHolder>
 void load_model(ModuleHolder& model, const std::string& dir, const LoadModelOptions& options = {}) {
-  const std::filesystem::path path = detail::checkpoint_path(dir, "load_model");
-  std::vector<NamedTensor> expected;
-  std::map<std::string, at::Tensor> loaded;
-  detail::tp::SplitTensors split;
-  const std::string error = detail::error_of([&] {
-    std::string where;
-    loaded = detail::adapted_from_file(detail::read_weights_dir(path, where), options.adapter);
-    expected = detail::entries_to_fill(*model.ptr(), loaded, where);
-    split = detail::tp::split_tensors(*model.ptr());
-    std::vector<NamedTensor> whole;  // (the file holds a piece's whole tensor)
-    for (const auto& [name, tensor] : expected)
-      whole.emplace_back(name, detail::meta_like(tensor, split.whole_sizes(tensor)));
-    std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> held;
-    for (const auto& [name, tensor] : loaded) held[name] = {tensor.scalar_type(), tensor.sizes().vec()};
-    if (const std::string why = detail::misfit(whole, held); !why.empty())
-      throw RuntimeError(where + " does not fit the model:" + why);
-  });
-  detail::fail_together(error, "accel::load_model");
-  torch::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : expected) tensor.copy_(split.piece(tensor, loaded.at(name)));
+  detail::load_weights({model.ptr().get()}, detail::checkpoint_path(dir, "load_model"), options);
 }
 
 ACCEL_NAMESPACE_END

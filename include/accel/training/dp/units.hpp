@@ -68,6 +68,9 @@ class UnitByUnit {
   }
   UnitByUnit(const UnitByUnit&) = delete;
   UnitByUnit& operator=(const UnitByUnit&) = delete;
+  // (movable, so that each of a pipeline's stages on a process can hold one: checkpoint/pipeline_weights.hpp)
+  UnitByUnit(UnitByUnit&& other) noexcept
+      : state_(std::move(other.state_)), current_(std::exchange(other.current_, std::nullopt)) {}
   ~UnitByUnit() {
     if (!state_) return;
     const Locked held(*state_);
