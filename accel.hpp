@@ -74,6 +74,7 @@
 //     accel/training/tp/plan.hpp                         tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
 //     accel/training/pp/microbatches.hpp                 a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together
 //     accel/training/pp/messages.hpp                     the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step
+//     accel/training/pp/split_backward.hpp               zero bubble's split backward: I (the input's gradient) keeps the gradients reaching the weights' branches, W runs from them to the weights only (torch's stage_backward_input / stage_backward_weight)
 //     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
 //     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
 //     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
@@ -6853,6 +6854,7 @@ ACCEL_NAMESPACE_END
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
 #endif
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>  // (zero bubble's W: training/pp/split_backward.hpp)
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 #if defined(__GNUC__) && !defined(__clang__)
@@ -8981,6 +8983,210 @@ class Mailbox {
   std::vector<Entry> receives_;  // every receive of the step, in schedule order
   std::size_t next_ = 0;         // the first not posted yet
   std::map<int, TensorMeta> input_meta_;
+};
+}  // namespace detail::pp
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/pp/split_backward.hpp =====================================
+// accel/training/pp/split_backward.hpp: zero bubble's split backward: I (the input's gradient) keeps the gradients reaching the weights' branches, W runs from them to the weights only (torch's stage_backward_input / stage_backward_weight).
+//
+// I runs the backward from the stage's output to its input only. A node
+// that takes a weight and an activation (a Linear's addmm) computes the
+// activation's gradient there and not the weight's. Before I runs, this
+// finds those nodes (the "intermediates": where each weight's branch meets
+// the path from the output to the input, as torch's get_param_groups does)
+// and hooks them, keeping the gradients that flow into them during I. W
+// then starts autograd's engine at the intermediates with the kept
+// gradients and runs it to the weights only, one call per group of weights
+// sharing intermediates. The weights' gradients accumulate into .grad
+// through their AccumulateGrad nodes, so a DataParallel's hooks on them fire
+// as in a whole backward. The activations' gradients are computed once, in
+// I; running the graph again from the output for W computed them twice
+// (about half as much work again in every backward).
+//
+// Where this does not apply, W runs the graph again from the output (what
+// usable() says): a weight whose branch never meets the path to the input,
+// or a stage with no input gradient (the first).
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+#include <vector>
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail::pp {
+// How many W this thread ran from what I kept (tests count them).
+inline uint64_t& split_weight_passes() {
+  static thread_local uint64_t count = 0;
+  return count;
+}
+
+class SplitBackward {
+ public:
+  // Before I: the graph from `root` (the stage's output or loss), the stage's
+  // input (a leaf that requires grad) and its weights.
+  SplitBackward(const at::Tensor& root, const at::Tensor& input, const std::vector<at::Tensor>& weights) {
+    namespace impl = torch::autograd::impl;
+    if (!root.grad_fn() || !input.requires_grad()) return;
+    build_reverse_graph(root.grad_fn());
+    const Node* input_node = impl::gradient_edge(input).function.get();
+    if (!consumers_.count(input_node)) return;  // (the output does not depend on the input)
+    const std::set<const Node*> on_input_path = closure({input_node}, {}).first;
+    // Each weight's branch and the intermediates it meets; weights that share one are one group.
+    std::vector<std::pair<torch::autograd::Edge, std::set<const Node*>>> branches;
+    for (const at::Tensor& weight : weights) {
+      if (!weight.requires_grad()) continue;
+      torch::autograd::Edge edge = impl::gradient_edge(weight);
+      if (!edge.function || !consumers_.count(edge.function.get())) continue;  // (not used in this forward)
+      std::set<const Node*> meets = closure({edge.function.get()}, on_input_path).second;
+      if (meets.empty()) return;  // (a branch that never meets the input's path: W runs whole)
+      branches.emplace_back(std::move(edge), std::move(meets));
+    }
+    std::vector<std::size_t> parent(branches.size());
+    for (std::size_t i = 0; i < parent.size(); ++i) parent[i] = i;
+    const auto root_of = [&](std::size_t i) {
+      while (parent[i] != i) i = parent[i] = parent[parent[i]];
+      return i;
+    };
+    std::map<const Node*, std::size_t> first_branch;  // an intermediate -> the first branch meeting it
+    for (std::size_t i = 0; i < branches.size(); ++i)
+      for (const Node* node : branches[i].second)
+        if (const auto [at, fresh] = first_branch.emplace(node, i); !fresh) parent[root_of(i)] = root_of(at->second);
+    std::map<std::size_t, std::size_t> group_of;  // a set's root branch -> its group
+    const auto group = [&](std::size_t branch) -> Group& {
+      const auto [at, fresh] = group_of.emplace(root_of(branch), groups_.size());
+      if (fresh) groups_.emplace_back();
+      return groups_[at->second];
+    };
+    for (std::size_t i = 0; i < branches.size(); ++i) group(i).weights.push_back(std::move(branches[i].first));
+    for (const auto& [node, branch] : first_branch) group(branch).intermediates.push_back({owner_.at(node), {}});
+    for (Group& g : groups_)
+      for (Intermediate& at : g.intermediates) at.node->add_pre_hook(std::make_unique<Keep>(&at.grads));
+    hooked_ = true;
+    usable_ = true;
+  }
+  SplitBackward(const SplitBackward&) = delete;
+  SplitBackward& operator=(const SplitBackward&) = delete;
+  ~SplitBackward() { remove_hooks(); }
+
+  // Whether W can run from the intermediates (else it runs the graph again from the output).
+  bool usable() const { return usable_; }
+  // After I: its hooks go (the gradients are kept).
+  void input_done() { remove_hooks(); }
+  // W: each group's weights' gradients from what its intermediates received in I, accumulated into .grad.
+  void weights() {
+    remove_hooks();
+    ++split_weight_passes();
+    for (Group& group : groups_) {
+      if (group.weights.empty()) continue;
+      torch::autograd::edge_list roots;
+      torch::autograd::variable_list grads;
+      for (Intermediate& at : group.intermediates)
+        for (std::size_t i = 0; i < at.grads.size(); ++i)
+          if (at.grads[i].defined()) {
+            roots.emplace_back(at.node, static_cast<uint32_t>(i));
+            grads.push_back(at.grads[i]);
+          }
+      if (roots.empty()) continue;
+      // An intermediate below another of the group would receive its kept gradient again through it: each takes
+      // what it received in I, as torch's stage_backward_weight clamps them.
+      if (group.intermediates.size() > 1)
+        for (Intermediate& at : group.intermediates) at.node->add_pre_hook(std::make_unique<Replace>(at.grads));
+      torch::autograd::Engine::get_default_engine().execute(roots, grads, /*keep_graph=*/false,
+                                                            /*create_graph=*/false, /*accumulate_grad=*/true,
+                                                            group.weights);
+      if (group.intermediates.size() > 1)
+        for (Intermediate& at : group.intermediates) at.node->pre_hooks().pop_back();
+    }
+    groups_.clear();
+  }
+
+ private:
+  using Node = torch::autograd::Node;
+  using NodePtr = decltype(torch::autograd::Edge::function);  // (std::shared_ptr, or c10::intrusive_ptr since 2.x)
+  struct Intermediate {
+    NodePtr node;
+    torch::autograd::variable_list grads;  // what flowed into it in I
+  };
+  struct Group {
+    std::vector<torch::autograd::Edge> weights;
+    std::deque<Intermediate> intermediates;  // (a deque: the hooks hold pointers into it)
+  };
+  // A pre-hook keeping a node's incoming gradients, and one replacing them.
+  struct Keep : torch::autograd::FunctionPreHook {
+    explicit Keep(torch::autograd::variable_list* to) : to_(to) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+      *to_ = grads;
+      return grads;
+    }
+    torch::autograd::variable_list* to_;
+  };
+  struct Replace : torch::autograd::FunctionPreHook {
+    explicit Replace(torch::autograd::variable_list with) : with_(std::move(with)) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list&) override { return with_; }
+    torch::autograd::variable_list with_;
+  };
+
+  // Every node from the root down, with the nodes that consume each.
+  void build_reverse_graph(const NodePtr& root) {
+    std::vector<Node*> todo{root.get()};
+    owner_.emplace(root.get(), root);
+    consumers_[root.get()];
+    while (!todo.empty()) {
+      Node* node = todo.back();
+      todo.pop_back();
+      for (const torch::autograd::Edge& edge : node->next_edges()) {
+        if (!edge.function) continue;
+        const Node* next = edge.function.get();
+        if (owner_.emplace(next, edge.function).second) todo.push_back(edge.function.get());
+        consumers_[next].push_back(node);
+      }
+    }
+  }
+  // The nodes from `from` up through their consumers, stopping at (and returning) those in `stop`.
+  std::pair<std::set<const Node*>, std::set<const Node*>> closure(const std::vector<const Node*>& from,
+                                                                  const std::set<const Node*>& stop) const {
+    std::set<const Node*> seen(from.begin(), from.end()), met;
+    std::vector<const Node*> todo(from.begin(), from.end());
+    while (!todo.empty()) {
+      const Node* node = todo.back();
+      todo.pop_back();
+      const auto found = consumers_.find(node);
+      if (found == consumers_.end()) continue;
+      for (const Node* up : found->second) {
+        if (seen.count(up)) continue;
+        if (stop.count(up)) {
+          met.insert(up);
+          continue;
+        }
+        seen.insert(up);
+        todo.push_back(up);
+      }
+    }
+    return {seen, met};
+  }
+  void remove_hooks() {
+    if (!hooked_) return;
+    hooked_ = false;
+    for (Group& group : groups_)
+      for (Intermediate& at : group.intermediates) {
+        auto& hooks = at.node->pre_hooks();
+        for (auto it = hooks.begin(); it != hooks.end(); ++it)
+          if (auto* keep = dynamic_cast<Keep*>(it->get()); keep && keep->to_ == &at.grads) {
+            hooks.erase(it);
+            break;
+          }
+      }
+  }
+
+  std::map<const Node*, NodePtr> owner_;                 // every node of the graph, held
+  std::map<const Node*, std::vector<Node*>> consumers_;  // a node -> the nodes whose backward feeds it
+  std::vector<Group> groups_;
+  bool usable_ = false;
+  bool hooked_ = false;
 };
 }  // namespace detail::pp
 
@@ -13087,10 +13293,21 @@ class ReplayRandomness {
   std::vector<std::pair<at::Generator, at::Tensor>> now_;
 };
 
+// How many checkpointed regions this thread's forwards have made. A
+// pipeline stage compares it around a micro-batch's forward: a region's
+// backward runs a backward of its own, which gives the weights inside it
+// their gradients at once, so a stage holding one cannot split its
+// backward into the input's gradient and the weights' (training/pp/stage.hpp).
+inline uint64_t& checkpointed_regions() {
+  static thread_local uint64_t count = 0;
+  return count;
+}
+
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // (Function::apply runs this under no_grad: nothing inside fn is kept.)
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<Recompute>& run,
                             at::TensorList inputs) {
+    ++checkpointed_regions();
     run->capture(inputs.vec());
     at::Tensor out = run->fn(inputs.vec());
     ctx->save_for_backward(inputs.vec());  // (version-checked: an input changed in place since is an error)
@@ -14051,10 +14268,16 @@ ACCEL_NAMESPACE_END
 // The zero-bubble schedules split a backward in two: I computes only the
 // input's gradient (sent back at once, so the stage before can go on) and
 // keeps the graph; W, later, the weights' gradients (torch's
-// stage_backward_input and stage_backward_weight). W runs the graph again
-// from the output with the parameters as its only inputs, so the
-// activations' gradients are computed twice; torch keeps them from I
-// instead. The gradients are the same; the cost is W's.
+// stage_backward_input and stage_backward_weight). As torch's, I keeps the
+// gradients reaching the weights' branches and W runs from them to the
+// weights only (training/pp/split_backward.hpp), so the activations'
+// gradients are computed once; where that does not apply (a sharded stage,
+// whose units gather and reduce as a whole backward's do) W runs the graph
+// again from the output, computing them a second time. A micro-batch whose
+// forward made a checkpointed region (accel::checkpoint) runs its backward
+// whole in I's place, and its W does nothing: the region's backward gives
+// the weights inside it their gradients during I, where W from the output
+// cannot reach them.
 //
 // Data parallelism composes as torch's does when the submodule is wrapped in
 // DDP or FSDP: given the stage module's DataParallel (set_data_parallel), the
@@ -14199,7 +14422,9 @@ class PipelineStage {
                               " tensor; what passes between stages must be floating point (its gradient goes back)");
       c.input = c.input.detach().requires_grad_(true);
     }
+    const uint64_t regions = detail::checkpointed_regions();
     c.output = forward_(c.input);
+    c.checkpointed = detail::checkpointed_regions() != regions;
     if (!c.output.defined())
       throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
     return c.output;
@@ -14209,6 +14434,13 @@ class PipelineStage {
   // gradient, the graph freed) or its first half (I: only the input's, the
   // graph kept for backward_weight_one_chunk). Returns the input's gradient
   // to send back (undefined on the first stage).
+  //
+  // A micro-batch whose forward made a checkpointed region (accel::checkpoint)
+  // runs whole in I's place: the region's backward gives the weights inside
+  // it their gradients as the input's gradient passes through it, outside a
+  // weight pass (no data-parallel reduction would count them), and W, run
+  // from the output to the weights, never reaches them (on the first stage,
+  // where I computes nothing, they got none). Its W then does nothing.
   at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
     Chunk& c = chunk(mb, "backward");
     c.root = is_last() ? loss : c.output;
@@ -14216,13 +14448,17 @@ class PipelineStage {
     if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
     const at::Tensor input = c.input;
     at::Tensor input_grad;
-    if (full) {
+    if (full || c.checkpointed) {
       weight_pass([&] { torch::autograd::backward({c.root}, grads(c)); });
       if (!is_first()) input_grad = input.grad();
-      chunks_.erase(mb);
+      if (full) chunks_.erase(mb);
+      else c = Chunk{.whole = true};  // (the graph and activations go now; W finds nothing to do)
     } else if (!is_first()) {
+      // (a sharded stage's W runs the graph again: its units gather and reduce as a whole backward's do)
+      if (!dp_ || !dp_->sharded()) c.split = std::make_unique<detail::pp::SplitBackward>(c.root, input, weights());
       input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
                                          /*create_graph=*/false, /*allow_unused=*/true)[0];
+      if (c.split) c.split->input_done();
       c.input = at::Tensor();
     }
     // (an input the output does not depend on: its gradient is zeros, still sent)
@@ -14232,11 +14468,13 @@ class PipelineStage {
   // W: the weights' gradients of a micro-batch whose I has run.
   void backward_weight_one_chunk(int mb) {
     Chunk& c = chunk(mb, "weight backward");
-    std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
-    for (const auto& p : detail::unique_tensors(module_->parameters()))
-      if (p.requires_grad()) params.push_back(p);
+    if (c.whole) {
+      chunks_.erase(mb);
+      return;
+    }
     weight_pass([&] {
-      if (!params.empty())
+      if (c.split && c.split->usable()) return c.split->weights();  // (from what I kept: split_backward.hpp)
+      if (const std::vector<at::Tensor> params = weights(); !params.empty())
         torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
     });
     chunks_.erase(mb);
@@ -14271,7 +14509,17 @@ class PipelineStage {
 
   struct Chunk {
     at::Tensor input, output, root, grad_output;
+    bool checkpointed = false;                         // its forward made a checkpointed region (accel::checkpoint)
+    bool whole = false;                                // its backward ran whole in I's place: W has nothing left to do
+    std::unique_ptr<detail::pp::SplitBackward> split;  // after I: what W starts from
   };
+  // The weights W gives gradients: each tensor once (LibTorch lists a tied one under each of its names).
+  std::vector<at::Tensor> weights() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
+      if (p.requires_grad()) out.push_back(p);
+    return out;
+  }
   Chunk& fresh_chunk(int mb) {
     auto [it, added] = chunks_.try_emplace(mb);
     if (!added)

@@ -26,15 +26,18 @@ TORCH_MODULE(Residual);
 
 // The whole model cut into `stages` stages of uneven depth (stage k has k % 2 + 1 blocks): the first starts with
 // an input projection, the last ends with a head; each stage's first block's weight is tied (registered again on
-// the stage: LibTorch then lists it twice, and it must be divided and stepped once). Made from one seed, so every rank and the one-process
-// reference hold the same weights.
-std::vector<torch::nn::Sequential> stage_modules(int stages) {
+// the stage: LibTorch then lists it twice, and it must be divided and stepped once). Made from one seed, so every
+// rank and the one-process reference hold the same weights. With `reuse`, each stage's last block runs twice
+// (one module, as ALBERT's shared layers: its weight's gradient comes from two uses, one below the other).
+std::vector<torch::nn::Sequential> stage_modules(int stages, bool reuse = false) {
   torch::manual_seed(11);
   std::vector<torch::nn::Sequential> out;
   for (int k = 0; k < stages; ++k) {
     torch::nn::Sequential seq;
     if (k == 0) seq->push_back(torch::nn::Linear(kIn, kHidden));
-    for (int b = 0; b <= k % 2; ++b) seq->push_back(Residual());
+    Residual last{nullptr};
+    for (int b = 0; b <= k % 2; ++b) seq->push_back(last = Residual());
+    if (reuse) seq->push_back(last);
     if (k == stages - 1) seq->push_back(torch::nn::Linear(kHidden, kOut));
     // A tied weight: the first block's weight also the stage's own parameter, listed under both names.
     seq->register_parameter("tied", seq->ptr(k == 0 ? 1 : 0)->as<ResidualImpl>()->lin->weight);
@@ -58,15 +61,17 @@ std::vector<int> stage_indices(const std::string& name, int P, int r) {
 }
 std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
                                                            std::vector<accel::pp::PipelineStage>& stages, int m,
-                                                           const accel::pp::LossFn& mse = pp_test::mse) {
+                                                           const accel::pp::LossFn& mse = pp_test::mse,
+                                                           bool scale_grads = true) {
   namespace pp = accel::pp;
   std::vector<std::reference_wrapper<pp::PipelineStage>> refs(stages.begin(), stages.end());
-  if (name == "gpipe") return std::make_unique<pp::ScheduleGPipe>(stages[0], m, mse);
-  if (name == "1f1b") return std::make_unique<pp::Schedule1F1B>(stages[0], m, mse);
-  if (name == "looped_bfs") return std::make_unique<pp::ScheduleLoopedBFS>(refs, m, mse);
-  if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, mse);
-  if (name == "interleaved_zero_bubble") return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, mse);
-  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse);
+  if (name == "gpipe") return std::make_unique<pp::ScheduleGPipe>(stages[0], m, mse, scale_grads);
+  if (name == "1f1b") return std::make_unique<pp::Schedule1F1B>(stages[0], m, mse, scale_grads);
+  if (name == "looped_bfs") return std::make_unique<pp::ScheduleLoopedBFS>(refs, m, mse, scale_grads);
+  if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, mse, scale_grads);
+  if (name == "interleaved_zero_bubble")
+    return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, mse, scale_grads);
+  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse, scale_grads);
 }
 
 // pp x tp: Megatron's MLP block, x + down(tanh(up(x))), whole (Up, Down: Linear, the one-process reference) or
@@ -229,6 +234,8 @@ std::map<std::string, at::Tensor> named_stage_values(int k, int S) {
 }
 
 TEST_SUITE("ranks") {
+  // scale_grads (torch's default) averages the micro-batches' gradients: one process's on the whole batch; without
+  // it they are summed: m times that.
   TEST_CASE("pipeline schedules: each micro-batch's loss and every gradient as one process, every schedule") {
     const int P = accel::get_world_size();
     accel::DistributedInterface& world = fresh({.pp_size = P});
@@ -236,17 +243,18 @@ TEST_SUITE("ranks") {
     const accel::GroupPtr group = world.get_group(Dim::PP);
     for (const std::string& name : kSchedules) {
       const int S = P * stages_per_rank(name);
-      for (const int m : {P, 2 * P, 4}) {
+      for (const auto& [m, scale_grads] : {std::pair{P, true}, {2 * P, true}, {4, true}, {4, false}}) {
         if (m < P && name == "1f1b") continue;  // (torch's rule: at least a micro-batch per stage)
         if ((name == "interleaved_1f1b" || name == "interleaved_zero_bubble") && m % std::max(1, m / P) != 0) continue;
         CAPTURE(name);
         CAPTURE(m);
+        CAPTURE(scale_grads);
         // The pipeline: this rank's stages of the model. The reference: the whole model, here too.
-        std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
+        std::vector<torch::nn::Sequential> mine = stage_modules(S, true), whole = stage_modules(S, true);
         std::vector<accel::pp::PipelineStage> stages;
         for (const int k : stage_indices(name, P, r))
           stages.emplace_back(mine[static_cast<std::size_t>(k)], k, S, c10::Device(c10::kCPU), group);
-        const auto schedule = make_schedule(name, stages, m);
+        const auto schedule = make_schedule(name, stages, m, mse, scale_grads);
         const std::vector<int> indices = stage_indices(name, P, r);
         const bool first_here = std::ranges::count(indices, 0) == 1,
                    last_here = std::ranges::count(indices, S - 1) == 1;
@@ -260,11 +268,18 @@ TEST_SUITE("ranks") {
             for (auto& seq : whole) seq->zero_grad();
           }
           std::vector<at::Tensor> losses;
+          const uint64_t split_before = accel::detail::pp::split_weight_passes();
           const at::Tensor out = schedule->step(first_here ? x : at::Tensor(), last_here ? y : at::Tensor(), &losses);
+          // The zero-bubble schedules' W ran from what I kept on every stage past the first, each micro-batch,
+          // not through the graph again (the reused block's weight: two uses, one below the other).
+          if (name == "interleaved_zero_bubble" || name == "zbv")
+            CHECK(accel::detail::pp::split_weight_passes() ==
+                  split_before +
+                      static_cast<uint64_t>(m * std::ranges::count_if(indices, [](int k) { return k > 0; })));
           // One process: the whole batch through every stage, the loss averaging over it.
           at::Tensor h = x;
           for (auto& seq : whole) h = seq->forward(h);
-          mse(h, y).backward();
+          (scale_grads ? mse(h, y) : mse(h, y) * m).backward();
           if (last_here) {
             REQUIRE(out.defined());
             CHECK(at::allclose(out, h.detach(), 1e-12, 1e-14));
@@ -297,6 +312,51 @@ TEST_SUITE("ranks") {
             if (name == "gpipe") CHECK(peak == static_cast<std::size_t>(m));
             if (name == "1f1b") CHECK(peak == static_cast<std::size_t>(std::min(m, P - r)));
           }
+        }
+      }
+    }
+    release_world();
+  }
+
+  // Activation checkpointing inside the stages (accel::checkpoint around each stage's blocks: its backward runs a
+  // backward of its own, which accumulates the weights' gradients): each weight's gradient counted once, under
+  // the zero-bubble schedules' split backward too (I, then W).
+  TEST_CASE("pipeline schedules: checkpointed stages give every gradient once, as one process, every schedule") {
+    const int P = accel::get_world_size();
+    accel::DistributedInterface& world = fresh({.pp_size = P});
+    const int r = world.get_rank(Dim::PP);
+    const accel::GroupPtr group = world.get_group(Dim::PP);
+    for (const std::string& name : kSchedules) {
+      CAPTURE(name);
+      const int S = P * stages_per_rank(name), m = 4;
+      std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
+      std::vector<accel::pp::PipelineStage> stages;
+      const std::vector<int> indices = stage_indices(name, P, r);
+      for (const int k : indices) {
+        torch::nn::Sequential seq = mine[static_cast<std::size_t>(k)];
+        stages.emplace_back(
+            seq.ptr(),
+            [seq](const at::Tensor& x) {
+              return accel::checkpoint([seq](const at::Tensor& h) mutable { return seq->forward(h); }, x);
+            },
+            k, S, c10::Device(c10::kCPU), group);
+      }
+      const auto schedule = make_schedule(name, stages, m);
+      torch::manual_seed(200);
+      const at::Tensor x = torch::randn({2 * m, kIn}, at::kDouble), y = torch::randn({2 * m, kOut}, at::kDouble);
+      schedule->step(std::ranges::count(indices, 0) ? x : at::Tensor(),
+                     std::ranges::count(indices, S - 1) ? y : at::Tensor());
+      at::Tensor h = x;
+      for (auto& seq : whole) h = seq->forward(h);
+      mse(h, y).backward();
+      for (const int k : indices) {
+        CAPTURE(k);
+        const auto got = mine[static_cast<std::size_t>(k)]->named_parameters();
+        const auto want = whole[static_cast<std::size_t>(k)]->named_parameters();
+        for (const auto& p : got) {
+          CAPTURE(p.key());
+          REQUIRE(p.value().grad().defined());
+          CHECK(at::allclose(p.value().grad(), want[p.key()].grad(), 1e-10, 1e-12));
         }
       }
     }
@@ -507,10 +567,13 @@ TEST_SUITE("ranks") {
     const int r = world.get_rank(Dim::PP), d = world.get_rank(Dim::DP);
     const accel::GroupPtr group = world.get_group(Dim::PP), dp_group = world.get_group(Dim::DP);
     REQUIRE(dp_group->getSize() == D);
-    for (const std::string mode : {"replicate", "shard_grad_op", "full_shard"}) {
+    for (const std::string mode : {"replicate", "shard_grad_op", "full_shard", "full_shard_recompute"}) {
       for (const std::string& name : kSchedules) {
         CAPTURE(mode);
         CAPTURE(name);
+        // (with activation checkpointing around each stage: its weights' gradients come in the backward of the
+        // region, which must count in the step's one reduction, under the zero-bubble schedules too)
+        const bool recompute = mode == "full_shard_recompute";
         const int S = P * stages_per_rank(name);
         const std::vector<int> indices = stage_indices(name, P, r);
         std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
@@ -520,14 +583,18 @@ TEST_SUITE("ranks") {
         for (const int k : indices) {
           torch::nn::Sequential& seq = mine[static_cast<std::size_t>(k)];
           std::vector<std::shared_ptr<torch::nn::Module>> units;
-          if (mode == "full_shard")
+          if (mode.starts_with("full_shard"))
             for (const auto& child : seq->children()) units.push_back(child);
           dps.push_back(std::make_unique<accel::DataParallel>(
               seq.ptr(), dp_group, accel::DataParallel::kFirstBucketBytes,
               mode == "replicate" ? accel::GroupPtr() : world.get_group(Dim::MP_SHARD), accel::GroupPtr(), units));
           stages.emplace_back(
-              seq.ptr(), [seq](const at::Tensor& x) mutable { return accel::unit_forward(seq, x); }, k, S,
-              c10::Device(c10::kCPU), group);
+              seq.ptr(),
+              [seq, recompute](const at::Tensor& x) mutable {
+                auto run = [seq](const at::Tensor& h) mutable { return accel::unit_forward(seq, h); };
+                return recompute ? accel::checkpoint(run, x) : run(x);
+              },
+              k, S, c10::Device(c10::kCPU), group);
           stages.back().set_data_parallel(*dps.back());
           for (const auto& p : accel::detail::unique_tensors(seq->parameters())) params.push_back(p);
         }

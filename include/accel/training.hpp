@@ -40,6 +40,7 @@
 #include "accel/training/tp/plan.hpp"
 #include "accel/training/pp/microbatches.hpp"
 #include "accel/training/pp/messages.hpp"
+#include "accel/training/pp/split_backward.hpp"
 #include "accel/training/pp/stage.hpp"
 #include "accel/training/pp/runtime.hpp"
 #include "accel/training/pp/shape_check.hpp"

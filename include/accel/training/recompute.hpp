@@ -80,10 +80,21 @@ class ReplayRandomness {
   std::vector<std::pair<at::Generator, at::Tensor>> now_;
 };
 
+// How many checkpointed regions this thread's forwards have made. A
+// pipeline stage compares it around a micro-batch's forward: a region's
+// backward runs a backward of its own, which gives the weights inside it
+// their gradients at once, so a stage holding one cannot split its
+// backward into the input's gradient and the weights' (training/pp/stage.hpp).
+inline uint64_t& checkpointed_regions() {
+  static thread_local uint64_t count = 0;
+  return count;
+}
+
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   // (Function::apply runs this under no_grad: nothing inside fn is kept.)
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const c10::intrusive_ptr<Recompute>& run,
                             at::TensorList inputs) {
+    ++checkpointed_regions();
     run->capture(inputs.vec());
     at::Tensor out = run->fn(inputs.vec());
     ctx->save_for_backward(inputs.vec());  // (version-checked: an input changed in place since is an error)

@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
 #endif
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>  // (zero bubble's W: training/pp/split_backward.hpp)
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 #if defined(__GNUC__) && !defined(__clang__)

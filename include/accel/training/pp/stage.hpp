@@ -12,10 +12,16 @@
 // The zero-bubble schedules split a backward in two: I computes only the
 // input's gradient (sent back at once, so the stage before can go on) and
 // keeps the graph; W, later, the weights' gradients (torch's
-// stage_backward_input and stage_backward_weight). W runs the graph again
-// from the output with the parameters as its only inputs, so the
-// activations' gradients are computed twice; torch keeps them from I
-// instead. The gradients are the same; the cost is W's.
+// stage_backward_input and stage_backward_weight). As torch's, I keeps the
+// gradients reaching the weights' branches and W runs from them to the
+// weights only (training/pp/split_backward.hpp), so the activations'
+// gradients are computed once; where that does not apply (a sharded stage,
+// whose units gather and reduce as a whole backward's do) W runs the graph
+// again from the output, computing them a second time. A micro-batch whose
+// forward made a checkpointed region (accel::checkpoint) runs its backward
+// whole in I's place, and its W does nothing: the region's backward gives
+// the weights inside it their gradients during I, where W from the output
+// cannot reach them.
 //
 // Data parallelism composes as torch's does when the submodule is wrapped in
 // DDP or FSDP: given the stage module's DataParallel (set_data_parallel), the
@@ -32,6 +38,7 @@
 #pragma once
 
 #include "accel/training/pp/messages.hpp"
+#include "accel/training/pp/split_backward.hpp"
 #include "accel/distributed/interface.hpp"
 #include "accel/training/dp/data_parallel.hpp"
 #include "accel/training/parameters.hpp"
@@ -168,7 +175,9 @@ class PipelineStage {
                               " tensor; what passes between stages must be floating point (its gradient goes back)");
       c.input = c.input.detach().requires_grad_(true);
     }
+    const uint64_t regions = detail::checkpointed_regions();
     c.output = forward_(c.input);
+    c.checkpointed = detail::checkpointed_regions() != regions;
     if (!c.output.defined())
       throw InvalidArgument("accel::pp: stage " + std::to_string(stage_index_) + "'s forward returned no tensor");
     return c.output;
@@ -178,6 +187,13 @@ class PipelineStage {
   // gradient, the graph freed) or its first half (I: only the input's, the
   // graph kept for backward_weight_one_chunk). Returns the input's gradient
   // to send back (undefined on the first stage).
+  //
+  // A micro-batch whose forward made a checkpointed region (accel::checkpoint)
+  // runs whole in I's place: the region's backward gives the weights inside
+  // it their gradients as the input's gradient passes through it, outside a
+  // weight pass (no data-parallel reduction would count them), and W, run
+  // from the output to the weights, never reaches them (on the first stage,
+  // where I computes nothing, they got none). Its W then does nothing.
   at::Tensor backward_one_chunk(int mb, const at::Tensor& loss, const at::Tensor& grad_output, bool full) {
     Chunk& c = chunk(mb, "backward");
     c.root = is_last() ? loss : c.output;
@@ -185,13 +201,17 @@ class PipelineStage {
     if (!c.root.defined()) throw LogicError("accel::pp: a backward with no loss");
     const at::Tensor input = c.input;
     at::Tensor input_grad;
-    if (full) {
+    if (full || c.checkpointed) {
       weight_pass([&] { torch::autograd::backward({c.root}, grads(c)); });
       if (!is_first()) input_grad = input.grad();
-      chunks_.erase(mb);
+      if (full) chunks_.erase(mb);
+      else c = Chunk{.whole = true};  // (the graph and activations go now; W finds nothing to do)
     } else if (!is_first()) {
+      // (a sharded stage's W runs the graph again: its units gather and reduce as a whole backward's do)
+      if (!dp_ || !dp_->sharded()) c.split = std::make_unique<detail::pp::SplitBackward>(c.root, input, weights());
       input_grad = torch::autograd::grad({c.root}, {input}, grads(c), /*retain_graph=*/true,
                                          /*create_graph=*/false, /*allow_unused=*/true)[0];
+      if (c.split) c.split->input_done();
       c.input = at::Tensor();
     }
     // (an input the output does not depend on: its gradient is zeros, still sent)
@@ -201,11 +221,13 @@ class PipelineStage {
   // W: the weights' gradients of a micro-batch whose I has run.
   void backward_weight_one_chunk(int mb) {
     Chunk& c = chunk(mb, "weight backward");
-    std::vector<at::Tensor> params;  // (each tensor once: LibTorch lists a tied one under each of its names)
-    for (const auto& p : detail::unique_tensors(module_->parameters()))
-      if (p.requires_grad()) params.push_back(p);
+    if (c.whole) {
+      chunks_.erase(mb);
+      return;
+    }
     weight_pass([&] {
-      if (!params.empty())
+      if (c.split && c.split->usable()) return c.split->weights();  // (from what I kept: split_backward.hpp)
+      if (const std::vector<at::Tensor> params = weights(); !params.empty())
         torch::autograd::backward({c.root}, grads(c), /*retain_graph=*/false, /*create_graph=*/false, params);
     });
     chunks_.erase(mb);
@@ -240,7 +262,17 @@ class PipelineStage {
 
   struct Chunk {
     at::Tensor input, output, root, grad_output;
+    bool checkpointed = false;                         // its forward made a checkpointed region (accel::checkpoint)
+    bool whole = false;                                // its backward ran whole in I's place: W has nothing left to do
+    std::unique_ptr<detail::pp::SplitBackward> split;  // after I: what W starts from
   };
+  // The weights W gives gradients: each tensor once (LibTorch lists a tied one under each of its names).
+  std::vector<at::Tensor> weights() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : detail::unique_tensors(module_->parameters()))
+      if (p.requires_grad()) out.push_back(p);
+    return out;
+  }
   Chunk& fresh_chunk(int mb) {
     auto [it, added] = chunks_.try_emplace(mb);
     if (!added)
