@@ -287,6 +287,17 @@ void start_logs(accel::Accelerator& accelerator, const Options& o) {
                                      {"lr", std::to_string(o.lr)}});
 }
 
+// The steady rate, from the step after `from` (the first ones warm up) to `to`, and the largest peak RSS over
+// the processes (a collective): the final line run_llama_bench.sh reads.
+void print_throughput(const Options& o, int64_t from, int64_t to, std::chrono::steady_clock::time_point start) {
+  if (to <= from) return;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double peak = accel::all_reduce(peak_rss_mib(), accel::ReduceOp::MAX);
+  accel::print(
+      "train_llama:", std::llround(static_cast<double>(o.batch * o.seq * o.accumulate * (to - from)) / seconds),
+      "tokens/s over steps", from + 1, "to", to, "- peak RSS", std::llround(peak), "MiB (the largest process)");
+}
+
 // --export: model.safetensors (or shards and an index) under HF's names, and config.json.
 template <class ModuleHolder>
 void export_model(accel::Accelerator& accelerator, ModuleHolder& model, const Options& o) {
@@ -375,6 +386,8 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   const bool first_here = indices[0] == 0, last_here = std::count(indices.begin(), indices.end(), S - 1) == 1;
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
+  const int64_t timed_from = o.steps > 5 ? 5 : 0;  // (as train's)
+  auto timed_start = start;
   StepCount step;
   double last_loss = 0;
   while (step.value < o.steps) {
@@ -390,12 +403,14 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
       last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / (dp * o.tp);  // (each tp rank has it)
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
       if (accelerator.is_main_process()) print_progress(o, step.value, 0, start, last_loss, tty);
+      if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();
       if (step.value >= o.steps) break;
     }
   }
   if (accelerator.is_main_process() && tty) std::printf("\n");
   accel::print("train_llama: final loss", last_loss, "after", step.value, "steps; log in",
                accelerator.logging_dir().string() + "/metrics.csv");
+  print_throughput(o, timed_from, step.value, timed_start);
   if (!o.export_dir.empty()) export_model(accelerator, modules.front(), o);  // (every stage's tensors: the whole model)
   accelerator.end_training();
   accelerator.wait_for_everyone();
@@ -527,15 +542,7 @@ int train(Options o) {
   if (accelerator.is_main_process() && tty) std::printf("\n");
   accel::print("train_llama: final loss", last_loss, "after", step.value, "steps; log in",
                accelerator.logging_dir().string() + "/metrics.csv");
-  if (step.value > timed_from) {
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - timed_start).count();
-    const double peak = accel::all_reduce(peak_rss_mib(), accel::ReduceOp::MAX);
-    accel::print(
-        "train_llama:",
-        std::llround(static_cast<double>(o.batch * o.seq * o.accumulate * (step.value - timed_from)) / seconds),
-        "tokens/s over steps", timed_from + 1, "to", step.value, "- peak RSS", std::llround(peak),
-        "MiB (the largest process)");
-  }
+  print_throughput(o, timed_from, step.value, timed_start);
   if (!o.export_dir.empty()) export_model(accelerator, model, o);
   accelerator.end_training();
   accelerator.wait_for_everyone();

@@ -5,9 +5,15 @@ above 1, with DTensor tensor parallelism: torchtitan's plan (llama::tp_plan's, s
 and loss_parallel, over every process (no sharding), or, with TP below the world, on the inner dimension of a
 (shard, tp) mesh with FSDP2's fully_shard along the outer one (torchtitan's FSDP + TP).
 
-    torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS [TP]
+    torchrun-style launch: bench_llama.py MP_REPLICATE CP STEPS [TP [PP SCHEDULE MICROBATCHES]]
     (dp = world / cp, mp_shard = world / mp_replicate; with TP > 1: MP_REPLICATE and CP 1, dp = mp_shard =
-    world / TP)
+    world / TP; with PP > 1: MP_REPLICATE, CP and TP 1, dp = world / PP)
+
+With PP above 1, torch.distributed.pipelining as torchtitan's pipeline_llama: the layers split evenly into stages
+(the embedding on the first, the norm and head on the last; llama::Stage's split), one stage per process for gpipe
+and 1f1b, two for interleaved_1f1b (a loop) and zbv (a V), each stage FSDP2-sharded along dp beside pp, the
+gradients clipped over every stage (the squared norms summed over the world, as train_llama's clip_grad_norm_ and
+torchtitan's clip over pp).
 
 Prints "bench: T tokens/s over steps a-b; peak RSS M MiB" (the largest VmHWM over the processes) on rank 0.
 """
@@ -152,9 +158,105 @@ def tensor_parallel(model, mesh):
     return parallelize_module(model, mesh, plan)
 
 
+class Stage(torch.nn.Module):
+    """Stage k of S of the whole model (llama::Stage's split: the first L % S stages one layer more)."""
+
+    def __init__(self, whole, k, S):
+        super().__init__()
+        per, extra = LAYERS // S, LAYERS % S
+        first = k * per + min(k, extra)
+        self.embed = whole.embed if k == 0 else None
+        self.layers = torch.nn.ModuleDict({str(i): whole.layers[i] for i in range(first, first + per + (k < extra))})
+        self.norm, self.head = (whole.norm, whole.head) if k == S - 1 else (None, None)
+
+    def forward(self, x):
+        T, d = x.shape[1], HIDDEN // HEADS
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.outer(torch.arange(T).float(), inv)
+        angles = torch.cat((freqs, freqs), -1)
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h, angles.cos(), angles.sin(), None)
+        return self.head(self.norm(h)) if self.head is not None else h
+
+
+def train_pipelined(pp, schedule_name, microbatches, steps):
+    """PP above 1: the stages, the schedule, and the steps; prints the same line as main()."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleZBVZeroBubble)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    r, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    two = schedule_name not in ("gpipe", "1f1b")
+    S = pp * (2 if two else 1)
+    indices = [r] + ([2 * pp - 1 - r if schedule_name == "zbv" else r + pp] if two else [])
+    torch.manual_seed(0)
+    whole = Llama()
+    stages, parts = [], []
+    for k in indices:
+        part = Stage(whole, k, S)
+        if dp > 1:  # each stage's units sharded along dp (torchtitan's FSDP per stage)
+            for unit in [part.embed, *part.layers.values(), part.norm, part.head]:
+                if unit is not None:
+                    fully_shard(unit, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+            for module in part.modules():  # (pytorch#162338, as main())
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+                    module.set_gradient_divide_factor(float(dp))
+        parts.append(part)
+        stages.append(PipelineStage(part, k, S, torch.device("cpu"), group=mesh["pp"].get_group()))
+    loss_fn = lambda logits, y: F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+    if two:
+        kind = ScheduleZBVZeroBubble if schedule_name == "zbv" else ScheduleInterleaved1F1B
+        schedule = kind(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        schedule = (ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B)(
+            stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    per_dp = BATCH // dp
+    first_here, last_here = 0 in indices, S - 1 in indices
+    start, first_timed = None, 5
+    for step in range(steps):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+        x, y = ids[:, :SEQ], ids[:, 1:]
+        args = (x,) if first_here else ()
+        schedule.step(*args, target=y if last_here else None)
+        # clip over every stage and shard: each rank's squared norm of its own pieces, summed over the world
+        local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+        total = torch.stack([g.pow(2).sum() for g in local]).sum() if local else torch.zeros(())
+        dist.all_reduce(total)
+        scale = min(1.0, 1.0 / (total.sqrt().item() + 1e-6))
+        for g in local:
+            g.mul_(scale)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == first_timed:
+            start = time.perf_counter()
+    seconds = time.perf_counter() - start
+    peak = torch.tensor([peak_rss_mib()])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tokens = BATCH * SEQ * (steps - first_timed)
+        print(f"bench: {tokens / seconds:.0f} tokens/s over steps {first_timed + 1}-{steps}; peak RSS {peak.item():.0f} MiB",
+              flush=True)
+    dist.barrier()
+    os._exit(0)
+
+
 def main():
     replicate, cp_size, steps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+    if len(sys.argv) > 5 and int(sys.argv[5]) > 1:
+        assert replicate == 1 and cp_size == 1 and tp == 1, "bench_llama.py: PP with dp only"
+        return train_pipelined(int(sys.argv[5]), sys.argv[6], int(sys.argv[7]), steps)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1

@@ -11,10 +11,14 @@
 # same plan (torchtitan's, sequence parallelism, loss_parallel; FSDP2's fully_shard along the same dimension),
 # into llama_tp.{csv,md}; the model with 8 heads sharing 4 key/value heads on both sides (tp 4 splits them),
 # otherwise the same.
+# The set `pp`: pipeline parallelism (train_llama --pp) against torch.distributed.pipelining (bench_llama.py's
+# train_pipelined: the same split into stages, each stage FSDP2-sharded along dp beside pp, clipped over every
+# stage): GPipe, 1F1B and ZBV (two stages per process) at pp 2, 1F1B at pp 4 (a layer per stage) and at pp 2 x dp 2
+# (each stage FULL_SHARD over dp 2), 4 micro-batches, into llama_pp.{csv,md}; the model otherwise the same.
 # The set `small`: small units, latency-bound (hidden 64, intermediate 176: seven FULL_SHARD units of about 50K
 # parameters) at dp 4: accel's FULL_SHARD and NO_SHARD against FSDP2, into llama_small.{csv,md}.
 #
-#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp | small]
+#     bash tests/bench/run_llama_bench.sh [rounds (3)] [steps per run (20)] [set: fsdp (default) | tp | pp | small]
 set -euo pipefail
 rounds=${1:-3}
 steps=${2:-20}
@@ -35,13 +39,16 @@ if [[ $set == tp ]]; then
   base=llama_tp && python_side=python_dtensor_tp && heads=(--heads 8 --kv-heads 4)
   export BENCH_LLAMA_HEADS=8 BENCH_LLAMA_KV_HEADS=4
 fi
+[[ $set == pp ]] && base=llama_pp && python_side=python_pipelining
 csv=$out/$base.csv
 echo "round,world,mesh,side,tokens_per_s,peak_rss_mib" > "$csv"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-# name world mp_replicate dp cp tp
+# name world mp_replicate dp cp tp [pp schedule microbatches]
 configs=("one 1 1 1 1 1" "dp2 2 1 2 1 1" "cp2 2 1 1 2 1" "dp4 4 1 4 1 1" "dp2_cp2 4 1 2 2 1" "hsdp_dp4 4 2 4 1 1")
 [[ $set == tp ]] && configs=("tp2 2 1 1 1 2" "tp4 4 1 1 1 4" "fsdp2_tp2 4 1 2 1 2")
+[[ $set == pp ]] && configs=("pp2_gpipe 2 1 1 1 1 2 gpipe 4" "pp2_1f1b 2 1 1 1 1 2 1f1b 4" "pp2_zbv 2 1 1 1 1 2 zbv 4"
+                             "pp4_1f1b 4 1 1 1 1 4 1f1b 4" "pp2_dp2_1f1b 4 1 2 1 1 2 1f1b 4")
 [[ $set == small ]] && configs=("small_dp4 4 1 4 1 1")
 record() {  # round world mesh side log
   local line
@@ -54,11 +61,14 @@ record() {  # round world mesh side log
 }
 for ((round = 1; round <= rounds; ++round)); do
   for config in "${configs[@]}"; do
-    read -r name world replicate dp cp tp <<< "$config"
+    pp=1 schedule=1f1b microbatches=1
+    read -r name world replicate dp cp tp pp schedule microbatches <<< "$config"
+    pipeline=()
+    ((pp > 1)) && pipeline=(--pp "$pp" --schedule "$schedule" --microbatches "$microbatches")
     rm -rf "$scratch/run"
     "$build/tests/accel_launch" --timeout 300 "$world" "$build/examples/train_llama" --steps "$steps" \
-      --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --tp "$tp" "${heads[@]}" --dir "$scratch/run" \
-      > "$scratch/cpp.log" 2>&1
+      --mp-replicate "$replicate" --dp "$dp" --cp "$cp" --tp "$tp" "${pipeline[@]}" "${heads[@]}" \
+      --dir "$scratch/run" > "$scratch/cpp.log" 2>&1
     record "$round" "$world" "$name" accel "$scratch/cpp.log"
     if [[ $set == small ]]; then  # (the same, not sharded: what small units cost against NO_SHARD)
       rm -rf "$scratch/run"
@@ -67,7 +77,7 @@ for ((round = 1; round <= rounds; ++round)); do
       record "$round" "$world" "$name" accel_no_shard "$scratch/cpp.log"
     fi
     "$build/tests/accel_launch" --timeout 300 "$world" python3 "$top/tests/bench/bench_llama.py" "$replicate" "$cp" \
-      "$steps" "$tp" > "$scratch/py.log" 2>&1
+      "$steps" "$tp" "$pp" "$schedule" "$microbatches" > "$scratch/py.log" 2>&1
     record "$round" "$world" "$name" "$python_side" "$scratch/py.log"
   done
 done
@@ -79,7 +89,8 @@ for r in csv.DictReader(open(sys.argv[1])):
     rows[(r["mesh"], int(r["world"]), r["side"])].append((float(r["tokens_per_s"]), float(r["peak_rss_mib"])))
 names = {"one": "one process", "dp2": "dp 2", "cp2": "cp 2 (Ulysses)", "dp4": "dp 4", "dp2_cp2": "dp 2 x cp 2",
          "hsdp_dp4": "HSDP (2, 2), dp 4", "tp2": "tp 2", "tp4": "tp 4",
-         "fsdp2_tp2": "mp_shard 2 x tp 2 (FSDP + TP)"}
+         "fsdp2_tp2": "mp_shard 2 x tp 2 (FSDP + TP)", "pp2_gpipe": "pp 2, GPipe", "pp2_1f1b": "pp 2, 1F1B",
+         "pp2_zbv": "pp 2, ZBV (4 stages)", "pp4_1f1b": "pp 4, 1F1B", "pp2_dp2_1f1b": "pp 2 x dp 2 (FULL_SHARD), 1F1B"}
 side, base = sys.argv[5], sys.argv[6]
 lines = [f"examples/train_llama against the same model in Python torch {torch.__version__} with FSDP2 (fully_shard per "
          f"layer, embedding, norm and head; the same model mesh) and the same Ulysses exchanges; {os.cpu_count()} cores, "
@@ -97,6 +108,15 @@ if side == "python_dtensor_tp":
              "processes.", "",
              "| processes | mesh | accel tokens/s | Python DTensor TP tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
              "|---:|---|---:|---:|---:|---:|---:|"]
+if side == "python_pipelining":
+    lines = [f"examples/train_llama --pp against the same model in Python torch {torch.__version__} with "
+             "torch.distributed.pipelining (PipelineStage and the same schedule over the same split into stages; "
+             "beside dp, each stage FSDP2-sharded as accel's FULL_SHARD; clipped over every stage), 4 micro-batches "
+             f"per step; {os.cpu_count()} cores, one thread per process, AdamW, fp32; tokens/s over steps "
+             f"6-{sys.argv[4]}, medians of {sys.argv[3]} interleaved rounds; peak RSS = the largest VmHWM over the "
+             "processes.", "",
+             "| processes | pipeline | accel tokens/s | Python pipelining tokens/s | accel / Python | accel peak RSS MiB | Python peak RSS MiB |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
 if base == "llama_small":
     lines = [f"examples/train_llama with small units (hidden 64, intermediate 176, 4 layers: seven FULL_SHARD units of "
              f"about 50K parameters) at dp 4, FULL_SHARD and NO_SHARD, against the same model in Python torch "
@@ -109,7 +129,8 @@ if base == "llama_small":
                for k in ("accel", "accel_no_shard", side))
     lines.append(f"| 4 | {f:.0f} | {n:.0f} | {p:.0f} | {f / p:.2f} | {f / n:.2f} |")
 for mesh, world in [("one", 1), ("dp2", 2), ("cp2", 2), ("dp4", 4), ("dp2_cp2", 4), ("hsdp_dp4", 4), ("tp2", 2), ("tp4", 4),
-                    ("fsdp2_tp2", 4)]:
+                    ("fsdp2_tp2", 4), ("pp2_gpipe", 2), ("pp2_1f1b", 2), ("pp2_zbv", 2), ("pp4_1f1b", 4),
+                    ("pp2_dp2_1f1b", 4)]:
     a, p = rows.get((mesh, world, "accel"), []), rows.get((mesh, world, side), [])
     if not a or not p:
         continue
