@@ -105,7 +105,7 @@ struct WeightSource {
 inline WeightSource module_weights(const torch::nn::Module& module, const StateDictAdapter& adapter,
                                    std::function<at::Tensor(const at::Tensor&)> local) {
   auto split = std::make_shared<tp::SplitTensors>(tp::split_tensors(module));
-  WeightSource source{planned_tensors(module, adapter, *split), {}};
+  WeightSource source{planned_tensors(module, adapter, *split), {}, {}};
   std::vector<at::Tensor> tensors;
   for (const auto& planned : source.planned) {
     tensors.push_back(planned.model.second);

@@ -204,8 +204,12 @@ class PipelineStage {
     if (full || c.checkpointed) {
       weight_pass([&] { torch::autograd::backward({c.root}, grads(c)); });
       if (!is_first()) input_grad = input.grad();
-      if (full) chunks_.erase(mb);
-      else c = Chunk{.whole = true};  // (the graph and activations go now; W finds nothing to do)
+      if (full) {
+        chunks_.erase(mb);
+      } else {  // (the graph and activations go now; W finds nothing to do)
+        c = Chunk();
+        c.whole = true;
+      }
     } else if (!is_first()) {
       // (a sharded stage's W runs the graph again: its units gather and reduce as a whole backward's do)
       if (!dp_ || !dp_->sharded()) c.split = std::make_unique<detail::pp::SplitBackward>(c.root, input, weights());
