@@ -137,6 +137,21 @@ def peak_rss_mib():
     return 0.0
 
 
+def report(start, first_timed, steps, rank, distributed):
+    """The final line (tokens/s since `start`, the largest peak RSS over the processes), then the exit."""
+    seconds = time.perf_counter() - start
+    peak = torch.tensor([peak_rss_mib()])
+    if distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tokens = BATCH * SEQ * (steps - first_timed)
+        print(f"bench: {tokens / seconds:.0f} tokens/s over steps {first_timed + 1}-{steps}; peak RSS {peak.item():.0f} MiB",
+              flush=True)
+    if distributed:
+        dist.barrier()
+    os._exit(0)  # (no teardown: torch 2.15's FSDP2 on Gloo can abort there; the figures are out)
+
+
 def tensor_parallel(model, mesh):
     """torchtitan's plan for Llama (examples/llama.hpp's llama::tp_plan, this model's names) on a tp mesh."""
     from torch.distributed.tensor import Replicate, Shard
@@ -240,15 +255,7 @@ def train_pipelined(pp, schedule_name, microbatches, steps):
         optimizer.zero_grad()
         if step + 1 == first_timed:
             start = time.perf_counter()
-    seconds = time.perf_counter() - start
-    peak = torch.tensor([peak_rss_mib()])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        tokens = BATCH * SEQ * (steps - first_timed)
-        print(f"bench: {tokens / seconds:.0f} tokens/s over steps {first_timed + 1}-{steps}; peak RSS {peak.item():.0f} MiB",
-              flush=True)
-    dist.barrier()
-    os._exit(0)
+    report(start, first_timed, steps, rank, distributed=True)
 
 
 def main():
@@ -319,17 +326,7 @@ def main():
         optimizer.zero_grad()
         if step + 1 == first_timed:
             start = time.perf_counter()
-    seconds = time.perf_counter() - start
-    peak = torch.tensor([peak_rss_mib()])
-    if distributed:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        tokens = BATCH * SEQ * (steps - first_timed)
-        print(f"bench: {tokens / seconds:.0f} tokens/s over steps {first_timed + 1}-{steps}; peak RSS {peak.item():.0f} MiB",
-              flush=True)
-    if distributed:
-        dist.barrier()
-    os._exit(0)  # (no teardown: torch 2.15's FSDP2 on Gloo can abort there; the figures are out)
+    report(start, first_timed, steps, rank, distributed)
 
 
 if __name__ == "__main__":
