@@ -15,127 +15,128 @@
 //
 // Contents, in the order data flows through the header:
 //   core:
-//     accel/core/version.hpp                             the version macros (CMake and the packages read them here)
-//     accel/core/config.hpp                              compile-time knobs, the environment's names, the ABI namespace
-//     accel/core/errors.hpp                              the error family: accel::Error and its kinds
-//     accel/core/enums.hpp                               ReduceOp, Dim, DeviceType and friends, with their string forms
-//     accel/core/environment.hpp                         reading torchrun's and the MPI/Slurm launchers' environment
-//     accel/core/strategy.hpp                            DistributedConfig and DistributedStrategy: the parallel sizes, validated
-//     accel/core/launcher.hpp                            the local launcher: spawn and launch_processes (Linux)
-//     accel/core/pipeline_actions.hpp                    a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
-//     accel/core/pipeline_rules.hpp                      the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run
-//     accel/core/pipeline_orders.hpp                     the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two)
-//     accel/core/pipeline_lowering.hpp                   a compute-only pipeline order lowered for running: each rank's sends and receives of activations and gradients put in its list, as torch's _add_send_recv puts them
+//     accel/core/version.hpp                               the version macros (CMake and the packages read them here)
+//     accel/core/config.hpp                                compile-time knobs, the environment's names, the ABI namespace
+//     accel/core/errors.hpp                                the error family: accel::Error and its kinds
+//     accel/core/enums.hpp                                 ReduceOp, Dim, DeviceType and friends, with their string forms
+//     accel/core/environment.hpp                           reading torchrun's and the MPI/Slurm launchers' environment
+//     accel/core/strategy.hpp                              DistributedConfig and DistributedStrategy: the parallel sizes, validated
+//     accel/core/launcher.hpp                              the local launcher: spawn and launch_processes (Linux)
+//     accel/core/pipeline_actions.hpp                      a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
+//     accel/core/pipeline_rules.hpp                        the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run
+//     accel/core/pipeline_orders.hpp                       the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two)
+//     accel/core/pipeline_lowering.hpp                     a compute-only pipeline order lowered for running: each rank's sends and receives of activations and gradients put in its list, as torch's _add_send_recv puts them
 //   distributed:
-//     accel/distributed/torch.hpp                        feature detection and the LibTorch headers the collectives need
-//     accel/distributed/devices.hpp                      devices: which accelerator a process uses, binding and synchronising it
-//     accel/distributed/concepts.hpp                     what the collectives take: Scalar, ScalarVector, TensorLike
-//     accel/distributed/issue.hpp                        debug mode, the group registry, issuing c10d operations, their errors
-//     accel/distributed/pending.hpp                      Pending: a collective issued (its start) and not landed yet (its land), the result it gives
-//     accel/distributed/staging.hpp                      what c10d gets for a tensor: dtypes every backend moves, staged copies, the device NCCL needs, reductions checked
-//     accel/distributed/start_gather.hpp                 the all-gather family started: into given outputs, into rows, of CPU elements
-//     accel/distributed/start_reduce.hpp                 the all-reduce family started: in place, onto one rank, and folded locally for types no backend reduces
-//     accel/distributed/start_broadcast.hpp              the broadcast family started: a tensor from one rank, its pieces scattered from one rank, the ranks checked
-//     accel/distributed/pieces.hpp                       a Gloo group's exchange of pieces point to point: the all-gather and reduce-scatter the sharding engine runs without staging
-//     accel/distributed/debug_check.hpp                  debug mode's check that every rank made the same call, and the texts that describe a call
-//     accel/distributed/registration.hpp                 registering the groups accel makes, with the code that diagnoses their failures
-//     accel/distributed/work.hpp                         accel::Work: an operation in flight, what the _async forms return
-//     accel/distributed/collectives.hpp                  all_reduce, broadcast, all_gather and their _async forms
-//     accel/distributed/all_to_all.hpp                   all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
-//     accel/distributed/direct_all_reduce.hpp            a Gloo group's all-reduce point to point, for small tensors: a reduce-scatter then an all-gather, each one round of messages
-//     accel/distributed/exchange.hpp                     reduce_to, gather_to, scatter, send/recv, barriers
-//     accel/distributed/backends.hpp                     one c10d process group made on either LibTorch generation, over a store
-//     accel/distributed/rendezvous.hpp                   rendezvous: the store ranks meet on, and agreeing on the world
-//     accel/distributed/make_groups.hpp                  several c10d groups made at once over the rendezvous store, and every rank waiting until all are made
-//     accel/distributed/mesh.hpp                         DeviceMesh: named dimensions, slice, flatten
-//     accel/distributed/world.hpp                        World: the ranks of one initialisation, their rendezvous store and the groups made on it
-//     accel/distributed/interface.hpp                    DistributedInterface (the singleton), new_group, init_device_mesh
-//     accel/distributed/nested.hpp                       nested data (vectors, maps, tuples of tensors), packed for few collectives
-//     accel/distributed/operations.hpp                   Accelerate's operations: gather, pad_across_processes, reduce, ...
-//     accel/distributed/objects.hpp                      objects through the pickler: broadcast_object_list, gather_object, ...
-//     accel/distributed/process_control.hpp              process control: split_between_processes, on_main_process, ...
-//     accel/distributed/reproducibility.hpp              set_seed and synchronize_rng_states
+//     accel/distributed/torch.hpp                          feature detection and the LibTorch headers the collectives need
+//     accel/distributed/devices.hpp                        devices: which accelerator a process uses, binding and synchronising it
+//     accel/distributed/concepts.hpp                       what the collectives take: Scalar, ScalarVector, TensorLike
+//     accel/distributed/issue.hpp                          debug mode, the group registry, issuing c10d operations, their errors
+//     accel/distributed/pending.hpp                        Pending: a collective issued (its start) and not landed yet (its land), the result it gives
+//     accel/distributed/staging.hpp                        what c10d gets for a tensor: dtypes every backend moves, staged copies, the device NCCL needs, reductions checked
+//     accel/distributed/start_gather.hpp                   the all-gather family started: into given outputs, into rows, of CPU elements
+//     accel/distributed/start_reduce.hpp                   the all-reduce family started: in place, onto one rank, and folded locally for types no backend reduces
+//     accel/distributed/start_broadcast.hpp                the broadcast family started: a tensor from one rank, its pieces scattered from one rank, the ranks checked
+//     accel/distributed/pieces.hpp                         a Gloo group's exchange of pieces point to point: the all-gather and reduce-scatter the sharding engine runs without staging
+//     accel/distributed/debug_check.hpp                    debug mode's check that every rank made the same call, and the texts that describe a call
+//     accel/distributed/registration.hpp                   registering the groups accel makes, with the code that diagnoses their failures
+//     accel/distributed/work.hpp                           accel::Work: an operation in flight, what the _async forms return
+//     accel/distributed/collectives.hpp                    all_reduce, broadcast, all_gather and their _async forms
+//     accel/distributed/all_to_all.hpp                     all_to_all (even and uneven) and reduce_scatter, both on c10d's all-to-all
+//     accel/distributed/direct_all_reduce.hpp              a Gloo group's all-reduce point to point, for small tensors: a reduce-scatter then an all-gather, each one round of messages
+//     accel/distributed/exchange.hpp                       reduce_to, gather_to, scatter, send/recv, barriers
+//     accel/distributed/backends.hpp                       one c10d process group made on either LibTorch generation, over a store
+//     accel/distributed/rendezvous.hpp                     rendezvous: the store ranks meet on, and agreeing on the world
+//     accel/distributed/make_groups.hpp                    several c10d groups made at once over the rendezvous store, and every rank waiting until all are made
+//     accel/distributed/mesh.hpp                           DeviceMesh: named dimensions, slice, flatten
+//     accel/distributed/world.hpp                          World: the ranks of one initialisation, their rendezvous store and the groups made on it
+//     accel/distributed/interface.hpp                      DistributedInterface (the singleton), new_group, init_device_mesh
+//     accel/distributed/nested.hpp                         nested data (vectors, maps, tuples of tensors), packed for few collectives
+//     accel/distributed/operations.hpp                     Accelerate's operations: gather, pad_across_processes, reduce, ...
+//     accel/distributed/objects.hpp                        objects through the pickler: broadcast_object_list, gather_object, ...
+//     accel/distributed/process_control.hpp                process control: split_between_processes, on_main_process, ...
+//     accel/distributed/reproducibility.hpp                set_seed and synchronize_rng_states
 //   training:
-//     accel/training/torch_nn.hpp                        the LibTorch headers the training helpers need (<torch/torch.h>)
-//     accel/training/weak_keyed_map.hpp                  a map keyed by a tensor's or module's address that forgets an entry once its object has gone
-//     accel/training/parameters.hpp                      a module's parameters as Python counts them: each tensor once, known by all its names
-//     accel/training/parallel/autograd.hpp               autograd-aware collectives (accel::autograd)
-//     accel/training/tp/regions.hpp                      Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region
-//     accel/training/tp/layer.hpp                        what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients
-//     accel/training/tp/linear.hpp                       Megatron-core's ColumnParallelLinear and RowParallelLinear as torch::nn modules
-//     accel/training/tp/embedding.hpp                    Megatron-core's VocabParallelEmbedding as a torch::nn module
-//     accel/training/tp/cross_entropy.hpp                vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy)
-//     accel/training/tp/dropout.hpp                      tp::dropout, one random mask for the whole activation whichever piece a rank holds
-//     accel/training/tp/styles.hpp                       torch's parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput) and the layouts they name, as plain values for a plan
-//     accel/training/tp/registry.hpp                     the modules a plan styled (tp::parallelize_module), found by address when they run, and the watch that refuses a styled module called around its style
-//     accel/training/tp/pieces.hpp                       what of a module is split over a tensor-parallel group (by accel::tp's layers or by a plan), and what whole-model operations do with it
-//     accel/training/tp/sequence_parallel.hpp            all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
-//     accel/training/tp/styled_forward.hpp               a styled module run with its parallel style: its inputs moved to the layouts it needs, its pieces computed, its output moved to the layout the plan says
-//     accel/training/tp/plan.hpp                         tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
-//     accel/training/pp/microbatches.hpp                 a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together
-//     accel/training/pp/messages.hpp                     the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step
-//     accel/training/pp/split_backward.hpp               zero bubble's split backward: I (the input's gradient) keeps the gradients reaching the weights' branches, W runs from them to the weights only (torch's stage_backward_input / stage_backward_weight)
-//     accel/training/precision/autocast.hpp              AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
-//     accel/training/precision/grad_scaler.hpp           GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
-//     accel/training/precision/policy.hpp                MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
-//     accel/training/optim/fused_adam.hpp                Adam and AdamW stepped by LibTorch's fused kernels
-//     accel/training/data/sampler.hpp                    data loading: ShardSampler, which deals out each process's share of a dataset
-//     accel/training/data/loader_state.hpp               what a prepared loader is configured with and shares: DataLoaderConfig, its place in its passes, Accelerate's GradientState
-//     accel/training/accelerator_config.hpp              AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
-//     accel/training/data/dispatch.hpp                   dispatch_batches: one rank reads, the others receive their slices
-//     accel/training/data/loaders.hpp                    PreparedDataLoader and PreparedIterableDataLoader
-//     accel/training/dp/comm_hooks.hpp                   communication hooks: GradBucket, CommHook, PowerSGD
-//     accel/training/dp/buckets.hpp                      which gradients share a bucket (DDP's assignment, with FSDP units)
-//     accel/training/dp/buffers.hpp                      the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
-//     accel/training/dp/timeline.hpp                     when each gradient bucket of the last synced backward was ready, issued, waited for and landed
-//     accel/training/dp/strategy.hpp                     Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode
-//     accel/training/dp/state.hpp                        DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks
-//     accel/training/dp/chunks.hpp                       the chunk layout sharding cuts every parameter into: S equal chunks, the last padded
-//     accel/training/dp/scatter.hpp                      ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
-//     accel/training/dp/reducer.hpp                      DataParallel's reducer: a bucket issued as soon as its gradients are ready
-//     accel/training/dp/unit_plan.hpp                    ZeRO-3's units planned: which unit holds each parameter, the registry accel::unit_forward finds a unit in, the policy's dtypes, the names a read at rest reports
-//     accel/training/dp/unit_params.hpp                  ZeRO-3's parameters gathered into a pooled buffer for a unit's forward and backward, and put back at rest after
-//     accel/training/dp/units.hpp                        ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
-//     accel/training/recompute.hpp                       accel::checkpoint, activation checkpointing as torch.utils.checkpoint
-//     accel/training/dp/shards.hpp                       ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
-//     accel/training/dp/sharded_state_dict.hpp           what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
-//     accel/training/dp/strategies.hpp                   the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it
-//     accel/training/dp/data_parallel.hpp                DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
-//     accel/training/pp/stage.hpp                        accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
-//     accel/training/pp/runtime.hpp                      one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
-//     accel/training/pp/shape_check.hpp                  a schedule's first step begins by running micro-batch 0 through every stage without autograd, so that stages that do not fit together are refused on every rank at once, naming the shapes, before anything trains
-//     accel/training/pp/schedules.hpp                    torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
-//     accel/training/dp/unit_forward.hpp                 accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
-//     accel/training/io/json.hpp                         JSON: a reader that checks everything it is given, and the quoting of a string
-//     accel/training/io/file_digest.hpp                  XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
-//     accel/training/io/checked_file.hpp                 files written with every error checked: CheckedFile, atomic writes, archives
-//     accel/training/io/safetensors.hpp                  safetensors: Hugging Face's weight format, written and read
-//     accel/training/checkpoint/file_names.hpp           the name of every file save_state and save_model write, in one place
-//     accel/training/checkpoint/prepared.hpp             what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
-//     accel/training/accelerator/join.hpp                Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
-//     accel/training/checkpoint/manifest.hpp             a checkpoint's manifest (every file with its size and XXH64, the checkpoint's id) and the checks a load makes against it
-//     accel/training/checkpoint/files.hpp                a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares
-//     accel/training/checkpoint/world.hpp                a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
-//     accel/training/checkpoint/context.hpp              where this process stands, as a checkpoint records and checks it, and which files are its own
-//     accel/training/checkpoint/shards.hpp               a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
-//     accel/training/checkpoint/sharded_weights.hpp      a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
-//     accel/training/checkpoint/optimizer_slots.hpp      what each position of an optimizer's parameter list is in this run (a shard, a tensor-parallel piece, its names), and its state read from the piece files across tensor-parallel layouts
-//     accel/training/checkpoint/reshard.hpp              an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
-//     accel/training/checkpoint/item.hpp                 what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
-//     accel/training/checkpoint/model_items.hpp          the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
-//     accel/training/checkpoint/state_items.hpp          the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
-//     accel/training/checkpoint/from_python.hpp          load_state of a checkpoint Python's dcp.save wrote through HuggingFaceStorageWriter: the models, and the optimizers' state under Python's names
-//     accel/training/checkpoint/state.hpp                save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them
-//     accel/training/checkpoint/weights.hpp              save_model and load_model: a module's weights as Hugging Face's safetensors
-//     accel/training/checkpoint/pipeline_weights.hpp     a pipeline's stages as one model for save_model and load_model, gathered over the pipeline group
-//     accel/training/accelerator/trackers.hpp            Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
-//     accel/training/accelerator/setup.hpp               what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets
-//     accel/training/accelerator/accelerator.hpp         the Accelerator, declared: every public method in one place, and the state it holds
-//     accel/training/accelerator/properties.hpp          the Accelerator's constructor and properties: what it runs on, read off its setup
-//     accel/training/accelerator/preparing.hpp           the Accelerator's prepare() in all its forms, and letting go of what it prepared
-//     accel/training/accelerator/training_step.hpp       the Accelerator's training step: backward, gradient sync and accumulation, uneven inputs, clipping, the loss scale
-//     accel/training/accelerator/process_operations.hpp  the Accelerator's work over every process: Accelerate's operations as methods, metrics, the trigger, the experiment log
-//     accel/training/accelerator/checkpoints.hpp         the Accelerator's checkpoints (save_state, load_state) and exported weights (save_model, load_model)
+//     accel/training/torch_nn.hpp                          the LibTorch headers the training helpers need (<torch/torch.h>)
+//     accel/training/weak_keyed_map.hpp                    a map keyed by a tensor's or module's address that forgets an entry once its object has gone
+//     accel/training/parameters.hpp                        a module's parameters as Python counts them: each tensor once, known by all its names
+//     accel/training/parallel/autograd.hpp                 autograd-aware collectives (accel::autograd)
+//     accel/training/tp/regions.hpp                        Megatron's region mappings (accel::tp): the collectives around a tensor-parallel region
+//     accel/training/tp/layer.hpp                          what every tensor-parallel layer shares: its group, its piece of a whole tensor, its partial gradients
+//     accel/training/tp/linear.hpp                         Megatron-core's ColumnParallelLinear and RowParallelLinear as torch::nn modules
+//     accel/training/tp/embedding.hpp                      Megatron-core's VocabParallelEmbedding as a torch::nn module
+//     accel/training/tp/cross_entropy.hpp                  vocab_parallel_cross_entropy (torch's loss_parallel, Megatron's vocab-parallel cross entropy)
+//     accel/training/tp/dropout.hpp                        tp::dropout, one random mask for the whole activation whichever piece a rank holds
+//     accel/training/tp/styles.hpp                         torch's parallel styles (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput) and the layouts they name, as plain values for a plan
+//     accel/training/tp/registry.hpp                       the modules a plan styled (tp::parallelize_module), found by address when they run, and the watch that refuses a styled module called around its style
+//     accel/training/tp/pieces.hpp                         what of a module is split over a tensor-parallel group (by accel::tp's layers or by a plan), and what whole-model operations do with it
+//     accel/training/tp/sequence_parallel.hpp              all_reduce_sequence_parallel_gradients, the partial gradients of sequence parallelism summed in one collective
+//     accel/training/tp/styled_forward.hpp                 a styled module run with its parallel style: its inputs moved to the layouts it needs, its pieces computed, its output moved to the layout the plan says
+//     accel/training/tp/plan.hpp                           tp::parallelize_module, torch's plan of parallel styles applied to a plain model's Linear and Embedding layers, norms and blocks
+//     accel/training/pp/microbatches.hpp                   a batch cut into a pipeline's micro-batches along its first dimension, and the last stage's outputs put back together
+//     accel/training/pp/messages.hpp                       the activations and gradients a pipeline step sends between ranks, the receives posted in the order the senders send, and each stage's input shape told once per step
+//     accel/training/pp/split_backward.hpp                 zero bubble's split backward: I (the input's gradient) keeps the gradients reaching the weights' branches, W runs from them to the weights only (torch's stage_backward_input / stage_backward_weight)
+//     accel/training/precision/autocast.hpp                AutocastGuard: LibTorch's autocast on for a scope, in the configured precision
+//     accel/training/precision/grad_scaler.hpp             GradScaler: dynamic loss scaling for fp16 training, as torch.amp.GradScaler
+//     accel/training/precision/policy.hpp                  MixedPrecisionPolicy: the dtypes fully sharded units compute and reduce in, as FSDP2's
+//     accel/training/optim/fused_adam.hpp                  Adam and AdamW stepped by LibTorch's fused kernels
+//     accel/training/data/sampler.hpp                      data loading: ShardSampler, which deals out each process's share of a dataset
+//     accel/training/data/loader_state.hpp                 what a prepared loader is configured with and shares: DataLoaderConfig, its place in its passes, Accelerate's GradientState
+//     accel/training/accelerator_config.hpp                AcceleratorConfig, AcceleratedOptimizer, AcceleratedScheduler
+//     accel/training/data/dispatch.hpp                     dispatch_batches: one rank reads, the others receive their slices
+//     accel/training/data/loaders.hpp                      PreparedDataLoader and PreparedIterableDataLoader
+//     accel/training/dp/comm_hooks.hpp                     communication hooks: GradBucket, CommHook, PowerSGD
+//     accel/training/dp/buckets.hpp                        which gradients share a bucket (DDP's assignment, with FSDP units)
+//     accel/training/dp/buffers.hpp                        the sharding engine's working buffers, lent by handle and taken again step after step instead of allocated anew
+//     accel/training/dp/timeline.hpp                       when each gradient bucket of the last synced backward was ready, issued, waited for and landed
+//     accel/training/dp/strategy.hpp                       Strategy, what NO_SHARD and the sharded strategies do differently: the one place DataParallel branches on its mode
+//     accel/training/dp/state.hpp                          DataParallel's state: the buckets' common layout and the strategy's own (Replicated, or Sharded with FULL_SHARD's Units), shared with its autograd hooks
+//     accel/training/dp/chunks.hpp                         the chunk layout sharding cuts every parameter into: S equal chunks, the last padded
+//     accel/training/dp/scatter.hpp                        ZeRO's gradient reduce-scatter: issued from reused buffers, landed in the shards' gradients
+//     accel/training/dp/reducer.hpp                        DataParallel's reducer: a bucket issued as soon as its gradients are ready
+//     accel/training/dp/unit_plan.hpp                      ZeRO-3's units planned: which unit holds each parameter, the registry accel::unit_forward finds a unit in, the policy's dtypes, the names a read at rest reports
+//     accel/training/dp/unit_params.hpp                    ZeRO-3's parameters gathered into a pooled buffer for a unit's forward and backward, and put back at rest after
+//     accel/training/dp/units.hpp                          ZeRO-3's units: parameters gathered from their shards for a unit's forward and backward, freed after
+//     accel/training/recompute.hpp                         accel::checkpoint, activation checkpointing as torch.utils.checkpoint
+//     accel/training/dp/shards.hpp                         ZeRO-2's shards: each parameter cut in S chunks, this rank's kept and stepped
+//     accel/training/dp/sharded_state_dict.hpp             what checkpoints ask of a sharded DataParallel: each rank's pieces, written and loaded without gathering
+//     accel/training/dp/strategies.hpp                     the two strategies' operations (Replicated: NO_SHARD; Sharded: ZeRO-2, ZeRO-3, HSDP), each a call into the engine's part that does it
+//     accel/training/dp/data_parallel.hpp                  DataParallel, the class: data parallelism for one module (buckets, ZeRO-2 shards, ZeRO-3 units)
+//     accel/training/pp/stage.hpp                          accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
+//     accel/training/pp/runtime.hpp                        one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
+//     accel/training/pp/shape_check.hpp                    a schedule's first step begins by running micro-batch 0 through every stage without autograd, so that stages that do not fit together are refused on every rank at once, naming the shapes, before anything trains
+//     accel/training/pp/schedules.hpp                      torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
+//     accel/training/dp/unit_forward.hpp                   accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
+//     accel/training/io/json.hpp                           JSON: a reader that checks everything it is given, and the quoting of a string
+//     accel/training/io/file_digest.hpp                    XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
+//     accel/training/io/checked_file.hpp                   files written with every error checked: CheckedFile, atomic writes, archives
+//     accel/training/io/safetensors.hpp                    safetensors: Hugging Face's weight format, written and read
+//     accel/training/checkpoint/file_names.hpp             the name of every file save_state and save_model write, in one place
+//     accel/training/checkpoint/prepared.hpp               what an Accelerator has prepared (models, optimizers, schedulers, loaders, objects)
+//     accel/training/accelerator/join.hpp                  Join: training on uneven inputs, as DDP's Join (Accelerator::join_uneven_inputs), and the block's even_batches
+//     accel/training/checkpoint/manifest.hpp               a checkpoint's manifest (every file with its size and XXH64, the checkpoint's id) and the checks a load makes against it
+//     accel/training/checkpoint/files.hpp                  a checkpoint's directory: atomic install, recovery, rotation, and the checks every load shares
+//     accel/training/checkpoint/world.hpp                  a checkpoint loaded by another number of processes: loader positions in samples, RNG states for new processes
+//     accel/training/checkpoint/context.hpp                where this process stands, as a checkpoint records and checks it, and which files are its own
+//     accel/training/checkpoint/shards.hpp                 a sharded model in a checkpoint: each process writes its own pieces, as Python's DCP reads them (checkpoint/sharded_weights.hpp reads them back)
+//     accel/training/checkpoint/sharded_weights.hpp        a sharded model's pieces read back: every file's boxes checked to tile each tensor, this process's part read
+//     accel/training/checkpoint/optimizer_slots.hpp        what each position of an optimizer's parameter list is in this run (a shard, a tensor-parallel piece, its names), and its state read from the piece files across tensor-parallel layouts
+//     accel/training/checkpoint/reshard.hpp                an optimizer's saved state cut again for this run's shards (4 -> 2, ZeRO <-> NO_SHARD)
+//     accel/training/checkpoint/optimizer_from_pieces.hpp  an optimizer's state across pipeline layouts, built from the piece files alone
+//     accel/training/checkpoint/item.hpp                   what one artifact of a checkpoint does in each phase of a save and a load, and what each phase hands it
+//     accel/training/checkpoint/model_items.hpp            the models in a checkpoint: each model whole (model_<i>.pt), or the sharded models' pieces every process writes
+//     accel/training/checkpoint/state_items.hpp            the training state in a checkpoint, an item each: optimizers, schedulers, registered objects, the loaders' places, the loss scaler, this process's RNG states
+//     accel/training/checkpoint/from_python.hpp            load_state of a checkpoint Python's dcp.save wrote through HuggingFaceStorageWriter: the models, and the optimizers' state under Python's names
+//     accel/training/checkpoint/weights.hpp                save_model and load_model: a module's weights as Hugging Face's safetensors
+//     accel/training/checkpoint/pipeline_weights.hpp       a pipeline's stages as one model for save_model and load_model, gathered over the pipeline group
+//     accel/training/checkpoint/state.hpp                  save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them
+//     accel/training/accelerator/trackers.hpp              Accelerate's experiment tracking (log_with, init_trackers, log) into JSON-lines and CSV files
+//     accel/training/accelerator/setup.hpp                 what an Accelerator runs on: its checked configuration, the world, the device, and the DataParallel a model gets
+//     accel/training/accelerator/accelerator.hpp           the Accelerator, declared: every public method in one place, and the state it holds
+//     accel/training/accelerator/properties.hpp            the Accelerator's constructor and properties: what it runs on, read off its setup
+//     accel/training/accelerator/preparing.hpp             the Accelerator's prepare() in all its forms, and letting go of what it prepared
+//     accel/training/accelerator/training_step.hpp         the Accelerator's training step: backward, gradient sync and accumulation, uneven inputs, clipping, the loss scale
+//     accel/training/accelerator/process_operations.hpp    the Accelerator's work over every process: Accelerate's operations as methods, metrics, the trigger, the experiment log
+//     accel/training/accelerator/checkpoints.hpp           the Accelerator's checkpoints (save_state, load_state) and exported weights (save_model, load_model)
 
 #ifndef ACCEL_HPP
 #define ACCEL_HPP
@@ -16300,6 +16301,7 @@ struct CheckpointManifest {
   int64_t schedulers = 0;
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
   int64_t tp = 1;      // the tensor-parallel size (one optimizer file per process when more than 1)
+  int64_t pp = 1;      // the pipeline-parallel size (each process saved its stages, in pieces, when more than 1)
   std::string id{};    // 32 hexadecimal digits, this save's own
   std::map<std::string, FileDigest> files{};  // every file of the checkpoint but the manifest
 };
@@ -16312,6 +16314,7 @@ inline std::string manifest_text(const CheckpointManifest& m) {
       << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
       << m.schedulers << "\nshards " << m.shards << "\n";
   if (m.tp > 1) out << "tp " << m.tp << "\n";  // (absent at 1: the manifests of runs without tp stay as they were)
+  if (m.pp > 1) out << "pp " << m.pp << "\n";  // (likewise)
   out << "id " << m.id << "\n";
   for (const auto& [name, digest] : m.files)
     out << "file " << name << ' ' << digest.bytes << ' ' << hex64(digest.xxh64) << '\n';
@@ -16364,7 +16367,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     else if (key == "objects") m.objects = value;
     else if (key == "schedulers") m.schedulers = value;
     else if (key == "shards") m.shards = value;
-    else if (key == "tp") m.tp = value;  // other keys: a newer writer's, ignored
+    else if (key == "tp") m.tp = value;
+    else if (key == "pp") m.pp = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }
@@ -16799,14 +16803,22 @@ struct CheckpointContext {
   int num_processes = 1;
   int64_t shards = 1;  // ways the optimizer state is sharded (1: not sharded)
   int64_t tp = 1;      // the tensor-parallel size (above 1: each process's optimizers step their own pieces)
+  int64_t pp = 1;      // the pipeline-parallel size (above 1: each process holds some stages of the model)
   c10::Device device{c10::kCPU};
+
+  // Whether this process is the first of those holding its stages: the
+  // pipeline is the meshes' outermost dimension, so pipeline rank r's
+  // processes are the r-th run of num_processes / pp (all of them without
+  // a pipeline: process 0 is the first).
+  bool first_of_its_stages() const { return process_index % (num_processes / pp) == 0; }
 };
 
 // Whether each process writes its own optimizer state: under sharding (its
-// shards) and under tensor parallelism (its pieces); else process 0 writes
-// the whole state, the same on every process.
+// shards), tensor parallelism (its pieces) and a pipeline (its stages'
+// parameters); else process 0 writes the whole state, the same on every
+// process.
 inline bool optimizers_per_process(const PreparedSet& set, const CheckpointContext& ctx) {
-  return !set.sharded->empty() || ctx.tp > 1;
+  return !set.sharded->empty() || ctx.tp > 1 || ctx.pp > 1;
 }
 // Optimizer i's checkpoint file: this process's own, or the whole one.
 inline std::string optimizer_file(const PreparedSet& set, const CheckpointContext& ctx, std::size_t i) {
@@ -16815,10 +16827,11 @@ inline std::string optimizer_file(const PreparedSet& set, const CheckpointContex
 
 // Whether model i is saved in pieces, every process its own
 // (checkpoint/shards.hpp), rather than whole in model.pt by process 0:
-// a sharded model, and one holding tensor-parallel pieces.
+// a sharded model, one holding tensor-parallel pieces, and a pipeline's
+// stages (each process holds some of the model).
 inline bool saved_in_pieces(const PreparedSet& set, std::size_t i) {
   const PreparedModel& m = set.models[i];
-  return (m.data_parallel && m.data_parallel->sharded()) || m.split.group;
+  return (m.data_parallel && m.data_parallel->sharded()) || m.split.group || set.pipeline_group;
 }
 
 }  // namespace detail
@@ -16836,7 +16849,10 @@ ACCEL_NAMESPACE_END
 // Under tensor parallelism a process holds pieces of the split parameters
 // (tp rank t: the t-th slice along the split dimension) and writes its
 // piece, or its shard of it, placed in the whole tensor: tensor-parallel
-// pieces are not gathered either.
+// pieces are not gathered either. Under a pipeline each process holds some
+// stages of one model, under the model's own names: it writes its stages'
+// tensors (their shards, or their pieces), and the files of all hold the
+// whole model as one.
 // Beside them go the optimizers' state for those pieces where Python's
 // optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
 // SGD's momentum buffer: python_state), under Python's names. The files are
@@ -16923,6 +16939,12 @@ inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begi
 // then the parameter's name and the state's, as Python's
 // get_optimizer_state_dict() nests them.
 inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" + std::to_string(i) + "."; }
+// The prefix of model i's names in the piece files (model_prefix): none for a pipeline's stages, which are together one
+// model under its own names (a stage module keeps the whole model's names
+// for what it holds, as llama::Stage does).
+inline std::string saved_model_prefix(const PreparedSet& set, std::size_t i) {
+  return set.pipeline_group ? std::string() : model_prefix(i);
+}
 inline std::string optimizer_prefix(std::size_t i) {
   return (i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i)) + ".state.";
 }
@@ -17042,8 +17064,10 @@ inline std::vector<int64_t> place_in_whole(const tp::SplitTensors& split, const 
 // replica, a shard of a whole tensor by that replica at tp rank 0 (every tp
 // rank holds the same shards of it); a tensor-parallel piece that is not
 // sharded by the first process of its data-parallel group (its replicas
-// hold the same); the rest whole, by process 0.
-inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
+// hold the same); the rest whole, by process 0 (under a pipeline, by the
+// first process holding that stage).
+inline void write_pieces(PreparedSet& set, const CheckpointContext& ctx, const fs::path& dir, const std::string& id,
+                         FileLog& log) {
   PieceFiles files;
   // What each tensor an optimizer steps (a shard, else the parameter) is of the whole: its name, the shape of
   // what this process holds of it, that tensor's place in the whole, and which of its flattened elements.
@@ -17062,8 +17086,9 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
     const bool writes_shards = sharded && dp->sharded_state_dict().writes_pieces();
     const bool first_replica = !dp || !dp->group() || dp->group()->getRank() == 0;
     const bool first_tp = tp::rank_in(m.split.group) == 0;  // (the shards of whole tensors: alike over tp)
+    const std::string prefix = saved_model_prefix(set, i);
     for (const auto& [name, tensor] : state_dict(*m.module)) {
-      if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
+      if (!in_namespace(prefix + name, prefix))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
@@ -17074,12 +17099,12 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
         place.writes = writes_shards && (!origin.empty() || first_tp);
         place.begin = piece->begin;
         place.length = piece->values.numel();
-        if (place.writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin, origin);
+        if (place.writes) files.add_piece(prefix + name, tensor.sizes(), piece->values, piece->begin, origin);
         places[dp->shard_of(tensor).unsafeGetTensorImpl()] = std::move(place);
         continue;
       }
-      place.writes = origin.empty() ? process == 0 : first_replica;
-      if (place.writes) files.add_whole(model_prefix(i) + name, tensor, origin);
+      place.writes = origin.empty() ? ctx.first_of_its_stages() : first_replica;
+      if (place.writes) files.add_whole(prefix + name, tensor, origin);
       places[tensor.unsafeGetTensorImpl()] = std::move(place);
     }
   }
@@ -17101,7 +17126,7 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
           }
         }
       }
-  files.write(dir, process, id, log);
+  files.write(dir, ctx.process_index, id, log);
 }
 
 }  // namespace detail
@@ -17321,23 +17346,32 @@ class ShardedWeights {
   std::map<std::string, Whole> tensors_;
 };
 
+// A model's parameters and buffers as the piece files hold them: state_dict's
+// names, a tensor-parallel piece with its whole shape (a meta tensor, of no
+// memory).
+inline std::vector<std::pair<std::string, at::Tensor>> whole_entries(const torch::nn::Module& module,
+                                                                     const tp::SplitTensors& split) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, tensor] : state_dict(module))
+    out.emplace_back(name, split.contains(tensor)
+                               ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
+                               : tensor);
+  return out;
+}
+
 // A model saved in pieces, for load_state's read step: the files checked
 // against the model (its names under `prefix`; a tensor-parallel piece
-// against its whole shape), and what this process keeps of each parameter
-// and buffer read (dp's load_range under sharding, else everything this
-// process holds: a tensor-parallel piece's box of the whole, or the whole).
-inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
-                                                           const tp::SplitTensors& split, const ShardedWeights& weights,
-                                                           const std::string& prefix) {
-  const auto held = state_dict(module);
-  std::vector<std::pair<std::string, at::Tensor>> expected;  // (the whole shapes, of no memory)
-  for (const auto& [name, tensor] : held)
-    expected.emplace_back(name, split.contains(tensor)
-                                    ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
-                                    : tensor);
-  weights.check_fits(expected, prefix);
+// against its whole shape), or, for a pipeline's stage, against every
+// stage's tensors (`whole_model`: the stages together are the model), and
+// what this process keeps of each parameter and buffer read (dp's
+// load_range under sharding, else everything this process holds: a
+// tensor-parallel piece's box of the whole, or the whole).
+inline std::map<std::string, at::Tensor> read_model_pieces(
+    const torch::nn::Module& module, DataParallel* dp, const tp::SplitTensors& split, const ShardedWeights& weights,
+    const std::string& prefix, const std::vector<std::pair<std::string, at::Tensor>>* whole_model = nullptr) {
+  weights.check_fits(whole_model ? *whole_model : whole_entries(module, split), prefix);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, tensor] : held) {
+  for (const auto& [name, tensor] : state_dict(module)) {
     const auto [begin, length] =
         dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
     out[name] = weights.read(prefix + name, begin, length, tensor.sizes().vec(), place_in_whole(split, tensor))
@@ -17607,6 +17641,65 @@ inline void reshard_state(SavedFiles& files, std::size_t position, const Optimiz
   }
 }
 
+// The saving run's version and parameter groups from its first optimizer
+// file (`saved`, at `file`), the version and the groups' count written
+// into `out` and `groups`; a count unlike this optimizer's is refused,
+// naming the file. Returns the saved groups.
+inline torch::serialize::InputArchive saved_param_groups(torch::optim::Optimizer& optimizer,
+                                                         torch::serialize::InputArchive& saved, const std::string& file,
+                                                         torch::serialize::OutputArchive& out,
+                                                         torch::serialize::OutputArchive& groups) {
+  torch::serialize::InputArchive saved_groups;
+  at::Tensor count;
+  try {
+    c10::IValue version;
+    saved.read("pytorch_version", version);
+    out.write("pytorch_version", version);
+    saved.read("param_groups", saved_groups);
+    saved_groups.read("param_groups/size", count);
+  } catch (const std::exception& e) {
+    throw RuntimeError(file + " is not an optimizer's archive: " + error_text(e));
+  }
+  if (count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
+    throw RuntimeError(file + " holds " + std::to_string(count.item<int64_t>()) +
+                       " parameter groups; this run's optimizer has " +
+                       std::to_string(optimizer.param_groups().size()));
+  groups.write("param_groups/size", count);
+  return saved_groups;
+}
+// The archive made (`out`, with `state` and `groups` written into it) as
+// Optimizer::load reads it, on `device`.
+inline std::unique_ptr<torch::serialize::InputArchive> loadable(torch::serialize::OutputArchive& out,
+                                                                torch::serialize::OutputArchive& state,
+                                                                torch::serialize::OutputArchive& groups,
+                                                                c10::Device device) {
+  out.write("state", state);
+  out.write("param_groups", groups);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string held = std::move(bytes).str();
+  auto archive = std::make_unique<torch::serialize::InputArchive>();
+  archive->load_from(held.data(), held.size(), device);
+  return archive;
+}
+
+// The options of parameter group g as saved (`saved_group`), read through
+// the optimizer's own options type (what they are is the optimizer's
+// business), for Optimizer::load's archive.
+inline torch::serialize::OutputArchive saved_group_options(torch::optim::Optimizer& optimizer, std::size_t g,
+                                                           torch::serialize::InputArchive& saved_group,
+                                                           const std::shared_ptr<torch::jit::CompilationUnit>& unit) {
+  torch::serialize::InputArchive saved_options;
+  saved_group.read("options", saved_options);
+  const auto& current = optimizer.param_groups()[g];
+  std::unique_ptr<torch::optim::OptimizerOptions> copy =
+      (current.has_options() ? current.options() : optimizer.defaults()).clone();
+  copy->serialize(saved_options);
+  torch::serialize::OutputArchive options(unit);
+  copy->serialize(options);
+  return options;
+}
+
 // Parameter group g as the first file has it (its keys name the states,
 // written into `state`), its options through the optimizer's own options
 // type (what they are is the optimizer's business). `position` counts the
@@ -17617,9 +17710,9 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
                                                      std::size_t& position, torch::serialize::OutputArchive& state,
                                                      const PlacedState* placed) {
   const SavedOptimizer& first = *files[0];
-  torch::serialize::InputArchive saved_group, saved_options;
+  torch::serialize::InputArchive saved_group;
   saved_groups.read("param_groups/" + std::to_string(g), saved_group);
-  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
+  torch::serialize::OutputArchive group(state.compilation_unit());
   at::Tensor size;
   saved_group.read("params/size", size);
   if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
@@ -17636,12 +17729,7 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
     reshard_state(files, position, slots[position], saved_shards, own, placed);
     state.write(key.toStringRef(), own);
   }
-  saved_group.read("options", saved_options);
-  const auto& current = optimizer.param_groups()[g];
-  std::unique_ptr<torch::optim::OptimizerOptions> copy =
-      (current.has_options() ? current.options() : optimizer.defaults()).clone();
-  copy->serialize(saved_options);
-  copy->serialize(options);
+  torch::serialize::OutputArchive options = saved_group_options(optimizer, g, saved_group, state.compilation_unit());
   group.write("options", options);
   return group;
 }
@@ -17663,18 +17751,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
-  c10::IValue version;
-  first.archive.read("pytorch_version", version);
-  out.write("pytorch_version", version);
-  torch::serialize::InputArchive saved_groups;
-  first.archive.read("param_groups", saved_groups);
-  at::Tensor group_count;
-  saved_groups.read("param_groups/size", group_count);
-  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
-    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
-                       " parameter groups; this run's optimizer has " +
-                       std::to_string(optimizer.param_groups().size()));
-  groups.write("param_groups/size", group_count);
+  torch::serialize::InputArchive saved_groups = saved_param_groups(optimizer, first.archive, first.file, out, groups);
   std::size_t position = 0;
   for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
     torch::serialize::OutputArchive group =
@@ -17684,14 +17761,126 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   if (position != slots.size())
     throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
                        " parameters; this run's optimizer has " + std::to_string(slots.size()));
-  out.write("state", state);
-  out.write("param_groups", groups);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  const std::string held = std::move(bytes).str();
-  auto archive = std::make_unique<torch::serialize::InputArchive>();
-  archive->load_from(held.data(), held.size(), device);
-  return archive;
+  return loadable(out, state, groups, device);
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/optimizer_from_pieces.hpp ======================
+// accel/training/checkpoint/optimizer_from_pieces.hpp: an optimizer's state across pipeline layouts, built from the piece files alone.
+//
+// Under a pipeline each process's optimizer steps its own stages'
+// parameters, so a saved optimizer file's parameter list is the saving
+// process's: in another pipeline layout (another pp, pp on one side only,
+// the stages sharded another way) its positions are not this process's,
+// and reshard.hpp's cut, which goes by position, cannot be used. The
+// tensors of the state are also in the piece files, placed in the whole
+// tensors under Python's names (Adam's, AdamW's and SGD's:
+// checkpoint/shards.hpp's python_state), by parameter name: this part
+// builds, for each of this process's parameters, the state its optimizer
+// keeps from them (its box of the whole, and of that its range where
+// sharded), and gives it to Optimizer::load as the archive it would have
+// saved. The groups' options (learning rate, betas, ...) come from the
+// saving run's first optimizer file, group by group: every process of a
+// pipeline builds its optimizer with the same groups.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The parameters an optimizer steps, by name, in its order: what a
+// pipeline's optimizer file records (under kParameterNamesKey), since
+// another schedule over as many processes may give a process other stages,
+// whose optimizer has as many parameters, in other places.
+inline constexpr const char* kParameterNamesKey = "accel_parameter_names";
+inline std::string parameter_names_text(const PreparedSet& set, torch::optim::Optimizer& optimizer) {
+  std::string text;
+  for (const OptimizerSlot& slot : optimizer_slots(set, optimizer))
+    text += (slot.names.empty() ? "(unnamed " + c10::str(slot.whole.sizes()) + ")" : slot.names.front()) + "\n";
+  return text;
+}
+// Whether a saved optimizer file stepped the parameters this optimizer
+// steps, by name (false where it does not say).
+inline bool steps_these_parameters(torch::serialize::InputArchive& saved, const PreparedSet& set,
+                                   torch::optim::Optimizer& optimizer) {
+  c10::IValue names;
+  return saved.try_read(kParameterNamesKey, names) && names.isString() &&
+         names.toStringRef() == parameter_names_text(set, optimizer);
+}
+
+// One parameter's state (`slot`) from the piece files, serialized as its
+// optimizer's own state type into `own`; false where they hold none (the
+// parameter had no state yet).
+inline bool placed_state(torch::optim::Optimizer& optimizer, const PlacedState& placed, const OptimizerSlot& slot,
+                         const std::string& file, torch::serialize::OutputArchive& own) {
+  const auto saved = [&](const char* field) -> std::optional<std::string> {
+    for (const std::string& parameter : slot.names)
+      if (placed.pieces && placed.pieces->holds(placed.name(parameter, field))) return placed.name(parameter, field);
+    return std::nullopt;
+  };
+  const auto cut = [&](const char* field) { return placed.cut(slot, field, slot.whole, file); };
+  const auto step = [&]() -> int64_t {
+    const auto name = saved("step");
+    if (!name)
+      throw RuntimeError(file + ": the piece files hold no step of '" + slot.names.front() + "' beside its moments");
+    return std::llround(placed.pieces->read(*name, 0, 1).item<double>());
+  };
+  auto adam_like = [&](auto state) {
+    if (!saved("exp_avg")) return false;
+    state.step(step());
+    state.exp_avg(cut("exp_avg"));
+    state.exp_avg_sq(cut("exp_avg_sq"));
+    if (saved("max_exp_avg_sq")) state.max_exp_avg_sq(cut("max_exp_avg_sq"));
+    state.serialize(own);
+    return true;
+  };
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return adam_like(torch::optim::AdamParamState());
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return adam_like(torch::optim::AdamWParamState());
+  if (!saved("momentum_buffer")) return false;  // (SGD: plain SGD keeps none)
+  torch::optim::SGDParamState state;
+  state.momentum_buffer(cut("momentum_buffer"));
+  state.serialize(own);
+  return true;
+}
+
+// The state of optimizer `index` for this process's parameters, from the
+// piece files (`pieces`) and the groups' options of `first` (the saving
+// run's first file of this optimizer): an archive for Optimizer::load and
+// load_group_options. Another kind of optimizer than Adam, AdamW and SGD
+// is refused, naming `first`: the piece files do not hold its state.
+inline std::unique_ptr<torch::serialize::InputArchive> optimizer_from_pieces(const PreparedSet& set, std::size_t index,
+                                                                             const ShardedWeights* pieces,
+                                                                             OpenedArchive first, c10::Device device) {
+  torch::optim::Optimizer& optimizer = *set.optimizers[index];
+  if (!dynamic_cast<torch::optim::Adam*>(&optimizer) && !dynamic_cast<torch::optim::AdamW*>(&optimizer) &&
+      !dynamic_cast<torch::optim::SGD*>(&optimizer))
+    throw RuntimeError(first.file +
+                       ": this optimizer's state cannot move to another pipeline layout (the piece files place "
+                       "Adam's, AdamW's and SGD's in the whole tensors, by name); resume in the saving layout");
+  const std::vector<OptimizerSlot> slots = optimizer_slots(set, optimizer);
+  const PlacedState placed{pieces, index};
+  torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
+  torch::serialize::InputArchive saved_groups = saved_param_groups(optimizer, first.archive, first.file, out, groups);
+  std::size_t position = 0;
+  for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    torch::serialize::InputArchive saved_group;
+    saved_groups.read("param_groups/" + std::to_string(g), saved_group);
+    torch::serialize::OutputArchive group(out.compilation_unit());
+    const auto count = static_cast<int64_t>(optimizer.param_groups()[g].params().size());
+    group.write("params/size", at::scalar_tensor(count, at::kLong));
+    for (int64_t j = 0; j < count; ++j, ++position) {
+      // (a key of this archive's own: Optimizer::load pairs the groups' keys with the state's, then each position
+      // with this optimizer's parameter there; LibTorch writes them as decimal numbers)
+      const std::string key = std::to_string(position + 1);
+      group.write("params/" + std::to_string(j), c10::IValue(key));
+      torch::serialize::OutputArchive own(out.compilation_unit());
+      if (placed_state(optimizer, placed, slots[position], first.file, own)) state.write(key, own);
+    }
+    torch::serialize::OutputArchive options = saved_group_options(optimizer, g, saved_group, out.compilation_unit());
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  return loadable(out, state, groups, device);
 }
 }  // namespace detail
 
@@ -17753,6 +17942,9 @@ class ItemReader {
   const std::filesystem::path& dir;
   const SavedLayout& saved;
   std::vector<std::string> warnings;  // (a loader's place, checkpoint_world)
+  // Under a pipeline, every stage's parameters and buffers (whole shapes),
+  // from every pipeline rank: the model the piece files must hold.
+  const std::vector<std::pair<std::string, at::Tensor>>* pipeline_model = nullptr;
 
   // The archive `name`, checked against the manifest's record.
   std::unique_ptr<torch::serialize::InputArchive> read(const std::string& name) {
@@ -17848,11 +18040,16 @@ class ModelItem final : public CheckpointItem {
   void read(ItemReader& in) override {
     const std::filesystem::path whole = in.dir / file_names::model(i_);
     if (std::filesystem::exists(whole)) {
+      if (in.pipeline_model)
+        throw RuntimeError(whole.string() +
+                           " holds the model whole (saved without a pipeline, sharding or tp): a pipeline's stages "
+                           "load a checkpoint saved in pieces. Load it without pp and save_model it, then load_model "
+                           "the stages from that");
       archive_ = in.read(file_names::model(i_));
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
       pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
-                                  model_prefix(i_));
+                                  in.pipeline_model ? std::string() : model_prefix(i_), in.pipeline_model);
     }
   }
   void commit() override {
@@ -17882,7 +18079,7 @@ class ShardedPiecesItem final : public CheckpointItem {
   explicit ShardedPiecesItem(PreparedSet& set) : set_(set) {}
   void write_own(const ItemWriter& out) override {
     for (std::size_t i = 0; i < set_.models.size(); ++i)
-      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
+      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx, out.dir, out.id, out.log);
   }
 
  private:
@@ -17903,7 +18100,8 @@ namespace detail {
 // run shards it the same way (or keeps it whole), else cut again from the
 // saved pieces, piece k in process k's file; across tensor-parallel
 // layouts from the state the piece files place in the whole tensors
-// (checkpoint/reshard.hpp). It can refuse as it loads, and is put back if
+// (checkpoint/reshard.hpp), and across pipeline layouts from those alone,
+// by name (checkpoint/optimizer_from_pieces.hpp). It can refuse as it loads, and is put back if
 // any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
@@ -17921,13 +18119,22 @@ class OptimizerItem final : public CheckpointItem {
     file_ = (in.dir / name_).string();
     const bool same_processes = saved.processes == in.ctx.num_processes;
     const bool tp = saved.manifest.tp > 1 || in.ctx.tp > 1;
+    const bool pipeline = saved.manifest.pp > 1 || in.ctx.pp > 1;
     const bool as_saved = saved.shards == in.ctx.shards && saved.manifest.tp == in.ctx.tp &&
-                          ((saved.shards == 1 && !tp) || same_processes);
+                          saved.manifest.pp == in.ctx.pp && ((saved.shards == 1 && !tp && !pipeline) || same_processes);
     if (as_saved) {
       archive_ = in.read(name_);
+      // (under a pipeline, if this process has the saving process's stages: another schedule may give it others)
+      if (!pipeline || steps_these_parameters(*archive_, set_, optimizer_)) return;
+    }
+    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1 || saved.manifest.pp > 1;  // (its files)
+    if (pipeline) {  // (the saving processes' parameter lists are not this process's: by name, from the pieces)
+      const std::string first = file_names::optimizer(i_, per_process ? 0 : -1);
+      archive_ =
+          optimizer_from_pieces(set_, i_, in.pieces_if_any(),
+                                OpenedArchive{(in.dir / first).string(), std::move(*in.read(first))}, in.ctx.device);
       return;
     }
-    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1;  // (the saving run's files)
     const PlacedState placed{tp ? in.pieces_if_any() : nullptr, i_};
     archive_ = resharded_optimizer(
         set_, i_, tp ? 1 : saved.shards, in.ctx.device,
@@ -17952,6 +18159,7 @@ class OptimizerItem final : public CheckpointItem {
   void save(const ItemWriter& out) {
     torch::serialize::OutputArchive archive;
     optimizer_.save(archive);
+    if (out.ctx.pp > 1) archive.write(kParameterNamesKey, c10::IValue(parameter_names_text(set_, optimizer_)));
     out.save(archive, name_);
   }
 
@@ -18450,297 +18658,6 @@ inline std::string left_by_python_checkpoint(const PreparedSet& set, const fs::p
          " is Python's dcp.save checkpoint: the model(s) and the optimizer(s)' state loaded; its files hold tensors "
          "only, so the optimizers' options (learning rate, ...) are this run's, and " +
          list + " stay as they were" + (set.schedulers.empty() ? "" : " (step a scheduler to Python's step yourself)");
-}
-}  // namespace detail
-
-ACCEL_NAMESPACE_END
-
-// == accel/training/checkpoint/state.hpp ======================================
-// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them.
-//
-// A checkpoint is a list of items, one per artifact (checkpoint/item.hpp
-// says what each phase does; the items are in model_items.hpp and
-// state_items.hpp). Saving: every process writes its own files, then
-// process 0 the files of all and, last, the manifest listing every file
-// with its digest; all of it goes into DIR.tmp, installed as DIR at once
-// (checkpoint/files.hpp). Loading is transactional, each step a
-// collective: every item reads and checks its files, changing nothing;
-// then the items that can refuse as they load apply, and all are put back
-// on every process if any refuses; then every item commits what was
-// checked and cannot fail. An error on any process is thrown on every
-// process, naming the file.
-
-ACCEL_NAMESPACE_BEGIN
-
-namespace detail {
-// The items of a checkpoint of `set`, in the order of every phase: the
-// schedulers and registered objects apply before the optimizers (a
-// replayed scheduler sets learning rates, which the optimizers' own state
-// then overrides). The RNG states' comes last.
-inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
-  CheckpointItems items;
-  for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
-  items.push_back(std::make_unique<ShardedPiecesItem>(set));
-  for (std::size_t i = 0; i < set.schedulers.size(); ++i)
-    items.push_back(std::make_unique<SchedulerItem>(set.schedulers[i], i));
-  for (std::size_t i = 0; i < set.objects.size(); ++i) items.push_back(std::make_unique<ObjectItem>(set.objects[i], i));
-  for (std::size_t i = 0; i < set.optimizers.size(); ++i) items.push_back(std::make_unique<OptimizerItem>(set, ctx, i));
-  items.push_back(std::make_unique<LoadersItem>(set.loaders));
-  if (set.scaler) items.push_back(std::make_unique<ScalerItem>(set.scaler));
-  items.push_back(std::make_unique<RandomStatesItem>(step));
-  return items;
-}
-inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
-  for (const auto& item : items)  // (found by type, so that reordering the list cannot pick another item)
-    if (const auto* states = dynamic_cast<const RandomStatesItem*>(item.get())) return *states;
-  throw LogicError("accel::Accelerator::load_state: no RNG states among the checkpoint's items");
-}
-
-// The manifest's counts for this run (its serial, id and files come later).
-inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointContext& ctx) {
-  return {.serial = 0,
-          .processes = ctx.num_processes,
-          .models = static_cast<int64_t>(set.models.size()),
-          .optimizers = static_cast<int64_t>(set.optimizers.size()),
-          .loaders = static_cast<int64_t>(set.loaders.size()),
-          .objects = static_cast<int64_t>(set.objects.size()),
-          .schedulers = static_cast<int64_t>(set.schedulers.size()),
-          .shards = ctx.shards,
-          .tp = ctx.tp};
-}
-// Every process's files and digests, into the manifest process 0 writes
-// (a collective: every process calls it with its own log).
-inline void add_every_process_files(const FileLog& log, CheckpointManifest& manifest) {
-  std::ostringstream mine;
-  for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
-  for (const std::string& theirs : accel::gather_object(mine.str())) {
-    std::istringstream in(theirs);
-    std::string name;
-    FileDigest digest;
-    while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
-  }
-}
-
-// Writes the checkpoint into dir (through dir.tmp and an atomic install);
-// every process calls it, and an error anywhere is thrown everywhere.
-inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
-                             const std::filesystem::path& dir) {
-  const CheckpointItems items = checkpoint_items(set, ctx, step);
-  const std::filesystem::path tmp = sibling(dir, ".tmp");
-  CheckpointManifest manifest = manifest_for(set, ctx);
-  // An error anywhere is thrown everywhere. The last checkpoint stays as it
-  // was, and an incomplete DIR.tmp is removed (a full disk gets its space
-  // back): once fail_together returns, no process writes into it any more.
-  auto fail_on_every_process = [&](const std::string& error) {
-    try {
-      fail_together(error, "accel::Accelerator::save_state");
-    } catch (...) {
-      std::error_code ignored;
-      if (ctx.process_index == 0 && !read_manifest(tmp)) std::filesystem::remove_all(tmp, ignored);
-      throw;
-    }
-  };
-  std::string error;
-  if (ctx.process_index == 0)
-    error = error_of([&] {
-      manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
-      manifest.id = new_checkpoint_id();
-      std::filesystem::create_directories(tmp);
-    });
-  fail_on_every_process(error);
-  {  // (every piece carries the id)
-    std::vector<std::string> id{manifest.id};
-    accel::broadcast_object_list(id);
-    manifest.id = id[0];
-  }
-  FileLog log;
-  fail_on_every_process(error_of([&] {
-    for (const auto& item : items) item->write_own({ctx, tmp, manifest.id, log});
-  }));
-  add_every_process_files(log, manifest);
-  if (ctx.process_index == 0)
-    error = error_of([&] {
-      FileLog shared;
-      for (const auto& item : items) item->write_shared({ctx, tmp, manifest.id, shared});
-      for (const auto& [name, digest] : shared) manifest.files[name] = digest;
-      checkpoint_hook()("files written");
-      write_manifest(tmp, manifest);
-      fsync_path(tmp);
-      checkpoint_hook()("manifest written");
-      install_checkpoint(tmp, dir);
-    });
-  fail_on_every_process(error);
-}
-// The manifest against this run: as many models, optimizers, schedulers,
-// loaders and registered objects. Returns the saving run's layout.
-inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
-  const auto manifest = read_manifest(dir);
-  if (!manifest)
-    throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
-                       ", which save_state writes last, is missing, cut short or damaged");
-  const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
-      {{"model(s)", {manifest->models, set.models.size()}},
-       {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
-       {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
-       {"data loader(s)", {manifest->loaders, set.loaders.size()}},
-       {"registered object(s)", {manifest->objects, set.objects.size()}}}};
-  for (const auto& count : counts)
-    if (count.second.first != static_cast<int64_t>(count.second.second))
-      throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
-                         std::to_string(count.second.second));
-  if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
-    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
-                       " processes and " + std::to_string(manifest->shards) + " shards");
-  if (manifest->tp < 1 || manifest->processes % manifest->tp != 0)
-    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
-                       " processes and tp " + std::to_string(manifest->tp));
-  return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
-}
-
-// Recovers a half-done save of dir; then whether dir is a checkpoint
-// Python's dcp.save wrote (checkpoint/from_python.hpp), as process 0 sees
-// it.
-inline bool recover_or_find_python(const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  int64_t python = 0;
-  std::string error;
-  if (ctx.process_index == 0)
-    error = error_of([&] {
-      recover_checkpoint(dir);
-      python = written_outside_accel(dir);
-    });
-  fail_together(error, "accel::Accelerator::load_state");
-  if (!std::filesystem::is_directory(dir))
-    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
-  return accel::broadcast(python, 0) != 0;
-}
-
-// 1. Every item reads and checks its files against the prepared set;
-// nothing changes. Each file is checked against its digest in the
-// background; a failed check is the error, before any other (a damaged
-// file's parse may fail first). Returns the warnings to give once the load
-// is committed.
-inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
-                                                const CheckpointContext& ctx, const std::filesystem::path& dir,
-                                                bool python) {
-  std::vector<std::string> warnings;
-  const std::string error = error_of([&] {
-    const SavedLayout saved = python ? outside_layout(ctx) : check_manifest(dir, set);
-    CheckpointFiles files(dir, saved.manifest);
-    ItemReader reader(ctx, dir, saved, files);
-    try {
-      for (const auto& item : items) item->read(reader);
-    } catch (...) {
-      files.wait();
-      throw;
-    }
-    files.wait();
-    warnings = std::move(reader.warnings);
-  });
-  fail_together(error, "accel::Accelerator::load_state");
-  return warnings;
-}
-
-// 2. The items that can refuse as they load apply (each first keeps what
-// it would put back), and every item is put back on every process if any
-// one refuses. 3. Then every item commits. Returns the saved accumulation
-// step (0 from Python's checkpoint, which has none).
-inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
-  const bool python = recover_or_find_python(ctx, dir);
-  const CheckpointItems items = python ? python_checkpoint_items(set) : checkpoint_items(set, ctx);
-  std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir, python);
-  if (python) warnings.push_back(left_by_python_checkpoint(set, dir));
-  const std::string error = error_of([&] {
-    for (const auto& item : items) item->keep();
-    for (const auto& item : items) item->apply();
-  });
-  try {
-    fail_together(error, "accel::Accelerator::load_state");
-  } catch (...) {
-    for (const auto& item : items) item->roll_back();
-    throw;
-  }
-  for (const auto& item : items) item->commit();
-  if (ctx.process_index == 0)
-    for (const auto& warning : warnings) TORCH_WARN(warning);
-  return python ? 0 : random_states_of(items).step();
-}
-
-// Accelerator::save_state: into `path`, or with automatic_checkpoint_naming
-// into project_dir/checkpoints/checkpoint_<iteration> (counting iteration
-// up, and rotating under total_limit). Returns the checkpoint's directory.
-inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
-                                                   ProjectConfiguration& config, const std::filesystem::path& path) {
-  namespace fs = std::filesystem;
-  const ProjectConfiguration& project = config;
-  check_project(project, "accel::Accelerator::save_state");
-  if (!project.automatic_checkpoint_naming) {
-    if (path.empty())
-      throw InvalidArgument(
-          "accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
-          "project_config.automatic_checkpoint_naming)");
-    const fs::path dir = checkpoint_path(path, "save_state");
-    write_checkpoint(set, ctx, step, dir);
-    return dir;
-  }
-  if (!path.empty())
-    throw InvalidArgument(
-        "accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
-        "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
-        path.string());
-  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
-  const int number = project.iteration;
-  const fs::path dir = root / ("checkpoint_" + std::to_string(number));
-  std::string error;
-  if (ctx.process_index == 0)
-    error = error_of([&] {
-      fs::create_directories(root);
-      if (recover_checkpoint(dir) || fs::exists(dir))
-        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
-                           ") already exists: set project_configuration().iteration to the number to go on with, "
-                           "or load_state() first (which sets it past the newest)");
-    });
-  fail_together(error, "accel::Accelerator::save_state");
-  write_checkpoint(set, ctx, step, dir);
-  ++config.iteration;
-  if (project.total_limit) {
-    if (ctx.process_index == 0) error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
-    fail_together(error, "accel::Accelerator::save_state");
-  }
-  return dir;
-}
-
-// Accelerator::load_state: from `path`, or with automatic_checkpoint_naming
-// the newest numbered checkpoint (and iteration set past it). Returns the
-// saved accumulation step.
-inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, ProjectConfiguration& config,
-                                     const std::filesystem::path& path) {
-  namespace fs = std::filesystem;
-  const ProjectConfiguration& project = config;
-  check_project(project, "accel::Accelerator::load_state");
-  if (!project.automatic_checkpoint_naming) {
-    if (path.empty())
-      throw InvalidArgument(
-          "accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
-          "project_config.automatic_checkpoint_naming to load the newest)");
-    return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
-  }
-  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
-  int64_t newest = -1;  // none
-  std::string error;
-  if (ctx.process_index == 0)
-    error = error_of([&] {
-      const std::map<int, fs::path> complete = numbered_checkpoints(root);
-      if (!complete.empty()) newest = complete.rbegin()->first;
-    });
-  fail_together(error, "accel::Accelerator::load_state");
-  newest = accel::broadcast(newest, 0);
-  if (path.empty() && newest < 0)
-    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
-  const fs::path dir =
-      path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
-  const int64_t step = load_checkpoint(set, ctx, dir);
-  config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
-  return step;
 }
 }  // namespace detail
 
@@ -19342,6 +19259,326 @@ inline EveryStage every_stage_entries(const GroupPtr& pipeline) {
       for (const auto& entry : stage) out.push_back(entry.file);
     return out;
   };
+}
+}  // namespace detail
+
+ACCEL_NAMESPACE_END
+
+// == accel/training/checkpoint/state.hpp ======================================
+// accel/training/checkpoint/state.hpp: save_state's and load_state's driver: the phases of a checkpoint's items, with the collectives between them.
+//
+// A checkpoint is a list of items, one per artifact (checkpoint/item.hpp
+// says what each phase does; the items are in model_items.hpp and
+// state_items.hpp). Saving: every process writes its own files, then
+// process 0 the files of all and, last, the manifest listing every file
+// with its digest; all of it goes into DIR.tmp, installed as DIR at once
+// (checkpoint/files.hpp). Loading is transactional, each step a
+// collective: every item reads and checks its files, changing nothing;
+// then the items that can refuse as they load apply, and all are put back
+// on every process if any refuses; then every item commits what was
+// checked and cannot fail. An error on any process is thrown on every
+// process, naming the file.
+
+ACCEL_NAMESPACE_BEGIN
+
+namespace detail {
+// The items of a checkpoint of `set`, in the order of every phase: the
+// schedulers and registered objects apply before the optimizers (a
+// replayed scheduler sets learning rates, which the optimizers' own state
+// then overrides). The RNG states' comes last.
+inline CheckpointItems checkpoint_items(PreparedSet& set, const CheckpointContext& ctx, int64_t step = 0) {
+  CheckpointItems items;
+  for (std::size_t i = 0; i < set.models.size(); ++i) items.push_back(std::make_unique<ModelItem>(set, i));
+  items.push_back(std::make_unique<ShardedPiecesItem>(set));
+  for (std::size_t i = 0; i < set.schedulers.size(); ++i)
+    items.push_back(std::make_unique<SchedulerItem>(set.schedulers[i], i));
+  for (std::size_t i = 0; i < set.objects.size(); ++i) items.push_back(std::make_unique<ObjectItem>(set.objects[i], i));
+  for (std::size_t i = 0; i < set.optimizers.size(); ++i) items.push_back(std::make_unique<OptimizerItem>(set, ctx, i));
+  items.push_back(std::make_unique<LoadersItem>(set.loaders));
+  if (set.scaler) items.push_back(std::make_unique<ScalerItem>(set.scaler));
+  items.push_back(std::make_unique<RandomStatesItem>(step));
+  return items;
+}
+inline const RandomStatesItem& random_states_of(const CheckpointItems& items) {
+  for (const auto& item : items)  // (found by type, so that reordering the list cannot pick another item)
+    if (const auto* states = dynamic_cast<const RandomStatesItem*>(item.get())) return *states;
+  throw LogicError("accel::Accelerator::load_state: no RNG states among the checkpoint's items");
+}
+
+// The manifest's counts for this run (its serial, id and files come later).
+inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointContext& ctx) {
+  return {.serial = 0,
+          .processes = ctx.num_processes,
+          .models = static_cast<int64_t>(set.models.size()),
+          .optimizers = static_cast<int64_t>(set.optimizers.size()),
+          .loaders = static_cast<int64_t>(set.loaders.size()),
+          .objects = static_cast<int64_t>(set.objects.size()),
+          .schedulers = static_cast<int64_t>(set.schedulers.size()),
+          .shards = ctx.shards,
+          .tp = ctx.tp,
+          .pp = ctx.pp};
+}
+// Every process's files and digests, into the manifest process 0 writes
+// (a collective: every process calls it with its own log).
+inline void add_every_process_files(const FileLog& log, CheckpointManifest& manifest) {
+  std::ostringstream mine;
+  for (const auto& [name, digest] : log) mine << name << ' ' << digest.bytes << ' ' << digest.xxh64 << '\n';
+  for (const std::string& theirs : accel::gather_object(mine.str())) {
+    std::istringstream in(theirs);
+    std::string name;
+    FileDigest digest;
+    while (in >> name >> digest.bytes >> digest.xxh64) manifest.files[name] = digest;
+  }
+}
+
+// Writes the checkpoint into dir (through dir.tmp and an atomic install);
+// every process calls it, and an error anywhere is thrown everywhere.
+inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                             const std::filesystem::path& dir) {
+  const CheckpointItems items = checkpoint_items(set, ctx, step);
+  const std::filesystem::path tmp = sibling(dir, ".tmp");
+  CheckpointManifest manifest = manifest_for(set, ctx);
+  // An error anywhere is thrown everywhere. The last checkpoint stays as it
+  // was, and an incomplete DIR.tmp is removed (a full disk gets its space
+  // back): once fail_together returns, no process writes into it any more.
+  auto fail_on_every_process = [&](const std::string& error) {
+    try {
+      fail_together(error, "accel::Accelerator::save_state");
+    } catch (...) {
+      std::error_code ignored;
+      if (ctx.process_index == 0 && !read_manifest(tmp)) std::filesystem::remove_all(tmp, ignored);
+      throw;
+    }
+  };
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      manifest.serial = recover_checkpoint(dir).value_or(0) + 1;
+      manifest.id = new_checkpoint_id();
+      std::filesystem::create_directories(tmp);
+    });
+  fail_on_every_process(error);
+  {  // (every piece carries the id)
+    std::vector<std::string> id{manifest.id};
+    accel::broadcast_object_list(id);
+    manifest.id = id[0];
+  }
+  FileLog log;
+  fail_on_every_process(error_of([&] {
+    for (const auto& item : items) item->write_own({ctx, tmp, manifest.id, log});
+  }));
+  add_every_process_files(log, manifest);
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      FileLog shared;
+      for (const auto& item : items) item->write_shared({ctx, tmp, manifest.id, shared});
+      for (const auto& [name, digest] : shared) manifest.files[name] = digest;
+      checkpoint_hook()("files written");
+      write_manifest(tmp, manifest);
+      fsync_path(tmp);
+      checkpoint_hook()("manifest written");
+      install_checkpoint(tmp, dir);
+    });
+  fail_on_every_process(error);
+}
+// The manifest against this run: as many models, optimizers, schedulers,
+// loaders and registered objects. Returns the saving run's layout.
+inline SavedLayout check_manifest(const std::filesystem::path& dir, const PreparedSet& set) {
+  const auto manifest = read_manifest(dir);
+  if (!manifest)
+    throw RuntimeError("no complete checkpoint: " + (dir / file_names::manifest).string() +
+                       ", which save_state writes last, is missing, cut short or damaged");
+  const std::array<std::pair<const char*, std::pair<int64_t, std::size_t>>, 5> counts{
+      {{"model(s)", {manifest->models, set.models.size()}},
+       {"optimizer(s)", {manifest->optimizers, set.optimizers.size()}},
+       {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
+       {"data loader(s)", {manifest->loaders, set.loaders.size()}},
+       {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+  // (a pipeline's stages are one model, however many a process holds: the
+  // piece files are checked against every stage's tensors instead)
+  const bool pipeline = manifest->pp > 1 || set.pipeline_group;
+  for (const auto& count : counts)
+    if (count.second.first != static_cast<int64_t>(count.second.second) &&
+        !(pipeline && count.first == std::string_view("model(s)")))
+      throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
+                         std::to_string(count.second.second));
+  if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and " + std::to_string(manifest->shards) + " shards");
+  if (manifest->pp < 1 || manifest->processes % manifest->pp != 0)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and pp " + std::to_string(manifest->pp));
+  if (manifest->tp < 1 || manifest->processes % manifest->tp != 0)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and tp " + std::to_string(manifest->tp));
+  return {static_cast<int>(manifest->processes), manifest->shards, *manifest};
+}
+
+// Recovers a half-done save of dir; then whether dir is a checkpoint
+// Python's dcp.save wrote (checkpoint/from_python.hpp), as process 0 sees
+// it.
+inline bool recover_or_find_python(const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  int64_t python = 0;
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      recover_checkpoint(dir);
+      python = written_outside_accel(dir);
+    });
+  fail_together(error, "accel::Accelerator::load_state");
+  if (!std::filesystem::is_directory(dir))
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint directory " + dir.string());
+  return accel::broadcast(python, 0) != 0;
+}
+
+// Under a pipeline, every stage's parameters and buffers (their whole
+// shapes), gathered over the pipeline group before the read step (which
+// makes no collective): what the piece files must hold. None without a
+// pipeline.
+inline std::optional<std::vector<NamedTensor>> every_stage_tensors(const PreparedSet& set) {
+  if (!set.pipeline_group) return std::nullopt;
+  std::vector<NamedTensor> mine;
+  for (const auto& m : set.models)
+    for (auto& entry : whole_entries(*m.module, m.split)) mine.push_back(std::move(entry));
+  auto every = every_stage_entries(set.pipeline_group)(mine);
+  if (!every) throw LogicError("accel::Accelerator::load_state: no stage's tensors from a pipeline rank");
+  return every;
+}
+
+// 1. Every item reads and checks its files against the prepared set;
+// nothing changes. Each file is checked against its digest in the
+// background; a failed check is the error, before any other (a damaged
+// file's parse may fail first). Returns the warnings to give once the load
+// is committed.
+inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
+                                                const CheckpointContext& ctx, const std::filesystem::path& dir,
+                                                bool python, const std::vector<NamedTensor>* pipeline_model) {
+  std::vector<std::string> warnings;
+  const std::string error = error_of([&] {
+    const SavedLayout saved = python ? outside_layout(ctx) : check_manifest(dir, set);
+    CheckpointFiles files(dir, saved.manifest);
+    ItemReader reader(ctx, dir, saved, files);
+    reader.pipeline_model = pipeline_model;
+    try {
+      for (const auto& item : items) item->read(reader);
+    } catch (...) {
+      files.wait();
+      throw;
+    }
+    files.wait();
+    warnings = std::move(reader.warnings);
+  });
+  fail_together(error, "accel::Accelerator::load_state");
+  return warnings;
+}
+
+// 2. The items that can refuse as they load apply (each first keeps what
+// it would put back), and every item is put back on every process if any
+// one refuses. 3. Then every item commits. Returns the saved accumulation
+// step (0 from Python's checkpoint, which has none).
+inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
+  const bool python = recover_or_find_python(ctx, dir);
+  if (python && set.pipeline_group)
+    throw InvalidArgument("accel::Accelerator::load_state: " + dir.string() +
+                          " was written by Python's dcp.save; a pipeline's stages load the checkpoints save_state "
+                          "writes (load this one without pp, save_state it, and load that)");
+  const CheckpointItems items = python ? python_checkpoint_items(set) : checkpoint_items(set, ctx);
+  const std::optional<std::vector<NamedTensor>> pipeline_model = every_stage_tensors(set);
+  std::vector<std::string> warnings =
+      read_checkpoint(items, set, ctx, dir, python, pipeline_model ? &*pipeline_model : nullptr);
+  if (python) warnings.push_back(left_by_python_checkpoint(set, dir));
+  const std::string error = error_of([&] {
+    for (const auto& item : items) item->keep();
+    for (const auto& item : items) item->apply();
+  });
+  try {
+    fail_together(error, "accel::Accelerator::load_state");
+  } catch (...) {
+    for (const auto& item : items) item->roll_back();
+    throw;
+  }
+  for (const auto& item : items) item->commit();
+  if (ctx.process_index == 0)
+    for (const auto& warning : warnings) TORCH_WARN(warning);
+  return python ? 0 : random_states_of(items).step();
+}
+
+// Accelerator::save_state: into `path`, or with automatic_checkpoint_naming
+// into project_dir/checkpoints/checkpoint_<iteration> (counting iteration
+// up, and rotating under total_limit). Returns the checkpoint's directory.
+inline std::filesystem::path save_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
+                                                   ProjectConfiguration& config, const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::save_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument(
+          "accel::Accelerator::save_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming)");
+    const fs::path dir = checkpoint_path(path, "save_state");
+    write_checkpoint(set, ctx, step, dir);
+    return dir;
+  }
+  if (!path.empty())
+    throw InvalidArgument(
+        "accel::Accelerator::save_state: automatic_checkpoint_naming names the checkpoint "
+        "(project_dir/checkpoints/checkpoint_<iteration>); call save_state() without " +
+        path.string());
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "save_state");
+  const int number = project.iteration;
+  const fs::path dir = root / ("checkpoint_" + std::to_string(number));
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      fs::create_directories(root);
+      if (recover_checkpoint(dir) || fs::exists(dir))
+        throw RuntimeError(dir.string() + " (iteration " + std::to_string(number) +
+                           ") already exists: set project_configuration().iteration to the number to go on with, "
+                           "or load_state() first (which sets it past the newest)");
+    });
+  fail_together(error, "accel::Accelerator::save_state");
+  write_checkpoint(set, ctx, step, dir);
+  ++config.iteration;
+  if (project.total_limit) {
+    if (ctx.process_index == 0) error = error_of([&] { rotate_checkpoints(root, *project.total_limit, number); });
+    fail_together(error, "accel::Accelerator::save_state");
+  }
+  return dir;
+}
+
+// Accelerator::load_state: from `path`, or with automatic_checkpoint_naming
+// the newest numbered checkpoint (and iteration set past it). Returns the
+// saved accumulation step.
+inline int64_t load_checkpoint_state(PreparedSet& set, const CheckpointContext& ctx, ProjectConfiguration& config,
+                                     const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  const ProjectConfiguration& project = config;
+  check_project(project, "accel::Accelerator::load_state");
+  if (!project.automatic_checkpoint_naming) {
+    if (path.empty())
+      throw InvalidArgument(
+          "accel::Accelerator::load_state: no checkpoint path (pass one, or turn on "
+          "project_config.automatic_checkpoint_naming to load the newest)");
+    return load_checkpoint(set, ctx, checkpoint_path(path, "load_state"));
+  }
+  const fs::path root = checkpoint_path(project.project_dir / "checkpoints", "load_state");
+  int64_t newest = -1;  // none
+  std::string error;
+  if (ctx.process_index == 0)
+    error = error_of([&] {
+      const std::map<int, fs::path> complete = numbered_checkpoints(root);
+      if (!complete.empty()) newest = complete.rbegin()->first;
+    });
+  fail_together(error, "accel::Accelerator::load_state");
+  newest = accel::broadcast(newest, 0);
+  if (path.empty() && newest < 0)
+    throw InvalidArgument("accel::Accelerator::load_state: no checkpoint under " + root.string());
+  const fs::path dir =
+      path.empty() ? root / ("checkpoint_" + std::to_string(newest)) : checkpoint_path(path, "load_state");
+  const int64_t step = load_checkpoint(set, ctx, dir);
+  config.iteration = std::max<int>(project.iteration, static_cast<int>(newest + 1));
+  return step;
 }
 }  // namespace detail
 
@@ -20578,28 +20815,20 @@ ACCEL_NAMESPACE_END
 //
 // The checkpoint functions (checkpoint/state.hpp) do the work on the
 // PreparedSet; this part says where this process stands and runs them on
-// every process.
+// every process. Under a pipeline a process's prepared models are its
+// stages of one model: save_state writes them in pieces under the model's
+// names (checkpoint/shards.hpp), save_model gathers them into one file set
+// (checkpoint/pipeline_weights.hpp).
 
 ACCEL_NAMESPACE_BEGIN
 
-// save_state and load_state write and read each prepared model as one
-// (model_<i>.pt, or its pieces): under a pipeline the stages of one model
-// are prepared on different processes, so they would need the whole
-// model's names across processes first (issue 62). save_model and
-// load_model take them (checkpoint/pipeline_weights.hpp).
-inline constexpr const char* kPipelineCheckpoints =
-    "the stages of one model are prepared on different processes; save the whole model with save_model (every "
-    "stage under its own names, which are the whole model's) and load it back with load_model";
-
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
-  setup_.refuse_under_pipeline("save_state", kPipelineCheckpoints);
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
-  setup_.refuse_under_pipeline("load_state", kPipelineCheckpoints);
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -20666,6 +20895,7 @@ inline detail::CheckpointContext Accelerator::checkpoint_context() const {
           .num_processes = num_processes(),
           .shards = prepared_.sharded->empty() ? 1 : setup_.world().get_world_size(Dim::MP_SHARD),
           .tp = setup_.world().strategy().tp_size(),
+          .pp = setup_.world().strategy().pp_size(),
           .device = device()};
 }
 

@@ -22,7 +22,7 @@
 //         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
 //         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
 //         replicated over its data-parallel ranks, with --tp split by the plan inside; M micro-batches per
-//         step, default pp; not yet with --cp, --accumulate or checkpoints)
+//         step, default pp; not yet with --cp or --accumulate)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -194,10 +194,6 @@ void check(const Options& o, int world) {
       fail(
           "--pp with --cp or --accumulate is not built yet (more "
           "micro-batches per step: --microbatches)");
-    if (o.save_every || o.resume || o.stop_after >= 0)
-      fail(
-          "--pp with checkpoints (--save-every, --resume, --stop-after) is not built yet; --export and --import "
-          "take the whole model");
     const std::vector<std::string> schedules{
         "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"};
     if (std::find(schedules.begin(), schedules.end(), o.schedule) == schedules.end())
@@ -285,6 +281,17 @@ void start_logs(accel::Accelerator& accelerator, const Options& o) {
                                      {"seq", std::to_string(o.seq)},
                                      {"batch", std::to_string(o.batch)},
                                      {"lr", std::to_string(o.lr)}});
+}
+
+// --save-every and --stop-after, after a step: a checkpoint every N steps, and after --stop-after steps of this
+// run one more and the end, as if the run were killed there. Returns whether to stop.
+bool checkpoint_after_step(accel::Accelerator& accelerator, const Options& o, int64_t step, int64_t steps_run) {
+  if (o.save_every > 0 && step % o.save_every == 0) accelerator.save_state(o.dir + "/checkpoint");
+  if (steps_run != o.stop_after) return false;
+  accelerator.save_state(o.dir + "/checkpoint");
+  accel::print("\ntrain_llama: stopped after", o.stop_after, "steps; resume with --resume");
+  accelerator.end_training();
+  return true;
 }
 
 // The steady rate, from the step after `from` (the first ones warm up) to `to`, and the largest peak RSS over
@@ -377,6 +384,10 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
       });
   const int dp = accel::DistributedInterface::instance().get_world_size(accel::Dim::DP);
   auto loader = prepare_loader(accelerator, o, dp);
+  StepCount step;
+  accelerator.register_for_checkpointing(step);
+  // --resume: every stage's tensors and AdamW's state for them, in whichever pipeline layout saved them.
+  if (o.resume) accelerator.load_state(o.dir + "/checkpoint");
   start_logs(accelerator, o);
   accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "x tp", o.tp, "-",
                o.schedule, "over", S, "stages,", microbatches, "micro-batches per step,",
@@ -386,9 +397,9 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   const bool first_here = indices[0] == 0, last_here = std::count(indices.begin(), indices.end(), S - 1) == 1;
   const bool tty = isatty(STDOUT_FILENO);
   const auto start = std::chrono::steady_clock::now();
-  const int64_t timed_from = o.steps > 5 ? 5 : 0;  // (as train's)
+  const int64_t first = step.value, timed_from = o.steps - first > 5 ? first + 5 : first;  // (as train's)
   auto timed_start = start;
-  StepCount step;
+  int64_t steps_run = 0;
   double last_loss = 0;
   while (step.value < o.steps) {
     for (auto& batch : loader) {
@@ -402,8 +413,9 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
       const double local = last_here ? at::stack(losses).mean().item<double>() : 0.0;
       last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / (dp * o.tp);  // (each tp rank has it)
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
-      if (accelerator.is_main_process()) print_progress(o, step.value, 0, start, last_loss, tty);
+      if (accelerator.is_main_process()) print_progress(o, step.value, first, start, last_loss, tty);
       if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();
+      if (checkpoint_after_step(accelerator, o, step.value, ++steps_run)) return 0;
       if (step.value >= o.steps) break;
     }
   }
@@ -529,13 +541,7 @@ int train(Options o) {
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
       if (accelerator.is_main_process()) print_progress(o, step.value, first, start, last_loss, tty);
       if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();
-      if (o.save_every > 0 && step.value % o.save_every == 0) accelerator.save_state(o.dir + "/checkpoint");
-      if (++steps_run == o.stop_after) {  // as if the run were killed here, after a checkpoint
-        accelerator.save_state(o.dir + "/checkpoint");
-        accel::print("\ntrain_llama: stopped after", o.stop_after, "steps; resume with --resume");
-        accelerator.end_training();
-        return 0;
-      }
+      if (checkpoint_after_step(accelerator, o, step.value, ++steps_run)) return 0;
       if (step.value >= o.steps) break;
     }
   }

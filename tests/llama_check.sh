@@ -18,6 +18,9 @@
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
+#     under pp 2 x dp 2 (1F1B, FULL_SHARD) too, whose checkpoint resumed as ZBV under NO_SHARD, and without a
+#     pipeline, gives the same losses (and Python's dcp.load reads it as transformers' model, the export's weights),
+#     and under pp 2 x tp 2 (ZBV), whose checkpoint resumed as 1F1B at tp 1 gives the same losses;
 #  3. bad configurations stop before any step, with their reason;
 #  4. with transformers (the pip leg): LlamaForCausalLM.from_pretrained loads the exported models (HSDP's,
 #     FSDP + TP's, and pp 2 x tp 2's) and gives the C++ model's logits, and a model initialised by transformers,
@@ -153,7 +156,41 @@ worst = max(abs(a - b) / abs(a) for a, b in zip(straight, moved))
 print(f"llama_check: tp 2 x mp_shard 2 stopped after 2 steps, resumed at tp 4: largest relative loss difference {worst:.3g}")
 assert len(straight) == len(moved) == 6 and worst <= float(sys.argv[3]), (straight, moved)
 PY
-echo "llama_check: stopped after 3 steps (2 under tp 2 x mp_shard 2) and resumed, and with activation checkpointing: the same weights, byte for byte"
+# (and a pipeline: 1F1B at pp 2 x dp 2 under FULL_SHARD, each process saving its stage's shards under the whole
+# model's names; resumed in the same layout, the same weights byte for byte; resumed as ZBV over 4 stages under
+# NO_SHARD, and without a pipeline at dp 4, the same losses)
+pp=(--layers 4 --pp 2 --microbatches 4 --steps 6)
+run 4 "${pp[@]}" --dir "$dir/pp_straight" --export "$dir/pp_straight/model" > "$dir/pp_straight.log"
+run 4 "${pp[@]}" --dir "$dir/pp_resumed" --stop-after 2 > "$dir/pp_stopped.log"
+grep -q "stopped after 2 steps" "$dir/pp_stopped.log"
+cp -r "$dir/pp_resumed" "$dir/pp_moved"
+cp -r "$dir/pp_resumed" "$dir/pp_flat"
+run 4 "${pp[@]}" --dir "$dir/pp_resumed" --resume --save-every 6 --export "$dir/pp_resumed/model" \
+  > "$dir/pp_resumed.log"
+cmp "$dir/pp_straight/model/model.safetensors" "$dir/pp_resumed/model/model.safetensors"
+run 4 "${pp[@]}" --schedule zbv --sharding no_shard --dir "$dir/pp_moved" --resume > "$dir/pp_moved.log"
+run 4 --layers 4 --steps 6 --dir "$dir/pp_flat" --resume > "$dir/pp_flat.log"
+# (and pp 2 x tp 2, ZBV: each process saves its tensor-parallel pieces of its two stages; resumed, the uninterrupted
+# run's weights byte for byte (pp2_tp2_zbv above); resumed as 1F1B at tp 1, the same losses)
+pp_tp=(--layers 4 --pp 2 --tp 2 --schedule zbv --microbatches 4 --recompute --steps 6)
+run 4 "${pp_tp[@]}" --dir "$dir/pp_tp_resumed" --stop-after 2 > "$dir/pp_tp_stopped.log"
+cp -r "$dir/pp_tp_resumed" "$dir/pp_tp_moved"
+run 4 "${pp_tp[@]}" --dir "$dir/pp_tp_resumed" --resume --export "$dir/pp_tp_resumed/model" > "$dir/pp_tp_resumed.log"
+cmp "$dir/pp2_tp2_zbv/model/model.safetensors" "$dir/pp_tp_resumed/model/model.safetensors"
+run 4 --layers 4 --pp 2 --microbatches 4 --steps 6 --dir "$dir/pp_tp_moved" --resume > "$dir/pp_tp_moved.log"
+python3 - "$LOSS_TOLERANCE" "$dir/pp_straight" "$dir/pp_moved" "$dir/pp_straight" "$dir/pp_flat" \
+  "$dir/pp2_tp2_zbv" "$dir/pp_tp_moved" <<'PY'
+import csv, sys
+losses = lambda run: [float(r["loss"]) for r in csv.DictReader(open(run + "/logs/metrics.csv"))]
+runs = sys.argv[2:]
+for straight, moved in zip(runs[::2], runs[1::2]):
+    a, b = losses(straight), losses(moved)
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(f"llama_check: {moved.split('/')[-1]} (stopped after 2 steps, resumed in another layout) against "
+          f"{straight.split('/')[-1]}: largest relative loss difference {worst:.3g}")
+    assert len(a) == len(b) == 6 and worst <= float(sys.argv[1]), (a, b)
+PY
+echo "llama_check: stopped after 3 steps (2 under tp 2 x mp_shard 2, pp 2 and pp 2 x tp 2) and resumed, and with activation checkpointing: the same weights, byte for byte"
 
 # 3. Refused before any step.
 refused() {
@@ -170,8 +207,6 @@ refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multip
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
 refused "--layers 2 over 4 stages leaves a stage without a layer" run 4 --steps 2 --dir "$dir/bad" --pp 2 --schedule zbv
 refused "do not cut into --microbatches 3" run 4 --steps 2 --dir "$dir/bad" --pp 2 --microbatches 3
-refused "--pp with checkpoints (--save-every, --resume, --stop-after) is not built yet" \
-  run 4 --steps 2 --dir "$dir/bad" --pp 2 --resume
 
 # 4. transformers.
 if ! python3 -c 'import transformers' 2>/dev/null; then
@@ -186,6 +221,9 @@ python3 "$here/python_ref/llama_check.py" compare "$dir/tp2_dp2_recompute/model"
 # (and a pipeline's export, pp 2 x tp 2 over four stages: the whole model transformers loads)
 "$train" --seq 32 --import "$dir/pp2_tp2_zbv/model" --logits "$dir/pp2_tp2_zbv/logits.bin"
 python3 "$here/python_ref/llama_check.py" compare "$dir/pp2_tp2_zbv/model" 32 "$dir/pp2_tp2_zbv/logits.bin"
+# (and the pipeline's checkpoint, saved after the resumed run's last step: Python's dcp.load reads the stages'
+# pieces into transformers' model as one, each tensor the export's)
+python3 "$here/python_ref/llama_check.py" dcp "$dir/pp_resumed/checkpoint" "$dir/pp_resumed/model"
 python3 "$here/python_ref/llama_check.py" make "$dir/python" 32
 # (and greedy decoding from it: transformers' tokens. Its random weights give varied tokens, so every step of the
 # cache counts; 8 steps of training here give spaces only. The smallest margin between the best two logits is

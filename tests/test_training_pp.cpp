@@ -3,7 +3,7 @@
 // (pp = the world); what is refused, with the numbers, before a step and at the first step; pp composed with tensor
 // and sequence parallelism, with data parallelism (replicated and sharded) and with the Accelerator (clipping over
 // the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); and a stage that throws or a rank that
-// vanishes (every rank an error in bounded time).
+// vanishes (every rank an error in bounded time); save_model and save_state under a pipeline, loaded at another pp.
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
@@ -220,6 +220,12 @@ struct NamedStageImpl : torch::nn::Module {
     if (last == S - 1) head = register_module("head", torch::nn::Linear(kHidden, kOut));
     to(at::kDouble);
   }
+  // (each Linear a unit under FULL_SHARD: accel::unit_forward gathers its parameters)
+  at::Tensor forward(at::Tensor x) {
+    if (proj) x = accel::unit_forward(proj, x);
+    for (const auto& block : blocks->items()) x = block.second->as<ResidualImpl>()->forward(x);
+    return head ? accel::unit_forward(head, x) : x;
+  }
   torch::nn::Linear proj{nullptr}, head{nullptr};
   torch::nn::ModuleDict blocks;
 };
@@ -232,6 +238,70 @@ std::map<std::string, at::Tensor> named_stage_values(int k, int S) {
   for (const auto& p : stage->named_parameters()) out[p.key()] = p.value().detach() + 0.25 * (k + 1);
   return out;
 }
+
+// Whether a world of W ranks splits into pp 2 (an even W); where it does not, says so and the case is skipped.
+bool even_world(const char* layout, int W) {
+  if (W % 2 == 0) return true;
+  MESSAGE(layout << " needs an even world; this one has " << W << " ranks");
+  return false;
+}
+
+// A run of NamedStage through the Accelerator, AdamW stepping it: a schedule's stages at pp 2 (each rank's, each
+// prepared), or with `name` "none" the whole model prepared on every process (no pipeline). step() trains on this
+// process's share of a batch: its data-parallel replica's rows, in micro-batches through the schedule.
+struct NamedRun {
+  NamedRun(accel::AcceleratorConfig c, const std::string& schedule_name, int m = 4) {
+    const bool pipeline = schedule_name != "none";
+    c.distributed.pp_size = pipeline ? 2 : 1;
+    accelerator = std::make_unique<accel::Accelerator>(c);
+    S = pipeline ? 2 * stages_per_rank(schedule_name) : 1;
+    indices = pipeline ? stage_indices(schedule_name, 2, accelerator->pipeline_parallel_rank()) : std::vector<int>{0};
+    stages.reserve(indices.size());  // (a schedule holds references to its stages)
+    std::vector<at::Tensor> params;
+    for (const int k : indices) {
+      NamedStage& stage = accelerator->prepare_model(modules.emplace_back(k, k, S));
+      for (const auto& p : stage->parameters()) params.push_back(p);
+      if (!pipeline) continue;
+      stages.emplace_back(stage.ptr(), [stage](const at::Tensor& x) mutable { return stage->forward(x); }, k, S);
+      stages.back().set_data_parallel(*accelerator->data_parallel(stage));
+    }
+    optimizer = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    prepared.emplace(accelerator->prepare_optimizer(*optimizer));
+    if (pipeline) schedule = make_schedule(schedule_name, stages, m);
+  }
+  void step(const at::Tensor& x, const at::Tensor& y) {
+    const int replicas = schedule ? accelerator->num_processes() / 2 : accelerator->num_processes();
+    const int d = schedule ? accelerator->data_parallel_rank() : accelerator->process_index();
+    const int64_t rows = x.size(0) / replicas;
+    const at::Tensor mine = x.narrow(0, d * rows, rows), target = y.narrow(0, d * rows, rows);
+    if (schedule) {
+      schedule->step(std::ranges::count(indices, 0) ? mine : at::Tensor(),
+                     std::ranges::count(indices, S - 1) ? target : at::Tensor());
+    } else {
+      accelerator->backward(mse(modules[0]->forward(mine), target));
+    }
+    prepared->step();
+    prepared->zero_grad();
+  }
+  // Every parameter of this process's stages, whole (gathered where sharded), by name.
+  std::map<std::string, at::Tensor> parameters() {
+    std::map<std::string, at::Tensor> out;
+    for (auto& module : modules) {
+      const auto full = accelerator->data_parallel(module)->summon_full_params();
+      for (const auto& p : module->named_parameters()) out[p.key()] = p.value().detach().clone();
+    }
+    return out;
+  }
+
+  std::unique_ptr<accel::Accelerator> accelerator;
+  int S = 1;
+  std::vector<int> indices;
+  std::vector<NamedStage> modules;
+  std::vector<accel::pp::PipelineStage> stages;
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::optional<accel::AcceleratedOptimizer> prepared;
+  std::unique_ptr<accel::pp::PipelineSchedule> schedule;
+};
 
 TEST_SUITE("ranks") {
   // scale_grads (torch's default) averages the micro-batches' gradients: one process's on the whole batch; without
@@ -503,10 +573,7 @@ TEST_SUITE("ranks") {
   // piece's gradient, in float64.
   TEST_CASE("pipeline x tensor parallel: Megatron's blocks inside the stages, every schedule, as one process") {
     const int W = accel::get_world_size();
-    if (W % 2 != 0) {
-      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
-      return;
-    }
+    if (!even_world("pp 2 x tp", W)) return;
     const int P = 2, T = W / 2, m = 4;
     accel::DistributedInterface& world = fresh({.tp_size = T, .pp_size = P});
     const int r = world.get_rank(Dim::PP), t = world.get_rank(Dim::TP);
@@ -558,10 +625,7 @@ TEST_SUITE("ranks") {
   // issued once per step, whatever the micro-batches.
   TEST_CASE("pipeline x data parallel: one reduction per step, every schedule, replicated and sharded") {
     const int W = accel::get_world_size();
-    if (W % 2 != 0) {  // (pp 2 x dp W/2: at 2 and 4 ranks)
-      MESSAGE("pp 2 x dp needs an even world; this one has " << W << " ranks");
-      return;
-    }
+    if (!even_world("pp 2 x dp", W)) return;  // (pp 2 x dp W/2: at 2 and 4 ranks)
     const int P = 2, D = W / 2, m = 4;
     accel::DistributedInterface& world = fresh({.pp_size = P});
     const int r = world.get_rank(Dim::PP), d = world.get_rank(Dim::DP);
@@ -680,10 +744,7 @@ TEST_SUITE("ranks") {
 TEST_SUITE("ranks") {
   TEST_CASE("pipeline with the Accelerator: prepared stages, clipping over the pipeline, every schedule") {
     const int W = accel::get_world_size();
-    if (W % 2 != 0) {
-      MESSAGE("pp 2 x dp needs an even world; this one has " << W << " ranks");
-      return;
-    }
+    if (!even_world("pp 2 x dp", W)) return;
     const int P = 2, D = W / 2, m = 4;
     const double max_norm = 0.05;  // (below every step's norm here: the clipping scales)
     for (const auto strategy : {accel::ShardingStrategy::NO_SHARD, accel::ShardingStrategy::FULL_SHARD}) {
@@ -742,8 +803,6 @@ TEST_SUITE("ranks") {
         CHECK_THROWS_WITH_AS(accelerator.backward(at::zeros({}, at::kDouble)),
                              doctest::Contains("not built for pp_size 2 yet; with a pipeline the schedule runs"),
                              accel::InvalidArgument);
-        CHECK_THROWS_WITH_AS(accelerator.save_state("unused"),
-                             doctest::Contains("save the whole model with save_model"), accel::InvalidArgument);
       }
     }
     release_world();
@@ -768,10 +827,7 @@ TEST_SUITE("ranks") {
   // over tp (the row layers' biases), as Accelerator::backward does without a pipeline.
   TEST_CASE("pipeline x tensor and sequence parallel with the Accelerator: the norm over tp and pp, every schedule") {
     const int W = accel::get_world_size();
-    if (W % 2 != 0) {
-      MESSAGE("pp 2 x tp needs an even world; this one has " << W << " ranks");
-      return;
-    }
+    if (!even_world("pp 2 x tp", W)) return;
     const int P = 2, T = W / 2, m = 4;
     const double max_norm = 0.05;
     for (const bool sequence_parallel : {false, true}) {
@@ -839,10 +895,7 @@ TEST_SUITE("ranks") {
   // stages; replicated and sharded (FULL_SHARD: gathered unit by unit).
   TEST_CASE("pipeline with the Accelerator: save_model writes the whole model, load_model reads it at another pp") {
     const int W = accel::get_world_size();
-    if (W % 2 != 0) {
-      MESSAGE("pp 2 x dp needs an even world; this one has " << W << " ranks");
-      return;
-    }
+    if (!even_world("pp 2 x dp", W)) return;
     const int P = 2;
     // This rank's stages of a layout prepared (one per rank for 1f1b, two for zbv), and their S.
     auto prepare = [&](accel::Accelerator& accelerator, const std::string& name, std::vector<NamedStage>& out) {
@@ -936,6 +989,118 @@ TEST_SUITE("ranks") {
                          doctest::Contains("'proj.weight' is held by the stages on pipeline ranks 0 and 1"),
                          accel::InvalidArgument);
     CHECK_FALSE(std::filesystem::exists(dir));
+    release_world();
+  }
+
+  // save_state under a pipeline: each process writes its stages in pieces under the whole model's names, AdamW's
+  // state beside them (as Python's DCP reads them), and its own optimizer file. Loaded in the saving layout, the
+  // next step is taken again bit for bit; in another (another schedule's stages, with the other sharding or the
+  // same, or no pipeline: every process the whole model), the next step gives one process's parameters.
+  TEST_CASE("pipeline with the Accelerator: save_state resumes a step bit for bit, and loads at another pp") {
+    const int W = accel::get_world_size();
+    if (!even_world("pp 2 x dp", W)) return;
+    const int64_t batch = W / 2 * 8;  // (8 rows per pipeline replica: 4 micro-batches of 2)
+    auto data = [&](int step) {
+      torch::manual_seed(500 + step);
+      const at::Tensor x = torch::randn({batch, kIn}, at::kDouble);
+      return std::pair{x, torch::randn({batch, kOut}, at::kDouble)};
+    };
+    // One process, the whole model on the whole batch: its parameters after the second step.
+    std::map<std::string, at::Tensor> one;
+    {
+      NamedStage whole(0, 0, 1);
+      torch::optim::AdamW adamw(whole->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+      for (int step = 0; step < 2; ++step) {
+        const auto [x, y] = data(step);
+        adamw.zero_grad();
+        mse(whole->forward(x), y).backward();
+        adamw.step();
+      }
+      for (const auto& p : whole->named_parameters()) one[p.key()] = p.value().detach().clone();
+    }
+    using Strategy = accel::ShardingStrategy;
+    for (const auto strategy : {Strategy::FULL_SHARD, Strategy::NO_SHARD}) {
+      // (zbv to interleaved_1f1b: as many processes and stages per process, the same sharding, but rank 0 holds
+      // stages 0 and 3, then 0 and 2: its optimizer's parameters are others, in other places)
+      const std::vector<std::tuple<std::string, std::string, bool>> moves{
+          {"1f1b", "zbv", true}, {"zbv", "none", true}, {"zbv", "interleaved_1f1b", false}};
+      for (const auto& [saved, loaded, other_sharding] : moves) {
+        CAPTURE(strategy);
+        CAPTURE(saved);
+        CAPTURE(loaded);
+        release_world();
+        accel::AcceleratorConfig c = config();
+        c.sharding_strategy = strategy;
+        std::filesystem::path dir;
+        const auto [x0, y0] = data(0);
+        const auto [x1, y1] = data(1);
+        {
+          NamedRun run(c, saved);
+          dir = shared_temp_path(*run.accelerator, "accel_pp_state_");
+          run.step(x0, y0);
+          run.accelerator->save_state(dir);
+          run.step(x1, y1);
+          const auto straight = run.parameters();
+          run.accelerator->load_state(dir);
+          run.step(x1, y1);
+          const auto resumed = run.parameters();
+          CHECK(resumed.size() == straight.size());
+          for (const auto& [name, p] : resumed) {
+            CAPTURE(name);
+            CHECK(at::equal(p, straight.at(name)));
+            CHECK(at::allclose(p, one.at(name), 1e-9, 1e-12));
+          }
+          // The piece files hold the whole model under its names, and AdamW's state of each parameter under
+          // Python's (its moments, and its step once): each name once, nothing else.
+          if (run.accelerator->is_main_process()) {
+            std::multiset<std::string> names;
+            for (const auto& entry : std::filesystem::directory_iterator(dir))
+              if (entry.path().extension() == ".safetensors")
+                for (const auto& named : accel::detail::read_safetensors(entry.path().string()))
+                  names.insert(named.first);
+            std::multiset<std::string> want;
+            for (const auto& named : one)
+              for (const char* state : {"", ".exp_avg", ".exp_avg_sq", ".step"})
+                want.insert((*state ? "optimizer.state." : "") + named.first + state);
+            if (strategy == Strategy::NO_SHARD) CHECK(names == want);  // (a shard's boxes: several per name)
+            else
+              CHECK(std::set<std::string>(names.begin(), names.end()) ==
+                    std::set<std::string>(want.begin(), want.end()));
+          }
+        }
+        // Another layout: the stages (and the sharding) change; the parameters after the next step are one process's.
+        release_world();
+        if (other_sharding)
+          c.sharding_strategy = strategy == Strategy::NO_SHARD ? Strategy::FULL_SHARD : Strategy::NO_SHARD;
+        NamedRun run(c, loaded);
+        run.accelerator->load_state(dir);
+        run.step(x1, y1);
+        for (const auto& [name, p] : run.parameters()) {
+          CAPTURE(name);
+          CHECK(at::allclose(p, one.at(name), 1e-9, 1e-12));
+        }
+        run.accelerator->wait_for_everyone();
+        if (run.accelerator->is_main_process()) std::filesystem::remove_all(dir);
+      }
+    }
+    // A checkpoint of the whole model (model.pt: no pipeline, NO_SHARD) is refused by stages, naming it, on every
+    // rank, before anything changes.
+    release_world();
+    std::filesystem::path dir;
+    {
+      NamedRun run(config(), "none");
+      dir = shared_temp_path(*run.accelerator, "accel_pp_whole_state_");
+      run.accelerator->save_state(dir);
+    }
+    release_world();
+    NamedRun run(config(), "1f1b");
+    const auto before = run.parameters();
+    CHECK_THROWS_WITH_AS(run.accelerator->load_state(dir),
+                         doctest::Contains("model.pt holds the model whole (saved without a pipeline"),
+                         accel::RuntimeError);
+    for (const auto& [name, p] : run.parameters()) CHECK(at::equal(p, before.at(name)));
+    run.accelerator->wait_for_everyone();
+    if (run.accelerator->is_main_process()) std::filesystem::remove_all(dir);
     release_world();
   }
 }

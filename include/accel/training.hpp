@@ -94,6 +94,7 @@
 #include "accel/training/checkpoint/world.hpp"
 #include "accel/training/checkpoint/optimizer_slots.hpp"
 #include "accel/training/checkpoint/reshard.hpp"
+#include "accel/training/checkpoint/optimizer_from_pieces.hpp"
 #include "accel/training/checkpoint/shards.hpp"
 #include "accel/training/checkpoint/sharded_weights.hpp"
 #include "accel/training/checkpoint/context.hpp"
@@ -101,9 +102,9 @@
 #include "accel/training/checkpoint/model_items.hpp"
 #include "accel/training/checkpoint/state_items.hpp"
 #include "accel/training/checkpoint/from_python.hpp"
-#include "accel/training/checkpoint/state.hpp"
 #include "accel/training/checkpoint/weights.hpp"
 #include "accel/training/checkpoint/pipeline_weights.hpp"
+#include "accel/training/checkpoint/state.hpp"
 
 // the Accelerator
 #include "accel/training/accelerator/trackers.hpp"

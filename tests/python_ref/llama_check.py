@@ -7,6 +7,10 @@
     llama_check.py generate DIR PROMPT N LOG
                                     transformers' greedy generate(do_sample=False) of N tokens after PROMPT's bytes
                                     with the model in DIR must give the ids train_llama --generate printed in LOG
+    llama_check.py dcp CHECKPOINT DIR
+                                    Python's torch.distributed.checkpoint reads train_llama's save_state CHECKPOINT
+                                    (each process's pieces, as safetensors with DCP_SHARDING_INFO) into a
+                                    LlamaForCausalLM of DIR's config.json: every tensor must equal DIR's export
 """
 import sys
 
@@ -52,8 +56,31 @@ def generate(directory, prompt, count, log):
         sys.exit(1)
 
 
+def dcp(checkpoint, directory):
+    """dcp.load of a save_state checkpoint into transformers' model, against the same run's export."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig.from_pretrained(directory)
+    torch.manual_seed(2)  # weights unlike the saved ones: the load must replace every one
+    model = transformers.LlamaForCausalLM(config)
+    state = model.state_dict()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(checkpoint))
+    expected = load_file(f"{directory}/model.safetensors")
+    assert sorted(expected) == sorted(state), (sorted(expected), sorted(state))
+    for name, values in expected.items():
+        if not torch.equal(state[name], values):
+            sys.exit(f"llama_check: {name}: DCP read {state[name]} from {checkpoint}; the export holds {values}")
+    print(f"llama_check: torch {torch.__version__}'s dcp.load read {len(expected)} tensors of {checkpoint} into "
+          "transformers' LlamaForCausalLM, each equal to the export's")
+
+
 def main():
     mode, directory = sys.argv[1], sys.argv[2]
+    if mode == "dcp":
+        dcp(directory, sys.argv[3])
+        return
     if mode == "generate":
         generate(directory, sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return

@@ -2,7 +2,10 @@
 //
 // The checkpoint functions (checkpoint/state.hpp) do the work on the
 // PreparedSet; this part says where this process stands and runs them on
-// every process.
+// every process. Under a pipeline a process's prepared models are its
+// stages of one model: save_state writes them in pieces under the model's
+// names (checkpoint/shards.hpp), save_model gathers them into one file set
+// (checkpoint/pipeline_weights.hpp).
 #pragma once
 
 #include "accel/training/accelerator/accelerator.hpp"
@@ -11,24 +14,13 @@
 
 ACCEL_NAMESPACE_BEGIN
 
-// save_state and load_state write and read each prepared model as one
-// (model_<i>.pt, or its pieces): under a pipeline the stages of one model
-// are prepared on different processes, so they would need the whole
-// model's names across processes first (issue 62). save_model and
-// load_model take them (checkpoint/pipeline_weights.hpp).
-inline constexpr const char* kPipelineCheckpoints =
-    "the stages of one model are prepared on different processes; save the whole model with save_model (every "
-    "stage under its own names, which are the whole model's) and load it back with load_model";
-
 inline std::filesystem::path Accelerator::save_state(const std::filesystem::path& path) {
-  setup_.refuse_under_pipeline("save_state", kPipelineCheckpoints);
   return detail::every_process_calls("accel::Accelerator::save_state", [&] {
     return detail::save_checkpoint_state(prepared_, checkpoint_context(), step_, project_configuration(), path);
   });
 }
 
 inline void Accelerator::load_state(const std::filesystem::path& path) {
-  setup_.refuse_under_pipeline("load_state", kPipelineCheckpoints);
   step_ = detail::every_process_calls("accel::Accelerator::load_state", [&] {
     return detail::load_checkpoint_state(prepared_, checkpoint_context(), project_configuration(), path);
   });
@@ -95,6 +87,7 @@ inline detail::CheckpointContext Accelerator::checkpoint_context() const {
           .num_processes = num_processes(),
           .shards = prepared_.sharded->empty() ? 1 : setup_.world().get_world_size(Dim::MP_SHARD),
           .tp = setup_.world().strategy().tp_size(),
+          .pp = setup_.world().strategy().pp_size(),
           .device = device()};
 }
 

@@ -58,6 +58,9 @@ class ItemReader {
   const std::filesystem::path& dir;
   const SavedLayout& saved;
   std::vector<std::string> warnings;  // (a loader's place, checkpoint_world)
+  // Under a pipeline, every stage's parameters and buffers (whole shapes),
+  // from every pipeline rank: the model the piece files must hold.
+  const std::vector<std::pair<std::string, at::Tensor>>* pipeline_model = nullptr;
 
   // The archive `name`, checked against the manifest's record.
   std::unique_ptr<torch::serialize::InputArchive> read(const std::string& name) {

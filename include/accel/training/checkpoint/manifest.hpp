@@ -41,6 +41,7 @@ struct CheckpointManifest {
   int64_t schedulers = 0;
   int64_t shards = 1;  // the ways optimizer state is sharded (one file per process when more than 1)
   int64_t tp = 1;      // the tensor-parallel size (one optimizer file per process when more than 1)
+  int64_t pp = 1;      // the pipeline-parallel size (each process saved its stages, in pieces, when more than 1)
   std::string id{};    // 32 hexadecimal digits, this save's own
   std::map<std::string, FileDigest> files{};  // every file of the checkpoint but the manifest
 };
@@ -53,6 +54,7 @@ inline std::string manifest_text(const CheckpointManifest& m) {
       << "\noptimizers " << m.optimizers << "\nloaders " << m.loaders << "\nobjects " << m.objects << "\nschedulers "
       << m.schedulers << "\nshards " << m.shards << "\n";
   if (m.tp > 1) out << "tp " << m.tp << "\n";  // (absent at 1: the manifests of runs without tp stay as they were)
+  if (m.pp > 1) out << "pp " << m.pp << "\n";  // (likewise)
   out << "id " << m.id << "\n";
   for (const auto& [name, digest] : m.files)
     out << "file " << name << ' ' << digest.bytes << ' ' << hex64(digest.xxh64) << '\n';
@@ -105,7 +107,8 @@ inline std::optional<CheckpointManifest> read_manifest(const fs::path& dir) {
     else if (key == "objects") m.objects = value;
     else if (key == "schedulers") m.schedulers = value;
     else if (key == "shards") m.shards = value;
-    else if (key == "tp") m.tp = value;  // other keys: a newer writer's, ignored
+    else if (key == "tp") m.tp = value;
+    else if (key == "pp") m.pp = value;  // other keys: a newer writer's, ignored
   }
   return std::nullopt;  // cut short
 }

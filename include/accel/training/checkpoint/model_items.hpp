@@ -24,11 +24,16 @@ class ModelItem final : public CheckpointItem {
   void read(ItemReader& in) override {
     const std::filesystem::path whole = in.dir / file_names::model(i_);
     if (std::filesystem::exists(whole)) {
+      if (in.pipeline_model)
+        throw RuntimeError(whole.string() +
+                           " holds the model whole (saved without a pipeline, sharding or tp): a pipeline's stages "
+                           "load a checkpoint saved in pieces. Load it without pp and save_model it, then load_model "
+                           "the stages from that");
       archive_ = in.read(file_names::model(i_));
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
       pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
-                                  model_prefix(i_));
+                                  in.pipeline_model ? std::string() : model_prefix(i_), in.pipeline_model);
     }
   }
   void commit() override {
@@ -58,7 +63,7 @@ class ShardedPiecesItem final : public CheckpointItem {
   explicit ShardedPiecesItem(PreparedSet& set) : set_(set) {}
   void write_own(const ItemWriter& out) override {
     for (std::size_t i = 0; i < set_.models.size(); ++i)
-      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx.process_index, out.dir, out.id, out.log);
+      if (saved_in_pieces(set_, i)) return write_pieces(set_, out.ctx, out.dir, out.id, out.log);
   }
 
  private:

@@ -149,6 +149,65 @@ inline void reshard_state(SavedFiles& files, std::size_t position, const Optimiz
   }
 }
 
+// The saving run's version and parameter groups from its first optimizer
+// file (`saved`, at `file`), the version and the groups' count written
+// into `out` and `groups`; a count unlike this optimizer's is refused,
+// naming the file. Returns the saved groups.
+inline torch::serialize::InputArchive saved_param_groups(torch::optim::Optimizer& optimizer,
+                                                         torch::serialize::InputArchive& saved, const std::string& file,
+                                                         torch::serialize::OutputArchive& out,
+                                                         torch::serialize::OutputArchive& groups) {
+  torch::serialize::InputArchive saved_groups;
+  at::Tensor count;
+  try {
+    c10::IValue version;
+    saved.read("pytorch_version", version);
+    out.write("pytorch_version", version);
+    saved.read("param_groups", saved_groups);
+    saved_groups.read("param_groups/size", count);
+  } catch (const std::exception& e) {
+    throw RuntimeError(file + " is not an optimizer's archive: " + error_text(e));
+  }
+  if (count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
+    throw RuntimeError(file + " holds " + std::to_string(count.item<int64_t>()) +
+                       " parameter groups; this run's optimizer has " +
+                       std::to_string(optimizer.param_groups().size()));
+  groups.write("param_groups/size", count);
+  return saved_groups;
+}
+// The archive made (`out`, with `state` and `groups` written into it) as
+// Optimizer::load reads it, on `device`.
+inline std::unique_ptr<torch::serialize::InputArchive> loadable(torch::serialize::OutputArchive& out,
+                                                                torch::serialize::OutputArchive& state,
+                                                                torch::serialize::OutputArchive& groups,
+                                                                c10::Device device) {
+  out.write("state", state);
+  out.write("param_groups", groups);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string held = std::move(bytes).str();
+  auto archive = std::make_unique<torch::serialize::InputArchive>();
+  archive->load_from(held.data(), held.size(), device);
+  return archive;
+}
+
+// The options of parameter group g as saved (`saved_group`), read through
+// the optimizer's own options type (what they are is the optimizer's
+// business), for Optimizer::load's archive.
+inline torch::serialize::OutputArchive saved_group_options(torch::optim::Optimizer& optimizer, std::size_t g,
+                                                           torch::serialize::InputArchive& saved_group,
+                                                           const std::shared_ptr<torch::jit::CompilationUnit>& unit) {
+  torch::serialize::InputArchive saved_options;
+  saved_group.read("options", saved_options);
+  const auto& current = optimizer.param_groups()[g];
+  std::unique_ptr<torch::optim::OptimizerOptions> copy =
+      (current.has_options() ? current.options() : optimizer.defaults()).clone();
+  copy->serialize(saved_options);
+  torch::serialize::OutputArchive options(unit);
+  copy->serialize(options);
+  return options;
+}
+
 // Parameter group g as the first file has it (its keys name the states,
 // written into `state`), its options through the optimizer's own options
 // type (what they are is the optimizer's business). `position` counts the
@@ -159,9 +218,9 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
                                                      std::size_t& position, torch::serialize::OutputArchive& state,
                                                      const PlacedState* placed) {
   const SavedOptimizer& first = *files[0];
-  torch::serialize::InputArchive saved_group, saved_options;
+  torch::serialize::InputArchive saved_group;
   saved_groups.read("param_groups/" + std::to_string(g), saved_group);
-  torch::serialize::OutputArchive group(state.compilation_unit()), options(state.compilation_unit());
+  torch::serialize::OutputArchive group(state.compilation_unit());
   at::Tensor size;
   saved_group.read("params/size", size);
   if (size.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups()[g].params().size()))
@@ -178,12 +237,7 @@ inline torch::serialize::OutputArchive reshard_group(torch::optim::Optimizer& op
     reshard_state(files, position, slots[position], saved_shards, own, placed);
     state.write(key.toStringRef(), own);
   }
-  saved_group.read("options", saved_options);
-  const auto& current = optimizer.param_groups()[g];
-  std::unique_ptr<torch::optim::OptimizerOptions> copy =
-      (current.has_options() ? current.options() : optimizer.defaults()).clone();
-  copy->serialize(saved_options);
-  copy->serialize(options);
+  torch::serialize::OutputArchive options = saved_group_options(optimizer, g, saved_group, state.compilation_unit());
   group.write("options", options);
   return group;
 }
@@ -205,18 +259,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   SavedOptimizer& first = *files[0];
 
   torch::serialize::OutputArchive out, state(out.compilation_unit()), groups(out.compilation_unit());
-  c10::IValue version;
-  first.archive.read("pytorch_version", version);
-  out.write("pytorch_version", version);
-  torch::serialize::InputArchive saved_groups;
-  first.archive.read("param_groups", saved_groups);
-  at::Tensor group_count;
-  saved_groups.read("param_groups/size", group_count);
-  if (group_count.item<int64_t>() != static_cast<int64_t>(optimizer.param_groups().size()))
-    throw RuntimeError(first.file + " holds " + std::to_string(group_count.item<int64_t>()) +
-                       " parameter groups; this run's optimizer has " +
-                       std::to_string(optimizer.param_groups().size()));
-  groups.write("param_groups/size", group_count);
+  torch::serialize::InputArchive saved_groups = saved_param_groups(optimizer, first.archive, first.file, out, groups);
   std::size_t position = 0;
   for (std::size_t g = 0; g < optimizer.param_groups().size(); ++g) {
     torch::serialize::OutputArchive group =
@@ -226,14 +269,7 @@ inline std::unique_ptr<torch::serialize::InputArchive> resharded_optimizer(
   if (position != slots.size())
     throw RuntimeError(first.file + " holds the state of " + std::to_string(position) +
                        " parameters; this run's optimizer has " + std::to_string(slots.size()));
-  out.write("state", state);
-  out.write("param_groups", groups);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  const std::string held = std::move(bytes).str();
-  auto archive = std::make_unique<torch::serialize::InputArchive>();
-  archive->load_from(held.data(), held.size(), device);
-  return archive;
+  return loadable(out, state, groups, device);
 }
 }  // namespace detail
 

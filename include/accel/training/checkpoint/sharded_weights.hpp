@@ -213,23 +213,32 @@ class ShardedWeights {
   std::map<std::string, Whole> tensors_;
 };
 
+// A model's parameters and buffers as the piece files hold them: state_dict's
+// names, a tensor-parallel piece with its whole shape (a meta tensor, of no
+// memory).
+inline std::vector<std::pair<std::string, at::Tensor>> whole_entries(const torch::nn::Module& module,
+                                                                     const tp::SplitTensors& split) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [name, tensor] : state_dict(module))
+    out.emplace_back(name, split.contains(tensor)
+                               ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
+                               : tensor);
+  return out;
+}
+
 // A model saved in pieces, for load_state's read step: the files checked
 // against the model (its names under `prefix`; a tensor-parallel piece
-// against its whole shape), and what this process keeps of each parameter
-// and buffer read (dp's load_range under sharding, else everything this
-// process holds: a tensor-parallel piece's box of the whole, or the whole).
-inline std::map<std::string, at::Tensor> read_model_pieces(const torch::nn::Module& module, DataParallel* dp,
-                                                           const tp::SplitTensors& split, const ShardedWeights& weights,
-                                                           const std::string& prefix) {
-  const auto held = state_dict(module);
-  std::vector<std::pair<std::string, at::Tensor>> expected;  // (the whole shapes, of no memory)
-  for (const auto& [name, tensor] : held)
-    expected.emplace_back(name, split.contains(tensor)
-                                    ? at::empty(split.whole_sizes(tensor), tensor.options().device(at::kMeta))
-                                    : tensor);
-  weights.check_fits(expected, prefix);
+// against its whole shape), or, for a pipeline's stage, against every
+// stage's tensors (`whole_model`: the stages together are the model), and
+// what this process keeps of each parameter and buffer read (dp's
+// load_range under sharding, else everything this process holds: a
+// tensor-parallel piece's box of the whole, or the whole).
+inline std::map<std::string, at::Tensor> read_model_pieces(
+    const torch::nn::Module& module, DataParallel* dp, const tp::SplitTensors& split, const ShardedWeights& weights,
+    const std::string& prefix, const std::vector<std::pair<std::string, at::Tensor>>* whole_model = nullptr) {
+  weights.check_fits(whole_model ? *whole_model : whole_entries(module, split), prefix);
   std::map<std::string, at::Tensor> out;
-  for (const auto& [name, tensor] : held) {
+  for (const auto& [name, tensor] : state_dict(module)) {
     const auto [begin, length] =
         dp ? dp->sharded_state_dict().load_range(tensor) : std::pair{int64_t{0}, tensor.numel()};
     out[name] = weights.read(prefix + name, begin, length, tensor.sizes().vec(), place_in_whole(split, tensor))

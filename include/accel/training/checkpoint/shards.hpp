@@ -8,7 +8,10 @@
 // Under tensor parallelism a process holds pieces of the split parameters
 // (tp rank t: the t-th slice along the split dimension) and writes its
 // piece, or its shard of it, placed in the whole tensor: tensor-parallel
-// pieces are not gathered either.
+// pieces are not gathered either. Under a pipeline each process holds some
+// stages of one model, under the model's own names: it writes its stages'
+// tensors (their shards, or their pieces), and the files of all hold the
+// whole model as one.
 // Beside them go the optimizers' state for those pieces where Python's
 // optimizer of the same kind keeps it (Adam's and AdamW's moments and step,
 // SGD's momentum buffer: python_state), under Python's names. The files are
@@ -101,6 +104,12 @@ inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begi
 // then the parameter's name and the state's, as Python's
 // get_optimizer_state_dict() nests them.
 inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" + std::to_string(i) + "."; }
+// The prefix of model i's names in the piece files (model_prefix): none for a pipeline's stages, which are together one
+// model under its own names (a stage module keeps the whole model's names
+// for what it holds, as llama::Stage does).
+inline std::string saved_model_prefix(const PreparedSet& set, std::size_t i) {
+  return set.pipeline_group ? std::string() : model_prefix(i);
+}
 inline std::string optimizer_prefix(std::size_t i) {
   return (i == 0 ? std::string("optimizer") : "optimizer_" + std::to_string(i)) + ".state.";
 }
@@ -220,8 +229,10 @@ inline std::vector<int64_t> place_in_whole(const tp::SplitTensors& split, const 
 // replica, a shard of a whole tensor by that replica at tp rank 0 (every tp
 // rank holds the same shards of it); a tensor-parallel piece that is not
 // sharded by the first process of its data-parallel group (its replicas
-// hold the same); the rest whole, by process 0.
-inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, const std::string& id, FileLog& log) {
+// hold the same); the rest whole, by process 0 (under a pipeline, by the
+// first process holding that stage).
+inline void write_pieces(PreparedSet& set, const CheckpointContext& ctx, const fs::path& dir, const std::string& id,
+                         FileLog& log) {
   PieceFiles files;
   // What each tensor an optimizer steps (a shard, else the parameter) is of the whole: its name, the shape of
   // what this process holds of it, that tensor's place in the whole, and which of its flattened elements.
@@ -240,8 +251,9 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
     const bool writes_shards = sharded && dp->sharded_state_dict().writes_pieces();
     const bool first_replica = !dp || !dp->group() || dp->group()->getRank() == 0;
     const bool first_tp = tp::rank_in(m.split.group) == 0;  // (the shards of whole tensors: alike over tp)
+    const std::string prefix = saved_model_prefix(set, i);
     for (const auto& [name, tensor] : state_dict(*m.module)) {
-      if (!in_namespace(model_prefix(i) + name, model_prefix(i)))
+      if (!in_namespace(prefix + name, prefix))
         throw InvalidArgument("accel::Accelerator::save_state: model " + std::to_string(i) + "'s tensor " + name +
                               " would be read as another model's or an optimizer's in a sharded checkpoint; rename "
                               "its module");
@@ -252,12 +264,12 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
         place.writes = writes_shards && (!origin.empty() || first_tp);
         place.begin = piece->begin;
         place.length = piece->values.numel();
-        if (place.writes) files.add_piece(model_prefix(i) + name, tensor.sizes(), piece->values, piece->begin, origin);
+        if (place.writes) files.add_piece(prefix + name, tensor.sizes(), piece->values, piece->begin, origin);
         places[dp->shard_of(tensor).unsafeGetTensorImpl()] = std::move(place);
         continue;
       }
-      place.writes = origin.empty() ? process == 0 : first_replica;
-      if (place.writes) files.add_whole(model_prefix(i) + name, tensor, origin);
+      place.writes = origin.empty() ? ctx.first_of_its_stages() : first_replica;
+      if (place.writes) files.add_whole(prefix + name, tensor, origin);
       places[tensor.unsafeGetTensorImpl()] = std::move(place);
     }
   }
@@ -279,7 +291,7 @@ inline void write_pieces(PreparedSet& set, int process, const fs::path& dir, con
           }
         }
       }
-  files.write(dir, process, id, log);
+  files.write(dir, ctx.process_index, id, log);
 }
 
 }  // namespace detail

@@ -15,6 +15,7 @@
 
 #include "accel/training/checkpoint/from_python.hpp"
 #include "accel/training/checkpoint/model_items.hpp"
+#include "accel/training/checkpoint/pipeline_weights.hpp"
 #include "accel/training/checkpoint/state_items.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -53,7 +54,8 @@ inline CheckpointManifest manifest_for(const PreparedSet& set, const CheckpointC
           .objects = static_cast<int64_t>(set.objects.size()),
           .schedulers = static_cast<int64_t>(set.schedulers.size()),
           .shards = ctx.shards,
-          .tp = ctx.tp};
+          .tp = ctx.tp,
+          .pp = ctx.pp};
 }
 // Every process's files and digests, into the manifest process 0 writes
 // (a collective: every process calls it with its own log).
@@ -131,13 +133,20 @@ inline SavedLayout check_manifest(const std::filesystem::path& dir, const Prepar
        {"scheduler(s)", {manifest->schedulers, set.schedulers.size()}},
        {"data loader(s)", {manifest->loaders, set.loaders.size()}},
        {"registered object(s)", {manifest->objects, set.objects.size()}}}};
+  // (a pipeline's stages are one model, however many a process holds: the
+  // piece files are checked against every stage's tensors instead)
+  const bool pipeline = manifest->pp > 1 || set.pipeline_group;
   for (const auto& count : counts)
-    if (count.second.first != static_cast<int64_t>(count.second.second))
+    if (count.second.first != static_cast<int64_t>(count.second.second) &&
+        !(pipeline && count.first == std::string_view("model(s)")))
       throw RuntimeError("it holds " + std::to_string(count.second.first) + " " + count.first + "; this run has " +
                          std::to_string(count.second.second));
   if (manifest->shards < 1 || manifest->processes < 1 || manifest->shards > manifest->processes)
     throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and " + std::to_string(manifest->shards) + " shards");
+  if (manifest->pp < 1 || manifest->processes % manifest->pp != 0)
+    throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
+                       " processes and pp " + std::to_string(manifest->pp));
   if (manifest->tp < 1 || manifest->processes % manifest->tp != 0)
     throw RuntimeError((dir / file_names::manifest).string() + " says " + std::to_string(manifest->processes) +
                        " processes and tp " + std::to_string(manifest->tp));
@@ -161,6 +170,20 @@ inline bool recover_or_find_python(const CheckpointContext& ctx, const std::file
   return accel::broadcast(python, 0) != 0;
 }
 
+// Under a pipeline, every stage's parameters and buffers (their whole
+// shapes), gathered over the pipeline group before the read step (which
+// makes no collective): what the piece files must hold. None without a
+// pipeline.
+inline std::optional<std::vector<NamedTensor>> every_stage_tensors(const PreparedSet& set) {
+  if (!set.pipeline_group) return std::nullopt;
+  std::vector<NamedTensor> mine;
+  for (const auto& m : set.models)
+    for (auto& entry : whole_entries(*m.module, m.split)) mine.push_back(std::move(entry));
+  auto every = every_stage_entries(set.pipeline_group)(mine);
+  if (!every) throw LogicError("accel::Accelerator::load_state: no stage's tensors from a pipeline rank");
+  return every;
+}
+
 // 1. Every item reads and checks its files against the prepared set;
 // nothing changes. Each file is checked against its digest in the
 // background; a failed check is the error, before any other (a damaged
@@ -168,12 +191,13 @@ inline bool recover_or_find_python(const CheckpointContext& ctx, const std::file
 // is committed.
 inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, const PreparedSet& set,
                                                 const CheckpointContext& ctx, const std::filesystem::path& dir,
-                                                bool python) {
+                                                bool python, const std::vector<NamedTensor>* pipeline_model) {
   std::vector<std::string> warnings;
   const std::string error = error_of([&] {
     const SavedLayout saved = python ? outside_layout(ctx) : check_manifest(dir, set);
     CheckpointFiles files(dir, saved.manifest);
     ItemReader reader(ctx, dir, saved, files);
+    reader.pipeline_model = pipeline_model;
     try {
       for (const auto& item : items) item->read(reader);
     } catch (...) {
@@ -193,8 +217,14 @@ inline std::vector<std::string> read_checkpoint(const CheckpointItems& items, co
 // step (0 from Python's checkpoint, which has none).
 inline int64_t load_checkpoint(PreparedSet& set, const CheckpointContext& ctx, const std::filesystem::path& dir) {
   const bool python = recover_or_find_python(ctx, dir);
+  if (python && set.pipeline_group)
+    throw InvalidArgument("accel::Accelerator::load_state: " + dir.string() +
+                          " was written by Python's dcp.save; a pipeline's stages load the checkpoints save_state "
+                          "writes (load this one without pp, save_state it, and load that)");
   const CheckpointItems items = python ? python_checkpoint_items(set) : checkpoint_items(set, ctx);
-  std::vector<std::string> warnings = read_checkpoint(items, set, ctx, dir, python);
+  const std::optional<std::vector<NamedTensor>> pipeline_model = every_stage_tensors(set);
+  std::vector<std::string> warnings =
+      read_checkpoint(items, set, ctx, dir, python, pipeline_model ? &*pipeline_model : nullptr);
   if (python) warnings.push_back(left_by_python_checkpoint(set, dir));
   const std::string error = error_of([&] {
     for (const auto& item : items) item->keep();

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "accel/training/checkpoint/item.hpp"
-#include "accel/training/checkpoint/reshard.hpp"
+#include "accel/training/checkpoint/optimizer_from_pieces.hpp"
 #include "accel/training/checkpoint/world.hpp"
 
 ACCEL_NAMESPACE_BEGIN
@@ -13,7 +13,8 @@ namespace detail {
 // run shards it the same way (or keeps it whole), else cut again from the
 // saved pieces, piece k in process k's file; across tensor-parallel
 // layouts from the state the piece files place in the whole tensors
-// (checkpoint/reshard.hpp). It can refuse as it loads, and is put back if
+// (checkpoint/reshard.hpp), and across pipeline layouts from those alone,
+// by name (checkpoint/optimizer_from_pieces.hpp). It can refuse as it loads, and is put back if
 // any process refuses anything.
 class OptimizerItem final : public CheckpointItem {
  public:
@@ -31,13 +32,22 @@ class OptimizerItem final : public CheckpointItem {
     file_ = (in.dir / name_).string();
     const bool same_processes = saved.processes == in.ctx.num_processes;
     const bool tp = saved.manifest.tp > 1 || in.ctx.tp > 1;
+    const bool pipeline = saved.manifest.pp > 1 || in.ctx.pp > 1;
     const bool as_saved = saved.shards == in.ctx.shards && saved.manifest.tp == in.ctx.tp &&
-                          ((saved.shards == 1 && !tp) || same_processes);
+                          saved.manifest.pp == in.ctx.pp && ((saved.shards == 1 && !tp && !pipeline) || same_processes);
     if (as_saved) {
       archive_ = in.read(name_);
+      // (under a pipeline, if this process has the saving process's stages: another schedule may give it others)
+      if (!pipeline || steps_these_parameters(*archive_, set_, optimizer_)) return;
+    }
+    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1 || saved.manifest.pp > 1;  // (its files)
+    if (pipeline) {  // (the saving processes' parameter lists are not this process's: by name, from the pieces)
+      const std::string first = file_names::optimizer(i_, per_process ? 0 : -1);
+      archive_ =
+          optimizer_from_pieces(set_, i_, in.pieces_if_any(),
+                                OpenedArchive{(in.dir / first).string(), std::move(*in.read(first))}, in.ctx.device);
       return;
     }
-    const bool per_process = saved.shards > 1 || saved.manifest.tp > 1;  // (the saving run's files)
     const PlacedState placed{tp ? in.pieces_if_any() : nullptr, i_};
     archive_ = resharded_optimizer(
         set_, i_, tp ? 1 : saved.shards, in.ctx.device,
@@ -62,6 +72,7 @@ class OptimizerItem final : public CheckpointItem {
   void save(const ItemWriter& out) {
     torch::serialize::OutputArchive archive;
     optimizer_.save(archive);
+    if (out.ctx.pp > 1) archive.write(kParameterNamesKey, c10::IValue(parameter_names_text(set_, optimizer_)));
     out.save(archive, name_);
   }
 
