@@ -16939,9 +16939,10 @@ inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begi
 // then the parameter's name and the state's, as Python's
 // get_optimizer_state_dict() nests them.
 inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" + std::to_string(i) + "."; }
-// The prefix of model i's names in the piece files (model_prefix): none for a pipeline's stages, which are together one
-// model under its own names (a stage module keeps the whole model's names
-// for what it holds, as llama::Stage does).
+// The prefix of model i's names in the piece files: model_prefix, but none
+// for a pipeline's stages, which together are one model under its own
+// names (a stage module keeps the whole model's names for what it holds,
+// as llama::Stage does).
 inline std::string saved_model_prefix(const PreparedSet& set, std::size_t i) {
   return set.pipeline_group ? std::string() : model_prefix(i);
 }
@@ -18029,7 +18030,8 @@ namespace detail {
 // other way round (checkpoint/sharded_weights.hpp).
 class ModelItem final : public CheckpointItem {
  public:
-  ModelItem(PreparedSet& set, std::size_t i) : model_(set.models[i]), i_(i), in_pieces_(saved_in_pieces(set, i)) {}
+  ModelItem(PreparedSet& set, std::size_t i)
+      : model_(set.models[i]), i_(i), in_pieces_(saved_in_pieces(set, i)), prefix_(saved_model_prefix(set, i)) {}
 
   void write_shared(const ItemWriter& out) override {
     if (in_pieces_) return;
@@ -18049,7 +18051,7 @@ class ModelItem final : public CheckpointItem {
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
       pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
-                                  in.pipeline_model ? std::string() : model_prefix(i_), in.pipeline_model);
+                                  prefix_, in.pipeline_model);
     }
   }
   void commit() override {
@@ -18065,6 +18067,7 @@ class ModelItem final : public CheckpointItem {
   PreparedModel& model_;
   std::size_t i_;
   bool in_pieces_;
+  std::string prefix_;                                       // of its names in the piece files
   std::unique_ptr<torch::serialize::InputArchive> archive_;  // read whole,
   std::map<std::string, at::Tensor> pieces_;                 // else what this process keeps of each piece
 };

@@ -13,7 +13,8 @@ namespace detail {
 // other way round (checkpoint/sharded_weights.hpp).
 class ModelItem final : public CheckpointItem {
  public:
-  ModelItem(PreparedSet& set, std::size_t i) : model_(set.models[i]), i_(i), in_pieces_(saved_in_pieces(set, i)) {}
+  ModelItem(PreparedSet& set, std::size_t i)
+      : model_(set.models[i]), i_(i), in_pieces_(saved_in_pieces(set, i)), prefix_(saved_model_prefix(set, i)) {}
 
   void write_shared(const ItemWriter& out) override {
     if (in_pieces_) return;
@@ -33,7 +34,7 @@ class ModelItem final : public CheckpointItem {
       check_module_archive(*model_.module, *archive_, "", whole.string());
     } else {
       pieces_ = read_model_pieces(*model_.module, model_.data_parallel.get(), model_.split, in.pieces(whole.string()),
-                                  in.pipeline_model ? std::string() : model_prefix(i_), in.pipeline_model);
+                                  prefix_, in.pipeline_model);
     }
   }
   void commit() override {
@@ -49,6 +50,7 @@ class ModelItem final : public CheckpointItem {
   PreparedModel& model_;
   std::size_t i_;
   bool in_pieces_;
+  std::string prefix_;                                       // of its names in the piece files
   std::unique_ptr<torch::serialize::InputArchive> archive_;  // read whole,
   std::map<std::string, at::Tensor> pieces_;                 // else what this process keeps of each piece
 };

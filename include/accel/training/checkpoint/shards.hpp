@@ -104,9 +104,10 @@ inline std::vector<TensorBox> boxes_of_range(at::IntArrayRef shape, int64_t begi
 // then the parameter's name and the state's, as Python's
 // get_optimizer_state_dict() nests them.
 inline std::string model_prefix(std::size_t i) { return i == 0 ? "" : "model_" + std::to_string(i) + "."; }
-// The prefix of model i's names in the piece files (model_prefix): none for a pipeline's stages, which are together one
-// model under its own names (a stage module keeps the whole model's names
-// for what it holds, as llama::Stage does).
+// The prefix of model i's names in the piece files: model_prefix, but none
+// for a pipeline's stages, which together are one model under its own
+// names (a stage module keeps the whole model's names for what it holds,
+// as llama::Stage does).
 inline std::string saved_model_prefix(const PreparedSet& set, std::size_t i) {
   return set.pipeline_group ? std::string() : model_prefix(i);
 }
