@@ -19925,14 +19925,11 @@ class AcceleratorSetup {
     // are kept in sync over the stage's data-parallel ranks (dp_cp, one pp
     // coordinate) and driven by the schedule (pp::PipelineStage::
     // set_data_parallel); a stage's accel::tp layers split over its tp
-    // group as without a pipeline. Composed so far with data parallelism,
-    // sharding and tensor parallelism; what is not built yet is refused here
-    // or where it is called.
-    if (strategy.pp_size() > 1 && strategy.cp_size() > 1)
-      throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) + " with cp_size " +
-                            std::to_string(strategy.cp_size()) +
-                            ": the pipeline composes with data, sharded and tensor parallelism so far; context "
-                            "parallelism inside its stages is not built yet");
+    // group, and its context-parallel layers exchange over its cp group, as
+    // without a pipeline (each rank's micro-batches are its slice of the
+    // sequences; the point-to-point sends go between ranks of the same dp,
+    // cp and tp coordinates). What is not built yet is refused here or
+    // where it is called.
     if (strategy.pp_size() > 1 && config.gradient_accumulation_steps > 1)
       throw InvalidArgument("accel::Accelerator: pp_size " + std::to_string(strategy.pp_size()) +
                             " with gradient_accumulation_steps " + std::to_string(config.gradient_accumulation_steps) +
@@ -20076,8 +20073,7 @@ class Accelerator {
   // This process's rank along each kind of parallelism, as Accelerate names
   // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP,
   // pipeline along Dim::PP (0 for a dimension of size 1, as Accelerate for
-  // one not enabled; the Accelerator refuses pp_size above 1 until pipeline
-  // stages exist).
+  // one not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;

@@ -330,16 +330,18 @@ struct StageImpl : torch::nn::Module {
     }
   }
   // ids [B, T] or hidden states [B, T, H] (under tensor parallelism [B, T / sequence_shards, H]: this rank's
-  // tokens, sequence parallelism's split); with `recompute`, each layer through accel::checkpoint.
+  // tokens, sequence parallelism's split; under context parallelism T is this rank's slice of the sequence, as
+  // Llama::forward's); with `recompute`, each layer through accel::checkpoint.
   at::Tensor forward(const at::Tensor& x, bool recompute = false) {
-    const int64_t length = model->embed_tokens.is_empty() ? x.size(1) * sequence_shards : x.size(1);
+    const int64_t slices = cp ? cp->getSize() : 1;  // (rotary angles are those of the whole sequence's positions)
+    const int64_t length = (model->embed_tokens.is_empty() ? x.size(1) * sequence_shards : x.size(1)) * slices;
     const auto [cos_all, sin_all] = rotary(config, 0, length, x.device());
     const at::Tensor cos = cos_all, sin = sin_all;
     at::Tensor h = model->embed_tokens.is_empty() ? x : accel::unit_forward(model->embed_tokens, x);
     for (const auto& item : *model->layers) {
       DecoderLayer block(std::dynamic_pointer_cast<DecoderLayerImpl>(item.value()));
-      auto run = [block, cos, sin](const at::Tensor& in) mutable {
-        return accel::unit_forward(block, in, cos, sin, accel::GroupPtr());
+      auto run = [block, cos, sin, group = cp](const at::Tensor& in) mutable {
+        return accel::unit_forward(block, in, cos, sin, group);
       };
       h = recompute ? accel::checkpoint(run, h) : run(h);
     }
@@ -360,6 +362,7 @@ struct StageImpl : torch::nn::Module {
   StageBody model{nullptr};
   torch::nn::Linear lm_head{nullptr};
   int64_t sequence_shards = 1;  // the tp ranks a stage's hidden states are split over along the sequence
+  accel::GroupPtr cp;           // context parallelism's group (Ulysses' attention), null without
 };
 TORCH_MODULE(Stage);
 

@@ -22,7 +22,8 @@
 //         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
 //         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
 //         replicated over its data-parallel ranks, with --tp split by the plan inside; M micro-batches per
-//         step, default pp; not yet with --cp or --accumulate)
+//         step, default pp; with --cp each rank's micro-batches are its slice of the sequences; not yet with
+//         --accumulate)
 //         --sharding no_shard|shard_grad_op|full_shard (default full_shard)
 //         --mixed-precision no|bf16
 //         --recompute (activation checkpointing per decoder layer)
@@ -190,10 +191,7 @@ void check(const Options& o, int world) {
   if (o.batch % dp != 0)
     fail("--batch " + std::to_string(o.batch) + " is not a multiple of the dp size " + std::to_string(dp));
   if (o.pp > 1) {
-    if (o.cp > 1 || o.accumulate > 1)
-      fail(
-          "--pp with --cp or --accumulate is not built yet (more "
-          "micro-batches per step: --microbatches)");
+    if (o.accumulate > 1) fail("--pp with --accumulate is not built yet (more micro-batches per step: --microbatches)");
     const std::vector<std::string> schedules{
         "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"};
     if (std::find(schedules.begin(), schedules.end(), o.schedule) == schedules.end())
@@ -329,11 +327,12 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
 }
 
 // --pp: this rank's stages of the model (llama::Stage; two in a loop or a V for the schedules that take two),
-// with --tp split by the plan (the hidden states between stages split along the sequence), each prepared
+// with --tp split by the plan (the hidden states between stages split along the sequence) and with --cp running
+// Ulysses' attention on the cp group (each rank's micro-batches its slice of the sequences), each prepared
 // (sharded or replicated over its data-parallel ranks) and given to the schedule, which runs every micro-batch's
 // forward and backward and reduces the gradients once per step (sequence parallelism's partial ones summed over
 // tp then); clipped over every stage, AdamW stepped. The loss logged: the last stage's micro-batches' mean,
-// averaged over the ranks holding the last stage (each data-parallel rank's tp ranks).
+// averaged over the ranks holding the last stage (each data-parallel rank's cp and tp ranks).
 int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Llama whole) {
   config.distributed.pp_size = o.pp;
   accel::Accelerator accelerator(config);
@@ -352,6 +351,8 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
       accel::tp::parallelize_module(*stage, stage->tp_plan_of(llama::tp_plan()));
       stage->sequence_shards = o.tp;
     }
+  if (o.cp > 1)  // (Ulysses inside each stage's attention, on this rank's slice of every sequence)
+    for (auto& stage : modules) stage->cp = accel::DistributedInterface::instance().get_group(accel::Dim::CP);
   std::vector<accel::pp::PipelineStage> stages;
   stages.reserve(modules.size());  // (a schedule holds references to its stages: they must not move)
   std::vector<at::Tensor> params;
@@ -383,14 +384,15 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
                    : torch::nn::functional::cross_entropy(logits.reshape({-1, V}).to(at::kFloat), labels.reshape({-1}));
       });
   const int dp = accel::DistributedInterface::instance().get_world_size(accel::Dim::DP);
-  auto loader = prepare_loader(accelerator, o, dp);
+  auto loader = prepare_loader(accelerator, o, dp);  // (cp peers read the same sequences, each its slice)
+  const int64_t slice = o.seq / o.cp, cp_rank = accelerator.context_parallel_rank();
   StepCount step;
   accelerator.register_for_checkpointing(step);
   // --resume: every stage's tensors and AdamW's state for them, in whichever pipeline layout saved them.
   if (o.resume) accelerator.load_state(o.dir + "/checkpoint");
   start_logs(accelerator, o);
-  accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "x tp", o.tp, "-",
-               o.schedule, "over", S, "stages,", microbatches, "micro-batches per step,",
+  accel::print("train_llama:", accelerator.num_processes(), "process(es), pp", P, "x dp", dp, "x cp", o.cp, "x tp",
+               o.tp, "-", o.schedule, "over", S, "stages,", microbatches, "micro-batches per step,",
                accel::to_string(accelerator.sharding_strategy()), "per stage -", o.model.num_hidden_layers,
                "layers, hidden", o.model.hidden_size, "-", parameters, "parameters, rank 0's stages", mine, "- seq",
                o.seq);
@@ -405,13 +407,15 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
     for (auto& batch : loader) {
       for (auto& group : adamw.param_groups()) group.options().set_lr(learning_rate(o, step.value));
       std::vector<at::Tensor> losses;
-      schedule->step(first_here ? batch.data : at::Tensor(), last_here ? batch.target : at::Tensor(), &losses);
+      schedule->step(first_here ? batch.data.narrow(1, cp_rank * slice, slice) : at::Tensor(),
+                     last_here ? batch.target.narrow(1, cp_rank * slice, slice) : at::Tensor(), &losses);
       if (o.clip > 0) accelerator.clip_grad_norm_(params, o.clip);
       optimizer.step();
       optimizer.zero_grad();
       ++step.value;
       const double local = last_here ? at::stack(losses).mean().item<double>() : 0.0;
-      last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / (dp * o.tp);  // (each tp rank has it)
+      // (each cp rank has its slice's, each of its tp ranks the same)
+      last_loss = accel::all_reduce(local, accel::ReduceOp::SUM) / (dp * o.cp * o.tp);
       accelerator.log({{"loss", last_loss}, {"lr", learning_rate(o, step.value - 1)}}, step.value);
       if (accelerator.is_main_process()) print_progress(o, step.value, first, start, last_loss, tty);
       if (step.value == timed_from) timed_start = std::chrono::steady_clock::now();

@@ -8,7 +8,8 @@
 #     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
-#     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2): GPipe and 1F1B at 2 layers,
+#     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2, or over cp 2 with Ulysses'
+#     attention inside the stages): GPipe (pp 2 x cp 2) and 1F1B at 2 layers,
 #     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
 #     process of the same depth, the same way, and pp 2 x tp 2 (1F1B at 2 layers, ZBV with activation
 #     checkpointing at 4); 1F1B under bf16 against one process under bf16 (within 2e-4); the exports of
@@ -58,13 +59,14 @@ for name in hsdp_dp2_cp2 dp4 dp1_cp4 tp2_dp2_recompute tp2_dp2_no_shard tp4 tp2_
   run ${meshes[$name]} --steps 6 --dir "$dir/$name" | tee "$dir/$name.log"
   same_losses one "$name"
 done
-# Pipelines: pp 2 x dp 2 (a stage per rank at 2 layers; two per rank, 4 stages, at 4 layers).
+# Pipelines: pp 2 x dp 2 (a stage per rank at 2 layers; two per rank, 4 stages, at 4 layers), and pp 2 x cp 2 (each
+# rank's micro-batches its slice of the sequences, Ulysses' all-to-all inside each stage's attention).
 run 4 --pp 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_1f1b" --export "$dir/pp2_1f1b/model" \
   | tee "$dir/pp2_1f1b.log"
 same_losses one pp2_1f1b
-run 4 --pp 2 --schedule gpipe --microbatches 4 --sharding no_shard --recompute --steps 6 --dir "$dir/pp2_gpipe" \
-  > "$dir/pp2_gpipe.log"
-same_losses one pp2_gpipe
+run 4 --pp 2 --cp 2 --schedule gpipe --microbatches 4 --sharding no_shard --recompute --steps 6 \
+  --dir "$dir/pp2_cp2_gpipe" > "$dir/pp2_cp2_gpipe.log"
+same_losses one pp2_cp2_gpipe
 run 1 --layers 4 --steps 6 --dir "$dir/one4" --export "$dir/one4/model" > "$dir/one4.log"
 for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
   run 4 --layers 4 --pp 2 --schedule "$schedule" --microbatches 4 --steps 6 --dir "$dir/pp2_$schedule" \

@@ -1,8 +1,8 @@
 // Training tests, pipeline parallelism (accel::pp): every schedule's step against one process running the whole
 // model on the whole batch (each micro-batch's loss, every stage's gradients, in float64), on every world size
 // (pp = the world); what is refused, with the numbers, before a step and at the first step; pp composed with tensor
-// and sequence parallelism, with data parallelism (replicated and sharded) and with the Accelerator (clipping over
-// the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); and a stage that throws or a rank that
+// and sequence parallelism, with data parallelism (replicated and sharded), with context parallelism and with the
+// Accelerator (clipping over the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); and a stage that throws or a rank that
 // vanishes (every rank an error in bounded time); save_model and save_state under a pipeline, loaded at another pp.
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
@@ -244,6 +244,43 @@ bool even_world(const char* layout, int W) {
   if (W % 2 == 0) return true;
   MESSAGE(layout << " needs an even world; this one has " << W << " ranks");
   return false;
+}
+
+// pp x cp: a block that mixes the sequence, as attention does: x + tanh(W (x + the mean over every position of the
+// sequence)). Under context parallelism (`cp` a group) x is this rank's slice of each sequence ([B, T / cp, H]) and
+// the sum over positions is all-reduced over cp (accel::autograd: the backward sums what every rank's loss asks of
+// it); without (the one-process reference) x is the whole sequence.
+struct SequenceMixImpl : torch::nn::Module {
+  explicit SequenceMixImpl(accel::GroupPtr cp) : cp(std::move(cp)) {
+    lin = register_module("lin", torch::nn::Linear(kHidden, kHidden));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor sum = x.sum(1, /*keepdim=*/true);
+    int64_t positions = x.size(1);
+    if (cp) {
+      sum = accel::autograd::all_reduce(sum, accel::ReduceOp::SUM, cp);
+      positions *= cp->getSize();
+    }
+    return x + torch::tanh(accel::unit_forward(lin, x + sum / static_cast<double>(positions)));
+  }
+  accel::GroupPtr cp;
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(SequenceMix);
+// stage_modules' model (uneven depth, a tied weight per stage) with SequenceMix blocks, on [B, T, features].
+std::vector<torch::nn::Sequential> sequence_mix_stages(int stages, const accel::GroupPtr& cp) {
+  torch::manual_seed(17);
+  std::vector<torch::nn::Sequential> out;
+  for (int k = 0; k < stages; ++k) {
+    torch::nn::Sequential seq;
+    if (k == 0) seq->push_back(torch::nn::Linear(kIn, kHidden));
+    for (int b = 0; b <= k % 2; ++b) seq->push_back(SequenceMix(cp));
+    if (k == stages - 1) seq->push_back(torch::nn::Linear(kHidden, kOut));
+    seq->register_parameter("tied", seq->ptr(k == 0 ? 1 : 0)->as<SequenceMixImpl>()->lin->weight);
+    seq->to(at::kDouble);
+    out.push_back(seq);
+  }
+  return out;
 }
 
 // A run of NamedStage through the Accelerator, AdamW stepping it: a schedule's stages at pp 2 (each rank's, each
@@ -808,11 +845,6 @@ TEST_SUITE("ranks") {
     release_world();
     accel::AcceleratorConfig c = config();
     c.distributed.pp_size = 2;
-    c.distributed.cp_size = W / 2;
-    if (W >= 4)
-      CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("context parallelism inside its stages"),
-                           accel::InvalidArgument);
-    c.distributed.cp_size = 1;
     c.gradient_accumulation_steps = 2;
     CHECK_THROWS_WITH_AS(accel::Accelerator{c}, doctest::Contains("give the schedule more micro-batches instead"),
                          accel::InvalidArgument);
@@ -883,6 +915,93 @@ TEST_SUITE("ranks") {
             CAPTURE(k);
             CAPTURE(p.key());
             CHECK(at::allclose(p.value(), tp_piece(p.key(), want[p.key()], T, t), 1e-10, 1e-12));
+          }
+        }
+      }
+    }
+    release_world();
+  }
+  // pp x cp through the Accelerator: each cp rank's micro-batches are its slice of every sequence, and the stages'
+  // SequenceMix blocks sum over the positions of the whole sequence on the stage's cp group; the gradients are
+  // averaged over dp x cp (each rank's loss is over its own tokens). Replicated and sharded (FULL_SHARD shards
+  // along mp_shard, which spans cp), every schedule: each micro-batch's loss, the clipping norm over every stage
+  // and the parameters after two steps are one process's on the whole sequences.
+  TEST_CASE("pipeline x context parallel with the Accelerator: blocks that mix the sequence, every schedule") {
+    const int W = accel::get_world_size();
+    if (W % 4 != 0) {
+      MESSAGE("pp 2 x cp 2 needs a world of a multiple of 4 ranks; this one has " << W);
+      return;
+    }
+    const int P = 2, C = 2, D = W / (P * C), m = 4;
+    constexpr int64_t T = 6, slice = T / 2;  // positions of a sequence, and of each cp rank's slice
+    const double max_norm = 0.05;
+    for (const auto strategy : {accel::ShardingStrategy::NO_SHARD, accel::ShardingStrategy::FULL_SHARD}) {
+      for (const std::string& name : kSchedules) {
+        CAPTURE(strategy);
+        CAPTURE(name);
+        release_world();
+        accel::AcceleratorConfig c = config();
+        c.distributed.pp_size = P;
+        c.distributed.cp_size = C;
+        c.sharding_strategy = strategy;
+        accel::Accelerator accelerator(c);
+        const int r = accelerator.pipeline_parallel_rank(), d = accelerator.data_parallel_rank(),
+                  cp_rank = accelerator.context_parallel_rank();
+        const int S = P * stages_per_rank(name);
+        const std::vector<int> indices = stage_indices(name, P, r);
+        std::vector<torch::nn::Sequential> mine = sequence_mix_stages(
+                                               S, accel::DistributedInterface::instance().get_group(accel::Dim::CP)),
+                                           whole = sequence_mix_stages(S, accel::GroupPtr());
+        std::vector<accel::pp::PipelineStage> stages;
+        const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
+                                      whole_params = all_parameters(whole);
+        torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
+        auto optimizer = accelerator.prepare_optimizer(sgd);
+        torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
+        const auto schedule = make_schedule(name, stages, m);
+        const bool first_here = std::ranges::count(indices, 0) == 1,
+                   last_here = std::ranges::count(indices, S - 1) == 1;
+        for (int step = 0; step < 2; ++step) {
+          CAPTURE(step);
+          const int64_t rows = m * (step + 1), per = rows / m;  // this dp rank's sequences, and a micro-batch's
+          torch::manual_seed(700 + step);
+          const at::Tensor x = torch::randn({D * rows, T, kIn}, at::kDouble),
+                           y = torch::randn({D * rows, T, kOut}, at::kDouble);
+          const auto mine_of = [&](const at::Tensor& t) {
+            return t.narrow(0, d * rows, rows).narrow(1, cp_rank * slice, slice);
+          };
+          std::vector<at::Tensor> losses;
+          schedule->step(first_here ? mine_of(x) : at::Tensor(), last_here ? mine_of(y) : at::Tensor(), &losses);
+          const double norm = accelerator.clip_grad_norm_(params, max_norm);
+          optimizer.step();
+          optimizer.zero_grad();
+          at::Tensor h = x;
+          for (auto& seq : whole) h = seq->forward(h);
+          // Each micro-batch's loss: over its sequences' positions on this cp rank.
+          REQUIRE(losses.size() == (last_here ? std::size_t(m) : 0));
+          for (std::size_t j = 0; j < losses.size(); ++j) {
+            CAPTURE(j);
+            const auto micro = [&](const at::Tensor& t) {
+              return mine_of(t).narrow(0, static_cast<int64_t>(j) * per, per);
+            };
+            CHECK(losses[j].item<double>() == doctest::Approx(mse(micro(h), micro(y)).item<double>()).epsilon(1e-12));
+          }
+          reference.zero_grad();
+          mse(h, y).backward();
+          const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
+          REQUIRE(expected > max_norm);
+          CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
+          reference.step();
+          for (const int k : indices) {
+            CAPTURE(k);
+            auto& seq = mine[static_cast<std::size_t>(k)];
+            const auto full = accelerator.data_parallel(seq)->summon_full_params();
+            const auto got = seq->named_parameters(), want = whole[static_cast<std::size_t>(k)]->named_parameters();
+            REQUIRE(got.size() == want.size());
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              CAPTURE(got[i].key());
+              CHECK(at::allclose(got[i].value(), want[i].value(), 1e-10, 1e-12));
+            }
           }
         }
       }

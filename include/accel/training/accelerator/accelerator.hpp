@@ -74,8 +74,7 @@ class Accelerator {
   // This process's rank along each kind of parallelism, as Accelerate names
   // them: data along Dim::DP, context along Dim::CP, tensor along Dim::TP,
   // pipeline along Dim::PP (0 for a dimension of size 1, as Accelerate for
-  // one not enabled; the Accelerator refuses pp_size above 1 until pipeline
-  // stages exist).
+  // one not enabled).
   int data_parallel_rank() const;
   int context_parallel_rank() const;
   int tensor_parallel_rank() const;
