@@ -19181,6 +19181,16 @@ inline std::optional<std::vector<std::vector<PlannedTensor>>> every_stage_planne
   return out;
 }
 
+// A name two stages hold (a weight tied across stages), as save_model and
+// save_state refuse it: which stage's values would the files keep? (`first`
+// and `rank`: the pipeline ranks that hold it; `remedy` what to do.)
+inline std::string held_by_two_stages(const std::string& name, int first, int rank, const std::string& remedy) {
+  return "'" + name + "' is held by " +
+         (first == rank ? "two stages on pipeline rank " + std::to_string(rank)
+                        : "the stages on pipeline ranks " + std::to_string(first) + " and " + std::to_string(rank)) +
+         " (a weight tied across stages: " + remedy + ")";
+}
+
 // A stage on this process, for save_model: its module, and local(t), a
 // tensor's values here when its turn comes (a FULL_SHARD stage gathers its
 // units one by one there).
@@ -19220,17 +19230,15 @@ inline WeightSource pipeline_weights(const std::vector<StageWeights>& stages, co
     for (std::size_t i = 0; i < (*every)[r].size(); ++i) {
       PlannedTensor entry = (*every)[r][i];
       if (const auto [at, fresh] = held_by.emplace(entry.file.first, static_cast<int>(r)); !fresh && twice.empty())
-        twice = "'" + entry.file.first + "' is held by " +
-                (at->second == static_cast<int>(r)
-                     ? "two stages on pipeline rank " + std::to_string(r)
-                     : "the stages on pipeline ranks " + std::to_string(at->second) + " and " + std::to_string(r)) +
-                " (a weight tied across stages: give it to one stage, or leave one out through the adapter)";
+        twice = held_by_two_stages(entry.file.first, at->second, static_cast<int>(r),
+                                   "give it to one stage, or leave one out through the adapter");
       source.value_metas.push_back(entry.model.second);
       if (static_cast<int>(r) == here) entry = planned[i];  // (with the model's tensor)
       source.planned.push_back(std::move(entry));
       holder.emplace_back(static_cast<int>(r), i);
     }
-  fail_together<InvalidArgument>(twice, "accel::save_model");
+  // (every process reaches this verdict from the same lists: no further agreement needed)
+  if (!twice.empty()) throw InvalidArgument("accel::save_model: " + twice);
   // this process's tensor i: stage s's tensor j
   std::vector<std::pair<std::size_t, std::size_t>> local;
   for (std::size_t s = 0; s < mine.size(); ++s)
@@ -19334,10 +19342,40 @@ inline void add_every_process_files(const FileLog& log, CheckpointManifest& mani
   }
 }
 
+// Under a pipeline every name must be held by one stage: a weight tied
+// across stages would be written by both, and load_state would find its
+// pieces overlapping and refuse the checkpoint, long after the save. So
+// save_state refuses it at once, on every process, before anything is
+// written (as save_model does). Each process sends its stages' names over
+// the pipeline group, a line each: its stage's place here, a tab, the name.
+inline void refuse_names_held_twice(const PreparedSet& set) {
+  if (!set.pipeline_group) return;
+  std::string mine;
+  for (std::size_t s = 0; s < set.models.size(); ++s)
+    for (const auto& entry : whole_entries(*set.models[s].module, set.models[s].split))
+      mine += std::to_string(s) + '\t' + entry.first + '\n';
+  const std::vector<std::string> every = accel::gather_object(mine, set.pipeline_group);
+  std::map<std::string, std::pair<int, std::string>> held_by;  // name: the pipeline rank and its stage's place
+  std::string twice;
+  for (std::size_t r = 0; r < every.size() && twice.empty(); ++r) {
+    std::istringstream lines(every[r]);
+    for (std::string line; twice.empty() && std::getline(lines, line);) {
+      const std::size_t tab = line.find('\t');
+      const std::string place = line.substr(0, tab), name = line.substr(tab + 1);
+      const auto [at, fresh] = held_by.emplace(name, std::pair{static_cast<int>(r), place});
+      if (!fresh && at->second != std::pair{static_cast<int>(r), place})
+        twice = held_by_two_stages(name, at->second.first, static_cast<int>(r), "give it to one stage");
+    }
+  }
+  // (every process reaches this verdict from the same lists: no further agreement needed)
+  if (!twice.empty()) throw InvalidArgument("accel::Accelerator::save_state: " + twice);
+}
+
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
+  refuse_names_held_twice(set);
   const CheckpointItems items = checkpoint_items(set, ctx, step);
   const std::filesystem::path tmp = sibling(dir, ".tmp");
   CheckpointManifest manifest = manifest_for(set, ctx);

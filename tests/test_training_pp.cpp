@@ -1108,6 +1108,14 @@ TEST_SUITE("ranks") {
                          doctest::Contains("'proj.weight' is held by the stages on pipeline ranks 0 and 1"),
                          accel::InvalidArgument);
     CHECK_FALSE(std::filesystem::exists(dir));
+    // save_state refuses them too, at the save (its pieces would overlap, and load_state refuse them later),
+    // before anything is written.
+    CHECK_THROWS_WITH_AS(twice.save_state(dir / "twice"),
+                         doctest::Contains("accel::Accelerator::save_state: 'proj.weight' is held by the stages on "
+                                           "pipeline ranks 0 and 1 (a weight tied across stages: give it to one "
+                                           "stage)"),
+                         accel::InvalidArgument);
+    CHECK_FALSE(std::filesystem::exists(dir));
     release_world();
   }
 

@@ -70,6 +70,16 @@ inline std::optional<std::vector<std::vector<PlannedTensor>>> every_stage_planne
   return out;
 }
 
+// A name two stages hold (a weight tied across stages), as save_model and
+// save_state refuse it: which stage's values would the files keep? (`first`
+// and `rank`: the pipeline ranks that hold it; `remedy` what to do.)
+inline std::string held_by_two_stages(const std::string& name, int first, int rank, const std::string& remedy) {
+  return "'" + name + "' is held by " +
+         (first == rank ? "two stages on pipeline rank " + std::to_string(rank)
+                        : "the stages on pipeline ranks " + std::to_string(first) + " and " + std::to_string(rank)) +
+         " (a weight tied across stages: " + remedy + ")";
+}
+
 // A stage on this process, for save_model: its module, and local(t), a
 // tensor's values here when its turn comes (a FULL_SHARD stage gathers its
 // units one by one there).
@@ -109,17 +119,15 @@ inline WeightSource pipeline_weights(const std::vector<StageWeights>& stages, co
     for (std::size_t i = 0; i < (*every)[r].size(); ++i) {
       PlannedTensor entry = (*every)[r][i];
       if (const auto [at, fresh] = held_by.emplace(entry.file.first, static_cast<int>(r)); !fresh && twice.empty())
-        twice = "'" + entry.file.first + "' is held by " +
-                (at->second == static_cast<int>(r)
-                     ? "two stages on pipeline rank " + std::to_string(r)
-                     : "the stages on pipeline ranks " + std::to_string(at->second) + " and " + std::to_string(r)) +
-                " (a weight tied across stages: give it to one stage, or leave one out through the adapter)";
+        twice = held_by_two_stages(entry.file.first, at->second, static_cast<int>(r),
+                                   "give it to one stage, or leave one out through the adapter");
       source.value_metas.push_back(entry.model.second);
       if (static_cast<int>(r) == here) entry = planned[i];  // (with the model's tensor)
       source.planned.push_back(std::move(entry));
       holder.emplace_back(static_cast<int>(r), i);
     }
-  fail_together<InvalidArgument>(twice, "accel::save_model");
+  // (every process reaches this verdict from the same lists: no further agreement needed)
+  if (!twice.empty()) throw InvalidArgument("accel::save_model: " + twice);
   // this process's tensor i: stage s's tensor j
   std::vector<std::pair<std::size_t, std::size_t>> local;
   for (std::size_t s = 0; s < mine.size(); ++s)

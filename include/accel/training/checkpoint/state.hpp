@@ -70,10 +70,40 @@ inline void add_every_process_files(const FileLog& log, CheckpointManifest& mani
   }
 }
 
+// Under a pipeline every name must be held by one stage: a weight tied
+// across stages would be written by both, and load_state would find its
+// pieces overlapping and refuse the checkpoint, long after the save. So
+// save_state refuses it at once, on every process, before anything is
+// written (as save_model does). Each process sends its stages' names over
+// the pipeline group, a line each: its stage's place here, a tab, the name.
+inline void refuse_names_held_twice(const PreparedSet& set) {
+  if (!set.pipeline_group) return;
+  std::string mine;
+  for (std::size_t s = 0; s < set.models.size(); ++s)
+    for (const auto& entry : whole_entries(*set.models[s].module, set.models[s].split))
+      mine += std::to_string(s) + '\t' + entry.first + '\n';
+  const std::vector<std::string> every = accel::gather_object(mine, set.pipeline_group);
+  std::map<std::string, std::pair<int, std::string>> held_by;  // name: the pipeline rank and its stage's place
+  std::string twice;
+  for (std::size_t r = 0; r < every.size() && twice.empty(); ++r) {
+    std::istringstream lines(every[r]);
+    for (std::string line; twice.empty() && std::getline(lines, line);) {
+      const std::size_t tab = line.find('\t');
+      const std::string place = line.substr(0, tab), name = line.substr(tab + 1);
+      const auto [at, fresh] = held_by.emplace(name, std::pair{static_cast<int>(r), place});
+      if (!fresh && at->second != std::pair{static_cast<int>(r), place})
+        twice = held_by_two_stages(name, at->second.first, static_cast<int>(r), "give it to one stage");
+    }
+  }
+  // (every process reaches this verdict from the same lists: no further agreement needed)
+  if (!twice.empty()) throw InvalidArgument("accel::Accelerator::save_state: " + twice);
+}
+
 // Writes the checkpoint into dir (through dir.tmp and an atomic install);
 // every process calls it, and an error anywhere is thrown everywhere.
 inline void write_checkpoint(PreparedSet& set, const CheckpointContext& ctx, int64_t step,
                              const std::filesystem::path& dir) {
+  refuse_names_held_twice(set);
   const CheckpointItems items = checkpoint_items(set, ctx, step);
   const std::filesystem::path tmp = sibling(dir, ".tmp");
   CheckpointManifest manifest = manifest_for(set, ctx);
