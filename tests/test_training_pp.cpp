@@ -283,6 +283,64 @@ std::vector<torch::nn::Sequential> sequence_mix_stages(int stages, const accel::
   return out;
 }
 
+// pp 2 through the Accelerator, SGD stepping this rank's stages of `mine` beside one process stepping `whole` (the
+// same model, seeded alike): what the clipping and the context-parallel cases share. After each schedule step,
+// clip_and_step clips over every stage to max_norm (the norm checked against one process's from its loss on the
+// whole batch), steps both, and checks every parameter of this rank's stages (gathered where sharded) against one
+// process's.
+struct ClippedStages {
+  ClippedStages(accel::Accelerator& accelerator, std::vector<torch::nn::Sequential>& mine,
+                std::vector<torch::nn::Sequential>& whole, const std::string& name, int P, int m)
+      : accelerator(accelerator),
+        mine(mine),
+        whole(whole),
+        S(P * stages_per_rank(name)),
+        indices(stage_indices(name, P, accelerator.pipeline_parallel_rank())),
+        params(prepare_stages(accelerator, mine, indices, S, stages)),
+        whole_params(all_parameters(whole)),
+        sgd(params, torch::optim::SGDOptions(0.5)),
+        optimizer(accelerator.prepare_optimizer(sgd)),
+        reference(whole_params, torch::optim::SGDOptions(0.5)),
+        schedule(make_schedule(name, stages, m)),
+        first_here(std::ranges::count(indices, 0) == 1),
+        last_here(std::ranges::count(indices, S - 1) == 1) {}
+  // `whole_loss`: one process's loss on the whole batch, its graph through `whole`.
+  void clip_and_step(const at::Tensor& whole_loss, double max_norm) {
+    const double norm = accelerator.clip_grad_norm_(params, max_norm);
+    optimizer.step();
+    optimizer.zero_grad();
+    reference.zero_grad();
+    whole_loss.backward();
+    const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
+    REQUIRE(expected > max_norm);
+    CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
+    reference.step();
+    for (const int k : indices) {
+      CAPTURE(k);
+      auto& seq = mine[static_cast<std::size_t>(k)];
+      const auto full = accelerator.data_parallel(seq)->summon_full_params();
+      const auto got = seq->named_parameters(), want = whole[static_cast<std::size_t>(k)]->named_parameters();
+      REQUIRE(got.size() == want.size());
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(got[i].key());
+        CHECK(at::allclose(got[i].value(), want[i].value(), 1e-10, 1e-12));
+      }
+    }
+  }
+  accel::Accelerator& accelerator;
+  std::vector<torch::nn::Sequential>& mine;
+  std::vector<torch::nn::Sequential>& whole;
+  const int S;
+  const std::vector<int> indices;
+  std::vector<accel::pp::PipelineStage> stages;  // (before params, which prepare_stages fills it beside)
+  const std::vector<at::Tensor> params, whole_params;
+  torch::optim::SGD sgd;
+  accel::AcceleratedOptimizer optimizer;
+  torch::optim::SGD reference;
+  std::unique_ptr<accel::pp::PipelineSchedule> schedule;
+  const bool first_here, last_here;
+};
+
 // A run of NamedStage through the Accelerator, AdamW stepping it: a schedule's stages at pp 2 (each rank's, each
 // prepared), or with `name` "none" the whole model prepared on every process (no pipeline). step() trains on this
 // process's share of a batch: its data-parallel replica's rows, in micro-batches through the schedule.
@@ -793,48 +851,20 @@ TEST_SUITE("ranks") {
         c.distributed.pp_size = P;
         c.sharding_strategy = strategy;
         accel::Accelerator accelerator(c);
-        const int r = accelerator.pipeline_parallel_rank(), d = accelerator.data_parallel_rank();
-        const int S = P * stages_per_rank(name);
-        const std::vector<int> indices = stage_indices(name, P, r);
+        const int d = accelerator.data_parallel_rank(), S = P * stages_per_rank(name);
         std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
-        std::vector<accel::pp::PipelineStage> stages;
-        const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
-                                      whole_params = all_parameters(whole);
-        torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
-        auto optimizer = accelerator.prepare_optimizer(sgd);
-        torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
-        const auto schedule = make_schedule(name, stages, m);
-        const bool first_here = std::ranges::count(indices, 0) == 1,
-                   last_here = std::ranges::count(indices, S - 1) == 1;
+        ClippedStages run(accelerator, mine, whole, name, P, m);
         for (int step = 0; step < 2; ++step) {
           CAPTURE(step);
           const int64_t rows = m * (step + 1);
           torch::manual_seed(300 + step);
           const at::Tensor x = torch::randn({D * rows, kIn}, at::kDouble),
                            y = torch::randn({D * rows, kOut}, at::kDouble);
-          schedule->step(first_here ? x.narrow(0, d * rows, rows) : at::Tensor(),
-                         last_here ? y.narrow(0, d * rows, rows) : at::Tensor());
-          const double norm = accelerator.clip_grad_norm_(params, max_norm);
-          optimizer.step();
-          optimizer.zero_grad();
+          run.schedule->step(run.first_here ? x.narrow(0, d * rows, rows) : at::Tensor(),
+                             run.last_here ? y.narrow(0, d * rows, rows) : at::Tensor());
           at::Tensor h = x;
           for (auto& seq : whole) h = seq->forward(h);
-          reference.zero_grad();
-          mse(h, y).backward();
-          const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
-          REQUIRE(expected > max_norm);
-          CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
-          reference.step();
-          for (const int k : indices) {
-            CAPTURE(k);
-            auto& seq = mine[static_cast<std::size_t>(k)];
-            const auto full = accelerator.data_parallel(seq)->summon_full_params();
-            const auto got = seq->named_parameters(), want = whole[static_cast<std::size_t>(k)]->named_parameters();
-            for (std::size_t i = 0; i < got.size(); ++i) {
-              CAPTURE(got[i].key());
-              CHECK(at::allclose(got[i].value(), want[i].value(), 1e-10, 1e-12));
-            }
-          }
+          run.clip_and_step(mse(h, y), max_norm);
         }
         // What a pipeline does not do yet is refused by name, on every rank alike.
         CHECK_THROWS_WITH_AS(accelerator.backward(at::zeros({}, at::kDouble)),
@@ -945,22 +975,12 @@ TEST_SUITE("ranks") {
         c.distributed.cp_size = C;
         c.sharding_strategy = strategy;
         accel::Accelerator accelerator(c);
-        const int r = accelerator.pipeline_parallel_rank(), d = accelerator.data_parallel_rank(),
-                  cp_rank = accelerator.context_parallel_rank();
-        const int S = P * stages_per_rank(name);
-        const std::vector<int> indices = stage_indices(name, P, r);
+        const int d = accelerator.data_parallel_rank(), cp_rank = accelerator.context_parallel_rank(),
+                  S = P * stages_per_rank(name);
         std::vector<torch::nn::Sequential> mine = sequence_mix_stages(
                                                S, accel::DistributedInterface::instance().get_group(accel::Dim::CP)),
                                            whole = sequence_mix_stages(S, accel::GroupPtr());
-        std::vector<accel::pp::PipelineStage> stages;
-        const std::vector<at::Tensor> params = prepare_stages(accelerator, mine, indices, S, stages),
-                                      whole_params = all_parameters(whole);
-        torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.5));
-        auto optimizer = accelerator.prepare_optimizer(sgd);
-        torch::optim::SGD reference(whole_params, torch::optim::SGDOptions(0.5));
-        const auto schedule = make_schedule(name, stages, m);
-        const bool first_here = std::ranges::count(indices, 0) == 1,
-                   last_here = std::ranges::count(indices, S - 1) == 1;
+        ClippedStages run(accelerator, mine, whole, name, P, m);
         for (int step = 0; step < 2; ++step) {
           CAPTURE(step);
           const int64_t rows = m * (step + 1), per = rows / m;  // this dp rank's sequences, and a micro-batch's
@@ -971,14 +991,12 @@ TEST_SUITE("ranks") {
             return t.narrow(0, d * rows, rows).narrow(1, cp_rank * slice, slice);
           };
           std::vector<at::Tensor> losses;
-          schedule->step(first_here ? mine_of(x) : at::Tensor(), last_here ? mine_of(y) : at::Tensor(), &losses);
-          const double norm = accelerator.clip_grad_norm_(params, max_norm);
-          optimizer.step();
-          optimizer.zero_grad();
+          run.schedule->step(run.first_here ? mine_of(x) : at::Tensor(), run.last_here ? mine_of(y) : at::Tensor(),
+                             &losses);
           at::Tensor h = x;
           for (auto& seq : whole) h = seq->forward(h);
           // Each micro-batch's loss: over its sequences' positions on this cp rank.
-          REQUIRE(losses.size() == (last_here ? std::size_t(m) : 0));
+          REQUIRE(losses.size() == (run.last_here ? std::size_t(m) : 0));
           for (std::size_t j = 0; j < losses.size(); ++j) {
             CAPTURE(j);
             const auto micro = [&](const at::Tensor& t) {
@@ -986,23 +1004,7 @@ TEST_SUITE("ranks") {
             };
             CHECK(losses[j].item<double>() == doctest::Approx(mse(micro(h), micro(y)).item<double>()).epsilon(1e-12));
           }
-          reference.zero_grad();
-          mse(h, y).backward();
-          const double expected = torch::nn::utils::clip_grad_norm_(whole_params, max_norm);
-          REQUIRE(expected > max_norm);
-          CHECK(norm == doctest::Approx(expected).epsilon(1e-10));
-          reference.step();
-          for (const int k : indices) {
-            CAPTURE(k);
-            auto& seq = mine[static_cast<std::size_t>(k)];
-            const auto full = accelerator.data_parallel(seq)->summon_full_params();
-            const auto got = seq->named_parameters(), want = whole[static_cast<std::size_t>(k)]->named_parameters();
-            REQUIRE(got.size() == want.size());
-            for (std::size_t i = 0; i < got.size(); ++i) {
-              CAPTURE(got[i].key());
-              CHECK(at::allclose(got[i].value(), want[i].value(), 1e-10, 1e-12));
-            }
-          }
+          run.clip_and_step(mse(h, y), max_norm);
         }
       }
     }
