@@ -1118,6 +1118,19 @@ TEST_SUITE("ranks") {
                                            "stage)"),
                          accel::InvalidArgument);
     CHECK_FALSE(std::filesystem::exists(dir));
+    // Two stages on one process that hold one name (each process's two stages hold the first stage's modules).
+    release_world();
+    accel::Accelerator looped(c);
+    NamedStage one(0, 0, 2 * P), other(0, 0, 2 * P);
+    looped.prepare_model(one);
+    looped.prepare_model(other);
+    CHECK_THROWS_WITH_AS(looped.save_model(one, (dir / "twice").string()),
+                         doctest::Contains("'proj.weight' is held by two stages on pipeline rank 0"),
+                         accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(looped.save_state(dir / "twice"),
+                         doctest::Contains("'proj.weight' is held by two stages on pipeline rank 0"),
+                         accel::InvalidArgument);
+    CHECK_FALSE(std::filesystem::exists(dir));
     release_world();
   }
 

@@ -70,14 +70,30 @@ inline std::optional<std::vector<std::vector<PlannedTensor>>> every_stage_planne
   return out;
 }
 
-// A name two stages hold (a weight tied across stages), as save_model and
-// save_state refuse it: which stage's values would the files keep? (`first`
-// and `rank`: the pipeline ranks that hold it; `remedy` what to do.)
-inline std::string held_by_two_stages(const std::string& name, int first, int rank, const std::string& remedy) {
-  return "'" + name + "' is held by " +
-         (first == rank ? "two stages on pipeline rank " + std::to_string(rank)
-                        : "the stages on pipeline ranks " + std::to_string(first) + " and " + std::to_string(rank)) +
-         " (a weight tied across stages: " + remedy + ")";
+// The first name two stages hold (a weight tied across stages), in every
+// stage's planned tensors by pipeline rank (every_stage_planned's lists), as
+// save_model and save_state refuse it: which stage's values would the files
+// keep? Empty where every name has one holder; else the message, with the
+// two pipeline ranks and `remedy`, what to do. Names are unique within a
+// stage (state_dict's keys), so a name seen twice on one pipeline rank is
+// two stages there. Every process finds the same verdict in the same lists:
+// no further agreement is needed before throwing it.
+inline std::string first_name_held_twice(const std::vector<std::vector<PlannedTensor>>& every,
+                                         const std::string& remedy) {
+  std::map<std::string, int> held_by;
+  for (std::size_t r = 0; r < every.size(); ++r)
+    for (const auto& entry : every[r]) {
+      const int rank = static_cast<int>(r);
+      const auto [at, fresh] = held_by.emplace(entry.file.first, rank);
+      if (fresh) continue;
+      const int first = at->second;
+      return "'" + entry.file.first + "' is held by " +
+             (first == rank
+                  ? "two stages on pipeline rank " + std::to_string(rank)
+                  : "the stages on pipeline ranks " + std::to_string(first) + " and " + std::to_string(rank)) +
+             " (a weight tied across stages: " + remedy + ")";
+    }
+  return {};
 }
 
 // A stage on this process, for save_model: its module, and local(t), a
@@ -108,26 +124,21 @@ inline WeightSource pipeline_weights(const std::vector<StageWeights>& stages, co
   });
   fail_together<InvalidArgument>(error, "accel::save_model");  // (over the world: every process saves)
   const auto every = every_stage_planned(sent, pipeline);
+  const std::string twice = first_name_held_twice(*every, "give it to one stage, or leave one out through the adapter");
+  if (!twice.empty()) throw InvalidArgument("accel::save_model: " + twice);
   c10d::ProcessGroup* group = resolve(pipeline, "accel::save_model");
   const int here = group ? group->getRank() : 0;
   // The whole model's tensors, and for each the pipeline rank that holds it and its place among that rank's.
   WeightSource source;
   std::vector<std::pair<int, std::size_t>> holder;
-  std::map<std::string, int> held_by;
-  std::string twice;
   for (std::size_t r = 0; r < every->size(); ++r)
     for (std::size_t i = 0; i < (*every)[r].size(); ++i) {
       PlannedTensor entry = (*every)[r][i];
-      if (const auto [at, fresh] = held_by.emplace(entry.file.first, static_cast<int>(r)); !fresh && twice.empty())
-        twice = held_by_two_stages(entry.file.first, at->second, static_cast<int>(r),
-                                   "give it to one stage, or leave one out through the adapter");
       source.value_metas.push_back(entry.model.second);
       if (static_cast<int>(r) == here) entry = planned[i];  // (with the model's tensor)
       source.planned.push_back(std::move(entry));
       holder.emplace_back(static_cast<int>(r), i);
     }
-  // (every process reaches this verdict from the same lists: no further agreement needed)
-  if (!twice.empty()) throw InvalidArgument("accel::save_model: " + twice);
   // this process's tensor i: stage s's tensor j
   std::vector<std::pair<std::size_t, std::size_t>> local;
   for (std::size_t s = 0; s < mine.size(); ++s)

@@ -74,28 +74,15 @@ inline void add_every_process_files(const FileLog& log, CheckpointManifest& mani
 // across stages would be written by both, and load_state would find its
 // pieces overlapping and refuse the checkpoint, long after the save. So
 // save_state refuses it at once, on every process, before anything is
-// written (as save_model does). Each process sends its stages' names over
-// the pipeline group, a line each: its stage's place here, a tab, the name.
+// written (as save_model does), from every stage's names gathered over the
+// pipeline group.
 inline void refuse_names_held_twice(const PreparedSet& set) {
   if (!set.pipeline_group) return;
-  std::string mine;
-  for (std::size_t s = 0; s < set.models.size(); ++s)
-    for (const auto& entry : whole_entries(*set.models[s].module, set.models[s].split))
-      mine += std::to_string(s) + '\t' + entry.first + '\n';
-  const std::vector<std::string> every = accel::gather_object(mine, set.pipeline_group);
-  std::map<std::string, std::pair<int, std::string>> held_by;  // name: the pipeline rank and its stage's place
-  std::string twice;
-  for (std::size_t r = 0; r < every.size() && twice.empty(); ++r) {
-    std::istringstream lines(every[r]);
-    for (std::string line; twice.empty() && std::getline(lines, line);) {
-      const std::size_t tab = line.find('\t');
-      const std::string place = line.substr(0, tab), name = line.substr(tab + 1);
-      const auto [at, fresh] = held_by.emplace(name, std::pair{static_cast<int>(r), place});
-      if (!fresh && at->second != std::pair{static_cast<int>(r), place})
-        twice = held_by_two_stages(name, at->second.first, static_cast<int>(r), "give it to one stage");
-    }
-  }
-  // (every process reaches this verdict from the same lists: no further agreement needed)
+  std::vector<PlannedTensor> mine;
+  for (const auto& m : set.models)
+    for (const auto& entry : whole_entries(*m.module, m.split)) mine.push_back({entry, entry});
+  const auto every = every_stage_planned(mine, set.pipeline_group);  // (never nullopt: no process sends a failure)
+  const std::string twice = first_name_held_twice(*every, "give it to one stage");
   if (!twice.empty()) throw InvalidArgument("accel::Accelerator::save_state: " + twice);
 }
 
