@@ -4,18 +4,19 @@
 #     (dp 1, cp 4) (FULL_SHARD along 4), and with tensor parallelism (torchtitan's plan, sequence parallelism
 #     included): tp 2 x dp 2 under FULL_SHARD along mp_shard 2 (FSDP + TP) with activation checkpointing, and
 #     under NO_SHARD, tp 4, tp 2 x cp 2 (Ulysses on tp's heads, FSDP + TP), and on 8 processes HSDP (2, 2) beside
-#     tp 2 (tensor-parallel pieces sharded along mp_shard, replicated along mp_replicate), the loss of every step equals one process's on the same global batches (within LOSS_TOLERANCE,
-#     relative: the same sums in another order); at tp 4 each process holds a quarter of the parameters (within 5 %:
+#     tp 2 (tensor-parallel pieces sharded along mp_shard, replicated along mp_replicate), the loss of every step
+#     equals one process's on the same global batches (within LOSS_TOLERANCE, relative: the same sums in another
+#     order); at tp 4 each process holds a quarter of the parameters (within 5 %:
 #     the norms are whole);
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
 #     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2, or over cp 2 with Ulysses'
 #     attention inside the stages): GPipe (pp 2 x cp 2) and 1F1B at 2 layers,
 #     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
 #     process of the same depth, the same way, and pp 2 x tp 2 (1F1B at 2 layers, ZBV with activation
-#     checkpointing at 4); 1F1B under bf16 against one process under bf16 (within 2e-4); the exports of
-#     1F1B (FULL_SHARD over dp 2) and of ZBV x tp 2 equal one process's weights (each tensor sent by its stage),
-#     and pp 2 x tp 2 started from one process's export (--import: each stage reads its own) trains as one process
-#     does from it;
+#     checkpointing at 4), and on 8 processes pp 2 x HSDP (2, 2) (1F1B); 1F1B under bf16 against one process
+#     under bf16 (within 2e-4); the exports of 1F1B (FULL_SHARD over dp 2) and of ZBV x tp 2 equal one process's
+#     weights (each tensor sent by its stage), and pp 2 x tp 2 started from one process's export (--import: each
+#     stage reads its own) trains as one process does from it;
 #  2. a run stopped mid-epoch and resumed exports the uninterrupted run's weights, byte for byte (and the
 #     same with activation checkpointing on: the same gradients), also under tp 2 x mp_shard 2 (FSDP + TP: each
 #     process's shards of its pieces saved and loaded), and that checkpoint resumed at tp 4 gives the same losses;
@@ -81,6 +82,11 @@ same_losses one pp2_tp2
 run 4 --layers 4 --pp 2 --tp 2 --schedule zbv --microbatches 4 --recompute --steps 6 --dir "$dir/pp2_tp2_zbv" \
   --export "$dir/pp2_tp2_zbv/model" > "$dir/pp2_tp2_zbv.log"
 same_losses one4 pp2_tp2_zbv
+# HSDP per stage on 8 processes: pp 2 x mp_replicate 2 x mp_shard 2, each stage's units sharded along mp_shard and
+# replicated along mp_replicate (the reduce-scatter after the last micro-batch, then the all-reduce across replicas).
+run 8 --pp 2 --mp-replicate 2 --mp-shard 2 --schedule 1f1b --microbatches 2 --steps 6 --dir "$dir/pp2_hsdp_8" \
+  > "$dir/pp2_hsdp_8.log"
+same_losses one pp2_hsdp_8
 # bf16 autocast in each stage's forward: against one process under bf16 (the micro-batches' other matmul shapes
 # round otherwise; dp 4 under bf16 differs from one process by about as much, 4e-5).
 run 1 --mixed-precision bf16 --steps 6 --dir "$dir/one_bf16" > "$dir/one_bf16.log"

@@ -2,8 +2,9 @@
 // model on the whole batch (each micro-batch's loss, every stage's gradients, in float64), on every world size
 // (pp = the world); what is refused, with the numbers, before a step and at the first step; pp composed with tensor
 // and sequence parallelism, with data parallelism (replicated and sharded), with context parallelism and with the
-// Accelerator (clipping over the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); and a stage that throws or a rank that
-// vanishes (every rank an error in bounded time); save_model and save_state under a pipeline, loaded at another pp.
+// Accelerator (clipping over the pipeline); Python's pipelining live (tests/python_ref/pp_ref.py); a stage that
+// throws or a rank that vanishes (every rank an error in bounded time); save_model and save_state under a pipeline,
+// loaded at another pp.
 // One of the training translation units (ACCEL_TRAINING, set by CMake for them, with training_fixtures.hpp
 // precompiled); the suites keep their names across files.
 
