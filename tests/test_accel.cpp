@@ -1878,8 +1878,18 @@ TEST_SUITE("single") {
     for (const char* bad : {"F0", "0X1", "0F0x", "0f0", "0SEND_X1", "99999999999F0", "0F99999999999"})
       CHECK_THROWS_WITH_AS(pp::parse_action(bad), doctest::Contains("[stage][type][micro-batch]"),
                            accel::InvalidArgument);
-    CHECK_THROWS_WITH_AS(pp::parse_action("(0F1;1B0)OVERLAP_F_B"), doctest::Contains("DualPipeV"),
-                         accel::InvalidArgument);
+    // DualPipeV's compound action: its sub-actions, torch's text back; what is not one refused.
+    pp::Action overlap{-1, pp::ComputationType::OVERLAP_F_B};
+    overlap.sub_actions = {{0, pp::ComputationType::FORWARD, 1}, {1, pp::ComputationType::FULL_BACKWARD, 0}};
+    CHECK(pp::parse_action("(0F1;1B0)OVERLAP_F_B") == overlap);
+    CHECK(pp::to_string(overlap) == "(0F1;1B0)OVERLAP_F_B");
+    for (const auto& [bad, why] :
+         std::vector<std::pair<const char*, const char*>>{{"(0F1;1B0)F", "not \"(...)OVERLAP_F_B\""},
+                                                          {"(0F1;1B0", "not \"(...)OVERLAP_F_B\""},
+                                                          {"(0F1;)OVERLAP_F_B", "an empty sub-action"},
+                                                          {"(0F1;1X0)OVERLAP_F_B", "no computation type"},
+                                                          {"0OVERLAP_F_B", "without its sub-actions"}})
+      CHECK_THROWS_WITH_AS(pp::parse_action(bad), doctest::Contains(why), accel::InvalidArgument);
     // torch's CSV: a row per rank, "" for an empty slot, "\r\n" ends (Python's csv writer); read back the same.
     const std::string text = "0F0,,0B0\r\n,1F0,1B0\r\n";
     std::istringstream in(text);
@@ -1896,7 +1906,7 @@ TEST_SUITE("single") {
 
   // Expected values from torch 2.15's schedules.py for the same arguments (its _dump_csv for the looped
   // schedules; for GPipe and 1F1B its pipeline_order's forwards and backwards, the last rank's forwards
-  // numbered as its step runs them). tests/python_ref/pp_orders.py checks 384 cases live on the pip leg.
+  // numbered as its step runs them). tests/python_ref/pp_orders.py checks 416 cases live on the pip leg.
   TEST_CASE("pipeline orders: torch's for the same arguments; every one keeps the rules; torch's refusals") {
     CHECK(
         csv_of(pp::interleaved_1f1b_order(4, 2, 8)) ==
@@ -1924,6 +1934,13 @@ TEST_SUITE("single") {
     CHECK(csv_of(pp::zbv_zero_bubble_order(2, 4)) ==
           "0F0,0F1,0F2,3F0,3I0,3W0,3F1,3I1,3W1,0F3,0I0,0W0,3F2,3I2,3W2,0I1,0W1,3F3,3I3,3W3,0I2,0W2,0I3,0W3\r\n"
           ",1F0,2F0,1F1,2F1,2I0,2W0,1F2,1I0,1W0,2F2,2I1,2W1,1F3,1I1,1W1,2F3,2I2,2W2,1I2,2I3,1I3,1W2,2W3,1W3\r\n");
+    // DualPipeV: no empty slots; its main phase pairs a forward with a backward (OVERLAP_F_B), the last rank's
+    // first pair not overlapped.
+    CHECK(csv_of(pp::dualpipev_order(2, 4)) ==
+          "0F0,0F1,0F2,3F0,3I0,3W0,3F1,(0F3;3B1)OVERLAP_F_B,(3F2;0B0)OVERLAP_F_B,3B2,(3F3;0B1)OVERLAP_F_B,3B3,0I2,"
+          "0W2,0I3,0W3\r\n"
+          "1F0,2F0,1F1,2F1,1F2,2B0,(2F2;1B0)OVERLAP_F_B,(1F3;2B1)OVERLAP_F_B,(2F3;1B1)OVERLAP_F_B,2B2,1B2,2I3,1I3,"
+          "2W3,1W3\r\n");
     // 1F1B at its earliest steps: a backward as soon as the stage after has run it.
     CHECK(csv_of(pp::one_f_one_b_order(2, 4)) ==
           "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\r\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\r\n");
@@ -1938,6 +1955,8 @@ TEST_SUITE("single") {
             CHECK_FALSE(pp::order_error(pp::one_f_one_b_order(ranks, m), 1, m));
           }
           if (local == 2) CHECK_FALSE(pp::order_error(pp::zbv_zero_bubble_order(ranks, m), 2, m, pp::StageStyle::v));
+          if (local == 2 && m >= 2 * ranks)
+            CHECK_FALSE(pp::order_error(pp::dualpipev_order(ranks, m), 2, m, pp::StageStyle::v));
           CHECK_FALSE(pp::order_error(pp::looped_bfs_order(ranks, local, m), local, m));
           if (m % std::max(1, m / ranks) == 0) {
             CHECK_FALSE(pp::order_error(pp::interleaved_1f1b_order(ranks, local, m), local, m));
@@ -1949,6 +1968,9 @@ TEST_SUITE("single") {
     CHECK_THROWS_WITH_AS(pp::interleaved_1f1b_order(2, 2, 5), doctest::Contains("multiple of the number of rounds, 2"),
                          accel::InvalidArgument);
     CHECK_THROWS_WITH_AS(pp::gpipe_order(0, 4), doctest::Contains("each must be at least 1"), accel::InvalidArgument);
+    CHECK_THROWS_WITH_AS(pp::dualpipev_order(2, 3),
+                         doctest::Contains("3 micro-batches for 4 stages: DualPipeV needs at least as many"),
+                         accel::InvalidArgument);
   }
 
   TEST_CASE("pipeline orders: the rules, each broken once, named") {
@@ -1972,6 +1994,10 @@ TEST_SUITE("single") {
           doctest::Contains(
               "cannot go on (2 micro-batches): every rank waits for another: rank 0 at 0B0, rank 1 at 1F1"));
     CHECK(error_of("0F0,0I0,0W0\n1F0,1I0,1W0\n", 1, 1) == "");  // zero bubble's split backward
+    // A compound action counts as its sub-actions, one step each.
+    CHECK(error_of("0F0,0F1,(0B0;0F2)OVERLAP_F_B,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n", 1, 3) == "");
+    CHECK(error_of("0F0,(0B0;0B0)OVERLAP_F_B\n1F0,1B0\n", 1, 1) ==
+          doctest::Contains("rank 0, step 2: 0B0: runs twice (first at step 1)"));
   }
 }
 
@@ -2021,7 +2047,7 @@ TEST_SUITE("python_pp" * doctest::skip()) {
       REQUIRE(parsed);
       ++cases;
       const std::filesystem::path ours = entry.path().parent_path() / ("ours_" + c);
-      const pp::StageStyle style = name == "zbv" ? pp::StageStyle::v : pp::StageStyle::loop;
+      const pp::StageStyle style = name == "zbv" || name == "dualpipev" ? pp::StageStyle::v : pp::StageStyle::loop;
       try {
         const pp::PipelineOrder order = name == "gpipe"              ? pp::gpipe_order(ranks, m)
                                         : name == "1f1b"             ? pp::one_f_one_b_order(ranks, m)
@@ -2029,8 +2055,9 @@ TEST_SUITE("python_pp" * doctest::skip()) {
                                         : name == "interleaved_1f1b" ? pp::interleaved_1f1b_order(ranks, local, m)
                                         : name == "interleaved_zero_bubble"
                                             ? pp::interleaved_zero_bubble_order(ranks, local, m)
-                                        : name == "zbv" ? pp::zbv_zero_bubble_order(ranks, m)
-                                                        : throw std::logic_error("no schedule " + name);
+                                        : name == "zbv"       ? pp::zbv_zero_bubble_order(ranks, m)
+                                        : name == "dualpipev" ? pp::dualpipev_order(ranks, m)
+                                                              : throw std::logic_error("no schedule " + name);
         CHECK(pp::order_error(order, local, m, style) == std::nullopt);
         std::ofstream(ours.string() + ".csv", std::ios::binary) << csv_of(order);
         std::ofstream(entry.path().parent_path() / ("lowered_ours_" + c + ".csv"), std::ios::binary)

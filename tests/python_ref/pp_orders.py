@@ -5,10 +5,11 @@
     python3 pp_orders.py compare DIR   ours (DIR/ours_CASE.csv or .err, written by the test binary's
                                        python_pp suite) against torch's, case by case
 
-A case is SCHEDULE_RANKS_STAGESPERRANK_MICROBATCHES over the grid below (ZBV: 2 stages per rank). The
+A case is SCHEDULE_RANKS_STAGESPERRANK_MICROBATCHES over the grid below (ZBV, DualPipeV: 2 stages per rank,
+in a V). The
 schedules are made on stages that stand in for real ones (the order needs only their indices and the
 group's size: no process group, no model), as torch's own test_schedule.py does with its mock stages.
-Interleaved 1F1B, Looped BFS and the zero-bubble schedules dump their order with torch's
+Interleaved 1F1B, Looped BFS, the zero-bubble schedules and DualPipeV dump their order with torch's
 _dump_csv(format="compute_only"): ours must be the same bytes. GPipe and 1F1B have no _dump_csv; their
 pipeline_order (what torch's tools draw) is compared as each rank's sequence of forwards and backwards,
 without torch's empty slots and gradient reduction, and with its 1F1B naming the last rank's forwards
@@ -16,7 +17,8 @@ without torch's empty slots and gradient reduction, and with its 1F1B naming the
 
 Each of our orders is also lowered for running (core/pipeline_lowering.hpp: the sends and receives put in
 each rank's list, DIR/lowered_ours_CASE.csv) and compared byte for byte with torch's _add_send_recv applied
-to the same compute-only order (read back with torch's _Action.from_str).
+to the same compute-only order (read back with torch's _Action.from_str; DualPipeV's compound
+OVERLAP_F_B actions given as their sub-actions one after the other, as both runtimes run them).
 """
 import csv
 import io
@@ -30,14 +32,16 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 SCHEDULES = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "looped_bfs": S.ScheduleLoopedBFS,
              "interleaved_1f1b": S.ScheduleInterleaved1F1B,
-             "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}
+             "interleaved_zero_bubble": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble,
+             "dualpipev": S.ScheduleDualPipeV}
 SINGLE = ("gpipe", "1f1b")
+V = ("zbv", "dualpipev")  # (two stages per rank, r and 2p - 1 - r)
 
 
 def cases():
     for name in SCHEDULES:
         for ranks in (1, 2, 3, 4):
-            for local in ((1,) if name in SINGLE else (2,) if name == "zbv" else (1, 2, 3)):
+            for local in ((1,) if name in SINGLE else (2,) if name in V else (1, 2, 3)):
                 for microbatches in (1, 2, 3, 4, 6, 8, 12, 16):
                     yield f"{name}_{ranks}_{local}_{microbatches}", name, ranks, local, microbatches
 
@@ -63,8 +67,8 @@ class StandIn(_PipelineStageBase):
 
 
 def torch_schedule(name, ranks, local, microbatches):
-    # (rank 0's stages: in a loop, 0, p, 2p, ...; ZBV's V, 0 and 2p - 1)
-    indices = [0, 2 * ranks - 1] if name == "zbv" else [ranks * i for i in range(local)]
+    # (rank 0's stages: in a loop, 0, p, 2p, ...; in a V, 0 and 2p - 1)
+    indices = [0, 2 * ranks - 1] if name in V else [ranks * i for i in range(local)]
     stages = [StandIn(i, ranks * local, ranks) for i in indices]
     if name in SINGLE:
         return SCHEDULES[name](stages[0], microbatches)
@@ -100,11 +104,17 @@ def dump(out):
             schedule._dump_csv(str(out / f"torch_{case}.csv"), format="compute_only")
 
 
+def expanded(action):
+    """A compound action (OVERLAP_F_B) as its sub-actions; any other as itself."""
+    return list(action.sub_actions) if action is not None and action.sub_actions else [action]
+
+
 def torch_lowered(ours, name, ranks, local):
     """torch's _add_send_recv of our compute-only order, as torch's CSV writer writes it."""
     with open(ours, newline="") as f:
-        order = {rank: [S._Action.from_str(s) for s in row] for rank, row in enumerate(csv.reader(f))}
-    mapping = generate_stage_to_rank_mapping(ranks, ranks * local, style="v" if name == "zbv" else "loop")
+        order = {rank: [sub for s in row for sub in expanded(S._Action.from_str(s))]
+                 for rank, row in enumerate(csv.reader(f))}
+    mapping = generate_stage_to_rank_mapping(ranks, ranks * local, style="v" if name in V else "loop")
     lowered = S._add_send_recv(order, stage_to_rank=lambda s: mapping[s], num_stages=ranks * local)
     text = io.StringIO(newline="")
     writer = csv.writer(text)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # accel.hpp's pipeline schedule orders (core/pipeline_orders.hpp) against
-# torch.distributed.pipelining's for 384 cases (GPipe, 1F1B, Looped BFS,
-# Interleaved 1F1B, Interleaved zero bubble, ZBV; 1-4 ranks, 1-3 stages per
+# torch.distributed.pipelining's for 416 cases (GPipe, 1F1B, Looped BFS,
+# Interleaved 1F1B, Interleaved zero bubble, ZBV, DualPipeV; 1-4 ranks, 1-3 stages per
 # rank, 1-16 micro-batches): torch dumps its orders
 # (tests/python_ref/pp_orders.py), the test binary (suite python_pp) writes
 # ours beside them and reads torch's back byte for byte, and pp_orders.py

@@ -62,14 +62,25 @@ inline std::string_view to_string(ComputationType type) {
 
 // One action: the stage it runs on (a global stage index), what it does, and
 // the micro-batch (none for the actions of a whole step: UNSHARD, RESHARD,
-// REDUCE_GRAD, WAIT_REDUCE_GRAD).
+// REDUCE_GRAD, WAIT_REDUCE_GRAD). OVERLAP_F_B (DualPipeV's) is compound: a
+// forward and a backward of two stages, its sub_actions, which torch's
+// runtime runs one after the other unless told how to overlap them; its
+// stage is -1 (torch's placeholder). Compound actions live in compute-only
+// orders only: the rules and the lowering see their sub-actions
+// (expand_overlaps).
 struct Action {
   int stage_index = 0;
   ComputationType computation_type = ComputationType::FORWARD;
   std::optional<int> microbatch_index{};
+  std::vector<Action> sub_actions{};
   friend bool operator==(const Action&, const Action&) = default;
 };
 inline std::string to_string(const Action& a) {
+  if (!a.sub_actions.empty()) {  // (torch's text: "(0F3;3B1)OVERLAP_F_B")
+    std::string text = "(";
+    for (std::size_t i = 0; i < a.sub_actions.size(); ++i) text += (i ? ";" : "") + to_string(a.sub_actions[i]);
+    return text + ")" + std::string(to_string(a.computation_type));
+  }
   std::string text = std::to_string(a.stage_index) + std::string(to_string(a.computation_type));
   if (a.microbatch_index) text += std::to_string(*a.microbatch_index);
   return text;
@@ -81,8 +92,8 @@ inline std::string to_string(const std::optional<Action>& a) { return a ? to_str
 // an empty slot. Where torch's regular expression matches a prefix and
 // drops the rest ("0F0x" reads as 0F0), the whole text must be an action
 // here: a typo in a hand-written schedule is an error, not a different
-// schedule. OVERLAP_F_B's compound form ("(0F1;1B0)OVERLAP_F_B", DualPipeV's)
-// is refused by name: no schedule of ours makes or runs it yet.
+// schedule. OVERLAP_F_B's compound form, "(0F1;1B0)OVERLAP_F_B"
+// (DualPipeV's), holds simple actions separated by ';'.
 inline std::optional<Action> parse_action(std::string_view text) {
   auto blank = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
   while (!text.empty() && blank(text.front())) text.remove_prefix(1);
@@ -92,8 +103,23 @@ inline std::optional<Action> parse_action(std::string_view text) {
     throw InvalidArgument("accel::pp: the action \"" + std::string(text) + "\" " + why +
                           " (an action is [stage][type][micro-batch], as torch writes them: 2F0, 1UNSHARD, 3SEND_F1)");
   };
-  if (text.front() == '(')
-    return refuse("is a compound OVERLAP_F_B action (DualPipeV's), which accel.hpp does not run");
+  if (text.front() == '(') {
+    constexpr std::string_view overlap = ")OVERLAP_F_B";
+    const std::size_t close = text.find(')');
+    if (close == std::string_view::npos || text.substr(close) != overlap)
+      return refuse("opens a compound action that is not \"(...)OVERLAP_F_B\", the one compound torch writes");
+    Action compound{-1, ComputationType::OVERLAP_F_B};
+    for (std::string_view inside = text.substr(1, close - 1);;) {
+      const std::size_t semicolon = inside.find(';');
+      const std::optional<Action> sub = parse_action(inside.substr(0, semicolon));
+      if (!sub) return refuse("has an empty sub-action");
+      if (!sub->sub_actions.empty()) return refuse("nests a compound action in another");
+      compound.sub_actions.push_back(*sub);
+      if (semicolon == std::string_view::npos) break;
+      inside.remove_prefix(semicolon + 1);
+    }
+    return compound;
+  }
   auto digits = [](std::string_view s) {
     std::size_t n = 0;
     while (n < s.size() && s[n] >= '0' && s[n] <= '9') ++n;
@@ -109,7 +135,9 @@ inline std::optional<Action> parse_action(std::string_view text) {
   if (type == kComputationTypeText.end())
     return refuse(
         "has no computation type of torch's (F, I, W, B, UNSHARD, RESHARD, SEND_F, RECV_F, SEND_B, RECV_B, "
-        "WAIT_SEND_F, WAIT_SEND_B, REDUCE_GRAD, WAIT_REDUCE_GRAD)");
+        "WAIT_SEND_F, WAIT_SEND_B, REDUCE_GRAD, WAIT_REDUCE_GRAD; and \"(0F1;1B0)OVERLAP_F_B\")");
+  if (type->first == ComputationType::OVERLAP_F_B)
+    return refuse("is OVERLAP_F_B without its sub-actions (written \"(0F1;1B0)OVERLAP_F_B\")");
   auto number = [&](std::string_view s) {
     int value = 0;
     const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), value);
@@ -124,6 +152,21 @@ inline std::optional<Action> parse_action(std::string_view text) {
 // A schedule: per pipeline rank (0, 1, ...) its actions in time order, an
 // empty slot where it waits.
 using PipelineOrder = std::vector<std::vector<std::optional<Action>>>;
+
+// The order with each compound action (OVERLAP_F_B) replaced by its
+// sub-actions, one slot each, in their order: what the rules check and the
+// runtime runs (torch's runtime, with no overlap function registered, runs
+// them so too).
+inline PipelineOrder expand_overlaps(const PipelineOrder& order) {
+  PipelineOrder out;
+  for (const auto& row : order) {
+    auto& expanded = out.emplace_back();
+    for (const auto& a : row)
+      if (a && !a->sub_actions.empty()) expanded.insert(expanded.end(), a->sub_actions.begin(), a->sub_actions.end());
+      else expanded.push_back(a);
+  }
+  return out;
+}
 
 // torch's CSV of a schedule (_dump_csv, Python's csv writer): a row per
 // rank, its actions' texts separated by commas, an empty field for an empty

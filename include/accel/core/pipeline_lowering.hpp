@@ -27,7 +27,10 @@ namespace detail::pp {
 // receives, no empty slots.
 using LoweredOrder = std::vector<std::vector<Action>>;
 
-inline LoweredOrder add_send_recv(const PipelineOrder& compute, int stages_per_rank, StageStyle style) {
+// A compound action (DualPipeV's OVERLAP_F_B) is lowered as its sub-actions
+// one after the other, which is how the runtime runs it.
+inline LoweredOrder add_send_recv(const PipelineOrder& given, int stages_per_rank, StageStyle style) {
+  const PipelineOrder compute = expand_overlaps(given);
   const int ranks = static_cast<int>(compute.size()), stages = ranks * stages_per_rank;
   auto rank_of = [&](int stage) { return stage_rank(stage, ranks, style); };
   using T = ComputationType;

@@ -1,4 +1,4 @@
-// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two).
+// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two, DualPipeV).
 //
 // A compute-only order says, per pipeline rank and time step, which stage
 // runs the forward (F) or backward (B; zero bubble: I then W) of which
@@ -262,6 +262,85 @@ inline PipelineOrder zbv_zero_bubble_order(int ranks, int microbatches) {
   return order;
 }
 
+// DualPipeV (DeepSeek's DualPipe, arXiv 2412.19437, folded into a V): ZBV's
+// two stages per rank, at least as many micro-batches as stages. Rank r
+// fills with forwards on both stages, then its main phase pairs a forward
+// on one stage with a whole backward on the other (OVERLAP_F_B, a compound
+// action), and it drains with backwards, the second half split into I and
+// W, each W run when a slot has room (the oldest pending first). No empty
+// slots: torch's order has none (torch's
+// ScheduleDualPipeV._calculate_single_rank_operations, step for step).
+inline PipelineOrder dualpipev_order(int ranks, int microbatches) {
+  check_order_sizes("ScheduleDualPipeV", ranks, 2, microbatches);
+  if (microbatches < 2 * ranks)
+    throw InvalidArgument("accel::pp::ScheduleDualPipeV: " + std::to_string(microbatches) + " micro-batches for " +
+                          std::to_string(2 * ranks) +
+                          " stages: DualPipeV needs at least as many micro-batches as stages (as torch's)");
+  using enum ComputationType;
+  PipelineOrder order;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::optional<Action>> row;
+    const std::array<int, 2> stage{r, 2 * ranks - 1 - r};  // (this rank's two, by local index 0 and 1)
+    std::array<int, 2> forwards{}, backwards{};            // per local stage: the next micro-batch
+    std::deque<Action> weights;                            // the W of each I run, oldest first
+    auto action = [&](int local, ComputationType type) {
+      const int mb = (type == FORWARD ? forwards : backwards)[static_cast<std::size_t>(local)]++;
+      const Action a{stage[static_cast<std::size_t>(local)], type, mb};
+      if (type == BACKWARD_INPUT) weights.push_back({a.stage_index, BACKWARD_WEIGHT, mb});
+      return a;
+    };
+    auto add = [&](int local, ComputationType type) { row.push_back(action(local, type)); };
+    auto overlap = [&](int forward_local, int backward_local) {
+      Action compound{-1, OVERLAP_F_B};
+      compound.sub_actions = {action(forward_local, FORWARD), action(backward_local, FULL_BACKWARD)};
+      row.push_back(std::move(compound));
+    };
+    auto weight_if_pending = [&] {
+      if (weights.empty()) return;
+      row.push_back(weights.front());
+      weights.pop_front();
+    };
+    for (int i = 0; i < 2 * (ranks - r - 1); ++i) add(0, FORWARD);
+    for (int i = 0; i < r + 1; ++i) {
+      add(0, FORWARD);
+      add(1, FORWARD);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      add(1, BACKWARD_INPUT);
+      weight_if_pending();
+      add(1, FORWARD);
+    }
+    for (int i = 0; i < microbatches - 2 * ranks + r + 1; ++i) {
+      if (i == 0 && r == ranks - 1) {  // (not overlapped: a smaller bubble, as torch's)
+        add(0, FORWARD);
+        add(1, FULL_BACKWARD);
+      } else {
+        overlap(0, 1);
+      }
+      overlap(1, 0);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      add(1, FULL_BACKWARD);
+      overlap(1, 0);
+    }
+    // The drain: the second half of the backwards split into I and W (from the middle one on; odd ranks switch
+    // before stage 1's backward there, even ranks after it).
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      add(1, split ? BACKWARD_INPUT : FULL_BACKWARD);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      add(0, split ? BACKWARD_INPUT : FULL_BACKWARD);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      weight_if_pending();
+      add(0, split ? BACKWARD_INPUT : FULL_BACKWARD);
+    }
+    for (int i = 0; i < r + 1; ++i) weight_if_pending();
+    order.push_back(std::move(row));
+  }
+  return order;
+}
 }  // namespace detail::pp
 
 ACCEL_NAMESPACE_END

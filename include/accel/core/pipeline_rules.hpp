@@ -97,9 +97,12 @@ inline PipelineOrder aligned(const PipelineOrder& sequences, int stages_per_rank
 // run in order with what each action needs from the neighbouring stages
 // (aligned), never all wait on each other. Not checked: the empty slots'
 // timing, which is only a picture (torch's own orders put some actions at
-// the step of what they need when micro-batches are fewer than ranks).
-inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches,
+// the step of what they need when micro-batches are fewer than ranks). A
+// compound action (OVERLAP_F_B) counts as its sub-actions in their order,
+// the steps named those of the order so expanded.
+inline std::optional<std::string> order_error(const PipelineOrder& given, int stages_per_rank, int microbatches,
                                               StageStyle style = StageStyle::loop) {
+  const PipelineOrder order = expand_overlaps(given);
   const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
   enum Kind { F, B, I, W, kinds };
   std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
