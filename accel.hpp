@@ -24,7 +24,7 @@
 //     accel/core/launcher.hpp                              the local launcher: spawn and launch_processes (Linux)
 //     accel/core/pipeline_actions.hpp                      a pipeline schedule's actions as torch.distributed.pipelining writes them (2F0, 1UNSHARD, 3SEND_F1), and its CSV of a row per rank
 //     accel/core/pipeline_rules.hpp                        the rules every pipeline order keeps (each stage's forward before its backward, what a stage needs from its neighbours), which rank holds a stage, and an order placed at the steps it can run
-//     accel/core/pipeline_orders.hpp                       the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two)
+//     accel/core/pipeline_orders.hpp                       the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two, DualPipeV)
 //     accel/core/pipeline_lowering.hpp                     a compute-only pipeline order lowered for running: each rank's sends and receives of activations and gradients put in its list, as torch's _add_send_recv puts them
 //   distributed:
 //     accel/distributed/torch.hpp                          feature detection and the LibTorch headers the collectives need
@@ -104,7 +104,7 @@
 //     accel/training/pp/stage.hpp                          accel::pp::PipelineStage, this rank's part of a model in a pipeline: its forward and backward one micro-batch at a time, the backward whole or split into the input's gradient and the weights'
 //     accel/training/pp/runtime.hpp                        one pipeline step on this rank: its lowered list of actions run in order, the stages' forwards and backwards between the messages
 //     accel/training/pp/shape_check.hpp                    a schedule's first step begins by running micro-batch 0 through every stage without autograd, so that stages that do not fit together are refused on every rank at once, naming the shapes, before anything trains
-//     accel/training/pp/schedules.hpp                      torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV
+//     accel/training/pp/schedules.hpp                      torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV): step() over this rank's stages, and the order as torch's CSV
 //     accel/training/dp/unit_forward.hpp                   accel::unit_forward, the call that runs a FULL_SHARD unit with its parameters gathered and a styled module with its tensor-parallel style
 //     accel/training/io/json.hpp                           JSON: a reader that checks everything it is given, and the quoting of a string
 //     accel/training/io/file_digest.hpp                    XXH64 and a file's digest (size and hash), by which a checkpoint knows its own files
@@ -1120,14 +1120,25 @@ inline std::string_view to_string(ComputationType type) {
 
 // One action: the stage it runs on (a global stage index), what it does, and
 // the micro-batch (none for the actions of a whole step: UNSHARD, RESHARD,
-// REDUCE_GRAD, WAIT_REDUCE_GRAD).
+// REDUCE_GRAD, WAIT_REDUCE_GRAD). OVERLAP_F_B (DualPipeV's) is compound: a
+// forward and a backward of two stages, its sub_actions, which torch's
+// runtime runs one after the other unless told how to overlap them; its
+// stage is -1 (torch's placeholder). Compound actions live in compute-only
+// orders only: the rules and the lowering see their sub-actions
+// (expand_overlaps).
 struct Action {
   int stage_index = 0;
   ComputationType computation_type = ComputationType::FORWARD;
   std::optional<int> microbatch_index{};
+  std::vector<Action> sub_actions{};
   friend bool operator==(const Action&, const Action&) = default;
 };
 inline std::string to_string(const Action& a) {
+  if (!a.sub_actions.empty()) {  // (torch's text: "(0F3;3B1)OVERLAP_F_B")
+    std::string text = "(";
+    for (std::size_t i = 0; i < a.sub_actions.size(); ++i) text += (i ? ";" : "") + to_string(a.sub_actions[i]);
+    return text + ")" + std::string(to_string(a.computation_type));
+  }
   std::string text = std::to_string(a.stage_index) + std::string(to_string(a.computation_type));
   if (a.microbatch_index) text += std::to_string(*a.microbatch_index);
   return text;
@@ -1139,8 +1150,8 @@ inline std::string to_string(const std::optional<Action>& a) { return a ? to_str
 // an empty slot. Where torch's regular expression matches a prefix and
 // drops the rest ("0F0x" reads as 0F0), the whole text must be an action
 // here: a typo in a hand-written schedule is an error, not a different
-// schedule. OVERLAP_F_B's compound form ("(0F1;1B0)OVERLAP_F_B", DualPipeV's)
-// is refused by name: no schedule of ours makes or runs it yet.
+// schedule. OVERLAP_F_B's compound form, "(0F1;1B0)OVERLAP_F_B"
+// (DualPipeV's), holds simple actions separated by ';'.
 inline std::optional<Action> parse_action(std::string_view text) {
   auto blank = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
   while (!text.empty() && blank(text.front())) text.remove_prefix(1);
@@ -1150,8 +1161,23 @@ inline std::optional<Action> parse_action(std::string_view text) {
     throw InvalidArgument("accel::pp: the action \"" + std::string(text) + "\" " + why +
                           " (an action is [stage][type][micro-batch], as torch writes them: 2F0, 1UNSHARD, 3SEND_F1)");
   };
-  if (text.front() == '(')
-    return refuse("is a compound OVERLAP_F_B action (DualPipeV's), which accel.hpp does not run");
+  if (text.front() == '(') {
+    constexpr std::string_view overlap = ")OVERLAP_F_B";
+    const std::size_t close = text.find(')');
+    if (close == std::string_view::npos || text.substr(close) != overlap)
+      return refuse("opens a compound action that is not \"(...)OVERLAP_F_B\", the one compound torch writes");
+    Action compound{-1, ComputationType::OVERLAP_F_B};
+    for (std::string_view inside = text.substr(1, close - 1);;) {
+      const std::size_t semicolon = inside.find(';');
+      const std::optional<Action> sub = parse_action(inside.substr(0, semicolon));
+      if (!sub) return refuse("has an empty sub-action");
+      if (!sub->sub_actions.empty()) return refuse("nests a compound action in another");
+      compound.sub_actions.push_back(*sub);
+      if (semicolon == std::string_view::npos) break;
+      inside.remove_prefix(semicolon + 1);
+    }
+    return compound;
+  }
   auto digits = [](std::string_view s) {
     std::size_t n = 0;
     while (n < s.size() && s[n] >= '0' && s[n] <= '9') ++n;
@@ -1167,7 +1193,9 @@ inline std::optional<Action> parse_action(std::string_view text) {
   if (type == kComputationTypeText.end())
     return refuse(
         "has no computation type of torch's (F, I, W, B, UNSHARD, RESHARD, SEND_F, RECV_F, SEND_B, RECV_B, "
-        "WAIT_SEND_F, WAIT_SEND_B, REDUCE_GRAD, WAIT_REDUCE_GRAD)");
+        "WAIT_SEND_F, WAIT_SEND_B, REDUCE_GRAD, WAIT_REDUCE_GRAD; and \"(0F1;1B0)OVERLAP_F_B\")");
+  if (type->first == ComputationType::OVERLAP_F_B)
+    return refuse("is OVERLAP_F_B without its sub-actions (written \"(0F1;1B0)OVERLAP_F_B\")");
   auto number = [&](std::string_view s) {
     int value = 0;
     const auto [end, error] = std::from_chars(s.data(), s.data() + s.size(), value);
@@ -1182,6 +1210,21 @@ inline std::optional<Action> parse_action(std::string_view text) {
 // A schedule: per pipeline rank (0, 1, ...) its actions in time order, an
 // empty slot where it waits.
 using PipelineOrder = std::vector<std::vector<std::optional<Action>>>;
+
+// The order with each compound action (OVERLAP_F_B) replaced by its
+// sub-actions, one slot each, in their order: what the rules check and the
+// runtime runs (torch's runtime, with no overlap function registered, runs
+// them so too).
+inline PipelineOrder expand_overlaps(const PipelineOrder& order) {
+  PipelineOrder out;
+  for (const auto& row : order) {
+    auto& expanded = out.emplace_back();
+    for (const auto& a : row)
+      if (a && !a->sub_actions.empty()) expanded.insert(expanded.end(), a->sub_actions.begin(), a->sub_actions.end());
+      else expanded.push_back(a);
+  }
+  return out;
+}
 
 // torch's CSV of a schedule (_dump_csv, Python's csv writer): a row per
 // rank, its actions' texts separated by commas, an empty field for an empty
@@ -1319,9 +1362,12 @@ inline PipelineOrder aligned(const PipelineOrder& sequences, int stages_per_rank
 // run in order with what each action needs from the neighbouring stages
 // (aligned), never all wait on each other. Not checked: the empty slots'
 // timing, which is only a picture (torch's own orders put some actions at
-// the step of what they need when micro-batches are fewer than ranks).
-inline std::optional<std::string> order_error(const PipelineOrder& order, int stages_per_rank, int microbatches,
+// the step of what they need when micro-batches are fewer than ranks). A
+// compound action (OVERLAP_F_B) counts as its sub-actions in their order,
+// the steps named those of the order so expanded.
+inline std::optional<std::string> order_error(const PipelineOrder& given, int stages_per_rank, int microbatches,
                                               StageStyle style = StageStyle::loop) {
+  const PipelineOrder order = expand_overlaps(given);
   const int ranks = static_cast<int>(order.size()), stages = ranks * stages_per_rank;
   enum Kind { F, B, I, W, kinds };
   std::vector<int> at(static_cast<std::size_t>(stages * microbatches * kinds), -1);
@@ -1371,7 +1417,7 @@ inline std::optional<std::string> order_error(const PipelineOrder& order, int st
 ACCEL_NAMESPACE_END
 
 // == accel/core/pipeline_orders.hpp ===========================================
-// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two).
+// accel/core/pipeline_orders.hpp: the compute-only orders of torch's pipeline schedules (GPipe, 1F1B, Looped BFS, Interleaved 1F1B, the zero-bubble two, DualPipeV).
 //
 // A compute-only order says, per pipeline rank and time step, which stage
 // runs the forward (F) or backward (B; zero bubble: I then W) of which
@@ -1632,6 +1678,85 @@ inline PipelineOrder zbv_zero_bubble_order(int ranks, int microbatches) {
   return order;
 }
 
+// DualPipeV (DeepSeek's DualPipe, arXiv 2412.19437, folded into a V): ZBV's
+// two stages per rank, at least as many micro-batches as stages. Rank r
+// fills with forwards on both stages, then its main phase pairs a forward
+// on one stage with a whole backward on the other (OVERLAP_F_B, a compound
+// action), and it drains with backwards, the second half split into I and
+// W, each W run when a slot has room (the oldest pending first). No empty
+// slots: torch's order has none (torch's
+// ScheduleDualPipeV._calculate_single_rank_operations, step for step).
+inline PipelineOrder dualpipev_order(int ranks, int microbatches) {
+  check_order_sizes("ScheduleDualPipeV", ranks, 2, microbatches);
+  if (microbatches < 2 * ranks)
+    throw InvalidArgument("accel::pp::ScheduleDualPipeV: " + std::to_string(microbatches) + " micro-batches for " +
+                          std::to_string(2 * ranks) +
+                          " stages: DualPipeV needs at least as many micro-batches as stages (as torch's)");
+  using enum ComputationType;
+  PipelineOrder order;
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<std::optional<Action>> row;
+    const std::array<int, 2> stage{r, 2 * ranks - 1 - r};  // (this rank's two, by local index 0 and 1)
+    std::array<int, 2> forwards{}, backwards{};            // per local stage: the next micro-batch
+    std::deque<Action> weights;                            // the W of each I run, oldest first
+    auto action = [&](int local, ComputationType type) {
+      const int mb = (type == FORWARD ? forwards : backwards)[static_cast<std::size_t>(local)]++;
+      const Action a{stage[static_cast<std::size_t>(local)], type, mb};
+      if (type == BACKWARD_INPUT) weights.push_back({a.stage_index, BACKWARD_WEIGHT, mb});
+      return a;
+    };
+    auto add = [&](int local, ComputationType type) { row.push_back(action(local, type)); };
+    auto overlap = [&](int forward_local, int backward_local) {
+      Action compound{-1, OVERLAP_F_B};
+      compound.sub_actions = {action(forward_local, FORWARD), action(backward_local, FULL_BACKWARD)};
+      row.push_back(std::move(compound));
+    };
+    auto weight_if_pending = [&] {
+      if (weights.empty()) return;
+      row.push_back(weights.front());
+      weights.pop_front();
+    };
+    for (int i = 0; i < 2 * (ranks - r - 1); ++i) add(0, FORWARD);
+    for (int i = 0; i < r + 1; ++i) {
+      add(0, FORWARD);
+      add(1, FORWARD);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      add(1, BACKWARD_INPUT);
+      weight_if_pending();
+      add(1, FORWARD);
+    }
+    for (int i = 0; i < microbatches - 2 * ranks + r + 1; ++i) {
+      if (i == 0 && r == ranks - 1) {  // (not overlapped: a smaller bubble, as torch's)
+        add(0, FORWARD);
+        add(1, FULL_BACKWARD);
+      } else {
+        overlap(0, 1);
+      }
+      overlap(1, 0);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      add(1, FULL_BACKWARD);
+      overlap(1, 0);
+    }
+    // The drain: the second half of the backwards split into I and W (from the middle one on; odd ranks switch
+    // before stage 1's backward there, even ranks after it).
+    bool split = false;
+    for (int i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      add(1, split ? BACKWARD_INPUT : FULL_BACKWARD);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      add(0, split ? BACKWARD_INPUT : FULL_BACKWARD);
+    }
+    for (int i = 0; i < ranks - r - 1; ++i) {
+      weight_if_pending();
+      add(0, split ? BACKWARD_INPUT : FULL_BACKWARD);
+    }
+    for (int i = 0; i < r + 1; ++i) weight_if_pending();
+    order.push_back(std::move(row));
+  }
+  return order;
+}
 }  // namespace detail::pp
 
 ACCEL_NAMESPACE_END
@@ -1663,7 +1788,10 @@ namespace detail::pp {
 // receives, no empty slots.
 using LoweredOrder = std::vector<std::vector<Action>>;
 
-inline LoweredOrder add_send_recv(const PipelineOrder& compute, int stages_per_rank, StageStyle style) {
+// A compound action (DualPipeV's OVERLAP_F_B) is lowered as its sub-actions
+// one after the other, which is how the runtime runs it.
+inline LoweredOrder add_send_recv(const PipelineOrder& given, int stages_per_rank, StageStyle style) {
+  const PipelineOrder compute = expand_overlaps(given);
   const int ranks = static_cast<int>(compute.size()), stages = ranks * stages_per_rank;
   auto rank_of = [&](int stage) { return stage_rank(stage, ranks, style); };
   using T = ComputationType;
@@ -14840,7 +14968,7 @@ inline void check_stages_fit(const RankPlan& plan, const std::vector<at::Tensor>
 ACCEL_NAMESPACE_END
 
 // == accel/training/pp/schedules.hpp ==========================================
-// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
+// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV): step() over this rank's stages, and the order as torch's CSV.
 //
 // Each rank of the pipeline group makes the same schedule over its own
 // stages (one for GPipe and 1F1B, several for the others) and calls step()
@@ -15069,6 +15197,20 @@ class ScheduleZBVZeroBubble : public PipelineSchedule {
       throw InvalidArgument("accel::pp::ScheduleZBVZeroBubble: " + std::to_string(stages_per_rank()) +
                             " stages on this rank; ZBV runs two per rank (stages r and 2p - 1 - r)");
     set_order(detail::pp::zbv_zero_bubble_order(ranks(), n_microbatches));
+  }
+};
+// DualPipeV: ZBV's V with a forward and a backward paired in its main phase
+// (OVERLAP_F_B, run one after the other), n_microbatches at least 2p.
+class ScheduleDualPipeV : public PipelineSchedule {
+ public:
+  ScheduleDualPipeV(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches, LossFn loss_fn = {},
+                    bool scale_grads = true)
+      : PipelineSchedule("ScheduleDualPipeV", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::v) {
+    if (stages_per_rank() != 2)
+      throw InvalidArgument("accel::pp::ScheduleDualPipeV: " + std::to_string(stages_per_rank()) +
+                            " stages on this rank; DualPipeV runs two per rank (stages r and 2p - 1 - r)");
+    set_order(detail::pp::dualpipev_order(ranks(), n_microbatches));
   }
 };
 }  // namespace pp

@@ -20,7 +20,7 @@
 //         mesh's mp_shard shards the pieces: FSDP + TP; prints the collectives a step issues on the tp group)
 //         --pp N --schedule NAME --microbatches M (pipeline parallelism: the layers split evenly into stages as
 //         torchtitan's pipeline_llama, llama::Stage; NAME gpipe, 1f1b (default), looped_bfs, interleaved_1f1b,
-//         interleaved_zero_bubble or zbv, the last four with two stages per rank; each stage sharded or
+//         interleaved_zero_bubble, zbv or dualpipev, the last five with two stages per rank; each stage sharded or
 //         replicated over its data-parallel ranks, with --tp split by the plan inside; M micro-batches per
 //         step, default pp; with --cp each rank's micro-batches are its slice of the sequences; not yet with
 //         --accumulate)
@@ -193,10 +193,10 @@ void check(const Options& o, int world) {
   if (o.pp > 1) {
     if (o.accumulate > 1) fail("--pp with --accumulate is not built yet (more micro-batches per step: --microbatches)");
     const std::vector<std::string> schedules{
-        "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv"};
+        "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"};
     if (std::find(schedules.begin(), schedules.end(), o.schedule) == schedules.end())
       fail("--schedule " + o.schedule +
-           " (expected gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zero_bubble or zbv)");
+           " (expected gpipe, 1f1b, looped_bfs, interleaved_1f1b, interleaved_zero_bubble, zbv or dualpipev)");
     const int64_t stages = o.pp * (o.schedule == "gpipe" || o.schedule == "1f1b" ? 1 : 2);
     if (m.num_hidden_layers < stages)
       fail("--layers " + std::to_string(m.num_hidden_layers) + " over " + std::to_string(stages) +
@@ -323,7 +323,8 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
   if (name == "looped_bfs") return std::make_unique<pp::ScheduleLoopedBFS>(refs, m, loss);
   if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, loss);
   if (name == "interleaved_zero_bubble") return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, loss);
-  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, loss);
+  if (name == "zbv") return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, loss);
+  return std::make_unique<pp::ScheduleDualPipeV>(refs, m, loss);
 }
 
 // --pp: this rank's stages of the model (llama::Stage; two in a loop or a V for the schedules that take two),
@@ -340,7 +341,7 @@ int train_pipelined(const Options& o, accel::AcceleratorConfig config, llama::Ll
   const bool two_per_rank = o.schedule != "gpipe" && o.schedule != "1f1b";
   const int S = P * (two_per_rank ? 2 : 1);
   std::vector<int> indices{r};
-  if (two_per_rank) indices.push_back(o.schedule == "zbv" ? 2 * P - 1 - r : r + P);
+  if (two_per_rank) indices.push_back(o.schedule == "zbv" || o.schedule == "dualpipev" ? 2 * P - 1 - r : r + P);
   int64_t parameters = 0;
   for (const auto& p : whole->parameters()) parameters += p.numel();
   std::vector<llama::Stage> modules;

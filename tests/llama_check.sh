@@ -11,7 +11,7 @@
 #     tp 2 x mp_shard 2 exports one process's weights (whole tensors, within 1e-4 after 6 AdamW steps);
 #     pipeline parallelism (--pp 2, each stage FULL_SHARD or NO_SHARD over dp 2, or over cp 2 with Ulysses'
 #     attention inside the stages): GPipe (pp 2 x cp 2) and 1F1B at 2 layers,
-#     interleaved 1F1B, interleaved zero bubble and ZBV (two stages per rank) at 4 layers, against one
+#     interleaved 1F1B, interleaved zero bubble, ZBV and DualPipeV (two stages per rank) at 4 layers, against one
 #     process of the same depth, the same way, and pp 2 x tp 2 (1F1B at 2 layers, ZBV with activation
 #     checkpointing at 4), and on 8 processes pp 2 x HSDP (2, 2) (1F1B); 1F1B under bf16 against one process
 #     under bf16 (within 2e-4); the exports of 1F1B (FULL_SHARD over dp 2) and of ZBV x tp 2 equal one process's
@@ -69,7 +69,7 @@ run 4 --pp 2 --cp 2 --schedule gpipe --microbatches 4 --sharding no_shard --reco
   --dir "$dir/pp2_cp2_gpipe" > "$dir/pp2_cp2_gpipe.log"
 same_losses one pp2_cp2_gpipe
 run 1 --layers 4 --steps 6 --dir "$dir/one4" --export "$dir/one4/model" > "$dir/one4.log"
-for schedule in interleaved_1f1b interleaved_zero_bubble zbv; do
+for schedule in interleaved_1f1b interleaved_zero_bubble zbv dualpipev; do
   run 4 --layers 4 --pp 2 --schedule "$schedule" --microbatches 4 --steps 6 --dir "$dir/pp2_$schedule" \
     > "$dir/pp2_$schedule.log"
   same_losses one4 "pp2_$schedule"
@@ -215,6 +215,8 @@ refused "--tp 4 splits the heads: --heads 8 and --kv-heads 2 must both be multip
   run 4 --steps 2 --dir "$dir/bad" --tp 4 --kv-heads 2
 refused "--layers 2 over 4 stages leaves a stage without a layer" run 4 --steps 2 --dir "$dir/bad" --pp 2 --schedule zbv
 refused "do not cut into --microbatches 3" run 4 --steps 2 --dir "$dir/bad" --pp 2 --microbatches 3
+refused "2 micro-batches for 4 stages: DualPipeV needs at least as many micro-batches as stages" \
+  run 4 --layers 4 --steps 2 --dir "$dir/bad" --pp 2 --schedule dualpipev
 
 # 4. transformers.
 if ! python3 -c 'import transformers' 2>/dev/null; then

@@ -52,14 +52,16 @@ at::Tensor mse(const at::Tensor& output, const at::Tensor& target) {
 }
 
 // The schedules by name, over this rank's stages (one, or two: a loop's r and r + p, a V's r and 2p - 1 - r).
-const std::vector<std::string> kSchedules{"gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble",
-                                          "zbv"};
+const std::vector<std::string> kSchedules{
+    "gpipe", "1f1b", "looped_bfs", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev"};
 int stages_per_rank(const std::string& name) { return name == "gpipe" || name == "1f1b" ? 1 : 2; }
 std::vector<int> stage_indices(const std::string& name, int P, int r) {
   if (stages_per_rank(name) == 1) return {r};
-  if (name == "zbv") return {r, 2 * P - 1 - r};
+  if (name == "zbv" || name == "dualpipev") return {r, 2 * P - 1 - r};
   return {r, r + P};
 }
+// m micro-batches, or for DualPipeV at least one per stage (its rule, as torch's).
+int microbatches_for(const std::string& name, int P, int m) { return name == "dualpipev" ? std::max(m, 2 * P) : m; }
 std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& name,
                                                            std::vector<accel::pp::PipelineStage>& stages, int m,
                                                            const accel::pp::LossFn& mse = pp_test::mse,
@@ -72,7 +74,8 @@ std::unique_ptr<accel::pp::PipelineSchedule> make_schedule(const std::string& na
   if (name == "interleaved_1f1b") return std::make_unique<pp::ScheduleInterleaved1F1B>(refs, m, mse, scale_grads);
   if (name == "interleaved_zero_bubble")
     return std::make_unique<pp::ScheduleInterleavedZeroBubble>(refs, m, mse, scale_grads);
-  return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse, scale_grads);
+  if (name == "zbv") return std::make_unique<pp::ScheduleZBVZeroBubble>(refs, m, mse, scale_grads);
+  return std::make_unique<pp::ScheduleDualPipeV>(refs, m, mse, scale_grads);
 }
 
 // pp x tp: Megatron's MLP block, x + down(tanh(up(x))), whole (Up, Down: Linear, the one-process reference) or
@@ -410,7 +413,8 @@ TEST_SUITE("ranks") {
     for (const std::string& name : kSchedules) {
       const int S = P * stages_per_rank(name);
       for (const auto& [m, scale_grads] : {std::pair{P, true}, {2 * P, true}, {4, true}, {4, false}}) {
-        if (m < P && name == "1f1b") continue;  // (torch's rule: at least a micro-batch per stage)
+        if (m < P && name == "1f1b") continue;           // (torch's rule: at least a micro-batch per stage)
+        if (m < 2 * P && name == "dualpipev") continue;  // (and DualPipeV's, over its 2p stages)
         if ((name == "interleaved_1f1b" || name == "interleaved_zero_bubble") && m % std::max(1, m / P) != 0) continue;
         CAPTURE(name);
         CAPTURE(m);
@@ -442,6 +446,16 @@ TEST_SUITE("ranks") {
             CHECK(accel::detail::pp::split_weight_passes() ==
                   split_before +
                       static_cast<uint64_t>(m * std::ranges::count_if(indices, [](int k) { return k > 0; })));
+          // DualPipeV splits only its drain's backwards: each W of this rank's past the first stage ran so.
+          if (name == "dualpipev") {
+            uint64_t weights = 0;
+            const accel::detail::pp::PipelineOrder order =
+                accel::detail::pp::expand_overlaps(schedule->pipeline_order());
+            for (const auto& a : order[static_cast<std::size_t>(r)])
+              weights +=
+                  a && a->computation_type == accel::detail::pp::ComputationType::BACKWARD_WEIGHT && a->stage_index > 0;
+            CHECK(accel::detail::pp::split_weight_passes() == split_before + weights);
+          }
           // One process: the whole batch through every stage, the loss averaging over it.
           at::Tensor h = x;
           for (auto& seq : whole) h = seq->forward(h);
@@ -494,7 +508,7 @@ TEST_SUITE("ranks") {
     const accel::GroupPtr group = world.get_group(Dim::PP);
     for (const std::string& name : kSchedules) {
       CAPTURE(name);
-      const int S = P * stages_per_rank(name), m = 4;
+      const int S = P * stages_per_rank(name), m = microbatches_for(name, P, 4);
       std::vector<torch::nn::Sequential> mine = stage_modules(S), whole = stage_modules(S);
       std::vector<accel::pp::PipelineStage> stages;
       const std::vector<int> indices = stage_indices(name, P, r);

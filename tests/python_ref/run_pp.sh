@@ -11,7 +11,7 @@
 # torch is older than 2.15 (the schedules were checked on 2.15).
 #
 #     run_pp.sh ACCEL_LAUNCH TEST_BINARY WORLD DP SCHEDULE...
-#     SCHEDULE: gpipe | 1f1b | looped_bfs | interleaved_1f1b | interleaved_zero_bubble | zbv
+#     SCHEDULE: gpipe | 1f1b | looped_bfs | interleaved_1f1b | interleaved_zero_bubble | zbv | dualpipev
 set -euo pipefail
 usage="usage: run_pp.sh ACCEL_LAUNCH TEST_BINARY WORLD DP SCHEDULE..."
 launch=${1:?$usage}

@@ -1,4 +1,4 @@
-// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step() over this rank's stages, and the order as torch's CSV.
+// accel/training/pp/schedules.hpp: torch.distributed.pipelining's schedules (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV): step() over this rank's stages, and the order as torch's CSV.
 //
 // Each rank of the pipeline group makes the same schedule over its own
 // stages (one for GPipe and 1F1B, several for the others) and calls step()
@@ -231,6 +231,20 @@ class ScheduleZBVZeroBubble : public PipelineSchedule {
       throw InvalidArgument("accel::pp::ScheduleZBVZeroBubble: " + std::to_string(stages_per_rank()) +
                             " stages on this rank; ZBV runs two per rank (stages r and 2p - 1 - r)");
     set_order(detail::pp::zbv_zero_bubble_order(ranks(), n_microbatches));
+  }
+};
+// DualPipeV: ZBV's V with a forward and a backward paired in its main phase
+// (OVERLAP_F_B, run one after the other), n_microbatches at least 2p.
+class ScheduleDualPipeV : public PipelineSchedule {
+ public:
+  ScheduleDualPipeV(std::vector<std::reference_wrapper<PipelineStage>> stages, int n_microbatches, LossFn loss_fn = {},
+                    bool scale_grads = true)
+      : PipelineSchedule("ScheduleDualPipeV", pointers(stages), n_microbatches, std::move(loss_fn), scale_grads,
+                         detail::pp::StageStyle::v) {
+    if (stages_per_rank() != 2)
+      throw InvalidArgument("accel::pp::ScheduleDualPipeV: " + std::to_string(stages_per_rank()) +
+                            " stages on this rank; DualPipeV runs two per rank (stages r and 2p - 1 - r)");
+    set_order(detail::pp::dualpipev_order(ranks(), n_microbatches));
   }
 };
 }  // namespace pp
