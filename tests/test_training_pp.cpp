@@ -587,11 +587,22 @@ TEST_SUITE("ranks") {
       CHECK_THROWS_WITH_AS(pp::ScheduleInterleaved1F1B({v_first, v_second}, 4, mse),
                            doctest::Contains("belongs on rank"), accel::InvalidArgument);
     pp::ScheduleZBVZeroBubble zbv({v_first, v_second}, 4, mse);
-    // A custom order: ours written and read back runs; one that breaks a rule is refused, naming it.
+    // DualPipeV: at least a micro-batch per stage.
+    CHECK_THROWS_WITH_AS(pp::ScheduleDualPipeV({v_first, v_second}, 2 * P - 1, mse),
+                         doctest::Contains("DualPipeV needs at least as many micro-batches as stages"),
+                         accel::InvalidArgument);
+    pp::ScheduleDualPipeV dualpipev({v_first, v_second}, 2 * P, mse);
+    // A custom order: ours written and read back runs (DualPipeV's with its compound actions); one that breaks a
+    // rule is refused, naming it.
     const std::string dir = std::filesystem::temp_directory_path() / ("accel_pp_" + std::to_string(::getpid()));
     std::filesystem::create_directories(dir);
     zbv.dump_csv(dir + "/zbv.csv");
     zbv.load_csv(dir + "/zbv.csv");
+    dualpipev.dump_csv(dir + "/dualpipev.csv");
+    const accel::detail::pp::PipelineOrder made = dualpipev.pipeline_order();
+    dualpipev.load_csv(dir + "/dualpipev.csv");
+    const bool same_order = dualpipev.pipeline_order() == made;  // (an order has no text doctest prints)
+    CHECK(same_order);
     std::ofstream(dir + "/short.csv") << "0F0\n";
     CHECK_THROWS_WITH_AS(zbv.load_csv(dir + "/short.csv"),
                          doctest::Contains(P == 1 ? "breaks a rule" : "has 1 rows; the pipeline group has"),
