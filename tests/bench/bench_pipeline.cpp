@@ -2,7 +2,7 @@
 // torch.distributed.pipelining (bench_pipeline.py): the same model (an input
 // projection, BLOCKS residual blocks x + tanh(Linear H -> H), a head; fp32),
 // cut into the same stages (1 per rank for gpipe and 1f1b, 2 for
-// interleaved_1f1b and zbv), the same batch and micro-batches, SGD. Per trial
+// interleaved_1f1b, zbv and dualpipev), the same batch and micro-batches, SGD. Per trial
 // rank 0 prints the step's median time (schedule.step() and the optimizer's
 // step) and every rank's measured bubble (1 - the time in its stages'
 // computations / schedule.step()'s), averaged over the ranks and the trial's
@@ -49,7 +49,8 @@ int main(int argc, char** argv) {
             steps = argc > 4 ? std::stoi(argv[4]) : 10;
   auto& world = accel::DistributedInterface::instance(accel::DistributedConfig{.pp_size = accel::get_world_size()});
   const int P = world.get_world_size(), r = world.get_rank(accel::Dim::PP);
-  const bool v = schedule_name == "zbv", looped = schedule_name != "gpipe" && schedule_name != "1f1b";
+  const bool v = schedule_name == "zbv" || schedule_name == "dualpipev",
+             looped = schedule_name != "gpipe" && schedule_name != "1f1b";
   const int S = looped ? 2 * P : P;
   std::vector<int> indices{r};
   if (looped) indices.push_back(v ? 2 * P - 1 - r : r + P);
@@ -69,7 +70,8 @@ int main(int argc, char** argv) {
   else if (schedule_name == "1f1b") schedule = std::make_unique<accel::pp::Schedule1F1B>(stages[0], m, mse);
   else if (schedule_name == "interleaved_1f1b")
     schedule = std::make_unique<accel::pp::ScheduleInterleaved1F1B>(refs, m, mse);
-  else schedule = std::make_unique<accel::pp::ScheduleZBVZeroBubble>(refs, m, mse);
+  else if (schedule_name == "zbv") schedule = std::make_unique<accel::pp::ScheduleZBVZeroBubble>(refs, m, mse);
+  else schedule = std::make_unique<accel::pp::ScheduleDualPipeV>(refs, m, mse);
   torch::optim::SGD optimizer(params, torch::optim::SGDOptions(1e-3));
   const bool first = std::ranges::count(indices, 0) == 1, last = std::ranges::count(indices, S - 1) == 1;
   auto generator = at::detail::createCPUGenerator(1);

@@ -42,12 +42,12 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     looped = name not in ("gpipe", "1f1b")
     total = 2 * world if looped else world
-    indices = [rank] + ([2 * world - 1 - rank if name == "zbv" else rank + world] if looped else [])
+    indices = [rank] + ([2 * world - 1 - rank if name in ("zbv", "dualpipev") else rank + world] if looped else [])
     torch.manual_seed(0)
     modules = [make_stage(k, total) for k in indices]
     stages = [PipelineStage(mod, k, total, torch.device("cpu")) for mod, k in zip(modules, indices)]
     classes = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved_1f1b": S.ScheduleInterleaved1F1B,
-               "zbv": S.ScheduleZBVZeroBubble}
+               "zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}
     mse = lambda output, target: F.mse_loss(output, target)
     schedule = classes[name](stages if looped else stages[0], m, loss_fn=mse)
     optimizer = torch.optim.SGD([p for mod in modules for p in mod.parameters()], lr=1e-3)
