@@ -1170,8 +1170,7 @@ inline std::optional<Action> parse_action(std::string_view text) {
     for (std::string_view inside = text.substr(1, close - 1);;) {
       const std::size_t semicolon = inside.find(';');
       const std::optional<Action> sub = parse_action(inside.substr(0, semicolon));
-      if (!sub) return refuse("has an empty sub-action");
-      if (!sub->sub_actions.empty()) return refuse("nests a compound action in another");
+      if (!sub) return refuse("has an empty sub-action");  // (a nested "(" has no ")" here: refused above)
       compound.sub_actions.push_back(*sub);
       if (semicolon == std::string_view::npos) break;
       inside.remove_prefix(semicolon + 1);

@@ -1883,12 +1883,13 @@ TEST_SUITE("single") {
     overlap.sub_actions = {{0, pp::ComputationType::FORWARD, 1}, {1, pp::ComputationType::FULL_BACKWARD, 0}};
     CHECK(pp::parse_action("(0F1;1B0)OVERLAP_F_B") == overlap);
     CHECK(pp::to_string(overlap) == "(0F1;1B0)OVERLAP_F_B");
-    for (const auto& [bad, why] :
-         std::vector<std::pair<const char*, const char*>>{{"(0F1;1B0)F", "not \"(...)OVERLAP_F_B\""},
-                                                          {"(0F1;1B0", "not \"(...)OVERLAP_F_B\""},
-                                                          {"(0F1;)OVERLAP_F_B", "an empty sub-action"},
-                                                          {"(0F1;1X0)OVERLAP_F_B", "no computation type"},
-                                                          {"0OVERLAP_F_B", "without its sub-actions"}})
+    for (const auto& [bad, why] : std::vector<std::pair<const char*, const char*>>{
+             {"(0F1;1B0)F", "not \"(...)OVERLAP_F_B\""},
+             {"(0F1;1B0", "not \"(...)OVERLAP_F_B\""},
+             {"(0F1;(1B0)OVERLAP_F_B)OVERLAP_F_B", "not \"(...)OVERLAP_F_B\""},  // (nested)
+             {"(0F1;)OVERLAP_F_B", "an empty sub-action"},
+             {"(0F1;1X0)OVERLAP_F_B", "no computation type"},
+             {"0OVERLAP_F_B", "without its sub-actions"}})
       CHECK_THROWS_WITH_AS(pp::parse_action(bad), doctest::Contains(why), accel::InvalidArgument);
     // torch's CSV: a row per rank, "" for an empty slot, "\r\n" ends (Python's csv writer); read back the same.
     const std::string text = "0F0,,0B0\r\n,1F0,1B0\r\n";
